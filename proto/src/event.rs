@@ -1,0 +1,122 @@
+//! The per-sandbox event stream.
+
+use bytes::Bytes;
+
+use crate::{OperationId, OperationResult, ProtocolError, pb};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum OutputStream {
+    Stdout,
+    Stderr,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum EventKind {
+    Started { pid: u32 },
+    Output { stream: OutputStream, data: Bytes },
+    Finished(Box<OperationResult>),
+    /// Events `from..=to` were evicted from a capped journal.
+    Gap { from: u64, to: u64 },
+    SandboxLost { reason: String },
+}
+
+/// One event of a sandbox. `seq` strictly increases per sandbox.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Event {
+    pub seq: u64,
+    pub operation_id: Option<OperationId>,
+    pub kind: EventKind,
+}
+
+impl Event {
+    /// Output bytes this event carries (what flow control counts).
+    pub fn output_len(&self) -> usize {
+        match &self.kind {
+            EventKind::Output { data, .. } => data.len(),
+            _ => 0,
+        }
+    }
+
+    /// Rough memory footprint, for journal budgets.
+    pub fn weight(&self) -> usize {
+        64 + match &self.kind {
+            EventKind::Output { data, .. } => data.len(),
+            EventKind::Finished(r) => {
+                r.stdout.head.len()
+                    + r.stdout.tail.len()
+                    + r.stderr.head.len()
+                    + r.stderr.tail.len()
+                    + r.file_data.len()
+            }
+            EventKind::SandboxLost { reason } => reason.len(),
+            EventKind::Started { .. } | EventKind::Gap { .. } => 0,
+        }
+    }
+}
+
+impl From<Event> for pb::SandboxEvent {
+    fn from(e: Event) -> Self {
+        use pb::sandbox_event::{self as ps, Kind};
+        let kind = match e.kind {
+            EventKind::Started { pid } => Kind::Started(ps::Started { pid }),
+            EventKind::Output { stream, data } => Kind::Output(ps::Output {
+                stream: match stream {
+                    OutputStream::Stdout => pb::OutputStream::Stdout,
+                    OutputStream::Stderr => pb::OutputStream::Stderr,
+                } as i32,
+                data,
+            }),
+            EventKind::Finished(r) => Kind::Finished(ps::Finished {
+                result: Some((*r).into()),
+            }),
+            EventKind::Gap { from, to } => Kind::Gap(ps::Gap {
+                from_seq: from,
+                to_seq: to,
+            }),
+            EventKind::SandboxLost { reason } => Kind::SandboxLost(ps::SandboxLost { reason }),
+        };
+        Self {
+            seq: e.seq,
+            operation_id: e.operation_id.map(String::from).unwrap_or_default(),
+            kind: Some(kind),
+        }
+    }
+}
+
+impl TryFrom<pb::SandboxEvent> for Event {
+    type Error = ProtocolError;
+    fn try_from(e: pb::SandboxEvent) -> Result<Self, ProtocolError> {
+        use pb::sandbox_event::Kind;
+        let kind = match e.kind.ok_or(ProtocolError::Missing("event.kind"))? {
+            Kind::Started(s) => EventKind::Started { pid: s.pid },
+            Kind::Output(o) => EventKind::Output {
+                stream: match pb::OutputStream::try_from(o.stream) {
+                    Ok(pb::OutputStream::Stdout) => OutputStream::Stdout,
+                    Ok(pb::OutputStream::Stderr) => OutputStream::Stderr,
+                    _ => return Err(ProtocolError::invalid("output.stream", "unknown stream")),
+                },
+                data: o.data,
+            },
+            Kind::Finished(f) => EventKind::Finished(Box::new(
+                f.result
+                    .ok_or(ProtocolError::Missing("finished.result"))?
+                    .try_into()?,
+            )),
+            Kind::Gap(g) => EventKind::Gap {
+                from: g.from_seq,
+                to: g.to_seq,
+            },
+            Kind::SandboxLost(l) => EventKind::SandboxLost { reason: l.reason },
+        };
+        let operation_id = if e.operation_id.is_empty() {
+            None
+        } else {
+            Some(OperationId::new(e.operation_id)?)
+        };
+        Ok(Self {
+            seq: e.seq,
+            operation_id,
+            kind,
+        })
+    }
+}

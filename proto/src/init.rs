@@ -1,0 +1,172 @@
+//! Frames between a worker and corral-init (see `corral/v1/init.proto`).
+
+use crate::{Event, OperationId, OperationResult, OperationSpec, ProtocolError, SandboxId, pb};
+
+/// A frame from the worker to corral-init.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum InitRequest {
+    Attach { after_seq: u64, window_bytes: u64 },
+    Credit { bytes: u64 },
+    Run { operation_id: OperationId, spec: OperationSpec },
+    Cancel { operation_id: OperationId },
+}
+
+/// An operation as its owner remembers it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OperationRecord {
+    pub id: OperationId,
+    pub spec: OperationSpec,
+    /// `None` while running.
+    pub result: Option<OperationResult>,
+    /// Seq of the operation's first event (0 until known).
+    pub first_seq: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Welcome {
+    pub version: String,
+    pub boot_id: String,
+    pub last_seq: u64,
+    pub operations: Vec<OperationRecord>,
+}
+
+/// A frame from corral-init to the worker.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum InitMessage {
+    Welcome(Welcome),
+    Event(Event),
+    Rejected {
+        operation_id: Option<OperationId>,
+        reason: String,
+    },
+}
+
+impl From<InitRequest> for pb::InitRequest {
+    fn from(r: InitRequest) -> Self {
+        use pb::init_request::{self as p, Kind};
+        let kind = match r {
+            InitRequest::Attach {
+                after_seq,
+                window_bytes,
+            } => Kind::Attach(p::Attach {
+                after_seq,
+                window_bytes,
+            }),
+            InitRequest::Credit { bytes } => Kind::Credit(p::Credit { bytes }),
+            InitRequest::Run { operation_id, spec } => Kind::Run(p::Run {
+                operation_id: operation_id.into(),
+                spec: Some(spec.into()),
+            }),
+            InitRequest::Cancel { operation_id } => Kind::Cancel(p::Cancel {
+                operation_id: operation_id.into(),
+            }),
+        };
+        Self { kind: Some(kind) }
+    }
+}
+
+impl TryFrom<pb::InitRequest> for InitRequest {
+    type Error = ProtocolError;
+    fn try_from(r: pb::InitRequest) -> Result<Self, ProtocolError> {
+        use pb::init_request::Kind;
+        Ok(match r.kind.ok_or(ProtocolError::Missing("kind"))? {
+            Kind::Attach(a) => Self::Attach {
+                after_seq: a.after_seq,
+                window_bytes: a.window_bytes,
+            },
+            Kind::Credit(c) => Self::Credit { bytes: c.bytes },
+            Kind::Run(run) => Self::Run {
+                operation_id: OperationId::new(run.operation_id)?,
+                spec: run.spec.ok_or(ProtocolError::Missing("spec"))?.try_into()?,
+            },
+            Kind::Cancel(c) => Self::Cancel {
+                operation_id: OperationId::new(c.operation_id)?,
+            },
+        })
+    }
+}
+
+impl OperationRecord {
+    /// The wire form, as the worker service returns it.
+    pub fn to_pb(&self, sandbox_id: &SandboxId) -> pb::Operation {
+        pb::Operation {
+            sandbox_id: sandbox_id.to_string(),
+            operation_id: self.id.to_string(),
+            spec: Some(self.spec.clone().into()),
+            status: if self.result.is_some() {
+                pb::OperationStatus::Finished
+            } else {
+                pb::OperationStatus::Running
+            } as i32,
+            result: self.result.clone().map(Into::into),
+            first_seq: self.first_seq,
+        }
+    }
+}
+
+impl TryFrom<pb::Operation> for OperationRecord {
+    type Error = ProtocolError;
+    fn try_from(o: pb::Operation) -> Result<Self, ProtocolError> {
+        Ok(Self {
+            id: OperationId::new(o.operation_id)?,
+            spec: o.spec.ok_or(ProtocolError::Missing("spec"))?.try_into()?,
+            result: o.result.map(TryInto::try_into).transpose()?,
+            first_seq: o.first_seq,
+        })
+    }
+}
+
+impl From<InitMessage> for pb::InitMessage {
+    fn from(m: InitMessage) -> Self {
+        use pb::init_message::{self as p, Kind};
+        let kind = match m {
+            InitMessage::Welcome(w) => {
+                // Init-side records carry no sandbox id; the worker adds it.
+                let none = SandboxId::new("init").ok();
+                Kind::Welcome(p::Welcome {
+                    version: w.version,
+                    boot_id: w.boot_id,
+                    last_seq: w.last_seq,
+                    operations: w
+                        .operations
+                        .iter()
+                        .filter_map(|o| none.as_ref().map(|s| o.to_pb(s)))
+                        .collect(),
+                })
+            }
+            InitMessage::Event(e) => Kind::Event(e.into()),
+            InitMessage::Rejected {
+                operation_id,
+                reason,
+            } => Kind::Rejected(p::Rejected {
+                operation_id: operation_id.map(String::from).unwrap_or_default(),
+                reason,
+            }),
+        };
+        Self { kind: Some(kind) }
+    }
+}
+
+impl TryFrom<pb::InitMessage> for InitMessage {
+    type Error = ProtocolError;
+    fn try_from(m: pb::InitMessage) -> Result<Self, ProtocolError> {
+        use pb::init_message::Kind;
+        Ok(match m.kind.ok_or(ProtocolError::Missing("kind"))? {
+            Kind::Welcome(w) => Self::Welcome(Welcome {
+                version: w.version,
+                boot_id: w.boot_id,
+                last_seq: w.last_seq,
+                operations: w
+                    .operations
+                    .into_iter()
+                    .map(TryInto::try_into)
+                    .collect::<Result<_, _>>()?,
+            }),
+            Kind::Event(e) => Self::Event(e.try_into()?),
+            Kind::Rejected(r) => Self::Rejected {
+                operation_id: OperationId::new(r.operation_id).ok(),
+                reason: r.reason,
+            },
+        })
+    }
+}

@@ -1,0 +1,42 @@
+//! Corral's wire contract.
+//!
+//! This crate owns:
+//! - the `corral.v1` protobuf definitions (`proto/corral/v1/*.proto`), compiled
+//!   at build time with protox, so no system `protoc` is needed; the generated
+//!   prost messages and (feature `grpc`) tonic stubs live in [`pb`];
+//! - the validated domain types every other crate works with ([`ids`],
+//!   [`spec`], [`result`], [`event`], [`init`]), and the conversions between
+//!   them and [`pb`]: generated `Option`s and `i32` enums stop here;
+//! - the length-delimited [`frame`] codec spoken between a worker and the
+//!   in-sandbox supervisor `corral-init`;
+//! - the hard limits every part enforces ([`limits`]).
+//!
+//! It owns no behaviour beyond validation: no I/O, no async.
+
+pub mod error;
+pub mod event;
+pub mod frame;
+pub mod ids;
+pub mod init;
+pub mod limits;
+pub mod result;
+pub mod spec;
+
+pub use error::ProtocolError;
+pub use event::{Event, EventKind, OutputStream};
+pub use ids::{OperationId, SandboxId};
+pub use result::{Captured, FileErrorKind, OperationResult, Outcome};
+pub use spec::{
+    NetworkMode, OperationSpec, ReadFileSpec, SandboxSpec, ShellSpec, WriteFileSpec,
+};
+
+/// Generated protobuf messages and gRPC stubs. Use them only at the edges
+/// (gRPC handlers, the frame codec); convert to the domain types right away.
+#[allow(clippy::all, missing_docs, unused_qualifications)]
+pub mod pb {
+    include!(concat!(env!("OUT_DIR"), "/corral.v1.rs"));
+
+    /// The encoded file descriptor set, for gRPC server reflection.
+    pub const FILE_DESCRIPTOR_SET: &[u8] =
+        include_bytes!(concat!(env!("OUT_DIR"), "/corral_descriptor.bin"));
+}

@@ -1,0 +1,24 @@
+//! Hard limits, shared by the worker, the supervisor and the clients.
+
+/// Largest frame on the worker <-> corral-init link.
+pub const MAX_FRAME_BYTES: usize = 16 << 20;
+/// Largest shell command text.
+pub const MAX_COMMAND_BYTES: usize = 1 << 20;
+/// Largest file a single read_file returns or write_file writes.
+pub const MAX_FILE_BYTES: u64 = 8 << 20;
+/// Default bytes of each output stream kept in a result (head + tail).
+pub const DEFAULT_OUTPUT_LIMIT_BYTES: u64 = 1 << 20;
+/// Largest `output_limit_bytes` a shell operation may ask for.
+pub const MAX_OUTPUT_LIMIT_BYTES: u64 = 8 << 20;
+/// Default shell timeout.
+pub const DEFAULT_TIMEOUT_MS: u64 = 10 * 60 * 1000;
+/// Longest shell timeout.
+pub const MAX_TIMEOUT_MS: u64 = 24 * 60 * 60 * 1000;
+/// Most environment entries on one operation or sandbox.
+pub const MAX_ENV_ENTRIES: usize = 256;
+/// Longest path accepted by file operations.
+pub const MAX_PATH_BYTES: usize = 4096;
+/// Where the writable workspace is mounted in every sandbox.
+pub const WORKSPACE_DIR: &str = "/workspace";
+/// Where the tmpfs scratch directory is mounted in every sandbox.
+pub const TMP_DIR: &str = "/tmp";

@@ -1,0 +1,394 @@
+//! What a client asks for: sandbox and operation specs, validated.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use bytes::Bytes;
+
+use crate::limits::*;
+use crate::{ProtocolError, pb};
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum NetworkMode {
+    /// No network interface but loopback (the default).
+    #[default]
+    None,
+    /// Docker's default bridge: outbound access.
+    Bridge,
+}
+
+/// A sandbox's make-up. `None` fields take the worker's hardened defaults.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SandboxSpec {
+    pub image: Option<String>,
+    pub network: NetworkMode,
+    pub memory_bytes: Option<u64>,
+    pub cpu_millis: Option<u32>,
+    pub pids_limit: Option<u32>,
+    pub workspace_bytes: Option<u64>,
+    pub tmp_bytes: Option<u64>,
+    pub run_as_root: bool,
+    pub writable_rootfs: bool,
+    pub add_capabilities: Vec<String>,
+    pub env: BTreeMap<String, String>,
+}
+
+/// Runs `command` through `/bin/sh -c` (or bash), non-interactively.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ShellSpec {
+    pub command: String,
+    pub workdir: Option<String>,
+    pub env: BTreeMap<String, String>,
+    pub timeout_ms: Option<u64>,
+    pub output_limit_bytes: Option<u64>,
+    pub use_bash: bool,
+}
+
+impl ShellSpec {
+    pub fn new(command: impl Into<String>) -> Self {
+        Self {
+            command: command.into(),
+            workdir: None,
+            env: BTreeMap::new(),
+            timeout_ms: None,
+            output_limit_bytes: None,
+            use_bash: false,
+        }
+    }
+
+    pub fn timeout(&self) -> Duration {
+        Duration::from_millis(self.timeout_ms.unwrap_or(DEFAULT_TIMEOUT_MS))
+    }
+
+    pub fn output_limit(&self) -> u64 {
+        self.output_limit_bytes.unwrap_or(DEFAULT_OUTPUT_LIMIT_BYTES)
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReadFileSpec {
+    pub path: String,
+    pub offset: u64,
+    pub limit: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WriteFileSpec {
+    pub path: String,
+    pub data: Bytes,
+    pub mode: u32,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum OperationSpec {
+    Shell(ShellSpec),
+    ReadFile(ReadFileSpec),
+    WriteFile(WriteFileSpec),
+}
+
+impl OperationSpec {
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::Shell(_) => "shell",
+            Self::ReadFile(_) => "read_file",
+            Self::WriteFile(_) => "write_file",
+        }
+    }
+}
+
+fn no_nul(field: &'static str, s: &str) -> Result<(), ProtocolError> {
+    match s.find('\0') {
+        Some(i) => Err(ProtocolError::invalid(
+            field,
+            format!("contains a NUL byte at offset {i}"),
+        )),
+        None => Ok(()),
+    }
+}
+
+fn validate_env(
+    field: &'static str,
+    env: &BTreeMap<String, String>,
+) -> Result<(), ProtocolError> {
+    if env.len() > MAX_ENV_ENTRIES {
+        return Err(ProtocolError::invalid(
+            field,
+            format!("more than {MAX_ENV_ENTRIES} entries"),
+        ));
+    }
+    for (k, v) in env {
+        if k.is_empty() {
+            return Err(ProtocolError::invalid(field, "empty variable name"));
+        }
+        if k.contains('=') {
+            return Err(ProtocolError::invalid(
+                field,
+                format!("variable name {k:?} contains '='"),
+            ));
+        }
+        no_nul(field, k)?;
+        no_nul(field, v)?;
+    }
+    Ok(())
+}
+
+fn validate_path(field: &'static str, p: &str) -> Result<(), ProtocolError> {
+    if p.is_empty() {
+        return Err(ProtocolError::Missing(field));
+    }
+    if p.len() > MAX_PATH_BYTES {
+        return Err(ProtocolError::invalid(
+            field,
+            format!("longer than {MAX_PATH_BYTES} bytes"),
+        ));
+    }
+    no_nul(field, p)
+}
+
+impl SandboxSpec {
+    pub fn validate(&self) -> Result<(), ProtocolError> {
+        if let Some(image) = &self.image {
+            if image.is_empty() || image.len() > 512 {
+                return Err(ProtocolError::invalid("image", "must be 1-512 bytes"));
+            }
+            no_nul("image", image)?;
+        }
+        if self.memory_bytes.is_some_and(|m| m < 16 << 20) {
+            return Err(ProtocolError::invalid("memory_bytes", "below 16 MiB"));
+        }
+        if self.pids_limit.is_some_and(|p| p < 8) {
+            return Err(ProtocolError::invalid("pids_limit", "below 8"));
+        }
+        for cap in &self.add_capabilities {
+            let ok = cap.len() <= 64
+                && cap.starts_with("CAP_")
+                && cap[4..]
+                    .chars()
+                    .all(|c| c.is_ascii_uppercase() || c == '_')
+                && cap.len() > 4;
+            if !ok {
+                return Err(ProtocolError::invalid(
+                    "add_capabilities",
+                    format!("{cap:?} is not a capability name like CAP_CHOWN"),
+                ));
+            }
+        }
+        validate_env("env", &self.env)
+    }
+}
+
+impl OperationSpec {
+    pub fn validate(&self) -> Result<(), ProtocolError> {
+        match self {
+            Self::Shell(s) => {
+                if s.command.trim().is_empty() {
+                    return Err(ProtocolError::invalid("command", "empty command"));
+                }
+                if s.command.len() > MAX_COMMAND_BYTES {
+                    return Err(ProtocolError::invalid(
+                        "command",
+                        format!("longer than {MAX_COMMAND_BYTES} bytes"),
+                    ));
+                }
+                no_nul("command", &s.command)?;
+                if let Some(w) = &s.workdir {
+                    validate_path("workdir", w)?;
+                }
+                validate_env("env", &s.env)?;
+                if s.timeout_ms.is_some_and(|t| t > MAX_TIMEOUT_MS) {
+                    return Err(ProtocolError::invalid(
+                        "timeout_ms",
+                        format!("longer than {MAX_TIMEOUT_MS} ms"),
+                    ));
+                }
+                if s.output_limit_bytes.is_some_and(|l| l > MAX_OUTPUT_LIMIT_BYTES) {
+                    return Err(ProtocolError::invalid(
+                        "output_limit_bytes",
+                        format!("above {MAX_OUTPUT_LIMIT_BYTES}"),
+                    ));
+                }
+                Ok(())
+            }
+            Self::ReadFile(r) => {
+                validate_path("path", &r.path)?;
+                if r.limit > MAX_FILE_BYTES {
+                    return Err(ProtocolError::invalid(
+                        "limit",
+                        format!("above {MAX_FILE_BYTES} bytes"),
+                    ));
+                }
+                Ok(())
+            }
+            Self::WriteFile(w) => {
+                validate_path("path", &w.path)?;
+                if w.data.len() as u64 > MAX_FILE_BYTES {
+                    return Err(ProtocolError::invalid(
+                        "data",
+                        format!("above {MAX_FILE_BYTES} bytes"),
+                    ));
+                }
+                if w.mode > 0o7777 {
+                    return Err(ProtocolError::invalid("mode", "not a permission mode"));
+                }
+                Ok(())
+            }
+        }
+    }
+}
+
+fn nonzero<T: Default + PartialEq>(v: T) -> Option<T> {
+    if v == T::default() { None } else { Some(v) }
+}
+
+fn nonempty(s: String) -> Option<String> {
+    if s.is_empty() { None } else { Some(s) }
+}
+
+impl TryFrom<pb::SandboxSpec> for SandboxSpec {
+    type Error = ProtocolError;
+    fn try_from(p: pb::SandboxSpec) -> Result<Self, ProtocolError> {
+        let network = match pb::NetworkMode::try_from(p.network) {
+            Ok(pb::NetworkMode::Unspecified | pb::NetworkMode::None) => NetworkMode::None,
+            Ok(pb::NetworkMode::Bridge) => NetworkMode::Bridge,
+            Err(_) => {
+                return Err(ProtocolError::invalid(
+                    "network",
+                    format!("unknown mode {}", p.network),
+                ));
+            }
+        };
+        let spec = Self {
+            image: nonempty(p.image),
+            network,
+            memory_bytes: nonzero(p.memory_bytes),
+            cpu_millis: nonzero(p.cpu_millis),
+            pids_limit: nonzero(p.pids_limit),
+            workspace_bytes: nonzero(p.workspace_bytes),
+            tmp_bytes: nonzero(p.tmp_bytes),
+            run_as_root: p.run_as_root,
+            writable_rootfs: p.writable_rootfs,
+            add_capabilities: p.add_capabilities,
+            env: p.env.into_iter().collect(),
+        };
+        spec.validate()?;
+        Ok(spec)
+    }
+}
+
+impl From<SandboxSpec> for pb::SandboxSpec {
+    fn from(s: SandboxSpec) -> Self {
+        Self {
+            image: s.image.unwrap_or_default(),
+            network: match s.network {
+                NetworkMode::None => pb::NetworkMode::None,
+                NetworkMode::Bridge => pb::NetworkMode::Bridge,
+            } as i32,
+            memory_bytes: s.memory_bytes.unwrap_or_default(),
+            cpu_millis: s.cpu_millis.unwrap_or_default(),
+            pids_limit: s.pids_limit.unwrap_or_default(),
+            workspace_bytes: s.workspace_bytes.unwrap_or_default(),
+            tmp_bytes: s.tmp_bytes.unwrap_or_default(),
+            run_as_root: s.run_as_root,
+            writable_rootfs: s.writable_rootfs,
+            add_capabilities: s.add_capabilities,
+            env: s.env.into_iter().collect(),
+        }
+    }
+}
+
+impl TryFrom<pb::OperationSpec> for OperationSpec {
+    type Error = ProtocolError;
+    fn try_from(p: pb::OperationSpec) -> Result<Self, ProtocolError> {
+        use pb::operation_spec::Kind;
+        let spec = match p.kind.ok_or(ProtocolError::Missing("spec.kind"))? {
+            Kind::Shell(s) => Self::Shell(ShellSpec {
+                command: s.command,
+                workdir: nonempty(s.workdir),
+                env: s.env.into_iter().collect(),
+                timeout_ms: nonzero(s.timeout_ms),
+                output_limit_bytes: nonzero(s.output_limit_bytes),
+                use_bash: s.use_bash,
+            }),
+            Kind::ReadFile(r) => Self::ReadFile(ReadFileSpec {
+                path: r.path,
+                offset: r.offset,
+                limit: if r.limit == 0 { MAX_FILE_BYTES } else { r.limit },
+            }),
+            Kind::WriteFile(w) => Self::WriteFile(WriteFileSpec {
+                path: w.path,
+                data: w.data,
+                mode: if w.mode == 0 { 0o644 } else { w.mode },
+            }),
+        };
+        spec.validate()?;
+        Ok(spec)
+    }
+}
+
+impl From<OperationSpec> for pb::OperationSpec {
+    fn from(s: OperationSpec) -> Self {
+        use pb::operation_spec::Kind;
+        let kind = match s {
+            OperationSpec::Shell(s) => Kind::Shell(pb::ShellSpec {
+                command: s.command,
+                workdir: s.workdir.unwrap_or_default(),
+                env: s.env.into_iter().collect(),
+                timeout_ms: s.timeout_ms.unwrap_or_default(),
+                output_limit_bytes: s.output_limit_bytes.unwrap_or_default(),
+                use_bash: s.use_bash,
+            }),
+            OperationSpec::ReadFile(r) => Kind::ReadFile(pb::ReadFileSpec {
+                path: r.path,
+                offset: r.offset,
+                limit: r.limit,
+            }),
+            OperationSpec::WriteFile(w) => Kind::WriteFile(pb::WriteFileSpec {
+                path: w.path,
+                data: w.data,
+                mode: w.mode,
+            }),
+        };
+        Self { kind: Some(kind) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shell(cmd: &str) -> pb::OperationSpec {
+        OperationSpec::Shell(ShellSpec::new(cmd)).into()
+    }
+
+    #[test]
+    fn shell_round_trips_through_the_wire_type() {
+        let mut s = ShellSpec::new("echo hi");
+        s.env.insert("A".into(), "1".into());
+        s.timeout_ms = Some(5000);
+        let spec = OperationSpec::Shell(s);
+        let back = OperationSpec::try_from(pb::OperationSpec::from(spec.clone())).unwrap();
+        assert_eq!(back, spec);
+    }
+
+    #[test]
+    fn rejects_nul_and_empty_commands() {
+        let e = OperationSpec::try_from(shell("echo a\0b")).unwrap_err();
+        assert_eq!(e.to_string(), "invalid `command`: contains a NUL byte at offset 6");
+        let e = OperationSpec::try_from(shell("  ")).unwrap_err();
+        assert_eq!(e.to_string(), "invalid `command`: empty command");
+        let e = OperationSpec::try_from(pb::OperationSpec { kind: None }).unwrap_err();
+        assert_eq!(e, ProtocolError::Missing("spec.kind"));
+    }
+
+    #[test]
+    fn rejects_bad_env_and_capabilities() {
+        let mut s = ShellSpec::new("true");
+        s.env.insert("A=B".into(), "1".into());
+        assert!(OperationSpec::Shell(s).validate().is_err());
+        let spec = SandboxSpec {
+            add_capabilities: vec!["chown".into()],
+            ..Default::default()
+        };
+        assert!(spec.validate().is_err());
+    }
+}
