@@ -1,1 +1,31 @@
+//! corral-init: the supervisor that runs as PID 1 inside every sandbox.
+//!
+//! The worker puts this binary (built static, so it runs in any image, even a
+//! `FROM scratch` one) into each container as its entrypoint, and talks to it
+//! over the container's attached stdin/stdout with length-delimited frames
+//! (`corral_proto::frame`, messages in `corral/v1/init.proto`). No network.
+//!
+//! This crate owns:
+//! - [`supervisor`]: the single-threaded poll loop that runs operations, each
+//!   shell command in its own process group, enforces timeouts and cancels,
+//!   reaps zombies, reads output under flow-control credit, and answers
+//!   re-attaching workers from its journal;
+//! - [`journal`]: the bounded, sequence-numbered event log (shared with the
+//!   worker, which keeps one per sandbox for its watchers);
+//! - [`capture`]: head/tail capture of an output stream with its full size;
+//! - [`fileops`]: read/write of files confined to the sandbox's roots.
+//!
+//! It must stay small and static: no async runtime, no threads, nothing that
+//! needs a shared library.
 
+// The supervisor has no tracing subscriber: its stderr is its log, which the
+// worker reads from the attach stream and logs with the sandbox's id.
+#![allow(clippy::print_stderr)]
+
+pub mod capture;
+pub mod fileops;
+pub mod journal;
+pub mod supervisor;
+
+/// Version reported in the init's Welcome frame.
+pub const VERSION: &str = env!("CARGO_PKG_VERSION");

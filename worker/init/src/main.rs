@@ -1,1 +1,34 @@
-fn main() {}
+//! `corral-init`: PID 1 of every Corral sandbox. See the library docs.
+
+use std::process::ExitCode;
+
+fn main() -> ExitCode {
+    if std::env::args().nth(1).as_deref() == Some("--version") {
+        #[allow(clippy::print_stdout)]
+        {
+            println!("corral-init {}", corral_init::VERSION);
+        }
+        return ExitCode::SUCCESS;
+    }
+    // `--roots WORKSPACE TMP` runs outside a sandbox (the supervisor's own tests).
+    let mut config = corral_init::supervisor::Config::default();
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    if let [flag, workspace, tmp] = args.as_slice()
+        && flag == "--roots"
+    {
+        config.roots = corral_init::fileops::Roots {
+            workspace: workspace.into(),
+            others: vec![tmp.into()],
+        };
+    }
+    match corral_init::supervisor::run(config) {
+        Ok(code) => ExitCode::from(code as u8),
+        Err(e) => {
+            #[allow(clippy::print_stderr)]
+            {
+                eprintln!("corral-init: {e}");
+            }
+            ExitCode::from(70)
+        }
+    }
+}

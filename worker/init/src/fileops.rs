@@ -1,0 +1,297 @@
+//! File reads and writes, confined to the sandbox's writable roots.
+//!
+//! A path is taken relative to the workspace unless absolute, normalized
+//! lexically, and must stay under one of the roots (the workspace and /tmp).
+//! Symbolic links are resolved before the check, so a link that points out
+//! of the roots is refused too. Writes go to a temporary file that is renamed
+//! into place, so a reader never sees half a file.
+
+use std::fs;
+use std::io::{self, Read, Seek, SeekFrom, Write};
+use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+use std::path::{Component, Path, PathBuf};
+
+use bytes::Bytes;
+use corral_proto::limits::MAX_FILE_BYTES;
+use corral_proto::{FileErrorKind, OperationResult, Outcome, ReadFileSpec, WriteFileSpec};
+
+/// Where file operations may read and write.
+#[derive(Debug, Clone)]
+pub struct Roots {
+    /// Relative paths start here; it is also the first root.
+    pub workspace: PathBuf,
+    pub others: Vec<PathBuf>,
+}
+
+impl Roots {
+    pub fn sandbox() -> Self {
+        Self {
+            workspace: PathBuf::from(corral_proto::limits::WORKSPACE_DIR),
+            others: vec![PathBuf::from(corral_proto::limits::TMP_DIR)],
+        }
+    }
+
+    fn all(&self) -> impl Iterator<Item = &PathBuf> {
+        std::iter::once(&self.workspace).chain(self.others.iter())
+    }
+}
+
+#[derive(Debug)]
+struct FileError(FileErrorKind, String);
+
+impl From<FileError> for OperationResult {
+    fn from(FileError(kind, message): FileError) -> Self {
+        OperationResult::with_outcome(Outcome::FileError { kind, message })
+    }
+}
+
+fn io_error(path: &str, e: &io::Error) -> FileError {
+    let kind = match e.kind() {
+        io::ErrorKind::NotFound => FileErrorKind::NotFound,
+        io::ErrorKind::PermissionDenied => FileErrorKind::PermissionDenied,
+        io::ErrorKind::IsADirectory => FileErrorKind::IsDirectory,
+        _ => FileErrorKind::Other,
+    };
+    FileError(kind, format!("{path}: {e}"))
+}
+
+/// Lexical normalization: resolves `.` and `..` without touching the disk.
+fn normalize(roots: &Roots, raw: &str) -> PathBuf {
+    let joined = roots.workspace.join(raw);
+    let mut out = PathBuf::from("/");
+    for c in joined.components() {
+        match c {
+            Component::ParentDir => {
+                out.pop();
+            }
+            Component::Normal(p) => out.push(p),
+            Component::RootDir | Component::CurDir | Component::Prefix(_) => {}
+        }
+    }
+    out
+}
+
+fn outside(raw: &str) -> FileError {
+    FileError(
+        FileErrorKind::OutsideSandboxRoots,
+        format!("{raw}: outside the workspace and /tmp"),
+    )
+}
+
+fn within_roots(roots: &Roots, path: &Path) -> bool {
+    roots.all().any(|r| {
+        let real = fs::canonicalize(r).unwrap_or_else(|_| r.clone());
+        path.starts_with(&real) || path.starts_with(r)
+    })
+}
+
+/// Resolves `raw` to a real path under the roots. For a path that does not
+/// exist yet, the deepest existing ancestor is resolved and checked, and the
+/// rest appended (it cannot contain links, since it does not exist).
+fn resolve(roots: &Roots, raw: &str) -> Result<PathBuf, FileError> {
+    let lexical = normalize(roots, raw);
+    if !within_roots(roots, &lexical) {
+        return Err(outside(raw));
+    }
+    let mut existing = lexical.as_path();
+    let mut rest = Vec::new();
+    loop {
+        match fs::canonicalize(existing) {
+            Ok(real) => {
+                let mut full = real;
+                for part in rest.iter().rev() {
+                    full.push(part);
+                }
+                if !within_roots(roots, &full) {
+                    return Err(outside(raw));
+                }
+                return Ok(full);
+            }
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                let (Some(parent), Some(name)) = (existing.parent(), existing.file_name()) else {
+                    return Err(io_error(raw, &e));
+                };
+                rest.push(name.to_owned());
+                existing = parent;
+            }
+            Err(e) => return Err(io_error(raw, &e)),
+        }
+    }
+}
+
+pub fn read_file(roots: &Roots, spec: &ReadFileSpec) -> OperationResult {
+    read(roots, spec).unwrap_or_else(Into::into)
+}
+
+fn read(roots: &Roots, spec: &ReadFileSpec) -> Result<OperationResult, FileError> {
+    let path = resolve(roots, &spec.path)?;
+    let mut file = fs::File::open(&path).map_err(|e| io_error(&spec.path, &e))?;
+    let meta = file.metadata().map_err(|e| io_error(&spec.path, &e))?;
+    if meta.is_dir() {
+        return Err(FileError(
+            FileErrorKind::IsDirectory,
+            format!("{}: is a directory", spec.path),
+        ));
+    }
+    let limit = spec.limit.min(MAX_FILE_BYTES);
+    file.seek(SeekFrom::Start(spec.offset))
+        .map_err(|e| io_error(&spec.path, &e))?;
+    let mut data = Vec::new();
+    file.take(limit)
+        .read_to_end(&mut data)
+        .map_err(|e| io_error(&spec.path, &e))?;
+    let mut result = OperationResult::with_outcome(Outcome::Exited { code: 0 });
+    result.file_size = meta.len();
+    result.file_data = Bytes::from(data);
+    Ok(result)
+}
+
+pub fn write_file(roots: &Roots, spec: &WriteFileSpec) -> OperationResult {
+    write(roots, spec).unwrap_or_else(Into::into)
+}
+
+fn write(roots: &Roots, spec: &WriteFileSpec) -> Result<OperationResult, FileError> {
+    if spec.data.len() as u64 > MAX_FILE_BYTES {
+        return Err(FileError(
+            FileErrorKind::TooLarge,
+            format!("{} bytes is above the limit of {MAX_FILE_BYTES}", spec.data.len()),
+        ));
+    }
+    let path = resolve(roots, &spec.path)?;
+    if roots.all().any(|r| r == &path) || path.is_dir() {
+        return Err(FileError(
+            FileErrorKind::IsDirectory,
+            format!("{}: is a directory", spec.path),
+        ));
+    }
+    let (Some(dir), Some(name)) = (path.parent(), path.file_name()) else {
+        return Err(outside(&spec.path));
+    };
+    fs::create_dir_all(dir).map_err(|e| io_error(&spec.path, &e))?;
+    let tmp = dir.join(format!(
+        ".{}.corral-{}",
+        name.to_string_lossy(),
+        &corral_proto::ids::random_uuid()[..8]
+    ));
+    let written = (|| {
+        let mut f = fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(spec.mode)
+            .open(&tmp)?;
+        f.write_all(&spec.data)?;
+        f.set_permissions(fs::Permissions::from_mode(spec.mode))?;
+        f.sync_data()?;
+        fs::rename(&tmp, &path)
+    })();
+    if let Err(e) = written {
+        let _ = fs::remove_file(&tmp);
+        return Err(io_error(&spec.path, &e));
+    }
+    let mut result = OperationResult::with_outcome(Outcome::Exited { code: 0 });
+    result.bytes_written = spec.data.len() as u64;
+    Ok(result)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn roots(dir: &Path) -> Roots {
+        let ws = dir.join("ws");
+        let tmp = dir.join("tmp");
+        fs::create_dir_all(&ws).unwrap();
+        fs::create_dir_all(&tmp).unwrap();
+        Roots {
+            workspace: ws,
+            others: vec![tmp],
+        }
+    }
+
+    fn tempdir() -> PathBuf {
+        let d = std::env::temp_dir().join(format!("corral-fileops-{}", corral_proto::ids::random_uuid()));
+        fs::create_dir_all(&d).unwrap();
+        d
+    }
+
+    fn write_spec(path: &str, data: &'static [u8]) -> WriteFileSpec {
+        WriteFileSpec {
+            path: path.into(),
+            data: Bytes::from_static(data),
+            mode: 0o644,
+        }
+    }
+
+    fn read_spec(path: &str) -> ReadFileSpec {
+        ReadFileSpec {
+            path: path.into(),
+            offset: 0,
+            limit: MAX_FILE_BYTES,
+        }
+    }
+
+    fn kind(r: &OperationResult) -> Option<FileErrorKind> {
+        match &r.outcome {
+            Outcome::FileError { kind, .. } => Some(*kind),
+            _ => None,
+        }
+    }
+
+    #[test]
+    fn writes_then_reads_with_offset_and_limit() {
+        let d = tempdir();
+        let r = roots(&d);
+        let w = write_file(&r, &write_spec("sub/dir/a.txt", b"hello world"));
+        assert_eq!(w.outcome, Outcome::Exited { code: 0 }, "{w:?}");
+        assert_eq!(w.bytes_written, 11);
+        let got = read_file(&r, &read_spec("sub/dir/a.txt"));
+        assert_eq!(&got.file_data[..], b"hello world");
+        let got = read_file(
+            &r,
+            &ReadFileSpec {
+                path: format!("{}/sub/dir/a.txt", r.workspace.display()),
+                offset: 6,
+                limit: 3,
+            },
+        );
+        assert_eq!((&got.file_data[..], got.file_size), (&b"wor"[..], 11));
+        fs::remove_dir_all(d).unwrap();
+    }
+
+    #[test]
+    fn traversal_is_refused() {
+        let d = tempdir();
+        let r = roots(&d);
+        fs::write(d.join("secret"), b"s").unwrap();
+        for p in ["../secret", "a/../../secret", "/etc/passwd", "../../../../etc/passwd"] {
+            let got = read_file(&r, &read_spec(p));
+            assert_eq!(kind(&got), Some(FileErrorKind::OutsideSandboxRoots), "{p}: {got:?}");
+            let got = write_file(&r, &write_spec(p, b"x"));
+            assert_eq!(kind(&got), Some(FileErrorKind::OutsideSandboxRoots), "{p}: {got:?}");
+        }
+        // A link inside the workspace that points out of it.
+        std::os::unix::fs::symlink(&d, r.workspace.join("escape")).unwrap();
+        let got = read_file(&r, &read_spec("escape/secret"));
+        assert_eq!(kind(&got), Some(FileErrorKind::OutsideSandboxRoots), "{got:?}");
+        let got = write_file(&r, &write_spec("escape/new", b"x"));
+        assert_eq!(kind(&got), Some(FileErrorKind::OutsideSandboxRoots), "{got:?}");
+        assert!(!d.join("new").exists());
+        // The other root is fine.
+        let tmp = r.others[0].join("t");
+        let got = write_file(&r, &write_spec(tmp.to_str().unwrap(), b"x"));
+        assert_eq!(got.outcome, Outcome::Exited { code: 0 });
+        fs::remove_dir_all(d).unwrap();
+    }
+
+    #[test]
+    fn missing_and_directory_errors_are_typed() {
+        let d = tempdir();
+        let r = roots(&d);
+        assert_eq!(kind(&read_file(&r, &read_spec("nope"))), Some(FileErrorKind::NotFound));
+        fs::create_dir(r.workspace.join("dir")).unwrap();
+        assert_eq!(kind(&read_file(&r, &read_spec("dir"))), Some(FileErrorKind::IsDirectory));
+        assert_eq!(kind(&write_file(&r, &write_spec("dir", b"x"))), Some(FileErrorKind::IsDirectory));
+        assert_eq!(kind(&write_file(&r, &write_spec(".", b"x"))), Some(FileErrorKind::IsDirectory));
+        fs::remove_dir_all(d).unwrap();
+    }
+}
