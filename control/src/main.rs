@@ -1,1 +1,32 @@
-fn main() {}
+//! `corral`: the control plane's command line. See the library docs.
+
+use std::process::ExitCode;
+
+use clap::Parser;
+use corral_control::cli::Cli;
+use corral_control::run::{EXIT_CORRAL_ERROR, run};
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("CORRAL_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("corral: cannot start the async runtime: {e}");
+            return ExitCode::from(EXIT_CORRAL_ERROR);
+        }
+    };
+    match runtime.block_on(run(cli)) {
+        Ok(code) => ExitCode::from(code),
+        Err(e) => {
+            eprintln!("corral: {}", corral_control::client::source_chain(&e));
+            ExitCode::from(EXIT_CORRAL_ERROR)
+        }
+    }
+}

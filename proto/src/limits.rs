@@ -1,7 +1,9 @@
 //! Hard limits, shared by the worker, the supervisor and the clients.
 
 /// Largest frame on the worker <-> corral-init link.
-pub const MAX_FRAME_BYTES: usize = 16 << 20;
+pub const MAX_FRAME_BYTES: usize = 32 << 20;
+/// Largest gRPC message either side accepts.
+pub const MAX_GRPC_MESSAGE_BYTES: usize = 40 << 20;
 /// Largest shell command text.
 pub const MAX_COMMAND_BYTES: usize = 1 << 20;
 /// Largest file a single read_file returns or write_file writes.

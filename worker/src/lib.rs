@@ -1,1 +1,30 @@
+//! corral-worker: runs operations in hardened Docker sandboxes and serves
+//! them over gRPC.
+//!
+//! This crate owns:
+//! - [`worker`]: the set of sandboxes, their lifecycle and recovery on start
+//!   (re-adopt what still runs, remove what has no record);
+//! - [`sandbox`]: one actor per sandbox, the only writer of its journal and
+//!   operation table, linked to the sandbox's `corral-init` over attached
+//!   stdio, with flow control towards its watchers;
+//! - [`docker`]: everything said to the Docker engine (bollard), including
+//!   the hardened container configuration;
+//! - [`state`]: the worker's durable records; [`initbin`]: the supervisor
+//!   binary; [`service`] and [`server`]: the gRPC edge (auth, health,
+//!   reflection), the only place generated types are touched.
+//!
+//! It does not own the supervisor (crate `corral-init`) or the wire types
+//! (crate `corral-proto`).
 
+pub mod cli;
+pub mod docker;
+pub mod error;
+pub mod initbin;
+pub mod sandbox;
+pub mod server;
+pub mod service;
+pub mod state;
+pub mod worker;
+
+pub use error::WorkerError;
+pub use worker::{Worker, WorkerConfig};

@@ -1,1 +1,57 @@
-fn main() {}
+//! `corral-worker`: serves the worker's gRPC API. See the library docs.
+
+use std::process::ExitCode;
+
+use anyhow::Context;
+use clap::Parser;
+use corral_worker::cli::WorkerArgs;
+use corral_worker::{Worker, server};
+
+fn main() -> ExitCode {
+    let args = WorkerArgs::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("CORRAL_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("corral-worker: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(run(args)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("corral-worker: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(args: WorkerArgs) -> anyhow::Result<()> {
+    let token = args.token()?;
+    let listener = tokio::net::TcpListener::bind(args.listen)
+        .await
+        .with_context(|| format!("cannot listen on {}", args.listen))?;
+    let worker = Worker::start(args.worker_config()).await?;
+    let addr = listener.local_addr()?;
+    println!("corral-worker {} listening on {addr}", worker.id());
+    server::serve(worker.clone(), listener, token, shutdown_signal()).await?;
+    worker.shutdown().await;
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+        Ok(s) => s,
+        Err(_) => return std::future::pending().await,
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+}

@@ -90,6 +90,15 @@ impl Journal {
         self.bytes
     }
 
+    /// Output bytes carried by the events after `after`.
+    pub fn output_bytes_after(&self, after: u64) -> u64 {
+        let start = self.events.partition_point(|e| e.seq <= after);
+        self.events
+            .range(start..)
+            .map(|e| e.output_len() as u64)
+            .sum()
+    }
+
     /// Up to `max` events with `seq > after`, preceded by a `Gap` event when
     /// some of them were dropped.
     pub fn read_after(&self, after: u64, max: usize) -> Vec<Event> {

@@ -1,0 +1,148 @@
+//! The `corral` command line. Every flag also reads a `CORRAL_*` variable.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+#[derive(Debug, Parser)]
+#[command(name = "corral", version, about = "Run commands and agents in hardened remote sandboxes")]
+pub struct Cli {
+    #[command(flatten)]
+    pub conn: ConnArgs,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct ConnArgs {
+    /// Worker to use (http://host:port). Without it, an embedded worker runs
+    /// in this process against the local Docker engine.
+    #[arg(long, global = true, env = "CORRAL_WORKER")]
+    pub worker: Option<String>,
+    /// File holding the worker's bearer token.
+    #[arg(long, global = true, env = "CORRAL_TOKEN_FILE")]
+    pub token_file: Option<PathBuf>,
+    /// Embedded worker: Docker engine to use (default: DOCKER_HOST or the local socket).
+    #[arg(long, global = true, env = "CORRAL_DOCKER_HOST")]
+    pub docker_host: Option<String>,
+    /// Embedded worker: its state directory.
+    #[arg(long, global = true, env = "CORRAL_STATE_DIR")]
+    pub state_dir: Option<PathBuf>,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run a command in a sandbox; exits with the command's exit code.
+    Exec(ExecArgs),
+    /// Manage sandboxes.
+    #[command(subcommand)]
+    Sandbox(SandboxCommand),
+}
+
+#[derive(Debug, Args)]
+pub struct ExecArgs {
+    /// Run in this existing sandbox (default: a new one, removed afterwards).
+    #[arg(long, env = "CORRAL_SANDBOX", conflicts_with = "image")]
+    pub sandbox: Option<String>,
+    /// Image of the new sandbox.
+    #[arg(long, env = "CORRAL_IMAGE")]
+    pub image: Option<String>,
+    /// Kill the command after this long (e.g. 30s, 5m); exit code 124.
+    #[arg(long, env = "CORRAL_TIMEOUT", value_parser = humantime::parse_duration)]
+    pub timeout: Option<Duration>,
+    /// Environment variable for the command (repeatable).
+    #[arg(long = "env", short = 'e', value_name = "K=V", value_parser = parse_env)]
+    pub env: Vec<(String, String)>,
+    /// Working directory (default: the workspace).
+    #[arg(long, short = 'w', env = "CORRAL_WORKDIR")]
+    pub workdir: Option<String>,
+    /// The command and its arguments.
+    #[arg(last = true, required = true, value_name = "CMD")]
+    pub argv: Vec<String>,
+}
+
+impl ExecArgs {
+    pub fn env_map(&self) -> BTreeMap<String, String> {
+        self.env.iter().cloned().collect()
+    }
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub enum Network {
+    None,
+    Bridge,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum SandboxCommand {
+    /// Create a sandbox and print its id.
+    Create {
+        /// Id to use (default: a random one). Creating the same id and spec twice is a no-op.
+        #[arg(long)]
+        id: Option<String>,
+        #[arg(long, env = "CORRAL_IMAGE")]
+        image: Option<String>,
+        #[arg(long, value_enum, default_value = "none")]
+        network: Network,
+        /// Memory limit, e.g. 512m, 2g.
+        #[arg(long, value_parser = parse_size)]
+        memory: Option<u64>,
+        /// CPU limit, e.g. 0.5, 2.
+        #[arg(long)]
+        cpus: Option<f64>,
+        /// Process limit.
+        #[arg(long)]
+        pids: Option<u32>,
+    },
+    /// List sandboxes.
+    Ls,
+    /// Remove a sandbox.
+    Rm { id: String },
+}
+
+fn parse_env(s: &str) -> Result<(String, String), String> {
+    match s.split_once('=') {
+        Some((k, v)) if !k.is_empty() => Ok((k.to_string(), v.to_string())),
+        _ => Err(format!("{s:?} is not K=V")),
+    }
+}
+
+/// Parses sizes like `512m`, `2g`, `1GiB`, `1048576`.
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    let t = s.trim().to_ascii_lowercase();
+    let digits = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
+    let (num, unit) = t.split_at(digits);
+    let n: f64 = num.parse().map_err(|_| format!("{s:?} is not a size like 512m or 2g"))?;
+    let mult: u64 = match unit.trim_end_matches("ib").trim_end_matches('b') {
+        "" => 1,
+        "k" => 1 << 10,
+        "m" => 1 << 20,
+        "g" => 1 << 30,
+        "t" => 1 << 40,
+        _ => return Err(format!("{s:?}: unknown unit (use k, m, g)")),
+    };
+    Ok((n * mult as f64) as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes() {
+        assert_eq!(parse_size("512m"), Ok(512 << 20));
+        assert_eq!(parse_size("2GiB"), Ok(2 << 30));
+        assert_eq!(parse_size("100"), Ok(100));
+        assert!(parse_size("lots").is_err());
+    }
+
+    #[test]
+    fn exec_takes_everything_after_the_dashes() {
+        let cli = Cli::parse_from(["corral", "exec", "-e", "A=1", "--", "ls", "-la"]);
+        let Command::Exec(e) = cli.command else { panic!() };
+        assert_eq!(e.argv, vec!["ls", "-la"]);
+        assert_eq!(e.env, vec![("A".into(), "1".into())]);
+    }
+}

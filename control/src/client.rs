@@ -1,0 +1,218 @@
+//! A typed client for a worker's gRPC API: domain types in, domain types
+//! out, the bearer token on every call.
+
+use std::time::Duration;
+
+use corral_proto::init::OperationRecord;
+use corral_proto::limits::MAX_GRPC_MESSAGE_BYTES;
+use corral_proto::pb::worker_client::WorkerClient as PbClient;
+use corral_proto::{Event, OperationId, OperationSpec, SandboxId, SandboxSpec, pb};
+use futures_util::{Stream, StreamExt};
+use tonic::metadata::MetadataValue;
+use tonic::service::Interceptor;
+use tonic::transport::{Channel, Endpoint};
+use tonic::{Request, Status};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    #[error("invalid worker address {url:?}: {reason}")]
+    BadAddress { url: String, reason: String },
+    #[error("cannot reach the worker at {url}: {reason}")]
+    Connect { url: String, reason: String },
+    #[error("{}", describe(.0))]
+    Status(#[from] Status),
+    #[error("the worker sent an invalid message: {0}")]
+    Protocol(#[from] corral_proto::ProtocolError),
+}
+
+fn describe(s: &Status) -> String {
+    use tonic::Code;
+    let msg = s.message();
+    match s.code() {
+        Code::Unauthenticated => format!("the worker refused the call: {msg} (pass --token-file)"),
+        Code::Unavailable => format!("worker unavailable: {msg}"),
+        _ => msg.to_string(),
+    }
+}
+
+impl ClientError {
+    /// Worth retrying after a reconnect (the worker restarted or the network blinked).
+    pub fn is_transient(&self) -> bool {
+        match self {
+            Self::Connect { .. } => true,
+            Self::Status(s) => matches!(s.code(), tonic::Code::Unavailable | tonic::Code::Unknown)
+                || (s.code() == tonic::Code::Internal && s.message().contains("h2")),
+            _ => false,
+        }
+    }
+}
+
+#[derive(Clone)]
+pub struct Auth(Option<MetadataValue<tonic::metadata::Ascii>>);
+
+impl Interceptor for Auth {
+    fn call(&mut self, mut req: Request<()>) -> Result<Request<()>, Status> {
+        if let Some(v) = &self.0 {
+            req.metadata_mut().insert("authorization", v.clone());
+        }
+        Ok(req)
+    }
+}
+
+/// A connection to one worker.
+#[derive(Clone)]
+pub struct WorkerClient {
+    url: String,
+    inner: PbClient<tonic::service::interceptor::InterceptedService<Channel, Auth>>,
+}
+
+pub type EventStream = std::pin::Pin<Box<dyn Stream<Item = Result<Event, ClientError>> + Send>>;
+
+impl WorkerClient {
+    /// Connects to `url` (`http://host:port`), failing fast if nobody answers.
+    pub async fn connect(url: &str, token: Option<&str>) -> Result<Self, ClientError> {
+        let bad = |reason: String| ClientError::BadAddress {
+            url: url.to_string(),
+            reason,
+        };
+        let endpoint = Endpoint::from_shared(url.to_string())
+            .map_err(|e| bad(e.to_string()))?
+            .connect_timeout(Duration::from_secs(5))
+            .tcp_nodelay(true)
+            .http2_keep_alive_interval(Duration::from_secs(20))
+            .keep_alive_while_idle(true);
+        let channel = endpoint.connect().await.map_err(|e| ClientError::Connect {
+            url: url.to_string(),
+            reason: source_chain(&e),
+        })?;
+        let auth = match token {
+            Some(t) => Some(
+                format!("Bearer {t}")
+                    .parse()
+                    .map_err(|_| bad("the token is not valid header text".into()))?,
+            ),
+            None => None,
+        };
+        let inner = PbClient::with_interceptor(channel, Auth(auth))
+            .max_decoding_message_size(MAX_GRPC_MESSAGE_BYTES)
+            .max_encoding_message_size(MAX_GRPC_MESSAGE_BYTES);
+        Ok(Self {
+            url: url.to_string(),
+            inner,
+        })
+    }
+
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    pub async fn create_sandbox(
+        &self,
+        id: Option<&SandboxId>,
+        spec: SandboxSpec,
+    ) -> Result<pb::Sandbox, ClientError> {
+        let req = pb::CreateSandboxRequest {
+            id: id.map(ToString::to_string).unwrap_or_default(),
+            spec: Some(spec.into()),
+        };
+        Ok(self.inner.clone().create_sandbox(req).await?.into_inner())
+    }
+
+    pub async fn get_sandbox(&self, id: &SandboxId) -> Result<pb::Sandbox, ClientError> {
+        let req = pb::GetSandboxRequest { id: id.to_string() };
+        Ok(self.inner.clone().get_sandbox(req).await?.into_inner())
+    }
+
+    pub async fn list_sandboxes(&self) -> Result<Vec<pb::Sandbox>, ClientError> {
+        let resp = self
+            .inner
+            .clone()
+            .list_sandboxes(pb::ListSandboxesRequest {})
+            .await?;
+        Ok(resp.into_inner().sandboxes)
+    }
+
+    /// Returns whether the sandbox existed.
+    pub async fn destroy_sandbox(&self, id: &SandboxId) -> Result<bool, ClientError> {
+        let req = pb::DestroySandboxRequest { id: id.to_string() };
+        Ok(self.inner.clone().destroy_sandbox(req).await?.into_inner().existed)
+    }
+
+    pub async fn submit(
+        &self,
+        sandbox: &SandboxId,
+        id: &OperationId,
+        spec: OperationSpec,
+    ) -> Result<OperationRecord, ClientError> {
+        let req = pb::SubmitOperationRequest {
+            sandbox_id: sandbox.to_string(),
+            operation_id: id.to_string(),
+            spec: Some(spec.into()),
+        };
+        let op = self.inner.clone().submit_operation(req).await?.into_inner();
+        Ok(op.try_into()?)
+    }
+
+    pub async fn operation(
+        &self,
+        sandbox: &SandboxId,
+        id: &OperationId,
+    ) -> Result<OperationRecord, ClientError> {
+        let req = pb::GetOperationRequest {
+            sandbox_id: sandbox.to_string(),
+            operation_id: id.to_string(),
+        };
+        Ok(self.inner.clone().get_operation(req).await?.into_inner().try_into()?)
+    }
+
+    pub async fn cancel(&self, sandbox: &SandboxId, id: &OperationId) -> Result<bool, ClientError> {
+        let req = pb::CancelOperationRequest {
+            sandbox_id: sandbox.to_string(),
+            operation_id: id.to_string(),
+        };
+        Ok(self.inner.clone().cancel_operation(req).await?.into_inner().canceling)
+    }
+
+    /// Events after `after_seq`, optionally of one operation only.
+    pub async fn watch(
+        &self,
+        sandbox: &SandboxId,
+        after_seq: u64,
+        only: Option<&OperationId>,
+    ) -> Result<EventStream, ClientError> {
+        let req = pb::WatchSandboxRequest {
+            sandbox_id: sandbox.to_string(),
+            after_seq,
+            operation_id: only.map(ToString::to_string).unwrap_or_default(),
+        };
+        let stream = self.inner.clone().watch_sandbox(req).await?.into_inner();
+        Ok(Box::pin(stream.map(|item| {
+            let event = item?;
+            Ok(Event::try_from(event)?)
+        })))
+    }
+
+    pub async fn worker_info(&self) -> Result<pb::WorkerInfo, ClientError> {
+        let resp = self
+            .inner
+            .clone()
+            .get_worker_info(pb::GetWorkerInfoRequest {})
+            .await?;
+        Ok(resp.into_inner())
+    }
+}
+
+/// An error with its causes, on one line.
+pub fn source_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        let text = c.to_string();
+        if !s.contains(&text) {
+            s.push_str(": ");
+            s.push_str(&text);
+        }
+        cur = c.source();
+    }
+    s
+}

@@ -1,0 +1,191 @@
+//! Running a parsed `corral` command: connect (or embed) a worker, do the
+//! thing, and map how it ended to an exit code.
+
+use std::io::Write;
+
+use corral_proto::{NetworkMode, SandboxId, SandboxSpec, pb};
+use corral_worker::WorkerConfig;
+
+use crate::cli::{Cli, Command, ConnArgs, ExecArgs, Network, SandboxCommand};
+use crate::client::{ClientError, WorkerClient};
+use crate::embedded::{Embedded, EmbeddedError};
+use crate::exec::{self, ExecError, ExecRequest};
+
+/// Exit code for Corral's own failures (as `docker run` uses 125).
+pub const EXIT_CORRAL_ERROR: u8 = 125;
+
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    #[error(transparent)]
+    Client(#[from] ClientError),
+    #[error(transparent)]
+    Embedded(#[from] EmbeddedError),
+    #[error(transparent)]
+    Exec(#[from] ExecError),
+    #[error(transparent)]
+    Config(#[from] corral_worker::cli::ConfigError),
+    #[error("{0}")]
+    Invalid(String),
+    #[error("writing output: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+struct Connection {
+    client: WorkerClient,
+    token: Option<String>,
+    embedded: Option<Embedded>,
+}
+
+async fn connect(conn: &ConnArgs) -> Result<Connection, RunError> {
+    let token = conn
+        .token_file
+        .as_deref()
+        .map(corral_worker::cli::read_token)
+        .transpose()?;
+    match &conn.worker {
+        Some(url) => {
+            let url = if url.contains("://") {
+                url.clone()
+            } else {
+                format!("http://{url}")
+            };
+            let client = WorkerClient::connect(&url, token.as_deref()).await?;
+            Ok(Connection {
+                client,
+                token,
+                embedded: None,
+            })
+        }
+        None => {
+            let mut config = WorkerConfig::new(conn.state_dir.clone().unwrap_or_default());
+            config.docker_host = conn.docker_host.clone();
+            let embedded = Embedded::start(config).await?;
+            let client = WorkerClient::connect(&embedded.url, None).await?;
+            Ok(Connection {
+                client,
+                token: None,
+                embedded: Some(embedded),
+            })
+        }
+    }
+}
+
+/// Runs the command; returns the process exit code.
+pub async fn run(cli: Cli) -> Result<u8, RunError> {
+    let conn = connect(&cli.conn).await?;
+    let result = match cli.command {
+        Command::Exec(args) => run_exec(&conn, args).await,
+        Command::Sandbox(cmd) => run_sandbox(&conn, cmd).await.map(|()| 0),
+    };
+    if let Some(e) = conn.embedded {
+        e.stop().await;
+    }
+    result
+}
+
+fn sandbox_id(s: &str) -> Result<SandboxId, RunError> {
+    SandboxId::new(s).map_err(|e| RunError::Invalid(e.to_string()))
+}
+
+async fn run_exec(conn: &Connection, args: ExecArgs) -> Result<u8, RunError> {
+    let req = ExecRequest {
+        sandbox: args.sandbox.as_deref().map(sandbox_id).transpose()?,
+        image: args.image.clone(),
+        timeout: args.timeout,
+        env: args.env_map(),
+        workdir: args.workdir.clone(),
+        argv: args.argv.clone(),
+    };
+    let mut out = tokio::io::stdout();
+    let mut err = tokio::io::stderr();
+    let interrupt = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    let result = exec::exec(
+        conn.client.clone(),
+        conn.token.as_deref(),
+        req,
+        &mut out,
+        &mut err,
+        interrupt,
+    )
+    .await?;
+    use corral_proto::Outcome;
+    match &result.outcome {
+        Outcome::Exited { .. } | Outcome::Signaled { .. } => {}
+        other => {
+            let line = format!("corral: command {other}\n");
+            tokio::io::AsyncWriteExt::write_all(&mut err, line.as_bytes()).await?;
+        }
+    }
+    Ok(result.outcome.exit_status().clamp(0, 255) as u8)
+}
+
+async fn run_sandbox(conn: &Connection, cmd: SandboxCommand) -> Result<(), RunError> {
+    let mut stdout = std::io::stdout().lock();
+    match cmd {
+        SandboxCommand::Create {
+            id,
+            image,
+            network,
+            memory,
+            cpus,
+            pids,
+        } => {
+            let id = id.as_deref().map(sandbox_id).transpose()?;
+            if let Some(c) = cpus
+                && !(c > 0.0 && c <= 1024.0)
+            {
+                return Err(RunError::Invalid(format!("--cpus {c}: must be above 0")));
+            }
+            let spec = SandboxSpec {
+                image,
+                network: match network {
+                    Network::None => NetworkMode::None,
+                    Network::Bridge => NetworkMode::Bridge,
+                },
+                memory_bytes: memory,
+                cpu_millis: cpus.map(|c| (c * 1000.0).round() as u32),
+                pids_limit: pids,
+                ..SandboxSpec::default()
+            };
+            spec.validate().map_err(|e| RunError::Invalid(e.to_string()))?;
+            let sb = conn.client.create_sandbox(id.as_ref(), spec).await?;
+            writeln!(stdout, "{}", sb.id)?;
+        }
+        SandboxCommand::Ls => {
+            let all = conn.client.list_sandboxes().await?;
+            writeln!(stdout, "{:<38} {:<8} {:<24} {:>7} CONTAINER", "ID", "STATE", "IMAGE", "RUNNING")?;
+            for sb in all {
+                let state = match pb::SandboxState::try_from(sb.state) {
+                    Ok(pb::SandboxState::Ready) => "ready",
+                    Ok(pb::SandboxState::Starting) => "starting",
+                    Ok(pb::SandboxState::Lost) => "lost",
+                    _ => "?",
+                };
+                let image = sb
+                    .spec
+                    .as_ref()
+                    .map(|s| s.image.as_str())
+                    .filter(|i| !i.is_empty())
+                    .unwrap_or("(default)");
+                writeln!(
+                    stdout,
+                    "{:<38} {:<8} {:<24} {:>7} {}",
+                    sb.id,
+                    state,
+                    image,
+                    sb.running_operations,
+                    &sb.container_id[..sb.container_id.len().min(12)]
+                )?;
+            }
+        }
+        SandboxCommand::Rm { id } => {
+            let id = sandbox_id(&id)?;
+            if !conn.client.destroy_sandbox(&id).await? {
+                return Err(RunError::Invalid(format!("unknown sandbox {id}")));
+            }
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,117 @@
+//! `corral-worker`'s command line. Every flag also reads a `CORRAL_*`
+//! environment variable.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+use clap::Parser;
+
+use crate::docker::Defaults;
+use crate::worker::WorkerConfig;
+
+#[derive(Debug, Clone, Parser)]
+#[command(name = "corral-worker", version, about = "Runs Corral operations in hardened Docker sandboxes, served over gRPC")]
+pub struct WorkerArgs {
+    /// Address to serve gRPC on. A token is required unless it is loopback.
+    #[arg(long, env = "CORRAL_LISTEN", default_value = "127.0.0.1:7070")]
+    pub listen: SocketAddr,
+    /// File holding the bearer token clients must present.
+    #[arg(long, env = "CORRAL_TOKEN_FILE")]
+    pub token_file: Option<PathBuf>,
+    /// Docker engine to use (unix:///var/run/docker.sock, tcp://host:2375);
+    /// default: DOCKER_HOST or the local socket.
+    #[arg(long, env = "CORRAL_DOCKER_HOST")]
+    pub docker_host: Option<String>,
+    /// Most sandboxes this worker runs at once.
+    #[arg(long, env = "CORRAL_MAX_SANDBOXES", default_value_t = 64)]
+    pub max_sandboxes: u32,
+    /// Where the worker keeps its id and sandbox records.
+    #[arg(long, env = "CORRAL_STATE_DIR")]
+    pub state_dir: Option<PathBuf>,
+    /// This worker's id (labels its containers); default: stored in the state dir.
+    #[arg(long, env = "CORRAL_WORKER_ID")]
+    pub worker_id: Option<String>,
+    /// The static corral-init binary; default: next to this executable or in
+    /// the Cargo target directory.
+    #[arg(long, env = "CORRAL_INIT_BINARY")]
+    pub init_binary: Option<PathBuf>,
+    /// Image for sandboxes that name none.
+    #[arg(long, env = "CORRAL_DEFAULT_IMAGE", default_value = "corral-sandbox:latest")]
+    pub default_image: String,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("--listen {0} is not a loopback address, so a token is required: pass --token-file")]
+    TokenRequired(SocketAddr),
+    #[error("token file {path}: {reason}")]
+    TokenFile { path: String, reason: String },
+}
+
+/// Reads a token file: one line, not empty.
+pub fn read_token(path: &Path) -> Result<String, ConfigError> {
+    let err = |reason: String| ConfigError::TokenFile {
+        path: path.display().to_string(),
+        reason,
+    };
+    let token = std::fs::read_to_string(path).map_err(|e| err(e.to_string()))?;
+    let token = token.trim().to_string();
+    if token.is_empty() {
+        return Err(err("empty".into()));
+    }
+    if token.chars().any(|c| c.is_whitespace() || c.is_control()) {
+        return Err(err("must be one line without spaces".into()));
+    }
+    Ok(token)
+}
+
+/// The default state directory: `$XDG_STATE_HOME/corral/<name>`, else
+/// `~/.local/state/corral/<name>`.
+pub fn default_state_dir(name: &str) -> PathBuf {
+    let base = std::env::var_os("XDG_STATE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".local/state")))
+        .unwrap_or_else(|| PathBuf::from("/var/lib"));
+    base.join("corral").join(name)
+}
+
+impl WorkerArgs {
+    /// The token, and the check that a non-loopback listener has one.
+    pub fn token(&self) -> Result<Option<String>, ConfigError> {
+        let token = self.token_file.as_deref().map(read_token).transpose()?;
+        if token.is_none() && !self.listen.ip().is_loopback() {
+            return Err(ConfigError::TokenRequired(self.listen));
+        }
+        Ok(token)
+    }
+
+    pub fn worker_config(&self) -> WorkerConfig {
+        WorkerConfig {
+            state_dir: self
+                .state_dir
+                .clone()
+                .unwrap_or_else(|| default_state_dir("worker")),
+            worker_id: self.worker_id.clone(),
+            docker_host: self.docker_host.clone(),
+            init_binary: self.init_binary.clone(),
+            max_sandboxes: self.max_sandboxes,
+            defaults: Defaults {
+                image: self.default_image.clone(),
+                ..Defaults::default()
+            },
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn non_loopback_listen_needs_a_token() {
+        let args = WorkerArgs::parse_from(["corral-worker", "--listen", "0.0.0.0:7070"]);
+        assert!(matches!(args.token(), Err(ConfigError::TokenRequired(_))));
+        let args = WorkerArgs::parse_from(["corral-worker", "--listen", "127.0.0.1:0"]);
+        assert_eq!(args.token().unwrap(), None);
+    }
+}

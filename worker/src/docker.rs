@@ -1,0 +1,391 @@
+//! The Docker side of a sandbox, through the Engine API (bollard): the
+//! supervisor volume, hardened containers, attach, inspect, removal.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use bollard::Docker;
+use bollard::container::AttachContainerResults;
+use bollard::models::{
+    ContainerCreateBody, ContainerSummary, HostConfig, HostConfigLogConfig, Mount, MountType,
+    VolumeCreateRequest,
+};
+use bollard::query_parameters::{
+    AttachContainerOptionsBuilder, CreateContainerOptionsBuilder, ListContainersOptionsBuilder,
+    RemoveContainerOptionsBuilder, UploadToContainerOptionsBuilder,
+};
+use corral_proto::limits::{TMP_DIR, WORKSPACE_DIR};
+use corral_proto::{NetworkMode, SandboxId, SandboxSpec};
+use tokio::sync::Mutex;
+
+use crate::error::{Result, WorkerError};
+use crate::initbin::InitBinary;
+
+pub const LABEL_MANAGED: &str = "corral.managed";
+pub const LABEL_WORKER: &str = "corral.worker";
+pub const LABEL_SANDBOX: &str = "corral.sandbox";
+/// Where the supervisor volume is mounted (read-only) in every sandbox.
+pub const INIT_DIR: &str = "/.corral";
+/// The unprivileged user operations run as, unless a sandbox asks for root.
+pub const SANDBOX_UID: u32 = 1000;
+
+/// Hardened defaults; a sandbox spec can change each one, explicitly.
+#[derive(Debug, Clone)]
+pub struct Defaults {
+    pub image: String,
+    pub memory_bytes: u64,
+    pub cpu_millis: u32,
+    pub pids_limit: u32,
+    pub workspace_bytes: u64,
+    pub tmp_bytes: u64,
+}
+
+impl Default for Defaults {
+    fn default() -> Self {
+        Self {
+            image: "corral-sandbox:latest".into(),
+            memory_bytes: 1 << 30,
+            cpu_millis: 1000,
+            pids_limit: 256,
+            workspace_bytes: 1 << 30,
+            tmp_bytes: 256 << 20,
+        }
+    }
+}
+
+pub struct DockerRuntime {
+    docker: Docker,
+    worker_id: String,
+    init: InitBinary,
+    pub defaults: Defaults,
+    init_volume_ready: Mutex<bool>,
+}
+
+/// Connects to the engine at `host` (`unix:///path` or `tcp://host:port`),
+/// or where `DOCKER_HOST` / the default socket says, and checks it answers.
+pub async fn connect(host: Option<&str>) -> Result<Docker> {
+    let docker = match host {
+        Some(h) if h.starts_with("unix://") || h.starts_with('/') => Docker::connect_with_unix(
+            h.trim_start_matches("unix://"),
+            120,
+            bollard::API_DEFAULT_VERSION,
+        )?,
+        Some(h) => Docker::connect_with_http(h, 120, bollard::API_DEFAULT_VERSION)?,
+        None => Docker::connect_with_defaults()?,
+    };
+    docker.ping().await?;
+    Ok(docker)
+}
+
+fn is_not_found(e: &bollard::errors::Error) -> bool {
+    matches!(
+        e,
+        bollard::errors::Error::DockerResponseServerError {
+            status_code: 404,
+            ..
+        }
+    )
+}
+
+pub fn container_name(worker_id: &str, id: &SandboxId) -> String {
+    format!("corral-{worker_id}-{id}")
+}
+
+impl DockerRuntime {
+    pub fn new(docker: Docker, worker_id: String, init: InitBinary, defaults: Defaults) -> Self {
+        Self {
+            docker,
+            worker_id,
+            init,
+            defaults,
+            init_volume_ready: Mutex::new(false),
+        }
+    }
+
+    pub fn docker(&self) -> &Docker {
+        &self.docker
+    }
+
+    pub fn worker_id(&self) -> &str {
+        &self.worker_id
+    }
+
+    fn init_volume(&self) -> String {
+        format!("corral-init-{}", self.init.digest)
+    }
+
+    /// Makes sure the volume holding this exact supervisor binary exists.
+    /// Docker will not copy into a read-only container, so the binary goes
+    /// into a volume once (through a stopped helper container) and every
+    /// sandbox mounts that volume read-only.
+    async fn ensure_init_volume(&self, image: &str) -> Result<()> {
+        let mut ready = self.init_volume_ready.lock().await;
+        if *ready {
+            return Ok(());
+        }
+        let name = self.init_volume();
+        match self.docker.inspect_volume(&name).await {
+            Ok(_) => {
+                *ready = true;
+                return Ok(());
+            }
+            Err(e) if is_not_found(&e) => {}
+            Err(e) => return Err(e.into()),
+        }
+        self.docker
+            .create_volume(VolumeCreateRequest {
+                name: Some(name.clone()),
+                labels: Some(HashMap::from([(LABEL_MANAGED.into(), "1".into())])),
+                ..Default::default()
+            })
+            .await?;
+        if let Err(e) = self.populate_init_volume(&name, image).await {
+            let _ = self.docker.remove_volume(&name, None::<bollard::query_parameters::RemoveVolumeOptions>).await;
+            return Err(e);
+        }
+        tracing::info!(volume = %name, "supervisor volume created");
+        *ready = true;
+        Ok(())
+    }
+
+    async fn populate_init_volume(&self, volume: &str, image: &str) -> Result<()> {
+        let helper = format!("corral-init-copy-{}", &corral_proto::ids::random_uuid()[..8]);
+        let body = ContainerCreateBody {
+            image: Some(image.into()),
+            entrypoint: Some(vec![format!("{INIT_DIR}/corral-init")]),
+            cmd: Some(vec![]),
+            labels: Some(HashMap::from([(LABEL_MANAGED.into(), "1".into())])),
+            host_config: Some(HostConfig {
+                network_mode: Some("none".into()),
+                mounts: Some(vec![Mount {
+                    target: Some(INIT_DIR.into()),
+                    source: Some(volume.into()),
+                    typ: Some(MountType::VOLUME),
+                    ..Default::default()
+                }]),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let opts = CreateContainerOptionsBuilder::default().name(&helper).build();
+        self.docker
+            .create_container(Some(opts), body)
+            .await
+            .map_err(|e| self.image_error(e, image))?;
+        let mut tar = tar::Builder::new(Vec::new());
+        let mut header = tar::Header::new_gnu();
+        header.set_size(self.init.bytes.len() as u64);
+        header.set_mode(0o755);
+        header.set_uid(0);
+        header.set_gid(0);
+        header.set_mtime(0);
+        let appended = tar
+            .append_data(&mut header, "corral-init", self.init.bytes.as_slice())
+            .and_then(|()| tar.into_inner());
+        let uploaded = match appended {
+            Ok(archive) => {
+                let opts = UploadToContainerOptionsBuilder::default().path(INIT_DIR).build();
+                self.docker
+                    .upload_to_container(&helper, Some(opts), bollard::body_full(archive.into()))
+                    .await
+                    .map_err(WorkerError::from)
+            }
+            Err(e) => Err(WorkerError::InitBinary(format!("packing: {e}"))),
+        };
+        let _ = self.remove_container(&helper).await;
+        uploaded
+    }
+
+    fn image_error(&self, e: bollard::errors::Error, image: &str) -> WorkerError {
+        if is_not_found(&e) {
+            WorkerError::NoSuchImage(image.into())
+        } else {
+            e.into()
+        }
+    }
+
+    /// The container configuration of a sandbox: every default hardened.
+    pub fn container_body(&self, id: &SandboxId, spec: &SandboxSpec) -> ContainerCreateBody {
+        let d = &self.defaults;
+        let image = spec.image.clone().unwrap_or_else(|| d.image.clone());
+        let uid = if spec.run_as_root { 0 } else { SANDBOX_UID };
+        let memory = spec.memory_bytes.unwrap_or(d.memory_bytes) as i64;
+        let tmpfs = HashMap::from([
+            (
+                TMP_DIR.to_string(),
+                format!(
+                    "rw,exec,nosuid,nodev,size={},mode=1777",
+                    spec.tmp_bytes.unwrap_or(d.tmp_bytes)
+                ),
+            ),
+            (
+                WORKSPACE_DIR.to_string(),
+                format!(
+                    "rw,exec,nosuid,nodev,size={},uid={uid},gid={uid},mode=0755",
+                    spec.workspace_bytes.unwrap_or(d.workspace_bytes)
+                ),
+            ),
+        ]);
+        ContainerCreateBody {
+            image: Some(image),
+            entrypoint: Some(vec![format!("{INIT_DIR}/corral-init")]),
+            cmd: Some(vec![]),
+            user: Some(format!("{uid}:{uid}")),
+            working_dir: Some(WORKSPACE_DIR.into()),
+            env: Some(spec.env.iter().map(|(k, v)| format!("{k}={v}")).collect()),
+            attach_stdin: Some(true),
+            attach_stdout: Some(true),
+            attach_stderr: Some(true),
+            open_stdin: Some(true),
+            stdin_once: Some(false),
+            tty: Some(false),
+            network_disabled: Some(spec.network == NetworkMode::None),
+            labels: Some(HashMap::from([
+                (LABEL_MANAGED.into(), "1".into()),
+                (LABEL_WORKER.into(), self.worker_id.clone()),
+                (LABEL_SANDBOX.into(), id.to_string()),
+            ])),
+            host_config: Some(HostConfig {
+                network_mode: Some(
+                    match spec.network {
+                        NetworkMode::None => "none",
+                        NetworkMode::Bridge => "bridge",
+                    }
+                    .into(),
+                ),
+                cap_drop: Some(vec!["ALL".into()]),
+                cap_add: (!spec.add_capabilities.is_empty()).then(|| spec.add_capabilities.clone()),
+                security_opt: Some(vec!["no-new-privileges".into()]),
+                readonly_rootfs: Some(!spec.writable_rootfs),
+                tmpfs: Some(tmpfs),
+                mounts: Some(vec![Mount {
+                    target: Some(INIT_DIR.into()),
+                    source: Some(self.init_volume()),
+                    typ: Some(MountType::VOLUME),
+                    read_only: Some(true),
+                    ..Default::default()
+                }]),
+                memory: Some(memory),
+                memory_swap: Some(memory),
+                nano_cpus: Some(i64::from(spec.cpu_millis.unwrap_or(d.cpu_millis)) * 1_000_000),
+                pids_limit: Some(i64::from(spec.pids_limit.unwrap_or(d.pids_limit))),
+                // The supervisor journals everything; Docker keeps no logs.
+                log_config: Some(HostConfigLogConfig {
+                    typ: Some("none".into()),
+                    config: None,
+                }),
+                init: Some(false),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }
+    }
+
+    /// Creates and starts a sandbox's container; returns its id.
+    pub async fn create(&self, id: &SandboxId, spec: &SandboxSpec) -> Result<String> {
+        let body = self.container_body(id, spec);
+        let image = body.image.clone().unwrap_or_default();
+        self.ensure_init_volume(&image).await?;
+        let name = container_name(&self.worker_id, id);
+        let opts = CreateContainerOptionsBuilder::default().name(&name).build();
+        let created = match self.docker.create_container(Some(opts.clone()), body.clone()).await {
+            Ok(c) => c,
+            Err(bollard::errors::Error::DockerResponseServerError {
+                status_code: 409, ..
+            }) => {
+                // A leftover of ours with that name (a create that crashed
+                // before its record was trusted): replace it.
+                self.remove_container(&name).await?;
+                self.docker.create_container(Some(opts), body).await?
+            }
+            Err(e) => return Err(self.image_error(e, &image)),
+        };
+        if let Err(e) = self.docker.start_container(&created.id, None).await {
+            let _ = self.remove_container(&created.id).await;
+            return Err(e.into());
+        }
+        Ok(created.id)
+    }
+
+    pub async fn attach(&self, container: &str) -> Result<AttachContainerResults> {
+        let opts = AttachContainerOptionsBuilder::default()
+            .stdin(true)
+            .stdout(true)
+            .stderr(true)
+            .stream(true)
+            .logs(false)
+            .build();
+        Ok(self.docker.attach_container(container, Some(opts)).await?)
+    }
+
+    /// Is the container running? `None` when it does not exist.
+    pub async fn running(&self, container: &str) -> Result<Option<bool>> {
+        match self.docker.inspect_container(container, None).await {
+            Ok(info) => Ok(Some(
+                info.state.and_then(|s| s.running).unwrap_or(false),
+            )),
+            Err(e) if is_not_found(&e) => Ok(None),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Why a container stopped, in words, from its state.
+    pub async fn exit_reason(&self, container: &str) -> String {
+        match self.docker.inspect_container(container, None).await {
+            Ok(info) => {
+                let s = info.state.unwrap_or_default();
+                if s.oom_killed == Some(true) {
+                    "the sandbox's supervisor was killed: out of memory".into()
+                } else if let Some(err) = s.error.filter(|e| !e.is_empty()) {
+                    format!("container stopped: {err}")
+                } else {
+                    format!("container stopped with exit code {}", s.exit_code.unwrap_or(-1))
+                }
+            }
+            Err(e) if is_not_found(&e) => "container removed".into(),
+            Err(e) => format!("container state unknown: {e}"),
+        }
+    }
+
+    /// Force-removes a container; absent is fine.
+    pub async fn remove_container(&self, container: &str) -> Result<()> {
+        let opts = RemoveContainerOptionsBuilder::default()
+            .force(true)
+            .v(true)
+            .build();
+        match self.docker.remove_container(container, Some(opts)).await {
+            Ok(()) => Ok(()),
+            Err(e) if is_not_found(&e) => Ok(()),
+            Err(bollard::errors::Error::DockerResponseServerError {
+                status_code: 409, ..
+            }) => {
+                // Removal already in progress.
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                Ok(())
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Containers labelled as this worker's, running or not.
+    pub async fn list_owned(&self) -> Result<Vec<ContainerSummary>> {
+        let filters = HashMap::from([(
+            "label".to_string(),
+            vec![format!("{LABEL_WORKER}={}", self.worker_id)],
+        )]);
+        let opts = ListContainersOptionsBuilder::default()
+            .all(true)
+            .filters(&filters)
+            .build();
+        Ok(self.docker.list_containers(Some(opts)).await?)
+    }
+
+    pub async fn version(&self) -> String {
+        self.docker
+            .version()
+            .await
+            .ok()
+            .and_then(|v| v.version)
+            .unwrap_or_default()
+    }
+}

@@ -1,0 +1,734 @@
+//! One sandbox: an actor that owns the link to its supervisor, and the state
+//! its watchers read.
+//!
+//! The actor is the only writer of the sandbox's journal and operation table.
+//! It attaches to the container's stdio, says `Attach` with the last sequence
+//! number it holds, and mirrors every event init sends into its own journal.
+//! When the attach stream breaks it looks at the container: still running
+//! means re-attach and resume from the cursor; gone means the sandbox is
+//! lost, and every running operation ends as `sandbox_lost`.
+//!
+//! Flow control: the actor grants init output credit so that the output not
+//! yet taken by the slowest live watcher, plus the credit init still holds,
+//! stays under [`WINDOW_BYTES`]. A slow watcher therefore slows the commands
+//! down instead of losing their output; with no watcher, nothing waits.
+
+use std::collections::{HashMap, VecDeque};
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use bollard::container::LogOutput;
+use bytes::Bytes;
+use corral_init::journal::Journal;
+use corral_proto::frame::{self, FrameDecoder};
+use corral_proto::init::{InitMessage, InitRequest, OperationRecord, Welcome};
+use corral_proto::{
+    Event, EventKind, OperationId, OperationResult, OperationSpec, Outcome, ProtocolError,
+    SandboxId, SandboxSpec, pb,
+};
+use futures_util::{Stream, StreamExt};
+use tokio::io::{AsyncWrite, AsyncWriteExt};
+use tokio::sync::{Notify, mpsc, oneshot, watch};
+use tokio_util::sync::CancellationToken;
+use tracing::{Instrument, debug, info, info_span, warn};
+
+use crate::docker::DockerRuntime;
+use crate::error::{Result, WorkerError};
+
+/// Output bytes that may be in flight or unread by the slowest watcher.
+pub const WINDOW_BYTES: u64 = 4 << 20;
+/// Operations remembered per sandbox (running ones are never dropped).
+const MAX_OPERATIONS: usize = 4096;
+/// How long a sandbox may stay unreachable (Docker down) before it is lost.
+const RECONNECT_PATIENCE: Duration = Duration::from_secs(60);
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SandboxState {
+    Starting,
+    Ready,
+    Lost(String),
+}
+
+/// What a client sees of a sandbox.
+#[derive(Debug, Clone)]
+pub struct SandboxInfo {
+    pub id: SandboxId,
+    pub spec: SandboxSpec,
+    pub state: SandboxState,
+    pub container_id: String,
+    pub last_seq: u64,
+    pub running_operations: u32,
+    pub created_at_unix_ms: i64,
+}
+
+impl SandboxInfo {
+    pub fn to_pb(&self) -> pb::Sandbox {
+        let (state, lost_reason) = match &self.state {
+            SandboxState::Starting => (pb::SandboxState::Starting, String::new()),
+            SandboxState::Ready => (pb::SandboxState::Ready, String::new()),
+            SandboxState::Lost(r) => (pb::SandboxState::Lost, r.clone()),
+        };
+        pb::Sandbox {
+            id: self.id.to_string(),
+            spec: Some(self.spec.clone().into()),
+            state: state as i32,
+            container_id: self.container_id.clone(),
+            last_seq: self.last_seq,
+            running_operations: self.running_operations,
+            lost_reason,
+            created_at_unix_ms: self.created_at_unix_ms,
+        }
+    }
+}
+
+#[derive(Default)]
+struct OpTable {
+    ops: HashMap<OperationId, OperationRecord>,
+    finished: VecDeque<OperationId>,
+}
+
+impl OpTable {
+    fn running(&self) -> usize {
+        self.ops.len() - self.finished.len()
+    }
+
+    fn finish(&mut self, id: &OperationId, result: OperationResult) {
+        let Some(rec) = self.ops.get_mut(id) else { return };
+        if rec.result.is_some() {
+            return;
+        }
+        rec.result = Some(result);
+        self.finished.push_back(id.clone());
+        while self.ops.len() > MAX_OPERATIONS {
+            let Some(old) = self.finished.pop_front() else { break };
+            self.ops.remove(&old);
+        }
+    }
+
+    /// Takes init's view of an operation (init is the authority).
+    fn merge(&mut self, rec: OperationRecord) {
+        let result = rec.result.clone();
+        let first_seq = rec.first_seq;
+        let id = rec.id.clone();
+        let entry = self.ops.entry(id.clone()).or_insert(OperationRecord {
+            result: None,
+            ..rec
+        });
+        if entry.first_seq == 0 {
+            entry.first_seq = first_seq;
+        }
+        if let Some(r) = result {
+            self.finish(&id, r);
+        }
+    }
+}
+
+/// State shared between the actor (the only writer) and readers: the gRPC
+/// handlers and the watchers. Every lock is held for a short, non-async
+/// section only.
+pub struct Shared {
+    journal: Mutex<Journal>,
+    ops: Mutex<OpTable>,
+    state: watch::Sender<SandboxState>,
+    last_seq: watch::Sender<u64>,
+    /// Watcher id -> the last seq it handed to its client.
+    watchers: Mutex<HashMap<u64, u64>>,
+    next_watcher: std::sync::atomic::AtomicU64,
+    /// Wakes the actor when a watcher made progress.
+    progress: Notify,
+    /// Cancelled when the sandbox is destroyed or the worker stops.
+    closed: CancellationToken,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panic while holding one of these short locks leaves consistent data
+    // (each section is a single update), so poisoning is not fatal.
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Shared {
+    /// Output bytes the slowest live watcher has not yet taken.
+    fn backlog(&self) -> u64 {
+        let slowest = lock(&self.watchers).values().min().copied();
+        match slowest {
+            Some(seq) => lock(&self.journal).output_bytes_after(seq),
+            None => 0,
+        }
+    }
+}
+
+enum Command {
+    Submit {
+        id: OperationId,
+        spec: OperationSpec,
+        reply: oneshot::Sender<Result<OperationRecord>>,
+    },
+    Cancel {
+        id: OperationId,
+        reply: oneshot::Sender<bool>,
+    },
+}
+
+/// A handle to a sandbox: cheap to clone, safe to use from any task.
+#[derive(Clone)]
+pub struct Sandbox {
+    pub id: SandboxId,
+    pub spec: SandboxSpec,
+    pub container_id: String,
+    pub created_at_unix_ms: i64,
+    shared: Arc<Shared>,
+    tx: mpsc::Sender<Command>,
+}
+
+type Output = Pin<Box<dyn Stream<Item = Result<LogOutput, bollard::errors::Error>> + Send>>;
+type Input = Pin<Box<dyn AsyncWrite + Send>>;
+
+impl Sandbox {
+    /// Starts the actor of a running container. It attaches right away; use
+    /// [`wait_ready`](Self::wait_ready) to wait for the supervisor's answer.
+    pub fn spawn(
+        id: SandboxId,
+        spec: SandboxSpec,
+        container_id: String,
+        created_at_unix_ms: i64,
+        runtime: Arc<DockerRuntime>,
+        tracker: &tokio_util::task::TaskTracker,
+        shutdown: &CancellationToken,
+    ) -> Self {
+        let shared = Arc::new(Shared {
+            journal: Mutex::new(Journal::default()),
+            ops: Mutex::new(OpTable::default()),
+            state: watch::Sender::new(SandboxState::Starting),
+            last_seq: watch::Sender::new(0),
+            watchers: Mutex::new(HashMap::new()),
+            next_watcher: 0.into(),
+            progress: Notify::new(),
+            closed: shutdown.child_token(),
+        });
+        let (tx, rx) = mpsc::channel(256);
+        let actor = Actor {
+            id: id.clone(),
+            container: container_id.clone(),
+            runtime,
+            shared: shared.clone(),
+            rx,
+            output: None,
+            input: None,
+            decoder: FrameDecoder::new(),
+            boot_id: None,
+            welcomed: false,
+            granted: 0,
+            received: 0,
+            live_after: 0,
+            stderr: Vec::new(),
+        };
+        let span = info_span!("sandbox", sandbox = %id, container = %short(&container_id));
+        tracker.spawn(actor.run().instrument(span));
+        Self {
+            id,
+            spec,
+            container_id,
+            created_at_unix_ms,
+            shared,
+            tx,
+        }
+    }
+
+    pub fn info(&self) -> SandboxInfo {
+        SandboxInfo {
+            id: self.id.clone(),
+            spec: self.spec.clone(),
+            state: self.shared.state.borrow().clone(),
+            container_id: self.container_id.clone(),
+            last_seq: *self.shared.last_seq.borrow(),
+            running_operations: lock(&self.shared.ops).running() as u32,
+            created_at_unix_ms: self.created_at_unix_ms,
+        }
+    }
+
+    /// Waits until the supervisor answered (or the sandbox is lost).
+    pub async fn wait_ready(&self, timeout: Duration) -> Result<()> {
+        let mut rx = self.shared.state.subscribe();
+        let waited = tokio::time::timeout(timeout, async {
+            loop {
+                let state = rx.borrow_and_update().clone();
+                match state {
+                    SandboxState::Ready => return Ok(()),
+                    SandboxState::Lost(reason) => {
+                        return Err(WorkerError::SandboxLost {
+                            id: self.id.to_string(),
+                            reason,
+                        });
+                    }
+                    SandboxState::Starting => {}
+                }
+                if rx.changed().await.is_err() {
+                    return Err(WorkerError::ShuttingDown);
+                }
+            }
+        })
+        .await;
+        waited.unwrap_or_else(|_| {
+            Err(WorkerError::InitUnresponsive {
+                id: self.id.to_string(),
+                reason: format!("no answer within {timeout:?}"),
+            })
+        })
+    }
+
+    pub async fn submit(&self, id: OperationId, spec: OperationSpec) -> Result<OperationRecord> {
+        let (reply, rx) = oneshot::channel();
+        self.tx
+            .send(Command::Submit { id, spec, reply })
+            .await
+            .map_err(|_| WorkerError::ShuttingDown)?;
+        rx.await.map_err(|_| WorkerError::ShuttingDown)?
+    }
+
+    pub async fn cancel(&self, id: OperationId) -> Result<bool> {
+        let (reply, rx) = oneshot::channel();
+        self.tx
+            .send(Command::Cancel { id, reply })
+            .await
+            .map_err(|_| WorkerError::ShuttingDown)?;
+        rx.await.map_err(|_| WorkerError::ShuttingDown)
+    }
+
+    pub fn operation(&self, id: &OperationId) -> Option<OperationRecord> {
+        lock(&self.shared.ops).ops.get(id).cloned()
+    }
+
+    /// Stops the actor and every watcher of this sandbox.
+    pub fn close(&self) {
+        self.shared.closed.cancel();
+    }
+
+    /// Streams the events after `after_seq` (replay, then live), optionally
+    /// only those of one operation (gaps are always sent). The returned
+    /// channel is bounded: a reader that does not keep up holds back the
+    /// sandbox's output rather than losing it.
+    pub fn watch(
+        &self,
+        after_seq: u64,
+        only: Option<OperationId>,
+        tracker: &tokio_util::task::TaskTracker,
+    ) -> mpsc::Receiver<Event> {
+        let (tx, rx) = mpsc::channel(32);
+        let shared = self.shared.clone();
+        let watcher = shared
+            .next_watcher
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        lock(&shared.watchers).insert(watcher, after_seq);
+        let span = info_span!("watch", sandbox = %self.id, watcher, after_seq);
+        tracker.spawn(
+            async move {
+                let reason = run_watcher(&shared, watcher, after_seq, only, &tx).await;
+                debug!(reason, "watcher ended");
+                lock(&shared.watchers).remove(&watcher);
+                shared.progress.notify_one();
+            }
+            .instrument(span),
+        );
+        rx
+    }
+}
+
+async fn run_watcher(
+    shared: &Shared,
+    watcher: u64,
+    mut cursor: u64,
+    only: Option<OperationId>,
+    tx: &mpsc::Sender<Event>,
+) -> &'static str {
+    let mut seq_rx = shared.last_seq.subscribe();
+    loop {
+        let batch = lock(&shared.journal).read_after(cursor, 256);
+        if batch.is_empty() {
+            tokio::select! {
+                changed = seq_rx.changed() => if changed.is_err() { return "sandbox gone" },
+                () = tx.closed() => return "client left",
+                () = shared.closed.cancelled() => return "sandbox closed",
+            }
+            continue;
+        }
+        for event in batch {
+            cursor = event.seq;
+            let wanted = match (&only, &event.operation_id) {
+                (None, _) => true,
+                (Some(want), Some(got)) => want == got,
+                (Some(_), None) => matches!(event.kind, EventKind::Gap { .. } | EventKind::SandboxLost { .. }),
+            };
+            if wanted {
+                tokio::select! {
+                    sent = tx.send(event) => if sent.is_err() { return "client left" },
+                    () = shared.closed.cancelled() => return "sandbox closed",
+                }
+            }
+        }
+        lock(&shared.watchers).insert(watcher, cursor);
+        shared.progress.notify_one();
+    }
+}
+
+fn short(container: &str) -> &str {
+    &container[..container.len().min(12)]
+}
+
+struct Actor {
+    id: SandboxId,
+    container: String,
+    runtime: Arc<DockerRuntime>,
+    shared: Arc<Shared>,
+    rx: mpsc::Receiver<Command>,
+    output: Option<Output>,
+    input: Option<Input>,
+    decoder: FrameDecoder,
+    boot_id: Option<String>,
+    welcomed: bool,
+    /// Credit granted to init since the last attach, and output received.
+    granted: u64,
+    received: u64,
+    /// Events up to this seq are replays, which take no credit.
+    live_after: u64,
+    /// Partial line of init's own log (its stderr).
+    stderr: Vec<u8>,
+}
+
+enum Wake {
+    Command(Option<Command>),
+    Output(Option<Result<LogOutput, bollard::errors::Error>>),
+    Progress,
+    Closed,
+}
+
+impl Actor {
+    async fn run(mut self) {
+        while !self.shared.closed.is_cancelled() {
+            if self.output.is_none() && !self.is_lost() {
+                self.connect().await;
+            }
+            let wake = tokio::select! {
+                () = self.shared.closed.cancelled() => Wake::Closed,
+                cmd = self.rx.recv() => Wake::Command(cmd),
+                item = next_output(&mut self.output) => Wake::Output(item),
+                () = self.shared.progress.notified() => Wake::Progress,
+            };
+            match wake {
+                Wake::Closed | Wake::Command(None) => break,
+                Wake::Command(Some(cmd)) => self.handle(cmd).await,
+                Wake::Output(Some(Ok(LogOutput::StdOut { message }))) => {
+                    self.on_frames(&message).await;
+                }
+                Wake::Output(Some(Ok(LogOutput::StdErr { message }))) => self.on_init_log(&message),
+                Wake::Output(Some(Ok(_))) => {}
+                Wake::Output(Some(Err(e))) => {
+                    debug!(error = %e, "attach stream failed");
+                    self.detach();
+                }
+                Wake::Output(None) => {
+                    debug!("attach stream ended");
+                    self.detach();
+                }
+                Wake::Progress => self.grant().await,
+            }
+        }
+        debug!("sandbox actor stopped");
+    }
+
+    fn is_lost(&self) -> bool {
+        matches!(*self.shared.state.borrow(), SandboxState::Lost(_))
+    }
+
+    fn detach(&mut self) {
+        self.output = None;
+        self.input = None;
+        self.welcomed = false;
+        self.decoder = FrameDecoder::new();
+    }
+
+    /// Attaches (again) to the container, or declares the sandbox lost.
+    async fn connect(&mut self) {
+        let started = tokio::time::Instant::now();
+        let mut delay = Duration::from_millis(50);
+        loop {
+            match self.runtime.running(&self.container).await {
+                Ok(Some(true)) => match self.runtime.attach(&self.container).await {
+                    Ok(attached) => {
+                        self.output = Some(attached.output);
+                        self.input = Some(attached.input);
+                        let after_seq = lock(&self.shared.journal).last_seq();
+                        self.granted = WINDOW_BYTES;
+                        self.received = 0;
+                        let attach = InitRequest::Attach {
+                            after_seq,
+                            window_bytes: WINDOW_BYTES,
+                        };
+                        if self.send(attach).await {
+                            debug!(after_seq, "attached");
+                            return;
+                        }
+                    }
+                    Err(e) => debug!(error = %e, "attach failed"),
+                },
+                Ok(Some(false) | None) => {
+                    let reason = self.runtime.exit_reason(&self.container).await;
+                    self.lose(reason);
+                    return;
+                }
+                Err(e) => {
+                    if started.elapsed() > RECONNECT_PATIENCE {
+                        self.lose(format!("Docker engine unreachable: {e}"));
+                        return;
+                    }
+                    debug!(error = %e, "Docker unreachable; retrying");
+                }
+            }
+            tokio::select! {
+                () = tokio::time::sleep(delay) => {}
+                () = self.shared.closed.cancelled() => return,
+            }
+            delay = (delay * 2).min(Duration::from_secs(2));
+        }
+    }
+
+    /// Writes one frame to init. On failure the link is dropped (and later
+    /// re-established); returns whether the frame went out.
+    async fn send(&mut self, req: InitRequest) -> bool {
+        let Some(input) = self.input.as_mut() else {
+            return false;
+        };
+        let bytes = frame::encode(&pb::InitRequest::from(req));
+        let written = async {
+            input.write_all(&bytes).await?;
+            input.flush().await
+        }
+        .await;
+        match written {
+            Ok(()) => true,
+            Err(e) => {
+                debug!(error = %e, "writing to the supervisor failed");
+                self.detach();
+                false
+            }
+        }
+    }
+
+    async fn handle(&mut self, cmd: Command) {
+        match cmd {
+            Command::Submit { id, spec, reply } => {
+                let result = self.submit(id, spec).await;
+                let _ = reply.send(result);
+            }
+            Command::Cancel { id, reply } => {
+                let running = lock(&self.shared.ops)
+                    .ops
+                    .get(&id)
+                    .is_some_and(|r| r.result.is_none());
+                if running {
+                    self.send(InitRequest::Cancel { operation_id: id }).await;
+                }
+                let _ = reply.send(running);
+            }
+        }
+    }
+
+    async fn submit(&mut self, id: OperationId, spec: OperationSpec) -> Result<OperationRecord> {
+        if let SandboxState::Lost(reason) = &*self.shared.state.borrow() {
+            return Err(WorkerError::SandboxLost {
+                id: self.id.to_string(),
+                reason: reason.clone(),
+            });
+        }
+        let record = {
+            let mut ops = lock(&self.shared.ops);
+            if let Some(existing) = ops.ops.get(&id) {
+                return if existing.spec == spec {
+                    Ok(existing.clone())
+                } else {
+                    Err(WorkerError::Conflict {
+                        what: "operation",
+                        id: id.to_string(),
+                    })
+                };
+            }
+            let record = OperationRecord {
+                id: id.clone(),
+                spec: spec.clone(),
+                result: None,
+                first_seq: 0,
+            };
+            ops.ops.insert(id.clone(), record.clone());
+            record
+        };
+        info!(operation = %id, kind = spec.kind(), "operation submitted");
+        // Before the supervisor's welcome the run is sent with the others
+        // init does not know yet (see `on_welcome`).
+        if self.welcomed {
+            self.send(InitRequest::Run {
+                operation_id: id,
+                spec,
+            })
+            .await;
+        }
+        Ok(record)
+    }
+
+    async fn on_frames(&mut self, data: &Bytes) {
+        self.decoder.extend(data);
+        loop {
+            match self.decoder.next_message::<pb::InitMessage>() {
+                Ok(None) => break,
+                Ok(Some(msg)) => match InitMessage::try_from(msg) {
+                    Ok(msg) => self.on_message(msg).await,
+                    Err(e) => warn!(error = %e, "invalid message from the supervisor, skipped"),
+                },
+                Err(e @ ProtocolError::FrameTooLarge { .. }) => {
+                    // The link can no longer be trusted to be in step.
+                    warn!(error = %e, "supervisor protocol error");
+                    self.detach();
+                    break;
+                }
+                Err(e) => warn!(error = %e, "undecodable frame from the supervisor, skipped"),
+            }
+        }
+    }
+
+    async fn on_message(&mut self, msg: InitMessage) {
+        match msg {
+            InitMessage::Welcome(w) => self.on_welcome(w).await,
+            InitMessage::Event(event) => self.on_event(event).await,
+            InitMessage::Rejected {
+                operation_id,
+                reason,
+            } => {
+                warn!(operation = ?operation_id.map(String::from), reason, "supervisor rejected a request");
+            }
+        }
+    }
+
+    async fn on_welcome(&mut self, w: Welcome) {
+        if let Some(known) = &self.boot_id
+            && known != &w.boot_id
+        {
+            self.lose("the sandbox's supervisor restarted".into());
+            return;
+        }
+        info!(version = w.version, last_seq = w.last_seq, operations = w.operations.len(), "supervisor attached");
+        self.boot_id = Some(w.boot_id);
+        self.live_after = w.last_seq;
+        let known: std::collections::HashSet<OperationId> =
+            w.operations.iter().map(|o| o.id.clone()).collect();
+        let unsent: Vec<(OperationId, OperationSpec)> = {
+            let mut ops = lock(&self.shared.ops);
+            for rec in w.operations {
+                ops.merge(rec);
+            }
+            ops.ops
+                .values()
+                .filter(|r| r.result.is_none() && !known.contains(&r.id))
+                .map(|r| (r.id.clone(), r.spec.clone()))
+                .collect()
+        };
+        self.welcomed = true;
+        for (operation_id, spec) in unsent {
+            self.send(InitRequest::Run { operation_id, spec }).await;
+        }
+        self.shared.state.send_replace(SandboxState::Ready);
+    }
+
+    async fn on_event(&mut self, event: Event) {
+        let seq = event.seq;
+        if seq > self.live_after {
+            self.received += event.output_len() as u64;
+        }
+        {
+            let mut ops = lock(&self.shared.ops);
+            if let Some(id) = &event.operation_id {
+                match &event.kind {
+                    EventKind::Started { .. } => {
+                        if let Some(r) = ops.ops.get_mut(id)
+                            && r.first_seq == 0
+                        {
+                            r.first_seq = seq;
+                        }
+                    }
+                    EventKind::Finished(result) => {
+                        if let Some(r) = ops.ops.get_mut(id)
+                            && r.first_seq == 0
+                        {
+                            r.first_seq = seq;
+                        }
+                        info!(operation = %id, outcome = %result.outcome, "operation finished");
+                        ops.finish(id, (**result).clone());
+                    }
+                    _ => {}
+                }
+            }
+        }
+        if lock(&self.shared.journal).insert(event) {
+            self.shared.last_seq.send_replace(seq);
+        }
+        self.grant().await;
+    }
+
+    async fn grant(&mut self) {
+        if !self.welcomed {
+            return;
+        }
+        let in_flight = self.granted.saturating_sub(self.received);
+        let backlog = self.shared.backlog();
+        let used = in_flight + backlog;
+        if used < WINDOW_BYTES / 2 {
+            let more = WINDOW_BYTES - used;
+            if self.send(InitRequest::Credit { bytes: more }).await {
+                self.granted += more;
+            }
+        }
+    }
+
+    fn on_init_log(&mut self, data: &[u8]) {
+        self.stderr.extend_from_slice(data);
+        while let Some(nl) = self.stderr.iter().position(|b| *b == b'\n') {
+            let line: Vec<u8> = self.stderr.drain(..=nl).collect();
+            info!(line = %String::from_utf8_lossy(&line).trim_end(), "supervisor log");
+        }
+        if self.stderr.len() > 64 * 1024 {
+            self.stderr.clear();
+        }
+    }
+
+    /// The sandbox is gone: every running operation ends as lost.
+    fn lose(&mut self, reason: String) {
+        warn!(reason, "sandbox lost");
+        self.detach();
+        let running: Vec<OperationId> = lock(&self.shared.ops)
+            .ops
+            .values()
+            .filter(|r| r.result.is_none())
+            .map(|r| r.id.clone())
+            .collect();
+        let mut journal = lock(&self.shared.journal);
+        for id in running {
+            let result = OperationResult::with_outcome(Outcome::SandboxLost {
+                reason: reason.clone(),
+            });
+            lock(&self.shared.ops).finish(&id, result.clone());
+            journal.push(Some(id), EventKind::Finished(Box::new(result)));
+        }
+        journal.push(None, EventKind::SandboxLost {
+            reason: reason.clone(),
+        });
+        let seq = journal.last_seq();
+        drop(journal);
+        self.shared.last_seq.send_replace(seq);
+        self.shared.state.send_replace(SandboxState::Lost(reason));
+    }
+}
+
+async fn next_output(output: &mut Option<Output>) -> Option<Result<LogOutput, bollard::errors::Error>> {
+    match output {
+        Some(o) => o.next().await,
+        None => std::future::pending().await,
+    }
+}

@@ -1,0 +1,230 @@
+//! The worker's durable state: its id, and one record per sandbox it owns.
+//!
+//! A record is written (and synced) before its container is created and
+//! removed after the container is, so on start the worker knows which of the
+//! containers carrying its label it meant to keep: those without a record
+//! are leftovers of a create that never finished, and are removed. The
+//! directory is locked so two workers never share it.
+
+use std::fs::{self, File};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use corral_proto::{SandboxId, SandboxSpec};
+use nix::fcntl::{Flock, FlockArg};
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Result, WorkerError};
+
+pub struct StateDir {
+    root: PathBuf,
+    _lock: Flock<File>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SandboxRecord {
+    pub version: u32,
+    pub id: String,
+    pub spec: StoredSpec,
+    pub created_at_unix_ms: i64,
+}
+
+/// The parts of a sandbox spec worth keeping across restarts.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StoredSpec {
+    pub image: Option<String>,
+    pub bridge_network: bool,
+    pub memory_bytes: Option<u64>,
+    pub cpu_millis: Option<u32>,
+    pub pids_limit: Option<u32>,
+    pub workspace_bytes: Option<u64>,
+    pub tmp_bytes: Option<u64>,
+    pub run_as_root: bool,
+    pub writable_rootfs: bool,
+    pub add_capabilities: Vec<String>,
+    pub env: std::collections::BTreeMap<String, String>,
+}
+
+impl From<&SandboxSpec> for StoredSpec {
+    fn from(s: &SandboxSpec) -> Self {
+        Self {
+            image: s.image.clone(),
+            bridge_network: s.network == corral_proto::NetworkMode::Bridge,
+            memory_bytes: s.memory_bytes,
+            cpu_millis: s.cpu_millis,
+            pids_limit: s.pids_limit,
+            workspace_bytes: s.workspace_bytes,
+            tmp_bytes: s.tmp_bytes,
+            run_as_root: s.run_as_root,
+            writable_rootfs: s.writable_rootfs,
+            add_capabilities: s.add_capabilities.clone(),
+            env: s.env.clone(),
+        }
+    }
+}
+
+impl From<StoredSpec> for SandboxSpec {
+    fn from(s: StoredSpec) -> Self {
+        Self {
+            image: s.image,
+            network: if s.bridge_network {
+                corral_proto::NetworkMode::Bridge
+            } else {
+                corral_proto::NetworkMode::None
+            },
+            memory_bytes: s.memory_bytes,
+            cpu_millis: s.cpu_millis,
+            pids_limit: s.pids_limit,
+            workspace_bytes: s.workspace_bytes,
+            tmp_bytes: s.tmp_bytes,
+            run_as_root: s.run_as_root,
+            writable_rootfs: s.writable_rootfs,
+            add_capabilities: s.add_capabilities,
+            env: s.env,
+        }
+    }
+}
+
+const RECORD_VERSION: u32 = 1;
+
+impl StateDir {
+    /// Opens (creating) and locks the directory.
+    pub fn open(root: &Path) -> Result<Self> {
+        let err = |e| WorkerError::state(root, e);
+        fs::create_dir_all(root.join("sandboxes")).map_err(err)?;
+        let lock_file = File::create(root.join("lock")).map_err(err)?;
+        let lock = Flock::lock(lock_file, FlockArg::LockExclusiveNonblock).map_err(|_| {
+            WorkerError::StateLocked(format!(
+                "state directory {} is in use by another worker process",
+                root.display()
+            ))
+        })?;
+        Ok(Self {
+            root: root.to_path_buf(),
+            _lock: lock,
+        })
+    }
+
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    /// This worker's id: `preferred` if given, else the stored one, else a
+    /// new random one (stored).
+    pub fn worker_id(&self, preferred: Option<&str>) -> Result<String> {
+        let path = self.root.join("worker-id");
+        if let Some(id) = preferred {
+            return Ok(id.to_string());
+        }
+        match fs::read_to_string(&path) {
+            Ok(s) if !s.trim().is_empty() => Ok(s.trim().to_string()),
+            _ => {
+                let id = format!("w{}", &corral_proto::ids::random_uuid()[..8]);
+                write_synced(&path, id.as_bytes()).map_err(|e| WorkerError::state(&path, e))?;
+                Ok(id)
+            }
+        }
+    }
+
+    fn record_path(&self, id: &str) -> PathBuf {
+        self.root.join("sandboxes").join(format!("{id}.json"))
+    }
+
+    pub fn save(&self, record: &SandboxRecord) -> Result<()> {
+        let path = self.record_path(&record.id);
+        let json = serde_json::to_vec_pretty(record)
+            .map_err(|e| WorkerError::state(&path, std::io::Error::other(e)))?;
+        write_synced(&path, &json).map_err(|e| WorkerError::state(&path, e))
+    }
+
+    pub fn remove(&self, id: &SandboxId) -> Result<()> {
+        let path = self.record_path(id.as_str());
+        match fs::remove_file(&path) {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(WorkerError::state(&path, e)),
+        }
+    }
+
+    /// Every readable record; unreadable ones are reported and skipped.
+    pub fn load_all(&self) -> Result<Vec<SandboxRecord>> {
+        let dir = self.root.join("sandboxes");
+        let mut out = Vec::new();
+        for entry in fs::read_dir(&dir).map_err(|e| WorkerError::state(&dir, e))? {
+            let Ok(entry) = entry else { continue };
+            let path = entry.path();
+            if path.extension().is_none_or(|e| e != "json") {
+                continue;
+            }
+            match fs::read(&path)
+                .map_err(|e| e.to_string())
+                .and_then(|b| serde_json::from_slice::<SandboxRecord>(&b).map_err(|e| e.to_string()))
+            {
+                Ok(r) if r.version == RECORD_VERSION => out.push(r),
+                Ok(r) => tracing::warn!(path = %path.display(), version = r.version, "sandbox record of an unknown version, ignored"),
+                Err(e) => tracing::warn!(path = %path.display(), error = %e, "unreadable sandbox record, ignored"),
+            }
+        }
+        Ok(out)
+    }
+
+    pub fn new_record(id: &SandboxId, spec: &SandboxSpec) -> SandboxRecord {
+        SandboxRecord {
+            version: RECORD_VERSION,
+            id: id.to_string(),
+            spec: spec.into(),
+            created_at_unix_ms: now_unix_ms(),
+        }
+    }
+}
+
+pub fn now_unix_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or_default()
+}
+
+/// Writes a file atomically: a synced temporary file renamed into place.
+fn write_synced(path: &Path, data: &[u8]) -> std::io::Result<()> {
+    let tmp = path.with_extension("tmp");
+    {
+        let mut f = File::create(&tmp)?;
+        f.write_all(data)?;
+        f.sync_all()?;
+    }
+    fs::rename(&tmp, path)?;
+    if let Some(dir) = path.parent() {
+        File::open(dir)?.sync_all()?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn records_round_trip_and_the_directory_is_exclusive() {
+        let dir = tempfile::tempdir().unwrap();
+        let state = StateDir::open(dir.path()).unwrap();
+        assert!(matches!(
+            StateDir::open(dir.path()),
+            Err(WorkerError::StateLocked(_))
+        ));
+        let id = SandboxId::new("sb1").unwrap();
+        let spec = SandboxSpec {
+            pids_limit: Some(64),
+            ..Default::default()
+        };
+        state.save(&StateDir::new_record(&id, &spec)).unwrap();
+        let all = state.load_all().unwrap();
+        assert_eq!(all.len(), 1);
+        assert_eq!(SandboxSpec::from(all[0].spec.clone()), spec);
+        state.remove(&id).unwrap();
+        state.remove(&id).unwrap();
+        assert!(state.load_all().unwrap().is_empty());
+        let wid = state.worker_id(None).unwrap();
+        assert_eq!(state.worker_id(None).unwrap(), wid);
+    }
+}

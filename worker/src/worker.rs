@@ -1,0 +1,337 @@
+//! The worker core: the set of sandboxes, their lifecycle, and recovery on
+//! start. The gRPC service is a thin layer over this.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use corral_proto::init::OperationRecord;
+use corral_proto::{Event, OperationId, OperationSpec, SandboxId, SandboxSpec};
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tracing::{info, warn};
+
+use crate::docker::{self, Defaults, DockerRuntime, LABEL_SANDBOX};
+use crate::error::{Result, WorkerError};
+use crate::initbin::InitBinary;
+use crate::sandbox::{Sandbox, SandboxInfo};
+use crate::state::{StateDir, now_unix_ms};
+
+/// How long a new sandbox's supervisor has to answer.
+const READY_TIMEOUT: Duration = Duration::from_secs(30);
+
+#[derive(Debug, Clone)]
+pub struct WorkerConfig {
+    pub state_dir: PathBuf,
+    pub worker_id: Option<String>,
+    pub docker_host: Option<String>,
+    pub init_binary: Option<PathBuf>,
+    pub max_sandboxes: u32,
+    pub defaults: Defaults,
+}
+
+impl WorkerConfig {
+    pub fn new(state_dir: PathBuf) -> Self {
+        Self {
+            state_dir,
+            worker_id: None,
+            docker_host: None,
+            init_binary: None,
+            max_sandboxes: 64,
+            defaults: Defaults::default(),
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct WorkerInfo {
+    pub worker_id: String,
+    pub version: String,
+    pub max_sandboxes: u32,
+    pub sandboxes: u32,
+    pub running_operations: u32,
+    pub docker_version: String,
+}
+
+/// A cheap handle to the worker.
+#[derive(Clone)]
+pub struct Worker {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    runtime: Arc<DockerRuntime>,
+    state: StateDir,
+    sandboxes: Mutex<HashMap<SandboxId, Sandbox>>,
+    /// Serializes create and destroy per sandbox id.
+    id_locks: Mutex<HashMap<SandboxId, Arc<tokio::sync::Mutex<()>>>>,
+    max_sandboxes: u32,
+    docker_version: String,
+    tracker: TaskTracker,
+    shutdown: CancellationToken,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Worker {
+    /// Connects to Docker, takes the state directory, finds the supervisor
+    /// binary, then reconciles: re-adopts running sandboxes it has records
+    /// for and removes containers it owns but has no record of.
+    pub async fn start(config: WorkerConfig) -> Result<Self> {
+        let state = StateDir::open(&config.state_dir)?;
+        let worker_id = state.worker_id(config.worker_id.as_deref())?;
+        corral_proto::SandboxId::new(worker_id.clone()).map_err(|e| {
+            WorkerError::InitBinary(format!("worker id {worker_id:?} is not usable: {e}"))
+        })?;
+        let init = InitBinary::locate(config.init_binary.as_deref())?;
+        let docker = docker::connect(config.docker_host.as_deref()).await?;
+        let runtime = Arc::new(DockerRuntime::new(docker, worker_id.clone(), init, config.defaults));
+        let docker_version = runtime.version().await;
+        let worker = Self {
+            inner: Arc::new(Inner {
+                runtime,
+                state,
+                sandboxes: Mutex::new(HashMap::new()),
+                id_locks: Mutex::new(HashMap::new()),
+                max_sandboxes: config.max_sandboxes,
+                docker_version,
+                tracker: TaskTracker::new(),
+                shutdown: CancellationToken::new(),
+            }),
+        };
+        worker.reconcile().await?;
+        info!(worker_id, state_dir = %config.state_dir.display(), "worker started");
+        Ok(worker)
+    }
+
+    pub fn id(&self) -> &str {
+        self.inner.runtime.worker_id()
+    }
+
+    pub fn runtime(&self) -> &DockerRuntime {
+        &self.inner.runtime
+    }
+
+    pub fn tracker(&self) -> &TaskTracker {
+        &self.inner.tracker
+    }
+
+    async fn reconcile(&self) -> Result<()> {
+        let inner = &self.inner;
+        let records: HashMap<String, crate::state::SandboxRecord> = inner
+            .state
+            .load_all()?
+            .into_iter()
+            .map(|r| (r.id.clone(), r))
+            .collect();
+        let mut adopted = std::collections::HashSet::new();
+        for c in inner.runtime.list_owned().await? {
+            let Some(cid) = c.id.clone() else { continue };
+            let sid = c
+                .labels
+                .as_ref()
+                .and_then(|l| l.get(LABEL_SANDBOX))
+                .cloned()
+                .unwrap_or_default();
+            let running = c.state == Some(bollard::models::ContainerSummaryStateEnum::RUNNING);
+            match (records.get(&sid), SandboxId::new(sid.clone())) {
+                (Some(record), Ok(id)) if running => {
+                    info!(sandbox = %id, "re-adopting running sandbox");
+                    let sandbox = Sandbox::spawn(
+                        id.clone(),
+                        record.spec.clone().into(),
+                        cid,
+                        record.created_at_unix_ms,
+                        inner.runtime.clone(),
+                        &inner.tracker,
+                        &inner.shutdown,
+                    );
+                    lock(&inner.sandboxes).insert(id.clone(), sandbox);
+                    adopted.insert(sid);
+                }
+                (record, _) => {
+                    let why = if record.is_some() {
+                        "stopped while the worker was away"
+                    } else {
+                        "no worker record"
+                    };
+                    info!(sandbox = %sid, container = %cid, why, "removing container");
+                    inner.runtime.remove_container(&cid).await?;
+                }
+            }
+        }
+        for sid in records.keys().filter(|s| !adopted.contains(*s)) {
+            if let Ok(id) = SandboxId::new(sid.clone()) {
+                warn!(sandbox = %id, "sandbox record without a running container, dropped");
+                inner.state.remove(&id)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn id_lock(&self, id: &SandboxId) -> Arc<tokio::sync::Mutex<()>> {
+        lock(&self.inner.id_locks)
+            .entry(id.clone())
+            .or_default()
+            .clone()
+    }
+
+    fn sandbox(&self, id: &SandboxId) -> Result<Sandbox> {
+        lock(&self.inner.sandboxes)
+            .get(id)
+            .cloned()
+            .ok_or_else(|| WorkerError::UnknownSandbox(id.to_string()))
+    }
+
+    /// Creates a sandbox, or returns the existing one with this id and spec.
+    pub async fn create_sandbox(&self, id: Option<SandboxId>, spec: SandboxSpec) -> Result<SandboxInfo> {
+        spec.validate()?;
+        if self.inner.shutdown.is_cancelled() {
+            return Err(WorkerError::ShuttingDown);
+        }
+        let id = id.unwrap_or_else(SandboxId::random);
+        let id_lock = self.id_lock(&id);
+        let _guard = id_lock.lock().await;
+        if let Ok(existing) = self.sandbox(&id) {
+            return if existing.spec == spec {
+                Ok(existing.info())
+            } else {
+                Err(WorkerError::Conflict {
+                    what: "sandbox",
+                    id: id.to_string(),
+                })
+            };
+        }
+        let count = lock(&self.inner.sandboxes).len() as u32;
+        if count >= self.inner.max_sandboxes {
+            return Err(WorkerError::AtCapacity(self.inner.max_sandboxes));
+        }
+        let record = StateDir::new_record(&id, &spec);
+        self.inner.state.save(&record)?;
+        let container = match self.inner.runtime.create(&id, &spec).await {
+            Ok(c) => c,
+            Err(e) => {
+                let _ = self.inner.state.remove(&id);
+                return Err(e);
+            }
+        };
+        let sandbox = Sandbox::spawn(
+            id.clone(),
+            spec,
+            container.clone(),
+            record.created_at_unix_ms,
+            self.inner.runtime.clone(),
+            &self.inner.tracker,
+            &self.inner.shutdown,
+        );
+        if let Err(e) = sandbox.wait_ready(READY_TIMEOUT).await {
+            sandbox.close();
+            let _ = self.inner.runtime.remove_container(&container).await;
+            let _ = self.inner.state.remove(&id);
+            return Err(e);
+        }
+        info!(sandbox = %id, container = %container, "sandbox ready");
+        lock(&self.inner.sandboxes).insert(id, sandbox.clone());
+        Ok(sandbox.info())
+    }
+
+    pub fn get_sandbox(&self, id: &SandboxId) -> Result<SandboxInfo> {
+        Ok(self.sandbox(id)?.info())
+    }
+
+    pub fn list_sandboxes(&self) -> Vec<SandboxInfo> {
+        let mut all: Vec<SandboxInfo> = lock(&self.inner.sandboxes).values().map(Sandbox::info).collect();
+        all.sort_by(|a, b| (a.created_at_unix_ms, &a.id).cmp(&(b.created_at_unix_ms, &b.id)));
+        all
+    }
+
+    /// Removes a sandbox and its container. Returns whether it existed.
+    pub async fn destroy_sandbox(&self, id: &SandboxId) -> Result<bool> {
+        let id_lock = self.id_lock(id);
+        let _guard = id_lock.lock().await;
+        let Some(sandbox) = lock(&self.inner.sandboxes).remove(id) else {
+            return Ok(false);
+        };
+        sandbox.close();
+        self.inner.runtime.remove_container(&sandbox.container_id).await?;
+        self.inner.state.remove(id)?;
+        lock(&self.inner.id_locks).remove(id);
+        info!(sandbox = %id, "sandbox destroyed");
+        Ok(true)
+    }
+
+    pub async fn submit(
+        &self,
+        sandbox: &SandboxId,
+        id: OperationId,
+        spec: OperationSpec,
+    ) -> Result<OperationRecord> {
+        spec.validate()?;
+        self.sandbox(sandbox)?.submit(id, spec).await
+    }
+
+    pub fn operation(&self, sandbox: &SandboxId, id: &OperationId) -> Result<OperationRecord> {
+        self.sandbox(sandbox)?
+            .operation(id)
+            .ok_or_else(|| WorkerError::UnknownOperation(id.to_string()))
+    }
+
+    /// Cancels an operation; true when it was running. Unknown or finished
+    /// operations are left alone.
+    pub async fn cancel(&self, sandbox: &SandboxId, id: &OperationId) -> Result<bool> {
+        self.sandbox(sandbox)?.cancel(id.clone()).await
+    }
+
+    pub fn watch(
+        &self,
+        sandbox: &SandboxId,
+        after_seq: u64,
+        only: Option<OperationId>,
+    ) -> Result<mpsc::Receiver<Event>> {
+        Ok(self.sandbox(sandbox)?.watch(after_seq, only, &self.inner.tracker))
+    }
+
+    pub fn info(&self) -> WorkerInfo {
+        let sandboxes = lock(&self.inner.sandboxes);
+        WorkerInfo {
+            worker_id: self.id().to_string(),
+            version: env!("CARGO_PKG_VERSION").to_string(),
+            max_sandboxes: self.inner.max_sandboxes,
+            sandboxes: sandboxes.len() as u32,
+            running_operations: sandboxes.values().map(|s| s.info().running_operations).sum(),
+            docker_version: self.inner.docker_version.clone(),
+        }
+    }
+
+    /// Stops every actor and watcher. Sandboxes keep running: the next start
+    /// of a worker on this state directory re-adopts them.
+    pub async fn shutdown(&self) {
+        self.inner.shutdown.cancel();
+        self.inner.tracker.close();
+        if tokio::time::timeout(Duration::from_secs(5), self.inner.tracker.wait())
+            .await
+            .is_err()
+        {
+            warn!("some sandbox tasks did not stop within 5 s");
+        }
+    }
+
+    /// Destroys every sandbox, then shuts down (the embedded worker's exit).
+    pub async fn destroy_all_and_shutdown(&self) {
+        let ids: Vec<SandboxId> = lock(&self.inner.sandboxes).keys().cloned().collect();
+        for id in ids {
+            if let Err(e) = self.destroy_sandbox(&id).await {
+                warn!(sandbox = %id, error = %e, "could not destroy sandbox");
+            }
+        }
+        self.shutdown().await;
+    }
+
+    pub fn now_unix_ms() -> i64 {
+        now_unix_ms()
+    }
+}
