@@ -1,1 +1,264 @@
+//! corral-e2e: test and benchmark harness across Corral's crates.
+//!
+//! Everything here is real: a real Docker engine, real sandboxes built from
+//! the `corral-sandbox:latest` image (`deploy/images/build.sh`), a real gRPC
+//! server on `127.0.0.1:0`, and, for restart tests, the real `corral-worker`
+//! and `corral` binaries in separate processes. Every worker gets its own id
+//! and state directory, so tests run in parallel without touching each
+//! other's sandboxes, and each harness removes its containers when dropped,
+//! even after a failed assertion.
 
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use corral_control::client::WorkerClient;
+use corral_proto::{
+    Event, EventKind, OperationId, OperationResult, OperationSpec, SandboxId, SandboxSpec,
+    ShellSpec,
+};
+use corral_worker::{Worker, WorkerConfig};
+use futures_util::StreamExt;
+use tokio::task::JoinHandle;
+
+pub fn unique_id(prefix: &str) -> String {
+    format!("{prefix}{}", &uuid::Uuid::new_v4().simple().to_string()[..10])
+}
+
+/// Removes every container of a worker id (through the docker CLI, so it
+/// works from `Drop`, outside any async runtime).
+pub fn remove_containers_of(worker_id: &str) {
+    let out = Command::new("docker")
+        .args(["ps", "-aq", "--filter", &format!("label=corral.worker={worker_id}")])
+        .output();
+    let Ok(out) = out else { return };
+    let ids: Vec<String> = String::from_utf8_lossy(&out.stdout)
+        .split_whitespace()
+        .map(String::from)
+        .collect();
+    if !ids.is_empty() {
+        let _ = Command::new("docker")
+            .arg("rm")
+            .arg("-f")
+            .args(&ids)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status();
+    }
+}
+
+/// An in-process worker served on a loopback port, with a client.
+pub struct Harness {
+    pub worker: Worker,
+    pub client: WorkerClient,
+    pub url: String,
+    pub worker_id: String,
+    stop: tokio::sync::watch::Sender<bool>,
+    server: Option<JoinHandle<()>>,
+    _state: tempfile::TempDir,
+}
+
+impl Harness {
+    pub async fn start() -> Result<Self> {
+        let state = tempfile::tempdir()?;
+        let worker_id = unique_id("t");
+        let mut config = WorkerConfig::new(state.path().to_path_buf());
+        config.worker_id = Some(worker_id.clone());
+        let worker = Worker::start(config).await.context("starting the worker")?;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let url = format!("http://{}", listener.local_addr()?);
+        let (stop, mut stopped) = tokio::sync::watch::channel(false);
+        let w = worker.clone();
+        let server = tokio::spawn(async move {
+            let shutdown = async move {
+                let _ = stopped.wait_for(|s| *s).await;
+            };
+            let _ = corral_worker::server::serve(w, listener, None, shutdown).await;
+        });
+        let client = WorkerClient::connect(&url, None).await?;
+        Ok(Self {
+            worker,
+            client,
+            url,
+            worker_id,
+            stop,
+            server: Some(server),
+            _state: state,
+        })
+    }
+
+    pub async fn sandbox(&self) -> Result<SandboxId> {
+        self.sandbox_with(SandboxSpec::default()).await
+    }
+
+    pub async fn sandbox_with(&self, spec: SandboxSpec) -> Result<SandboxId> {
+        let id = SandboxId::new(unique_id("sb"))?;
+        self.client.create_sandbox(Some(&id), spec).await?;
+        Ok(id)
+    }
+
+    /// Runs a shell command to its end; returns every event and the result.
+    pub async fn run(&self, sandbox: &SandboxId, command: &str) -> Result<OperationResult> {
+        Ok(self
+            .run_spec(sandbox, OperationSpec::Shell(ShellSpec::new(command)))
+            .await?
+            .1)
+    }
+
+    pub async fn run_spec(
+        &self,
+        sandbox: &SandboxId,
+        spec: OperationSpec,
+    ) -> Result<(Vec<Event>, OperationResult)> {
+        let op = OperationId::random();
+        let after = self.client.get_sandbox(sandbox).await?.last_seq;
+        self.client.submit(sandbox, &op, spec).await?;
+        collect(&self.client, sandbox, &op, after).await
+    }
+
+    /// Stops serving and destroys every sandbox.
+    pub async fn stop(mut self) {
+        self.worker.destroy_all_and_shutdown().await;
+        let _ = self.stop.send(true);
+        if let Some(s) = self.server.take() {
+            let _ = s.await;
+        }
+    }
+}
+
+impl Drop for Harness {
+    fn drop(&mut self) {
+        let _ = self.stop.send(true);
+        remove_containers_of(&self.worker_id);
+    }
+}
+
+/// Watches one operation from `after` until it finishes.
+pub async fn collect(
+    client: &WorkerClient,
+    sandbox: &SandboxId,
+    op: &OperationId,
+    after: u64,
+) -> Result<(Vec<Event>, OperationResult)> {
+    let mut stream = client.watch(sandbox, after, Some(op)).await?;
+    let mut events = Vec::new();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
+    loop {
+        let next = tokio::time::timeout_at(deadline, stream.next())
+            .await
+            .context("operation did not finish within 120 s")?;
+        let Some(event) = next else {
+            bail!("event stream ended before the operation finished");
+        };
+        let event = event?;
+        if let EventKind::Finished(result) = &event.kind {
+            let result = (**result).clone();
+            events.push(event);
+            return Ok((events, result));
+        }
+        events.push(event);
+    }
+}
+
+/// The stdout bytes carried by output events.
+pub fn stdout_of(events: &[Event]) -> Vec<u8> {
+    let mut out = Vec::new();
+    for e in events {
+        if let EventKind::Output {
+            stream: corral_proto::OutputStream::Stdout,
+            data,
+        } = &e.kind
+        {
+            out.extend_from_slice(data);
+        }
+    }
+    out
+}
+
+/// A workspace binary (`corral`, `corral-worker`), found next to the test
+/// executable's target directory.
+pub fn binary(name: &str) -> Result<PathBuf> {
+    let exe = std::env::current_exe()?;
+    let mut dir = exe.parent();
+    while let Some(d) = dir {
+        let candidate = d.join(name);
+        if candidate.is_file() {
+            return Ok(candidate);
+        }
+        dir = d.parent();
+    }
+    bail!("binary {name} not found above {}; run `cargo build --workspace` first", exe.display())
+}
+
+/// A free loopback port (bound then released).
+pub fn free_port() -> Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+/// A `corral-worker` in its own process.
+pub struct WorkerProcess {
+    pub child: Child,
+    pub port: u16,
+    pub url: String,
+    pub worker_id: String,
+    pub state_dir: PathBuf,
+}
+
+impl WorkerProcess {
+    /// Starts the worker binary and waits until it listens.
+    pub fn spawn(state_dir: &Path, worker_id: &str, port: u16, extra: &[(&str, &str)], args: &[&str]) -> Result<Self> {
+        let mut cmd = Command::new(binary("corral-worker")?);
+        cmd.arg("--listen")
+            .arg(format!("127.0.0.1:{port}"))
+            .arg("--state-dir")
+            .arg(state_dir)
+            .arg("--worker-id")
+            .arg(worker_id)
+            .args(args)
+            .envs(extra.iter().copied())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit());
+        let mut child = cmd.spawn()?;
+        let stdout = child.stdout.take().context("no stdout")?;
+        let mut line = String::new();
+        std::io::BufRead::read_line(&mut std::io::BufReader::new(stdout), &mut line)?;
+        if !line.contains("listening on") {
+            let _ = child.kill();
+            bail!("worker did not start: {line:?}");
+        }
+        Ok(Self {
+            child,
+            port,
+            url: format!("http://127.0.0.1:{port}"),
+            worker_id: worker_id.to_string(),
+            state_dir: state_dir.to_path_buf(),
+        })
+    }
+
+    /// SIGKILL: no cleanup, no goodbye.
+    pub fn kill9(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// Peak resident memory (VmHWM) in bytes.
+    pub fn peak_rss(&self) -> Result<u64> {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id()))?;
+        let kb: u64 = status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmHWM:"))
+            .and_then(|v| v.split_whitespace().next())
+            .and_then(|v| v.parse().ok())
+            .context("no VmHWM")?;
+        Ok(kb * 1024)
+    }
+}
+
+impl Drop for WorkerProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        remove_containers_of(&self.worker_id);
+    }
+}

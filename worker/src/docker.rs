@@ -16,6 +16,7 @@ use bollard::query_parameters::{
 };
 use corral_proto::limits::{TMP_DIR, WORKSPACE_DIR};
 use corral_proto::{NetworkMode, SandboxId, SandboxSpec};
+use futures_util::StreamExt;
 use tokio::sync::Mutex;
 
 use crate::error::{Result, WorkerError};
@@ -116,8 +117,10 @@ impl DockerRuntime {
 
     /// Makes sure the volume holding this exact supervisor binary exists.
     /// Docker will not copy into a read-only container, so the binary goes
-    /// into a volume once (through a stopped helper container) and every
-    /// sandbox mounts that volume read-only.
+    /// into a volume (through a helper container) and every sandbox mounts
+    /// that volume read-only. An existing volume is trusted; a sandbox that
+    /// then fails to start for want of the binary (another worker was still
+    /// installing it) triggers [`install_init`](Self::install_init) and one retry.
     async fn ensure_init_volume(&self, image: &str) -> Result<()> {
         let mut ready = self.init_volume_ready.lock().await;
         if *ready {
@@ -139,30 +142,46 @@ impl DockerRuntime {
                 ..Default::default()
             })
             .await?;
-        if let Err(e) = self.populate_init_volume(&name, image).await {
-            let _ = self.docker.remove_volume(&name, None::<bollard::query_parameters::RemoveVolumeOptions>).await;
-            return Err(e);
-        }
+        self.install_init(image).await?;
         tracing::info!(volume = %name, "supervisor volume created");
         *ready = true;
         Ok(())
     }
 
-    async fn populate_init_volume(&self, volume: &str, image: &str) -> Result<()> {
-        let helper = format!("corral-init-copy-{}", &corral_proto::ids::random_uuid()[..8]);
+    /// Copies the binary into the volume under a temporary name, then has it
+    /// rename itself into place (`corral-init --install`), so the final name
+    /// only ever holds a complete binary, whatever other workers do at the
+    /// same time.
+    pub async fn install_init(&self, image: &str) -> Result<()> {
+        let volume = self.init_volume();
+        let tag = &corral_proto::ids::random_uuid()[..8];
+        let helper = format!("corral-init-install-{tag}");
+        let tmp_name = format!(".corral-init.{tag}");
+        let tmp_path = format!("{INIT_DIR}/{tmp_name}");
         let body = ContainerCreateBody {
             image: Some(image.into()),
-            entrypoint: Some(vec![format!("{INIT_DIR}/corral-init")]),
+            entrypoint: Some(vec![
+                tmp_path.clone(),
+                "--install".into(),
+                tmp_path.clone(),
+                format!("{INIT_DIR}/corral-init"),
+            ]),
             cmd: Some(vec![]),
+            user: Some("0:0".into()),
             labels: Some(HashMap::from([(LABEL_MANAGED.into(), "1".into())])),
+            network_disabled: Some(true),
             host_config: Some(HostConfig {
                 network_mode: Some("none".into()),
                 mounts: Some(vec![Mount {
                     target: Some(INIT_DIR.into()),
-                    source: Some(volume.into()),
+                    source: Some(volume.clone()),
                     typ: Some(MountType::VOLUME),
                     ..Default::default()
                 }]),
+                log_config: Some(HostConfigLogConfig {
+                    typ: Some("none".into()),
+                    config: None,
+                }),
                 ..Default::default()
             }),
             ..Default::default()
@@ -172,6 +191,12 @@ impl DockerRuntime {
             .create_container(Some(opts), body)
             .await
             .map_err(|e| self.image_error(e, image))?;
+        let installed = self.run_installer(&helper, &tmp_name).await;
+        let _ = self.remove_container(&helper).await;
+        installed
+    }
+
+    async fn run_installer(&self, helper: &str, tmp_name: &str) -> Result<()> {
         let mut tar = tar::Builder::new(Vec::new());
         let mut header = tar::Header::new_gnu();
         header.set_size(self.init.bytes.len() as u64);
@@ -179,21 +204,26 @@ impl DockerRuntime {
         header.set_uid(0);
         header.set_gid(0);
         header.set_mtime(0);
-        let appended = tar
-            .append_data(&mut header, "corral-init", self.init.bytes.as_slice())
-            .and_then(|()| tar.into_inner());
-        let uploaded = match appended {
-            Ok(archive) => {
-                let opts = UploadToContainerOptionsBuilder::default().path(INIT_DIR).build();
-                self.docker
-                    .upload_to_container(&helper, Some(opts), bollard::body_full(archive.into()))
-                    .await
-                    .map_err(WorkerError::from)
-            }
-            Err(e) => Err(WorkerError::InitBinary(format!("packing: {e}"))),
-        };
-        let _ = self.remove_container(&helper).await;
-        uploaded
+        let archive = tar
+            .append_data(&mut header, tmp_name, self.init.bytes.as_slice())
+            .and_then(|()| tar.into_inner())
+            .map_err(|e| WorkerError::InitBinary(format!("packing: {e}")))?;
+        let opts = UploadToContainerOptionsBuilder::default().path(INIT_DIR).build();
+        self.docker
+            .upload_to_container(helper, Some(opts), bollard::body_full(archive.into()))
+            .await?;
+        self.docker.start_container(helper, None).await?;
+        let waited = self.docker.wait_container(helper, None).next().await;
+        match waited {
+            Some(Ok(r)) if r.status_code == 0 => Ok(()),
+            Some(Ok(r)) => Err(WorkerError::InitBinary(format!(
+                "installing into the volume failed with exit code {}",
+                r.status_code
+            ))),
+            Some(Err(bollard::errors::Error::DockerContainerWaitError { code: 0, .. })) => Ok(()),
+            Some(Err(e)) => Err(e.into()),
+            None => Err(WorkerError::InitBinary("installer vanished".into())),
+        }
     }
 
     fn image_error(&self, e: bollard::errors::Error, image: &str) -> WorkerError {
@@ -301,8 +331,23 @@ impl DockerRuntime {
             Err(e) => return Err(self.image_error(e, &image)),
         };
         if let Err(e) = self.docker.start_container(&created.id, None).await {
-            let _ = self.remove_container(&created.id).await;
-            return Err(e.into());
+            // The supervisor may still be on its way into a volume another
+            // worker created: install it ourselves and try once more.
+            let retried = if e.to_string().contains("corral-init") {
+                tracing::info!(error = %e, "supervisor missing from its volume; installing");
+                match self.install_init(&image).await {
+                    Ok(()) => self.docker.start_container(&created.id, None).await,
+                    Err(install) => Err(bollard::errors::Error::IOError {
+                        err: std::io::Error::other(install.to_string()),
+                    }),
+                }
+            } else {
+                Err(e)
+            };
+            if let Err(e) = retried {
+                let _ = self.remove_container(&created.id).await;
+                return Err(e.into());
+            }
         }
         Ok(created.id)
     }
@@ -378,6 +423,31 @@ impl DockerRuntime {
             .filters(&filters)
             .build();
         Ok(self.docker.list_containers(Some(opts)).await?)
+    }
+
+    /// Removes supervisor volumes of other builds that no container uses
+    /// (Docker refuses to remove one in use, which is what we want).
+    pub async fn prune_old_init_volumes(&self) {
+        let filters = HashMap::from([("label".to_string(), vec![format!("{LABEL_MANAGED}=1")])]);
+        let opts = bollard::query_parameters::ListVolumesOptionsBuilder::default()
+            .filters(&filters)
+            .build();
+        let Ok(list) = self.docker.list_volumes(Some(opts)).await else {
+            return;
+        };
+        let current = self.init_volume();
+        for v in list.volumes.unwrap_or_default() {
+            if v.name.starts_with("corral-init-") && v.name != current {
+                match self
+                    .docker
+                    .remove_volume(&v.name, None::<bollard::query_parameters::RemoveVolumeOptions>)
+                    .await
+                {
+                    Ok(()) => tracing::info!(volume = %v.name, "removed an old supervisor volume"),
+                    Err(e) => tracing::debug!(volume = %v.name, error = %e, "old supervisor volume kept"),
+                }
+            }
+        }
     }
 
     pub async fn version(&self) -> String {

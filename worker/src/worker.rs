@@ -91,6 +91,7 @@ impl Worker {
         let docker = docker::connect(config.docker_host.as_deref()).await?;
         let runtime = Arc::new(DockerRuntime::new(docker, worker_id.clone(), init, config.defaults));
         let docker_version = runtime.version().await;
+        runtime.prune_old_init_volumes().await;
         let worker = Self {
             inner: Arc::new(Inner {
                 runtime,
@@ -162,6 +163,13 @@ impl Worker {
                     info!(sandbox = %sid, container = %cid, why, "removing container");
                     inner.runtime.remove_container(&cid).await?;
                 }
+            }
+        }
+        // Give adopted supervisors a moment to answer, so callers see them ready.
+        let sandboxes: Vec<Sandbox> = lock(&inner.sandboxes).values().cloned().collect();
+        for sb in sandboxes {
+            if let Err(e) = sb.wait_ready(Duration::from_secs(10)).await {
+                warn!(sandbox = %sb.id, error = %e, "adopted sandbox is not ready");
             }
         }
         for sid in records.keys().filter(|s| !adopted.contains(*s)) {

@@ -48,7 +48,7 @@ impl Journal {
             operation_id,
             kind,
         };
-        self.insert(event.clone());
+        self.append(event.clone());
         event
     }
 
@@ -56,10 +56,15 @@ impl Journal {
     /// init). Events at or below the last seq are duplicates and are ignored;
     /// returns whether the event was new.
     pub fn insert(&mut self, event: Event) -> bool {
-        if event.seq <= self.last_seq && !self.events.is_empty() {
+        if event.seq <= self.last_seq {
             return false;
         }
-        self.last_seq = self.last_seq.max(event.seq);
+        self.last_seq = event.seq;
+        self.append(event);
+        true
+    }
+
+    fn append(&mut self, event: Event) {
         self.bytes += event.weight();
         self.events.push_back(event);
         while self.events.len() > 1
@@ -69,7 +74,6 @@ impl Journal {
                 self.bytes -= old.weight();
             }
         }
-        true
     }
 
     /// Starts numbering after `seq` (a worker that learns its init's position).

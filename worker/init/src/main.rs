@@ -10,9 +10,25 @@ fn main() -> ExitCode {
         }
         return ExitCode::SUCCESS;
     }
+    // `--install SRC DST`: the worker's helper puts a freshly copied binary
+    // into place atomically (rename), inside the supervisor volume.
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    if let [flag, src, dst] = args.as_slice()
+        && flag == "--install"
+    {
+        return match std::fs::rename(src, dst) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                #[allow(clippy::print_stderr)]
+                {
+                    eprintln!("corral-init: installing {src} as {dst}: {e}");
+                }
+                ExitCode::from(1)
+            }
+        };
+    }
     // `--roots WORKSPACE TMP` runs outside a sandbox (the supervisor's own tests).
     let mut config = corral_init::supervisor::Config::default();
-    let args: Vec<String> = std::env::args().skip(1).collect();
     if let [flag, workspace, tmp] = args.as_slice()
         && flag == "--roots"
     {

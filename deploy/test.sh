@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Runs Corral's whole test suite against the local Docker engine: builds the
+# static corral-init and the sandbox image first (the tests run real
+# sandboxes), then every test of the workspace with cargo-nextest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+RUSTFLAGS="-C target-feature=+crt-static" \
+    cargo build --locked --release --target x86_64-unknown-linux-gnu -p corral-init
+deploy/images/build.sh
+cargo build --locked --workspace --bins
+cargo nextest run --locked --workspace "$@"

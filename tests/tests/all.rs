@@ -1,0 +1,2 @@
+//! End-to-end tests: one binary, modules under `suite/`.
+mod suite;

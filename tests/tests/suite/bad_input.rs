@@ -1,0 +1,169 @@
+//! Bad input gets a clear error and changes nothing.
+
+use corral_control::client::{ClientError, WorkerClient};
+use corral_e2e::{Harness, WorkerProcess, free_port, unique_id};
+use corral_proto::{
+    FileErrorKind, OperationId, OperationSpec, Outcome, ReadFileSpec, SandboxId, SandboxSpec,
+    ShellSpec, WriteFileSpec,
+};
+
+fn code(e: ClientError) -> (tonic::Code, String) {
+    match e {
+        ClientError::Status(s) => (s.code(), s.message().to_string()),
+        other => panic!("expected a status, got {other}"),
+    }
+}
+
+#[tokio::test]
+async fn invalid_commands_ids_and_unknown_sandboxes() -> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let sb = h.sandbox().await?;
+    let submit = |cmd: &str| {
+        let spec = OperationSpec::Shell(ShellSpec::new(cmd));
+        let c = h.client.clone();
+        let sb = sb.clone();
+        async move { c.submit(&sb, &OperationId::random(), spec).await }
+    };
+    let (c, m) = code(submit("echo a\0b").await.unwrap_err());
+    assert_eq!((c, m.as_str()), (tonic::Code::InvalidArgument, "invalid `command`: contains a NUL byte at offset 6"));
+    let (c, m) = code(submit("").await.unwrap_err());
+    assert_eq!((c, m.as_str()), (tonic::Code::InvalidArgument, "invalid `command`: empty command"));
+
+    let nosuch = SandboxId::new("no-such-sandbox")?;
+    let (c, m) = code(h.client.get_sandbox(&nosuch).await.unwrap_err());
+    assert_eq!((c, m.as_str()), (tonic::Code::NotFound, "unknown sandbox no-such-sandbox"));
+    let spec = OperationSpec::Shell(ShellSpec::new("true"));
+    let (c, _) = code(h.client.submit(&nosuch, &OperationId::random(), spec).await.unwrap_err());
+    assert_eq!(c, tonic::Code::NotFound);
+    let (c, _) = code(h.client.watch(&nosuch, 0, None).await.err().unwrap());
+    assert_eq!(c, tonic::Code::NotFound);
+    assert!(!h.client.destroy_sandbox(&nosuch).await?, "destroying an unknown sandbox is a no-op");
+
+    // Ids that are not ids.
+    let bad = corral_proto::pb::GetSandboxRequest { id: "a/../etc".into() };
+    let mut pbc = corral_proto::pb::worker_client::WorkerClient::connect(h.url.clone()).await?;
+    let e = pbc.get_sandbox(bad).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::InvalidArgument);
+    assert!(e.message().contains("'/'"), "{}", e.message());
+
+    // Too big to write.
+    let big = OperationSpec::WriteFile(WriteFileSpec {
+        path: "big".into(),
+        data: bytes::Bytes::from(vec![0u8; (8 << 20) + 1]),
+        mode: 0o644,
+    });
+    let (c, _) = code(h.client.submit(&sb, &OperationId::random(), big).await.unwrap_err());
+    assert_eq!(c, tonic::Code::InvalidArgument);
+    h.stop().await;
+    Ok(())
+}
+
+#[tokio::test]
+async fn duplicate_ids_are_idempotent_or_refused() -> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let id = SandboxId::new(unique_id("dup"))?;
+    let a = h.client.create_sandbox(Some(&id), SandboxSpec::default()).await?;
+    let b = h.client.create_sandbox(Some(&id), SandboxSpec::default()).await?;
+    assert_eq!(a.container_id, b.container_id, "same id and spec: the same sandbox");
+    let other = SandboxSpec {
+        pids_limit: Some(77),
+        ..Default::default()
+    };
+    let (c, _) = code(h.client.create_sandbox(Some(&id), other).await.unwrap_err());
+    assert_eq!(c, tonic::Code::AlreadyExists);
+
+    // The same operation id twice runs once.
+    let op = OperationId::random();
+    let spec = OperationSpec::Shell(ShellSpec::new("echo x >> /workspace/count"));
+    h.client.submit(&id, &op, spec.clone()).await?;
+    h.client.submit(&id, &op, spec).await?;
+    corral_e2e::collect(&h.client, &id, &op, 0).await?;
+    let r = h.run(&id, "wc -l < /workspace/count").await?;
+    assert_eq!(r.stdout.to_lossy_string().trim(), "1");
+    let (c, _) = code(
+        h.client
+            .submit(&id, &op, OperationSpec::Shell(ShellSpec::new("echo different")))
+            .await
+            .unwrap_err(),
+    );
+    assert_eq!(c, tonic::Code::AlreadyExists);
+    h.stop().await;
+    Ok(())
+}
+
+#[tokio::test]
+async fn file_paths_cannot_escape_the_sandbox_roots() -> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let sb = h.sandbox().await?;
+    h.run(&sb, "ln -s /etc /workspace/etc-link").await?;
+    for path in ["../etc/passwd", "/etc/passwd", "/workspace/../etc/passwd", "etc-link/passwd", "/.corral/corral-init"] {
+        let read = OperationSpec::ReadFile(ReadFileSpec {
+            path: path.into(),
+            offset: 0,
+            limit: 100,
+        });
+        let r = h.run_spec(&sb, read).await?.1;
+        assert!(
+            matches!(r.outcome, Outcome::FileError { kind: FileErrorKind::OutsideSandboxRoots, .. }),
+            "{path}: {:?}",
+            r.outcome
+        );
+        let write = OperationSpec::WriteFile(WriteFileSpec {
+            path: path.into(),
+            data: bytes::Bytes::from_static(b"x"),
+            mode: 0o644,
+        });
+        let r = h.run_spec(&sb, write).await?.1;
+        assert!(
+            matches!(r.outcome, Outcome::FileError { kind: FileErrorKind::OutsideSandboxRoots, .. }),
+            "{path}: {:?}",
+            r.outcome
+        );
+    }
+    let read = OperationSpec::ReadFile(ReadFileSpec {
+        path: "missing".into(),
+        offset: 0,
+        limit: 100,
+    });
+    let r = h.run_spec(&sb, read).await?.1;
+    assert!(matches!(r.outcome, Outcome::FileError { kind: FileErrorKind::NotFound, .. }), "{:?}", r.outcome);
+    h.stop().await;
+    Ok(())
+}
+
+#[tokio::test]
+async fn calls_without_the_right_token_are_unauthenticated() -> anyhow::Result<()> {
+    let state = tempfile::tempdir()?;
+    let token_file = state.path().join("token");
+    std::fs::write(&token_file, "right-token\n")?;
+    let token_arg = token_file.to_string_lossy().to_string();
+    let worker = WorkerProcess::spawn(
+        &state.path().join("state"),
+        &unique_id("a"),
+        free_port()?,
+        &[],
+        &["--token-file", &token_arg],
+    )?;
+    let none = WorkerClient::connect(&worker.url, None).await?;
+    let (c, m) = code(none.list_sandboxes().await.unwrap_err());
+    assert_eq!((c, m.as_str()), (tonic::Code::Unauthenticated, "missing bearer token"));
+    let wrong = WorkerClient::connect(&worker.url, Some("wrong-token")).await?;
+    let (c, m) = code(wrong.list_sandboxes().await.unwrap_err());
+    assert_eq!((c, m.as_str()), (tonic::Code::Unauthenticated, "wrong bearer token"));
+    let right = WorkerClient::connect(&worker.url, Some("right-token")).await?;
+    assert!(right.list_sandboxes().await?.is_empty());
+    assert_eq!(right.worker_info().await?.worker_id, worker.worker_id);
+    Ok(())
+}
+
+#[test]
+fn a_worker_on_a_public_address_refuses_to_start_without_a_token() -> anyhow::Result<()> {
+    let out = std::process::Command::new(corral_e2e::binary("corral-worker")?)
+        .args(["--listen", "0.0.0.0:0"])
+        .output()?;
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8(out.stderr)?;
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(err.contains("a token is required"), "{err}");
+    Ok(())
+}

@@ -1,0 +1,105 @@
+//! The `corral` command line: exit codes, live streams, one-line errors.
+
+use std::process::Output;
+
+use corral_e2e::{Harness, binary, unique_id};
+
+async fn corral(args: &[&str]) -> anyhow::Result<Output> {
+    Ok(tokio::process::Command::new(binary("corral")?)
+        .args(args)
+        .env_remove("CORRAL_WORKER")
+        .output()
+        .await?)
+}
+
+fn one_line_error(out: &Output) -> String {
+    let err = String::from_utf8_lossy(&out.stderr).to_string();
+    assert_eq!(err.lines().count(), 1, "expected one line on stderr, got: {err}");
+    assert!(err.starts_with("corral: "), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    err
+}
+
+#[tokio::test]
+async fn exit_codes_and_streams() -> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let sb = h.sandbox().await?;
+    let base = ["--worker", h.url.as_str(), "exec", "--sandbox", sb.as_str()];
+    let run = |extra: &'static [&'static str]| {
+        let mut args: Vec<&str> = base.to_vec();
+        args.extend_from_slice(extra);
+        async move { corral(&args).await }
+    };
+    let out = run(&["-e", "WHO=you", "--", "sh", "-c", "echo hi $WHO; echo oops >&2; exit 5"]).await?;
+    assert_eq!(out.status.code(), Some(5));
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "hi you\n");
+    assert_eq!(String::from_utf8_lossy(&out.stderr), "oops\n");
+
+    let out = run(&["--", "echo", "it's", "a b"]).await?;
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "it's a b\n");
+
+    let out = run(&["--timeout", "1s", "--", "sleep", "30"]).await?;
+    assert_eq!(out.status.code(), Some(124));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("timed out"));
+
+    let out = run(&["--", "sh", "-c", "kill -KILL $$"]).await?;
+    assert_eq!(out.status.code(), Some(137));
+
+    let out = run(&["-w", "/tmp", "--", "pwd"]).await?;
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "/tmp\n");
+    h.stop().await;
+    Ok(())
+}
+
+#[tokio::test]
+async fn errors_are_one_clear_line() -> anyhow::Result<()> {
+    let out = corral(&["--worker", "http://127.0.0.1:1", "sandbox", "ls"]).await?;
+    assert_eq!(out.status.code(), Some(125));
+    assert!(one_line_error(&out).contains("cannot reach the worker at http://127.0.0.1:1"));
+
+    let h = Harness::start().await?;
+    let out = corral(&["--worker", &h.url, "exec", "--sandbox", "nope", "--", "true"]).await?;
+    assert_eq!(out.status.code(), Some(125));
+    assert!(one_line_error(&out).contains("unknown sandbox nope"));
+
+    let out = corral(&["--worker", &h.url, "sandbox", "rm", "nope"]).await?;
+    assert!(one_line_error(&out).contains("unknown sandbox nope"));
+
+    let out = corral(&["exec", "--bogus", "--", "true"]).await?;
+    assert_eq!(out.status.code(), Some(2), "usage errors exit 2");
+
+    let state = tempfile::tempdir()?;
+    let state_arg = state.path().to_string_lossy().to_string();
+    let out = corral(&["--state-dir", &state_arg, "--docker-host", "unix:///nonexistent/docker.sock", "sandbox", "ls"]).await?;
+    assert_eq!(out.status.code(), Some(125));
+    assert!(one_line_error(&out).contains("Docker"));
+    h.stop().await;
+    Ok(())
+}
+
+#[tokio::test]
+async fn the_embedded_worker_runs_and_cleans_up() -> anyhow::Result<()> {
+    let state = tempfile::tempdir()?;
+    let s = state.path().to_string_lossy().to_string();
+    let worker_id = unique_id("emb");
+    std::fs::write(state.path().join("worker-id"), &worker_id)?;
+    let out = corral(&["--state-dir", &s, "exec", "--", "sh", "-c", "echo embedded; exit 4"]).await?;
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "embedded\n", "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(out.status.code(), Some(4));
+
+    // A sandbox outlives the process that created it, and a later one adopts it.
+    let out = corral(&["--state-dir", &s, "sandbox", "create", "--id", "kept", "--pids", "100"]).await?;
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "kept\n");
+    let out = corral(&["--state-dir", &s, "exec", "--sandbox", "kept", "--", "sh", "-c", "echo 1 > f; cat f"]).await?;
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "1\n");
+    let out = corral(&["--state-dir", &s, "sandbox", "ls"]).await?;
+    let listing = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(listing.contains("kept") && listing.contains("ready"), "{listing}");
+    let out = corral(&["--state-dir", &s, "sandbox", "rm", "kept"]).await?;
+    assert!(out.status.success());
+    let left = std::process::Command::new("docker")
+        .args(["ps", "-aq", "--filter", &format!("label=corral.worker={worker_id}")])
+        .output()?;
+    assert!(left.stdout.is_empty(), "containers left behind");
+    Ok(())
+}

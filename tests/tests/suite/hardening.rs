@@ -1,0 +1,116 @@
+//! Sandboxes are hardened by default (read back through the Docker API and
+//! checked from inside), and loosening is explicit.
+
+use std::collections::HashMap;
+
+use corral_e2e::{Harness, WorkerProcess, free_port, unique_id};
+use corral_control::client::WorkerClient;
+use corral_proto::{NetworkMode, SandboxId, SandboxSpec};
+
+async fn inspect(id: &str) -> anyhow::Result<bollard::models::ContainerInspectResponse> {
+    let docker = bollard::Docker::connect_with_defaults()?;
+    Ok(docker.inspect_container(id, None).await?)
+}
+
+#[tokio::test]
+async fn the_container_is_hardened_by_default() -> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let sb = h.sandbox().await?;
+    let info = h.client.get_sandbox(&sb).await?;
+    let c = inspect(&info.container_id).await?;
+    let hc = c.host_config.clone().unwrap_or_default();
+    let cfg = c.config.clone().unwrap_or_default();
+    assert_eq!(hc.network_mode.as_deref(), Some("none"));
+    assert_eq!(hc.cap_drop, Some(vec!["ALL".to_string()]));
+    assert!(hc.cap_add.unwrap_or_default().is_empty());
+    assert!(hc.security_opt.unwrap_or_default().iter().any(|o| o.starts_with("no-new-privileges")));
+    assert_eq!(hc.readonly_rootfs, Some(true));
+    let tmpfs: HashMap<String, String> = hc.tmpfs.unwrap_or_default();
+    assert!(tmpfs.get("/tmp").is_some_and(|o| o.contains("size=")), "{tmpfs:?}");
+    assert!(tmpfs.get("/workspace").is_some_and(|o| o.contains("size=") && o.contains("uid=1000")), "{tmpfs:?}");
+    assert_eq!(hc.pids_limit, Some(256));
+    assert_eq!(hc.memory, Some(1 << 30));
+    assert_eq!(hc.memory_swap, Some(1 << 30));
+    assert_eq!(hc.nano_cpus, Some(1_000_000_000));
+    assert_eq!(hc.privileged, Some(false));
+    assert_eq!(hc.log_config.and_then(|l| l.typ).as_deref(), Some("none"));
+    assert!(hc.binds.unwrap_or_default().is_empty(), "no bind mounts (no Docker socket)");
+    assert_eq!(cfg.user.as_deref(), Some("1000:1000"));
+    let labels = cfg.labels.unwrap_or_default();
+    assert_eq!(labels.get("corral.worker"), Some(&h.worker_id));
+    assert_eq!(labels.get("corral.sandbox").map(String::as_str), Some(sb.as_str()));
+    let mounts = c.mounts.unwrap_or_default();
+    assert!(mounts.iter().all(|m| m.rw != Some(true) || m.destination.as_deref() != Some("/.corral")));
+
+    // And from inside.
+    let r = h
+        .run(
+            &sb,
+            "id -u; touch /etc/x 2>/dev/null && echo rootfs-writable || echo rootfs-ro; \
+             grep -E '^(CapEff|NoNewPrivs)' /proc/self/status; \
+             tail -n +3 /proc/net/dev | cut -d: -f1 | tr -d ' '; \
+             echo ok > /tmp/t && cat /tmp/t; ls /var/run/docker.sock 2>&1 | grep -c 'No such'",
+        )
+        .await?;
+    assert_eq!(
+        r.stdout.to_lossy_string(),
+        "1000\nrootfs-ro\nCapEff:\t0000000000000000\nNoNewPrivs:\t1\nlo\nok\n1\n"
+    );
+    h.stop().await;
+    Ok(())
+}
+
+#[tokio::test]
+async fn loosening_is_explicit_per_sandbox() -> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let sb = h
+        .sandbox_with(SandboxSpec {
+            network: NetworkMode::Bridge,
+            run_as_root: true,
+            writable_rootfs: true,
+            pids_limit: Some(99),
+            memory_bytes: Some(300 << 20),
+            cpu_millis: Some(500),
+            add_capabilities: vec!["CAP_CHOWN".into()],
+            ..Default::default()
+        })
+        .await?;
+    let c = inspect(&h.client.get_sandbox(&sb).await?.container_id).await?;
+    let hc = c.host_config.unwrap_or_default();
+    assert_eq!(hc.network_mode.as_deref(), Some("bridge"));
+    assert_eq!(hc.readonly_rootfs, Some(false));
+    assert_eq!(hc.pids_limit, Some(99));
+    assert_eq!(hc.memory, Some(300 << 20));
+    assert_eq!(hc.nano_cpus, Some(500_000_000));
+    assert_eq!(hc.cap_add, Some(vec!["CAP_CHOWN".to_string()]));
+    assert_eq!(c.config.and_then(|c| c.user).as_deref(), Some("0:0"));
+    let r = h.run(&sb, "id -u; touch /etc/x && echo writable").await?;
+    assert_eq!(r.stdout.to_lossy_string(), "0\nwritable\n");
+    h.stop().await;
+    Ok(())
+}
+
+#[tokio::test]
+async fn nothing_from_the_workers_environment_reaches_a_sandbox() -> anyhow::Result<()> {
+    let state = tempfile::tempdir()?;
+    let worker = WorkerProcess::spawn(
+        state.path(),
+        &unique_id("e"),
+        free_port()?,
+        &[("CORRAL_TEST_SECRET", "s3cr3t-canary"), ("AWS_SECRET_ACCESS_KEY", "s3cr3t-canary")],
+        &[],
+    )?;
+    let client = WorkerClient::connect(&worker.url, None).await?;
+    let sb = SandboxId::new(unique_id("sb"))?;
+    client.create_sandbox(Some(&sb), SandboxSpec::default()).await?;
+    let op = corral_proto::OperationId::random();
+    client
+        .submit(&sb, &op, corral_proto::OperationSpec::Shell(corral_proto::ShellSpec::new("env; cat /proc/1/environ")))
+        .await?;
+    let (_, r) = corral_e2e::collect(&client, &sb, &op, 0).await?;
+    let all = format!("{}{}", r.stdout.to_lossy_string(), r.stderr.to_lossy_string());
+    assert!(all.contains("PATH="), "{all}");
+    assert!(!all.contains("s3cr3t-canary"), "worker secret leaked: {all}");
+    client.destroy_sandbox(&sb).await?;
+    Ok(())
+}

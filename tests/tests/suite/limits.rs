@@ -1,0 +1,148 @@
+//! Limits hold: timeouts kill the whole process group, cancels are
+//! idempotent, a flood of output streams with back-pressure while what is
+//! kept stays capped, fork and memory bombs are contained and reported.
+
+use std::time::Duration;
+
+use corral_control::client::WorkerClient;
+use corral_e2e::{Harness, WorkerProcess, collect, free_port, unique_id};
+use corral_proto::{EventKind, OperationId, OperationSpec, Outcome, SandboxId, SandboxSpec, ShellSpec};
+use futures_util::StreamExt;
+
+fn shell(cmd: &str, timeout_ms: u64) -> OperationSpec {
+    let mut s = ShellSpec::new(cmd);
+    s.timeout_ms = Some(timeout_ms);
+    OperationSpec::Shell(s)
+}
+
+#[tokio::test]
+async fn timeout_kills_the_whole_process_group() -> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let sb = h.sandbox().await?;
+    let (_, r) = h
+        .run_spec(&sb, shell("sleep 300 & echo $! > /tmp/bg; echo started; sleep 300", 1000))
+        .await?;
+    assert_eq!(r.outcome, Outcome::TimedOut);
+    assert_eq!(r.outcome.exit_status(), 124);
+    assert_eq!(r.stdout.to_lossy_string(), "started\n");
+    let r = h.run(&sb, "kill -0 $(cat /tmp/bg) 2>/dev/null && echo alive || echo gone").await?;
+    assert_eq!(r.stdout.to_lossy_string(), "gone\n", "the background child survived");
+    h.stop().await;
+    Ok(())
+}
+
+#[tokio::test]
+async fn cancel_is_idempotent() -> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let sb = h.sandbox().await?;
+    let op = OperationId::random();
+    h.client.submit(&sb, &op, shell("echo ready; sleep 300", 600_000)).await?;
+    let mut events = h.client.watch(&sb, 0, Some(&op)).await?;
+    // Wait until it runs.
+    while let Some(e) = events.next().await {
+        if matches!(e?.kind, EventKind::Output { .. }) {
+            break;
+        }
+    }
+    assert!(h.client.cancel(&sb, &op).await?);
+    h.client.cancel(&sb, &op).await?;
+    let (_, r) = collect(&h.client, &sb, &op, 0).await?;
+    assert_eq!(r.outcome, Outcome::Canceled);
+    assert!(!h.client.cancel(&sb, &op).await?, "finished: nothing to cancel");
+    assert!(!h.client.cancel(&sb, &OperationId::random()).await?, "unknown: no-op");
+    // The record says the same.
+    assert_eq!(h.client.operation(&sb, &op).await?.result.map(|r| r.outcome), Some(Outcome::Canceled));
+    h.stop().await;
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_200_mb_output_streams_with_back_pressure_and_bounded_memory() -> anyhow::Result<()> {
+    let state = tempfile::tempdir()?;
+    let worker = WorkerProcess::spawn(state.path(), &unique_id("m"), free_port()?, &[], &[])?;
+    let client = WorkerClient::connect(&worker.url, None).await?;
+    let sb = SandboxId::new(unique_id("sb"))?;
+    client.create_sandbox(Some(&sb), SandboxSpec::default()).await?;
+    let op = OperationId::random();
+    let total: u64 = 200_000_000;
+    let mut spec = ShellSpec::new(format!("head -c {total} /dev/zero; echo done >&2"));
+    spec.output_limit_bytes = Some(1 << 20);
+    client.submit(&sb, &op, OperationSpec::Shell(spec)).await?;
+
+    let mut stream = client.watch(&sb, 0, Some(&op)).await?;
+    let mut received: u64 = 0;
+    // Take one event, then stop reading for a while: the command must wait.
+    if let Some(e) = stream.next().await {
+        received += e?.output_len() as u64;
+    }
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let paused_seq = client.get_sandbox(&sb).await?.last_seq;
+    let mut result = None;
+    while let Some(e) = stream.next().await {
+        let e = e?;
+        received += match &e.kind {
+            EventKind::Output { stream: corral_proto::OutputStream::Stdout, data } => data.len() as u64,
+            _ => 0,
+        };
+        if let EventKind::Finished(r) = e.kind {
+            result = Some(*r);
+            break;
+        }
+    }
+    let r = result.expect("no result");
+    assert_eq!(received, total, "the watcher must get every byte");
+    assert_eq!(r.outcome, Outcome::Exited { code: 0 });
+    assert_eq!(r.stdout.total_bytes, total);
+    assert!(r.stdout.truncated);
+    assert_eq!((r.stdout.head.len() + r.stdout.tail.len()) as u64, 1 << 20);
+    assert_eq!(r.stderr.to_lossy_string(), "done\n");
+    // Without back-pressure the command would have written well over a
+    // thousand 64 KiB chunks during the pause; with it, about a window's worth.
+    assert!(paused_seq < 400, "output ran ahead of a paused watcher: seq {paused_seq}");
+    let peak = worker.peak_rss()?;
+    assert!(peak < 160 << 20, "worker peak RSS {} MiB", peak >> 20);
+    client.destroy_sandbox(&sb).await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_fork_bomb_is_contained_and_the_worker_keeps_serving() -> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let bombed = h
+        .sandbox_with(SandboxSpec {
+            pids_limit: Some(64),
+            ..Default::default()
+        })
+        .await?;
+    let other = h.sandbox().await?;
+    let op = OperationId::random();
+    h.client.submit(&bombed, &op, shell("f(){ f | f & }; f; wait", 3000)).await?;
+    // Meanwhile, the worker and the other sandbox are fine.
+    let r = h.run(&other, "echo fine").await?;
+    assert_eq!(r.stdout.to_lossy_string(), "fine\n");
+    let (_, r) = collect(&h.client, &bombed, &op, 0).await?;
+    assert_eq!(r.outcome, Outcome::TimedOut);
+    // The bomb is gone and the sandbox works again.
+    let r = h.run(&bombed, "echo recovered").await?;
+    assert_eq!(r.stdout.to_lossy_string(), "recovered\n");
+    h.stop().await;
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_memory_bomb_is_killed_and_reported() -> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let sb = h
+        .sandbox_with(SandboxSpec {
+            memory_bytes: Some(64 << 20),
+            ..Default::default()
+        })
+        .await?;
+    let r = h.run(&sb, "dd if=/dev/zero of=/dev/null bs=256M count=1").await?;
+    assert_eq!(r.outcome, Outcome::OutOfMemory, "{r:?}");
+    assert_eq!(r.outcome.exit_status(), 137);
+    let r = h.run(&sb, "echo still here").await?;
+    assert_eq!(r.stdout.to_lossy_string(), "still here\n");
+    h.stop().await;
+    Ok(())
+}

@@ -1,0 +1,100 @@
+//! A worker that dies loses nothing: a command's output and exit code
+//! arrive complete through `corral exec`, running sandboxes are re-adopted,
+//! and containers without a worker record are removed.
+
+use std::io::BufRead;
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use corral_control::client::WorkerClient;
+use corral_e2e::{WorkerProcess, binary, free_port, unique_id};
+use corral_proto::{SandboxId, SandboxSpec};
+
+#[tokio::test]
+async fn sigkill_the_worker_mid_command_and_the_output_arrives_complete() -> anyhow::Result<()> {
+    let state = tempfile::tempdir()?;
+    let (wid, port) = (unique_id("r"), free_port()?);
+    let mut worker = WorkerProcess::spawn(state.path(), &wid, port, &[], &[])?;
+    let client = WorkerClient::connect(&worker.url, None).await?;
+    let sb = SandboxId::new(unique_id("sb"))?;
+    client.create_sandbox(Some(&sb), SandboxSpec::default()).await?;
+
+    let mut exec = Command::new(binary("corral")?)
+        .args(["--worker", &worker.url, "exec", "--sandbox", sb.as_str(), "--"])
+        .args(["sh", "-c", "for i in $(seq 1 40); do echo line $i; echo err $i >&2; sleep 0.1; done; exit 3"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()?;
+    let stdout = exec.stdout.take().expect("stdout");
+    let stderr = exec.stderr.take().expect("stderr");
+    let (tx, rx) = std::sync::mpsc::channel::<String>();
+    let reader = std::thread::spawn(move || {
+        let mut lines = Vec::new();
+        for line in std::io::BufReader::new(stdout).lines() {
+            let line = line.unwrap_or_default();
+            let _ = tx.send(line.clone());
+            lines.push(line);
+        }
+        lines
+    });
+    let err_reader = std::thread::spawn(move || {
+        std::io::BufReader::new(stderr).lines().map(|l| l.unwrap_or_default()).collect::<Vec<_>>()
+    });
+    // Let it get going, then kill the worker without warning.
+    for _ in 0..5 {
+        rx.recv_timeout(Duration::from_secs(30))?;
+    }
+    worker.kill9();
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    let worker2 = WorkerProcess::spawn(state.path(), &wid, port, &[], &[])?;
+
+    let status = tokio::task::spawn_blocking(move || exec.wait()).await??;
+    let lines = reader.join().expect("reader");
+    let err_lines = err_reader.join().expect("err reader");
+    let expected: Vec<String> = (1..=40).map(|i| format!("line {i}")).collect();
+    assert_eq!(lines, expected, "stdout lost or repeated lines");
+    let expected_err: Vec<String> = (1..=40).map(|i| format!("err {i}")).collect();
+    assert_eq!(err_lines, expected_err, "stderr lost or repeated lines");
+    assert_eq!(status.code(), Some(3));
+
+    // The sandbox was re-adopted and still works.
+    let client = WorkerClient::connect(&worker2.url, None).await?;
+    let info = client.get_sandbox(&sb).await?;
+    assert_eq!(info.state, corral_proto::pb::SandboxState::Ready as i32);
+    client.destroy_sandbox(&sb).await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_sandbox_whose_record_is_gone_is_removed_on_start() -> anyhow::Result<()> {
+    let state = tempfile::tempdir()?;
+    let (wid, port) = (unique_id("o"), free_port()?);
+    let mut worker = WorkerProcess::spawn(state.path(), &wid, port, &[], &[])?;
+    let client = WorkerClient::connect(&worker.url, None).await?;
+    let keep = SandboxId::new(unique_id("keep"))?;
+    let orphan = SandboxId::new(unique_id("orphan"))?;
+    client.create_sandbox(Some(&keep), SandboxSpec::default()).await?;
+    let orphan_container = client.create_sandbox(Some(&orphan), SandboxSpec::default()).await?.container_id;
+    worker.kill9();
+    std::fs::remove_file(state.path().join("sandboxes").join(format!("{orphan}.json")))?;
+
+    let worker2 = WorkerProcess::spawn(state.path(), &wid, port, &[], &[])?;
+    let client = WorkerClient::connect(&worker2.url, None).await?;
+    let ids: Vec<String> = client.list_sandboxes().await?.into_iter().map(|s| s.id).collect();
+    assert_eq!(ids, vec![keep.to_string()]);
+    let docker = bollard::Docker::connect_with_defaults()?;
+    let gone = docker.inspect_container(&orphan_container, None).await;
+    assert!(
+        matches!(gone, Err(bollard::errors::Error::DockerResponseServerError { status_code: 404, .. })),
+        "the orphan container is still there: {gone:?}"
+    );
+    // The kept one works.
+    let op = corral_proto::OperationId::random();
+    client
+        .submit(&keep, &op, corral_proto::OperationSpec::Shell(corral_proto::ShellSpec::new("echo alive")))
+        .await?;
+    let (_, r) = corral_e2e::collect(&client, &keep, &op, 0).await?;
+    assert_eq!(r.stdout.to_lossy_string(), "alive\n");
+    client.destroy_sandbox(&keep).await?;
+    Ok(())
+}
