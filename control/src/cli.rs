@@ -7,7 +7,11 @@ use std::time::Duration;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
 #[derive(Debug, Parser)]
-#[command(name = "corral", version, about = "Run commands and agents in hardened remote sandboxes")]
+#[command(
+    name = "corral",
+    version,
+    about = "Run commands and agents in hardened remote sandboxes"
+)]
 pub struct Cli {
     #[command(flatten)]
     pub conn: ConnArgs,
@@ -112,9 +116,13 @@ fn parse_env(s: &str) -> Result<(String, String), String> {
 /// Parses sizes like `512m`, `2g`, `1GiB`, `1048576`.
 pub fn parse_size(s: &str) -> Result<u64, String> {
     let t = s.trim().to_ascii_lowercase();
-    let digits = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
+    let digits = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
     let (num, unit) = t.split_at(digits);
-    let n: f64 = num.parse().map_err(|_| format!("{s:?} is not a size like 512m or 2g"))?;
+    let n: f64 = num
+        .parse()
+        .map_err(|_| format!("{s:?} is not a size like 512m or 2g"))?;
     let mult: u64 = match unit.trim_end_matches("ib").trim_end_matches('b') {
         "" => 1,
         "k" => 1 << 10,
@@ -141,7 +149,9 @@ mod tests {
     #[test]
     fn exec_takes_everything_after_the_dashes() {
         let cli = Cli::parse_from(["corral", "exec", "-e", "A=1", "--", "ls", "-la"]);
-        let Command::Exec(e) = cli.command else { panic!() };
+        let Command::Exec(e) = cli.command else {
+            panic!()
+        };
         assert_eq!(e.argv, vec!["ls", "-la"]);
         assert_eq!(e.env, vec![("A".into(), "1".into())]);
     }

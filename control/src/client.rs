@@ -40,8 +40,10 @@ impl ClientError {
     pub fn is_transient(&self) -> bool {
         match self {
             Self::Connect { .. } => true,
-            Self::Status(s) => matches!(s.code(), tonic::Code::Unavailable | tonic::Code::Unknown)
-                || (s.code() == tonic::Code::Internal && s.message().contains("h2")),
+            Self::Status(s) => {
+                matches!(s.code(), tonic::Code::Unavailable | tonic::Code::Unknown)
+                    || (s.code() == tonic::Code::Internal && s.message().contains("h2"))
+            }
             _ => false,
         }
     }
@@ -135,7 +137,13 @@ impl WorkerClient {
     /// Returns whether the sandbox existed.
     pub async fn destroy_sandbox(&self, id: &SandboxId) -> Result<bool, ClientError> {
         let req = pb::DestroySandboxRequest { id: id.to_string() };
-        Ok(self.inner.clone().destroy_sandbox(req).await?.into_inner().existed)
+        Ok(self
+            .inner
+            .clone()
+            .destroy_sandbox(req)
+            .await?
+            .into_inner()
+            .existed)
     }
 
     pub async fn submit(
@@ -162,7 +170,13 @@ impl WorkerClient {
             sandbox_id: sandbox.to_string(),
             operation_id: id.to_string(),
         };
-        Ok(self.inner.clone().get_operation(req).await?.into_inner().try_into()?)
+        Ok(self
+            .inner
+            .clone()
+            .get_operation(req)
+            .await?
+            .into_inner()
+            .try_into()?)
     }
 
     pub async fn cancel(&self, sandbox: &SandboxId, id: &OperationId) -> Result<bool, ClientError> {
@@ -170,7 +184,13 @@ impl WorkerClient {
             sandbox_id: sandbox.to_string(),
             operation_id: id.to_string(),
         };
-        Ok(self.inner.clone().cancel_operation(req).await?.into_inner().canceling)
+        Ok(self
+            .inner
+            .clone()
+            .cancel_operation(req)
+            .await?
+            .into_inner()
+            .canceling)
     }
 
     /// Events after `after_seq`, optionally of one operation only.

@@ -36,7 +36,11 @@ pub enum ExecError {
     #[error("writing output: {0}")]
     Output(#[from] std::io::Error),
     #[error("the worker at {url} stayed unreachable for {secs} s: {last}")]
-    GaveUp { url: String, secs: u64, last: String },
+    GaveUp {
+        url: String,
+        secs: u64,
+        last: String,
+    },
 }
 
 /// Quotes `argv` for `/bin/sh -c` so each word arrives as it was given.
@@ -57,7 +61,11 @@ pub fn shell_join(argv: &[String]) -> String {
 }
 
 /// Connects to the worker again and again until `deadline`.
-async fn reconnect(url: &str, token: Option<&str>, deadline: tokio::time::Instant) -> Result<WorkerClient, ExecError> {
+async fn reconnect(
+    url: &str,
+    token: Option<&str>,
+    deadline: tokio::time::Instant,
+) -> Result<WorkerClient, ExecError> {
     let mut delay = Duration::from_millis(100);
     loop {
         match WorkerClient::connect(url, token).await {
@@ -115,14 +123,17 @@ pub async fn exec(
     interrupt: impl Future<Output = ()>,
 ) -> Result<OperationResult, ExecError> {
     if req.argv.is_empty() {
-        return Err(ExecError::Invalid("no command given (corral exec -- CMD [ARG...])".into()));
+        return Err(ExecError::Invalid(
+            "no command given (corral exec -- CMD [ARG...])".into(),
+        ));
     }
     let mut shell = ShellSpec::new(shell_join(&req.argv));
     shell.env = req.env.clone();
     shell.workdir = req.workdir.clone();
     shell.timeout_ms = req.timeout.map(|t| t.as_millis() as u64);
     let spec = OperationSpec::Shell(shell);
-    spec.validate().map_err(|e| ExecError::Invalid(e.to_string()))?;
+    spec.validate()
+        .map_err(|e| ExecError::Invalid(e.to_string()))?;
 
     let (sandbox, temporary) = match &req.sandbox {
         Some(id) => (id.clone(), false),
@@ -233,7 +244,9 @@ async fn run_op(
                         err.write_all(note.as_bytes()).await?;
                     }
                     EventKind::SandboxLost { reason } => {
-                        return Ok(OperationResult::with_outcome(Outcome::SandboxLost { reason }));
+                        return Ok(OperationResult::with_outcome(Outcome::SandboxLost {
+                            reason,
+                        }));
                     }
                     EventKind::Started { .. } => {}
                 }

@@ -1,5 +1,8 @@
 //! `corral`: the control plane's command line. See the library docs.
 
+// A binary talks to its terminal; the libraries never print.
+#![allow(clippy::print_stdout, clippy::print_stderr)]
+
 use std::process::ExitCode;
 
 use clap::Parser;

@@ -149,13 +149,18 @@ async fn run_sandbox(conn: &Connection, cmd: SandboxCommand) -> Result<(), RunEr
                 pids_limit: pids,
                 ..SandboxSpec::default()
             };
-            spec.validate().map_err(|e| RunError::Invalid(e.to_string()))?;
+            spec.validate()
+                .map_err(|e| RunError::Invalid(e.to_string()))?;
             let sb = conn.client.create_sandbox(id.as_ref(), spec).await?;
             writeln!(stdout, "{}", sb.id)?;
         }
         SandboxCommand::Ls => {
             let all = conn.client.list_sandboxes().await?;
-            writeln!(stdout, "{:<38} {:<8} {:<24} {:>7} CONTAINER", "ID", "STATE", "IMAGE", "RUNNING")?;
+            writeln!(
+                stdout,
+                "{:<38} {:<8} {:<24} {:>7} CONTAINER",
+                "ID", "STATE", "IMAGE", "RUNNING"
+            )?;
             for sb in all {
                 let state = match pb::SandboxState::try_from(sb.state) {
                     Ok(pb::SandboxState::Ready) => "ready",

@@ -12,12 +12,22 @@ pub enum OutputStream {
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum EventKind {
-    Started { pid: u32 },
-    Output { stream: OutputStream, data: Bytes },
+    Started {
+        pid: u32,
+    },
+    Output {
+        stream: OutputStream,
+        data: Bytes,
+    },
     Finished(Box<OperationResult>),
     /// Events `from..=to` were evicted from a capped journal.
-    Gap { from: u64, to: u64 },
-    SandboxLost { reason: String },
+    Gap {
+        from: u64,
+        to: u64,
+    },
+    SandboxLost {
+        reason: String,
+    },
 }
 
 /// One event of a sandbox. `seq` strictly increases per sandbox.

@@ -84,7 +84,9 @@ impl FrameDecoder {
 
     /// Decodes the next frame as `M`. A frame that does not decode is
     /// consumed and reported, so the stream stays in step.
-    pub fn next_message<M: prost::Message + Default>(&mut self) -> Result<Option<M>, ProtocolError> {
+    pub fn next_message<M: prost::Message + Default>(
+        &mut self,
+    ) -> Result<Option<M>, ProtocolError> {
         match self.next_frame()? {
             Some(payload) => Ok(Some(M::decode(payload)?)),
             None => Ok(None),
@@ -100,7 +102,9 @@ mod tests {
     #[test]
     fn frames_survive_any_split() {
         let msg = pb::InitRequest {
-            kind: Some(pb::init_request::Kind::Credit(pb::init_request::Credit { bytes: 77 })),
+            kind: Some(pb::init_request::Kind::Credit(pb::init_request::Credit {
+                bytes: 77,
+            })),
         };
         let mut wire = encode(&msg);
         wire.extend(encode(&msg));

@@ -14,7 +14,10 @@ fn validate(field: &'static str, s: &str) -> Result<(), ProtocolError> {
         return Err(ProtocolError::invalid(field, "longer than 64 characters"));
     }
     if s.starts_with(['.', '-']) {
-        return Err(ProtocolError::invalid(field, "must not start with '.' or '-'"));
+        return Err(ProtocolError::invalid(
+            field,
+            "must not start with '.' or '-'",
+        ));
     }
     if let Some(c) = s
         .chars()
@@ -92,7 +95,14 @@ pub fn random_uuid() -> String {
     b[6] = (b[6] & 0x0f) | 0x40;
     b[8] = (b[8] & 0x3f) | 0x80;
     let h: String = b.iter().map(|x| format!("{x:02x}")).collect();
-    format!("{}-{}-{}-{}-{}", &h[0..8], &h[8..12], &h[12..16], &h[16..20], &h[20..32])
+    format!(
+        "{}-{}-{}-{}-{}",
+        &h[0..8],
+        &h[8..12],
+        &h[12..16],
+        &h[16..20],
+        &h[20..32]
+    )
 }
 
 #[cfg(test)]
@@ -107,7 +117,10 @@ mod tests {
 
     #[test]
     fn rejects_bad_ids_with_the_reason() {
-        assert_eq!(SandboxId::new(""), Err(ProtocolError::Missing("sandbox_id")));
+        assert_eq!(
+            SandboxId::new(""),
+            Err(ProtocolError::Missing("sandbox_id"))
+        );
         let e = SandboxId::new("a/b").unwrap_err().to_string();
         assert!(e.contains("'/'"), "{e}");
         assert!(SandboxId::new("a\0b").is_err());

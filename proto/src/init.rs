@@ -5,10 +5,20 @@ use crate::{Event, OperationId, OperationResult, OperationSpec, ProtocolError, S
 /// A frame from the worker to corral-init.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum InitRequest {
-    Attach { after_seq: u64, window_bytes: u64 },
-    Credit { bytes: u64 },
-    Run { operation_id: OperationId, spec: OperationSpec },
-    Cancel { operation_id: OperationId },
+    Attach {
+        after_seq: u64,
+        window_bytes: u64,
+    },
+    Credit {
+        bytes: u64,
+    },
+    Run {
+        operation_id: OperationId,
+        spec: OperationSpec,
+    },
+    Cancel {
+        operation_id: OperationId,
+    },
 }
 
 /// An operation as its owner remembers it.

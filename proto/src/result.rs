@@ -7,14 +7,25 @@ use crate::{ProtocolError, pb};
 /// Exactly how an operation ended: never a bare "failed".
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Outcome {
-    Exited { code: i32 },
-    Signaled { signal: i32 },
+    Exited {
+        code: i32,
+    },
+    Signaled {
+        signal: i32,
+    },
     TimedOut,
     OutOfMemory,
     Canceled,
-    SandboxLost { reason: String },
-    SpawnFailed { reason: String },
-    FileError { kind: FileErrorKind, message: String },
+    SandboxLost {
+        reason: String,
+    },
+    SpawnFailed {
+        reason: String,
+    },
+    FileError {
+        kind: FileErrorKind,
+        message: String,
+    },
 }
 
 impl Outcome {
@@ -183,21 +194,23 @@ impl TryFrom<pb::Outcome> for Outcome {
     type Error = ProtocolError;
     fn try_from(o: pb::Outcome) -> Result<Self, ProtocolError> {
         use pb::outcome::Kind;
-        Ok(match o.kind.ok_or(ProtocolError::Missing("outcome.kind"))? {
-            Kind::Exited(e) => Self::Exited { code: e.code },
-            Kind::Signaled(s) => Self::Signaled { signal: s.signal },
-            Kind::TimedOut(_) => Self::TimedOut,
-            Kind::OutOfMemory(_) => Self::OutOfMemory,
-            Kind::Canceled(_) => Self::Canceled,
-            Kind::SandboxLost(l) => Self::SandboxLost { reason: l.reason },
-            Kind::SpawnFailed(s) => Self::SpawnFailed { reason: s.reason },
-            Kind::FileError(f) => Self::FileError {
-                kind: pb::FileErrorKind::try_from(f.kind)
-                    .unwrap_or(pb::FileErrorKind::Other)
-                    .into(),
-                message: f.message,
+        Ok(
+            match o.kind.ok_or(ProtocolError::Missing("outcome.kind"))? {
+                Kind::Exited(e) => Self::Exited { code: e.code },
+                Kind::Signaled(s) => Self::Signaled { signal: s.signal },
+                Kind::TimedOut(_) => Self::TimedOut,
+                Kind::OutOfMemory(_) => Self::OutOfMemory,
+                Kind::Canceled(_) => Self::Canceled,
+                Kind::SandboxLost(l) => Self::SandboxLost { reason: l.reason },
+                Kind::SpawnFailed(s) => Self::SpawnFailed { reason: s.reason },
+                Kind::FileError(f) => Self::FileError {
+                    kind: pb::FileErrorKind::try_from(f.kind)
+                        .unwrap_or(pb::FileErrorKind::Other)
+                        .into(),
+                    message: f.message,
+                },
             },
-        })
+        )
     }
 }
 

@@ -61,7 +61,8 @@ impl ShellSpec {
     }
 
     pub fn output_limit(&self) -> u64 {
-        self.output_limit_bytes.unwrap_or(DEFAULT_OUTPUT_LIMIT_BYTES)
+        self.output_limit_bytes
+            .unwrap_or(DEFAULT_OUTPUT_LIMIT_BYTES)
     }
 }
 
@@ -106,10 +107,7 @@ fn no_nul(field: &'static str, s: &str) -> Result<(), ProtocolError> {
     }
 }
 
-fn validate_env(
-    field: &'static str,
-    env: &BTreeMap<String, String>,
-) -> Result<(), ProtocolError> {
+fn validate_env(field: &'static str, env: &BTreeMap<String, String>) -> Result<(), ProtocolError> {
     if env.len() > MAX_ENV_ENTRIES {
         return Err(ProtocolError::invalid(
             field,
@@ -162,9 +160,7 @@ impl SandboxSpec {
         for cap in &self.add_capabilities {
             let ok = cap.len() <= 64
                 && cap.starts_with("CAP_")
-                && cap[4..]
-                    .chars()
-                    .all(|c| c.is_ascii_uppercase() || c == '_')
+                && cap[4..].chars().all(|c| c.is_ascii_uppercase() || c == '_')
                 && cap.len() > 4;
             if !ok {
                 return Err(ProtocolError::invalid(
@@ -201,7 +197,9 @@ impl OperationSpec {
                         format!("longer than {MAX_TIMEOUT_MS} ms"),
                     ));
                 }
-                if s.output_limit_bytes.is_some_and(|l| l > MAX_OUTPUT_LIMIT_BYTES) {
+                if s.output_limit_bytes
+                    .is_some_and(|l| l > MAX_OUTPUT_LIMIT_BYTES)
+                {
                     return Err(ProtocolError::invalid(
                         "output_limit_bytes",
                         format!("above {MAX_OUTPUT_LIMIT_BYTES}"),
@@ -312,7 +310,11 @@ impl TryFrom<pb::OperationSpec> for OperationSpec {
             Kind::ReadFile(r) => Self::ReadFile(ReadFileSpec {
                 path: r.path,
                 offset: r.offset,
-                limit: if r.limit == 0 { MAX_FILE_BYTES } else { r.limit },
+                limit: if r.limit == 0 {
+                    MAX_FILE_BYTES
+                } else {
+                    r.limit
+                },
             }),
             Kind::WriteFile(w) => Self::WriteFile(WriteFileSpec {
                 path: w.path,
@@ -373,7 +375,10 @@ mod tests {
     #[test]
     fn rejects_nul_and_empty_commands() {
         let e = OperationSpec::try_from(shell("echo a\0b")).unwrap_err();
-        assert_eq!(e.to_string(), "invalid `command`: contains a NUL byte at offset 6");
+        assert_eq!(
+            e.to_string(),
+            "invalid `command`: contains a NUL byte at offset 6"
+        );
         let e = OperationSpec::try_from(shell("  ")).unwrap_err();
         assert_eq!(e.to_string(), "invalid `command`: empty command");
         let e = OperationSpec::try_from(pb::OperationSpec { kind: None }).unwrap_err();

@@ -23,14 +23,22 @@ use futures_util::StreamExt;
 use tokio::task::JoinHandle;
 
 pub fn unique_id(prefix: &str) -> String {
-    format!("{prefix}{}", &uuid::Uuid::new_v4().simple().to_string()[..10])
+    format!(
+        "{prefix}{}",
+        &uuid::Uuid::new_v4().simple().to_string()[..10]
+    )
 }
 
 /// Removes every container of a worker id (through the docker CLI, so it
 /// works from `Drop`, outside any async runtime).
 pub fn remove_containers_of(worker_id: &str) {
     let out = Command::new("docker")
-        .args(["ps", "-aq", "--filter", &format!("label=corral.worker={worker_id}")])
+        .args([
+            "ps",
+            "-aq",
+            "--filter",
+            &format!("label=corral.worker={worker_id}"),
+        ])
         .output();
     let Ok(out) = out else { return };
     let ids: Vec<String> = String::from_utf8_lossy(&out.stdout)
@@ -188,12 +196,17 @@ pub fn binary(name: &str) -> Result<PathBuf> {
         }
         dir = d.parent();
     }
-    bail!("binary {name} not found above {}; run `cargo build --workspace` first", exe.display())
+    bail!(
+        "binary {name} not found above {}; run `cargo build --workspace` first",
+        exe.display()
+    )
 }
 
 /// A free loopback port (bound then released).
 pub fn free_port() -> Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
 }
 
 /// A `corral-worker` in its own process.
@@ -207,7 +220,13 @@ pub struct WorkerProcess {
 
 impl WorkerProcess {
     /// Starts the worker binary and waits until it listens.
-    pub fn spawn(state_dir: &Path, worker_id: &str, port: u16, extra: &[(&str, &str)], args: &[&str]) -> Result<Self> {
+    pub fn spawn(
+        state_dir: &Path,
+        worker_id: &str,
+        port: u16,
+        extra: &[(&str, &str)],
+        args: &[&str],
+    ) -> Result<Self> {
         let mut cmd = Command::new(binary("corral-worker")?);
         cmd.arg("--listen")
             .arg(format!("127.0.0.1:{port}"))

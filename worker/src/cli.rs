@@ -10,7 +10,11 @@ use crate::docker::Defaults;
 use crate::worker::WorkerConfig;
 
 #[derive(Debug, Clone, Parser)]
-#[command(name = "corral-worker", version, about = "Runs Corral operations in hardened Docker sandboxes, served over gRPC")]
+#[command(
+    name = "corral-worker",
+    version,
+    about = "Runs Corral operations in hardened Docker sandboxes, served over gRPC"
+)]
 pub struct WorkerArgs {
     /// Address to serve gRPC on. A token is required unless it is loopback.
     #[arg(long, env = "CORRAL_LISTEN", default_value = "127.0.0.1:7070")]
@@ -36,7 +40,11 @@ pub struct WorkerArgs {
     #[arg(long, env = "CORRAL_INIT_BINARY")]
     pub init_binary: Option<PathBuf>,
     /// Image for sandboxes that name none.
-    #[arg(long, env = "CORRAL_DEFAULT_IMAGE", default_value = "corral-sandbox:latest")]
+    #[arg(
+        long,
+        env = "CORRAL_DEFAULT_IMAGE",
+        default_value = "corral-sandbox:latest"
+    )]
     pub default_image: String,
 }
 

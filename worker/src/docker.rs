@@ -186,7 +186,9 @@ impl DockerRuntime {
             }),
             ..Default::default()
         };
-        let opts = CreateContainerOptionsBuilder::default().name(&helper).build();
+        let opts = CreateContainerOptionsBuilder::default()
+            .name(&helper)
+            .build();
         self.docker
             .create_container(Some(opts), body)
             .await
@@ -208,7 +210,9 @@ impl DockerRuntime {
             .append_data(&mut header, tmp_name, self.init.bytes.as_slice())
             .and_then(|()| tar.into_inner())
             .map_err(|e| WorkerError::InitBinary(format!("packing: {e}")))?;
-        let opts = UploadToContainerOptionsBuilder::default().path(INIT_DIR).build();
+        let opts = UploadToContainerOptionsBuilder::default()
+            .path(INIT_DIR)
+            .build();
         self.docker
             .upload_to_container(helper, Some(opts), bollard::body_full(archive.into()))
             .await?;
@@ -318,7 +322,11 @@ impl DockerRuntime {
         self.ensure_init_volume(&image).await?;
         let name = container_name(&self.worker_id, id);
         let opts = CreateContainerOptionsBuilder::default().name(&name).build();
-        let created = match self.docker.create_container(Some(opts.clone()), body.clone()).await {
+        let created = match self
+            .docker
+            .create_container(Some(opts.clone()), body.clone())
+            .await
+        {
             Ok(c) => c,
             Err(bollard::errors::Error::DockerResponseServerError {
                 status_code: 409, ..
@@ -366,9 +374,7 @@ impl DockerRuntime {
     /// Is the container running? `None` when it does not exist.
     pub async fn running(&self, container: &str) -> Result<Option<bool>> {
         match self.docker.inspect_container(container, None).await {
-            Ok(info) => Ok(Some(
-                info.state.and_then(|s| s.running).unwrap_or(false),
-            )),
+            Ok(info) => Ok(Some(info.state.and_then(|s| s.running).unwrap_or(false))),
             Err(e) if is_not_found(&e) => Ok(None),
             Err(e) => Err(e.into()),
         }
@@ -384,7 +390,10 @@ impl DockerRuntime {
                 } else if let Some(err) = s.error.filter(|e| !e.is_empty()) {
                     format!("container stopped: {err}")
                 } else {
-                    format!("container stopped with exit code {}", s.exit_code.unwrap_or(-1))
+                    format!(
+                        "container stopped with exit code {}",
+                        s.exit_code.unwrap_or(-1)
+                    )
                 }
             }
             Err(e) if is_not_found(&e) => "container removed".into(),
@@ -440,11 +449,16 @@ impl DockerRuntime {
             if v.name.starts_with("corral-init-") && v.name != current {
                 match self
                     .docker
-                    .remove_volume(&v.name, None::<bollard::query_parameters::RemoveVolumeOptions>)
+                    .remove_volume(
+                        &v.name,
+                        None::<bollard::query_parameters::RemoveVolumeOptions>,
+                    )
                     .await
                 {
                     Ok(()) => tracing::info!(volume = %v.name, "removed an old supervisor volume"),
-                    Err(e) => tracing::debug!(volume = %v.name, error = %e, "old supervisor volume kept"),
+                    Err(e) => {
+                        tracing::debug!(volume = %v.name, error = %e, "old supervisor volume kept")
+                    }
                 }
             }
         }

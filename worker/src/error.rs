@@ -16,7 +16,9 @@ pub enum WorkerError {
     AtCapacity(u32),
     #[error("sandbox {id} is lost: {reason}")]
     SandboxLost { id: String, reason: String },
-    #[error("image {0:?} is not present on the Docker engine (build it with deploy/images/build.sh, or pull it)")]
+    #[error(
+        "image {0:?} is not present on the Docker engine (build it with deploy/images/build.sh, or pull it)"
+    )]
     NoSuchImage(String),
     #[error("Docker engine: {0}")]
     Docker(#[from] bollard::errors::Error),

@@ -94,14 +94,18 @@ impl OpTable {
     }
 
     fn finish(&mut self, id: &OperationId, result: OperationResult) {
-        let Some(rec) = self.ops.get_mut(id) else { return };
+        let Some(rec) = self.ops.get_mut(id) else {
+            return;
+        };
         if rec.result.is_some() {
             return;
         }
         rec.result = Some(result);
         self.finished.push_back(id.clone());
         while self.ops.len() > MAX_OPERATIONS {
-            let Some(old) = self.finished.pop_front() else { break };
+            let Some(old) = self.finished.pop_front() else {
+                break;
+            };
             self.ops.remove(&old);
         }
     }
@@ -357,7 +361,10 @@ async fn run_watcher(
             let wanted = match (&only, &event.operation_id) {
                 (None, _) => true,
                 (Some(want), Some(got)) => want == got,
-                (Some(_), None) => matches!(event.kind, EventKind::Gap { .. } | EventKind::SandboxLost { .. }),
+                (Some(_), None) => matches!(
+                    event.kind,
+                    EventKind::Gap { .. } | EventKind::SandboxLost { .. }
+                ),
             };
             if wanted {
                 tokio::select! {
@@ -614,7 +621,12 @@ impl Actor {
             self.lose("the sandbox's supervisor restarted".into());
             return;
         }
-        info!(version = w.version, last_seq = w.last_seq, operations = w.operations.len(), "supervisor attached");
+        info!(
+            version = w.version,
+            last_seq = w.last_seq,
+            operations = w.operations.len(),
+            "supervisor attached"
+        );
         self.boot_id = Some(w.boot_id);
         self.live_after = w.last_seq;
         let known: std::collections::HashSet<OperationId> =
@@ -716,9 +728,12 @@ impl Actor {
             lock(&self.shared.ops).finish(&id, result.clone());
             journal.push(Some(id), EventKind::Finished(Box::new(result)));
         }
-        journal.push(None, EventKind::SandboxLost {
-            reason: reason.clone(),
-        });
+        journal.push(
+            None,
+            EventKind::SandboxLost {
+                reason: reason.clone(),
+            },
+        );
         let seq = journal.last_seq();
         drop(journal);
         self.shared.last_seq.send_replace(seq);
@@ -726,7 +741,9 @@ impl Actor {
     }
 }
 
-async fn next_output(output: &mut Option<Output>) -> Option<Result<LogOutput, bollard::errors::Error>> {
+async fn next_output(
+    output: &mut Option<Output>,
+) -> Option<Result<LogOutput, bollard::errors::Error>> {
     match output {
         Some(o) => o.next().await,
         None => std::future::pending().await,

@@ -79,9 +79,8 @@ pub async fn serve(
     let service = WorkerServer::new(WorkerService::new(worker))
         .max_decoding_message_size(MAX_GRPC_MESSAGE_BYTES)
         .max_encoding_message_size(MAX_GRPC_MESSAGE_BYTES);
-    let service = tonic::service::interceptor::InterceptedService::new(service, move |req| {
-        auth.check(req)
-    });
+    let service =
+        tonic::service::interceptor::InterceptedService::new(service, move |req| auth.check(req));
     tonic::transport::Server::builder()
         .tcp_nodelay(true)
         .add_service(health)

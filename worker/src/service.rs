@@ -59,7 +59,12 @@ impl pb::worker_server::Worker for WorkerService {
         &self,
         _req: Request<pb::ListSandboxesRequest>,
     ) -> Result<Response<pb::ListSandboxesResponse>, Status> {
-        let sandboxes = self.worker.list_sandboxes().iter().map(|s| s.to_pb()).collect();
+        let sandboxes = self
+            .worker
+            .list_sandboxes()
+            .iter()
+            .map(|s| s.to_pb())
+            .collect();
         Ok(Response::new(pb::ListSandboxesResponse { sandboxes }))
     }
 
@@ -94,7 +99,9 @@ impl pb::worker_server::Worker for WorkerService {
         let req = req.into_inner();
         let sid = sandbox_id(req.sandbox_id)?;
         let oid = operation_id(req.operation_id)?;
-        Ok(Response::new(self.worker.operation(&sid, &oid)?.to_pb(&sid)))
+        Ok(Response::new(
+            self.worker.operation(&sid, &oid)?.to_pb(&sid),
+        ))
     }
 
     async fn cancel_operation(

@@ -156,13 +156,16 @@ impl StateDir {
             if path.extension().is_none_or(|e| e != "json") {
                 continue;
             }
-            match fs::read(&path)
-                .map_err(|e| e.to_string())
-                .and_then(|b| serde_json::from_slice::<SandboxRecord>(&b).map_err(|e| e.to_string()))
-            {
+            match fs::read(&path).map_err(|e| e.to_string()).and_then(|b| {
+                serde_json::from_slice::<SandboxRecord>(&b).map_err(|e| e.to_string())
+            }) {
                 Ok(r) if r.version == RECORD_VERSION => out.push(r),
-                Ok(r) => tracing::warn!(path = %path.display(), version = r.version, "sandbox record of an unknown version, ignored"),
-                Err(e) => tracing::warn!(path = %path.display(), error = %e, "unreadable sandbox record, ignored"),
+                Ok(r) => {
+                    tracing::warn!(path = %path.display(), version = r.version, "sandbox record of an unknown version, ignored")
+                }
+                Err(e) => {
+                    tracing::warn!(path = %path.display(), error = %e, "unreadable sandbox record, ignored")
+                }
             }
         }
         Ok(out)

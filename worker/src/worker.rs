@@ -89,7 +89,12 @@ impl Worker {
         })?;
         let init = InitBinary::locate(config.init_binary.as_deref())?;
         let docker = docker::connect(config.docker_host.as_deref()).await?;
-        let runtime = Arc::new(DockerRuntime::new(docker, worker_id.clone(), init, config.defaults));
+        let runtime = Arc::new(DockerRuntime::new(
+            docker,
+            worker_id.clone(),
+            init,
+            config.defaults,
+        ));
         let docker_version = runtime.version().await;
         runtime.prune_old_init_volumes().await;
         let worker = Self {
@@ -196,7 +201,11 @@ impl Worker {
     }
 
     /// Creates a sandbox, or returns the existing one with this id and spec.
-    pub async fn create_sandbox(&self, id: Option<SandboxId>, spec: SandboxSpec) -> Result<SandboxInfo> {
+    pub async fn create_sandbox(
+        &self,
+        id: Option<SandboxId>,
+        spec: SandboxSpec,
+    ) -> Result<SandboxInfo> {
         spec.validate()?;
         if self.inner.shutdown.is_cancelled() {
             return Err(WorkerError::ShuttingDown);
@@ -252,7 +261,10 @@ impl Worker {
     }
 
     pub fn list_sandboxes(&self) -> Vec<SandboxInfo> {
-        let mut all: Vec<SandboxInfo> = lock(&self.inner.sandboxes).values().map(Sandbox::info).collect();
+        let mut all: Vec<SandboxInfo> = lock(&self.inner.sandboxes)
+            .values()
+            .map(Sandbox::info)
+            .collect();
         all.sort_by(|a, b| (a.created_at_unix_ms, &a.id).cmp(&(b.created_at_unix_ms, &b.id)));
         all
     }
@@ -265,7 +277,10 @@ impl Worker {
             return Ok(false);
         };
         sandbox.close();
-        self.inner.runtime.remove_container(&sandbox.container_id).await?;
+        self.inner
+            .runtime
+            .remove_container(&sandbox.container_id)
+            .await?;
         self.inner.state.remove(id)?;
         lock(&self.inner.id_locks).remove(id);
         info!(sandbox = %id, "sandbox destroyed");
@@ -300,7 +315,9 @@ impl Worker {
         after_seq: u64,
         only: Option<OperationId>,
     ) -> Result<mpsc::Receiver<Event>> {
-        Ok(self.sandbox(sandbox)?.watch(after_seq, only, &self.inner.tracker))
+        Ok(self
+            .sandbox(sandbox)?
+            .watch(after_seq, only, &self.inner.tracker))
     }
 
     pub fn info(&self) -> WorkerInfo {
@@ -310,7 +327,10 @@ impl Worker {
             version: env!("CARGO_PKG_VERSION").to_string(),
             max_sandboxes: self.inner.max_sandboxes,
             sandboxes: sandboxes.len() as u32,
-            running_operations: sandboxes.values().map(|s| s.info().running_operations).sum(),
+            running_operations: sandboxes
+                .values()
+                .map(|s| s.info().running_operations)
+                .sum(),
             docker_version: self.inner.docker_version.clone(),
         }
     }

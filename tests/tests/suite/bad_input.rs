@@ -25,22 +25,47 @@ async fn invalid_commands_ids_and_unknown_sandboxes() -> anyhow::Result<()> {
         async move { c.submit(&sb, &OperationId::random(), spec).await }
     };
     let (c, m) = code(submit("echo a\0b").await.unwrap_err());
-    assert_eq!((c, m.as_str()), (tonic::Code::InvalidArgument, "invalid `command`: contains a NUL byte at offset 6"));
+    assert_eq!(
+        (c, m.as_str()),
+        (
+            tonic::Code::InvalidArgument,
+            "invalid `command`: contains a NUL byte at offset 6"
+        )
+    );
     let (c, m) = code(submit("").await.unwrap_err());
-    assert_eq!((c, m.as_str()), (tonic::Code::InvalidArgument, "invalid `command`: empty command"));
+    assert_eq!(
+        (c, m.as_str()),
+        (
+            tonic::Code::InvalidArgument,
+            "invalid `command`: empty command"
+        )
+    );
 
     let nosuch = SandboxId::new("no-such-sandbox")?;
     let (c, m) = code(h.client.get_sandbox(&nosuch).await.unwrap_err());
-    assert_eq!((c, m.as_str()), (tonic::Code::NotFound, "unknown sandbox no-such-sandbox"));
+    assert_eq!(
+        (c, m.as_str()),
+        (tonic::Code::NotFound, "unknown sandbox no-such-sandbox")
+    );
     let spec = OperationSpec::Shell(ShellSpec::new("true"));
-    let (c, _) = code(h.client.submit(&nosuch, &OperationId::random(), spec).await.unwrap_err());
+    let (c, _) = code(
+        h.client
+            .submit(&nosuch, &OperationId::random(), spec)
+            .await
+            .unwrap_err(),
+    );
     assert_eq!(c, tonic::Code::NotFound);
     let (c, _) = code(h.client.watch(&nosuch, 0, None).await.err().unwrap());
     assert_eq!(c, tonic::Code::NotFound);
-    assert!(!h.client.destroy_sandbox(&nosuch).await?, "destroying an unknown sandbox is a no-op");
+    assert!(
+        !h.client.destroy_sandbox(&nosuch).await?,
+        "destroying an unknown sandbox is a no-op"
+    );
 
     // Ids that are not ids.
-    let bad = corral_proto::pb::GetSandboxRequest { id: "a/../etc".into() };
+    let bad = corral_proto::pb::GetSandboxRequest {
+        id: "a/../etc".into(),
+    };
     let mut pbc = corral_proto::pb::worker_client::WorkerClient::connect(h.url.clone()).await?;
     let e = pbc.get_sandbox(bad).await.unwrap_err();
     assert_eq!(e.code(), tonic::Code::InvalidArgument);
@@ -52,7 +77,12 @@ async fn invalid_commands_ids_and_unknown_sandboxes() -> anyhow::Result<()> {
         data: bytes::Bytes::from(vec![0u8; (8 << 20) + 1]),
         mode: 0o644,
     });
-    let (c, _) = code(h.client.submit(&sb, &OperationId::random(), big).await.unwrap_err());
+    let (c, _) = code(
+        h.client
+            .submit(&sb, &OperationId::random(), big)
+            .await
+            .unwrap_err(),
+    );
     assert_eq!(c, tonic::Code::InvalidArgument);
     h.stop().await;
     Ok(())
@@ -62,9 +92,18 @@ async fn invalid_commands_ids_and_unknown_sandboxes() -> anyhow::Result<()> {
 async fn duplicate_ids_are_idempotent_or_refused() -> anyhow::Result<()> {
     let h = Harness::start().await?;
     let id = SandboxId::new(unique_id("dup"))?;
-    let a = h.client.create_sandbox(Some(&id), SandboxSpec::default()).await?;
-    let b = h.client.create_sandbox(Some(&id), SandboxSpec::default()).await?;
-    assert_eq!(a.container_id, b.container_id, "same id and spec: the same sandbox");
+    let a = h
+        .client
+        .create_sandbox(Some(&id), SandboxSpec::default())
+        .await?;
+    let b = h
+        .client
+        .create_sandbox(Some(&id), SandboxSpec::default())
+        .await?;
+    assert_eq!(
+        a.container_id, b.container_id,
+        "same id and spec: the same sandbox"
+    );
     let other = SandboxSpec {
         pids_limit: Some(77),
         ..Default::default()
@@ -82,7 +121,11 @@ async fn duplicate_ids_are_idempotent_or_refused() -> anyhow::Result<()> {
     assert_eq!(r.stdout.to_lossy_string().trim(), "1");
     let (c, _) = code(
         h.client
-            .submit(&id, &op, OperationSpec::Shell(ShellSpec::new("echo different")))
+            .submit(
+                &id,
+                &op,
+                OperationSpec::Shell(ShellSpec::new("echo different")),
+            )
             .await
             .unwrap_err(),
     );
@@ -96,7 +139,13 @@ async fn file_paths_cannot_escape_the_sandbox_roots() -> anyhow::Result<()> {
     let h = Harness::start().await?;
     let sb = h.sandbox().await?;
     h.run(&sb, "ln -s /etc /workspace/etc-link").await?;
-    for path in ["../etc/passwd", "/etc/passwd", "/workspace/../etc/passwd", "etc-link/passwd", "/.corral/corral-init"] {
+    for path in [
+        "../etc/passwd",
+        "/etc/passwd",
+        "/workspace/../etc/passwd",
+        "etc-link/passwd",
+        "/.corral/corral-init",
+    ] {
         let read = OperationSpec::ReadFile(ReadFileSpec {
             path: path.into(),
             offset: 0,
@@ -104,7 +153,13 @@ async fn file_paths_cannot_escape_the_sandbox_roots() -> anyhow::Result<()> {
         });
         let r = h.run_spec(&sb, read).await?.1;
         assert!(
-            matches!(r.outcome, Outcome::FileError { kind: FileErrorKind::OutsideSandboxRoots, .. }),
+            matches!(
+                r.outcome,
+                Outcome::FileError {
+                    kind: FileErrorKind::OutsideSandboxRoots,
+                    ..
+                }
+            ),
             "{path}: {:?}",
             r.outcome
         );
@@ -115,7 +170,13 @@ async fn file_paths_cannot_escape_the_sandbox_roots() -> anyhow::Result<()> {
         });
         let r = h.run_spec(&sb, write).await?.1;
         assert!(
-            matches!(r.outcome, Outcome::FileError { kind: FileErrorKind::OutsideSandboxRoots, .. }),
+            matches!(
+                r.outcome,
+                Outcome::FileError {
+                    kind: FileErrorKind::OutsideSandboxRoots,
+                    ..
+                }
+            ),
             "{path}: {:?}",
             r.outcome
         );
@@ -126,7 +187,17 @@ async fn file_paths_cannot_escape_the_sandbox_roots() -> anyhow::Result<()> {
         limit: 100,
     });
     let r = h.run_spec(&sb, read).await?.1;
-    assert!(matches!(r.outcome, Outcome::FileError { kind: FileErrorKind::NotFound, .. }), "{:?}", r.outcome);
+    assert!(
+        matches!(
+            r.outcome,
+            Outcome::FileError {
+                kind: FileErrorKind::NotFound,
+                ..
+            }
+        ),
+        "{:?}",
+        r.outcome
+    );
     h.stop().await;
     Ok(())
 }
@@ -146,10 +217,16 @@ async fn calls_without_the_right_token_are_unauthenticated() -> anyhow::Result<(
     )?;
     let none = WorkerClient::connect(&worker.url, None).await?;
     let (c, m) = code(none.list_sandboxes().await.unwrap_err());
-    assert_eq!((c, m.as_str()), (tonic::Code::Unauthenticated, "missing bearer token"));
+    assert_eq!(
+        (c, m.as_str()),
+        (tonic::Code::Unauthenticated, "missing bearer token")
+    );
     let wrong = WorkerClient::connect(&worker.url, Some("wrong-token")).await?;
     let (c, m) = code(wrong.list_sandboxes().await.unwrap_err());
-    assert_eq!((c, m.as_str()), (tonic::Code::Unauthenticated, "wrong bearer token"));
+    assert_eq!(
+        (c, m.as_str()),
+        (tonic::Code::Unauthenticated, "wrong bearer token")
+    );
     let right = WorkerClient::connect(&worker.url, Some("right-token")).await?;
     assert!(right.list_sandboxes().await?.is_empty());
     assert_eq!(right.worker_info().await?.worker_id, worker.worker_id);

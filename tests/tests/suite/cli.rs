@@ -14,7 +14,11 @@ async fn corral(args: &[&str]) -> anyhow::Result<Output> {
 
 fn one_line_error(out: &Output) -> String {
     let err = String::from_utf8_lossy(&out.stderr).to_string();
-    assert_eq!(err.lines().count(), 1, "expected one line on stderr, got: {err}");
+    assert_eq!(
+        err.lines().count(),
+        1,
+        "expected one line on stderr, got: {err}"
+    );
     assert!(err.starts_with("corral: "), "{err}");
     assert!(!err.contains("panicked"), "{err}");
     err
@@ -30,7 +34,15 @@ async fn exit_codes_and_streams() -> anyhow::Result<()> {
         args.extend_from_slice(extra);
         async move { corral(&args).await }
     };
-    let out = run(&["-e", "WHO=you", "--", "sh", "-c", "echo hi $WHO; echo oops >&2; exit 5"]).await?;
+    let out = run(&[
+        "-e",
+        "WHO=you",
+        "--",
+        "sh",
+        "-c",
+        "echo hi $WHO; echo oops >&2; exit 5",
+    ])
+    .await?;
     assert_eq!(out.status.code(), Some(5));
     assert_eq!(String::from_utf8_lossy(&out.stdout), "hi you\n");
     assert_eq!(String::from_utf8_lossy(&out.stderr), "oops\n");
@@ -58,7 +70,16 @@ async fn errors_are_one_clear_line() -> anyhow::Result<()> {
     assert!(one_line_error(&out).contains("cannot reach the worker at http://127.0.0.1:1"));
 
     let h = Harness::start().await?;
-    let out = corral(&["--worker", &h.url, "exec", "--sandbox", "nope", "--", "true"]).await?;
+    let out = corral(&[
+        "--worker",
+        &h.url,
+        "exec",
+        "--sandbox",
+        "nope",
+        "--",
+        "true",
+    ])
+    .await?;
     assert_eq!(out.status.code(), Some(125));
     assert!(one_line_error(&out).contains("unknown sandbox nope"));
 
@@ -70,7 +91,15 @@ async fn errors_are_one_clear_line() -> anyhow::Result<()> {
 
     let state = tempfile::tempdir()?;
     let state_arg = state.path().to_string_lossy().to_string();
-    let out = corral(&["--state-dir", &state_arg, "--docker-host", "unix:///nonexistent/docker.sock", "sandbox", "ls"]).await?;
+    let out = corral(&[
+        "--state-dir",
+        &state_arg,
+        "--docker-host",
+        "unix:///nonexistent/docker.sock",
+        "sandbox",
+        "ls",
+    ])
+    .await?;
     assert_eq!(out.status.code(), Some(125));
     assert!(one_line_error(&out).contains("Docker"));
     h.stop().await;
@@ -83,22 +112,65 @@ async fn the_embedded_worker_runs_and_cleans_up() -> anyhow::Result<()> {
     let s = state.path().to_string_lossy().to_string();
     let worker_id = unique_id("emb");
     std::fs::write(state.path().join("worker-id"), &worker_id)?;
-    let out = corral(&["--state-dir", &s, "exec", "--", "sh", "-c", "echo embedded; exit 4"]).await?;
-    assert_eq!(String::from_utf8_lossy(&out.stdout), "embedded\n", "{}", String::from_utf8_lossy(&out.stderr));
+    let out = corral(&[
+        "--state-dir",
+        &s,
+        "exec",
+        "--",
+        "sh",
+        "-c",
+        "echo embedded; exit 4",
+    ])
+    .await?;
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        "embedded\n",
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert_eq!(out.status.code(), Some(4));
 
     // A sandbox outlives the process that created it, and a later one adopts it.
-    let out = corral(&["--state-dir", &s, "sandbox", "create", "--id", "kept", "--pids", "100"]).await?;
+    let out = corral(&[
+        "--state-dir",
+        &s,
+        "sandbox",
+        "create",
+        "--id",
+        "kept",
+        "--pids",
+        "100",
+    ])
+    .await?;
     assert_eq!(String::from_utf8_lossy(&out.stdout), "kept\n");
-    let out = corral(&["--state-dir", &s, "exec", "--sandbox", "kept", "--", "sh", "-c", "echo 1 > f; cat f"]).await?;
+    let out = corral(&[
+        "--state-dir",
+        &s,
+        "exec",
+        "--sandbox",
+        "kept",
+        "--",
+        "sh",
+        "-c",
+        "echo 1 > f; cat f",
+    ])
+    .await?;
     assert_eq!(String::from_utf8_lossy(&out.stdout), "1\n");
     let out = corral(&["--state-dir", &s, "sandbox", "ls"]).await?;
     let listing = String::from_utf8_lossy(&out.stdout).to_string();
-    assert!(listing.contains("kept") && listing.contains("ready"), "{listing}");
+    assert!(
+        listing.contains("kept") && listing.contains("ready"),
+        "{listing}"
+    );
     let out = corral(&["--state-dir", &s, "sandbox", "rm", "kept"]).await?;
     assert!(out.status.success());
     let left = std::process::Command::new("docker")
-        .args(["ps", "-aq", "--filter", &format!("label=corral.worker={worker_id}")])
+        .args([
+            "ps",
+            "-aq",
+            "--filter",
+            &format!("label=corral.worker={worker_id}"),
+        ])
         .output()?;
     assert!(left.stdout.is_empty(), "containers left behind");
     Ok(())

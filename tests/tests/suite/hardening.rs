@@ -3,8 +3,8 @@
 
 use std::collections::HashMap;
 
-use corral_e2e::{Harness, WorkerProcess, free_port, unique_id};
 use corral_control::client::WorkerClient;
+use corral_e2e::{Harness, WorkerProcess, free_port, unique_id};
 use corral_proto::{NetworkMode, SandboxId, SandboxSpec};
 
 async fn inspect(id: &str) -> anyhow::Result<bollard::models::ContainerInspectResponse> {
@@ -23,24 +23,47 @@ async fn the_container_is_hardened_by_default() -> anyhow::Result<()> {
     assert_eq!(hc.network_mode.as_deref(), Some("none"));
     assert_eq!(hc.cap_drop, Some(vec!["ALL".to_string()]));
     assert!(hc.cap_add.unwrap_or_default().is_empty());
-    assert!(hc.security_opt.unwrap_or_default().iter().any(|o| o.starts_with("no-new-privileges")));
+    assert!(
+        hc.security_opt
+            .unwrap_or_default()
+            .iter()
+            .any(|o| o.starts_with("no-new-privileges"))
+    );
     assert_eq!(hc.readonly_rootfs, Some(true));
     let tmpfs: HashMap<String, String> = hc.tmpfs.unwrap_or_default();
-    assert!(tmpfs.get("/tmp").is_some_and(|o| o.contains("size=")), "{tmpfs:?}");
-    assert!(tmpfs.get("/workspace").is_some_and(|o| o.contains("size=") && o.contains("uid=1000")), "{tmpfs:?}");
+    assert!(
+        tmpfs.get("/tmp").is_some_and(|o| o.contains("size=")),
+        "{tmpfs:?}"
+    );
+    assert!(
+        tmpfs
+            .get("/workspace")
+            .is_some_and(|o| o.contains("size=") && o.contains("uid=1000")),
+        "{tmpfs:?}"
+    );
     assert_eq!(hc.pids_limit, Some(256));
     assert_eq!(hc.memory, Some(1 << 30));
     assert_eq!(hc.memory_swap, Some(1 << 30));
     assert_eq!(hc.nano_cpus, Some(1_000_000_000));
     assert_eq!(hc.privileged, Some(false));
     assert_eq!(hc.log_config.and_then(|l| l.typ).as_deref(), Some("none"));
-    assert!(hc.binds.unwrap_or_default().is_empty(), "no bind mounts (no Docker socket)");
+    assert!(
+        hc.binds.unwrap_or_default().is_empty(),
+        "no bind mounts (no Docker socket)"
+    );
     assert_eq!(cfg.user.as_deref(), Some("1000:1000"));
     let labels = cfg.labels.unwrap_or_default();
     assert_eq!(labels.get("corral.worker"), Some(&h.worker_id));
-    assert_eq!(labels.get("corral.sandbox").map(String::as_str), Some(sb.as_str()));
+    assert_eq!(
+        labels.get("corral.sandbox").map(String::as_str),
+        Some(sb.as_str())
+    );
     let mounts = c.mounts.unwrap_or_default();
-    assert!(mounts.iter().all(|m| m.rw != Some(true) || m.destination.as_deref() != Some("/.corral")));
+    assert!(
+        mounts
+            .iter()
+            .all(|m| m.rw != Some(true) || m.destination.as_deref() != Some("/.corral"))
+    );
 
     // And from inside.
     let r = h
@@ -97,20 +120,38 @@ async fn nothing_from_the_workers_environment_reaches_a_sandbox() -> anyhow::Res
         state.path(),
         &unique_id("e"),
         free_port()?,
-        &[("CORRAL_TEST_SECRET", "s3cr3t-canary"), ("AWS_SECRET_ACCESS_KEY", "s3cr3t-canary")],
+        &[
+            ("CORRAL_TEST_SECRET", "s3cr3t-canary"),
+            ("AWS_SECRET_ACCESS_KEY", "s3cr3t-canary"),
+        ],
         &[],
     )?;
     let client = WorkerClient::connect(&worker.url, None).await?;
     let sb = SandboxId::new(unique_id("sb"))?;
-    client.create_sandbox(Some(&sb), SandboxSpec::default()).await?;
+    client
+        .create_sandbox(Some(&sb), SandboxSpec::default())
+        .await?;
     let op = corral_proto::OperationId::random();
     client
-        .submit(&sb, &op, corral_proto::OperationSpec::Shell(corral_proto::ShellSpec::new("env; cat /proc/1/environ")))
+        .submit(
+            &sb,
+            &op,
+            corral_proto::OperationSpec::Shell(corral_proto::ShellSpec::new(
+                "env; cat /proc/1/environ",
+            )),
+        )
         .await?;
     let (_, r) = corral_e2e::collect(&client, &sb, &op, 0).await?;
-    let all = format!("{}{}", r.stdout.to_lossy_string(), r.stderr.to_lossy_string());
+    let all = format!(
+        "{}{}",
+        r.stdout.to_lossy_string(),
+        r.stderr.to_lossy_string()
+    );
     assert!(all.contains("PATH="), "{all}");
-    assert!(!all.contains("s3cr3t-canary"), "worker secret leaked: {all}");
+    assert!(
+        !all.contains("s3cr3t-canary"),
+        "worker secret leaked: {all}"
+    );
     client.destroy_sandbox(&sb).await?;
     Ok(())
 }

@@ -6,7 +6,9 @@ use std::time::Duration;
 
 use corral_control::client::WorkerClient;
 use corral_e2e::{Harness, WorkerProcess, collect, free_port, unique_id};
-use corral_proto::{EventKind, OperationId, OperationSpec, Outcome, SandboxId, SandboxSpec, ShellSpec};
+use corral_proto::{
+    EventKind, OperationId, OperationSpec, Outcome, SandboxId, SandboxSpec, ShellSpec,
+};
 use futures_util::StreamExt;
 
 fn shell(cmd: &str, timeout_ms: u64) -> OperationSpec {
@@ -20,13 +22,28 @@ async fn timeout_kills_the_whole_process_group() -> anyhow::Result<()> {
     let h = Harness::start().await?;
     let sb = h.sandbox().await?;
     let (_, r) = h
-        .run_spec(&sb, shell("sleep 300 & echo $! > /tmp/bg; echo started; sleep 300", 1000))
+        .run_spec(
+            &sb,
+            shell(
+                "sleep 300 & echo $! > /tmp/bg; echo started; sleep 300",
+                1000,
+            ),
+        )
         .await?;
     assert_eq!(r.outcome, Outcome::TimedOut);
     assert_eq!(r.outcome.exit_status(), 124);
     assert_eq!(r.stdout.to_lossy_string(), "started\n");
-    let r = h.run(&sb, "kill -0 $(cat /tmp/bg) 2>/dev/null && echo alive || echo gone").await?;
-    assert_eq!(r.stdout.to_lossy_string(), "gone\n", "the background child survived");
+    let r = h
+        .run(
+            &sb,
+            "kill -0 $(cat /tmp/bg) 2>/dev/null && echo alive || echo gone",
+        )
+        .await?;
+    assert_eq!(
+        r.stdout.to_lossy_string(),
+        "gone\n",
+        "the background child survived"
+    );
     h.stop().await;
     Ok(())
 }
@@ -36,7 +53,9 @@ async fn cancel_is_idempotent() -> anyhow::Result<()> {
     let h = Harness::start().await?;
     let sb = h.sandbox().await?;
     let op = OperationId::random();
-    h.client.submit(&sb, &op, shell("echo ready; sleep 300", 600_000)).await?;
+    h.client
+        .submit(&sb, &op, shell("echo ready; sleep 300", 600_000))
+        .await?;
     let mut events = h.client.watch(&sb, 0, Some(&op)).await?;
     // Wait until it runs.
     while let Some(e) = events.next().await {
@@ -48,10 +67,23 @@ async fn cancel_is_idempotent() -> anyhow::Result<()> {
     h.client.cancel(&sb, &op).await?;
     let (_, r) = collect(&h.client, &sb, &op, 0).await?;
     assert_eq!(r.outcome, Outcome::Canceled);
-    assert!(!h.client.cancel(&sb, &op).await?, "finished: nothing to cancel");
-    assert!(!h.client.cancel(&sb, &OperationId::random()).await?, "unknown: no-op");
+    assert!(
+        !h.client.cancel(&sb, &op).await?,
+        "finished: nothing to cancel"
+    );
+    assert!(
+        !h.client.cancel(&sb, &OperationId::random()).await?,
+        "unknown: no-op"
+    );
     // The record says the same.
-    assert_eq!(h.client.operation(&sb, &op).await?.result.map(|r| r.outcome), Some(Outcome::Canceled));
+    assert_eq!(
+        h.client
+            .operation(&sb, &op)
+            .await?
+            .result
+            .map(|r| r.outcome),
+        Some(Outcome::Canceled)
+    );
     h.stop().await;
     Ok(())
 }
@@ -62,7 +94,9 @@ async fn a_200_mb_output_streams_with_back_pressure_and_bounded_memory() -> anyh
     let worker = WorkerProcess::spawn(state.path(), &unique_id("m"), free_port()?, &[], &[])?;
     let client = WorkerClient::connect(&worker.url, None).await?;
     let sb = SandboxId::new(unique_id("sb"))?;
-    client.create_sandbox(Some(&sb), SandboxSpec::default()).await?;
+    client
+        .create_sandbox(Some(&sb), SandboxSpec::default())
+        .await?;
     let op = OperationId::random();
     let total: u64 = 200_000_000;
     let mut spec = ShellSpec::new(format!("head -c {total} /dev/zero; echo done >&2"));
@@ -81,7 +115,10 @@ async fn a_200_mb_output_streams_with_back_pressure_and_bounded_memory() -> anyh
     while let Some(e) = stream.next().await {
         let e = e?;
         received += match &e.kind {
-            EventKind::Output { stream: corral_proto::OutputStream::Stdout, data } => data.len() as u64,
+            EventKind::Output {
+                stream: corral_proto::OutputStream::Stdout,
+                data,
+            } => data.len() as u64,
             _ => 0,
         };
         if let EventKind::Finished(r) = e.kind {
@@ -98,7 +135,10 @@ async fn a_200_mb_output_streams_with_back_pressure_and_bounded_memory() -> anyh
     assert_eq!(r.stderr.to_lossy_string(), "done\n");
     // Without back-pressure the command would have written well over a
     // thousand 64 KiB chunks during the pause; with it, about a window's worth.
-    assert!(paused_seq < 400, "output ran ahead of a paused watcher: seq {paused_seq}");
+    assert!(
+        paused_seq < 400,
+        "output ran ahead of a paused watcher: seq {paused_seq}"
+    );
     let peak = worker.peak_rss()?;
     assert!(peak < 160 << 20, "worker peak RSS {} MiB", peak >> 20);
     client.destroy_sandbox(&sb).await?;
@@ -116,7 +156,9 @@ async fn a_fork_bomb_is_contained_and_the_worker_keeps_serving() -> anyhow::Resu
         .await?;
     let other = h.sandbox().await?;
     let op = OperationId::random();
-    h.client.submit(&bombed, &op, shell("f(){ f | f & }; f; wait", 3000)).await?;
+    h.client
+        .submit(&bombed, &op, shell("f(){ f | f & }; f; wait", 3000))
+        .await?;
     // Meanwhile, the worker and the other sandbox are fine.
     let r = h.run(&other, "echo fine").await?;
     assert_eq!(r.stdout.to_lossy_string(), "fine\n");
@@ -138,7 +180,9 @@ async fn a_memory_bomb_is_killed_and_reported() -> anyhow::Result<()> {
             ..Default::default()
         })
         .await?;
-    let r = h.run(&sb, "dd if=/dev/zero of=/dev/null bs=256M count=1").await?;
+    let r = h
+        .run(&sb, "dd if=/dev/zero of=/dev/null bs=256M count=1")
+        .await?;
     assert_eq!(r.outcome, Outcome::OutOfMemory, "{r:?}");
     assert_eq!(r.outcome.exit_status(), 137);
     let r = h.run(&sb, "echo still here").await?;

@@ -18,9 +18,15 @@ async fn events_are_ordered_and_replay_from_a_cursor_is_exact() -> anyhow::Resul
     assert!(result.outcome.is_success());
 
     // Strictly increasing seqs; started first, finished last.
-    assert!(events.windows(2).all(|w| w[0].seq < w[1].seq), "out of order");
+    assert!(
+        events.windows(2).all(|w| w[0].seq < w[1].seq),
+        "out of order"
+    );
     assert!(matches!(events[0].kind, EventKind::Started { .. }));
-    assert!(matches!(events.last().map(|e| &e.kind), Some(EventKind::Finished(_))));
+    assert!(matches!(
+        events.last().map(|e| &e.kind),
+        Some(EventKind::Finished(_))
+    ));
     let expected: String = (1..=200).map(|i| format!("line {i}\n")).collect();
     assert_eq!(String::from_utf8(corral_e2e::stdout_of(&events))?, expected);
 
@@ -28,7 +34,11 @@ async fn events_are_ordered_and_replay_from_a_cursor_is_exact() -> anyhow::Resul
     for cut in [0, 1, events.len() / 3, events.len() - 2] {
         let cursor = events[cut].seq;
         let replay = corral_e2e::collect(&h.client, &sb, &op, cursor).await?.0;
-        assert_eq!(replay, events[cut + 1..].to_vec(), "replay after seq {cursor}");
+        assert_eq!(
+            replay,
+            events[cut + 1..].to_vec(),
+            "replay after seq {cursor}"
+        );
     }
 
     // An unfiltered watch sees the same events (the sandbox has one op).

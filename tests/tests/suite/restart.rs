@@ -17,11 +17,24 @@ async fn sigkill_the_worker_mid_command_and_the_output_arrives_complete() -> any
     let mut worker = WorkerProcess::spawn(state.path(), &wid, port, &[], &[])?;
     let client = WorkerClient::connect(&worker.url, None).await?;
     let sb = SandboxId::new(unique_id("sb"))?;
-    client.create_sandbox(Some(&sb), SandboxSpec::default()).await?;
+    client
+        .create_sandbox(Some(&sb), SandboxSpec::default())
+        .await?;
 
     let mut exec = Command::new(binary("corral")?)
-        .args(["--worker", &worker.url, "exec", "--sandbox", sb.as_str(), "--"])
-        .args(["sh", "-c", "for i in $(seq 1 40); do echo line $i; echo err $i >&2; sleep 0.1; done; exit 3"])
+        .args([
+            "--worker",
+            &worker.url,
+            "exec",
+            "--sandbox",
+            sb.as_str(),
+            "--",
+        ])
+        .args([
+            "sh",
+            "-c",
+            "for i in $(seq 1 40); do echo line $i; echo err $i >&2; sleep 0.1; done; exit 3",
+        ])
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()?;
@@ -38,7 +51,10 @@ async fn sigkill_the_worker_mid_command_and_the_output_arrives_complete() -> any
         lines
     });
     let err_reader = std::thread::spawn(move || {
-        std::io::BufReader::new(stderr).lines().map(|l| l.unwrap_or_default()).collect::<Vec<_>>()
+        std::io::BufReader::new(stderr)
+            .lines()
+            .map(|l| l.unwrap_or_default())
+            .collect::<Vec<_>>()
     });
     // Let it get going, then kill the worker without warning.
     for _ in 0..5 {
@@ -73,25 +89,50 @@ async fn a_sandbox_whose_record_is_gone_is_removed_on_start() -> anyhow::Result<
     let client = WorkerClient::connect(&worker.url, None).await?;
     let keep = SandboxId::new(unique_id("keep"))?;
     let orphan = SandboxId::new(unique_id("orphan"))?;
-    client.create_sandbox(Some(&keep), SandboxSpec::default()).await?;
-    let orphan_container = client.create_sandbox(Some(&orphan), SandboxSpec::default()).await?.container_id;
+    client
+        .create_sandbox(Some(&keep), SandboxSpec::default())
+        .await?;
+    let orphan_container = client
+        .create_sandbox(Some(&orphan), SandboxSpec::default())
+        .await?
+        .container_id;
     worker.kill9();
-    std::fs::remove_file(state.path().join("sandboxes").join(format!("{orphan}.json")))?;
+    std::fs::remove_file(
+        state
+            .path()
+            .join("sandboxes")
+            .join(format!("{orphan}.json")),
+    )?;
 
     let worker2 = WorkerProcess::spawn(state.path(), &wid, port, &[], &[])?;
     let client = WorkerClient::connect(&worker2.url, None).await?;
-    let ids: Vec<String> = client.list_sandboxes().await?.into_iter().map(|s| s.id).collect();
+    let ids: Vec<String> = client
+        .list_sandboxes()
+        .await?
+        .into_iter()
+        .map(|s| s.id)
+        .collect();
     assert_eq!(ids, vec![keep.to_string()]);
     let docker = bollard::Docker::connect_with_defaults()?;
     let gone = docker.inspect_container(&orphan_container, None).await;
     assert!(
-        matches!(gone, Err(bollard::errors::Error::DockerResponseServerError { status_code: 404, .. })),
+        matches!(
+            gone,
+            Err(bollard::errors::Error::DockerResponseServerError {
+                status_code: 404,
+                ..
+            })
+        ),
         "the orphan container is still there: {gone:?}"
     );
     // The kept one works.
     let op = corral_proto::OperationId::random();
     client
-        .submit(&keep, &op, corral_proto::OperationSpec::Shell(corral_proto::ShellSpec::new("echo alive")))
+        .submit(
+            &keep,
+            &op,
+            corral_proto::OperationSpec::Shell(corral_proto::ShellSpec::new("echo alive")),
+        )
         .await?;
     let (_, r) = corral_e2e::collect(&client, &keep, &op, 0).await?;
     assert_eq!(r.stdout.to_lossy_string(), "alive\n");

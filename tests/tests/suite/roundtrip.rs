@@ -19,7 +19,10 @@ async fn stdout_stderr_exit_code_env_and_workdir() -> anyhow::Result<()> {
     spec.env.insert("GREETING".into(), "hi there".into());
     let r = h.run_spec(&sb, OperationSpec::Shell(spec)).await?.1;
     assert_eq!(r.outcome, Outcome::Exited { code: 0 });
-    assert_eq!(r.stdout.to_lossy_string(), "/workspace/sub\nhi there /workspace\n");
+    assert_eq!(
+        r.stdout.to_lossy_string(),
+        "/workspace/sub\nhi there /workspace\n"
+    );
 
     let mut spec = ShellSpec::new("pwd; touch here");
     spec.workdir = Some("sub".into());
@@ -28,8 +31,16 @@ async fn stdout_stderr_exit_code_env_and_workdir() -> anyhow::Result<()> {
     assert!(r.outcome.is_success());
 
     // Non-interactive defaults, and no login shell.
-    let r = h.run(&sb, "echo $PAGER $GIT_PAGER $GIT_TERMINAL_PROMPT $DEBIAN_FRONTEND; read x; echo read=$?").await?;
-    assert_eq!(r.stdout.to_lossy_string(), "cat cat 0 noninteractive\nread=1\n");
+    let r = h
+        .run(
+            &sb,
+            "echo $PAGER $GIT_PAGER $GIT_TERMINAL_PROMPT $DEBIAN_FRONTEND; read x; echo read=$?",
+        )
+        .await?;
+    assert_eq!(
+        r.stdout.to_lossy_string(),
+        "cat cat 0 noninteractive\nread=1\n"
+    );
 
     // bash when asked.
     let mut spec = ShellSpec::new("echo ${BASH_VERSION:+bash}; [[ 1 == 1 ]] && echo ok");
@@ -65,8 +76,13 @@ async fn files_are_written_and_read_back() -> anyhow::Result<()> {
         mode: 0o600,
     });
     let r = h.run_spec(&sb, write).await?.1;
-    assert_eq!((r.outcome.clone(), r.bytes_written), (Outcome::Exited { code: 0 }, 12));
-    let r = h.run(&sb, "stat -c '%a %u' dir/hello.txt; cat dir/hello.txt").await?;
+    assert_eq!(
+        (r.outcome.clone(), r.bytes_written),
+        (Outcome::Exited { code: 0 }, 12)
+    );
+    let r = h
+        .run(&sb, "stat -c '%a %u' dir/hello.txt; cat dir/hello.txt")
+        .await?;
     assert_eq!(r.stdout.to_lossy_string(), "600 1000\nhello\nworld\n");
     let read = OperationSpec::ReadFile(ReadFileSpec {
         path: "/workspace/dir/hello.txt".into(),
@@ -90,10 +106,28 @@ async fn fifty_concurrent_operations_in_one_sandbox_and_across_ten() -> anyhow::
     let runs = (0..50).map(|i| {
         let (h, sb) = (&h, &one);
         async move {
-            let r = h.run(sb, &format!("echo start {i}; sleep 0.2; echo end {i} >&2; exit {}", i % 5)).await?;
-            anyhow::ensure!(r.outcome == Outcome::Exited { code: i % 5 }, "op {i}: {:?}", r.outcome);
-            anyhow::ensure!(r.stdout.to_lossy_string() == format!("start {i}\n"), "op {i} stdout");
-            anyhow::ensure!(r.stderr.to_lossy_string() == format!("end {i}\n"), "op {i} stderr");
+            let r = h
+                .run(
+                    sb,
+                    &format!(
+                        "echo start {i}; sleep 0.2; echo end {i} >&2; exit {}",
+                        i % 5
+                    ),
+                )
+                .await?;
+            anyhow::ensure!(
+                r.outcome == Outcome::Exited { code: i % 5 },
+                "op {i}: {:?}",
+                r.outcome
+            );
+            anyhow::ensure!(
+                r.stdout.to_lossy_string() == format!("start {i}\n"),
+                "op {i} stdout"
+            );
+            anyhow::ensure!(
+                r.stderr.to_lossy_string() == format!("end {i}\n"),
+                "op {i} stderr"
+            );
             Ok(())
         }
     });
@@ -104,7 +138,10 @@ async fn fifty_concurrent_operations_in_one_sandbox_and_across_ten() -> anyhow::
         let (h, sb) = (&h, &sandboxes[i % 10]);
         async move {
             let r = h.run(sb, &format!("echo {i} > f{i}; cat f{i}")).await?;
-            anyhow::ensure!(r.stdout.to_lossy_string() == format!("{i}\n"), "op {i}: {r:?}");
+            anyhow::ensure!(
+                r.stdout.to_lossy_string() == format!("{i}\n"),
+                "op {i}: {r:?}"
+            );
             Ok(())
         }
     });

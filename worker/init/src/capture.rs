@@ -83,7 +83,7 @@ mod tests {
     fn large_output_keeps_head_and_tail_and_counts_everything() {
         let mut c = HeadTail::new(10);
         for i in 0..1000u32 {
-            c.push(format!("{:04}", i).as_bytes());
+            c.push(format!("{i:04}").as_bytes());
         }
         let got = c.finish();
         assert_eq!(&got.head[..], b"00000");

@@ -154,7 +154,10 @@ fn write(roots: &Roots, spec: &WriteFileSpec) -> Result<OperationResult, FileErr
     if spec.data.len() as u64 > MAX_FILE_BYTES {
         return Err(FileError(
             FileErrorKind::TooLarge,
-            format!("{} bytes is above the limit of {MAX_FILE_BYTES}", spec.data.len()),
+            format!(
+                "{} bytes is above the limit of {MAX_FILE_BYTES}",
+                spec.data.len()
+            ),
         ));
     }
     let path = resolve(roots, &spec.path)?;
@@ -209,7 +212,10 @@ mod tests {
     }
 
     fn tempdir() -> PathBuf {
-        let d = std::env::temp_dir().join(format!("corral-fileops-{}", corral_proto::ids::random_uuid()));
+        let d = std::env::temp_dir().join(format!(
+            "corral-fileops-{}",
+            corral_proto::ids::random_uuid()
+        ));
         fs::create_dir_all(&d).unwrap();
         d
     }
@@ -263,18 +269,39 @@ mod tests {
         let d = tempdir();
         let r = roots(&d);
         fs::write(d.join("secret"), b"s").unwrap();
-        for p in ["../secret", "a/../../secret", "/etc/passwd", "../../../../etc/passwd"] {
+        for p in [
+            "../secret",
+            "a/../../secret",
+            "/etc/passwd",
+            "../../../../etc/passwd",
+        ] {
             let got = read_file(&r, &read_spec(p));
-            assert_eq!(kind(&got), Some(FileErrorKind::OutsideSandboxRoots), "{p}: {got:?}");
+            assert_eq!(
+                kind(&got),
+                Some(FileErrorKind::OutsideSandboxRoots),
+                "{p}: {got:?}"
+            );
             let got = write_file(&r, &write_spec(p, b"x"));
-            assert_eq!(kind(&got), Some(FileErrorKind::OutsideSandboxRoots), "{p}: {got:?}");
+            assert_eq!(
+                kind(&got),
+                Some(FileErrorKind::OutsideSandboxRoots),
+                "{p}: {got:?}"
+            );
         }
         // A link inside the workspace that points out of it.
         std::os::unix::fs::symlink(&d, r.workspace.join("escape")).unwrap();
         let got = read_file(&r, &read_spec("escape/secret"));
-        assert_eq!(kind(&got), Some(FileErrorKind::OutsideSandboxRoots), "{got:?}");
+        assert_eq!(
+            kind(&got),
+            Some(FileErrorKind::OutsideSandboxRoots),
+            "{got:?}"
+        );
         let got = write_file(&r, &write_spec("escape/new", b"x"));
-        assert_eq!(kind(&got), Some(FileErrorKind::OutsideSandboxRoots), "{got:?}");
+        assert_eq!(
+            kind(&got),
+            Some(FileErrorKind::OutsideSandboxRoots),
+            "{got:?}"
+        );
         assert!(!d.join("new").exists());
         // The other root is fine.
         let tmp = r.others[0].join("t");
@@ -287,11 +314,23 @@ mod tests {
     fn missing_and_directory_errors_are_typed() {
         let d = tempdir();
         let r = roots(&d);
-        assert_eq!(kind(&read_file(&r, &read_spec("nope"))), Some(FileErrorKind::NotFound));
+        assert_eq!(
+            kind(&read_file(&r, &read_spec("nope"))),
+            Some(FileErrorKind::NotFound)
+        );
         fs::create_dir(r.workspace.join("dir")).unwrap();
-        assert_eq!(kind(&read_file(&r, &read_spec("dir"))), Some(FileErrorKind::IsDirectory));
-        assert_eq!(kind(&write_file(&r, &write_spec("dir", b"x"))), Some(FileErrorKind::IsDirectory));
-        assert_eq!(kind(&write_file(&r, &write_spec(".", b"x"))), Some(FileErrorKind::IsDirectory));
+        assert_eq!(
+            kind(&read_file(&r, &read_spec("dir"))),
+            Some(FileErrorKind::IsDirectory)
+        );
+        assert_eq!(
+            kind(&write_file(&r, &write_spec("dir", b"x"))),
+            Some(FileErrorKind::IsDirectory)
+        );
+        assert_eq!(
+            kind(&write_file(&r, &write_spec(".", b"x"))),
+            Some(FileErrorKind::IsDirectory)
+        );
         fs::remove_dir_all(d).unwrap();
     }
 }

@@ -1,13 +1,13 @@
 //! `corral-init`: PID 1 of every Corral sandbox. See the library docs.
 
+// A binary talks to its terminal; the libraries never print.
+#![allow(clippy::print_stdout, clippy::print_stderr)]
+
 use std::process::ExitCode;
 
 fn main() -> ExitCode {
     if std::env::args().nth(1).as_deref() == Some("--version") {
-        #[allow(clippy::print_stdout)]
-        {
-            println!("corral-init {}", corral_init::VERSION);
-        }
+        println!("corral-init {}", corral_init::VERSION);
         return ExitCode::SUCCESS;
     }
     // `--install SRC DST`: the worker's helper puts a freshly copied binary
@@ -19,10 +19,7 @@ fn main() -> ExitCode {
         return match std::fs::rename(src, dst) {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
-                #[allow(clippy::print_stderr)]
-                {
-                    eprintln!("corral-init: installing {src} as {dst}: {e}");
-                }
+                eprintln!("corral-init: installing {src} as {dst}: {e}");
                 ExitCode::from(1)
             }
         };
@@ -40,10 +37,7 @@ fn main() -> ExitCode {
     match corral_init::supervisor::run(config) {
         Ok(code) => ExitCode::from(code as u8),
         Err(e) => {
-            #[allow(clippy::print_stderr)]
-            {
-                eprintln!("corral-init: {e}");
-            }
+            eprintln!("corral-init: {e}");
             ExitCode::from(70)
         }
     }

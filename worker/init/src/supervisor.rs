@@ -140,7 +140,12 @@ pub struct Supervisor {
 /// Runs the supervisor until a termination signal. Returns the exit code.
 pub fn run(config: Config) -> Result<i32, InitError> {
     let mut mask = SigSet::empty();
-    for s in [Signal::SIGCHLD, Signal::SIGTERM, Signal::SIGINT, Signal::SIGHUP] {
+    for s in [
+        Signal::SIGCHLD,
+        Signal::SIGTERM,
+        Signal::SIGINT,
+        Signal::SIGHUP,
+    ] {
         mask.add(s);
     }
     mask.thread_block().map_err(InitError::Signals)?;
@@ -158,7 +163,10 @@ pub fn run(config: Config) -> Result<i32, InitError> {
             .map_err(InitError::Stdio)?,
     );
     let mut sup = Supervisor {
-        journal: Journal::new(config.journal_budget_bytes, crate::journal::DEFAULT_MAX_EVENTS),
+        journal: Journal::new(
+            config.journal_budget_bytes,
+            crate::journal::DEFAULT_MAX_EVENTS,
+        ),
         base_env: base_env(&config.roots.workspace),
         config,
         boot_id: corral_proto::ids::random_uuid(),
@@ -288,7 +296,9 @@ impl Supervisor {
                 fds.iter()
                     .map(|f| {
                         f.revents().is_some_and(|r| {
-                            r.intersects(PollFlags::POLLIN | PollFlags::POLLHUP | PollFlags::POLLERR)
+                            r.intersects(
+                                PollFlags::POLLIN | PollFlags::POLLHUP | PollFlags::POLLERR,
+                            )
                         })
                     })
                     .collect()
@@ -474,17 +484,21 @@ impl Supervisor {
         match self.spawn(&shell) {
             Ok((pid, run)) => {
                 self.pids.insert(pid.as_raw(), id.clone());
-                let seq = self.emit(&id, EventKind::Started {
-                    pid: pid.as_raw() as u32,
-                });
+                let seq = self.emit(
+                    &id,
+                    EventKind::Started {
+                        pid: pid.as_raw() as u32,
+                    },
+                );
                 if let Some(op) = self.ops.get_mut(&id) {
                     op.first_seq = seq;
                     op.running = Some(run);
                 }
             }
-            Err(reason) => {
-                self.complete(&id, OperationResult::with_outcome(Outcome::SpawnFailed { reason }))
-            }
+            Err(reason) => self.complete(
+                &id,
+                OperationResult::with_outcome(Outcome::SpawnFailed { reason }),
+            ),
         }
     }
 
@@ -573,12 +587,17 @@ impl Supervisor {
                 run.captures[stream].push(&buf[..n]);
                 self.credit -= n as u64;
                 let data = Bytes::copy_from_slice(&buf[..n]);
-                self.emit(id, EventKind::Output {
-                    stream: STREAMS[stream],
-                    data,
-                });
+                self.emit(
+                    id,
+                    EventKind::Output {
+                        stream: STREAMS[stream],
+                        data,
+                    },
+                );
             }
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock || e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e)
+                if e.kind() == io::ErrorKind::WouldBlock
+                    || e.kind() == io::ErrorKind::Interrupted => {}
             Err(e) => {
                 eprintln!("corral-init: reading output of {id}: {e}");
                 run.pipes[stream] = None;
@@ -619,7 +638,9 @@ impl Supervisor {
     fn enforce_deadlines(&mut self, now: Instant) {
         let grace = self.config.kill_grace;
         for op in self.ops.values_mut() {
-            let Some(run) = op.running.as_mut() else { continue };
+            let Some(run) = op.running.as_mut() else {
+                continue;
+            };
             if run.ending.is_none() && now >= run.deadline {
                 run.ending = Some(Ending::TimedOut);
                 let _ = killpg(run.pgid, Signal::SIGTERM);
@@ -639,7 +660,9 @@ impl Supervisor {
     fn finish_ready(&mut self, now: Instant) {
         let mut done = Vec::new();
         for (id, op) in &mut self.ops {
-            let Some(run) = op.running.as_mut() else { continue };
+            let Some(run) = op.running.as_mut() else {
+                continue;
+            };
             if run.exit.is_none() {
                 continue;
             }
@@ -689,9 +712,9 @@ impl Supervisor {
                 }
                 (None, Some(WaitStatus::Exited(_, 137))) if oomed() => Outcome::OutOfMemory,
                 (None, Some(WaitStatus::Exited(_, code))) => Outcome::Exited { code },
-                (None, Some(WaitStatus::Signaled(_, sig, _))) => Outcome::Signaled {
-                    signal: sig as i32,
-                },
+                (None, Some(WaitStatus::Signaled(_, sig, _))) => {
+                    Outcome::Signaled { signal: sig as i32 }
+                }
                 (None, other) => Outcome::SpawnFailed {
                     reason: format!("unexpected wait status {other:?}"),
                 },
