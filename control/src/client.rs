@@ -6,7 +6,9 @@ use std::time::Duration;
 use corral_proto::init::OperationRecord;
 use corral_proto::limits::MAX_GRPC_MESSAGE_BYTES;
 use corral_proto::pb::worker_client::WorkerClient as PbClient;
-use corral_proto::{Event, OperationId, OperationSpec, SandboxId, SandboxSpec, pb};
+use corral_proto::{
+    Event, OperationId, OperationSpec, SandboxId, SandboxInfo, SandboxSpec, WorkerInfo, pb,
+};
 use futures_util::{Stream, StreamExt};
 use tonic::metadata::MetadataValue;
 use tonic::service::Interceptor;
@@ -112,26 +114,43 @@ impl WorkerClient {
         &self,
         id: Option<&SandboxId>,
         spec: SandboxSpec,
-    ) -> Result<pb::Sandbox, ClientError> {
+    ) -> Result<SandboxInfo, ClientError> {
         let req = pb::CreateSandboxRequest {
             id: id.map(ToString::to_string).unwrap_or_default(),
             spec: Some(spec.into()),
         };
-        Ok(self.inner.clone().create_sandbox(req).await?.into_inner())
+        Ok(self
+            .inner
+            .clone()
+            .create_sandbox(req)
+            .await?
+            .into_inner()
+            .try_into()?)
     }
 
-    pub async fn get_sandbox(&self, id: &SandboxId) -> Result<pb::Sandbox, ClientError> {
+    pub async fn get_sandbox(&self, id: &SandboxId) -> Result<SandboxInfo, ClientError> {
         let req = pb::GetSandboxRequest { id: id.to_string() };
-        Ok(self.inner.clone().get_sandbox(req).await?.into_inner())
+        Ok(self
+            .inner
+            .clone()
+            .get_sandbox(req)
+            .await?
+            .into_inner()
+            .try_into()?)
     }
 
-    pub async fn list_sandboxes(&self) -> Result<Vec<pb::Sandbox>, ClientError> {
+    pub async fn list_sandboxes(&self) -> Result<Vec<SandboxInfo>, ClientError> {
         let resp = self
             .inner
             .clone()
             .list_sandboxes(pb::ListSandboxesRequest {})
             .await?;
-        Ok(resp.into_inner().sandboxes)
+        Ok(resp
+            .into_inner()
+            .sandboxes
+            .into_iter()
+            .map(TryInto::try_into)
+            .collect::<Result<_, _>>()?)
     }
 
     /// Returns whether the sandbox existed.
@@ -212,13 +231,13 @@ impl WorkerClient {
         })))
     }
 
-    pub async fn worker_info(&self) -> Result<pb::WorkerInfo, ClientError> {
+    pub async fn worker_info(&self) -> Result<WorkerInfo, ClientError> {
         let resp = self
             .inner
             .clone()
             .get_worker_info(pb::GetWorkerInfoRequest {})
             .await?;
-        Ok(resp.into_inner())
+        Ok(resp.into_inner().into())
     }
 }
 

@@ -5,12 +5,14 @@
 
 use std::process::ExitCode;
 
-use clap::Parser;
 use corral_control::cli::Cli;
 use corral_control::run::{EXIT_CORRAL_ERROR, run};
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = match corral_worker::cli::parse_args::<Cli>("corral") {
+        Ok(cli) => cli,
+        Err(code) => return code,
+    };
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("CORRAL_LOG")

@@ -3,7 +3,7 @@
 
 use std::io::Write;
 
-use corral_proto::{NetworkMode, SandboxId, SandboxSpec, pb};
+use corral_proto::{NetworkMode, SandboxId, SandboxSpec, SandboxState};
 use corral_worker::WorkerConfig;
 
 use crate::cli::{Cli, Command, ConnArgs, ExecArgs, Network, SandboxCommand};
@@ -162,18 +162,12 @@ async fn run_sandbox(conn: &Connection, cmd: SandboxCommand) -> Result<(), RunEr
                 "ID", "STATE", "IMAGE", "RUNNING"
             )?;
             for sb in all {
-                let state = match pb::SandboxState::try_from(sb.state) {
-                    Ok(pb::SandboxState::Ready) => "ready",
-                    Ok(pb::SandboxState::Starting) => "starting",
-                    Ok(pb::SandboxState::Lost) => "lost",
-                    _ => "?",
+                let state = match &sb.state {
+                    SandboxState::Ready => "ready",
+                    SandboxState::Starting => "starting",
+                    SandboxState::Lost(_) => "lost",
                 };
-                let image = sb
-                    .spec
-                    .as_ref()
-                    .map(|s| s.image.as_str())
-                    .filter(|i| !i.is_empty())
-                    .unwrap_or("(default)");
+                let image = sb.spec.image.as_deref().unwrap_or("(default)");
                 writeln!(
                     stdout,
                     "{:<38} {:<8} {:<24} {:>7} {}",

@@ -5,7 +5,7 @@
 //!   at build time with protox, so no system `protoc` is needed; the generated
 //!   prost messages and (feature `grpc`) tonic stubs live in [`pb`];
 //! - the validated domain types every other crate works with ([`ids`],
-//!   [`spec`], [`result`], [`event`], [`init`]), and the conversions between
+//!   [`spec`], [`result`], [`event`], [`sandbox`], [`init`]), and the conversions between
 //!   them and [`pb`]: generated `Option`s and `i32` enums stop here;
 //! - the length-delimited [`frame`] codec spoken between a worker and the
 //!   in-sandbox supervisor `corral-init`;
@@ -20,12 +20,14 @@ pub mod ids;
 pub mod init;
 pub mod limits;
 pub mod result;
+pub mod sandbox;
 pub mod spec;
 
 pub use error::ProtocolError;
 pub use event::{Event, EventKind, OutputStream};
 pub use ids::{OperationId, SandboxId};
 pub use result::{Captured, FileErrorKind, OperationResult, Outcome};
+pub use sandbox::{SandboxInfo, SandboxState, WorkerInfo};
 pub use spec::{NetworkMode, OperationSpec, ReadFileSpec, SandboxSpec, ShellSpec, WriteFileSpec};
 
 /// Generated protobuf messages and gRPC stubs. Use them only at the edges

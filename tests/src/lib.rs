@@ -69,10 +69,16 @@ pub struct Harness {
 
 impl Harness {
     pub async fn start() -> Result<Self> {
+        Self::start_with(|_| {}).await
+    }
+
+    /// Starts with a configuration adjusted by `tweak`.
+    pub async fn start_with(tweak: impl FnOnce(&mut WorkerConfig)) -> Result<Self> {
         let state = tempfile::tempdir()?;
         let worker_id = unique_id("t");
         let mut config = WorkerConfig::new(state.path().to_path_buf());
         config.worker_id = Some(worker_id.clone());
+        tweak(&mut config);
         let worker = Worker::start(config).await.context("starting the worker")?;
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let url = format!("http://{}", listener.local_addr()?);

@@ -48,6 +48,38 @@ pub struct WorkerArgs {
     pub default_image: String,
 }
 
+/// Parses the command line. Help and version print as usual; a usage error
+/// becomes one line (`NAME: what is wrong (see NAME --help)`) and exit code 2.
+pub fn parse_args<T: Parser>(name: &str) -> Result<T, std::process::ExitCode> {
+    use clap::error::ErrorKind;
+    match T::try_parse() {
+        Ok(args) => Ok(args),
+        Err(e)
+            if matches!(
+                e.kind(),
+                ErrorKind::DisplayHelp
+                    | ErrorKind::DisplayVersion
+                    | ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand
+            ) =>
+        {
+            e.exit()
+        }
+        Err(e) => {
+            let text = e.to_string();
+            let first = text
+                .lines()
+                .find(|l| !l.trim().is_empty())
+                .unwrap_or("invalid arguments")
+                .trim_start_matches("error: ");
+            #[allow(clippy::print_stderr)]
+            {
+                eprintln!("{name}: {first} (see {name} --help)");
+            }
+            Err(std::process::ExitCode::from(2))
+        }
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     #[error("--listen {0} is not a loopback address, so a token is required: pass --token-file")]

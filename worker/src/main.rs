@@ -6,12 +6,14 @@
 use std::process::ExitCode;
 
 use anyhow::Context;
-use clap::Parser;
 use corral_worker::cli::WorkerArgs;
 use corral_worker::{Worker, server};
 
 fn main() -> ExitCode {
-    let args = WorkerArgs::parse();
+    let args = match corral_worker::cli::parse_args::<WorkerArgs>("corral-worker") {
+        Ok(args) => args,
+        Err(code) => return code,
+    };
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("CORRAL_LOG")

@@ -25,7 +25,7 @@ use corral_proto::frame::{self, FrameDecoder};
 use corral_proto::init::{InitMessage, InitRequest, OperationRecord, Welcome};
 use corral_proto::{
     Event, EventKind, OperationId, OperationResult, OperationSpec, Outcome, ProtocolError,
-    SandboxId, SandboxSpec, pb,
+    SandboxId, SandboxInfo, SandboxSpec, SandboxState, pb,
 };
 use futures_util::{Stream, StreamExt};
 use tokio::io::{AsyncWrite, AsyncWriteExt};
@@ -42,45 +42,6 @@ pub const WINDOW_BYTES: u64 = 4 << 20;
 const MAX_OPERATIONS: usize = 4096;
 /// How long a sandbox may stay unreachable (Docker down) before it is lost.
 const RECONNECT_PATIENCE: Duration = Duration::from_secs(60);
-
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum SandboxState {
-    Starting,
-    Ready,
-    Lost(String),
-}
-
-/// What a client sees of a sandbox.
-#[derive(Debug, Clone)]
-pub struct SandboxInfo {
-    pub id: SandboxId,
-    pub spec: SandboxSpec,
-    pub state: SandboxState,
-    pub container_id: String,
-    pub last_seq: u64,
-    pub running_operations: u32,
-    pub created_at_unix_ms: i64,
-}
-
-impl SandboxInfo {
-    pub fn to_pb(&self) -> pb::Sandbox {
-        let (state, lost_reason) = match &self.state {
-            SandboxState::Starting => (pb::SandboxState::Starting, String::new()),
-            SandboxState::Ready => (pb::SandboxState::Ready, String::new()),
-            SandboxState::Lost(r) => (pb::SandboxState::Lost, r.clone()),
-        };
-        pb::Sandbox {
-            id: self.id.to_string(),
-            spec: Some(self.spec.clone().into()),
-            state: state as i32,
-            container_id: self.container_id.clone(),
-            last_seq: self.last_seq,
-            running_operations: self.running_operations,
-            lost_reason,
-            created_at_unix_ms: self.created_at_unix_ms,
-        }
-    }
-}
 
 #[derive(Default)]
 struct OpTable {

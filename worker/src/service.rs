@@ -44,7 +44,7 @@ impl pb::worker_server::Worker for WorkerService {
         };
         let spec = SandboxSpec::try_from(req.spec.unwrap_or_default())?;
         let info = self.worker.create_sandbox(id, spec).await?;
-        Ok(Response::new(info.to_pb()))
+        Ok(Response::new(info.into()))
     }
 
     async fn get_sandbox(
@@ -52,7 +52,7 @@ impl pb::worker_server::Worker for WorkerService {
         req: Request<pb::GetSandboxRequest>,
     ) -> Result<Response<pb::Sandbox>, Status> {
         let id = sandbox_id(req.into_inner().id)?;
-        Ok(Response::new(self.worker.get_sandbox(&id)?.to_pb()))
+        Ok(Response::new(self.worker.get_sandbox(&id)?.into()))
     }
 
     async fn list_sandboxes(
@@ -62,8 +62,8 @@ impl pb::worker_server::Worker for WorkerService {
         let sandboxes = self
             .worker
             .list_sandboxes()
-            .iter()
-            .map(|s| s.to_pb())
+            .into_iter()
+            .map(Into::into)
             .collect();
         Ok(Response::new(pb::ListSandboxesResponse { sandboxes }))
     }
@@ -137,14 +137,6 @@ impl pb::worker_server::Worker for WorkerService {
         &self,
         _req: Request<pb::GetWorkerInfoRequest>,
     ) -> Result<Response<pb::WorkerInfo>, Status> {
-        let i = self.worker.info();
-        Ok(Response::new(pb::WorkerInfo {
-            worker_id: i.worker_id,
-            version: i.version,
-            max_sandboxes: i.max_sandboxes,
-            sandboxes: i.sandboxes,
-            running_operations: i.running_operations,
-            docker_version: i.docker_version,
-        }))
+        Ok(Response::new(self.worker.info().into()))
     }
 }

@@ -7,7 +7,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use corral_proto::init::OperationRecord;
-use corral_proto::{Event, OperationId, OperationSpec, SandboxId, SandboxSpec};
+use corral_proto::{
+    Event, OperationId, OperationSpec, SandboxId, SandboxInfo, SandboxSpec, WorkerInfo,
+};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -16,7 +18,7 @@ use tracing::{info, warn};
 use crate::docker::{self, Defaults, DockerRuntime, LABEL_SANDBOX};
 use crate::error::{Result, WorkerError};
 use crate::initbin::InitBinary;
-use crate::sandbox::{Sandbox, SandboxInfo};
+use crate::sandbox::Sandbox;
 use crate::state::{StateDir, now_unix_ms};
 
 /// How long a new sandbox's supervisor has to answer.
@@ -43,16 +45,6 @@ impl WorkerConfig {
             defaults: Defaults::default(),
         }
     }
-}
-
-#[derive(Debug, Clone)]
-pub struct WorkerInfo {
-    pub worker_id: String,
-    pub version: String,
-    pub max_sandboxes: u32,
-    pub sandboxes: u32,
-    pub running_operations: u32,
-    pub docker_version: String,
 }
 
 /// A cheap handle to the worker.

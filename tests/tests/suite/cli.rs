@@ -64,6 +64,40 @@ async fn exit_codes_and_streams() -> anyhow::Result<()> {
 }
 
 #[tokio::test]
+async fn ctrl_c_cancels_the_command_and_exits_130() -> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let sb = h.sandbox().await?;
+    let mut child = tokio::process::Command::new(binary("corral")?)
+        .args([
+            "--worker",
+            &h.url,
+            "exec",
+            "--sandbox",
+            sb.as_str(),
+            "--",
+            "sh",
+            "-c",
+            "echo go; sleep 300",
+        ])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()?;
+    let mut stdout = tokio::io::BufReader::new(child.stdout.take().expect("stdout"));
+    let mut line = String::new();
+    tokio::io::AsyncBufReadExt::read_line(&mut stdout, &mut line).await?;
+    assert_eq!(line, "go\n");
+    let pid = nix::unistd::Pid::from_raw(child.id().expect("pid") as i32);
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGINT)?;
+    let out = child.wait_with_output().await?;
+    assert_eq!(out.status.code(), Some(130));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("canceled"));
+    let left = h.client.get_sandbox(&sb).await?.running_operations;
+    assert_eq!(left, 0, "the command still runs");
+    h.stop().await;
+    Ok(())
+}
+
+#[tokio::test]
 async fn errors_are_one_clear_line() -> anyhow::Result<()> {
     let out = corral(&["--worker", "http://127.0.0.1:1", "sandbox", "ls"]).await?;
     assert_eq!(out.status.code(), Some(125));
@@ -88,6 +122,10 @@ async fn errors_are_one_clear_line() -> anyhow::Result<()> {
 
     let out = corral(&["exec", "--bogus", "--", "true"]).await?;
     assert_eq!(out.status.code(), Some(2), "usage errors exit 2");
+    assert!(one_line_error(&out).contains("'--bogus'"));
+    let out = corral(&["sandbox", "create", "--memory", "lots"]).await?;
+    assert_eq!(out.status.code(), Some(2));
+    assert!(one_line_error(&out).contains("not a size"));
 
     let state = tempfile::tempdir()?;
     let state_arg = state.path().to_string_lossy().to_string();

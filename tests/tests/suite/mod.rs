@@ -5,3 +5,4 @@ mod limits;
 mod ordering;
 mod restart;
 mod roundtrip;
+mod service;

@@ -76,7 +76,7 @@ async fn sigkill_the_worker_mid_command_and_the_output_arrives_complete() -> any
     // The sandbox was re-adopted and still works.
     let client = WorkerClient::connect(&worker2.url, None).await?;
     let info = client.get_sandbox(&sb).await?;
-    assert_eq!(info.state, corral_proto::pb::SandboxState::Ready as i32);
+    assert_eq!(info.state, corral_proto::SandboxState::Ready);
     client.destroy_sandbox(&sb).await?;
     Ok(())
 }
@@ -110,7 +110,7 @@ async fn a_sandbox_whose_record_is_gone_is_removed_on_start() -> anyhow::Result<
         .list_sandboxes()
         .await?
         .into_iter()
-        .map(|s| s.id)
+        .map(|s| s.id.to_string())
         .collect();
     assert_eq!(ids, vec![keep.to_string()]);
     let docker = bollard::Docker::connect_with_defaults()?;

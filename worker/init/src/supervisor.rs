@@ -135,7 +135,13 @@ pub struct Supervisor {
     out_broken: bool,
     signals: SignalFd,
     shutdown: bool,
+    /// Output pipes of finished operations still held open by background
+    /// children: drained and discarded, so those children never see EPIPE.
+    orphans: Vec<Pipe>,
 }
+
+/// Most orphaned pipes kept draining; past it the oldest are closed.
+const MAX_ORPHAN_PIPES: usize = 256;
 
 /// Runs the supervisor until a termination signal. Returns the exit code.
 pub fn run(config: Config) -> Result<i32, InitError> {
@@ -180,6 +186,7 @@ pub fn run(config: Config) -> Result<i32, InitError> {
         out_broken: false,
         signals,
         shutdown: false,
+        orphans: Vec::new(),
     };
     sup.main_loop();
     Ok(0)
@@ -275,6 +282,9 @@ impl Supervisor {
                     fds.push(PollFd::new(stdin.as_fd(), PollFlags::POLLIN));
                 }
                 fds.push(PollFd::new(self.signals.as_fd(), PollFlags::POLLIN));
+                for p in &self.orphans {
+                    fds.push(PollFd::new(p.fd(), PollFlags::POLLIN));
+                }
                 if self.credit > 0 {
                     for (id, op) in &self.ops {
                         let Some(run) = &op.running else { continue };
@@ -310,6 +320,8 @@ impl Supervisor {
             if ready.next() == Some(true) {
                 self.read_signals();
             }
+            let orphans_ready: Vec<bool> = ready.by_ref().take(self.orphans.len()).collect();
+            self.drain_orphans(&orphans_ready, &mut buf);
             for ((id, stream), is_ready) in targets.into_iter().zip(ready) {
                 if is_ready {
                     self.read_pipe(&id, stream, &mut buf);
@@ -605,6 +617,28 @@ impl Supervisor {
         }
     }
 
+    fn drain_orphans(&mut self, ready: &[bool], buf: &mut [u8]) {
+        let mut keep = Vec::with_capacity(self.orphans.len());
+        for (mut pipe, is_ready) in std::mem::take(&mut self.orphans)
+            .into_iter()
+            .zip(ready.iter().copied().chain(std::iter::repeat(false)))
+        {
+            let open = !is_ready
+                || match pipe.read(buf) {
+                    Ok(0) => false,
+                    Ok(_) => true,
+                    Err(e) => {
+                        e.kind() == io::ErrorKind::WouldBlock
+                            || e.kind() == io::ErrorKind::Interrupted
+                    }
+                };
+            if open {
+                keep.push(pipe);
+            }
+        }
+        self.orphans = keep;
+    }
+
     fn read_signals(&mut self) {
         while let Ok(Some(info)) = self.signals.read_signal() {
             match Signal::try_from(info.ssi_signo as i32) {
@@ -659,6 +693,7 @@ impl Supervisor {
 
     fn finish_ready(&mut self, now: Instant) {
         let mut done = Vec::new();
+        let mut orphaned = Vec::new();
         for (id, op) in &mut self.ops {
             let Some(run) = op.running.as_mut() else {
                 continue;
@@ -675,14 +710,20 @@ impl Supervisor {
                     if p.as_ref().is_some_and(|p| {
                         let mut fds = [PollFd::new(p.fd(), PollFlags::POLLIN)];
                         matches!(poll(&mut fds, PollTimeout::ZERO), Ok(0))
-                    }) {
-                        *p = None;
+                    }) && let Some(pipe) = p.take()
+                    {
+                        orphaned.push(pipe);
                     }
                 }
             }
             if run.pipes.iter().all(Option::is_none) {
                 done.push(id.clone());
             }
+        }
+        self.orphans.extend(orphaned);
+        if self.orphans.len() > MAX_ORPHAN_PIPES {
+            let excess = self.orphans.len() - MAX_ORPHAN_PIPES;
+            self.orphans.drain(..excess);
         }
         for id in done {
             let Some(run) = self.ops.get_mut(&id).and_then(|op| op.running.take()) else {

@@ -1,0 +1,106 @@
+//! What a worker says about its sandboxes and itself.
+
+use crate::{ProtocolError, SandboxId, SandboxSpec, pb};
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SandboxState {
+    /// Created; its supervisor has not answered yet.
+    Starting,
+    Ready,
+    /// The container or its supervisor is gone, for the reason given.
+    Lost(String),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SandboxInfo {
+    pub id: SandboxId,
+    pub spec: SandboxSpec,
+    pub state: SandboxState,
+    pub container_id: String,
+    /// Seq of the sandbox's last event (0: none yet).
+    pub last_seq: u64,
+    pub running_operations: u32,
+    pub created_at_unix_ms: i64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WorkerInfo {
+    pub worker_id: String,
+    pub version: String,
+    pub max_sandboxes: u32,
+    pub sandboxes: u32,
+    pub running_operations: u32,
+    pub docker_version: String,
+}
+
+impl From<SandboxInfo> for pb::Sandbox {
+    fn from(s: SandboxInfo) -> Self {
+        let (state, lost_reason) = match s.state {
+            SandboxState::Starting => (pb::SandboxState::Starting, String::new()),
+            SandboxState::Ready => (pb::SandboxState::Ready, String::new()),
+            SandboxState::Lost(r) => (pb::SandboxState::Lost, r),
+        };
+        Self {
+            id: s.id.into(),
+            spec: Some(s.spec.into()),
+            state: state as i32,
+            container_id: s.container_id,
+            last_seq: s.last_seq,
+            running_operations: s.running_operations,
+            lost_reason,
+            created_at_unix_ms: s.created_at_unix_ms,
+        }
+    }
+}
+
+impl TryFrom<pb::Sandbox> for SandboxInfo {
+    type Error = ProtocolError;
+    fn try_from(s: pb::Sandbox) -> Result<Self, ProtocolError> {
+        let state = match pb::SandboxState::try_from(s.state) {
+            Ok(pb::SandboxState::Starting) => SandboxState::Starting,
+            Ok(pb::SandboxState::Ready) => SandboxState::Ready,
+            Ok(pb::SandboxState::Lost) => SandboxState::Lost(s.lost_reason),
+            _ => {
+                return Err(ProtocolError::invalid(
+                    "state",
+                    format!("unknown state {}", s.state),
+                ));
+            }
+        };
+        Ok(Self {
+            id: SandboxId::new(s.id)?,
+            spec: s.spec.unwrap_or_default().try_into()?,
+            state,
+            container_id: s.container_id,
+            last_seq: s.last_seq,
+            running_operations: s.running_operations,
+            created_at_unix_ms: s.created_at_unix_ms,
+        })
+    }
+}
+
+impl From<WorkerInfo> for pb::WorkerInfo {
+    fn from(i: WorkerInfo) -> Self {
+        Self {
+            worker_id: i.worker_id,
+            version: i.version,
+            max_sandboxes: i.max_sandboxes,
+            sandboxes: i.sandboxes,
+            running_operations: i.running_operations,
+            docker_version: i.docker_version,
+        }
+    }
+}
+
+impl From<pb::WorkerInfo> for WorkerInfo {
+    fn from(i: pb::WorkerInfo) -> Self {
+        Self {
+            worker_id: i.worker_id,
+            version: i.version,
+            max_sandboxes: i.max_sandboxes,
+            sandboxes: i.sandboxes,
+            running_operations: i.running_operations,
+            docker_version: i.docker_version,
+        }
+    }
+}
