@@ -2,6 +2,8 @@
 //! as an ordinary process (no container): frames in on stdin, frames out on
 //! stdout.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::io::{Read, Write};
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
