@@ -7,7 +7,6 @@ use corral_proto::limits::MAX_GRPC_MESSAGE_BYTES;
 use corral_proto::pb;
 use corral_proto::pb::worker_server::WorkerServer;
 use tokio::net::TcpListener;
-use tokio_stream::wrappers::TcpListenerStream;
 use tonic::{Request, Status};
 
 use crate::service::WorkerService;
@@ -82,11 +81,15 @@ pub async fn serve(
     let service =
         tonic::service::interceptor::InterceptedService::new(service, move |req| auth.check(req));
     tonic::transport::Server::builder()
-        .tcp_nodelay(true)
         .add_service(health)
         .add_service(reflection)
         .add_service(service)
-        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown)
+        // Accepted sockets are configured by the incoming stream, not by the
+        // builder: without TCP_NODELAY here every reply waits on Nagle.
+        .serve_with_incoming_shutdown(
+            tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
+            shutdown,
+        )
         .await?;
     Ok(())
 }
