@@ -83,7 +83,12 @@ fn shell(cmd: &str) -> OperationSpec {
 }
 
 /// submit + wait on an already open stream: the agent loop's path.
-async fn corral_open_stream(h: &Harness, sb: &SandboxId, cmd: &str, n: usize) -> Result<(Stats, u64)> {
+async fn corral_open_stream(
+    h: &Harness,
+    sb: &SandboxId,
+    cmd: &str,
+    n: usize,
+) -> Result<(Stats, u64)> {
     let cursor = h.client.get_sandbox(sb).await?.last_seq;
     let mut stream = h.client.watch(sb, cursor, None).await?;
     let mut samples = Vec::with_capacity(n);
@@ -113,7 +118,12 @@ async fn corral_exec_path(h: &Harness, sb: &SandboxId, cmd: &str, n: usize) -> R
     Ok(Stats::new(samples))
 }
 
-async fn docker_exec(docker: &bollard::Docker, container: &str, cmd: &str, n: usize) -> Result<(Stats, u64)> {
+async fn docker_exec(
+    docker: &bollard::Docker,
+    container: &str,
+    cmd: &str,
+    n: usize,
+) -> Result<(Stats, u64)> {
     let mut samples = Vec::with_capacity(n);
     let mut bytes = 0;
     for _ in 0..n {
@@ -130,7 +140,9 @@ async fn docker_exec(docker: &bollard::Docker, container: &str, cmd: &str, n: us
             )
             .await?;
         bytes = 0;
-        if let StartExecResults::Attached { mut output, .. } = docker.start_exec(&exec.id, None).await? {
+        if let StartExecResults::Attached { mut output, .. } =
+            docker.start_exec(&exec.id, None).await?
+        {
             while let Some(chunk) = output.next().await {
                 bytes += chunk?.as_ref().len() as u64;
             }
@@ -147,7 +159,9 @@ async fn corral_creates(h: &Harness, n: usize) -> Result<Stats> {
     for _ in 0..n {
         let id = SandboxId::new(corral_e2e::unique_id("bench"))?;
         let t = Instant::now();
-        h.client.create_sandbox(Some(&id), SandboxSpec::default()).await?;
+        h.client
+            .create_sandbox(Some(&id), SandboxSpec::default())
+            .await?;
         samples.push(t.elapsed());
         h.client.destroy_sandbox(&id).await?;
     }
@@ -187,7 +201,9 @@ async fn docker_creates(docker: &bollard::Docker, n: usize) -> Result<Stats> {
 fn main() -> Result<()> {
     let rt = tokio::runtime::Runtime::new()?;
     rt.block_on(async {
-        let h = Harness::start().await.context("start the worker (deploy/build.sh first?)")?;
+        let h = Harness::start()
+            .await
+            .context("start the worker (deploy/build.sh first?)")?;
         let docker = bollard::Docker::connect_with_defaults()?;
         let sb = h.sandbox().await?;
         let container = h.client.get_sandbox(&sb).await?.container_id;
@@ -211,8 +227,14 @@ fn main() -> Result<()> {
 
         println!("| measurement | p50 | p90 | p99 | samples |");
         println!("|---|---|---|---|---|");
-        row("`true`: submit + wait on open stream (gRPC + worker + corral-init)", &open);
-        row("`true`: `corral exec` path (cursor + submit + watch)", &exec_path);
+        row(
+            "`true`: submit + wait on open stream (gRPC + worker + corral-init)",
+            &open,
+        );
+        row(
+            "`true`: `corral exec` path (cursor + submit + watch)",
+            &exec_path,
+        );
         row("`true`: `docker exec` through bollard", &dexec);
         row("200 MB output through Corral", &corral_tp);
         row("200 MB output through `docker exec`", &docker_tp);

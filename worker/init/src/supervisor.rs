@@ -42,7 +42,11 @@ pub const KILL_GRACE: Duration = Duration::from_secs(2);
 pub const LINGER: Duration = Duration::from_millis(200);
 /// Finished operations remembered for re-attaching workers.
 pub const MAX_FINISHED: usize = 1024;
-const READ_CHUNK: usize = 64 * 1024;
+/// Largest read from an output pipe (and so the largest output event).
+const READ_CHUNK: usize = 256 * 1024;
+/// Pipe buffer asked for (the unprivileged maximum by default): fewer,
+/// larger reads when a command writes fast.
+const PIPE_BYTES: i32 = 1 << 20;
 
 #[derive(Debug, Clone)]
 pub struct Config {
@@ -560,6 +564,7 @@ impl Supervisor {
         let stderr = child.stderr.take().map(Pipe::Err);
         for p in [&stdout, &stderr].into_iter().flatten() {
             let _ = set_nonblocking(p.fd());
+            let _ = fcntl(p.fd(), FcntlArg::F_SETPIPE_SZ(PIPE_BYTES));
         }
         let started = Instant::now();
         let limit = spec.output_limit();
