@@ -12,6 +12,9 @@
 //! Run: `cargo bench -p corral-e2e --bench exec` (needs the sandbox image and
 //! the static corral-init: `deploy/build.sh`). Prints a Markdown table.
 
+// A report printer: printing is its job.
+#![allow(clippy::print_stdout)]
+
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
