@@ -50,8 +50,8 @@ impl Embedded {
 
     /// Stops serving; sandboxes keep running for the next `corral` to adopt.
     pub async fn stop(self) {
+        self.worker.shutdown().await;
         self.stop.cancel();
         let _ = self.server.await;
-        self.worker.shutdown().await;
     }
 }

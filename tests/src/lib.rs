@@ -267,6 +267,22 @@ impl WorkerProcess {
         let _ = self.child.wait();
     }
 
+    /// SIGTERM, then wait (up to `within`) for a clean exit; returns the code.
+    pub fn terminate(&mut self, within: Duration) -> Result<Option<i32>> {
+        let pid = nix::unistd::Pid::from_raw(self.child.id() as i32);
+        nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM)?;
+        let deadline = std::time::Instant::now() + within;
+        loop {
+            if let Some(status) = self.child.try_wait()? {
+                return Ok(status.code());
+            }
+            if std::time::Instant::now() > deadline {
+                bail!("the worker did not exit within {within:?} of SIGTERM");
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
     /// Peak resident memory (VmHWM) in bytes.
     pub fn peak_rss(&self) -> Result<u64> {
         let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id()))?;

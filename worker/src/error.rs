@@ -24,6 +24,8 @@ pub enum WorkerError {
     Docker(#[from] bollard::errors::Error),
     #[error("the supervisor of sandbox {id} did not answer: {reason}")]
     InitUnresponsive { id: String, reason: String },
+    #[error("configuration: {0}")]
+    Config(String),
     #[error("corral-init binary: {0}")]
     InitBinary(String),
     #[error("state directory {path}: {source}")]
@@ -64,6 +66,7 @@ impl From<WorkerError> for tonic::Status {
             | WorkerError::InitUnresponsive { .. }
             | WorkerError::ShuttingDown => Code::Unavailable,
             WorkerError::InitBinary(_)
+            | WorkerError::Config(_)
             | WorkerError::State { .. }
             | WorkerError::StateLocked(_) => Code::Internal,
         };

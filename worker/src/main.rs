@@ -45,8 +45,14 @@ async fn run(args: WorkerArgs) -> anyhow::Result<()> {
     let worker = Worker::start(args.worker_config()).await?;
     let addr = listener.local_addr()?;
     println!("corral-worker {} listening on {addr}", worker.id());
-    server::serve(worker.clone(), listener, token, shutdown_signal()).await?;
-    worker.shutdown().await;
+    let stopping = worker.clone();
+    let shutdown = async move {
+        shutdown_signal().await;
+        tracing::info!("shutting down; sandboxes keep running for the next start");
+        // Ends the actors and the open watch streams, so the server drains.
+        stopping.shutdown().await;
+    };
+    server::serve(worker, listener, token, shutdown).await?;
     Ok(())
 }
 

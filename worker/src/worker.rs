@@ -19,7 +19,7 @@ use crate::docker::{self, Defaults, DockerRuntime, LABEL_SANDBOX};
 use crate::error::{Result, WorkerError};
 use crate::initbin::InitBinary;
 use crate::sandbox::Sandbox;
-use crate::state::{StateDir, now_unix_ms};
+use crate::state::StateDir;
 
 /// How long a new sandbox's supervisor has to answer.
 const READY_TIMEOUT: Duration = Duration::from_secs(30);
@@ -76,9 +76,8 @@ impl Worker {
     pub async fn start(config: WorkerConfig) -> Result<Self> {
         let state = StateDir::open(&config.state_dir)?;
         let worker_id = state.worker_id(config.worker_id.as_deref())?;
-        corral_proto::SandboxId::new(worker_id.clone()).map_err(|e| {
-            WorkerError::InitBinary(format!("worker id {worker_id:?} is not usable: {e}"))
-        })?;
+        corral_proto::SandboxId::new(worker_id.clone())
+            .map_err(|e| WorkerError::Config(format!("worker id {worker_id:?}: {e}")))?;
         let init = InitBinary::locate(config.init_binary.as_deref())?;
         let docker = docker::connect(config.docker_host.as_deref()).await?;
         let runtime = Arc::new(DockerRuntime::new(
@@ -327,8 +326,9 @@ impl Worker {
         }
     }
 
-    /// Stops every actor and watcher. Sandboxes keep running: the next start
-    /// of a worker on this state directory re-adopts them.
+    /// Stops every actor and watcher (so open watch streams end and a
+    /// gRPC server can drain). Sandboxes keep running: the next start of a
+    /// worker on this state directory re-adopts them.
     pub async fn shutdown(&self) {
         self.inner.shutdown.cancel();
         self.inner.tracker.close();
@@ -349,9 +349,5 @@ impl Worker {
             }
         }
         self.shutdown().await;
-    }
-
-    pub fn now_unix_ms() -> i64 {
-        now_unix_ms()
     }
 }

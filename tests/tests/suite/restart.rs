@@ -139,3 +139,33 @@ async fn a_sandbox_whose_record_is_gone_is_removed_on_start() -> anyhow::Result<
     client.destroy_sandbox(&keep).await?;
     Ok(())
 }
+
+#[tokio::test]
+async fn sigterm_stops_the_worker_cleanly_and_sandboxes_survive_it() -> anyhow::Result<()> {
+    let state = tempfile::tempdir()?;
+    let (wid, port) = (unique_id("g"), free_port()?);
+    let mut worker = WorkerProcess::spawn(state.path(), &wid, port, &[], &[])?;
+    let client = WorkerClient::connect(&worker.url, None).await?;
+    let sb = SandboxId::new(unique_id("sb"))?;
+    client
+        .create_sandbox(Some(&sb), SandboxSpec::default())
+        .await?;
+    // An open watch stream must not keep the worker from stopping.
+    let _watch = client.watch(&sb, 0, None).await?;
+    let code = tokio::task::spawn_blocking(move || {
+        let code = worker.terminate(Duration::from_secs(15));
+        (worker, code)
+    })
+    .await?;
+    let (worker, code) = code;
+    assert_eq!(code?, Some(0));
+    let _stopped = worker; // its Drop removes containers: keep it to the end
+    let worker2 = WorkerProcess::spawn(state.path(), &wid, port, &[], &[])?;
+    let client = WorkerClient::connect(&worker2.url, None).await?;
+    assert_eq!(
+        client.get_sandbox(&sb).await?.state,
+        corral_proto::SandboxState::Ready
+    );
+    client.destroy_sandbox(&sb).await?;
+    Ok(())
+}
