@@ -565,6 +565,11 @@ impl Actor {
     async fn on_message(&mut self, msg: InitMessage) {
         match msg {
             InitMessage::Welcome(w) => self.on_welcome(w).await,
+            // Events that reach a fresh attach before the Welcome were
+            // written before init saw our Attach, so its replay (which follows
+            // the Welcome) carries them too. Taking them now would move the
+            // mirror's cursor past the replay and lose everything before them.
+            InitMessage::Event(_) if !self.welcomed => {}
             InitMessage::Event(event) => self.on_event(event).await,
             InitMessage::Rejected {
                 operation_id,

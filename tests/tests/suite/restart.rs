@@ -33,7 +33,7 @@ async fn sigkill_the_worker_mid_command_and_the_output_arrives_complete() -> any
         .args([
             "sh",
             "-c",
-            "for i in $(seq 1 40); do echo line $i; echo err $i >&2; sleep 0.1; done; exit 3",
+            "for i in $(seq 1 300); do echo line $i; echo err $i >&2; sleep 0.01; done; exit 3",
         ])
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -57,19 +57,19 @@ async fn sigkill_the_worker_mid_command_and_the_output_arrives_complete() -> any
             .collect::<Vec<_>>()
     });
     // Let it get going, then kill the worker without warning.
-    for _ in 0..5 {
+    for _ in 0..20 {
         rx.recv_timeout(Duration::from_secs(30))?;
     }
     worker.kill9();
-    tokio::time::sleep(Duration::from_millis(800)).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
     let worker2 = WorkerProcess::spawn(state.path(), &wid, port, &[], &[])?;
 
     let status = tokio::task::spawn_blocking(move || exec.wait()).await??;
     let lines = reader.join().expect("reader");
     let err_lines = err_reader.join().expect("err reader");
-    let expected: Vec<String> = (1..=40).map(|i| format!("line {i}")).collect();
+    let expected: Vec<String> = (1..=300).map(|i| format!("line {i}")).collect();
     assert_eq!(lines, expected, "stdout lost or repeated lines");
-    let expected_err: Vec<String> = (1..=40).map(|i| format!("err {i}")).collect();
+    let expected_err: Vec<String> = (1..=300).map(|i| format!("err {i}")).collect();
     assert_eq!(err_lines, expected_err, "stderr lost or repeated lines");
     assert_eq!(status.code(), Some(3));
 
