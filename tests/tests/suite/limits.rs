@@ -99,7 +99,11 @@ async fn a_200_mb_output_streams_with_back_pressure_and_bounded_memory() -> anyh
         .await?;
     let op = OperationId::random();
     let total: u64 = 200_000_000;
-    let mut spec = ShellSpec::new(format!("head -c {total} /dev/zero; echo done >&2"));
+    // 200 chunks of 1 MB; after each, the command notes its progress in a
+    // file, which a read_file (whose result needs no output credit) can see.
+    let mut spec = ShellSpec::new(
+        "i=0; while [ $i -lt 200 ]; do head -c 1000000 /dev/zero; i=$((i+1)); echo $i > /tmp/progress; done; echo done >&2",
+    );
     spec.output_limit_bytes = Some(1 << 20);
     client.submit(&sb, &op, OperationSpec::Shell(spec)).await?;
 
@@ -110,7 +114,24 @@ async fn a_200_mb_output_streams_with_back_pressure_and_bounded_memory() -> anyh
         received += e?.output_len() as u64;
     }
     tokio::time::sleep(Duration::from_secs(3)).await;
-    let paused_seq = client.get_sandbox(&sb).await?.last_seq;
+    let probe = OperationId::random();
+    let read = OperationSpec::ReadFile(corral_proto::ReadFileSpec {
+        path: "/tmp/progress".into(),
+        offset: 0,
+        limit: 64,
+    });
+    client.submit(&sb, &probe, read).await?;
+    let probed = loop {
+        let rec = client.operation(&sb, &probe).await?;
+        if let Some(r) = rec.result {
+            break r;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let written_mb: u64 = String::from_utf8_lossy(&probed.file_data)
+        .trim()
+        .parse()
+        .unwrap_or(0);
     let mut result = None;
     while let Some(e) = stream.next().await {
         let e = e?;
@@ -133,11 +154,12 @@ async fn a_200_mb_output_streams_with_back_pressure_and_bounded_memory() -> anyh
     assert!(r.stdout.truncated);
     assert_eq!((r.stdout.head.len() + r.stdout.tail.len()) as u64, 1 << 20);
     assert_eq!(r.stderr.to_lossy_string(), "done\n");
-    // Without back-pressure the command would have written well over a
-    // thousand 64 KiB chunks during the pause; with it, about a window's worth.
+    // Without back-pressure the command would have written most of its 200 MB
+    // during the pause; with it, the credit window (4 MiB) plus what pipes,
+    // gRPC and the loopback socket buffers hold (about 10 MB in all here).
     assert!(
-        paused_seq < 400,
-        "output ran ahead of a paused watcher: seq {paused_seq}"
+        (1..40).contains(&written_mb),
+        "output ran ahead of a paused watcher: {written_mb} MB written"
     );
     let peak = worker.peak_rss()?;
     assert!(peak < 160 << 20, "worker peak RSS {} MiB", peak >> 20);
