@@ -9,6 +9,8 @@ use crate::limits::*;
 use crate::{ProtocolError, pb};
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+#[cfg_attr(feature = "serde", serde(rename_all = "snake_case"))]
 pub enum NetworkMode {
     /// No network interface but loopback (the default).
     #[default]
@@ -19,6 +21,8 @@ pub enum NetworkMode {
 
 /// A sandbox's make-up. `None` fields take the worker's hardened defaults.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+#[cfg_attr(feature = "serde", serde(deny_unknown_fields))]
 pub struct SandboxSpec {
     pub image: Option<String>,
     pub network: NetworkMode,

@@ -25,64 +25,8 @@ pub struct StateDir {
 pub struct SandboxRecord {
     pub version: u32,
     pub id: String,
-    pub spec: StoredSpec,
+    pub spec: SandboxSpec,
     pub created_at_unix_ms: i64,
-}
-
-/// The parts of a sandbox spec worth keeping across restarts.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct StoredSpec {
-    pub image: Option<String>,
-    pub bridge_network: bool,
-    pub memory_bytes: Option<u64>,
-    pub cpu_millis: Option<u32>,
-    pub pids_limit: Option<u32>,
-    pub workspace_bytes: Option<u64>,
-    pub tmp_bytes: Option<u64>,
-    pub run_as_root: bool,
-    pub writable_rootfs: bool,
-    pub add_capabilities: Vec<String>,
-    pub env: std::collections::BTreeMap<String, String>,
-}
-
-impl From<&SandboxSpec> for StoredSpec {
-    fn from(s: &SandboxSpec) -> Self {
-        Self {
-            image: s.image.clone(),
-            bridge_network: s.network == corral_proto::NetworkMode::Bridge,
-            memory_bytes: s.memory_bytes,
-            cpu_millis: s.cpu_millis,
-            pids_limit: s.pids_limit,
-            workspace_bytes: s.workspace_bytes,
-            tmp_bytes: s.tmp_bytes,
-            run_as_root: s.run_as_root,
-            writable_rootfs: s.writable_rootfs,
-            add_capabilities: s.add_capabilities.clone(),
-            env: s.env.clone(),
-        }
-    }
-}
-
-impl From<StoredSpec> for SandboxSpec {
-    fn from(s: StoredSpec) -> Self {
-        Self {
-            image: s.image,
-            network: if s.bridge_network {
-                corral_proto::NetworkMode::Bridge
-            } else {
-                corral_proto::NetworkMode::None
-            },
-            memory_bytes: s.memory_bytes,
-            cpu_millis: s.cpu_millis,
-            pids_limit: s.pids_limit,
-            workspace_bytes: s.workspace_bytes,
-            tmp_bytes: s.tmp_bytes,
-            run_as_root: s.run_as_root,
-            writable_rootfs: s.writable_rootfs,
-            add_capabilities: s.add_capabilities,
-            env: s.env,
-        }
-    }
 }
 
 const RECORD_VERSION: u32 = 1;
@@ -175,7 +119,7 @@ impl StateDir {
         SandboxRecord {
             version: RECORD_VERSION,
             id: id.to_string(),
-            spec: spec.into(),
+            spec: spec.clone(),
             created_at_unix_ms: now_unix_ms(),
         }
     }
@@ -223,7 +167,7 @@ mod tests {
         state.save(&StateDir::new_record(&id, &spec)).unwrap();
         let all = state.load_all().unwrap();
         assert_eq!(all.len(), 1);
-        assert_eq!(SandboxSpec::from(all[0].spec.clone()), spec);
+        assert_eq!(all[0].spec, spec);
         state.remove(&id).unwrap();
         state.remove(&id).unwrap();
         assert!(state.load_all().unwrap().is_empty());

@@ -140,7 +140,7 @@ impl Worker {
                     info!(sandbox = %id, "re-adopting running sandbox");
                     let sandbox = Sandbox::spawn(
                         id.clone(),
-                        record.spec.clone().into(),
+                        record.spec.clone(),
                         cid,
                         record.created_at_unix_ms,
                         inner.runtime.clone(),
