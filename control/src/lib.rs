@@ -13,4 +13,5 @@ pub mod cli;
 pub mod client;
 pub mod embedded;
 pub mod exec;
+pub mod llm;
 pub mod run;

@@ -1,0 +1,278 @@
+//! The HTTP side: one reqwest client, streaming, attempts and backoff.
+
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+use super::model::{LlmError, Request, Response, StreamDelta};
+use super::retry::{RetryPolicy, is_retryable, parse_retry_after};
+use super::sse::SseParser;
+use super::{chat, responses};
+
+/// Which wire protocol the endpoint speaks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Api {
+    /// `POST {base}/responses`
+    Responses,
+    /// `POST {base}/chat/completions`
+    Chat,
+}
+
+impl Api {
+    fn name(self) -> &'static str {
+        match self {
+            Api::Responses => "responses",
+            Api::Chat => "chat completions",
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct LlmConfig {
+    /// E.g. `https://api.openai.com/v1`.
+    pub base_url: String,
+    pub api_key: Option<String>,
+    pub api: Api,
+    pub retry: RetryPolicy,
+    /// Longest silence tolerated inside a stream (reasoning can be quiet).
+    pub idle_timeout: Duration,
+    pub connect_timeout: Duration,
+}
+
+impl LlmConfig {
+    pub fn new(base_url: impl Into<String>, api: Api) -> Self {
+        Self {
+            base_url: base_url.into(),
+            api_key: None,
+            api,
+            retry: RetryPolicy::default(),
+            idle_timeout: Duration::from_secs(30 * 60),
+            connect_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+/// Largest error body read from a failed request.
+const MAX_ERROR_BODY: usize = 1 << 20;
+/// Largest single server-sent event.
+const MAX_EVENT_BYTES: usize = 64 << 20;
+
+pub struct LlmClient {
+    http: reqwest::Client,
+    config: LlmConfig,
+}
+
+enum Interp {
+    Responses(responses::StreamState),
+    Chat(chat::StreamState),
+}
+
+impl Interp {
+    fn on_data(
+        &mut self,
+        data: &str,
+        delta: &mut dyn FnMut(StreamDelta),
+    ) -> Result<Option<Response>, LlmError> {
+        match self {
+            Interp::Responses(s) => s.on_data(data, delta),
+            Interp::Chat(s) => s.on_data(data, delta),
+        }
+    }
+
+    fn at_eof(&mut self, api: &'static str) -> Result<Response, LlmError> {
+        match self {
+            Interp::Chat(s) => s.finish(),
+            Interp::Responses(_) => Err(LlmError::Protocol {
+                api,
+                message: "stream ended without a terminal response".into(),
+            }),
+        }
+    }
+}
+
+fn jitter() -> f64 {
+    (uuid::Uuid::new_v4().as_u128() % 1_000_000) as f64 / 1_000_000.0
+}
+
+impl LlmClient {
+    pub fn new(config: LlmConfig) -> Result<Self, LlmError> {
+        let http = reqwest::Client::builder()
+            .connect_timeout(config.connect_timeout)
+            .build()
+            .map_err(|e| LlmError::Request(e.to_string()))?;
+        Ok(Self { http, config })
+    }
+
+    pub fn config(&self) -> &LlmConfig {
+        &self.config
+    }
+
+    /// Sends `req` and returns the complete response, retrying what is worth
+    /// retrying. Text deltas go to `deltas` as they stream (display only; a
+    /// full channel drops them). `cancel` ends everything at once, also a
+    /// backoff wait.
+    pub async fn respond(
+        &self,
+        req: &Request,
+        deltas: Option<&mpsc::Sender<StreamDelta>>,
+        cancel: &CancellationToken,
+    ) -> Result<Response, LlmError> {
+        let api = self.config.api;
+        let body = match api {
+            Api::Responses => responses::request_body(req)?,
+            Api::Chat => chat::request_body(req)?,
+        };
+        let body = serde_json::to_vec(&body).map_err(|e| LlmError::Request(e.to_string()))?;
+        let max = self.config.retry.max_attempts.max(1);
+        let mut attempt = 1;
+        loop {
+            let result = tokio::select! {
+                r = self.attempt(&body, deltas) => r,
+                () = cancel.cancelled() => return Err(LlmError::Canceled),
+            };
+            let err = match result {
+                Ok(resp) => return Ok(resp),
+                Err(e) => e,
+            };
+            if !is_retryable(&err) {
+                return Err(err);
+            }
+            if attempt >= max {
+                return Err(LlmError::GaveUp {
+                    attempts: attempt,
+                    last: Box::new(err),
+                });
+            }
+            let wait = self.config.retry.delay(attempt, &err, jitter());
+            tracing::warn!(api = api.name(), attempt, wait_ms = wait.as_millis() as u64, error = %err, "model request failed; retrying");
+            if let Some(tx) = deltas {
+                let _ = tx.try_send(StreamDelta::Retrying {
+                    attempt: attempt + 1,
+                    reason: err.to_string(),
+                });
+            }
+            tokio::select! {
+                () = tokio::time::sleep(wait) => {}
+                () = cancel.cancelled() => return Err(LlmError::Canceled),
+            }
+            attempt += 1;
+        }
+    }
+
+    async fn attempt(
+        &self,
+        body: &[u8],
+        deltas: Option<&mpsc::Sender<StreamDelta>>,
+    ) -> Result<Response, LlmError> {
+        let api = self.config.api;
+        let path = match api {
+            Api::Responses => "responses",
+            Api::Chat => "chat/completions",
+        };
+        let url = format!("{}/{path}", self.config.base_url.trim_end_matches('/'));
+        let mut http = self
+            .http
+            .post(&url)
+            .header(reqwest::header::CONTENT_TYPE, "application/json")
+            .header(reqwest::header::ACCEPT, "text/event-stream")
+            .body(body.to_vec());
+        if let Some(key) = &self.config.api_key {
+            http = http.bearer_auth(key);
+        }
+        let resp = http
+            .send()
+            .await
+            .map_err(|e| LlmError::Transport(crate::client::source_chain(&e)))?;
+        let status = resp.status();
+        if !status.is_success() {
+            return Err(http_error(api.name(), resp).await);
+        }
+        let mut interp = match api {
+            Api::Responses => Interp::Responses(responses::StreamState::default()),
+            Api::Chat => Interp::Chat(chat::StreamState::default()),
+        };
+        let mut on_delta = |d: StreamDelta| {
+            if let Some(tx) = deltas {
+                let _ = tx.try_send(d);
+            }
+        };
+        let mut sse = SseParser::new(MAX_EVENT_BYTES);
+        let mut stream = resp.bytes_stream();
+        loop {
+            let chunk = tokio::time::timeout(self.config.idle_timeout, stream.next())
+                .await
+                .map_err(|_| {
+                    LlmError::Transport(format!("no data for {:?}", self.config.idle_timeout))
+                })?;
+            let events = match chunk {
+                Some(Ok(bytes)) => sse.push(&bytes).map_err(|e| LlmError::Protocol {
+                    api: api.name(),
+                    message: e.to_string(),
+                })?,
+                Some(Err(e)) => return Err(LlmError::Transport(crate::client::source_chain(&e))),
+                None => {
+                    if let Some(ev) = sse.finish()
+                        && let Some(r) = interp.on_data(&ev.data, &mut on_delta)?
+                    {
+                        return Ok(r);
+                    }
+                    return interp.at_eof(api.name());
+                }
+            };
+            for ev in events {
+                if let Some(r) = interp.on_data(&ev.data, &mut on_delta)? {
+                    return Ok(r);
+                }
+            }
+        }
+    }
+}
+
+/// A non-2xx answer as an error: the provider's code and message when its
+/// body says them, and `Retry-After` when given.
+async fn http_error(api: &'static str, resp: reqwest::Response) -> LlmError {
+    let status = resp.status().as_u16();
+    let retry_after = resp
+        .headers()
+        .get(reqwest::header::RETRY_AFTER)
+        .and_then(|v| v.to_str().ok())
+        .and_then(parse_retry_after);
+    let mut body = Vec::new();
+    let mut stream = resp.bytes_stream();
+    while let Some(Ok(chunk)) = stream.next().await {
+        body.extend_from_slice(&chunk);
+        if body.len() > MAX_ERROR_BODY {
+            body.truncate(MAX_ERROR_BODY);
+            break;
+        }
+    }
+    let parsed: Option<serde_json::Value> = serde_json::from_slice(&body).ok();
+    let err = parsed
+        .as_ref()
+        .map(|v| v.get("error").filter(|e| e.is_object()).unwrap_or(v));
+    let code = err
+        .and_then(|e| e.get("code").or_else(|| e.get("type")))
+        .and_then(|c| c.as_str().map(String::from));
+    let message = err
+        .and_then(|e| e.get("message"))
+        .and_then(|m| m.as_str())
+        .map(String::from)
+        .unwrap_or_else(|| {
+            let text = String::from_utf8_lossy(&body);
+            let text = text.trim();
+            if text.is_empty() {
+                "no details".to_string()
+            } else {
+                text.chars().take(500).collect()
+            }
+        });
+    LlmError::Http {
+        api,
+        status,
+        code,
+        message,
+        retry_after,
+    }
+}

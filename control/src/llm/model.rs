@@ -1,0 +1,202 @@
+//! The provider-neutral model of a request and its response.
+
+use serde::{Deserialize, Serialize};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Role {
+    System,
+    Developer,
+    User,
+    Assistant,
+}
+
+impl Role {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::System => "system",
+            Role::Developer => "developer",
+            Role::User => "user",
+            Role::Assistant => "assistant",
+        }
+    }
+}
+
+/// One part of a tool's result.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum ToolOutput {
+    Text {
+        text: String,
+    },
+    /// An image as a `data:` URL.
+    Image {
+        data_url: String,
+    },
+}
+
+/// One entry of the conversation, in or out.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum Item {
+    Message {
+        role: Role,
+        text: String,
+        /// The provider's own id, echoed back when replayed.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        provider_id: Option<String>,
+    },
+    ToolCall {
+        call_id: String,
+        name: String,
+        /// Raw JSON text as the model produced it (it may be malformed).
+        arguments: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        provider_id: Option<String>,
+    },
+    ToolResult {
+        call_id: String,
+        output: Vec<ToolOutput>,
+    },
+    /// Reasoning, kept verbatim (`raw`) so it can be sent back.
+    Reasoning {
+        summary: Vec<String>,
+        raw: serde_json::Value,
+    },
+}
+
+/// A function tool the model may call.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Tool {
+    pub name: String,
+    pub description: String,
+    /// JSON Schema of the arguments.
+    pub parameters: serde_json::Value,
+}
+
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Request {
+    pub model: String,
+    pub input: Vec<Item>,
+    pub tools: Vec<Tool>,
+    pub max_output_tokens: Option<u32>,
+    /// low | medium | high (Responses API only).
+    pub reasoning_effort: Option<String>,
+    /// Lets the provider reuse its prompt cache across a session's requests.
+    pub cache_key: Option<String>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StopReason {
+    /// The model finished (with or without tool calls).
+    Complete,
+    /// Cut off at the output-token limit: the answer is incomplete.
+    MaxOutputTokens,
+    /// The model or the provider's filter refused.
+    Refused,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Usage {
+    pub input_tokens: u64,
+    pub cached_input_tokens: u64,
+    pub output_tokens: u64,
+    pub reasoning_tokens: u64,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Response {
+    pub id: Option<String>,
+    pub stop: StopReason,
+    pub output: Vec<Item>,
+    pub usage: Usage,
+}
+
+impl Response {
+    /// The assistant's text, all messages joined.
+    pub fn text(&self) -> String {
+        self.output
+            .iter()
+            .filter_map(|i| match i {
+                Item::Message {
+                    role: Role::Assistant,
+                    text,
+                    ..
+                } => Some(text.as_str()),
+                _ => None,
+            })
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+
+    pub fn tool_calls(&self) -> impl Iterator<Item = &Item> {
+        self.output
+            .iter()
+            .filter(|i| matches!(i, Item::ToolCall { .. }))
+    }
+}
+
+/// Streaming progress, for display only (the final [`Response`] is the truth).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StreamDelta {
+    Text(String),
+    ToolCallStarted {
+        name: String,
+    },
+    /// A new attempt after a retryable failure.
+    Retrying {
+        attempt: u32,
+        reason: String,
+    },
+}
+
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum LlmError {
+    /// A non-2xx answer.
+    #[error("{api} request failed with status {status}{}: {message}", code.as_ref().map(|c| format!(" ({c})")).unwrap_or_default())]
+    Http {
+        api: &'static str,
+        status: u16,
+        code: Option<String>,
+        message: String,
+        /// From `Retry-After`, when given.
+        retry_after: Option<std::time::Duration>,
+    },
+    /// The provider reported a failure inside a 2xx stream
+    /// (`response.failed`, an `error` event).
+    #[error("{api} reported a failure{}: {message}", code.as_ref().map(|c| format!(" ({c})")).unwrap_or_default())]
+    InBand {
+        api: &'static str,
+        code: Option<String>,
+        message: String,
+    },
+    #[error("cannot reach the model endpoint: {0}")]
+    Transport(String),
+    /// The stream broke off or did not follow the protocol.
+    #[error("malformed {api} stream: {message}")]
+    Protocol { api: &'static str, message: String },
+    #[error("request could not be built: {0}")]
+    Request(String),
+    #[error("canceled")]
+    Canceled,
+    #[error("gave up after {attempts} attempts: {last}")]
+    GaveUp { attempts: u32, last: Box<LlmError> },
+}
+
+impl LlmError {
+    /// The provider's error code, where there is one.
+    pub fn code(&self) -> Option<&str> {
+        match self {
+            Self::Http { code, .. } | Self::InBand { code, .. } => code.as_deref(),
+            Self::GaveUp { last, .. } => last.code(),
+            _ => None,
+        }
+    }
+
+    /// The request does not fit the model's context window.
+    pub fn is_context_length_exceeded(&self) -> bool {
+        self.code() == Some("context_length_exceeded")
+            || self.to_string().contains("maximum context length")
+    }
+}
