@@ -2,10 +2,10 @@
 //!
 //! This crate owns the `corral` command line ([`cli`], [`run`]), the typed
 //! gRPC client for workers ([`client`]), `corral exec` ([`exec`]: live
-//! output, resume from a cursor across worker restarts, exit codes), and the
+//! output, resume from a cursor across worker restarts, exit codes), the
 //! embedded worker that `corral` runs when given no `--worker`
-//! ([`embedded`]). The agent harness (coordinator, context builder, tools,
-//! LLM clients, session log) will live here too.
+//! ([`embedded`]), and the agent harness's parts: model clients ([`llm`])
+//! and the durable session log ([`session`]).
 //!
 //! It does not run operations itself: that is the worker's job.
 
@@ -15,3 +15,4 @@ pub mod embedded;
 pub mod exec;
 pub mod llm;
 pub mod run;
+pub mod session;

@@ -1,0 +1,566 @@
+//! An append-only, versioned JSONL log with one writer.
+//!
+//! Line 1 is a header naming the format and its version; every other line is
+//! one record `{"seq": N, "record": ...}` with `seq` counting up from 1.
+//! Every append is written whole and fsynced before it returns. A crash can
+//! leave a torn last line (bytes after the last newline); opening the log
+//! cuts it off, and says so. Any other damage, and any version this code
+//! does not know, is an explicit error: nothing is skipped silently.
+//!
+//! One process writes a session at a time (an exclusive `flock` on the log,
+//! held while it is open), and creating or forking never replaces an
+//! existing session.
+
+use std::fs::{self, File, OpenOptions};
+use std::io::{BufRead, BufReader, Seek, SeekFrom, Write};
+use std::marker::PhantomData;
+use std::path::{Path, PathBuf};
+
+use nix::fcntl::{Flock, FlockArg};
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+
+/// The version this code writes and reads.
+pub const FORMAT_VERSION: u32 = 1;
+const FORMAT_NAME: &str = "corral-session";
+
+#[derive(Debug, thiserror::Error)]
+pub enum LogError {
+    #[error("session {0} already exists")]
+    AlreadyExists(String),
+    #[error("session {0} does not exist")]
+    NotFound(String),
+    #[error("session {0} is open in another process")]
+    Locked(String),
+    #[error("session {id} has format version {found}; this build reads version {FORMAT_VERSION}")]
+    UnknownVersion { id: String, found: u32 },
+    #[error("session {id} is damaged at line {line}: {reason}")]
+    Corrupt {
+        id: String,
+        line: u64,
+        reason: String,
+    },
+    #[error("session id {0:?}: use 1-128 characters of A-Z a-z 0-9 _ . -")]
+    BadId(String),
+    #[error("fork point {upto} is past the end of session {id} ({last} records)")]
+    BadForkPoint { id: String, upto: u64, last: u64 },
+    #[error("session log {path}: {source}")]
+    Io {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("record cannot be encoded: {0}")]
+    Encode(String),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Header {
+    pub format: String,
+    pub version: u32,
+    pub session_id: String,
+    pub created_at_unix_ms: i64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub forked_from: Option<ForkOrigin>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ForkOrigin {
+    pub session_id: String,
+    /// The parent's records 1..=upto_seq were copied.
+    pub upto_seq: u64,
+}
+
+#[derive(Serialize)]
+struct LineOut<'a, R> {
+    seq: u64,
+    record: &'a R,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct LineIn<R> {
+    seq: u64,
+    record: R,
+}
+
+/// What opening a log had to repair.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Recovery {
+    /// Bytes of a torn last line that were cut off.
+    pub torn_bytes: u64,
+}
+
+/// One page of a replay.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Page<R> {
+    pub records: Vec<(u64, R)>,
+    /// Pass as `after_seq` for the next page; `None` at the end.
+    pub next: Option<u64>,
+}
+
+/// An open session log, locked for writing.
+#[derive(Debug)]
+pub struct SessionLog<R> {
+    id: String,
+    path: PathBuf,
+    file: Flock<File>,
+    header: Header,
+    last_seq: u64,
+    _records: PhantomData<fn() -> R>,
+}
+
+fn io(path: &Path) -> impl Fn(std::io::Error) -> LogError + '_ {
+    move |source| LogError::Io {
+        path: path.display().to_string(),
+        source,
+    }
+}
+
+fn check_id(id: &str) -> Result<(), LogError> {
+    let ok = !id.is_empty()
+        && id.len() <= 128
+        && !id.starts_with('.')
+        && id
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | '-'));
+    if ok {
+        Ok(())
+    } else {
+        Err(LogError::BadId(id.into()))
+    }
+}
+
+/// Where session `id` lives under `dir`.
+pub fn path_of(dir: &Path, id: &str) -> PathBuf {
+    dir.join(format!("{id}.jsonl"))
+}
+
+fn now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or_default()
+}
+
+fn sync_dir(dir: &Path) -> Result<(), LogError> {
+    File::open(dir).and_then(|d| d.sync_all()).map_err(io(dir))
+}
+
+fn lock(file: File, id: &str) -> Result<Flock<File>, LogError> {
+    Flock::lock(file, FlockArg::LockExclusiveNonblock).map_err(|_| LogError::Locked(id.into()))
+}
+
+impl<R: Serialize + DeserializeOwned> SessionLog<R> {
+    /// Creates a new session; fails if one with this id exists.
+    pub fn create(dir: &Path, id: &str) -> Result<Self, LogError> {
+        Self::create_with(dir, id, None)
+    }
+
+    fn create_with(
+        dir: &Path,
+        id: &str,
+        forked_from: Option<ForkOrigin>,
+    ) -> Result<Self, LogError> {
+        check_id(id)?;
+        fs::create_dir_all(dir).map_err(io(dir))?;
+        let path = path_of(dir, id);
+        let file = OpenOptions::new()
+            .write(true)
+            .read(true)
+            .create_new(true)
+            .open(&path)
+            .map_err(|e| match e.kind() {
+                std::io::ErrorKind::AlreadyExists => LogError::AlreadyExists(id.into()),
+                _ => io(&path)(e),
+            })?;
+        let mut file = lock(file, id)?;
+        let header = Header {
+            format: FORMAT_NAME.into(),
+            version: FORMAT_VERSION,
+            session_id: id.into(),
+            created_at_unix_ms: now_ms(),
+            forked_from,
+        };
+        let mut line = serde_json::to_vec(&header).map_err(|e| LogError::Encode(e.to_string()))?;
+        line.push(b'\n');
+        file.write_all(&line)
+            .and_then(|()| file.sync_all())
+            .map_err(io(&path))?;
+        sync_dir(dir)?;
+        Ok(Self {
+            id: id.into(),
+            path,
+            file,
+            header,
+            last_seq: 0,
+            _records: PhantomData,
+        })
+    }
+
+    /// Opens an existing session for writing: checks its version, verifies
+    /// every record, and cuts off a torn last line.
+    pub fn open(dir: &Path, id: &str) -> Result<(Self, Recovery), LogError> {
+        check_id(id)?;
+        let path = path_of(dir, id);
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&path)
+            .map_err(|e| match e.kind() {
+                std::io::ErrorKind::NotFound => LogError::NotFound(id.into()),
+                _ => io(&path)(e),
+            })?;
+        let mut file = lock(file, id)?;
+        let (header, last_seq, good_len) = scan::<R>(&mut *file, id, &path, |_, _| true)?;
+        let total = file.metadata().map_err(io(&path))?.len();
+        let torn_bytes = total - good_len;
+        if torn_bytes > 0 {
+            file.set_len(good_len)
+                .and_then(|()| file.sync_all())
+                .map_err(io(&path))?;
+        }
+        file.seek(SeekFrom::End(0)).map_err(io(&path))?;
+        Ok((
+            Self {
+                id: id.into(),
+                path,
+                file,
+                header,
+                last_seq,
+                _records: PhantomData,
+            },
+            Recovery { torn_bytes },
+        ))
+    }
+
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    pub fn header(&self) -> &Header {
+        &self.header
+    }
+
+    pub fn last_seq(&self) -> u64 {
+        self.last_seq
+    }
+
+    /// Appends one record durably; returns its seq.
+    pub fn append(&mut self, record: &R) -> Result<u64, LogError> {
+        let seq = self.last_seq + 1;
+        let mut line = serde_json::to_vec(&LineOut { seq, record })
+            .map_err(|e| LogError::Encode(e.to_string()))?;
+        line.push(b'\n');
+        self.file
+            .write_all(&line)
+            .and_then(|()| self.file.sync_data())
+            .map_err(io(&self.path))?;
+        self.last_seq = seq;
+        Ok(seq)
+    }
+
+    /// Reads up to `page` records with `seq > after_seq` (no lock needed;
+    /// a torn last line is ignored).
+    pub fn replay(dir: &Path, id: &str, after_seq: u64, page: usize) -> Result<Page<R>, LogError> {
+        check_id(id)?;
+        let path = path_of(dir, id);
+        let mut file = File::open(&path).map_err(|e| match e.kind() {
+            std::io::ErrorKind::NotFound => LogError::NotFound(id.into()),
+            _ => io(&path)(e),
+        })?;
+        let mut records = Vec::new();
+        let mut more = false;
+        scan::<R>(&mut file, id, &path, |seq, rec| {
+            if seq <= after_seq {
+                return true;
+            }
+            if records.len() == page {
+                more = true;
+                return false;
+            }
+            records.push((seq, rec));
+            true
+        })?;
+        let next = if more {
+            records.last().map(|(s, _)| *s)
+        } else {
+            None
+        };
+        Ok(Page { records, next })
+    }
+
+    /// Creates session `child` from `parent`'s records 1..=`upto_seq`,
+    /// followed by `then` (e.g. results that close calls the fork cuts
+    /// off). Fails if `child` exists.
+    pub fn fork(
+        dir: &Path,
+        parent: &str,
+        child: &str,
+        upto_seq: u64,
+        then: &[R],
+    ) -> Result<Self, LogError> {
+        check_id(parent)?;
+        let path = path_of(dir, parent);
+        let mut file = File::open(&path).map_err(|e| match e.kind() {
+            std::io::ErrorKind::NotFound => LogError::NotFound(parent.into()),
+            _ => io(&path)(e),
+        })?;
+        let mut copied: Vec<R> = Vec::new();
+        let (_, last, _) = scan::<R>(&mut file, parent, &path, |seq, rec| {
+            if seq <= upto_seq {
+                copied.push(rec);
+            }
+            seq < upto_seq
+        })?;
+        if last < upto_seq {
+            return Err(LogError::BadForkPoint {
+                id: parent.into(),
+                upto: upto_seq,
+                last,
+            });
+        }
+        let mut log = Self::create_with(
+            dir,
+            child,
+            Some(ForkOrigin {
+                session_id: parent.into(),
+                upto_seq,
+            }),
+        )?;
+        for r in copied.iter().chain(then) {
+            log.append(r)?;
+        }
+        Ok(log)
+    }
+}
+
+/// Reads the header and every complete record line, handing each record to
+/// `each` until it returns false. Returns the header, the last seq read and
+/// the byte length of the valid prefix (everything before a torn tail).
+fn scan<R: DeserializeOwned>(
+    file: &mut File,
+    id: &str,
+    path: &Path,
+    mut each: impl FnMut(u64, R) -> bool,
+) -> Result<(Header, u64, u64), LogError> {
+    file.seek(SeekFrom::Start(0)).map_err(io(path))?;
+    let mut reader = BufReader::new(file);
+    let corrupt = |line: u64, reason: String| LogError::Corrupt {
+        id: id.into(),
+        line,
+        reason,
+    };
+    let mut buf = Vec::new();
+    let n = reader.read_until(b'\n', &mut buf).map_err(io(path))?;
+    if n == 0 || buf.last() != Some(&b'\n') {
+        return Err(corrupt(1, "no complete header line".into()));
+    }
+    // Check the version before anything else, with a lenient read, so a
+    // newer format is reported as such rather than as damage.
+    let loose: serde_json::Value =
+        serde_json::from_slice(&buf).map_err(|e| corrupt(1, format!("header is not JSON: {e}")))?;
+    if loose["format"] != FORMAT_NAME {
+        return Err(corrupt(1, "not a Corral session log".into()));
+    }
+    let version = loose["version"].as_u64().unwrap_or(0) as u32;
+    if version != FORMAT_VERSION {
+        return Err(LogError::UnknownVersion {
+            id: id.into(),
+            found: version,
+        });
+    }
+    let header: Header =
+        serde_json::from_value(loose).map_err(|e| corrupt(1, format!("header: {e}")))?;
+    let mut good = n as u64;
+    let mut last = 0u64;
+    let mut line_no = 1u64;
+    loop {
+        buf.clear();
+        let n = reader.read_until(b'\n', &mut buf).map_err(io(path))?;
+        if n == 0 || buf.last() != Some(&b'\n') {
+            // End of file, or a torn last line: not part of the log.
+            break;
+        }
+        line_no += 1;
+        let line: LineIn<R> =
+            serde_json::from_slice(&buf).map_err(|e| corrupt(line_no, e.to_string()))?;
+        if line.seq != last + 1 {
+            return Err(corrupt(line_no, format!("seq {} follows {last}", line.seq)));
+        }
+        last = line.seq;
+        good += n as u64;
+        if !each(line.seq, line.record) {
+            break;
+        }
+    }
+    Ok((header, last, good))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+    struct Rec {
+        text: String,
+    }
+
+    fn rec(s: &str) -> Rec {
+        Rec { text: s.into() }
+    }
+
+    fn texts(page: &Page<Rec>) -> Vec<(u64, String)> {
+        page.records
+            .iter()
+            .map(|(s, r)| (*s, r.text.clone()))
+            .collect()
+    }
+
+    #[test]
+    fn append_reopen_and_replay_in_pages() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut log = SessionLog::<Rec>::create(dir.path(), "s1").unwrap();
+        for i in 1..=5 {
+            assert_eq!(log.append(&rec(&format!("r{i}\nwith newline"))).unwrap(), i);
+        }
+        drop(log);
+        let (mut log, rec_) = SessionLog::<Rec>::open(dir.path(), "s1").unwrap();
+        assert_eq!(rec_, Recovery::default());
+        assert_eq!(log.last_seq(), 5);
+        log.append(&rec("r6")).unwrap();
+        let p = SessionLog::<Rec>::replay(dir.path(), "s1", 0, 4).unwrap();
+        assert_eq!(p.records.len(), 4);
+        assert_eq!(p.next, Some(4));
+        let p = SessionLog::<Rec>::replay(dir.path(), "s1", 4, 4).unwrap();
+        assert_eq!(
+            texts(&p),
+            vec![(5, "r5\nwith newline".into()), (6, "r6".into())]
+        );
+        assert_eq!(p.next, None);
+    }
+
+    #[test]
+    fn a_torn_last_line_is_cut_and_the_log_goes_on() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut log = SessionLog::<Rec>::create(dir.path(), "s").unwrap();
+        log.append(&rec("a")).unwrap();
+        log.append(&rec("b")).unwrap();
+        drop(log);
+        let path = path_of(dir.path(), "s");
+        let mut f = OpenOptions::new().append(true).open(&path).unwrap();
+        f.write_all(br#"{"seq":3,"record":{"te"#).unwrap();
+        drop(f);
+        // Readers ignore the torn tail.
+        assert_eq!(
+            SessionLog::<Rec>::replay(dir.path(), "s", 0, 100)
+                .unwrap()
+                .records
+                .len(),
+            2
+        );
+        let (mut log, recovery) = SessionLog::<Rec>::open(dir.path(), "s").unwrap();
+        assert_eq!(recovery.torn_bytes, 22);
+        assert_eq!(log.append(&rec("c")).unwrap(), 3);
+        drop(log);
+        let p = SessionLog::<Rec>::replay(dir.path(), "s", 0, 100).unwrap();
+        assert_eq!(
+            texts(&p),
+            vec![(1, "a".into()), (2, "b".into()), (3, "c".into())]
+        );
+    }
+
+    #[test]
+    fn damage_and_unknown_versions_are_explicit_errors() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut log = SessionLog::<Rec>::create(dir.path(), "s").unwrap();
+        log.append(&rec("a")).unwrap();
+        drop(log);
+        let path = path_of(dir.path(), "s");
+        let text = fs::read_to_string(&path).unwrap();
+        fs::write(&path, text.replace("\"version\":1", "\"version\":9")).unwrap();
+        let e = SessionLog::<Rec>::open(dir.path(), "s").unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "session s has format version 9; this build reads version 1"
+        );
+        fs::write(&path, format!("{text}not json\n")).unwrap();
+        let e = SessionLog::<Rec>::open(dir.path(), "s").unwrap_err();
+        assert!(matches!(e, LogError::Corrupt { line: 3, .. }), "{e}");
+        fs::write(&path, text.replace("\"seq\":1", "\"seq\":2")).unwrap();
+        let e = SessionLog::<Rec>::open(dir.path(), "s").unwrap_err();
+        assert!(e.to_string().contains("seq 2 follows 0"), "{e}");
+    }
+
+    #[test]
+    fn one_writer_and_nothing_is_overwritten() {
+        let dir = tempfile::tempdir().unwrap();
+        let log = SessionLog::<Rec>::create(dir.path(), "s").unwrap();
+        assert!(matches!(
+            SessionLog::<Rec>::open(dir.path(), "s"),
+            Err(LogError::Locked(_))
+        ));
+        assert!(matches!(
+            SessionLog::<Rec>::create(dir.path(), "s"),
+            Err(LogError::AlreadyExists(_))
+        ));
+        drop(log);
+        assert!(SessionLog::<Rec>::open(dir.path(), "s").is_ok());
+        assert!(matches!(
+            SessionLog::<Rec>::open(dir.path(), "nope"),
+            Err(LogError::NotFound(_))
+        ));
+        assert!(matches!(
+            SessionLog::<Rec>::create(dir.path(), "../x"),
+            Err(LogError::BadId(_))
+        ));
+    }
+
+    #[test]
+    fn fork_copies_a_prefix_then_appends_and_never_overwrites() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut log = SessionLog::<Rec>::create(dir.path(), "p").unwrap();
+        for s in ["a", "b", "c", "d"] {
+            log.append(&rec(s)).unwrap();
+        }
+        let child = SessionLog::<Rec>::fork(dir.path(), "p", "c", 2, &[rec("interrupted by fork")])
+            .unwrap();
+        assert_eq!(child.last_seq(), 3);
+        assert_eq!(
+            child.header().forked_from,
+            Some(ForkOrigin {
+                session_id: "p".into(),
+                upto_seq: 2
+            })
+        );
+        drop(child);
+        let p = SessionLog::<Rec>::replay(dir.path(), "c", 0, 100).unwrap();
+        assert_eq!(
+            texts(&p),
+            vec![
+                (1, "a".into()),
+                (2, "b".into()),
+                (3, "interrupted by fork".into())
+            ]
+        );
+        assert!(matches!(
+            SessionLog::<Rec>::fork(dir.path(), "p", "c", 1, &[]),
+            Err(LogError::AlreadyExists(_))
+        ));
+        assert!(matches!(
+            SessionLog::<Rec>::fork(dir.path(), "p", "c2", 9, &[]),
+            Err(LogError::BadForkPoint { .. })
+        ));
+        // The parent is untouched and still being written.
+        log.append(&rec("e")).unwrap();
+        assert_eq!(
+            SessionLog::<Rec>::replay(dir.path(), "p", 0, 100)
+                .unwrap()
+                .records
+                .len(),
+            5
+        );
+    }
+}

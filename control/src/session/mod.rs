@@ -1,0 +1,5 @@
+//! Durable sessions: the append-only log ([`log`]).
+
+pub mod log;
+
+pub use log::{LogError, Page, Recovery, SessionLog};
