@@ -214,7 +214,7 @@ impl<R: Serialize + DeserializeOwned> SessionLog<R> {
                 _ => io(&path)(e),
             })?;
         let mut file = lock(file, id)?;
-        let (header, last_seq, good_len) = scan::<R>(&mut *file, id, &path, |_, _| true)?;
+        let (header, last_seq, good_len) = scan::<R>(&mut file, id, &path, |_, _| true)?;
         let total = file.metadata().map_err(io(&path))?.len();
         let torn_bytes = total - good_len;
         if torn_bytes > 0 {
