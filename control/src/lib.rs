@@ -14,5 +14,6 @@ pub mod client;
 pub mod embedded;
 pub mod exec;
 pub mod llm;
+pub mod ops;
 pub mod run;
 pub mod session;

@@ -2,6 +2,7 @@ mod bad_input;
 mod cli;
 mod hardening;
 mod limits;
+mod managers;
 mod ordering;
 mod restart;
 mod roundtrip;

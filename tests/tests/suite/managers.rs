@@ -1,0 +1,215 @@
+//! One conformance suite for the operation managers, run against the local
+//! one (worker library in-process) and the remote one (gRPC), on real
+//! sandboxes.
+
+use std::time::Duration;
+
+use corral_control::ops::{
+    Backend, LocalBackend, Manager, OpStatus, Operation, OperationManager, RemoteBackend,
+};
+use corral_e2e::{Harness, WorkerProcess, free_port, unique_id};
+use corral_proto::{OperationId, OperationSpec, Outcome, SandboxId, SandboxSpec, ShellSpec};
+use tokio::sync::mpsc;
+
+fn shell(cmd: &str) -> OperationSpec {
+    OperationSpec::Shell(ShellSpec::new(cmd))
+}
+
+/// Reads updates until `id` reaches a terminal status; returns its statuses
+/// in order and the last snapshot.
+async fn until_terminal(
+    updates: &mut mpsc::Receiver<Operation>,
+    id: &OperationId,
+) -> anyhow::Result<(Vec<OpStatus>, Operation)> {
+    let mut statuses = Vec::new();
+    loop {
+        let op = tokio::time::timeout(Duration::from_secs(60), updates.recv())
+            .await?
+            .ok_or_else(|| anyhow::anyhow!("updates closed"))?;
+        if &op.id != id {
+            continue;
+        }
+        if statuses.last() != Some(&op.status) {
+            statuses.push(op.status);
+        }
+        if op.status.is_terminal() {
+            return Ok((statuses, op));
+        }
+    }
+}
+
+async fn until_status(
+    updates: &mut mpsc::Receiver<Operation>,
+    id: &OperationId,
+    want: OpStatus,
+) -> anyhow::Result<Operation> {
+    loop {
+        let op = tokio::time::timeout(Duration::from_secs(60), updates.recv())
+            .await?
+            .ok_or_else(|| anyhow::anyhow!("updates closed"))?;
+        if &op.id == id && op.status == want {
+            return Ok(op);
+        }
+        anyhow::ensure!(
+            &op.id != id || !op.status.is_terminal(),
+            "{id} ended as {:?}",
+            op.status
+        );
+    }
+}
+
+async fn conformance<B: Backend>(h: &Harness, make: impl Fn() -> B) -> anyhow::Result<()> {
+    let sb = h.sandbox().await?;
+    let (mgr, mut updates) = Manager::start(make(), sb.clone());
+
+    // A command's life: ready, awaiting (with output so far), completed.
+    let op = Operation::new(
+        OperationId::random(),
+        shell("echo hi; sleep 0.6; echo bye; exit 3"),
+    );
+    mgr.add(op.clone()).await?;
+    let mut saw_progress = false;
+    let mut statuses = Vec::new();
+    let last = loop {
+        let snap = tokio::time::timeout(Duration::from_secs(60), updates.recv())
+            .await?
+            .expect("updates");
+        if snap.id != op.id {
+            continue;
+        }
+        if statuses.last() != Some(&snap.status) {
+            statuses.push(snap.status);
+        }
+        saw_progress |=
+            snap.status == OpStatus::Awaiting && &snap.progress.stdout_tail[..] == b"hi\n";
+        if snap.status.is_terminal() {
+            break snap;
+        }
+    };
+    assert_eq!(
+        statuses,
+        vec![OpStatus::Ready, OpStatus::Awaiting, OpStatus::Completed]
+    );
+    assert!(saw_progress, "no output-so-far while it ran");
+    let result = last.result.expect("result");
+    assert_eq!(result.outcome, Outcome::Exited { code: 3 });
+    assert_eq!(result.stdout.to_lossy_string(), "hi\nbye\n");
+
+    // At most once: the same id again is ignored, here and by a new manager.
+    let counted = Operation::new(
+        OperationId::random(),
+        shell("echo run >> /workspace/runs; echo counted"),
+    );
+    mgr.add(counted.clone()).await?;
+    let (statuses, _) = until_terminal(&mut updates, &counted.id).await?;
+    assert_eq!(statuses.first(), Some(&OpStatus::Ready));
+    assert_eq!(statuses.last(), Some(&OpStatus::Completed));
+    mgr.add(counted.clone()).await?;
+
+    // Cancel: idempotent, and a no-op for unknown or finished operations.
+    let long = Operation::new(OperationId::random(), shell("echo started; sleep 300"));
+    mgr.add(long.clone()).await?;
+    until_status(&mut updates, &long.id, OpStatus::Awaiting).await?;
+    mgr.cancel(&long.id, "user asked").await?;
+    mgr.cancel(&long.id, "user asked again").await?;
+    mgr.cancel(&OperationId::random(), "unknown").await?;
+    mgr.cancel(&counted.id, "finished").await?;
+    let (statuses, last) = until_terminal(&mut updates, &long.id).await?;
+    assert_eq!(statuses, vec![OpStatus::Canceling, OpStatus::Canceled]);
+    assert_eq!(last.result.map(|r| r.outcome), Some(Outcome::Canceled));
+
+    // An operation that cannot start fails, with the reason.
+    let mut bad = ShellSpec::new("true");
+    bad.workdir = Some("/nope".into());
+    let bad = Operation::new(OperationId::random(), OperationSpec::Shell(bad));
+    mgr.add(bad.clone()).await?;
+    let (_, last) = until_terminal(&mut updates, &bad.id).await?;
+    assert_eq!(last.status, OpStatus::Failed);
+    assert!(
+        last.failure.as_deref().is_some_and(|f| f.contains("/nope")),
+        "{:?}",
+        last.failure
+    );
+
+    // A session that resumes with a new manager re-adds what it had: a
+    // finished operation reports its result without running again, a
+    // running one is followed to its end.
+    let running = Operation::new(
+        OperationId::random(),
+        shell("echo run >> /workspace/runs; sleep 1; echo late"),
+    );
+    mgr.add(running.clone()).await?;
+    until_status(&mut updates, &running.id, OpStatus::Awaiting).await?;
+    mgr.shutdown().await;
+    drop(updates);
+    let (mgr, mut updates) = Manager::start(make(), sb.clone());
+    mgr.add(counted.clone()).await?;
+    let (_, last) = until_terminal(&mut updates, &counted.id).await?;
+    assert_eq!(
+        last.result.map(|r| r.stdout.to_lossy_string()),
+        Some("counted\n".into())
+    );
+    mgr.add(running.clone()).await?;
+    let (_, last) = until_terminal(&mut updates, &running.id).await?;
+    assert_eq!(
+        last.result.map(|r| r.stdout.to_lossy_string()),
+        Some("late\n".into())
+    );
+    let runs = h.run(&sb, "wc -l < /workspace/runs").await?;
+    assert_eq!(
+        runs.stdout.to_lossy_string().trim(),
+        "2",
+        "an operation ran twice"
+    );
+    mgr.shutdown().await;
+    Ok(())
+}
+
+#[tokio::test]
+async fn local_manager_conforms() -> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let worker = h.worker.clone();
+    conformance(&h, || LocalBackend::new(worker.clone())).await?;
+    h.stop().await;
+    Ok(())
+}
+
+#[tokio::test]
+async fn remote_manager_conforms() -> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let url = h.url.clone();
+    conformance(&h, || RemoteBackend::new(url.clone(), None)).await?;
+    h.stop().await;
+    Ok(())
+}
+
+#[tokio::test]
+async fn remote_manager_survives_a_worker_restart() -> anyhow::Result<()> {
+    let state = tempfile::tempdir()?;
+    let (wid, port) = (unique_id("mg"), free_port()?);
+    let mut worker = WorkerProcess::spawn(state.path(), &wid, port, &[], &[])?;
+    let client = corral_control::client::WorkerClient::connect(&worker.url, None).await?;
+    let sb = SandboxId::new(unique_id("sb"))?;
+    client
+        .create_sandbox(Some(&sb), SandboxSpec::default())
+        .await?;
+    let (mgr, mut updates) =
+        Manager::start(RemoteBackend::new(worker.url.clone(), None), sb.clone());
+    let op = Operation::new(OperationId::random(), shell("sleep 1.5; echo survived"));
+    mgr.add(op.clone()).await?;
+    until_status(&mut updates, &op.id, OpStatus::Awaiting).await?;
+    worker.kill9();
+    let _worker2 = WorkerProcess::spawn(state.path(), &wid, port, &[], &[])?;
+    let (_, last) = until_terminal(&mut updates, &op.id).await?;
+    assert_eq!(last.status, OpStatus::Completed);
+    assert_eq!(
+        last.result.map(|r| r.stdout.to_lossy_string()),
+        Some("survived\n".into())
+    );
+    mgr.shutdown().await;
+    let client =
+        corral_control::client::WorkerClient::connect(&format!("http://127.0.0.1:{port}"), None)
+            .await?;
+    client.destroy_sandbox(&sb).await?;
+    Ok(())
+}
