@@ -115,7 +115,7 @@ impl<B: Backend> OperationManager for Manager<B> {
     async fn add(&self, op: Operation) -> Result<(), ManagerError> {
         let (reply, done) = oneshot::channel();
         self.tx
-            .send(Command::Add(op, reply))
+            .send(Command::Add(Box::new(op), reply))
             .await
             .map_err(|_| ManagerError::Stopped)?;
         done.await.map_err(|_| ManagerError::Stopped)

@@ -73,7 +73,7 @@ async fn conformance<B: Backend>(h: &Harness, make: impl Fn() -> B) -> anyhow::R
     let last = loop {
         let snap = tokio::time::timeout(Duration::from_secs(60), updates.recv())
             .await?
-            .expect("updates");
+            .ok_or_else(|| anyhow::anyhow!("updates closed"))?;
         if snap.id != op.id {
             continue;
         }
@@ -91,7 +91,7 @@ async fn conformance<B: Backend>(h: &Harness, make: impl Fn() -> B) -> anyhow::R
         vec![OpStatus::Ready, OpStatus::Awaiting, OpStatus::Completed]
     );
     assert!(saw_progress, "no output-so-far while it ran");
-    let result = last.result.expect("result");
+    let result = last.result.ok_or_else(|| anyhow::anyhow!("no result"))?;
     assert_eq!(result.outcome, Outcome::Exited { code: 3 });
     assert_eq!(result.stdout.to_lossy_string(), "hi\nbye\n");
 
