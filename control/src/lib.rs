@@ -11,6 +11,7 @@
 
 pub mod cli;
 pub mod client;
+pub mod context;
 pub mod embedded;
 pub mod exec;
 pub mod llm;

@@ -1,0 +1,414 @@
+//! The context builder: the model's input, assembled in memory.
+//!
+//! Pure: no I/O, no clock, no persistence. The coordinator feeds it what
+//! happened (also when replaying a session) and asks it to [`build`] the
+//! next request. Item 0 is the system message: the preamble (the contract
+//! of asynchronous turns, `prompts/preamble.md`), the skills manifest when
+//! there are skills, then the system prompt. The conversation is a
+//! committed prefix (what was already sent) and a staged suffix (what
+//! arrived since); a model response goes to the end of the committed prefix,
+//! so it precedes inputs that arrived while it was being produced.
+//!
+//! Unlike a builder that sends everything, this one enforces a budget and
+//! says what it changed: a tool result longer than the per-result limit is
+//! cut to its head and tail, and when the whole request is estimated to
+//! exceed the model's window the oldest tool outputs are elided first. Each
+//! change is listed in the [`Report`] with its source and reason. User
+//! messages and the system message are never changed.
+//!
+//! [`build`]: ContextBuilder::build
+
+use crate::llm::{Item, Request, Response, Role, Tool, ToolOutput};
+
+/// The async-turn contract, in our words.
+pub const PREAMBLE: &str = include_str!("../../prompts/preamble.md");
+/// What precedes the list of skills.
+pub const SKILLS_PREAMBLE: &str = include_str!("../../prompts/skills.md");
+/// What a running call shows until its result arrives.
+pub const RUNNING_PLACEHOLDER: &str = "This tool call is still running. Its result will be added in a later turn, when it finishes. Continue with work that does not depend on it, or end your turn to wait.";
+
+/// A skill the model may load.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SkillInfo {
+    pub name: String,
+    pub description: String,
+    /// Absolute path of its SKILL.md.
+    pub location: String,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ChangeKind {
+    Omitted,
+    Truncated,
+    Compacted,
+}
+
+/// One thing the builder left out or shortened.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Change {
+    pub kind: ChangeKind,
+    /// E.g. `tool result call_12`.
+    pub source: String,
+    pub reason: String,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Report {
+    pub changes: Vec<Change>,
+}
+
+/// A request ready to send, and what was changed to make it fit.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Built {
+    pub request: Request,
+    pub report: Report,
+    /// The estimated size of the request, in tokens.
+    pub estimated_tokens: u64,
+}
+
+/// Limits the builder enforces.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Budget {
+    /// The model's context window, in tokens.
+    pub context_window_tokens: u64,
+    /// Kept free for the answer.
+    pub reserve_output_tokens: u64,
+    /// Longest text of one tool result, in characters (head and tail kept).
+    pub max_tool_result_chars: usize,
+}
+
+impl Default for Budget {
+    fn default() -> Self {
+        Self {
+            context_window_tokens: 200_000,
+            reserve_output_tokens: 16_000,
+            max_tool_result_chars: 40_000,
+        }
+    }
+}
+
+/// Rough token estimate: four characters a token, a fixed cost per item
+/// and per image. Errs high rather than low.
+const CHARS_PER_TOKEN: u64 = 4;
+const ITEM_OVERHEAD_TOKENS: u64 = 8;
+const IMAGE_TOKENS: u64 = 1_600;
+
+#[derive(Debug, Clone, PartialEq)]
+struct Entry {
+    item: Item,
+    /// A tool result that is only the running placeholder.
+    placeholder: bool,
+}
+
+#[derive(Debug, Clone)]
+pub struct ContextBuilder {
+    preamble: String,
+    system_prompt: String,
+    model: String,
+    reasoning_effort: Option<String>,
+    max_output_tokens: Option<u32>,
+    tools: Vec<Tool>,
+    committed: Vec<Entry>,
+    staged: Vec<Entry>,
+    budget: Budget,
+}
+
+fn xml_escape(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for c in s.chars() {
+        match c {
+            '<' => out.push_str("&lt;"),
+            '>' => out.push_str("&gt;"),
+            '&' => out.push_str("&amp;"),
+            '"' => out.push_str("&#34;"),
+            '\'' => out.push_str("&#39;"),
+            c => out.push(c),
+        }
+    }
+    out
+}
+
+/// The skills manifest appended to the preamble.
+pub fn skills_manifest(skills: &[SkillInfo]) -> String {
+    let mut xml = String::from("<available_skills>");
+    for s in skills {
+        xml.push_str(&format!(
+            "<skill><name>{}</name><description>{}</description><location>{}</location></skill>",
+            xml_escape(&s.name),
+            xml_escape(&s.description),
+            xml_escape(&s.location)
+        ));
+    }
+    xml.push_str("</available_skills>");
+    format!("{}\n\n{xml}", SKILLS_PREAMBLE.trim_end())
+}
+
+fn tokens_of(item: &Item) -> u64 {
+    let chars = match item {
+        Item::Message { text, .. } => text.len(),
+        Item::ToolCall {
+            name, arguments, ..
+        } => name.len() + arguments.len(),
+        Item::ToolResult { output, .. } => {
+            let mut n = 0;
+            for o in output {
+                match o {
+                    ToolOutput::Text { text } => n += text.len(),
+                    ToolOutput::Image { .. } => n += (IMAGE_TOKENS * CHARS_PER_TOKEN) as usize,
+                }
+            }
+            n
+        }
+        Item::Reasoning { raw, summary } => {
+            summary.iter().map(String::len).sum::<usize>()
+                + raw
+                    .get("encrypted_content")
+                    .and_then(|v| v.as_str())
+                    .map_or(0, str::len)
+        }
+    };
+    ITEM_OVERHEAD_TOKENS + (chars as u64).div_ceil(CHARS_PER_TOKEN)
+}
+
+/// Cuts `text` to about `max` characters: head and tail, UTF-8 safe.
+fn head_tail(text: &str, max: usize) -> Option<String> {
+    let total = text.chars().count();
+    if total <= max {
+        return None;
+    }
+    let head_n = max / 2;
+    let tail_n = max - head_n;
+    let head: String = text.chars().take(head_n).collect();
+    let tail: String = text.chars().skip(total - tail_n).collect();
+    let omitted = total - head_n - tail_n;
+    Some(format!(
+        "{head}\n[... {omitted} characters omitted ...]\n{tail}"
+    ))
+}
+
+impl ContextBuilder {
+    /// A builder whose preamble lists `skills` (copied).
+    pub fn new(skills: &[SkillInfo], budget: Budget) -> Self {
+        let mut preamble = PREAMBLE.trim_end().to_string();
+        if !skills.is_empty() {
+            preamble.push_str("\n\n");
+            preamble.push_str(&skills_manifest(skills));
+        }
+        Self {
+            preamble,
+            system_prompt: String::new(),
+            model: String::new(),
+            reasoning_effort: None,
+            max_output_tokens: None,
+            tools: Vec::new(),
+            committed: Vec::new(),
+            staged: Vec::new(),
+            budget,
+        }
+    }
+
+    /// Replaces the system prompt only; the conversation is untouched.
+    pub fn set_system_prompt(&mut self, prompt: &str) {
+        self.system_prompt = prompt.to_string();
+    }
+
+    pub fn set_model(&mut self, model: &str) {
+        self.model = model.to_string();
+    }
+
+    /// Applies to requests built from now on.
+    pub fn set_reasoning_effort(&mut self, effort: Option<String>) {
+        self.reasoning_effort = effort;
+    }
+
+    pub fn set_max_output_tokens(&mut self, n: Option<u32>) {
+        self.max_output_tokens = n;
+    }
+
+    pub fn set_budget(&mut self, budget: Budget) {
+        self.budget = budget;
+    }
+
+    pub fn add_tool(&mut self, tool: Tool) {
+        self.tools.push(tool);
+    }
+
+    /// A user's input (staged).
+    pub fn add_user_input(&mut self, text: &str) {
+        self.staged.push(Entry {
+            item: Item::Message {
+                role: Role::User,
+                text: text.to_string(),
+                provider_id: None,
+            },
+            placeholder: false,
+        });
+    }
+
+    /// A heartbeat, shown as a user message (staged).
+    pub fn add_heartbeat(&mut self, text: &str) {
+        self.add_user_input(text);
+    }
+
+    /// The model's output goes after what was sent and before what arrived
+    /// while it was answering.
+    pub fn add_model_response(&mut self, response: &Response) {
+        for item in &response.output {
+            self.committed.push(Entry {
+                item: item.clone(),
+                placeholder: false,
+            });
+        }
+    }
+
+    /// A tool result (staged). `running` stores the placeholder instead of
+    /// `output`. A final result replaces a staged placeholder of the same
+    /// call in place; a placeholder already sent stays, and the result is
+    /// appended.
+    pub fn add_tool_result(&mut self, call_id: &str, output: Vec<ToolOutput>, running: bool) {
+        let output = if running {
+            vec![ToolOutput::Text {
+                text: RUNNING_PLACEHOLDER.to_string(),
+            }]
+        } else {
+            output
+        };
+        let entry = Entry {
+            item: Item::ToolResult {
+                call_id: call_id.to_string(),
+                output,
+            },
+            placeholder: running,
+        };
+        let staged_placeholder = self.staged.iter().position(|e| {
+            e.placeholder && matches!(&e.item, Item::ToolResult { call_id: c, .. } if c == call_id)
+        });
+        match staged_placeholder {
+            Some(i) => self.staged[i] = entry,
+            None => self.staged.push(entry),
+        }
+    }
+
+    /// Staged becomes committed (idempotent): call when a turn is sent.
+    pub fn commit(&mut self) {
+        self.committed.append(&mut self.staged);
+    }
+
+    pub fn system_message(&self) -> String {
+        format!("{}\n\n{}", self.preamble, self.system_prompt)
+            .trim()
+            .to_string()
+    }
+
+    /// The next request (a snapshot: it shares nothing with the builder),
+    /// fitted to the budget, with a report of every change.
+    pub fn build(&self) -> Built {
+        let mut report = Report::default();
+        let mut input = Vec::with_capacity(1 + self.committed.len() + self.staged.len());
+        input.push(Item::Message {
+            role: Role::System,
+            text: self.system_message(),
+            provider_id: None,
+        });
+        for entry in self.committed.iter().chain(&self.staged) {
+            let mut item = entry.item.clone();
+            if let Item::ToolResult { call_id, output } = &mut item {
+                for o in output.iter_mut() {
+                    if let ToolOutput::Text { text } = o
+                        && let Some(cut) = head_tail(text, self.budget.max_tool_result_chars)
+                    {
+                        report.changes.push(Change {
+                            kind: ChangeKind::Truncated,
+                            source: format!("tool result {call_id}"),
+                            reason: format!(
+                                "{} characters is over the limit of {} per tool result; head and tail kept",
+                                text.chars().count(),
+                                self.budget.max_tool_result_chars
+                            ),
+                        });
+                        *text = cut;
+                    }
+                }
+            }
+            input.push(item);
+        }
+        let tools_tokens: u64 = self
+            .tools
+            .iter()
+            .map(|t| {
+                ITEM_OVERHEAD_TOKENS
+                    + ((t.name.len() + t.description.len() + t.parameters.to_string().len()) as u64)
+                        .div_ceil(CHARS_PER_TOKEN)
+            })
+            .sum();
+        let mut estimate: u64 = tools_tokens + input.iter().map(tokens_of).sum::<u64>();
+        let limit = self
+            .budget
+            .context_window_tokens
+            .saturating_sub(self.budget.reserve_output_tokens);
+        if estimate > limit {
+            // Oldest tool outputs go first; the latest one is kept, since it
+            // is what the model is about to act on.
+            let results: Vec<usize> = input
+                .iter()
+                .enumerate()
+                .filter(|(_, i)| matches!(i, Item::ToolResult { .. }))
+                .map(|(n, _)| n)
+                .collect();
+            for &n in results.iter().take(results.len().saturating_sub(1)) {
+                if estimate <= limit {
+                    break;
+                }
+                let before = tokens_of(&input[n]);
+                let Item::ToolResult { call_id, output } = &mut input[n] else {
+                    continue;
+                };
+                let chars: usize = output
+                    .iter()
+                    .map(|o| match o {
+                        ToolOutput::Text { text } => text.chars().count(),
+                        ToolOutput::Image { .. } => 0,
+                    })
+                    .sum();
+                let images = output
+                    .iter()
+                    .filter(|o| matches!(o, ToolOutput::Image { .. }))
+                    .count();
+                let mut what = format!("{chars} characters");
+                if images > 0 {
+                    what.push_str(&format!(" and {images} image(s)"));
+                }
+                *output = vec![ToolOutput::Text {
+                    text: format!("[output elided to fit the context window: {what}]"),
+                }];
+                let call = call_id.clone();
+                let after = tokens_of(&input[n]);
+                estimate = estimate - before + after;
+                report.changes.push(Change {
+                    kind: ChangeKind::Omitted,
+                    source: format!("tool result {call}"),
+                    reason: format!(
+                        "the request was estimated over the window of {} tokens ({} kept for the answer); oldest tool outputs are elided first",
+                        self.budget.context_window_tokens, self.budget.reserve_output_tokens
+                    ),
+                });
+            }
+        }
+        Built {
+            request: Request {
+                model: self.model.clone(),
+                input,
+                tools: self.tools.clone(),
+                max_output_tokens: self.max_output_tokens,
+                reasoning_effort: self.reasoning_effort.clone(),
+                cache_key: None,
+            },
+            report,
+            estimated_tokens: estimate,
+        }
+    }
+}
+
+#[cfg(test)]
+#[path = "context_tests.rs"]
+mod tests;
