@@ -172,6 +172,10 @@ fn tokens_of(item: &Item) -> u64 {
 
 /// Cuts `text` to about `max` characters: head and tail, UTF-8 safe.
 fn head_tail(text: &str, max: usize) -> Option<String> {
+    // Bytes bound characters from above: most texts are decided without a count.
+    if text.len() <= max {
+        return None;
+    }
     let total = text.chars().count();
     if total <= max {
         return None;
