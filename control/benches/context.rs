@@ -23,9 +23,9 @@ fn session(items: usize) -> ContextBuilder {
             id: None,
             stop: StopReason::Complete,
             output: vec![Item::ToolCall {
-                call_id: id.clone(),
+                call_id: id.clone().into(),
                 name: "Bash".into(),
-                arguments: format!("{{\"command\":\"grep -rn needle_{i} src/\"}}"),
+                arguments: format!("{{\"command\":\"grep -rn needle_{i} src/\"}}").into(),
                 provider_id: None,
             }],
             usage: Default::default(),
@@ -33,7 +33,7 @@ fn session(items: usize) -> ContextBuilder {
         b.add_tool_result(
             &id,
             vec![ToolOutput::Text {
-                text: format!("src/file_{i}.rs:{i}: needle\n").repeat(20),
+                text: format!("src/file_{i}.rs:{i}: needle\n").repeat(20).into(),
             }],
             false,
         );

@@ -242,7 +242,7 @@ impl ContextBuilder {
         self.staged.push(Entry {
             item: Item::Message {
                 role: Role::User,
-                text: text.to_string(),
+                text: text.into(),
                 provider_id: None,
             },
             placeholder: false,
@@ -272,20 +272,21 @@ impl ContextBuilder {
     pub fn add_tool_result(&mut self, call_id: &str, output: Vec<ToolOutput>, running: bool) {
         let output = if running {
             vec![ToolOutput::Text {
-                text: RUNNING_PLACEHOLDER.to_string(),
+                text: RUNNING_PLACEHOLDER.into(),
             }]
         } else {
             output
         };
         let entry = Entry {
             item: Item::ToolResult {
-                call_id: call_id.to_string(),
+                call_id: call_id.into(),
                 output,
             },
             placeholder: running,
         };
         let staged_placeholder = self.staged.iter().position(|e| {
-            e.placeholder && matches!(&e.item, Item::ToolResult { call_id: c, .. } if c == call_id)
+            e.placeholder
+                && matches!(&e.item, Item::ToolResult { call_id: c, .. } if &**c == call_id)
         });
         match staged_placeholder {
             Some(i) => self.staged[i] = entry,
@@ -311,7 +312,7 @@ impl ContextBuilder {
         let mut input = Vec::with_capacity(1 + self.committed.len() + self.staged.len());
         input.push(Item::Message {
             role: Role::System,
-            text: self.system_message(),
+            text: self.system_message().into(),
             provider_id: None,
         });
         for entry in self.committed.iter().chain(&self.staged) {
@@ -330,7 +331,7 @@ impl ContextBuilder {
                                 self.budget.max_tool_result_chars
                             ),
                         });
-                        *text = cut;
+                        *text = cut.into();
                     }
                 }
             }
@@ -383,7 +384,7 @@ impl ContextBuilder {
                     what.push_str(&format!(" and {images} image(s)"));
                 }
                 *output = vec![ToolOutput::Text {
-                    text: format!("[output elided to fit the context window: {what}]"),
+                    text: format!("[output elided to fit the context window: {what}]").into(),
                 }];
                 let call = call_id.clone();
                 let after = tokens_of(&input[n]);

@@ -461,7 +461,7 @@ async fn chat_completions_streams_text_tool_calls_and_usage() {
         .map(|i| match i {
             Item::ToolCall {
                 call_id, arguments, ..
-            } => (call_id.clone(), arguments.clone()),
+            } => (call_id.to_string(), arguments.to_string()),
             _ => unreachable!(),
         })
         .collect();

@@ -53,7 +53,7 @@ pub fn request_body(req: &Request) -> Result<Value, LlmError> {
                 let text: Vec<&str> = output
                     .iter()
                     .filter_map(|o| match o {
-                        ToolOutput::Text { text } => Some(text.as_str()),
+                        ToolOutput::Text { text } => Some(&**text),
                         ToolOutput::Image { .. } => None,
                     })
                     .collect();
@@ -215,19 +215,19 @@ impl StreamState {
         if !text.is_empty() {
             output.push(Item::Message {
                 role: Role::Assistant,
-                text,
+                text: text.into(),
                 provider_id: None,
             });
         }
         for (i, call) in std::mem::take(&mut self.calls) {
             output.push(Item::ToolCall {
                 call_id: if call.id.is_empty() {
-                    format!("call_{i}")
+                    format!("call_{i}").into()
                 } else {
-                    call.id
+                    call.id.into()
                 },
-                name: call.name,
-                arguments: call.arguments,
+                name: call.name.into(),
+                arguments: call.arguments.into(),
                 provider_id: None,
             });
         }

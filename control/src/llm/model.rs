@@ -1,4 +1,9 @@
 //! The provider-neutral model of a request and its response.
+//!
+//! Texts are `Arc<str>`: a request is rebuilt from the whole conversation
+//! every turn, and sharing the texts makes that a copy of pointers.
+
+use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
@@ -41,21 +46,21 @@ pub enum ToolOutput {
 pub enum Item {
     Message {
         role: Role,
-        text: String,
+        text: Arc<str>,
         /// The provider's own id, echoed back when replayed.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         provider_id: Option<String>,
     },
     ToolCall {
-        call_id: String,
-        name: String,
+        call_id: Arc<str>,
+        name: Arc<str>,
         /// Raw JSON text as the model produced it (it may be malformed).
-        arguments: String,
+        arguments: Arc<str>,
         #[serde(default, skip_serializing_if = "Option::is_none")]
         provider_id: Option<String>,
     },
     ToolResult {
-        call_id: String,
+        call_id: Arc<str>,
         output: Vec<ToolOutput>,
     },
     /// Reasoning, kept verbatim (`raw`) so it can be sent back.
@@ -123,7 +128,7 @@ impl Response {
                     role: Role::Assistant,
                     text,
                     ..
-                } => Some(text.as_str()),
+                } => Some(&**text),
                 _ => None,
             })
             .collect::<Vec<_>>()

@@ -42,7 +42,7 @@ pub fn request_body(req: &Request) -> Result<Value, LlmError> {
                         output
                             .iter()
                             .filter_map(|o| match o {
-                                ToolOutput::Text { text } => Some(text.as_str()),
+                                ToolOutput::Text { text } => Some(&**text),
                                 ToolOutput::Image { .. } => None,
                             })
                             .collect::<Vec<_>>()
@@ -216,7 +216,7 @@ impl StreamState {
                     }
                     output.push(Item::Message {
                         role: Role::Assistant,
-                        text,
+                        text: text.into(),
                         provider_id: item["id"].as_str().map(String::from),
                     });
                 }
