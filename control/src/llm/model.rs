@@ -32,11 +32,11 @@ impl Role {
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum ToolOutput {
     Text {
-        text: String,
+        text: Arc<str>,
     },
     /// An image as a `data:` URL.
     Image {
-        data_url: String,
+        data_url: Arc<str>,
     },
 }
 
