@@ -18,3 +18,4 @@ pub mod llm;
 pub mod ops;
 pub mod run;
 pub mod session;
+pub mod tools;

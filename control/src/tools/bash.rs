@@ -1,0 +1,249 @@
+//! The Bash tool: one shell command, with an optional timeout and output
+//! limit.
+
+use corral_proto::{OperationSpec, Outcome, ShellSpec};
+use serde::Deserialize;
+
+use super::{CallStatus, Translator, parse_args, text};
+use crate::llm::{Tool, ToolOutput};
+use crate::ops::{OpStatus, Operation};
+
+/// Default and largest `max_output_length`, in characters per stream.
+pub const DEFAULT_MAX_OUTPUT: u64 = 40_000;
+pub const MAX_OUTPUT: u64 = 1_000_000;
+/// Default and largest `timeout_seconds`.
+pub const DEFAULT_TIMEOUT_SECS: u64 = 600;
+pub const MAX_TIMEOUT_SECS: u64 = 24 * 3600;
+
+pub struct Bash;
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Args {
+    command: String,
+    #[serde(default)]
+    timeout_seconds: Option<u64>,
+    #[serde(default)]
+    max_output_length: Option<u64>,
+}
+
+impl Translator for Bash {
+    fn tool(&self) -> Tool {
+        Tool {
+            name: "Bash".into(),
+            description: "Run a bash command in the sandbox's workspace, non-interactively (stdin is closed). \
+Returns stdout, then stderr, then the exit code if it is not 0. Long output keeps its head and tail. \
+The command is killed, with everything it started, after timeout_seconds."
+                .into(),
+            parameters: serde_json::json!({
+                "type": "object",
+                "properties": {
+                    "command": {"type": "string", "description": "The command, run with bash -c."},
+                    "timeout_seconds": {
+                        "type": "integer", "minimum": 1, "maximum": MAX_TIMEOUT_SECS,
+                        "description": format!("Kill the command after this long (default {DEFAULT_TIMEOUT_SECS}).")
+                    },
+                    "max_output_length": {
+                        "type": "integer", "minimum": 1, "maximum": MAX_OUTPUT,
+                        "description": format!("Characters of stdout and of stderr to return (default {DEFAULT_MAX_OUTPUT}); the middle of longer output is left out.")
+                    }
+                },
+                "required": ["command"],
+                "additionalProperties": false
+            }),
+        }
+    }
+
+    fn translate(&self, arguments: &str) -> CallStatus {
+        let args: Args = match parse_args("Bash", arguments) {
+            Ok(a) => a,
+            Err(e) => return CallStatus::Error(e),
+        };
+        if let Some(t) = args.timeout_seconds
+            && !(1..=MAX_TIMEOUT_SECS).contains(&t)
+        {
+            return CallStatus::Error(format!(
+                "Error: timeout_seconds must be 1 to {MAX_TIMEOUT_SECS}"
+            ));
+        }
+        if let Some(m) = args.max_output_length
+            && !(1..=MAX_OUTPUT).contains(&m)
+        {
+            return CallStatus::Error(format!(
+                "Error: max_output_length must be 1 to {MAX_OUTPUT}"
+            ));
+        }
+        let mut spec = ShellSpec::new(args.command);
+        spec.use_bash = true;
+        spec.timeout_ms = Some(args.timeout_seconds.unwrap_or(DEFAULT_TIMEOUT_SECS) * 1000);
+        // Characters to bytes: up to four bytes a character in UTF-8.
+        spec.output_limit_bytes = Some(
+            (args.max_output_length.unwrap_or(DEFAULT_MAX_OUTPUT) * 4)
+                .min(corral_proto::limits::MAX_OUTPUT_LIMIT_BYTES),
+        );
+        let spec = OperationSpec::Shell(spec);
+        match spec.validate() {
+            Ok(()) => CallStatus::Submit(vec![spec]),
+            Err(e) => CallStatus::Error(format!("Error: {e}")),
+        }
+    }
+
+    fn render(&self, ops: &[Operation]) -> Vec<ToolOutput> {
+        let Some(op) = ops.first() else {
+            return text("Error: the command was not started");
+        };
+        match op.status {
+            OpStatus::Ready | OpStatus::Awaiting | OpStatus::Canceling => {
+                text("Command is still running.")
+            }
+            OpStatus::Failed => text(format!(
+                "Error: {}",
+                op.failure.as_deref().unwrap_or("the command failed")
+            )),
+            OpStatus::Canceled | OpStatus::Completed => {
+                let Some(r) = &op.result else {
+                    return text("Error: the command was canceled before it started");
+                };
+                let mut parts = Vec::new();
+                let out = r.stdout.to_lossy_string();
+                let err = r.stderr.to_lossy_string();
+                if !out.is_empty() {
+                    parts.push(out.trim_end_matches('\n').to_string());
+                }
+                if !err.is_empty() {
+                    parts.push(format!("Stderr:\n{}", err.trim_end_matches('\n')));
+                }
+                match &r.outcome {
+                    Outcome::Exited { code: 0 } => {}
+                    Outcome::Exited { code } => parts.push(format!("Exit code: {code}")),
+                    Outcome::Signaled { signal } => {
+                        parts.push(format!("Killed by signal {signal} (exit code {})", 128 + signal))
+                    }
+                    Outcome::TimedOut => parts.push(format!(
+                        "Timed out after {:.0} s: the command and everything it started were killed.",
+                        r.duration_ms as f64 / 1000.0
+                    )),
+                    Outcome::OutOfMemory => {
+                        parts.push("Killed: the sandbox ran out of memory.".into())
+                    }
+                    Outcome::Canceled => parts.push("Canceled.".into()),
+                    other => parts.push(format!("Error: {other}")),
+                }
+                if parts.is_empty() {
+                    parts.push("(no output)".into());
+                }
+                text(parts.join("\n"))
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use bytes::Bytes;
+    use corral_proto::{Captured, OperationId, OperationResult};
+
+    fn finished(stdout: &str, stderr: &str, outcome: Outcome) -> Operation {
+        let mut op = Operation::new(
+            OperationId::random(),
+            OperationSpec::Shell(ShellSpec::new("x")),
+        );
+        let cap = |s: &str| Captured {
+            head: Bytes::from(s.to_string()),
+            tail: Bytes::new(),
+            total_bytes: s.len() as u64,
+            truncated: false,
+        };
+        op.finish(OperationResult {
+            stdout: cap(stdout),
+            stderr: cap(stderr),
+            duration_ms: 30_000,
+            ..OperationResult::with_outcome(outcome)
+        });
+        op
+    }
+
+    fn rendered(op: &Operation) -> String {
+        match &Bash.render(std::slice::from_ref(op))[0] {
+            ToolOutput::Text { text } => text.to_string(),
+            ToolOutput::Image { .. } => panic!("image"),
+        }
+    }
+
+    #[test]
+    fn translates_with_defaults_and_limits() {
+        let CallStatus::Submit(specs) =
+            Bash.translate(r#"{"command":"ls -la","timeout_seconds":5,"max_output_length":100}"#)
+        else {
+            panic!()
+        };
+        let OperationSpec::Shell(s) = &specs[0] else {
+            panic!()
+        };
+        assert_eq!(
+            (
+                s.command.as_str(),
+                s.timeout_ms,
+                s.output_limit_bytes,
+                s.use_bash
+            ),
+            ("ls -la", Some(5000), Some(400), true)
+        );
+        let CallStatus::Submit(specs) = Bash.translate(r#"{"command":"true"}"#) else {
+            panic!()
+        };
+        let OperationSpec::Shell(s) = &specs[0] else {
+            panic!()
+        };
+        assert_eq!(s.timeout_ms, Some(600_000));
+        assert!(matches!(
+            Bash.translate(r#"{"command":"x","timeout_seconds":0}"#),
+            CallStatus::Error(_)
+        ));
+        assert!(
+            matches!(Bash.translate(r#"{"command":""}"#), CallStatus::Error(e) if e == "Error: invalid `command`: empty command")
+        );
+        assert!(
+            matches!(Bash.translate(r#"{"command":"a\u0000b"}"#), CallStatus::Error(e) if e.contains("NUL"))
+        );
+        assert!(matches!(
+            Bash.translate(r#"{"command":"x","timeout_seconds":"5"}"#),
+            CallStatus::Error(_)
+        ));
+    }
+
+    #[test]
+    fn renders_like_a_terminal_would_say_it() {
+        assert_eq!(
+            rendered(&finished("hi\n", "", Outcome::Exited { code: 0 })),
+            "hi"
+        );
+        assert_eq!(
+            rendered(&finished("", "", Outcome::Exited { code: 0 })),
+            "(no output)"
+        );
+        assert_eq!(
+            rendered(&finished("out\n", "warn\n", Outcome::Exited { code: 2 })),
+            "out\nStderr:\nwarn\nExit code: 2"
+        );
+        assert_eq!(
+            rendered(&finished("partial\n", "", Outcome::TimedOut)),
+            "partial\nTimed out after 30 s: the command and everything it started were killed."
+        );
+        assert_eq!(
+            rendered(&finished("", "", Outcome::OutOfMemory)),
+            "Killed: the sandbox ran out of memory."
+        );
+        let running = Operation::new(
+            OperationId::random(),
+            OperationSpec::Shell(ShellSpec::new("x")),
+        );
+        assert_eq!(rendered(&running), "Command is still running.");
+        let mut lost = running;
+        lost.finish(OperationResult::with_outcome(Outcome::SandboxLost {
+            reason: "container removed".into(),
+        }));
+        assert_eq!(rendered(&lost), "Error: sandbox lost: container removed");
+    }
+}

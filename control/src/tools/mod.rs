@@ -1,0 +1,162 @@
+//! Tool translators: pure and synchronous. A translator checks a call's
+//! arguments and turns them into operation specs, or into an error that goes
+//! back to the model as the call's result (the run goes on). Later it turns
+//! the finished operations into the result the model reads. No I/O here:
+//! operations do the work, elsewhere.
+
+pub mod bash;
+pub mod files;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use corral_proto::OperationSpec;
+use serde::de::DeserializeOwned;
+
+use crate::llm::{Tool, ToolOutput};
+use crate::ops::Operation;
+
+/// What became of a tool call.
+#[derive(Debug, Clone, PartialEq)]
+pub enum CallStatus {
+    /// Refused: this text is the call's result.
+    Error(String),
+    /// Accepted: these operations will produce the result.
+    Submit(Vec<OperationSpec>),
+}
+
+pub trait Translator: Send + Sync {
+    /// The tool as the model sees it.
+    fn tool(&self) -> Tool;
+    /// Arguments (raw JSON from the model) to operations.
+    fn translate(&self, arguments: &str) -> CallStatus;
+    /// The model-facing result of the call's operations (in order).
+    fn render(&self, ops: &[Operation]) -> Vec<ToolOutput>;
+}
+
+/// Parses arguments strictly: a JSON object with known fields only.
+pub fn parse_args<T: DeserializeOwned>(tool: &str, arguments: &str) -> Result<T, String> {
+    let arguments = if arguments.trim().is_empty() {
+        "{}"
+    } else {
+        arguments
+    };
+    serde_json::from_str::<serde_json::Value>(arguments)
+        .map_err(|e| format!("Error: the arguments of {tool} are not valid JSON ({e})"))
+        .and_then(|v| {
+            if !v.is_object() {
+                return Err(format!(
+                    "Error: the arguments of {tool} must be a JSON object"
+                ));
+            }
+            serde_json::from_value(v)
+                .map_err(|e| format!("Error: invalid arguments for {tool}: {e}"))
+        })
+}
+
+pub fn text(t: impl Into<Arc<str>>) -> Vec<ToolOutput> {
+    vec![ToolOutput::Text { text: t.into() }]
+}
+
+/// The tools offered to a session.
+#[derive(Default)]
+pub struct Registry {
+    tools: BTreeMap<String, Box<dyn Translator>>,
+}
+
+impl Registry {
+    /// Bash, ReadFile and WriteFile.
+    pub fn standard() -> Self {
+        let mut r = Self::default();
+        r.register(Box::new(bash::Bash));
+        r.register(Box::new(files::ReadFile));
+        r.register(Box::new(files::WriteFile));
+        r
+    }
+
+    pub fn register(&mut self, t: Box<dyn Translator>) {
+        self.tools.insert(t.tool().name, t);
+    }
+
+    /// Keeps only the named tools (an allow-list from the request).
+    pub fn retain(&mut self, allowed: &[String]) {
+        self.tools
+            .retain(|name, _| allowed.iter().any(|a| a == name));
+    }
+
+    pub fn tools(&self) -> Vec<Tool> {
+        self.tools.values().map(|t| t.tool()).collect()
+    }
+
+    pub fn translate(&self, name: &str, arguments: &str) -> CallStatus {
+        match self.tools.get(name) {
+            Some(t) => t.translate(arguments),
+            None => CallStatus::Error(format!("Error: tool \"{name}\" is not available")),
+        }
+    }
+
+    /// The result of a call: its error, or its operations rendered.
+    pub fn render(&self, name: &str, status: &CallStatus, ops: &[Operation]) -> Vec<ToolOutput> {
+        match (status, self.tools.get(name)) {
+            (CallStatus::Error(e), _) => text(e.as_str()),
+            (CallStatus::Submit(_), Some(t)) => t.render(ops),
+            (CallStatus::Submit(_), None) => {
+                text(format!("Error: tool \"{name}\" is not available"))
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Tool schemas are part of what the model sees: any change must show
+    /// up here. Set `CORRAL_UPDATE_SNAPSHOTS=1` to rewrite the files.
+    #[test]
+    fn tool_schemas_match_their_snapshots() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src/tools/snapshots");
+        let update = std::env::var_os("CORRAL_UPDATE_SNAPSHOTS").is_some();
+        for tool in Registry::standard().tools() {
+            let json = serde_json::to_string_pretty(&tool).unwrap() + "\n";
+            let path = dir.join(format!("{}.json", tool.name));
+            if update {
+                std::fs::write(&path, &json).unwrap();
+            }
+            let want = std::fs::read_to_string(&path)
+                .unwrap_or_else(|_| panic!("missing snapshot {}", path.display()));
+            assert_eq!(json, want, "schema of {} changed", tool.name);
+        }
+    }
+
+    #[test]
+    fn unknown_tools_and_malformed_arguments_are_errors_for_the_model() {
+        let r = Registry::standard();
+        assert_eq!(
+            r.translate("Nope", "{}"),
+            CallStatus::Error("Error: tool \"Nope\" is not available".into())
+        );
+        let CallStatus::Error(e) = r.translate("Bash", "{\"command\": ") else {
+            panic!()
+        };
+        assert!(
+            e.starts_with("Error: the arguments of Bash are not valid JSON"),
+            "{e}"
+        );
+        let CallStatus::Error(e) = r.translate("Bash", "[1]") else {
+            panic!()
+        };
+        assert_eq!(e, "Error: the arguments of Bash must be a JSON object");
+        let CallStatus::Error(e) = r.translate("Bash", "{\"cmd\": \"ls\"}") else {
+            panic!()
+        };
+        assert!(e.contains("unknown field `cmd`"), "{e}");
+        let mut only = Registry::standard();
+        only.retain(&["ReadFile".to_string()]);
+        assert!(matches!(
+            only.translate("Bash", "{\"command\":\"ls\"}"),
+            CallStatus::Error(_)
+        ));
+        assert_eq!(only.tools().len(), 1);
+    }
+}
