@@ -21,7 +21,7 @@ fn check(spec: OperationSpec) -> CallStatus {
 }
 
 /// What an unfinished or failed file operation says.
-fn not_done(op: &Operation) -> Option<Vec<ToolOutput>> {
+pub(crate) fn not_done(op: &Operation) -> Option<Vec<ToolOutput>> {
     match op.status {
         OpStatus::Ready | OpStatus::Awaiting | OpStatus::Canceling => Some(text("Still running.")),
         OpStatus::Failed => Some(text(format!(

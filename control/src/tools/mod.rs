@@ -6,6 +6,7 @@
 
 pub mod bash;
 pub mod files;
+pub mod view_image;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -65,12 +66,13 @@ pub struct Registry {
 }
 
 impl Registry {
-    /// Bash, ReadFile and WriteFile.
+    /// Bash, ReadFile, WriteFile and ViewImage.
     pub fn standard() -> Self {
         let mut r = Self::default();
         r.register(Box::new(bash::Bash));
         r.register(Box::new(files::ReadFile));
         r.register(Box::new(files::WriteFile));
+        r.register(Box::new(view_image::ViewImage::default()));
         r
     }
 
