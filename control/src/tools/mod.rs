@@ -6,6 +6,7 @@
 
 pub mod bash;
 pub mod files;
+pub mod skills;
 pub mod view_image;
 
 use std::collections::BTreeMap;
@@ -24,6 +25,8 @@ pub enum CallStatus {
     Error(String),
     /// Accepted: these operations will produce the result.
     Submit(Vec<OperationSpec>),
+    /// Accepted and already answered, with no operation (SkillUse).
+    Done(Vec<ToolOutput>),
 }
 
 pub trait Translator: Send + Sync {
@@ -76,6 +79,15 @@ impl Registry {
         r
     }
 
+    /// The standard tools, and SkillUse when there are skills.
+    pub fn with_skills(skills: Vec<skills::Skill>) -> Self {
+        let mut r = Self::standard();
+        if !skills.is_empty() {
+            r.register(Box::new(skills::SkillUse::new(skills)));
+        }
+        r
+    }
+
     pub fn register(&mut self, t: Box<dyn Translator>) {
         self.tools.insert(t.tool().name, t);
     }
@@ -101,6 +113,7 @@ impl Registry {
     pub fn render(&self, name: &str, status: &CallStatus, ops: &[Operation]) -> Vec<ToolOutput> {
         match (status, self.tools.get(name)) {
             (CallStatus::Error(e), _) => text(e.as_str()),
+            (CallStatus::Done(out), _) => out.clone(),
             (CallStatus::Submit(_), Some(t)) => t.render(ops),
             (CallStatus::Submit(_), None) => {
                 text(format!("Error: tool \"{name}\" is not available"))
@@ -119,7 +132,9 @@ mod tests {
     fn tool_schemas_match_their_snapshots() {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src/tools/snapshots");
         let update = std::env::var_os("CORRAL_UPDATE_SNAPSHOTS").is_some();
-        for tool in Registry::standard().tools() {
+        let skill =
+            skills::parse_skill("/s/SKILL.md", "---\nname: s\ndescription: d\n---\n").unwrap();
+        for tool in Registry::with_skills(vec![skill]).tools() {
             let json = serde_json::to_string_pretty(&tool).unwrap() + "\n";
             let path = dir.join(format!("{}.json", tool.name));
             if update {
