@@ -28,6 +28,16 @@ pub struct ConnArgs {
     /// File holding the worker's bearer token.
     #[arg(long, global = true, env = "CORRAL_TOKEN_FILE")]
     pub token_file: Option<PathBuf>,
+    /// For an https:// worker: the CA that signed its certificate (default:
+    /// the system's roots).
+    #[arg(long, global = true, env = "CORRAL_TLS_CA")]
+    pub tls_ca: Option<PathBuf>,
+    /// Client certificate (PEM) for a worker that requires mutual TLS.
+    #[arg(long, global = true, env = "CORRAL_TLS_CERT", requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+    /// Key (PEM) of --tls-cert.
+    #[arg(long, global = true, env = "CORRAL_TLS_KEY", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
     /// Embedded worker: Docker engine to use (default: DOCKER_HOST or the local socket).
     #[arg(long, global = true, env = "CORRAL_DOCKER_HOST")]
     pub docker_host: Option<String>,

@@ -12,7 +12,7 @@ use corral_proto::{
 use futures_util::{Stream, StreamExt};
 use tonic::metadata::MetadataValue;
 use tonic::service::Interceptor;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
 use tonic::{Request, Status};
 
 #[derive(Debug, thiserror::Error)]
@@ -63,6 +63,33 @@ impl Interceptor for Auth {
     }
 }
 
+/// TLS for a connection: whom to trust, and who we are (mutual TLS).
+#[derive(Debug, Clone, Default)]
+pub struct ClientTls {
+    /// PEM of the CA that signed the worker's certificate; `None`: the
+    /// system's roots.
+    pub ca_pem: Option<Vec<u8>>,
+    /// PEM certificate and key presented to a worker that asks for one.
+    pub identity: Option<(Vec<u8>, Vec<u8>)>,
+}
+
+/// What a client presents to a worker.
+#[derive(Debug, Clone, Default)]
+pub struct Credentials {
+    pub token: Option<String>,
+    /// Used for `https://` addresses.
+    pub tls: Option<ClientTls>,
+}
+
+impl Credentials {
+    pub fn token(token: Option<&str>) -> Self {
+        Self {
+            token: token.map(String::from),
+            tls: None,
+        }
+    }
+}
+
 /// A connection to one worker.
 #[derive(Clone)]
 pub struct WorkerClient {
@@ -75,16 +102,38 @@ pub type EventStream = std::pin::Pin<Box<dyn Stream<Item = Result<Event, ClientE
 impl WorkerClient {
     /// Connects to `url` (`http://host:port`), failing fast if nobody answers.
     pub async fn connect(url: &str, token: Option<&str>) -> Result<Self, ClientError> {
+        Self::connect_with(url, &Credentials::token(token)).await
+    }
+
+    /// Connects with a token and, for `https://` addresses, TLS.
+    pub async fn connect_with(url: &str, creds: &Credentials) -> Result<Self, ClientError> {
+        let token = creds.token.as_deref();
         let bad = |reason: String| ClientError::BadAddress {
             url: url.to_string(),
             reason,
         };
-        let endpoint = Endpoint::from_shared(url.to_string())
+        let mut endpoint = Endpoint::from_shared(url.to_string())
             .map_err(|e| bad(e.to_string()))?
             .connect_timeout(Duration::from_secs(5))
             .tcp_nodelay(true)
             .http2_keep_alive_interval(Duration::from_secs(20))
             .keep_alive_while_idle(true);
+        if url.starts_with("https://") {
+            let tls = creds.tls.clone().unwrap_or_default();
+            let mut cfg = ClientTlsConfig::new();
+            cfg = match tls.ca_pem {
+                Some(ca) => cfg.ca_certificate(Certificate::from_pem(ca)),
+                None => cfg.with_native_roots(),
+            };
+            if let Some((cert, key)) = tls.identity {
+                cfg = cfg.identity(Identity::from_pem(cert, key));
+            }
+            endpoint = endpoint
+                .tls_config(cfg)
+                .map_err(|e| bad(source_chain(&e)))?;
+        } else if creds.tls.is_some() {
+            return Err(bad("TLS options need an https:// address".into()));
+        }
         let channel = endpoint.connect().await.map_err(|e| ClientError::Connect {
             url: url.to_string(),
             reason: source_chain(&e),

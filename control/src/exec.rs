@@ -12,7 +12,7 @@ use corral_proto::{
 use futures_util::StreamExt;
 use tokio::io::{AsyncWrite, AsyncWriteExt};
 
-use crate::client::{ClientError, EventStream, WorkerClient};
+use crate::client::{ClientError, Credentials, EventStream, WorkerClient};
 
 /// How long `corral exec` keeps trying to reach a worker that went away.
 pub const RECONNECT_WINDOW: Duration = Duration::from_secs(120);
@@ -63,12 +63,12 @@ pub fn shell_join(argv: &[String]) -> String {
 /// Connects to the worker again and again until `deadline`.
 async fn reconnect(
     url: &str,
-    token: Option<&str>,
+    creds: &Credentials,
     deadline: tokio::time::Instant,
 ) -> Result<WorkerClient, ExecError> {
     let mut delay = Duration::from_millis(100);
     loop {
-        match WorkerClient::connect(url, token).await {
+        match WorkerClient::connect_with(url, creds).await {
             Ok(c) => return Ok(c),
             Err(e) if tokio::time::Instant::now() + delay > deadline => {
                 return Err(ExecError::GaveUp {
@@ -89,7 +89,7 @@ async fn reconnect(
 /// connection) until the reconnect window closes.
 async fn with_retry<T, F, Fut>(
     client: &mut WorkerClient,
-    token: Option<&str>,
+    creds: &Credentials,
     mut call: F,
 ) -> Result<T, ExecError>
 where
@@ -104,7 +104,7 @@ where
                 tracing::debug!(error = %e, "transient failure; reconnecting");
                 tokio::time::sleep(Duration::from_millis(200)).await;
                 let url = client.url().to_string();
-                *client = reconnect(&url, token, deadline).await?;
+                *client = reconnect(&url, creds, deadline).await?;
             }
             Err(e) => return Err(e.into()),
         }
@@ -116,7 +116,7 @@ where
 /// its end still awaited). A sandbox created here is removed afterwards.
 pub async fn exec(
     mut client: WorkerClient,
-    token: Option<&str>,
+    creds: &Credentials,
     req: ExecRequest,
     out: &mut (impl AsyncWrite + Unpin),
     err: &mut (impl AsyncWrite + Unpin),
@@ -144,7 +144,7 @@ pub async fn exec(
                 ..SandboxSpec::default()
             };
             let id2 = id.clone();
-            with_retry(&mut client, token, |c| {
+            with_retry(&mut client, creds, |c| {
                 let (id, spec) = (id2.clone(), sb_spec.clone());
                 async move { c.create_sandbox(Some(&id), spec).await }
             })
@@ -152,10 +152,10 @@ pub async fn exec(
             (id, true)
         }
     };
-    let result = run_op(&mut client, token, &sandbox, spec, out, err, interrupt).await;
+    let result = run_op(&mut client, creds, &sandbox, spec, out, err, interrupt).await;
     if temporary {
         let id = sandbox.clone();
-        let removed = with_retry(&mut client, token, |c| {
+        let removed = with_retry(&mut client, creds, |c| {
             let id = id.clone();
             async move { c.destroy_sandbox(&id).await }
         })
@@ -169,7 +169,7 @@ pub async fn exec(
 
 async fn run_op(
     client: &mut WorkerClient,
-    token: Option<&str>,
+    creds: &Credentials,
     sandbox: &SandboxId,
     spec: OperationSpec,
     out: &mut (impl AsyncWrite + Unpin),
@@ -179,14 +179,14 @@ async fn run_op(
     let op = OperationId::random();
     // Everything of this operation comes after the sandbox's current seq.
     let sb = sandbox.clone();
-    let mut cursor = with_retry(client, token, |c| {
+    let mut cursor = with_retry(client, creds, |c| {
         let sb = sb.clone();
         async move { c.get_sandbox(&sb).await }
     })
     .await?
     .last_seq;
     let (sb, op2) = (sandbox.clone(), op.clone());
-    with_retry(client, token, |c| {
+    with_retry(client, creds, |c| {
         let (sb, op, spec) = (sb.clone(), op2.clone(), spec.clone());
         async move { c.submit(&sb, &op, spec).await }
     })
@@ -203,7 +203,7 @@ async fn run_op(
                 Err(e) if e.is_transient() => {
                     let since = *lost_since.get_or_insert_with(tokio::time::Instant::now);
                     let url = client.url().to_string();
-                    *client = reconnect(&url, token, since + RECONNECT_WINDOW).await?;
+                    *client = reconnect(&url, creds, since + RECONNECT_WINDOW).await?;
                     continue;
                 }
                 Err(e) => return Err(e.into()),
@@ -215,7 +215,7 @@ async fn run_op(
             () = &mut interrupt, if !interrupted => {
                 interrupted = true;
                 let (sb, op) = (sandbox.clone(), op.clone());
-                with_retry(client, token, |c| {
+                with_retry(client, creds, |c| {
                     let (sb, op) = (sb.clone(), op.clone());
                     async move { c.cancel(&sb, &op).await }
                 })
@@ -259,7 +259,7 @@ async fn run_op(
                 let since = *lost_since.get_or_insert_with(tokio::time::Instant::now);
                 tokio::time::sleep(Duration::from_millis(100)).await;
                 let url = client.url().to_string();
-                *client = reconnect(&url, token, since + RECONNECT_WINDOW).await?;
+                *client = reconnect(&url, creds, since + RECONNECT_WINDOW).await?;
             }
         }
     }

@@ -7,7 +7,7 @@ use corral_proto::{NetworkMode, SandboxId, SandboxSpec, SandboxState};
 use corral_worker::WorkerConfig;
 
 use crate::cli::{Cli, Command, ConnArgs, ExecArgs, Network, SandboxCommand};
-use crate::client::{ClientError, WorkerClient};
+use crate::client::{ClientError, ClientTls, Credentials, WorkerClient};
 use crate::embedded::{Embedded, EmbeddedError};
 use crate::exec::{self, ExecError, ExecRequest};
 
@@ -32,8 +32,30 @@ pub enum RunError {
 
 struct Connection {
     client: WorkerClient,
-    token: Option<String>,
+    creds: Credentials,
     embedded: Option<Embedded>,
+}
+
+fn read(path: &std::path::Path, what: &str) -> Result<Vec<u8>, RunError> {
+    std::fs::read(path).map_err(|e| RunError::Invalid(format!("{what} {}: {e}", path.display())))
+}
+
+fn client_tls(conn: &ConnArgs) -> Result<Option<ClientTls>, RunError> {
+    let ca_pem = conn
+        .tls_ca
+        .as_deref()
+        .map(|p| read(p, "--tls-ca"))
+        .transpose()?;
+    let identity = match (&conn.tls_cert, &conn.tls_key) {
+        (Some(c), Some(k)) => Some((read(c, "--tls-cert")?, read(k, "--tls-key")?)),
+        (None, None) => None,
+        _ => {
+            return Err(RunError::Invalid(
+                "--tls-cert and --tls-key go together".into(),
+            ));
+        }
+    };
+    Ok((ca_pem.is_some() || identity.is_some()).then_some(ClientTls { ca_pem, identity }))
 }
 
 async fn connect(conn: &ConnArgs) -> Result<Connection, RunError> {
@@ -49,10 +71,14 @@ async fn connect(conn: &ConnArgs) -> Result<Connection, RunError> {
             } else {
                 format!("http://{url}")
             };
-            let client = WorkerClient::connect(&url, token.as_deref()).await?;
+            let creds = Credentials {
+                token,
+                tls: client_tls(conn)?,
+            };
+            let client = WorkerClient::connect_with(&url, &creds).await?;
             Ok(Connection {
                 client,
-                token,
+                creds,
                 embedded: None,
             })
         }
@@ -63,7 +89,7 @@ async fn connect(conn: &ConnArgs) -> Result<Connection, RunError> {
             let client = WorkerClient::connect(&embedded.url, None).await?;
             Ok(Connection {
                 client,
-                token: None,
+                creds: Credentials::default(),
                 embedded: Some(embedded),
             })
         }
@@ -103,7 +129,7 @@ async fn run_exec(conn: &Connection, args: ExecArgs) -> Result<u8, RunError> {
     };
     let result = exec::exec(
         conn.client.clone(),
-        conn.token.as_deref(),
+        &conn.creds,
         req,
         &mut out,
         &mut err,

@@ -39,6 +39,15 @@ pub struct WorkerArgs {
     /// the Cargo target directory.
     #[arg(long, env = "CORRAL_INIT_BINARY")]
     pub init_binary: Option<PathBuf>,
+    /// Serve TLS with this certificate (PEM; a chain is fine).
+    #[arg(long, env = "CORRAL_TLS_CERT", requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+    /// Key of --tls-cert (PEM).
+    #[arg(long, env = "CORRAL_TLS_KEY", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
+    /// Require client certificates signed by this CA (mutual TLS).
+    #[arg(long, env = "CORRAL_TLS_CLIENT_CA", requires = "tls_cert")]
+    pub tls_client_ca: Option<PathBuf>,
     /// Image for sandboxes that name none.
     #[arg(
         long,
@@ -86,6 +95,22 @@ pub enum ConfigError {
     TokenRequired(SocketAddr),
     #[error("token file {path}: {reason}")]
     TokenFile { path: String, reason: String },
+    #[error("TLS file {path}: {reason}")]
+    TlsFile { path: String, reason: String },
+}
+
+fn read_pem(path: &Path) -> Result<Vec<u8>, ConfigError> {
+    let data = std::fs::read(path).map_err(|e| ConfigError::TlsFile {
+        path: path.display().to_string(),
+        reason: e.to_string(),
+    })?;
+    if !data.windows(11).any(|w| w == b"-----BEGIN ") {
+        return Err(ConfigError::TlsFile {
+            path: path.display().to_string(),
+            reason: "not PEM".into(),
+        });
+    }
+    Ok(data)
 }
 
 /// Reads a token file: one line, not empty.
@@ -123,6 +148,19 @@ impl WorkerArgs {
             return Err(ConfigError::TokenRequired(self.listen));
         }
         Ok(token)
+    }
+
+    /// The TLS configuration, when --tls-cert is given.
+    pub fn tls(&self) -> Result<Option<tonic::transport::ServerTlsConfig>, ConfigError> {
+        let (Some(cert), Some(key)) = (&self.tls_cert, &self.tls_key) else {
+            return Ok(None);
+        };
+        let identity = tonic::transport::Identity::from_pem(read_pem(cert)?, read_pem(key)?);
+        let mut tls = tonic::transport::ServerTlsConfig::new().identity(identity);
+        if let Some(ca) = &self.tls_client_ca {
+            tls = tls.client_ca_root(tonic::transport::Certificate::from_pem(read_pem(ca)?));
+        }
+        Ok(Some(tls))
     }
 
     pub fn worker_config(&self) -> WorkerConfig {

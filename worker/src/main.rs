@@ -39,6 +39,7 @@ fn main() -> ExitCode {
 
 async fn run(args: WorkerArgs) -> anyhow::Result<()> {
     let token = args.token()?;
+    let tls = args.tls()?;
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("cannot listen on {}", args.listen))?;
@@ -52,7 +53,13 @@ async fn run(args: WorkerArgs) -> anyhow::Result<()> {
         // Ends the actors and the open watch streams, so the server drains.
         stopping.shutdown().await;
     };
-    server::serve(worker, listener, token, shutdown).await?;
+    server::serve_with(
+        worker,
+        listener,
+        server::ServeOptions { token, tls },
+        shutdown,
+    )
+    .await?;
     Ok(())
 }
 

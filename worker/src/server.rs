@@ -58,6 +58,15 @@ pub enum ServeError {
     Reflection(#[from] tonic_reflection::server::Error),
 }
 
+/// How the server admits clients.
+#[derive(Debug, Clone, Default)]
+pub struct ServeOptions {
+    /// Bearer token required on every `corral.v1.Worker` call.
+    pub token: Option<String>,
+    /// TLS (and, with a client CA, mutual TLS).
+    pub tls: Option<tonic::transport::ServerTlsConfig>,
+}
+
 /// Serves until `shutdown` resolves. The listener is bound by the caller
 /// (tests bind `127.0.0.1:0`).
 pub async fn serve(
@@ -66,6 +75,23 @@ pub async fn serve(
     token: Option<String>,
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), ServeError> {
+    serve_with(
+        worker,
+        listener,
+        ServeOptions { token, tls: None },
+        shutdown,
+    )
+    .await
+}
+
+/// [`serve`] with TLS options.
+pub async fn serve_with(
+    worker: Worker,
+    listener: TcpListener,
+    options: ServeOptions,
+    shutdown: impl Future<Output = ()>,
+) -> Result<(), ServeError> {
+    let token = options.token;
     let (health_reporter, health) = tonic_health::server::health_reporter();
     health_reporter
         .set_serving::<WorkerServer<WorkerService>>()
@@ -80,7 +106,11 @@ pub async fn serve(
         .max_encoding_message_size(MAX_GRPC_MESSAGE_BYTES);
     let service =
         tonic::service::interceptor::InterceptedService::new(service, move |req| auth.check(req));
-    tonic::transport::Server::builder()
+    let mut builder = tonic::transport::Server::builder();
+    if let Some(tls) = options.tls {
+        builder = builder.tls_config(tls)?;
+    }
+    builder
         .add_service(health)
         .add_service(reflection)
         .add_service(service)

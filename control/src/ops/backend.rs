@@ -10,7 +10,7 @@ use futures_util::{Stream, StreamExt};
 use tokio::sync::Mutex;
 use tokio_stream::wrappers::ReceiverStream;
 
-use crate::client::{ClientError, WorkerClient};
+use crate::client::{ClientError, Credentials, WorkerClient};
 
 pub type EventStream = Pin<Box<dyn Stream<Item = Result<Event, BackendError>> + Send>>;
 
@@ -116,7 +116,7 @@ impl Backend for LocalBackend {
 /// connection, and the next call makes a new one.
 pub struct RemoteBackend {
     url: String,
-    token: Option<String>,
+    creds: Credentials,
     client: Mutex<Option<WorkerClient>>,
 }
 
@@ -130,9 +130,13 @@ fn remote(e: ClientError) -> BackendError {
 
 impl RemoteBackend {
     pub fn new(url: impl Into<String>, token: Option<String>) -> Self {
+        Self::with_credentials(url, Credentials { token, tls: None })
+    }
+
+    pub fn with_credentials(url: impl Into<String>, creds: Credentials) -> Self {
         Self {
             url: url.into(),
-            token,
+            creds,
             client: Mutex::new(None),
         }
     }
@@ -142,7 +146,7 @@ impl RemoteBackend {
         if let Some(c) = slot.as_ref() {
             return Ok(c.clone());
         }
-        let c = WorkerClient::connect(&self.url, self.token.as_deref())
+        let c = WorkerClient::connect_with(&self.url, &self.creds)
             .await
             .map_err(remote)?;
         *slot = Some(c.clone());

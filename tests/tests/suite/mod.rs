@@ -7,3 +7,4 @@ mod ordering;
 mod restart;
 mod roundtrip;
 mod service;
+mod tls;

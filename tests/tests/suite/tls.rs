@@ -1,0 +1,197 @@
+//! TLS and mutual TLS between clients and a worker, with certificates made
+//! for the test.
+
+use corral_control::client::{ClientTls, Credentials, WorkerClient};
+use corral_worker::server::{ServeOptions, serve_with};
+use corral_worker::{Worker, WorkerConfig};
+use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
+use tonic::transport::{Certificate, Identity, ServerTlsConfig};
+
+struct Pki {
+    ca_pem: String,
+    server: (String, String),
+    client: (String, String),
+    other_ca_pem: String,
+}
+
+fn pki() -> anyhow::Result<Pki> {
+    let ca_params = {
+        let mut p = CertificateParams::new(Vec::<String>::new())?;
+        p.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        p
+    };
+    let ca = CertifiedIssuer::self_signed(ca_params.clone(), KeyPair::generate()?)?;
+    let other = CertifiedIssuer::self_signed(ca_params, KeyPair::generate()?)?;
+    let leaf = |names: Vec<String>| -> anyhow::Result<(String, String)> {
+        let key = KeyPair::generate()?;
+        let cert = CertificateParams::new(names)?.signed_by(&key, &ca)?;
+        Ok((cert.pem(), key.serialize_pem()))
+    };
+    Ok(Pki {
+        ca_pem: ca.pem(),
+        server: leaf(vec!["127.0.0.1".into(), "localhost".into()])?,
+        client: leaf(vec!["client".into()])?,
+        other_ca_pem: other.pem(),
+    })
+}
+
+async fn worker(
+    tls: ServerTlsConfig,
+) -> anyhow::Result<(String, tokio::sync::oneshot::Sender<()>, tempfile::TempDir)> {
+    let state = tempfile::tempdir()?;
+    let mut config = WorkerConfig::new(state.path().to_path_buf());
+    config.worker_id = Some(corral_e2e::unique_id("tls"));
+    let w = Worker::start(config).await?;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let url = format!("https://{}", listener.local_addr()?);
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let options = ServeOptions {
+        token: Some("t0ken".into()),
+        tls: Some(tls),
+    };
+    tokio::spawn(async move {
+        let _ = serve_with(w, listener, options, async {
+            let _ = stopped.await;
+        })
+        .await;
+    });
+    Ok((url, stop, state))
+}
+
+fn creds(ca: &str, identity: Option<&(String, String)>) -> Credentials {
+    Credentials {
+        token: Some("t0ken".into()),
+        tls: Some(ClientTls {
+            ca_pem: Some(ca.as_bytes().to_vec()),
+            identity: identity.map(|(c, k)| (c.as_bytes().to_vec(), k.as_bytes().to_vec())),
+        }),
+    }
+}
+
+#[tokio::test]
+async fn tls_with_the_right_ca_works_and_a_stranger_is_refused() -> anyhow::Result<()> {
+    let pki = pki()?;
+    let tls = ServerTlsConfig::new().identity(Identity::from_pem(&pki.server.0, &pki.server.1));
+    let (url, _stop, _state) = worker(tls).await?;
+    let client = WorkerClient::connect_with(&url, &creds(&pki.ca_pem, None)).await?;
+    assert!(client.list_sandboxes().await?.is_empty());
+    // A client that trusts another CA does not get through.
+    let stranger = WorkerClient::connect_with(&url, &creds(&pki.other_ca_pem, None)).await;
+    let err = match stranger {
+        Ok(c) => c
+            .list_sandboxes()
+            .await
+            .map(|_| ())
+            .unwrap_err()
+            .to_string(),
+        Err(e) => e.to_string(),
+    };
+    assert!(
+        err.contains("certificate") || err.contains("cannot reach"),
+        "{err}"
+    );
+    // Plain HTTP to a TLS worker fails too.
+    let plain = url.replace("https://", "http://");
+    let err = match WorkerClient::connect(&plain, Some("t0ken")).await {
+        Ok(c) => c
+            .list_sandboxes()
+            .await
+            .map(|_| ())
+            .unwrap_err()
+            .to_string(),
+        Err(e) => e.to_string(),
+    };
+    assert!(!err.is_empty());
+    Ok(())
+}
+
+#[tokio::test]
+async fn mutual_tls_requires_a_client_certificate() -> anyhow::Result<()> {
+    let pki = pki()?;
+    let tls = ServerTlsConfig::new()
+        .identity(Identity::from_pem(&pki.server.0, &pki.server.1))
+        .client_ca_root(Certificate::from_pem(&pki.ca_pem));
+    let (url, _stop, _state) = worker(tls).await?;
+    let with_cert =
+        WorkerClient::connect_with(&url, &creds(&pki.ca_pem, Some(&pki.client))).await?;
+    assert!(with_cert.list_sandboxes().await?.is_empty());
+    let without = WorkerClient::connect_with(&url, &creds(&pki.ca_pem, None)).await;
+    let refused = match without {
+        Ok(c) => c.list_sandboxes().await.is_err(),
+        Err(_) => true,
+    };
+    assert!(refused, "a client without a certificate got in");
+    Ok(())
+}
+
+#[test]
+fn tls_options_need_an_https_address() {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let err = rt
+        .block_on(WorkerClient::connect_with(
+            "http://127.0.0.1:1",
+            &Credentials {
+                token: None,
+                tls: Some(ClientTls::default()),
+            },
+        ))
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    assert!(err.contains("need an https:// address"), "{err}");
+}
+
+#[tokio::test]
+async fn both_command_lines_speak_tls() -> anyhow::Result<()> {
+    let pki = pki()?;
+    let dir = tempfile::tempdir()?;
+    let file = |name: &str, body: &str| -> anyhow::Result<String> {
+        let p = dir.path().join(name);
+        std::fs::write(&p, body)?;
+        Ok(p.to_string_lossy().to_string())
+    };
+    let (cert, key, ca, token) = (
+        file("server.pem", &pki.server.0)?,
+        file("server.key", &pki.server.1)?,
+        file("ca.pem", &pki.ca_pem)?,
+        file("token", "t0ken")?,
+    );
+    let port = corral_e2e::free_port()?;
+    let _worker = corral_e2e::WorkerProcess::spawn(
+        &dir.path().join("state"),
+        &corral_e2e::unique_id("tlsw"),
+        port,
+        &[],
+        &[
+            "--tls-cert",
+            &cert,
+            "--tls-key",
+            &key,
+            "--token-file",
+            &token,
+        ],
+    )?;
+    let out = tokio::process::Command::new(corral_e2e::binary("corral")?)
+        .args([
+            "--worker",
+            &format!("https://127.0.0.1:{port}"),
+            "--tls-ca",
+            &ca,
+            "--token-file",
+            &token,
+            "sandbox",
+            "ls",
+        ])
+        .output()
+        .await?;
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).starts_with("ID"));
+    Ok(())
+}
