@@ -34,6 +34,8 @@ fn validate(field: &'static str, s: &str) -> Result<(), ProtocolError> {
 macro_rules! id_type {
     ($name:ident, $field:literal) => {
         #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+        #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+        #[cfg_attr(feature = "serde", serde(try_from = "String", into = "String"))]
         pub struct $name(String);
 
         impl $name {
@@ -62,6 +64,13 @@ macro_rules! id_type {
         impl std::str::FromStr for $name {
             type Err = ProtocolError;
             fn from_str(s: &str) -> Result<Self, Self::Err> {
+                Self::new(s)
+            }
+        }
+
+        impl TryFrom<String> for $name {
+            type Error = ProtocolError;
+            fn try_from(s: String) -> Result<Self, Self::Error> {
                 Self::new(s)
             }
         }

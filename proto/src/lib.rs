@@ -21,6 +21,8 @@ pub mod init;
 pub mod limits;
 pub mod result;
 pub mod sandbox;
+#[cfg(feature = "serde")]
+mod serde_bytes_b64;
 pub mod spec;
 
 pub use error::ProtocolError;

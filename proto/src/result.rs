@@ -6,6 +6,8 @@ use crate::{ProtocolError, pb};
 
 /// Exactly how an operation ended: never a bare "failed".
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+#[cfg_attr(feature = "serde", serde(tag = "outcome", rename_all = "snake_case"))]
 pub enum Outcome {
     Exited {
         code: i32,
@@ -65,6 +67,8 @@ impl std::fmt::Display for Outcome {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+#[cfg_attr(feature = "serde", serde(rename_all = "snake_case"))]
 pub enum FileErrorKind {
     NotFound,
     PermissionDenied,
@@ -77,8 +81,11 @@ pub enum FileErrorKind {
 /// The kept part of one output stream: its head and tail up to the
 /// operation's limit, and the size of the whole stream.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub struct Captured {
+    #[cfg_attr(feature = "serde", serde(with = "crate::serde_bytes_b64"))]
     pub head: Bytes,
+    #[cfg_attr(feature = "serde", serde(with = "crate::serde_bytes_b64"))]
     pub tail: Bytes,
     pub total_bytes: u64,
     pub truncated: bool,
@@ -98,11 +105,13 @@ impl Captured {
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub struct OperationResult {
     pub outcome: Outcome,
     pub stdout: Captured,
     pub stderr: Captured,
     pub duration_ms: u64,
+    #[cfg_attr(feature = "serde", serde(with = "crate::serde_bytes_b64"))]
     pub file_data: Bytes,
     pub file_size: u64,
     pub bytes_written: u64,

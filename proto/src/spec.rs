@@ -39,6 +39,7 @@ pub struct SandboxSpec {
 
 /// Runs `command` through `/bin/sh -c` (or bash), non-interactively.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub struct ShellSpec {
     pub command: String,
     pub workdir: Option<String>,
@@ -71,6 +72,7 @@ impl ShellSpec {
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub struct ReadFileSpec {
     pub path: String,
     pub offset: u64,
@@ -78,13 +80,17 @@ pub struct ReadFileSpec {
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub struct WriteFileSpec {
     pub path: String,
+    #[cfg_attr(feature = "serde", serde(with = "crate::serde_bytes_b64"))]
     pub data: Bytes,
     pub mode: u32,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+#[cfg_attr(feature = "serde", serde(tag = "kind", rename_all = "snake_case"))]
 pub enum OperationSpec {
     Shell(ShellSpec),
     ReadFile(ReadFileSpec),
@@ -399,5 +405,44 @@ mod tests {
             ..Default::default()
         };
         assert!(spec.validate().is_err());
+    }
+}
+
+#[cfg(all(test, feature = "serde"))]
+mod serde_tests {
+    use super::*;
+    use crate::{Captured, FileErrorKind, OperationResult, Outcome};
+
+    #[test]
+    fn specs_and_results_round_trip_through_json() {
+        let spec = OperationSpec::WriteFile(WriteFileSpec {
+            path: "a".into(),
+            data: Bytes::from_static(b"\x00\xffhi"),
+            mode: 0o600,
+        });
+        let json = serde_json::to_string(&spec).unwrap();
+        assert_eq!(
+            json,
+            r#"{"kind":"write_file","path":"a","data":"AP9oaQ==","mode":384}"#
+        );
+        assert_eq!(serde_json::from_str::<OperationSpec>(&json).unwrap(), spec);
+        let result = OperationResult {
+            stdout: Captured {
+                head: Bytes::from_static(b"out"),
+                tail: Bytes::new(),
+                total_bytes: 3,
+                truncated: false,
+            },
+            ..OperationResult::with_outcome(Outcome::FileError {
+                kind: FileErrorKind::NotFound,
+                message: "x".into(),
+            })
+        };
+        let json = serde_json::to_string(&result).unwrap();
+        assert_eq!(
+            serde_json::from_str::<OperationResult>(&json).unwrap(),
+            result
+        );
+        assert!(serde_json::from_str::<crate::OperationId>("\"a/b\"").is_err());
     }
 }
