@@ -1,5 +1,6 @@
 mod bad_input;
 mod cli;
+mod docker_loss;
 mod hardening;
 mod limits;
 mod managers;
