@@ -72,6 +72,9 @@ pub struct ExecArgs {
     /// Working directory (default: the workspace).
     #[arg(long, short = 'w', env = "CORRAL_WORKDIR")]
     pub workdir: Option<String>,
+    /// Run the command with bash instead of /bin/sh.
+    #[arg(long, env = "CORRAL_BASH")]
+    pub bash: bool,
     /// The command and its arguments.
     #[arg(last = true, required = true, value_name = "CMD")]
     pub argv: Vec<String>,

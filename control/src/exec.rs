@@ -24,6 +24,7 @@ pub struct ExecRequest {
     pub timeout: Option<Duration>,
     pub env: BTreeMap<String, String>,
     pub workdir: Option<String>,
+    pub use_bash: bool,
     pub argv: Vec<String>,
 }
 
@@ -131,6 +132,7 @@ pub async fn exec(
     shell.env = req.env.clone();
     shell.workdir = req.workdir.clone();
     shell.timeout_ms = req.timeout.map(|t| t.as_millis() as u64);
+    shell.use_bash = req.use_bash;
     let spec = OperationSpec::Shell(shell);
     spec.validate()
         .map_err(|e| ExecError::Invalid(e.to_string()))?;

@@ -120,6 +120,7 @@ async fn run_exec(conn: &Connection, args: ExecArgs) -> Result<u8, RunError> {
         timeout: args.timeout,
         env: args.env_map(),
         workdir: args.workdir.clone(),
+        use_bash: args.bash,
         argv: args.argv.clone(),
     };
     let mut out = tokio::io::stdout();

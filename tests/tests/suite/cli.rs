@@ -59,6 +59,9 @@ async fn exit_codes_and_streams() -> anyhow::Result<()> {
 
     let out = run(&["-w", "/tmp", "--", "pwd"]).await?;
     assert_eq!(String::from_utf8_lossy(&out.stdout), "/tmp\n");
+
+    let out = run(&["--bash", "--", "echo", "through bash"]).await?;
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "through bash\n");
     h.stop().await;
     Ok(())
 }
