@@ -48,6 +48,9 @@ pub struct WorkerArgs {
     /// Require client certificates signed by this CA (mutual TLS).
     #[arg(long, env = "CORRAL_TLS_CLIENT_CA", requires = "tls_cert")]
     pub tls_client_ca: Option<PathBuf>,
+    /// How often to remove containers of this worker that have no record.
+    #[arg(long, env = "CORRAL_SWEEP_INTERVAL", default_value = "60s", value_parser = humantime::parse_duration)]
+    pub sweep_interval: std::time::Duration,
     /// Image for sandboxes that name none.
     #[arg(
         long,
@@ -173,6 +176,7 @@ impl WorkerArgs {
             docker_host: self.docker_host.clone(),
             init_binary: self.init_binary.clone(),
             max_sandboxes: self.max_sandboxes,
+            sweep_interval: self.sweep_interval,
             defaults: Defaults {
                 image: self.default_image.clone(),
                 ..Defaults::default()

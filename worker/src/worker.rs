@@ -32,6 +32,9 @@ pub struct WorkerConfig {
     pub init_binary: Option<PathBuf>,
     pub max_sandboxes: u32,
     pub defaults: Defaults,
+    /// How often to look for containers of this worker that have no record
+    /// (and remove them).
+    pub sweep_interval: Duration,
 }
 
 impl WorkerConfig {
@@ -43,6 +46,7 @@ impl WorkerConfig {
             init_binary: None,
             max_sandboxes: 64,
             defaults: Defaults::default(),
+            sweep_interval: Duration::from_secs(60),
         }
     }
 }
@@ -101,6 +105,12 @@ impl Worker {
             }),
         };
         worker.reconcile().await?;
+        let sweeper = worker.clone();
+        let interval = config.sweep_interval;
+        worker
+            .inner
+            .tracker
+            .spawn(async move { sweeper.sweep_forever(interval).await });
         info!(worker_id, state_dir = %config.state_dir.display(), "worker started");
         Ok(worker)
     }
@@ -172,6 +182,53 @@ impl Worker {
             if let Ok(id) = SandboxId::new(sid.clone()) {
                 warn!(sandbox = %id, "sandbox record without a running container, dropped");
                 inner.state.remove(&id)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Removes, every `interval`, containers labelled as this worker's that
+    /// have no record: leftovers of anything that went wrong, or containers
+    /// made behind the worker's back. A sandbox being created has its record
+    /// already, so it is never taken for an orphan.
+    async fn sweep_forever(&self, interval: Duration) {
+        let shutdown = self.inner.shutdown.clone();
+        loop {
+            tokio::select! {
+                () = tokio::time::sleep(interval) => {}
+                () = shutdown.cancelled() => return,
+            }
+            if let Err(e) = self.sweep().await {
+                warn!(error = %e, "orphan sweep failed");
+            }
+        }
+    }
+
+    async fn sweep(&self) -> Result<()> {
+        // Containers first, records second: a container seen here had its
+        // record written before it was created, so a create racing with the
+        // sweep is never mistaken for an orphan.
+        let containers = self.inner.runtime.list_owned().await?;
+        let records: std::collections::HashSet<String> = self
+            .inner
+            .state
+            .load_all()?
+            .into_iter()
+            .map(|r| r.id)
+            .collect();
+        for c in containers {
+            let sid = c
+                .labels
+                .as_ref()
+                .and_then(|l| l.get(LABEL_SANDBOX))
+                .cloned()
+                .unwrap_or_default();
+            if records.contains(&sid) {
+                continue;
+            }
+            if let Some(cid) = c.id {
+                warn!(sandbox = %sid, container = %cid, "removing a container with no worker record");
+                self.inner.runtime.remove_container(&cid).await?;
             }
         }
         Ok(())

@@ -169,3 +169,52 @@ async fn sigterm_stops_the_worker_cleanly_and_sandboxes_survive_it() -> anyhow::
     client.destroy_sandbox(&sb).await?;
     Ok(())
 }
+
+#[tokio::test]
+async fn a_container_made_behind_the_workers_back_is_swept_away() -> anyhow::Result<()> {
+    let h =
+        corral_e2e::Harness::start_with(|c| c.sweep_interval = Duration::from_millis(300)).await?;
+    let kept = h.sandbox().await?;
+    let docker = bollard::Docker::connect_with_defaults()?;
+    let body = bollard::models::ContainerCreateBody {
+        image: Some("corral-sandbox:latest".into()),
+        cmd: Some(vec!["/bin/sleep".into(), "300".into()]),
+        labels: Some(
+            [
+                ("corral.managed".to_string(), "1".to_string()),
+                ("corral.worker".to_string(), h.worker_id.clone()),
+                ("corral.sandbox".to_string(), "stray".to_string()),
+            ]
+            .into(),
+        ),
+        host_config: Some(bollard::models::HostConfig {
+            network_mode: Some("none".into()),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let stray = docker
+        .create_container(
+            None::<bollard::query_parameters::CreateContainerOptions>,
+            body,
+        )
+        .await?
+        .id;
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        match docker.inspect_container(&stray, None).await {
+            Err(bollard::errors::Error::DockerResponseServerError {
+                status_code: 404, ..
+            }) => break,
+            _ if std::time::Instant::now() > deadline => {
+                anyhow::bail!("the stray container is still there")
+            }
+            _ => tokio::time::sleep(Duration::from_millis(200)).await,
+        }
+    }
+    // The worker's own sandbox is untouched.
+    let r = h.run(&kept, "echo still here").await?;
+    assert_eq!(r.stdout.to_lossy_string(), "still here\n");
+    h.stop().await;
+    Ok(())
+}
