@@ -112,6 +112,24 @@ pub enum SandboxCommand {
         /// Process limit.
         #[arg(long)]
         pids: Option<u32>,
+        /// Size of the writable /workspace, e.g. 4g.
+        #[arg(long, value_parser = parse_size)]
+        workspace_size: Option<u64>,
+        /// Size of /tmp, e.g. 512m.
+        #[arg(long, value_parser = parse_size)]
+        tmp_size: Option<u64>,
+        /// Run operations as root instead of the sandbox user (uid 1000).
+        #[arg(long)]
+        root: bool,
+        /// Make the root filesystem writable.
+        #[arg(long)]
+        writable_rootfs: bool,
+        /// Add a Linux capability back (repeatable), e.g. CAP_CHOWN.
+        #[arg(long = "cap-add", value_name = "CAP")]
+        cap_add: Vec<String>,
+        /// Environment variable for every command of the sandbox (repeatable).
+        #[arg(long = "env", short = 'e', value_name = "K=V", value_parser = parse_env)]
+        env: Vec<(String, String)>,
     },
     /// List sandboxes.
     Ls,

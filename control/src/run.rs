@@ -158,6 +158,12 @@ async fn run_sandbox(conn: &Connection, cmd: SandboxCommand) -> Result<(), RunEr
             memory,
             cpus,
             pids,
+            workspace_size,
+            tmp_size,
+            root,
+            writable_rootfs,
+            cap_add,
+            env,
         } => {
             let id = id.as_deref().map(sandbox_id).transpose()?;
             if let Some(c) = cpus
@@ -174,7 +180,12 @@ async fn run_sandbox(conn: &Connection, cmd: SandboxCommand) -> Result<(), RunEr
                 memory_bytes: memory,
                 cpu_millis: cpus.map(|c| (c * 1000.0).round() as u32),
                 pids_limit: pids,
-                ..SandboxSpec::default()
+                workspace_bytes: workspace_size,
+                tmp_bytes: tmp_size,
+                run_as_root: root,
+                writable_rootfs,
+                add_capabilities: cap_add,
+                env: env.into_iter().collect(),
             };
             spec.validate()
                 .map_err(|e| RunError::Invalid(e.to_string()))?;

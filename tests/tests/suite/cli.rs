@@ -216,3 +216,74 @@ async fn the_embedded_worker_runs_and_cleans_up() -> anyhow::Result<()> {
     assert!(left.stdout.is_empty(), "containers left behind");
     Ok(())
 }
+
+#[tokio::test]
+async fn sandbox_create_loosens_only_what_it_is_told() -> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let out = corral(&[
+        "--worker",
+        &h.url,
+        "sandbox",
+        "create",
+        "--id",
+        "loose",
+        "--network",
+        "bridge",
+        "--memory",
+        "300m",
+        "--cpus",
+        "0.5",
+        "--pids",
+        "99",
+        "--workspace-size",
+        "64m",
+        "--tmp-size",
+        "32m",
+        "--root",
+        "--writable-rootfs",
+        "--cap-add",
+        "CAP_CHOWN",
+        "-e",
+        "STAGE=test",
+    ])
+    .await?;
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "loose\n");
+    let info = h
+        .client
+        .get_sandbox(&corral_proto::SandboxId::new("loose")?)
+        .await?;
+    let s = info.spec;
+    assert_eq!(s.network, corral_proto::NetworkMode::Bridge);
+    assert_eq!(
+        (s.memory_bytes, s.cpu_millis, s.pids_limit),
+        (Some(300 << 20), Some(500), Some(99))
+    );
+    assert_eq!(
+        (s.workspace_bytes, s.tmp_bytes),
+        (Some(64 << 20), Some(32 << 20))
+    );
+    assert!(s.run_as_root && s.writable_rootfs);
+    assert_eq!(s.add_capabilities, vec!["CAP_CHOWN".to_string()]);
+    let out = corral(&[
+        "--worker",
+        &h.url,
+        "exec",
+        "--sandbox",
+        "loose",
+        "--",
+        "sh",
+        "-c",
+        "id -u; echo $STAGE; df -m /workspace | tail -1",
+    ])
+    .await?;
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(text.starts_with("0\ntest\n"), "{text}");
+    assert!(text.contains(" 64 "), "workspace is 64 MiB: {text}");
+    h.stop().await;
+    Ok(())
+}
