@@ -99,8 +99,14 @@ impl TryFrom<pb::InitRequest> for InitRequest {
 impl OperationRecord {
     /// The wire form, as the worker service returns it.
     pub fn to_pb(&self, sandbox_id: &SandboxId) -> pb::Operation {
+        self.to_pb_in(sandbox_id.to_string())
+    }
+
+    /// The wire form with `sandbox_id` as given (empty inside a sandbox,
+    /// where the supervisor does not know its sandbox's id).
+    fn to_pb_in(&self, sandbox_id: String) -> pb::Operation {
         pb::Operation {
-            sandbox_id: sandbox_id.to_string(),
+            sandbox_id,
             operation_id: self.id.to_string(),
             spec: Some(self.spec.clone().into()),
             status: if self.result.is_some() {
@@ -130,20 +136,16 @@ impl From<InitMessage> for pb::InitMessage {
     fn from(m: InitMessage) -> Self {
         use pb::init_message::{self as p, Kind};
         let kind = match m {
-            InitMessage::Welcome(w) => {
-                // Init-side records carry no sandbox id; the worker adds it.
-                let none = SandboxId::new("init").ok();
-                Kind::Welcome(p::Welcome {
-                    version: w.version,
-                    boot_id: w.boot_id,
-                    last_seq: w.last_seq,
-                    operations: w
-                        .operations
-                        .iter()
-                        .filter_map(|o| none.as_ref().map(|s| o.to_pb(s)))
-                        .collect(),
-                })
-            }
+            InitMessage::Welcome(w) => Kind::Welcome(p::Welcome {
+                version: w.version,
+                boot_id: w.boot_id,
+                last_seq: w.last_seq,
+                operations: w
+                    .operations
+                    .iter()
+                    .map(|o| o.to_pb_in(String::new()))
+                    .collect(),
+            }),
             InitMessage::Event(e) => Kind::Event(e.into()),
             InitMessage::Rejected {
                 operation_id,

@@ -119,14 +119,6 @@ impl Worker {
         self.inner.runtime.worker_id()
     }
 
-    pub fn runtime(&self) -> &DockerRuntime {
-        &self.inner.runtime
-    }
-
-    pub fn tracker(&self) -> &TaskTracker {
-        &self.inner.tracker
-    }
-
     async fn reconcile(&self) -> Result<()> {
         let inner = &self.inner;
         let records: HashMap<String, crate::state::SandboxRecord> = inner
