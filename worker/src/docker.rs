@@ -88,6 +88,15 @@ fn is_not_found(e: &bollard::errors::Error) -> bool {
     )
 }
 
+/// The sandbox id a container is labelled with ("" when it has none).
+pub fn sandbox_label(c: &ContainerSummary) -> String {
+    c.labels
+        .as_ref()
+        .and_then(|l| l.get(LABEL_SANDBOX))
+        .cloned()
+        .unwrap_or_default()
+}
+
 pub fn container_name(worker_id: &str, id: &SandboxId) -> String {
     format!("corral-{worker_id}-{id}")
 }

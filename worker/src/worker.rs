@@ -15,7 +15,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{info, warn};
 
-use crate::docker::{self, Defaults, DockerRuntime, LABEL_SANDBOX};
+use crate::docker::{self, Defaults, DockerRuntime};
 use crate::error::{Result, WorkerError};
 use crate::initbin::InitBinary;
 use crate::sandbox::Sandbox;
@@ -130,12 +130,7 @@ impl Worker {
         let mut adopted = std::collections::HashSet::new();
         for c in inner.runtime.list_owned().await? {
             let Some(cid) = c.id.clone() else { continue };
-            let sid = c
-                .labels
-                .as_ref()
-                .and_then(|l| l.get(LABEL_SANDBOX))
-                .cloned()
-                .unwrap_or_default();
+            let sid = docker::sandbox_label(&c);
             let running = c.state == Some(bollard::models::ContainerSummaryStateEnum::RUNNING);
             match (records.get(&sid), SandboxId::new(sid.clone())) {
                 (Some(record), Ok(id)) if running => {
@@ -209,12 +204,7 @@ impl Worker {
             .map(|r| r.id)
             .collect();
         for c in containers {
-            let sid = c
-                .labels
-                .as_ref()
-                .and_then(|l| l.get(LABEL_SANDBOX))
-                .cloned()
-                .unwrap_or_default();
+            let sid = docker::sandbox_label(&c);
             if records.contains(&sid) {
                 continue;
             }
