@@ -139,6 +139,67 @@ mod tests {
         assert_eq!(m.bytes, 1);
     }
 
+    /// A small deterministic PRNG (xorshift), so the test needs no crate.
+    struct Rng(u64);
+    impl Rng {
+        fn next(&mut self) -> u64 {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            self.0
+        }
+        fn below(&mut self, n: u64) -> u64 {
+            self.next() % n
+        }
+    }
+
+    #[test]
+    fn random_garbage_between_valid_frames_never_panics_or_desyncs() {
+        let valid = pb::InitRequest {
+            kind: Some(pb::init_request::Kind::Credit(pb::init_request::Credit {
+                bytes: 4242,
+            })),
+        };
+        for seed in 1..300u64 {
+            let mut rng = Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15));
+            let mut wire = Vec::new();
+            let mut expected_valid = 0;
+            for _ in 0..20 {
+                if rng.below(2) == 0 {
+                    wire.extend(encode(&valid));
+                    expected_valid += 1;
+                } else {
+                    // A frame whose declared length is right but whose
+                    // payload is random: decodes to an error or to junk.
+                    let len = rng.below(64) as usize;
+                    wire.extend((len as u32).to_be_bytes());
+                    wire.extend((0..len).map(|_| rng.next() as u8));
+                }
+            }
+            let mut d = FrameDecoder::with_max(1024);
+            let mut got_valid = 0;
+            let mut pos = 0;
+            while pos < wire.len() {
+                let step = 1 + rng.below(17) as usize;
+                let end = (pos + step).min(wire.len());
+                d.extend(&wire[pos..end]);
+                pos = end;
+                loop {
+                    match d.next_message::<pb::InitRequest>() {
+                        Ok(Some(m)) if m == valid => got_valid += 1,
+                        Ok(Some(_)) | Err(_) => {}
+                        Ok(None) => break,
+                    }
+                }
+            }
+            assert!(
+                got_valid >= expected_valid,
+                "seed {seed}: lost valid frames"
+            );
+            assert_eq!(d.buffered(), 0, "seed {seed}: bytes left over");
+        }
+    }
+
     #[test]
     fn garbage_frame_is_an_error_not_a_panic() {
         let mut d = FrameDecoder::new();

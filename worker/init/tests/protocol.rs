@@ -273,3 +273,40 @@ fn cancel_ends_the_command_and_is_idempotent() {
     init.send(InitRequest::Cancel { operation_id: id });
     assert!(init.nothing_for(Duration::from_millis(200)));
 }
+
+#[test]
+fn random_frames_are_rejected_and_the_supervisor_keeps_serving() {
+    let mut init = Init::start();
+    attach(&mut init, 0, 1 << 20);
+    let mut x: u64 = 0x2545_f491_4f6c_dd1d;
+    let mut next = || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x
+    };
+    let mut sent = 0;
+    for _ in 0..300 {
+        let len = (next() % 200) as usize;
+        let mut frame = (len as u32).to_be_bytes().to_vec();
+        frame.extend((0..len).map(|_| next() as u8));
+        init.raw(&frame);
+        sent += 1;
+    }
+    // Every frame got an answer or was a harmless no-op (random bytes can
+    // decode as a valid Credit or Cancel); none of it crashed the process.
+    let mut answers = 0;
+    while !init.nothing_for(Duration::from_millis(300)) {
+        answers += 1;
+    }
+    assert!(answers <= sent);
+    assert!(init.child.try_wait().unwrap().is_none(), "corral-init died");
+    // And it still works.
+    let (_, req) = run("echo alive");
+    init.send(req);
+    let events = init.until_finished();
+    let EventKind::Finished(r) = &events.last().unwrap().kind else {
+        unreachable!()
+    };
+    assert_eq!(&r.stdout.head[..], b"alive\n");
+}
