@@ -109,12 +109,12 @@ impl Journal {
         let mut out = Vec::new();
         let Some(first) = self.first_seq() else {
             if self.last_seq > after {
-                out.push(gap(after + 1, self.last_seq));
+                out.push(gap(after.saturating_add(1), self.last_seq));
             }
             return out;
         };
-        if first > after + 1 {
-            out.push(gap(after + 1, first - 1));
+        if first > after.saturating_add(1) {
+            out.push(gap(after.saturating_add(1), first - 1));
         }
         // Sequence numbers are increasing but may skip (a mirrored journal),
         // so find the start by binary search.
@@ -154,6 +154,10 @@ mod tests {
         let seqs: Vec<u64> = j.read_after(6, 100).iter().map(|e| e.seq).collect();
         assert_eq!(seqs, vec![7, 8, 9, 10]);
         assert!(j.read_after(10, 100).is_empty());
+        assert!(
+            j.read_after(u64::MAX, 100).is_empty(),
+            "no overflow on a huge cursor"
+        );
         let seqs: Vec<u64> = j.read_after(0, 3).iter().map(|e| e.seq).collect();
         assert_eq!(seqs, vec![1, 2, 3]);
     }

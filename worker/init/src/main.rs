@@ -24,15 +24,22 @@ fn main() -> ExitCode {
             }
         };
     }
-    // `--roots WORKSPACE TMP` runs outside a sandbox (the supervisor's own tests).
+    // `--roots WORKSPACE TMP [--finished-budget BYTES]` runs outside a
+    // sandbox (the supervisor's own tests).
     let mut config = corral_init::supervisor::Config::default();
-    if let [flag, workspace, tmp] = args.as_slice()
+    if let [flag, workspace, tmp, rest @ ..] = args.as_slice()
         && flag == "--roots"
     {
         config.roots = corral_init::fileops::Roots {
             workspace: workspace.into(),
             others: vec![tmp.into()],
         };
+        if let [flag, n] = rest
+            && flag == "--finished-budget"
+            && let Ok(n) = n.parse()
+        {
+            config.finished_budget_bytes = n;
+        }
     }
     match corral_init::supervisor::run(config) {
         Ok(code) => ExitCode::from(code as u8),

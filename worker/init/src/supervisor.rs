@@ -42,6 +42,10 @@ pub const KILL_GRACE: Duration = Duration::from_secs(2);
 pub const LINGER: Duration = Duration::from_millis(200);
 /// Finished operations remembered for re-attaching workers.
 pub const MAX_FINISHED: usize = 1024;
+/// Bytes of finished operations (results and specs) remembered: the
+/// supervisor lives in the sandbox's memory budget, so what it keeps is
+/// bounded by size as well as by count.
+pub const MAX_FINISHED_BYTES: usize = 64 << 20;
 /// Largest read from an output pipe (and so the largest output event).
 const READ_CHUNK: usize = 256 * 1024;
 /// Pipe buffer asked for (the unprivileged maximum by default): fewer,
@@ -54,6 +58,8 @@ pub struct Config {
     pub kill_grace: Duration,
     pub linger: Duration,
     pub journal_budget_bytes: usize,
+    /// See [`MAX_FINISHED_BYTES`].
+    pub finished_budget_bytes: usize,
 }
 
 impl Default for Config {
@@ -63,6 +69,7 @@ impl Default for Config {
             kill_grace: KILL_GRACE,
             linger: LINGER,
             journal_budget_bytes: crate::journal::DEFAULT_BUDGET_BYTES,
+            finished_budget_bytes: MAX_FINISHED_BYTES,
         }
     }
 }
@@ -129,7 +136,9 @@ pub struct Supervisor {
     boot_id: String,
     base_env: Vec<(OsString, OsString)>,
     ops: HashMap<OperationId, Op>,
-    finished: VecDeque<OperationId>,
+    /// Finished operations, oldest first, with what each one weighs.
+    finished: VecDeque<(OperationId, usize)>,
+    finished_bytes: usize,
     pids: HashMap<i32, OperationId>,
     journal: Journal,
     credit: u64,
@@ -182,6 +191,7 @@ pub fn run(config: Config) -> Result<i32, InitError> {
         boot_id: corral_proto::ids::random_uuid(),
         ops: HashMap::new(),
         finished: VecDeque::new(),
+        finished_bytes: 0,
         pids: HashMap::new(),
         credit: 0,
         decoder: FrameDecoder::new(),
@@ -249,6 +259,23 @@ fn oom_kills() -> Option<u64> {
         }
     }
     None
+}
+
+/// What a finished operation costs to remember.
+fn op_weight(op: &Op) -> usize {
+    let spec = match &op.spec {
+        OperationSpec::Shell(s) => s.command.len(),
+        OperationSpec::ReadFile(r) => r.path.len(),
+        OperationSpec::WriteFile(w) => w.path.len() + w.data.len(),
+    };
+    let result = op.result.as_ref().map_or(0, |r| {
+        r.stdout.head.len()
+            + r.stdout.tail.len()
+            + r.stderr.head.len()
+            + r.stderr.tail.len()
+            + r.file_data.len()
+    });
+    256 + spec + result
 }
 
 fn find_shell(use_bash: bool) -> Result<PathBuf, String> {
@@ -785,11 +812,17 @@ impl Supervisor {
             }
             op.result = Some(result);
         }
-        self.finished.push_back(id.clone());
-        while self.finished.len() > MAX_FINISHED {
-            if let Some(old) = self.finished.pop_front() {
-                self.ops.remove(&old);
-            }
+        let weight = self.ops.get(id).map_or(0, op_weight);
+        self.finished.push_back((id.clone(), weight));
+        self.finished_bytes += weight;
+        while self.finished.len() > MAX_FINISHED
+            || (self.finished_bytes > self.config.finished_budget_bytes && self.finished.len() > 1)
+        {
+            let Some((old, w)) = self.finished.pop_front() else {
+                break;
+            };
+            self.finished_bytes -= w;
+            self.ops.remove(&old);
         }
     }
 

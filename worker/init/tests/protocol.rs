@@ -21,6 +21,10 @@ struct Init {
 
 impl Init {
     fn start() -> Self {
+        Self::start_with(&[])
+    }
+
+    fn start_with(extra: &[&str]) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let ws = dir.path().join("ws");
         let tmp = dir.path().join("tmp");
@@ -30,6 +34,7 @@ impl Init {
             .arg("--roots")
             .arg(&ws)
             .arg(&tmp)
+            .args(extra)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::null())
@@ -309,4 +314,22 @@ fn random_frames_are_rejected_and_the_supervisor_keeps_serving() {
         unreachable!()
     };
     assert_eq!(&r.stdout.head[..], b"alive\n");
+}
+
+#[test]
+fn what_is_remembered_of_finished_operations_is_bounded_by_size() {
+    let mut init = Init::start_with(&["--finished-budget", "4000"]);
+    attach(&mut init, 0, 1 << 20);
+    let mut ids = Vec::new();
+    for _ in 0..6 {
+        let (id, req) = run("head -c 1500 /dev/zero | tr '\\0' x");
+        init.send(req);
+        init.until_finished();
+        ids.push(id);
+    }
+    let w = attach(&mut init, u64::MAX - 1, 1 << 20);
+    let kept: Vec<_> = w.operations.iter().map(|o| o.id.clone()).collect();
+    assert!(kept.len() < 6 && !kept.is_empty(), "kept {}", kept.len());
+    assert!(kept.contains(&ids[5]), "the newest is kept");
+    assert!(!kept.contains(&ids[0]), "the oldest goes first");
 }
