@@ -60,6 +60,19 @@ pub struct WorkerArgs {
     pub default_image: String,
 }
 
+/// Logs to stderr, filtered by `CORRAL_LOG` (default `default_level`), in
+/// colour only on a terminal.
+pub fn init_logging(default_level: &str) {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("CORRAL_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_level)),
+        )
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .init();
+}
+
 /// Parses the command line. Help and version print as usual; a usage error
 /// becomes one line (`NAME: what is wrong (see NAME --help)`) and exit code 2.
 pub fn parse_args<T: Parser>(name: &str) -> Result<T, std::process::ExitCode> {
