@@ -53,6 +53,114 @@ pub enum Command {
     /// Manage sandboxes.
     #[command(subcommand)]
     Sandbox(SandboxCommand),
+    /// Run an agent: a model drives tools in a sandbox until the task is done.
+    Run(Box<RunArgs>),
+    /// Inspect and fork agent sessions.
+    #[command(subcommand)]
+    Session(SessionCommand),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum ApiKind {
+    /// OpenAI Responses API (`POST {base}/responses`).
+    Responses,
+    /// Chat Completions (`POST {base}/chat/completions`): vLLM, Ollama,
+    /// llama.cpp's server, OpenRouter...
+    Chat,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct RunArgs {
+    /// The task. With an existing --session, a new input (or nothing, to resume).
+    pub prompt: Option<String>,
+    /// A JSON request (prompt or messages, system_prompt, model, tools,
+    /// limits) from a file, or `-` for stdin. Unknown fields are rejected.
+    #[arg(long, env = "CORRAL_REQUEST", value_name = "FILE|-")]
+    pub request: Option<String>,
+    /// Model name (default: the request's, else gpt-5-mini).
+    #[arg(long, env = "CORRAL_MODEL")]
+    pub model: Option<String>,
+    /// Model endpoint.
+    #[arg(
+        long,
+        env = "CORRAL_BASE_URL",
+        default_value = "https://api.openai.com/v1"
+    )]
+    pub base_url: String,
+    /// Wire protocol of the endpoint.
+    #[arg(long, env = "CORRAL_API", value_enum, default_value = "responses")]
+    pub api: ApiKind,
+    /// File holding the API key (default: the OPENAI_API_KEY variable).
+    #[arg(long, env = "CORRAL_API_KEY_FILE")]
+    pub api_key_file: Option<PathBuf>,
+    /// Image of the session's sandbox (new sessions only).
+    #[arg(long, env = "CORRAL_IMAGE")]
+    pub image: Option<String>,
+    /// Session id: a new one is created, an existing one resumed.
+    #[arg(long, env = "CORRAL_SESSION")]
+    pub session: Option<String>,
+    /// Where sessions are kept (default: $XDG_STATE_HOME/corral/sessions).
+    #[arg(long, env = "CORRAL_SESSIONS_DIR")]
+    pub sessions_dir: Option<PathBuf>,
+    /// Tell the model what is still running after this long without a turn
+    /// (e.g. 10m, 30s; 0 disables).
+    #[arg(long, env = "CORRAL_HEARTBEAT", default_value = "10m", value_parser = parse_heartbeat)]
+    pub heartbeat: Duration,
+    /// Most model requests in one run.
+    #[arg(long, env = "CORRAL_MAX_TURNS")]
+    pub max_turns: Option<u64>,
+    /// System prompt (after Corral's preamble).
+    #[arg(long, env = "CORRAL_SYSTEM_PROMPT")]
+    pub system_prompt: Option<String>,
+    /// One JSON event per line on stdout (also the default when stdout is
+    /// not a terminal).
+    #[arg(long, env = "CORRAL_JSON")]
+    pub json: bool,
+    /// How long completions of one turn's calls are batched (e.g. 1s).
+    #[arg(long, env = "CORRAL_GRACE", default_value = "1s", value_parser = humantime::parse_duration, hide = true)]
+    pub grace: Duration,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum SessionCommand {
+    /// List sessions.
+    Ls {
+        #[arg(long, env = "CORRAL_SESSIONS_DIR")]
+        sessions_dir: Option<PathBuf>,
+    },
+    /// Show a session's records.
+    Show {
+        id: String,
+        #[arg(long, env = "CORRAL_SESSIONS_DIR")]
+        sessions_dir: Option<PathBuf>,
+        /// The raw records, one JSON object per line.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Copy a session up to a turn into a new one (with a sandbox of its own).
+    Fork {
+        id: String,
+        new_id: String,
+        /// Keep turns 1..=N and what happened before turn N+1 (default: all).
+        #[arg(long)]
+        turn: Option<u64>,
+        #[arg(long, env = "CORRAL_SESSIONS_DIR")]
+        sessions_dir: Option<PathBuf>,
+    },
+}
+
+/// Durations like `10m` or `30s`; `0` disables; negative values are refused.
+pub fn parse_heartbeat(s: &str) -> Result<Duration, String> {
+    let t = s.trim();
+    if t.starts_with('-') {
+        return Err(format!(
+            "{s:?}: the heartbeat cannot be negative (0 disables it)"
+        ));
+    }
+    if t == "0" {
+        return Ok(Duration::ZERO);
+    }
+    humantime::parse_duration(t).map_err(|e| format!("{s:?}: {e} (use e.g. 10m, 30s, or 0)"))
 }
 
 #[derive(Debug, Args)]
@@ -168,6 +276,16 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn heartbeats() {
+        assert_eq!(parse_heartbeat("0"), Ok(Duration::ZERO));
+        assert_eq!(parse_heartbeat("10m"), Ok(Duration::from_secs(600)));
+        assert!(parse_heartbeat("-5m").unwrap_err().contains("negative"));
+        assert!(parse_heartbeat("soon").is_err());
+        let cli = Cli::try_parse_from(["corral", "run", "--heartbeat", "-1s", "x"]);
+        assert!(cli.is_err());
+    }
 
     #[test]
     fn sizes() {

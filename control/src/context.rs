@@ -67,7 +67,8 @@ pub struct Built {
 }
 
 /// Limits the builder enforces.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct Budget {
     /// The model's context window, in tokens.
     pub context_window_tokens: u64,
@@ -100,7 +101,7 @@ struct Entry {
     placeholder: bool,
 }
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct ContextBuilder {
     preamble: String,
     system_prompt: String,

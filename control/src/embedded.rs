@@ -48,6 +48,11 @@ impl Embedded {
         })
     }
 
+    /// The worker itself, for in-process use (no network hop).
+    pub fn worker(&self) -> Worker {
+        self.worker.clone()
+    }
+
     /// Stops serving; sandboxes keep running for the next `corral` to adopt.
     pub async fn stop(self) {
         self.worker.shutdown().await;

@@ -9,6 +9,8 @@
 //!
 //! It does not run operations itself: that is the worker's job.
 
+pub mod agent;
+pub mod agent_run;
 pub mod cli;
 pub mod client;
 pub mod context;

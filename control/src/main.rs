@@ -5,7 +5,7 @@
 
 use std::process::ExitCode;
 
-use corral_control::cli::Cli;
+use corral_control::cli::{Cli, Command};
 use corral_control::run::{EXIT_CORRAL_ERROR, run};
 
 fn main() -> ExitCode {
@@ -21,11 +21,16 @@ fn main() -> ExitCode {
             return ExitCode::from(EXIT_CORRAL_ERROR);
         }
     };
-    match runtime.block_on(run(cli)) {
+    let agent = matches!(cli.command, Command::Run(_) | Command::Session(_));
+    let code = match runtime.block_on(run(cli)) {
         Ok(code) => ExitCode::from(code),
         Err(e) => {
             eprintln!("corral: {}", corral_control::client::source_chain(&e));
-            ExitCode::from(EXIT_CORRAL_ERROR)
+            ExitCode::from(e.exit_code(agent))
         }
-    }
+    };
+    // Nothing may keep the process alive once the run is over (a blocking
+    // stdin read, say).
+    runtime.shutdown_timeout(std::time::Duration::from_secs(1));
+    code
 }

@@ -26,14 +26,44 @@ pub enum RunError {
     Config(#[from] corral_worker::cli::ConfigError),
     #[error("{0}")]
     Invalid(String),
+    /// A usage error of `corral run` / `corral session` (exit code 2).
+    #[error("{0}")]
+    Usage(String),
+    /// An agent run failed (exit code 1).
+    #[error("{0}")]
+    Failed(String),
+    #[error(transparent)]
+    Session(#[from] crate::session::LogError),
+    #[error(transparent)]
+    Core(#[from] crate::agent::CoreError),
     #[error("writing output: {0}")]
     Io(#[from] std::io::Error),
 }
 
-struct Connection {
-    client: WorkerClient,
-    creds: Credentials,
-    embedded: Option<Embedded>,
+impl RunError {
+    /// The exit code for this error: 2 for usage errors, 1 for a failed
+    /// agent run, otherwise Corral's own failure code.
+    pub fn exit_code(&self, agent: bool) -> u8 {
+        match self {
+            RunError::Usage(_) => crate::agent_run::EXIT_USAGE,
+            RunError::Session(crate::session::LogError::BadId(_))
+            | RunError::Session(crate::session::LogError::AlreadyExists(_))
+            | RunError::Session(crate::session::LogError::NotFound(_))
+            | RunError::Session(crate::session::LogError::BadForkPoint { .. })
+                if agent =>
+            {
+                crate::agent_run::EXIT_USAGE
+            }
+            _ if agent => crate::agent_run::EXIT_FAILED,
+            _ => EXIT_CORRAL_ERROR,
+        }
+    }
+}
+
+pub(crate) struct Connection {
+    pub(crate) client: WorkerClient,
+    pub(crate) creds: Credentials,
+    pub(crate) embedded: Option<Embedded>,
 }
 
 fn read(path: &std::path::Path, what: &str) -> Result<Vec<u8>, RunError> {
@@ -58,7 +88,7 @@ fn client_tls(conn: &ConnArgs) -> Result<Option<ClientTls>, RunError> {
     Ok((ca_pem.is_some() || identity.is_some()).then_some(ClientTls { ca_pem, identity }))
 }
 
-async fn connect(conn: &ConnArgs) -> Result<Connection, RunError> {
+pub(crate) async fn connect(conn: &ConnArgs) -> Result<Connection, RunError> {
     let token = conn
         .token_file
         .as_deref()
@@ -98,10 +128,16 @@ async fn connect(conn: &ConnArgs) -> Result<Connection, RunError> {
 
 /// Runs the command; returns the process exit code.
 pub async fn run(cli: Cli) -> Result<u8, RunError> {
+    match &cli.command {
+        Command::Run(args) => return crate::agent_run::run_agent(&cli.conn, args).await,
+        Command::Session(cmd) => return crate::agent_run::run_session_command(cmd),
+        Command::Exec(_) | Command::Sandbox(_) => {}
+    }
     let conn = connect(&cli.conn).await?;
     let result = match cli.command {
         Command::Exec(args) => run_exec(&conn, args).await,
         Command::Sandbox(cmd) => run_sandbox(&conn, cmd).await.map(|()| 0),
+        Command::Run(_) | Command::Session(_) => Ok(0),
     };
     if let Some(e) = conn.embedded {
         e.stop().await;

@@ -110,7 +110,7 @@ pub struct Usage {
     pub reasoning_tokens: u64,
 }
 
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Response {
     pub id: Option<String>,
     pub stop: StopReason,

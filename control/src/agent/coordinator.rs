@@ -1,0 +1,309 @@
+//! The event loop: one task per session, the only writer of its state. It
+//! selects over the inbox, the manager's operation snapshots, the model
+//! request in flight (and its streaming deltas), the grace timer and the
+//! heartbeat timer, hands each to [`Core`], and carries out the effects.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use corral_proto::OperationId;
+use tokio::sync::mpsc;
+use tokio::task::{JoinHandle, JoinSet};
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tracing::{Instrument, debug, info_span, warn};
+
+use super::core::{Core, CoreError, Effect, Ending, now_ms};
+use super::events::Event;
+use super::record::{StopCause, StopMode};
+use crate::llm::{LlmClient, LlmError, Response, StreamDelta};
+use crate::ops::{Operation, OperationManager};
+
+/// How long completions of one turn's calls are batched.
+pub const DEFAULT_GRACE: Duration = Duration::from_secs(1);
+/// Default heartbeat interval.
+pub const DEFAULT_HEARTBEAT: Duration = Duration::from_secs(600);
+/// Inputs waiting for the loop.
+pub const INBOX_CAPACITY: usize = 64;
+
+/// What the outside may send a running session.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Inbox {
+    /// A user input; inputs with an id seen before are ignored.
+    Input {
+        input_id: String,
+        text: String,
+    },
+    Stop(StopMode),
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct Settings {
+    /// `None`: no heartbeats.
+    pub heartbeat: Option<Duration>,
+    pub grace: Duration,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Self {
+            heartbeat: Some(DEFAULT_HEARTBEAT),
+            grace: DEFAULT_GRACE,
+        }
+    }
+}
+
+/// How a run ended, with its totals.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Summary {
+    pub ending: Ending,
+    pub final_text: String,
+    pub error: Option<String>,
+    pub turns: u64,
+    pub tool_calls: u64,
+    pub usage: crate::llm::Usage,
+}
+
+struct InFlight {
+    turn: u64,
+    task: JoinHandle<Result<Response, LlmError>>,
+    cancel: CancellationToken,
+    deltas: mpsc::Receiver<StreamDelta>,
+}
+
+impl InFlight {
+    fn abort(self) {
+        self.cancel.cancel();
+        self.task.abort();
+    }
+}
+
+pub struct Coordinator<M: OperationManager + 'static> {
+    core: Core,
+    manager: Arc<M>,
+    updates: mpsc::Receiver<Operation>,
+    llm: Arc<LlmClient>,
+    inbox: mpsc::Receiver<Inbox>,
+    events: mpsc::Sender<Event>,
+    settings: Settings,
+}
+
+enum FromModel {
+    Delta(StreamDelta),
+    Done(u64, Result<Response, LlmError>),
+}
+
+/// The next thing the request in flight has to say: streamed deltas first,
+/// then how it ended.
+async fn from_model(req: &mut Option<InFlight>) -> FromModel {
+    let Some(r) = req else {
+        return std::future::pending().await;
+    };
+    tokio::select! {
+        biased;
+        Some(d) = r.deltas.recv() => FromModel::Delta(d),
+        res = &mut r.task => FromModel::Done(
+            r.turn,
+            res.unwrap_or_else(|e| Err(LlmError::Transport(format!("the request task ended: {e}")))),
+        ),
+    }
+}
+
+async fn until(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}
+
+impl<M: OperationManager + 'static> Coordinator<M> {
+    /// `updates` is the manager's snapshot channel. Returns the coordinator
+    /// and the sender of its inbox.
+    pub fn new(
+        core: Core,
+        manager: Arc<M>,
+        updates: mpsc::Receiver<Operation>,
+        llm: Arc<LlmClient>,
+        events: mpsc::Sender<Event>,
+        settings: Settings,
+    ) -> (Self, mpsc::Sender<Inbox>) {
+        let (tx, inbox) = mpsc::channel(INBOX_CAPACITY);
+        (
+            Self {
+                core,
+                manager,
+                updates,
+                llm,
+                inbox,
+                events,
+                settings,
+            },
+            tx,
+        )
+    }
+
+    /// Runs the session until it ends (see [`Core::ending`]). A closed
+    /// inbox is a request to stop when idle.
+    pub async fn run(self) -> Result<Summary, CoreError> {
+        let span = info_span!("session", id = %self.core.session_id());
+        self.run_inner().instrument(span).await
+    }
+
+    async fn run_inner(mut self) -> Result<Summary, CoreError> {
+        let mut request: Option<InFlight> = None;
+        let mut grace_at: Option<Instant> = None;
+        // Armed when the session starts waiting for nothing but calls (not
+        // reset by their progress), disarmed when anything else is pending.
+        let mut heartbeat_at: Option<Instant> = None;
+        let mut jobs: JoinSet<Vec<(OperationId, String)>> = JoinSet::new();
+        let mut inbox_open = true;
+        let result: Result<Ending, CoreError> = loop {
+            let effects = self.core.take_effects();
+            for effect in effects {
+                match effect {
+                    Effect::Send { turn, request: req } => {
+                        if let Some(old) = request.take() {
+                            old.abort();
+                        }
+                        let (dtx, drx) = mpsc::channel(256);
+                        let cancel = CancellationToken::new();
+                        let llm = self.llm.clone();
+                        let token = cancel.clone();
+                        let task = tokio::spawn(
+                            async move { llm.respond(&req, Some(&dtx), &token).await }
+                                .instrument(info_span!("turn", turn)),
+                        );
+                        request = Some(InFlight {
+                            turn,
+                            task,
+                            cancel,
+                            deltas: drx,
+                        });
+                    }
+                    Effect::CancelRequest => {
+                        if let Some(old) = request.take() {
+                            debug!(turn = old.turn, "request canceled");
+                            old.abort();
+                        }
+                    }
+                    Effect::Add(ops) => {
+                        let m = self.manager.clone();
+                        jobs.spawn(async move {
+                            let mut failed = Vec::new();
+                            for op in ops {
+                                let id = op.id.clone();
+                                if let Err(e) = m.add(op).await {
+                                    failed.push((id, e.to_string()));
+                                }
+                            }
+                            failed
+                        });
+                    }
+                    Effect::Cancel(ids) => {
+                        let m = self.manager.clone();
+                        jobs.spawn(async move {
+                            for id in ids {
+                                if let Err(e) = m.cancel(&id, "the session stopped").await {
+                                    warn!(operation = %id, error = %e, "cancel failed");
+                                }
+                            }
+                            Vec::new()
+                        });
+                    }
+                    Effect::ArmGrace => grace_at = Some(Instant::now() + self.settings.grace),
+                    Effect::Emit(e) => {
+                        let _ = self.events.send(e).await;
+                    }
+                }
+            }
+            if !self.core.grace_active() {
+                grace_at = None;
+            }
+            if !self.core.waiting_only_for_calls() {
+                heartbeat_at = None;
+            } else if heartbeat_at.is_none() {
+                heartbeat_at = self.settings.heartbeat.map(|h| Instant::now() + h);
+            }
+            if let Some(ending) = self.core.ending() {
+                break Ok(ending);
+            }
+            let step = tokio::select! {
+                msg = self.inbox.recv(), if inbox_open => match msg {
+                    Some(Inbox::Input { input_id, text }) => self.core.input(&input_id, &text),
+                    Some(Inbox::Stop(mode)) => self.core.stop(mode, StopCause::Requested),
+                    None => {
+                        inbox_open = false;
+                        self.core.stop(StopMode::WhenIdle, StopCause::Requested)
+                    }
+                },
+                Some(op) = self.updates.recv() => self.core.operation(op),
+                m = from_model(&mut request) => match m {
+                    FromModel::Done(turn, res) => {
+                        request = None;
+                        self.core.model_done(turn, res)
+                    }
+                    FromModel::Delta(delta) => {
+                        let turn = request.as_ref().map_or(0, |r| r.turn);
+                        let event = match delta {
+                            StreamDelta::Text(text) => Some(Event::TextDelta { turn, text }),
+                            StreamDelta::Retrying { attempt, reason } => {
+                                Some(Event::ModelRetry { turn, attempt, reason })
+                            }
+                            StreamDelta::ToolCallStarted { .. } => None,
+                        };
+                        if let Some(e) = event {
+                            let _ = self.events.try_send(e);
+                        }
+                        Ok(())
+                    }
+                },
+                Some(done) = jobs.join_next(), if !jobs.is_empty() => {
+                    let mut r = Ok(());
+                    for (id, error) in done.unwrap_or_default() {
+                        if let Some(st) = self.core.state().ops.get(&id) {
+                            let mut op = Operation::new(id.clone(), st.spec.clone());
+                            op.fail(format!("the operation could not be started: {error}"));
+                            r = r.and(self.core.operation(op));
+                        }
+                    }
+                    r
+                }
+                () = until(grace_at) => {
+                    grace_at = None;
+                    self.core.grace_over()
+                }
+                () = until(heartbeat_at) => {
+                    heartbeat_at = None;
+                    self.core.heartbeat(now_ms())
+                }
+            };
+            if let Err(e) = step {
+                break Err(e);
+            }
+        };
+        if let Some(r) = request.take() {
+            r.abort();
+        }
+        // Cancels and adds still under way finish before the run reports.
+        while jobs.join_next().await.is_some() {}
+        let ending = result?;
+        let s = self.core.state();
+        Ok(Summary {
+            ending,
+            final_text: s.final_text.clone(),
+            error: match ending {
+                Ending::Done => None,
+                Ending::Interrupted => Some("interrupted".into()),
+                Ending::Failed => Some(s.failure.clone().unwrap_or_else(|| {
+                    format!(
+                        "the run reached its limit of {} turns",
+                        self.core.config().max_turns
+                    )
+                })),
+            },
+            turns: s.turns,
+            tool_calls: s.tool_calls,
+            usage: s.usage,
+        })
+    }
+}

@@ -1,0 +1,627 @@
+//! The coordinator's decisions, without I/O: given what happened (an input,
+//! a model answer, an operation update, a timer), it appends records to the
+//! session log, applies them, and says what to do next as [`Effect`]s. The
+//! event loop ([`super::Coordinator`]) carries the effects out. Keeping the
+//! decisions here makes them testable step by step and replayable.
+
+use std::collections::HashMap;
+
+use corral_proto::OperationId;
+
+use super::events::{Change, Event};
+use super::record::{CallOutcome, OpEntry, OpSnapshot, Record, SessionConfig, StopCause, StopMode};
+use super::state::{Shown, State};
+use crate::context::SkillInfo;
+use crate::llm::{LlmError, Request, Response, Tool, ToolOutput};
+use crate::ops::{Operation, Progress};
+use crate::session::{LogError, SessionLog};
+use crate::tools::skills::Skill;
+use crate::tools::{CallStatus, Registry};
+
+/// Records read per page when a session is replayed.
+pub const REPLAY_PAGE: usize = 256;
+
+#[derive(Debug, thiserror::Error)]
+pub enum CoreError {
+    #[error(transparent)]
+    Log(#[from] LogError),
+    #[error("session {0} has no start record")]
+    NoStart(String),
+}
+
+/// Something for the event loop to do.
+#[derive(Debug)]
+pub enum Effect {
+    /// Send request `turn`.
+    Send { turn: u64, request: Request },
+    /// Cancel the request in flight (its answer is dropped).
+    CancelRequest,
+    /// Hand operations to the manager.
+    Add(Vec<Operation>),
+    /// Ask the manager to cancel operations.
+    Cancel(Vec<OperationId>),
+    /// Start the grace window that batches completions of this turn's calls.
+    ArmGrace,
+    /// Tell the watcher.
+    Emit(Event),
+}
+
+/// How a run ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ending {
+    Done,
+    Failed,
+    Interrupted,
+}
+
+pub struct Core {
+    log: SessionLog<Record>,
+    state: State,
+    registry: Registry,
+    skills: Vec<Skill>,
+    /// The turn whose calls are in their grace window.
+    grace: Option<u64>,
+    /// What running operations printed so far (not persisted).
+    progress: HashMap<OperationId, Progress>,
+    effects: Vec<Effect>,
+}
+
+/// The tools a session offers.
+pub fn registry_for(config: &SessionConfig, skills: &[Skill]) -> Registry {
+    let mut r = Registry::with_skills(skills.to_vec());
+    if let Some(allowed) = &config.tools {
+        r.retain(allowed);
+    }
+    r
+}
+
+fn skill_infos(skills: &[Skill]) -> Vec<SkillInfo> {
+    skills.iter().map(|s| s.info.clone()).collect()
+}
+
+/// Rebuilds a session's state from its log, a page at a time.
+pub fn replay(dir: &std::path::Path, id: &str, skills: &[Skill]) -> Result<State, CoreError> {
+    let mut state = State::new(&skill_infos(skills));
+    let tools = |c: &SessionConfig| registry_for(c, skills).tools();
+    let mut after = 0;
+    loop {
+        let page = SessionLog::<Record>::replay(dir, id, after, REPLAY_PAGE)?;
+        for (_, rec) in &page.records {
+            state.apply(rec, &tools);
+        }
+        match page.next {
+            Some(n) => after = n,
+            None => break,
+        }
+    }
+    Ok(state)
+}
+
+fn text_of(output: &[ToolOutput]) -> String {
+    output
+        .iter()
+        .filter_map(|o| match o {
+            ToolOutput::Text { text } => Some(&**text),
+            ToolOutput::Image { .. } => None,
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+impl Core {
+    /// Starts a new session: its log must be new (and empty).
+    pub fn create(
+        log: SessionLog<Record>,
+        config: SessionConfig,
+        skills: Vec<Skill>,
+    ) -> Result<Self, CoreError> {
+        let registry = registry_for(&config, &skills);
+        let mut core = Self {
+            log,
+            state: State::new(&skill_infos(&skills)),
+            registry,
+            skills,
+            grace: None,
+            progress: HashMap::new(),
+            effects: Vec::new(),
+        };
+        core.record(Record::Start { config })?;
+        Ok(core)
+    }
+
+    /// Takes over an existing session: replays it, records the resume, and
+    /// queues what a resumed session must do (see `resume_effects`). Call
+    /// [`Core::kick`] once its new inputs are given.
+    pub fn resume(
+        dir: &std::path::Path,
+        log: SessionLog<Record>,
+        skills: Vec<Skill>,
+    ) -> Result<Self, CoreError> {
+        let state = replay(dir, log.id(), &skills)?;
+        let Some(config) = state.config.clone() else {
+            return Err(CoreError::NoStart(log.id().into()));
+        };
+        let registry = registry_for(&config, &skills);
+        let mut core = Self {
+            log,
+            state,
+            registry,
+            skills,
+            grace: None,
+            progress: HashMap::new(),
+            effects: Vec::new(),
+        };
+        core.record(Record::Resume {
+            at_unix_ms: now_ms(),
+        })?;
+        core.resume_effects()?;
+        Ok(core)
+    }
+
+    pub fn state(&self) -> &State {
+        &self.state
+    }
+
+    pub fn config(&self) -> &SessionConfig {
+        self.state
+            .config
+            .as_ref()
+            .unwrap_or_else(|| unreachable!("a core always has a start record"))
+    }
+
+    pub fn session_id(&self) -> &str {
+        self.log.id()
+    }
+
+    pub fn skills(&self) -> &[Skill] {
+        &self.skills
+    }
+
+    pub fn tools(&self) -> Vec<Tool> {
+        self.registry.tools()
+    }
+
+    /// Effects queued since the last call.
+    pub fn take_effects(&mut self) -> Vec<Effect> {
+        std::mem::take(&mut self.effects)
+    }
+
+    pub fn grace_active(&self) -> bool {
+        self.grace.is_some()
+    }
+
+    /// Nothing but running calls is pending: the heartbeat's condition.
+    pub fn waiting_only_for_calls(&self) -> bool {
+        let s = &self.state;
+        s.in_flight.is_none()
+            && !s.has_new
+            && s.failure.is_none()
+            && !s.stop.is_some_and(|(m, _)| m == StopMode::Hard)
+            && s.running_ops().next().is_some()
+    }
+
+    /// Calls still running, with what they printed so far.
+    pub fn running(&self) -> Vec<(String, String, i64, Progress)> {
+        let mut out = Vec::new();
+        for (id, call) in self.state.unanswered_calls() {
+            if call.outcome != CallOutcome::Submit {
+                continue;
+            }
+            let mut progress = Progress::default();
+            for op in &call.ops {
+                if let Some(p) = self.progress.get(op) {
+                    progress = p.clone();
+                }
+            }
+            out.push((id.clone(), call.tool.clone(), call.at_unix_ms, progress));
+        }
+        out
+    }
+
+    fn record(&mut self, rec: Record) -> Result<(), CoreError> {
+        self.log.append(&rec)?;
+        let (registry_skills, state) = (&self.skills, &mut self.state);
+        state.apply(&rec, &|c| registry_for(c, registry_skills).tools());
+        Ok(())
+    }
+
+    fn emit(&mut self, e: Event) {
+        self.effects.push(Effect::Emit(e));
+    }
+
+    /// A resumed session: re-add operations that have no terminal record (the
+    /// worker never runs an id twice, so a command that may have started is
+    /// followed, not re-run), translate calls that were never translated,
+    /// give results that were never given, then go on.
+    fn resume_effects(&mut self) -> Result<(), CoreError> {
+        let mut again = Vec::new();
+        for (id, op) in self.state.running_ops() {
+            again.push(Operation::new(id.clone(), op.spec.clone()));
+        }
+        again.sort_by(|a, b| a.id.cmp(&b.id));
+        if !again.is_empty() {
+            self.effects.push(Effect::Add(again));
+        }
+        self.translate_pending(now_ms())?;
+        let finished: Vec<String> = self
+            .state
+            .unanswered_calls()
+            .filter(|(_, c)| {
+                c.ops
+                    .iter()
+                    .all(|o| self.state.ops.get(o).is_none_or(|st| st.end.is_some()))
+            })
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in finished {
+            self.give_result(&id)?;
+        }
+        Ok(())
+    }
+
+    /// Starts a turn if one is due (after creating or resuming a session
+    /// and giving it its inputs).
+    pub fn kick(&mut self) -> Result<(), CoreError> {
+        self.settle()
+    }
+
+    /// A user input (ignored when its id was seen before).
+    pub fn input(&mut self, input_id: &str, text: &str) -> Result<(), CoreError> {
+        if self.state.input_ids.contains(input_id) {
+            return Ok(());
+        }
+        let steering = self.state.in_flight;
+        self.record(Record::Input {
+            input_id: input_id.into(),
+            text: text.into(),
+        })?;
+        if let Some(turn) = steering {
+            self.effects.push(Effect::CancelRequest);
+            self.emit(Event::Steered { turn });
+        }
+        self.settle()
+    }
+
+    /// Conversation entries given up front.
+    pub fn history(&mut self, role: crate::llm::Role, text: &str) -> Result<(), CoreError> {
+        self.record(Record::History {
+            role,
+            text: text.into(),
+        })
+    }
+
+    pub fn stop(&mut self, mode: StopMode, cause: StopCause) -> Result<(), CoreError> {
+        if self.state.stop.is_some_and(|(m, _)| m == StopMode::Hard) {
+            return Ok(());
+        }
+        self.record(Record::Stop { mode, cause })?;
+        if mode == StopMode::Hard {
+            self.grace = None;
+            if self.state.in_flight.is_some() {
+                self.effects.push(Effect::CancelRequest);
+            }
+            let mut ids: Vec<OperationId> =
+                self.state.running_ops().map(|(id, _)| id.clone()).collect();
+            ids.sort();
+            if !ids.is_empty() {
+                self.effects.push(Effect::Cancel(ids));
+            }
+        }
+        self.settle()
+    }
+
+    /// How request `turn` ended. Late answers (a steered or stopped turn)
+    /// are dropped.
+    pub fn model_done(
+        &mut self,
+        turn: u64,
+        result: Result<Response, LlmError>,
+    ) -> Result<(), CoreError> {
+        if self.state.in_flight != Some(turn) {
+            return Ok(());
+        }
+        match result {
+            Err(LlmError::Canceled) => {}
+            Err(e) => {
+                let error = e.to_string();
+                self.record(Record::ModelFailure {
+                    turn,
+                    error: error.clone(),
+                    code: e.code().map(String::from),
+                })?;
+                self.emit(Event::ModelFailed { turn, error });
+            }
+            Ok(response) => {
+                let calls = response.tool_calls().count();
+                self.record(Record::Response {
+                    turn,
+                    response: response.clone(),
+                })?;
+                self.emit(Event::TurnCompleted {
+                    turn,
+                    text: response.text(),
+                    tool_calls: calls,
+                    stop: response.stop,
+                    usage: response.usage,
+                });
+                self.translate_pending(now_ms())?;
+            }
+        }
+        self.settle()
+    }
+
+    /// Translates and records the tool calls of the last response.
+    fn translate_pending(&mut self, at_unix_ms: i64) -> Result<(), CoreError> {
+        let pending = self.state.pending_calls.clone();
+        let cut_off = self.state.failure.clone();
+        let mut add = Vec::new();
+        let mut immediate = false;
+        for call in pending {
+            let status = match &cut_off {
+                Some(why) => CallStatus::Error(format!("Error: the call was not run: {why}")),
+                None => self.registry.translate(&call.name, &call.arguments),
+            };
+            let (outcome, operations) = match status {
+                CallStatus::Error(text) => (CallOutcome::Error { text }, Vec::new()),
+                CallStatus::Done(output) => (CallOutcome::Done { output }, Vec::new()),
+                CallStatus::Submit(specs) => (
+                    CallOutcome::Submit,
+                    specs
+                        .into_iter()
+                        .map(|spec| OpEntry {
+                            id: OperationId::random(),
+                            spec,
+                        })
+                        .collect(),
+                ),
+            };
+            self.emit(Event::ToolCall {
+                call_id: call.call_id.clone(),
+                tool: call.name.clone(),
+                arguments: call.arguments.clone(),
+                error: match &outcome {
+                    CallOutcome::Error { text } => Some(text.clone()),
+                    _ => None,
+                },
+            });
+            for op in &operations {
+                add.push(Operation::new(op.id.clone(), op.spec.clone()));
+            }
+            self.record(Record::Call {
+                call_id: call.call_id.clone(),
+                tool: call.name.clone(),
+                turn: self.state.last_turn,
+                at_unix_ms,
+                outcome: outcome.clone(),
+                operations,
+            })?;
+            if outcome != CallOutcome::Submit {
+                immediate = true;
+                self.give_result(&call.call_id)?;
+            }
+        }
+        if !add.is_empty() {
+            self.effects.push(Effect::Add(add));
+            // A call answered at once (an error) wakes the model now, with
+            // placeholders for the rest; otherwise completions of this
+            // turn's calls are batched, and this window replaces any older.
+            if self.state.stop.is_none() && !immediate {
+                self.grace = Some(self.state.last_turn);
+                self.effects.push(Effect::ArmGrace);
+            }
+        }
+        Ok(())
+    }
+
+    /// Records the final result of a call whose operations are all over.
+    fn give_result(&mut self, call_id: &str) -> Result<(), CoreError> {
+        let Some(call) = self.state.calls.get(call_id) else {
+            return Ok(());
+        };
+        if call.shown == Shown::Final {
+            return Ok(());
+        }
+        let status = match &call.outcome {
+            CallOutcome::Error { text } => CallStatus::Error(text.clone()),
+            CallOutcome::Done { output } => CallStatus::Done(output.clone()),
+            CallOutcome::Submit => CallStatus::Submit(Vec::new()),
+        };
+        let ops = self.state.operations_of(call);
+        let output = self.registry.render(&call.tool, &status, &ops);
+        let tool = call.tool.clone();
+        self.emit(Event::ToolResult {
+            call_id: call_id.into(),
+            tool,
+            text: text_of(&output),
+            images: output
+                .iter()
+                .filter(|o| matches!(o, ToolOutput::Image { .. }))
+                .count(),
+        });
+        self.record(Record::Result {
+            call_id: call_id.into(),
+            output,
+            running: false,
+        })
+    }
+
+    /// An operation snapshot from the manager.
+    pub fn operation(&mut self, op: Operation) -> Result<(), CoreError> {
+        let Some(st) = self.state.ops.get(&op.id) else {
+            return Ok(());
+        };
+        if st.end.is_some() {
+            return Ok(());
+        }
+        if !op.status.is_terminal() {
+            self.progress.insert(op.id.clone(), op.progress);
+            return Ok(());
+        }
+        let call_id = st.call_id.clone();
+        self.progress.remove(&op.id);
+        self.record(Record::Operation {
+            snapshot: OpSnapshot {
+                id: op.id.clone(),
+                status: op.status,
+                result: op.result,
+                failure: op.failure,
+            },
+        })?;
+        let done = self.state.calls.get(&call_id).is_some_and(|c| {
+            c.ops
+                .iter()
+                .all(|o| self.state.ops.get(o).is_none_or(|st| st.end.is_some()))
+        });
+        if done {
+            self.give_result(&call_id)?;
+        }
+        self.settle()
+    }
+
+    /// The grace window is over: calls still running get their placeholder.
+    pub fn grace_over(&mut self) -> Result<(), CoreError> {
+        self.grace = None;
+        self.settle()
+    }
+
+    /// The heartbeat timer fired. While only calls are pending, the model
+    /// is told what is running, for how long, and what it printed so far.
+    pub fn heartbeat(&mut self, now_unix_ms: i64) -> Result<(), CoreError> {
+        let quiet = self.state.in_flight.is_none()
+            && self.grace.is_none()
+            && self.state.stop.is_none()
+            && self.state.failure.is_none()
+            && !self.state.has_new;
+        let running = self.running();
+        if !quiet || running.is_empty() {
+            return Ok(());
+        }
+        let mut text = String::from(
+            "[heartbeat] These tool calls are still running. Their results will be added when they finish; end your turn to keep waiting, or act on the output so far.\n",
+        );
+        for (call_id, tool, at, progress) in &running {
+            let secs = (now_unix_ms - at).max(0) / 1000;
+            text.push_str(&format!(
+                "\n- {tool} call {call_id}: running for {secs}s, {} bytes of output",
+                progress.stdout_bytes + progress.stderr_bytes
+            ));
+            for (name, tail) in [
+                ("stdout", &progress.stdout_tail),
+                ("stderr", &progress.stderr_tail),
+            ] {
+                if !tail.is_empty() {
+                    let tail = String::from_utf8_lossy(tail);
+                    let tail: String = {
+                        let n = tail.chars().count();
+                        tail.chars().skip(n.saturating_sub(2000)).collect()
+                    };
+                    text.push_str(&format!("\n  last {name}:\n{}", tail.trim_end()));
+                }
+            }
+        }
+        self.emit(Event::Heartbeat { text: text.clone() });
+        self.record(Record::Heartbeat { text })?;
+        self.settle()
+    }
+
+    /// Decides whether a turn starts now.
+    fn settle(&mut self) -> Result<(), CoreError> {
+        if self.state.stop.is_some_and(|(m, _)| m == StopMode::Hard) || self.state.failure.is_some()
+        {
+            return Ok(());
+        }
+        if let Some(turn) = self.grace {
+            let all_done = self
+                .state
+                .calls
+                .values()
+                .filter(|c| c.turn == turn && c.outcome == CallOutcome::Submit)
+                .all(|c| c.shown == Shown::Final);
+            if all_done || self.state.fresh_inputs > 0 {
+                self.grace = None;
+            } else {
+                return Ok(());
+            }
+        }
+        if self.state.in_flight.is_some() || !self.state.has_new {
+            return Ok(());
+        }
+        let max = self.config().max_turns;
+        if self.state.turns >= max {
+            self.record(Record::Stop {
+                mode: StopMode::Hard,
+                cause: StopCause::TurnLimit,
+            })?;
+            let mut ids: Vec<OperationId> =
+                self.state.running_ops().map(|(id, _)| id.clone()).collect();
+            ids.sort();
+            if !ids.is_empty() {
+                self.effects.push(Effect::Cancel(ids));
+            }
+            return Ok(());
+        }
+        // Calls still running that the model has not heard of get their
+        // placeholder, so every call in the request has a result.
+        let waiting: Vec<String> = self
+            .state
+            .calls
+            .iter()
+            .filter(|(_, c)| c.shown == Shown::Nothing)
+            .map(|(id, _)| id.clone())
+            .collect();
+        for call_id in waiting {
+            self.record(Record::Result {
+                call_id,
+                output: Vec::new(),
+                running: true,
+            })?;
+        }
+        let turn = self.state.last_turn + 1;
+        self.record(Record::Turn { turn })?;
+        let built = self.state.context.build();
+        self.emit(Event::TurnStarted {
+            turn,
+            estimated_tokens: built.estimated_tokens,
+            changes: built.report.changes.iter().map(Change::from).collect(),
+        });
+        let mut request = built.request;
+        request.cache_key = Some(self.log.id().to_string());
+        self.effects.push(Effect::Send { turn, request });
+        Ok(())
+    }
+
+    /// `Some` once the run is over.
+    pub fn ending(&self) -> Option<Ending> {
+        let s = &self.state;
+        let ops_running = s.running_ops().next().is_some();
+        if let Some((mode, cause)) = s.stop
+            && mode == StopMode::Hard
+        {
+            return (!ops_running).then_some(match cause {
+                StopCause::Requested => Ending::Interrupted,
+                StopCause::TurnLimit => Ending::Failed,
+            });
+        }
+        if s.failure.is_some() {
+            return Some(Ending::Failed);
+        }
+        let idle = s.in_flight.is_none()
+            && self.grace.is_none()
+            && !s.has_new
+            && !ops_running
+            && s.unanswered_calls().next().is_none()
+            && s.pending_calls.is_empty();
+        (idle && s.stop.is_some()).then_some(Ending::Done)
+    }
+}
+
+pub fn now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or_default()
+}
+
+#[cfg(test)]
+#[path = "core_tests.rs"]
+mod tests;

@@ -1,0 +1,133 @@
+//! What a run tells its watcher: the events `corral run --json` writes, one
+//! JSON object per line, each with `"v": EVENTS_VERSION` and a `type`.
+//! Fields are snake_case; new fields may be added within a version, and
+//! nothing is removed or renamed without a new version.
+
+use serde::Serialize;
+
+use crate::context::ChangeKind;
+use crate::llm::{StopReason, Usage};
+
+/// Version of the event stream.
+pub const EVENTS_VERSION: u32 = 1;
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Change {
+    /// omitted | truncated | compacted
+    pub kind: &'static str,
+    pub source: String,
+    pub reason: String,
+}
+
+impl From<&crate::context::Change> for Change {
+    fn from(c: &crate::context::Change) -> Self {
+        Self {
+            kind: match c.kind {
+                ChangeKind::Omitted => "omitted",
+                ChangeKind::Truncated => "truncated",
+                ChangeKind::Compacted => "compacted",
+            },
+            source: c.source.clone(),
+            reason: c.reason.clone(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum Event {
+    /// The run began (`resumed`: the session existed).
+    SessionStarted {
+        session_id: String,
+        resumed: bool,
+        sandbox_id: String,
+        model: String,
+    },
+    /// A request was sent; `changes` lists what the context builder left
+    /// out or shortened to fit the budget.
+    TurnStarted {
+        turn: u64,
+        estimated_tokens: u64,
+        changes: Vec<Change>,
+    },
+    /// Streaming text of the answer to `turn` (display only).
+    TextDelta {
+        turn: u64,
+        text: String,
+    },
+    /// The request failed and is tried again.
+    ModelRetry {
+        turn: u64,
+        attempt: u32,
+        reason: String,
+    },
+    TurnCompleted {
+        turn: u64,
+        text: String,
+        tool_calls: usize,
+        stop: StopReason,
+        usage: Usage,
+    },
+    /// A new input canceled request `turn`.
+    Steered {
+        turn: u64,
+    },
+    /// A tool call was translated; `error` is set when it was refused.
+    ToolCall {
+        call_id: String,
+        tool: String,
+        arguments: String,
+        error: Option<String>,
+    },
+    /// A call's final result, as the model reads it.
+    ToolResult {
+        call_id: String,
+        tool: String,
+        text: String,
+        images: usize,
+    },
+    Heartbeat {
+        text: String,
+    },
+    ModelFailed {
+        turn: u64,
+        error: String,
+    },
+    /// The last event of a run.
+    Result(RunResult),
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct RunResult {
+    /// done | failed | interrupted
+    pub status: &'static str,
+    pub session_id: String,
+    pub final_text: String,
+    pub error: Option<String>,
+    pub turns: u64,
+    pub tool_calls: u64,
+    pub usage: Usage,
+    pub duration_ms: u64,
+}
+
+/// One event as a line of `--json` output.
+pub fn to_json_line(event: &Event) -> String {
+    #[derive(Serialize)]
+    struct Line<'a> {
+        v: u32,
+        #[serde(flatten)]
+        event: &'a Event,
+    }
+    let mut s = serde_json::to_string(&Line {
+        v: EVENTS_VERSION,
+        event,
+    })
+    .unwrap_or_else(|e| {
+        format!(
+            "{{\"v\":{EVENTS_VERSION},\"type\":\"encode_error\",\"error\":{:?}}}",
+            e.to_string()
+        )
+    });
+    s.push('\n');
+    s
+}

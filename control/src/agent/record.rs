@@ -1,0 +1,185 @@
+//! The session's records: every change to a session is one of these,
+//! appended (fsynced) to the session log before it has any effect outside
+//! the process. Replaying them through [`super::State::apply`] rebuilds the
+//! session exactly.
+
+use corral_proto::{OperationId, OperationResult, OperationSpec, SandboxId};
+use serde::{Deserialize, Serialize};
+
+use crate::context::Budget;
+use crate::llm::{Response, Role, ToolOutput};
+use crate::ops::OpStatus;
+
+/// How a session is set up; the first record of every session. A resumed
+/// session keeps these settings.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SessionConfig {
+    pub model: String,
+    #[serde(default)]
+    pub system_prompt: String,
+    /// Tools offered (`None`: all of them).
+    #[serde(default)]
+    pub tools: Option<Vec<String>>,
+    /// Where the session's operations run.
+    pub sandbox_id: SandboxId,
+    #[serde(default)]
+    pub image: Option<String>,
+    pub budget: Budget,
+    #[serde(default)]
+    pub max_output_tokens: Option<u32>,
+    #[serde(default)]
+    pub reasoning_effort: Option<String>,
+    /// Most model requests a run makes before it gives up.
+    pub max_turns: u64,
+}
+
+/// What the translator made of a tool call.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
+pub enum CallOutcome {
+    /// Refused (unknown tool, malformed arguments...): `text` is its result.
+    Error { text: String },
+    /// Accepted: the call's operations (listed in the record) produce its result.
+    Submit,
+    /// Answered at once, with no operation.
+    Done { output: Vec<ToolOutput> },
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OpEntry {
+    pub id: OperationId,
+    pub spec: OperationSpec,
+}
+
+/// The persisted state of an operation: only terminal states are recorded
+/// (progress and intermediate states live in memory).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OpSnapshot {
+    pub id: OperationId,
+    pub status: OpStatus,
+    #[serde(default)]
+    pub result: Option<OperationResult>,
+    #[serde(default)]
+    pub failure: Option<String>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StopMode {
+    /// End once nothing is pending: no request in flight, no call running,
+    /// nothing new for the model.
+    WhenIdle,
+    /// Cancel the request in flight and every running operation, record
+    /// their final states, and end.
+    Hard,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StopCause {
+    /// Asked for (an interrupt, or the embedding program).
+    Requested,
+    /// The run reached its turn limit.
+    TurnLimit,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum Record {
+    /// The session's settings (the first record).
+    Start {
+        config: SessionConfig,
+    },
+    /// A process took the session over again: a request that was in flight
+    /// is lost and will be sent again; a stop or failure of the previous
+    /// run no longer holds.
+    Resume {
+        at_unix_ms: i64,
+    },
+    /// This session was forked from another; its operations run in a
+    /// sandbox of its own.
+    Forked {
+        parent: String,
+        sandbox_id: SandboxId,
+    },
+    /// A conversation entry given up front (`--request` messages).
+    History {
+        role: Role,
+        text: String,
+    },
+    /// A user input; `input_id` de-duplicates redelivery.
+    Input {
+        input_id: String,
+        text: String,
+    },
+    /// A control input shown to the model as a user message.
+    Heartbeat {
+        text: String,
+    },
+    /// Request `turn` is about to be sent (the context is committed).
+    Turn {
+        turn: u64,
+    },
+    /// How request `turn` ended, when it produced a response.
+    Response {
+        turn: u64,
+        response: Response,
+    },
+    /// How request `turn` ended, when it failed for good.
+    ModelFailure {
+        turn: u64,
+        error: String,
+        #[serde(default)]
+        code: Option<String>,
+    },
+    /// A tool call of the last response, translated. The operations are
+    /// recorded here, before any is handed to a manager.
+    Call {
+        call_id: String,
+        tool: String,
+        turn: u64,
+        at_unix_ms: i64,
+        outcome: CallOutcome,
+        #[serde(default)]
+        operations: Vec<OpEntry>,
+    },
+    /// An operation reached a terminal state.
+    Operation {
+        snapshot: OpSnapshot,
+    },
+    /// What the model is given for a call: its result, or (`running`) the
+    /// placeholder of a call still running.
+    Result {
+        call_id: String,
+        output: Vec<ToolOutput>,
+        running: bool,
+    },
+    Stop {
+        mode: StopMode,
+        cause: StopCause,
+    },
+}
+
+impl Record {
+    /// A short name, for logs and `corral session show`.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Record::Start { .. } => "start",
+            Record::Resume { .. } => "resume",
+            Record::Forked { .. } => "forked",
+            Record::History { .. } => "history",
+            Record::Input { .. } => "input",
+            Record::Heartbeat { .. } => "heartbeat",
+            Record::Turn { .. } => "turn",
+            Record::Response { .. } => "response",
+            Record::ModelFailure { .. } => "model_failure",
+            Record::Call { .. } => "call",
+            Record::Operation { .. } => "operation",
+            Record::Result { .. } => "result",
+            Record::Stop { .. } => "stop",
+        }
+    }
+}

@@ -1,0 +1,331 @@
+//! A session's state, rebuilt from its records by one function, [`State::apply`].
+//!
+//! The live coordinator changes state only by appending a record and
+//! applying it, and a replay applies the same records in the same order, so
+//! a replayed session cannot drift from the live one.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+
+use corral_proto::{OperationId, OperationSpec};
+
+use super::record::{CallOutcome, OpSnapshot, Record, SessionConfig, StopCause, StopMode};
+use crate::context::{Budget, ContextBuilder, SkillInfo};
+use crate::llm::{Item, Response, StopReason, Tool, Usage};
+use crate::ops::{OpStatus, Operation};
+
+/// What the model has been shown of a call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Shown {
+    Nothing,
+    Placeholder,
+    Final,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct CallState {
+    pub tool: String,
+    pub turn: u64,
+    pub at_unix_ms: i64,
+    pub outcome: CallOutcome,
+    pub ops: Vec<OperationId>,
+    pub shown: Shown,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct OpState {
+    pub spec: OperationSpec,
+    /// The last recorded terminal state (`None` while running).
+    pub end: Option<OpSnapshot>,
+    pub call_id: String,
+}
+
+/// A tool call the model made that has no `call` record yet.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PendingCall {
+    pub call_id: String,
+    pub name: String,
+    pub arguments: String,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct State {
+    pub config: Option<SessionConfig>,
+    pub context: ContextBuilder,
+    /// The last turn started.
+    pub last_turn: u64,
+    /// The turn whose request is out (no response or failure yet).
+    pub in_flight: Option<u64>,
+    /// Something the model has not seen is staged.
+    pub has_new: bool,
+    /// Inputs staged since the last turn.
+    pub fresh_inputs: u64,
+    pub calls: BTreeMap<String, CallState>,
+    pub ops: HashMap<OperationId, OpState>,
+    /// Tool calls of the last response not translated yet.
+    pub pending_calls: Vec<PendingCall>,
+    pub stop: Option<(StopMode, StopCause)>,
+    /// Why the run failed (a model failure, a refusal, a cut-off answer).
+    pub failure: Option<String>,
+    /// The text of the last response.
+    pub final_text: String,
+    pub turns: u64,
+    pub tool_calls: u64,
+    pub usage: Usage,
+    pub input_ids: HashSet<String>,
+    /// The text of the last input, and whether a response followed it.
+    pub last_input: Option<(String, bool)>,
+}
+
+impl State {
+    /// An empty session. `skills` are listed in the system message (they are
+    /// found on this machine when the session is opened, not recorded).
+    pub fn new(skills: &[SkillInfo]) -> Self {
+        Self {
+            config: None,
+            context: ContextBuilder::new(skills, Budget::default()),
+            last_turn: 0,
+            in_flight: None,
+            has_new: false,
+            fresh_inputs: 0,
+            calls: BTreeMap::new(),
+            ops: HashMap::new(),
+            pending_calls: Vec::new(),
+            stop: None,
+            failure: None,
+            final_text: String::new(),
+            turns: 0,
+            tool_calls: 0,
+            usage: Usage::default(),
+            input_ids: HashSet::new(),
+            last_input: None,
+        }
+    }
+
+    /// Calls whose result the model has not been given yet.
+    pub fn unanswered_calls(&self) -> impl Iterator<Item = (&String, &CallState)> {
+        self.calls.iter().filter(|(_, c)| c.shown != Shown::Final)
+    }
+
+    /// Operations without a terminal record.
+    pub fn running_ops(&self) -> impl Iterator<Item = (&OperationId, &OpState)> {
+        self.ops.iter().filter(|(_, o)| o.end.is_none())
+    }
+
+    /// The operations of a call as operation values (terminal ones with
+    /// their result), for rendering.
+    pub fn operations_of(&self, call: &CallState) -> Vec<Operation> {
+        call.ops
+            .iter()
+            .filter_map(|id| {
+                let st = self.ops.get(id)?;
+                let mut op = Operation::new(id.clone(), st.spec.clone());
+                if let Some(end) = &st.end {
+                    op.status = end.status;
+                    op.result = end.result.clone();
+                    op.failure = end.failure.clone();
+                } else {
+                    op.status = OpStatus::Awaiting;
+                }
+                Some(op)
+            })
+            .collect()
+    }
+
+    /// Applies one record. `tools` is the tool list a `start` record offers
+    /// (resolved by the caller from the record's allow-list).
+    pub fn apply(&mut self, record: &Record, tools: &dyn Fn(&SessionConfig) -> Vec<Tool>) {
+        match record {
+            Record::Start { config } => {
+                self.context.set_model(&config.model);
+                self.context.set_system_prompt(&config.system_prompt);
+                self.context.set_budget(config.budget);
+                self.context.set_max_output_tokens(config.max_output_tokens);
+                self.context
+                    .set_reasoning_effort(config.reasoning_effort.clone());
+                for t in tools(config) {
+                    self.context.add_tool(t);
+                }
+                self.config = Some(config.clone());
+            }
+            Record::Resume { .. } => {
+                self.stop = None;
+                self.failure = None;
+                if self.in_flight.take().is_some() {
+                    // Its answer is lost: the same context goes out again.
+                    self.has_new = true;
+                }
+            }
+            Record::Forked { sandbox_id, .. } => {
+                if let Some(c) = &mut self.config {
+                    c.sandbox_id = sandbox_id.clone();
+                }
+            }
+            Record::History { role, text } => {
+                let response = Response {
+                    id: None,
+                    stop: StopReason::Complete,
+                    output: vec![Item::Message {
+                        role: *role,
+                        text: text.as_str().into(),
+                        provider_id: None,
+                    }],
+                    usage: Usage::default(),
+                };
+                match role {
+                    crate::llm::Role::User => {
+                        self.context.add_user_input(text);
+                        self.has_new = true;
+                        self.fresh_inputs += 1;
+                    }
+                    _ => {
+                        self.context.commit();
+                        self.context.add_model_response(&response);
+                    }
+                }
+            }
+            Record::Input { input_id, text } => {
+                self.input_ids.insert(input_id.clone());
+                self.last_input = Some((text.clone(), false));
+                self.context.add_user_input(text);
+                self.has_new = true;
+                self.fresh_inputs += 1;
+                // Steering: a request in flight is canceled; its answer,
+                // should it still arrive, is dropped.
+                self.in_flight = None;
+                // New work: a previous stop or failure no longer holds.
+                self.failure = None;
+            }
+            Record::Heartbeat { text } => {
+                self.context.add_heartbeat(text);
+                self.has_new = true;
+            }
+            Record::Turn { turn } => {
+                self.context.commit();
+                self.last_turn = *turn;
+                self.in_flight = Some(*turn);
+                self.has_new = false;
+                self.fresh_inputs = 0;
+                self.turns += 1;
+            }
+            Record::Response { turn, response } => {
+                if self.in_flight != Some(*turn) {
+                    return;
+                }
+                self.in_flight = None;
+                if let Some((_, answered)) = &mut self.last_input {
+                    *answered = true;
+                }
+                self.context.add_model_response(response);
+                self.final_text = response.text();
+                add_usage(&mut self.usage, &response.usage);
+                for item in &response.output {
+                    if let Item::ToolCall {
+                        call_id,
+                        name,
+                        arguments,
+                        ..
+                    } = item
+                    {
+                        self.pending_calls.push(PendingCall {
+                            call_id: call_id.to_string(),
+                            name: name.to_string(),
+                            arguments: arguments.to_string(),
+                        });
+                    }
+                }
+                match response.stop {
+                    StopReason::Complete => {}
+                    StopReason::Refused => {
+                        self.failure = Some(format!(
+                            "the model refused: {}",
+                            if self.final_text.is_empty() {
+                                "(no text)"
+                            } else {
+                                &self.final_text
+                            }
+                        ));
+                    }
+                    StopReason::MaxOutputTokens => {
+                        self.failure =
+                            Some("the model's answer was cut off at its output-token limit".into());
+                    }
+                }
+            }
+            Record::ModelFailure { turn, error, .. } => {
+                if self.in_flight == Some(*turn) {
+                    self.in_flight = None;
+                }
+                self.failure = Some(error.clone());
+                // Unanswered: a resumed run sends it again.
+                self.has_new = true;
+            }
+            Record::Call {
+                call_id,
+                tool,
+                turn,
+                at_unix_ms,
+                outcome,
+                operations,
+            } => {
+                self.pending_calls.retain(|p| &p.call_id != call_id);
+                self.tool_calls += 1;
+                for op in operations {
+                    self.ops.insert(
+                        op.id.clone(),
+                        OpState {
+                            spec: op.spec.clone(),
+                            end: None,
+                            call_id: call_id.clone(),
+                        },
+                    );
+                }
+                self.calls.insert(
+                    call_id.clone(),
+                    CallState {
+                        tool: tool.clone(),
+                        turn: *turn,
+                        at_unix_ms: *at_unix_ms,
+                        outcome: outcome.clone(),
+                        ops: operations.iter().map(|o| o.id.clone()).collect(),
+                        shown: Shown::Nothing,
+                    },
+                );
+            }
+            Record::Operation { snapshot } => {
+                if let Some(op) = self.ops.get_mut(&snapshot.id)
+                    && op.end.is_none()
+                {
+                    op.end = Some(snapshot.clone());
+                }
+            }
+            Record::Result {
+                call_id,
+                output,
+                running,
+            } => {
+                self.context
+                    .add_tool_result(call_id, output.clone(), *running);
+                if let Some(c) = self.calls.get_mut(call_id) {
+                    c.shown = if *running {
+                        Shown::Placeholder
+                    } else {
+                        Shown::Final
+                    };
+                }
+                if !*running {
+                    self.has_new = true;
+                }
+            }
+            Record::Stop { mode, cause } => {
+                self.stop = Some((*mode, *cause));
+            }
+        }
+    }
+}
+
+fn add_usage(total: &mut Usage, u: &Usage) {
+    total.input_tokens += u.input_tokens;
+    total.cached_input_tokens += u.cached_input_tokens;
+    total.output_tokens += u.output_tokens;
+    total.reasoning_tokens += u.reasoning_tokens;
+}

@@ -1,0 +1,739 @@
+//! `corral run` and `corral session`: a session from the command line.
+//!
+//! `run` creates the session (or resumes it), makes sure its sandbox
+//! exists, starts an operation manager and the coordinator, and shows what
+//! happens: a live view on a terminal, or versioned JSON events (one per
+//! line, ending with a `result` event) with `--json` or when stdout is not a
+//! terminal. Exit codes: 0 done, 1 failed, 2 usage error, 130 interrupted.
+
+use std::io::{IsTerminal, Read, Write};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use corral_proto::{SandboxId, SandboxSpec};
+use serde::Deserialize;
+use tokio::sync::mpsc;
+
+use crate::agent::core::{now_ms, replay};
+use crate::agent::events::{Event, RunResult, to_json_line};
+use crate::agent::{
+    Coordinator, Core, Ending, Inbox, Record, SessionConfig, Settings, StopMode, Summary,
+};
+use crate::cli::{ApiKind, ConnArgs, RunArgs, SessionCommand};
+use crate::context::Budget;
+use crate::llm::{Api, LlmClient, LlmConfig, Role};
+use crate::ops::{LocalBackend, Manager, OperationManager, RemoteBackend};
+use crate::run::{Connection, RunError, connect};
+use crate::session::SessionLog;
+
+pub const EXIT_DONE: u8 = 0;
+pub const EXIT_FAILED: u8 = 1;
+pub const EXIT_USAGE: u8 = 2;
+pub const EXIT_INTERRUPTED: u8 = 130;
+
+/// Default model when neither the flag nor the request names one.
+pub const DEFAULT_MODEL: &str = "gpt-5-mini";
+pub const DEFAULT_MAX_TURNS: u64 = 100;
+
+/// `--request`: everything a run can be given as JSON.
+#[derive(Debug, Default, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct RunRequest {
+    #[serde(default)]
+    pub prompt: Option<String>,
+    #[serde(default)]
+    pub messages: Vec<Message>,
+    #[serde(default)]
+    pub system_prompt: Option<String>,
+    #[serde(default)]
+    pub model: Option<String>,
+    /// Tools offered (default: all).
+    #[serde(default)]
+    pub tools: Option<Vec<String>>,
+    #[serde(default)]
+    pub limits: Limits,
+}
+
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Message {
+    pub role: MessageRole,
+    pub content: String,
+}
+
+#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum MessageRole {
+    User,
+    Assistant,
+}
+
+#[derive(Debug, Default, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Limits {
+    pub max_turns: Option<u64>,
+    pub max_output_tokens: Option<u32>,
+    pub context_window_tokens: Option<u64>,
+    pub max_tool_result_chars: Option<usize>,
+}
+
+/// Parses a `--request` document.
+pub fn parse_request(text: &str) -> Result<RunRequest, String> {
+    serde_json::from_str(text).map_err(|e| format!("--request: {e}"))
+}
+
+fn sessions_dir(flag: Option<&Path>) -> PathBuf {
+    flag.map(Path::to_path_buf)
+        .unwrap_or_else(|| corral_worker::cli::default_state_dir("sessions"))
+}
+
+fn usage(msg: impl Into<String>) -> RunError {
+    RunError::Usage(msg.into())
+}
+
+fn failed(msg: impl Into<String>) -> RunError {
+    RunError::Failed(msg.into())
+}
+
+fn load_request(args: &RunArgs) -> Result<RunRequest, RunError> {
+    let mut req = match args.request.as_deref() {
+        None => RunRequest::default(),
+        Some("-") => {
+            let mut s = String::new();
+            std::io::stdin()
+                .read_to_string(&mut s)
+                .map_err(|e| usage(format!("--request -: {e}")))?;
+            parse_request(&s).map_err(usage)?
+        }
+        Some(path) => {
+            let s = std::fs::read_to_string(path)
+                .map_err(|e| usage(format!("--request {path}: {e}")))?;
+            parse_request(&s).map_err(usage)?
+        }
+    };
+    if let Some(p) = &args.prompt {
+        if req.prompt.is_some() {
+            return Err(usage(
+                "give the prompt either as an argument or in --request, not both",
+            ));
+        }
+        req.prompt = Some(p.clone());
+    }
+    if let Some(p) = &req.prompt
+        && p.trim().is_empty()
+    {
+        return Err(usage("the prompt is empty"));
+    }
+    Ok(req)
+}
+
+fn api_key(args: &RunArgs) -> Result<Option<String>, RunError> {
+    if let Some(path) = &args.api_key_file {
+        let key = std::fs::read_to_string(path)
+            .map_err(|e| usage(format!("--api-key-file {}: {e}", path.display())))?;
+        let key = key.trim().to_string();
+        if key.is_empty() {
+            return Err(usage(format!(
+                "--api-key-file {}: the file is empty",
+                path.display()
+            )));
+        }
+        return Ok(Some(key));
+    }
+    Ok(std::env::var("OPENAI_API_KEY")
+        .ok()
+        .filter(|k| !k.trim().is_empty()))
+}
+
+fn new_session_id() -> String {
+    format!("s-{}", &uuid::Uuid::new_v4().simple().to_string()[..12])
+}
+
+/// What the watcher prints.
+enum View {
+    Json(std::io::Stdout),
+    Terminal(TerminalView),
+}
+
+struct TerminalView {
+    running: Vec<(String, String, Instant)>,
+    mid_line: bool,
+}
+
+fn one_line(s: &str, max: usize) -> String {
+    let line = s.lines().next().unwrap_or("");
+    let mut out: String = line.chars().take(max).collect();
+    if line.chars().count() > max || s.lines().nth(1).is_some() {
+        out.push('…');
+    }
+    out
+}
+
+impl TerminalView {
+    fn show(&mut self, e: &Event) -> std::io::Result<()> {
+        let mut out = std::io::stdout().lock();
+        let mut err = std::io::stderr().lock();
+        if let Event::TextDelta { text, .. } = e {
+            out.write_all(text.as_bytes())?;
+            out.flush()?;
+            self.mid_line = !text.ends_with('\n');
+            return Ok(());
+        }
+        if self.mid_line {
+            writeln!(out)?;
+            self.mid_line = false;
+        }
+        match e {
+            Event::SessionStarted {
+                session_id,
+                resumed,
+                sandbox_id,
+                model,
+            } => writeln!(
+                err,
+                "corral: session {session_id}{} · sandbox {sandbox_id} · model {model}",
+                if *resumed { " (resumed)" } else { "" }
+            )?,
+            Event::TurnStarted { turn, changes, .. } => {
+                write!(err, "── turn {turn}")?;
+                if !changes.is_empty() {
+                    write!(
+                        err,
+                        " ({} context changes to fit the budget)",
+                        changes.len()
+                    )?;
+                }
+                writeln!(err)?;
+            }
+            Event::ModelRetry {
+                attempt, reason, ..
+            } => writeln!(err, "   retrying (attempt {attempt}): {reason}")?,
+            Event::Steered { turn } => writeln!(err, "   turn {turn} canceled by a new input")?,
+            Event::ToolCall {
+                call_id,
+                tool,
+                arguments,
+                error,
+            } => match error {
+                Some(e) => writeln!(err, "✗ {tool}: {}", one_line(e, 160))?,
+                None => {
+                    writeln!(err, "▸ {tool} {}", one_line(arguments, 160))?;
+                    self.running
+                        .push((call_id.clone(), tool.clone(), Instant::now()));
+                }
+            },
+            Event::ToolResult {
+                call_id,
+                tool,
+                text,
+                ..
+            } => {
+                let took = self
+                    .running
+                    .iter()
+                    .position(|(c, _, _)| c == call_id)
+                    .map(|i| self.running.remove(i).2.elapsed());
+                let took = took.map_or(String::new(), |d| format!(" ({:.1}s)", d.as_secs_f64()));
+                writeln!(err, "✓ {tool}{took}: {}", one_line(text, 160))?;
+            }
+            Event::Heartbeat { .. } => writeln!(err, "♥ heartbeat sent to the model")?,
+            Event::ModelFailed { error, .. } => writeln!(err, "model failed: {error}")?,
+            Event::TurnCompleted { .. } | Event::TextDelta { .. } => {}
+            Event::Result(r) => {
+                writeln!(
+                    err,
+                    "corral: {} · {} turns · {} tool calls · {} tokens in, {} out · {:.1}s{}",
+                    r.status,
+                    r.turns,
+                    r.tool_calls,
+                    r.usage.input_tokens,
+                    r.usage.output_tokens,
+                    r.duration_ms as f64 / 1000.0,
+                    r.error
+                        .as_ref()
+                        .map(|e| format!(" · {e}"))
+                        .unwrap_or_default()
+                )?;
+            }
+        }
+        Ok(())
+    }
+
+    fn tick(&self) -> std::io::Result<()> {
+        if self.running.is_empty() || self.mid_line {
+            return Ok(());
+        }
+        let list: Vec<String> = self
+            .running
+            .iter()
+            .map(|(_, tool, t)| format!("{tool} {}s", t.elapsed().as_secs()))
+            .collect();
+        writeln!(
+            std::io::stderr().lock(),
+            "   … running: {}",
+            list.join(", ")
+        )
+    }
+}
+
+impl View {
+    fn show(&mut self, e: &Event) -> Result<(), RunError> {
+        match self {
+            View::Json(out) => {
+                let mut out = out.lock();
+                out.write_all(to_json_line(e).as_bytes())?;
+                out.flush()?;
+            }
+            View::Terminal(t) => t.show(e)?,
+        }
+        Ok(())
+    }
+}
+
+/// `corral run`.
+pub async fn run_agent(conn: &ConnArgs, args: &RunArgs) -> Result<u8, RunError> {
+    let started = Instant::now();
+    let req = load_request(args)?;
+    let dir = sessions_dir(args.sessions_dir.as_deref());
+    let id = match &args.session {
+        Some(s) => s.clone(),
+        None => new_session_id(),
+    };
+    let exists = crate::session::log::path_of(&dir, &id).exists();
+    if !exists && req.prompt.is_none() && req.messages.is_empty() {
+        return Err(usage(
+            "nothing to do: give a prompt (or --request with a prompt or messages)",
+        ));
+    }
+    let key = api_key(args)?;
+    let mut llm_config = LlmConfig::new(
+        args.base_url.trim_end_matches('/'),
+        match args.api {
+            ApiKind::Responses => Api::Responses,
+            ApiKind::Chat => Api::Chat,
+        },
+    );
+    llm_config.api_key = key;
+    let llm = Arc::new(LlmClient::new(llm_config).map_err(|e| failed(e.to_string()))?);
+
+    let connection = connect(conn).await?;
+    let out = drive(&connection, args, &req, &dir, &id, exists, llm, started).await;
+    if let Some(e) = connection.embedded {
+        e.stop().await;
+    }
+    out
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn drive(
+    connection: &Connection,
+    args: &RunArgs,
+    req: &RunRequest,
+    dir: &Path,
+    id: &str,
+    exists: bool,
+    llm: Arc<LlmClient>,
+    started: Instant,
+) -> Result<u8, RunError> {
+    let core = if exists {
+        let (log, recovery) = SessionLog::<Record>::open(dir, id)?;
+        if recovery.torn_bytes > 0 {
+            tracing::warn!(
+                session = id,
+                bytes = recovery.torn_bytes,
+                "the session log ended in a torn record (a crash mid-write); it was cut off"
+            );
+        }
+        Core::resume(dir, log, Vec::new())?
+    } else {
+        let budget = Budget {
+            context_window_tokens: req
+                .limits
+                .context_window_tokens
+                .unwrap_or(Budget::default().context_window_tokens),
+            max_tool_result_chars: req
+                .limits
+                .max_tool_result_chars
+                .unwrap_or(Budget::default().max_tool_result_chars),
+            ..Budget::default()
+        };
+        let config = SessionConfig {
+            model: args
+                .model
+                .clone()
+                .or_else(|| req.model.clone())
+                .unwrap_or_else(|| DEFAULT_MODEL.to_string()),
+            system_prompt: args
+                .system_prompt
+                .clone()
+                .or_else(|| req.system_prompt.clone())
+                .unwrap_or_default(),
+            tools: req.tools.clone(),
+            sandbox_id: SandboxId::new(format!(
+                "{}-{}",
+                &id[..id.len().min(40)],
+                &uuid::Uuid::new_v4().simple().to_string()[..8]
+            ))
+            .unwrap_or_else(|_| SandboxId::random()),
+            image: args.image.clone(),
+            budget,
+            max_output_tokens: req.limits.max_output_tokens,
+            reasoning_effort: None,
+            max_turns: args
+                .max_turns
+                .or(req.limits.max_turns)
+                .unwrap_or(DEFAULT_MAX_TURNS),
+        };
+        let log = SessionLog::<Record>::create(dir, id)?;
+        Core::create(log, config, Vec::new())?
+    };
+    let config = core.config().clone();
+    let spec = SandboxSpec {
+        image: config.image.clone(),
+        ..SandboxSpec::default()
+    };
+    connection
+        .client
+        .create_sandbox(Some(&config.sandbox_id), spec)
+        .await?;
+    let settings = Settings {
+        heartbeat: (!args.heartbeat.is_zero()).then_some(args.heartbeat),
+        grace: args.grace,
+    };
+    let json = args.json || !std::io::stdout().is_terminal();
+    let mut view = if json {
+        View::Json(std::io::stdout())
+    } else {
+        View::Terminal(TerminalView {
+            running: Vec::new(),
+            mid_line: false,
+        })
+    };
+    view.show(&Event::SessionStarted {
+        session_id: id.to_string(),
+        resumed: exists,
+        sandbox_id: config.sandbox_id.to_string(),
+        model: config.model.clone(),
+    })?;
+    let summary = match &connection.embedded {
+        Some(e) => {
+            let (m, updates) =
+                Manager::start(LocalBackend::new(e.worker()), config.sandbox_id.clone());
+            let m = Arc::new(m);
+            let s = session(core, m.clone(), updates, llm, req, settings, &mut view).await;
+            if let Ok(m) = Arc::try_unwrap(m) {
+                m.shutdown().await;
+            }
+            s
+        }
+        None => {
+            let backend = RemoteBackend::with_credentials(
+                connection.client.url().to_string(),
+                connection.creds.clone(),
+            );
+            let (m, updates) = Manager::start(backend, config.sandbox_id.clone());
+            let m = Arc::new(m);
+            let s = session(core, m.clone(), updates, llm, req, settings, &mut view).await;
+            if let Ok(m) = Arc::try_unwrap(m) {
+                m.shutdown().await;
+            }
+            s
+        }
+    }?;
+    let (status, code) = match summary.ending {
+        Ending::Done => ("done", EXIT_DONE),
+        Ending::Failed => ("failed", EXIT_FAILED),
+        Ending::Interrupted => ("interrupted", EXIT_INTERRUPTED),
+    };
+    view.show(&Event::Result(RunResult {
+        status,
+        session_id: id.to_string(),
+        final_text: summary.final_text,
+        error: summary.error,
+        turns: summary.turns,
+        tool_calls: summary.tool_calls,
+        usage: summary.usage,
+        duration_ms: started.elapsed().as_millis() as u64,
+    }))?;
+    Ok(code)
+}
+
+async fn session<M: OperationManager + 'static>(
+    mut core: Core,
+    manager: Arc<M>,
+    updates: mpsc::Receiver<crate::ops::Operation>,
+    llm: Arc<LlmClient>,
+    req: &RunRequest,
+    settings: Settings,
+    view: &mut View,
+) -> Result<Summary, RunError> {
+    for m in &req.messages {
+        let role = match m.role {
+            MessageRole::User => Role::User,
+            MessageRole::Assistant => Role::Assistant,
+        };
+        core.history(role, &m.content)?;
+    }
+    if let Some(prompt) = &req.prompt {
+        // Rerunning the command that was interrupted, with the same prompt,
+        // resumes it rather than asking again.
+        let repeat = core
+            .state()
+            .last_input
+            .as_ref()
+            .is_some_and(|(text, answered)| text == prompt && !answered);
+        if !repeat {
+            core.input(&uuid::Uuid::new_v4().to_string(), prompt)?;
+        }
+    }
+    core.stop(StopMode::WhenIdle, crate::agent::StopCause::Requested)?;
+    let (events_tx, mut events) = mpsc::channel(1024);
+    let (coordinator, inbox) = Coordinator::new(core, manager, updates, llm, events_tx, settings);
+    let mut task = tokio::spawn(coordinator.run());
+    let mut interrupts = 0;
+    let mut tick = tokio::time::interval(Duration::from_secs(5));
+    tick.tick().await;
+    let summary = loop {
+        tokio::select! {
+            biased;
+            Some(e) = events.recv() => view.show(&e)?,
+            res = &mut task => {
+                // Drain what the loop said before it ended.
+                while let Ok(e) = events.try_recv() {
+                    view.show(&e)?;
+                }
+                break res.map_err(|e| failed(format!("the session task failed: {e}")))??;
+            }
+            _ = tokio::signal::ctrl_c() => {
+                interrupts += 1;
+                if interrupts > 1 {
+                    task.abort();
+                    return Ok(Summary {
+                        ending: Ending::Interrupted,
+                        final_text: String::new(),
+                        error: Some("interrupted twice: left without waiting for operations to stop".into()),
+                        turns: 0,
+                        tool_calls: 0,
+                        usage: Default::default(),
+                    });
+                }
+                let _ = inbox.send(Inbox::Stop(StopMode::Hard)).await;
+            }
+            _ = tick.tick() => {
+                if let View::Terminal(t) = view {
+                    t.tick()?;
+                }
+            }
+        }
+    };
+    Ok(summary)
+}
+
+/// `corral session ...`.
+pub fn run_session_command(cmd: &SessionCommand) -> Result<u8, RunError> {
+    let mut out = std::io::stdout().lock();
+    match cmd {
+        SessionCommand::Ls { sessions_dir: d } => {
+            let dir = sessions_dir(d.as_deref());
+            let mut ids: Vec<String> = match std::fs::read_dir(&dir) {
+                Ok(rd) => rd
+                    .filter_map(Result::ok)
+                    .filter_map(|e| {
+                        e.file_name()
+                            .to_str()
+                            .and_then(|n| n.strip_suffix(".jsonl"))
+                            .map(String::from)
+                    })
+                    .collect(),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
+                Err(e) => return Err(failed(format!("{}: {e}", dir.display()))),
+            };
+            ids.sort();
+            writeln!(
+                out,
+                "{:<24} {:>5} {:>6} {:<10} LAST",
+                "ID", "TURNS", "CALLS", "STATE"
+            )?;
+            for id in ids {
+                match replay(&dir, &id, &[]) {
+                    Ok(s) => {
+                        let state = if s.in_flight.is_some() || s.running_ops().next().is_some() {
+                            "open"
+                        } else if s.failure.is_some() {
+                            "failed"
+                        } else {
+                            "idle"
+                        };
+                        writeln!(
+                            out,
+                            "{:<24} {:>5} {:>6} {:<10} {}",
+                            id,
+                            s.turns,
+                            s.tool_calls,
+                            state,
+                            one_line(&s.final_text, 60)
+                        )?;
+                    }
+                    Err(e) => writeln!(out, "{id:<24} (unreadable: {e})")?,
+                }
+            }
+        }
+        SessionCommand::Show {
+            id,
+            sessions_dir: d,
+            json,
+        } => {
+            let dir = sessions_dir(d.as_deref());
+            let mut after = 0;
+            loop {
+                let page = SessionLog::<Record>::replay(&dir, id, after, 256)?;
+                for (seq, rec) in &page.records {
+                    if *json {
+                        let line = serde_json::json!({"seq": seq, "record": rec});
+                        writeln!(out, "{line}")?;
+                    } else {
+                        writeln!(out, "{seq:>6} {}", describe(rec))?;
+                    }
+                }
+                match page.next {
+                    Some(n) => after = n,
+                    None => break,
+                }
+            }
+        }
+        SessionCommand::Fork {
+            id,
+            new_id,
+            turn,
+            sessions_dir: d,
+        } => {
+            let dir = sessions_dir(d.as_deref());
+            fork(&dir, id, new_id, *turn)?;
+            writeln!(out, "{new_id}")?;
+        }
+    }
+    Ok(EXIT_DONE)
+}
+
+fn describe(rec: &Record) -> String {
+    let detail = match rec {
+        Record::Start { config } => {
+            format!("model {} · sandbox {}", config.model, config.sandbox_id)
+        }
+        Record::Forked { parent, sandbox_id } => format!("from {parent} · sandbox {sandbox_id}"),
+        Record::Resume { .. } => String::new(),
+        Record::History { role, text } => format!("{}: {}", role.as_str(), one_line(text, 100)),
+        Record::Input { text, .. } | Record::Heartbeat { text } => one_line(text, 100),
+        Record::Turn { turn } => format!("#{turn}"),
+        Record::Response { turn, response } => format!(
+            "#{turn} {:?} {} call(s): {}",
+            response.stop,
+            response.tool_calls().count(),
+            one_line(&response.text(), 80)
+        ),
+        Record::ModelFailure { turn, error, .. } => format!("#{turn} {error}"),
+        Record::Call {
+            call_id,
+            tool,
+            outcome,
+            ..
+        } => format!("{call_id} {tool} {outcome:?}")
+            .chars()
+            .take(120)
+            .collect(),
+        Record::Operation { snapshot } => format!("{} {:?}", snapshot.id, snapshot.status),
+        Record::Result {
+            call_id,
+            output,
+            running,
+        } => {
+            let text: String = output
+                .iter()
+                .map(|o| match o {
+                    crate::llm::ToolOutput::Text { text } => text.to_string(),
+                    crate::llm::ToolOutput::Image { .. } => "[image]".into(),
+                })
+                .collect::<Vec<_>>()
+                .join(" ");
+            if *running {
+                format!("{call_id} (running: placeholder)")
+            } else {
+                format!("{call_id} {}", one_line(&text, 100))
+            }
+        }
+        Record::Stop { mode, cause } => format!("{mode:?} ({cause:?})"),
+    };
+    format!("{:<13} {detail}", rec.kind())
+}
+
+/// The text an inherited call without a result gets in a fork.
+pub const INTERRUPTED_BY_FORK: &str = "Error: interrupted by fork: this call had not finished when the session was forked, and its result is not part of this session.";
+
+/// Forks `parent` into `child` at a turn boundary: everything before turn
+/// `turn + 1` starts (all of it when `turn` is `None`). Calls without a
+/// final result get an explicit "interrupted by fork" result, and the child
+/// runs in a new sandbox.
+pub fn fork(dir: &Path, parent: &str, child: &str, turn: Option<u64>) -> Result<(), RunError> {
+    let mut upto = 0;
+    let mut after = 0;
+    let mut state = crate::agent::State::new(&[]);
+    let tools = |c: &SessionConfig| crate::agent::core::registry_for(c, &[]).tools();
+    'pages: loop {
+        let page = SessionLog::<Record>::replay(dir, parent, after, 256)?;
+        for (seq, rec) in &page.records {
+            if let (Some(n), Record::Turn { turn: t }) = (turn, rec)
+                && *t > n
+            {
+                break 'pages;
+            }
+            state.apply(rec, &tools);
+            upto = *seq;
+        }
+        match page.next {
+            Some(n) => after = n,
+            None => break,
+        }
+    }
+    if let Some(n) = turn
+        && state.last_turn < n
+    {
+        return Err(usage(format!(
+            "session {parent} has no turn {n} (it has {})",
+            state.last_turn
+        )));
+    }
+    let mut then = vec![Record::Forked {
+        parent: parent.to_string(),
+        sandbox_id: SandboxId::random(),
+    }];
+    let mut open: Vec<(&String, &crate::agent::state::CallState)> =
+        state.unanswered_calls().collect();
+    open.sort_by_key(|(id, _)| (*id).clone());
+    for (call_id, call) in open {
+        for op in &call.ops {
+            if state.ops.get(op).is_some_and(|o| o.end.is_none()) {
+                then.push(Record::Operation {
+                    snapshot: crate::agent::record::OpSnapshot {
+                        id: op.clone(),
+                        status: crate::ops::OpStatus::Canceled,
+                        result: None,
+                        failure: Some("interrupted by fork".into()),
+                    },
+                });
+            }
+        }
+        then.push(Record::Result {
+            call_id: call_id.clone(),
+            output: crate::tools::text(INTERRUPTED_BY_FORK),
+            running: false,
+        });
+    }
+    // A request in flight at the fork point is sent again when the child
+    // resumes (its Resume record says so).
+    then.push(Record::Resume {
+        at_unix_ms: now_ms(),
+    });
+    SessionLog::<Record>::fork(dir, parent, child, upto, &then)?;
+    Ok(())
+}
