@@ -475,6 +475,8 @@ async fn session<M: OperationManager + 'static>(
         };
         core.history(role, &m.content)?;
     }
+    // A `corral run` ends once the session is idle.
+    core.stop(StopMode::WhenIdle, crate::agent::StopCause::Requested)?;
     if let Some(prompt) = &req.prompt {
         // Rerunning the command that was interrupted, with the same prompt,
         // resumes it rather than asking again.
@@ -487,7 +489,7 @@ async fn session<M: OperationManager + 'static>(
             core.input(&uuid::Uuid::new_v4().to_string(), prompt)?;
         }
     }
-    core.stop(StopMode::WhenIdle, crate::agent::StopCause::Requested)?;
+    core.kick()?;
     let (events_tx, mut events) = mpsc::channel(1024);
     let (coordinator, inbox) = Coordinator::new(core, manager, updates, llm, events_tx, settings);
     let mut task = tokio::spawn(coordinator.run());

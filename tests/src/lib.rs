@@ -8,6 +8,8 @@
 //! other's sandboxes, and each harness removes its containers when dropped,
 //! even after a failed assertion.
 
+pub mod model;
+
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;

@@ -405,7 +405,7 @@ impl Core {
             // A call answered at once (an error) wakes the model now, with
             // placeholders for the rest; otherwise completions of this
             // turn's calls are batched, and this window replaces any older.
-            if self.state.stop.is_none() && !immediate {
+            if !self.state.stop.is_some_and(|(m, _)| m == StopMode::Hard) && !immediate {
                 self.grace = Some(self.state.last_turn);
                 self.effects.push(Effect::ArmGrace);
             }
@@ -489,7 +489,7 @@ impl Core {
     pub fn heartbeat(&mut self, now_unix_ms: i64) -> Result<(), CoreError> {
         let quiet = self.state.in_flight.is_none()
             && self.grace.is_none()
-            && self.state.stop.is_none()
+            && !self.state.stop.is_some_and(|(m, _)| m == StopMode::Hard)
             && self.state.failure.is_none()
             && !self.state.has_new;
         let running = self.running();

@@ -229,6 +229,8 @@ fn tool_calls_are_recorded_before_dispatch_and_their_result_wakes_the_model() {
 fn completions_are_batched_and_a_slow_call_shows_the_placeholder() {
     let dir = tempfile::tempdir().unwrap();
     let mut core = new_core(dir.path(), "s");
+    // As `corral run` does: end when idle, asked before the work starts.
+    core.stop(StopMode::WhenIdle, StopCause::Requested).unwrap();
     core.input("i", "go").unwrap();
     fx(&mut core);
     core.model_done(

@@ -1,8 +1,10 @@
+mod agent;
 mod bad_input;
 mod cli;
 mod docker_loss;
 mod hardening;
 mod limits;
+mod llm;
 mod managers;
 mod ordering;
 mod restart;

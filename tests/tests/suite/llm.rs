@@ -2,7 +2,6 @@
 //! provider's wire format (SSE included), scripted per test.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use corral_control::llm::retry::RetryPolicy;
@@ -10,123 +9,12 @@ use corral_control::llm::{
     Api, Item, LlmClient, LlmConfig, LlmError, Request, Role, StopReason, StreamDelta, Tool,
     ToolOutput,
 };
+use corral_e2e::model::responses::completed;
+use corral_e2e::model::{ModelServer, sse, status};
 use serde_json::{Value, json};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio_util::sync::CancellationToken;
 
-/// One scripted answer.
-#[derive(Clone)]
-struct Reply {
-    status: u16,
-    headers: Vec<(String, String)>,
-    /// Sent in pieces, so the client sees a real stream.
-    chunks: Vec<String>,
-}
-
-fn sse(events: &[Value]) -> Reply {
-    Reply {
-        status: 200,
-        headers: vec![("Content-Type".into(), "text/event-stream".into())],
-        chunks: events.iter().map(|e| format!("data: {e}\n\n")).collect(),
-    }
-}
-
-fn status(code: u16, body: Value) -> Reply {
-    Reply {
-        status: code,
-        headers: vec![("Content-Type".into(), "application/json".into())],
-        chunks: vec![body.to_string()],
-    }
-}
-
-#[derive(Debug, Clone)]
-struct Received {
-    path: String,
-    authorization: Option<String>,
-    body: Value,
-}
-
-/// A loopback HTTP/1.1 server answering each request with the next reply.
-struct Server {
-    url: String,
-    received: Arc<Mutex<Vec<Received>>>,
-}
-
-impl Server {
-    async fn start(replies: Vec<Reply>) -> Self {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let url = format!("http://{}/v1", listener.local_addr().unwrap());
-        let received = Arc::new(Mutex::new(Vec::new()));
-        let log = received.clone();
-        tokio::spawn(async move {
-            let mut replies = replies.into_iter();
-            while let Ok((mut sock, _)) = listener.accept().await {
-                let Some(reply) = replies.next() else { return };
-                let req = read_request(&mut sock).await;
-                log.lock().unwrap().push(req);
-                let reason = if reply.status == 200 { "OK" } else { "Error" };
-                let mut head = format!(
-                    "HTTP/1.1 {} {reason}\r\nConnection: close\r\n",
-                    reply.status
-                );
-                for (k, v) in &reply.headers {
-                    head.push_str(&format!("{k}: {v}\r\n"));
-                }
-                head.push_str("\r\n");
-                let _ = sock.write_all(head.as_bytes()).await;
-                for chunk in &reply.chunks {
-                    let _ = sock.write_all(chunk.as_bytes()).await;
-                    let _ = sock.flush().await;
-                    tokio::time::sleep(Duration::from_millis(2)).await;
-                }
-                let _ = sock.shutdown().await;
-            }
-        });
-        Self { url, received }
-    }
-
-    fn received(&self) -> Vec<Received> {
-        self.received.lock().unwrap().clone()
-    }
-}
-
-async fn read_request(sock: &mut tokio::net::TcpStream) -> Received {
-    let mut buf = Vec::new();
-    let mut tmp = [0u8; 8192];
-    let head_end = loop {
-        let n = sock.read(&mut tmp).await.unwrap();
-        assert!(n > 0, "client closed early");
-        buf.extend_from_slice(&tmp[..n]);
-        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-            break i + 4;
-        }
-    };
-    let head = String::from_utf8_lossy(&buf[..head_end]).to_string();
-    let mut lines = head.lines();
-    let path = lines.next().unwrap().split(' ').nth(1).unwrap().to_string();
-    let mut len = 0;
-    let mut authorization = None;
-    for l in lines {
-        if let Some((k, v)) = l.split_once(':') {
-            match k.to_ascii_lowercase().as_str() {
-                "content-length" => len = v.trim().parse().unwrap(),
-                "authorization" => authorization = Some(v.trim().to_string()),
-                _ => {}
-            }
-        }
-    }
-    while buf.len() < head_end + len {
-        let n = sock.read(&mut tmp).await.unwrap();
-        buf.extend_from_slice(&tmp[..n]);
-    }
-    Received {
-        path,
-        authorization,
-        body: serde_json::from_slice(&buf[head_end..head_end + len]).unwrap(),
-    }
-}
-
-fn client(server: &Server, api: Api, attempts: u32) -> LlmClient {
+fn client(server: &ModelServer, api: Api, attempts: u32) -> LlmClient {
     let mut cfg = LlmConfig::new(server.url.clone(), api);
     cfg.api_key = Some("sk-test".into());
     cfg.retry = RetryPolicy {
@@ -169,23 +57,6 @@ fn request() -> Request {
     }
 }
 
-fn completed(output: Value, status: &str, extra: Value) -> Value {
-    let mut r = json!({
-        "id": "resp_1", "status": status, "output": output,
-        "usage": {"input_tokens": 100, "input_tokens_details": {"cached_tokens": 40},
-                  "output_tokens": 20, "output_tokens_details": {"reasoning_tokens": 5}}
-    });
-    if let (Some(r), Some(e)) = (r.as_object_mut(), extra.as_object()) {
-        r.extend(e.clone());
-    }
-    let kind = if status == "completed" {
-        "response.completed"
-    } else {
-        "response.incomplete"
-    };
-    json!({"type": kind, "response": r})
-}
-
 async fn respond(
     c: &LlmClient,
     req: &Request,
@@ -205,7 +76,7 @@ async fn respond(
 
 #[tokio::test]
 async fn responses_streams_text_and_reports_usage() {
-    let server = Server::start(vec![sse(&[
+    let server = ModelServer::start(vec![sse(&[
         json!({"type": "response.created", "response": {"id": "resp_1"}}),
         json!({"type": "response.output_text.delta", "delta": "Hel"}),
         json!({"type": "response.output_text.delta", "delta": "lo"}),
@@ -259,7 +130,7 @@ async fn responses_function_calls_and_the_output_item_fallback() {
     // The terminal event carries no output: items come from output_item.done.
     let call = json!({"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "Bash",
                       "arguments": "{\"command\":\"ls\"}", "status": "completed"});
-    let server = Server::start(vec![sse(&[
+    let server = ModelServer::start(vec![sse(&[
         json!({"type": "response.output_item.added", "output_index": 0, "item": {"type": "function_call", "name": "Bash"}}),
         json!({"type": "response.output_item.done", "output_index": 0, "item": call}),
         completed(json!([]), "completed", json!({})),
@@ -287,7 +158,8 @@ async fn responses_function_calls_and_the_output_item_fallback() {
 
 #[tokio::test]
 async fn responses_replays_history_with_images_and_malformed_arguments() {
-    let server = Server::start(vec![sse(&[completed(json!([]), "completed", json!({}))])]).await;
+    let server =
+        ModelServer::start(vec![sse(&[completed(json!([]), "completed", json!({}))])]).await;
     let c = client(&server, Api::Responses, 1);
     let mut req = request();
     req.input.push(Item::ToolCall {
@@ -333,7 +205,7 @@ async fn rate_limits_and_server_errors_are_retried_then_succeed() {
         json!({"error": {"message": "slow down", "code": "rate_limit_exceeded"}}),
     );
     limited.headers.push(("Retry-After".into(), "0".into()));
-    let server = Server::start(vec![
+    let server = ModelServer::start(vec![
         limited,
         status(500, json!({"error": {"message": "boom"}})),
         // A stream that breaks off before its terminal event.
@@ -357,7 +229,7 @@ async fn rate_limits_and_server_errors_are_retried_then_succeed() {
 
 #[tokio::test]
 async fn a_bad_request_fails_at_once_with_the_providers_words() {
-    let server = Server::start(vec![status(400, json!({"error": {"message": "Unknown parameter: 'x'", "type": "invalid_request_error", "code": "unknown_parameter"}}))]).await;
+    let server = ModelServer::start(vec![status(400, json!({"error": {"message": "Unknown parameter: 'x'", "type": "invalid_request_error", "code": "unknown_parameter"}}))]).await;
     let c = client(&server, Api::Responses, 5);
     let err = respond(&c, &request()).await.0.unwrap_err();
     assert_eq!(server.received().len(), 1, "a 400 is not retried");
@@ -371,7 +243,7 @@ async fn a_bad_request_fails_at_once_with_the_providers_words() {
 async fn in_band_failures_are_errors_not_answers() {
     let failed = json!({"type": "response.failed", "response": {"id": "r", "status": "failed",
         "error": {"code": "context_length_exceeded", "message": "Your input exceeds the context window of this model."}}});
-    let server = Server::start(vec![sse(&[failed])]).await;
+    let server = ModelServer::start(vec![sse(&[failed])]).await;
     let c = client(&server, Api::Responses, 5);
     let err = respond(&c, &request()).await.0.unwrap_err();
     assert!(err.is_context_length_exceeded(), "{err}");
@@ -380,7 +252,7 @@ async fn in_band_failures_are_errors_not_answers() {
     // A retryable in-band error, every time: a clear error after the last attempt.
     let error_event =
         json!({"type": "error", "code": "server_error", "message": "The server had an error"});
-    let server = Server::start(vec![
+    let server = ModelServer::start(vec![
         sse(std::slice::from_ref(&error_event)),
         sse(std::slice::from_ref(&error_event)),
         sse(&[error_event]),
@@ -406,7 +278,7 @@ async fn refusals_and_token_limits_are_stop_reasons() {
         "incomplete",
         json!({"incomplete_details": {"reason": "max_output_tokens"}}),
     );
-    let server = Server::start(vec![sse(&[refusal]), sse(&[cut])]).await;
+    let server = ModelServer::start(vec![sse(&[refusal]), sse(&[cut])]).await;
     let c = client(&server, Api::Responses, 1);
     let r = respond(&c, &request()).await.0.unwrap();
     assert_eq!(
@@ -423,7 +295,7 @@ async fn refusals_and_token_limits_are_stop_reasons() {
 #[tokio::test]
 async fn chat_completions_streams_text_tool_calls_and_usage() {
     let chunk = |delta: Value, finish: Value| json!({"id": "chatcmpl-1", "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]});
-    let server = Server::start(vec![sse(&[
+    let server = ModelServer::start(vec![sse(&[
         chunk(json!({"role": "assistant", "content": "Let me look"}), Value::Null),
         chunk(json!({"tool_calls": [{"index": 0, "id": "call_a", "type": "function", "function": {"name": "Bash", "arguments": "{\"comm"}}]}), Value::Null),
         chunk(json!({"tool_calls": [{"index": 0, "function": {"arguments": "and\":\"ls\"}"}}]}), Value::Null),
@@ -508,7 +380,7 @@ async fn chat_completions_streams_text_tool_calls_and_usage() {
 async fn chat_completions_errors_and_limits() {
     let error = json!({"error": {"message": "This model's maximum context length is 8192 tokens", "code": 400}});
     let cut = json!({"id": "x", "choices": [{"index": 0, "delta": {"content": "par"}, "finish_reason": "length"}]});
-    let server = Server::start(vec![
+    let server = ModelServer::start(vec![
         status(400, json!({"object": "error", "message": "This model's maximum context length is 8192 tokens. However, you requested 9000 tokens.", "type": "BadRequestError", "code": 400})),
         sse(&[error]),
         sse(&[cut]).tap_done(),
@@ -528,7 +400,7 @@ async fn chat_completions_errors_and_limits() {
 
 #[tokio::test]
 async fn cancel_ends_a_backoff_wait() {
-    let server = Server::start(vec![status(503, json!({})), status(503, json!({}))]).await;
+    let server = ModelServer::start(vec![status(503, json!({})), status(503, json!({}))]).await;
     let mut cfg = LlmConfig::new(server.url.clone(), Api::Responses);
     cfg.retry.base_delay = Duration::from_secs(3600);
     cfg.retry.max_delay = Duration::from_secs(3600);
@@ -545,10 +417,8 @@ async fn cancel_ends_a_backoff_wait() {
 
 #[tokio::test]
 async fn an_unreachable_endpoint_is_a_clear_error() {
-    let server = Server {
-        url: "http://127.0.0.1:1/v1".into(),
-        received: Arc::default(),
-    };
+    let mut server = ModelServer::start(Vec::new()).await;
+    server.url = "http://127.0.0.1:1/v1".into();
     let c = client(&server, Api::Chat, 2);
     let err = respond(&c, &request()).await.0.unwrap_err();
     let text = err.to_string();
@@ -556,16 +426,4 @@ async fn an_unreachable_endpoint_is_a_clear_error() {
         text.starts_with("gave up after 2 attempts: cannot reach the model endpoint"),
         "{text}"
     );
-}
-
-trait TapDone {
-    fn tap_done(self) -> Self;
-}
-
-impl TapDone for Reply {
-    /// Ends the stream with `data: [DONE]`, as Chat Completions servers do.
-    fn tap_done(mut self) -> Self {
-        self.chunks.push("data: [DONE]\n\n".into());
-        self
-    }
 }

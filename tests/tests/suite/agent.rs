@@ -1,0 +1,567 @@
+//! The agent end to end: the `corral run` binary (or the coordinator in
+//! process) against a real worker with real Docker sandboxes, and a
+//! scripted model endpoint on loopback speaking the Responses API or Chat
+//! Completions over SSE.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::path::Path;
+use std::process::Stdio;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use corral_control::agent::{
+    Coordinator, Core, Ending, Inbox, Record, SessionConfig, Settings, StopMode, replay,
+};
+use corral_control::context::Budget;
+use corral_control::llm::{Api, LlmClient, LlmConfig};
+use corral_control::ops::{LocalBackend, Manager};
+use corral_control::session::SessionLog;
+use corral_e2e::model::{ModelServer, chat, responses, status};
+use corral_e2e::{Harness, binary};
+use corral_proto::{Outcome, SandboxSpec};
+use serde_json::{Value, json};
+
+struct Run {
+    code: i32,
+    events: Vec<Value>,
+    stderr: String,
+}
+
+impl Run {
+    fn result(&self) -> &Value {
+        let last = self.events.last().expect("no events");
+        assert_eq!(last["type"], "result", "the last event is the result");
+        last
+    }
+
+    fn of_type(&self, t: &str) -> Vec<&Value> {
+        self.events.iter().filter(|e| e["type"] == t).collect()
+    }
+}
+
+fn command(
+    model: &ModelServer,
+    worker: &str,
+    sessions: &Path,
+    args: &[&str],
+) -> tokio::process::Command {
+    let mut cmd = tokio::process::Command::new(binary("corral").unwrap());
+    cmd.env_clear()
+        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+        .env("HOME", sessions)
+        .env("OPENAI_API_KEY", "sk-test")
+        .env("CORRAL_BASE_URL", &model.url)
+        .env("CORRAL_WORKER", worker)
+        .env("CORRAL_SESSIONS_DIR", sessions)
+        .arg("run")
+        .arg("--json")
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true);
+    cmd
+}
+
+async fn corral_run(
+    model: &ModelServer,
+    worker: &str,
+    sessions: &Path,
+    args: &[&str],
+) -> Result<Run> {
+    corral_run_env(model, worker, sessions, args, &[]).await
+}
+
+async fn corral_run_env(
+    model: &ModelServer,
+    worker: &str,
+    sessions: &Path,
+    args: &[&str],
+    env: &[(&str, &str)],
+) -> Result<Run> {
+    let mut cmd = command(model, worker, sessions, args);
+    cmd.envs(env.iter().copied());
+    let out = tokio::time::timeout(Duration::from_secs(120), cmd.output())
+        .await
+        .context("corral run did not finish")??;
+    let stdout = String::from_utf8(out.stdout)?;
+    let events = stdout
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).with_context(|| format!("not JSON: {l}")))
+        .collect::<Result<Vec<_>>>()?;
+    for e in &events {
+        assert_eq!(e["v"], 1, "every event is versioned: {e}");
+    }
+    Ok(Run {
+        code: out.status.code().unwrap_or(-1),
+        events,
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    })
+}
+
+fn bash(cmd: &str) -> String {
+    json!({ "command": cmd }).to_string()
+}
+
+#[tokio::test]
+async fn run_drives_a_bash_call_to_completion_and_a_torn_log_resumes() -> Result<()> {
+    let h = Harness::start().await?;
+    let sessions = tempfile::tempdir()?;
+    let model = ModelServer::start(vec![
+        responses::calls(&[("call_1", "Bash", &bash("echo hello-$((6*7))"))]),
+        responses::text("The answer is 42."),
+        responses::text("Still 42."),
+    ])
+    .await;
+    let run = corral_run(
+        &model,
+        &h.url,
+        sessions.path(),
+        &["--session", "one", "What is 6*7?"],
+    )
+    .await?;
+    assert_eq!(run.code, 0, "{}", run.stderr);
+    let r = run.result();
+    assert_eq!(r["status"], "done");
+    assert_eq!(r["final_text"], "The answer is 42.");
+    assert_eq!(
+        (r["turns"].as_u64(), r["tool_calls"].as_u64()),
+        (Some(2), Some(1))
+    );
+    assert_eq!(r["usage"]["input_tokens"], 200);
+    assert_eq!(run.of_type("session_started")[0]["resumed"], false);
+    assert_eq!(run.of_type("tool_result")[0]["text"], "hello-42");
+    let got = model.received();
+    assert_eq!(got.len(), 2);
+    assert_eq!(got[0].path, "/v1/responses");
+    assert_eq!(got[0].authorization.as_deref(), Some("Bearer sk-test"));
+    let tools: Vec<&str> = got[0].body["tools"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["name"].as_str().unwrap())
+        .collect();
+    assert!(
+        tools.contains(&"Bash") && tools.contains(&"ReadFile"),
+        "{tools:?}"
+    );
+    let output = got[1].body["input"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|i| i["type"] == "function_call_output")
+        .cloned()
+        .unwrap();
+    assert_eq!(output["call_id"], "call_1");
+    assert!(output.to_string().contains("hello-42"), "{output}");
+
+    // A crash mid-write leaves a torn last line: the next run cuts it off
+    // and goes on.
+    let log = sessions.path().join("one.jsonl");
+    let mut bytes = std::fs::read(&log)?;
+    bytes.extend_from_slice(b"{\"seq\": 99, \"record\": {\"type\": \"inp");
+    std::fs::write(&log, bytes)?;
+    let again = corral_run(
+        &model,
+        &h.url,
+        sessions.path(),
+        &["--session", "one", "And again?"],
+    )
+    .await?;
+    assert_eq!(again.code, 0, "{}", again.stderr);
+    assert_eq!(again.of_type("session_started")[0]["resumed"], true);
+    assert_eq!(again.result()["final_text"], "Still 42.");
+    assert!(model.received()[2].text().contains("And again?"));
+
+    // `corral session` reads what was recorded.
+    let out = tokio::process::Command::new(binary("corral")?)
+        .args(["session", "show", "one", "--json", "--sessions-dir"])
+        .arg(sessions.path())
+        .output()
+        .await?;
+    assert!(out.status.success());
+    let kinds: Vec<String> = String::from_utf8(out.stdout)?
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<Value>(l).unwrap()["record"]["type"]
+                .as_str()
+                .unwrap()
+                .to_string()
+        })
+        .collect();
+    assert_eq!(
+        &kinds[..8],
+        [
+            "start",
+            "stop",
+            "input",
+            "turn",
+            "response",
+            "call",
+            "operation",
+            "result"
+        ]
+    );
+    let out = tokio::process::Command::new(binary("corral")?)
+        .args(["session", "ls", "--sessions-dir"])
+        .arg(sessions.path())
+        .output()
+        .await?;
+    assert!(String::from_utf8(out.stdout)?.contains("one"));
+    h.stop().await;
+    Ok(())
+}
+
+#[tokio::test]
+async fn three_parallel_calls_batch_the_fast_ones_and_the_slow_one_shows_a_placeholder()
+-> Result<()> {
+    let h = Harness::start().await?;
+    let sessions = tempfile::tempdir()?;
+    let model = ModelServer::start(vec![
+        chat::calls(&[
+            ("a", "Bash", &bash("echo fast-A")),
+            ("b", "Bash", &bash("echo fast-B")),
+            ("slow", "Bash", &bash("sleep 5; echo slow-S")),
+        ]),
+        chat::text("A and B are in; waiting for the slow one."),
+        chat::text("All three done."),
+    ])
+    .await;
+    let run = corral_run_env(
+        &model,
+        &h.url,
+        sessions.path(),
+        &["--api", "chat", "run three"],
+        &[("CORRAL_GRACE", "2s")],
+    )
+    .await?;
+    assert_eq!(run.code, 0, "{}\n{:#?}", run.stderr, run.events);
+    let got = model.received();
+    assert_eq!(
+        got.len(),
+        3,
+        "one turn for both fast results, one for the slow"
+    );
+    assert_eq!(got[0].path, "/v1/chat/completions");
+    let tool_messages = |i: usize| -> Vec<(String, String)> {
+        got[i].body["messages"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|m| m["role"] == "tool")
+            .map(|m| {
+                (
+                    m["tool_call_id"].as_str().unwrap().to_string(),
+                    m["content"].to_string(),
+                )
+            })
+            .collect()
+    };
+    let second = tool_messages(1);
+    assert_eq!(second.len(), 3, "{second:?}");
+    assert!(
+        second[0].1.contains("fast-A") && second[1].1.contains("fast-B"),
+        "{second:?}"
+    );
+    assert_eq!(second[2].0, "slow");
+    assert!(second[2].1.contains("still running"), "{second:?}");
+    let third = tool_messages(2);
+    assert!(third.last().unwrap().1.contains("slow-S"), "{third:?}");
+    h.stop().await;
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_heartbeat_shows_the_model_the_output_so_far() -> Result<()> {
+    let h = Harness::start().await?;
+    let sessions = tempfile::tempdir()?;
+    let model = ModelServer::start(vec![
+        responses::calls(&[("c", "Bash", &bash("echo tick-1; sleep 4.5; echo tock"))]),
+        responses::text("Still running; I will wait."),
+        responses::text("Finished."),
+    ])
+    .await;
+    let run = corral_run(
+        &model,
+        &h.url,
+        sessions.path(),
+        &["--heartbeat", "3s", "wait for it"],
+    )
+    .await?;
+    assert_eq!(run.code, 0, "{}", run.stderr);
+    let got = model.received();
+    assert_eq!(got.len(), 3);
+    let beat = got[1].text();
+    assert!(beat.contains("[heartbeat]"), "{beat}");
+    assert!(beat.contains("tick-1"), "the output so far: {beat}");
+    assert!(got[2].text().contains("tock"));
+    assert_eq!(run.of_type("heartbeat").len(), 1);
+    h.stop().await;
+    Ok(())
+}
+
+#[tokio::test]
+async fn malformed_tool_arguments_go_back_to_the_model_and_the_run_goes_on() -> Result<()> {
+    let h = Harness::start().await?;
+    let sessions = tempfile::tempdir()?;
+    let model = ModelServer::start(vec![
+        responses::calls(&[
+            ("bad", "Bash", "{\"command\": "),
+            ("gone", "Teleport", "{}"),
+        ]),
+        responses::text("Sorry about that."),
+    ])
+    .await;
+    let run = corral_run(&model, &h.url, sessions.path(), &["try"]).await?;
+    assert_eq!(run.code, 0, "{}", run.stderr);
+    let second = model.received()[1].text();
+    assert!(second.contains("not valid JSON"), "{second}");
+    assert!(second.contains("not available"), "{second}");
+    assert_eq!(
+        run.of_type("tool_call")
+            .iter()
+            .filter(|e| !e["error"].is_null())
+            .count(),
+        2
+    );
+    h.stop().await;
+    Ok(())
+}
+
+#[tokio::test]
+async fn rate_limits_and_server_errors_are_retried_and_a_bad_request_fails_with_exit_1()
+-> Result<()> {
+    let h = Harness::start().await?;
+    let sessions = tempfile::tempdir()?;
+    let model = ModelServer::start(vec![
+        status(
+            429,
+            json!({"error": {"message": "slow down", "code": "rate_limit_exceeded"}}),
+        )
+        .header("Retry-After", "0"),
+        status(500, json!({"error": {"message": "oops"}})),
+        responses::text("made it"),
+        status(
+            400,
+            json!({"error": {"message": "no such model", "code": "model_not_found"}}),
+        ),
+    ])
+    .await;
+    let run = corral_run(&model, &h.url, sessions.path(), &["hi"]).await?;
+    assert_eq!(run.code, 0, "{}", run.stderr);
+    assert_eq!(run.result()["final_text"], "made it");
+    assert_eq!(run.of_type("model_retry").len(), 2);
+
+    let run = corral_run(&model, &h.url, sessions.path(), &["--session", "bad", "hi"]).await?;
+    assert_eq!(run.code, 1, "{}", run.stderr);
+    let r = run.result();
+    assert_eq!(r["status"], "failed");
+    assert!(
+        r["error"].as_str().unwrap().contains("no such model"),
+        "{r}"
+    );
+    let records = SessionLog::<Record>::replay(sessions.path(), "bad", 0, 1000)?;
+    assert!(
+        records
+            .records
+            .iter()
+            .any(|(_, r)| matches!(r, Record::ModelFailure { .. })),
+        "the failure is recorded, never as an answer"
+    );
+    assert!(
+        !records
+            .records
+            .iter()
+            .any(|(_, r)| matches!(r, Record::Response { .. }))
+    );
+    h.stop().await;
+    Ok(())
+}
+
+#[tokio::test]
+async fn usage_errors_exit_2_before_anything_runs() -> Result<()> {
+    let model = ModelServer::start(Vec::new()).await;
+    let sessions = tempfile::tempdir()?;
+    let unreachable = "http://127.0.0.1:9";
+    let run = corral_run(&model, unreachable, sessions.path(), &[]).await?;
+    assert_eq!(run.code, 2, "no prompt for a new session: {}", run.stderr);
+    let req = sessions.path().join("req.json");
+    std::fs::write(&req, r#"{"prompt": "x", "temperature": 3}"#)?;
+    let run = corral_run(
+        &model,
+        unreachable,
+        sessions.path(),
+        &["--request", req.to_str().unwrap()],
+    )
+    .await?;
+    assert_eq!(run.code, 2);
+    assert!(
+        run.stderr.contains("unknown field `temperature`"),
+        "{}",
+        run.stderr
+    );
+    let run = corral_run(
+        &model,
+        unreachable,
+        sessions.path(),
+        &["--heartbeat=-5m", "x"],
+    )
+    .await?;
+    assert_eq!(run.code, 2);
+    assert!(run.stderr.contains("negative"), "{}", run.stderr);
+    assert!(model.received().is_empty());
+    Ok(())
+}
+
+/// SIGKILL `corral run` while its command runs; the rerun re-attaches to
+/// the command (a counter in the sandbox proves it ran once), gives its
+/// result to the model, and the log replays to the same state.
+#[tokio::test]
+async fn a_killed_run_resumes_without_running_its_command_twice() -> Result<()> {
+    let h = Harness::start().await?;
+    let sessions = tempfile::tempdir()?;
+    let model = ModelServer::start(vec![
+        responses::calls(&[(
+            "c",
+            "Bash",
+            &bash("echo ran >> /workspace/counter; sleep 4; echo finished-$(wc -l < /workspace/counter)"),
+        )]),
+        responses::text("Counted."),
+    ])
+    .await;
+    let mut child = command(
+        &model,
+        &h.url,
+        sessions.path(),
+        &["--session", "crash", "count"],
+    )
+    .spawn()?;
+    // Wait until the call is recorded, and a little more so that it runs.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let recorded = SessionLog::<Record>::replay(sessions.path(), "crash", 0, 1000)
+            .map(|p| {
+                p.records
+                    .iter()
+                    .any(|(_, r)| matches!(r, Record::Call { .. }))
+            })
+            .unwrap_or(false);
+        if recorded {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the call was never recorded"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    child.start_kill()?;
+    let status = child.wait().await?;
+    assert_eq!(status.code(), None, "killed by a signal");
+
+    let run = corral_run(&model, &h.url, sessions.path(), &["--session", "crash"]).await?;
+    assert_eq!(run.code, 0, "{}", run.stderr);
+    assert_eq!(run.result()["final_text"], "Counted.");
+    let got = model.received();
+    assert_eq!(got.len(), 2);
+    assert!(got[1].text().contains("finished-1"), "{}", got[1].text());
+
+    let state = replay(sessions.path(), "crash", &[])?;
+    let sandbox = state.config.as_ref().unwrap().sandbox_id.clone();
+    let counter = h.run(&sandbox, "cat /workspace/counter").await?;
+    assert_eq!(counter.outcome, Outcome::Exited { code: 0 });
+    assert_eq!(
+        counter.stdout.to_lossy_string(),
+        "ran\n",
+        "the command ran exactly once"
+    );
+    assert_eq!(state.running_ops().count(), 0);
+    assert_eq!(state.final_text, "Counted.");
+    assert_eq!(
+        replay(sessions.path(), "crash", &[])?,
+        state,
+        "replay is deterministic"
+    );
+    h.stop().await;
+    Ok(())
+}
+
+fn config(sandbox: corral_proto::SandboxId) -> SessionConfig {
+    SessionConfig {
+        model: "m".into(),
+        system_prompt: String::new(),
+        tools: None,
+        sandbox_id: sandbox,
+        image: None,
+        budget: Budget::default(),
+        max_output_tokens: None,
+        reasoning_effort: None,
+        max_turns: 10,
+    }
+}
+
+/// The coordinator in process: a new input cancels the request in flight,
+/// whose answer never arrives, and the next request carries both inputs.
+#[tokio::test]
+async fn a_new_input_steers_a_request_in_flight() -> Result<()> {
+    let h = Harness::start().await?;
+    let sandbox = h.sandbox_with(SandboxSpec::default()).await?;
+    let model = ModelServer::start(vec![
+        responses::text("a very long essay").after(Duration::from_secs(30)),
+        responses::text("short answer"),
+    ])
+    .await;
+    let sessions = tempfile::tempdir()?;
+    let log = SessionLog::create(sessions.path(), "steer")?;
+    let core = Core::create(log, config(sandbox.clone()), Vec::new())?;
+    let (manager, updates) = Manager::start(LocalBackend::new(h.worker.clone()), sandbox);
+    let mut llm = LlmConfig::new(model.url.clone(), Api::Responses);
+    llm.api_key = Some("k".into());
+    let llm = Arc::new(LlmClient::new(llm)?);
+    let (events, mut events_rx) = tokio::sync::mpsc::channel(1024);
+    let manager = Arc::new(manager);
+    let (coordinator, inbox) = Coordinator::new(
+        core,
+        manager.clone(),
+        updates,
+        llm,
+        events,
+        Settings::default(),
+    );
+    let task = tokio::spawn(coordinator.run());
+    let drain = tokio::spawn(async move { while events_rx.recv().await.is_some() {} });
+    inbox
+        .send(Inbox::Input {
+            input_id: "1".into(),
+            text: "write an essay".into(),
+        })
+        .await?;
+    model.wait_for(1, Duration::from_secs(30)).await;
+    inbox
+        .send(Inbox::Input {
+            input_id: "2".into(),
+            text: "no, one line".into(),
+        })
+        .await?;
+    inbox.send(Inbox::Stop(StopMode::WhenIdle)).await?;
+    let summary = tokio::time::timeout(Duration::from_secs(30), task).await???;
+    assert_eq!(summary.ending, Ending::Done);
+    assert_eq!(summary.final_text, "short answer");
+    let got = model.received();
+    assert_eq!(got.len(), 2);
+    assert!(got[1].text().contains("write an essay") && got[1].text().contains("no, one line"));
+    let _ = drain.await;
+    let state = replay(sessions.path(), "steer", &[])?;
+    assert_eq!(
+        (state.turns, state.final_text.as_str()),
+        (2, "short answer")
+    );
+    drop(inbox);
+    if let Ok(m) = Arc::try_unwrap(manager) {
+        m.shutdown().await;
+    }
+    h.stop().await;
+    Ok(())
+}
