@@ -35,6 +35,7 @@ fn config() -> SessionConfig {
         max_output_tokens: None,
         reasoning_effort: None,
         max_turns: TURNS + 10,
+        skills: Vec::new(),
     }
 }
 
@@ -69,7 +70,7 @@ fn finished(op: &Operation, turn: u64) -> Operation {
 /// Per-turn durations of a session driven for `TURNS` turns.
 fn coordinator(dir: &std::path::Path) -> Vec<Duration> {
     let log = SessionLog::create(dir, "bench").unwrap();
-    let mut core = Core::create(log, config(), Vec::new()).unwrap();
+    let mut core = Core::create(log, config()).unwrap();
     core.input("i", "The build is broken; please fix it.")
         .unwrap();
     let mut times = Vec::with_capacity(TURNS as usize);

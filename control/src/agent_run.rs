@@ -17,6 +17,7 @@ use tokio::sync::mpsc;
 
 use crate::agent::core::{now_ms, replay};
 use crate::agent::events::{Event, RunResult, to_json_line};
+use crate::agent::record::SkillDef;
 use crate::agent::{
     Coordinator, Core, Ending, Inbox, Record, SessionConfig, Settings, StopMode, Summary,
 };
@@ -336,6 +337,18 @@ async fn drive(
     llm: Arc<LlmClient>,
     started: Instant,
 ) -> Result<u8, RunError> {
+    let (skills, skill_files) = match (&args.skills, exists) {
+        (Some(dir), false) => {
+            let skills = crate::tools::skills::discover(dir).map_err(usage)?;
+            let files = skill_files(dir)?;
+            (skills, files)
+        }
+        (Some(_), true) => {
+            tracing::warn!("--skills applies to new sessions; this one keeps its recorded skills");
+            (Vec::new(), Vec::new())
+        }
+        (None, _) => (Vec::new(), Vec::new()),
+    };
     let core = if exists {
         let (log, recovery) = SessionLog::<Record>::open(dir, id)?;
         if recovery.torn_bytes > 0 {
@@ -345,7 +358,7 @@ async fn drive(
                 "the session log ended in a torn record (a crash mid-write); it was cut off"
             );
         }
-        Core::resume(dir, log, Vec::new())?
+        Core::resume(dir, log)?
     } else {
         let budget = Budget {
             context_window_tokens: req
@@ -384,9 +397,10 @@ async fn drive(
                 .max_turns
                 .or(req.limits.max_turns)
                 .unwrap_or(DEFAULT_MAX_TURNS),
+            skills: skills.iter().map(SkillDef::from_skill).collect(),
         };
         let log = SessionLog::<Record>::create(dir, id)?;
-        Core::create(log, config, Vec::new())?
+        Core::create(log, config)?
     };
     let config = core.config().clone();
     let spec = SandboxSpec {
@@ -397,6 +411,7 @@ async fn drive(
         .client
         .create_sandbox(Some(&config.sandbox_id), spec)
         .await?;
+    install_files(&connection.client, &config.sandbox_id, skill_files).await?;
     let settings = Settings {
         heartbeat: (!args.heartbeat.is_zero()).then_some(args.heartbeat),
         grace: args.grace,
@@ -532,6 +547,90 @@ async fn session<M: OperationManager + 'static>(
     Ok(summary)
 }
 
+/// Most bytes of skill files copied into a sandbox.
+const MAX_SKILL_FILES_BYTES: u64 = 32 << 20;
+const MAX_SKILL_FILES: usize = 2_000;
+
+/// Every regular file under `dir`, as (path in the sandbox, contents).
+fn skill_files(dir: &Path) -> Result<Vec<(String, Vec<u8>)>, RunError> {
+    let mut out = Vec::new();
+    let mut total = 0u64;
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        let entries = std::fs::read_dir(&d).map_err(|e| usage(format!("{}: {e}", d.display())))?;
+        for e in entries {
+            let e = e.map_err(|e| usage(format!("{}: {e}", d.display())))?;
+            let path = e.path();
+            let kind = e
+                .file_type()
+                .map_err(|e| usage(format!("{}: {e}", path.display())))?;
+            if kind.is_dir() {
+                stack.push(path);
+            } else if kind.is_file() {
+                let data =
+                    std::fs::read(&path).map_err(|e| usage(format!("{}: {e}", path.display())))?;
+                total += data.len() as u64;
+                if total > MAX_SKILL_FILES_BYTES || out.len() >= MAX_SKILL_FILES {
+                    return Err(usage(format!(
+                        "{}: the skills are over {} files or {} MiB",
+                        dir.display(),
+                        MAX_SKILL_FILES,
+                        MAX_SKILL_FILES_BYTES >> 20
+                    )));
+                }
+                let rel = path
+                    .strip_prefix(dir)
+                    .unwrap_or(&path)
+                    .to_string_lossy()
+                    .into_owned();
+                out.push((
+                    format!("{}/{rel}", crate::tools::skills::SANDBOX_SKILLS_DIR),
+                    data,
+                ));
+            }
+        }
+    }
+    out.sort();
+    Ok(out)
+}
+
+/// Writes files into the sandbox, one write operation each, and waits for
+/// every one of them.
+async fn install_files(
+    client: &crate::client::WorkerClient,
+    sandbox: &SandboxId,
+    files: Vec<(String, Vec<u8>)>,
+) -> Result<(), RunError> {
+    use corral_proto::{OperationId, OperationSpec, Outcome, WriteFileSpec};
+    for (path, data) in files {
+        let id = OperationId::random();
+        let spec = OperationSpec::WriteFile(WriteFileSpec {
+            path: path.clone(),
+            data: data.into(),
+            mode: 0o644,
+        });
+        let mut record = client.submit(sandbox, &id, spec).await?;
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let result = loop {
+            if let Some(r) = record.result.take() {
+                break r;
+            }
+            if Instant::now() > deadline {
+                return Err(failed(format!(
+                    "copying {path} into the sandbox took over 60 s"
+                )));
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            record = client.operation(sandbox, &id).await?;
+        };
+        match result.outcome {
+            Outcome::Exited { code: 0 } => {}
+            other => return Err(failed(format!("copying {path} into the sandbox: {other}"))),
+        }
+    }
+    Ok(())
+}
+
 /// `corral session ...`.
 pub fn run_session_command(cmd: &SessionCommand) -> Result<u8, RunError> {
     let mut out = std::io::stdout().lock();
@@ -558,7 +657,7 @@ pub fn run_session_command(cmd: &SessionCommand) -> Result<u8, RunError> {
                 "ID", "TURNS", "CALLS", "STATE"
             )?;
             for id in ids {
-                match replay(&dir, &id, &[]) {
+                match replay(&dir, &id) {
                     Ok(s) => {
                         let state = if s.in_flight.is_some() || s.running_ops().next().is_some() {
                             "open"
@@ -679,8 +778,7 @@ pub const INTERRUPTED_BY_FORK: &str = "Error: interrupted by fork: this call had
 pub fn fork(dir: &Path, parent: &str, child: &str, turn: Option<u64>) -> Result<(), RunError> {
     let mut upto = 0;
     let mut after = 0;
-    let mut state = crate::agent::State::new(&[]);
-    let tools = |c: &SessionConfig| crate::agent::core::registry_for(c, &[]).tools();
+    let mut state = crate::agent::State::new();
     'pages: loop {
         let page = SessionLog::<Record>::replay(dir, parent, after, 256)?;
         for (seq, rec) in &page.records {
@@ -689,7 +787,7 @@ pub fn fork(dir: &Path, parent: &str, child: &str, turn: Option<u64>) -> Result<
             {
                 break 'pages;
             }
-            state.apply(rec, &tools);
+            state.apply(rec);
             upto = *seq;
         }
         match page.next {

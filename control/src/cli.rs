@@ -109,6 +109,11 @@ pub struct RunArgs {
     /// Most model requests in one run.
     #[arg(long, env = "CORRAL_MAX_TURNS")]
     pub max_turns: Option<u64>,
+    /// A folder of skills (`NAME/SKILL.md` with YAML front matter, and any
+    /// files beside it): copied into the sandbox and offered through the
+    /// SkillUse tool (new sessions only).
+    #[arg(long, env = "CORRAL_SKILLS_DIR")]
+    pub skills: Option<PathBuf>,
     /// System prompt (after Corral's preamble).
     #[arg(long, env = "CORRAL_SYSTEM_PROMPT")]
     pub system_prompt: Option<String>,

@@ -212,6 +212,16 @@ impl ContextBuilder {
         }
     }
 
+    /// Replaces the skills listed in the system message.
+    pub fn set_skills(&mut self, skills: &[SkillInfo]) {
+        let mut preamble = PREAMBLE.trim_end().to_string();
+        if !skills.is_empty() {
+            preamble.push_str("\n\n");
+            preamble.push_str(&skills_manifest(skills));
+        }
+        self.preamble = preamble;
+    }
+
     /// Replaces the system prompt only; the conversation is untouched.
     pub fn set_system_prompt(&mut self, prompt: &str) {
         self.system_prompt = prompt.to_string();

@@ -11,11 +11,9 @@ use corral_proto::OperationId;
 use super::events::{Change, Event};
 use super::record::{CallOutcome, OpEntry, OpSnapshot, Record, SessionConfig, StopCause, StopMode};
 use super::state::{Shown, State};
-use crate::context::SkillInfo;
 use crate::llm::{LlmError, Request, Response, Tool, ToolOutput};
 use crate::ops::{Operation, Progress};
 use crate::session::{LogError, SessionLog};
-use crate::tools::skills::Skill;
 use crate::tools::{CallStatus, Registry};
 
 /// Records read per page when a session is replayed.
@@ -58,7 +56,6 @@ pub struct Core {
     log: SessionLog<Record>,
     state: State,
     registry: Registry,
-    skills: Vec<Skill>,
     /// The turn whose calls are in their grace window.
     grace: Option<u64>,
     /// What running operations printed so far (not persisted).
@@ -67,27 +64,22 @@ pub struct Core {
 }
 
 /// The tools a session offers.
-pub fn registry_for(config: &SessionConfig, skills: &[Skill]) -> Registry {
-    let mut r = Registry::with_skills(skills.to_vec());
+pub fn registry_for(config: &SessionConfig) -> Registry {
+    let mut r = Registry::with_skills(config.skills.iter().map(|s| s.to_skill()).collect());
     if let Some(allowed) = &config.tools {
         r.retain(allowed);
     }
     r
 }
 
-fn skill_infos(skills: &[Skill]) -> Vec<SkillInfo> {
-    skills.iter().map(|s| s.info.clone()).collect()
-}
-
 /// Rebuilds a session's state from its log, a page at a time.
-pub fn replay(dir: &std::path::Path, id: &str, skills: &[Skill]) -> Result<State, CoreError> {
-    let mut state = State::new(&skill_infos(skills));
-    let tools = |c: &SessionConfig| registry_for(c, skills).tools();
+pub fn replay(dir: &std::path::Path, id: &str) -> Result<State, CoreError> {
+    let mut state = State::new();
     let mut after = 0;
     loop {
         let page = SessionLog::<Record>::replay(dir, id, after, REPLAY_PAGE)?;
         for (_, rec) in &page.records {
-            state.apply(rec, &tools);
+            state.apply(rec);
         }
         match page.next {
             Some(n) => after = n,
@@ -110,17 +102,12 @@ fn text_of(output: &[ToolOutput]) -> String {
 
 impl Core {
     /// Starts a new session: its log must be new (and empty).
-    pub fn create(
-        log: SessionLog<Record>,
-        config: SessionConfig,
-        skills: Vec<Skill>,
-    ) -> Result<Self, CoreError> {
-        let registry = registry_for(&config, &skills);
+    pub fn create(log: SessionLog<Record>, config: SessionConfig) -> Result<Self, CoreError> {
+        let registry = registry_for(&config);
         let mut core = Self {
             log,
-            state: State::new(&skill_infos(&skills)),
+            state: State::new(),
             registry,
-            skills,
             grace: None,
             progress: HashMap::new(),
             effects: Vec::new(),
@@ -132,21 +119,16 @@ impl Core {
     /// Takes over an existing session: replays it, records the resume, and
     /// queues what a resumed session must do (see `resume_effects`). Call
     /// [`Core::kick`] once its new inputs are given.
-    pub fn resume(
-        dir: &std::path::Path,
-        log: SessionLog<Record>,
-        skills: Vec<Skill>,
-    ) -> Result<Self, CoreError> {
-        let state = replay(dir, log.id(), &skills)?;
+    pub fn resume(dir: &std::path::Path, log: SessionLog<Record>) -> Result<Self, CoreError> {
+        let state = replay(dir, log.id())?;
         let Some(config) = state.config.clone() else {
             return Err(CoreError::NoStart(log.id().into()));
         };
-        let registry = registry_for(&config, &skills);
+        let registry = registry_for(&config);
         let mut core = Self {
             log,
             state,
             registry,
-            skills,
             grace: None,
             progress: HashMap::new(),
             effects: Vec::new(),
@@ -171,10 +153,6 @@ impl Core {
 
     pub fn session_id(&self) -> &str {
         self.log.id()
-    }
-
-    pub fn skills(&self) -> &[Skill] {
-        &self.skills
     }
 
     pub fn tools(&self) -> Vec<Tool> {
@@ -220,8 +198,7 @@ impl Core {
 
     fn record(&mut self, rec: Record) -> Result<(), CoreError> {
         self.log.append(&rec)?;
-        let (registry_skills, state) = (&self.skills, &mut self.state);
-        state.apply(&rec, &|c| registry_for(c, registry_skills).tools());
+        self.state.apply(&rec);
         Ok(())
     }
 

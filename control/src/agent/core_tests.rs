@@ -25,17 +25,18 @@ fn config() -> SessionConfig {
         max_output_tokens: None,
         reasoning_effort: None,
         max_turns: 20,
+        skills: Vec::new(),
     }
 }
 
 fn new_core(dir: &std::path::Path, id: &str) -> Core {
     let log = SessionLog::create(dir, id).unwrap();
-    Core::create(log, config(), Vec::new()).unwrap()
+    Core::create(log, config()).unwrap()
 }
 
 fn resume(dir: &std::path::Path, id: &str) -> Core {
     let (log, _) = SessionLog::open(dir, id).unwrap();
-    Core::resume(dir, log, Vec::new()).unwrap()
+    Core::resume(dir, log).unwrap()
 }
 
 fn text(t: &str) -> Response {
@@ -144,7 +145,7 @@ fn result_texts(req: &crate::llm::Request) -> Vec<(String, String)> {
 
 /// Live state equals the state replayed from the log.
 fn assert_replays(dir: &std::path::Path, core: &Core) {
-    let replayed = replay(dir, core.session_id(), &[]).unwrap();
+    let replayed = replay(dir, core.session_id()).unwrap();
     assert_eq!(
         &replayed,
         core.state(),
@@ -612,7 +613,7 @@ fn the_turn_limit_ends_the_run_as_failed() {
     let log = SessionLog::create(dir.path(), "s").unwrap();
     let mut cfg = config();
     cfg.max_turns = 1;
-    let mut core = Core::create(log, cfg, Vec::new()).unwrap();
+    let mut core = Core::create(log, cfg).unwrap();
     core.input("i", "go").unwrap();
     fx(&mut core);
     core.model_done(1, Ok(calls(&[("c", "Teleport", "{}")])))

@@ -32,6 +32,43 @@ pub struct SessionConfig {
     pub reasoning_effort: Option<String>,
     /// Most model requests a run makes before it gives up.
     pub max_turns: u64,
+    /// Skills offered through `SkillUse` (recorded, so that a replay on
+    /// another machine builds the same requests).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub skills: Vec<SkillDef>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SkillDef {
+    pub name: String,
+    pub description: String,
+    /// Where its SKILL.md is in the sandbox.
+    pub location: String,
+    /// Its instructions.
+    pub body: String,
+}
+
+impl SkillDef {
+    pub fn to_skill(&self) -> crate::tools::skills::Skill {
+        crate::tools::skills::Skill {
+            info: crate::context::SkillInfo {
+                name: self.name.clone(),
+                description: self.description.clone(),
+                location: self.location.clone(),
+            },
+            body: self.body.clone(),
+        }
+    }
+
+    pub fn from_skill(s: &crate::tools::skills::Skill) -> Self {
+        Self {
+            name: s.info.name.clone(),
+            description: s.info.description.clone(),
+            location: s.info.location.clone(),
+            body: s.body.clone(),
+        }
+    }
 }
 
 /// What the translator made of a tool call.

@@ -10,7 +10,7 @@ use corral_proto::{OperationId, OperationSpec};
 
 use super::record::{CallOutcome, OpSnapshot, Record, SessionConfig, StopCause, StopMode};
 use crate::context::{Budget, ContextBuilder, SkillInfo};
-use crate::llm::{Item, Response, StopReason, Tool, Usage};
+use crate::llm::{Item, Response, StopReason, Usage};
 use crate::ops::{OpStatus, Operation};
 
 /// What the model has been shown of a call.
@@ -77,12 +77,11 @@ pub struct State {
 }
 
 impl State {
-    /// An empty session. `skills` are listed in the system message (they are
-    /// found on this machine when the session is opened, not recorded).
-    pub fn new(skills: &[SkillInfo]) -> Self {
+    /// An empty session.
+    pub fn new() -> Self {
         Self {
             config: None,
-            context: ContextBuilder::new(skills, Budget::default()),
+            context: ContextBuilder::new(&[], Budget::default()),
             last_turn: 0,
             in_flight: None,
             has_new: false,
@@ -131,18 +130,20 @@ impl State {
             .collect()
     }
 
-    /// Applies one record. `tools` is the tool list a `start` record offers
-    /// (resolved by the caller from the record's allow-list).
-    pub fn apply(&mut self, record: &Record, tools: &dyn Fn(&SessionConfig) -> Vec<Tool>) {
+    /// Applies one record.
+    pub fn apply(&mut self, record: &Record) {
         match record {
             Record::Start { config } => {
+                let skills: Vec<SkillInfo> =
+                    config.skills.iter().map(|s| s.to_skill().info).collect();
+                self.context.set_skills(&skills);
                 self.context.set_model(&config.model);
                 self.context.set_system_prompt(&config.system_prompt);
                 self.context.set_budget(config.budget);
                 self.context.set_max_output_tokens(config.max_output_tokens);
                 self.context
                     .set_reasoning_effort(config.reasoning_effort.clone());
-                for t in tools(config) {
+                for t in super::core::registry_for(config).tools() {
                     self.context.add_tool(t);
                 }
                 self.config = Some(config.clone());
@@ -320,6 +321,12 @@ impl State {
                 self.stop = Some((*mode, *cause));
             }
         }
+    }
+}
+
+impl Default for State {
+    fn default() -> Self {
+        Self::new()
     }
 }
 

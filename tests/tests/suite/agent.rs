@@ -468,7 +468,7 @@ async fn a_killed_run_resumes_without_running_its_command_twice() -> Result<()> 
     assert_eq!(got.len(), 2);
     assert!(got[1].text().contains("finished-1"), "{}", got[1].text());
 
-    let state = replay(sessions.path(), "crash", &[])?;
+    let state = replay(sessions.path(), "crash")?;
     let sandbox = state.config.as_ref().unwrap().sandbox_id.clone();
     let counter = h.run(&sandbox, "cat /workspace/counter").await?;
     assert_eq!(counter.outcome, Outcome::Exited { code: 0 });
@@ -480,7 +480,7 @@ async fn a_killed_run_resumes_without_running_its_command_twice() -> Result<()> 
     assert_eq!(state.running_ops().count(), 0);
     assert_eq!(state.final_text, "Counted.");
     assert_eq!(
-        replay(sessions.path(), "crash", &[])?,
+        replay(sessions.path(), "crash")?,
         state,
         "replay is deterministic"
     );
@@ -499,6 +499,7 @@ fn config(sandbox: corral_proto::SandboxId) -> SessionConfig {
         max_output_tokens: None,
         reasoning_effort: None,
         max_turns: 10,
+        skills: Vec::new(),
     }
 }
 
@@ -515,7 +516,7 @@ async fn a_new_input_steers_a_request_in_flight() -> Result<()> {
     .await;
     let sessions = tempfile::tempdir()?;
     let log = SessionLog::create(sessions.path(), "steer")?;
-    let core = Core::create(log, config(sandbox.clone()), Vec::new())?;
+    let core = Core::create(log, config(sandbox.clone()))?;
     let (manager, updates) = Manager::start(LocalBackend::new(h.worker.clone()), sandbox);
     let mut llm = LlmConfig::new(model.url.clone(), Api::Responses);
     llm.api_key = Some("k".into());
@@ -553,7 +554,7 @@ async fn a_new_input_steers_a_request_in_flight() -> Result<()> {
     assert_eq!(got.len(), 2);
     assert!(got[1].text().contains("write an essay") && got[1].text().contains("no, one line"));
     let _ = drain.await;
-    let state = replay(sessions.path(), "steer", &[])?;
+    let state = replay(sessions.path(), "steer")?;
     assert_eq!(
         (state.turns, state.final_text.as_str()),
         (2, "short answer")
@@ -563,5 +564,198 @@ async fn a_new_input_steers_a_request_in_flight() -> Result<()> {
         m.shutdown().await;
     }
     h.stop().await;
+    Ok(())
+}
+
+/// A `--request` file: its messages go in one turn, its system prompt and
+/// tool allow-list apply, and skills from `--skills` are offered, loaded by
+/// SkillUse, and their files are in the sandbox.
+#[tokio::test]
+async fn a_request_file_with_messages_tools_and_skills() -> Result<()> {
+    let h = Harness::start().await?;
+    let sessions = tempfile::tempdir()?;
+    let skills = tempfile::tempdir()?;
+    std::fs::create_dir_all(skills.path().join("greet/data"))?;
+    std::fs::write(
+        skills.path().join("greet/SKILL.md"),
+        "---\nname: greet\ndescription: Greets people politely.\n---\nRead data/words.txt and use its word.\n",
+    )?;
+    std::fs::write(skills.path().join("greet/data/words.txt"), "salutations\n")?;
+    let req = sessions.path().join("request.json");
+    std::fs::write(
+        &req,
+        json!({
+            "messages": [
+                {"role": "user", "content": "first message"},
+                {"role": "user", "content": "second message"}
+            ],
+            "system_prompt": "You are terse.",
+            "tools": ["ReadFile", "SkillUse"],
+            "limits": {"max_turns": 5}
+        })
+        .to_string(),
+    )?;
+    let model = ModelServer::start(vec![
+        responses::calls(&[("s", "SkillUse", r#"{"name": "greet"}"#)]),
+        responses::calls(&[(
+            "r",
+            "ReadFile",
+            r#"{"path": "/workspace/.corral/skills/greet/data/words.txt"}"#,
+        )]),
+        responses::text("salutations!"),
+    ])
+    .await;
+    let run = corral_run(
+        &model,
+        &h.url,
+        sessions.path(),
+        &[
+            "--request",
+            req.to_str().unwrap(),
+            "--skills",
+            skills.path().to_str().unwrap(),
+        ],
+    )
+    .await?;
+    assert_eq!(run.code, 0, "{}\n{:#?}", run.stderr, run.events);
+    let got = model.received();
+    assert_eq!(got.len(), 3);
+    let first = &got[0].body;
+    let input = first["input"].as_array().unwrap();
+    let system = input[0].to_string();
+    assert!(system.contains("You are terse."), "{system}");
+    assert!(system.contains("<name>greet</name>"), "{system}");
+    let users: Vec<String> = input
+        .iter()
+        .filter(|i| i["role"] == "user")
+        .map(|i| i["content"].as_str().unwrap_or_default().to_string())
+        .collect();
+    assert_eq!(
+        users,
+        ["first message", "second message"],
+        "one turn for both"
+    );
+    let mut tools: Vec<&str> = first["tools"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["name"].as_str().unwrap())
+        .collect();
+    tools.sort();
+    assert_eq!(tools, ["ReadFile", "SkillUse"]);
+    assert!(
+        got[1].text().contains("Read data/words.txt"),
+        "the skill's body"
+    );
+    assert!(
+        got[2].text().contains("salutations"),
+        "the skill's file is in the sandbox"
+    );
+    h.stop().await;
+    Ok(())
+}
+
+/// Ctrl-C: the model is stopped, the running command is canceled (killed
+/// in the sandbox), its end is recorded, and the exit code is 130.
+#[tokio::test]
+async fn an_interrupt_cancels_the_running_command_and_exits_130() -> Result<()> {
+    let h = Harness::start().await?;
+    let sessions = tempfile::tempdir()?;
+    let model = ModelServer::start(vec![responses::calls(&[(
+        "c",
+        "Bash",
+        &bash("sleep 60; echo never >> /workspace/late"),
+    )])])
+    .await;
+    let child = command(
+        &model,
+        &h.url,
+        sessions.path(),
+        &["--session", "int", "wait"],
+    )
+    .spawn()?;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let started = SessionLog::<Record>::replay(sessions.path(), "int", 0, 1000)
+            .map(|p| {
+                p.records
+                    .iter()
+                    .any(|(_, r)| matches!(r, Record::Call { .. }))
+            })
+            .unwrap_or(false);
+        if started {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the call was never recorded"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let pid = nix::unistd::Pid::from_raw(child.id().unwrap() as i32);
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGINT)?;
+    let out = tokio::time::timeout(Duration::from_secs(60), child.wait_with_output()).await??;
+    assert_eq!(
+        out.status.code(),
+        Some(130),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let last: Value = serde_json::from_str(String::from_utf8(out.stdout)?.lines().last().unwrap())?;
+    assert_eq!(last["status"], "interrupted");
+    let state = replay(sessions.path(), "int")?;
+    assert_eq!(
+        state.running_ops().count(),
+        0,
+        "the command's end is recorded"
+    );
+    let op = state.ops.values().next().unwrap();
+    assert_eq!(
+        op.end.as_ref().unwrap().status,
+        corral_control::ops::OpStatus::Canceled
+    );
+    h.stop().await;
+    Ok(())
+}
+
+/// Without `--worker`, `corral run` embeds a worker (the local manager).
+#[tokio::test]
+async fn run_without_a_worker_embeds_one() -> Result<()> {
+    let sessions = tempfile::tempdir()?;
+    let state = tempfile::tempdir()?;
+    let model = ModelServer::start(vec![
+        chat::calls(&[("c", "Bash", &bash("echo embedded-$((1+1))"))]),
+        chat::text("ok"),
+    ])
+    .await;
+    let mut cmd = command(
+        &model,
+        "",
+        sessions.path(),
+        &["--api", "chat", "--session", "emb", "go"],
+    );
+    cmd.env_remove("CORRAL_WORKER")
+        .env("CORRAL_STATE_DIR", state.path());
+    let out = tokio::time::timeout(Duration::from_secs(120), cmd.output()).await??;
+    let sandbox = replay(sessions.path(), "emb")?.config.unwrap().sandbox_id;
+    // The sandbox outlives the run (sessions keep theirs); remove it.
+    let rm = tokio::process::Command::new(binary("corral")?)
+        .env("CORRAL_STATE_DIR", state.path())
+        .args(["sandbox", "rm", sandbox.as_str()])
+        .output()
+        .await?;
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        rm.status.success(),
+        "{}",
+        String::from_utf8_lossy(&rm.stderr)
+    );
+    assert!(model.received()[1].text().contains("embedded-2"));
     Ok(())
 }
