@@ -22,6 +22,7 @@ use crate::agent::{
     Coordinator, Core, Ending, Inbox, Record, SessionConfig, Settings, StopMode, Summary,
 };
 use crate::cli::{ApiKind, ConnArgs, RunArgs, SessionCommand};
+use crate::client::ClientError;
 use crate::context::Budget;
 use crate::llm::{Api, LlmClient, LlmConfig, Role};
 use crate::ops::{LocalBackend, Manager, OperationManager, RemoteBackend};
@@ -407,10 +408,20 @@ async fn drive(
         image: config.image.clone(),
         ..SandboxSpec::default()
     };
+    let existed = match connection.client.get_sandbox(&config.sandbox_id).await {
+        Ok(_) => true,
+        Err(ClientError::Status(s)) if s.code() == tonic::Code::NotFound => false,
+        Err(e) => return Err(e.into()),
+    };
     connection
         .client
         .create_sandbox(Some(&config.sandbox_id), spec)
         .await?;
+    let mut core = core;
+    if exists && !existed {
+        tracing::warn!(sandbox = %config.sandbox_id, "the session's sandbox is gone; a new one replaces it");
+        core.sandbox_replaced()?;
+    }
     install_files(&connection.client, &config.sandbox_id, skill_files).await?;
     let settings = Settings {
         heartbeat: (!args.heartbeat.is_zero()).then_some(args.heartbeat),

@@ -236,6 +236,34 @@ impl Core {
         Ok(())
     }
 
+    /// The session's sandbox is gone and a new one replaces it: operations
+    /// that were running cannot be followed, and adding them again would
+    /// run them a second time. They are recorded as failed instead, and
+    /// their calls answered with that.
+    pub fn sandbox_replaced(&mut self) -> Result<(), CoreError> {
+        let mut lost: Vec<OperationId> =
+            self.state.running_ops().map(|(id, _)| id.clone()).collect();
+        lost.sort();
+        for effect in &mut self.effects {
+            if let Effect::Add(ops) = effect {
+                ops.retain(|o| !lost.contains(&o.id));
+            }
+        }
+        self.effects
+            .retain(|e| !matches!(e, Effect::Add(ops) if ops.is_empty()));
+        for id in lost {
+            let Some(st) = self.state.ops.get(&id) else {
+                continue;
+            };
+            let mut op = Operation::new(id, st.spec.clone());
+            op.fail(
+                "the sandbox was lost while this ran; it may or may not have finished, and it was not run again",
+            );
+            self.operation(op)?;
+        }
+        Ok(())
+    }
+
     /// Starts a turn if one is due (after creating or resuming a session
     /// and giving it its inputs).
     pub fn kick(&mut self) -> Result<(), CoreError> {

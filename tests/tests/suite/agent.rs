@@ -100,6 +100,28 @@ async fn corral_run_env(
     })
 }
 
+/// Waits until session `id` has recorded a tool call.
+async fn call_recorded(sessions: &Path, id: &str) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let recorded = SessionLog::<Record>::replay(sessions, id, 0, 1000)
+            .map(|p| {
+                p.records
+                    .iter()
+                    .any(|(_, r)| matches!(r, Record::Call { .. }))
+            })
+            .unwrap_or(false);
+        if recorded {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the call was never recorded"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 fn bash(cmd: &str) -> String {
     json!({ "command": cmd }).to_string()
 }
@@ -438,24 +460,7 @@ async fn a_killed_run_resumes_without_running_its_command_twice() -> Result<()> 
     )
     .spawn()?;
     // Wait until the call is recorded, and a little more so that it runs.
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-    loop {
-        let recorded = SessionLog::<Record>::replay(sessions.path(), "crash", 0, 1000)
-            .map(|p| {
-                p.records
-                    .iter()
-                    .any(|(_, r)| matches!(r, Record::Call { .. }))
-            })
-            .unwrap_or(false);
-        if recorded {
-            break;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "the call was never recorded"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    call_recorded(sessions.path(), "crash").await;
     tokio::time::sleep(Duration::from_millis(1000)).await;
     child.start_kill()?;
     let status = child.wait().await?;
@@ -674,24 +679,7 @@ async fn an_interrupt_cancels_the_running_command_and_exits_130() -> Result<()> 
         &["--session", "int", "wait"],
     )
     .spawn()?;
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-    loop {
-        let started = SessionLog::<Record>::replay(sessions.path(), "int", 0, 1000)
-            .map(|p| {
-                p.records
-                    .iter()
-                    .any(|(_, r)| matches!(r, Record::Call { .. }))
-            })
-            .unwrap_or(false);
-        if started {
-            break;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "the call was never recorded"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    call_recorded(sessions.path(), "int").await;
     tokio::time::sleep(Duration::from_millis(500)).await;
     let pid = nix::unistd::Pid::from_raw(child.id().unwrap() as i32);
     nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGINT)?;
@@ -757,5 +745,49 @@ async fn run_without_a_worker_embeds_one() -> Result<()> {
         String::from_utf8_lossy(&rm.stderr)
     );
     assert!(model.received()[1].text().contains("embedded-2"));
+    Ok(())
+}
+
+/// The sandbox disappears while `corral run` is down: the rerun gets a new
+/// sandbox, and the command that may have run is reported lost, never run
+/// again behind the model's back.
+#[tokio::test]
+async fn a_lost_sandbox_is_reported_and_its_command_not_run_again() -> Result<()> {
+    let h = Harness::start().await?;
+    let sessions = tempfile::tempdir()?;
+    let model = ModelServer::start(vec![
+        responses::calls(&[(
+            "c",
+            "Bash",
+            &bash("echo ran >> /workspace/counter; sleep 30"),
+        )]),
+        responses::text("It was lost."),
+    ])
+    .await;
+    let mut child = command(
+        &model,
+        &h.url,
+        sessions.path(),
+        &["--session", "lost", "go"],
+    )
+    .spawn()?;
+    call_recorded(sessions.path(), "lost").await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    child.start_kill()?;
+    child.wait().await?;
+    let sandbox = replay(sessions.path(), "lost")?.config.unwrap().sandbox_id;
+    assert!(h.client.destroy_sandbox(&sandbox).await?);
+
+    let run = corral_run(&model, &h.url, sessions.path(), &["--session", "lost"]).await?;
+    assert_eq!(run.code, 0, "{}", run.stderr);
+    let second = model.received()[1].text();
+    assert!(second.contains("sandbox was lost"), "{second}");
+    let counter = h.run(&sandbox, "cat /workspace/counter").await?;
+    assert_ne!(
+        counter.outcome,
+        Outcome::Exited { code: 0 },
+        "not run in the new sandbox"
+    );
+    h.stop().await;
     Ok(())
 }
