@@ -4,8 +4,11 @@
 //! gRPC client for workers ([`client`]), `corral exec` ([`exec`]: live
 //! output, resume from a cursor across worker restarts, exit codes), the
 //! embedded worker that `corral` runs when given no `--worker`
-//! ([`embedded`]), and the agent harness's parts: model clients ([`llm`])
-//! and the durable session log ([`session`]).
+//! ([`embedded`]), and the agent harness: the coordinator ([`agent`]) and
+//! `corral run` / `corral session` ([`agent_run`]), with their parts —
+//! model clients ([`llm`]), the durable session log ([`session`]), the
+//! context builder ([`context`]), tool translators ([`tools`]) and the
+//! operation managers ([`ops`]).
 //!
 //! It does not run operations itself: that is the worker's job.
 
