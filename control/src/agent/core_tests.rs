@@ -650,6 +650,151 @@ fn a_fork_closes_inherited_calls_with_an_explicit_result() {
     assert!(crate::agent_run::fork(dir.path(), "p", "c2", Some(5)).is_err());
 }
 
+/// Every tool call in a request has a result (a provider rejects a call
+/// without one), and no call has two final results.
+fn assert_every_call_has_one_result(req: &crate::llm::Request) {
+    use std::collections::HashMap;
+    let mut finals: HashMap<String, usize> = HashMap::new();
+    for (id, text) in result_texts(req) {
+        let e = finals.entry(id).or_default();
+        if text != RUNNING_PLACEHOLDER {
+            *e += 1;
+        }
+    }
+    for item in &req.input {
+        if let Item::ToolCall { call_id, .. } = item {
+            assert!(
+                finals.contains_key(&**call_id),
+                "call {call_id} has no result in the request"
+            );
+        }
+    }
+    for (id, n) in finals {
+        assert!(n <= 1, "call {id} has {n} final results");
+    }
+}
+
+#[test]
+fn a_long_session_replays_across_pages() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = SessionLog::create(dir.path(), "s").unwrap();
+    let mut cfg = config();
+    cfg.max_turns = 1_000;
+    let mut core = Core::create(log, cfg).unwrap();
+    core.input("i", "go").unwrap();
+    let mut turn = fx(&mut core).sends[0].0;
+    for n in 0..150 {
+        core.model_done(turn, Ok(calls(&[(&format!("c{n}"), "Bash", &bash("x"))])))
+            .unwrap();
+        let ops = fx(&mut core).adds;
+        core.operation(done(&ops[0], &format!("out {n}"))).unwrap();
+        turn = fx(&mut core).sends[0].0;
+    }
+    assert!(core.state().turns > 150);
+    assert!(kinds(dir.path(), "s").len() > 2 * REPLAY_PAGE);
+    assert_replays(dir.path(), &core);
+}
+
+#[test]
+fn heartbeats_never_fire_when_idle_disturbed_or_stopping() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut core = new_core(dir.path(), "s");
+    core.heartbeat(now_ms()).unwrap();
+    assert!(!core.waiting_only_for_calls(), "nothing runs");
+    core.input("i", "go").unwrap();
+    fx(&mut core);
+    core.model_done(
+        1,
+        Ok(calls(&[
+            ("a", "Bash", &bash("x")),
+            ("b", "Bash", &bash("y")),
+        ])),
+    )
+    .unwrap();
+    let ops = fx(&mut core).adds;
+    core.heartbeat(now_ms()).unwrap();
+    assert!(
+        fx(&mut core).sends.is_empty(),
+        "not during the grace window"
+    );
+    core.grace_over().unwrap();
+    core.operation(done(&ops[0], "A")).unwrap();
+    fx(&mut core);
+    core.heartbeat(now_ms()).unwrap();
+    assert!(fx(&mut core).sends.is_empty(), "not while a request is out");
+    core.stop(StopMode::Hard, StopCause::Requested).unwrap();
+    core.model_done(2, Ok(text("late"))).unwrap();
+    core.heartbeat(now_ms()).unwrap();
+    assert!(
+        !kinds(dir.path(), "s").contains(&"heartbeat"),
+        "not while stopping"
+    );
+}
+
+#[test]
+fn an_input_ends_the_grace_window_and_a_hard_stop_during_it_starts_no_turn() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut core = new_core(dir.path(), "s");
+    core.input("i", "go").unwrap();
+    fx(&mut core);
+    core.model_done(1, Ok(calls(&[("a", "Bash", &bash("x"))])))
+        .unwrap();
+    fx(&mut core);
+    assert!(core.grace_active());
+    core.input("i2", "hurry").unwrap();
+    let f = fx(&mut core);
+    assert_eq!(f.sends.len(), 1, "an input ends the window at once");
+    assert!(!core.grace_active());
+
+    let dir = tempfile::tempdir().unwrap();
+    let mut core = new_core(dir.path(), "s");
+    core.input("i", "go").unwrap();
+    fx(&mut core);
+    core.model_done(1, Ok(calls(&[("a", "Bash", &bash("x"))])))
+        .unwrap();
+    let ops = fx(&mut core).adds;
+    core.stop(StopMode::Hard, StopCause::Requested).unwrap();
+    assert!(!core.grace_active());
+    core.operation(done(&ops[0], "A")).unwrap();
+    assert!(fx(&mut core).sends.is_empty());
+    assert_eq!(core.ending(), Some(Ending::Interrupted));
+    // A stop does not outlive its run: the next one delivers the result.
+    drop(core);
+    let mut core = resume(dir.path(), "s");
+    assert_eq!(core.ending(), None);
+    core.kick().unwrap();
+    let f = fx(&mut core);
+    assert_eq!(f.sends.len(), 1);
+    assert_eq!(result_texts(&f.sends[0].1), [("a".into(), "A".into())]);
+}
+
+#[test]
+fn a_newer_response_replaces_the_grace_window() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut core = new_core(dir.path(), "s");
+    core.input("i", "go").unwrap();
+    fx(&mut core);
+    core.model_done(1, Ok(calls(&[("a", "Bash", &bash("slow"))])))
+        .unwrap();
+    let first = fx(&mut core).adds;
+    core.grace_over().unwrap();
+    core.input("i2", "also").unwrap();
+    fx(&mut core);
+    core.model_done(2, Ok(calls(&[("b", "Bash", &bash("fast"))])))
+        .unwrap();
+    let second = fx(&mut core).adds;
+    assert!(core.grace_active());
+    core.operation(done(&second[0], "B")).unwrap();
+    let f = fx(&mut core);
+    assert_eq!(f.sends.len(), 1, "only turn 2's calls count for its window");
+    assert!(!core.grace_active());
+    core.operation(done(&first[0], "A")).unwrap();
+    assert!(
+        fx(&mut core).sends.is_empty(),
+        "no interrupting the request"
+    );
+}
+
 /// A small deterministic generator, so failures reproduce from the seed.
 struct Rng(u64);
 
@@ -727,7 +872,10 @@ fn random_interleavings_replay_to_the_same_state() {
             }
             for e in core.take_effects() {
                 match e {
-                    Effect::Send { turn, .. } => in_flight.push(turn),
+                    Effect::Send { turn, request } => {
+                        assert_every_call_has_one_result(&request);
+                        in_flight.push(turn);
+                    }
                     Effect::Add(ops) => {
                         for op in ops {
                             running.retain(|o| o.id != op.id);
