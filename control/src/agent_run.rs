@@ -518,7 +518,11 @@ async fn session<M: OperationManager + 'static>(
     core.kick()?;
     let (events_tx, mut events) = mpsc::channel(1024);
     let (coordinator, inbox) = Coordinator::new(core, manager, updates, llm, events_tx, settings);
-    let mut task = tokio::spawn(coordinator.run());
+    // Owned here: if showing an event fails (stdout closed), the session
+    // task is aborted with this handle; the log lets a rerun resume.
+    let mut task = tokio_util::task::AbortOnDropHandle::new(tokio::spawn(coordinator.run()));
+    let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .map_err(|e| failed(format!("cannot handle SIGTERM: {e}")))?;
     let mut interrupts = 0;
     let mut tick = tokio::time::interval(Duration::from_secs(5));
     tick.tick().await;
@@ -533,7 +537,7 @@ async fn session<M: OperationManager + 'static>(
                 }
                 break res.map_err(|e| failed(format!("the session task failed: {e}")))??;
             }
-            _ = tokio::signal::ctrl_c() => {
+            _ = interrupted(&mut terminate) => {
                 interrupts += 1;
                 if interrupts > 1 {
                     task.abort();
@@ -640,6 +644,14 @@ async fn install_files(
         }
     }
     Ok(())
+}
+
+/// Ctrl-C or SIGTERM.
+async fn interrupted(terminate: &mut tokio::signal::unix::Signal) {
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = terminate.recv() => {}
+    }
 }
 
 /// `corral session ...`.
