@@ -241,7 +241,7 @@ impl TerminalView {
             }
             Event::Heartbeat { .. } => writeln!(err, "♥ heartbeat sent to the model")?,
             Event::ModelFailed { error, .. } => writeln!(err, "model failed: {error}")?,
-            Event::TurnCompleted { .. } | Event::TextDelta { .. } => {}
+            Event::TurnCompleted { .. } | Event::TextDelta { .. } | Event::Error { .. } => {}
             Event::Result(r) => {
                 writeln!(
                     err,
@@ -295,6 +295,23 @@ impl View {
 
 /// `corral run`.
 pub async fn run_agent(conn: &ConnArgs, args: &RunArgs) -> Result<u8, RunError> {
+    let out = run_agent_inner(conn, args).await;
+    if let Err(e) = &out
+        && (args.json || !std::io::stdout().is_terminal())
+    {
+        // A JSON reader learns why the run failed from its own stream too.
+        let line = to_json_line(&Event::Error {
+            message: crate::client::source_chain(e),
+        });
+        let mut stdout = std::io::stdout().lock();
+        let _ = stdout
+            .write_all(line.as_bytes())
+            .and_then(|()| stdout.flush());
+    }
+    out
+}
+
+async fn run_agent_inner(conn: &ConnArgs, args: &RunArgs) -> Result<u8, RunError> {
     let started = Instant::now();
     let req = load_request(args)?;
     let dir = sessions_dir(args.sessions_dir.as_deref());
@@ -386,7 +403,7 @@ async fn drive(
             tools: req.tools.clone(),
             sandbox_id: SandboxId::new(format!(
                 "{}-{}",
-                &id[..id.len().min(40)],
+                id.chars().take(40).collect::<String>(),
                 &uuid::Uuid::new_v4().simple().to_string()[..8]
             ))
             .unwrap_or_else(|_| SandboxId::random()),

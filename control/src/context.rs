@@ -99,6 +99,33 @@ struct Entry {
     item: Item,
     /// A tool result that is only the running placeholder.
     placeholder: bool,
+    /// The final result of a call whose placeholder was already sent: it
+    /// goes to the model as a user message, since a second output for one
+    /// call is refused by some providers (Chat Completions wants tool
+    /// messages right after their call).
+    late: bool,
+}
+
+/// How a late result is introduced to the model.
+pub fn late_result_text(call_id: &str, output: &[ToolOutput]) -> String {
+    let mut text =
+        format!("[The tool call {call_id}, which was still running, has finished. Its result:]");
+    let mut images = 0;
+    for o in output {
+        match o {
+            ToolOutput::Text { text: t } => {
+                text.push('\n');
+                text.push_str(t);
+            }
+            ToolOutput::Image { .. } => images += 1,
+        }
+    }
+    if images > 0 {
+        text.push_str(&format!(
+            "\n[{images} image(s) not shown here: call the tool again to see them]"
+        ));
+    }
+    text
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -257,6 +284,7 @@ impl ContextBuilder {
                 provider_id: None,
             },
             placeholder: false,
+            late: false,
         });
     }
 
@@ -272,6 +300,7 @@ impl ContextBuilder {
             self.committed.push(Entry {
                 item: item.clone(),
                 placeholder: false,
+                late: false,
             });
         }
     }
@@ -279,7 +308,7 @@ impl ContextBuilder {
     /// A tool result (staged). `running` stores the placeholder instead of
     /// `output`. A final result replaces a staged placeholder of the same
     /// call in place; a placeholder already sent stays, and the result is
-    /// appended.
+    /// appended, to be sent as a user message (see [`late_result_text`]).
     pub fn add_tool_result(&mut self, call_id: &str, output: Vec<ToolOutput>, running: bool) {
         let output = if running {
             vec![ToolOutput::Text {
@@ -288,12 +317,18 @@ impl ContextBuilder {
         } else {
             output
         };
+        let sent_placeholder = !running
+            && self.committed.iter().any(|e| {
+                e.placeholder
+                    && matches!(&e.item, Item::ToolResult { call_id: c, .. } if &**c == call_id)
+            });
         let entry = Entry {
             item: Item::ToolResult {
                 call_id: call_id.into(),
                 output,
             },
             placeholder: running,
+            late: sent_placeholder,
         };
         let staged_placeholder = self.staged.iter().position(|e| {
             e.placeholder
@@ -326,7 +361,11 @@ impl ContextBuilder {
             text: self.system_message().into(),
             provider_id: None,
         });
+        let mut late = Vec::new();
         for entry in self.committed.iter().chain(&self.staged) {
+            if entry.late {
+                late.push(input.len());
+            }
             let mut item = entry.item.clone();
             if let Item::ToolResult { call_id, output } = &mut item {
                 for o in output.iter_mut() {
@@ -408,6 +447,15 @@ impl ContextBuilder {
                         self.budget.context_window_tokens, self.budget.reserve_output_tokens
                     ),
                 });
+            }
+        }
+        for n in late {
+            if let Item::ToolResult { call_id, output } = &input[n] {
+                input[n] = Item::Message {
+                    role: Role::User,
+                    text: late_result_text(call_id, output).into(),
+                    provider_id: None,
+                };
             }
         }
         Built {

@@ -155,7 +155,7 @@ fn a_running_result_is_replaced_in_place_while_staged() {
 }
 
 #[test]
-fn a_sent_placeholder_stays_and_the_result_is_appended() {
+fn a_sent_placeholder_stays_and_the_result_follows_as_a_user_message() {
     let mut b = builder();
     b.add_model_response(&response(vec![call("c1")]));
     b.add_tool_result("c1", vec![], true);
@@ -166,9 +166,26 @@ fn a_sent_placeholder_stays_and_the_result_is_appended() {
         vec![
             call("c1"),
             result("c1", RUNNING_PLACEHOLDER),
-            result("c1", "done")
-        ]
+            user("[The tool call c1, which was still running, has finished. Its result:]\ndone")
+        ],
+        "one output per call: a second one is refused by some providers"
     );
+    // Late results are cut to the budget like any tool result.
+    let mut b = builder();
+    b.set_budget(Budget {
+        max_tool_result_chars: 300,
+        ..Budget::default()
+    });
+    b.add_model_response(&response(vec![call("c1")]));
+    b.add_tool_result("c1", vec![], true);
+    b.commit();
+    b.add_tool_result("c1", text(&"x".repeat(1000)), false);
+    let built = b.build();
+    assert_eq!(built.report.changes.len(), 1);
+    let Item::Message { text, .. } = built.request.input.last().unwrap() else {
+        panic!()
+    };
+    assert!(text.contains("[... 700 characters omitted ...]"), "{text}");
 }
 
 #[test]

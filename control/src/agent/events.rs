@@ -95,6 +95,12 @@ pub enum Event {
     },
     /// The last event of a run.
     Result(RunResult),
+    /// The run could not go on (a usage error, an unreachable worker, a
+    /// session log that cannot be written): the last event, instead of
+    /// `result`.
+    Error {
+        message: String,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize)]

@@ -289,7 +289,22 @@ async fn three_parallel_calls_batch_the_fast_ones_and_the_slow_one_shows_a_place
     assert_eq!(second[2].0, "slow");
     assert!(second[2].1.contains("still running"), "{second:?}");
     let third = tool_messages(2);
-    assert!(third.last().unwrap().1.contains("slow-S"), "{third:?}");
+    assert_eq!(
+        third.len(),
+        3,
+        "one tool message per call, also for a late result"
+    );
+    let late = got[2].body["messages"]
+        .as_array()
+        .unwrap()
+        .last()
+        .unwrap()
+        .clone();
+    assert_eq!(late["role"], "user");
+    assert!(
+        late["content"].as_str().unwrap().contains("slow-S"),
+        "{late}"
+    );
     h.stop().await;
     Ok(())
 }
@@ -432,6 +447,21 @@ async fn usage_errors_exit_2_before_anything_runs() -> Result<()> {
     .await?;
     assert_eq!(run.code, 2);
     assert!(run.stderr.contains("negative"), "{}", run.stderr);
+    let run = corral_run(&model, unreachable, sessions.path(), &["x"]).await?;
+    assert_eq!(run.code, 1, "a dead worker fails the run");
+    assert!(
+        run.stderr.contains("cannot reach the worker"),
+        "{}",
+        run.stderr
+    );
+    let last = run.events.last().unwrap();
+    assert_eq!(last["type"], "error");
+    assert!(
+        last["message"]
+            .as_str()
+            .unwrap()
+            .contains("cannot reach the worker")
+    );
     assert!(model.received().is_empty());
     Ok(())
 }
