@@ -521,7 +521,7 @@ async fn session<M: OperationManager + 'static>(
     // A `corral run` ends once the session is idle.
     core.stop(StopMode::WhenIdle, crate::agent::StopCause::Requested)?;
     if let Some(prompt) = &req.prompt {
-        // Rerunning the command that was interrupted, with the same prompt,
+        // Rerunning a command that did not finish, with the same prompt,
         // resumes it rather than asking again.
         let repeat = core
             .state()
@@ -699,12 +699,13 @@ pub fn run_session_command(cmd: &SessionCommand) -> Result<u8, RunError> {
             for id in ids {
                 match replay(&dir, &id) {
                     Ok(s) => {
-                        let state = if s.in_flight.is_some() || s.running_ops().next().is_some() {
-                            "open"
-                        } else if s.failure.is_some() {
-                            "failed"
-                        } else {
-                            "idle"
+                        let state = match s.last_end {
+                            Some(Ending::Done) => "done",
+                            Some(Ending::Failed) => "failed",
+                            Some(Ending::Interrupted) => "interrupted",
+                            // No run finished since the last one began:
+                            // one runs, or was killed (rerun to resume).
+                            None => "unfinished",
                         };
                         writeln!(
                             out,
@@ -804,6 +805,7 @@ fn describe(rec: &Record) -> String {
             }
         }
         Record::Stop { mode, cause } => format!("{mode:?} ({cause:?})"),
+        Record::Finished { ending } => format!("{ending:?}"),
     };
     format!("{:<13} {detail}", rec.kind())
 }

@@ -225,7 +225,7 @@ impl<M: OperationManager + 'static> Coordinator<M> {
                 heartbeat_at = self.settings.heartbeat.map(|h| Instant::now() + h);
             }
             if let Some(ending) = self.core.ending() {
-                break Ok(ending);
+                break self.core.finish(ending).map(|()| ending);
             }
             let step = tokio::select! {
                 msg = self.inbox.recv(), if inbox_open => match msg {

@@ -9,6 +9,7 @@ use std::collections::HashMap;
 use corral_proto::OperationId;
 
 use super::events::{Change, Event};
+pub use super::record::Ending;
 use super::record::{CallOutcome, OpEntry, OpSnapshot, Record, SessionConfig, StopCause, StopMode};
 use super::state::{Shown, State};
 use crate::llm::{LlmError, Request, Response, Tool, ToolOutput};
@@ -42,14 +43,6 @@ pub enum Effect {
     ArmGrace,
     /// Tell the watcher.
     Emit(Event),
-}
-
-/// How a run ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Ending {
-    Done,
-    Failed,
-    Interrupted,
 }
 
 pub struct Core {
@@ -593,6 +586,11 @@ impl Core {
         request.cache_key = Some(self.log.id().to_string());
         self.effects.push(Effect::Send { turn, request });
         Ok(())
+    }
+
+    /// Records how the run ended (once [`Core::ending`] says it has).
+    pub fn finish(&mut self, ending: Ending) -> Result<(), CoreError> {
+        self.record(Record::Finished { ending })
     }
 
     /// `Some` once the run is over.

@@ -18,8 +18,8 @@ pub mod events;
 pub mod record;
 pub mod state;
 
-pub use self::core::{Core, CoreError, Effect, Ending, replay};
+pub use self::core::{Core, CoreError, Effect, replay};
 pub use coordinator::{Coordinator, Inbox, Settings, Summary};
 pub use events::{Event, RunResult};
-pub use record::{Record, SessionConfig, StopCause, StopMode};
+pub use record::{Ending, Record, SessionConfig, StopCause, StopMode};
 pub use state::State;

@@ -123,6 +123,15 @@ pub enum StopCause {
     TurnLimit,
 }
 
+/// How a run ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Ending {
+    Done,
+    Failed,
+    Interrupted,
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum Record {
@@ -198,6 +207,10 @@ pub enum Record {
         mode: StopMode,
         cause: StopCause,
     },
+    /// A run ended.
+    Finished {
+        ending: Ending,
+    },
 }
 
 impl Record {
@@ -217,6 +230,7 @@ impl Record {
             Record::Operation { .. } => "operation",
             Record::Result { .. } => "result",
             Record::Stop { .. } => "stop",
+            Record::Finished { .. } => "finished",
         }
     }
 }

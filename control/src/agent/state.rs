@@ -72,8 +72,11 @@ pub struct State {
     pub tool_calls: u64,
     pub usage: Usage,
     pub input_ids: HashSet<String>,
-    /// The text of the last input, and whether a response followed it.
+    /// The text of the last input, and whether a run finished (done)
+    /// after it.
     pub last_input: Option<(String, bool)>,
+    /// How the last run ended (`None` before any did, or while one runs).
+    pub last_end: Option<super::record::Ending>,
 }
 
 impl State {
@@ -97,6 +100,7 @@ impl State {
             usage: Usage::default(),
             input_ids: HashSet::new(),
             last_input: None,
+            last_end: None,
         }
     }
 
@@ -149,6 +153,7 @@ impl State {
                 self.config = Some(config.clone());
             }
             Record::Resume { .. } => {
+                self.last_end = None;
                 self.stop = None;
                 self.failure = None;
                 if self.in_flight.take().is_some() {
@@ -213,9 +218,6 @@ impl State {
                     return;
                 }
                 self.in_flight = None;
-                if let Some((_, answered)) = &mut self.last_input {
-                    *answered = true;
-                }
                 self.context.add_model_response(response);
                 self.final_text = response.text();
                 add_usage(&mut self.usage, &response.usage);
@@ -319,6 +321,14 @@ impl State {
             }
             Record::Stop { mode, cause } => {
                 self.stop = Some((*mode, *cause));
+            }
+            Record::Finished { ending } => {
+                self.last_end = Some(*ending);
+                if *ending == super::record::Ending::Done
+                    && let Some((_, answered)) = &mut self.last_input
+                {
+                    *answered = true;
+                }
             }
         }
     }

@@ -282,10 +282,15 @@ async fn three_parallel_calls_batch_the_fast_ones_and_the_slow_one_shows_a_place
     };
     let second = tool_messages(1);
     assert_eq!(second.len(), 3, "{second:?}");
-    assert!(
-        second[0].1.contains("fast-A") && second[1].1.contains("fast-B"),
-        "{second:?}"
-    );
+    // Results come in the order they finished; the placeholder last.
+    let of = |id: &str| {
+        second
+            .iter()
+            .find(|(c, _)| c == id)
+            .map(|(_, t)| t.as_str())
+    };
+    assert!(of("a").unwrap().contains("fast-A"), "{second:?}");
+    assert!(of("b").unwrap().contains("fast-B"), "{second:?}");
     assert_eq!(second[2].0, "slow");
     assert!(second[2].1.contains("still running"), "{second:?}");
     let third = tool_messages(2);
@@ -818,6 +823,64 @@ async fn a_lost_sandbox_is_reported_and_its_command_not_run_again() -> Result<()
         Outcome::Exited { code: 0 },
         "not run in the new sandbox"
     );
+    h.stop().await;
+    Ok(())
+}
+
+/// The reader of `corral run --json` goes away mid-run: the run stops with
+/// exit 1, and a rerun of the session finishes it without repeating the
+/// input or the command.
+#[tokio::test]
+async fn a_run_whose_output_fails_resumes_without_duplicates() -> Result<()> {
+    use tokio::io::AsyncBufReadExt;
+    let h = Harness::start().await?;
+    let sessions = tempfile::tempdir()?;
+    let model = ModelServer::start(vec![
+        responses::calls(&[(
+            "c",
+            "Bash",
+            &bash("echo ran >> /workspace/counter; sleep 2"),
+        )]),
+        responses::text("done"),
+        responses::text("done"),
+    ])
+    .await;
+    let mut child = command(
+        &model,
+        &h.url,
+        sessions.path(),
+        &["--session", "pipe", "go"],
+    )
+    .spawn()?;
+    let mut lines = tokio::io::BufReader::new(child.stdout.take().unwrap()).lines();
+    while let Some(line) = lines.next_line().await? {
+        if line.contains("\"tool_call\"") {
+            break;
+        }
+    }
+    drop(lines);
+    let status = tokio::time::timeout(Duration::from_secs(60), child.wait()).await??;
+    assert_eq!(status.code(), Some(1), "writing the output failed");
+
+    let run = corral_run(
+        &model,
+        &h.url,
+        sessions.path(),
+        &["--session", "pipe", "go"],
+    )
+    .await?;
+    assert_eq!(run.code, 0, "{}", run.stderr);
+    let records = SessionLog::<Record>::replay(sessions.path(), "pipe", 0, 1000)?.records;
+    let count = |f: fn(&Record) -> bool| records.iter().filter(|(_, r)| f(r)).count();
+    assert_eq!(
+        count(|r| matches!(r, Record::Input { .. })),
+        1,
+        "the same prompt is not asked twice"
+    );
+    assert_eq!(count(|r| matches!(r, Record::Call { .. })), 1);
+    let sandbox = replay(sessions.path(), "pipe")?.config.unwrap().sandbox_id;
+    let counter = h.run(&sandbox, "cat /workspace/counter").await?;
+    assert_eq!(counter.stdout.to_lossy_string(), "ran\n");
     h.stop().await;
     Ok(())
 }
