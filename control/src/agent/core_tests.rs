@@ -34,6 +34,16 @@ fn new_core(dir: &std::path::Path, id: &str) -> Core {
     Core::create(log, config()).unwrap()
 }
 
+/// A session "s" whose first answer made these calls; their operations.
+fn with_calls(dir: &std::path::Path, list: &[(&str, &str, &str)]) -> (Core, Vec<Operation>) {
+    let mut core = new_core(dir, "s");
+    core.input("i", "go").unwrap();
+    fx(&mut core);
+    core.model_done(1, Ok(calls(list))).unwrap();
+    let ops = fx(&mut core).adds;
+    (core, ops)
+}
+
 fn resume(dir: &std::path::Path, id: &str) -> Core {
     let (log, _) = SessionLog::open(dir, id).unwrap();
     Core::resume(dir, log).unwrap()
@@ -291,12 +301,7 @@ fn completions_are_batched_and_a_slow_call_shows_the_placeholder() {
 #[test]
 fn grace_expiry_alone_starts_no_turn() {
     let dir = tempfile::tempdir().unwrap();
-    let mut core = new_core(dir.path(), "s");
-    core.input("i", "go").unwrap();
-    fx(&mut core);
-    core.model_done(1, Ok(calls(&[("a", "Bash", &bash("sleep 9"))])))
-        .unwrap();
-    let ops = fx(&mut core).adds;
+    let (mut core, ops) = with_calls(dir.path(), &[("a", "Bash", &bash("sleep 9"))]);
     core.grace_over().unwrap();
     assert!(fx(&mut core).sends.is_empty());
     assert!(core.waiting_only_for_calls());
@@ -373,12 +378,7 @@ fn a_new_input_steers_the_request_in_flight_and_its_late_answer_is_dropped() {
 #[test]
 fn completions_never_interrupt_a_request() {
     let dir = tempfile::tempdir().unwrap();
-    let mut core = new_core(dir.path(), "s");
-    core.input("i", "go").unwrap();
-    fx(&mut core);
-    core.model_done(1, Ok(calls(&[("a", "Bash", &bash("x"))])))
-        .unwrap();
-    let ops = fx(&mut core).adds;
+    let (mut core, ops) = with_calls(dir.path(), &[("a", "Bash", &bash("x"))]);
     core.grace_over().unwrap();
     core.input("i2", "also this").unwrap();
     assert_eq!(fx(&mut core).sends.len(), 1);
@@ -451,12 +451,7 @@ fn heartbeats_tell_the_model_what_runs_and_its_output_so_far() {
 #[test]
 fn a_hard_stop_cancels_everything_records_the_ends_and_drops_late_answers() {
     let dir = tempfile::tempdir().unwrap();
-    let mut core = new_core(dir.path(), "s");
-    core.input("i", "go").unwrap();
-    fx(&mut core);
-    core.model_done(1, Ok(calls(&[("c", "Bash", &bash("sleep 100"))])))
-        .unwrap();
-    let ops = fx(&mut core).adds;
+    let (mut core, ops) = with_calls(dir.path(), &[("c", "Bash", &bash("sleep 100"))]);
     core.grace_over().unwrap();
     core.input("i2", "more").unwrap();
     fx(&mut core);
@@ -761,12 +756,7 @@ fn an_input_ends_the_grace_window_and_a_hard_stop_during_it_starts_no_turn() {
     assert!(!core.grace_active());
 
     let dir = tempfile::tempdir().unwrap();
-    let mut core = new_core(dir.path(), "s");
-    core.input("i", "go").unwrap();
-    fx(&mut core);
-    core.model_done(1, Ok(calls(&[("a", "Bash", &bash("x"))])))
-        .unwrap();
-    let ops = fx(&mut core).adds;
+    let (mut core, ops) = with_calls(dir.path(), &[("a", "Bash", &bash("x"))]);
     core.stop(StopMode::Hard, StopCause::Requested).unwrap();
     assert!(!core.grace_active());
     core.operation(done(&ops[0], "A")).unwrap();
@@ -785,12 +775,7 @@ fn an_input_ends_the_grace_window_and_a_hard_stop_during_it_starts_no_turn() {
 #[test]
 fn a_newer_response_replaces_the_grace_window() {
     let dir = tempfile::tempdir().unwrap();
-    let mut core = new_core(dir.path(), "s");
-    core.input("i", "go").unwrap();
-    fx(&mut core);
-    core.model_done(1, Ok(calls(&[("a", "Bash", &bash("slow"))])))
-        .unwrap();
-    let first = fx(&mut core).adds;
+    let (mut core, first) = with_calls(dir.path(), &[("a", "Bash", &bash("slow"))]);
     core.grace_over().unwrap();
     core.input("i2", "also").unwrap();
     fx(&mut core);

@@ -100,6 +100,26 @@ async fn corral_run_env(
     })
 }
 
+/// Starts `corral run --session ID PROMPT`, waits until it has recorded a
+/// tool call and `after` more (so that the command runs), then sends it
+/// `signal`; returns how it ended.
+async fn signal_once_the_call_runs(
+    model: &ModelServer,
+    worker: &str,
+    sessions: &Path,
+    id: &str,
+    prompt: &str,
+    after: Duration,
+    signal: nix::sys::signal::Signal,
+) -> Result<std::process::Output> {
+    let child = command(model, worker, sessions, &["--session", id, prompt]).spawn()?;
+    call_recorded(sessions, id).await;
+    tokio::time::sleep(after).await;
+    let pid = nix::unistd::Pid::from_raw(child.id().context("no pid")? as i32);
+    nix::sys::signal::kill(pid, signal)?;
+    Ok(tokio::time::timeout(Duration::from_secs(60), child.wait_with_output()).await??)
+}
+
 /// Waits until session `id` has recorded a tool call.
 async fn call_recorded(sessions: &Path, id: &str) {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
@@ -487,19 +507,17 @@ async fn a_killed_run_resumes_without_running_its_command_twice() -> Result<()> 
         responses::text("Counted."),
     ])
     .await;
-    let mut child = command(
+    let out = signal_once_the_call_runs(
         &model,
         &h.url,
         sessions.path(),
-        &["--session", "crash", "count"],
+        "crash",
+        "count",
+        Duration::from_secs(1),
+        nix::sys::signal::Signal::SIGKILL,
     )
-    .spawn()?;
-    // Wait until the call is recorded, and a little more so that it runs.
-    call_recorded(sessions.path(), "crash").await;
-    tokio::time::sleep(Duration::from_millis(1000)).await;
-    child.start_kill()?;
-    let status = child.wait().await?;
-    assert_eq!(status.code(), None, "killed by a signal");
+    .await?;
+    assert_eq!(out.status.code(), None, "killed by a signal");
 
     let run = corral_run(&model, &h.url, sessions.path(), &["--session", "crash"]).await?;
     assert_eq!(run.code, 0, "{}", run.stderr);
@@ -707,18 +725,16 @@ async fn an_interrupt_cancels_the_running_command_and_exits_130() -> Result<()> 
         &bash("sleep 60; echo never >> /workspace/late"),
     )])])
     .await;
-    let child = command(
+    let out = signal_once_the_call_runs(
         &model,
         &h.url,
         sessions.path(),
-        &["--session", "int", "wait"],
+        "int",
+        "wait",
+        Duration::from_millis(500),
+        nix::sys::signal::Signal::SIGINT,
     )
-    .spawn()?;
-    call_recorded(sessions.path(), "int").await;
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    let pid = nix::unistd::Pid::from_raw(child.id().unwrap() as i32);
-    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGINT)?;
-    let out = tokio::time::timeout(Duration::from_secs(60), child.wait_with_output()).await??;
+    .await?;
     assert_eq!(
         out.status.code(),
         Some(130),
@@ -799,17 +815,16 @@ async fn a_lost_sandbox_is_reported_and_its_command_not_run_again() -> Result<()
         responses::text("It was lost."),
     ])
     .await;
-    let mut child = command(
+    signal_once_the_call_runs(
         &model,
         &h.url,
         sessions.path(),
-        &["--session", "lost", "go"],
+        "lost",
+        "go",
+        Duration::from_millis(500),
+        nix::sys::signal::Signal::SIGKILL,
     )
-    .spawn()?;
-    call_recorded(sessions.path(), "lost").await;
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    child.start_kill()?;
-    child.wait().await?;
+    .await?;
     let sandbox = replay(sessions.path(), "lost")?.config.unwrap().sandbox_id;
     assert!(h.client.destroy_sandbox(&sandbox).await?);
 
