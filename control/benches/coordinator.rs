@@ -5,7 +5,8 @@
 //! Each turn is five records (response, call, operation, result, turn), one
 //! translation, one render and one context build. The same run is compared
 //! with its obvious floor: appending the same number of records to a bare
-//! session log (the fsyncs alone).
+//! session log (the fsyncs alone). Then the whole log is replayed, as a
+//! resumed session does.
 //!
 //! Run: `cargo bench -p corral-control --bench coordinator`.
 
@@ -15,7 +16,7 @@
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use corral_control::agent::{Core, Effect, Record, SessionConfig};
+use corral_control::agent::{Core, Effect, Record, SessionConfig, replay};
 use corral_control::context::Budget;
 use corral_control::llm::{Item, Response, StopReason, Usage};
 use corral_control::ops::Operation;
@@ -146,6 +147,15 @@ fn main() {
         early.as_secs_f64() * 1e3,
         TURNS - 99,
         late.as_secs_f64() * 1e3
+    );
+    let start = Instant::now();
+    let state = replay(dir.path(), "bench").unwrap();
+    let replayed = start.elapsed();
+    assert_eq!(state.turns, TURNS + 1);
+    println!(
+        "  resume: replaying the whole log ({} records) took {:.1} ms",
+        TURNS * 5 + 3,
+        replayed.as_secs_f64() * 1e3
     );
     println!(
         "  {:.0} turns/s; the fsyncs alone ({} appends): {:.0} turns/s equivalent; coordinator / floor = {:.2}x",

@@ -102,9 +102,20 @@ impl Registry {
         self.tools.values().map(|t| t.tool()).collect()
     }
 
+    /// Translates a call. Specs a worker would refuse (a NUL byte in a
+    /// command, an empty command, a path too long...) are refused here, at
+    /// once, with the worker's own words.
     pub fn translate(&self, name: &str, arguments: &str) -> CallStatus {
         match self.tools.get(name) {
-            Some(t) => t.translate(arguments),
+            Some(t) => match t.translate(arguments) {
+                CallStatus::Submit(specs) => match specs.iter().find_map(|s| s.validate().err()) {
+                    Some(e) => {
+                        CallStatus::Error(format!("Error: invalid arguments for {name}: {e}"))
+                    }
+                    None => CallStatus::Submit(specs),
+                },
+                other => other,
+            },
             None => CallStatus::Error(format!("Error: tool \"{name}\" is not available")),
         }
     }
@@ -168,6 +179,14 @@ mod tests {
             panic!()
         };
         assert!(e.contains("unknown field `cmd`"), "{e}");
+        let CallStatus::Error(e) = r.translate("Bash", r#"{"command": "echo a\u0000b"}"#) else {
+            panic!("a NUL byte must not reach the worker")
+        };
+        assert!(e.contains("NUL"), "{e}");
+        let CallStatus::Error(e) = r.translate("Bash", r#"{"command": "   "}"#) else {
+            panic!()
+        };
+        assert!(e.contains("empty command"), "{e}");
         let mut only = Registry::standard();
         only.retain(&["ReadFile".to_string()]);
         assert!(matches!(
