@@ -319,6 +319,7 @@ async fn run_agent_inner(conn: &ConnArgs, args: &RunArgs) -> Result<u8, RunError
         Some(s) => s.clone(),
         None => new_session_id(),
     };
+    crate::session::log::check_id(&id).map_err(|e| usage(e.to_string()))?;
     let exists = crate::session::log::path_of(&dir, &id).exists();
     if !exists && req.prompt.is_none() && req.messages.is_empty() {
         return Err(usage(
@@ -344,6 +345,62 @@ async fn run_agent_inner(conn: &ConnArgs, args: &RunArgs) -> Result<u8, RunError
     out
 }
 
+fn sandbox_spec(config: &SessionConfig) -> SandboxSpec {
+    SandboxSpec {
+        image: config.image.clone(),
+        ..SandboxSpec::default()
+    }
+}
+
+/// The settings of a new session: flags first, then the request, then
+/// defaults.
+fn new_config(
+    args: &RunArgs,
+    req: &RunRequest,
+    id: &str,
+    skills: &[crate::tools::skills::Skill],
+) -> SessionConfig {
+    let budget = Budget {
+        context_window_tokens: req
+            .limits
+            .context_window_tokens
+            .unwrap_or(Budget::default().context_window_tokens),
+        max_tool_result_chars: req
+            .limits
+            .max_tool_result_chars
+            .unwrap_or(Budget::default().max_tool_result_chars),
+        ..Budget::default()
+    };
+    SessionConfig {
+        model: args
+            .model
+            .clone()
+            .or_else(|| req.model.clone())
+            .unwrap_or_else(|| DEFAULT_MODEL.to_string()),
+        system_prompt: args
+            .system_prompt
+            .clone()
+            .or_else(|| req.system_prompt.clone())
+            .unwrap_or_default(),
+        tools: req.tools.clone(),
+        sandbox_id: SandboxId::new(format!(
+            "{}-{}",
+            id.chars().take(40).collect::<String>(),
+            &uuid::Uuid::new_v4().simple().to_string()[..8]
+        ))
+        .unwrap_or_else(|_| SandboxId::random()),
+        image: args.image.clone(),
+        budget,
+        max_output_tokens: req.limits.max_output_tokens,
+        reasoning_effort: None,
+        max_turns: args
+            .max_turns
+            .or(req.limits.max_turns)
+            .unwrap_or(DEFAULT_MAX_TURNS),
+        skills: skills.iter().map(SkillDef::from_skill).collect(),
+    }
+}
+
 #[allow(clippy::too_many_arguments)]
 async fn drive(
     connection: &Connection,
@@ -367,6 +424,7 @@ async fn drive(
         }
         (None, _) => (Vec::new(), Vec::new()),
     };
+    let client = &connection.client;
     let core = if exists {
         let (log, recovery) = SessionLog::<Record>::open(dir, id)?;
         if recovery.torn_bytes > 0 {
@@ -376,69 +434,43 @@ async fn drive(
                 "the session log ended in a torn record (a crash mid-write); it was cut off"
             );
         }
-        Core::resume(dir, log)?
+        let mut core = Core::resume(dir, log)?;
+        let config = core.config().clone();
+        if args.model.as_ref().is_some_and(|m| *m != config.model) {
+            tracing::warn!(model = %config.model, "a resumed session keeps its recorded model");
+        }
+        let existed = match client.get_sandbox(&config.sandbox_id).await {
+            Ok(_) => true,
+            Err(ClientError::Status(s)) if s.code() == tonic::Code::NotFound => false,
+            Err(e) => return Err(e.into()),
+        };
+        client
+            .create_sandbox(Some(&config.sandbox_id), sandbox_spec(&config))
+            .await?;
+        if !existed {
+            tracing::warn!(sandbox = %config.sandbox_id, "the session's sandbox is gone; a new one replaces it");
+            core.sandbox_replaced()?;
+        }
+        core
     } else {
-        let budget = Budget {
-            context_window_tokens: req
-                .limits
-                .context_window_tokens
-                .unwrap_or(Budget::default().context_window_tokens),
-            max_tool_result_chars: req
-                .limits
-                .max_tool_result_chars
-                .unwrap_or(Budget::default().max_tool_result_chars),
-            ..Budget::default()
-        };
-        let config = SessionConfig {
-            model: args
-                .model
-                .clone()
-                .or_else(|| req.model.clone())
-                .unwrap_or_else(|| DEFAULT_MODEL.to_string()),
-            system_prompt: args
-                .system_prompt
-                .clone()
-                .or_else(|| req.system_prompt.clone())
-                .unwrap_or_default(),
-            tools: req.tools.clone(),
-            sandbox_id: SandboxId::new(format!(
-                "{}-{}",
-                id.chars().take(40).collect::<String>(),
-                &uuid::Uuid::new_v4().simple().to_string()[..8]
-            ))
-            .unwrap_or_else(|_| SandboxId::random()),
-            image: args.image.clone(),
-            budget,
-            max_output_tokens: req.limits.max_output_tokens,
-            reasoning_effort: None,
-            max_turns: args
-                .max_turns
-                .or(req.limits.max_turns)
-                .unwrap_or(DEFAULT_MAX_TURNS),
-            skills: skills.iter().map(SkillDef::from_skill).collect(),
-        };
-        let log = SessionLog::<Record>::create(dir, id)?;
-        Core::create(log, config)?
+        let config = new_config(args, req, id, &skills);
+        // The sandbox first: a session is not recorded with a sandbox that
+        // cannot be made (an unknown image, say).
+        client
+            .create_sandbox(Some(&config.sandbox_id), sandbox_spec(&config))
+            .await?;
+        let created = SessionLog::<Record>::create(dir, id)
+            .map_err(RunError::from)
+            .and_then(|log| Ok(Core::create(log, config.clone())?));
+        match created {
+            Ok(core) => core,
+            Err(e) => {
+                let _ = client.destroy_sandbox(&config.sandbox_id).await;
+                return Err(e);
+            }
+        }
     };
     let config = core.config().clone();
-    let spec = SandboxSpec {
-        image: config.image.clone(),
-        ..SandboxSpec::default()
-    };
-    let existed = match connection.client.get_sandbox(&config.sandbox_id).await {
-        Ok(_) => true,
-        Err(ClientError::Status(s)) if s.code() == tonic::Code::NotFound => false,
-        Err(e) => return Err(e.into()),
-    };
-    connection
-        .client
-        .create_sandbox(Some(&config.sandbox_id), spec)
-        .await?;
-    let mut core = core;
-    if exists && !existed {
-        tracing::warn!(sandbox = %config.sandbox_id, "the session's sandbox is gone; a new one replaces it");
-        core.sandbox_replaced()?;
-    }
     install_files(&connection.client, &config.sandbox_id, skill_files).await?;
     let settings = Settings {
         heartbeat: (!args.heartbeat.is_zero()).then_some(args.heartbeat),

@@ -119,7 +119,8 @@ fn io(path: &Path) -> impl Fn(std::io::Error) -> LogError + '_ {
     }
 }
 
-fn check_id(id: &str) -> Result<(), LogError> {
+/// Session ids: 1-128 characters of `A-Z a-z 0-9 _ . -`, not starting with `.`.
+pub fn check_id(id: &str) -> Result<(), LogError> {
     let ok = !id.is_empty()
         && id.len() <= 128
         && !id.starts_with('.')

@@ -472,6 +472,14 @@ async fn usage_errors_exit_2_before_anything_runs() -> Result<()> {
     .await?;
     assert_eq!(run.code, 2);
     assert!(run.stderr.contains("negative"), "{}", run.stderr);
+    let run = corral_run(
+        &model,
+        unreachable,
+        sessions.path(),
+        &["--session", "../up", "x"],
+    )
+    .await?;
+    assert_eq!(run.code, 2, "a session id is a name, not a path");
     let run = corral_run(&model, unreachable, sessions.path(), &["x"]).await?;
     assert_eq!(run.code, 1, "a dead worker fails the run");
     assert!(
@@ -896,6 +904,40 @@ async fn a_run_whose_output_fails_resumes_without_duplicates() -> Result<()> {
     let sandbox = replay(sessions.path(), "pipe")?.config.unwrap().sandbox_id;
     let counter = h.run(&sandbox, "cat /workspace/counter").await?;
     assert_eq!(counter.stdout.to_lossy_string(), "ran\n");
+    h.stop().await;
+    Ok(())
+}
+
+/// A sandbox that cannot be made (an image that does not exist) fails the
+/// run before anything is recorded: the same session id can be used again.
+#[tokio::test]
+async fn a_sandbox_that_cannot_be_made_records_no_session() -> Result<()> {
+    let h = Harness::start().await?;
+    let sessions = tempfile::tempdir()?;
+    let model = ModelServer::start(vec![responses::text("hello")]).await;
+    let bad = corral_run(
+        &model,
+        &h.url,
+        sessions.path(),
+        &[
+            "--session",
+            "img",
+            "--image",
+            "corral-no-such-image:0",
+            "hi",
+        ],
+    )
+    .await?;
+    assert_eq!(bad.code, 1, "{}", bad.stderr);
+    assert!(
+        bad.stderr.contains("corral-no-such-image"),
+        "{}",
+        bad.stderr
+    );
+    assert!(!sessions.path().join("img.jsonl").exists());
+    let good = corral_run(&model, &h.url, sessions.path(), &["--session", "img", "hi"]).await?;
+    assert_eq!(good.code, 0, "{}", good.stderr);
+    assert_eq!(good.result()["final_text"], "hello");
     h.stop().await;
     Ok(())
 }
