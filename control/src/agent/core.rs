@@ -171,8 +171,9 @@ impl Core {
             && s.running_ops().next().is_some()
     }
 
-    /// Calls still running, with what they printed so far.
-    pub fn running(&self) -> Vec<(String, String, i64, Progress)> {
+    /// Calls still running (id, tool, arguments, start), with what they
+    /// printed so far.
+    pub fn running(&self) -> Vec<(String, String, String, i64, Progress)> {
         let mut out = Vec::new();
         for (id, call) in self.state.unanswered_calls() {
             if call.outcome != CallOutcome::Submit {
@@ -184,7 +185,13 @@ impl Core {
                     progress = p.clone();
                 }
             }
-            out.push((id.clone(), call.tool.clone(), call.at_unix_ms, progress));
+            out.push((
+                id.clone(),
+                call.tool.clone(),
+                call.arguments.clone(),
+                call.at_unix_ms,
+                progress,
+            ));
         }
         out
     }
@@ -388,6 +395,7 @@ impl Core {
             self.record(Record::Call {
                 call_id: call.call_id.clone(),
                 tool: call.name.clone(),
+                arguments: call.arguments.clone(),
                 turn: self.state.last_turn,
                 at_unix_ms,
                 outcome: outcome.clone(),
@@ -497,10 +505,11 @@ impl Core {
         let mut text = String::from(
             "[heartbeat] These tool calls are still running. Their results will be added when they finish; end your turn to keep waiting, or act on the output so far.\n",
         );
-        for (call_id, tool, at, progress) in &running {
+        for (call_id, tool, arguments, at, progress) in &running {
             let secs = (now_unix_ms - at).max(0) / 1000;
+            let args: String = arguments.chars().take(300).collect();
             text.push_str(&format!(
-                "\n- {tool} call {call_id}: running for {secs}s, {} bytes of output",
+                "\n- {tool} call {call_id} {args}: running for {secs}s, {} bytes of output",
                 progress.stdout_bytes + progress.stderr_bytes
             ));
             for (name, tail) in [

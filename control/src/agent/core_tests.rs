@@ -436,7 +436,7 @@ fn heartbeats_tell_the_model_what_runs_and_its_output_so_far() {
         .unwrap();
     assert!(last_user.starts_with("[heartbeat]"), "{last_user}");
     assert!(
-        last_user.contains("Bash call c: running for 6"),
+        last_user.contains(r#"Bash call c {"command":"make"}: running for 65s"#),
         "{last_user}"
     );
     assert!(last_user.contains("compiling 3/10"), "{last_user}");
@@ -534,6 +534,7 @@ fn resume_translates_calls_that_were_never_translated_and_gives_lost_results() {
             Record::Call {
                 call_id: "a".into(),
                 tool: "Bash".into(),
+                arguments: bash("x"),
                 turn: 1,
                 at_unix_ms: 0,
                 outcome: CallOutcome::Submit,

@@ -186,6 +186,9 @@ pub enum Record {
     Call {
         call_id: String,
         tool: String,
+        /// As the model wrote them.
+        #[serde(default)]
+        arguments: String,
         turn: u64,
         at_unix_ms: i64,
         outcome: CallOutcome,

@@ -24,6 +24,7 @@ pub enum Shown {
 #[derive(Debug, Clone, PartialEq)]
 pub struct CallState {
     pub tool: String,
+    pub arguments: String,
     pub turn: u64,
     pub at_unix_ms: i64,
     pub outcome: CallOutcome,
@@ -265,6 +266,7 @@ impl State {
             Record::Call {
                 call_id,
                 tool,
+                arguments,
                 turn,
                 at_unix_ms,
                 outcome,
@@ -286,6 +288,7 @@ impl State {
                     call_id.clone(),
                     CallState {
                         tool: tool.clone(),
+                        arguments: arguments.clone(),
                         turn: *turn,
                         at_unix_ms: *at_unix_ms,
                         outcome: outcome.clone(),
