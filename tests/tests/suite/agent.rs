@@ -52,8 +52,9 @@ fn command(
         .env("HOME", sessions)
         .env("OPENAI_API_KEY", "sk-test")
         .env("CORRAL_BASE_URL", &model.url)
-        .env("CORRAL_WORKER", worker)
         .env("CORRAL_SESSIONS_DIR", sessions)
+        // An embedded worker (no worker given) keeps its state here.
+        .env("CORRAL_STATE_DIR", sessions.join("embedded"))
         .arg("run")
         .arg("--json")
         .args(args)
@@ -61,6 +62,9 @@ fn command(
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .kill_on_drop(true);
+    if !worker.is_empty() {
+        cmd.env("CORRAL_WORKER", worker);
+    }
     cmd
 }
 
@@ -766,44 +770,80 @@ async fn an_interrupt_cancels_the_running_command_and_exits_130() -> Result<()> 
     Ok(())
 }
 
-/// Without `--worker`, `corral run` embeds a worker (the local manager).
+/// Removes a sandbox of the embedded worker kept under `sessions`, even
+/// when the test fails.
+struct EmbeddedSandbox {
+    state: std::path::PathBuf,
+    id: String,
+}
+
+impl EmbeddedSandbox {
+    fn run(&self, args: &[&str]) -> std::process::Output {
+        std::process::Command::new(binary("corral").unwrap())
+            .env("CORRAL_STATE_DIR", &self.state)
+            .args(args)
+            .output()
+            .unwrap()
+    }
+}
+
+impl Drop for EmbeddedSandbox {
+    fn drop(&mut self) {
+        let _ = self.run(&["sandbox", "rm", &self.id]);
+    }
+}
+
+/// Without `--worker`, `corral run` embeds a worker (the local manager),
+/// and that default mode survives a SIGKILL too: the next run's embedded
+/// worker adopts the sandbox and follows the command without running it
+/// again.
 #[tokio::test]
-async fn run_without_a_worker_embeds_one() -> Result<()> {
+async fn run_without_a_worker_embeds_one_and_survives_a_kill() -> Result<()> {
     let sessions = tempfile::tempdir()?;
-    let state = tempfile::tempdir()?;
     let model = ModelServer::start(vec![
-        chat::calls(&[("c", "Bash", &bash("echo embedded-$((1+1))"))]),
-        chat::text("ok"),
+        responses::calls(&[(
+            "c",
+            "Bash",
+            &bash("echo ran >> /workspace/counter; sleep 3; echo embedded-$(wc -l < /workspace/counter)"),
+        )]),
+        responses::text("ok"),
     ])
     .await;
-    let mut cmd = command(
+    let killed = signal_once_the_call_runs(
         &model,
         "",
         sessions.path(),
-        &["--api", "chat", "--session", "emb", "go"],
-    );
-    cmd.env_remove("CORRAL_WORKER")
-        .env("CORRAL_STATE_DIR", state.path());
-    let out = tokio::time::timeout(Duration::from_secs(120), cmd.output()).await??;
-    let sandbox = replay(sessions.path(), "emb")?.config.unwrap().sandbox_id;
-    // The sandbox outlives the run (sessions keep theirs); remove it.
-    let rm = tokio::process::Command::new(binary("corral")?)
-        .env("CORRAL_STATE_DIR", state.path())
-        .args(["sandbox", "rm", sandbox.as_str()])
-        .output()
-        .await?;
+        "emb",
+        "go",
+        Duration::from_secs(1),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .await?;
+    let sandbox = EmbeddedSandbox {
+        state: sessions.path().join("embedded"),
+        id: replay(sessions.path(), "emb")?
+            .config
+            .unwrap()
+            .sandbox_id
+            .to_string(),
+    };
+    assert_eq!(killed.status.code(), None);
+    let run = corral_run(&model, "", sessions.path(), &["--session", "emb"]).await?;
+    assert_eq!(run.code, 0, "{}", run.stderr);
+    assert!(model.received()[1].text().contains("embedded-1"));
+    let counter = sandbox.run(&[
+        "exec",
+        "--sandbox",
+        &sandbox.id,
+        "--",
+        "cat",
+        "/workspace/counter",
+    ]);
     assert_eq!(
-        out.status.code(),
-        Some(0),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+        String::from_utf8_lossy(&counter.stdout),
+        "ran\n",
+        "ran once"
     );
-    assert!(
-        rm.status.success(),
-        "{}",
-        String::from_utf8_lossy(&rm.stderr)
-    );
-    assert!(model.received()[1].text().contains("embedded-2"));
     Ok(())
 }
 
