@@ -327,6 +327,11 @@ async fn run_agent_inner(conn: &ConnArgs, args: &RunArgs) -> Result<u8, RunError
         ));
     }
     let key = api_key(args)?;
+    if key.is_none() && args.base_url.contains("api.openai.com") {
+        return Err(usage(
+            "no API key: set OPENAI_API_KEY or pass --api-key-file (endpoints that need no key: --base-url)",
+        ));
+    }
     let mut llm_config = LlmConfig::new(
         args.base_url.trim_end_matches('/'),
         match args.api {

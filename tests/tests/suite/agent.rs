@@ -484,6 +484,13 @@ async fn usage_errors_exit_2_before_anything_runs() -> Result<()> {
     )
     .await?;
     assert_eq!(run.code, 2, "a session id is a name, not a path");
+    let mut no_key = command(&model, unreachable, sessions.path(), &["x"]);
+    no_key
+        .env_remove("OPENAI_API_KEY")
+        .env_remove("CORRAL_BASE_URL");
+    let out = no_key.output().await?;
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("OPENAI_API_KEY"));
     let run = corral_run(&model, unreachable, sessions.path(), &["x"]).await?;
     assert_eq!(run.code, 1, "a dead worker fails the run");
     assert!(
