@@ -812,6 +812,11 @@ fn describe(rec: &Record) -> String {
             one_line(&response.text(), 80)
         ),
         Record::ModelFailure { turn, error, .. } => format!("#{turn} {error}"),
+        Record::Shrink {
+            turn,
+            context_window_tokens,
+            ..
+        } => format!("#{turn} refused as too long; window now {context_window_tokens} tokens"),
         Record::Call {
             call_id,
             tool,

@@ -267,6 +267,10 @@ impl ContextBuilder {
         self.max_output_tokens = n;
     }
 
+    pub fn budget(&self) -> Budget {
+        self.budget
+    }
+
     pub fn set_budget(&mut self, budget: Budget) {
         self.budget = budget;
     }

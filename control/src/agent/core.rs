@@ -17,6 +17,10 @@ use crate::ops::{Operation, Progress};
 use crate::session::{LogError, SessionLog};
 use crate::tools::{CallStatus, Registry};
 
+/// How often a request refused as too long is cut down and sent again
+/// before the run fails.
+pub const MAX_SHRINKS: u32 = 3;
+
 /// Records read per page when a session is replayed.
 pub const REPLAY_PAGE: usize = 256;
 
@@ -327,6 +331,30 @@ impl Core {
         }
         match result {
             Err(LlmError::Canceled) => {}
+            Err(e) if e.is_context_length_exceeded() && self.state.shrinks < MAX_SHRINKS => {
+                // The estimate was off for this model: fit the request to
+                // three quarters of what was refused, and ask again.
+                let budget = self.state.context.budget();
+                let refused = self.state.context.build().estimated_tokens;
+                let fitted = refused * 3 / 4 + budget.reserve_output_tokens;
+                let context_window_tokens = if fitted < budget.context_window_tokens {
+                    fitted
+                } else {
+                    budget.context_window_tokens * 3 / 4
+                };
+                self.emit(Event::ModelRetry {
+                    turn,
+                    attempt: self.state.shrinks + 1,
+                    reason: format!(
+                        "{e}; the context is cut to a window of {context_window_tokens} tokens"
+                    ),
+                });
+                self.record(Record::Shrink {
+                    turn,
+                    context_window_tokens,
+                    error: e.to_string(),
+                })?;
+            }
             Err(e) => {
                 let error = e.to_string();
                 self.record(Record::ModelFailure {

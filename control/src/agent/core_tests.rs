@@ -889,3 +889,66 @@ fn random_interleavings_replay_to_the_same_state() {
         }
     }
 }
+
+fn too_long() -> crate::llm::LlmError {
+    crate::llm::LlmError::Http {
+        api: "responses",
+        status: 400,
+        code: Some("context_length_exceeded".into()),
+        message: "Your input exceeds the context window of this model.".into(),
+        retry_after: None,
+    }
+}
+
+#[test]
+fn a_request_refused_as_too_long_is_cut_down_and_sent_again_a_few_times() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut core = new_core(dir.path(), "s");
+    core.input("i", "go").unwrap();
+    let mut turn = fx(&mut core).sends[0].0;
+    for n in 0..6 {
+        core.model_done(turn, Ok(calls(&[(&format!("c{n}"), "Bash", &bash("x"))])))
+            .unwrap();
+        let ops = fx(&mut core).adds;
+        core.operation(done(&ops[0], &"y".repeat(20_000))).unwrap();
+        turn = fx(&mut core).sends[0].0;
+    }
+    let before = core.state().context.build().estimated_tokens;
+    core.model_done(turn, Err(too_long())).unwrap();
+    let f = fx(&mut core);
+    assert_eq!(f.sends.len(), 1, "sent again at once");
+    let Some(Event::TurnStarted {
+        estimated_tokens,
+        changes,
+        ..
+    }) = f
+        .events
+        .iter()
+        .find(|e| matches!(e, Event::TurnStarted { .. }))
+        .cloned()
+    else {
+        panic!()
+    };
+    assert!(
+        estimated_tokens <= before * 3 / 4,
+        "{estimated_tokens} vs {before}"
+    );
+    assert!(!changes.is_empty(), "what was elided is reported");
+    assert!(kinds(dir.path(), "s").contains(&"shrink"));
+    assert_replays(dir.path(), &core);
+    // It gives up after a few tries, with the provider's words.
+    for _ in 0..MAX_SHRINKS {
+        let turn = core.state().in_flight.unwrap();
+        core.model_done(turn, Err(too_long())).unwrap();
+        fx(&mut core);
+    }
+    assert_eq!(core.ending(), Some(Ending::Failed));
+    assert!(
+        core.state()
+            .failure
+            .as_deref()
+            .unwrap()
+            .contains("context window")
+    );
+    assert_replays(dir.path(), &core);
+}

@@ -195,6 +195,15 @@ pub enum Record {
         #[serde(default)]
         operations: Vec<OpEntry>,
     },
+    /// Request `turn` was refused as longer than the model's context
+    /// window: the session's window becomes `context_window_tokens`, the
+    /// longest tool result shrinks with it, and the request is built again
+    /// (older tool outputs elided, long ones cut, to fit).
+    Shrink {
+        turn: u64,
+        context_window_tokens: u64,
+        error: String,
+    },
     /// An operation reached a terminal state.
     Operation {
         snapshot: OpSnapshot,
@@ -230,6 +239,7 @@ impl Record {
             Record::Response { .. } => "response",
             Record::ModelFailure { .. } => "model_failure",
             Record::Call { .. } => "call",
+            Record::Shrink { .. } => "shrink",
             Record::Operation { .. } => "operation",
             Record::Result { .. } => "result",
             Record::Stop { .. } => "stop",

@@ -73,6 +73,8 @@ pub struct State {
     pub tool_calls: u64,
     pub usage: Usage,
     pub input_ids: HashSet<String>,
+    /// Requests refused as too long since the last response.
+    pub shrinks: u32,
     /// The text of the last input, and whether a run finished (done)
     /// after it.
     pub last_input: Option<(String, bool)>,
@@ -102,6 +104,7 @@ impl State {
             input_ids: HashSet::new(),
             last_input: None,
             last_end: None,
+            shrinks: 0,
         }
     }
 
@@ -219,6 +222,7 @@ impl State {
                     return;
                 }
                 self.in_flight = None;
+                self.shrinks = 0;
                 self.context.add_model_response(response);
                 self.final_text = response.text();
                 add_usage(&mut self.usage, &response.usage);
@@ -261,6 +265,29 @@ impl State {
                 }
                 self.failure = Some(error.clone());
                 // Unanswered: a resumed run sends it again.
+                self.has_new = true;
+            }
+            Record::Shrink {
+                turn,
+                context_window_tokens,
+                ..
+            } => {
+                if self.in_flight == Some(*turn) {
+                    self.in_flight = None;
+                }
+                let mut budget = self.context.budget();
+                budget.context_window_tokens = *context_window_tokens;
+                // One result may take at most about a quarter of the room
+                // left for the request (four characters a token).
+                let room = context_window_tokens.saturating_sub(budget.reserve_output_tokens);
+                budget.max_tool_result_chars =
+                    budget.max_tool_result_chars.min(room.max(1_000) as usize);
+                self.context.set_budget(budget);
+                if let Some(c) = &mut self.config {
+                    c.budget = budget;
+                }
+                self.shrinks += 1;
+                // The same conversation goes out again, cut down.
                 self.has_new = true;
             }
             Record::Call {

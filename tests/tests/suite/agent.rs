@@ -988,3 +988,35 @@ async fn a_sandbox_that_cannot_be_made_records_no_session() -> Result<()> {
     h.stop().await;
     Ok(())
 }
+
+/// A request refused as longer than the model's window (vLLM's words) is
+/// cut down and sent again; the run goes on.
+#[tokio::test]
+async fn a_request_refused_as_too_long_is_cut_down_and_the_run_goes_on() -> Result<()> {
+    let h = Harness::start().await?;
+    let sessions = tempfile::tempdir()?;
+    let model = ModelServer::start(vec![
+        chat::calls(&[("c", "Bash", &bash("head -c 30000 /dev/zero | tr '\\0' y"))]),
+        status(400, json!({"object": "error", "message": "This model's maximum context length is 8192 tokens. However, you requested 9000 tokens.", "type": "BadRequestError", "code": 400})),
+        chat::text("fits now"),
+    ])
+    .await;
+    let run = corral_run(&model, &h.url, sessions.path(), &["--api", "chat", "go"]).await?;
+    assert_eq!(run.code, 0, "{}\n{:#?}", run.stderr, run.events);
+    assert_eq!(run.result()["final_text"], "fits now");
+    let retry = run.of_type("model_retry");
+    assert!(
+        retry[0]["reason"]
+            .as_str()
+            .unwrap()
+            .contains("maximum context length")
+    );
+    let got = model.received();
+    assert_eq!(got.len(), 3);
+    assert!(
+        got[2].text().len() < got[1].text().len(),
+        "the resent request is shorter"
+    );
+    h.stop().await;
+    Ok(())
+}
