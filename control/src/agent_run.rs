@@ -53,6 +53,9 @@ pub struct RunRequest {
     /// Tools offered (default: all).
     #[serde(default)]
     pub tools: Option<Vec<String>>,
+    /// low | medium | high (Responses API).
+    #[serde(default)]
+    pub reasoning_effort: Option<ReasoningEffort>,
     #[serde(default)]
     pub limits: Limits,
 }
@@ -69,6 +72,24 @@ pub struct Message {
 pub enum MessageRole {
     User,
     Assistant,
+}
+
+#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum ReasoningEffort {
+    Low,
+    Medium,
+    High,
+}
+
+impl ReasoningEffort {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Low => "low",
+            Self::Medium => "medium",
+            Self::High => "high",
+        }
+    }
 }
 
 #[derive(Debug, Default, Clone, Deserialize, PartialEq)]
@@ -397,7 +418,10 @@ fn new_config(
         image: args.image.clone(),
         budget,
         max_output_tokens: req.limits.max_output_tokens,
-        reasoning_effort: None,
+        reasoning_effort: args
+            .reasoning_effort
+            .clone()
+            .or_else(|| req.reasoning_effort.map(|e| e.as_str().to_string())),
         max_turns: args
             .max_turns
             .or(req.limits.max_turns)

@@ -114,6 +114,10 @@ pub struct RunArgs {
     /// SkillUse tool (new sessions only).
     #[arg(long, env = "CORRAL_SKILLS_DIR")]
     pub skills: Option<PathBuf>,
+    /// Reasoning effort for models that take one (Responses API): low,
+    /// medium or high (new sessions only).
+    #[arg(long, env = "CORRAL_REASONING_EFFORT", value_parser = ["low", "medium", "high"])]
+    pub reasoning_effort: Option<String>,
     /// System prompt (after Corral's preamble).
     #[arg(long, env = "CORRAL_SYSTEM_PROMPT")]
     pub system_prompt: Option<String>,

@@ -668,6 +668,7 @@ async fn a_request_file_with_messages_tools_and_skills() -> Result<()> {
             ],
             "system_prompt": "You are terse.",
             "tools": ["ReadFile", "SkillUse"],
+            "reasoning_effort": "high",
             "limits": {"max_turns": 5}
         })
         .to_string(),
@@ -720,6 +721,7 @@ async fn a_request_file_with_messages_tools_and_skills() -> Result<()> {
         .collect();
     tools.sort();
     assert_eq!(tools, ["ReadFile", "SkillUse"]);
+    assert_eq!(first["reasoning"]["effort"], "high");
     assert!(
         got[1].text().contains("Read data/words.txt"),
         "the skill's body"
