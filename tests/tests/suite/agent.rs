@@ -1022,3 +1022,73 @@ async fn a_request_refused_as_too_long_is_cut_down_and_the_run_goes_on() -> Resu
     h.stop().await;
     Ok(())
 }
+
+/// The disk fills up mid-run (a file-size limit makes appends to the
+/// session log fail): the run stops with exit 1 and a clear error before
+/// anything it could not record takes effect; a rerun repairs the torn
+/// log and finishes, running the command once.
+#[tokio::test]
+async fn a_log_that_cannot_be_written_stops_the_run_and_loses_nothing() -> Result<()> {
+    let h = Harness::start().await?;
+    let sessions = tempfile::tempdir()?;
+    // A long answer with a call: its record is far over the limit below.
+    let long_answer_with_call = || {
+        corral_e2e::model::sse(&[responses::completed(
+            json!([
+                {"type": "message", "id": "m", "content": [{"type": "output_text", "text": "z".repeat(40_000)}]},
+                {"type": "function_call", "id": "fc", "call_id": "c", "name": "Bash",
+                 "arguments": bash("echo ran >> /workspace/counter"), "status": "completed"}
+            ]),
+            "completed",
+            json!({}),
+        )])
+    };
+    let model = ModelServer::start(vec![
+        long_answer_with_call(),
+        long_answer_with_call(),
+        responses::text("done"),
+    ])
+    .await;
+    let corral = binary("corral")?;
+    let script = format!(
+        "trap '' XFSZ; ulimit -f 16; exec {} run --json --session full go",
+        corral.display()
+    );
+    let out = tokio::process::Command::new("sh")
+        .args(["-c", &script])
+        .env_clear()
+        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+        .env("OPENAI_API_KEY", "sk-test")
+        .env("CORRAL_BASE_URL", &model.url)
+        .env("CORRAL_WORKER", &h.url)
+        .env("CORRAL_SESSIONS_DIR", sessions.path())
+        .stdin(Stdio::null())
+        .output()
+        .await?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("session log"), "{stderr}");
+    let stdout = String::from_utf8(out.stdout)?;
+    let last: Value = serde_json::from_str(stdout.lines().last().unwrap())?;
+    assert_eq!(last["type"], "error");
+    assert_eq!(
+        model.received().len(),
+        1,
+        "the turn was recorded and sent; its answer could not be recorded"
+    );
+
+    let run = corral_run(&model, &h.url, sessions.path(), &["--session", "full"]).await?;
+    assert_eq!(run.code, 0, "{}", run.stderr);
+    assert_eq!(run.result()["final_text"], "done");
+    let state = replay(sessions.path(), "full")?;
+    let counter = h
+        .run(&state.config.unwrap().sandbox_id, "cat /workspace/counter")
+        .await?;
+    assert_eq!(
+        counter.stdout.to_lossy_string(),
+        "ran\n",
+        "run once, after the repair"
+    );
+    h.stop().await;
+    Ok(())
+}
