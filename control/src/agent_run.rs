@@ -407,7 +407,7 @@ fn new_config(
             .system_prompt
             .clone()
             .or_else(|| req.system_prompt.clone())
-            .unwrap_or_default(),
+            .unwrap_or_else(|| crate::context::DEFAULT_SYSTEM_PROMPT.trim_end().to_string()),
         tools: req.tools.clone(),
         sandbox_id: SandboxId::new(format!(
             "{}-{}",

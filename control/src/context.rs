@@ -25,7 +25,14 @@ pub const PREAMBLE: &str = include_str!("../../prompts/preamble.md");
 /// What precedes the list of skills.
 pub const SKILLS_PREAMBLE: &str = include_str!("../../prompts/skills.md");
 /// What a running call shows until its result arrives.
-pub const RUNNING_PLACEHOLDER: &str = "This tool call is still running. Its result will be added in a later turn, when it finishes. Continue with work that does not depend on it, or end your turn to wait.";
+pub const RUNNING_PLACEHOLDER: &str = include_str!("../../prompts/running.md");
+/// How a late result (its placeholder already sent) is introduced;
+/// `{call_id}` names the call.
+pub const LATE_RESULT: &str = include_str!("../../prompts/late-result.md");
+/// Opens a heartbeat, followed by the list of running calls.
+pub const HEARTBEAT: &str = include_str!("../../prompts/heartbeat.md");
+/// The system prompt of a session that is given none.
+pub const DEFAULT_SYSTEM_PROMPT: &str = include_str!("../../prompts/system.md");
 
 /// A skill the model may load.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -530,9 +530,8 @@ impl Core {
         if !quiet || running.is_empty() {
             return Ok(());
         }
-        let mut text = String::from(
-            "[heartbeat] These tool calls are still running. Their results will be added when they finish; end your turn to keep waiting, or act on the output so far.\n",
-        );
+        let mut text = crate::context::HEARTBEAT.trim_end().to_string();
+        text.push('\n');
         for (call_id, tool, arguments, at, progress) in &running {
             let secs = (now_unix_ms - at).max(0) / 1000;
             let args: String = arguments.chars().take(300).collect();
