@@ -135,6 +135,9 @@ fn load_request(args: &RunArgs) -> Result<RunRequest, RunError> {
             parse_request(&s).map_err(usage)?
         }
     };
+    if args.inputs_from_stdin && args.request.as_deref() == Some("-") {
+        return Err(usage("--request - and --inputs-from-stdin both want stdin"));
+    }
     if let Some(p) = &args.prompt {
         if req.prompt.is_some() {
             return Err(usage(
@@ -525,7 +528,17 @@ async fn drive(
             let (m, updates) =
                 Manager::start(LocalBackend::new(e.worker()), config.sandbox_id.clone());
             let m = Arc::new(m);
-            let s = session(core, m.clone(), updates, llm, req, settings, &mut view).await;
+            let s = session(
+                core,
+                m.clone(),
+                updates,
+                llm,
+                req,
+                settings,
+                args.inputs_from_stdin,
+                &mut view,
+            )
+            .await;
             if let Ok(m) = Arc::try_unwrap(m) {
                 m.shutdown().await;
             }
@@ -538,7 +551,17 @@ async fn drive(
             );
             let (m, updates) = Manager::start(backend, config.sandbox_id.clone());
             let m = Arc::new(m);
-            let s = session(core, m.clone(), updates, llm, req, settings, &mut view).await;
+            let s = session(
+                core,
+                m.clone(),
+                updates,
+                llm,
+                req,
+                settings,
+                args.inputs_from_stdin,
+                &mut view,
+            )
+            .await;
             if let Ok(m) = Arc::try_unwrap(m) {
                 m.shutdown().await;
             }
@@ -563,6 +586,17 @@ async fn drive(
     Ok(code)
 }
 
+type StdinLines = tokio::io::Lines<tokio::io::BufReader<tokio::io::Stdin>>;
+
+/// The next line of stdin, when it is read for inputs.
+async fn next_input(lines: &mut Option<StdinLines>) -> std::io::Result<Option<String>> {
+    match lines {
+        Some(l) => l.next_line().await,
+        None => std::future::pending().await,
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
 async fn session<M: OperationManager + 'static>(
     mut core: Core,
     manager: Arc<M>,
@@ -570,8 +604,10 @@ async fn session<M: OperationManager + 'static>(
     llm: Arc<LlmClient>,
     req: &RunRequest,
     settings: Settings,
+    inputs_from_stdin: bool,
     view: &mut View,
 ) -> Result<Summary, RunError> {
+    use tokio::io::AsyncBufReadExt;
     for m in &req.messages {
         let role = match m.role {
             MessageRole::User => Role::User,
@@ -602,6 +638,8 @@ async fn session<M: OperationManager + 'static>(
     let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
         .map_err(|e| failed(format!("cannot handle SIGTERM: {e}")))?;
     let mut interrupts = 0;
+    let mut stdin_lines: Option<StdinLines> =
+        inputs_from_stdin.then(|| tokio::io::BufReader::new(tokio::io::stdin()).lines());
     let mut tick = tokio::time::interval(Duration::from_secs(5));
     tick.tick().await;
     let summary = loop {
@@ -630,6 +668,18 @@ async fn session<M: OperationManager + 'static>(
                 }
                 let _ = inbox.send(Inbox::Stop(StopMode::Hard)).await;
             }
+            line = next_input(&mut stdin_lines) => match line {
+                Ok(Some(text)) if !text.trim().is_empty() => {
+                    let input = Inbox::Input { input_id: uuid::Uuid::new_v4().to_string(), text };
+                    let _ = inbox.send(input).await;
+                }
+                Ok(Some(_)) => {}
+                Ok(None) => stdin_lines = None,
+                Err(e) => {
+                    tracing::warn!(error = %e, "stdin cannot be read; no more inputs from it");
+                    stdin_lines = None;
+                }
+            },
             _ = tick.tick() => {
                 if let View::Terminal(t) = view {
                     t.tick()?;

@@ -121,6 +121,11 @@ pub struct RunArgs {
     /// System prompt (after Corral's preamble).
     #[arg(long, env = "CORRAL_SYSTEM_PROMPT")]
     pub system_prompt: Option<String>,
+    /// While the run goes on, read further inputs from stdin, one per line:
+    /// each one steers (a request in flight is canceled and asked again
+    /// with it). End of input just stops reading.
+    #[arg(long, env = "CORRAL_INPUTS_FROM_STDIN")]
+    pub inputs_from_stdin: bool,
     /// One JSON event per line on stdout (also the default when stdout is
     /// not a terminal).
     #[arg(long, env = "CORRAL_JSON")]

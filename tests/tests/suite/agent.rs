@@ -1092,3 +1092,44 @@ async fn a_log_that_cannot_be_written_stops_the_run_and_loses_nothing() -> Resul
     h.stop().await;
     Ok(())
 }
+
+/// `--inputs-from-stdin`: a line typed while the model is answering steers
+/// the run (the request is canceled and asked again with the new input).
+#[tokio::test]
+async fn inputs_from_stdin_steer_the_run() -> Result<()> {
+    use tokio::io::AsyncWriteExt;
+    let h = Harness::start().await?;
+    let sessions = tempfile::tempdir()?;
+    let model = ModelServer::start(vec![
+        responses::text("a very long essay").after(Duration::from_secs(30)),
+        responses::text("one line"),
+    ])
+    .await;
+    let mut cmd = command(
+        &model,
+        &h.url,
+        sessions.path(),
+        &["--inputs-from-stdin", "write an essay"],
+    );
+    cmd.stdin(Stdio::piped());
+    let mut child = cmd.spawn()?;
+    model.wait_for(1, Duration::from_secs(30)).await;
+    let mut stdin = child.stdin.take().context("stdin")?;
+    stdin.write_all(b"no, one line\n").await?;
+    drop(stdin);
+    let out = tokio::time::timeout(Duration::from_secs(60), child.wait_with_output()).await??;
+    let stdout = String::from_utf8(out.stdout)?;
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("\"steered\""), "{stdout}");
+    let last: Value = serde_json::from_str(stdout.lines().last().unwrap())?;
+    assert_eq!(last["final_text"], "one line");
+    let second = model.received()[1].text();
+    assert!(second.contains("write an essay") && second.contains("no, one line"));
+    h.stop().await;
+    Ok(())
+}
