@@ -65,6 +65,17 @@ pub struct RunRequest {
 pub struct Message {
     pub role: MessageRole,
     pub content: String,
+    /// De-duplicates the message across reruns of a session (default: its
+    /// position and content).
+    #[serde(default)]
+    pub message_id: Option<String>,
+}
+
+/// FNV-1a: a stable hash (unlike std's, it never changes between builds).
+fn fnv1a(s: &str) -> u64 {
+    s.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    })
 }
 
 #[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq)]
@@ -608,15 +619,27 @@ async fn session<M: OperationManager + 'static>(
     view: &mut View,
 ) -> Result<Summary, RunError> {
     use tokio::io::AsyncBufReadExt;
-    for m in &req.messages {
-        let role = match m.role {
-            MessageRole::User => Role::User,
-            MessageRole::Assistant => Role::Assistant,
-        };
-        core.history(role, &m.content)?;
-    }
     // A `corral run` ends once the session is idle.
     core.stop(StopMode::WhenIdle, crate::agent::StopCause::Requested)?;
+    let resumed = core.state().turns > 0 || core.state().last_input.is_some();
+    for (i, m) in req.messages.iter().enumerate() {
+        match m.role {
+            // Same request again, same ids: nothing is asked twice.
+            MessageRole::User => {
+                let id = m
+                    .message_id
+                    .clone()
+                    .unwrap_or_else(|| format!("message-{i}-{:016x}", fnv1a(&m.content)));
+                core.add_input(&id, &m.content)?;
+            }
+            MessageRole::Assistant if resumed => {
+                tracing::warn!(
+                    "assistant messages of --request apply to new sessions only; skipped"
+                );
+            }
+            MessageRole::Assistant => core.history(Role::Assistant, &m.content)?,
+        }
+    }
     if let Some(prompt) = &req.prompt {
         // Rerunning a command that did not finish, with the same prompt,
         // resumes it rather than asking again.
@@ -626,7 +649,7 @@ async fn session<M: OperationManager + 'static>(
             .as_ref()
             .is_some_and(|(text, answered)| text == prompt && !answered);
         if !repeat {
-            core.input(&uuid::Uuid::new_v4().to_string(), prompt)?;
+            core.add_input(&uuid::Uuid::new_v4().to_string(), prompt)?;
         }
     }
     core.kick()?;

@@ -276,19 +276,28 @@ impl Core {
 
     /// A user input (ignored when its id was seen before).
     pub fn input(&mut self, input_id: &str, text: &str) -> Result<(), CoreError> {
-        if self.state.input_ids.contains(input_id) {
+        let steering = self.state.in_flight;
+        if !self.add_input(input_id, text)? {
             return Ok(());
         }
-        let steering = self.state.in_flight;
-        self.record(Record::Input {
-            input_id: input_id.into(),
-            text: text.into(),
-        })?;
         if let Some(turn) = steering {
             self.effects.push(Effect::CancelRequest);
             self.emit(Event::Steered { turn });
         }
         self.settle()
+    }
+
+    /// Records an input without starting a turn (inputs given up front,
+    /// before [`Core::kick`]). Returns false when its id was seen before.
+    pub fn add_input(&mut self, input_id: &str, text: &str) -> Result<bool, CoreError> {
+        if self.state.input_ids.contains(input_id) {
+            return Ok(false);
+        }
+        self.record(Record::Input {
+            input_id: input_id.into(),
+            text: text.into(),
+        })?;
+        Ok(true)
     }
 
     /// Conversation entries given up front.
@@ -303,10 +312,11 @@ impl Core {
         if self.state.stop.is_some_and(|(m, _)| m == StopMode::Hard) {
             return Ok(());
         }
+        let in_flight = self.state.in_flight.is_some();
         self.record(Record::Stop { mode, cause })?;
         if mode == StopMode::Hard {
             self.grace = None;
-            if self.state.in_flight.is_some() {
+            if in_flight {
                 self.effects.push(Effect::CancelRequest);
             }
             let mut ids: Vec<OperationId> =
@@ -316,7 +326,8 @@ impl Core {
                 self.effects.push(Effect::Cancel(ids));
             }
         }
-        self.settle()
+        // A stop never starts a turn.
+        Ok(())
     }
 
     /// How request `turn` ended. Late answers (a steered or stopped turn)

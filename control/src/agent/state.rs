@@ -351,6 +351,11 @@ impl State {
             }
             Record::Stop { mode, cause } => {
                 self.stop = Some((*mode, *cause));
+                if *mode == StopMode::Hard && self.in_flight.take().is_some() {
+                    // The request is canceled; its answer, if it still
+                    // comes, is dropped, and a later run asks again.
+                    self.has_new = true;
+                }
             }
             Record::Finished { ending } => {
                 self.last_end = Some(*ending);

@@ -688,6 +688,8 @@ async fn a_request_file_with_messages_tools_and_skills() -> Result<()> {
         &h.url,
         sessions.path(),
         &[
+            "--session",
+            "reqs",
             "--request",
             req.to_str().unwrap(),
             "--skills",
@@ -730,6 +732,17 @@ async fn a_request_file_with_messages_tools_and_skills() -> Result<()> {
         got[2].text().contains("salutations"),
         "the skill's file is in the sandbox"
     );
+    // The same request again: its messages were answered; nothing is asked.
+    let again = corral_run(
+        &model,
+        &h.url,
+        sessions.path(),
+        &["--session", "reqs", "--request", req.to_str().unwrap()],
+    )
+    .await?;
+    assert_eq!(again.code, 0, "{}", again.stderr);
+    assert_eq!(again.result()["final_text"], "salutations!");
+    assert_eq!(model.received().len(), 3, "no new request");
     h.stop().await;
     Ok(())
 }
