@@ -37,6 +37,7 @@ fn config() -> SessionConfig {
         reasoning_effort: None,
         max_turns: TURNS + 10,
         skills: Vec::new(),
+        worker: None,
     }
 }
 

@@ -26,7 +26,7 @@ use crate::client::ClientError;
 use crate::context::Budget;
 use crate::llm::{Api, LlmClient, LlmConfig, Role};
 use crate::ops::{LocalBackend, Manager, OperationManager, RemoteBackend};
-use crate::run::{Connection, RunError, connect};
+use crate::run::{Connection, RunError, connect_to, place, worker_urls};
 use crate::session::SessionLog;
 
 pub const EXIT_DONE: u8 = 0;
@@ -227,10 +227,12 @@ impl TerminalView {
                 resumed,
                 sandbox_id,
                 model,
+                worker,
             } => writeln!(
                 err,
-                "corral: session {session_id}{} · sandbox {sandbox_id} · model {model}",
-                if *resumed { " (resumed)" } else { "" }
+                "corral: session {session_id}{} · sandbox {sandbox_id} on {} · model {model}",
+                if *resumed { " (resumed)" } else { "" },
+                worker.as_deref().unwrap_or("the embedded worker")
             )?,
             Event::TurnStarted { turn, changes, .. } => {
                 write!(err, "── turn {turn}")?;
@@ -377,8 +379,40 @@ async fn run_agent_inner(conn: &ConnArgs, args: &RunArgs) -> Result<u8, RunError
     llm_config.api_key = key;
     let llm = Arc::new(LlmClient::new(llm_config).map_err(|e| failed(e.to_string()))?);
 
-    let connection = connect(conn).await?;
-    let out = drive(&connection, args, &req, &dir, &id, exists, llm, started).await;
+    // A session stays on the worker it was placed on; a new one goes to
+    // the worker of --worker with the most room.
+    let urls = worker_urls(conn);
+    let worker = if exists {
+        let recorded = replay(&dir, &id)
+            .ok()
+            .and_then(|s| s.config.and_then(|c| c.worker));
+        match recorded {
+            Some(w) => {
+                if !urls.is_empty() && !urls.contains(&w) {
+                    tracing::warn!(worker = %w, "the session stays on the worker it was placed on");
+                }
+                Some(w)
+            }
+            None => urls.first().cloned(),
+        }
+    } else if urls.len() > 1 {
+        Some(place(conn, &urls).await?)
+    } else {
+        urls.first().cloned()
+    };
+    let connection = connect_to(conn, worker.as_deref()).await?;
+    let out = drive(
+        &connection,
+        args,
+        &req,
+        &dir,
+        &id,
+        exists,
+        llm,
+        started,
+        worker,
+    )
+    .await;
     if let Some(e) = connection.embedded {
         e.stop().await;
     }
@@ -441,6 +475,7 @@ fn new_config(
             .or(req.limits.max_turns)
             .unwrap_or(DEFAULT_MAX_TURNS),
         skills: skills.iter().map(SkillDef::from_skill).collect(),
+        worker: None,
     }
 }
 
@@ -454,6 +489,7 @@ async fn drive(
     exists: bool,
     llm: Arc<LlmClient>,
     started: Instant,
+    worker: Option<String>,
 ) -> Result<u8, RunError> {
     let (skills, skill_files) = match (&args.skills, exists) {
         (Some(dir), false) => {
@@ -496,7 +532,8 @@ async fn drive(
         }
         core
     } else {
-        let config = new_config(args, req, id, &skills);
+        let mut config = new_config(args, req, id, &skills);
+        config.worker = worker.clone();
         // The sandbox first: a session is not recorded with a sandbox that
         // cannot be made (an unknown image, say).
         client
@@ -533,6 +570,7 @@ async fn drive(
         resumed: exists,
         sandbox_id: config.sandbox_id.to_string(),
         model: config.model.clone(),
+        worker: worker.clone(),
     })?;
     let summary = match &connection.embedded {
         Some(e) => {

@@ -22,7 +22,9 @@ pub struct Cli {
 #[derive(Debug, Clone, Args)]
 pub struct ConnArgs {
     /// Worker to use (http://host:port). Without it, an embedded worker runs
-    /// in this process against the local Docker engine.
+    /// in this process against the local Docker engine. `corral run` takes
+    /// a comma-separated list: a new session goes to the worker with the
+    /// most free sandbox slots, and stays there.
     #[arg(long, global = true, env = "CORRAL_WORKER")]
     pub worker: Option<String>,
     /// File holding the worker's bearer token.

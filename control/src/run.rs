@@ -7,7 +7,7 @@ use corral_proto::{NetworkMode, SandboxId, SandboxSpec, SandboxState};
 use corral_worker::WorkerConfig;
 
 use crate::cli::{Cli, Command, ConnArgs, ExecArgs, Network, SandboxCommand};
-use crate::client::{ClientError, ClientTls, Credentials, WorkerClient};
+use crate::client::{ClientError, ClientTls, Credentials, WorkerClient, source_chain};
 use crate::embedded::{Embedded, EmbeddedError};
 use crate::exec::{self, ExecError, ExecRequest};
 
@@ -88,24 +88,53 @@ fn client_tls(conn: &ConnArgs) -> Result<Option<ClientTls>, RunError> {
     Ok((ca_pem.is_some() || identity.is_some()).then_some(ClientTls { ca_pem, identity }))
 }
 
-pub(crate) async fn connect(conn: &ConnArgs) -> Result<Connection, RunError> {
+/// The workers of `--worker` (a comma-separated list), with a scheme.
+pub(crate) fn worker_urls(conn: &ConnArgs) -> Vec<String> {
+    conn.worker
+        .as_deref()
+        .unwrap_or_default()
+        .split(',')
+        .map(str::trim)
+        .filter(|u| !u.is_empty())
+        .map(|u| {
+            if u.contains("://") {
+                u.to_string()
+            } else {
+                format!("http://{u}")
+            }
+        })
+        .collect()
+}
+
+fn credentials(conn: &ConnArgs) -> Result<Credentials, RunError> {
     let token = conn
         .token_file
         .as_deref()
         .map(corral_worker::cli::read_token)
         .transpose()?;
-    match &conn.worker {
+    Ok(Credentials {
+        token,
+        tls: client_tls(conn)?,
+    })
+}
+
+/// Connects to the one worker of `--worker`, or embeds one.
+pub(crate) async fn connect(conn: &ConnArgs) -> Result<Connection, RunError> {
+    let urls = worker_urls(conn);
+    if urls.len() > 1 {
+        return Err(RunError::Usage(
+            "several workers are for corral run (it places each session); give this command one --worker".into(),
+        ));
+    }
+    connect_to(conn, urls.first().map(String::as_str)).await
+}
+
+/// Connects to `url`, or embeds a worker when there is none.
+pub(crate) async fn connect_to(conn: &ConnArgs, url: Option<&str>) -> Result<Connection, RunError> {
+    match url {
         Some(url) => {
-            let url = if url.contains("://") {
-                url.clone()
-            } else {
-                format!("http://{url}")
-            };
-            let creds = Credentials {
-                token,
-                tls: client_tls(conn)?,
-            };
-            let client = WorkerClient::connect_with(&url, &creds).await?;
+            let creds = credentials(conn)?;
+            let client = WorkerClient::connect_with(url, &creds).await?;
             Ok(Connection {
                 client,
                 creds,
@@ -124,6 +153,55 @@ pub(crate) async fn connect(conn: &ConnArgs) -> Result<Connection, RunError> {
             })
         }
     }
+}
+
+/// Picks the worker for a new session: of those that answer within 5 s,
+/// the one with the most free sandbox slots (then the fewest running
+/// operations, then the first listed).
+pub(crate) async fn place(conn: &ConnArgs, urls: &[String]) -> Result<String, RunError> {
+    let creds = credentials(conn)?;
+    let probes = urls.iter().map(|url| {
+        let creds = creds.clone();
+        async move {
+            let probe = async {
+                let client = WorkerClient::connect_with(url, &creds).await?;
+                client.worker_info().await
+            };
+            let info = tokio::time::timeout(std::time::Duration::from_secs(5), probe)
+                .await
+                .map_err(|_| "no answer within 5 s".to_string())
+                .and_then(|r| r.map_err(|e| source_chain(&e)));
+            (url.clone(), info)
+        }
+    });
+    let answers = futures_util::future::join_all(probes).await;
+    let mut best: Option<(String, u32, u32)> = None;
+    let mut why = Vec::new();
+    for (url, info) in answers {
+        match info {
+            Ok(i) => {
+                let free = i.max_sandboxes.saturating_sub(i.sandboxes);
+                tracing::debug!(worker = %url, free, running = i.running_operations, "worker answered");
+                if free == 0 {
+                    why.push(format!("{url}: full ({} sandboxes)", i.sandboxes));
+                    continue;
+                }
+                let better = best
+                    .as_ref()
+                    .is_none_or(|(_, f, r)| free > *f || (free == *f && i.running_operations < *r));
+                if better {
+                    best = Some((url, free, i.running_operations));
+                }
+            }
+            Err(e) => why.push(format!("{url}: {e}")),
+        }
+    }
+    best.map(|(url, _, _)| url).ok_or_else(|| {
+        RunError::Failed(format!(
+            "no worker can take the session: {}",
+            why.join("; ")
+        ))
+    })
 }
 
 /// Runs the command; returns the process exit code.

@@ -26,6 +26,7 @@ fn config() -> SessionConfig {
         reasoning_effort: None,
         max_turns: 20,
         skills: Vec::new(),
+        worker: None,
     }
 }
 

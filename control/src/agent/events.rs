@@ -42,6 +42,8 @@ pub enum Event {
         resumed: bool,
         sandbox_id: String,
         model: String,
+        /// The worker's URL (`None`: the embedded worker).
+        worker: Option<String>,
     },
     /// A request was sent; `changes` lists what the context builder left
     /// out or shortened to fit the budget.

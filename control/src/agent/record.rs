@@ -36,6 +36,10 @@ pub struct SessionConfig {
     /// another machine builds the same requests).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub skills: Vec<SkillDef>,
+    /// The worker the session was placed on (`None`: the embedded one). A
+    /// resumed session goes back to it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub worker: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

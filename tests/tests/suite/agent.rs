@@ -577,6 +577,7 @@ fn config(sandbox: corral_proto::SandboxId) -> SessionConfig {
         reasoning_effort: None,
         max_turns: 10,
         skills: Vec::new(),
+        worker: None,
     }
 }
 
@@ -1144,5 +1145,38 @@ async fn inputs_from_stdin_steer_the_run() -> Result<()> {
     let second = model.received()[1].text();
     assert!(second.contains("write an essay") && second.contains("no, one line"));
     h.stop().await;
+    Ok(())
+}
+
+/// With several workers, a new session goes to the one with the most room
+/// (a dead one is skipped), and a resumed session goes back to its worker
+/// however full it has become.
+#[tokio::test]
+async fn sessions_are_placed_on_the_worker_with_room_and_stay_there() -> Result<()> {
+    let a = Harness::start().await?;
+    let b = Harness::start().await?;
+    a.sandbox().await?;
+    a.sandbox().await?;
+    let sessions = tempfile::tempdir()?;
+    let model = ModelServer::start(vec![responses::text("one"), responses::text("two")]).await;
+    let list = format!("{},http://127.0.0.1:9,{}", a.url, b.url);
+    let run = corral_run(&model, &list, sessions.path(), &["--session", "p", "hi"]).await?;
+    assert_eq!(run.code, 0, "{}", run.stderr);
+    assert_eq!(run.of_type("session_started")[0]["worker"], b.url.as_str());
+    let sandbox = replay(sessions.path(), "p")?.config.unwrap().sandbox_id;
+    assert!(b.client.get_sandbox(&sandbox).await.is_ok());
+    assert!(a.client.get_sandbox(&sandbox).await.is_err());
+    for _ in 0..3 {
+        b.sandbox().await?;
+    }
+    let again = corral_run(&model, &list, sessions.path(), &["--session", "p", "more"]).await?;
+    assert_eq!(again.code, 0, "{}", again.stderr);
+    assert_eq!(
+        again.of_type("session_started")[0]["worker"],
+        b.url.as_str()
+    );
+    assert_eq!(again.result()["final_text"], "two");
+    a.stop().await;
+    b.stop().await;
     Ok(())
 }
