@@ -506,6 +506,22 @@ async fn usage_errors_exit_2_before_anything_runs() -> Result<()> {
             .unwrap()
             .contains("cannot reach the worker")
     );
+    let exec = tokio::process::Command::new(binary("corral")?)
+        .args([
+            "--worker",
+            "http://127.0.0.1:9,http://127.0.0.1:10",
+            "exec",
+            "--",
+            "true",
+        ])
+        .output()
+        .await?;
+    assert_eq!(
+        exec.status.code(),
+        Some(2),
+        "several workers are for corral run only"
+    );
+    assert!(String::from_utf8_lossy(&exec.stderr).contains("one --worker"));
     assert!(model.received().is_empty());
     Ok(())
 }
