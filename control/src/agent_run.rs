@@ -25,7 +25,7 @@ use crate::cli::{ApiKind, ConnArgs, RunArgs, SessionCommand};
 use crate::client::ClientError;
 use crate::context::Budget;
 use crate::llm::{Api, LlmClient, LlmConfig, Role};
-use crate::ops::{LocalBackend, Manager, OperationManager, RemoteBackend};
+use crate::ops::{Backend, LocalBackend, Manager, OperationManager, RemoteBackend};
 use crate::run::{Connection, RunError, connect_to, place, worker_urls};
 use crate::session::SessionLog;
 
@@ -572,49 +572,22 @@ async fn drive(
         model: config.model.clone(),
         worker: worker.clone(),
     })?;
+    let run = Attended {
+        llm,
+        req,
+        settings,
+        inputs_from_stdin: args.inputs_from_stdin,
+        view: &mut view,
+    };
+    let sandbox = config.sandbox_id.clone();
     let summary = match &connection.embedded {
-        Some(e) => {
-            let (m, updates) =
-                Manager::start(LocalBackend::new(e.worker()), config.sandbox_id.clone());
-            let m = Arc::new(m);
-            let s = session(
-                core,
-                m.clone(),
-                updates,
-                llm,
-                req,
-                settings,
-                args.inputs_from_stdin,
-                &mut view,
-            )
-            .await;
-            if let Ok(m) = Arc::try_unwrap(m) {
-                m.shutdown().await;
-            }
-            s
-        }
+        Some(e) => run_on(LocalBackend::new(e.worker()), sandbox, core, run).await,
         None => {
             let backend = RemoteBackend::with_credentials(
                 connection.client.url().to_string(),
                 connection.creds.clone(),
             );
-            let (m, updates) = Manager::start(backend, config.sandbox_id.clone());
-            let m = Arc::new(m);
-            let s = session(
-                core,
-                m.clone(),
-                updates,
-                llm,
-                req,
-                settings,
-                args.inputs_from_stdin,
-                &mut view,
-            )
-            .await;
-            if let Ok(m) = Arc::try_unwrap(m) {
-                m.shutdown().await;
-            }
-            s
+            run_on(backend, sandbox, core, run).await
         }
     }?;
     let (status, code) = match summary.ending {
@@ -645,17 +618,45 @@ async fn next_input(lines: &mut Option<StdinLines>) -> std::io::Result<Option<St
     }
 }
 
-#[allow(clippy::too_many_arguments)]
+/// What a session run needs besides its core and its operations.
+struct Attended<'a> {
+    llm: Arc<LlmClient>,
+    req: &'a RunRequest,
+    settings: Settings,
+    inputs_from_stdin: bool,
+    view: &'a mut View,
+}
+
+/// Runs the session with an operation manager over `backend`, and stops
+/// the manager afterwards (operations keep running on the worker).
+async fn run_on<B: Backend>(
+    backend: B,
+    sandbox: SandboxId,
+    core: Core,
+    run: Attended<'_>,
+) -> Result<Summary, RunError> {
+    let (manager, updates) = Manager::start(backend, sandbox);
+    let manager = Arc::new(manager);
+    let summary = session(core, manager.clone(), updates, run).await;
+    if let Ok(m) = Arc::try_unwrap(manager) {
+        m.shutdown().await;
+    }
+    summary
+}
+
 async fn session<M: OperationManager + 'static>(
     mut core: Core,
     manager: Arc<M>,
     updates: mpsc::Receiver<crate::ops::Operation>,
-    llm: Arc<LlmClient>,
-    req: &RunRequest,
-    settings: Settings,
-    inputs_from_stdin: bool,
-    view: &mut View,
+    run: Attended<'_>,
 ) -> Result<Summary, RunError> {
+    let Attended {
+        llm,
+        req,
+        settings,
+        inputs_from_stdin,
+        view,
+    } = run;
     use tokio::io::AsyncBufReadExt;
     // A `corral run` ends once the session is idle.
     core.stop(StopMode::WhenIdle, crate::agent::StopCause::Requested)?;
