@@ -845,9 +845,19 @@ async fn interrupted(terminate: &mut tokio::signal::unix::Signal) {
 }
 
 /// `corral session ...`.
-pub fn run_session_command(cmd: &SessionCommand) -> Result<u8, RunError> {
+pub async fn run_session_command(conn: &ConnArgs, cmd: &SessionCommand) -> Result<u8, RunError> {
+    if let SessionCommand::Rm {
+        id,
+        keep_sandbox,
+        sessions_dir: d,
+    } = cmd
+    {
+        remove_session(conn, &sessions_dir(d.as_deref()), id, *keep_sandbox).await?;
+        return Ok(EXIT_DONE);
+    }
     let mut out = std::io::stdout().lock();
     match cmd {
+        SessionCommand::Rm { .. } => {}
         SessionCommand::Ls { sessions_dir: d } => {
             let dir = sessions_dir(d.as_deref());
             let mut ids: Vec<String> = match std::fs::read_dir(&dir) {
@@ -929,6 +939,38 @@ pub fn run_session_command(cmd: &SessionCommand) -> Result<u8, RunError> {
         }
     }
     Ok(EXIT_DONE)
+}
+
+/// `corral session rm`: holds the session's lock (so a running session is
+/// not removed under it), removes its sandbox from the worker it was placed
+/// on, then its log.
+async fn remove_session(
+    conn: &ConnArgs,
+    dir: &Path,
+    id: &str,
+    keep_sandbox: bool,
+) -> Result<(), RunError> {
+    let (log, _) = SessionLog::<Record>::open(dir, id)?;
+    if !keep_sandbox {
+        let state = replay(dir, id)?;
+        if let Some(config) = state.config {
+            let worker = config.worker.or_else(|| worker_urls(conn).first().cloned());
+            let connection = connect_to(conn, worker.as_deref()).await?;
+            let removed = connection.client.destroy_sandbox(&config.sandbox_id).await;
+            if let Some(e) = connection.embedded {
+                e.stop().await;
+            }
+            match removed {
+                Ok(_) => {}
+                Err(ClientError::Status(s)) if s.code() == tonic::Code::NotFound => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
+    let path = crate::session::log::path_of(dir, id);
+    std::fs::remove_file(&path).map_err(|e| failed(format!("{}: {e}", path.display())))?;
+    drop(log);
+    Ok(())
 }
 
 fn describe(rec: &Record) -> String {

@@ -163,6 +163,15 @@ pub enum SessionCommand {
         #[arg(long, env = "CORRAL_SESSIONS_DIR")]
         sessions_dir: Option<PathBuf>,
     },
+    /// Delete a session and its sandbox (on the worker it was placed on).
+    Rm {
+        id: String,
+        /// Leave the sandbox running.
+        #[arg(long)]
+        keep_sandbox: bool,
+        #[arg(long, env = "CORRAL_SESSIONS_DIR")]
+        sessions_dir: Option<PathBuf>,
+    },
 }
 
 /// Durations like `10m` or `30s`; `0` disables; negative values are refused.

@@ -208,7 +208,9 @@ pub(crate) async fn place(conn: &ConnArgs, urls: &[String]) -> Result<String, Ru
 pub async fn run(cli: Cli) -> Result<u8, RunError> {
     match &cli.command {
         Command::Run(args) => return crate::agent_run::run_agent(&cli.conn, args).await,
-        Command::Session(cmd) => return crate::agent_run::run_session_command(cmd),
+        Command::Session(cmd) => {
+            return crate::agent_run::run_session_command(&cli.conn, cmd).await;
+        }
         Command::Exec(_) | Command::Sandbox(_) => {}
     }
     let conn = connect(&cli.conn).await?;

@@ -255,6 +255,26 @@ async fn run_drives_a_bash_call_to_completion_and_a_torn_log_resumes() -> Result
         .output()
         .await?;
     assert!(String::from_utf8(out.stdout)?.contains("one"));
+
+    // `corral session rm`: the sandbox goes from its worker, then the log.
+    let sandbox = replay(sessions.path(), "one")?.config.unwrap().sandbox_id;
+    assert!(h.client.get_sandbox(&sandbox).await.is_ok());
+    let rm = || {
+        tokio::process::Command::new(binary("corral").unwrap())
+            .env("CORRAL_WORKER", &h.url)
+            .args(["session", "rm", "one", "--sessions-dir"])
+            .arg(sessions.path())
+            .output()
+    };
+    let out = rm().await?;
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(h.client.get_sandbox(&sandbox).await.is_err());
+    assert!(!sessions.path().join("one.jsonl").exists());
+    assert_eq!(rm().await?.status.code(), Some(2), "no such session");
     h.stop().await;
     Ok(())
 }
