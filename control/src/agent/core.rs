@@ -499,6 +499,13 @@ impl Core {
             return Ok(());
         }
         if !op.status.is_terminal() {
+            // An operation whose add was still on its way when a hard stop
+            // canceled everything: cancel it now that the worker has it.
+            if op.status == crate::ops::OpStatus::Awaiting
+                && self.state.stop.is_some_and(|(m, _)| m == StopMode::Hard)
+            {
+                self.effects.push(Effect::Cancel(vec![op.id.clone()]));
+            }
             self.progress.insert(op.id.clone(), op.progress);
             return Ok(());
         }

@@ -461,6 +461,11 @@ fn a_hard_stop_cancels_everything_records_the_ends_and_drops_late_answers() {
     assert_eq!(f.cancels_request, 1);
     assert_eq!(f.cancels, [ops[0].id.clone()]);
     assert_eq!(core.ending(), None, "waits for the operation's final state");
+    // An add that reaches the worker after the stop is canceled then.
+    let mut late = ops[0].clone();
+    late.status = OpStatus::Awaiting;
+    core.operation(late).unwrap();
+    assert_eq!(fx(&mut core).cancels, [ops[0].id.clone()]);
     core.model_done(2, Ok(text("late"))).unwrap();
     let mut canceled = ops[0].clone();
     canceled.finish(OperationResult::with_outcome(Outcome::Canceled));
