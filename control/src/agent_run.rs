@@ -1010,14 +1010,11 @@ fn describe(rec: &Record) -> String {
             output,
             running,
         } => {
-            let text: String = output
-                .iter()
-                .map(|o| match o {
-                    crate::llm::ToolOutput::Text { text } => text.to_string(),
-                    crate::llm::ToolOutput::Image { .. } => "[image]".into(),
-                })
-                .collect::<Vec<_>>()
-                .join(" ");
+            let mut text = crate::llm::ToolOutput::text_of(output);
+            let images = crate::llm::ToolOutput::images_in(output);
+            if images > 0 {
+                text.push_str(&format!(" [{images} image(s)]"));
+            }
             if *running {
                 format!("{call_id} (running: placeholder)")
             } else {

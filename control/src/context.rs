@@ -113,20 +113,15 @@ struct Entry {
     late: bool,
 }
 
-/// How a late result is introduced to the model.
+/// How a late result is introduced to the model (`prompts/late-result.md`).
 pub fn late_result_text(call_id: &str, output: &[ToolOutput]) -> String {
-    let mut text =
-        format!("[The tool call {call_id}, which was still running, has finished. Its result:]");
-    let mut images = 0;
-    for o in output {
-        match o {
-            ToolOutput::Text { text: t } => {
-                text.push('\n');
-                text.push_str(t);
-            }
-            ToolOutput::Image { .. } => images += 1,
-        }
+    let mut text = LATE_RESULT.trim_end().replace("{call_id}", call_id);
+    let body = ToolOutput::text_of(output);
+    if !body.is_empty() {
+        text.push('\n');
+        text.push_str(&body);
     }
+    let images = ToolOutput::images_in(output);
     if images > 0 {
         text.push_str(&format!(
             "\n[{images} image(s) not shown here: call the tool again to see them]"
@@ -429,17 +424,8 @@ impl ContextBuilder {
                 let Item::ToolResult { call_id, output } = &mut input[n] else {
                     continue;
                 };
-                let chars: usize = output
-                    .iter()
-                    .map(|o| match o {
-                        ToolOutput::Text { text } => text.chars().count(),
-                        ToolOutput::Image { .. } => 0,
-                    })
-                    .sum();
-                let images = output
-                    .iter()
-                    .filter(|o| matches!(o, ToolOutput::Image { .. }))
-                    .count();
+                let chars = ToolOutput::text_of(output).chars().count();
+                let images = ToolOutput::images_in(output);
                 let mut what = format!("{chars} characters");
                 if images > 0 {
                     what.push_str(&format!(" and {images} image(s)"));

@@ -86,17 +86,6 @@ pub fn replay(dir: &std::path::Path, id: &str) -> Result<State, CoreError> {
     Ok(state)
 }
 
-fn text_of(output: &[ToolOutput]) -> String {
-    output
-        .iter()
-        .filter_map(|o| match o {
-            ToolOutput::Text { text } => Some(&**text),
-            ToolOutput::Image { .. } => None,
-        })
-        .collect::<Vec<_>>()
-        .join("\n")
-}
-
 impl Core {
     /// Starts a new session: its log must be new (and empty).
     pub fn create(log: SessionLog<Record>, config: SessionConfig) -> Result<Self, CoreError> {
@@ -477,11 +466,8 @@ impl Core {
         self.emit(Event::ToolResult {
             call_id: call_id.into(),
             tool,
-            text: text_of(&output),
-            images: output
-                .iter()
-                .filter(|o| matches!(o, ToolOutput::Image { .. }))
-                .count(),
+            text: ToolOutput::text_of(&output),
+            images: ToolOutput::images_in(&output),
         });
         self.record(Record::Result {
             call_id: call_id.into(),

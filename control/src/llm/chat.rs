@@ -50,16 +50,8 @@ pub fn request_body(req: &Request) -> Result<Value, LlmError> {
                 }
             }
             Item::ToolResult { call_id, output } => {
-                let text: Vec<&str> = output
-                    .iter()
-                    .filter_map(|o| match o {
-                        ToolOutput::Text { text } => Some(&**text),
-                        ToolOutput::Image { .. } => None,
-                    })
-                    .collect();
-                messages.push(
-                    json!({ "role": "tool", "tool_call_id": call_id, "content": text.join("\n") }),
-                );
+                let text = ToolOutput::text_of(output);
+                messages.push(json!({ "role": "tool", "tool_call_id": call_id, "content": text }));
                 // Tool messages carry text only: images follow as a user message.
                 let images: Vec<Value> = output
                     .iter()

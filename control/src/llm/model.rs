@@ -40,6 +40,28 @@ pub enum ToolOutput {
     },
 }
 
+impl ToolOutput {
+    /// The text parts of a tool's result, joined by newlines.
+    pub fn text_of(output: &[ToolOutput]) -> String {
+        output
+            .iter()
+            .filter_map(|o| match o {
+                ToolOutput::Text { text } => Some(&**text),
+                ToolOutput::Image { .. } => None,
+            })
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+
+    /// How many images a tool's result holds.
+    pub fn images_in(output: &[ToolOutput]) -> usize {
+        output
+            .iter()
+            .filter(|o| matches!(o, ToolOutput::Image { .. }))
+            .count()
+    }
+}
+
 /// One entry of the conversation, in or out.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]

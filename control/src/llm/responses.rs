@@ -38,16 +38,7 @@ pub fn request_body(req: &Request) -> Result<Value, LlmError> {
             Item::ToolResult { call_id, output } => {
                 let only_text = output.iter().all(|o| matches!(o, ToolOutput::Text { .. }));
                 let out = if only_text {
-                    Value::String(
-                        output
-                            .iter()
-                            .filter_map(|o| match o {
-                                ToolOutput::Text { text } => Some(&**text),
-                                ToolOutput::Image { .. } => None,
-                            })
-                            .collect::<Vec<_>>()
-                            .join("\n"),
-                    )
+                    Value::String(ToolOutput::text_of(output))
                 } else {
                     Value::Array(
                         output
