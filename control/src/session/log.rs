@@ -150,6 +150,21 @@ fn sync_dir(dir: &Path) -> Result<(), LogError> {
     File::open(dir).and_then(|d| d.sync_all()).map_err(io(dir))
 }
 
+/// Opens session `id`'s log (for writing too, with `write`).
+fn open_existing(dir: &Path, id: &str, write: bool) -> Result<(PathBuf, File), LogError> {
+    check_id(id)?;
+    let path = path_of(dir, id);
+    let file = OpenOptions::new()
+        .read(true)
+        .write(write)
+        .open(&path)
+        .map_err(|e| match e.kind() {
+            std::io::ErrorKind::NotFound => LogError::NotFound(id.into()),
+            _ => io(&path)(e),
+        })?;
+    Ok((path, file))
+}
+
 fn lock(file: File, id: &str) -> Result<Flock<File>, LogError> {
     Flock::lock(file, FlockArg::LockExclusiveNonblock).map_err(|_| LogError::Locked(id.into()))
 }
@@ -204,16 +219,7 @@ impl<R: Serialize + DeserializeOwned> SessionLog<R> {
     /// Opens an existing session for writing: checks its version, verifies
     /// every record, and cuts off a torn last line.
     pub fn open(dir: &Path, id: &str) -> Result<(Self, Recovery), LogError> {
-        check_id(id)?;
-        let path = path_of(dir, id);
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(&path)
-            .map_err(|e| match e.kind() {
-                std::io::ErrorKind::NotFound => LogError::NotFound(id.into()),
-                _ => io(&path)(e),
-            })?;
+        let (path, file) = open_existing(dir, id, true)?;
         let mut file = lock(file, id)?;
         let (header, last_seq, good_len) = scan::<R>(&mut file, id, &path, |_, _| true)?;
         let total = file.metadata().map_err(io(&path))?.len();
@@ -266,12 +272,7 @@ impl<R: Serialize + DeserializeOwned> SessionLog<R> {
     /// Reads up to `page` records with `seq > after_seq` (no lock needed;
     /// a torn last line is ignored).
     pub fn replay(dir: &Path, id: &str, after_seq: u64, page: usize) -> Result<Page<R>, LogError> {
-        check_id(id)?;
-        let path = path_of(dir, id);
-        let mut file = File::open(&path).map_err(|e| match e.kind() {
-            std::io::ErrorKind::NotFound => LogError::NotFound(id.into()),
-            _ => io(&path)(e),
-        })?;
+        let (path, mut file) = open_existing(dir, id, false)?;
         let mut records = Vec::new();
         let mut more = false;
         scan::<R>(&mut file, id, &path, |seq, rec| {
@@ -303,12 +304,7 @@ impl<R: Serialize + DeserializeOwned> SessionLog<R> {
         upto_seq: u64,
         then: &[R],
     ) -> Result<Self, LogError> {
-        check_id(parent)?;
-        let path = path_of(dir, parent);
-        let mut file = File::open(&path).map_err(|e| match e.kind() {
-            std::io::ErrorKind::NotFound => LogError::NotFound(parent.into()),
-            _ => io(&path)(e),
-        })?;
+        let (path, mut file) = open_existing(dir, parent, false)?;
         let mut copied: Vec<R> = Vec::new();
         let (_, last, _) = scan::<R>(&mut file, parent, &path, |seq, rec| {
             if seq <= upto_seq {
