@@ -12,7 +12,7 @@ use super::events::{Change, Event};
 pub use super::record::Ending;
 use super::record::{CallOutcome, OpEntry, OpSnapshot, Record, SessionConfig, StopCause, StopMode};
 use super::state::{Shown, State};
-use crate::llm::{LlmError, Request, Response, Tool, ToolOutput};
+use crate::llm::{LlmError, Request, Response, ToolOutput};
 use crate::ops::{Operation, Progress};
 use crate::session::{LogError, SessionLog};
 use crate::tools::{CallStatus, Registry};
@@ -141,10 +141,6 @@ impl Core {
         self.log.id()
     }
 
-    pub fn tools(&self) -> Vec<Tool> {
-        self.registry.tools()
-    }
-
     /// Effects queued since the last call.
     pub fn take_effects(&mut self) -> Vec<Effect> {
         std::mem::take(&mut self.effects)
@@ -164,31 +160,6 @@ impl Core {
             && s.running_ops().next().is_some()
     }
 
-    /// Calls still running (id, tool, arguments, start), with what they
-    /// printed so far.
-    pub fn running(&self) -> Vec<(String, String, String, i64, Progress)> {
-        let mut out = Vec::new();
-        for (id, call) in self.state.unanswered_calls() {
-            if call.outcome != CallOutcome::Submit {
-                continue;
-            }
-            let mut progress = Progress::default();
-            for op in &call.ops {
-                if let Some(p) = self.progress.get(op) {
-                    progress = p.clone();
-                }
-            }
-            out.push((
-                id.clone(),
-                call.tool.clone(),
-                call.arguments.clone(),
-                call.at_unix_ms,
-                progress,
-            ));
-        }
-        out
-    }
-
     fn record(&mut self, rec: Record) -> Result<(), CoreError> {
         self.log.append(&rec)?;
         self.state.apply(&rec);
@@ -204,11 +175,15 @@ impl Core {
     /// followed, not re-run), translate calls that were never translated,
     /// give results that were never given, then go on.
     fn resume_effects(&mut self) -> Result<(), CoreError> {
-        let mut again = Vec::new();
-        for (id, op) in self.state.running_ops() {
-            again.push(Operation::new(id.clone(), op.spec.clone()));
-        }
-        again.sort_by(|a, b| a.id.cmp(&b.id));
+        let again: Vec<Operation> = self
+            .state
+            .running_op_ids()
+            .into_iter()
+            .map(|id| {
+                let spec = self.state.ops[&id].spec.clone();
+                Operation::new(id, spec)
+            })
+            .collect();
         if !again.is_empty() {
             self.effects.push(Effect::Add(again));
         }
@@ -216,11 +191,7 @@ impl Core {
         let finished: Vec<String> = self
             .state
             .unanswered_calls()
-            .filter(|(_, c)| {
-                c.ops
-                    .iter()
-                    .all(|o| self.state.ops.get(o).is_none_or(|st| st.end.is_some()))
-            })
+            .filter(|(_, c)| self.state.ops_over(c))
             .map(|(id, _)| id.clone())
             .collect();
         for id in finished {
@@ -234,9 +205,7 @@ impl Core {
     /// run them a second time. They are recorded as failed instead, and
     /// their calls answered with that.
     pub fn sandbox_replaced(&mut self) -> Result<(), CoreError> {
-        let mut lost: Vec<OperationId> =
-            self.state.running_ops().map(|(id, _)| id.clone()).collect();
-        lost.sort();
+        let lost = self.state.running_op_ids();
         for effect in &mut self.effects {
             if let Effect::Add(ops) = effect {
                 ops.retain(|o| !lost.contains(&o.id));
@@ -308,9 +277,7 @@ impl Core {
             if in_flight {
                 self.effects.push(Effect::CancelRequest);
             }
-            let mut ids: Vec<OperationId> =
-                self.state.running_ops().map(|(id, _)| id.clone()).collect();
-            ids.sort();
+            let ids = self.state.running_op_ids();
             if !ids.is_empty() {
                 self.effects.push(Effect::Cancel(ids));
             }
@@ -505,11 +472,11 @@ impl Core {
                 failure: op.failure,
             },
         })?;
-        let done = self.state.calls.get(&call_id).is_some_and(|c| {
-            c.ops
-                .iter()
-                .all(|o| self.state.ops.get(o).is_none_or(|st| st.end.is_some()))
-        });
+        let done = self
+            .state
+            .calls
+            .get(&call_id)
+            .is_some_and(|c| self.state.ops_over(c));
         if done {
             self.give_result(&call_id)?;
         }
@@ -525,22 +492,27 @@ impl Core {
     /// The heartbeat timer fired. While only calls are pending, the model
     /// is told what is running, for how long, and what it printed so far.
     pub fn heartbeat(&mut self, now_unix_ms: i64) -> Result<(), CoreError> {
-        let quiet = self.state.in_flight.is_none()
-            && self.grace.is_none()
-            && !self.state.stop.is_some_and(|(m, _)| m == StopMode::Hard)
-            && self.state.failure.is_none()
-            && !self.state.has_new;
-        let running = self.running();
-        if !quiet || running.is_empty() {
+        if !self.waiting_only_for_calls() || self.grace.is_some() {
             return Ok(());
         }
         let mut text = crate::context::HEARTBEAT.trim_end().to_string();
         text.push('\n');
-        for (call_id, tool, arguments, at, progress) in &running {
-            let secs = (now_unix_ms - at).max(0) / 1000;
-            let args: String = arguments.chars().take(300).collect();
+        let running = self
+            .state
+            .unanswered_calls()
+            .filter(|(_, c)| c.outcome == CallOutcome::Submit);
+        for (call_id, call) in running {
+            let secs = (now_unix_ms - call.at_unix_ms).max(0) / 1000;
+            let args: String = call.arguments.chars().take(300).collect();
+            let progress = call
+                .ops
+                .iter()
+                .find_map(|op| self.progress.get(op))
+                .cloned()
+                .unwrap_or_default();
             text.push_str(&format!(
-                "\n- {tool} call {call_id} {args}: running for {secs}s, {} bytes of output",
+                "\n- {} call {call_id} {args}: running for {secs}s, {} bytes of output",
+                call.tool,
                 progress.stdout_bytes + progress.stderr_bytes
             ));
             for (name, tail) in [
@@ -549,10 +521,8 @@ impl Core {
             ] {
                 if !tail.is_empty() {
                     let tail = String::from_utf8_lossy(tail);
-                    let tail: String = {
-                        let n = tail.chars().count();
-                        tail.chars().skip(n.saturating_sub(2000)).collect()
-                    };
+                    let n = tail.chars().count();
+                    let tail: String = tail.chars().skip(n.saturating_sub(2000)).collect();
                     text.push_str(&format!("\n  last {name}:\n{}", tail.trim_end()));
                 }
             }
@@ -586,17 +556,7 @@ impl Core {
         }
         let max = self.config().max_turns;
         if self.state.turns >= max {
-            self.record(Record::Stop {
-                mode: StopMode::Hard,
-                cause: StopCause::TurnLimit,
-            })?;
-            let mut ids: Vec<OperationId> =
-                self.state.running_ops().map(|(id, _)| id.clone()).collect();
-            ids.sort();
-            if !ids.is_empty() {
-                self.effects.push(Effect::Cancel(ids));
-            }
-            return Ok(());
+            return self.stop(StopMode::Hard, StopCause::TurnLimit);
         }
         // Calls still running that the model has not heard of get their
         // placeholder, so every call in the request has a result.

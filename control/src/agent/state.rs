@@ -118,6 +118,20 @@ impl State {
         self.ops.iter().filter(|(_, o)| o.end.is_none())
     }
 
+    /// Ids of the operations without a terminal record, sorted.
+    pub fn running_op_ids(&self) -> Vec<OperationId> {
+        let mut ids: Vec<OperationId> = self.running_ops().map(|(id, _)| id.clone()).collect();
+        ids.sort();
+        ids
+    }
+
+    /// Every operation of `call` has a terminal record.
+    pub fn ops_over(&self, call: &CallState) -> bool {
+        call.ops
+            .iter()
+            .all(|o| self.ops.get(o).is_none_or(|st| st.end.is_some()))
+    }
+
     /// The operations of a call as operation values (terminal ones with
     /// their result), for rendering.
     pub fn operations_of(&self, call: &CallState) -> Vec<Operation> {
