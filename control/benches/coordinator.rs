@@ -152,7 +152,7 @@ fn main() {
     let start = Instant::now();
     let state = replay(dir.path(), "bench").unwrap();
     let replayed = start.elapsed();
-    assert_eq!(state.turns, TURNS + 1);
+    assert_eq!(state.turns(), TURNS + 1);
     println!(
         "  resume: replaying the whole log ({} records) took {:.1} ms",
         TURNS * 5 + 3,

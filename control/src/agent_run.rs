@@ -660,7 +660,7 @@ async fn session<M: OperationManager + 'static>(
     use tokio::io::AsyncBufReadExt;
     // A `corral run` ends once the session is idle.
     core.stop(StopMode::WhenIdle, crate::agent::StopCause::Requested)?;
-    let resumed = core.state().turns > 0 || core.state().last_input.is_some();
+    let resumed = core.state().turns() > 0 || core.state().last_input.is_some();
     for (i, m) in req.messages.iter().enumerate() {
         match m.role {
             // Same request again, same ids: nothing is asked twice.
@@ -894,8 +894,8 @@ pub async fn run_session_command(conn: &ConnArgs, cmd: &SessionCommand) -> Resul
                             out,
                             "{:<24} {:>5} {:>6} {:<10} {}",
                             id,
-                            s.turns,
-                            s.tool_calls,
+                            s.turns(),
+                            s.tool_calls(),
                             state,
                             one_line(&s.final_text, 60)
                         )?;

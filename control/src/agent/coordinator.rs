@@ -301,8 +301,8 @@ impl<M: OperationManager + 'static> Coordinator<M> {
                     )
                 })),
             },
-            turns: s.turns,
-            tool_calls: s.tool_calls,
+            turns: s.turns(),
+            tool_calls: s.tool_calls(),
             usage: s.usage,
         })
     }

@@ -12,7 +12,7 @@ use super::events::{Change, Event};
 pub use super::record::Ending;
 use super::record::{CallOutcome, OpEntry, OpSnapshot, Record, SessionConfig, StopCause, StopMode};
 use super::state::{Shown, State};
-use crate::llm::{LlmError, Request, Response, ToolOutput};
+use crate::llm::{Item, LlmError, Request, Response, ToolOutput};
 use crate::ops::{Operation, Progress};
 use crate::session::{LogError, SessionLog};
 use crate::tools::{CallStatus, Registry};
@@ -332,6 +332,7 @@ impl Core {
                 self.emit(Event::ModelFailed { turn, error });
             }
             Ok(response) => {
+                let response = self.unique_call_ids(turn, response);
                 let calls = response.tool_calls().count();
                 self.record(Record::Response {
                     turn,
@@ -348,6 +349,33 @@ impl Core {
             }
         }
         self.settle()
+    }
+
+    /// Results are matched to calls by id, so ids must be unique in a
+    /// session; some servers repeat them (`call_0` every turn, or none at
+    /// all). A repeated id gets the turn added, before the response is
+    /// recorded, so the history sent back stays consistent.
+    fn unique_call_ids(&self, turn: u64, mut response: Response) -> Response {
+        let mut seen = std::collections::HashSet::new();
+        for item in &mut response.output {
+            let Item::ToolCall { call_id, .. } = item else {
+                continue;
+            };
+            let taken = |id: &str, seen: &std::collections::HashSet<String>| {
+                self.state.calls.contains_key(id) || seen.contains(id)
+            };
+            let mut id = call_id.to_string();
+            let mut n = 1;
+            while taken(&id, &seen) {
+                id = format!("{call_id}.t{turn}.{n}");
+                n += 1;
+            }
+            if *id != **call_id {
+                *call_id = id.as_str().into();
+            }
+            seen.insert(id);
+        }
+        response
     }
 
     /// Translates and records the tool calls of the last response.
@@ -555,7 +583,7 @@ impl Core {
             return Ok(());
         }
         let max = self.config().max_turns;
-        if self.state.turns >= max {
+        if self.state.turns() >= max {
             return self.stop(StopMode::Hard, StopCause::TurnLimit);
         }
         // Calls still running that the model has not heard of get their

@@ -706,7 +706,7 @@ fn a_long_session_replays_across_pages() {
         core.operation(done(&ops[0], &format!("out {n}"))).unwrap();
         turn = fx(&mut core).sends[0].0;
     }
-    assert!(core.state().turns > 150);
+    assert!(core.state().turns() > 150);
     assert!(kinds(dir.path(), "s").len() > 2 * REPLAY_PAGE);
     assert_replays(dir.path(), &core);
 }
@@ -955,6 +955,43 @@ fn a_request_refused_as_too_long_is_cut_down_and_sent_again_a_few_times() {
             .as_deref()
             .unwrap()
             .contains("context window")
+    );
+    assert_replays(dir.path(), &core);
+}
+
+/// Servers that repeat call ids (`call_0` every turn, or two calls with one
+/// id) still get each result matched to its own call.
+#[test]
+fn repeated_call_ids_are_made_unique_before_they_are_recorded() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut core, first) = with_calls(dir.path(), &[("call_0", "Bash", &bash("slow"))]);
+    core.grace_over().unwrap();
+    core.input("i2", "also").unwrap();
+    fx(&mut core);
+    core.model_done(
+        2,
+        Ok(calls(&[
+            ("call_0", "Bash", &bash("a")),
+            ("call_0", "Bash", &bash("b")),
+        ])),
+    )
+    .unwrap();
+    let second = fx(&mut core).adds;
+    assert_eq!(core.state().tool_calls(), 3, "three calls, three records");
+    core.operation(done(&second[0], "A")).unwrap();
+    core.operation(done(&second[1], "B")).unwrap();
+    core.operation(done(&first[0], "SLOW")).unwrap();
+    core.model_done(3, Ok(text("ok"))).unwrap();
+    let built = core.state().context.build().request;
+    assert_every_call_has_one_result(&built);
+    let results = result_texts(&built);
+    assert!(
+        results.contains(&("call_0.t2.1".into(), "A".into())),
+        "{results:?}"
+    );
+    assert!(
+        results.contains(&("call_0.t2.2".into(), "B".into())),
+        "{results:?}"
     );
     assert_replays(dir.path(), &core);
 }

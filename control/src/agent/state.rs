@@ -69,8 +69,6 @@ pub struct State {
     pub failure: Option<String>,
     /// The text of the last response.
     pub final_text: String,
-    pub turns: u64,
-    pub tool_calls: u64,
     pub usage: Usage,
     pub input_ids: HashSet<String>,
     /// Requests refused as too long since the last response.
@@ -98,14 +96,22 @@ impl State {
             stop: None,
             failure: None,
             final_text: String::new(),
-            turns: 0,
-            tool_calls: 0,
             usage: Usage::default(),
             input_ids: HashSet::new(),
             last_input: None,
             last_end: None,
             shrinks: 0,
         }
+    }
+
+    /// Requests sent in this session (turn ids count up from 1).
+    pub fn turns(&self) -> u64 {
+        self.last_turn
+    }
+
+    /// Tool calls the model made in this session.
+    pub fn tool_calls(&self) -> u64 {
+        self.calls.len() as u64
     }
 
     /// Calls whose result the model has not been given yet.
@@ -229,7 +235,6 @@ impl State {
                 self.in_flight = Some(*turn);
                 self.has_new = false;
                 self.fresh_inputs = 0;
-                self.turns += 1;
             }
             Record::Response { turn, response } => {
                 if self.in_flight != Some(*turn) {
@@ -314,7 +319,6 @@ impl State {
                 operations,
             } => {
                 self.pending_calls.retain(|p| &p.call_id != call_id);
-                self.tool_calls += 1;
                 for op in operations {
                     self.ops.insert(
                         op.id.clone(),

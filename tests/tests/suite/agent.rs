@@ -670,7 +670,7 @@ async fn a_new_input_steers_a_request_in_flight() -> Result<()> {
     let _ = drain.await;
     let state = replay(sessions.path(), "steer")?;
     assert_eq!(
-        (state.turns, state.final_text.as_str()),
+        (state.turns(), state.final_text.as_str()),
         (2, "short answer")
     );
     drop(inbox);
