@@ -64,6 +64,27 @@ pub struct Summary {
     pub usage: crate::llm::Usage,
 }
 
+/// What the loop has under way besides the core: the request in flight,
+/// the grace deadline, and manager jobs (adds, cancels).
+struct Work {
+    request: Option<InFlight>,
+    grace_at: Option<Instant>,
+    jobs: JoinSet<Vec<(OperationId, String)>>,
+}
+
+/// A streamed delta as an event for the watcher (display only).
+fn delta_event(turn: u64, delta: StreamDelta) -> Option<Event> {
+    match delta {
+        StreamDelta::Text(text) => Some(Event::TextDelta { turn, text }),
+        StreamDelta::Retrying { attempt, reason } => Some(Event::ModelRetry {
+            turn,
+            attempt,
+            reason,
+        }),
+        StreamDelta::ToolCallStarted { .. } => None,
+    }
+}
+
 struct InFlight {
     turn: u64,
     task: JoinHandle<Result<Response, LlmError>>,
@@ -149,75 +170,92 @@ impl<M: OperationManager + 'static> Coordinator<M> {
         self.run_inner().instrument(span).await
     }
 
+    /// Carries out one effect of the core.
+    async fn carry_out(&mut self, effect: Effect, work: &mut Work) {
+        match effect {
+            Effect::Send { turn, request } => {
+                if let Some(old) = work.request.take() {
+                    old.abort();
+                }
+                let (dtx, drx) = mpsc::channel(256);
+                let cancel = CancellationToken::new();
+                let (llm, token) = (self.llm.clone(), cancel.clone());
+                let task = tokio::spawn(
+                    async move { llm.respond(&request, Some(&dtx), &token).await }
+                        .instrument(info_span!("turn", turn)),
+                );
+                work.request = Some(InFlight {
+                    turn,
+                    task,
+                    cancel,
+                    deltas: drx,
+                });
+            }
+            Effect::CancelRequest => {
+                if let Some(old) = work.request.take() {
+                    debug!(turn = old.turn, "request canceled");
+                    old.abort();
+                }
+            }
+            Effect::Add(ops) => {
+                let m = self.manager.clone();
+                work.jobs.spawn(async move {
+                    let mut failed = Vec::new();
+                    for op in ops {
+                        let id = op.id.clone();
+                        if let Err(e) = m.add(op).await {
+                            failed.push((id, e.to_string()));
+                        }
+                    }
+                    failed
+                });
+            }
+            Effect::Cancel(ids) => {
+                let m = self.manager.clone();
+                work.jobs.spawn(async move {
+                    for id in ids {
+                        if let Err(e) = m.cancel(&id, "the session stopped").await {
+                            warn!(operation = %id, error = %e, "cancel failed");
+                        }
+                    }
+                    Vec::new()
+                });
+            }
+            Effect::ArmGrace => work.grace_at = Some(Instant::now() + self.settings.grace),
+            Effect::Emit(e) => {
+                let _ = self.events.send(e).await;
+            }
+        }
+    }
+
+    /// Operations the manager would not take (it stopped) fail.
+    fn not_started(&mut self, failed: Vec<(OperationId, String)>) -> Result<(), CoreError> {
+        for (id, error) in failed {
+            if let Some(st) = self.core.state().ops.get(&id) {
+                let mut op = Operation::new(id.clone(), st.spec.clone());
+                op.fail(format!("the operation could not be started: {error}"));
+                self.core.operation(op)?;
+            }
+        }
+        Ok(())
+    }
+
     async fn run_inner(mut self) -> Result<Summary, CoreError> {
-        let mut request: Option<InFlight> = None;
-        let mut grace_at: Option<Instant> = None;
+        let mut work = Work {
+            request: None,
+            grace_at: None,
+            jobs: JoinSet::new(),
+        };
         // Armed when the session starts waiting for nothing but calls (not
         // reset by their progress), disarmed when anything else is pending.
         let mut heartbeat_at: Option<Instant> = None;
-        let mut jobs: JoinSet<Vec<(OperationId, String)>> = JoinSet::new();
         let mut inbox_open = true;
         let result: Result<Ending, CoreError> = loop {
-            let effects = self.core.take_effects();
-            for effect in effects {
-                match effect {
-                    Effect::Send { turn, request: req } => {
-                        if let Some(old) = request.take() {
-                            old.abort();
-                        }
-                        let (dtx, drx) = mpsc::channel(256);
-                        let cancel = CancellationToken::new();
-                        let llm = self.llm.clone();
-                        let token = cancel.clone();
-                        let task = tokio::spawn(
-                            async move { llm.respond(&req, Some(&dtx), &token).await }
-                                .instrument(info_span!("turn", turn)),
-                        );
-                        request = Some(InFlight {
-                            turn,
-                            task,
-                            cancel,
-                            deltas: drx,
-                        });
-                    }
-                    Effect::CancelRequest => {
-                        if let Some(old) = request.take() {
-                            debug!(turn = old.turn, "request canceled");
-                            old.abort();
-                        }
-                    }
-                    Effect::Add(ops) => {
-                        let m = self.manager.clone();
-                        jobs.spawn(async move {
-                            let mut failed = Vec::new();
-                            for op in ops {
-                                let id = op.id.clone();
-                                if let Err(e) = m.add(op).await {
-                                    failed.push((id, e.to_string()));
-                                }
-                            }
-                            failed
-                        });
-                    }
-                    Effect::Cancel(ids) => {
-                        let m = self.manager.clone();
-                        jobs.spawn(async move {
-                            for id in ids {
-                                if let Err(e) = m.cancel(&id, "the session stopped").await {
-                                    warn!(operation = %id, error = %e, "cancel failed");
-                                }
-                            }
-                            Vec::new()
-                        });
-                    }
-                    Effect::ArmGrace => grace_at = Some(Instant::now() + self.settings.grace),
-                    Effect::Emit(e) => {
-                        let _ = self.events.send(e).await;
-                    }
-                }
+            for effect in self.core.take_effects() {
+                self.carry_out(effect, &mut work).await;
             }
             if !self.core.grace_active() {
-                grace_at = None;
+                work.grace_at = None;
             }
             if !self.core.waiting_only_for_calls() {
                 heartbeat_at = None;
@@ -237,39 +275,24 @@ impl<M: OperationManager + 'static> Coordinator<M> {
                     }
                 },
                 Some(op) = self.updates.recv() => self.core.operation(op),
-                m = from_model(&mut request) => match m {
+                m = from_model(&mut work.request) => match m {
                     FromModel::Done(turn, res) => {
-                        request = None;
+                        work.request = None;
                         self.core.model_done(turn, res)
                     }
                     FromModel::Delta(delta) => {
-                        let turn = request.as_ref().map_or(0, |r| r.turn);
-                        let event = match delta {
-                            StreamDelta::Text(text) => Some(Event::TextDelta { turn, text }),
-                            StreamDelta::Retrying { attempt, reason } => {
-                                Some(Event::ModelRetry { turn, attempt, reason })
-                            }
-                            StreamDelta::ToolCallStarted { .. } => None,
-                        };
-                        if let Some(e) = event {
+                        let turn = work.request.as_ref().map_or(0, |r| r.turn);
+                        if let Some(e) = delta_event(turn, delta) {
                             let _ = self.events.try_send(e);
                         }
                         Ok(())
                     }
                 },
-                Some(done) = jobs.join_next(), if !jobs.is_empty() => {
-                    let mut r = Ok(());
-                    for (id, error) in done.unwrap_or_default() {
-                        if let Some(st) = self.core.state().ops.get(&id) {
-                            let mut op = Operation::new(id.clone(), st.spec.clone());
-                            op.fail(format!("the operation could not be started: {error}"));
-                            r = r.and(self.core.operation(op));
-                        }
-                    }
-                    r
+                Some(done) = work.jobs.join_next(), if !work.jobs.is_empty() => {
+                    self.not_started(done.unwrap_or_default())
                 }
-                () = until(grace_at) => {
-                    grace_at = None;
+                () = until(work.grace_at) => {
+                    work.grace_at = None;
                     self.core.grace_over()
                 }
                 () = until(heartbeat_at) => {
@@ -281,11 +304,11 @@ impl<M: OperationManager + 'static> Coordinator<M> {
                 break Err(e);
             }
         };
-        if let Some(r) = request.take() {
+        if let Some(r) = work.request.take() {
             r.abort();
         }
         // Cancels and adds still under way finish before the run reports.
-        while jobs.join_next().await.is_some() {}
+        while work.jobs.join_next().await.is_some() {}
         let ending = result?;
         let s = self.core.state();
         Ok(Summary {
