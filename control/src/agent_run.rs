@@ -383,9 +383,13 @@ async fn run_agent_inner(conn: &ConnArgs, args: &RunArgs) -> Result<u8, RunError
     // the worker of --worker with the most room.
     let urls = worker_urls(conn);
     let worker = if exists {
-        let recorded = replay(&dir, &id)
+        // The start record (the first) says; the whole log is replayed later.
+        let recorded = SessionLog::<Record>::replay(&dir, &id, 0, 1)
             .ok()
-            .and_then(|s| s.config.and_then(|c| c.worker));
+            .and_then(|p| match p.records.into_iter().next() {
+                Some((_, Record::Start { config })) => config.worker,
+                _ => None,
+            });
         match recorded {
             Some(w) => {
                 if !urls.is_empty() && !urls.contains(&w) {
