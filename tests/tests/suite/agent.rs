@@ -1216,3 +1216,48 @@ async fn sessions_are_placed_on_the_worker_with_room_and_stay_there() -> Result<
     b.stop().await;
     Ok(())
 }
+
+/// ViewImage end to end: a PNG made in the sandbox reaches the model as an
+/// image input of the Responses API.
+#[tokio::test]
+async fn view_image_sends_the_picture_to_the_model() -> Result<()> {
+    let h = Harness::start().await?;
+    let sessions = tempfile::tempdir()?;
+    let png = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg==";
+    let model = ModelServer::start(vec![
+        responses::calls(&[(
+            "b",
+            "Bash",
+            &bash(&format!("echo {png} | base64 -d > /workspace/dot.png")),
+        )]),
+        responses::calls(&[("v", "ViewImage", r#"{"path": "/workspace/dot.png"}"#)]),
+        responses::text("a dot"),
+    ])
+    .await;
+    let run = corral_run(&model, &h.url, sessions.path(), &["look"]).await?;
+    assert_eq!(run.code, 0, "{}\n{:#?}", run.stderr, run.events);
+    let third = &model.received()[2].body;
+    let output = third["input"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|i| i["type"] == "function_call_output" && i["call_id"] == "v")
+        .cloned()
+        .context("no ViewImage output")?;
+    let parts = output["output"]
+        .as_array()
+        .context("image output is a list")?;
+    let image = parts
+        .iter()
+        .find(|p| p["type"] == "input_image")
+        .context("no image")?;
+    assert!(
+        image["image_url"]
+            .as_str()
+            .unwrap()
+            .starts_with("data:image/png;base64,"),
+        "{image}"
+    );
+    h.stop().await;
+    Ok(())
+}
