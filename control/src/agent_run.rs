@@ -17,14 +17,14 @@ use tokio::sync::mpsc;
 
 use crate::agent::core::{now_ms, replay};
 use crate::agent::events::{Event, RunResult, to_json_line};
-use crate::agent::record::SkillDef;
+use crate::agent::record::{Endpoint, Overrides, SkillDef};
 use crate::agent::{
     Coordinator, Core, Ending, Inbox, Record, SessionConfig, Settings, StopMode, Summary,
 };
 use crate::cli::{ApiKind, ConnArgs, RunArgs, SessionCommand};
 use crate::client::ClientError;
 use crate::context::Budget;
-use crate::llm::{Api, LlmClient, LlmConfig, Role};
+use crate::llm::{Api, LlmClient, LlmConfig, Role, ToolChoice};
 use crate::ops::{Backend, LocalBackend, Manager, OperationManager, RemoteBackend};
 use crate::run::{Connection, RunError, connect_to, place, worker_urls};
 use crate::session::SessionLog;
@@ -53,9 +53,12 @@ pub struct RunRequest {
     /// Tools offered (default: all).
     #[serde(default)]
     pub tools: Option<Vec<String>>,
-    /// low | medium | high (Responses API).
+    /// low | medium | high.
     #[serde(default)]
     pub reasoning_effort: Option<ReasoningEffort>,
+    /// auto | required | none | a tool's name.
+    #[serde(default)]
+    pub tool_choice: Option<String>,
     #[serde(default)]
     pub limits: Limits,
 }
@@ -69,13 +72,6 @@ pub struct Message {
     /// position and content).
     #[serde(default)]
     pub message_id: Option<String>,
-}
-
-/// FNV-1a: a stable hash (unlike std's, it never changes between builds).
-fn fnv1a(s: &str) -> u64 {
-    s.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
-        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
-    })
 }
 
 #[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq)]
@@ -364,20 +360,11 @@ async fn run_agent_inner(conn: &ConnArgs, args: &RunArgs) -> Result<u8, RunError
         ));
     }
     let key = api_key(args)?;
-    if key.is_none() && args.base_url.contains("api.openai.com") {
-        return Err(usage(
-            "no API key: set OPENAI_API_KEY or pass --api-key-file (endpoints that need no key: --base-url)",
-        ));
+    if !exists {
+        // A new session checks its endpoint before anything is made; a
+        // resumed one once its recorded endpoint is known.
+        check_key(&Endpoint::merge(None, args.base_url.clone(), api_of(args)), &key)?;
     }
-    let mut llm_config = LlmConfig::new(
-        args.base_url.trim_end_matches('/'),
-        match args.api {
-            ApiKind::Responses => Api::Responses,
-            ApiKind::Chat => Api::Chat,
-        },
-    );
-    llm_config.api_key = key;
-    let llm = Arc::new(LlmClient::new(llm_config).map_err(|e| failed(e.to_string()))?);
 
     // A session stays on the worker it was placed on; a new one goes to
     // the worker of --worker with the most room.
@@ -412,7 +399,7 @@ async fn run_agent_inner(conn: &ConnArgs, args: &RunArgs) -> Result<u8, RunError
         &dir,
         &id,
         exists,
-        llm,
+        key,
         started,
         worker,
     )
@@ -421,6 +408,22 @@ async fn run_agent_inner(conn: &ConnArgs, args: &RunArgs) -> Result<u8, RunError
         e.stop().await;
     }
     out
+}
+
+fn api_of(args: &RunArgs) -> Option<Api> {
+    args.api.map(|a| match a {
+        ApiKind::Responses => Api::Responses,
+        ApiKind::Chat => Api::Chat,
+    })
+}
+
+fn check_key(endpoint: &Endpoint, key: &Option<String>) -> Result<(), RunError> {
+    if key.is_none() && endpoint.base_url.contains("api.openai.com") {
+        return Err(usage(
+            "no API key: set OPENAI_API_KEY or pass --api-key-file (endpoints that need no key: --base-url)",
+        ));
+    }
+    Ok(())
 }
 
 fn sandbox_spec(config: &SessionConfig) -> SandboxSpec {
@@ -480,6 +483,12 @@ fn new_config(
             .unwrap_or(DEFAULT_MAX_TURNS),
         skills: skills.iter().map(SkillDef::from_skill).collect(),
         worker: None,
+        endpoint: Some(Endpoint::merge(None, args.base_url.clone(), api_of(args))),
+        tool_choice: args
+            .tool_choice
+            .as_deref()
+            .or(req.tool_choice.as_deref())
+            .map(ToolChoice::parse),
     }
 }
 
@@ -491,7 +500,7 @@ async fn drive(
     dir: &Path,
     id: &str,
     exists: bool,
-    llm: Arc<LlmClient>,
+    key: Option<String>,
     started: Instant,
     worker: Option<String>,
 ) -> Result<u8, RunError> {
@@ -517,11 +526,15 @@ async fn drive(
                 "the session log ended in a torn record (a crash mid-write); it was cut off"
             );
         }
-        let mut core = Core::resume(dir, log)?;
+        let overrides = Overrides {
+            max_turns: args.max_turns.or(req.limits.max_turns),
+            model: args.model.clone().or_else(|| req.model.clone()),
+            base_url: args.base_url.clone(),
+            api: api_of(args),
+        };
+        let mut core = Core::resume(dir, log, overrides)?;
         let config = core.config().clone();
-        if args.model.as_ref().is_some_and(|m| *m != config.model) {
-            tracing::warn!(model = %config.model, "a resumed session keeps its recorded model");
-        }
+        check_key(&Endpoint::merge(config.endpoint.as_ref(), None, None), &key)?;
         let existed = match client.get_sandbox(&config.sandbox_id).await {
             Ok(_) => true,
             Err(ClientError::Status(s)) if s.code() == tonic::Code::NotFound => false,
@@ -555,6 +568,11 @@ async fn drive(
         }
     };
     let config = core.config().clone();
+    // Sessions recorded before endpoints were kept use the defaults.
+    let endpoint = Endpoint::merge(config.endpoint.as_ref(), None, None);
+    let mut llm_config = LlmConfig::new(endpoint.base_url, endpoint.api);
+    llm_config.api_key = key;
+    let llm = Arc::new(LlmClient::new(llm_config).map_err(|e| failed(e.to_string()))?);
     install_files(&connection.client, &config.sandbox_id, skill_files).await?;
     let settings = Settings {
         heartbeat: (!args.heartbeat.is_zero()).then_some(args.heartbeat),
@@ -672,7 +690,7 @@ async fn session<M: OperationManager + 'static>(
                 let id = m
                     .message_id
                     .clone()
-                    .unwrap_or_else(|| format!("message-{i}-{:016x}", fnv1a(&m.content)));
+                    .unwrap_or_else(|| format!("message-{i}-{:016x}", crate::llm::conform::fnv1a(m.content.as_bytes())));
                 core.add_input(&id, &m.content)?;
             }
             MessageRole::Assistant if resumed => {
@@ -1096,6 +1114,9 @@ pub fn fork(dir: &Path, parent: &str, child: &str, turn: Option<u64>) -> Result<
     // resumes (its Resume record says so).
     then.push(Record::Resume {
         at_unix_ms: now_ms(),
+        max_turns: None,
+        model: None,
+        endpoint: None,
     });
     SessionLog::<Record>::fork(dir, parent, child, upto, &then)?;
     Ok(())

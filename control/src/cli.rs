@@ -82,16 +82,16 @@ pub struct RunArgs {
     /// Model name (default: the request's, else gpt-5-mini).
     #[arg(long, env = "CORRAL_MODEL")]
     pub model: Option<String>,
-    /// Model endpoint.
-    #[arg(
-        long,
-        env = "CORRAL_BASE_URL",
-        default_value = "https://api.openai.com/v1"
-    )]
-    pub base_url: String,
-    /// Wire protocol of the endpoint.
-    #[arg(long, env = "CORRAL_API", value_enum, default_value = "responses")]
-    pub api: ApiKind,
+    /// Model endpoint (default: the session's, else https://api.openai.com/v1).
+    #[arg(long, env = "CORRAL_BASE_URL")]
+    pub base_url: Option<String>,
+    /// Wire protocol of the endpoint (default: the session's, else responses).
+    #[arg(long, env = "CORRAL_API", value_enum)]
+    pub api: Option<ApiKind>,
+    /// Whether the model must call a tool: auto, required, none, or a
+    /// tool's name (default: the request's, else the provider's).
+    #[arg(long, env = "CORRAL_TOOL_CHOICE")]
+    pub tool_choice: Option<String>,
     /// File holding the API key (default: the OPENAI_API_KEY variable).
     #[arg(long, env = "CORRAL_API_KEY_FILE")]
     pub api_key_file: Option<PathBuf>,

@@ -10,15 +10,18 @@
 //! so it precedes inputs that arrived while it was being produced.
 //!
 //! Unlike a builder that sends everything, this one enforces a budget and
-//! says what it changed: a tool result longer than the per-result limit is
-//! cut to its head and tail, and when the whole request is estimated to
-//! exceed the model's window the oldest tool outputs are elided first. Each
-//! change is listed in the [`Report`] with its source and reason. User
-//! messages and the system message are never changed.
+//! says what it changed: when the whole request is estimated to exceed the
+//! model's window the oldest tool outputs are elided first. Each change is
+//! listed in the [`Report`] with its source and reason. User messages and
+//! the system message are never changed, and a tool result is never cut
+//! here: each tool bounds its own output where it is made (a command's
+//! streams keep their head and tail, with the exact bytes left out), so the
+//! model never reads a result cut twice. The order the wire protocols need
+//! is applied when a request is put on the wire ([`crate::llm::conform`]).
 //!
 //! [`build`]: ContextBuilder::build
 
-use crate::llm::{Item, Request, Response, Role, Tool, ToolOutput};
+use crate::llm::{Item, Request, Response, Role, Tool, ToolChoice, ToolOutput};
 
 /// The async-turn contract, in our words.
 pub const PREAMBLE: &str = include_str!("../../prompts/preamble.md");
@@ -81,7 +84,8 @@ pub struct Budget {
     pub context_window_tokens: u64,
     /// Kept free for the answer.
     pub reserve_output_tokens: u64,
-    /// Longest text of one tool result, in characters (head and tail kept).
+    /// Bytes of each output stream a command keeps (head and tail) when the
+    /// model does not say; the Bash tool's default `max_output_length`.
     pub max_tool_result_chars: usize,
 }
 
@@ -113,21 +117,14 @@ struct Entry {
     late: bool,
 }
 
-/// How a late result is introduced to the model (`prompts/late-result.md`).
-pub fn late_result_text(call_id: &str, output: &[ToolOutput]) -> String {
-    let mut text = LATE_RESULT.trim_end().replace("{call_id}", call_id);
-    let body = ToolOutput::text_of(output);
-    if !body.is_empty() {
-        text.push('\n');
-        text.push_str(&body);
-    }
-    let images = ToolOutput::images_in(output);
-    if images > 0 {
-        text.push_str(&format!(
-            "\n[{images} image(s) not shown here: call the tool again to see them]"
-        ));
-    }
-    text
+/// How a late result is introduced to the model (`prompts/late-result.md`):
+/// a user message of the header, then the result's text and images.
+pub fn late_result_parts(call_id: &str, output: &[ToolOutput]) -> Vec<ToolOutput> {
+    let mut parts = vec![ToolOutput::Text {
+        text: LATE_RESULT.trim_end().replace("{call_id}", call_id).into(),
+    }];
+    parts.extend(output.iter().cloned());
+    parts
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -137,6 +134,7 @@ pub struct ContextBuilder {
     model: String,
     reasoning_effort: Option<String>,
     max_output_tokens: Option<u32>,
+    tool_choice: Option<ToolChoice>,
     tools: Vec<Tool>,
     committed: Vec<Entry>,
     staged: Vec<Entry>,
@@ -189,6 +187,13 @@ fn tokens_of(item: &Item) -> u64 {
             }
             n
         }
+        Item::UserContent { parts } => parts
+            .iter()
+            .map(|o| match o {
+                ToolOutput::Text { text } => text.len(),
+                ToolOutput::Image { .. } => (IMAGE_TOKENS * CHARS_PER_TOKEN) as usize,
+            })
+            .sum(),
         Item::Reasoning { raw, summary } => {
             summary.iter().map(String::len).sum::<usize>()
                 + raw
@@ -198,26 +203,6 @@ fn tokens_of(item: &Item) -> u64 {
         }
     };
     ITEM_OVERHEAD_TOKENS + (chars as u64).div_ceil(CHARS_PER_TOKEN)
-}
-
-/// Cuts `text` to about `max` characters: head and tail, UTF-8 safe.
-fn head_tail(text: &str, max: usize) -> Option<String> {
-    // Bytes bound characters from above: most texts are decided without a count.
-    if text.len() <= max {
-        return None;
-    }
-    let total = text.chars().count();
-    if total <= max {
-        return None;
-    }
-    let head_n = max / 2;
-    let tail_n = max - head_n;
-    let head: String = text.chars().take(head_n).collect();
-    let tail: String = text.chars().skip(total - tail_n).collect();
-    let omitted = total - head_n - tail_n;
-    Some(format!(
-        "{head}\n[... {omitted} characters omitted ...]\n{tail}"
-    ))
 }
 
 impl ContextBuilder {
@@ -234,6 +219,7 @@ impl ContextBuilder {
             model: String::new(),
             reasoning_effort: None,
             max_output_tokens: None,
+            tool_choice: None,
             tools: Vec::new(),
             committed: Vec::new(),
             staged: Vec::new(),
@@ -267,6 +253,10 @@ impl ContextBuilder {
 
     pub fn set_max_output_tokens(&mut self, n: Option<u32>) {
         self.max_output_tokens = n;
+    }
+
+    pub fn set_tool_choice(&mut self, choice: Option<ToolChoice>) {
+        self.tool_choice = choice;
     }
 
     pub fn budget(&self) -> Budget {
@@ -316,6 +306,14 @@ impl ContextBuilder {
     /// call in place; a placeholder already sent stays, and the result is
     /// appended, to be sent as a user message (see [`late_result_text`]).
     pub fn add_tool_result(&mut self, call_id: &str, output: Vec<ToolOutput>, running: bool) {
+        let is_placeholder_of = |e: &Entry| {
+            e.placeholder
+                && matches!(&e.item, Item::ToolResult { call_id: c, .. } if &**c == call_id)
+        };
+        if running && self.committed.iter().chain(&self.staged).any(is_placeholder_of) {
+            // Staged when the call was recorded: one placeholder per call.
+            return;
+        }
         let output = if running {
             vec![ToolOutput::Text {
                 text: RUNNING_PLACEHOLDER.into(),
@@ -372,26 +370,7 @@ impl ContextBuilder {
             if entry.late {
                 late.push(input.len());
             }
-            let mut item = entry.item.clone();
-            if let Item::ToolResult { call_id, output } = &mut item {
-                for o in output.iter_mut() {
-                    if let ToolOutput::Text { text } = o
-                        && let Some(cut) = head_tail(text, self.budget.max_tool_result_chars)
-                    {
-                        report.changes.push(Change {
-                            kind: ChangeKind::Truncated,
-                            source: format!("tool result {call_id}"),
-                            reason: format!(
-                                "{} characters is over the limit of {} per tool result; head and tail kept",
-                                text.chars().count(),
-                                self.budget.max_tool_result_chars
-                            ),
-                        });
-                        *text = cut.into();
-                    }
-                }
-            }
-            input.push(item);
+            input.push(entry.item.clone());
         }
         let tools_tokens: u64 = self
             .tools
@@ -448,10 +427,8 @@ impl ContextBuilder {
         }
         for n in late {
             if let Item::ToolResult { call_id, output } = &input[n] {
-                input[n] = Item::Message {
-                    role: Role::User,
-                    text: late_result_text(call_id, output).into(),
-                    provider_id: None,
+                input[n] = Item::UserContent {
+                    parts: late_result_parts(call_id, output),
                 };
             }
         }
@@ -463,6 +440,7 @@ impl ContextBuilder {
                 max_output_tokens: self.max_output_tokens,
                 reasoning_effort: self.reasoning_effort.clone(),
                 cache_key: None,
+                tool_choice: self.tool_choice.clone(),
             },
             report,
             estimated_tokens: estimate,

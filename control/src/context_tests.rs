@@ -166,26 +166,20 @@ fn a_sent_placeholder_stays_and_the_result_follows_as_a_user_message() {
         vec![
             call("c1"),
             result("c1", RUNNING_PLACEHOLDER),
-            user("[The tool call c1, which was still running, has finished. Its result:]\ndone")
+            Item::UserContent {
+                parts: vec![
+                    ToolOutput::Text {
+                        text: "[The tool call c1, which was still running, has finished. Its result:]"
+                            .into()
+                    },
+                    ToolOutput::Text {
+                        text: "done".into()
+                    }
+                ]
+            }
         ],
         "one output per call: a second one is refused by some providers"
     );
-    // Late results are cut to the budget like any tool result.
-    let mut b = builder();
-    b.set_budget(Budget {
-        max_tool_result_chars: 300,
-        ..Budget::default()
-    });
-    b.add_model_response(&response(vec![call("c1")]));
-    b.add_tool_result("c1", vec![], true);
-    b.commit();
-    b.add_tool_result("c1", text(&"x".repeat(1000)), false);
-    let built = b.build();
-    assert_eq!(built.report.changes.len(), 1);
-    let Item::Message { text, .. } = built.request.input.last().unwrap() else {
-        panic!()
-    };
-    assert!(text.contains("[... 700 characters omitted ...]"), "{text}");
 }
 
 #[test]
@@ -245,7 +239,9 @@ fn a_heartbeat_is_one_user_message() {
 }
 
 #[test]
-fn an_oversized_tool_result_keeps_head_and_tail_and_is_reported() {
+fn a_tool_result_is_never_cut_here() {
+    // Tools bound their own output where it is made; a second cut would
+    // give the model a wrong count of what was left out.
     let mut b = ContextBuilder::new(
         &[],
         Budget {
@@ -255,19 +251,24 @@ fn an_oversized_tool_result_keeps_head_and_tail_and_is_reported() {
     );
     b.add_tool_result("c9", text("0123456789abcdefghij"), false);
     let built = b.build();
-    assert_eq!(
-        built.request.input[1],
-        result("c9", "01234\n[... 10 characters omitted ...]\nfghij")
-    );
-    assert_eq!(
-        built.report.changes,
-        vec![Change {
-            kind: ChangeKind::Truncated,
-            source: "tool result c9".into(),
-            reason: "20 characters is over the limit of 10 per tool result; head and tail kept"
-                .into(),
-        }]
-    );
+    assert_eq!(built.request.input[1], result("c9", "0123456789abcdefghij"));
+    assert!(built.report.changes.is_empty());
+}
+
+#[test]
+fn a_late_result_keeps_its_images() {
+    let mut b = builder();
+    b.add_model_response(&response(vec![call("c1")]));
+    b.add_tool_result("c1", vec![], true);
+    b.commit();
+    let image = ToolOutput::Image {
+        data_url: "data:image/png;base64,AAAA".into(),
+    };
+    b.add_tool_result("c1", vec![image.clone()], false);
+    let Some(Item::UserContent { parts }) = conversation(&b).last().cloned() else {
+        panic!("a late result is a user message")
+    };
+    assert_eq!(parts.last(), Some(&image));
 }
 
 #[test]

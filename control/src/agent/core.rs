@@ -10,6 +10,7 @@ use corral_proto::OperationId;
 
 use super::events::{Change, Event};
 pub use super::record::Ending;
+pub use super::record::Overrides;
 use super::record::{CallOutcome, OpEntry, OpSnapshot, Record, SessionConfig, StopCause, StopMode};
 use super::state::{Shown, State};
 use crate::llm::{Item, LlmError, Request, Response, ToolOutput};
@@ -63,6 +64,10 @@ pub struct Core {
 /// The tools a session offers.
 pub fn registry_for(config: &SessionConfig) -> Registry {
     let mut r = Registry::with_skills(config.skills.iter().map(|s| s.to_skill()).collect());
+    // The session's default bound of a command's output.
+    r.register(Box::new(crate::tools::bash::Bash::with_default_output(
+        config.budget.max_tool_result_chars as u64,
+    )));
     if let Some(allowed) = &config.tools {
         r.retain(allowed);
     }
@@ -105,7 +110,11 @@ impl Core {
     /// Takes over an existing session: replays it, records the resume, and
     /// queues what a resumed session must do (see `resume_effects`). Call
     /// [`Core::kick`] once its new inputs are given.
-    pub fn resume(dir: &std::path::Path, log: SessionLog<Record>) -> Result<Self, CoreError> {
+    pub fn resume(
+        dir: &std::path::Path,
+        log: SessionLog<Record>,
+        overrides: Overrides,
+    ) -> Result<Self, CoreError> {
         let state = replay(dir, log.id())?;
         let Some(config) = state.config.clone() else {
             return Err(CoreError::NoStart(log.id().into()));
@@ -119,8 +128,13 @@ impl Core {
             progress: HashMap::new(),
             effects: Vec::new(),
         };
+        let current = config.endpoint.as_ref();
+        let endpoint = super::record::Endpoint::merge(current, overrides.base_url, overrides.api);
         core.record(Record::Resume {
             at_unix_ms: now_ms(),
+            max_turns: overrides.max_turns,
+            model: overrides.model.filter(|m| *m != config.model),
+            endpoint: (Some(&endpoint) != current).then_some(endpoint),
         })?;
         core.resume_effects()?;
         Ok(core)
@@ -582,8 +596,7 @@ impl Core {
         if self.state.in_flight.is_some() || !self.state.has_new {
             return Ok(());
         }
-        let max = self.config().max_turns;
-        if self.state.turns() >= max {
+        if self.state.run_turns() >= self.state.max_turns() {
             return self.stop(StopMode::Hard, StopCause::TurnLimit);
         }
         // Calls still running that the model has not heard of get their
@@ -611,7 +624,7 @@ impl Core {
             changes: built.report.changes.iter().map(Change::from).collect(),
         });
         let mut request = built.request;
-        request.cache_key = Some(self.log.id().to_string());
+        request.cache_key = Some(cache_key(self.log.id()));
         self.effects.push(Effect::Send { turn, request });
         Ok(())
     }
@@ -644,6 +657,17 @@ impl Core {
             && s.pending_calls.is_empty();
         (idle && s.stop.is_some()).then_some(Ending::Done)
     }
+}
+
+/// The provider's prompt-cache key of a session: a digest of its id, of
+/// fixed length (OpenAI refuses keys over 64 characters; ids may have 128).
+pub fn cache_key(session_id: &str) -> String {
+    use base64::Engine;
+    let digest = ring::digest::digest(&ring::digest::SHA256, session_id.as_bytes());
+    format!(
+        "corral-{}",
+        base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(&digest.as_ref()[..24])
+    )
 }
 
 pub fn now_ms() -> i64 {

@@ -11,7 +11,7 @@ use super::*;
 use crate::agent::record::StopCause;
 use crate::agent::state::Shown;
 use crate::context::{Budget, RUNNING_PLACEHOLDER};
-use crate::llm::{Item, Role, StopReason, Usage};
+use crate::llm::{Item, Role, StopReason, ToolOutput, Usage};
 use crate::ops::OpStatus;
 
 fn config() -> SessionConfig {
@@ -27,6 +27,8 @@ fn config() -> SessionConfig {
         max_turns: 20,
         skills: Vec::new(),
         worker: None,
+        endpoint: None,
+        tool_choice: None,
     }
 }
 
@@ -47,7 +49,7 @@ fn with_calls(dir: &std::path::Path, list: &[(&str, &str, &str)]) -> (Core, Vec<
 
 fn resume(dir: &std::path::Path, id: &str) -> Core {
     let (log, _) = SessionLog::open(dir, id).unwrap();
-    Core::resume(dir, log).unwrap()
+    Core::resume(dir, log, Default::default()).unwrap()
 }
 
 fn text(t: &str) -> Response {
@@ -180,7 +182,7 @@ fn an_input_is_persisted_then_a_turn_then_the_request_goes_out() {
     let (turn, req) = &f.sends[0];
     assert_eq!(*turn, 1);
     let mut want = core.state().context.build().request;
-    want.cache_key = Some("s".into());
+    want.cache_key = Some(super::cache_key("s"));
     assert_eq!(req, &want, "the request is the builder's snapshot");
     assert!(
         matches!(&req.input[0], Item::Message { role: Role::System, text, .. } if text.contains("be brief"))
@@ -233,7 +235,7 @@ fn tool_calls_are_recorded_before_dispatch_and_their_result_wakes_the_model() {
         result_texts(&f.sends[0].1),
         [("c1".to_string(), "a\nb".to_string())]
     );
-    assert_eq!(f.sends[0].1.cache_key.as_deref(), Some("s"));
+    assert_eq!(f.sends[0].1.cache_key, Some(super::cache_key("s")));
     assert_replays(dir.path(), &core);
 }
 
@@ -282,14 +284,10 @@ fn completions_are_batched_and_a_slow_call_shows_the_placeholder() {
         1,
         "one output per call: the sent placeholder stays"
     );
-    let Some(Item::Message {
-        role: Role::User,
-        text: late,
-        ..
-    }) = f.sends[0].1.input.last()
-    else {
+    let Some(Item::UserContent { parts }) = f.sends[0].1.input.last() else {
         panic!("the late result comes last, as a user message")
     };
+    let late = ToolOutput::text_of(parts);
     assert!(
         late.contains("tool call slow") && late.ends_with("\nS"),
         "{late}"
@@ -390,7 +388,7 @@ fn completions_never_interrupt_a_request() {
     let f = fx(&mut core);
     assert_eq!(f.sends.len(), 1, "the result goes in the next turn");
     assert!(
-        matches!(f.sends[0].1.input.last(), Some(Item::Message { text, .. }) if text.ends_with("\nX")),
+        matches!(f.sends[0].1.input.last(), Some(Item::UserContent { parts }) if ToolOutput::text_of(parts).ends_with("\nX")),
         "a late result (its placeholder was sent) comes as a user message"
     );
 }
@@ -994,4 +992,14 @@ fn repeated_call_ids_are_made_unique_before_they_are_recorded() {
         "{results:?}"
     );
     assert_replays(dir.path(), &core);
+}
+
+#[test]
+fn the_cache_key_is_a_fixed_length_digest_of_the_session_id() {
+    let long = "s".repeat(128);
+    let key = super::cache_key(&long);
+    assert!(key.len() <= 64, "{key}");
+    assert_eq!(key.len(), super::cache_key("a").len());
+    assert_ne!(super::cache_key("a"), super::cache_key("b"));
+    assert_eq!(super::cache_key("a"), super::cache_key("a"));
 }

@@ -7,7 +7,7 @@ use corral_proto::{OperationId, OperationResult, OperationSpec, SandboxId};
 use serde::{Deserialize, Serialize};
 
 use crate::context::Budget;
-use crate::llm::{Response, Role, ToolOutput};
+use crate::llm::{Api, Response, Role, ToolChoice, ToolOutput};
 use crate::ops::OpStatus;
 
 /// How a session is set up; the first record of every session. A resumed
@@ -40,6 +40,47 @@ pub struct SessionConfig {
     /// resumed session goes back to it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub worker: Option<String>,
+    /// The model endpoint; a resumed session goes back to it unless told
+    /// otherwise (`None` in sessions recorded before it was kept).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub endpoint: Option<Endpoint>,
+    /// Whether and which tool the model must call (`None`: the provider's
+    /// default).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_choice: Option<ToolChoice>,
+}
+
+/// What a resumed run was told (flags, a request file); what differs from
+/// the session's settings is recorded with the resume.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Overrides {
+    pub max_turns: Option<u64>,
+    pub model: Option<String>,
+    pub base_url: Option<String>,
+    pub api: Option<Api>,
+}
+
+impl Endpoint {
+    /// `base_url` and `api` where given, the rest from `current`, else the
+    /// defaults (OpenAI's Responses API).
+    pub fn merge(current: Option<&Endpoint>, base_url: Option<String>, api: Option<Api>) -> Self {
+        Self {
+            base_url: base_url
+                .map(|u| u.trim_end_matches('/').to_string())
+                .or_else(|| current.map(|c| c.base_url.clone()))
+                .unwrap_or_else(|| crate::llm::client::DEFAULT_BASE_URL.to_string()),
+            api: api.or(current.map(|c| c.api)).unwrap_or(Api::Responses),
+        }
+    }
+}
+
+/// Where a session's model is served.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Endpoint {
+    /// E.g. `https://api.openai.com/v1`.
+    pub base_url: String,
+    pub api: Api,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -148,6 +189,16 @@ pub enum Record {
     /// run no longer holds.
     Resume {
         at_unix_ms: i64,
+        /// The turn limit of the run that starts here, when it was given
+        /// (otherwise the session's).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        max_turns: Option<u64>,
+        /// A model that replaces the session's from here on.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        model: Option<String>,
+        /// An endpoint that replaces the session's from here on.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        endpoint: Option<Endpoint>,
     },
     /// This session was forked from another; its operations run in a
     /// sandbox of its own.

@@ -78,6 +78,10 @@ pub struct State {
     pub last_input: Option<(String, bool)>,
     /// How the last run ended (`None` before any did, or while one runs).
     pub last_end: Option<super::record::Ending>,
+    /// The last turn before this run started: `--max-turns` bounds one run.
+    pub run_start_turn: u64,
+    /// The turn limit of this run, when its resume gave one.
+    pub run_max_turns: Option<u64>,
 }
 
 impl State {
@@ -101,12 +105,26 @@ impl State {
             last_input: None,
             last_end: None,
             shrinks: 0,
+            run_start_turn: 0,
+            run_max_turns: None,
         }
     }
 
     /// Requests sent in this session (turn ids count up from 1).
     pub fn turns(&self) -> u64 {
         self.last_turn
+    }
+
+    /// Requests sent by the run in progress (or the last one).
+    pub fn run_turns(&self) -> u64 {
+        self.last_turn - self.run_start_turn
+    }
+
+    /// The most requests this run may send.
+    pub fn max_turns(&self) -> u64 {
+        self.run_max_turns
+            .or(self.config.as_ref().map(|c| c.max_turns))
+            .unwrap_or(u64::MAX)
     }
 
     /// Tool calls the model made in this session.
@@ -171,12 +189,29 @@ impl State {
                 self.context.set_max_output_tokens(config.max_output_tokens);
                 self.context
                     .set_reasoning_effort(config.reasoning_effort.clone());
+                self.context.set_tool_choice(config.tool_choice.clone());
                 for t in super::core::registry_for(config).tools() {
                     self.context.add_tool(t);
                 }
                 self.config = Some(config.clone());
             }
-            Record::Resume { .. } => {
+            Record::Resume {
+                max_turns,
+                model,
+                endpoint,
+                ..
+            } => {
+                self.run_start_turn = self.last_turn;
+                self.run_max_turns = *max_turns;
+                if let Some(c) = &mut self.config {
+                    if let Some(m) = model {
+                        c.model = m.clone();
+                        self.context.set_model(m);
+                    }
+                    if let Some(e) = endpoint {
+                        c.endpoint = Some(e.clone());
+                    }
+                }
                 self.last_end = None;
                 self.stop = None;
                 self.failure = None;
@@ -329,6 +364,14 @@ impl State {
                         },
                     );
                 }
+                // A call that runs shows its placeholder from now on, right
+                // after the response that made it (as the reference stages
+                // it), whatever is staged later; its result replaces it in
+                // place until a turn sends it.
+                let running = *outcome == CallOutcome::Submit;
+                if running {
+                    self.context.add_tool_result(call_id, Vec::new(), true);
+                }
                 self.calls.insert(
                     call_id.clone(),
                     CallState {
@@ -338,7 +381,11 @@ impl State {
                         at_unix_ms: *at_unix_ms,
                         outcome: outcome.clone(),
                         ops: operations.iter().map(|o| o.id.clone()).collect(),
-                        shown: Shown::Nothing,
+                        shown: if running {
+                            Shown::Placeholder
+                        } else {
+                            Shown::Nothing
+                        },
                     },
                 );
             }

@@ -11,8 +11,12 @@ use super::retry::{RetryPolicy, is_retryable, parse_retry_after};
 use super::sse::SseParser;
 use super::{chat, responses};
 
+/// The endpoint of a session that names none.
+pub const DEFAULT_BASE_URL: &str = "https://api.openai.com/v1";
+
 /// Which wire protocol the endpoint speaks.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum Api {
     /// `POST {base}/responses`
     Responses,

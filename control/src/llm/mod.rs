@@ -13,6 +13,7 @@
 
 pub mod chat;
 pub mod client;
+pub mod conform;
 pub mod model;
 pub mod responses;
 pub mod retry;
@@ -20,5 +21,6 @@ pub mod sse;
 
 pub use client::{Api, LlmClient, LlmConfig};
 pub use model::{
-    Item, LlmError, Request, Response, Role, StopReason, StreamDelta, Tool, ToolOutput, Usage,
+    Item, LlmError, Request, Response, Role, StopReason, StreamDelta, Tool, ToolChoice, ToolOutput,
+    Usage,
 };

@@ -90,6 +90,36 @@ pub enum Item {
         summary: Vec<String>,
         raw: serde_json::Value,
     },
+    /// A user message of text and images: a late result, or what a wire
+    /// protocol cannot carry in a tool result (Chat Completions' images).
+    /// Built for requests only, never part of a response.
+    UserContent { parts: Vec<ToolOutput> },
+}
+
+/// Whether and which tool the model must call.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ToolChoice {
+    /// The model decides (the providers' default).
+    Auto,
+    /// Some tool must be called.
+    Required,
+    /// No tool may be called.
+    None,
+    /// This tool must be called.
+    Tool(String),
+}
+
+impl ToolChoice {
+    /// `auto`, `required`, `none`, or a tool's name.
+    pub fn parse(s: &str) -> Self {
+        match s {
+            "auto" => Self::Auto,
+            "required" => Self::Required,
+            "none" => Self::None,
+            name => Self::Tool(name.to_string()),
+        }
+    }
 }
 
 /// A function tool the model may call.
@@ -111,6 +141,8 @@ pub struct Request {
     pub reasoning_effort: Option<String>,
     /// Lets the provider reuse its prompt cache across a session's requests.
     pub cache_key: Option<String>,
+    /// `None`: the provider's default (auto).
+    pub tool_choice: Option<ToolChoice>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

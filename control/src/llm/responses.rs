@@ -4,8 +4,10 @@ use std::collections::BTreeMap;
 
 use serde_json::{Value, json};
 
+use super::conform;
 use super::model::{
-    Item, LlmError, Request, Response, Role, StopReason, StreamDelta, ToolOutput, Usage,
+    Item, LlmError, Request, Response, Role, StopReason, StreamDelta, ToolChoice, ToolOutput,
+    Usage,
 };
 
 const API: &str = "responses";
@@ -19,9 +21,25 @@ pub fn arguments_for_replay(raw: &str) -> String {
     }
 }
 
+/// The smallest `max_output_tokens` OpenAI accepts.
+pub const MIN_OUTPUT_TOKENS: u32 = 16;
+
+fn content_parts(parts: &[ToolOutput], text_type: &str, image_type: &str) -> Vec<Value> {
+    parts
+        .iter()
+        .map(|o| match o {
+            ToolOutput::Text { text } => json!({"type": text_type, "text": text}),
+            ToolOutput::Image { data_url } => json!({"type": image_type, "image_url": data_url}),
+        })
+        .collect()
+}
+
+/// The request body, valid by construction (see [`super::conform`]).
 pub fn request_body(req: &Request) -> Result<Value, LlmError> {
-    let mut input = Vec::with_capacity(req.input.len());
-    for item in &req.input {
+    let items = conform::arrange(&req.input);
+    let mut input = Vec::with_capacity(items.len());
+    let mut reasoned = false;
+    for (n, item) in items.iter().enumerate() {
         input.push(match item {
             Item::Message { role, text, .. } => json!({ "role": role.as_str(), "content": text }),
             Item::ToolCall {
@@ -40,27 +58,25 @@ pub fn request_body(req: &Request) -> Result<Value, LlmError> {
                 let out = if only_text {
                     Value::String(ToolOutput::text_of(output))
                 } else {
-                    Value::Array(
-                        output
-                            .iter()
-                            .map(|o| match o {
-                                ToolOutput::Text { text } => {
-                                    json!({"type": "input_text", "text": text})
-                                }
-                                ToolOutput::Image { data_url } => {
-                                    json!({"type": "input_image", "image_url": data_url})
-                                }
-                            })
-                            .collect(),
-                    )
+                    Value::Array(content_parts(output, "input_text", "input_image"))
                 };
                 json!({ "type": "function_call_output", "call_id": call_id, "output": out })
             }
+            Item::UserContent { parts } => json!({
+                "role": "user",
+                "content": content_parts(parts, "input_text", "input_image"),
+            }),
             Item::Reasoning { raw, .. } => {
-                if raw.is_null() {
-                    return Err(LlmError::Request(
-                        "reasoning item without its provider form".into(),
-                    ));
+                reasoned |= raw["type"] == "reasoning";
+                // With `store: false` the server resolves nothing by id: a
+                // reasoning item goes back only with its encrypted content,
+                // and only followed by an item of its own response.
+                let followed = matches!(
+                    items.get(n + 1),
+                    Some(Item::ToolCall { .. } | Item::Message { role: Role::Assistant, .. })
+                );
+                if !(followed && conform::replayable_reasoning(raw)) {
+                    continue;
                 }
                 raw.clone()
             }
@@ -89,12 +105,24 @@ pub fn request_body(req: &Request) -> Result<Value, LlmError> {
     });
     if !tools.is_empty() {
         body["tools"] = Value::Array(tools);
+        if let Some(choice) = &req.tool_choice {
+            body["tool_choice"] = match choice {
+                ToolChoice::Auto => json!("auto"),
+                ToolChoice::Required => json!("required"),
+                ToolChoice::None => json!("none"),
+                ToolChoice::Tool(name) => json!({ "type": "function", "name": name }),
+            };
+        }
     }
     if let Some(n) = req.max_output_tokens {
-        body["max_output_tokens"] = json!(n);
+        body["max_output_tokens"] = json!(n.max(MIN_OUTPUT_TOKENS));
     }
     if let Some(effort) = &req.reasoning_effort {
         body["reasoning"] = json!({ "effort": effort, "summary": "auto" });
+    }
+    // Reasoning comes back in a form that can be sent again only when asked
+    // for; a model that does not reason refuses the ask.
+    if req.reasoning_effort.is_some() || reasoned || conform::may_reason(&req.model) {
         body["include"] = json!(["reasoning.encrypted_content"]);
     }
     if let Some(key) = &req.cache_key {

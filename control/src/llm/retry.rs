@@ -52,11 +52,41 @@ impl Default for RetryPolicy {
     }
 }
 
+/// Words of a server error that blame the request, not the server:
+/// llama.cpp's servers report a chat template that refuses the
+/// conversation as a 500 ("Jinja Exception: Conversation roles must
+/// alternate ..."), and sending it again cannot help.
+const INVALID_REQUEST_WORDS: &[&str] = &[
+    "jinja",
+    "chat template",
+    "raise_exception",
+    "roles must alternate",
+    "unexpected role",
+    "can only concatenate",
+    "invalid_request_error",
+];
+
+/// A 5xx whose body says the request itself is invalid.
+pub fn is_invalid_request(status: u16, code: Option<&str>, message: &str) -> bool {
+    if !(500..600).contains(&status) {
+        return false;
+    }
+    let message = message.to_ascii_lowercase();
+    code == Some("invalid_request_error")
+        || INVALID_REQUEST_WORDS.iter().any(|w| message.contains(w))
+}
+
 pub fn is_retryable(e: &LlmError) -> bool {
     let never = e.code().is_some_and(|c| NEVER_RETRIED.contains(&c));
     match e {
         _ if never => false,
         LlmError::Transport(_) | LlmError::Protocol { .. } => true,
+        LlmError::Http {
+            status,
+            code,
+            message,
+            ..
+        } if is_invalid_request(*status, code.as_deref(), message) => false,
         LlmError::Http { status, .. } => RETRYABLE_STATUS.contains(status),
         // In-band failures are retried unless known to be final.
         LlmError::InBand { .. } => !e.is_context_length_exceeded(),
@@ -155,6 +185,28 @@ mod tests {
         assert!(is_retryable(&in_band("server_error")));
         assert!(!is_retryable(&in_band("context_length_exceeded")));
         assert!(!is_retryable(&LlmError::Canceled));
+    }
+
+    #[test]
+    fn a_server_error_that_blames_the_request_is_not_retried() {
+        let e = |status: u16, message: &str| LlmError::Http {
+            api: "chat completions",
+            status,
+            code: Some("server_error".into()),
+            message: message.into(),
+            retry_after: None,
+        };
+        // llama.cpp's C++ server and its Python server.
+        assert!(!is_retryable(&e(
+            500,
+            "\n------------\nWhile executing CallExpression at line 19, column 27 in source:\nError: Jinja Exception: Conversation roles must alternate user/assistant/user/assistant/..."
+        )));
+        assert!(!is_retryable(&e(
+            500,
+            "Conversation roles must alternate user/assistant/user/assistant/..."
+        )));
+        assert!(is_retryable(&e(500, "upstream connect error")));
+        assert!(is_retryable(&e(503, "loading model")));
     }
 
     #[test]

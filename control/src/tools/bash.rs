@@ -8,14 +8,37 @@ use super::{CallStatus, Translator, parse_args, text};
 use crate::llm::{Tool, ToolOutput};
 use crate::ops::{OpStatus, Operation};
 
-/// Default and largest `max_output_length`, in characters per stream.
+/// Default and largest `max_output_length`, in bytes kept per stream.
 pub const DEFAULT_MAX_OUTPUT: u64 = 40_000;
 pub const MAX_OUTPUT: u64 = 1_000_000;
 /// Default and largest `timeout_seconds`.
 pub const DEFAULT_TIMEOUT_SECS: u64 = 600;
 pub const MAX_TIMEOUT_SECS: u64 = 24 * 3600;
 
-pub struct Bash;
+/// Output is bounded once, here: the supervisor keeps the head and the
+/// tail of each stream, up to `max_output_length` bytes in all, and counts
+/// what it left out; the result says exactly how many bytes that was.
+pub struct Bash {
+    /// `max_output_length` when the model gives none.
+    pub default_max_output: u64,
+}
+
+impl Default for Bash {
+    fn default() -> Self {
+        Self {
+            default_max_output: DEFAULT_MAX_OUTPUT,
+        }
+    }
+}
+
+impl Bash {
+    /// A Bash tool whose default output bound is `bytes` per stream.
+    pub fn with_default_output(bytes: u64) -> Self {
+        Self {
+            default_max_output: bytes.clamp(1, MAX_OUTPUT),
+        }
+    }
+}
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -45,7 +68,7 @@ The command is killed, with everything it started, after timeout_seconds."
                     },
                     "max_output_length": {
                         "type": "integer", "minimum": 1, "maximum": MAX_OUTPUT,
-                        "description": format!("Characters of stdout and of stderr to return (default {DEFAULT_MAX_OUTPUT}); the middle of longer output is left out.")
+                        "description": format!("Bytes of stdout and of stderr to return (default {}): of longer output the head and the tail are kept, with the number of bytes left out between them.", self.default_max_output)
                     }
                 },
                 "required": ["command"],
@@ -76,9 +99,9 @@ The command is killed, with everything it started, after timeout_seconds."
         let mut spec = ShellSpec::new(args.command);
         spec.use_bash = true;
         spec.timeout_ms = Some(args.timeout_seconds.unwrap_or(DEFAULT_TIMEOUT_SECS) * 1000);
-        // Characters to bytes: up to four bytes a character in UTF-8.
         spec.output_limit_bytes = Some(
-            (args.max_output_length.unwrap_or(DEFAULT_MAX_OUTPUT) * 4)
+            args.max_output_length
+                .unwrap_or(self.default_max_output)
                 .min(corral_proto::limits::MAX_OUTPUT_LIMIT_BYTES),
         );
         let spec = OperationSpec::Shell(spec);
@@ -165,7 +188,7 @@ mod tests {
     }
 
     fn rendered(op: &Operation) -> String {
-        match &Bash.render(std::slice::from_ref(op))[0] {
+        match &Bash::default().render(std::slice::from_ref(op))[0] {
             ToolOutput::Text { text } => text.to_string(),
             ToolOutput::Image { .. } => panic!("image"),
         }
@@ -174,7 +197,7 @@ mod tests {
     #[test]
     fn translates_with_defaults_and_limits() {
         let CallStatus::Submit(specs) =
-            Bash.translate(r#"{"command":"ls -la","timeout_seconds":5,"max_output_length":100}"#)
+            Bash::default().translate(r#"{"command":"ls -la","timeout_seconds":5,"max_output_length":100}"#)
         else {
             panic!()
         };
@@ -188,9 +211,9 @@ mod tests {
                 s.output_limit_bytes,
                 s.use_bash
             ),
-            ("ls -la", Some(5000), Some(400), true)
+            ("ls -la", Some(5000), Some(100), true)
         );
-        let CallStatus::Submit(specs) = Bash.translate(r#"{"command":"true"}"#) else {
+        let CallStatus::Submit(specs) = Bash::default().translate(r#"{"command":"true"}"#) else {
             panic!()
         };
         let OperationSpec::Shell(s) = &specs[0] else {
@@ -198,17 +221,17 @@ mod tests {
         };
         assert_eq!(s.timeout_ms, Some(600_000));
         assert!(matches!(
-            Bash.translate(r#"{"command":"x","timeout_seconds":0}"#),
+            Bash::default().translate(r#"{"command":"x","timeout_seconds":0}"#),
             CallStatus::Error(_)
         ));
         assert!(
-            matches!(Bash.translate(r#"{"command":""}"#), CallStatus::Error(e) if e == "Error: invalid `command`: empty command")
+            matches!(Bash::default().translate(r#"{"command":""}"#), CallStatus::Error(e) if e == "Error: invalid `command`: empty command")
         );
         assert!(
-            matches!(Bash.translate(r#"{"command":"a\u0000b"}"#), CallStatus::Error(e) if e.contains("NUL"))
+            matches!(Bash::default().translate(r#"{"command":"a\u0000b"}"#), CallStatus::Error(e) if e.contains("NUL"))
         );
         assert!(matches!(
-            Bash.translate(r#"{"command":"x","timeout_seconds":"5"}"#),
+            Bash::default().translate(r#"{"command":"x","timeout_seconds":"5"}"#),
             CallStatus::Error(_)
         ));
     }

@@ -72,7 +72,7 @@ impl Registry {
     /// Bash, ReadFile, WriteFile and ViewImage.
     pub fn standard() -> Self {
         let mut r = Self::default();
-        r.register(Box::new(bash::Bash));
+        r.register(Box::new(bash::Bash::default()));
         r.register(Box::new(files::ReadFile));
         r.register(Box::new(files::WriteFile));
         r.register(Box::new(view_image::ViewImage::default()));
