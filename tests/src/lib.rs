@@ -9,6 +9,7 @@
 //! even after a failed assertion.
 
 pub mod model;
+pub mod strict;
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};

@@ -2,6 +2,11 @@
 //! answers each request with the next scripted reply, in the wire format
 //! of the OpenAI Responses API or of Chat Completions (SSE included), and
 //! records every request it got.
+//!
+//! It is as strict as the real servers: every request is first checked
+//! against the rules of OpenAI's API on its path ([`crate::strict`]), and
+//! against more profiles when a test asks; a request a real server would
+//! refuse gets that server's error (and uses up no scripted reply).
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -9,6 +14,8 @@ use std::time::Duration;
 use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::task::JoinHandle;
+
+use crate::strict::{Memory, Profile, Refusal, check};
 
 /// One scripted answer.
 #[derive(Debug, Clone)]
@@ -159,6 +166,8 @@ pub struct Received {
     pub path: String,
     pub authorization: Option<String>,
     pub body: Value,
+    /// Why the server refused it, if it did.
+    pub refused: Option<Refusal>,
 }
 
 impl Received {
@@ -175,6 +184,62 @@ pub struct ModelServer {
     task: JoinHandle<()>,
 }
 
+/// What the server keeps between requests.
+struct Script {
+    replies: std::vec::IntoIter<Reply>,
+    profiles: Vec<Profile>,
+    memory: Memory,
+}
+
+impl Script {
+    /// The refusal of the first profile that refuses `req`, or the next
+    /// scripted reply.
+    fn answer(&mut self, req: &Received) -> Result<Reply, Refusal> {
+        for p in &self.profiles {
+            if p.serves(&req.path) {
+                check(*p, &req.body, &self.memory)?;
+            }
+        }
+        let reply = self.replies.next().unwrap_or_else(|| {
+            status(
+                500,
+                json!({"error": {"message": "the script has no more replies"}}),
+            )
+        });
+        self.remember(&reply);
+        Ok(reply)
+    }
+
+    /// Reasoning streamed beside tool calls must come back with them.
+    fn remember(&mut self, reply: &Reply) {
+        let mut reasoning = String::new();
+        let mut ids = Vec::new();
+        for chunk in &reply.chunks {
+            let Some(data) = chunk.trim().strip_prefix("data: ") else {
+                continue;
+            };
+            let Ok(v) = serde_json::from_str::<Value>(data) else {
+                continue;
+            };
+            for c in v["choices"].as_array().into_iter().flatten() {
+                if let Some(r) = c["delta"]["reasoning_content"].as_str() {
+                    reasoning.push_str(r);
+                }
+                for tc in c["delta"]["tool_calls"].as_array().into_iter().flatten() {
+                    if let Some(id) = tc["id"].as_str() {
+                        ids.push(id.to_string());
+                    }
+                }
+            }
+        }
+        if !reasoning.is_empty() {
+            for id in ids {
+                self.memory.reasoning_by_call.insert(id, reasoning.clone());
+            }
+        }
+    }
+}
+
 impl Drop for ModelServer {
     fn drop(&mut self) {
         self.task.abort();
@@ -182,9 +247,16 @@ impl Drop for ModelServer {
 }
 
 impl ModelServer {
-    /// Serves `replies` in order, one per request (connections are closed
-    /// after each answer). Requests past the script get a 500 that says so.
+    /// Serves `replies` in order, one per accepted request (connections are
+    /// closed after each answer), checking every request as OpenAI does.
+    /// Requests past the script get a 500 that says so.
     pub async fn start(replies: Vec<Reply>) -> Self {
+        Self::strict(replies, &[Profile::OpenAiChat, Profile::OpenAiResponses]).await
+    }
+
+    /// As [`ModelServer::start`], checking requests against `profiles`
+    /// (each applies to the requests on its own path).
+    pub async fn strict(replies: Vec<Reply>, profiles: &[Profile]) -> Self {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
             .unwrap_or_else(|e| panic!("bind: {e}"));
@@ -196,19 +268,29 @@ impl ModelServer {
         );
         let received = Arc::new(Mutex::new(Vec::new()));
         let log = received.clone();
+        let script = Arc::new(Mutex::new(Script {
+            replies: replies.into_iter(),
+            profiles: profiles.to_vec(),
+            memory: Memory::default(),
+        }));
         let task = tokio::spawn(async move {
-            let mut replies = replies.into_iter();
             while let Ok((mut sock, _)) = listener.accept().await {
-                let reply = replies.next().unwrap_or_else(|| {
-                    status(
-                        500,
-                        json!({"error": {"message": "the script has no more replies"}}),
-                    )
-                });
                 let log = log.clone();
+                let script = script.clone();
                 tokio::spawn(async move {
-                    let Some(req) = read_request(&mut sock).await else {
+                    let Some(mut req) = read_request(&mut sock).await else {
                         return;
+                    };
+                    let answer = script
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .answer(&req);
+                    let reply = match answer {
+                        Ok(r) => r,
+                        Err(refusal) => {
+                            req.refused = Some(refusal.clone());
+                            status(refusal.status, refusal.body)
+                        }
                     };
                     log.lock().unwrap_or_else(|p| p.into_inner()).push(req);
                     tokio::time::sleep(reply.delay).await;
@@ -301,5 +383,6 @@ async fn read_request(sock: &mut tokio::net::TcpStream) -> Option<Received> {
         path,
         authorization,
         body: serde_json::from_slice(&buf[head_end..head_end + len]).ok()?,
+        refused: None,
     })
 }

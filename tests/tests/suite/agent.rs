@@ -614,6 +614,8 @@ fn config(sandbox: corral_proto::SandboxId) -> SessionConfig {
         max_turns: 10,
         skills: Vec::new(),
         worker: None,
+        endpoint: None,
+        tool_choice: None,
     }
 }
 

@@ -54,6 +54,7 @@ fn request() -> Request {
         max_output_tokens: Some(1000),
         reasoning_effort: None,
         cache_key: Some("session-1".into()),
+        tool_choice: None,
     }
 }
 
@@ -363,13 +364,21 @@ async fn chat_completions_streams_text_tool_calls_and_usage() {
         m[2]["tool_calls"][0]["function"]["arguments"],
         "{\"command\":\"pwd\"}"
     );
+    // Call ids go out as nine letters and digits (the strictest servers'
+    // rule), the same for the call and its result.
+    let id = m[2]["tool_calls"][0]["id"].as_str().unwrap();
+    assert!(corral_control::llm::conform::is_strict_call_id(id), "{id}");
     assert_eq!(
         m[3],
-        json!({"role": "tool", "tool_call_id": "c0", "content": "/workspace"})
+        json!({"role": "tool", "tool_call_id": id, "content": "/workspace"})
     );
-    assert_eq!(m[4]["role"], "user");
+    // The image cannot go in a tool message: it follows as a user message,
+    // after an assistant line, since the strictest servers refuse a user
+    // message right after a tool message.
+    assert_eq!(m[4]["role"], "assistant");
+    assert_eq!(m[5]["role"], "user");
     assert_eq!(
-        m[4]["content"][1]["image_url"]["url"],
+        m[5]["content"][1]["image_url"]["url"],
         "data:image/png;base64,AA"
     );
     assert_eq!(got[0].body["tools"][0]["function"]["name"], "Bash");
