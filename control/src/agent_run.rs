@@ -363,7 +363,10 @@ async fn run_agent_inner(conn: &ConnArgs, args: &RunArgs) -> Result<u8, RunError
     if !exists {
         // A new session checks its endpoint before anything is made; a
         // resumed one once its recorded endpoint is known.
-        check_key(&Endpoint::merge(None, args.base_url.clone(), api_of(args)), &key)?;
+        check_key(
+            &Endpoint::merge(None, args.base_url.clone(), api_of(args)),
+            &key,
+        )?;
     }
 
     // A session stays on the worker it was placed on; a new one goes to
@@ -687,10 +690,12 @@ async fn session<M: OperationManager + 'static>(
         match m.role {
             // Same request again, same ids: nothing is asked twice.
             MessageRole::User => {
-                let id = m
-                    .message_id
-                    .clone()
-                    .unwrap_or_else(|| format!("message-{i}-{:016x}", crate::llm::conform::fnv1a(m.content.as_bytes())));
+                let id = m.message_id.clone().unwrap_or_else(|| {
+                    format!(
+                        "message-{i}-{:016x}",
+                        crate::llm::conform::fnv1a(m.content.as_bytes())
+                    )
+                });
                 core.add_input(&id, &m.content)?;
             }
             MessageRole::Assistant if resumed => {

@@ -205,6 +205,28 @@ fn tokens_of(item: &Item) -> u64 {
     ITEM_OVERHEAD_TOKENS + (chars as u64).div_ceil(CHARS_PER_TOKEN)
 }
 
+/// `text` cut to its first and last bytes, about `keep` in all (UTF-8
+/// safe), with the exact number of bytes left out between them.
+fn head_tail(text: &str, keep: usize) -> Option<String> {
+    if text.len() <= keep {
+        return None;
+    }
+    let mut head = keep / 2;
+    while !text.is_char_boundary(head) {
+        head -= 1;
+    }
+    let mut tail = text.len() - (keep - keep / 2);
+    while !text.is_char_boundary(tail) {
+        tail += 1;
+    }
+    Some(format!(
+        "{}\n[... {} bytes omitted to fit the context window ...]\n{}",
+        &text[..head],
+        tail - head,
+        &text[tail..]
+    ))
+}
+
 impl ContextBuilder {
     /// A builder whose preamble lists `skills` (copied).
     pub fn new(skills: &[SkillInfo], budget: Budget) -> Self {
@@ -310,7 +332,13 @@ impl ContextBuilder {
             e.placeholder
                 && matches!(&e.item, Item::ToolResult { call_id: c, .. } if &**c == call_id)
         };
-        if running && self.committed.iter().chain(&self.staged).any(is_placeholder_of) {
+        if running
+            && self
+                .committed
+                .iter()
+                .chain(&self.staged)
+                .any(is_placeholder_of)
+        {
             // Staged when the call was recorded: one placeholder per call.
             return;
         }
@@ -420,6 +448,35 @@ impl ContextBuilder {
                     source: format!("tool result {call}"),
                     reason: format!(
                         "the request was estimated over the window of {} tokens ({} kept for the answer); oldest tool outputs are elided first",
+                        self.budget.context_window_tokens, self.budget.reserve_output_tokens
+                    ),
+                });
+            }
+            // The latest output alone is over the window: the last resort
+            // is to keep its head and tail, saying exactly what was cut.
+            if let Some(&n) = results.last()
+                && estimate > limit
+                && let Item::ToolResult { call_id, .. } = &input[n]
+            {
+                let over_chars = (estimate - limit) * CHARS_PER_TOKEN;
+                let call = call_id.clone();
+                let before = tokens_of(&input[n]);
+                if let Item::ToolResult { output, .. } = &mut input[n] {
+                    for o in output.iter_mut() {
+                        if let ToolOutput::Text { text } = o {
+                            let keep = (text.len() as u64).saturating_sub(over_chars).max(1_000);
+                            if let Some(cut) = head_tail(text, keep as usize) {
+                                *text = cut.into();
+                            }
+                        }
+                    }
+                }
+                estimate = estimate - before + tokens_of(&input[n]);
+                report.changes.push(Change {
+                    kind: ChangeKind::Truncated,
+                    source: format!("tool result {call}"),
+                    reason: format!(
+                        "the latest tool output alone is over the window of {} tokens ({} kept for the answer); its head and tail are kept",
                         self.budget.context_window_tokens, self.budget.reserve_output_tokens
                     ),
                 });

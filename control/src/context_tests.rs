@@ -169,8 +169,9 @@ fn a_sent_placeholder_stays_and_the_result_follows_as_a_user_message() {
             Item::UserContent {
                 parts: vec![
                     ToolOutput::Text {
-                        text: "[The tool call c1, which was still running, has finished. Its result:]"
-                            .into()
+                        text:
+                            "[The tool call c1, which was still running, has finished. Its result:]"
+                                .into()
                     },
                     ToolOutput::Text {
                         text: "done".into()

@@ -170,7 +170,10 @@ fn check_openai_chat(body: &Value) -> Result<(), Refusal> {
         Some(Adjacency::Unanswered { at, ids }) => {
             return Err(openai(
                 400,
-                format!("An assistant message with 'tool_calls' must be followed by tool messages responding to each 'tool_call_id'. The following tool_call_ids did not have response messages: {}", ids.join(", ")),
+                format!(
+                    "An assistant message with 'tool_calls' must be followed by tool messages responding to each 'tool_call_id'. The following tool_call_ids did not have response messages: {}",
+                    ids.join(", ")
+                ),
                 Some(format!("messages.[{at}].role")),
                 None,
             ));
@@ -195,7 +198,9 @@ fn check_openai_chat(body: &Value) -> Result<(), Refusal> {
         if has_image && role != "user" {
             return Err(openai(
                 400,
-                format!("Image URLs are only allowed for messages with role 'user', but this message with role '{role}' contains an image URL."),
+                format!(
+                    "Image URLs are only allowed for messages with role 'user', but this message with role '{role}' contains an image URL."
+                ),
                 Some(format!("messages.[{i}]")),
                 None,
             ));
@@ -209,7 +214,9 @@ fn check_cache_key(key: &str) -> Result<(), Refusal> {
     if n > 64 {
         return Err(openai(
             400,
-            format!("Invalid 'prompt_cache_key': string too long. Expected a string with maximum length 64, but got a string with length {n} instead."),
+            format!(
+                "Invalid 'prompt_cache_key': string too long. Expected a string with maximum length 64, but got a string with length {n} instead."
+            ),
             Some("prompt_cache_key".into()),
             Some("string_above_max_length"),
         ));
@@ -220,7 +227,9 @@ fn check_cache_key(key: &str) -> Result<(), Refusal> {
 fn not_persisted(id: &str) -> Refusal {
     openai(
         404,
-        format!("Item with id '{id}' not found. Items are not persisted when `store` is set to false. Try again with `store` set to true, or remove this item from your input."),
+        format!(
+            "Item with id '{id}' not found. Items are not persisted when `store` is set to false. Try again with `store` set to true, or remove this item from your input."
+        ),
         Some("input".into()),
         None,
     )
@@ -234,7 +243,9 @@ fn check_openai_responses(body: &Value) -> Result<(), Refusal> {
     {
         return Err(openai(
             400,
-            format!("Invalid 'max_output_tokens': integer below minimum value. Expected a value >= 16, but got {n} instead."),
+            format!(
+                "Invalid 'max_output_tokens': integer below minimum value. Expected a value >= 16, but got {n} instead."
+            ),
             Some("max_output_tokens".into()),
             Some("integer_below_min_value"),
         ));
@@ -269,7 +280,9 @@ fn check_openai_responses(body: &Value) -> Result<(), Refusal> {
                 if !store && !encrypted {
                     return Err(not_persisted(id.unwrap_or("rs_unknown")));
                 }
-                let next = input.get(i + 1).map(|n| n["type"].as_str().unwrap_or("message"));
+                let next = input
+                    .get(i + 1)
+                    .map(|n| n["type"].as_str().unwrap_or("message"));
                 let next_role = input.get(i + 1).and_then(|n| n["role"].as_str());
                 let followed = matches!(next, Some("function_call"))
                     || (matches!(next, Some("message")) && next_role == Some("assistant"));
@@ -296,7 +309,9 @@ fn check_openai_responses(body: &Value) -> Result<(), Refusal> {
                 if !calls.contains(&call_id) {
                     return Err(openai(
                         400,
-                        format!("No tool call found for function call output with call_id {call_id}."),
+                        format!(
+                            "No tool call found for function call output with call_id {call_id}."
+                        ),
                         Some("input".into()),
                         None,
                     ));
@@ -315,7 +330,10 @@ fn check_openai_responses(body: &Value) -> Result<(), Refusal> {
                 if images && item["role"] != "user" {
                     return Err(openai(
                         400,
-                        format!("Invalid value: 'input_image'. Supported values are: 'output_text' and 'refusal'. (role {})", item["role"]),
+                        format!(
+                            "Invalid value: 'input_image'. Supported values are: 'output_text' and 'refusal'. (role {})",
+                            item["role"]
+                        ),
                         Some(format!("input[{i}].content[0]")),
                         Some("invalid_value"),
                     ));
@@ -416,7 +434,9 @@ fn check_strict_compat(body: &Value, memory: &Memory) -> Result<(), Refusal> {
         && !matches!(last, "user" | "tool")
     {
         return Err(mistral(
-            format!("Expected last role User or Tool (or Assistant with prefix or continue_final_message set to True) for serving but got {last}"),
+            format!(
+                "Expected last role User or Tool (or Assistant with prefix or continue_final_message set to True) for serving but got {last}"
+            ),
             "invalid_request_error",
             "3230",
         ));
@@ -466,7 +486,9 @@ fn check_strict_compat(body: &Value, memory: &Memory) -> Result<(), Refusal> {
         if let Some(wanted) = wanted
             && m["reasoning_content"].as_str() != Some(wanted.as_str())
         {
-            return Err(deepseek(format!("Missing `reasoning_content` field in the assistant message at message index {i}. For more information, please refer to https://api-docs.deepseek.com/guides/thinking_mode#tool-calls")));
+            return Err(deepseek(format!(
+                "Missing `reasoning_content` field in the assistant message at message index {i}. For more information, please refer to https://api-docs.deepseek.com/guides/thinking_mode#tool-calls"
+            )));
         }
     }
     Ok(())
@@ -508,8 +530,14 @@ mod tests {
             {"role": "assistant", "content": "(Continuing.)"},
             {"role": "user", "content": "more"},
         ]));
-        assert_eq!(check(Profile::OpenAiChat, &body, &Memory::default()), Ok(()));
-        assert_eq!(check(Profile::StrictCompat, &body, &Memory::default()), Ok(()));
+        assert_eq!(
+            check(Profile::OpenAiChat, &body, &Memory::default()),
+            Ok(())
+        );
+        assert_eq!(
+            check(Profile::StrictCompat, &body, &Memory::default()),
+            Ok(())
+        );
     }
 
     #[test]
@@ -518,16 +546,22 @@ mod tests {
             {"role": "user", "content": "typed"}, tool_msg()]));
         assert_eq!(
             refused(Profile::OpenAiChat, &body),
-            format!("An assistant message with 'tool_calls' must be followed by tool messages responding to each 'tool_call_id'. The following tool_call_ids did not have response messages: {CALL}")
+            format!(
+                "An assistant message with 'tool_calls' must be followed by tool messages responding to each 'tool_call_id'. The following tool_call_ids did not have response messages: {CALL}"
+            )
         );
         let stray = chat(json!([{"role": "user", "content": "u"}, tool_msg()]));
-        assert!(refused(Profile::OpenAiChat, &stray).contains("preceeding message with 'tool_calls'"));
+        assert!(
+            refused(Profile::OpenAiChat, &stray).contains("preceeding message with 'tool_calls'")
+        );
     }
 
     #[test]
     fn openai_chat_refuses_max_tokens_for_reasoning_models_and_images_outside_user_messages() {
         let body = json!({"model": "gpt-5-mini", "max_tokens": 100, "messages": []});
-        assert!(refused(Profile::OpenAiChat, &body).contains("Use 'max_completion_tokens' instead"));
+        assert!(
+            refused(Profile::OpenAiChat, &body).contains("Use 'max_completion_tokens' instead")
+        );
         let image = chat(json!([{"role": "user", "content": "u"}, calls_msg(),
             {"role": "tool", "tool_call_id": CALL, "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}]));
         assert!(refused(Profile::OpenAiChat, &image).contains("Image URLs are only allowed"));
@@ -537,71 +571,122 @@ mod tests {
     fn openai_responses_refuses_what_store_false_cannot_resolve() {
         let body = |input: Value| json!({"model": "gpt-5-mini", "store": false, "input": input});
         let rs = json!({"type": "reasoning", "id": "rs_1", "summary": []});
-        let fc = json!({"type": "function_call", "call_id": "c1", "name": "Bash", "arguments": "{}"});
+        let fc =
+            json!({"type": "function_call", "call_id": "c1", "name": "Bash", "arguments": "{}"});
         let out = json!({"type": "function_call_output", "call_id": "c1", "output": "ok"});
-        let r = check(Profile::OpenAiResponses, &body(json!([rs, fc, out])), &Memory::default());
+        let r = check(
+            Profile::OpenAiResponses,
+            &body(json!([rs, fc, out])),
+            &Memory::default(),
+        );
         assert_eq!(r.as_ref().map_err(|r| r.status), Err(404));
-        assert!(r.unwrap_err().message().starts_with("Item with id 'rs_1' not found."));
-        let rs_ok = json!({"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": "e"});
-        assert_eq!(check(Profile::OpenAiResponses, &body(json!([rs_ok, fc, out])), &Memory::default()), Ok(()));
+        assert!(
+            r.unwrap_err()
+                .message()
+                .starts_with("Item with id 'rs_1' not found.")
+        );
+        let rs_ok =
+            json!({"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": "e"});
         assert_eq!(
-            refused(Profile::OpenAiResponses, &body(json!([rs_ok, {"role": "user", "content": "u"}]))),
+            check(
+                Profile::OpenAiResponses,
+                &body(json!([rs_ok, fc, out])),
+                &Memory::default()
+            ),
+            Ok(())
+        );
+        assert_eq!(
+            refused(
+                Profile::OpenAiResponses,
+                &body(json!([rs_ok, {"role": "user", "content": "u"}]))
+            ),
             "Item 'rs_1' of type 'reasoning' was provided without its required following item."
         );
-        assert_eq!(refused(Profile::OpenAiResponses, &body(json!([fc]))), "No tool output found for function call c1.");
+        assert_eq!(
+            refused(Profile::OpenAiResponses, &body(json!([fc]))),
+            "No tool output found for function call c1."
+        );
         assert_eq!(
             refused(Profile::OpenAiResponses, &body(json!([out]))),
             "No tool call found for function call output with call_id c1."
         );
         let mut long = body(json!([]));
         long["prompt_cache_key"] = json!("k".repeat(72));
-        assert!(refused(Profile::OpenAiResponses, &long).contains("maximum length 64, but got a string with length 72"));
+        assert!(
+            refused(Profile::OpenAiResponses, &long)
+                .contains("maximum length 64, but got a string with length 72")
+        );
         let mut few = body(json!([]));
         few["max_output_tokens"] = json!(10);
-        assert!(refused(Profile::OpenAiResponses, &few).contains("Expected a value >= 16, but got 10"));
+        assert!(
+            refused(Profile::OpenAiResponses, &few).contains("Expected a value >= 16, but got 10")
+        );
         let mut old = body(json!([]));
         old["model"] = json!("gpt-4.1");
         old["include"] = json!(["reasoning.encrypted_content"]);
-        assert_eq!(refused(Profile::OpenAiResponses, &old), "Encrypted content is not supported with this model.");
+        assert_eq!(
+            refused(Profile::OpenAiResponses, &old),
+            "Encrypted content is not supported with this model."
+        );
     }
 
     #[test]
     fn strict_compat_refuses_what_mistral_gemma_deepseek_and_llama_cpp_refuse() {
         let p = Profile::StrictCompat;
         // T then U.
-        let tu = chat(json!([{"role": "user", "content": "u"}, calls_msg(), tool_msg(),
-            {"role": "user", "content": "typed"}]));
+        let tu = chat(
+            json!([{"role": "user", "content": "u"}, calls_msg(), tool_msg(),
+            {"role": "user", "content": "typed"}]),
+        );
         assert_eq!(refused(p, &tu), "Unexpected role 'user' after role 'tool'");
-        assert!(refused(Profile::OpenAiChat, &tu).is_empty(), "OpenAI accepts it");
+        assert!(
+            refused(Profile::OpenAiChat, &tu).is_empty(),
+            "OpenAI accepts it"
+        );
         // Alternation.
-        let uu = chat(json!([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
-            {"role": "assistant", "content": "c"}, {"role": "user", "content": "d"}]));
+        let uu = chat(
+            json!([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+            {"role": "assistant", "content": "c"}, {"role": "user", "content": "d"}]),
+        );
         let r = check(p, &uu, &Memory::default()).unwrap_err();
         assert_eq!(r.status, 500);
-        assert!(r.message().contains("Jinja Exception: Conversation roles must alternate"));
+        assert!(
+            r.message()
+                .contains("Jinja Exception: Conversation roles must alternate")
+        );
         // Ids.
         let mut bad = calls_msg();
         bad["tool_calls"][0]["id"] = json!("call_0.t2.1");
         let ids = chat(json!([{"role": "user", "content": "u"}, bad,
             {"role": "tool", "tool_call_id": "call_0.t2.1", "content": "ok"}]));
-        assert_eq!(refused(p, &ids), "Tool call id was call_0.t2.1 but must be a-z, A-Z, 0-9, with a length of 9.");
+        assert_eq!(
+            refused(p, &ids),
+            "Tool call id was call_0.t2.1 but must be a-z, A-Z, 0-9, with a length of 9."
+        );
         // Adjacency, DeepSeek's words.
-        let gap = chat(json!([{"role": "user", "content": "u"}, calls_msg(), {"role": "user", "content": "x"}]));
-        assert!(refused(p, &gap).ends_with("(insufficient tool messages following tool_calls message)"));
+        let gap = chat(
+            json!([{"role": "user", "content": "u"}, calls_msg(), {"role": "user", "content": "x"}]),
+        );
+        assert!(
+            refused(p, &gap).ends_with("(insufficient tool messages following tool_calls message)")
+        );
         // Null content.
         let mut no_content = calls_msg();
         no_content["content"] = Value::Null;
         let nulls = chat(json!([{"role": "user", "content": "u"}, no_content, tool_msg()]));
         assert!(refused(p, &nulls).contains("NoneType"));
         // The last message.
-        let last = chat(json!([{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]));
+        let last =
+            chat(json!([{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]));
         assert!(refused(p, &last).starts_with("Expected last role User or Tool"));
         // Reasoning back.
         let mut memory = Memory::default();
         memory.reasoning_by_call.insert(CALL.into(), "think".into());
         let body = chat(json!([{"role": "user", "content": "u"}, calls_msg(), tool_msg()]));
         let r = check(p, &body, &memory).unwrap_err();
-        assert!(r.message().starts_with("Missing `reasoning_content` field in the assistant message at message index 1."));
+        assert!(r.message().starts_with(
+            "Missing `reasoning_content` field in the assistant message at message index 1."
+        ));
         let mut with = calls_msg();
         with["reasoning_content"] = json!("think");
         let body = chat(json!([{"role": "user", "content": "u"}, with, tool_msg()]));

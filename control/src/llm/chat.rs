@@ -8,8 +8,7 @@ use serde_json::{Value, json};
 
 use super::conform;
 use super::model::{
-    Item, LlmError, Request, Response, Role, StopReason, StreamDelta, ToolChoice, ToolOutput,
-    Usage,
+    Item, LlmError, Request, Response, Role, StopReason, StreamDelta, ToolChoice, ToolOutput, Usage,
 };
 use super::responses::arguments_for_replay;
 
@@ -241,7 +240,9 @@ pub fn request_body(req: &Request) -> Result<Value, LlmError> {
                 ToolChoice::Auto => json!("auto"),
                 ToolChoice::Required => json!("required"),
                 ToolChoice::None => json!("none"),
-                ToolChoice::Tool(name) => json!({ "type": "function", "function": { "name": name } }),
+                ToolChoice::Tool(name) => {
+                    json!({ "type": "function", "function": { "name": name } })
+                }
             };
         }
     }
@@ -360,7 +361,9 @@ impl StreamState {
                 }
                 call.merge(&tc["function"], delta);
             }
-            if d["function_call"].is_object() && d["tool_calls"].as_array().is_none_or(|a| a.is_empty()) {
+            if d["function_call"].is_object()
+                && d["tool_calls"].as_array().is_none_or(|a| a.is_empty())
+            {
                 self.legacy.merge(&d["function_call"], delta);
             }
             if let Some(f) = choice["finish_reason"].as_str() {
@@ -392,7 +395,9 @@ impl StreamState {
         };
         let mut output = Vec::new();
         if !self.reasoning.is_empty() {
-            output.push(conform::chat_reasoning(&std::mem::take(&mut self.reasoning)));
+            output.push(conform::chat_reasoning(&std::mem::take(
+                &mut self.reasoning,
+            )));
         }
         if self.calls.is_empty() && !self.legacy.name.is_empty() {
             self.calls.insert(0, std::mem::take(&mut self.legacy));

@@ -212,7 +212,11 @@ pub fn replayable_reasoning(raw: &serde_json::Value) -> bool {
 /// families; any other model reasons when an effort is set or when it has
 /// already sent reasoning.
 pub fn may_reason(model: &str) -> bool {
-    let m = model.rsplit('/').next().unwrap_or(model).to_ascii_lowercase();
+    let m = model
+        .rsplit('/')
+        .next()
+        .unwrap_or(model)
+        .to_ascii_lowercase();
     ["o1", "o3", "o4", "gpt-5", "codex", "gpt-oss"]
         .iter()
         .any(|p| m.starts_with(p))

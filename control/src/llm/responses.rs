@@ -6,8 +6,7 @@ use serde_json::{Value, json};
 
 use super::conform;
 use super::model::{
-    Item, LlmError, Request, Response, Role, StopReason, StreamDelta, ToolChoice, ToolOutput,
-    Usage,
+    Item, LlmError, Request, Response, Role, StopReason, StreamDelta, ToolChoice, ToolOutput, Usage,
 };
 
 const API: &str = "responses";
@@ -73,7 +72,13 @@ pub fn request_body(req: &Request) -> Result<Value, LlmError> {
                 // and only followed by an item of its own response.
                 let followed = matches!(
                     items.get(n + 1),
-                    Some(Item::ToolCall { .. } | Item::Message { role: Role::Assistant, .. })
+                    Some(
+                        Item::ToolCall { .. }
+                            | Item::Message {
+                                role: Role::Assistant,
+                                ..
+                            }
+                    )
                 );
                 if !(followed && conform::replayable_reasoning(raw)) {
                     continue;

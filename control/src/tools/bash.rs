@@ -196,8 +196,8 @@ mod tests {
 
     #[test]
     fn translates_with_defaults_and_limits() {
-        let CallStatus::Submit(specs) =
-            Bash::default().translate(r#"{"command":"ls -la","timeout_seconds":5,"max_output_length":100}"#)
+        let CallStatus::Submit(specs) = Bash::default()
+            .translate(r#"{"command":"ls -la","timeout_seconds":5,"max_output_length":100}"#)
         else {
             panic!()
         };

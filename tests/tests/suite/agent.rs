@@ -14,6 +14,7 @@ use corral_control::agent::{
     Coordinator, Core, Ending, Inbox, Record, SessionConfig, Settings, StopMode, replay,
 };
 use corral_control::context::Budget;
+use corral_control::llm::conform::CallIds;
 use corral_control::llm::{Api, LlmClient, LlmConfig};
 use corral_control::ops::{LocalBackend, Manager};
 use corral_control::session::SessionLog;
@@ -310,6 +311,8 @@ async fn three_parallel_calls_batch_the_fast_ones_and_the_slow_one_shows_a_place
         "one turn for both fast results, one for the slow"
     );
     assert_eq!(got[0].path, "/v1/chat/completions");
+    // Ids go out as nine letters and digits (see llm::conform).
+    let wire = |id: &str| CallIds::default().of(&id.into());
     let tool_messages = |i: usize| -> Vec<(String, String)> {
         got[i].body["messages"]
             .as_array()
@@ -333,9 +336,9 @@ async fn three_parallel_calls_batch_the_fast_ones_and_the_slow_one_shows_a_place
             .find(|(c, _)| c == id)
             .map(|(_, t)| t.as_str())
     };
-    assert!(of("a").unwrap().contains("fast-A"), "{second:?}");
-    assert!(of("b").unwrap().contains("fast-B"), "{second:?}");
-    assert_eq!(second[2].0, "slow");
+    assert!(of(&wire("a")).unwrap().contains("fast-A"), "{second:?}");
+    assert!(of(&wire("b")).unwrap().contains("fast-B"), "{second:?}");
+    assert_eq!(second[2].0, wire("slow"));
     assert!(second[2].1.contains("still running"), "{second:?}");
     let third = tool_messages(2);
     assert_eq!(

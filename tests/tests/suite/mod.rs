@@ -1,6 +1,7 @@
 mod agent;
 mod bad_input;
 mod cli;
+mod contract;
 mod docker_loss;
 mod hardening;
 mod limits;
