@@ -9,4 +9,6 @@ RUSTFLAGS="-C target-feature=+crt-static" \
     cargo build --locked --release --target x86_64-unknown-linux-gnu -p corral-init
 deploy/images/build.sh
 cargo build --locked --workspace --bins
-cargo nextest run --locked --workspace "$@"
+# The tests against a real llama.cpp server need its build (about 10
+# minutes the first time): deploy/test-llama.sh runs them.
+cargo nextest run --locked --workspace -E 'not test(real_llama)' "$@"

@@ -9,6 +9,7 @@
 //! even after a failed assertion.
 
 pub mod model;
+pub mod run;
 pub mod strict;
 
 use std::path::{Path, PathBuf};

@@ -19,91 +19,10 @@ use corral_control::llm::{Api, LlmClient, LlmConfig};
 use corral_control::ops::{LocalBackend, Manager};
 use corral_control::session::SessionLog;
 use corral_e2e::model::{ModelServer, chat, responses, status};
+use corral_e2e::run::{command, corral_run, corral_run_env};
 use corral_e2e::{Harness, binary};
 use corral_proto::{Outcome, SandboxSpec};
 use serde_json::{Value, json};
-
-struct Run {
-    code: i32,
-    events: Vec<Value>,
-    stderr: String,
-}
-
-impl Run {
-    fn result(&self) -> &Value {
-        let last = self.events.last().expect("no events");
-        assert_eq!(last["type"], "result", "the last event is the result");
-        last
-    }
-
-    fn of_type(&self, t: &str) -> Vec<&Value> {
-        self.events.iter().filter(|e| e["type"] == t).collect()
-    }
-}
-
-fn command(
-    model: &ModelServer,
-    worker: &str,
-    sessions: &Path,
-    args: &[&str],
-) -> tokio::process::Command {
-    let mut cmd = tokio::process::Command::new(binary("corral").unwrap());
-    cmd.env_clear()
-        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
-        .env("HOME", sessions)
-        .env("OPENAI_API_KEY", "sk-test")
-        .env("CORRAL_BASE_URL", &model.url)
-        .env("CORRAL_SESSIONS_DIR", sessions)
-        // An embedded worker (no worker given) keeps its state here.
-        .env("CORRAL_STATE_DIR", sessions.join("embedded"))
-        .arg("run")
-        .arg("--json")
-        .args(args)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .kill_on_drop(true);
-    if !worker.is_empty() {
-        cmd.env("CORRAL_WORKER", worker);
-    }
-    cmd
-}
-
-async fn corral_run(
-    model: &ModelServer,
-    worker: &str,
-    sessions: &Path,
-    args: &[&str],
-) -> Result<Run> {
-    corral_run_env(model, worker, sessions, args, &[]).await
-}
-
-async fn corral_run_env(
-    model: &ModelServer,
-    worker: &str,
-    sessions: &Path,
-    args: &[&str],
-    env: &[(&str, &str)],
-) -> Result<Run> {
-    let mut cmd = command(model, worker, sessions, args);
-    cmd.envs(env.iter().copied());
-    let out = tokio::time::timeout(Duration::from_secs(120), cmd.output())
-        .await
-        .context("corral run did not finish")??;
-    let stdout = String::from_utf8(out.stdout)?;
-    let events = stdout
-        .lines()
-        .map(|l| serde_json::from_str::<Value>(l).with_context(|| format!("not JSON: {l}")))
-        .collect::<Result<Vec<_>>>()?;
-    for e in &events {
-        assert_eq!(e["v"], 1, "every event is versioned: {e}");
-    }
-    Ok(Run {
-        code: out.status.code().unwrap_or(-1),
-        events,
-        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
-    })
-}
 
 /// Starts `corral run --session ID PROMPT`, waits until it has recorded a
 /// tool call and `after` more (so that the command runs), then sends it

@@ -1,0 +1,548 @@
+//! Every scenario that once produced a request a real server refuses, run
+//! end to end (the `corral` binary, a real worker and sandboxes) on both
+//! wire protocols, against the scripted server with every strict profile:
+//! OpenAI's rules on both paths, and on Chat Completions also those of
+//! mistral_common, the Mistral and Gemma templates, DeepSeek and llama.cpp.
+//! Each test also checks that no request was refused.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::path::Path;
+use std::process::Stdio;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use corral_control::agent::record::{CallOutcome, Record, SessionConfig};
+use corral_control::context::Budget;
+use corral_control::llm::{Item, Response, StopReason, Usage};
+use corral_control::session::SessionLog;
+use corral_e2e::Harness;
+use corral_e2e::model::{ModelServer, Received, Reply, chat, responses, sse};
+use corral_e2e::run::{Run, command, corral_run};
+use corral_e2e::strict::Profile;
+use serde_json::json;
+use tokio::io::AsyncWriteExt;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Api {
+    Responses,
+    Chat,
+}
+
+const APIS: [Api; 2] = [Api::Responses, Api::Chat];
+
+impl Api {
+    fn flag(self) -> &'static str {
+        match self {
+            Api::Responses => "responses",
+            Api::Chat => "chat",
+        }
+    }
+
+    fn text(self, t: &str) -> Reply {
+        match self {
+            Api::Responses => responses::text(t),
+            Api::Chat => chat::text(t),
+        }
+    }
+
+    fn calls(self, list: &[(&str, &str, &str)]) -> Reply {
+        match self {
+            Api::Responses => responses::calls(list),
+            Api::Chat => chat::calls(list),
+        }
+    }
+
+    /// An answer that is reasoning only: no text, no call.
+    fn reasoning_only(self) -> Reply {
+        match self {
+            Api::Responses => sse(&[responses::completed(
+                json!([{"type": "reasoning", "id": "rs_only", "summary": [],
+                        "encrypted_content": "gAAAA-opaque"}]),
+                "completed",
+                json!({}),
+            )]),
+            Api::Chat => sse(&[
+                json!({"id": "c", "choices": [{"index": 0, "delta": {"role": "assistant", "reasoning_content": "hmm"}, "finish_reason": null}]}),
+                json!({"id": "c", "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}),
+            ])
+            .tap_done(),
+        }
+    }
+}
+
+/// A strict server: OpenAI's rules on both paths, and every other profile
+/// on Chat Completions.
+async fn server(replies: Vec<Reply>) -> ModelServer {
+    ModelServer::strict(replies, &Profile::ALL).await
+}
+
+fn bash(cmd: &str) -> String {
+    json!({ "command": cmd }).to_string()
+}
+
+fn assert_all_accepted(got: &[Received], api: Api) {
+    for r in got {
+        assert!(
+            r.refused.is_none(),
+            "{api:?}: a real server refuses this request: {}\n{}",
+            r.refused.as_ref().unwrap(),
+            serde_json::to_string_pretty(&r.body).unwrap()
+        );
+    }
+}
+
+async fn run(model: &ModelServer, h: &Harness, dir: &Path, api: Api, args: &[&str]) -> Result<Run> {
+    let mut all = vec!["--api", api.flag(), "--model", "gpt-5-mini"];
+    all.extend_from_slice(args);
+    corral_run(model, &h.url, dir, &all).await
+}
+
+fn done(run: &Run, api: Api) {
+    assert_eq!(run.code, 0, "{api:?}: {}\n{:#?}", run.stderr, run.events);
+    assert_eq!(run.result()["status"], "done", "{api:?}");
+}
+
+#[tokio::test]
+async fn a_heartbeat_before_the_first_placeholder_is_sent() -> Result<()> {
+    let h = Harness::start().await?;
+    for api in APIS {
+        let dir = tempfile::tempdir()?;
+        let mut replies = vec![api.calls(&[("c1", "Bash", &bash("sleep 3; echo finished"))])];
+        replies.extend((0..6).map(|_| api.text("still waiting")));
+        let model = server(replies).await;
+        let r = run(
+            &model,
+            &h,
+            dir.path(),
+            api,
+            &["--heartbeat", "1s", "--", "go"],
+        )
+        .await?;
+        done(&r, api);
+        let got = model.received();
+        assert_all_accepted(&got, api);
+        assert!(!r.of_type("heartbeat").is_empty(), "{api:?}: no heartbeat");
+        assert!(
+            got.iter().any(|g| g.text().contains("finished")),
+            "{api:?}: the result reached the model"
+        );
+    }
+    h.stop().await;
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_heartbeat_after_the_first_placeholder_is_sent() -> Result<()> {
+    let h = Harness::start().await?;
+    for api in APIS {
+        let dir = tempfile::tempdir()?;
+        let mut replies = vec![api.calls(&[
+            ("c1", "Bash", &bash("sleep 4; echo slow")),
+            ("c2", "Bash", &bash("echo fast")),
+        ])];
+        replies.extend((0..8).map(|_| api.text("waiting")));
+        let model = server(replies).await;
+        let r = run(
+            &model,
+            &h,
+            dir.path(),
+            api,
+            &["--heartbeat", "1s", "--", "go"],
+        )
+        .await?;
+        done(&r, api);
+        assert_all_accepted(&model.received(), api);
+        assert!(!r.of_type("heartbeat").is_empty(), "{api:?}: no heartbeat");
+    }
+    h.stop().await;
+    Ok(())
+}
+
+/// Lines typed on stdin: one while a call runs, one while a request is in
+/// flight (which steers it).
+#[tokio::test]
+async fn lines_typed_while_a_call_runs_and_while_a_request_is_in_flight() -> Result<()> {
+    let h = Harness::start().await?;
+    for api in APIS {
+        let dir = tempfile::tempdir()?;
+        let model = server(vec![
+            api.calls(&[("c1", "Bash", &bash("sleep 3; echo slept"))]),
+            api.text("the call runs").after(Duration::from_secs(30)),
+            api.text("noted"),
+            api.text("all done"),
+            api.text("all done"),
+        ])
+        .await;
+        let mut cmd = command(
+            &model,
+            &h.url,
+            dir.path(),
+            &[
+                "--api",
+                api.flag(),
+                "--model",
+                "gpt-5-mini",
+                "--inputs-from-stdin",
+                "go",
+            ],
+        );
+        cmd.stdin(Stdio::piped());
+        let mut child = cmd.spawn()?;
+        let mut stdin = child.stdin.take().context("stdin")?;
+        // The call runs (its request came and went): a line while it runs.
+        model.wait_for(1, Duration::from_secs(30)).await;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        stdin.write_all(b"typed while the call runs\n").await?;
+        // The second request is held by the server: a line steers it.
+        model.wait_for(2, Duration::from_secs(30)).await;
+        stdin
+            .write_all(b"typed while a request is in flight\n")
+            .await?;
+        drop(stdin);
+        let out = tokio::time::timeout(Duration::from_secs(90), child.wait_with_output()).await??;
+        assert_eq!(
+            out.status.code(),
+            Some(0),
+            "{api:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let got = model.received();
+        assert_all_accepted(&got, api);
+        let last = got.last().unwrap().text();
+        assert!(
+            last.contains("typed while the call runs")
+                && last.contains("typed while a request is in flight"),
+            "{api:?}: {last}"
+        );
+    }
+    h.stop().await;
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_late_result_arrives_while_a_newer_call_runs() -> Result<()> {
+    let h = Harness::start().await?;
+    for api in APIS {
+        let dir = tempfile::tempdir()?;
+        // The old call's placeholder goes out with the fast one's result;
+        // it finishes while the newer call runs.
+        let mut replies = vec![
+            api.calls(&[
+                ("old", "Bash", &bash("sleep 3; echo old-done")),
+                ("fast", "Bash", &bash("echo fast")),
+            ]),
+            api.calls(&[("new", "Bash", &bash("sleep 4; echo new-done"))]),
+        ];
+        replies.extend((0..5).map(|_| api.text("ok")));
+        let model = server(replies).await;
+        let r = run(&model, &h, dir.path(), api, &["go"]).await?;
+        done(&r, api);
+        let got = model.received();
+        assert_all_accepted(&got, api);
+        let last = got.last().unwrap().text();
+        assert!(
+            last.contains("old-done") && last.contains("new-done"),
+            "{api:?}: {last}"
+        );
+    }
+    h.stop().await;
+    Ok(())
+}
+
+const PNG_B64: &str = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg==";
+
+#[tokio::test]
+async fn view_image_alone_and_beside_another_call() -> Result<()> {
+    let h = Harness::start().await?;
+    let make = bash(&format!("echo {PNG_B64} | base64 -d > /workspace/dot.png"));
+    let view = r#"{"path": "/workspace/dot.png"}"#;
+    for api in APIS {
+        for beside in [false, true] {
+            let dir = tempfile::tempdir()?;
+            let mut second = vec![("v", "ViewImage", view)];
+            let echo = bash("echo beside");
+            if beside {
+                second.push(("e", "Bash", &echo));
+            }
+            let model = server(vec![
+                api.calls(&[("m", "Bash", &make)]),
+                api.calls(&second),
+                api.text("a dot"),
+                api.text("a dot"),
+            ])
+            .await;
+            let r = run(&model, &h, dir.path(), api, &["look"]).await?;
+            done(&r, api);
+            let got = model.received();
+            assert_all_accepted(&got, api);
+            let third = got[2].text();
+            assert!(
+                third.contains("data:image/png;base64,"),
+                "{api:?}: the image reached the model"
+            );
+            assert!(!beside || third.contains("beside"), "{api:?}");
+        }
+    }
+    h.stop().await;
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_reasoning_only_answer_then_a_new_prompt() -> Result<()> {
+    let h = Harness::start().await?;
+    for api in APIS {
+        let dir = tempfile::tempdir()?;
+        let model = server(vec![api.reasoning_only(), api.text("second answer")]).await;
+        let first = run(&model, &h, dir.path(), api, &["--session", "r", "think"]).await?;
+        done(&first, api);
+        let second = run(
+            &model,
+            &h,
+            dir.path(),
+            api,
+            &["--session", "r", "now answer"],
+        )
+        .await?;
+        done(&second, api);
+        let got = model.received();
+        assert_eq!(got.len(), 2, "{api:?}");
+        assert_all_accepted(&got, api);
+        assert!(got[1].text().contains("now answer"), "{api:?}");
+    }
+    h.stop().await;
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_72_character_session_id_and_a_small_output_token_limit() -> Result<()> {
+    let h = Harness::start().await?;
+    let id = "s".repeat(72);
+    for api in APIS {
+        let dir = tempfile::tempdir()?;
+        let request = dir.path().join("request.json");
+        std::fs::write(
+            &request,
+            json!({"prompt": "hi", "limits": {"max_output_tokens": 10}}).to_string(),
+        )?;
+        let model = server(vec![api.text("hello")]).await;
+        let r = run(
+            &model,
+            &h,
+            dir.path(),
+            api,
+            &["--session", &id, "--request", request.to_str().unwrap()],
+        )
+        .await?;
+        done(&r, api);
+        let got = model.received();
+        assert_all_accepted(&got, api);
+        let body = &got[0].body;
+        match api {
+            Api::Responses => {
+                let key = body["prompt_cache_key"].as_str().unwrap();
+                assert!(key.len() <= 64 && !key.contains(&id), "{key}");
+                assert_eq!(body["max_output_tokens"], 16, "OpenAI's smallest");
+            }
+            Api::Chat => {
+                assert_eq!(body["max_completion_tokens"], 10);
+                assert!(body.get("max_tokens").is_none());
+            }
+        }
+    }
+    h.stop().await;
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_call_id_repeated_by_the_server() -> Result<()> {
+    let h = Harness::start().await?;
+    for api in APIS {
+        let dir = tempfile::tempdir()?;
+        let model = server(vec![
+            api.calls(&[("call_0", "Bash", &bash("echo one"))]),
+            api.calls(&[("call_0", "Bash", &bash("echo two"))]),
+            api.text("both"),
+        ])
+        .await;
+        let r = run(&model, &h, dir.path(), api, &["go"]).await?;
+        done(&r, api);
+        let got = model.received();
+        assert_all_accepted(&got, api);
+        let last = got[2].text();
+        assert!(last.contains("one") && last.contains("two"), "{api:?}");
+    }
+    h.stop().await;
+    Ok(())
+}
+
+/// A session written by an older build, whose requests every strict
+/// server refuses (a heartbeat between a call and its result), heals:
+/// the next request is valid.
+#[tokio::test]
+async fn a_session_recorded_with_an_invalid_prefix_heals_on_resume() -> Result<()> {
+    let h = Harness::start().await?;
+    for api in APIS {
+        let dir = tempfile::tempdir()?;
+        let sandbox = h.sandbox().await?;
+        let config = SessionConfig {
+            model: "gpt-5-mini".into(),
+            system_prompt: String::new(),
+            tools: None,
+            sandbox_id: sandbox,
+            image: None,
+            budget: Budget::default(),
+            max_output_tokens: None,
+            reasoning_effort: None,
+            max_turns: 10,
+            skills: Vec::new(),
+            worker: None,
+            endpoint: None,
+            tool_choice: None,
+        };
+        let call = Item::ToolCall {
+            call_id: "c1".into(),
+            name: "Nope".into(),
+            arguments: "{}".into(),
+            provider_id: None,
+        };
+        let mut log = SessionLog::<Record>::create(dir.path(), "old")?;
+        for rec in [
+            Record::Start { config },
+            Record::Input {
+                input_id: "i1".into(),
+                text: "start".into(),
+            },
+            Record::Turn { turn: 1 },
+            Record::Response {
+                turn: 1,
+                response: Response {
+                    id: None,
+                    stop: StopReason::Complete,
+                    output: vec![call],
+                    usage: Usage::default(),
+                },
+            },
+            // An older build staged the heartbeat before the call's result.
+            Record::Heartbeat {
+                text: "still running".into(),
+            },
+            Record::Call {
+                call_id: "c1".into(),
+                tool: "Nope".into(),
+                arguments: "{}".into(),
+                turn: 1,
+                at_unix_ms: 0,
+                outcome: CallOutcome::Error {
+                    text: "Error: tool \"Nope\" is not available".into(),
+                },
+                operations: Vec::new(),
+            },
+            Record::Result {
+                call_id: "c1".into(),
+                output: corral_control::tools::text("Error: tool \"Nope\" is not available"),
+                running: false,
+            },
+            Record::Turn { turn: 2 },
+            Record::ModelFailure {
+                turn: 2,
+                error:
+                    "400 An assistant message with 'tool_calls' must be followed by tool messages"
+                        .into(),
+                code: None,
+            },
+        ] {
+            log.append(&rec)?;
+        }
+        drop(log);
+        let model = server(vec![api.text("healed")]).await;
+        let r = run(&model, &h, dir.path(), api, &["--session", "old", "go on"]).await?;
+        done(&r, api);
+        assert_all_accepted(&model.received(), api);
+    }
+    h.stop().await;
+    Ok(())
+}
+
+#[tokio::test]
+async fn max_turns_bounds_each_run_of_a_session() -> Result<()> {
+    let h = Harness::start().await?;
+    for api in APIS {
+        let dir = tempfile::tempdir()?;
+        let model = server(vec![
+            api.calls(&[("c1", "Bash", &bash("echo one"))]),
+            api.calls(&[("c2", "Bash", &bash("echo two"))]),
+            api.text("done"),
+        ])
+        .await;
+        let first = run(
+            &model,
+            &h,
+            dir.path(),
+            api,
+            &["--session", "m", "--max-turns", "1", "go"],
+        )
+        .await?;
+        assert_eq!(first.code, 1, "{api:?}: the first run stops at its limit");
+        let second = run(
+            &model,
+            &h,
+            dir.path(),
+            api,
+            &["--session", "m", "--max-turns", "2", "go on"],
+        )
+        .await?;
+        done(&second, api);
+        assert_eq!(second.result()["turns"], 3, "{api:?}");
+        assert_all_accepted(&model.received(), api);
+    }
+    h.stop().await;
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_hundred_thousand_lines_of_output_say_exactly_what_was_left_out() -> Result<()> {
+    let h = Harness::start().await?;
+    for api in APIS {
+        let dir = tempfile::tempdir()?;
+        let model = server(vec![
+            api.calls(&[("c1", "Bash", &bash("seq 1 100000"))]),
+            api.text("counted"),
+        ])
+        .await;
+        let r = run(&model, &h, dir.path(), api, &["count"]).await?;
+        done(&r, api);
+        let got = model.received();
+        assert_all_accepted(&got, api);
+        // 588,895 bytes in all; 20,000 of the head and of the tail are kept.
+        let marker = "[... 548895 bytes omitted ...]";
+        let shown = r.of_type("tool_result")[0]["text"]
+            .as_str()
+            .unwrap()
+            .to_string();
+        assert!(shown.contains(marker), "{api:?}");
+        assert!(shown.starts_with("1\n2\n3\n") && shown.ends_with("99999\n100000"));
+        assert_eq!(shown.matches("omitted").count(), 1, "cut once");
+        assert!(got[1].text().contains(marker), "{api:?}");
+    }
+    h.stop().await;
+    Ok(())
+}
+
+/// A session resumed without `--base-url` or `--api` goes back to the
+/// endpoint it was recorded with.
+#[tokio::test]
+async fn a_resumed_session_keeps_its_endpoint() -> Result<()> {
+    let h = Harness::start().await?;
+    let dir = tempfile::tempdir()?;
+    let model = server(vec![chat::text("one"), chat::text("two")]).await;
+    let first = run(&model, &h, dir.path(), Api::Chat, &["--session", "e", "hi"]).await?;
+    done(&first, Api::Chat);
+    // No --api this time: the recorded one (chat) is used.
+    let second = corral_run(&model, &h.url, dir.path(), &["--session", "e", "again"]).await?;
+    done(&second, Api::Chat);
+    let got = model.received();
+    assert_eq!(got.len(), 2);
+    assert!(got.iter().all(|g| g.path.ends_with("/chat/completions")));
+    h.stop().await;
+    Ok(())
+}
