@@ -26,9 +26,11 @@ if ! "$py" -c "import llama_cpp.server" 2>/dev/null; then
         echo "building llama-cpp-python $llama_version (about 10 minutes on 2 cores)" >&2
         # A portable build: the host's newest instructions (AVX-512, AMX)
         # crash it on some virtual machines, and the wheel may be reused
-        # on another machine.
+        # on another machine. --no-cache-dir: pip's own wheel cache ignores
+        # CMAKE_ARGS and would hand back a native build.
         CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" \
-            "$py" -m pip wheel --quiet --no-deps -w "$home/wheels" "llama-cpp-python==$llama_version" >&2
+            "$py" -m pip wheel --quiet --no-deps --no-cache-dir -w "$home/wheels" \
+            "llama-cpp-python==$llama_version" >&2
         wheel=$(ls "$home/wheels"/llama_cpp_python-"$llama_version"-*.whl | head -1)
     fi
     "$py" -m pip install --quiet "$wheel[server]" >&2
