@@ -38,6 +38,8 @@ fn config() -> SessionConfig {
         max_turns: TURNS + 10,
         skills: Vec::new(),
         worker: None,
+        endpoint: None,
+        tool_choice: None,
     }
 }
 

@@ -70,7 +70,7 @@ pub struct LlmClient {
 
 enum Interp {
     Responses(responses::StreamState),
-    Chat(chat::StreamState),
+    Chat(Box<chat::StreamState>),
 }
 
 impl Interp {
@@ -195,7 +195,7 @@ impl LlmClient {
         }
         let mut interp = match api {
             Api::Responses => Interp::Responses(responses::StreamState::default()),
-            Api::Chat => Interp::Chat(chat::StreamState::default()),
+            Api::Chat => Interp::Chat(Box::default()),
         };
         let mut on_delta = |d: StreamDelta| {
             if let Some(tx) = deltas {
