@@ -557,6 +557,15 @@ mod tests {
     }
 
     #[test]
+    fn openai_chat_refuses_a_long_cache_key() {
+        let body = json!({"model": "gpt-4.1", "messages": [], "prompt_cache_key": "k".repeat(65)});
+        assert!(
+            refused(Profile::OpenAiChat, &body)
+                .starts_with("Invalid 'prompt_cache_key': string too long.")
+        );
+    }
+
+    #[test]
     fn openai_chat_refuses_max_tokens_for_reasoning_models_and_images_outside_user_messages() {
         let body = json!({"model": "gpt-5-mini", "max_tokens": 100, "messages": []});
         assert!(
@@ -621,6 +630,22 @@ mod tests {
         assert!(
             refused(Profile::OpenAiResponses, &few).contains("Expected a value >= 16, but got 10")
         );
+        // Nothing is resolved by id: a message or call that names one.
+        let named = json!({"type": "message", "id": "msg_1", "role": "assistant", "content": "a"});
+        let r = check(
+            Profile::OpenAiResponses,
+            &body(json!([named])),
+            &Memory::default(),
+        );
+        assert_eq!(r.map_err(|r| r.status), Err(404));
+        let image_from_assistant = json!({"role": "assistant", "content": [{"type": "input_image", "image_url": "data:,"}]});
+        assert!(
+            refused(
+                Profile::OpenAiResponses,
+                &body(json!([image_from_assistant]))
+            )
+            .starts_with("Invalid value: 'input_image'")
+        );
         let mut old = body(json!([]));
         old["model"] = json!("gpt-4.1");
         old["include"] = json!(["reasoning.encrypted_content"]);
@@ -669,6 +694,11 @@ mod tests {
         );
         assert!(
             refused(p, &gap).ends_with("(insufficient tool messages following tool_calls message)")
+        );
+        let stray = chat(json!([{"role": "user", "content": "u"}, tool_msg()]));
+        assert_eq!(
+            refused(p, &stray),
+            "Messages with role 'tool' must be a response to a preceding message with 'tool_calls'"
         );
         // Null content.
         let mut no_content = calls_msg();

@@ -313,6 +313,8 @@ async fn a_reasoning_only_answer_then_a_new_prompt() -> Result<()> {
     Ok(())
 }
 
+/// A 72-character session id, a small output-token limit, a reasoning
+/// effort and a tool choice: each sent as the server wants it.
 #[tokio::test]
 async fn a_72_character_session_id_and_a_small_output_token_limit() -> Result<()> {
     let h = Harness::start().await?;
@@ -330,7 +332,16 @@ async fn a_72_character_session_id_and_a_small_output_token_limit() -> Result<()
             &h,
             dir.path(),
             api,
-            &["--session", &id, "--request", request.to_str().unwrap()],
+            &[
+                "--session",
+                &id,
+                "--reasoning-effort",
+                "low",
+                "--tool-choice",
+                "Bash",
+                "--request",
+                request.to_str().unwrap(),
+            ],
         )
         .await?;
         done(&r, api);
@@ -342,10 +353,21 @@ async fn a_72_character_session_id_and_a_small_output_token_limit() -> Result<()
                 let key = body["prompt_cache_key"].as_str().unwrap();
                 assert!(key.len() <= 64 && !key.contains(&id), "{key}");
                 assert_eq!(body["max_output_tokens"], 16, "OpenAI's smallest");
+                assert_eq!(body["reasoning"]["effort"], "low");
+                assert_eq!(body["include"], json!(["reasoning.encrypted_content"]));
+                assert_eq!(
+                    body["tool_choice"],
+                    json!({"type": "function", "name": "Bash"})
+                );
             }
             Api::Chat => {
                 assert_eq!(body["max_completion_tokens"], 10);
                 assert!(body.get("max_tokens").is_none());
+                assert_eq!(body["reasoning_effort"], "low");
+                assert_eq!(
+                    body["tool_choice"],
+                    json!({"type": "function", "function": {"name": "Bash"}})
+                );
             }
         }
     }
@@ -543,6 +565,49 @@ async fn a_resumed_session_keeps_its_endpoint() -> Result<()> {
     let got = model.received();
     assert_eq!(got.len(), 2);
     assert!(got.iter().all(|g| g.path.ends_with("/chat/completions")));
+    h.stop().await;
+    Ok(())
+}
+
+/// A thinking model on Chat Completions (DeepSeek, vLLM's reasoning
+/// parsers): the reasoning streamed with tool calls goes back with them,
+/// which DeepSeek's thinking mode requires.
+#[tokio::test]
+async fn reasoning_content_goes_back_with_its_tool_calls() -> Result<()> {
+    let h = Harness::start().await?;
+    let dir = tempfile::tempdir()?;
+    let chunk = |delta: serde_json::Value, finish: serde_json::Value| json!({"id": "c", "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]});
+    let thinking = sse(&[
+        chunk(
+            json!({"role": "assistant", "reasoning_content": "I should "}),
+            json!(null),
+        ),
+        chunk(json!({"reasoning_content": "list the files."}), json!(null)),
+        chunk(
+            json!({"tool_calls": [{"index": 0, "id": "k1Lm2Nb3Q", "type": "function",
+                   "function": {"name": "Bash", "arguments": "{\"command\": \"ls /\"}"}}]}),
+            json!(null),
+        ),
+        chunk(json!({}), json!("tool_calls")),
+    ])
+    .tap_done();
+    let model = server(vec![thinking, chat::text("listed")]).await;
+    let r = run(&model, &h, dir.path(), Api::Chat, &["list"]).await?;
+    done(&r, Api::Chat);
+    let got = model.received();
+    assert_all_accepted(&got, Api::Chat);
+    let assistant = got[1].body["messages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|m| m["role"] == "assistant")
+        .cloned()
+        .unwrap();
+    assert_eq!(assistant["reasoning_content"], "I should list the files.");
+    assert_eq!(
+        assistant["tool_calls"][0]["id"], "k1Lm2Nb3Q",
+        "a strict id is kept"
+    );
     h.stop().await;
     Ok(())
 }

@@ -10,7 +10,7 @@ use corral_control::llm::{
     ToolOutput,
 };
 use corral_e2e::model::responses::completed;
-use corral_e2e::model::{ModelServer, sse, status};
+use corral_e2e::model::{ModelServer, chat, sse, status};
 use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
 
@@ -435,4 +435,17 @@ async fn an_unreachable_endpoint_is_a_clear_error() {
         text.starts_with("gave up after 2 attempts: cannot reach the model endpoint"),
         "{text}"
     );
+}
+
+/// llama.cpp reports a chat template that refuses the conversation as a
+/// 500; sending the same request again cannot help, so it is not retried.
+#[tokio::test]
+async fn a_template_error_reported_as_500_is_not_retried() {
+    let body = json!({"error": {"code": 500, "type": "server_error",
+        "message": "\n------------\nWhile executing CallExpression at line 1, column 1 in source:\nError: Jinja Exception: Conversation roles must alternate user/assistant/user/assistant/..."}});
+    let server = ModelServer::start(vec![status(500, body), chat::text("never asked")]).await;
+    let c = client(&server, Api::Chat, 5);
+    let err = respond(&c, &request()).await.0.unwrap_err();
+    assert!(err.to_string().contains("roles must alternate"), "{err}");
+    assert_eq!(server.received().len(), 1, "not retried");
 }
