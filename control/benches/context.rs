@@ -1,4 +1,6 @@
-//! Context build time against session length.
+//! Context build time against session length, and the time to put the
+//! request on the wire: the provider contract's arrangement alone, then the
+//! whole body of each protocol (arrangement, ids, JSON).
 //!
 //! Run: `cargo bench -p corral-control --bench context`. Target: under 2 ms
 //! at 5,000 items, growing linearly at most.
@@ -9,7 +11,24 @@
 use std::time::{Duration, Instant};
 
 use corral_control::context::{Budget, ContextBuilder};
-use corral_control::llm::{Item, Response, StopReason, ToolOutput};
+use corral_control::llm::{Item, Response, StopReason, ToolOutput, chat, conform, responses};
+
+/// p50 and p90 of 50 runs of `f`.
+fn time<T>(mut f: impl FnMut() -> T) -> (Duration, Duration) {
+    let mut samples: Vec<Duration> = (0..50)
+        .map(|_| {
+            let t = Instant::now();
+            std::hint::black_box(f());
+            t.elapsed()
+        })
+        .collect();
+    samples.sort();
+    (samples[samples.len() / 2], samples[samples.len() * 9 / 10])
+}
+
+fn ms(d: Duration) -> String {
+    format!("{:.3} ms", d.as_secs_f64() * 1e3)
+}
 
 fn session(items: usize) -> ContextBuilder {
     let mut b = ContextBuilder::new(&[], Budget::default());
@@ -70,6 +89,25 @@ fn main() {
             p50.as_secs_f64() * 1e3,
             p90.as_secs_f64() * 1e3,
             p50.as_nanos() as f64 / items as f64
+        );
+    }
+    println!("\n| items | arrange p50 | Chat body p50 | Responses body p50 |");
+    println!("|---|---|---|---|");
+    for items in [1_000, 5_000, 20_000] {
+        let mut b = session(items);
+        b.set_budget(Budget {
+            context_window_tokens: u64::MAX / 2,
+            ..Budget::default()
+        });
+        let req = b.build().request;
+        let (arrange, _) = time(|| conform::arrange(&req.input));
+        let (chat, _) = time(|| chat::request_body(&req));
+        let (resp, _) = time(|| responses::request_body(&req));
+        println!(
+            "| {items} | {} | {} | {} |",
+            ms(arrange),
+            ms(chat),
+            ms(resp)
         );
     }
     // With the default 200k-token window most of a 5,000-item session has
