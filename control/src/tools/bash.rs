@@ -61,7 +61,7 @@ The command is killed, with everything it started, after timeout_seconds."
             parameters: serde_json::json!({
                 "type": "object",
                 "properties": {
-                    "command": {"type": "string", "description": "The command, run with bash -c."},
+                    "command": {"type": "string", "minLength": 1, "description": "The command, run with bash -c."},
                     "timeout_seconds": {
                         "type": "integer", "minimum": 1, "maximum": MAX_TIMEOUT_SECS,
                         "description": format!("Kill the command after this long (default {DEFAULT_TIMEOUT_SECS}).")
