@@ -554,6 +554,19 @@ async fn drive(
     } else {
         let mut config = new_config(args, req, id, &skills);
         config.worker = worker.clone();
+        if let Some(ToolChoice::Tool(name)) = &config.tool_choice {
+            let offered: Vec<String> = crate::agent::core::registry_for(&config)
+                .tools()
+                .into_iter()
+                .map(|t| t.name)
+                .collect();
+            if !offered.contains(name) {
+                return Err(usage(format!(
+                    "--tool-choice {name}: the session offers no such tool (auto, required, none, or one of: {})",
+                    offered.join(", ")
+                )));
+            }
+        }
         // The sandbox first: a session is not recorded with a sandbox that
         // cannot be made (an unknown image, say).
         client

@@ -85,6 +85,7 @@ fn reasoning_model(model: &str) -> bool {
     ["o1", "o3", "o4", "gpt-5"]
         .iter()
         .any(|p| model.starts_with(p))
+        && !model.contains("-chat")
 }
 
 /// Checks `body` (a request on `path`) against `profile`.
@@ -478,6 +479,20 @@ fn check_strict_compat(body: &Value, memory: &Memory) -> Result<(), Refusal> {
             });
         }
     }
+    // DeepSeek's thinking mode (V4): once the conversation reasons, every
+    // assistant message carries its reasoning back.
+    let thinking = msgs
+        .iter()
+        .any(|m| m["role"] == "assistant" && m.get("reasoning_content").is_some());
+    if thinking
+        && msgs
+            .iter()
+            .any(|m| m["role"] == "assistant" && m.get("reasoning_content").is_none())
+    {
+        return Err(deepseek(
+            "The `reasoning_content` in the thinking mode must be passed back to the API.".into(),
+        ));
+    }
     // DeepSeek's thinking mode: reasoning goes back with its tool calls.
     for (i, m) in msgs.iter().enumerate() {
         let wanted = call_ids(m)
@@ -719,7 +734,14 @@ mod tests {
         ));
         let mut with = calls_msg();
         with["reasoning_content"] = json!("think");
-        let body = chat(json!([{"role": "user", "content": "u"}, with, tool_msg()]));
+        let body = chat(json!([{"role": "user", "content": "u"}, with.clone(), tool_msg()]));
         assert_eq!(check(p, &body, &memory), Ok(()));
+        // Then on every assistant message.
+        let body = chat(json!([{"role": "user", "content": "u"}, with, tool_msg(),
+            {"role": "assistant", "content": "done"}, {"role": "user", "content": "more"}]));
+        assert_eq!(
+            refused(p, &body),
+            "The `reasoning_content` in the thinking mode must be passed back to the API."
+        );
     }
 }

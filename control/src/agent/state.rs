@@ -245,6 +245,10 @@ impl State {
                     _ => {
                         self.context.commit();
                         self.context.add_model_response(&response);
+                        // The model's turn is given: nothing is left for
+                        // it to answer until something new comes.
+                        self.has_new = false;
+                        self.fresh_inputs = 0;
                     }
                 }
             }

@@ -1,7 +1,7 @@
 //! Chat Completions (OpenAI's, and the servers that copy it: vLLM, Ollama,
 //! llama.cpp, OpenRouter): request body and stream interpretation.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
 use serde_json::{Value, json};
@@ -67,7 +67,31 @@ impl Messages {
         }
     }
 
-    fn to_json(&self) -> Vec<Value> {
+    fn into_json(mut self) -> Vec<Value> {
+        // The templates want the conversation to open with the user (a
+        // request's history may open with the assistant).
+        let first = self.list.iter().position(|m| !matches!(m, Msg::System(_)));
+        if let Some(i) = first
+            && matches!(self.list[i], Msg::Assistant { .. })
+        {
+            self.list
+                .insert(i, Msg::User(vec![Part::Text(BRIDGE.trim_end().into())]));
+        }
+        // DeepSeek's thinking mode wants reasoning back on every assistant
+        // message once it reasons (a single space is the least it takes).
+        let thinking = self
+            .list
+            .iter()
+            .any(|m| matches!(m, Msg::Assistant { reasoning, .. } if !reasoning.is_empty()));
+        if thinking {
+            for m in &mut self.list {
+                if let Msg::Assistant { reasoning, .. } = m
+                    && reasoning.is_empty()
+                {
+                    reasoning.push(' ');
+                }
+            }
+        }
         self.list
             .iter()
             .map(|m| match m {
@@ -128,10 +152,39 @@ fn parts_of(output: &[ToolOutput]) -> Vec<Part> {
         .collect()
 }
 
+/// The wire ids of calls: each occurrence of an id gets its own (sessions
+/// of older builds may repeat one across turns), and a result answers the
+/// latest occurrence before it.
+#[derive(Default)]
+struct WireIds {
+    ids: conform::CallIds,
+    seen: HashMap<Arc<str>, (u32, Arc<str>)>,
+}
+
+impl WireIds {
+    fn call(&mut self, id: &Arc<str>) -> String {
+        let key = match self.seen.get(id) {
+            None => id.clone(),
+            Some((n, _)) => format!("{id}\u{0}{}", n + 1).into(),
+        };
+        let n = self.seen.get(id).map_or(0, |(n, _)| n + 1);
+        self.seen.insert(id.clone(), (n, key.clone()));
+        self.ids.of(&key)
+    }
+
+    fn result(&mut self, id: &Arc<str>) -> String {
+        let key = self
+            .seen
+            .get(id)
+            .map_or_else(|| id.clone(), |(_, k)| k.clone());
+        self.ids.of(&key)
+    }
+}
+
 /// The request body, valid by construction (see [`super::conform`]).
 pub fn request_body(req: &Request) -> Result<Value, LlmError> {
     let items = conform::arrange(&req.input);
-    let mut ids = conform::CallIds::default();
+    let mut ids = WireIds::default();
     let mut out = Messages::default();
     // Images of the tool results just sent: a tool message carries text
     // only, so they follow the tool messages as one user message.
@@ -157,7 +210,7 @@ pub fn request_body(req: &Request) -> Result<Value, LlmError> {
                         arguments,
                         ..
                     } => calls.push(json!({
-                        "id": ids.of(call_id),
+                        "id": ids.call(call_id),
                         "type": "function",
                         "function": { "name": name, "arguments": arguments_for_replay(arguments) },
                     })),
@@ -183,7 +236,7 @@ pub fn request_body(req: &Request) -> Result<Value, LlmError> {
         match &items[i] {
             Item::ToolResult { call_id, output } => {
                 let text = ToolOutput::text_of(output);
-                let id = ids.of(call_id);
+                let id = ids.result(call_id);
                 let mut pictures: Vec<Part> = output
                     .iter()
                     .filter_map(|o| match o {
@@ -222,7 +275,7 @@ pub fn request_body(req: &Request) -> Result<Value, LlmError> {
     }
     let mut body = json!({
         "model": req.model,
-        "messages": out.to_json(),
+        "messages": out.into_json(),
         "stream": true,
         "stream_options": { "include_usage": true },
     });
@@ -247,14 +300,36 @@ pub fn request_body(req: &Request) -> Result<Value, LlmError> {
         }
     }
     if let Some(n) = req.max_output_tokens {
-        // OpenAI's reasoning models refuse `max_tokens`; vLLM, llama.cpp and
-        // DeepSeek read this one as well.
-        body["max_completion_tokens"] = json!(n);
+        // OpenAI's reasoning models refuse `max_tokens`; Mistral's API,
+        // older llama.cpp servers and Ollama read only `max_tokens`.
+        let key = if conform::may_reason(&req.model) {
+            "max_completion_tokens"
+        } else {
+            "max_tokens"
+        };
+        body[key] = json!(n);
     }
     if let Some(effort) = &req.reasoning_effort {
         body["reasoning_effort"] = json!(effort);
     }
     Ok(body)
+}
+
+/// What one endpoint refuses of the common body: Mistral's API refuses
+/// every field it does not know (`stream_options` among them).
+pub fn adapt_to_endpoint(body: &mut Value, base_url: &str) {
+    let host = base_url
+        .split("://")
+        .nth(1)
+        .unwrap_or(base_url)
+        .split(['/', ':'])
+        .next()
+        .unwrap_or("");
+    if (host == "mistral.ai" || host.ends_with(".mistral.ai"))
+        && let Some(b) = body.as_object_mut()
+    {
+        b.remove("stream_options");
+    }
 }
 
 #[derive(Debug, Default)]
@@ -428,5 +503,135 @@ impl StreamState {
             output,
             usage: self.usage,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn req(model: &str, input: Vec<Item>) -> Request {
+        Request {
+            model: model.into(),
+            input,
+            max_output_tokens: Some(100),
+            ..Request::default()
+        }
+    }
+
+    fn user(t: &str) -> Item {
+        Item::Message {
+            role: Role::User,
+            text: t.into(),
+            provider_id: None,
+        }
+    }
+
+    fn call(id: &str) -> Item {
+        Item::ToolCall {
+            call_id: id.into(),
+            name: "Bash".into(),
+            arguments: "{}".into(),
+            provider_id: None,
+        }
+    }
+
+    fn result(id: &str) -> Item {
+        Item::ToolResult {
+            call_id: id.into(),
+            output: vec![ToolOutput::Text { text: id.into() }],
+        }
+    }
+
+    #[test]
+    fn the_output_limit_is_named_as_the_model_wants_it() {
+        let body = request_body(&req("gpt-5-mini", vec![user("u")])).unwrap();
+        assert_eq!(body["max_completion_tokens"], 100);
+        assert!(body.get("max_tokens").is_none());
+        let body = request_body(&req("mistral-large-latest", vec![user("u")])).unwrap();
+        assert_eq!(body["max_tokens"], 100);
+        let mut body = body;
+        adapt_to_endpoint(&mut body, "https://api.mistral.ai/v1");
+        assert!(body.get("stream_options").is_none(), "Mistral refuses it");
+        let mut body = request_body(&req("m", vec![user("u")])).unwrap();
+        adapt_to_endpoint(&mut body, "http://127.0.0.1:8000/v1");
+        assert!(body.get("stream_options").is_some());
+    }
+
+    #[test]
+    fn an_id_repeated_across_turns_by_an_older_build_gets_a_result_each_time() {
+        let body = request_body(&req(
+            "m",
+            vec![
+                user("u"),
+                call("call_0"),
+                result("call_0"),
+                user("v"),
+                call("call_0"),
+                result("call_0"),
+            ],
+        ))
+        .unwrap();
+        let m = body["messages"].as_array().unwrap();
+        let roles: Vec<&str> = m.iter().map(|m| m["role"].as_str().unwrap()).collect();
+        assert_eq!(
+            roles,
+            [
+                "user",
+                "assistant",
+                "tool",
+                "assistant",
+                "user",
+                "assistant",
+                "tool"
+            ]
+        );
+        let first = m[1]["tool_calls"][0]["id"].as_str().unwrap();
+        let second = m[5]["tool_calls"][0]["id"].as_str().unwrap();
+        assert_ne!(first, second, "each occurrence has its own wire id");
+        assert_eq!(m[2]["tool_call_id"], first);
+        assert_eq!(m[6]["tool_call_id"], second);
+    }
+
+    #[test]
+    fn history_that_opens_with_the_assistant_gets_a_user_line_first() {
+        let body = request_body(&req(
+            "m",
+            vec![
+                Item::Message {
+                    role: Role::Assistant,
+                    text: "hello".into(),
+                    provider_id: None,
+                },
+                user("u"),
+            ],
+        ))
+        .unwrap();
+        let roles: Vec<&str> = body["messages"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|m| m["role"].as_str().unwrap())
+            .collect();
+        assert_eq!(roles, ["user", "assistant", "user"]);
+    }
+
+    #[test]
+    fn once_the_model_reasons_every_assistant_message_carries_reasoning() {
+        let body = request_body(&req(
+            "deepseek-v4",
+            vec![
+                user("u"),
+                conform::chat_reasoning("think"),
+                call("k1Lm2Nb3Q"),
+                result("k1Lm2Nb3Q"),
+                user("late"),
+            ],
+        ))
+        .unwrap();
+        let m = body["messages"].as_array().unwrap();
+        assert_eq!(m[1]["reasoning_content"], "think");
+        assert_eq!(m[3]["role"], "assistant", "the line between tool and user");
+        assert_eq!(m[3]["reasoning_content"], " ");
     }
 }

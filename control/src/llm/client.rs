@@ -126,7 +126,11 @@ impl LlmClient {
         let api = self.config.api;
         let body = match api {
             Api::Responses => responses::request_body(req)?,
-            Api::Chat => chat::request_body(req)?,
+            Api::Chat => {
+                let mut body = chat::request_body(req)?;
+                chat::adapt_to_endpoint(&mut body, &self.config.base_url);
+                body
+            }
         };
         let body = serde_json::to_vec(&body).map_err(|e| LlmError::Request(e.to_string()))?;
         let max = self.config.retry.max_attempts.max(1);

@@ -57,7 +57,6 @@ pub fn arrange(input: &[Item]) -> Vec<Item> {
         }
     }
     let mut used = vec![false; input.len()];
-    let mut answered: HashSet<&str> = HashSet::new();
     let mut out = Vec::with_capacity(input.len());
     let mut i = 0;
     while i < input.len() {
@@ -83,12 +82,11 @@ pub fn arrange(input: &[Item]) -> Vec<Item> {
             i += 1;
         }
         for item in &input[start..i] {
+            // Each call takes the first result after it that no call took
+            // (sessions of older builds may repeat an id across turns).
             let Item::ToolCall { call_id, .. } = item else {
                 continue;
             };
-            if !answered.insert(&**call_id) {
-                continue;
-            }
             let found = results.get_mut(&**call_id).and_then(|q| {
                 while let Some(&p) = q.front() {
                     q.pop_front();
@@ -208,9 +206,10 @@ pub fn replayable_reasoning(raw: &serde_json::Value) -> bool {
 }
 
 /// Whether `model` may reason (and so whether its reasoning must be asked
-/// for in a form that can be sent back). Names of OpenAI's reasoning
-/// families; any other model reasons when an effort is set or when it has
-/// already sent reasoning.
+/// for in a form that can be sent back, and whether Chat Completions must
+/// say `max_completion_tokens`). Names of OpenAI's reasoning families,
+/// less their chat variants (`gpt-5-chat-latest` does not reason and
+/// refuses the ask); any other model reasons when an effort is set.
 pub fn may_reason(model: &str) -> bool {
     let m = model
         .rsplit('/')
@@ -220,6 +219,7 @@ pub fn may_reason(model: &str) -> bool {
     ["o1", "o3", "o4", "gpt-5", "codex", "gpt-oss"]
         .iter()
         .any(|p| m.starts_with(p))
+        && !m.contains("-chat")
 }
 
 #[cfg(test)]

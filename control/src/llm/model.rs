@@ -113,11 +113,11 @@ pub enum ToolChoice {
 impl ToolChoice {
     /// `auto`, `required`, `none`, or a tool's name.
     pub fn parse(s: &str) -> Self {
-        match s {
+        match s.to_ascii_lowercase().as_str() {
             "auto" => Self::Auto,
             "required" => Self::Required,
             "none" => Self::None,
-            name => Self::Tool(name.to_string()),
+            _ => Self::Tool(s.to_string()),
         }
     }
 }

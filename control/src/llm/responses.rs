@@ -37,7 +37,10 @@ fn content_parts(parts: &[ToolOutput], text_type: &str, image_type: &str) -> Vec
 pub fn request_body(req: &Request) -> Result<Value, LlmError> {
     let items = conform::arrange(&req.input);
     let mut input = Vec::with_capacity(items.len());
-    let mut reasoned = false;
+    // Reasoning is asked for, and sent back, only for a model that
+    // reasons: one that does not refuses encrypted reasoning (a session
+    // resumed with another model, say).
+    let reasons = req.reasoning_effort.is_some() || conform::may_reason(&req.model);
     for (n, item) in items.iter().enumerate() {
         input.push(match item {
             Item::Message { role, text, .. } => json!({ "role": role.as_str(), "content": text }),
@@ -66,7 +69,6 @@ pub fn request_body(req: &Request) -> Result<Value, LlmError> {
                 "content": content_parts(parts, "input_text", "input_image"),
             }),
             Item::Reasoning { raw, .. } => {
-                reasoned |= raw["type"] == "reasoning";
                 // With `store: false` the server resolves nothing by id: a
                 // reasoning item goes back only with its encrypted content,
                 // and only followed by an item of its own response.
@@ -80,7 +82,7 @@ pub fn request_body(req: &Request) -> Result<Value, LlmError> {
                             }
                     )
                 );
-                if !(followed && conform::replayable_reasoning(raw)) {
+                if !(reasons && followed && conform::replayable_reasoning(raw)) {
                     continue;
                 }
                 raw.clone()
@@ -127,7 +129,7 @@ pub fn request_body(req: &Request) -> Result<Value, LlmError> {
     }
     // Reasoning comes back in a form that can be sent again only when asked
     // for; a model that does not reason refuses the ask.
-    if req.reasoning_effort.is_some() || reasoned || conform::may_reason(&req.model) {
+    if reasons {
         body["include"] = json!(["reasoning.encrypted_content"]);
     }
     if let Some(key) = &req.cache_key {
@@ -309,6 +311,43 @@ impl StreamState {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn reasoning_then_call(model: &str) -> Request {
+        Request {
+            model: model.into(),
+            input: vec![
+                Item::Reasoning {
+                    summary: Vec::new(),
+                    raw: json!({"type": "reasoning", "id": "rs_1", "encrypted_content": "e"}),
+                },
+                Item::ToolCall {
+                    call_id: "c1".into(),
+                    name: "Bash".into(),
+                    arguments: "{}".into(),
+                    provider_id: None,
+                },
+                Item::ToolResult {
+                    call_id: "c1".into(),
+                    output: vec![ToolOutput::Text { text: "ok".into() }],
+                },
+            ],
+            ..Request::default()
+        }
+    }
+
+    #[test]
+    fn reasoning_is_asked_for_and_sent_back_only_for_a_model_that_reasons() {
+        let body = request_body(&reasoning_then_call("gpt-5-mini")).unwrap();
+        assert_eq!(body["include"], json!(["reasoning.encrypted_content"]));
+        assert_eq!(body["input"][0]["type"], "reasoning");
+        // A session resumed with a model that does not reason, or a chat
+        // variant of a reasoning family: both refuse encrypted reasoning.
+        for model in ["gpt-4.1", "gpt-5-chat-latest"] {
+            let body = request_body(&reasoning_then_call(model)).unwrap();
+            assert!(body.get("include").is_none(), "{model}");
+            assert_eq!(body["input"][0]["type"], "function_call", "{model}");
+        }
+    }
 
     #[test]
     fn malformed_arguments_are_wrapped_for_replay() {

@@ -611,3 +611,75 @@ async fn reasoning_content_goes_back_with_its_tool_calls() -> Result<()> {
     h.stop().await;
     Ok(())
 }
+
+/// Request histories that open with the assistant (the templates want the
+/// user first) or end with it (nothing is left to answer: no request).
+#[tokio::test]
+async fn request_histories_that_open_or_end_with_the_assistant() -> Result<()> {
+    let h = Harness::start().await?;
+    for api in APIS {
+        let dir = tempfile::tempdir()?;
+        let opens = dir.path().join("opens.json");
+        std::fs::write(
+            &opens,
+            json!({"messages": [{"role": "assistant", "content": "How can I help?"},
+                                {"role": "user", "content": "say hi"}]})
+            .to_string(),
+        )?;
+        let ends = dir.path().join("ends.json");
+        std::fs::write(
+            &ends,
+            json!({"messages": [{"role": "user", "content": "say hi"},
+                                {"role": "assistant", "content": "hi"}]})
+            .to_string(),
+        )?;
+        let model = server(vec![api.text("hi")]).await;
+        let r = run(
+            &model,
+            &h,
+            dir.path(),
+            api,
+            &["--request", opens.to_str().unwrap()],
+        )
+        .await?;
+        done(&r, api);
+        let r = run(
+            &model,
+            &h,
+            dir.path(),
+            api,
+            &["--request", ends.to_str().unwrap()],
+        )
+        .await?;
+        done(&r, api);
+        let got = model.received();
+        assert_eq!(
+            got.len(),
+            1,
+            "{api:?}: a history that ends answered asks nothing"
+        );
+        assert_all_accepted(&got, api);
+    }
+    h.stop().await;
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_tool_choice_naming_no_offered_tool_is_a_usage_error() -> Result<()> {
+    let h = Harness::start().await?;
+    let dir = tempfile::tempdir()?;
+    let model = server(Vec::new()).await;
+    let r = run(
+        &model,
+        &h,
+        dir.path(),
+        Api::Chat,
+        &["--tool-choice", "Bsh", "x"],
+    )
+    .await?;
+    assert_eq!(r.code, 2, "{}", r.stderr);
+    assert!(r.stderr.contains("--tool-choice Bsh"), "{}", r.stderr);
+    assert!(model.received().is_empty());
+    h.stop().await;
+    Ok(())
+}
