@@ -26,6 +26,26 @@ use corral_worker::{Worker, WorkerConfig};
 use futures_util::StreamExt;
 use tokio::task::JoinHandle;
 
+/// A session's settings for tests: `model` in `sandbox`, ten turns a run,
+/// everything else the defaults.
+pub fn session_config(model: &str, sandbox: SandboxId) -> corral_control::agent::SessionConfig {
+    corral_control::agent::SessionConfig {
+        model: model.into(),
+        system_prompt: String::new(),
+        tools: None,
+        sandbox_id: sandbox,
+        image: None,
+        budget: corral_control::context::Budget::default(),
+        max_output_tokens: None,
+        reasoning_effort: None,
+        max_turns: 10,
+        skills: Vec::new(),
+        worker: None,
+        endpoint: None,
+        tool_choice: None,
+    }
+}
+
 pub fn unique_id(prefix: &str) -> String {
     format!(
         "{prefix}{}",

@@ -509,6 +509,7 @@ impl StreamState {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::llm::fixtures::{call, result, user};
 
     fn req(model: &str, input: Vec<Item>) -> Request {
         Request {
@@ -516,30 +517,6 @@ mod tests {
             input,
             max_output_tokens: Some(100),
             ..Request::default()
-        }
-    }
-
-    fn user(t: &str) -> Item {
-        Item::Message {
-            role: Role::User,
-            text: t.into(),
-            provider_id: None,
-        }
-    }
-
-    fn call(id: &str) -> Item {
-        Item::ToolCall {
-            call_id: id.into(),
-            name: "Bash".into(),
-            arguments: "{}".into(),
-            provider_id: None,
-        }
-    }
-
-    fn result(id: &str) -> Item {
-        Item::ToolResult {
-            call_id: id.into(),
-            output: vec![ToolOutput::Text { text: id.into() }],
         }
     }
 
@@ -565,10 +542,10 @@ mod tests {
             vec![
                 user("u"),
                 call("call_0"),
-                result("call_0"),
+                result("call_0", "call_0"),
                 user("v"),
                 call("call_0"),
-                result("call_0"),
+                result("call_0", "call_0"),
             ],
         ))
         .unwrap();
@@ -624,7 +601,7 @@ mod tests {
                 user("u"),
                 conform::chat_reasoning("think"),
                 call("k1Lm2Nb3Q"),
-                result("k1Lm2Nb3Q"),
+                result("k1Lm2Nb3Q", "k1Lm2Nb3Q"),
                 user("late"),
             ],
         ))

@@ -225,30 +225,7 @@ pub fn may_reason(model: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn user(t: &str) -> Item {
-        Item::Message {
-            role: Role::User,
-            text: t.into(),
-            provider_id: None,
-        }
-    }
-
-    fn call(id: &str) -> Item {
-        Item::ToolCall {
-            call_id: id.into(),
-            name: "Bash".into(),
-            arguments: "{}".into(),
-            provider_id: None,
-        }
-    }
-
-    fn result(id: &str, t: &str) -> Item {
-        Item::ToolResult {
-            call_id: id.into(),
-            output: vec![ToolOutput::Text { text: t.into() }],
-        }
-    }
+    use crate::llm::fixtures::{call, result, user};
 
     fn kinds(items: &[Item]) -> Vec<String> {
         items

@@ -14,6 +14,8 @@
 pub mod chat;
 pub mod client;
 pub mod conform;
+#[cfg(test)]
+pub(crate) mod fixtures;
 pub mod model;
 pub mod responses;
 pub mod retry;

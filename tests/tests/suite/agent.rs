@@ -10,10 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
-use corral_control::agent::{
-    Coordinator, Core, Ending, Inbox, Record, SessionConfig, Settings, StopMode, replay,
-};
-use corral_control::context::Budget;
+use corral_control::agent::{Coordinator, Core, Ending, Inbox, Record, Settings, StopMode, replay};
 use corral_control::llm::conform::CallIds;
 use corral_control::llm::{Api, LlmClient, LlmConfig};
 use corral_control::ops::{LocalBackend, Manager};
@@ -523,24 +520,6 @@ async fn a_killed_run_resumes_without_running_its_command_twice() -> Result<()> 
     Ok(())
 }
 
-fn config(sandbox: corral_proto::SandboxId) -> SessionConfig {
-    SessionConfig {
-        model: "m".into(),
-        system_prompt: String::new(),
-        tools: None,
-        sandbox_id: sandbox,
-        image: None,
-        budget: Budget::default(),
-        max_output_tokens: None,
-        reasoning_effort: None,
-        max_turns: 10,
-        skills: Vec::new(),
-        worker: None,
-        endpoint: None,
-        tool_choice: None,
-    }
-}
-
 /// The coordinator in process: a new input cancels the request in flight,
 /// whose answer never arrives, and the next request carries both inputs.
 #[tokio::test]
@@ -554,7 +533,7 @@ async fn a_new_input_steers_a_request_in_flight() -> Result<()> {
     .await;
     let sessions = tempfile::tempdir()?;
     let log = SessionLog::create(sessions.path(), "steer")?;
-    let core = Core::create(log, config(sandbox.clone()))?;
+    let core = Core::create(log, corral_e2e::session_config("m", sandbox.clone()))?;
     let (manager, updates) = Manager::start(LocalBackend::new(h.worker.clone()), sandbox);
     let mut llm = LlmConfig::new(model.url.clone(), Api::Responses);
     llm.api_key = Some("k".into());

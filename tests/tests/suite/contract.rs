@@ -13,7 +13,6 @@ use std::sync::Arc;
 use bytes::Bytes;
 use corral_control::agent::core::Overrides;
 use corral_control::agent::{Core, Effect, Record, SessionConfig, StopCause, StopMode};
-use corral_control::context::Budget;
 use corral_control::llm::conform::{self, CallIds};
 use corral_control::llm::{Item, Request, Response, Role, StopReason, Usage, chat, responses};
 use corral_control::ops::Operation;
@@ -52,21 +51,11 @@ impl Rng {
 }
 
 fn config() -> SessionConfig {
-    SessionConfig {
-        model: "gpt-5-mini".into(),
-        system_prompt: "be brief".into(),
-        tools: None,
-        sandbox_id: SandboxId::new("contract").unwrap(),
-        image: None,
-        budget: Budget::default(),
-        max_output_tokens: Some(10),
-        reasoning_effort: None,
-        max_turns: 1_000,
-        skills: Vec::new(),
-        worker: None,
-        endpoint: None,
-        tool_choice: None,
-    }
+    let mut c = corral_e2e::session_config("gpt-5-mini", SandboxId::new("contract").unwrap());
+    c.system_prompt = "be brief".into();
+    c.max_output_tokens = Some(10);
+    c.max_turns = 1_000;
+    c
 }
 
 /// Everything a schedule can make the model say, and whether it reasoned

@@ -11,8 +11,7 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
-use corral_control::agent::record::{CallOutcome, Record, SessionConfig};
-use corral_control::context::Budget;
+use corral_control::agent::record::{CallOutcome, Record};
 use corral_control::llm::{Item, Response, StopReason, Usage};
 use corral_control::session::SessionLog;
 use corral_e2e::Harness;
@@ -406,21 +405,7 @@ async fn a_session_recorded_with_an_invalid_prefix_heals_on_resume() -> Result<(
     for api in APIS {
         let dir = tempfile::tempdir()?;
         let sandbox = h.sandbox().await?;
-        let config = SessionConfig {
-            model: "gpt-5-mini".into(),
-            system_prompt: String::new(),
-            tools: None,
-            sandbox_id: sandbox,
-            image: None,
-            budget: Budget::default(),
-            max_output_tokens: None,
-            reasoning_effort: None,
-            max_turns: 10,
-            skills: Vec::new(),
-            worker: None,
-            endpoint: None,
-            tool_choice: None,
-        };
+        let config = corral_e2e::session_config("gpt-5-mini", sandbox);
         let call = Item::ToolCall {
             call_id: "c1".into(),
             name: "Nope".into(),
