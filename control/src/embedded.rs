@@ -8,6 +8,8 @@ use tokio_util::sync::CancellationToken;
 
 pub struct Embedded {
     pub url: String,
+    /// Made for this process: other local users cannot call the server.
+    token: String,
     worker: Worker,
     stop: CancellationToken,
     server: JoinHandle<()>,
@@ -34,18 +36,30 @@ impl Embedded {
         let stop = CancellationToken::new();
         let stopped = stop.clone();
         let w = worker.clone();
+        let token = format!(
+            "{}{}",
+            uuid::Uuid::new_v4().simple(),
+            uuid::Uuid::new_v4().simple()
+        );
+        let required = Some(token.clone());
         let server = tokio::spawn(async move {
             let shutdown = async move { stopped.cancelled().await };
-            if let Err(e) = corral_worker::server::serve(w, listener, None, shutdown).await {
+            if let Err(e) = corral_worker::server::serve(w, listener, required, shutdown).await {
                 tracing::error!(error = %e, "embedded worker server failed");
             }
         });
         Ok(Self {
             url: format!("http://{addr}"),
+            token,
             worker,
             stop,
             server,
         })
+    }
+
+    /// The token the server requires.
+    pub fn token(&self) -> &str {
+        &self.token
     }
 
     /// The worker itself, for in-process use (no network hop).

@@ -106,12 +106,31 @@ pub(crate) fn worker_urls(conn: &ConnArgs) -> Vec<String> {
         .collect()
 }
 
+/// Whether `url` names this machine (a worker this user may have started).
+fn is_loopback(url: &str) -> bool {
+    let rest = url.split("://").nth(1).unwrap_or(url);
+    let host = rest.split('/').next().unwrap_or("");
+    let host = match host.strip_prefix('[') {
+        Some(v6) => v6.split(']').next().unwrap_or(""),
+        None => host.rsplit_once(':').map_or(host, |(h, _)| h),
+    };
+    host == "localhost"
+        || host
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
+}
+
+/// The token for the workers of `--worker`: `--token-file`, else, for a
+/// worker on this machine, the one a worker run by this user made in its
+/// default state directory (never sent anywhere else).
 fn credentials(conn: &ConnArgs) -> Result<Credentials, RunError> {
-    let token = conn
-        .token_file
-        .as_deref()
-        .map(corral_worker::cli::read_token)
-        .transpose()?;
+    let own = corral_worker::cli::default_state_dir("worker").join("token");
+    let local = worker_urls(conn).iter().all(|u| is_loopback(u));
+    let token = match conn.token_file.as_deref() {
+        Some(path) => Some(corral_worker::cli::read_token(path)?),
+        None if local && own.exists() => Some(corral_worker::cli::read_token(&own)?),
+        None => None,
+    };
     Ok(Credentials {
         token,
         tls: client_tls(conn)?,
@@ -144,11 +163,15 @@ pub(crate) async fn connect_to(conn: &ConnArgs, url: Option<&str>) -> Result<Con
         None => {
             let mut config = WorkerConfig::new(conn.state_dir.clone().unwrap_or_default());
             config.docker_host = conn.docker_host.clone();
+            // The user runs their own Docker engine: what they ask for is
+            // theirs to ask (still never a capability that reaches the host).
+            config.policy = corral_worker::policy::permissive();
             let embedded = Embedded::start(config).await?;
-            let client = WorkerClient::connect(&embedded.url, None).await?;
+            let creds = Credentials::token(Some(embedded.token()));
+            let client = WorkerClient::connect_with(&embedded.url, &creds).await?;
             Ok(Connection {
                 client,
-                creds: Credentials::default(),
+                creds,
                 embedded: Some(embedded),
             })
         }
@@ -341,4 +364,28 @@ async fn run_sandbox(conn: &Connection, cmd: SandboxCommand) -> Result<(), RunEr
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_own_token_goes_only_to_workers_on_this_machine() {
+        for url in [
+            "http://127.0.0.1:7070",
+            "http://localhost:1",
+            "https://[::1]:7070",
+            "127.0.0.2:9",
+        ] {
+            assert!(is_loopback(url), "{url}");
+        }
+        for url in [
+            "http://10.0.0.1:7070",
+            "https://example.com",
+            "http://127.0.0.1.evil.org:1",
+        ] {
+            assert!(!is_loopback(url), "{url}");
+        }
+    }
 }

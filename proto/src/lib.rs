@@ -29,7 +29,7 @@ pub use error::ProtocolError;
 pub use event::{Event, EventKind, OutputStream};
 pub use ids::{OperationId, SandboxId};
 pub use result::{Captured, FileErrorKind, OperationResult, Outcome};
-pub use sandbox::{SandboxInfo, SandboxState, WorkerInfo};
+pub use sandbox::{SandboxInfo, SandboxPolicy, SandboxState, WorkerInfo};
 pub use spec::{NetworkMode, OperationSpec, ReadFileSpec, SandboxSpec, ShellSpec, WriteFileSpec};
 
 /// Generated protobuf messages and gRPC stubs. Use them only at the edges

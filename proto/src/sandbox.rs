@@ -31,6 +31,49 @@ pub struct WorkerInfo {
     pub sandboxes: u32,
     pub running_operations: u32,
     pub docker_version: String,
+    pub policy: SandboxPolicy,
+}
+
+/// What a worker lets a sandbox be: its operator's choice, never a
+/// client's. The default refuses every loosening.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SandboxPolicy {
+    pub allow_root: bool,
+    pub allow_writable_rootfs: bool,
+    /// A network other than none.
+    pub allow_network: bool,
+    /// Capabilities a sandbox may add (`CAP_*`).
+    pub allowed_capabilities: Vec<String>,
+    /// Images a sandbox may name besides the worker's default: exact
+    /// names, or prefixes ending in `*`.
+    pub allowed_images: Vec<String>,
+    pub allow_any_image: bool,
+}
+
+impl From<SandboxPolicy> for pb::SandboxPolicy {
+    fn from(p: SandboxPolicy) -> Self {
+        Self {
+            allow_root: p.allow_root,
+            allow_writable_rootfs: p.allow_writable_rootfs,
+            allow_network: p.allow_network,
+            allowed_capabilities: p.allowed_capabilities,
+            allowed_images: p.allowed_images,
+            allow_any_image: p.allow_any_image,
+        }
+    }
+}
+
+impl From<pb::SandboxPolicy> for SandboxPolicy {
+    fn from(p: pb::SandboxPolicy) -> Self {
+        Self {
+            allow_root: p.allow_root,
+            allow_writable_rootfs: p.allow_writable_rootfs,
+            allow_network: p.allow_network,
+            allowed_capabilities: p.allowed_capabilities,
+            allowed_images: p.allowed_images,
+            allow_any_image: p.allow_any_image,
+        }
+    }
 }
 
 impl From<SandboxInfo> for pb::Sandbox {
@@ -88,6 +131,7 @@ impl From<WorkerInfo> for pb::WorkerInfo {
             sandboxes: i.sandboxes,
             running_operations: i.running_operations,
             docker_version: i.docker_version,
+            policy: Some(i.policy.into()),
         }
     }
 }
@@ -101,6 +145,7 @@ impl From<pb::WorkerInfo> for WorkerInfo {
             sandboxes: i.sandboxes,
             running_operations: i.running_operations,
             docker_version: i.docker_version,
+            policy: i.policy.map(Into::into).unwrap_or_default(),
         }
     }
 }

@@ -285,6 +285,22 @@ impl WorkerProcess {
         })
     }
 
+    /// The token the worker made in its state directory (unless it was
+    /// given one with --token-file).
+    pub fn token_file(&self) -> PathBuf {
+        self.state_dir.join("token")
+    }
+
+    /// The token clients present.
+    pub fn token(&self) -> String {
+        corral_worker::cli::read_token(&self.token_file()).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// A client with the worker's token.
+    pub async fn client(&self) -> Result<WorkerClient> {
+        Ok(WorkerClient::connect(&self.url, Some(&self.token())).await?)
+    }
+
     /// SIGKILL: no cleanup, no goodbye.
     pub fn kill9(&mut self) {
         let _ = self.child.kill();

@@ -16,12 +16,39 @@ use crate::worker::WorkerConfig;
     about = "Runs Corral operations in hardened Docker sandboxes, served over gRPC"
 )]
 pub struct WorkerArgs {
-    /// Address to serve gRPC on. A token is required unless it is loopback.
+    /// Address to serve gRPC on.
     #[arg(long, env = "CORRAL_LISTEN", default_value = "127.0.0.1:7070")]
     pub listen: SocketAddr,
-    /// File holding the bearer token clients must present.
+    /// File holding the bearer token clients must present (at least 16
+    /// characters, readable by its owner only). Default: `token` in the
+    /// state directory, made on first start; `corral` run by the same user
+    /// finds it there.
     #[arg(long, env = "CORRAL_TOKEN_FILE")]
     pub token_file: Option<PathBuf>,
+    /// Let sandboxes run as root (uid 0 in the container, still without
+    /// capabilities unless --allow-cap grants some).
+    #[arg(long, env = "CORRAL_ALLOW_ROOT")]
+    pub allow_root: bool,
+    /// Let sandboxes have a writable root filesystem.
+    #[arg(long, env = "CORRAL_ALLOW_WRITABLE_ROOTFS")]
+    pub allow_writable_rootfs: bool,
+    /// Let sandboxes have a network other than none.
+    #[arg(long, env = "CORRAL_ALLOW_NETWORK")]
+    pub allow_network: bool,
+    /// A capability sandboxes may add, e.g. CAP_CHOWN (repeat, or a comma
+    /// list). CAP_SYS_ADMIN, CAP_SYS_PTRACE, CAP_SYS_MODULE and the other
+    /// capabilities that reach the host are never granted.
+    #[arg(long = "allow-cap", env = "CORRAL_ALLOW_CAPS", value_delimiter = ',')]
+    pub allow_caps: Vec<String>,
+    /// An image sandboxes may name besides --default-image: an exact name,
+    /// or a prefix ending in '*' ('*' alone: any image). Repeat, or a comma
+    /// list.
+    #[arg(
+        long = "allow-image",
+        env = "CORRAL_ALLOW_IMAGES",
+        value_delimiter = ','
+    )]
+    pub allow_images: Vec<String>,
     /// Docker engine to use (unix:///var/run/docker.sock, tcp://host:2375);
     /// default: DOCKER_HOST or the local socket.
     #[arg(long, env = "CORRAL_DOCKER_HOST")]
@@ -107,10 +134,10 @@ pub fn parse_args<T: Parser>(name: &str) -> Result<T, std::process::ExitCode> {
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
-    #[error("--listen {0} is not a loopback address, so a token is required: pass --token-file")]
-    TokenRequired(SocketAddr),
     #[error("token file {path}: {reason}")]
     TokenFile { path: String, reason: String },
+    #[error("{0}")]
+    Policy(String),
     #[error("TLS file {path}: {reason}")]
     TlsFile { path: String, reason: String },
 }
@@ -129,21 +156,78 @@ fn read_pem(path: &Path) -> Result<Vec<u8>, ConfigError> {
     Ok(data)
 }
 
-/// Reads a token file: one line, not empty.
+/// The shortest token accepted.
+pub const MIN_TOKEN_CHARS: usize = 16;
+
+/// Reads a token file: one line of at least 16 characters, in a file no
+/// other user can read or write.
 pub fn read_token(path: &Path) -> Result<String, ConfigError> {
+    use std::os::unix::fs::PermissionsExt;
     let err = |reason: String| ConfigError::TokenFile {
         path: path.display().to_string(),
         reason,
     };
+    let meta = std::fs::metadata(path).map_err(|e| err(e.to_string()))?;
+    let mode = meta.permissions().mode() & 0o777;
+    if mode & 0o077 != 0 {
+        return Err(err(format!(
+            "other users can read or write it (mode {mode:03o}): chmod 600 {}",
+            path.display()
+        )));
+    }
     let token = std::fs::read_to_string(path).map_err(|e| err(e.to_string()))?;
     let token = token.trim().to_string();
-    if token.is_empty() {
-        return Err(err("empty".into()));
-    }
     if token.chars().any(|c| c.is_whitespace() || c.is_control()) {
         return Err(err("must be one line without spaces".into()));
     }
+    let n = token.chars().count();
+    if n < MIN_TOKEN_CHARS {
+        return Err(err(format!(
+            "too short ({n} characters; at least {MIN_TOKEN_CHARS}): make one with `head -c 32 /dev/urandom | base64 | tr -d '/+=' > FILE`"
+        )));
+    }
     Ok(token)
+}
+
+/// The token in `path`, made (random, mode 0600) if the file does not
+/// exist yet.
+pub fn token_or_new(path: &Path) -> Result<String, ConfigError> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    if !path.exists() {
+        let err = |reason: String| ConfigError::TokenFile {
+            path: path.display().to_string(),
+            reason,
+        };
+        if let Some(dir) = path.parent() {
+            std::fs::create_dir_all(dir).map_err(|e| err(e.to_string()))?;
+        }
+        let token = format!(
+            "{}{}",
+            uuid::Uuid::new_v4().simple(),
+            uuid::Uuid::new_v4().simple()
+        );
+        let tmp = path.with_extension("new");
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o600)
+            .open(&tmp)
+            .map_err(|e| err(e.to_string()))?;
+        f.write_all(format!("{token}\n").as_bytes())
+            .and_then(|()| f.sync_all())
+            .map_err(|e| err(e.to_string()))?;
+        // Never overwrite a token another start just made.
+        std::fs::hard_link(&tmp, path)
+            .or_else(|e| match e.kind() {
+                std::io::ErrorKind::AlreadyExists => Ok(()),
+                _ => Err(e),
+            })
+            .map_err(|e| err(e.to_string()))?;
+        let _ = std::fs::remove_file(&tmp);
+    }
+    read_token(path)
 }
 
 /// The default state directory: `$XDG_STATE_HOME/corral/<name>`, else
@@ -157,13 +241,50 @@ pub fn default_state_dir(name: &str) -> PathBuf {
 }
 
 impl WorkerArgs {
-    /// The token, and the check that a non-loopback listener has one.
-    pub fn token(&self) -> Result<Option<String>, ConfigError> {
-        let token = self.token_file.as_deref().map(read_token).transpose()?;
-        if token.is_none() && !self.listen.ip().is_loopback() {
-            return Err(ConfigError::TokenRequired(self.listen));
+    fn state_dir(&self) -> PathBuf {
+        self.state_dir
+            .clone()
+            .unwrap_or_else(|| default_state_dir("worker"))
+    }
+
+    /// Where the token is: --token-file, else `token` in the state dir.
+    pub fn token_path(&self) -> PathBuf {
+        self.token_file
+            .clone()
+            .unwrap_or_else(|| self.state_dir().join("token"))
+    }
+
+    /// The token every call must present, loopback included: other local
+    /// users must not reach the worker. Made on first start when no
+    /// --token-file is given.
+    pub fn token(&self) -> Result<String, ConfigError> {
+        match &self.token_file {
+            Some(path) => read_token(path),
+            None => token_or_new(&self.token_path()),
         }
-        Ok(token)
+    }
+
+    /// The operator's policy on what sandboxes may be.
+    pub fn policy(&self) -> Result<corral_proto::SandboxPolicy, ConfigError> {
+        let policy = corral_proto::SandboxPolicy {
+            allow_root: self.allow_root,
+            allow_writable_rootfs: self.allow_writable_rootfs,
+            allow_network: self.allow_network,
+            allowed_capabilities: self
+                .allow_caps
+                .iter()
+                .map(|c| crate::policy::capability_name(c))
+                .collect(),
+            allowed_images: self
+                .allow_images
+                .iter()
+                .filter(|i| *i != "*")
+                .cloned()
+                .collect(),
+            allow_any_image: self.allow_images.iter().any(|i| i == "*"),
+        };
+        crate::policy::check_policy(&policy).map_err(ConfigError::Policy)?;
+        Ok(policy)
     }
 
     /// The TLS configuration, when --tls-cert is given.
@@ -179,12 +300,9 @@ impl WorkerArgs {
         Ok(Some(tls))
     }
 
-    pub fn worker_config(&self) -> WorkerConfig {
-        WorkerConfig {
-            state_dir: self
-                .state_dir
-                .clone()
-                .unwrap_or_else(|| default_state_dir("worker")),
+    pub fn worker_config(&self) -> Result<WorkerConfig, ConfigError> {
+        Ok(WorkerConfig {
+            state_dir: self.state_dir(),
             worker_id: self.worker_id.clone(),
             docker_host: self.docker_host.clone(),
             init_binary: self.init_binary.clone(),
@@ -194,7 +312,8 @@ impl WorkerArgs {
                 image: self.default_image.clone(),
                 ..Defaults::default()
             },
-        }
+            policy: self.policy()?,
+        })
     }
 }
 
@@ -203,10 +322,58 @@ mod tests {
     use super::*;
 
     #[test]
-    fn non_loopback_listen_needs_a_token() {
-        let args = WorkerArgs::parse_from(["corral-worker", "--listen", "0.0.0.0:7070"]);
-        assert!(matches!(args.token(), Err(ConfigError::TokenRequired(_))));
-        let args = WorkerArgs::parse_from(["corral-worker", "--listen", "127.0.0.1:0"]);
-        assert_eq!(args.token().unwrap(), None);
+    fn a_token_is_made_on_first_start_for_the_owner_only_and_kept() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let state = dir.path().join("state");
+        let state = state.to_str().unwrap();
+        let args = WorkerArgs::parse_from(["corral-worker", "--state-dir", state]);
+        let token = args.token().unwrap();
+        assert!(token.len() >= MIN_TOKEN_CHARS);
+        let path = args.token_path();
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600);
+        assert_eq!(
+            args.token().unwrap(),
+            token,
+            "the same token on the next start"
+        );
+    }
+
+    #[test]
+    fn short_or_shared_token_files_are_refused() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t");
+        std::fs::write(&path, "x\n").unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
+        let e = read_token(&path).unwrap_err().to_string();
+        assert!(e.contains("too short"), "{e}");
+        std::fs::write(&path, "0123456789abcdef0123\n").unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
+        let e = read_token(&path).unwrap_err().to_string();
+        assert!(e.contains("chmod 600"), "{e}");
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o400)).unwrap();
+        assert_eq!(read_token(&path).unwrap(), "0123456789abcdef0123");
+    }
+
+    #[test]
+    fn a_policy_that_grants_a_host_capability_is_refused_at_start() {
+        let args = WorkerArgs::parse_from(["corral-worker", "--allow-cap", "CAP_CHOWN,sys_admin"]);
+        let e = args.policy().unwrap_err().to_string();
+        assert!(
+            e.contains("CAP_SYS_ADMIN") && e.contains("never granted"),
+            "{e}"
+        );
+        let args = WorkerArgs::parse_from([
+            "corral-worker",
+            "--allow-image",
+            "*",
+            "--allow-cap",
+            "chown",
+        ]);
+        let p = args.policy().unwrap();
+        assert!(p.allow_any_image);
+        assert_eq!(p.allowed_capabilities, ["CAP_CHOWN"]);
     }
 }

@@ -38,6 +38,9 @@ pub enum WorkerError {
     StateLocked(String),
     #[error("the worker is shutting down")]
     ShuttingDown,
+    /// The worker's policy refuses what was asked.
+    #[error("refused: {0}")]
+    Denied(String),
 }
 
 pub type Result<T, E = WorkerError> = std::result::Result<T, E>;
@@ -58,6 +61,7 @@ impl From<WorkerError> for tonic::Status {
             WorkerError::Invalid(_) => Code::InvalidArgument,
             WorkerError::UnknownSandbox(_) | WorkerError::UnknownOperation(_) => Code::NotFound,
             WorkerError::Conflict { .. } => Code::AlreadyExists,
+            WorkerError::Denied(_) => Code::PermissionDenied,
             WorkerError::AtCapacity(_) => Code::ResourceExhausted,
             WorkerError::SandboxLost { .. } | WorkerError::NoSuchImage(_) => {
                 Code::FailedPrecondition

@@ -9,6 +9,8 @@
 //!   stdio, with flow control towards its watchers;
 //! - [`docker`]: everything said to the Docker engine (bollard), including
 //!   the hardened container configuration;
+//! - [`policy`]: what a sandbox may be, as the operator allows it (clients
+//!   ask, the worker decides);
 //! - [`state`]: the worker's durable records; [`initbin`]: the supervisor
 //!   binary; [`service`] and [`server`]: the gRPC edge (auth, health,
 //!   reflection), the only place generated types are touched.
@@ -20,6 +22,7 @@ pub mod cli;
 pub mod docker;
 pub mod error;
 pub mod initbin;
+pub mod policy;
 pub mod sandbox;
 pub mod server;
 pub mod service;

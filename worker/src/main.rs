@@ -34,12 +34,17 @@ fn main() -> ExitCode {
 async fn run(args: WorkerArgs) -> anyhow::Result<()> {
     let token = args.token()?;
     let tls = args.tls()?;
+    let config = args.worker_config()?;
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("cannot listen on {}", args.listen))?;
-    let worker = Worker::start(args.worker_config()).await?;
+    let worker = Worker::start(config).await?;
     let addr = listener.local_addr()?;
-    println!("corral-worker {} listening on {addr}", worker.id());
+    println!(
+        "corral-worker {} listening on {addr} (clients present the token in {})",
+        worker.id(),
+        args.token_path().display()
+    );
     let stopping = worker.clone();
     let shutdown = async move {
         shutdown_signal().await;
@@ -50,7 +55,10 @@ async fn run(args: WorkerArgs) -> anyhow::Result<()> {
     server::serve_with(
         worker,
         listener,
-        server::ServeOptions { token, tls },
+        server::ServeOptions {
+            token: Some(token),
+            tls,
+        },
         shutdown,
     )
     .await?;

@@ -1,5 +1,6 @@
-//! Serving the worker: the `corral.v1.Worker` service behind bearer-token
-//! auth, standard gRPC health checking and server reflection.
+//! Serving the worker: the `corral.v1.Worker` service and server
+//! reflection behind bearer-token auth, and standard gRPC health checking
+//! (open to anyone).
 
 use std::future::Future;
 
@@ -101,6 +102,11 @@ pub async fn serve_with(
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
         .build_v1()?;
     let auth = TokenAuth::new(token);
+    // Reflection describes the API: only to those who may call it.
+    let reflection_auth = auth.clone();
+    let reflection = tonic::service::interceptor::InterceptedService::new(reflection, move |req| {
+        reflection_auth.check(req)
+    });
     let service = WorkerServer::new(WorkerService::new(worker))
         .max_decoding_message_size(MAX_GRPC_MESSAGE_BYTES)
         .max_encoding_message_size(MAX_GRPC_MESSAGE_BYTES);

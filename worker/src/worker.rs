@@ -8,7 +8,8 @@ use std::time::Duration;
 
 use corral_proto::init::OperationRecord;
 use corral_proto::{
-    Event, OperationId, OperationSpec, SandboxId, SandboxInfo, SandboxSpec, WorkerInfo,
+    Event, OperationId, OperationSpec, SandboxId, SandboxInfo, SandboxPolicy, SandboxSpec,
+    WorkerInfo,
 };
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
@@ -35,6 +36,8 @@ pub struct WorkerConfig {
     /// How often to look for containers of this worker that have no record
     /// (and remove them).
     pub sweep_interval: Duration,
+    /// What sandboxes may be (the default refuses every loosening).
+    pub policy: SandboxPolicy,
 }
 
 impl WorkerConfig {
@@ -47,6 +50,7 @@ impl WorkerConfig {
             max_sandboxes: 64,
             defaults: Defaults::default(),
             sweep_interval: Duration::from_secs(60),
+            policy: SandboxPolicy::default(),
         }
     }
 }
@@ -65,6 +69,8 @@ struct Inner {
     id_locks: Mutex<HashMap<SandboxId, Arc<tokio::sync::Mutex<()>>>>,
     max_sandboxes: u32,
     docker_version: String,
+    policy: SandboxPolicy,
+    default_image: String,
     tracker: TaskTracker,
     shutdown: CancellationToken,
 }
@@ -82,6 +88,8 @@ impl Worker {
         let worker_id = state.worker_id(config.worker_id.as_deref())?;
         corral_proto::SandboxId::new(worker_id.clone())
             .map_err(|e| WorkerError::Config(format!("worker id {worker_id:?}: {e}")))?;
+        crate::policy::check_policy(&config.policy).map_err(WorkerError::Config)?;
+        let default_image = config.defaults.image.clone();
         let init = InitBinary::locate(config.init_binary.as_deref())?;
         let docker = docker::connect(config.docker_host.as_deref()).await?;
         let runtime = Arc::new(DockerRuntime::new(
@@ -100,6 +108,8 @@ impl Worker {
                 id_locks: Mutex::new(HashMap::new()),
                 max_sandboxes: config.max_sandboxes,
                 docker_version,
+                policy: config.policy,
+                default_image,
                 tracker: TaskTracker::new(),
                 shutdown: CancellationToken::new(),
             }),
@@ -237,6 +247,7 @@ impl Worker {
         spec: SandboxSpec,
     ) -> Result<SandboxInfo> {
         spec.validate()?;
+        crate::policy::check(&self.inner.policy, &spec, &self.inner.default_image)?;
         if self.inner.shutdown.is_cancelled() {
             return Err(WorkerError::ShuttingDown);
         }
@@ -362,6 +373,7 @@ impl Worker {
                 .map(|s| s.info().running_operations)
                 .sum(),
             docker_version: self.inner.docker_version.clone(),
+            policy: self.inner.policy.clone(),
         }
     }
 

@@ -206,7 +206,11 @@ async fn file_paths_cannot_escape_the_sandbox_roots() -> anyhow::Result<()> {
 async fn calls_without_the_right_token_are_unauthenticated() -> anyhow::Result<()> {
     let state = tempfile::tempdir()?;
     let token_file = state.path().join("token");
-    std::fs::write(&token_file, "right-token\n")?;
+    std::fs::write(&token_file, "right-token-0123456789\n")?;
+    std::fs::set_permissions(
+        &token_file,
+        std::os::unix::fs::PermissionsExt::from_mode(0o600),
+    )?;
     let token_arg = token_file.to_string_lossy().to_string();
     let worker = WorkerProcess::spawn(
         &state.path().join("state"),
@@ -227,20 +231,61 @@ async fn calls_without_the_right_token_are_unauthenticated() -> anyhow::Result<(
         (c, m.as_str()),
         (tonic::Code::Unauthenticated, "wrong bearer token")
     );
-    let right = WorkerClient::connect(&worker.url, Some("right-token")).await?;
+    let right = WorkerClient::connect(&worker.url, Some("right-token-0123456789")).await?;
     assert!(right.list_sandboxes().await?.is_empty());
     assert_eq!(right.worker_info().await?.worker_id, worker.worker_id);
     Ok(())
 }
 
-#[test]
-fn a_worker_on_a_public_address_refuses_to_start_without_a_token() -> anyhow::Result<()> {
-    let out = std::process::Command::new(corral_e2e::binary("corral-worker")?)
-        .args(["--listen", "0.0.0.0:0"])
-        .output()?;
-    assert_eq!(out.status.code(), Some(1));
-    let err = String::from_utf8(out.stderr)?;
-    assert_eq!(err.lines().count(), 1, "{err}");
-    assert!(err.contains("a token is required"), "{err}");
+/// A worker on loopback is no open door for other local users: with no
+/// --token-file it makes a token (readable by its owner only) and requires
+/// it; health answers anyone, reflection only with the token.
+#[tokio::test]
+async fn a_local_client_without_the_token_is_refused() -> anyhow::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    let state = tempfile::tempdir()?;
+    let worker = WorkerProcess::spawn(state.path(), &unique_id("l"), free_port()?, &[], &[])?;
+    let mode = std::fs::metadata(worker.token_file())?.permissions().mode() & 0o777;
+    assert_eq!(mode, 0o600, "the token file is its owner's alone");
+    let stranger = WorkerClient::connect(&worker.url, None).await?;
+    let (c, _) = code(
+        stranger
+            .create_sandbox(None, corral_proto::SandboxSpec::default())
+            .await
+            .unwrap_err(),
+    );
+    assert_eq!(c, tonic::Code::Unauthenticated);
+    let channel = tonic::transport::Endpoint::from_shared(worker.url.clone())?
+        .connect()
+        .await?;
+    let mut health = tonic_health::pb::health_client::HealthClient::new(channel.clone());
+    let status = health
+        .check(tonic_health::pb::HealthCheckRequest::default())
+        .await?;
+    assert_eq!(
+        status.into_inner().status,
+        tonic_health::pb::health_check_response::ServingStatus::Serving as i32
+    );
+    let mut reflection =
+        tonic_reflection::pb::v1::server_reflection_client::ServerReflectionClient::new(channel);
+    let request = tonic_reflection::pb::v1::ServerReflectionRequest {
+        host: String::new(),
+        message_request: Some(
+            tonic_reflection::pb::v1::server_reflection_request::MessageRequest::ListServices(
+                String::new(),
+            ),
+        ),
+    };
+    let refused = reflection
+        .server_reflection_info(futures_util::stream::iter([request]))
+        .await;
+    assert_eq!(
+        refused.map(|_| ()).unwrap_err().code(),
+        tonic::Code::Unauthenticated,
+        "reflection needs the token"
+    );
+    // The owner's client finds the token and gets in.
+    let owner = worker.client().await?;
+    assert!(owner.list_sandboxes().await?.is_empty());
     Ok(())
 }

@@ -219,7 +219,8 @@ async fn the_embedded_worker_runs_and_cleans_up() -> anyhow::Result<()> {
 
 #[tokio::test]
 async fn sandbox_create_loosens_only_what_it_is_told() -> anyhow::Result<()> {
-    let h = Harness::start().await?;
+    // A worker whose operator allows these loosenings.
+    let h = Harness::start_with(|c| c.policy = corral_worker::policy::permissive()).await?;
     let out = corral(&[
         "--worker",
         &h.url,

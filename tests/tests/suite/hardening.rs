@@ -3,7 +3,6 @@
 
 use std::collections::HashMap;
 
-use corral_control::client::WorkerClient;
 use corral_e2e::{Harness, WorkerProcess, free_port, unique_id};
 use corral_proto::{NetworkMode, SandboxId, SandboxSpec};
 
@@ -85,7 +84,7 @@ async fn the_container_is_hardened_by_default() -> anyhow::Result<()> {
 
 #[tokio::test]
 async fn loosening_is_explicit_per_sandbox() -> anyhow::Result<()> {
-    let h = Harness::start().await?;
+    let h = Harness::start_with(|c| c.policy = corral_worker::policy::permissive()).await?;
     let sb = h
         .sandbox_with(SandboxSpec {
             network: NetworkMode::Bridge,
@@ -126,7 +125,7 @@ async fn nothing_from_the_workers_environment_reaches_a_sandbox() -> anyhow::Res
         ],
         &[],
     )?;
-    let client = WorkerClient::connect(&worker.url, None).await?;
+    let client = worker.client().await?;
     let sb = SandboxId::new(unique_id("sb"))?;
     client
         .create_sandbox(Some(&sb), SandboxSpec::default())
@@ -153,5 +152,118 @@ async fn nothing_from_the_workers_environment_reaches_a_sandbox() -> anyhow::Res
         "worker secret leaked: {all}"
     );
     client.destroy_sandbox(&sb).await?;
+    Ok(())
+}
+
+/// The worker decides what a sandbox may be: a client asking for root, a
+/// writable root, a network, a capability or another image is refused
+/// with PERMISSION_DENIED naming the flag that allows it, and the policy is
+/// shown in WorkerInfo.
+#[tokio::test]
+async fn the_workers_policy_refuses_what_its_operator_did_not_allow() -> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let asks = [
+        (
+            SandboxSpec {
+                run_as_root: true,
+                ..Default::default()
+            },
+            "--allow-root",
+        ),
+        (
+            SandboxSpec {
+                writable_rootfs: true,
+                ..Default::default()
+            },
+            "--allow-writable-rootfs",
+        ),
+        (
+            SandboxSpec {
+                network: NetworkMode::Bridge,
+                ..Default::default()
+            },
+            "--allow-network",
+        ),
+        (
+            SandboxSpec {
+                add_capabilities: vec!["CAP_CHOWN".into()],
+                ..Default::default()
+            },
+            "--allow-cap CAP_CHOWN",
+        ),
+        (
+            SandboxSpec {
+                image: Some("busybox:latest".into()),
+                ..Default::default()
+            },
+            "--allow-image busybox:latest",
+        ),
+    ];
+    for (spec, flag) in asks {
+        let err = h.client.create_sandbox(None, spec).await.unwrap_err();
+        let corral_control::client::ClientError::Status(s) = err else {
+            panic!("not a status: {err}");
+        };
+        assert_eq!(s.code(), tonic::Code::PermissionDenied, "{}", s.message());
+        assert!(s.message().contains(flag), "{}", s.message());
+    }
+    assert!(
+        h.client.list_sandboxes().await?.is_empty(),
+        "nothing was made"
+    );
+    let info = h.client.worker_info().await?;
+    assert_eq!(info.policy, corral_proto::SandboxPolicy::default());
+    h.stop().await;
+    Ok(())
+}
+
+/// The escape that took a host: CAP_SYS_ADMIN and the cgroup v1
+/// `release_agent` file. CAP_SYS_ADMIN is refused at create time whatever
+/// the policy; a sandbox loosened as far as a policy can go (root, a
+/// writable root, Docker's default capabilities) cannot mount a cgroup
+/// hierarchy to reach `release_agent`.
+#[tokio::test]
+async fn the_release_agent_escape_is_refused_at_create_and_fails_inside() -> anyhow::Result<()> {
+    let h = Harness::start_with(|c| c.policy = corral_worker::policy::permissive()).await?;
+    let err = h
+        .client
+        .create_sandbox(
+            None,
+            SandboxSpec {
+                run_as_root: true,
+                add_capabilities: vec!["CAP_SYS_ADMIN".into()],
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap_err();
+    let corral_control::client::ClientError::Status(s) = err else {
+        panic!("not a status: {err}");
+    };
+    assert_eq!(s.code(), tonic::Code::PermissionDenied);
+    assert!(s.message().contains("never granted"), "{}", s.message());
+    let caps = corral_worker::policy::DOCKER_DEFAULT_CAPABILITIES
+        .iter()
+        .map(|c| c.to_string())
+        .collect();
+    let sb = h
+        .sandbox_with(SandboxSpec {
+            run_as_root: true,
+            writable_rootfs: true,
+            add_capabilities: caps,
+            ..Default::default()
+        })
+        .await?;
+    let marker = format!("/tmp/corral-escape-{}", unique_id("x"));
+    let payload = format!(
+        "mkdir -p /tmp/cg && mount -t cgroup -o memory cgroup /tmp/cg && \
+         mkdir -p /tmp/cg/x && echo 1 > /tmp/cg/x/notify_on_release && \
+         echo 'touch {marker}' > /tmp/cg/release_agent && echo MOUNTED || echo REFUSED"
+    );
+    let r = h.run(&sb, &payload).await?;
+    let out = r.stdout.to_lossy_string();
+    assert!(out.contains("REFUSED") && !out.contains("MOUNTED"), "{out}");
+    assert!(!std::path::Path::new(&marker).exists());
+    h.stop().await;
     Ok(())
 }

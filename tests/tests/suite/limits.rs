@@ -4,7 +4,6 @@
 
 use std::time::Duration;
 
-use corral_control::client::WorkerClient;
 use corral_e2e::{Harness, WorkerProcess, collect, free_port, unique_id};
 use corral_proto::{
     EventKind, OperationId, OperationSpec, Outcome, SandboxId, SandboxSpec, ShellSpec,
@@ -92,7 +91,7 @@ async fn cancel_is_idempotent() -> anyhow::Result<()> {
 async fn a_200_mb_output_streams_with_back_pressure_and_bounded_memory() -> anyhow::Result<()> {
     let state = tempfile::tempdir()?;
     let worker = WorkerProcess::spawn(state.path(), &unique_id("m"), free_port()?, &[], &[])?;
-    let client = WorkerClient::connect(&worker.url, None).await?;
+    let client = worker.client().await?;
     let sb = SandboxId::new(unique_id("sb"))?;
     client
         .create_sandbox(Some(&sb), SandboxSpec::default())

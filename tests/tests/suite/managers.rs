@@ -188,18 +188,20 @@ async fn remote_manager_survives_a_worker_restart() -> anyhow::Result<()> {
     let state = tempfile::tempdir()?;
     let (wid, port) = (unique_id("mg"), free_port()?);
     let mut worker = WorkerProcess::spawn(state.path(), &wid, port, &[], &[])?;
-    let client = corral_control::client::WorkerClient::connect(&worker.url, None).await?;
+    let client = worker.client().await?;
     let sb = SandboxId::new(unique_id("sb"))?;
     client
         .create_sandbox(Some(&sb), SandboxSpec::default())
         .await?;
-    let (mgr, mut updates) =
-        Manager::start(RemoteBackend::new(worker.url.clone(), None), sb.clone());
+    let (mgr, mut updates) = Manager::start(
+        RemoteBackend::new(worker.url.clone(), Some(worker.token())),
+        sb.clone(),
+    );
     let op = Operation::new(OperationId::random(), shell("sleep 1.5; echo survived"));
     mgr.add(op.clone()).await?;
     until_status(&mut updates, &op.id, OpStatus::Awaiting).await?;
     worker.kill9();
-    let _worker2 = WorkerProcess::spawn(state.path(), &wid, port, &[], &[])?;
+    let worker2 = WorkerProcess::spawn(state.path(), &wid, port, &[], &[])?;
     let (_, last) = until_terminal(&mut updates, &op.id).await?;
     assert_eq!(last.status, OpStatus::Completed);
     assert_eq!(
@@ -207,9 +209,7 @@ async fn remote_manager_survives_a_worker_restart() -> anyhow::Result<()> {
         Some("survived\n".into())
     );
     mgr.shutdown().await;
-    let client =
-        corral_control::client::WorkerClient::connect(&format!("http://127.0.0.1:{port}"), None)
-            .await?;
+    let client = worker2.client().await?;
     client.destroy_sandbox(&sb).await?;
     Ok(())
 }

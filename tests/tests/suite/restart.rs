@@ -6,7 +6,6 @@ use std::io::BufRead;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use corral_control::client::WorkerClient;
 use corral_e2e::{WorkerProcess, binary, free_port, unique_id};
 use corral_proto::{SandboxId, SandboxSpec};
 
@@ -15,7 +14,7 @@ async fn sigkill_the_worker_mid_command_and_the_output_arrives_complete() -> any
     let state = tempfile::tempdir()?;
     let (wid, port) = (unique_id("r"), free_port()?);
     let mut worker = WorkerProcess::spawn(state.path(), &wid, port, &[], &[])?;
-    let client = WorkerClient::connect(&worker.url, None).await?;
+    let client = worker.client().await?;
     let sb = SandboxId::new(unique_id("sb"))?;
     client
         .create_sandbox(Some(&sb), SandboxSpec::default())
@@ -25,6 +24,8 @@ async fn sigkill_the_worker_mid_command_and_the_output_arrives_complete() -> any
         .args([
             "--worker",
             &worker.url,
+            "--token-file",
+            worker.token_file().to_str().unwrap(),
             "exec",
             "--sandbox",
             sb.as_str(),
@@ -74,7 +75,7 @@ async fn sigkill_the_worker_mid_command_and_the_output_arrives_complete() -> any
     assert_eq!(status.code(), Some(3));
 
     // The sandbox was re-adopted and still works.
-    let client = WorkerClient::connect(&worker2.url, None).await?;
+    let client = worker2.client().await?;
     let info = client.get_sandbox(&sb).await?;
     assert_eq!(info.state, corral_proto::SandboxState::Ready);
     client.destroy_sandbox(&sb).await?;
@@ -86,7 +87,7 @@ async fn a_sandbox_whose_record_is_gone_is_removed_on_start() -> anyhow::Result<
     let state = tempfile::tempdir()?;
     let (wid, port) = (unique_id("o"), free_port()?);
     let mut worker = WorkerProcess::spawn(state.path(), &wid, port, &[], &[])?;
-    let client = WorkerClient::connect(&worker.url, None).await?;
+    let client = worker.client().await?;
     let keep = SandboxId::new(unique_id("keep"))?;
     let orphan = SandboxId::new(unique_id("orphan"))?;
     client
@@ -105,7 +106,7 @@ async fn a_sandbox_whose_record_is_gone_is_removed_on_start() -> anyhow::Result<
     )?;
 
     let worker2 = WorkerProcess::spawn(state.path(), &wid, port, &[], &[])?;
-    let client = WorkerClient::connect(&worker2.url, None).await?;
+    let client = worker2.client().await?;
     let ids: Vec<String> = client
         .list_sandboxes()
         .await?
@@ -145,7 +146,7 @@ async fn sigterm_stops_the_worker_cleanly_and_sandboxes_survive_it() -> anyhow::
     let state = tempfile::tempdir()?;
     let (wid, port) = (unique_id("g"), free_port()?);
     let mut worker = WorkerProcess::spawn(state.path(), &wid, port, &[], &[])?;
-    let client = WorkerClient::connect(&worker.url, None).await?;
+    let client = worker.client().await?;
     let sb = SandboxId::new(unique_id("sb"))?;
     client
         .create_sandbox(Some(&sb), SandboxSpec::default())
@@ -161,7 +162,7 @@ async fn sigterm_stops_the_worker_cleanly_and_sandboxes_survive_it() -> anyhow::
     assert_eq!(code?, Some(0));
     let _stopped = worker; // its Drop removes containers: keep it to the end
     let worker2 = WorkerProcess::spawn(state.path(), &wid, port, &[], &[])?;
-    let client = WorkerClient::connect(&worker2.url, None).await?;
+    let client = worker2.client().await?;
     assert_eq!(
         client.get_sandbox(&sb).await?.state,
         corral_proto::SandboxState::Ready

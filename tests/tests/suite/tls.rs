@@ -149,8 +149,9 @@ async fn both_command_lines_speak_tls() -> anyhow::Result<()> {
         file("server.pem", &pki.server.0)?,
         file("server.key", &pki.server.1)?,
         file("ca.pem", &pki.ca_pem)?,
-        file("token", "t0ken")?,
+        file("token", "t0ken-0123456789abcdef")?,
     );
+    std::fs::set_permissions(&token, std::os::unix::fs::PermissionsExt::from_mode(0o600))?;
     let port = corral_e2e::free_port()?;
     let _worker = corral_e2e::WorkerProcess::spawn(
         &dir.path().join("state"),

@@ -1,0 +1,258 @@
+//! The worker decides what a sandbox may be. A client asks (its
+//! `SandboxSpec`); the operator's policy ([`SandboxPolicy`], from the
+//! worker's flags) allows or refuses each loosening of the hardened
+//! defaults, and some capabilities are never granted at all: with any of
+//! them a command in a sandbox can take over its host (the cgroup v1
+//! `release_agent` escape needs only `CAP_SYS_ADMIN`).
+
+use corral_proto::{NetworkMode, SandboxPolicy, SandboxSpec};
+
+use crate::error::WorkerError;
+
+/// Capabilities no policy grants: each lets a sandbox reach into the
+/// kernel or the host (mounts, modules, raw devices, other processes'
+/// memory, the audit and MAC layers, the clock, BPF).
+pub const NEVER_GRANTED: &[&str] = &[
+    "CAP_SYS_ADMIN",
+    "CAP_SYS_MODULE",
+    "CAP_SYS_PTRACE",
+    "CAP_DAC_READ_SEARCH",
+    "CAP_SYS_RAWIO",
+    "CAP_SYS_BOOT",
+    "CAP_SYS_TIME",
+    "CAP_SYSLOG",
+    "CAP_MAC_ADMIN",
+    "CAP_MAC_OVERRIDE",
+    "CAP_NET_ADMIN",
+    "CAP_BPF",
+    "CAP_PERFMON",
+    "CAP_LINUX_IMMUTABLE",
+    "CAP_AUDIT_CONTROL",
+    "CAP_AUDIT_READ",
+    "CAP_BLOCK_SUSPEND",
+    "CAP_WAKE_ALARM",
+    "CAP_SYS_RESOURCE",
+];
+
+/// `chown`, `CHOWN` and `CAP_CHOWN` all name `CAP_CHOWN`.
+pub fn capability_name(name: &str) -> String {
+    let upper = name.trim().to_ascii_uppercase();
+    if upper.starts_with("CAP_") {
+        upper
+    } else {
+        format!("CAP_{upper}")
+    }
+}
+
+/// Docker's own default capabilities: what a plain `docker run` grants.
+pub const DOCKER_DEFAULT_CAPABILITIES: &[&str] = &[
+    "CAP_CHOWN",
+    "CAP_DAC_OVERRIDE",
+    "CAP_FOWNER",
+    "CAP_FSETID",
+    "CAP_KILL",
+    "CAP_SETGID",
+    "CAP_SETUID",
+    "CAP_SETPCAP",
+    "CAP_NET_BIND_SERVICE",
+    "CAP_NET_RAW",
+    "CAP_SYS_CHROOT",
+    "CAP_MKNOD",
+    "CAP_AUDIT_WRITE",
+    "CAP_SETFCAP",
+];
+
+/// What a plain `docker run` allows, and never more: for a worker embedded
+/// in the `corral` of a user who runs the Docker engine anyway.
+pub fn permissive() -> SandboxPolicy {
+    SandboxPolicy {
+        allow_root: true,
+        allow_writable_rootfs: true,
+        allow_network: true,
+        allowed_capabilities: DOCKER_DEFAULT_CAPABILITIES
+            .iter()
+            .map(|c| c.to_string())
+            .collect(),
+        allowed_images: Vec::new(),
+        allow_any_image: true,
+    }
+}
+
+/// Why an operator's policy cannot be used.
+pub fn check_policy(policy: &SandboxPolicy) -> Result<(), String> {
+    for cap in &policy.allowed_capabilities {
+        let cap = capability_name(cap);
+        if cap == "CAP_ALL" || NEVER_GRANTED.contains(&cap.as_str()) {
+            return Err(format!(
+                "--allow-cap {cap}: this capability is never granted to a sandbox (it lets a sandbox take over its host)"
+            ));
+        }
+    }
+    Ok(())
+}
+
+fn image_allowed(policy: &SandboxPolicy, image: &str, default_image: &str) -> bool {
+    policy.allow_any_image
+        || image == default_image
+        || policy
+            .allowed_images
+            .iter()
+            .any(|p| match p.strip_suffix('*') {
+                Some(prefix) => image.starts_with(prefix),
+                None => image == p,
+            })
+}
+
+fn denied(what: String) -> WorkerError {
+    WorkerError::Denied(what)
+}
+
+/// Whether `spec` stays within `policy`; the error names the worker flag
+/// that would allow what was refused.
+pub fn check(
+    policy: &SandboxPolicy,
+    spec: &SandboxSpec,
+    default_image: &str,
+) -> Result<(), WorkerError> {
+    if spec.run_as_root && !policy.allow_root {
+        return Err(denied(
+            "this worker runs no sandbox as root (its operator allows it with corral-worker --allow-root)".into(),
+        ));
+    }
+    if spec.writable_rootfs && !policy.allow_writable_rootfs {
+        return Err(denied(
+            "this worker gives no sandbox a writable root filesystem (its operator allows it with corral-worker --allow-writable-rootfs)".into(),
+        ));
+    }
+    if spec.network != NetworkMode::None && !policy.allow_network {
+        return Err(denied(
+            "this worker gives no sandbox a network (its operator allows it with corral-worker --allow-network)".into(),
+        ));
+    }
+    for cap in &spec.add_capabilities {
+        let cap = capability_name(cap);
+        if cap == "CAP_ALL" || NEVER_GRANTED.contains(&cap.as_str()) {
+            return Err(denied(format!(
+                "{cap} is never granted to a sandbox: it lets a sandbox take over its host"
+            )));
+        }
+        if !policy
+            .allowed_capabilities
+            .iter()
+            .any(|a| capability_name(a) == cap)
+        {
+            return Err(denied(format!(
+                "this worker grants no sandbox {cap} (its operator allows it with corral-worker --allow-cap {cap})"
+            )));
+        }
+    }
+    let image = spec.image.as_deref().unwrap_or(default_image);
+    if !image_allowed(policy, image, default_image) {
+        return Err(denied(format!(
+            "image {image:?} is not on this worker's list (its operator allows it with corral-worker --allow-image {image})"
+        )));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec() -> SandboxSpec {
+        SandboxSpec::default()
+    }
+
+    #[test]
+    fn the_default_policy_refuses_every_loosening_and_says_which_flag_allows_it() {
+        let p = SandboxPolicy::default();
+        assert!(check(&p, &spec(), "img").is_ok());
+        let cases: Vec<(SandboxSpec, &str)> = vec![
+            (
+                SandboxSpec {
+                    run_as_root: true,
+                    ..spec()
+                },
+                "--allow-root",
+            ),
+            (
+                SandboxSpec {
+                    writable_rootfs: true,
+                    ..spec()
+                },
+                "--allow-writable-rootfs",
+            ),
+            (
+                SandboxSpec {
+                    network: NetworkMode::Bridge,
+                    ..spec()
+                },
+                "--allow-network",
+            ),
+            (
+                SandboxSpec {
+                    add_capabilities: vec!["CAP_CHOWN".into()],
+                    ..spec()
+                },
+                "--allow-cap CAP_CHOWN",
+            ),
+            (
+                SandboxSpec {
+                    image: Some("alpine".into()),
+                    ..spec()
+                },
+                "--allow-image alpine",
+            ),
+        ];
+        for (s, flag) in cases {
+            let e = check(&p, &s, "img").unwrap_err().to_string();
+            assert!(e.contains(flag), "{e}");
+        }
+    }
+
+    #[test]
+    fn some_capabilities_are_never_granted_whatever_the_policy() {
+        let p = SandboxPolicy {
+            allowed_capabilities: vec!["CAP_CHOWN".into()],
+            allow_root: true,
+            ..SandboxPolicy::default()
+        };
+        for cap in ["CAP_SYS_ADMIN", "sys_admin", "ALL", "CAP_SYS_PTRACE"] {
+            let s = SandboxSpec {
+                add_capabilities: vec![cap.into()],
+                ..spec()
+            };
+            let e = check(&p, &s, "img").unwrap_err().to_string();
+            assert!(e.contains("never granted"), "{cap}: {e}");
+        }
+        let ok = SandboxSpec {
+            add_capabilities: vec!["CAP_CHOWN".into()],
+            run_as_root: true,
+            ..spec()
+        };
+        assert!(check(&p, &ok, "img").is_ok());
+        assert!(
+            check_policy(&SandboxPolicy {
+                allowed_capabilities: vec!["SYS_ADMIN".into()],
+                ..SandboxPolicy::default()
+            })
+            .is_err()
+        );
+    }
+
+    #[test]
+    fn images_match_exactly_or_by_prefix() {
+        let p = SandboxPolicy {
+            allowed_images: vec!["python:3.12".into(), "corral-*".into()],
+            ..SandboxPolicy::default()
+        };
+        let with = |i: &str| SandboxSpec {
+            image: Some(i.into()),
+            ..spec()
+        };
+        assert!(check(&p, &with("python:3.12"), "d").is_ok());
+        assert!(check(&p, &with("corral-debian:1"), "d").is_ok());
+        assert!(check(&p, &with("d"), "d").is_ok(), "the default image");
+        assert!(check(&p, &with("python:3.13"), "d").is_err());
+    }
+}
