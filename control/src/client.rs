@@ -21,10 +21,18 @@ pub enum ClientError {
     BadAddress { url: String, reason: String },
     #[error("cannot reach the worker at {url}: {reason}")]
     Connect { url: String, reason: String },
+    /// Said in full by its message (not also as a source, which would
+    /// repeat it with tonic's wording).
     #[error("{}", describe(.0))]
-    Status(#[from] Status),
+    Status(Status),
     #[error("the worker sent an invalid message: {0}")]
     Protocol(#[from] corral_proto::ProtocolError),
+}
+
+impl From<Status> for ClientError {
+    fn from(s: Status) -> Self {
+        Self::Status(s)
+    }
 }
 
 fn describe(s: &Status) -> String {
