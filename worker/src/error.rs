@@ -66,6 +66,14 @@ impl From<WorkerError> for tonic::Status {
             WorkerError::SandboxLost { .. } | WorkerError::NoSuchImage(_) => {
                 Code::FailedPrecondition
             }
+            // The engine refused what was asked: asking again cannot help.
+            WorkerError::Docker(bollard::errors::Error::DockerResponseServerError {
+                status_code,
+                ..
+            }) if (400..500).contains(status_code) => match status_code {
+                400 => Code::InvalidArgument,
+                _ => Code::FailedPrecondition,
+            },
             WorkerError::Docker(_)
             | WorkerError::InitUnresponsive { .. }
             | WorkerError::ShuttingDown => Code::Unavailable,
@@ -75,5 +83,29 @@ impl From<WorkerError> for tonic::Status {
             | WorkerError::StateLocked(_) => Code::Internal,
         };
         tonic::Status::new(code, e.to_string())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn docker(status_code: u16) -> tonic::Code {
+        tonic::Status::from(WorkerError::Docker(
+            bollard::errors::Error::DockerResponseServerError {
+                status_code,
+                message: "m".into(),
+            },
+        ))
+        .code()
+    }
+
+    #[test]
+    fn the_engines_refusals_are_not_retryable_and_its_outages_are() {
+        assert_eq!(docker(400), tonic::Code::InvalidArgument);
+        assert_eq!(docker(409), tonic::Code::FailedPrecondition);
+        assert_eq!(docker(404), tonic::Code::FailedPrecondition);
+        assert_eq!(docker(500), tonic::Code::Unavailable);
+        assert_eq!(docker(503), tonic::Code::Unavailable);
     }
 }

@@ -181,6 +181,32 @@ async fn file_paths_cannot_escape_the_sandbox_roots() -> anyhow::Result<()> {
             r.outcome
         );
     }
+    // Magic links of /proc: the supervisor's own line to the worker, and a
+    // command's. The kernel refuses to follow them out of the workspace.
+    h.run(
+        &sb,
+        "ln -s /proc/1/fd/1 /workspace/init-out; ln -s /proc/self/fd/0 /workspace/self-in",
+    )
+    .await?;
+    for path in ["init-out", "self-in"] {
+        let read = OperationSpec::ReadFile(ReadFileSpec {
+            path: path.into(),
+            offset: 0,
+            limit: 100,
+        });
+        let r = h.run_spec(&sb, read).await?.1;
+        assert!(
+            matches!(
+                r.outcome,
+                Outcome::FileError {
+                    kind: FileErrorKind::OutsideSandboxRoots,
+                    ..
+                }
+            ),
+            "{path}: {:?}",
+            r.outcome
+        );
+    }
     let read = OperationSpec::ReadFile(ReadFileSpec {
         path: "missing".into(),
         offset: 0,

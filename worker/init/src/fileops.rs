@@ -3,8 +3,12 @@
 //! A path is taken relative to the workspace unless absolute, normalized
 //! lexically, and must stay under one of the roots (the workspace and /tmp).
 //! Symbolic links are resolved before the check, so a link that points out
-//! of the roots is refused too. Writes go to a temporary file that is renamed
-//! into place, so a reader never sees half a file.
+//! of the roots is refused too; and the file itself is opened with
+//! `openat2(RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS)` from its root, so no
+//! link swapped in after the check, and no magic link of /proc (such as
+//! `/proc/self/fd/1`, the supervisor's line to the worker), is followed out.
+//! Writes go to a temporary file that is renamed into place, so a reader
+//! never sees half a file.
 
 use std::fs;
 use std::io::{self, Read, Seek, SeekFrom, Write};
@@ -119,13 +123,66 @@ fn resolve(roots: &Roots, raw: &str) -> Result<PathBuf, FileError> {
     }
 }
 
+/// Opens `path` (resolved under the roots) from the root it is under, so
+/// that the kernel refuses any step out of that root and any magic link.
+/// Kernels without openat2 (before 5.6) get a plain open that follows no
+/// final symlink.
+fn open_beneath(
+    roots: &Roots,
+    path: &Path,
+    flags: nix::fcntl::OFlag,
+    mode: u32,
+    raw: &str,
+) -> Result<fs::File, FileError> {
+    use nix::fcntl::{OFlag, OpenHow, ResolveFlag, openat2};
+    let Some((root, rel)) = roots.all().find_map(|r| {
+        let real = fs::canonicalize(r).unwrap_or_else(|_| r.clone());
+        path.strip_prefix(&real)
+            .or_else(|_| path.strip_prefix(r))
+            .ok()
+            .map(|rel| (real, rel.to_path_buf()))
+    }) else {
+        return Err(outside(raw));
+    };
+    if rel.as_os_str().is_empty() {
+        return Err(FileError(
+            FileErrorKind::IsDirectory,
+            format!("{raw}: is a directory"),
+        ));
+    }
+    let dir = fs::File::open(&root).map_err(|e| io_error(raw, &e))?;
+    let how = OpenHow::new()
+        .flags(flags | OFlag::O_CLOEXEC)
+        .mode(nix::sys::stat::Mode::from_bits_truncate(mode))
+        .resolve(ResolveFlag::RESOLVE_BENEATH | ResolveFlag::RESOLVE_NO_MAGICLINKS);
+    match openat2(&dir, rel.as_path(), how) {
+        Ok(fd) => Ok(fs::File::from(fd)),
+        Err(nix::errno::Errno::EXDEV | nix::errno::Errno::ELOOP) => Err(outside(raw)),
+        Err(nix::errno::Errno::ENOSYS) => {
+            let mut o = fs::OpenOptions::new();
+            o.custom_flags((flags | OFlag::O_NOFOLLOW).bits() & !libc_access_bits())
+                .mode(mode);
+            let acc = flags & OFlag::O_ACCMODE;
+            o.read(acc == OFlag::O_RDONLY || acc == OFlag::O_RDWR)
+                .write(acc == OFlag::O_WRONLY || acc == OFlag::O_RDWR);
+            o.open(path).map_err(|e| io_error(raw, &e))
+        }
+        Err(e) => Err(io_error(raw, &io::Error::from(e))),
+    }
+}
+
+/// The access-mode bits, which `OpenOptions` sets itself.
+fn libc_access_bits() -> i32 {
+    nix::fcntl::OFlag::O_ACCMODE.bits()
+}
+
 pub fn read_file(roots: &Roots, spec: &ReadFileSpec) -> OperationResult {
     read(roots, spec).unwrap_or_else(Into::into)
 }
 
 fn read(roots: &Roots, spec: &ReadFileSpec) -> Result<OperationResult, FileError> {
     let path = resolve(roots, &spec.path)?;
-    let mut file = fs::File::open(&path).map_err(|e| io_error(&spec.path, &e))?;
+    let mut file = open_beneath(roots, &path, nix::fcntl::OFlag::O_RDONLY, 0, &spec.path)?;
     let meta = file.metadata().map_err(|e| io_error(&spec.path, &e))?;
     if meta.is_dir() {
         return Err(FileError(
@@ -176,12 +233,15 @@ fn write(roots: &Roots, spec: &WriteFileSpec) -> Result<OperationResult, FileErr
         name.to_string_lossy(),
         &corral_proto::ids::random_uuid()[..8]
     ));
+    use nix::fcntl::OFlag;
+    let mut f = open_beneath(
+        roots,
+        &tmp,
+        OFlag::O_WRONLY | OFlag::O_CREAT | OFlag::O_EXCL,
+        spec.mode,
+        &spec.path,
+    )?;
     let written = (|| {
-        let mut f = fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(spec.mode)
-            .open(&tmp)?;
         f.write_all(&spec.data)?;
         f.set_permissions(fs::Permissions::from_mode(spec.mode))?;
         f.sync_data()?;
@@ -240,6 +300,25 @@ mod tests {
         match &r.outcome {
             Outcome::FileError { kind, .. } => Some(*kind),
             _ => None,
+        }
+    }
+
+    #[test]
+    fn a_magic_link_in_the_workspace_is_never_followed() {
+        let d = tempdir();
+        let r = roots(&d);
+        std::os::unix::fs::symlink("/proc/self/fd/1", r.workspace.join("fd1")).unwrap();
+        std::os::unix::fs::symlink("/proc/self/root/etc/hostname", r.workspace.join("root"))
+            .unwrap();
+        for name in ["fd1", "root"] {
+            let got = read_file(&r, &read_spec(name));
+            assert_eq!(
+                kind(&got),
+                Some(FileErrorKind::OutsideSandboxRoots),
+                "{name}: {got:?}"
+            );
+            let w = write_file(&r, &write_spec(&format!("{name}/x"), b"forged"));
+            assert!(kind(&w).is_some(), "{name}: {w:?}");
         }
     }
 
