@@ -9,7 +9,7 @@ use std::time::Duration;
 use corral_proto::init::OperationRecord;
 use corral_proto::{
     Event, OperationId, OperationSpec, SandboxId, SandboxInfo, SandboxPolicy, SandboxSpec,
-    WorkerInfo,
+    SandboxState, WorkerInfo,
 };
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
@@ -202,6 +202,17 @@ impl Worker {
     }
 
     async fn sweep(&self) -> Result<()> {
+        // Lost sandboxes stay one interval, so clients can learn why; then
+        // their container (if any is left) and record go.
+        let lost: Vec<SandboxId> = lock(&self.inner.sandboxes)
+            .iter()
+            .filter(|(_, s)| matches!(s.info().state, SandboxState::Lost(_)))
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in lost {
+            info!(sandbox = %id, "removing a lost sandbox");
+            self.destroy_sandbox(&id).await?;
+        }
         // Containers first, records second: a container seen here had its
         // record written before it was created, so a create racing with the
         // sweep is never mistaken for an orphan.
@@ -264,7 +275,12 @@ impl Worker {
                 })
             };
         }
-        let count = lock(&self.inner.sandboxes).len() as u32;
+        // A lost sandbox (its container killed or removed behind the
+        // worker's back) holds no slot; the next sweep removes it.
+        let count = lock(&self.inner.sandboxes)
+            .values()
+            .filter(|s| !matches!(s.info().state, SandboxState::Lost(_)))
+            .count() as u32;
         if count >= self.inner.max_sandboxes {
             return Err(WorkerError::AtCapacity(self.inner.max_sandboxes));
         }

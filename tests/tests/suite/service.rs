@@ -183,3 +183,57 @@ async fn a_sandbox_spec_env_reaches_its_commands() -> anyhow::Result<()> {
     h.stop().await;
     Ok(())
 }
+
+/// A container removed behind the worker's back (`docker rm -f`) frees its
+/// sandbox's slot at once, and the next sweep removes its record.
+#[tokio::test]
+async fn a_container_removed_behind_the_workers_back_frees_its_slot() -> anyhow::Result<()> {
+    let h = Harness::start_with(|c| {
+        c.max_sandboxes = 1;
+        c.sweep_interval = std::time::Duration::from_secs(2);
+    })
+    .await?;
+    let sb = h.sandbox().await?;
+    let container = h.client.get_sandbox(&sb).await?.container_id;
+    let docker = bollard::Docker::connect_with_defaults()?;
+    docker
+        .remove_container(
+            &container,
+            Some(
+                bollard::query_parameters::RemoveContainerOptionsBuilder::default()
+                    .force(true)
+                    .build(),
+            ),
+        )
+        .await?;
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(30);
+    let second = loop {
+        match h.sandbox().await {
+            Ok(id) => break id,
+            Err(e) => {
+                assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "the slot was never freed: {e:#}"
+                );
+                tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+            }
+        }
+    };
+    let r = h.run(&second, "echo serving").await?;
+    assert_eq!(r.stdout.to_lossy_string(), "serving\n");
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        match h.client.get_sandbox(&sb).await {
+            Err(ClientError::Status(s)) if s.code() == tonic::Code::NotFound => break,
+            _ => {
+                assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "the lost sandbox was never removed"
+                );
+                tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+            }
+        }
+    }
+    h.stop().await;
+    Ok(())
+}
