@@ -267,3 +267,35 @@ async fn the_release_agent_escape_is_refused_at_create_and_fails_inside() -> any
     h.stop().await;
     Ok(())
 }
+
+/// A command cannot stop its own supervisor, nor write into its line to
+/// the worker: `kill -TERM 1` (and INT, HUP, KILL) and writes to
+/// `/proc/1/fd/*` from inside change nothing, and the sandbox goes on
+/// serving.
+#[tokio::test]
+async fn signals_to_the_supervisor_from_inside_change_nothing() -> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let sb = h.sandbox().await?;
+    let r = h
+        .run(
+            &sb,
+            "kill -TERM 1; kill -INT 1; kill -HUP 1; kill -KILL 1; sleep 0.5; echo still",
+        )
+        .await?;
+    assert_eq!(r.stdout.to_lossy_string(), "still\n", "{r:?}");
+    let r = h
+        .run(
+            &sb,
+            "for fd in 0 1 2; do printf 'forged' > /proc/1/fd/$fd 2>/dev/null && echo wrote-$fd; done; echo done",
+        )
+        .await?;
+    assert_eq!(r.stdout.to_lossy_string(), "done\n", "{r:?}");
+    let r = h.run(&sb, "echo serving").await?;
+    assert_eq!(r.stdout.to_lossy_string(), "serving\n");
+    assert!(matches!(
+        h.client.get_sandbox(&sb).await?.state,
+        corral_proto::SandboxState::Ready
+    ));
+    h.stop().await;
+    Ok(())
+}

@@ -671,11 +671,17 @@ impl Supervisor {
         self.orphans = keep;
     }
 
+    /// A stop request counts only from outside the sandbox: the container
+    /// engine's signals come from outside this PID namespace (sender pid
+    /// 0), while a command's `kill -TERM 1` names its sender, and the
+    /// sandbox may not stop its own supervisor.
     fn read_signals(&mut self) {
         while let Ok(Some(info)) = self.signals.read_signal() {
             match Signal::try_from(info.ssi_signo as i32) {
                 Ok(Signal::SIGCHLD) => {}
-                Ok(Signal::SIGTERM | Signal::SIGINT | Signal::SIGHUP) => self.shutdown = true,
+                Ok(Signal::SIGTERM | Signal::SIGINT | Signal::SIGHUP) if info.ssi_pid == 0 => {
+                    self.shutdown = true
+                }
                 _ => {}
             }
         }
