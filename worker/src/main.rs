@@ -31,7 +31,24 @@ fn main() -> ExitCode {
     }
 }
 
+/// Raises the open-file limit to its hard limit: every client connection,
+/// watch and sandbox attachment holds descriptors, and the usual soft limit
+/// of 1,024 is what a few hundred idle connections exhaust.
+fn raise_open_file_limit() {
+    use nix::sys::resource::{Resource, getrlimit, setrlimit};
+    match getrlimit(Resource::RLIMIT_NOFILE) {
+        Ok((soft, hard)) if soft < hard => {
+            if let Err(e) = setrlimit(Resource::RLIMIT_NOFILE, hard, hard) {
+                tracing::warn!(error = %e, soft, hard, "cannot raise the open-file limit");
+            }
+        }
+        Ok(_) => {}
+        Err(e) => tracing::warn!(error = %e, "cannot read the open-file limit"),
+    }
+}
+
 async fn run(args: WorkerArgs) -> anyhow::Result<()> {
+    raise_open_file_limit();
     let token = args.token()?;
     let tls = args.tls()?;
     let config = args.worker_config()?;

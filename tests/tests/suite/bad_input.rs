@@ -315,3 +315,50 @@ async fn a_local_client_without_the_token_is_refused() -> anyhow::Result<()> {
     assert!(owner.list_sandboxes().await?.is_empty());
     Ok(())
 }
+
+/// The worker raises its open-file limit to the hard limit at start, so
+/// idle connections do not exhaust a low soft limit (1,024 is common).
+#[test]
+fn the_worker_raises_its_open_file_limit() -> anyhow::Result<()> {
+    use std::io::BufRead;
+    let state = tempfile::tempdir()?;
+    let wid = unique_id("f");
+    let port = free_port()?;
+    // Started with a soft limit of 512 (the hard limit stays as it is).
+    let mut child = std::process::Command::new("sh")
+        .arg("-c")
+        .arg("ulimit -Sn 512 && exec \"$0\" \"$@\"")
+        .arg(corral_e2e::binary("corral-worker")?)
+        .args([
+            "--listen",
+            &format!("127.0.0.1:{port}"),
+            "--worker-id",
+            &wid,
+        ])
+        .arg("--state-dir")
+        .arg(state.path())
+        .stdout(std::process::Stdio::piped())
+        .spawn()?;
+    let stdout = child
+        .stdout
+        .take()
+        .ok_or_else(|| anyhow::anyhow!("no stdout"))?;
+    let mut line = String::new();
+    std::io::BufReader::new(stdout).read_line(&mut line)?;
+    let limits = std::fs::read_to_string(format!("/proc/{}/limits", child.id()));
+    let _ = child.kill();
+    let _ = child.wait();
+    corral_e2e::remove_containers_of(&wid);
+    assert!(line.contains("listening on"), "{line}");
+    let limits = limits?;
+    let fields: Vec<&str> = limits
+        .lines()
+        .find(|l| l.starts_with("Max open files"))
+        .ok_or_else(|| anyhow::anyhow!("no open-file line in {limits}"))?
+        .split_whitespace()
+        .collect();
+    // "Max open files  SOFT  HARD  files"
+    assert_ne!(fields[3], "512", "the soft limit was not raised");
+    assert_eq!(fields[3], fields[4]);
+    Ok(())
+}
