@@ -18,6 +18,11 @@ pub const DEFAULT_TIMEOUT_MS: u64 = 10 * 60 * 1000;
 pub const MAX_TIMEOUT_MS: u64 = 24 * 60 * 60 * 1000;
 /// Most environment entries on one operation or sandbox.
 pub const MAX_ENV_ENTRIES: usize = 256;
+/// Longest `KEY=VALUE` of an environment: the kernel refuses an `execve`
+/// with a longer string (MAX_ARG_STRLEN, 128 KiB with its NUL).
+pub const MAX_ENV_ENTRY_BYTES: usize = 128 * 1024 - 1;
+/// Most bytes of an environment in all.
+pub const MAX_ENV_BYTES: usize = 1024 * 1024;
 /// Longest path accepted by file operations.
 pub const MAX_PATH_BYTES: usize = 4096;
 /// Where the writable workspace is mounted in every sandbox.

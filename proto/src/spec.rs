@@ -136,6 +136,22 @@ fn validate_env(field: &'static str, env: &BTreeMap<String, String>) -> Result<(
         }
         no_nul(field, k)?;
         no_nul(field, v)?;
+        let entry = k.len() + 1 + v.len();
+        if entry > MAX_ENV_ENTRY_BYTES {
+            return Err(ProtocolError::invalid(
+                field,
+                format!(
+                    "{k} is {entry} bytes with its name; a program cannot be started with a variable over {MAX_ENV_ENTRY_BYTES}"
+                ),
+            ));
+        }
+    }
+    let total: usize = env.iter().map(|(k, v)| k.len() + v.len() + 2).sum();
+    if total > MAX_ENV_BYTES {
+        return Err(ProtocolError::invalid(
+            field,
+            format!("{total} bytes in all is over the limit of {MAX_ENV_BYTES}"),
+        ));
     }
     Ok(())
 }

@@ -362,3 +362,44 @@ fn the_worker_raises_its_open_file_limit() -> anyhow::Result<()> {
     assert_eq!(fields[3], fields[4]);
     Ok(())
 }
+
+/// An environment variable too long for the kernel to start a program with
+/// is refused at once, for a sandbox and for a command, instead of a
+/// sandbox that never starts.
+#[tokio::test]
+async fn an_environment_too_large_to_exec_is_refused_at_once() -> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let big: std::collections::BTreeMap<String, String> =
+        [("BIG".to_string(), "x".repeat(200 * 1024))].into();
+    let started = std::time::Instant::now();
+    let err = h
+        .client
+        .create_sandbox(
+            None,
+            corral_proto::SandboxSpec {
+                env: big.clone(),
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap_err();
+    let (c, m) = code(err);
+    assert_eq!(c, tonic::Code::InvalidArgument, "{m}");
+    assert!(m.contains("BIG"), "{m}");
+    assert!(started.elapsed() < std::time::Duration::from_secs(5));
+    let sb = h.sandbox().await?;
+    let mut shell = corral_proto::ShellSpec::new("true");
+    shell.env = big;
+    let err = h
+        .client
+        .submit(
+            &sb,
+            &corral_proto::OperationId::random(),
+            corral_proto::OperationSpec::Shell(shell),
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(code(err).0, tonic::Code::InvalidArgument);
+    h.stop().await;
+    Ok(())
+}
