@@ -78,6 +78,16 @@ pub struct WorkerArgs {
     /// How often to remove containers of this worker that have no record.
     #[arg(long, env = "CORRAL_SWEEP_INTERVAL", default_value = "60s", value_parser = humantime::parse_duration)]
     pub sweep_interval: std::time::Duration,
+    /// Most watch streams open at once, over all sandboxes.
+    #[arg(long, env = "CORRAL_MAX_WATCHERS", default_value_t = 4096)]
+    pub max_watchers: usize,
+    /// Most watch streams of one sandbox at once.
+    #[arg(long, env = "CORRAL_MAX_WATCHERS_PER_SANDBOX", default_value_t = 64)]
+    pub max_watchers_per_sandbox: usize,
+    /// A watch that takes nothing while it holds its sandbox's output back
+    /// for this long is dropped (its client resumes from its cursor).
+    #[arg(long, env = "CORRAL_WATCH_STALL", default_value = "10s", value_parser = humantime::parse_duration)]
+    pub watch_stall: std::time::Duration,
     /// Image for sandboxes that name none.
     #[arg(
         long,
@@ -313,6 +323,11 @@ impl WorkerArgs {
                 ..Defaults::default()
             },
             policy: self.policy()?,
+            sandbox_limits: crate::sandbox::Limits {
+                watch_stall: self.watch_stall,
+                max_watchers: self.max_watchers_per_sandbox,
+            },
+            max_watchers: self.max_watchers,
         })
     }
 }

@@ -38,6 +38,9 @@ pub enum WorkerError {
     StateLocked(String),
     #[error("the worker is shutting down")]
     ShuttingDown,
+    /// A limit on watchers was reached.
+    #[error("too many watchers: {0}")]
+    TooManyWatchers(String),
     /// The worker's policy refuses what was asked.
     #[error("refused: {0}")]
     Denied(String),
@@ -62,7 +65,7 @@ impl From<WorkerError> for tonic::Status {
             WorkerError::UnknownSandbox(_) | WorkerError::UnknownOperation(_) => Code::NotFound,
             WorkerError::Conflict { .. } => Code::AlreadyExists,
             WorkerError::Denied(_) => Code::PermissionDenied,
-            WorkerError::AtCapacity(_) => Code::ResourceExhausted,
+            WorkerError::AtCapacity(_) | WorkerError::TooManyWatchers(_) => Code::ResourceExhausted,
             WorkerError::SandboxLost { .. } | WorkerError::NoSuchImage(_) => {
                 Code::FailedPrecondition
             }

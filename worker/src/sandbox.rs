@@ -11,7 +11,10 @@
 //! Flow control: the actor grants init output credit so that the output not
 //! yet taken by the slowest live watcher, plus the credit init still holds,
 //! stays under [`WINDOW_BYTES`]. A slow watcher therefore slows the commands
-//! down instead of losing their output; with no watcher, nothing waits.
+//! down instead of losing their output; with no watcher, nothing waits. A
+//! watcher that takes nothing while it holds the window back for
+//! [`Limits::watch_stall`] is dropped (its stream ends; a client resumes
+//! from its cursor), so no client can hold a sandbox's commands for long.
 
 use std::collections::{HashMap, VecDeque};
 use std::pin::Pin;
@@ -42,6 +45,44 @@ pub const WINDOW_BYTES: u64 = 4 << 20;
 const MAX_OPERATIONS: usize = 4096;
 /// How long a sandbox may stay unreachable (Docker down) before it is lost.
 const RECONNECT_PATIENCE: Duration = Duration::from_secs(60);
+
+/// What one sandbox allows its watchers.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    /// A watcher that holds the window back without taking anything for
+    /// this long is dropped.
+    pub watch_stall: Duration,
+    /// Most watchers of one sandbox at once.
+    pub max_watchers: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            watch_stall: Duration::from_secs(10),
+            max_watchers: 64,
+        }
+    }
+}
+
+/// What every sandbox actor of a worker shares: the engine, the task
+/// tracker and shutdown of the worker, the limits.
+pub struct Env<'a> {
+    pub runtime: &'a Arc<DockerRuntime>,
+    pub tracker: &'a tokio_util::task::TaskTracker,
+    pub shutdown: &'a CancellationToken,
+    pub limits: Limits,
+}
+
+/// One watcher, as the actor sees it.
+struct WatcherEntry {
+    /// The last seq it handed to its client.
+    cursor: u64,
+    /// Since when it has been holding the window back without progress.
+    behind_since: Option<tokio::time::Instant>,
+    /// Cancelled when it is dropped for holding the sandbox back.
+    kick: CancellationToken,
+}
 
 #[derive(Default)]
 struct OpTable {
@@ -97,8 +138,8 @@ pub struct Shared {
     ops: Mutex<OpTable>,
     state: watch::Sender<SandboxState>,
     last_seq: watch::Sender<u64>,
-    /// Watcher id -> the last seq it handed to its client.
-    watchers: Mutex<HashMap<u64, u64>>,
+    watchers: Mutex<HashMap<u64, WatcherEntry>>,
+    limits: Limits,
     next_watcher: std::sync::atomic::AtomicU64,
     /// Wakes the actor when a watcher made progress.
     progress: Notify,
@@ -115,11 +156,41 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 impl Shared {
     /// Output bytes the slowest live watcher has not yet taken.
     fn backlog(&self) -> u64 {
-        let slowest = lock(&self.watchers).values().min().copied();
+        let slowest = lock(&self.watchers).values().map(|w| w.cursor).min();
         match slowest {
             Some(seq) => lock(&self.journal).output_bytes_after(seq),
             None => 0,
         }
+    }
+
+    /// Drops the watchers that have held the window back, taking nothing,
+    /// for longer than the limit. Returns whether one is still behind (the
+    /// actor looks again soon).
+    fn drop_stalled(&self) -> bool {
+        let now = tokio::time::Instant::now();
+        let journal = lock(&self.journal);
+        let mut watchers = lock(&self.watchers);
+        let mut behind = false;
+        watchers.retain(|id, w| {
+            if journal.output_bytes_after(w.cursor) < WINDOW_BYTES / 2 {
+                w.behind_since = None;
+                return true;
+            }
+            let since = *w.behind_since.get_or_insert(now);
+            if now.duration_since(since) < self.limits.watch_stall {
+                behind = true;
+                return true;
+            }
+            warn!(
+                watcher = id,
+                cursor = w.cursor,
+                "a watcher took nothing for {:?} while holding the sandbox back; dropped",
+                self.limits.watch_stall
+            );
+            w.kick.cancel();
+            false
+        });
+        behind
     }
 }
 
@@ -157,11 +228,17 @@ impl Sandbox {
         spec: SandboxSpec,
         container_id: String,
         created_at_unix_ms: i64,
-        runtime: Arc<DockerRuntime>,
-        tracker: &tokio_util::task::TaskTracker,
-        shutdown: &CancellationToken,
+        env: &Env<'_>,
     ) -> Self {
+        let Env {
+            runtime,
+            tracker,
+            shutdown,
+            limits,
+        } = env;
+        let (runtime, limits) = (Arc::clone(runtime), *limits);
         let shared = Arc::new(Shared {
+            limits,
             journal: Mutex::new(Journal::default()),
             ops: Mutex::new(OpTable::default()),
             state: watch::Sender::new(SandboxState::Starting),
@@ -187,6 +264,7 @@ impl Sandbox {
             received: 0,
             live_after: 0,
             stderr: Vec::new(),
+            stall_check: false,
         };
         let span = info_span!("sandbox", sandbox = %id, container = %short(&container_id));
         tracker.spawn(actor.run().instrument(span));
@@ -278,25 +356,51 @@ impl Sandbox {
         after_seq: u64,
         only: Option<OperationId>,
         tracker: &tokio_util::task::TaskTracker,
-    ) -> mpsc::Receiver<Event> {
+    ) -> Result<mpsc::Receiver<Event>> {
         // Small: what sits here counts as taken, so it widens the window.
         let (tx, rx) = mpsc::channel(4);
         let shared = self.shared.clone();
         let watcher = shared
             .next_watcher
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        lock(&shared.watchers).insert(watcher, after_seq);
+        let kick = CancellationToken::new();
+        {
+            let mut watchers = lock(&shared.watchers);
+            if watchers.len() >= shared.limits.max_watchers {
+                return Err(WorkerError::TooManyWatchers(format!(
+                    "sandbox {} has {} watchers, its limit",
+                    self.id,
+                    watchers.len()
+                )));
+            }
+            watchers.insert(
+                watcher,
+                WatcherEntry {
+                    cursor: after_seq,
+                    behind_since: None,
+                    kick: kick.clone(),
+                },
+            );
+        }
         let span = info_span!("watch", sandbox = %self.id, watcher, after_seq);
         tracker.spawn(
             async move {
-                let reason = run_watcher(&shared, watcher, after_seq, only, &tx).await;
+                let reason = tokio::select! {
+                    r = run_watcher(&shared, watcher, after_seq, only, &tx) => r,
+                    () = kick.cancelled() => "dropped: it held the sandbox back",
+                };
                 debug!(reason, "watcher ended");
                 lock(&shared.watchers).remove(&watcher);
                 shared.progress.notify_one();
             }
             .instrument(span),
         );
-        rx
+        Ok(rx)
+    }
+
+    /// Watchers of this sandbox now.
+    pub fn watchers(&self) -> usize {
+        lock(&self.shared.watchers).len()
     }
 }
 
@@ -335,7 +439,9 @@ async fn run_watcher(
                 }
             }
         }
-        lock(&shared.watchers).insert(watcher, cursor);
+        if let Some(w) = lock(&shared.watchers).get_mut(&watcher) {
+            w.cursor = cursor;
+        }
         shared.progress.notify_one();
     }
 }
@@ -362,6 +468,8 @@ struct Actor {
     live_after: u64,
     /// Partial line of init's own log (its stderr).
     stderr: Vec<u8>,
+    /// A watcher is holding the window back: look again in a while.
+    stall_check: bool,
 }
 
 enum Wake {
@@ -382,6 +490,7 @@ impl Actor {
                 cmd = self.rx.recv() => Wake::Command(cmd),
                 item = next_output(&mut self.output) => Wake::Output(item),
                 () = self.shared.progress.notified() => Wake::Progress,
+                () = tokio::time::sleep(Duration::from_millis(250)), if self.stall_check => Wake::Progress,
             };
             match wake {
                 Wake::Closed | Wake::Command(None) => break,
@@ -652,6 +761,7 @@ impl Actor {
     }
 
     async fn grant(&mut self) {
+        self.stall_check = self.shared.drop_stalled();
         if !self.welcomed {
             return;
         }

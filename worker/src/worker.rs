@@ -38,6 +38,10 @@ pub struct WorkerConfig {
     pub sweep_interval: Duration,
     /// What sandboxes may be (the default refuses every loosening).
     pub policy: SandboxPolicy,
+    /// Watchers per sandbox, and how long one may hold a sandbox back.
+    pub sandbox_limits: crate::sandbox::Limits,
+    /// Most watchers of all sandboxes at once.
+    pub max_watchers: usize,
 }
 
 impl WorkerConfig {
@@ -51,6 +55,8 @@ impl WorkerConfig {
             defaults: Defaults::default(),
             sweep_interval: Duration::from_secs(60),
             policy: SandboxPolicy::default(),
+            sandbox_limits: crate::sandbox::Limits::default(),
+            max_watchers: 4096,
         }
     }
 }
@@ -71,6 +77,8 @@ struct Inner {
     docker_version: String,
     policy: SandboxPolicy,
     default_image: String,
+    sandbox_limits: crate::sandbox::Limits,
+    max_watchers: usize,
     tracker: TaskTracker,
     shutdown: CancellationToken,
 }
@@ -110,6 +118,8 @@ impl Worker {
                 docker_version,
                 policy: config.policy,
                 default_image,
+                sandbox_limits: config.sandbox_limits,
+                max_watchers: config.max_watchers,
                 tracker: TaskTracker::new(),
                 shutdown: CancellationToken::new(),
             }),
@@ -150,9 +160,7 @@ impl Worker {
                         record.spec.clone(),
                         cid,
                         record.created_at_unix_ms,
-                        inner.runtime.clone(),
-                        &inner.tracker,
-                        &inner.shutdown,
+                        &self.env(),
                     );
                     lock(&inner.sandboxes).insert(id.clone(), sandbox);
                     adopted.insert(sid);
@@ -237,6 +245,15 @@ impl Worker {
         Ok(())
     }
 
+    fn env(&self) -> crate::sandbox::Env<'_> {
+        crate::sandbox::Env {
+            runtime: &self.inner.runtime,
+            tracker: &self.inner.tracker,
+            shutdown: &self.inner.shutdown,
+            limits: self.inner.sandbox_limits,
+        }
+    }
+
     fn id_lock(&self, id: &SandboxId) -> Arc<tokio::sync::Mutex<()>> {
         lock(&self.inner.id_locks)
             .entry(id.clone())
@@ -298,9 +315,7 @@ impl Worker {
             spec,
             container.clone(),
             record.created_at_unix_ms,
-            self.inner.runtime.clone(),
-            &self.inner.tracker,
-            &self.inner.shutdown,
+            &self.env(),
         );
         if let Err(e) = sandbox.wait_ready(READY_TIMEOUT).await {
             sandbox.close();
@@ -372,9 +387,17 @@ impl Worker {
         after_seq: u64,
         only: Option<OperationId>,
     ) -> Result<mpsc::Receiver<Event>> {
-        Ok(self
-            .sandbox(sandbox)?
-            .watch(after_seq, only, &self.inner.tracker))
+        let sandbox = self.sandbox(sandbox)?;
+        let total: usize = lock(&self.inner.sandboxes)
+            .values()
+            .map(Sandbox::watchers)
+            .sum();
+        if total >= self.inner.max_watchers {
+            return Err(WorkerError::TooManyWatchers(format!(
+                "this worker serves {total} watchers, its limit"
+            )));
+        }
+        sandbox.watch(after_seq, only, &self.inner.tracker)
     }
 
     pub fn info(&self) -> WorkerInfo {

@@ -10,6 +10,7 @@ mod llama;
 mod llm;
 mod managers;
 mod ordering;
+mod resilience;
 mod restart;
 mod roundtrip;
 mod service;
