@@ -88,6 +88,12 @@ pub struct WorkerArgs {
     /// for this long is dropped (its client resumes from its cursor).
     #[arg(long, env = "CORRAL_WATCH_STALL", default_value = "10s", value_parser = humantime::parse_duration)]
     pub watch_stall: std::time::Duration,
+    /// Connections served at once.
+    #[arg(long, env = "CORRAL_MAX_CONNECTIONS", default_value_t = 1024)]
+    pub max_connections: usize,
+    /// How long a new connection may stay silent before it is closed.
+    #[arg(long, env = "CORRAL_HANDSHAKE_TIMEOUT", default_value = "5s", value_parser = humantime::parse_duration)]
+    pub handshake_timeout: std::time::Duration,
     /// Image for sandboxes that name none.
     #[arg(
         long,
@@ -271,6 +277,15 @@ impl WorkerArgs {
         match &self.token_file {
             Some(path) => read_token(path),
             None => token_or_new(&self.token_path()),
+        }
+    }
+
+    /// Limits on connections.
+    pub fn admission(&self) -> crate::admission::Admission {
+        crate::admission::Admission {
+            max_connections: self.max_connections,
+            handshake_timeout: self.handshake_timeout,
+            ..crate::admission::Admission::default()
         }
     }
 

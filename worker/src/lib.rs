@@ -11,6 +11,8 @@
 //!   the hardened container configuration;
 //! - [`policy`]: what a sandbox may be, as the operator allows it (clients
 //!   ask, the worker decides);
+//! - [`admission`]: which connections reach the server (limits, handshake
+//!   timeout);
 //! - [`state`]: the worker's durable records; [`initbin`]: the supervisor
 //!   binary; [`service`] and [`server`]: the gRPC edge (auth, health,
 //!   reflection), the only place generated types are touched.
@@ -18,6 +20,7 @@
 //! It does not own the supervisor (crate `corral-init`) or the wire types
 //! (crate `corral-proto`).
 
+pub mod admission;
 pub mod cli;
 pub mod docker;
 pub mod error;

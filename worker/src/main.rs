@@ -75,6 +75,7 @@ async fn run(args: WorkerArgs) -> anyhow::Result<()> {
         server::ServeOptions {
             token: Some(token),
             tls,
+            admission: args.admission(),
         },
         shutdown,
     )

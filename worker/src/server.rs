@@ -10,6 +10,7 @@ use corral_proto::pb::worker_server::WorkerServer;
 use tokio::net::TcpListener;
 use tonic::{Request, Status};
 
+pub use crate::admission::Admission;
 use crate::service::WorkerService;
 use crate::worker::Worker;
 
@@ -66,7 +67,12 @@ pub struct ServeOptions {
     pub token: Option<String>,
     /// TLS (and, with a client CA, mutual TLS).
     pub tls: Option<tonic::transport::ServerTlsConfig>,
+    /// Limits on connections and on how long one may stay silent.
+    pub admission: Admission,
 }
+
+/// Streams one connection may have open at once.
+pub const MAX_STREAMS_PER_CONNECTION: u32 = 256;
 
 /// Serves until `shutdown` resolves. The listener is bound by the caller
 /// (tests bind `127.0.0.1:0`).
@@ -79,7 +85,10 @@ pub async fn serve(
     serve_with(
         worker,
         listener,
-        ServeOptions { token, tls: None },
+        ServeOptions {
+            token,
+            ..ServeOptions::default()
+        },
         shutdown,
     )
     .await
@@ -112,20 +121,24 @@ pub async fn serve_with(
         .max_encoding_message_size(MAX_GRPC_MESSAGE_BYTES);
     let service =
         tonic::service::interceptor::InterceptedService::new(service, move |req| auth.check(req));
-    let mut builder = tonic::transport::Server::builder();
+    // Dead peers are found by HTTP/2 pings and closed.
+    let mut builder = tonic::transport::Server::builder()
+        .max_concurrent_streams(MAX_STREAMS_PER_CONNECTION)
+        .http2_keepalive_interval(Some(std::time::Duration::from_secs(30)))
+        .http2_keepalive_timeout(Some(std::time::Duration::from_secs(20)));
     if let Some(tls) = options.tls {
         builder = builder.tls_config(tls)?;
     }
-    builder
+    // Accepted sockets (with TCP_NODELAY: without it every reply waits on
+    // Nagle) reach the server only once their client has spoken.
+    let (incoming, accept) = crate::admission::admit(listener, options.admission);
+    let served = builder
         .add_service(health)
         .add_service(reflection)
         .add_service(service)
-        // Accepted sockets are configured by the incoming stream, not by the
-        // builder: without TCP_NODELAY here every reply waits on Nagle.
-        .serve_with_incoming_shutdown(
-            tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
-            shutdown,
-        )
-        .await?;
+        .serve_with_incoming_shutdown(incoming, shutdown)
+        .await;
+    accept.abort();
+    served?;
     Ok(())
 }

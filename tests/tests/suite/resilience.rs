@@ -78,3 +78,121 @@ async fn watchers_are_limited_per_sandbox_and_per_worker() -> anyhow::Result<()>
     h.stop().await;
     Ok(())
 }
+
+fn rss(pid: u32) -> anyhow::Result<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    let kb: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .ok_or_else(|| anyhow::anyhow!("no VmRSS"))?;
+    Ok(kb * 1024)
+}
+
+/// A hostile client's 6,000 idle watches (of its own sandbox) and 1,100
+/// connections that never speak: a normal client's `exec true` in its own
+/// sandbox is still answered promptly, and the worker's memory stays
+/// bounded. Prints the figures for docs/performance.md.
+#[tokio::test]
+async fn a_flood_of_watchers_and_silent_connections_leaves_the_worker_serving() -> anyhow::Result<()>
+{
+    use corral_e2e::{WorkerProcess, free_port, unique_id};
+    use corral_proto::{OperationId, OperationSpec, SandboxId, SandboxSpec, ShellSpec};
+    let state = tempfile::tempdir()?;
+    let port = free_port()?;
+    let worker = WorkerProcess::spawn(
+        state.path(),
+        &unique_id("fl"),
+        port,
+        &[],
+        &[
+            // Room for the 6,000 and for the normal client's own.
+            "--max-watchers",
+            "6100",
+            "--max-watchers-per-sandbox",
+            "6100",
+            "--handshake-timeout",
+            "3s",
+        ],
+    )?;
+    let pid = worker.child.id();
+    let client = worker.client().await?;
+    let sb = SandboxId::new(unique_id("sb"))?;
+    client
+        .create_sandbox(Some(&sb), SandboxSpec::default())
+        .await?;
+    let theirs = SandboxId::new(unique_id("sb"))?;
+    client
+        .create_sandbox(Some(&theirs), SandboxSpec::default())
+        .await?;
+    let exec_true = |client: WorkerClient, sb: SandboxId| async move {
+        let op = OperationId::random();
+        let t = Instant::now();
+        let after = client.get_sandbox(&sb).await?.last_seq;
+        client
+            .submit(&sb, &op, OperationSpec::Shell(ShellSpec::new("true")))
+            .await?;
+        corral_e2e::collect(&client, &sb, &op, after).await?;
+        anyhow::Ok(t.elapsed())
+    };
+    for _ in 0..5 {
+        exec_true(client.clone(), sb.clone()).await?;
+    }
+    let before = rss(pid)?;
+
+    // 1,100 connections that never say a word.
+    let mut silent = Vec::new();
+    for _ in 0..1100 {
+        silent.push(tokio::net::TcpStream::connect(("127.0.0.1", port)).await?);
+    }
+    // 6,000 watches over 30 connections, never read.
+    let token = worker.token();
+    let mut watches = Vec::new();
+    for _ in 0..30 {
+        let c = WorkerClient::connect(&worker.url, Some(&token)).await?;
+        for _ in 0..200 {
+            watches.push(c.watch(&theirs, 0, None).await?);
+        }
+    }
+    let during = rss(pid)?;
+    let mut times = Vec::new();
+    for _ in 0..20 {
+        times.push(exec_true(client.clone(), sb.clone()).await?);
+    }
+    times.sort();
+    let (p50, max) = (times[times.len() / 2], times[times.len() - 1]);
+    eprintln!(
+        "flood: 6,000 watches + 1,100 silent connections: exec true p50 {:.1} ms, max {:.1} ms; worker RSS {} MiB before, {} MiB during",
+        p50.as_secs_f64() * 1e3,
+        max.as_secs_f64() * 1e3,
+        before >> 20,
+        during >> 20
+    );
+    assert!(
+        p50 < Duration::from_millis(100),
+        "exec true took {p50:?} (p50)"
+    );
+    assert!(
+        during < before + (512 << 20),
+        "RSS grew from {before} to {during}"
+    );
+    // A new client still gets in while the silent ones wait.
+    let late = WorkerClient::connect(&worker.url, Some(&token)).await?;
+    assert!(!late.list_sandboxes().await?.is_empty());
+    // The silent connections are closed once the handshake time is up.
+    let mut closed = 0;
+    for s in silent.iter_mut().take(50) {
+        use tokio::io::AsyncReadExt;
+        let mut b = [0u8; 1];
+        if let Ok(Ok(0)) = tokio::time::timeout(Duration::from_secs(10), s.read(&mut b)).await {
+            closed += 1;
+        }
+    }
+    assert_eq!(closed, 50, "silent connections stay open");
+    drop(watches);
+    drop(silent);
+    client.destroy_sandbox(&sb).await?;
+    client.destroy_sandbox(&theirs).await?;
+    Ok(())
+}

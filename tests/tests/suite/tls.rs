@@ -48,6 +48,7 @@ async fn worker(
     let options = ServeOptions {
         token: Some("t0ken".into()),
         tls: Some(tls),
+        ..ServeOptions::default()
     };
     tokio::spawn(async move {
         let _ = serve_with(w, listener, options, async {
