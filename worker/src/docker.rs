@@ -252,20 +252,24 @@ impl DockerRuntime {
         let d = &self.defaults;
         let image = spec.image.clone().unwrap_or_else(|| d.image.clone());
         let uid = if spec.run_as_root { 0 } else { SANDBOX_UID };
-        let memory = spec.memory_bytes.unwrap_or(d.memory_bytes) as i64;
+        let (tmp_bytes, workspace_bytes) = (
+            spec.tmp_bytes.unwrap_or(d.tmp_bytes),
+            spec.workspace_bytes.unwrap_or(d.workspace_bytes),
+        );
+        // The tmpfs mounts live in the sandbox's memory: the limit covers
+        // them full on top of the working memory, so a full workspace fails
+        // the write (ENOSPC) instead of OOM-killing the supervisor.
+        let memory =
+            (spec.memory_bytes.unwrap_or(d.memory_bytes) + tmp_bytes + workspace_bytes) as i64;
         let tmpfs = HashMap::from([
             (
                 TMP_DIR.to_string(),
-                format!(
-                    "rw,exec,nosuid,nodev,size={},mode=1777",
-                    spec.tmp_bytes.unwrap_or(d.tmp_bytes)
-                ),
+                format!("rw,exec,nosuid,nodev,size={tmp_bytes},mode=1777"),
             ),
             (
                 WORKSPACE_DIR.to_string(),
                 format!(
-                    "rw,exec,nosuid,nodev,size={},uid={uid},gid={uid},mode=0755",
-                    spec.workspace_bytes.unwrap_or(d.workspace_bytes)
+                    "rw,exec,nosuid,nodev,size={workspace_bytes},uid={uid},gid={uid},mode=0755"
                 ),
             ),
         ]);

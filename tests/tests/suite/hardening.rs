@@ -41,8 +41,10 @@ async fn the_container_is_hardened_by_default() -> anyhow::Result<()> {
         "{tmpfs:?}"
     );
     assert_eq!(hc.pids_limit, Some(256));
-    assert_eq!(hc.memory, Some(1 << 30));
-    assert_eq!(hc.memory_swap, Some(1 << 30));
+    // 1 GiB of working memory on top of the tmpfs mounts (1 GiB and 256 MiB).
+    let limit = (1 << 30) + (1 << 30) + (256 << 20);
+    assert_eq!(hc.memory, Some(limit));
+    assert_eq!(hc.memory_swap, Some(limit));
     assert_eq!(hc.nano_cpus, Some(1_000_000_000));
     assert_eq!(hc.privileged, Some(false));
     assert_eq!(hc.log_config.and_then(|l| l.typ).as_deref(), Some("none"));
@@ -102,7 +104,7 @@ async fn loosening_is_explicit_per_sandbox() -> anyhow::Result<()> {
     assert_eq!(hc.network_mode.as_deref(), Some("bridge"));
     assert_eq!(hc.readonly_rootfs, Some(false));
     assert_eq!(hc.pids_limit, Some(99));
-    assert_eq!(hc.memory, Some(300 << 20));
+    assert_eq!(hc.memory, Some((300 << 20) + (1 << 30) + (256 << 20)));
     assert_eq!(hc.nano_cpus, Some(500_000_000));
     assert_eq!(hc.cap_add, Some(vec!["CAP_CHOWN".to_string()]));
     assert_eq!(c.config.and_then(|c| c.user).as_deref(), Some("0:0"));

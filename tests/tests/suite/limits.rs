@@ -197,7 +197,10 @@ async fn a_memory_bomb_is_killed_and_reported() -> anyhow::Result<()> {
     let h = Harness::start().await?;
     let sb = h
         .sandbox_with(SandboxSpec {
+            // The limit is all three: 96 MiB.
             memory_bytes: Some(64 << 20),
+            workspace_bytes: Some(16 << 20),
+            tmp_bytes: Some(16 << 20),
             ..Default::default()
         })
         .await?;
@@ -208,6 +211,43 @@ async fn a_memory_bomb_is_killed_and_reported() -> anyhow::Result<()> {
     assert_eq!(r.outcome.exit_status(), 137);
     let r = h.run(&sb, "echo still here").await?;
     assert_eq!(r.stdout.to_lossy_string(), "still here\n");
+    h.stop().await;
+    Ok(())
+}
+
+/// Filling the workspace fails the write (no space left) and the sandbox
+/// goes on serving with its files: the memory limit covers the tmpfs
+/// mounts full on top of the working memory, so nothing is OOM-killed.
+#[tokio::test]
+async fn a_filled_workspace_fails_the_write_and_the_sandbox_serves_on() -> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let sb = h
+        .sandbox_with(corral_proto::SandboxSpec {
+            memory_bytes: Some(64 << 20),
+            workspace_bytes: Some(128 << 20),
+            ..Default::default()
+        })
+        .await?;
+    h.run(&sb, "echo kept > /workspace/note").await?;
+    let r = h
+        .run(
+            &sb,
+            "head -c 200000000 /dev/zero > /workspace/big; echo rc=$?; wc -c < /workspace/big",
+        )
+        .await?;
+    let out = r.stdout.to_lossy_string();
+    let err = r.stderr.to_lossy_string();
+    assert!(out.starts_with("rc=1\n"), "the write failed: {out} / {err}");
+    let size: u64 = out.lines().nth(1).unwrap_or("").trim().parse()?;
+    assert!(size <= 128 << 20, "{size} bytes in a 128 MiB workspace");
+    let r = h
+        .run(&sb, "cat /workspace/note; rm /workspace/big; echo ok")
+        .await?;
+    assert_eq!(r.stdout.to_lossy_string(), "kept\nok\n");
+    assert!(matches!(
+        h.client.get_sandbox(&sb).await?.state,
+        corral_proto::SandboxState::Ready
+    ));
     h.stop().await;
     Ok(())
 }
