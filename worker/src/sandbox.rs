@@ -43,8 +43,6 @@ use crate::error::{Result, WorkerError};
 pub const WINDOW_BYTES: u64 = 4 << 20;
 /// Operations remembered per sandbox (running ones are never dropped).
 const MAX_OPERATIONS: usize = 4096;
-/// How long a sandbox may stay unreachable (Docker down) before it is lost.
-const RECONNECT_PATIENCE: Duration = Duration::from_secs(60);
 
 /// What one sandbox allows its watchers.
 #[derive(Debug, Clone, Copy)]
@@ -533,6 +531,7 @@ impl Actor {
     /// Attaches (again) to the container, or declares the sandbox lost.
     async fn connect(&mut self) {
         let started = tokio::time::Instant::now();
+        let mut warned_after = Duration::from_secs(10);
         let mut delay = Duration::from_millis(50);
         loop {
             match self.runtime.running(&self.container).await {
@@ -559,10 +558,13 @@ impl Actor {
                     self.lose(reason);
                     return;
                 }
+                // Docker does not answer: the sandbox may well be running
+                // (its supervisor journals what happens meanwhile), so the
+                // worker waits for the engine for as long as it takes.
                 Err(e) => {
-                    if started.elapsed() > RECONNECT_PATIENCE {
-                        self.lose(format!("Docker engine unreachable: {e}"));
-                        return;
+                    if started.elapsed() > warned_after {
+                        warn!(error = %e, down_for = ?started.elapsed(), "Docker unreachable; still waiting to re-attach");
+                        warned_after += Duration::from_secs(30);
                     }
                     debug!(error = %e, "Docker unreachable; retrying");
                 }

@@ -51,6 +51,17 @@ fn start_proxy(path: &Path) -> anyhow::Result<Proxy> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lost_docker_engine_is_a_clear_error_and_commands_resume_when_it_returns()
 -> anyhow::Result<()> {
+    survive_outage(Duration::from_secs(2)).await
+}
+
+/// An outage longer than a minute: the worker waits and re-attaches; it
+/// never declares a live sandbox lost because Docker did not answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_docker_outage_over_a_minute_loses_no_sandbox() -> anyhow::Result<()> {
+    survive_outage(Duration::from_secs(65)).await
+}
+
+async fn survive_outage(outage: Duration) -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
     let sock: PathBuf = dir.path().join("docker.sock");
     let proxy = start_proxy(&sock)?;
@@ -83,14 +94,17 @@ async fn a_lost_docker_engine_is_a_clear_error_and_commands_resume_when_it_retur
         status.message()
     );
 
-    // It comes back within the worker's patience: the command's output
-    // arrives whole.
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    // It comes back: the command's output arrives whole.
+    tokio::time::sleep(outage).await;
     let _proxy = start_proxy(&sock)?;
     let (events, result) = collect(&h.client, &sb, &op, 0).await?;
     assert!(result.outcome.is_success(), "{:?}", result.outcome);
     let expected: String = (1..=30).map(|i| format!("tick {i}\n")).collect();
     assert_eq!(String::from_utf8(corral_e2e::stdout_of(&events))?, expected);
+    assert!(matches!(
+        h.client.get_sandbox(&sb).await?.state,
+        corral_proto::SandboxState::Ready
+    ));
     h.stop().await;
     Ok(())
 }
