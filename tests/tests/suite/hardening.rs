@@ -301,3 +301,26 @@ async fn signals_to_the_supervisor_from_inside_change_nothing() -> anyhow::Resul
     h.stop().await;
     Ok(())
 }
+
+/// io_uring and AF_VSOCK are closed in every sandbox, on top of the
+/// engine's seccomp profile (the supervisor reports what a command meets).
+#[tokio::test]
+async fn io_uring_and_vsock_are_closed_inside() -> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let sb = h.sandbox().await?;
+    let r = h
+        .run(&sb, "/.corral/corral-init --check-restrictions")
+        .await?;
+    let out = r.stdout.to_lossy_string();
+    assert!(
+        out.contains("io_uring_setup: refused (Function not implemented)"),
+        "{out}"
+    );
+    assert!(out.contains("socket(AF_VSOCK): refused"), "{out}");
+    assert!(!out.contains("allowed"), "{out}");
+    // Ordinary programs are untouched.
+    let r = h.run(&sb, "echo fine").await?;
+    assert_eq!(r.stdout.to_lossy_string(), "fine\n");
+    h.stop().await;
+    Ok(())
+}

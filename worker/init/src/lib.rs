@@ -13,7 +13,9 @@
 //! - [`journal`]: the bounded, sequence-numbered event log (shared with the
 //!   worker, which keeps one per sandbox for its watchers);
 //! - [`capture`]: head/tail capture of an output stream with its full size;
-//! - [`fileops`]: read/write of files confined to the sandbox's roots.
+//! - [`fileops`]: read/write of files confined to the sandbox's roots;
+//! - [`syscalls`]: the seccomp filters it applies to itself and all it
+//!   starts (io_uring, AF_VSOCK), on top of the engine's profile.
 //!
 //! It must stay small and static: no async runtime, no threads, nothing that
 //! needs a shared library.
@@ -26,6 +28,7 @@ pub mod capture;
 pub mod fileops;
 pub mod journal;
 pub mod supervisor;
+pub mod syscalls;
 
 /// Version reported in the init's Welcome frame.
 pub const VERSION: &str = env!("CARGO_PKG_VERSION");

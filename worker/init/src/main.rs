@@ -24,6 +24,18 @@ fn main() -> ExitCode {
             }
         };
     }
+    // `--check-restrictions`: what a program in this sandbox meets.
+    if args.first().map(String::as_str) == Some("--check-restrictions") {
+        for line in corral_init::syscalls::check() {
+            println!("{line}");
+        }
+        return ExitCode::SUCCESS;
+    }
+    // Closed before anything runs, for the supervisor and all it starts.
+    if let Err(e) = corral_init::syscalls::restrict() {
+        eprintln!("corral-init: {e}");
+        return ExitCode::from(70);
+    }
     // `--roots WORKSPACE TMP [--finished-budget BYTES]` runs outside a
     // sandbox (the supervisor's own tests).
     let mut config = corral_init::supervisor::Config::default();
