@@ -449,6 +449,26 @@ async fn run_watcher(
     }
 }
 
+/// What is wrong with a live event from the supervisor, if anything. The
+/// supervisor runs in the sandbox, so its frames are checked like any other
+/// input: live events come one seq after another, for operations the worker
+/// handed it, and an operation finishes once.
+fn violation(ops: &OpTable, last_seq: u64, event: &Event) -> Option<String> {
+    if event.seq != last_seq + 1 {
+        return Some(format!("event {} after event {last_seq}", event.seq));
+    }
+    let id = event.operation_id.as_ref()?;
+    let Some(op) = ops.ops.get(id) else {
+        return Some(format!(
+            "an event for operation {id}, which it was never given"
+        ));
+    };
+    if op.result.is_some() && !matches!(event.kind, EventKind::Gap { .. }) {
+        return Some(format!("an event for operation {id}, which had finished"));
+    }
+    None
+}
+
 fn short(container: &str) -> &str {
     &container[..container.len().min(12)]
 }
@@ -735,6 +755,16 @@ impl Actor {
     async fn on_event(&mut self, event: Event) {
         let seq = event.seq;
         if seq > self.live_after {
+            let last = lock(&self.shared.journal).last_seq();
+            let wrong = violation(&lock(&self.shared.ops), last, &event);
+            if let Some(what) = wrong {
+                self.lose(format!(
+                    "its supervisor broke the protocol ({what}): the sandbox is treated as compromised"
+                ));
+                return;
+            }
+        }
+        if seq > self.live_after {
             self.received += event.output_len() as u64;
         }
         {
@@ -831,5 +861,59 @@ async fn next_output(
     match output {
         Some(o) => o.next().await,
         None => std::future::pending().await,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn table(running: &OperationId, done: &OperationId) -> OpTable {
+        let mut t = OpTable::default();
+        for id in [running, done] {
+            t.ops.insert(
+                id.clone(),
+                OperationRecord {
+                    id: id.clone(),
+                    spec: OperationSpec::Shell(corral_proto::ShellSpec::new("true")),
+                    result: None,
+                    first_seq: 0,
+                },
+            );
+        }
+        t.finish(
+            done,
+            OperationResult::with_outcome(Outcome::Exited { code: 0 }),
+        );
+        t
+    }
+
+    fn event(seq: u64, op: Option<&OperationId>, kind: EventKind) -> Event {
+        Event {
+            seq,
+            operation_id: op.cloned(),
+            kind,
+        }
+    }
+
+    #[test]
+    fn frames_that_break_the_protocol_are_named() {
+        let (running, done) = (OperationId::random(), OperationId::random());
+        let t = table(&running, &done);
+        let out = || EventKind::Output {
+            stream: corral_proto::OutputStream::Stdout,
+            data: Bytes::from_static(b"x"),
+        };
+        assert_eq!(violation(&t, 7, &event(8, Some(&running), out())), None);
+        let jump = violation(&t, 7, &event(12, Some(&running), out())).unwrap();
+        assert!(jump.contains("event 12 after event 7"), "{jump}");
+        let stranger = OperationId::random();
+        let forged = violation(&t, 7, &event(8, Some(&stranger), out())).unwrap();
+        assert!(forged.contains("never given"), "{forged}");
+        let pass = EventKind::Finished(Box::new(OperationResult::with_outcome(Outcome::Exited {
+            code: 0,
+        })));
+        let second = violation(&t, 7, &event(8, Some(&done), pass)).unwrap();
+        assert!(second.contains("had finished"), "{second}");
     }
 }
