@@ -101,6 +101,24 @@ pub fn container_name(worker_id: &str, id: &SandboxId) -> String {
     format!("corral-{worker_id}-{id}")
 }
 
+/// What the supervisor of a sandbox needs to run its commands as the
+/// sandbox user and stop them: to change user, and to signal them. A
+/// command loses all of them when it starts (it changes user, and with
+/// `no-new-privileges` cannot get them back).
+pub const SUPERVISOR_CAPABILITIES: &[&str] = &["CAP_SETUID", "CAP_SETGID", "CAP_KILL"];
+
+fn cap_add(spec: &SandboxSpec) -> Option<Vec<String>> {
+    let mut caps = spec.add_capabilities.clone();
+    if !spec.run_as_root {
+        for c in SUPERVISOR_CAPABILITIES {
+            if !caps.iter().any(|x| x == c) {
+                caps.push((*c).to_string());
+            }
+        }
+    }
+    (!caps.is_empty()).then_some(caps)
+}
+
 impl DockerRuntime {
     pub fn new(docker: Docker, worker_id: String, init: InitBinary, defaults: Defaults) -> Self {
         Self {
@@ -276,10 +294,24 @@ impl DockerRuntime {
         ContainerCreateBody {
             image: Some(image),
             entrypoint: Some(vec![format!("{INIT_DIR}/corral-init")]),
-            cmd: Some(vec![]),
-            user: Some(format!("{uid}:{uid}")),
+            // The supervisor runs as root, its commands as the sandbox user:
+            // no command can signal, trace or read it.
+            cmd: Some(if spec.run_as_root {
+                vec![]
+            } else {
+                vec!["--command-uid".into(), uid.to_string()]
+            }),
+            user: Some("0:0".into()),
             working_dir: Some(WORKSPACE_DIR.into()),
-            env: Some(spec.env.iter().map(|(k, v)| format!("{k}={v}")).collect()),
+            // HOME is the workspace unless the sandbox says otherwise (the
+            // engine would make it root's, the supervisor's user).
+            env: Some(
+                (!spec.env.contains_key("HOME"))
+                    .then(|| format!("HOME={WORKSPACE_DIR}"))
+                    .into_iter()
+                    .chain(spec.env.iter().map(|(k, v)| format!("{k}={v}")))
+                    .collect(),
+            ),
             attach_stdin: Some(true),
             attach_stdout: Some(true),
             attach_stderr: Some(true),
@@ -301,7 +333,7 @@ impl DockerRuntime {
                     .into(),
                 ),
                 cap_drop: Some(vec!["ALL".into()]),
-                cap_add: (!spec.add_capabilities.is_empty()).then(|| spec.add_capabilities.clone()),
+                cap_add: cap_add(spec),
                 security_opt: Some(vec!["no-new-privileges".into()]),
                 readonly_rootfs: Some(!spec.writable_rootfs),
                 tmpfs: Some(tmpfs),

@@ -21,7 +21,16 @@ async fn the_container_is_hardened_by_default() -> anyhow::Result<()> {
     let cfg = c.config.clone().unwrap_or_default();
     assert_eq!(hc.network_mode.as_deref(), Some("none"));
     assert_eq!(hc.cap_drop, Some(vec!["ALL".to_string()]));
-    assert!(hc.cap_add.unwrap_or_default().is_empty());
+    // Only what the supervisor needs to run commands as the sandbox user
+    // and stop them; every command starts without them.
+    assert_eq!(
+        hc.cap_add,
+        Some(vec![
+            "CAP_SETUID".to_string(),
+            "CAP_SETGID".to_string(),
+            "CAP_KILL".to_string()
+        ])
+    );
     assert!(
         hc.security_opt
             .unwrap_or_default()
@@ -52,7 +61,11 @@ async fn the_container_is_hardened_by_default() -> anyhow::Result<()> {
         hc.binds.unwrap_or_default().is_empty(),
         "no bind mounts (no Docker socket)"
     );
-    assert_eq!(cfg.user.as_deref(), Some("1000:1000"));
+    assert_eq!(cfg.user.as_deref(), Some("0:0"), "the supervisor's user");
+    assert_eq!(
+        cfg.cmd,
+        Some(vec!["--command-uid".to_string(), "1000".to_string()])
+    );
     let labels = cfg.labels.unwrap_or_default();
     assert_eq!(labels.get("corral.worker"), Some(&h.worker_id));
     assert_eq!(
@@ -71,14 +84,14 @@ async fn the_container_is_hardened_by_default() -> anyhow::Result<()> {
         .run(
             &sb,
             "id -u; touch /etc/x 2>/dev/null && echo rootfs-writable || echo rootfs-ro; \
-             grep -E '^(CapEff|NoNewPrivs)' /proc/self/status; \
+             grep -E '^(CapEff|CapPrm|CapInh|CapAmb|NoNewPrivs)' /proc/self/status; \
              tail -n +3 /proc/net/dev | cut -d: -f1 | tr -d ' '; \
              echo ok > /tmp/t && cat /tmp/t; ls /var/run/docker.sock 2>&1 | grep -c 'No such'",
         )
         .await?;
     assert_eq!(
         r.stdout.to_lossy_string(),
-        "1000\nrootfs-ro\nCapEff:\t0000000000000000\nNoNewPrivs:\t1\nlo\nok\n1\n"
+        "1000\nrootfs-ro\nCapInh:\t0000000000000000\nCapPrm:\t0000000000000000\nCapEff:\t0000000000000000\nCapAmb:\t0000000000000000\nNoNewPrivs:\t1\nlo\nok\n1\n"
     );
     h.stop().await;
     Ok(())
@@ -285,6 +298,27 @@ async fn signals_to_the_supervisor_from_inside_change_nothing() -> anyhow::Resul
         )
         .await?;
     assert_eq!(r.stdout.to_lossy_string(), "still\n", "{r:?}");
+    // The supervisor is another user's process: not even allowed to try.
+    assert!(
+        r.stderr.to_lossy_string().contains("not permitted"),
+        "{r:?}"
+    );
+    let r = h
+        .run(&sb, "stat -c %u /proc/1; ls /proc/1/fd 2>&1 | head -1")
+        .await?;
+    let out = r.stdout.to_lossy_string();
+    assert!(out.starts_with("0\n") && out.contains("denied"), "{out}");
+    // Files the supervisor writes for the model belong to the sandbox user.
+    let write = corral_proto::OperationSpec::WriteFile(corral_proto::WriteFileSpec {
+        path: "sub/made.txt".into(),
+        data: bytes::Bytes::from_static(b"x"),
+        mode: 0o644,
+    });
+    h.run_spec(&sb, write).await?;
+    let r = h
+        .run(&sb, "stat -c %u /workspace/sub /workspace/sub/made.txt")
+        .await?;
+    assert_eq!(r.stdout.to_lossy_string(), "1000\n1000\n");
     let r = h
         .run(
             &sb,

@@ -39,6 +39,18 @@ fn main() -> ExitCode {
     // `--roots WORKSPACE TMP [--finished-budget BYTES]` runs outside a
     // sandbox (the supervisor's own tests).
     let mut config = corral_init::supervisor::Config::default();
+    // `--command-uid UID`: the supervisor runs as root, commands as UID.
+    if let [flag, uid] = args.as_slice()
+        && flag == "--command-uid"
+    {
+        match uid.parse() {
+            Ok(uid) => config.command_uid = Some(uid),
+            Err(e) => {
+                eprintln!("corral-init: --command-uid {uid}: {e}");
+                return ExitCode::from(2);
+            }
+        }
+    }
     if let [flag, workspace, tmp, rest @ ..] = args.as_slice()
         && flag == "--roots"
     {

@@ -60,6 +60,10 @@ pub struct Config {
     pub journal_budget_bytes: usize,
     /// See [`MAX_FINISHED_BYTES`].
     pub finished_budget_bytes: usize,
+    /// The user (and group) commands run as, when the supervisor runs as
+    /// root: then nothing a command does can signal, trace or read the
+    /// supervisor. File operations are done with this user's rights too.
+    pub command_uid: Option<u32>,
 }
 
 impl Default for Config {
@@ -70,6 +74,7 @@ impl Default for Config {
             linger: LINGER,
             journal_budget_bytes: crate::journal::DEFAULT_BUDGET_BYTES,
             finished_budget_bytes: MAX_FINISHED_BYTES,
+            command_uid: None,
         }
     }
 }
@@ -245,6 +250,29 @@ fn base_env(workspace: &Path) -> Vec<(OsString, OsString)> {
 }
 
 /// The sandbox's cgroup OOM-kill counter (cgroup v2 or v1), if readable.
+/// File operations with the command user's rights (its filesystem uid and
+/// gid), for as long as this guard lives.
+struct AsCommandUser(Option<u32>);
+
+impl AsCommandUser {
+    fn new(uid: Option<u32>) -> Self {
+        if let Some(uid) = uid {
+            nix::unistd::setfsgid(nix::unistd::Gid::from_raw(uid));
+            nix::unistd::setfsuid(nix::unistd::Uid::from_raw(uid));
+        }
+        Self(uid)
+    }
+}
+
+impl Drop for AsCommandUser {
+    fn drop(&mut self) {
+        if self.0.is_some() {
+            nix::unistd::setfsuid(nix::unistd::getuid());
+            nix::unistd::setfsgid(nix::unistd::getgid());
+        }
+    }
+}
+
 fn oom_kills() -> Option<u64> {
     for path in [
         "/sys/fs/cgroup/memory.events",
@@ -504,8 +532,14 @@ impl Supervisor {
         let started = Instant::now();
         let immediate = match &spec {
             OperationSpec::Shell(_) => None,
-            OperationSpec::ReadFile(r) => Some(fileops::read_file(&self.config.roots, r)),
-            OperationSpec::WriteFile(w) => Some(fileops::write_file(&self.config.roots, w)),
+            OperationSpec::ReadFile(r) => {
+                let _as = AsCommandUser::new(self.config.command_uid);
+                Some(fileops::read_file(&self.config.roots, r))
+            }
+            OperationSpec::WriteFile(w) => {
+                let _as = AsCommandUser::new(self.config.command_uid);
+                Some(fileops::write_file(&self.config.roots, w))
+            }
         };
         self.ops.insert(
             id.clone(),
@@ -569,12 +603,20 @@ impl Supervisor {
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .process_group(0);
-        // SAFETY: runs in the forked child before exec. The supervisor is
-        // single-threaded, so no lock (allocator included) can be held by
-        // another thread at the fork; the closure only writes one proc file.
-        // It makes the command, not PID 1, the first choice of the OOM killer.
+        if let Some(uid) = self.config.command_uid {
+            // std drops the supplementary groups too (setgroups before setuid).
+            cmd.uid(uid).gid(uid);
+        }
+        // SAFETY: runs in the forked child before exec (after the switch to
+        // the command's user). The supervisor is single-threaded, so no lock
+        // (allocator included) can be held by another thread at the fork;
+        // the closure makes one prctl and writes one proc file. It makes the
+        // command, not PID 1, the first choice of the OOM killer (a process
+        // that changed user is not dumpable, and its proc files are not its
+        // own until it is again).
         unsafe {
             cmd.pre_exec(|| {
+                let _ = nix::sys::prctl::set_dumpable(true);
                 let _ = std::fs::write("/proc/self/oom_score_adj", b"1000");
                 Ok(())
             });
