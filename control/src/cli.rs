@@ -263,6 +263,9 @@ pub enum SandboxCommand {
         /// Environment variable for every command of the sandbox (repeatable).
         #[arg(long = "env", short = 'e', value_name = "K=V", value_parser = parse_env)]
         env: Vec<(String, String)>,
+        /// OCI runtime, e.g. runsc for gVisor (as the worker allows).
+        #[arg(long)]
+        runtime: Option<String>,
     },
     /// List sandboxes.
     Ls,

@@ -303,6 +303,7 @@ async fn run_sandbox(conn: &Connection, cmd: SandboxCommand) -> Result<(), RunEr
             writable_rootfs,
             cap_add,
             env,
+            runtime,
         } => {
             let id = id.as_deref().map(sandbox_id).transpose()?;
             if let Some(c) = cpus
@@ -325,6 +326,7 @@ async fn run_sandbox(conn: &Connection, cmd: SandboxCommand) -> Result<(), RunEr
                 writable_rootfs,
                 add_capabilities: cap_add,
                 env: env.into_iter().collect(),
+                runtime,
             };
             spec.validate()
                 .map_err(|e| RunError::Invalid(e.to_string()))?;

@@ -48,6 +48,8 @@ pub struct SandboxPolicy {
     /// names, or prefixes ending in `*`.
     pub allowed_images: Vec<String>,
     pub allow_any_image: bool,
+    /// OCI runtimes a sandbox may name besides the worker's default.
+    pub allowed_runtimes: Vec<String>,
 }
 
 impl From<SandboxPolicy> for pb::SandboxPolicy {
@@ -59,6 +61,7 @@ impl From<SandboxPolicy> for pb::SandboxPolicy {
             allowed_capabilities: p.allowed_capabilities,
             allowed_images: p.allowed_images,
             allow_any_image: p.allow_any_image,
+            allowed_runtimes: p.allowed_runtimes,
         }
     }
 }
@@ -72,6 +75,7 @@ impl From<pb::SandboxPolicy> for SandboxPolicy {
             allowed_capabilities: p.allowed_capabilities,
             allowed_images: p.allowed_images,
             allow_any_image: p.allow_any_image,
+            allowed_runtimes: p.allowed_runtimes,
         }
     }
 }

@@ -35,6 +35,9 @@ pub struct SandboxSpec {
     pub writable_rootfs: bool,
     pub add_capabilities: Vec<String>,
     pub env: BTreeMap<String, String>,
+    /// OCI runtime (`runsc` for gVisor); `None`: the worker's default.
+    #[cfg_attr(feature = "serde", serde(default))]
+    pub runtime: Option<String>,
 }
 
 /// Runs `command` through `/bin/sh -c` (or bash), non-interactively.
@@ -171,6 +174,18 @@ fn validate_path(field: &'static str, p: &str) -> Result<(), ProtocolError> {
 
 impl SandboxSpec {
     pub fn validate(&self) -> Result<(), ProtocolError> {
+        if let Some(r) = &self.runtime
+            && (r.is_empty()
+                || r.len() > 64
+                || !r
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b)))
+        {
+            return Err(ProtocolError::invalid(
+                "runtime",
+                format!("{r:?} is not a runtime name like runsc"),
+            ));
+        }
         if let Some(image) = &self.image {
             if image.is_empty() || image.len() > 512 {
                 return Err(ProtocolError::invalid("image", "must be 1-512 bytes"));
@@ -293,6 +308,7 @@ impl TryFrom<pb::SandboxSpec> for SandboxSpec {
             writable_rootfs: p.writable_rootfs,
             add_capabilities: p.add_capabilities,
             env: p.env.into_iter().collect(),
+            runtime: nonempty(p.runtime),
         };
         spec.validate()?;
         Ok(spec)
@@ -316,6 +332,7 @@ impl From<SandboxSpec> for pb::SandboxSpec {
             writable_rootfs: s.writable_rootfs,
             add_capabilities: s.add_capabilities,
             env: s.env.into_iter().collect(),
+            runtime: s.runtime.unwrap_or_default(),
         }
     }
 }

@@ -102,6 +102,9 @@ impl Harness {
         let worker_id = unique_id("t");
         let mut config = WorkerConfig::new(state.path().to_path_buf());
         config.worker_id = Some(worker_id.clone());
+        // `CORRAL_RUNTIME=runsc deploy/test.sh` runs the suite under gVisor
+        // (worker processes read the same variable).
+        config.defaults.runtime = std::env::var("CORRAL_RUNTIME").ok();
         tweak(&mut config);
         let worker = Worker::start(config).await.context("starting the worker")?;
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;

@@ -88,6 +88,17 @@ pub struct WorkerArgs {
     /// for this long is dropped (its client resumes from its cursor).
     #[arg(long, env = "CORRAL_WATCH_STALL", default_value = "10s", value_parser = humantime::parse_duration)]
     pub watch_stall: std::time::Duration,
+    /// OCI runtime a sandbox may name besides the default, e.g. runsc
+    /// (gVisor), registered with the Docker engine (repeat, or a comma list).
+    #[arg(
+        long = "allow-runtime",
+        env = "CORRAL_ALLOW_RUNTIMES",
+        value_delimiter = ','
+    )]
+    pub allow_runtimes: Vec<String>,
+    /// OCI runtime of sandboxes that name none (default: the engine's).
+    #[arg(long, env = "CORRAL_RUNTIME")]
+    pub runtime: Option<String>,
     /// Connections served at once.
     #[arg(long, env = "CORRAL_MAX_CONNECTIONS", default_value_t = 1024)]
     pub max_connections: usize,
@@ -307,6 +318,7 @@ impl WorkerArgs {
                 .cloned()
                 .collect(),
             allow_any_image: self.allow_images.iter().any(|i| i == "*"),
+            allowed_runtimes: self.allow_runtimes.clone(),
         };
         crate::policy::check_policy(&policy).map_err(ConfigError::Policy)?;
         Ok(policy)
@@ -335,6 +347,7 @@ impl WorkerArgs {
             sweep_interval: self.sweep_interval,
             defaults: Defaults {
                 image: self.default_image.clone(),
+                runtime: self.runtime.clone(),
                 ..Defaults::default()
             },
             policy: self.policy()?,

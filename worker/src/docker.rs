@@ -39,6 +39,8 @@ pub struct Defaults {
     pub pids_limit: u32,
     pub workspace_bytes: u64,
     pub tmp_bytes: u64,
+    /// OCI runtime of sandboxes that name none (`None`: the engine's).
+    pub runtime: Option<String>,
 }
 
 impl Default for Defaults {
@@ -50,6 +52,7 @@ impl Default for Defaults {
             pids_limit: 256,
             workspace_bytes: 1 << 30,
             tmp_bytes: 256 << 20,
+            runtime: None,
         }
     }
 }
@@ -354,6 +357,7 @@ impl DockerRuntime {
                     config: None,
                 }),
                 init: Some(false),
+                runtime: spec.runtime.clone().or_else(|| d.runtime.clone()),
                 ..Default::default()
             }),
             ..Default::default()

@@ -75,6 +75,7 @@ pub fn permissive() -> SandboxPolicy {
             .collect(),
         allowed_images: Vec::new(),
         allow_any_image: true,
+        allowed_runtimes: vec!["runsc".into()],
     }
 }
 
@@ -113,7 +114,16 @@ pub fn check(
     policy: &SandboxPolicy,
     spec: &SandboxSpec,
     default_image: &str,
+    default_runtime: Option<&str>,
 ) -> Result<(), WorkerError> {
+    if let Some(r) = &spec.runtime
+        && Some(r.as_str()) != default_runtime
+        && !policy.allowed_runtimes.contains(r)
+    {
+        return Err(denied(format!(
+            "this worker runs no sandbox under runtime {r:?} (its operator allows it with corral-worker --allow-runtime {r})"
+        )));
+    }
     if spec.run_as_root && !policy.allow_root {
         return Err(denied(
             "this worker runs no sandbox as root (its operator allows it with corral-worker --allow-root)".into(),
@@ -166,7 +176,7 @@ mod tests {
     #[test]
     fn the_default_policy_refuses_every_loosening_and_says_which_flag_allows_it() {
         let p = SandboxPolicy::default();
-        assert!(check(&p, &spec(), "img").is_ok());
+        assert!(check(&p, &spec(), "img", None).is_ok());
         let cases: Vec<(SandboxSpec, &str)> = vec![
             (
                 SandboxSpec {
@@ -203,9 +213,16 @@ mod tests {
                 },
                 "--allow-image alpine",
             ),
+            (
+                SandboxSpec {
+                    runtime: Some("runsc".into()),
+                    ..spec()
+                },
+                "--allow-runtime runsc",
+            ),
         ];
         for (s, flag) in cases {
-            let e = check(&p, &s, "img").unwrap_err().to_string();
+            let e = check(&p, &s, "img", None).unwrap_err().to_string();
             assert!(e.contains(flag), "{e}");
         }
     }
@@ -222,7 +239,7 @@ mod tests {
                 add_capabilities: vec![cap.into()],
                 ..spec()
             };
-            let e = check(&p, &s, "img").unwrap_err().to_string();
+            let e = check(&p, &s, "img", None).unwrap_err().to_string();
             assert!(e.contains("never granted"), "{cap}: {e}");
         }
         let ok = SandboxSpec {
@@ -230,7 +247,7 @@ mod tests {
             run_as_root: true,
             ..spec()
         };
-        assert!(check(&p, &ok, "img").is_ok());
+        assert!(check(&p, &ok, "img", None).is_ok());
         assert!(
             check_policy(&SandboxPolicy {
                 allowed_capabilities: vec!["SYS_ADMIN".into()],
@@ -250,9 +267,12 @@ mod tests {
             image: Some(i.into()),
             ..spec()
         };
-        assert!(check(&p, &with("python:3.12"), "d").is_ok());
-        assert!(check(&p, &with("corral-debian:1"), "d").is_ok());
-        assert!(check(&p, &with("d"), "d").is_ok(), "the default image");
-        assert!(check(&p, &with("python:3.13"), "d").is_err());
+        assert!(check(&p, &with("python:3.12"), "d", None).is_ok());
+        assert!(check(&p, &with("corral-debian:1"), "d", None).is_ok());
+        assert!(
+            check(&p, &with("d"), "d", None).is_ok(),
+            "the default image"
+        );
+        assert!(check(&p, &with("python:3.13"), "d", None).is_err());
     }
 }

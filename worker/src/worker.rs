@@ -77,6 +77,7 @@ struct Inner {
     docker_version: String,
     policy: SandboxPolicy,
     default_image: String,
+    default_runtime: Option<String>,
     sandbox_limits: crate::sandbox::Limits,
     max_watchers: usize,
     tracker: TaskTracker,
@@ -98,6 +99,7 @@ impl Worker {
             .map_err(|e| WorkerError::Config(format!("worker id {worker_id:?}: {e}")))?;
         crate::policy::check_policy(&config.policy).map_err(WorkerError::Config)?;
         let default_image = config.defaults.image.clone();
+        let default_runtime = config.defaults.runtime.clone();
         let init = InitBinary::locate(config.init_binary.as_deref())?;
         let docker = docker::connect(config.docker_host.as_deref()).await?;
         let runtime = Arc::new(DockerRuntime::new(
@@ -118,6 +120,7 @@ impl Worker {
                 docker_version,
                 policy: config.policy,
                 default_image,
+                default_runtime,
                 sandbox_limits: config.sandbox_limits,
                 max_watchers: config.max_watchers,
                 tracker: TaskTracker::new(),
@@ -275,7 +278,12 @@ impl Worker {
         spec: SandboxSpec,
     ) -> Result<SandboxInfo> {
         spec.validate()?;
-        crate::policy::check(&self.inner.policy, &spec, &self.inner.default_image)?;
+        crate::policy::check(
+            &self.inner.policy,
+            &spec,
+            &self.inner.default_image,
+            self.inner.default_runtime.as_deref(),
+        )?;
         if self.inner.shutdown.is_cancelled() {
             return Err(WorkerError::ShuttingDown);
         }

@@ -4,6 +4,7 @@ mod cli;
 mod contract;
 mod docker_loss;
 mod endpoints;
+mod gvisor;
 mod hardening;
 mod limits;
 mod llama;

@@ -165,7 +165,11 @@ fn open_beneath(
             let acc = flags & OFlag::O_ACCMODE;
             o.read(acc == OFlag::O_RDONLY || acc == OFlag::O_RDWR)
                 .write(acc == OFlag::O_WRONLY || acc == OFlag::O_RDWR);
-            o.open(path).map_err(|e| io_error(raw, &e))
+            o.open(path).map_err(|e| match e.raw_os_error() {
+                // The final component is a link: refused, as openat2 would.
+                Some(code) if code == nix::errno::Errno::ELOOP as i32 => outside(raw),
+                _ => io_error(raw, &e),
+            })
         }
         Err(e) => Err(io_error(raw, &io::Error::from(e))),
     }
