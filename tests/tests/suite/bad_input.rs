@@ -134,6 +134,32 @@ async fn duplicate_ids_are_idempotent_or_refused() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Asserts that a ReadFile of `path` is refused as outside the roots.
+async fn read_is_outside(
+    h: &Harness,
+    sb: &corral_proto::SandboxId,
+    path: &str,
+) -> anyhow::Result<()> {
+    let read = OperationSpec::ReadFile(ReadFileSpec {
+        path: path.into(),
+        offset: 0,
+        limit: 100,
+    });
+    let r = h.run_spec(sb, read).await?.1;
+    assert!(
+        matches!(
+            r.outcome,
+            Outcome::FileError {
+                kind: FileErrorKind::OutsideSandboxRoots,
+                ..
+            }
+        ),
+        "{path}: {:?}",
+        r.outcome
+    );
+    Ok(())
+}
+
 #[tokio::test]
 async fn file_paths_cannot_escape_the_sandbox_roots() -> anyhow::Result<()> {
     let h = Harness::start().await?;
@@ -146,23 +172,7 @@ async fn file_paths_cannot_escape_the_sandbox_roots() -> anyhow::Result<()> {
         "etc-link/passwd",
         "/.corral/corral-init",
     ] {
-        let read = OperationSpec::ReadFile(ReadFileSpec {
-            path: path.into(),
-            offset: 0,
-            limit: 100,
-        });
-        let r = h.run_spec(&sb, read).await?.1;
-        assert!(
-            matches!(
-                r.outcome,
-                Outcome::FileError {
-                    kind: FileErrorKind::OutsideSandboxRoots,
-                    ..
-                }
-            ),
-            "{path}: {:?}",
-            r.outcome
-        );
+        read_is_outside(&h, &sb, path).await?;
         let write = OperationSpec::WriteFile(WriteFileSpec {
             path: path.into(),
             data: bytes::Bytes::from_static(b"x"),
@@ -189,23 +199,7 @@ async fn file_paths_cannot_escape_the_sandbox_roots() -> anyhow::Result<()> {
     )
     .await?;
     for path in ["init-out", "self-in"] {
-        let read = OperationSpec::ReadFile(ReadFileSpec {
-            path: path.into(),
-            offset: 0,
-            limit: 100,
-        });
-        let r = h.run_spec(&sb, read).await?.1;
-        assert!(
-            matches!(
-                r.outcome,
-                Outcome::FileError {
-                    kind: FileErrorKind::OutsideSandboxRoots,
-                    ..
-                }
-            ),
-            "{path}: {:?}",
-            r.outcome
-        );
+        read_is_outside(&h, &sb, path).await?;
     }
     let read = OperationSpec::ReadFile(ReadFileSpec {
         path: "missing".into(),
