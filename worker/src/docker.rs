@@ -105,10 +105,21 @@ pub fn container_name(worker_id: &str, id: &SandboxId) -> String {
 }
 
 /// What the supervisor of a sandbox needs to run its commands as the
-/// sandbox user and stop them: to change user, and to signal them. A
-/// command loses all of them when it starts (it changes user, and with
-/// `no-new-privileges` cannot get them back).
-pub const SUPERVISOR_CAPABILITIES: &[&str] = &["CAP_SETUID", "CAP_SETGID", "CAP_KILL"];
+/// sandbox user and stop them (to change user, and to signal them), and to
+/// do file operations for the sandbox user where a runtime ignores its
+/// switch of filesystem user (gVisor): to write past permissions and give
+/// what it made to that user. Under runc, that switch drops the file
+/// capabilities while an operation runs. A command loses all of them when
+/// it starts (it changes user, and with `no-new-privileges` cannot get them
+/// back).
+pub const SUPERVISOR_CAPABILITIES: &[&str] = &[
+    "CAP_SETUID",
+    "CAP_SETGID",
+    "CAP_KILL",
+    "CAP_DAC_OVERRIDE",
+    "CAP_FOWNER",
+    "CAP_CHOWN",
+];
 
 fn cap_add(spec: &SandboxSpec) -> Option<Vec<String>> {
     let mut caps = spec.add_capabilities.clone();

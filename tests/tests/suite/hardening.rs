@@ -25,11 +25,12 @@ async fn the_container_is_hardened_by_default() -> anyhow::Result<()> {
     // and stop them; every command starts without them.
     assert_eq!(
         hc.cap_add,
-        Some(vec![
-            "CAP_SETUID".to_string(),
-            "CAP_SETGID".to_string(),
-            "CAP_KILL".to_string()
-        ])
+        Some(
+            corral_worker::docker::SUPERVISOR_CAPABILITIES
+                .iter()
+                .map(|c| c.to_string())
+                .collect()
+        )
     );
     assert!(
         hc.security_opt

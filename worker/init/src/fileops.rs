@@ -208,10 +208,21 @@ fn read(roots: &Roots, spec: &ReadFileSpec) -> Result<OperationResult, FileError
 }
 
 pub fn write_file(roots: &Roots, spec: &WriteFileSpec) -> OperationResult {
-    write(roots, spec).unwrap_or_else(Into::into)
+    write(roots, spec, None).unwrap_or_else(Into::into)
 }
 
-fn write(roots: &Roots, spec: &WriteFileSpec) -> Result<OperationResult, FileError> {
+/// As [`write_file`], the file and the directories made for it given to
+/// `owner` (the sandbox user, when the supervisor writes as root: under
+/// runtimes that ignore its switch of filesystem user, gVisor's).
+pub fn write_file_as(roots: &Roots, spec: &WriteFileSpec, owner: Option<u32>) -> OperationResult {
+    write(roots, spec, owner).unwrap_or_else(Into::into)
+}
+
+fn write(
+    roots: &Roots,
+    spec: &WriteFileSpec,
+    owner: Option<u32>,
+) -> Result<OperationResult, FileError> {
     if spec.data.len() as u64 > MAX_FILE_BYTES {
         return Err(FileError(
             FileErrorKind::TooLarge,
@@ -231,7 +242,17 @@ fn write(roots: &Roots, spec: &WriteFileSpec) -> Result<OperationResult, FileErr
     let (Some(dir), Some(name)) = (path.parent(), path.file_name()) else {
         return Err(outside(&spec.path));
     };
+    let existing = dir.ancestors().find(|a| a.exists()).map(Path::to_path_buf);
     fs::create_dir_all(dir).map_err(|e| io_error(&spec.path, &e))?;
+    if let Some(uid) = owner {
+        for made in dir
+            .ancestors()
+            .take_while(|a| Some(*a) != existing.as_deref())
+        {
+            std::os::unix::fs::chown(made, Some(uid), Some(uid))
+                .map_err(|e| io_error(&spec.path, &e))?;
+        }
+    }
     let tmp = dir.join(format!(
         ".{}.corral-{}",
         name.to_string_lossy(),
@@ -245,6 +266,10 @@ fn write(roots: &Roots, spec: &WriteFileSpec) -> Result<OperationResult, FileErr
         spec.mode,
         &spec.path,
     )?;
+    if let Some(uid) = owner {
+        std::os::unix::fs::fchown(&f, Some(uid), Some(uid))
+            .map_err(|e| io_error(&spec.path, &e))?;
+    }
     let written = (|| {
         f.write_all(&spec.data)?;
         f.set_permissions(fs::Permissions::from_mode(spec.mode))?;

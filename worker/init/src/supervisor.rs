@@ -538,7 +538,11 @@ impl Supervisor {
             }
             OperationSpec::WriteFile(w) => {
                 let _as = AsCommandUser::new(self.config.command_uid);
-                Some(fileops::write_file(&self.config.roots, w))
+                Some(fileops::write_file_as(
+                    &self.config.roots,
+                    w,
+                    self.config.command_uid,
+                ))
             }
         };
         self.ops.insert(
