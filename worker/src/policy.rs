@@ -34,6 +34,11 @@ pub const NEVER_GRANTED: &[&str] = &[
     "CAP_SYS_RESOURCE",
 ];
 
+/// `cap` (a normalized name) is never granted.
+fn never_granted(cap: &str) -> bool {
+    cap == "CAP_ALL" || NEVER_GRANTED.contains(&cap)
+}
+
 /// `chown`, `CHOWN` and `CAP_CHOWN` all name `CAP_CHOWN`.
 pub fn capability_name(name: &str) -> String {
     let upper = name.trim().to_ascii_uppercase();
@@ -83,7 +88,7 @@ pub fn permissive() -> SandboxPolicy {
 pub fn check_policy(policy: &SandboxPolicy) -> Result<(), String> {
     for cap in &policy.allowed_capabilities {
         let cap = capability_name(cap);
-        if cap == "CAP_ALL" || NEVER_GRANTED.contains(&cap.as_str()) {
+        if never_granted(&cap) {
             return Err(format!(
                 "--allow-cap {cap}: this capability is never granted to a sandbox (it lets a sandbox take over its host)"
             ));
@@ -141,7 +146,7 @@ pub fn check(
     }
     for cap in &spec.add_capabilities {
         let cap = capability_name(cap);
-        if cap == "CAP_ALL" || NEVER_GRANTED.contains(&cap.as_str()) {
+        if never_granted(&cap) {
             return Err(denied(format!(
                 "{cap} is never granted to a sandbox: it lets a sandbox take over its host"
             )));

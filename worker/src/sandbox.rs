@@ -164,10 +164,10 @@ impl Shared {
     /// Drops the watchers that have held the window back, taking nothing,
     /// for longer than the limit. Returns whether one is still behind (the
     /// actor looks again soon).
-    fn drop_stalled(&self, was_behind: bool) -> bool {
+    fn drop_stalled(&self, was_behind: bool, backlog: u64) -> bool {
         // Nobody can be holding the window back while the slowest watcher
-        // is within half of it: the common case costs one journal scan.
-        if !was_behind && self.backlog() < WINDOW_BYTES / 2 {
+        // is within half of it: the common case costs nothing more.
+        if !was_behind && backlog < WINDOW_BYTES / 2 {
             return false;
         }
         let now = tokio::time::Instant::now();
@@ -798,12 +798,17 @@ impl Actor {
     }
 
     async fn grant(&mut self) {
-        self.stall_check = self.shared.drop_stalled(self.stall_check);
+        let mut backlog = self.shared.backlog();
+        if self.shared.drop_stalled(self.stall_check, backlog) {
+            self.stall_check = true;
+        } else if std::mem::take(&mut self.stall_check) {
+            // A watcher was dropped or caught up: the backlog changed.
+            backlog = self.shared.backlog();
+        }
         if !self.welcomed {
             return;
         }
         let in_flight = self.granted.saturating_sub(self.received);
-        let backlog = self.shared.backlog();
         let used = in_flight + backlog;
         if used < WINDOW_BYTES / 2 {
             let more = WINDOW_BYTES - used;

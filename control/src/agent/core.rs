@@ -599,22 +599,8 @@ impl Core {
         if self.state.run_turns() >= self.state.max_turns() {
             return self.stop(StopMode::Hard, StopCause::TurnLimit);
         }
-        // Calls still running that the model has not heard of get their
-        // placeholder, so every call in the request has a result.
-        let waiting: Vec<String> = self
-            .state
-            .calls
-            .iter()
-            .filter(|(_, c)| c.shown == Shown::Nothing)
-            .map(|(id, _)| id.clone())
-            .collect();
-        for call_id in waiting {
-            self.record(Record::Result {
-                call_id,
-                output: Vec::new(),
-                running: true,
-            })?;
-        }
+        // Every call in the request has a result: a running call's
+        // placeholder was staged when the call was recorded.
         let turn = self.state.last_turn + 1;
         self.record(Record::Turn { turn })?;
         let built = self.state.context.build();

@@ -13,10 +13,12 @@ use crate::context::{Budget, ContextBuilder, SkillInfo};
 use crate::llm::{Item, Response, StopReason, Usage};
 use crate::ops::{OpStatus, Operation};
 
-/// What the model has been shown of a call.
+/// What the model is shown of a call.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Shown {
+    /// Answered at once: its result follows in the same step.
     Nothing,
+    /// Running: its placeholder is staged (from the call record on) or sent.
     Placeholder,
     Final,
 }

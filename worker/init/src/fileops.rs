@@ -160,7 +160,8 @@ fn open_beneath(
         Err(nix::errno::Errno::EXDEV | nix::errno::Errno::ELOOP) => Err(outside(raw)),
         Err(nix::errno::Errno::ENOSYS) => {
             let mut o = fs::OpenOptions::new();
-            o.custom_flags((flags | OFlag::O_NOFOLLOW).bits() & !libc_access_bits())
+            // OpenOptions sets the access mode itself.
+            o.custom_flags((flags | OFlag::O_NOFOLLOW).bits() & !OFlag::O_ACCMODE.bits())
                 .mode(mode);
             let acc = flags & OFlag::O_ACCMODE;
             o.read(acc == OFlag::O_RDONLY || acc == OFlag::O_RDWR)
@@ -173,11 +174,6 @@ fn open_beneath(
         }
         Err(e) => Err(io_error(raw, &io::Error::from(e))),
     }
-}
-
-/// The access-mode bits, which `OpenOptions` sets itself.
-fn libc_access_bits() -> i32 {
-    nix::fcntl::OFlag::O_ACCMODE.bits()
 }
 
 pub fn read_file(roots: &Roots, spec: &ReadFileSpec) -> OperationResult {

@@ -725,7 +725,12 @@ impl Supervisor {
         while let Ok(Some(info)) = self.signals.read_signal() {
             match Signal::try_from(info.ssi_signo as i32) {
                 Ok(Signal::SIGCHLD) => {}
-                Ok(Signal::SIGTERM | Signal::SIGINT | Signal::SIGHUP) if info.ssi_pid == 0 => {
+                // SI_USER with no sender pid: kill(2) from another PID
+                // namespace. A sender inside cannot forge it: sigqueue(3)
+                // to another process must say SI_QUEUE (a negative code).
+                Ok(Signal::SIGTERM | Signal::SIGINT | Signal::SIGHUP)
+                    if info.ssi_pid == 0 && info.ssi_code == 0 =>
+                {
                     self.shutdown = true
                 }
                 _ => {}
