@@ -429,6 +429,25 @@ fn check_key(endpoint: &Endpoint, key: &Option<String>) -> Result<(), RunError> 
     Ok(())
 }
 
+/// A tool choice that names a tool must name one the session offers.
+fn check_tool_choice(config: &SessionConfig) -> Result<(), RunError> {
+    let Some(ToolChoice::Tool(name)) = &config.tool_choice else {
+        return Ok(());
+    };
+    let offered: Vec<String> = crate::agent::core::registry_for(config)
+        .tools()
+        .into_iter()
+        .map(|t| t.name)
+        .collect();
+    if offered.contains(name) {
+        return Ok(());
+    }
+    Err(usage(format!(
+        "--tool-choice {name}: the session offers no such tool (auto, required, none, or one of: {})",
+        offered.join(", ")
+    )))
+}
+
 fn sandbox_spec(config: &SessionConfig) -> SandboxSpec {
     SandboxSpec {
         image: config.image.clone(),
@@ -554,19 +573,7 @@ async fn drive(
     } else {
         let mut config = new_config(args, req, id, &skills);
         config.worker = worker.clone();
-        if let Some(ToolChoice::Tool(name)) = &config.tool_choice {
-            let offered: Vec<String> = crate::agent::core::registry_for(&config)
-                .tools()
-                .into_iter()
-                .map(|t| t.name)
-                .collect();
-            if !offered.contains(name) {
-                return Err(usage(format!(
-                    "--tool-choice {name}: the session offers no such tool (auto, required, none, or one of: {})",
-                    offered.join(", ")
-                )));
-            }
-        }
+        check_tool_choice(&config)?;
         // The sandbox first: a session is not recorded with a sandbox that
         // cannot be made (an unknown image, say).
         client

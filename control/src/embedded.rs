@@ -36,11 +36,7 @@ impl Embedded {
         let stop = CancellationToken::new();
         let stopped = stop.clone();
         let w = worker.clone();
-        let token = format!(
-            "{}{}",
-            uuid::Uuid::new_v4().simple(),
-            uuid::Uuid::new_v4().simple()
-        );
+        let token = corral_worker::cli::new_token();
         let required = Some(token.clone());
         let server = tokio::spawn(async move {
             let shutdown = async move { stopped.cancelled().await };

@@ -216,6 +216,15 @@ pub fn read_token(path: &Path) -> Result<String, ConfigError> {
     Ok(token)
 }
 
+/// A new random token: 64 hex digits (256 bits from the system's CSPRNG).
+pub fn new_token() -> String {
+    format!(
+        "{}{}",
+        uuid::Uuid::new_v4().simple(),
+        uuid::Uuid::new_v4().simple()
+    )
+}
+
 /// The token in `path`, made (random, mode 0600) if the file does not
 /// exist yet.
 pub fn token_or_new(path: &Path) -> Result<String, ConfigError> {
@@ -229,11 +238,7 @@ pub fn token_or_new(path: &Path) -> Result<String, ConfigError> {
         if let Some(dir) = path.parent() {
             std::fs::create_dir_all(dir).map_err(|e| err(e.to_string()))?;
         }
-        let token = format!(
-            "{}{}",
-            uuid::Uuid::new_v4().simple(),
-            uuid::Uuid::new_v4().simple()
-        );
+        let token = new_token();
         let tmp = path.with_extension("new");
         let mut f = std::fs::OpenOptions::new()
             .write(true)
