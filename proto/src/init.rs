@@ -1,6 +1,10 @@
 //! Frames between a worker and corral-init (see `corral/v1/init.proto`).
 
-use crate::{Event, OperationId, OperationResult, OperationSpec, ProtocolError, SandboxId, pb};
+use bytes::Bytes;
+
+use crate::{
+    Event, OperationId, OperationResult, OperationSpec, ProtocolError, SandboxId, TerminalSize, pb,
+};
 
 /// A frame from the worker to corral-init.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -19,6 +23,17 @@ pub enum InitRequest {
     Cancel {
         operation_id: OperationId,
     },
+    Input {
+        operation_id: OperationId,
+        offset: u64,
+        data: Bytes,
+        eof: bool,
+    },
+    Resize {
+        operation_id: OperationId,
+        size: TerminalSize,
+    },
+    Reset,
 }
 
 /// An operation as its owner remembers it.
@@ -30,6 +45,8 @@ pub struct OperationRecord {
     pub result: Option<OperationResult>,
     /// Seq of the operation's first event (0 until known).
     pub first_seq: u64,
+    /// Input bytes init has taken.
+    pub input_bytes: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -48,6 +65,15 @@ pub enum InitMessage {
     Rejected {
         operation_id: Option<OperationId>,
         reason: String,
+    },
+    InputAck {
+        operation_id: OperationId,
+        received: u64,
+        consumed: u64,
+        closed: bool,
+    },
+    ResetDone {
+        killed: u32,
     },
 }
 
@@ -70,6 +96,22 @@ impl From<InitRequest> for pb::InitRequest {
             InitRequest::Cancel { operation_id } => Kind::Cancel(p::Cancel {
                 operation_id: operation_id.into(),
             }),
+            InitRequest::Input {
+                operation_id,
+                offset,
+                data,
+                eof,
+            } => Kind::Input(p::Input {
+                operation_id: operation_id.into(),
+                offset,
+                data,
+                eof,
+            }),
+            InitRequest::Resize { operation_id, size } => Kind::Resize(p::Resize {
+                operation_id: operation_id.into(),
+                size: Some(size.into()),
+            }),
+            InitRequest::Reset => Kind::Reset(p::Reset {}),
         };
         Self { kind: Some(kind) }
     }
@@ -92,6 +134,17 @@ impl TryFrom<pb::InitRequest> for InitRequest {
             Kind::Cancel(c) => Self::Cancel {
                 operation_id: OperationId::new(c.operation_id)?,
             },
+            Kind::Input(i) => Self::Input {
+                operation_id: OperationId::new(i.operation_id)?,
+                offset: i.offset,
+                data: i.data,
+                eof: i.eof,
+            },
+            Kind::Resize(r) => Self::Resize {
+                operation_id: OperationId::new(r.operation_id)?,
+                size: r.size.ok_or(ProtocolError::Missing("size"))?.try_into()?,
+            },
+            Kind::Reset(_) => Self::Reset,
         })
     }
 }
@@ -108,7 +161,7 @@ impl OperationRecord {
         pb::Operation {
             sandbox_id,
             operation_id: self.id.to_string(),
-            spec: Some(self.spec.clone().into()),
+            spec: Some(self.spec.without_data().into()),
             status: if self.result.is_some() {
                 pb::OperationStatus::Finished
             } else {
@@ -116,6 +169,7 @@ impl OperationRecord {
             } as i32,
             result: self.result.clone().map(Into::into),
             first_seq: self.first_seq,
+            input_bytes: self.input_bytes,
         }
     }
 }
@@ -128,6 +182,7 @@ impl TryFrom<pb::Operation> for OperationRecord {
             spec: o.spec.ok_or(ProtocolError::Missing("spec"))?.try_into()?,
             result: o.result.map(TryInto::try_into).transpose()?,
             first_seq: o.first_seq,
+            input_bytes: o.input_bytes,
         })
     }
 }
@@ -154,6 +209,18 @@ impl From<InitMessage> for pb::InitMessage {
                 operation_id: operation_id.map(String::from).unwrap_or_default(),
                 reason,
             }),
+            InitMessage::InputAck {
+                operation_id,
+                received,
+                consumed,
+                closed,
+            } => Kind::InputAck(p::InputAck {
+                operation_id: operation_id.into(),
+                received,
+                consumed,
+                closed,
+            }),
+            InitMessage::ResetDone { killed } => Kind::ResetDone(p::ResetDone { killed }),
         };
         Self { kind: Some(kind) }
     }
@@ -179,6 +246,13 @@ impl TryFrom<pb::InitMessage> for InitMessage {
                 operation_id: OperationId::new(r.operation_id).ok(),
                 reason: r.reason,
             },
+            Kind::InputAck(a) => Self::InputAck {
+                operation_id: OperationId::new(a.operation_id)?,
+                received: a.received,
+                consumed: a.consumed,
+                closed: a.closed,
+            },
+            Kind::ResetDone(d) => Self::ResetDone { killed: d.killed },
         })
     }
 }

@@ -30,7 +30,9 @@ pub use event::{Event, EventKind, OutputStream};
 pub use ids::{OperationId, SandboxId};
 pub use result::{Captured, FileErrorKind, OperationResult, Outcome};
 pub use sandbox::{SandboxInfo, SandboxPolicy, SandboxState, WorkerInfo};
-pub use spec::{NetworkMode, OperationSpec, ReadFileSpec, SandboxSpec, ShellSpec, WriteFileSpec};
+pub use spec::{
+    NetworkMode, OperationSpec, ReadFileSpec, SandboxSpec, ShellSpec, TerminalSize, WriteFileSpec,
+};
 
 /// Generated protobuf messages and gRPC stubs. Use them only at the edges
 /// (gRPC handlers, the frame codec); convert to the domain types right away.

@@ -6,8 +6,11 @@ pub const MAX_FRAME_BYTES: usize = 32 << 20;
 pub const MAX_GRPC_MESSAGE_BYTES: usize = 40 << 20;
 /// Largest shell command text.
 pub const MAX_COMMAND_BYTES: usize = 1 << 20;
-/// Largest file a single read_file returns or write_file writes.
+/// Largest file a single read_file returns, or write_file carries, in one
+/// message (streamed ones have no limit of their own).
 pub const MAX_FILE_BYTES: u64 = 8 << 20;
+/// Largest chunk of one WriteInput call (and one input frame).
+pub const MAX_INPUT_CHUNK_BYTES: usize = 1 << 20;
 /// Default bytes of each output stream kept in a result (head + tail).
 pub const DEFAULT_OUTPUT_LIMIT_BYTES: u64 = 1 << 20;
 /// Largest `output_limit_bytes` a shell operation may ask for.

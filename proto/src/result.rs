@@ -76,6 +76,8 @@ pub enum FileErrorKind {
     OutsideSandboxRoots,
     TooLarge,
     Other,
+    /// A FIFO, device or socket: refused without being opened for I/O.
+    NotRegular,
 }
 
 /// The kept part of one output stream: its head and tail up to the
@@ -162,6 +164,7 @@ impl From<FileErrorKind> for pb::FileErrorKind {
             FileErrorKind::OutsideSandboxRoots => Self::OutsideSandboxRoots,
             FileErrorKind::TooLarge => Self::TooLarge,
             FileErrorKind::Other => Self::Other,
+            FileErrorKind::NotRegular => Self::NotRegular,
         }
     }
 }
@@ -174,6 +177,7 @@ impl From<pb::FileErrorKind> for FileErrorKind {
             pb::FileErrorKind::IsDirectory => Self::IsDirectory,
             pb::FileErrorKind::OutsideSandboxRoots => Self::OutsideSandboxRoots,
             pb::FileErrorKind::TooLarge => Self::TooLarge,
+            pb::FileErrorKind::NotRegular => Self::NotRegular,
             pb::FileErrorKind::Other | pb::FileErrorKind::Unspecified => Self::Other,
         }
     }

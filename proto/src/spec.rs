@@ -38,6 +38,26 @@ pub struct SandboxSpec {
     /// OCI runtime (`runsc` for gVisor); `None`: the worker's default.
     #[cfg_attr(feature = "serde", serde(default))]
     pub runtime: Option<String>,
+    /// Removed by the worker after this long with no client (no watcher,
+    /// no call naming it); `None`: never.
+    #[cfg_attr(
+        feature = "serde",
+        serde(default, skip_serializing_if = "Option::is_none")
+    )]
+    pub idle_timeout_ms: Option<u64>,
+}
+
+/// A pseudo-terminal's window size.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+pub struct TerminalSize {
+    pub rows: u16,
+    pub cols: u16,
+}
+
+#[cfg(feature = "serde")]
+fn is_false(b: &bool) -> bool {
+    !b
 }
 
 /// Runs `command` through `/bin/sh -c` (or bash), non-interactively.
@@ -50,6 +70,19 @@ pub struct ShellSpec {
     pub timeout_ms: Option<u64>,
     pub output_limit_bytes: Option<u64>,
     pub use_bash: bool,
+    /// Background processes outlive the command (else its process group is
+    /// killed when its main process exits).
+    #[cfg_attr(feature = "serde", serde(default, skip_serializing_if = "is_false"))]
+    pub keep_background: bool,
+    /// Stdin is a pipe fed through the operation's input.
+    #[cfg_attr(feature = "serde", serde(default, skip_serializing_if = "is_false"))]
+    pub stdin: bool,
+    /// Runs on a pseudo-terminal of this size.
+    #[cfg_attr(
+        feature = "serde",
+        serde(default, skip_serializing_if = "Option::is_none")
+    )]
+    pub terminal: Option<TerminalSize>,
 }
 
 impl ShellSpec {
@@ -61,7 +94,15 @@ impl ShellSpec {
             timeout_ms: None,
             output_limit_bytes: None,
             use_bash: false,
+            keep_background: false,
+            stdin: false,
+            terminal: None,
         }
+    }
+
+    /// Whether the operation takes input (WriteInput).
+    pub fn takes_input(&self) -> bool {
+        self.stdin || self.terminal.is_some()
     }
 
     pub fn timeout(&self) -> Duration {
@@ -79,7 +120,24 @@ impl ShellSpec {
 pub struct ReadFileSpec {
     pub path: String,
     pub offset: u64,
+    /// Most bytes read; with `stream`, 0 means to the end.
     pub limit: u64,
+    /// The bytes come as stdout output events, chunked under flow control,
+    /// not in the result.
+    #[cfg_attr(feature = "serde", serde(default, skip_serializing_if = "is_false"))]
+    pub stream: bool,
+}
+
+impl ReadFileSpec {
+    /// Reads the whole file (up to [`MAX_FILE_BYTES`]) into the result.
+    pub fn new(path: impl Into<String>) -> Self {
+        Self {
+            path: path.into(),
+            offset: 0,
+            limit: MAX_FILE_BYTES,
+            stream: false,
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -89,6 +147,25 @@ pub struct WriteFileSpec {
     #[cfg_attr(feature = "serde", serde(with = "crate::serde_bytes_b64"))]
     pub data: Bytes,
     pub mode: u32,
+    /// Adds to the end of the file instead of replacing it.
+    #[cfg_attr(feature = "serde", serde(default, skip_serializing_if = "is_false"))]
+    pub append: bool,
+    /// More bytes follow as the operation's input, until its end.
+    #[cfg_attr(feature = "serde", serde(default, skip_serializing_if = "is_false"))]
+    pub stream: bool,
+}
+
+impl WriteFileSpec {
+    /// Replaces `path` with `data` (mode 0644).
+    pub fn new(path: impl Into<String>, data: impl Into<Bytes>) -> Self {
+        Self {
+            path: path.into(),
+            data: data.into(),
+            mode: 0o644,
+            append: false,
+            stream: false,
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -106,6 +183,27 @@ impl OperationSpec {
             Self::Shell(_) => "shell",
             Self::ReadFile(_) => "read_file",
             Self::WriteFile(_) => "write_file",
+        }
+    }
+
+    /// Whether the operation takes input through WriteInput.
+    pub fn takes_input(&self) -> bool {
+        match self {
+            Self::Shell(s) => s.takes_input(),
+            Self::WriteFile(w) => w.stream,
+            Self::ReadFile(_) => false,
+        }
+    }
+
+    /// The spec as replies show it: a write's bytes are not echoed back
+    /// (only their count, in `bytes_written` of the result).
+    pub fn without_data(&self) -> Self {
+        match self {
+            Self::WriteFile(w) if !w.data.is_empty() => Self::WriteFile(WriteFileSpec {
+                data: Bytes::new(),
+                ..w.clone()
+            }),
+            other => other.clone(),
         }
     }
 }
@@ -246,11 +344,19 @@ impl OperationSpec {
                         format!("above {MAX_OUTPUT_LIMIT_BYTES}"),
                     ));
                 }
+                if let Some(t) = s.terminal
+                    && (t.rows == 0 || t.cols == 0)
+                {
+                    return Err(ProtocolError::invalid(
+                        "terminal",
+                        "rows and cols must be above 0",
+                    ));
+                }
                 Ok(())
             }
             Self::ReadFile(r) => {
                 validate_path("path", &r.path)?;
-                if r.limit > MAX_FILE_BYTES {
+                if !r.stream && r.limit > MAX_FILE_BYTES {
                     return Err(ProtocolError::invalid(
                         "limit",
                         format!("above {MAX_FILE_BYTES} bytes"),
@@ -309,6 +415,7 @@ impl TryFrom<pb::SandboxSpec> for SandboxSpec {
             add_capabilities: p.add_capabilities,
             env: p.env.into_iter().collect(),
             runtime: nonempty(p.runtime),
+            idle_timeout_ms: nonzero(p.idle_timeout_ms),
         };
         spec.validate()?;
         Ok(spec)
@@ -333,6 +440,7 @@ impl From<SandboxSpec> for pb::SandboxSpec {
             add_capabilities: s.add_capabilities,
             env: s.env.into_iter().collect(),
             runtime: s.runtime.unwrap_or_default(),
+            idle_timeout_ms: s.idle_timeout_ms.unwrap_or_default(),
         }
     }
 }
@@ -349,24 +457,55 @@ impl TryFrom<pb::OperationSpec> for OperationSpec {
                 timeout_ms: nonzero(s.timeout_ms),
                 output_limit_bytes: nonzero(s.output_limit_bytes),
                 use_bash: s.use_bash,
+                keep_background: s.keep_background,
+                stdin: s.stdin,
+                terminal: s.terminal.map(TerminalSize::try_from).transpose()?,
             }),
             Kind::ReadFile(r) => Self::ReadFile(ReadFileSpec {
                 path: r.path,
                 offset: r.offset,
-                limit: if r.limit == 0 {
+                limit: if r.limit == 0 && !r.stream {
                     MAX_FILE_BYTES
                 } else {
                     r.limit
                 },
+                stream: r.stream,
             }),
             Kind::WriteFile(w) => Self::WriteFile(WriteFileSpec {
                 path: w.path,
                 data: w.data,
                 mode: if w.mode == 0 { 0o644 } else { w.mode },
+                append: w.append,
+                stream: w.stream,
             }),
         };
         spec.validate()?;
         Ok(spec)
+    }
+}
+
+impl TryFrom<pb::TerminalSize> for TerminalSize {
+    type Error = ProtocolError;
+    fn try_from(p: pb::TerminalSize) -> Result<Self, ProtocolError> {
+        let dim = |v: u32| {
+            u16::try_from(v)
+                .ok()
+                .filter(|v| *v > 0)
+                .ok_or_else(|| ProtocolError::invalid("terminal", "rows and cols must be 1-65535"))
+        };
+        Ok(Self {
+            rows: dim(p.rows)?,
+            cols: dim(p.cols)?,
+        })
+    }
+}
+
+impl From<TerminalSize> for pb::TerminalSize {
+    fn from(t: TerminalSize) -> Self {
+        Self {
+            rows: t.rows.into(),
+            cols: t.cols.into(),
+        }
     }
 }
 
@@ -381,16 +520,22 @@ impl From<OperationSpec> for pb::OperationSpec {
                 timeout_ms: s.timeout_ms.unwrap_or_default(),
                 output_limit_bytes: s.output_limit_bytes.unwrap_or_default(),
                 use_bash: s.use_bash,
+                keep_background: s.keep_background,
+                stdin: s.stdin,
+                terminal: s.terminal.map(Into::into),
             }),
             OperationSpec::ReadFile(r) => Kind::ReadFile(pb::ReadFileSpec {
                 path: r.path,
                 offset: r.offset,
                 limit: r.limit,
+                stream: r.stream,
             }),
             OperationSpec::WriteFile(w) => Kind::WriteFile(pb::WriteFileSpec {
                 path: w.path,
                 data: w.data,
                 mode: w.mode,
+                append: w.append,
+                stream: w.stream,
             }),
         };
         Self { kind: Some(kind) }
@@ -449,9 +594,8 @@ mod serde_tests {
     #[test]
     fn specs_and_results_round_trip_through_json() {
         let spec = OperationSpec::WriteFile(WriteFileSpec {
-            path: "a".into(),
-            data: Bytes::from_static(b"\x00\xffhi"),
             mode: 0o600,
+            ..WriteFileSpec::new("a", Bytes::from_static(b"\x00\xffhi"))
         });
         let json = serde_json::to_string(&spec).unwrap();
         assert_eq!(

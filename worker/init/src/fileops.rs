@@ -176,109 +176,276 @@ fn open_beneath(
     }
 }
 
+/// What a file operation that failed reports.
+pub type Refusal = OperationResult;
+
+/// Refuses anything but a regular file: a FIFO, a device or a socket could
+/// block the supervisor or reach outside the sandbox.
+fn regular(file: &fs::File, raw: &str) -> Result<u64, FileError> {
+    use std::os::unix::fs::FileTypeExt;
+    let meta = file.metadata().map_err(|e| io_error(raw, &e))?;
+    let ft = meta.file_type();
+    if ft.is_file() {
+        return Ok(meta.len());
+    }
+    let what = if ft.is_dir() {
+        return Err(FileError(
+            FileErrorKind::IsDirectory,
+            format!("{raw}: is a directory"),
+        ));
+    } else if ft.is_fifo() {
+        "a FIFO"
+    } else if ft.is_socket() {
+        "a socket"
+    } else if ft.is_char_device() || ft.is_block_device() {
+        "a device"
+    } else {
+        "not a file"
+    };
+    Err(not_regular(raw, what))
+}
+
+fn not_regular(raw: &str, what: &str) -> FileError {
+    FileError(
+        FileErrorKind::NotRegular,
+        format!("{raw}: not a regular file ({what}); only regular files are read or written"),
+    )
+}
+
+/// Opens `path` for reading without blocking (a FIFO opens at once and is
+/// then refused) and seeks to `offset`. Returns the file and its size.
+pub fn open_read(roots: &Roots, spec: &ReadFileSpec) -> Result<(fs::File, u64), Refusal> {
+    open_for_read(roots, spec).map_err(Into::into)
+}
+
+fn open_for_read(roots: &Roots, spec: &ReadFileSpec) -> Result<(fs::File, u64), FileError> {
+    use nix::fcntl::OFlag;
+    let path = resolve(roots, &spec.path)?;
+    let mut file = open_beneath(
+        roots,
+        &path,
+        OFlag::O_RDONLY | OFlag::O_NONBLOCK | OFlag::O_NOCTTY,
+        0,
+        &spec.path,
+    )?;
+    let size = regular(&file, &spec.path)?;
+    file.seek(SeekFrom::Start(spec.offset))
+        .map_err(|e| io_error(&spec.path, &e))?;
+    Ok((file, size))
+}
+
+/// Reads up to `spec.limit` bytes (at most [`MAX_FILE_BYTES`]) into the result.
 pub fn read_file(roots: &Roots, spec: &ReadFileSpec) -> OperationResult {
     read(roots, spec).unwrap_or_else(Into::into)
 }
 
 fn read(roots: &Roots, spec: &ReadFileSpec) -> Result<OperationResult, FileError> {
-    let path = resolve(roots, &spec.path)?;
-    let mut file = open_beneath(roots, &path, nix::fcntl::OFlag::O_RDONLY, 0, &spec.path)?;
-    let meta = file.metadata().map_err(|e| io_error(&spec.path, &e))?;
-    if meta.is_dir() {
-        return Err(FileError(
-            FileErrorKind::IsDirectory,
-            format!("{}: is a directory", spec.path),
-        ));
-    }
+    let (file, size) = open_for_read(roots, spec)?;
     let limit = spec.limit.min(MAX_FILE_BYTES);
-    file.seek(SeekFrom::Start(spec.offset))
-        .map_err(|e| io_error(&spec.path, &e))?;
     let mut data = Vec::new();
     file.take(limit)
         .read_to_end(&mut data)
         .map_err(|e| io_error(&spec.path, &e))?;
     let mut result = OperationResult::with_outcome(Outcome::Exited { code: 0 });
-    result.file_size = meta.len();
+    result.file_size = size;
     result.file_data = Bytes::from(data);
     Ok(result)
 }
 
 pub fn write_file(roots: &Roots, spec: &WriteFileSpec) -> OperationResult {
-    write(roots, spec, None).unwrap_or_else(Into::into)
+    write_file_as(roots, spec, None)
 }
 
 /// As [`write_file`], the file and the directories made for it given to
 /// `owner` (the sandbox user, when the supervisor writes as root: under
 /// runtimes that ignore its switch of filesystem user, gVisor's).
 pub fn write_file_as(roots: &Roots, spec: &WriteFileSpec, owner: Option<u32>) -> OperationResult {
-    write(roots, spec, owner).unwrap_or_else(Into::into)
+    let mut w = match FileWriter::open(roots, spec, owner) {
+        Ok(w) => w,
+        Err(refusal) => return refusal,
+    };
+    if let Err(refusal) = w.write(&spec.data) {
+        w.abort();
+        return refusal;
+    }
+    w.finish()
 }
 
-fn write(
-    roots: &Roots,
-    spec: &WriteFileSpec,
-    owner: Option<u32>,
-) -> Result<OperationResult, FileError> {
-    if spec.data.len() as u64 > MAX_FILE_BYTES {
-        return Err(FileError(
-            FileErrorKind::TooLarge,
-            format!(
-                "{} bytes is above the limit of {MAX_FILE_BYTES}",
-                spec.data.len()
-            ),
-        ));
+/// A write in progress: to a temporary file renamed over the target at the
+/// end (a reader never sees half a file), or, appending, to the file itself.
+pub struct FileWriter {
+    file: fs::File,
+    /// The temporary file, when replacing.
+    tmp: Option<PathBuf>,
+    path: PathBuf,
+    raw: String,
+    mode: u32,
+    written: u64,
+}
+
+impl FileWriter {
+    pub fn open(roots: &Roots, spec: &WriteFileSpec, owner: Option<u32>) -> Result<Self, Refusal> {
+        Self::open_inner(roots, spec, owner).map_err(Into::into)
     }
-    let path = resolve(roots, &spec.path)?;
-    if roots.all().any(|r| r == &path) || path.is_dir() {
-        return Err(FileError(
-            FileErrorKind::IsDirectory,
-            format!("{}: is a directory", spec.path),
-        ));
-    }
-    let (Some(dir), Some(name)) = (path.parent(), path.file_name()) else {
-        return Err(outside(&spec.path));
-    };
-    let existing = dir.ancestors().find(|a| a.exists()).map(Path::to_path_buf);
-    fs::create_dir_all(dir).map_err(|e| io_error(&spec.path, &e))?;
-    if let Some(uid) = owner {
-        for made in dir
-            .ancestors()
-            .take_while(|a| Some(*a) != existing.as_deref())
+
+    fn open_inner(
+        roots: &Roots,
+        spec: &WriteFileSpec,
+        owner: Option<u32>,
+    ) -> Result<Self, FileError> {
+        use nix::fcntl::OFlag;
+        if spec.data.len() as u64 > MAX_FILE_BYTES {
+            return Err(FileError(
+                FileErrorKind::TooLarge,
+                format!(
+                    "{} bytes is above the limit of {MAX_FILE_BYTES} in one message (stream larger files)",
+                    spec.data.len()
+                ),
+            ));
+        }
+        let path = resolve(roots, &spec.path)?;
+        if roots.all().any(|r| r == &path) || path.is_dir() {
+            return Err(FileError(
+                FileErrorKind::IsDirectory,
+                format!("{}: is a directory", spec.path),
+            ));
+        }
+        let (Some(dir), Some(name)) = (path.parent(), path.file_name()) else {
+            return Err(outside(&spec.path));
+        };
+        // Whatever is there now must be a regular file (or nothing): never
+        // opened for I/O otherwise.
+        if let Ok(meta) = fs::symlink_metadata(&path)
+            && !meta.file_type().is_file()
+            && !meta.file_type().is_symlink()
         {
-            std::os::unix::fs::chown(made, Some(uid), Some(uid))
-                .map_err(|e| io_error(&spec.path, &e))?;
+            use std::os::unix::fs::FileTypeExt;
+            let ft = meta.file_type();
+            let what = if ft.is_fifo() {
+                "a FIFO"
+            } else if ft.is_socket() {
+                "a socket"
+            } else {
+                "a device"
+            };
+            return Err(not_regular(&spec.path, what));
+        }
+        let existing = dir.ancestors().find(|a| a.exists()).map(Path::to_path_buf);
+        fs::create_dir_all(dir).map_err(|e| io_error(&spec.path, &e))?;
+        if let Some(uid) = owner {
+            for made in dir
+                .ancestors()
+                .take_while(|a| Some(*a) != existing.as_deref())
+            {
+                std::os::unix::fs::chown(made, Some(uid), Some(uid))
+                    .map_err(|e| io_error(&spec.path, &e))?;
+            }
+        }
+        let (target, tmp, flags) = if spec.append {
+            (
+                path.clone(),
+                None,
+                OFlag::O_WRONLY | OFlag::O_CREAT | OFlag::O_APPEND,
+            )
+        } else {
+            let tmp = dir.join(format!(
+                ".{}.corral-{}",
+                name.to_string_lossy(),
+                &corral_proto::ids::random_uuid()[..8]
+            ));
+            (
+                tmp.clone(),
+                Some(tmp),
+                OFlag::O_WRONLY | OFlag::O_CREAT | OFlag::O_EXCL,
+            )
+        };
+        let opened = open_beneath(
+            roots,
+            &target,
+            flags | OFlag::O_NONBLOCK | OFlag::O_NOCTTY,
+            spec.mode,
+            &spec.path,
+        );
+        let file = match opened {
+            Ok(f) => f,
+            // A FIFO without a reader, opened for writing without blocking.
+            Err(FileError(_, _)) if spec.append && is_fifo(&path) => {
+                return Err(not_regular(&spec.path, "a FIFO"));
+            }
+            Err(e) => return Err(e),
+        };
+        let mut w = Self {
+            file,
+            tmp,
+            path,
+            raw: spec.path.clone(),
+            mode: spec.mode,
+            written: 0,
+        };
+        let checked = regular(&w.file, &spec.path).and_then(|_| {
+            if let Some(uid) = owner {
+                std::os::unix::fs::fchown(&w.file, Some(uid), Some(uid))
+                    .map_err(|e| io_error(&spec.path, &e))?;
+            }
+            Ok(())
+        });
+        if let Err(e) = checked {
+            w.remove_tmp();
+            return Err(e);
+        }
+        Ok(w)
+    }
+
+    pub fn write(&mut self, data: &[u8]) -> Result<(), Refusal> {
+        match self.file.write_all(data) {
+            Ok(()) => {
+                self.written += data.len() as u64;
+                Ok(())
+            }
+            Err(e) => Err(io_error(&self.raw, &e).into()),
         }
     }
-    let tmp = dir.join(format!(
-        ".{}.corral-{}",
-        name.to_string_lossy(),
-        &corral_proto::ids::random_uuid()[..8]
-    ));
-    use nix::fcntl::OFlag;
-    let mut f = open_beneath(
-        roots,
-        &tmp,
-        OFlag::O_WRONLY | OFlag::O_CREAT | OFlag::O_EXCL,
-        spec.mode,
-        &spec.path,
-    )?;
-    if let Some(uid) = owner {
-        std::os::unix::fs::fchown(&f, Some(uid), Some(uid))
-            .map_err(|e| io_error(&spec.path, &e))?;
+
+    pub fn written(&self) -> u64 {
+        self.written
     }
-    let written = (|| {
-        f.write_all(&spec.data)?;
-        f.set_permissions(fs::Permissions::from_mode(spec.mode))?;
-        f.sync_data()?;
-        fs::rename(&tmp, &path)
-    })();
-    if let Err(e) = written {
-        let _ = fs::remove_file(&tmp);
-        return Err(io_error(&spec.path, &e));
+
+    /// Puts the file in place and says how much was written.
+    pub fn finish(mut self) -> OperationResult {
+        let done = (|| {
+            if let Some(tmp) = &self.tmp {
+                self.file
+                    .set_permissions(fs::Permissions::from_mode(self.mode))?;
+                self.file.sync_data()?;
+                fs::rename(tmp, &self.path)?;
+            }
+            Ok::<(), io::Error>(())
+        })();
+        if let Err(e) = done {
+            self.remove_tmp();
+            return io_error(&self.raw, &e).into();
+        }
+        self.tmp = None;
+        let mut result = OperationResult::with_outcome(Outcome::Exited { code: 0 });
+        result.bytes_written = self.written;
+        result
     }
-    let mut result = OperationResult::with_outcome(Outcome::Exited { code: 0 });
-    result.bytes_written = spec.data.len() as u64;
-    Ok(result)
+
+    /// Gives up: a replaced file stays as it was.
+    pub fn abort(mut self) {
+        self.remove_tmp();
+    }
+
+    fn remove_tmp(&mut self) {
+        if let Some(tmp) = self.tmp.take() {
+            let _ = fs::remove_file(tmp);
+        }
+    }
+}
+
+fn is_fifo(path: &Path) -> bool {
+    use std::os::unix::fs::FileTypeExt;
+    fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_fifo())
 }
 
 #[cfg(test)]
@@ -306,19 +473,11 @@ mod tests {
     }
 
     fn write_spec(path: &str, data: &'static [u8]) -> WriteFileSpec {
-        WriteFileSpec {
-            path: path.into(),
-            data: Bytes::from_static(data),
-            mode: 0o644,
-        }
+        WriteFileSpec::new(path, Bytes::from_static(data))
     }
 
     fn read_spec(path: &str) -> ReadFileSpec {
-        ReadFileSpec {
-            path: path.into(),
-            offset: 0,
-            limit: MAX_FILE_BYTES,
-        }
+        ReadFileSpec::new(path)
     }
 
     fn kind(r: &OperationResult) -> Option<FileErrorKind> {
@@ -359,9 +518,9 @@ mod tests {
         let got = read_file(
             &r,
             &ReadFileSpec {
-                path: format!("{}/sub/dir/a.txt", r.workspace.display()),
                 offset: 6,
                 limit: 3,
+                ..ReadFileSpec::new(format!("{}/sub/dir/a.txt", r.workspace.display()))
             },
         );
         assert_eq!((&got.file_data[..], got.file_size), (&b"wor"[..], 11));
@@ -411,6 +570,46 @@ mod tests {
         let tmp = r.others[0].join("t");
         let got = write_file(&r, &write_spec(tmp.to_str().unwrap(), b"x"));
         assert_eq!(got.outcome, Outcome::Exited { code: 0 });
+        fs::remove_dir_all(d).unwrap();
+    }
+
+    #[test]
+    fn fifos_are_refused_without_blocking() {
+        let d = tempdir();
+        let r = roots(&d);
+        let fifo = r.workspace.join("pipe");
+        nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::from_bits_truncate(0o644)).unwrap();
+        let got = read_file(&r, &read_spec("pipe"));
+        assert_eq!(kind(&got), Some(FileErrorKind::NotRegular), "{got:?}");
+        assert!(got.outcome.to_string().contains("a FIFO"), "{got:?}");
+        let append = WriteFileSpec {
+            append: true,
+            ..write_spec("pipe", b"x")
+        };
+        assert_eq!(
+            kind(&write_file(&r, &append)),
+            Some(FileErrorKind::NotRegular)
+        );
+        assert_eq!(
+            kind(&write_file(&r, &write_spec("pipe", b"x"))),
+            Some(FileErrorKind::NotRegular)
+        );
+        fs::remove_dir_all(d).unwrap();
+    }
+
+    #[test]
+    fn appends_add_to_the_end() {
+        let d = tempdir();
+        let r = roots(&d);
+        let append = |data: &'static [u8]| WriteFileSpec {
+            append: true,
+            ..write_spec("log.txt", data)
+        };
+        for part in [&b"one "[..], b"two"] {
+            let w = write_file(&r, &append(part));
+            assert_eq!(w.outcome, Outcome::Exited { code: 0 }, "{w:?}");
+        }
+        assert_eq!(fs::read(r.workspace.join("log.txt")).unwrap(), b"one two");
         fs::remove_dir_all(d).unwrap();
     }
 

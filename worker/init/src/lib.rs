@@ -27,6 +27,7 @@
 pub mod capture;
 pub mod fileops;
 pub mod journal;
+pub mod procs;
 pub mod supervisor;
 pub mod syscalls;
 

@@ -11,17 +11,18 @@ use std::collections::{HashMap, VecDeque};
 use std::ffi::OsString;
 use std::fs::File;
 use std::io::{self, Read, Write};
-use std::os::fd::AsFd;
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{ChildStderr, ChildStdout, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use corral_proto::frame::{self, FrameDecoder};
 use corral_proto::init::{InitMessage, InitRequest, OperationRecord, Welcome};
 use corral_proto::{
-    EventKind, OperationId, OperationResult, OperationSpec, Outcome, OutputStream, ShellSpec, pb,
+    EventKind, OperationId, OperationResult, OperationSpec, Outcome, OutputStream, ShellSpec,
+    TerminalSize, pb,
 };
 use nix::errno::Errno;
 use nix::fcntl::{FcntlArg, OFlag, fcntl};
@@ -32,8 +33,9 @@ use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
 use nix::unistd::Pid;
 
 use crate::capture::HeadTail;
-use crate::fileops::{self, Roots};
+use crate::fileops::{self, FileWriter, Roots};
 use crate::journal::Journal;
+use crate::procs;
 
 /// Time between SIGTERM and SIGKILL when a command times out or is canceled.
 pub const KILL_GRACE: Duration = Duration::from_secs(2);
@@ -51,6 +53,15 @@ const READ_CHUNK: usize = 256 * 1024;
 /// Pipe buffer asked for (the unprivileged maximum by default): fewer,
 /// larger reads when a command writes fast.
 const PIPE_BYTES: i32 = 1 << 20;
+/// Input of one operation held here, not yet written on: the worker keeps
+/// what it sends within half of it, so a frame past it is refused.
+pub const MAX_INPUT_BUFFER: usize = 4 << 20;
+/// Most input bytes written to a file in one turn of the loop.
+const WRITE_CHUNK: usize = 1 << 20;
+/// End of input on a terminal: its EOF character (^D).
+const TERMINAL_EOF: u8 = 0x04;
+/// How long a reset keeps killing (a fork bomb refills between two kills).
+const RESET_FOR: Duration = Duration::from_secs(2);
 
 #[derive(Debug, Clone)]
 pub struct Config {
@@ -93,22 +104,75 @@ enum Ending {
     Canceled,
 }
 
-enum Pipe {
-    Out(ChildStdout),
-    Err(ChildStderr),
-}
+/// An output pipe (or a terminal's master side), read without blocking.
+struct Pipe(File);
 
 impl Pipe {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        match self {
-            Pipe::Out(p) => p.read(buf),
-            Pipe::Err(p) => p.read(buf),
+        match self.0.read(buf) {
+            // A terminal whose last slave closed says EIO: its end.
+            Err(e) if e.raw_os_error() == Some(Errno::EIO as i32) => Ok(0),
+            other => other,
         }
     }
     fn fd(&self) -> std::os::fd::BorrowedFd<'_> {
-        match self {
-            Pipe::Out(p) => p.as_fd(),
-            Pipe::Err(p) => p.as_fd(),
+        self.0.as_fd()
+    }
+}
+
+/// An operation's input: what the worker sent, placed by offset, held
+/// until it is written on (a command's stdin or terminal, or a file).
+#[derive(Default)]
+struct Input {
+    pending: VecDeque<Bytes>,
+    pending_bytes: usize,
+    /// Bytes taken from the worker (the next offset).
+    received: u64,
+    /// Bytes written on.
+    consumed: u64,
+    /// The worker said the input ends after what it sent.
+    eof: bool,
+    /// No more input is taken (written out after `eof`, or the reader is gone).
+    closed: bool,
+    /// The worker should hear how far the input got.
+    ack_due: bool,
+}
+
+impl Input {
+    fn close(&mut self) {
+        if !self.closed {
+            self.closed = true;
+            self.pending.clear();
+            self.pending_bytes = 0;
+            self.ack_due = true;
+        }
+    }
+
+    /// Writes what is pending on `fd` until it would block.
+    fn pump(&mut self, fd: &File) {
+        while let Some(chunk) = self.pending.front_mut() {
+            match (&*fd).write(chunk) {
+                Ok(n) => {
+                    let _ = chunk.split_to(n);
+                    self.pending_bytes -= n;
+                    self.consumed += n as u64;
+                    self.ack_due = true;
+                    if chunk.is_empty() {
+                        self.pending.pop_front();
+                    }
+                }
+                Err(e)
+                    if e.kind() == io::ErrorKind::WouldBlock
+                        || e.kind() == io::ErrorKind::Interrupted =>
+                {
+                    return;
+                }
+                // The command closed its stdin (EPIPE), or it is gone.
+                Err(_) => {
+                    self.close();
+                    return;
+                }
+            }
         }
     }
 }
@@ -118,20 +182,81 @@ struct Running {
     started: Instant,
     deadline: Instant,
     ending: Option<Ending>,
-    /// Next SIGKILL of the group, once a timeout or cancel began.
+    /// Next SIGKILL of the group, once a timeout or cancel began (or its
+    /// main process exited, and the background goes with it).
     kill_at: Option<Instant>,
+    keep_background: bool,
     pipes: [Option<Pipe>; 2],
     captures: [HeadTail; 2],
     exit: Option<WaitStatus>,
     linger_until: Option<Instant>,
     oom_kills_at_start: Option<u64>,
+    /// Where input goes: the stdin pipe, or the terminal's master side.
+    stdin: Option<File>,
+    input: Option<Input>,
+    /// The terminal's master side (for window sizes).
+    terminal: Option<File>,
+}
+
+/// A file operation that goes on over several turns of the loop.
+enum FileTask {
+    /// Sends the file as output events, under credit.
+    Read {
+        file: File,
+        left: Option<u64>,
+        sent: u64,
+        size: u64,
+        started: Instant,
+    },
+    /// Writes the operation's input into the file.
+    Write {
+        writer: Box<FileWriter>,
+        input: Input,
+        started: Instant,
+    },
 }
 
 struct Op {
+    /// As the worker sent it, a write's bytes left out (see `data_digest`).
     spec: OperationSpec,
+    /// Digest of a write's bytes: a retry must bring the same ones.
+    data_digest: u64,
     first_seq: u64,
     running: Option<Box<Running>>,
+    file: Option<FileTask>,
     result: Option<OperationResult>,
+}
+
+impl Op {
+    fn input(&self) -> Option<&Input> {
+        match (&self.running, &self.file) {
+            (Some(run), _) => run.input.as_ref(),
+            (None, Some(FileTask::Write { input, .. })) => Some(input),
+            _ => None,
+        }
+    }
+
+    fn input_mut(&mut self) -> Option<&mut Input> {
+        match (&mut self.running, &mut self.file) {
+            (Some(run), _) => run.input.as_mut(),
+            (None, Some(FileTask::Write { input, .. })) => Some(input),
+            _ => None,
+        }
+    }
+}
+
+/// FNV-1a: tells a retried write from a different one.
+fn digest(data: &[u8]) -> u64 {
+    data.iter().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
+fn spec_digest(spec: &OperationSpec) -> u64 {
+    match spec {
+        OperationSpec::WriteFile(w) => digest(&w.data),
+        _ => 0,
+    }
 }
 
 const STREAMS: [OutputStream; 2] = [OutputStream::Stdout, OutputStream::Stderr];
@@ -322,6 +447,74 @@ fn find_shell(use_bash: bool) -> Result<PathBuf, String> {
         .ok_or_else(|| "bash is not installed in this image".into())
 }
 
+/// Sets a terminal's window size (the kernel tells its foreground
+/// process group with SIGWINCH).
+#[allow(unsafe_code)]
+fn set_window_size(fd: &impl AsRawFd, size: TerminalSize) {
+    let ws = libc::winsize {
+        ws_row: size.rows,
+        ws_col: size.cols,
+        ws_xpixel: 0,
+        ws_ypixel: 0,
+    };
+    // SAFETY: TIOCSWINSZ reads one winsize from the pointer, which lives
+    // for the call.
+    unsafe {
+        libc::ioctl(fd.as_raw_fd(), libc::TIOCSWINSZ, &ws);
+    }
+}
+
+/// `struct sigaction` as the kernel takes it (x86_64, aarch64).
+#[repr(C)]
+struct KernelSigaction {
+    handler: libc::sighandler_t,
+    flags: libc::c_ulong,
+    restorer: usize,
+    mask: u64,
+}
+
+/// In the forked child, before exec: the command starts as on a fresh
+/// machine, with no signal blocked and every disposition the default
+/// (the supervisor's signalfd mask and ignored signals must not leak),
+/// in a session of its own, on its terminal if it has one.
+///
+/// Only async-signal-safe calls: sigprocmask, signal, setsid, ioctl.
+#[allow(unsafe_code)]
+fn child_setup(terminal: bool) -> io::Result<()> {
+    // SAFETY: plain libc calls on values owned here; no allocation, no lock.
+    unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        libc::sigprocmask(libc::SIG_SETMASK, &set, std::ptr::null_mut());
+        // The raw system call: glibc's signal() refuses the real-time
+        // signals it keeps for itself, and an ignored one is inherited.
+        let default = KernelSigaction {
+            handler: libc::SIG_DFL,
+            flags: 0,
+            restorer: 0,
+            mask: 0,
+        };
+        for sig in 1..=64 {
+            if sig != libc::SIGKILL && sig != libc::SIGSTOP {
+                libc::syscall(
+                    libc::SYS_rt_sigaction,
+                    sig,
+                    &default as *const KernelSigaction,
+                    std::ptr::null_mut::<KernelSigaction>(),
+                    8usize,
+                );
+            }
+        }
+        if libc::setsid() < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        if terminal && libc::ioctl(0, libc::TIOCSCTTY, 0) < 0 {
+            return Err(io::Error::last_os_error());
+        }
+    }
+    Ok(())
+}
+
 impl Supervisor {
     fn main_loop(&mut self) {
         let mut buf = vec![0u8; READ_CHUNK];
@@ -329,11 +522,16 @@ impl Supervisor {
             let now = Instant::now();
             self.reap();
             self.enforce_deadlines(now);
+            self.pump_inputs();
+            self.stream_files(&mut buf);
             self.finish_ready(now);
+            self.send_acks();
             let timeout = self.poll_timeout(Instant::now());
 
-            // Which fds to watch: stdin, signals, and (with credit) pipes.
+            // Which fds to watch: stdin, signals, (with credit) output
+            // pipes, and stdin pipes with input waiting.
             let mut targets: Vec<(OperationId, usize)> = Vec::new();
+            let mut writers: Vec<OperationId> = Vec::new();
             let ready: Vec<bool> = {
                 let stdin = io::stdin();
                 let mut fds = Vec::new();
@@ -343,6 +541,15 @@ impl Supervisor {
                 fds.push(PollFd::new(self.signals.as_fd(), PollFlags::POLLIN));
                 for p in &self.orphans {
                     fds.push(PollFd::new(p.fd(), PollFlags::POLLIN));
+                }
+                for (id, op) in &self.ops {
+                    let Some(run) = &op.running else { continue };
+                    if let (Some(fd), Some(input)) = (&run.stdin, &run.input)
+                        && !input.pending.is_empty()
+                    {
+                        fds.push(PollFd::new(fd.as_fd(), PollFlags::POLLOUT));
+                        writers.push(id.clone());
+                    }
                 }
                 if self.credit > 0 {
                     for (id, op) in &self.ops {
@@ -366,7 +573,10 @@ impl Supervisor {
                     .map(|f| {
                         f.revents().is_some_and(|r| {
                             r.intersects(
-                                PollFlags::POLLIN | PollFlags::POLLHUP | PollFlags::POLLERR,
+                                PollFlags::POLLIN
+                                    | PollFlags::POLLOUT
+                                    | PollFlags::POLLHUP
+                                    | PollFlags::POLLERR,
                             )
                         })
                     })
@@ -381,6 +591,9 @@ impl Supervisor {
             }
             let orphans_ready: Vec<bool> = ready.by_ref().take(self.orphans.len()).collect();
             self.drain_orphans(&orphans_ready, &mut buf);
+            // Writers became ready: `pump_inputs` at the top of the loop
+            // writes on them.
+            let _ = ready.by_ref().take(writers.len()).count();
             for ((id, stream), is_ready) in targets.into_iter().zip(ready) {
                 if is_ready {
                     self.read_pipe(&id, stream, &mut buf);
@@ -393,6 +606,15 @@ impl Supervisor {
     fn poll_timeout(&self, now: Instant) -> PollTimeout {
         let mut next: Option<Instant> = None;
         for op in self.ops.values() {
+            // A file read with credit goes on at once.
+            if matches!(op.file, Some(FileTask::Read { .. })) && self.credit > 0 {
+                return PollTimeout::ZERO;
+            }
+            if let Some(FileTask::Write { input, .. }) = &op.file
+                && (!input.pending.is_empty() || input.eof)
+            {
+                return PollTimeout::ZERO;
+            }
             let Some(run) = &op.running else { continue };
             let candidates = [
                 run.ending.is_none().then_some(run.deadline),
@@ -483,6 +705,7 @@ impl Supervisor {
                         spec: op.spec.clone(),
                         result: op.result.clone(),
                         first_seq: op.first_seq,
+                        input_bytes: op.input().map_or(0, |i| i.received),
                     })
                     .collect();
                 self.send(InitMessage::Welcome(Welcome {
@@ -494,6 +717,12 @@ impl Supervisor {
                 for event in self.journal.read_after(after_seq, usize::MAX) {
                     self.send(InitMessage::Event(event));
                 }
+                // Where every input stands, for the worker's windows.
+                for op in self.ops.values_mut() {
+                    if let Some(input) = op.input_mut() {
+                        input.ack_due = true;
+                    }
+                }
             }
             InitRequest::Credit { bytes } => {
                 self.credit = self.credit.saturating_add(bytes);
@@ -501,7 +730,7 @@ impl Supervisor {
             InitRequest::Cancel { operation_id } => self.cancel(&operation_id),
             InitRequest::Run { operation_id, spec } => {
                 if let Some(op) = self.ops.get(&operation_id) {
-                    if op.spec != spec {
+                    if op.spec != spec.without_data() || op.data_digest != spec_digest(&spec) {
                         self.reject(
                             Some(operation_id),
                             "operation id already used with a different spec".into(),
@@ -512,12 +741,287 @@ impl Supervisor {
                 }
                 self.start(operation_id, spec);
             }
+            InitRequest::Input {
+                operation_id,
+                offset,
+                data,
+                eof,
+            } => self.on_input(operation_id, offset, data, eof),
+            InitRequest::Resize { operation_id, size } => {
+                if let Some(term) = self
+                    .ops
+                    .get(&operation_id)
+                    .and_then(|op| op.running.as_ref())
+                    .and_then(|run| run.terminal.as_ref())
+                {
+                    set_window_size(term, size);
+                }
+            }
+            InitRequest::Reset => {
+                let killed = self.reset();
+                self.send(InitMessage::ResetDone { killed });
+            }
+        }
+    }
+
+    /// Takes input for an operation, placed by offset: what was taken
+    /// already is skipped, a gap or an overfull buffer is refused.
+    fn on_input(&mut self, id: OperationId, offset: u64, data: Bytes, eof: bool) {
+        let Some(op) = self.ops.get_mut(&id) else {
+            self.reject(Some(id), "input for an unknown operation".into());
+            return;
+        };
+        let takes = op.spec.takes_input();
+        let Some(input) = op.input_mut() else {
+            if takes {
+                // Finished, or never started: nothing more is taken.
+                self.send(InitMessage::InputAck {
+                    operation_id: id,
+                    received: 0,
+                    consumed: 0,
+                    closed: true,
+                });
+            } else {
+                self.reject(Some(id), "the operation takes no input".into());
+            }
+            return;
+        };
+        input.ack_due = true;
+        if input.closed || input.eof {
+            return;
+        }
+        if offset > input.received {
+            let reason = format!(
+                "input at offset {offset}, but only {} bytes were taken",
+                input.received
+            );
+            self.reject(Some(id), reason);
+            return;
+        }
+        let skip = usize::try_from(input.received - offset).unwrap_or(usize::MAX);
+        let data = if skip >= data.len() {
+            Bytes::new()
+        } else {
+            data.slice(skip..)
+        };
+        if input.pending_bytes + data.len() > MAX_INPUT_BUFFER {
+            let reason = format!("input buffer full ({} bytes waiting)", input.pending_bytes);
+            self.reject(Some(id), reason);
+            return;
+        }
+        input.received += data.len() as u64;
+        input.pending_bytes += data.len();
+        if !data.is_empty() {
+            input.pending.push_back(data);
+        }
+        if eof {
+            input.eof = true;
+        }
+    }
+
+    /// Writes waiting input: on stdin pipes and terminals as far as they
+    /// take it without blocking, into files a chunk at a time.
+    fn pump_inputs(&mut self) {
+        let mut finished = Vec::new();
+        for (id, op) in &mut self.ops {
+            if let Some(run) = op.running.as_mut() {
+                let (Some(input), Some(fd)) = (run.input.as_mut(), run.stdin.as_ref()) else {
+                    continue;
+                };
+                if input.closed {
+                    continue;
+                }
+                input.pump(fd);
+                if input.eof && input.pending.is_empty() && !input.closed {
+                    if run.terminal.is_some() {
+                        // A terminal gets its end-of-file character; it
+                        // stays open for the output.
+                        let _ = (&*fd).write(&[TERMINAL_EOF]);
+                    }
+                    input.closed = true;
+                    input.ack_due = true;
+                    if run.terminal.is_none() {
+                        run.stdin = None;
+                    }
+                }
+                if input.closed && run.terminal.is_none() {
+                    run.stdin = None;
+                }
+            } else if let Some(FileTask::Write { writer, input, .. }) = op.file.as_mut() {
+                let mut budget = WRITE_CHUNK;
+                while budget > 0
+                    && let Some(chunk) = input.pending.front_mut()
+                {
+                    let n = chunk.len().min(budget);
+                    if let Err(refusal) = writer.write(&chunk[..n]) {
+                        finished.push((id.clone(), Some(refusal)));
+                        break;
+                    }
+                    let _ = chunk.split_to(n);
+                    if chunk.is_empty() {
+                        input.pending.pop_front();
+                    }
+                    input.pending_bytes -= n;
+                    input.consumed += n as u64;
+                    input.ack_due = true;
+                    budget -= n;
+                }
+                if input.eof && input.pending.is_empty() {
+                    finished.push((id.clone(), None));
+                }
+            }
+        }
+        for (id, refusal) in finished {
+            let Some(op) = self.ops.get_mut(&id) else {
+                continue;
+            };
+            let Some(FileTask::Write {
+                writer,
+                mut input,
+                started,
+            }) = op.file.take()
+            else {
+                continue;
+            };
+            input.close();
+            let mut result = match refusal {
+                Some(refusal) => {
+                    writer.abort();
+                    refusal
+                }
+                None => writer.finish(),
+            };
+            result.duration_ms = started.elapsed().as_millis() as u64;
+            self.send_ack(&id, &input);
+            self.complete(&id, result);
+        }
+    }
+
+    /// Sends streamed file reads on, a chunk per read within the credit.
+    fn stream_files(&mut self, buf: &mut [u8]) {
+        let ids: Vec<OperationId> = self
+            .ops
+            .iter()
+            .filter(|(_, op)| matches!(op.file, Some(FileTask::Read { .. })))
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in ids {
+            if self.credit == 0 {
+                return;
+            }
+            let credit = usize::try_from(self.credit).unwrap_or(usize::MAX);
+            let Some(Some(FileTask::Read {
+                file, left, sent, ..
+            })) = self.ops.get_mut(&id).map(|op| op.file.as_mut())
+            else {
+                continue;
+            };
+            let want = buf
+                .len()
+                .min(credit)
+                .min(left.map_or(usize::MAX, |l| usize::try_from(l).unwrap_or(usize::MAX)));
+            let read = if want == 0 {
+                Ok(0)
+            } else {
+                file.read(&mut buf[..want])
+            };
+            match read {
+                Ok(0) => {
+                    let Some(Some(FileTask::Read {
+                        sent,
+                        size,
+                        started,
+                        ..
+                    })) = self.ops.get_mut(&id).map(|op| op.file.take())
+                    else {
+                        continue;
+                    };
+                    let mut result = OperationResult::with_outcome(Outcome::Exited { code: 0 });
+                    result.file_size = size;
+                    result.bytes_written = sent;
+                    result.duration_ms = started.elapsed().as_millis() as u64;
+                    self.complete(&id, result);
+                }
+                Ok(n) => {
+                    *sent += n as u64;
+                    if let Some(l) = left {
+                        *l -= n as u64;
+                    }
+                    self.credit -= n as u64;
+                    let data = Bytes::copy_from_slice(&buf[..n]);
+                    self.emit(
+                        &id,
+                        EventKind::Output {
+                            stream: OutputStream::Stdout,
+                            data,
+                        },
+                    );
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => {
+                    if let Some(op) = self.ops.get_mut(&id) {
+                        op.file = None;
+                    }
+                    let result = OperationResult::with_outcome(Outcome::FileError {
+                        kind: corral_proto::FileErrorKind::Other,
+                        message: format!("reading: {e}"),
+                    });
+                    self.complete(&id, result);
+                }
+            }
+        }
+    }
+
+    fn send_ack(&mut self, id: &OperationId, input: &Input) {
+        self.send(InitMessage::InputAck {
+            operation_id: id.clone(),
+            received: input.received,
+            consumed: input.consumed,
+            closed: input.closed,
+        });
+    }
+
+    /// Tells the worker how far each input got, once per turn of the loop.
+    fn send_acks(&mut self) {
+        let mut acks = Vec::new();
+        for (id, op) in &mut self.ops {
+            if let Some(input) = op.input_mut()
+                && std::mem::take(&mut input.ack_due)
+            {
+                acks.push(InitMessage::InputAck {
+                    operation_id: id.clone(),
+                    received: input.received,
+                    consumed: input.consumed,
+                    closed: input.closed,
+                });
+            }
+        }
+        for ack in acks {
+            self.send(ack);
         }
     }
 
     fn cancel(&mut self, id: &OperationId) {
         let grace = self.config.kill_grace;
-        let Some(run) = self.ops.get_mut(id).and_then(|op| op.running.as_mut()) else {
+        let Some(op) = self.ops.get_mut(id) else {
+            return;
+        };
+        if let Some(task) = op.file.take() {
+            let started = match task {
+                FileTask::Read { started, .. } => started,
+                FileTask::Write {
+                    writer, started, ..
+                } => {
+                    writer.abort();
+                    started
+                }
+            };
+            let mut result = OperationResult::with_outcome(Outcome::Canceled);
+            result.duration_ms = started.elapsed().as_millis() as u64;
+            self.complete(id, result);
+            return;
+        }
+        let Some(run) = op.running.as_mut() else {
             return;
         };
         if run.ending.is_some() {
@@ -528,13 +1032,111 @@ impl Supervisor {
         run.kill_at = Some(Instant::now() + grace);
     }
 
+    /// Kills every process but this one; running operations end as
+    /// canceled. Needs no fork, so it works at the process limit. Returns
+    /// how many processes there were.
+    fn reset(&mut self) -> u32 {
+        let ids: Vec<OperationId> = self.ops.keys().cloned().collect();
+        for id in &ids {
+            if let Some(run) = self.ops.get_mut(id).and_then(|op| op.running.as_mut())
+                && run.ending.is_none()
+            {
+                run.ending = Some(Ending::Canceled);
+                run.kill_at = Some(Instant::now());
+            }
+        }
+        for id in &ids {
+            if self.ops.get(id).is_some_and(|op| op.file.is_some()) {
+                self.cancel(id);
+            }
+        }
+        let me = std::process::id();
+        let sessions: Vec<Pid> = self
+            .ops
+            .values()
+            .filter_map(|op| op.running.as_ref().map(|r| r.pgid))
+            .collect();
+        let before = procs::count(me, &sessions);
+        let until = Instant::now() + RESET_FOR;
+        loop {
+            let alive = if me == 1 {
+                // As PID 1: everything in the sandbox but us.
+                nix::sys::signal::kill(Pid::from_raw(-1), Signal::SIGKILL).is_ok()
+            } else {
+                // Outside a sandbox (tests): the operations' sessions only.
+                let mut any = false;
+                for op in self.ops.values() {
+                    if let Some(run) = &op.running {
+                        any |= procs::kill_session(run.pgid);
+                    }
+                }
+                any
+            };
+            self.reap();
+            if !alive || Instant::now() >= until {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        before
+    }
+
     fn start(&mut self, id: OperationId, spec: OperationSpec) {
         let started = Instant::now();
+        let mut op = Op {
+            spec: spec.without_data(),
+            data_digest: spec_digest(&spec),
+            first_seq: 0,
+            running: None,
+            file: None,
+            result: None,
+        };
         let immediate = match &spec {
             OperationSpec::Shell(_) => None,
+            OperationSpec::ReadFile(r) if r.stream => {
+                let _as = AsCommandUser::new(self.config.command_uid);
+                match fileops::open_read(&self.config.roots, r) {
+                    Ok((file, size)) => {
+                        op.file = Some(FileTask::Read {
+                            file,
+                            left: (r.limit > 0).then_some(r.limit),
+                            sent: 0,
+                            size,
+                            started,
+                        });
+                        None
+                    }
+                    Err(refusal) => Some(refusal),
+                }
+            }
             OperationSpec::ReadFile(r) => {
                 let _as = AsCommandUser::new(self.config.command_uid);
                 Some(fileops::read_file(&self.config.roots, r))
+            }
+            OperationSpec::WriteFile(w) if w.stream => {
+                let _as = AsCommandUser::new(self.config.command_uid);
+                let opened = FileWriter::open(&self.config.roots, w, self.config.command_uid)
+                    .and_then(|mut writer| match writer.write(&w.data) {
+                        Ok(()) => Ok(writer),
+                        Err(refusal) => {
+                            writer.abort();
+                            Err(refusal)
+                        }
+                    });
+                match opened {
+                    Ok(writer) => {
+                        op.file = Some(FileTask::Write {
+                            writer: Box::new(writer),
+                            input: Input {
+                                ack_due: true,
+                                ..Input::default()
+                            },
+                            started,
+                        });
+                        None
+                    }
+                    Err(refusal) => Some(refusal),
+                }
             }
             OperationSpec::WriteFile(w) => {
                 let _as = AsCommandUser::new(self.config.command_uid);
@@ -545,15 +1147,7 @@ impl Supervisor {
                 ))
             }
         };
-        self.ops.insert(
-            id.clone(),
-            Op {
-                spec: spec.clone(),
-                first_seq: 0,
-                running: None,
-                result: None,
-            },
-        );
+        self.ops.insert(id.clone(), op);
         if let Some(mut result) = immediate {
             result.duration_ms = started.elapsed().as_millis() as u64;
             self.complete(&id, result);
@@ -600,26 +1194,58 @@ impl Supervisor {
         cmd.arg("-c")
             .arg(&spec.command)
             .env_clear()
-            .envs(self.base_env.iter().map(|(k, v)| (k, v)))
-            .envs(&spec.env)
-            .current_dir(&workdir)
-            .stdin(Stdio::null())
+            .envs(self.base_env.iter().map(|(k, v)| (k, v)));
+        // The pseudo-terminal: the command's stdin, stdout and stderr; the
+        // master side stays here for output, input and window sizes.
+        let mut master: Option<File> = None;
+        if let Some(size) = spec.terminal {
+            let ws = nix::pty::Winsize {
+                ws_row: size.rows,
+                ws_col: size.cols,
+                ws_xpixel: 0,
+                ws_ypixel: 0,
+            };
+            let pty = nix::pty::openpty(Some(&ws), None).map_err(|e| format!("openpty: {e}"))?;
+            let slave = File::from(pty.slave);
+            if let Some(uid) = self.config.command_uid {
+                // The command's own terminal: it may change its modes.
+                let _ = nix::unistd::fchown(
+                    &slave,
+                    Some(nix::unistd::Uid::from_raw(uid)),
+                    Some(nix::unistd::Gid::from_raw(uid)),
+                );
+            }
+            let dup = |f: &File| f.try_clone().map_err(|e| format!("terminal: {e}"));
+            cmd.stdin(Stdio::from(dup(&slave)?))
+                .stdout(Stdio::from(dup(&slave)?))
+                .stderr(Stdio::from(slave))
+                .env("TERM", "xterm-256color");
+            master = Some(File::from(pty.master));
+        } else {
+            cmd.stdin(if spec.stdin {
+                Stdio::piped()
+            } else {
+                Stdio::null()
+            })
             .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .process_group(0);
+            .stderr(Stdio::piped());
+        }
+        cmd.envs(&spec.env).current_dir(&workdir);
         if let Some(uid) = self.config.command_uid {
             // std drops the supplementary groups too (setgroups before setuid).
             cmd.uid(uid).gid(uid);
         }
+        let terminal = master.is_some();
         // SAFETY: runs in the forked child before exec (after the switch to
         // the command's user). The supervisor is single-threaded, so no lock
         // (allocator included) can be held by another thread at the fork;
-        // the closure makes one prctl and writes one proc file. It makes the
-        // command, not PID 1, the first choice of the OOM killer (a process
-        // that changed user is not dumpable, and its proc files are not its
-        // own until it is again).
+        // the closure makes async-signal-safe calls, one prctl and one
+        // write of a proc file. It makes the command, not PID 1, the first
+        // choice of the OOM killer (a process that changed user is not
+        // dumpable, and its proc files are not its own until it is again).
         unsafe {
-            cmd.pre_exec(|| {
+            cmd.pre_exec(move || {
+                child_setup(terminal)?;
                 let _ = nix::sys::prctl::set_dumpable(true);
                 let _ = std::fs::write("/proc/self/oom_score_adj", b"1000");
                 Ok(())
@@ -632,13 +1258,45 @@ impl Supervisor {
             }
             _ => format!("{}: {e}", shell.display()),
         })?;
+        // The child holds the terminal's slave side now; ours are closed
+        // with `cmd`.
+        drop(cmd);
         let pid = Pid::from_raw(child.id() as i32);
-        let stdout = child.stdout.take().map(Pipe::Out);
-        let stderr = child.stderr.take().map(Pipe::Err);
-        for p in [&stdout, &stderr].into_iter().flatten() {
+        let (pipes, stdin, input) = match master {
+            Some(master) => {
+                let input_fd = master.try_clone().map_err(|e| format!("terminal: {e}"))?;
+                let out = master.try_clone().map_err(|e| format!("terminal: {e}"))?;
+                (
+                    [Some(Pipe(out)), None],
+                    Some(input_fd),
+                    Some(Input::default()),
+                )
+            }
+            None => {
+                let stdout = child
+                    .stdout
+                    .take()
+                    .map(|p| Pipe(File::from(OwnedFd::from(p))));
+                let stderr = child
+                    .stderr
+                    .take()
+                    .map(|p| Pipe(File::from(OwnedFd::from(p))));
+                let stdin = child.stdin.take().map(|p| File::from(OwnedFd::from(p)));
+                let input = stdin.as_ref().map(|_| Input::default());
+                ([stdout, stderr], stdin, input)
+            }
+        };
+        for p in pipes.iter().flatten() {
             let _ = set_nonblocking(p.fd());
             let _ = fcntl(p.fd(), FcntlArg::F_SETPIPE_SZ(PIPE_BYTES));
         }
+        if let Some(fd) = &stdin {
+            let _ = set_nonblocking(fd.as_fd());
+        }
+        let terminal = match (&spec.terminal, &stdin) {
+            (Some(_), Some(fd)) => fd.try_clone().ok(),
+            _ => None,
+        };
         let started = Instant::now();
         let limit = spec.output_limit();
         Ok((
@@ -649,11 +1307,15 @@ impl Supervisor {
                 deadline: started + spec.timeout(),
                 ending: None,
                 kill_at: None,
-                pipes: [stdout, stderr],
+                keep_background: spec.keep_background,
+                pipes,
                 captures: [HeadTail::new(limit), HeadTail::new(limit)],
                 exit: None,
                 linger_until: None,
                 oom_kills_at_start,
+                stdin,
+                input,
+                terminal,
             }),
         ))
     }
@@ -739,6 +1401,8 @@ impl Supervisor {
     }
 
     /// Reaps every exited child: ours, and orphans reparented to PID 1.
+    /// When an operation's main process exits, its input closes and, unless
+    /// it keeps its background, the rest of its session is killed.
     fn reap(&mut self) {
         loop {
             match waitpid(None, Some(WaitPidFlag::WNOHANG)) {
@@ -750,8 +1414,19 @@ impl Supervisor {
                     };
                     let linger = self.config.linger;
                     if let Some(run) = self.ops.get_mut(&id).and_then(|op| op.running.as_mut()) {
+                        let now = Instant::now();
                         run.exit = Some(status);
-                        run.linger_until = Some(Instant::now() + linger);
+                        run.linger_until = Some(now + linger);
+                        if let Some(input) = run.input.as_mut() {
+                            input.close();
+                        }
+                        if run.terminal.is_none() {
+                            run.stdin = None;
+                        }
+                        if !run.keep_background {
+                            procs::kill_session(run.pgid);
+                            run.kill_at = Some(now);
+                        }
                     }
                 }
             }
@@ -764,18 +1439,16 @@ impl Supervisor {
             let Some(run) = op.running.as_mut() else {
                 continue;
             };
-            if run.ending.is_none() && now >= run.deadline {
+            if run.ending.is_none() && run.exit.is_none() && now >= run.deadline {
                 run.ending = Some(Ending::TimedOut);
                 let _ = killpg(run.pgid, Signal::SIGTERM);
                 run.kill_at = Some(now + grace);
             }
             if run.kill_at.is_some_and(|t| now >= t) {
-                // Repeated until the group is gone: a fork bomb may add
+                // Repeated until the session is gone: a fork bomb may add
                 // members between two kills.
-                match killpg(run.pgid, Signal::SIGKILL) {
-                    Err(Errno::ESRCH) => run.kill_at = None,
-                    _ => run.kill_at = Some(now + Duration::from_millis(50)),
-                }
+                run.kill_at =
+                    procs::kill_session(run.pgid).then(|| now + Duration::from_millis(50));
             }
         }
     }
@@ -825,10 +1498,16 @@ impl Supervisor {
                 captures,
                 exit,
                 oom_kills_at_start,
+                keep_background,
+                input,
                 ..
             } = *run;
-            if ending.is_some() {
-                let _ = killpg(pgid, Signal::SIGKILL);
+            if ending.is_some() || !keep_background {
+                procs::kill_session(pgid);
+            }
+            if let Some(mut input) = input {
+                input.close();
+                self.send_ack(&id, &input);
             }
             let oomed = || match (oom_kills_at_start, oom_kills()) {
                 (Some(a), Some(b)) => b > a,
@@ -884,9 +1563,12 @@ impl Supervisor {
     }
 
     fn kill_everything(&mut self) {
-        for op in self.ops.values() {
+        for op in self.ops.values_mut() {
             if let Some(run) = &op.running {
-                let _ = killpg(run.pgid, Signal::SIGKILL);
+                procs::kill_session(run.pgid);
+            }
+            if let Some(FileTask::Write { writer, .. }) = op.file.take() {
+                writer.abort();
             }
         }
         // As PID 1, everything else in the sandbox too (never outside one:

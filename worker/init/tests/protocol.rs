@@ -11,7 +11,11 @@ use std::time::Duration;
 
 use corral_proto::frame::{self, FrameDecoder};
 use corral_proto::init::{InitMessage, InitRequest};
-use corral_proto::{EventKind, OperationId, OperationSpec, Outcome, ShellSpec, pb};
+use bytes::Bytes;
+use corral_proto::{
+    EventKind, FileErrorKind, OperationId, OperationResult, OperationSpec, Outcome, ReadFileSpec,
+    ShellSpec, TerminalSize, WriteFileSpec, pb,
+};
 
 struct Init {
     child: Child,
@@ -97,6 +101,23 @@ impl Init {
                         return events;
                     }
                 }
+                InitMessage::InputAck { .. } => {}
+                other => panic!("unexpected {other:?}"),
+            }
+        }
+    }
+
+    /// The next input acknowledgement (events in between are skipped).
+    fn ack(&self) -> (u64, u64, bool) {
+        loop {
+            match self.recv() {
+                InitMessage::InputAck {
+                    received,
+                    consumed,
+                    closed,
+                    ..
+                } => return (received, consumed, closed),
+                InitMessage::Event(_) => {}
                 other => panic!("unexpected {other:?}"),
             }
         }
@@ -332,4 +353,306 @@ fn what_is_remembered_of_finished_operations_is_bounded_by_size() {
     assert!(kept.len() < 6 && !kept.is_empty(), "kept {}", kept.len());
     assert!(kept.contains(&ids[5]), "the newest is kept");
     assert!(!kept.contains(&ids[0]), "the oldest goes first");
+}
+
+fn shell(spec: ShellSpec) -> (OperationId, InitRequest) {
+    let id = OperationId::random();
+    let req = InitRequest::Run {
+        operation_id: id.clone(),
+        spec: OperationSpec::Shell(spec),
+    };
+    (id, req)
+}
+
+fn result_of(events: &[corral_proto::Event]) -> OperationResult {
+    match &events.last().unwrap().kind {
+        EventKind::Finished(r) => (**r).clone(),
+        other => panic!("not finished: {other:?}"),
+    }
+}
+
+fn stdout_of(events: &[corral_proto::Event]) -> Vec<u8> {
+    events
+        .iter()
+        .filter_map(|e| match &e.kind {
+            EventKind::Output { data, .. } => Some(data.to_vec()),
+            _ => None,
+        })
+        .flatten()
+        .collect()
+}
+
+fn alive(pid: i32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .is_ok_and(|s| !s.rsplit(')').next().unwrap_or("").trim_start().starts_with('Z'))
+}
+
+#[test]
+fn commands_start_with_no_signal_blocked_or_ignored() {
+    let mut init = Init::start();
+    attach(&mut init, 0, 1 << 20);
+    let (_, req) = run("grep -E '^Sig(Blk|Ign)' /proc/self/status");
+    init.send(req);
+    let out = String::from_utf8(result_of(&init.until_finished()).stdout.head.to_vec()).unwrap();
+    assert!(out.contains("SigBlk:\t0000000000000000"), "{out}");
+    assert!(out.contains("SigIgn:\t0000000000000000"), "{out}");
+
+    let (_, req) = run("kill -TERM $$; sleep 5");
+    init.send(req);
+    let r = result_of(&init.until_finished());
+    assert_eq!(r.outcome, Outcome::Signaled { signal: 15 });
+    assert_eq!(r.outcome.exit_status(), 143);
+
+    let (_, req) = run("trap 'echo caught; exit 7' TERM; kill -TERM $$; sleep 5");
+    init.send(req);
+    let r = result_of(&init.until_finished());
+    assert_eq!(r.outcome, Outcome::Exited { code: 7 });
+    assert_eq!(&r.stdout.head[..], b"caught\n");
+}
+
+#[test]
+fn background_processes_end_with_the_command_unless_kept() {
+    let mut init = Init::start();
+    attach(&mut init, 0, 1 << 20);
+    // Its own process group too (a shell with job control makes those).
+    let (_, req) = run("sleep 100 >/dev/null & echo $!; set -m; sleep 100 >/dev/null & echo $!");
+    init.send(req);
+    let r = result_of(&init.until_finished());
+    let pids: Vec<i32> = r
+        .stdout
+        .to_lossy_string()
+        .lines()
+        .map(|l| l.parse().unwrap())
+        .collect();
+    assert_eq!(pids.len(), 2);
+    std::thread::sleep(Duration::from_millis(300));
+    for pid in &pids {
+        assert!(!alive(*pid), "background process {pid} outlived its command");
+    }
+
+    let mut spec = ShellSpec::new("sleep 100 >/dev/null 2>&1 & echo $!");
+    spec.keep_background = true;
+    let (_, req) = shell(spec);
+    init.send(req);
+    let r = result_of(&init.until_finished());
+    let pid: i32 = r.stdout.to_lossy_string().trim().parse().unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(alive(pid), "a kept background process was killed");
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL)
+        .unwrap();
+}
+
+#[test]
+fn stdin_is_placed_by_offset_and_closed_at_its_end() {
+    let mut init = Init::start();
+    attach(&mut init, 0, 1 << 20);
+    let mut spec = ShellSpec::new("cat; echo done");
+    spec.stdin = true;
+    let (id, req) = shell(spec);
+    init.send(req);
+    let input = |offset: u64, data: &'static [u8], eof: bool| InitRequest::Input {
+        operation_id: id.clone(),
+        offset,
+        data: Bytes::from_static(data),
+        eof,
+    };
+    init.send(input(0, b"hello\n", false));
+    // A repeat that overlaps: only its new part counts.
+    init.send(input(3, b"lo\nworld", false));
+    // A gap is refused.
+    init.send(input(100, b"x", false));
+    init.send(input(11, b"\n", true));
+    let mut rejected = false;
+    let events = loop {
+        match init.recv() {
+            InitMessage::Rejected { reason, .. } => {
+                assert!(reason.contains("offset 100"), "{reason}");
+                rejected = true;
+            }
+            InitMessage::Event(e) if matches!(e.kind, EventKind::Finished(_)) => break vec![e],
+            _ => {}
+        }
+    };
+    assert!(rejected);
+    let r = result_of(&events);
+    assert_eq!(r.stdout.to_lossy_string(), "hello\nworld\ndone\n");
+    // Input after the end: said closed.
+    init.send(input(12, b"late", false));
+    assert!(init.ack().2);
+}
+
+#[test]
+fn a_terminal_has_its_size_resizes_and_ends_at_eof() {
+    let mut init = Init::start();
+    attach(&mut init, 0, 1 << 20);
+    let mut spec = ShellSpec::new("test -t 0 && test -t 1 && stty size; read x; stty size; cat");
+    spec.terminal = Some(TerminalSize { rows: 24, cols: 80 });
+    let (id, req) = shell(spec);
+    init.send(req);
+    // Wait for the first size to be printed before resizing.
+    let mut seen = Vec::new();
+    while !String::from_utf8_lossy(&seen).contains("24 80") {
+        if let InitMessage::Event(e) = init.recv()
+            && let EventKind::Output { data, .. } = e.kind
+        {
+            seen.extend_from_slice(&data);
+        }
+    }
+    init.send(InitRequest::Resize {
+        operation_id: id.clone(),
+        size: TerminalSize {
+            rows: 50,
+            cols: 132,
+        },
+    });
+    init.send(InitRequest::Input {
+        operation_id: id.clone(),
+        offset: 0,
+        data: Bytes::from_static(b"go\n"),
+        eof: true,
+    });
+    let events = init.until_finished();
+    seen.extend(stdout_of(&events));
+    let text = String::from_utf8_lossy(&seen);
+    assert!(text.contains("50 132"), "{text:?}");
+    assert_eq!(result_of(&events).outcome, Outcome::Exited { code: 0 });
+}
+
+#[test]
+fn a_fifo_is_refused_while_the_supervisor_goes_on() {
+    let mut init = Init::start();
+    attach(&mut init, 0, 1 << 20);
+    let (_, req) = run("mkfifo pipe");
+    init.send(req);
+    init.until_finished();
+    for spec in [
+        OperationSpec::ReadFile(ReadFileSpec::new("pipe")),
+        OperationSpec::ReadFile(ReadFileSpec {
+            stream: true,
+            limit: 0,
+            ..ReadFileSpec::new("pipe")
+        }),
+        OperationSpec::WriteFile(WriteFileSpec {
+            append: true,
+            ..WriteFileSpec::new("pipe", Bytes::from_static(b"x"))
+        }),
+    ] {
+        init.send(InitRequest::Run {
+            operation_id: OperationId::random(),
+            spec,
+        });
+        let r = result_of(&init.until_finished());
+        assert!(
+            matches!(&r.outcome, Outcome::FileError { kind: FileErrorKind::NotRegular, message } if message.contains("FIFO")),
+            "{r:?}"
+        );
+    }
+    let (_, req) = run("echo next");
+    init.send(req);
+    assert_eq!(
+        &result_of(&init.until_finished()).stdout.head[..],
+        b"next\n"
+    );
+}
+
+#[test]
+fn large_files_stream_in_and_out_under_flow_control() {
+    let mut init = Init::start();
+    attach(&mut init, 0, 1 << 20);
+    const SIZE: usize = 24 << 20;
+    let data: Vec<u8> = (0..SIZE).map(|i| (i * 7 + i / 4093) as u8).collect();
+    let id = OperationId::random();
+    init.send(InitRequest::Run {
+        operation_id: id.clone(),
+        spec: OperationSpec::WriteFile(WriteFileSpec {
+            stream: true,
+            ..WriteFileSpec::new("big.bin", Bytes::copy_from_slice(&data[..1000]))
+        }),
+    });
+    // The input's offsets count from the end of the spec's own bytes.
+    // Sent within a window of what init has written out.
+    let rest = &data[1000..];
+    let window = corral_init::supervisor::MAX_INPUT_BUFFER as u64 / 2;
+    let (mut sent, mut consumed) = (0u64, 0u64);
+    while sent < rest.len() as u64 {
+        if sent - consumed + (1 << 20) > window {
+            consumed = init.ack().1;
+            continue;
+        }
+        let end = (sent as usize + (1 << 20)).min(rest.len());
+        init.send(InitRequest::Input {
+            operation_id: id.clone(),
+            offset: sent,
+            data: Bytes::copy_from_slice(&rest[sent as usize..end]),
+            eof: end == rest.len(),
+        });
+        sent = end as u64;
+    }
+    let r = result_of(&init.until_finished());
+    assert_eq!(r.outcome, Outcome::Exited { code: 0 }, "{r:?}");
+    assert_eq!(r.bytes_written, SIZE as u64);
+
+    let read = OperationId::random();
+    init.send(InitRequest::Run {
+        operation_id: read,
+        spec: OperationSpec::ReadFile(ReadFileSpec {
+            stream: true,
+            limit: 0,
+            ..ReadFileSpec::new("big.bin")
+        }),
+    });
+    let mut got = Vec::with_capacity(SIZE);
+    loop {
+        let InitMessage::Event(e) = init.recv() else {
+            continue;
+        };
+        match e.kind {
+            EventKind::Output { data, .. } => {
+                got.extend_from_slice(&data);
+                init.send(InitRequest::Credit {
+                    bytes: data.len() as u64,
+                });
+            }
+            EventKind::Finished(r) => {
+                assert_eq!((r.file_size, r.bytes_written), (SIZE as u64, SIZE as u64));
+                assert!(r.file_data.is_empty());
+                break;
+            }
+            _ => {}
+        }
+    }
+    assert!(got == data, "the file came back different");
+}
+
+#[test]
+fn a_reset_kills_every_process_and_ends_what_runs() {
+    let mut init = Init::start();
+    attach(&mut init, 0, 1 << 20);
+    let mut spec = ShellSpec::new("for i in 1 2 3 4 5; do sleep 100 & done; echo $!; wait");
+    spec.keep_background = true;
+    let (_, req) = shell(spec);
+    init.send(req);
+    let pid: i32 = loop {
+        if let InitMessage::Event(e) = init.recv()
+            && let EventKind::Output { data, .. } = e.kind
+        {
+            break String::from_utf8_lossy(&data).trim().parse().unwrap();
+        }
+    };
+    init.send(InitRequest::Reset);
+    let killed = loop {
+        match init.recv() {
+            InitMessage::ResetDone { killed } => break killed,
+            InitMessage::Event(_) => {}
+            other => panic!("unexpected {other:?}"),
+        }
+    };
+    assert!(killed >= 6, "killed {killed}");
+    let r = result_of(&init.until_finished());
+    assert_eq!(r.outcome, Outcome::Canceled);
+    std::thread::sleep(Duration::from_millis(100));
+    assert!(!alive(pid));
+    let (_, req) = run("echo after");
+    init.send(req);
+    assert_eq!(&result_of(&init.until_finished()).stdout.head[..], b"after\n");
 }

@@ -1,0 +1,61 @@
+//! The processes of the sandbox, as `/proc` shows them: enough to kill an
+//! operation's whole session (its process group and any group a shell's
+//! job control made in it) and to count what a reset kills.
+
+use nix::sys::signal::{Signal, kill, killpg};
+use nix::unistd::Pid;
+
+/// Pid and session id of every process in `/proc`.
+fn sessions() -> impl Iterator<Item = (i32, i32)> {
+    std::fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|entry| {
+            let pid: i32 = entry.file_name().to_str()?.parse().ok()?;
+            let stat = std::fs::read_to_string(entry.path().join("stat")).ok()?;
+            Some((pid, session_of(&stat)?))
+        })
+}
+
+/// The session field of a `/proc/PID/stat` line: the fourth after the
+/// command name, which is in parentheses and may hold anything.
+fn session_of(stat: &str) -> Option<i32> {
+    let rest = &stat[stat.rfind(')')? + 1..];
+    rest.split_whitespace().nth(3)?.parse().ok()
+}
+
+/// Sends SIGKILL to the process group `sid` and to every process of the
+/// session `sid`. Returns whether any process was found to kill.
+pub fn kill_session(sid: Pid) -> bool {
+    let mut found = killpg(sid, Signal::SIGKILL).is_ok();
+    for (pid, session) in sessions() {
+        if session == sid.as_raw() && kill(Pid::from_raw(pid), Signal::SIGKILL).is_ok() {
+            found = true;
+        }
+    }
+    found
+}
+
+/// Processes a reset by `me` kills: as PID 1, all the others; outside a
+/// sandbox (tests), those of the `sessions` given.
+pub fn count(me: u32, sessions_of_ops: &[Pid]) -> u32 {
+    sessions()
+        .filter(|(pid, sid)| {
+            *pid != me as i32 && (me == 1 || sessions_of_ops.iter().any(|s| s.as_raw() == *sid))
+        })
+        .count() as u32
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_session_is_read_past_any_command_name() {
+        let stat = "42 (a) b) (c) S 1 40 41 0 -1 4194560";
+        assert_eq!(session_of(stat), Some(41));
+        assert_eq!(session_of("7 (sh) R 1 7 7 0"), Some(7));
+        assert_eq!(session_of("garbage"), None);
+    }
+}
