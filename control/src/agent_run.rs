@@ -856,11 +856,7 @@ async fn install_files(
     use corral_proto::{OperationId, OperationSpec, Outcome, WriteFileSpec};
     for (path, data) in files {
         let id = OperationId::random();
-        let spec = OperationSpec::WriteFile(WriteFileSpec {
-            path: path.clone(),
-            data: data.into(),
-            mode: 0o644,
-        });
+        let spec = OperationSpec::WriteFile(WriteFileSpec::new(path.clone(), data));
         let mut record = client.submit(sandbox, &id, spec).await?;
         let deadline = Instant::now() + Duration::from_secs(60);
         let result = loop {

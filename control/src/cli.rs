@@ -208,6 +208,17 @@ pub struct ExecArgs {
     /// Run the command with bash instead of /bin/sh.
     #[arg(long, env = "CORRAL_BASH")]
     pub bash: bool,
+    /// Keep stdin open: what this process reads is the command's stdin
+    /// (closed at end of input).
+    #[arg(long, short = 'i', env = "CORRAL_INTERACTIVE")]
+    pub interactive: bool,
+    /// Give the command a pseudo-terminal (its size follows this terminal's).
+    #[arg(long, short = 't', env = "CORRAL_TTY")]
+    pub tty: bool,
+    /// Leave what the command started in the background running after it
+    /// exits (by default the rest of its process group is killed).
+    #[arg(long, env = "CORRAL_KEEP_BACKGROUND")]
+    pub keep_background: bool,
     /// The command and its arguments.
     #[arg(last = true, required = true, value_name = "CMD")]
     pub argv: Vec<String>,
@@ -266,11 +277,18 @@ pub enum SandboxCommand {
         /// OCI runtime, e.g. runsc for gVisor (as the worker allows).
         #[arg(long)]
         runtime: Option<String>,
+        /// Remove the sandbox once no client has used it for this long
+        /// (e.g. 30m; default: never).
+        #[arg(long, value_parser = humantime::parse_duration)]
+        idle_timeout: Option<Duration>,
     },
     /// List sandboxes.
     Ls,
     /// Remove a sandbox.
     Rm { id: String },
+    /// Kill every process in a sandbox (its files stay); running commands
+    /// end as canceled. Works when the sandbox is at its process limit.
+    Reset { id: String },
 }
 
 fn parse_env(s: &str) -> Result<(String, String), String> {

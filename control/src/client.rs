@@ -288,6 +288,55 @@ impl WorkerClient {
         })))
     }
 
+    /// Feeds `data` at `offset` of an operation's input; returns the
+    /// input's end and whether it takes more.
+    pub async fn write_input(
+        &self,
+        sandbox: &SandboxId,
+        id: &OperationId,
+        offset: u64,
+        data: bytes::Bytes,
+        eof: bool,
+    ) -> Result<(u64, bool), ClientError> {
+        let req = pb::WriteInputRequest {
+            sandbox_id: sandbox.to_string(),
+            operation_id: id.to_string(),
+            offset,
+            data,
+            eof,
+        };
+        let r = self.inner.clone().write_input(req).await?.into_inner();
+        Ok((r.input_bytes, r.closed))
+    }
+
+    pub async fn resize_terminal(
+        &self,
+        sandbox: &SandboxId,
+        id: &OperationId,
+        size: corral_proto::TerminalSize,
+    ) -> Result<(), ClientError> {
+        let req = pb::ResizeTerminalRequest {
+            sandbox_id: sandbox.to_string(),
+            operation_id: id.to_string(),
+            size: Some(size.into()),
+        };
+        self.inner.clone().resize_terminal(req).await?;
+        Ok(())
+    }
+
+    /// Kills every process of the sandbox but its supervisor; returns how
+    /// many there were.
+    pub async fn reset_sandbox(&self, id: &SandboxId) -> Result<u32, ClientError> {
+        let req = pb::ResetSandboxRequest { id: id.to_string() };
+        Ok(self
+            .inner
+            .clone()
+            .reset_sandbox(req)
+            .await?
+            .into_inner()
+            .killed)
+    }
+
     pub async fn worker_info(&self) -> Result<WorkerInfo, ClientError> {
         let resp = self
             .inner

@@ -304,6 +304,7 @@ async fn run_sandbox(conn: &Connection, cmd: SandboxCommand) -> Result<(), RunEr
             cap_add,
             env,
             runtime,
+            idle_timeout,
         } => {
             let id = id.as_deref().map(sandbox_id).transpose()?;
             if let Some(c) = cpus
@@ -327,6 +328,7 @@ async fn run_sandbox(conn: &Connection, cmd: SandboxCommand) -> Result<(), RunEr
                 add_capabilities: cap_add,
                 env: env.into_iter().collect(),
                 runtime,
+                idle_timeout_ms: idle_timeout.map(|d| d.as_millis() as u64),
             };
             spec.validate()
                 .map_err(|e| RunError::Invalid(e.to_string()))?;
@@ -363,6 +365,11 @@ async fn run_sandbox(conn: &Connection, cmd: SandboxCommand) -> Result<(), RunEr
             if !conn.client.destroy_sandbox(&id).await? {
                 return Err(RunError::Invalid(format!("unknown sandbox {id}")));
             }
+        }
+        SandboxCommand::Reset { id } => {
+            let id = sandbox_id(&id)?;
+            let killed = conn.client.reset_sandbox(&id).await?;
+            writeln!(stdout, "killed {killed} processes")?;
         }
     }
     Ok(())

@@ -44,6 +44,16 @@ pub enum WorkerError {
     /// The worker's policy refuses what was asked.
     #[error("refused: {0}")]
     Denied(String),
+    /// What was asked does not fit the operation (input to one that takes
+    /// none, a resize of one without a terminal).
+    #[error("{0}")]
+    NotApplicable(String),
+    /// Input past the end of what the operation has taken.
+    #[error("{0}")]
+    InputGap(String),
+    /// The link to the sandbox's supervisor is down for now: ask again.
+    #[error("sandbox {0}: its supervisor is not reachable right now; try again")]
+    Detached(String),
 }
 
 pub type Result<T, E = WorkerError> = std::result::Result<T, E>;
@@ -66,9 +76,10 @@ impl From<WorkerError> for tonic::Status {
             WorkerError::Conflict { .. } => Code::AlreadyExists,
             WorkerError::Denied(_) => Code::PermissionDenied,
             WorkerError::AtCapacity(_) | WorkerError::TooManyWatchers(_) => Code::ResourceExhausted,
-            WorkerError::SandboxLost { .. } | WorkerError::NoSuchImage(_) => {
-                Code::FailedPrecondition
-            }
+            WorkerError::SandboxLost { .. }
+            | WorkerError::NoSuchImage(_)
+            | WorkerError::NotApplicable(_) => Code::FailedPrecondition,
+            WorkerError::InputGap(_) => Code::OutOfRange,
             // The engine refused what was asked: asking again cannot help.
             WorkerError::Docker(bollard::errors::Error::DockerResponseServerError {
                 status_code,
@@ -79,6 +90,7 @@ impl From<WorkerError> for tonic::Status {
             },
             WorkerError::Docker(_)
             | WorkerError::InitUnresponsive { .. }
+            | WorkerError::Detached(_)
             | WorkerError::ShuttingDown => Code::Unavailable,
             WorkerError::InitBinary(_)
             | WorkerError::Config(_)

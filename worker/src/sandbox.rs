@@ -28,7 +28,7 @@ use corral_proto::frame::{self, FrameDecoder};
 use corral_proto::init::{InitMessage, InitRequest, OperationRecord, Welcome};
 use corral_proto::{
     Event, EventKind, OperationId, OperationResult, OperationSpec, Outcome, ProtocolError,
-    SandboxId, SandboxInfo, SandboxSpec, SandboxState, pb,
+    SandboxId, SandboxInfo, SandboxSpec, SandboxState, TerminalSize, pb,
 };
 use futures_util::{Stream, StreamExt};
 use tokio::io::{AsyncWrite, AsyncWriteExt};
@@ -43,6 +43,11 @@ use crate::error::{Result, WorkerError};
 pub const WINDOW_BYTES: u64 = 4 << 20;
 /// Operations remembered per sandbox (running ones are never dropped).
 const MAX_OPERATIONS: usize = 4096;
+/// Input of one operation sent to init and not yet written on by it (init
+/// holds up to twice this).
+pub const INPUT_WINDOW_BYTES: u64 = 2 << 20;
+/// Input calls of one operation waiting their turn.
+const MAX_QUEUED_INPUTS: usize = 64;
 
 /// What one sandbox allows its watchers.
 #[derive(Debug, Clone, Copy)]
@@ -143,6 +148,8 @@ pub struct Shared {
     progress: Notify,
     /// Cancelled when the sandbox is destroyed or the worker stops.
     closed: CancellationToken,
+    /// When a client last named this sandbox in a call (or watched it).
+    touched: Mutex<std::time::Instant>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -207,6 +214,69 @@ enum Command {
         id: OperationId,
         reply: oneshot::Sender<bool>,
     },
+    Input(PendingInput),
+    Resize {
+        id: OperationId,
+        size: TerminalSize,
+        reply: oneshot::Sender<Result<()>>,
+    },
+    Reset {
+        reply: oneshot::Sender<Result<u32>>,
+    },
+}
+
+/// Where an operation's input stands after a WriteInput.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct InputReply {
+    /// The input's end (the next offset).
+    pub input_bytes: u64,
+    /// No more input is taken.
+    pub closed: bool,
+}
+
+/// One WriteInput, waiting for its turn or for init to take it.
+struct PendingInput {
+    id: OperationId,
+    offset: u64,
+    data: Bytes,
+    eof: bool,
+    reply: oneshot::Sender<Result<InputReply>>,
+}
+
+/// The actor's view of one operation's input.
+#[derive(Default)]
+struct InputLink {
+    /// Bytes init has taken, and written on.
+    received: u64,
+    consumed: u64,
+    closed: bool,
+    /// Sent to init, answered when its ack covers `end`.
+    in_flight: Option<(u64, PendingInput)>,
+    queue: VecDeque<PendingInput>,
+}
+
+impl InputLink {
+    fn reply(&self) -> InputReply {
+        InputReply {
+            input_bytes: self.received,
+            closed: self.closed,
+        }
+    }
+
+    /// Answers every waiting call: the input is closed.
+    fn close_all(&mut self) {
+        self.closed = true;
+        let reply = self.reply();
+        for p in self.in_flight.take().map(|(_, p)| p).into_iter().chain(self.queue.drain(..)) {
+            let _ = p.reply.send(Ok(reply));
+        }
+    }
+
+    fn fail_all(&mut self, err: impl Fn() -> WorkerError) {
+        for p in self.in_flight.take().map(|(_, p)| p).into_iter().chain(self.queue.drain(..)) {
+            let _ = p.reply.send(Err(err()));
+        }
+    }
 }
 
 /// A handle to a sandbox: cheap to clone, safe to use from any task.
@@ -250,6 +320,7 @@ impl Sandbox {
             next_watcher: 0.into(),
             progress: Notify::new(),
             closed: shutdown.child_token(),
+            touched: Mutex::new(std::time::Instant::now()),
         });
         let (tx, rx) = mpsc::channel(256);
         let actor = Actor {
@@ -268,6 +339,8 @@ impl Sandbox {
             live_after: 0,
             stderr: Vec::new(),
             stall_check: false,
+            inputs: HashMap::new(),
+            resets: VecDeque::new(),
         };
         let span = info_span!("sandbox", sandbox = %id, container = %short(&container_id));
         tracker.spawn(actor.run().instrument(span));
@@ -343,6 +416,61 @@ impl Sandbox {
 
     pub fn operation(&self, id: &OperationId) -> Option<OperationRecord> {
         lock(&self.shared.ops).ops.get(id).cloned()
+    }
+
+    /// Feeds input to an operation; answers once init has taken it.
+    pub async fn write_input(
+        &self,
+        id: OperationId,
+        offset: u64,
+        data: Bytes,
+        eof: bool,
+    ) -> Result<InputReply> {
+        let (reply, rx) = oneshot::channel();
+        self.tx
+            .send(Command::Input(PendingInput {
+                id,
+                offset,
+                data,
+                eof,
+                reply,
+            }))
+            .await
+            .map_err(|_| WorkerError::ShuttingDown)?;
+        rx.await.map_err(|_| WorkerError::ShuttingDown)?
+    }
+
+    pub async fn resize(&self, id: OperationId, size: TerminalSize) -> Result<()> {
+        let (reply, rx) = oneshot::channel();
+        self.tx
+            .send(Command::Resize { id, size, reply })
+            .await
+            .map_err(|_| WorkerError::ShuttingDown)?;
+        rx.await.map_err(|_| WorkerError::ShuttingDown)?
+    }
+
+    /// Kills every process of the sandbox but its supervisor.
+    pub async fn reset(&self) -> Result<u32> {
+        let (reply, rx) = oneshot::channel();
+        self.tx
+            .send(Command::Reset { reply })
+            .await
+            .map_err(|_| WorkerError::ShuttingDown)?;
+        rx.await.map_err(|_| WorkerError::ShuttingDown)?
+    }
+
+    /// A client named this sandbox: it is not idle.
+    pub fn touch(&self) {
+        *lock(&self.shared.touched) = std::time::Instant::now();
+    }
+
+    /// How long no client has named or watched this sandbox.
+    pub fn idle_for(&self) -> Duration {
+        if self.watchers() > 0 {
+            self.touch();
+            return Duration::ZERO;
+        }
+        lock(&self.shared.touched).elapsed()
     }
 
     /// Stops the actor and every watcher of this sandbox.
@@ -493,6 +621,10 @@ struct Actor {
     stderr: Vec<u8>,
     /// A watcher is holding the window back: look again in a while.
     stall_check: bool,
+    /// Input of operations that take it.
+    inputs: HashMap<OperationId, InputLink>,
+    /// Resets sent to init, answered in order.
+    resets: VecDeque<oneshot::Sender<Result<u32>>>,
 }
 
 enum Wake {
@@ -546,6 +678,16 @@ impl Actor {
         self.input = None;
         self.welcomed = false;
         self.decoder = FrameDecoder::new();
+        // Input in flight is sent again after the next attach (init places
+        // it by offset, so nothing is taken twice); resets are not.
+        for link in self.inputs.values_mut() {
+            if let Some((_, p)) = link.in_flight.take() {
+                link.queue.push_front(p);
+            }
+        }
+        for reply in self.resets.drain(..) {
+            let _ = reply.send(Err(WorkerError::Detached(self.id.to_string())));
+        }
     }
 
     /// Attaches (again) to the container, or declares the sandbox lost.
@@ -635,7 +777,181 @@ impl Actor {
                 }
                 let _ = reply.send(running);
             }
+            Command::Input(p) => self.on_input(p).await,
+            Command::Resize { id, size, reply } => {
+                let terminal = lock(&self.shared.ops).ops.get(&id).map(|r| {
+                    (
+                        matches!(&r.spec, OperationSpec::Shell(s) if s.terminal.is_some()),
+                        r.result.is_none(),
+                    )
+                });
+                let answer = match terminal {
+                    None => Err(WorkerError::UnknownOperation(id.to_string())),
+                    Some((false, _)) => Err(WorkerError::NotApplicable(format!(
+                        "operation {id} has no terminal"
+                    ))),
+                    Some((true, false)) => Ok(()),
+                    Some((true, true)) => {
+                        if self
+                            .send(InitRequest::Resize {
+                                operation_id: id,
+                                size,
+                            })
+                            .await
+                        {
+                            Ok(())
+                        } else {
+                            Err(WorkerError::Detached(self.id.to_string()))
+                        }
+                    }
+                };
+                let _ = reply.send(answer);
+            }
+            Command::Reset { reply } => {
+                if let SandboxState::Lost(reason) = &*self.shared.state.borrow() {
+                    let _ = reply.send(Err(WorkerError::SandboxLost {
+                        id: self.id.to_string(),
+                        reason: reason.clone(),
+                    }));
+                    return;
+                }
+                if self.welcomed && self.send(InitRequest::Reset).await {
+                    self.resets.push_back(reply);
+                } else {
+                    let _ = reply.send(Err(WorkerError::Detached(self.id.to_string())));
+                }
+            }
         }
+    }
+
+    /// Takes a WriteInput: checked against the operation, then queued
+    /// behind the others of the same operation.
+    async fn on_input(&mut self, p: PendingInput) {
+        let known = lock(&self.shared.ops)
+            .ops
+            .get(&p.id)
+            .map(|r| (r.spec.takes_input(), r.result.is_some(), r.input_bytes));
+        match known {
+            None => {
+                let _ = p
+                    .reply
+                    .send(Err(WorkerError::UnknownOperation(p.id.to_string())));
+            }
+            Some((false, _, _)) => {
+                let _ = p.reply.send(Err(WorkerError::NotApplicable(format!(
+                    "operation {} takes no input (ask for stdin, a terminal or a streamed write)",
+                    p.id
+                ))));
+            }
+            Some((true, true, taken)) => {
+                let received = self.inputs.get(&p.id).map_or(taken, |l| l.received);
+                let _ = p.reply.send(Ok(InputReply {
+                    input_bytes: received,
+                    closed: true,
+                }));
+            }
+            Some((true, false, _)) => {
+                let link = self.inputs.entry(p.id.clone()).or_default();
+                if link.queue.len() >= MAX_QUEUED_INPUTS {
+                    let _ = p.reply.send(Err(WorkerError::TooManyWatchers(format!(
+                        "{MAX_QUEUED_INPUTS} input calls of operation {} are waiting already",
+                        p.id
+                    ))));
+                    return;
+                }
+                let id = p.id.clone();
+                link.queue.push_back(p);
+                self.pump_input(&id).await;
+            }
+        }
+    }
+
+    /// Sends the next waiting input of `id` to init when its window has
+    /// room and nothing of it is in flight.
+    async fn pump_input(&mut self, id: &OperationId) {
+        loop {
+            if !self.welcomed {
+                return;
+            }
+            let Some(link) = self.inputs.get_mut(id) else {
+                return;
+            };
+            if link.in_flight.is_some() {
+                return;
+            }
+            if link.closed {
+                link.close_all();
+                return;
+            }
+            let Some(front) = link.queue.front() else {
+                return;
+            };
+            if front.offset > link.received {
+                let Some(p) = link.queue.pop_front() else {
+                    return;
+                };
+                let _ = p.reply.send(Err(WorkerError::InputGap(format!(
+                    "input at offset {} of operation {id}, whose input ends at {}",
+                    p.offset, link.received
+                ))));
+                continue;
+            }
+            let skip = usize::try_from(link.received - front.offset).unwrap_or(usize::MAX);
+            if skip >= front.data.len() && !front.eof {
+                if let Some(p) = link.queue.pop_front() {
+                    let _ = p.reply.send(Ok(link.reply()));
+                }
+                continue;
+            }
+            let len = front.data.len().saturating_sub(skip) as u64;
+            let waiting = link.received - link.consumed;
+            if waiting > 0 && waiting + len > INPUT_WINDOW_BYTES {
+                // Init has enough to write on: the next ack makes room.
+                return;
+            }
+            let Some(p) = link.queue.pop_front() else {
+                return;
+            };
+            let data = if skip >= p.data.len() {
+                Bytes::new()
+            } else {
+                p.data.slice(skip..)
+            };
+            let offset = link.received;
+            let end = offset + data.len() as u64;
+            let req = InitRequest::Input {
+                operation_id: id.clone(),
+                offset,
+                data,
+                eof: p.eof,
+            };
+            link.in_flight = Some((end, p));
+            if !self.send(req).await {
+                return;
+            }
+        }
+    }
+
+    /// Init's word on an input: answers the call in flight once covered.
+    async fn on_input_ack(&mut self, id: OperationId, received: u64, consumed: u64, closed: bool) {
+        if closed && !self.inputs.contains_key(&id) {
+            return;
+        }
+        let link = self.inputs.entry(id.clone()).or_default();
+        link.received = link.received.max(received);
+        link.consumed = link.consumed.max(consumed);
+        if closed {
+            link.close_all();
+            self.inputs.remove(&id);
+            return;
+        }
+        if let Some((end, _)) = &link.in_flight
+            && link.received >= *end
+            && let Some((_, p)) = link.in_flight.take()
+        {
+            let _ = p.reply.send(Ok(link.reply()));
+        }
+        self.pump_input(&id).await;
     }
 
     async fn submit(&mut self, id: OperationId, spec: OperationSpec) -> Result<OperationRecord> {
@@ -648,7 +964,9 @@ impl Actor {
         let record = {
             let mut ops = lock(&self.shared.ops);
             if let Some(existing) = ops.ops.get(&id) {
-                return if existing.spec == spec {
+                // A record learnt from init after a restart has no bytes of
+                // a write (they are never echoed back).
+                return if existing.spec == spec || existing.spec == spec.without_data() {
                     Ok(existing.clone())
                 } else {
                     Err(WorkerError::Conflict {
@@ -662,6 +980,7 @@ impl Actor {
                 spec: spec.clone(),
                 result: None,
                 first_seq: 0,
+                input_bytes: 0,
             };
             ops.ops.insert(id.clone(), record.clone());
             record
@@ -712,7 +1031,29 @@ impl Actor {
                 operation_id,
                 reason,
             } => {
-                warn!(operation = ?operation_id.map(String::from), reason, "supervisor rejected a request");
+                warn!(operation = ?operation_id.as_ref().map(ToString::to_string), reason, "supervisor rejected a request");
+                // Input it would not take is sent again once there is room.
+                if let Some(id) = operation_id
+                    && let Some(link) = self.inputs.get_mut(&id)
+                    && let Some((_, p)) = link.in_flight.take()
+                {
+                    link.queue.push_front(p);
+                }
+            }
+            InitMessage::InputAck {
+                operation_id,
+                received,
+                consumed,
+                closed,
+            } => {
+                self.on_input_ack(operation_id, received, consumed, closed)
+                    .await;
+            }
+            InitMessage::ResetDone { killed } => {
+                info!(killed, "sandbox reset");
+                if let Some(reply) = self.resets.pop_front() {
+                    let _ = reply.send(Ok(killed));
+                }
             }
         }
     }
@@ -734,6 +1075,12 @@ impl Actor {
         self.live_after = w.last_seq;
         let known: std::collections::HashSet<OperationId> =
             w.operations.iter().map(|o| o.id.clone()).collect();
+        for rec in &w.operations {
+            if let Some(link) = self.inputs.get_mut(&rec.id) {
+                link.received = rec.input_bytes;
+                link.consumed = link.consumed.min(rec.input_bytes);
+            }
+        }
         let unsent: Vec<(OperationId, OperationSpec)> = {
             let mut ops = lock(&self.shared.ops);
             for rec in w.operations {
@@ -750,6 +1097,10 @@ impl Actor {
             self.send(InitRequest::Run { operation_id, spec }).await;
         }
         self.shared.state.send_replace(SandboxState::Ready);
+        let waiting: Vec<OperationId> = self.inputs.keys().cloned().collect();
+        for id in waiting {
+            self.pump_input(&id).await;
+        }
     }
 
     async fn on_event(&mut self, event: Event) {
@@ -786,6 +1137,9 @@ impl Actor {
                         }
                         info!(operation = %id, outcome = %result.outcome, "operation finished");
                         ops.finish(id, (**result).clone());
+                        if let Some(mut link) = self.inputs.remove(id) {
+                            link.close_all();
+                        }
                     }
                     _ => {}
                 }
@@ -833,6 +1187,12 @@ impl Actor {
     fn lose(&mut self, reason: String) {
         warn!(reason, "sandbox lost");
         self.detach();
+        for (_, mut link) in self.inputs.drain() {
+            link.fail_all(|| WorkerError::SandboxLost {
+                id: self.id.to_string(),
+                reason: reason.clone(),
+            });
+        }
         let running: Vec<OperationId> = lock(&self.shared.ops)
             .ops
             .values()
@@ -883,6 +1243,7 @@ mod tests {
                     spec: OperationSpec::Shell(corral_proto::ShellSpec::new("true")),
                     result: None,
                     first_seq: 0,
+                    input_bytes: 0,
                 },
             );
         }

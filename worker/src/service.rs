@@ -133,6 +133,47 @@ impl pb::worker_server::Worker for WorkerService {
         Ok(Response::new(Box::pin(stream)))
     }
 
+    async fn write_input(
+        &self,
+        req: Request<pb::WriteInputRequest>,
+    ) -> Result<Response<pb::WriteInputResponse>, Status> {
+        let req = req.into_inner();
+        let sid = sandbox_id(req.sandbox_id)?;
+        let oid = operation_id(req.operation_id)?;
+        let reply = self
+            .worker
+            .write_input(&sid, oid, req.offset, req.data, req.eof)
+            .await?;
+        Ok(Response::new(pb::WriteInputResponse {
+            input_bytes: reply.input_bytes,
+            closed: reply.closed,
+        }))
+    }
+
+    async fn resize_terminal(
+        &self,
+        req: Request<pb::ResizeTerminalRequest>,
+    ) -> Result<Response<pb::ResizeTerminalResponse>, Status> {
+        let req = req.into_inner();
+        let sid = sandbox_id(req.sandbox_id)?;
+        let oid = operation_id(req.operation_id)?;
+        let size = corral_proto::TerminalSize::try_from(
+            req.size
+                .ok_or(corral_proto::ProtocolError::Missing("size"))?,
+        )?;
+        self.worker.resize_terminal(&sid, oid, size).await?;
+        Ok(Response::new(pb::ResizeTerminalResponse {}))
+    }
+
+    async fn reset_sandbox(
+        &self,
+        req: Request<pb::ResetSandboxRequest>,
+    ) -> Result<Response<pb::ResetSandboxResponse>, Status> {
+        let sid = sandbox_id(req.into_inner().id)?;
+        let killed = self.worker.reset_sandbox(&sid).await?;
+        Ok(Response::new(pb::ResetSandboxResponse { killed }))
+    }
+
     async fn get_worker_info(
         &self,
         _req: Request<pb::GetWorkerInfoRequest>,

@@ -134,6 +134,11 @@ impl Worker {
             .inner
             .tracker
             .spawn(async move { sweeper.sweep_forever(interval).await });
+        let reaper = worker.clone();
+        worker
+            .inner
+            .tracker
+            .spawn(async move { reaper.reap_idle_forever().await });
         info!(worker_id, state_dir = %config.state_dir.display(), "worker started");
         Ok(worker)
     }
@@ -212,6 +217,41 @@ impl Worker {
         }
     }
 
+    /// Removes, every second, the sandboxes that asked for an idle timeout
+    /// and have had no client for that long.
+    async fn reap_idle_forever(&self) {
+        let shutdown = self.inner.shutdown.clone();
+        loop {
+            tokio::select! {
+                () = tokio::time::sleep(Duration::from_secs(1)) => {}
+                () = shutdown.cancelled() => return,
+            }
+            let idle: Vec<(SandboxId, Duration)> = lock(&self.inner.sandboxes)
+                .iter()
+                .filter_map(|(id, s)| {
+                    let limit = Duration::from_millis(s.spec.idle_timeout_ms?);
+                    let idle = s.idle_for();
+                    (idle >= limit).then(|| (id.clone(), idle))
+                })
+                .collect();
+            for (id, idle) in idle {
+                info!(sandbox = %id, idle = ?idle, "removing a sandbox no client has used within its idle timeout");
+                if let Err(e) = self.destroy_sandbox(&id).await {
+                    warn!(sandbox = %id, error = %e, "could not remove an idle sandbox");
+                }
+            }
+        }
+    }
+
+    /// Sandboxes that will be removed when idle (the local worker stays
+    /// while there are any).
+    pub fn sandboxes_with_idle_timeout(&self) -> usize {
+        lock(&self.inner.sandboxes)
+            .values()
+            .filter(|s| s.spec.idle_timeout_ms.is_some())
+            .count()
+    }
+
     async fn sweep(&self) -> Result<()> {
         // Lost sandboxes stay one interval, so clients can learn why; then
         // their container (if any is left) and record go.
@@ -264,11 +304,14 @@ impl Worker {
             .clone()
     }
 
+    /// The sandbox a client names (which keeps it from being idle).
     fn sandbox(&self, id: &SandboxId) -> Result<Sandbox> {
-        lock(&self.inner.sandboxes)
+        let sandbox = lock(&self.inner.sandboxes)
             .get(id)
             .cloned()
-            .ok_or_else(|| WorkerError::UnknownSandbox(id.to_string()))
+            .ok_or_else(|| WorkerError::UnknownSandbox(id.to_string()))?;
+        sandbox.touch();
+        Ok(sandbox)
     }
 
     /// Creates a sandbox, or returns the existing one with this id and spec.
@@ -381,6 +424,48 @@ impl Worker {
         self.sandbox(sandbox)?
             .operation(id)
             .ok_or_else(|| WorkerError::UnknownOperation(id.to_string()))
+    }
+
+    /// Feeds input to an operation (see `WriteInput` in worker.proto).
+    pub async fn write_input(
+        &self,
+        sandbox: &SandboxId,
+        id: OperationId,
+        offset: u64,
+        data: bytes::Bytes,
+        eof: bool,
+    ) -> Result<crate::sandbox::InputReply> {
+        if data.len() > corral_proto::limits::MAX_INPUT_CHUNK_BYTES {
+            return Err(corral_proto::ProtocolError::invalid(
+                "data",
+                format!(
+                    "{} bytes; at most {} in one call",
+                    data.len(),
+                    corral_proto::limits::MAX_INPUT_CHUNK_BYTES
+                ),
+            )
+            .into());
+        }
+        let sb = self.sandbox(sandbox)?;
+        let reply = sb.write_input(id, offset, data, eof).await;
+        sb.touch();
+        reply
+    }
+
+    pub async fn resize_terminal(
+        &self,
+        sandbox: &SandboxId,
+        id: OperationId,
+        size: corral_proto::TerminalSize,
+    ) -> Result<()> {
+        self.sandbox(sandbox)?.resize(id, size).await
+    }
+
+    /// Kills every process of a sandbox but its supervisor.
+    pub async fn reset_sandbox(&self, sandbox: &SandboxId) -> Result<u32> {
+        let killed = self.sandbox(sandbox)?.reset().await?;
+        info!(sandbox = %sandbox, killed, "sandbox reset");
+        Ok(killed)
     }
 
     /// Cancels an operation; true when it was running. Unknown or finished

@@ -80,9 +80,9 @@ under the workspace or /tmp). Long files are read in pieces: pass offset to cont
             return CallStatus::Error("Error: limit must be at least 1".into());
         }
         check(OperationSpec::ReadFile(ReadFileSpec {
-            path: args.path,
             offset: args.offset.unwrap_or(0),
             limit: args.limit.unwrap_or(DEFAULT_READ_LIMIT),
+            ..ReadFileSpec::new(args.path)
         }))
     }
 
@@ -168,9 +168,8 @@ created). The path is relative to the workspace, or absolute under the workspace
             },
         };
         check(OperationSpec::WriteFile(WriteFileSpec {
-            path: args.path,
-            data: Bytes::from(args.content),
             mode,
+            ..WriteFileSpec::new(args.path, Bytes::from(args.content))
         }))
     }
 

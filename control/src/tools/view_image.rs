@@ -179,10 +179,9 @@ are scaled down to fit; the result says by how much."
             Err(e) => return CallStatus::Error(e),
         };
         let spec = OperationSpec::ReadFile(ReadFileSpec {
-            path: args.path,
-            offset: 0,
             // One byte more than allowed, to tell "too big" from "exactly at the limit".
             limit: (self.max_source_bytes + 1).min(corral_proto::limits::MAX_FILE_BYTES),
+            ..ReadFileSpec::new(args.path)
         });
         match spec.validate() {
             Ok(()) => CallStatus::Submit(vec![spec]),

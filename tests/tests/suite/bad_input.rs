@@ -76,6 +76,8 @@ async fn invalid_commands_ids_and_unknown_sandboxes() -> anyhow::Result<()> {
         path: "big".into(),
         data: bytes::Bytes::from(vec![0u8; (8 << 20) + 1]),
         mode: 0o644,
+        append: false,
+        stream: false,
     });
     let (c, _) = code(
         h.client
@@ -144,6 +146,7 @@ async fn read_is_outside(
         path: path.into(),
         offset: 0,
         limit: 100,
+        stream: false,
     });
     let r = h.run_spec(sb, read).await?.1;
     assert!(
@@ -177,6 +180,8 @@ async fn file_paths_cannot_escape_the_sandbox_roots() -> anyhow::Result<()> {
             path: path.into(),
             data: bytes::Bytes::from_static(b"x"),
             mode: 0o644,
+            append: false,
+            stream: false,
         });
         let r = h.run_spec(&sb, write).await?.1;
         assert!(
@@ -205,6 +210,7 @@ async fn file_paths_cannot_escape_the_sandbox_roots() -> anyhow::Result<()> {
         path: "missing".into(),
         offset: 0,
         limit: 100,
+        stream: false,
     });
     let r = h.run_spec(&sb, read).await?.1;
     assert!(

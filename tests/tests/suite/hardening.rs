@@ -314,6 +314,8 @@ async fn signals_to_the_supervisor_from_inside_change_nothing() -> anyhow::Resul
         path: "sub/made.txt".into(),
         data: bytes::Bytes::from_static(b"x"),
         mode: 0o644,
+        append: false,
+        stream: false,
     });
     h.run_spec(&sb, write).await?;
     let r = h

@@ -118,6 +118,7 @@ async fn a_200_mb_output_streams_with_back_pressure_and_bounded_memory() -> anyh
         path: "/tmp/progress".into(),
         offset: 0,
         limit: 64,
+        stream: false,
     });
     client.submit(&sb, &probe, read).await?;
     let probed = loop {

@@ -74,6 +74,8 @@ async fn files_are_written_and_read_back() -> anyhow::Result<()> {
         path: "dir/hello.txt".into(),
         data: bytes_of("hello\nworld\n"),
         mode: 0o600,
+        append: false,
+        stream: false,
     });
     let r = h.run_spec(&sb, write).await?.1;
     assert_eq!(
@@ -88,6 +90,7 @@ async fn files_are_written_and_read_back() -> anyhow::Result<()> {
         path: "/workspace/dir/hello.txt".into(),
         offset: 6,
         limit: 5,
+        stream: false,
     });
     let r = h.run_spec(&sb, read).await?.1;
     assert_eq!((&r.file_data[..], r.file_size), (&b"world"[..], 12));
