@@ -12,6 +12,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use corral_proto::{SandboxId, SandboxSpec};
+use futures_util::StreamExt;
 use serde::Deserialize;
 use tokio::sync::mpsc;
 
@@ -744,9 +745,11 @@ async fn session<M: OperationManager + 'static>(
     // Owned here: if showing an event fails (stdout closed), the session
     // task is aborted with this handle; the log lets a rerun resume.
     let mut task = tokio_util::task::AbortOnDropHandle::new(tokio::spawn(coordinator.run()));
-    let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-        .map_err(|e| failed(format!("cannot handle SIGTERM: {e}")))?;
     let mut interrupts = 0;
+    // After a stop, how long the session may take to end its calls before
+    // it is left anyway (a wedged call, an unreachable worker).
+    let mut give_up: Option<std::pin::Pin<Box<tokio::time::Sleep>>> = None;
+    let mut stop_signals = std::pin::pin!(crate::run::stop_signals());
     let mut stdin_lines: Option<StdinLines> =
         inputs_from_stdin.then(|| tokio::io::BufReader::new(tokio::io::stdin()).lines());
     let mut tick = tokio::time::interval(Duration::from_secs(5));
@@ -762,20 +765,25 @@ async fn session<M: OperationManager + 'static>(
                 }
                 break res.map_err(|e| failed(format!("the session task failed: {e}")))??;
             }
-            _ = interrupted(&mut terminate) => {
+            () = deadline(&mut give_up) => {
+                task.abort();
+                return Ok(left_unfinished(format!(
+                    "stopped: its calls did not end within {} s; left without them (the log lets a rerun resume)",
+                    STOP_PATIENCE.as_secs()
+                )));
+            }
+            Some(_) = stop_signals.next() => {
                 interrupts += 1;
                 if interrupts > 1 {
                     task.abort();
-                    return Ok(Summary {
-                        ending: Ending::Interrupted,
-                        final_text: String::new(),
-                        error: Some("interrupted twice: left without waiting for operations to stop".into()),
-                        turns: 0,
-                        tool_calls: 0,
-                        usage: Default::default(),
-                    });
+                    return Ok(left_unfinished(
+                        "interrupted twice: left without waiting for operations to stop".into(),
+                    ));
                 }
-                let _ = inbox.send(Inbox::Stop(StopMode::Hard)).await;
+                give_up = Some(Box::pin(tokio::time::sleep(STOP_PATIENCE)));
+                // The inbox is bounded: a session too busy to take the stop
+                // at once still gets left at the deadline.
+                let _ = inbox.try_send(Inbox::Stop(StopMode::Hard));
             }
             line = next_input(&mut stdin_lines) => match line {
                 Ok(Some(text)) if !text.trim().is_empty() => {
@@ -879,11 +887,25 @@ async fn install_files(
     Ok(())
 }
 
-/// Ctrl-C or SIGTERM.
-async fn interrupted(terminate: &mut tokio::signal::unix::Signal) {
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        _ = terminate.recv() => {}
+/// Resolves at the deadline, if there is one.
+async fn deadline(at: &mut Option<std::pin::Pin<Box<tokio::time::Sleep>>>) {
+    match at {
+        Some(sleep) => sleep.as_mut().await,
+        None => std::future::pending().await,
+    }
+}
+
+/// How long a stopped run waits for its calls to end.
+pub const STOP_PATIENCE: Duration = Duration::from_secs(10);
+
+fn left_unfinished(error: String) -> Summary {
+    Summary {
+        ending: Ending::Interrupted,
+        final_text: String::new(),
+        error: Some(error),
+        turns: 0,
+        tool_calls: 0,
+        usage: Default::default(),
     }
 }
 

@@ -219,6 +219,10 @@ pub struct ExecArgs {
     /// exits (by default the rest of its process group is killed).
     #[arg(long, env = "CORRAL_KEEP_BACKGROUND")]
     pub keep_background: bool,
+    /// A sandbox made for this command is removed by its worker once no
+    /// client has used it for this long (when this process was killed).
+    #[arg(long, env = "CORRAL_IDLE_TIMEOUT", default_value = "60s", value_parser = humantime::parse_duration, conflicts_with = "sandbox")]
+    pub idle_timeout: Duration,
     /// The command and its arguments.
     #[arg(last = true, required = true, value_name = "CMD")]
     pub argv: Vec<String>,

@@ -23,4 +23,5 @@ pub mod llm;
 pub mod ops;
 pub mod run;
 pub mod session;
+pub mod terminal;
 pub mod tools;

@@ -3,7 +3,7 @@
 
 use std::io::Write;
 
-use corral_proto::{NetworkMode, SandboxId, SandboxSpec, SandboxState};
+use corral_proto::{NetworkMode, SandboxId, SandboxSpec, SandboxState, TerminalSize};
 use corral_worker::WorkerConfig;
 
 use crate::cli::{Cli, Command, ConnArgs, ExecArgs, Network, SandboxCommand};
@@ -252,7 +252,43 @@ fn sandbox_id(s: &str) -> Result<SandboxId, RunError> {
     SandboxId::new(s).map_err(|e| RunError::Invalid(e.to_string()))
 }
 
+/// The numbers of the SIGINT, SIGTERM and SIGHUP this process gets, as
+/// they come.
+pub(crate) fn stop_signals() -> impl futures_util::Stream<Item = i32> + Send + 'static {
+    use tokio::signal::unix::{SignalKind, signal};
+    let handlers = (
+        signal(SignalKind::interrupt()),
+        signal(SignalKind::terminate()),
+        signal(SignalKind::hangup()),
+    );
+    futures_util::stream::unfold(handlers, |mut h| async move {
+        let sig = match &mut h {
+            (Ok(int), Ok(term), Ok(hup)) => tokio::select! {
+                _ = int.recv() => 2,
+                _ = term.recv() => 15,
+                _ = hup.recv() => 1,
+            },
+            // No handlers (not expected on Unix): Ctrl-C alone.
+            _ => {
+                tokio::signal::ctrl_c().await.ok()?;
+                2
+            }
+        };
+        Some((sig, h))
+    })
+}
+
+/// The first of [`stop_signals`].
+pub(crate) async fn stop_signal() -> i32 {
+    use futures_util::StreamExt;
+    let mut signals = std::pin::pin!(stop_signals());
+    signals.next().await.unwrap_or(2)
+}
+
 async fn run_exec(conn: &Connection, args: ExecArgs) -> Result<u8, RunError> {
+    let terminal = args
+        .tty
+        .then(|| crate::terminal::current_size().unwrap_or(TerminalSize { rows: 24, cols: 80 }));
     let req = ExecRequest {
         sandbox: args.sandbox.as_deref().map(sandbox_id).transpose()?,
         image: args.image.clone(),
@@ -261,30 +297,62 @@ async fn run_exec(conn: &Connection, args: ExecArgs) -> Result<u8, RunError> {
         workdir: args.workdir.clone(),
         use_bash: args.bash,
         argv: args.argv.clone(),
+        keep_background: args.keep_background,
+        stdin: args.interactive,
+        terminal,
+        idle_timeout: args.idle_timeout,
     };
+    let mut controls = exec::Controls::stop_on(stop_signal());
+    if args.interactive {
+        controls.input = Some(Box::pin(tokio::io::stdin()));
+    }
+    // Keys go to the remote terminal as typed (Ctrl-C included) while it
+    // runs; the local modes come back when this guard goes.
+    let _raw = (args.tty && args.interactive)
+        .then(crate::terminal::RawMode::enable)
+        .flatten();
+    if args.tty {
+        controls.resize = crate::terminal::resizes()
+            .ok()
+            .map(|s| Box::pin(s) as std::pin::Pin<Box<_>>);
+    }
     let mut out = tokio::io::stdout();
     let mut err = tokio::io::stderr();
-    let interrupt = async {
-        let _ = tokio::signal::ctrl_c().await;
-    };
-    let result = exec::exec(
+    let ended = exec::exec(
         conn.client.clone(),
         &conn.creds,
         req,
         &mut out,
         &mut err,
-        interrupt,
+        controls,
     )
     .await?;
+    drop(_raw);
     use corral_proto::Outcome;
-    match &result.outcome {
-        Outcome::Exited { .. } | Outcome::Signaled { .. } => {}
-        other => {
+    let outcome = &ended.result.outcome;
+    if ended.output_closed {
+        // As a shell reports a command killed by SIGPIPE, and silently.
+        return Ok(141);
+    }
+    match (outcome, ended.stopped_by) {
+        (Outcome::Exited { .. } | Outcome::Signaled { .. }, _) => {}
+        (Outcome::Canceled, Some(sig)) => {
+            let name = match sig {
+                1 => "SIGHUP",
+                2 => "SIGINT",
+                15 => "SIGTERM",
+                _ => "a signal",
+            };
+            let line = format!("corral: command canceled ({name})\n");
+            tokio::io::AsyncWriteExt::write_all(&mut err, line.as_bytes()).await?;
+            return Ok(128 + sig as u8);
+        }
+        (other, _) => {
             let line = format!("corral: command {other}\n");
             tokio::io::AsyncWriteExt::write_all(&mut err, line.as_bytes()).await?;
         }
     }
-    Ok(result.outcome.exit_status().clamp(0, 255) as u8)
+    Ok(outcome.exit_status().clamp(0, 255) as u8)
 }
 
 async fn run_sandbox(conn: &Connection, cmd: SandboxCommand) -> Result<(), RunError> {

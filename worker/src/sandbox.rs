@@ -267,13 +267,25 @@ impl InputLink {
     fn close_all(&mut self) {
         self.closed = true;
         let reply = self.reply();
-        for p in self.in_flight.take().map(|(_, p)| p).into_iter().chain(self.queue.drain(..)) {
+        for p in self
+            .in_flight
+            .take()
+            .map(|(_, p)| p)
+            .into_iter()
+            .chain(self.queue.drain(..))
+        {
             let _ = p.reply.send(Ok(reply));
         }
     }
 
     fn fail_all(&mut self, err: impl Fn() -> WorkerError) {
-        for p in self.in_flight.take().map(|(_, p)| p).into_iter().chain(self.queue.drain(..)) {
+        for p in self
+            .in_flight
+            .take()
+            .map(|(_, p)| p)
+            .into_iter()
+            .chain(self.queue.drain(..))
+        {
             let _ = p.reply.send(Err(err()));
         }
     }

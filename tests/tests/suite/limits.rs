@@ -184,8 +184,13 @@ async fn a_fork_bomb_is_contained_and_the_worker_keeps_serving() -> anyhow::Resu
     // Meanwhile, the worker and the other sandbox are fine.
     let r = h.run(&other, "echo fine").await?;
     assert_eq!(r.stdout.to_lossy_string(), "fine\n");
+    // Its main shell returns at once; the rest of its session is killed
+    // with it (no need to wait for the timeout).
     let (_, r) = collect(&h.client, &bombed, &op, 0).await?;
-    assert_eq!(r.outcome, Outcome::TimedOut);
+    assert!(
+        matches!(r.outcome, Outcome::Exited { .. } | Outcome::TimedOut),
+        "{r:?}"
+    );
     // The bomb is gone and the sandbox works again.
     let r = h.run(&bombed, "echo recovered").await?;
     assert_eq!(r.stdout.to_lossy_string(), "recovered\n");

@@ -11,6 +11,7 @@ mod llama;
 mod llm;
 mod managers;
 mod ordering;
+mod processes;
 mod resilience;
 mod restart;
 mod roundtrip;

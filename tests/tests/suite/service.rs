@@ -156,13 +156,12 @@ async fn orphans_are_reaped_and_background_processes_outlive_their_command() -> 
     assert_eq!(r.stdout.to_lossy_string().trim(), "0", "zombies left");
 
     // A background process that keeps writing to the command's output does
-    // not hold the command open, and is not killed by its end.
-    let r = h
-        .run(
-            &sb,
-            "(while true; do echo tick; sleep 0.05; done) & echo $! > /tmp/bg; echo started",
-        )
-        .await?;
+    // not hold the command open, and, kept, is not killed by its end.
+    let mut keep = ShellSpec::new(
+        "(while true; do echo tick; sleep 0.05; done) & echo $! > /tmp/bg; echo started",
+    );
+    keep.keep_background = true;
+    let (_, r) = h.run_spec(&sb, OperationSpec::Shell(keep)).await?;
     assert_eq!(r.outcome, Outcome::Exited { code: 0 });
     assert!(r.stdout.to_lossy_string().contains("started\n"));
     tokio::time::sleep(Duration::from_secs(1)).await;

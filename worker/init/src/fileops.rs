@@ -176,8 +176,21 @@ fn open_beneath(
     }
 }
 
-/// What a file operation that failed reports.
-pub type Refusal = OperationResult;
+/// Why a file operation failed; its result says so.
+#[derive(Debug)]
+pub struct Refusal(FileError);
+
+impl From<FileError> for Refusal {
+    fn from(e: FileError) -> Self {
+        Self(e)
+    }
+}
+
+impl From<Refusal> for OperationResult {
+    fn from(Refusal(e): Refusal) -> Self {
+        e.into()
+    }
+}
 
 /// Refuses anything but a regular file: a FIFO, a device or a socket could
 /// block the supervisor or reach outside the sandbox.
@@ -262,11 +275,11 @@ pub fn write_file(roots: &Roots, spec: &WriteFileSpec) -> OperationResult {
 pub fn write_file_as(roots: &Roots, spec: &WriteFileSpec, owner: Option<u32>) -> OperationResult {
     let mut w = match FileWriter::open(roots, spec, owner) {
         Ok(w) => w,
-        Err(refusal) => return refusal,
+        Err(refusal) => return refusal.into(),
     };
     if let Err(refusal) = w.write(&spec.data) {
         w.abort();
-        return refusal;
+        return refusal.into();
     }
     w.finish()
 }

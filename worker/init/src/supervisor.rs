@@ -887,7 +887,7 @@ impl Supervisor {
             let mut result = match refusal {
                 Some(refusal) => {
                     writer.abort();
-                    refusal
+                    refusal.into()
                 }
                 None => writer.finish(),
             };
@@ -1106,7 +1106,7 @@ impl Supervisor {
                         });
                         None
                     }
-                    Err(refusal) => Some(refusal),
+                    Err(refusal) => Some(refusal.into()),
                 }
             }
             OperationSpec::ReadFile(r) => {
@@ -1135,7 +1135,7 @@ impl Supervisor {
                         });
                         None
                     }
-                    Err(refusal) => Some(refusal),
+                    Err(refusal) => Some(refusal.into()),
                 }
             }
             OperationSpec::WriteFile(w) => {

@@ -9,9 +9,9 @@ use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::Duration;
 
+use bytes::Bytes;
 use corral_proto::frame::{self, FrameDecoder};
 use corral_proto::init::{InitMessage, InitRequest};
-use bytes::Bytes;
 use corral_proto::{
     EventKind, FileErrorKind, OperationId, OperationResult, OperationSpec, Outcome, ReadFileSpec,
     ShellSpec, TerminalSize, WriteFileSpec, pb,
@@ -383,8 +383,13 @@ fn stdout_of(events: &[corral_proto::Event]) -> Vec<u8> {
 }
 
 fn alive(pid: i32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .is_ok_and(|s| !s.rsplit(')').next().unwrap_or("").trim_start().starts_with('Z'))
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
+        !s.rsplit(')')
+            .next()
+            .unwrap_or("")
+            .trim_start()
+            .starts_with('Z')
+    })
 }
 
 #[test]
@@ -427,7 +432,10 @@ fn background_processes_end_with_the_command_unless_kept() {
     assert_eq!(pids.len(), 2);
     std::thread::sleep(Duration::from_millis(300));
     for pid in &pids {
-        assert!(!alive(*pid), "background process {pid} outlived its command");
+        assert!(
+            !alive(*pid),
+            "background process {pid} outlived its command"
+        );
     }
 
     let mut spec = ShellSpec::new("sleep 100 >/dev/null 2>&1 & echo $!");
@@ -438,8 +446,11 @@ fn background_processes_end_with_the_command_unless_kept() {
     let pid: i32 = r.stdout.to_lossy_string().trim().parse().unwrap();
     std::thread::sleep(Duration::from_millis(300));
     assert!(alive(pid), "a kept background process was killed");
-    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL)
-        .unwrap();
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
 }
 
 #[test]
@@ -506,7 +517,7 @@ fn a_terminal_has_its_size_resizes_and_ends_at_eof() {
         },
     });
     init.send(InitRequest::Input {
-        operation_id: id.clone(),
+        operation_id: id,
         offset: 0,
         data: Bytes::from_static(b"go\n"),
         eof: true,
@@ -654,5 +665,8 @@ fn a_reset_kills_every_process_and_ends_what_runs() {
     assert!(!alive(pid));
     let (_, req) = run("echo after");
     init.send(req);
-    assert_eq!(&result_of(&init.until_finished()).stdout.head[..], b"after\n");
+    assert_eq!(
+        &result_of(&init.until_finished()).stdout.head[..],
+        b"after\n"
+    );
 }
