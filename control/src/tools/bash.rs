@@ -56,7 +56,9 @@ impl Translator for Bash {
             name: "Bash".into(),
             description: "Run a bash command in the sandbox's workspace, non-interactively (stdin is closed). \
 Returns stdout, then stderr, then the exit code if it is not 0. Long output keeps its head and tail. \
-The command is killed, with everything it started, after timeout_seconds."
+The command's child processes are killed when it exits, so `cmd &` does not outlive the call: \
+to keep a server running, run it in the foreground as a call of its own (calls run concurrently, \
+and you are told what is still running). The command is killed, with everything it started, after timeout_seconds."
                 .into(),
             parameters: serde_json::json!({
                 "type": "object",
