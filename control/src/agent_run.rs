@@ -26,7 +26,7 @@ use crate::cli::{ApiKind, ConnArgs, RunArgs, SessionCommand};
 use crate::client::ClientError;
 use crate::context::Budget;
 use crate::llm::{Api, LlmClient, LlmConfig, Role, ToolChoice};
-use crate::ops::{Backend, LocalBackend, Manager, OperationManager, RemoteBackend};
+use crate::ops::{Backend, Manager, OperationManager, RemoteBackend};
 use crate::run::{Connection, RunError, connect_to, place, worker_urls};
 use crate::session::SessionLog;
 
@@ -408,9 +408,6 @@ async fn run_agent_inner(conn: &ConnArgs, args: &RunArgs) -> Result<u8, RunError
         worker,
     )
     .await;
-    if let Some(e) = connection.embedded {
-        e.stop().await;
-    }
     out
 }
 
@@ -626,16 +623,11 @@ async fn drive(
         view: &mut view,
     };
     let sandbox = config.sandbox_id.clone();
-    let summary = match &connection.embedded {
-        Some(e) => run_on(LocalBackend::new(e.worker()), sandbox, core, run).await,
-        None => {
-            let backend = RemoteBackend::with_credentials(
-                connection.client.url().to_string(),
-                connection.creds.clone(),
-            );
-            run_on(backend, sandbox, core, run).await
-        }
-    }?;
+    let backend = RemoteBackend::with_credentials(
+        connection.client.url().to_string(),
+        connection.creds.clone(),
+    );
+    let summary = run_on(backend, sandbox, core, run).await?;
     let (status, code) = match summary.ending {
         Ending::Done => ("done", EXIT_DONE),
         Ending::Failed => ("failed", EXIT_FAILED),
@@ -1019,12 +1011,10 @@ async fn remove_session(
     if !keep_sandbox {
         let state = replay(dir, id)?;
         if let Some(config) = state.config {
-            let worker = config.worker.or_else(|| worker_urls(conn).first().cloned());
-            let connection = connect_to(conn, worker.as_deref()).await?;
+            // The worker it was placed on: recorded, or (none recorded)
+            // the local one, whatever `--worker` says now.
+            let connection = connect_to(conn, config.worker.as_deref()).await?;
             let removed = connection.client.destroy_sandbox(&config.sandbox_id).await;
-            if let Some(e) = connection.embedded {
-                e.stop().await;
-            }
             match removed {
                 Ok(_) => {}
                 Err(ClientError::Status(s)) if s.code() == tonic::Code::NotFound => {}

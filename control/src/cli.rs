@@ -21,8 +21,10 @@ pub struct Cli {
 
 #[derive(Debug, Clone, Args)]
 pub struct ConnArgs {
-    /// Worker to use (http://host:port). Without it, an embedded worker runs
-    /// in this process against the local Docker engine. `corral run` takes
+    /// Worker to use (http://host:port, https://..., unix:///path). Without
+    /// it, the local worker: started by the first command that needs it
+    /// (against the local Docker engine), shared by the others, gone when
+    /// idle. `corral run` takes
     /// a comma-separated list: a new session goes to the worker with the
     /// most free sandbox slots, and stays there.
     #[arg(long, global = true, env = "CORRAL_WORKER")]
@@ -40,10 +42,10 @@ pub struct ConnArgs {
     /// Key (PEM) of --tls-cert.
     #[arg(long, global = true, env = "CORRAL_TLS_KEY", requires = "tls_cert")]
     pub tls_key: Option<PathBuf>,
-    /// Embedded worker: Docker engine to use (default: DOCKER_HOST or the local socket).
+    /// Local worker: Docker engine to use (default: DOCKER_HOST or the local socket).
     #[arg(long, global = true, env = "CORRAL_DOCKER_HOST")]
     pub docker_host: Option<String>,
-    /// Embedded worker: its state directory.
+    /// Local worker: its state directory.
     #[arg(long, global = true, env = "CORRAL_STATE_DIR")]
     pub state_dir: Option<PathBuf>,
 }
@@ -60,6 +62,13 @@ pub enum Command {
     /// Inspect and fork agent sessions.
     #[command(subcommand)]
     Session(SessionCommand),
+    /// The local worker process (started by `corral` itself when needed).
+    #[command(hide = true)]
+    LocalWorker {
+        /// Exit after no command has been connected for this long.
+        #[arg(long, env = "CORRAL_LOCAL_WORKER_IDLE", default_value = "30s", value_parser = humantime::parse_duration)]
+        idle: Duration,
+    },
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]

@@ -120,6 +120,9 @@ impl WorkerClient {
             url: url.to_string(),
             reason,
         };
+        if let Some(path) = url.strip_prefix("unix://") {
+            return Self::connect_unix(url, std::path::PathBuf::from(path), token).await;
+        }
         let mut endpoint = Endpoint::from_shared(url.to_string())
             .map_err(|e| bad(e.to_string()))?
             .connect_timeout(Duration::from_secs(5))
@@ -146,6 +149,41 @@ impl WorkerClient {
             url: url.to_string(),
             reason: source_chain(&e),
         })?;
+        Self::over(url, channel, token)
+    }
+
+    /// Connects to a worker on a Unix socket (`unix:///path`).
+    async fn connect_unix(
+        url: &str,
+        path: std::path::PathBuf,
+        token: Option<&str>,
+    ) -> Result<Self, ClientError> {
+        // The address is a placeholder: the connector below decides.
+        let endpoint = Endpoint::from_static("http://local.worker")
+            .connect_timeout(Duration::from_secs(5))
+            .http2_keep_alive_interval(Duration::from_secs(20))
+            .keep_alive_while_idle(true);
+        let channel = endpoint
+            .connect_with_connector(tower::service_fn(move |_: tonic::transport::Uri| {
+                let path = path.clone();
+                async move {
+                    let stream = tokio::net::UnixStream::connect(path).await?;
+                    Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(stream))
+                }
+            }))
+            .await
+            .map_err(|e| ClientError::Connect {
+                url: url.to_string(),
+                reason: source_chain(&e),
+            })?;
+        Self::over(url, channel, token)
+    }
+
+    fn over(url: &str, channel: Channel, token: Option<&str>) -> Result<Self, ClientError> {
+        let bad = |reason: String| ClientError::BadAddress {
+            url: url.to_string(),
+            reason,
+        };
         let auth = match token {
             Some(t) => Some(
                 format!("Bearer {t}")

@@ -2,9 +2,9 @@
 //!
 //! This crate owns the `corral` command line ([`cli`], [`run`]), the typed
 //! gRPC client for workers ([`client`]), `corral exec` ([`exec`]: live
-//! output, resume from a cursor across worker restarts, exit codes), the
-//! embedded worker that `corral` runs when given no `--worker`
-//! ([`embedded`]), and the agent harness: the coordinator ([`agent`]) and
+//! output, input and terminals, resume from a cursor across worker
+//! restarts, exit codes), the local worker that `corral` commands share
+//! when given no `--worker` ([`local`]), and the agent harness: the coordinator ([`agent`]) and
 //! `corral run` / `corral session` ([`agent_run`]), with their parts —
 //! model clients ([`llm`]), the durable session log ([`session`]), the
 //! context builder ([`context`]), tool translators ([`tools`]) and the
@@ -17,9 +17,9 @@ pub mod agent_run;
 pub mod cli;
 pub mod client;
 pub mod context;
-pub mod embedded;
 pub mod exec;
 pub mod llm;
+pub mod local;
 pub mod ops;
 pub mod run;
 pub mod session;

@@ -13,7 +13,12 @@ fn main() -> ExitCode {
         Ok(cli) => cli,
         Err(code) => return code,
     };
-    corral_worker::cli::init_logging("warn");
+    let level = if matches!(cli.command, Command::LocalWorker { .. }) {
+        "info"
+    } else {
+        "warn"
+    };
+    corral_worker::cli::init_logging(level);
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(rt) => rt,
         Err(e) => {

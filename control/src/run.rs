@@ -4,11 +4,9 @@
 use std::io::Write;
 
 use corral_proto::{NetworkMode, SandboxId, SandboxSpec, SandboxState, TerminalSize};
-use corral_worker::WorkerConfig;
 
 use crate::cli::{Cli, Command, ConnArgs, ExecArgs, Network, SandboxCommand};
 use crate::client::{ClientError, ClientTls, Credentials, WorkerClient, source_chain};
-use crate::embedded::{Embedded, EmbeddedError};
 use crate::exec::{self, ExecError, ExecRequest};
 
 /// Exit code for Corral's own failures (as `docker run` uses 125).
@@ -19,7 +17,7 @@ pub enum RunError {
     #[error(transparent)]
     Client(#[from] ClientError),
     #[error(transparent)]
-    Embedded(#[from] EmbeddedError),
+    Local(#[from] crate::local::LocalError),
     #[error(transparent)]
     Exec(#[from] ExecError),
     #[error(transparent)]
@@ -63,7 +61,6 @@ impl RunError {
 pub(crate) struct Connection {
     pub(crate) client: WorkerClient,
     pub(crate) creds: Credentials,
-    pub(crate) embedded: Option<Embedded>,
 }
 
 fn read(path: &std::path::Path, what: &str) -> Result<Vec<u8>, RunError> {
@@ -148,32 +145,19 @@ pub(crate) async fn connect(conn: &ConnArgs) -> Result<Connection, RunError> {
     connect_to(conn, urls.first().map(String::as_str)).await
 }
 
-/// Connects to `url`, or embeds a worker when there is none.
+/// Connects to `url`, or to the local worker when there is none.
 pub(crate) async fn connect_to(conn: &ConnArgs, url: Option<&str>) -> Result<Connection, RunError> {
     match url {
         Some(url) => {
             let creds = credentials(conn)?;
             let client = WorkerClient::connect_with(url, &creds).await?;
-            Ok(Connection {
-                client,
-                creds,
-                embedded: None,
-            })
+            Ok(Connection { client, creds })
         }
         None => {
-            let mut config = WorkerConfig::new(conn.state_dir.clone().unwrap_or_default());
-            config.docker_host = conn.docker_host.clone();
-            // The user runs their own Docker engine: what they ask for is
-            // theirs to ask (still never a capability that reaches the host).
-            config.policy = corral_worker::policy::permissive();
-            let embedded = Embedded::start(config).await?;
-            let creds = Credentials::token(Some(embedded.token()));
-            let client = WorkerClient::connect_with(&embedded.url, &creds).await?;
-            Ok(Connection {
-                client,
-                creds,
-                embedded: Some(embedded),
-            })
+            let state = crate::local::state_dir(conn.state_dir.as_deref());
+            let (client, creds) =
+                crate::local::connect(&state, conn.docker_host.as_deref()).await?;
+            Ok(Connection { client, creds })
         }
     }
 }
@@ -234,18 +218,19 @@ pub async fn run(cli: Cli) -> Result<u8, RunError> {
         Command::Session(cmd) => {
             return crate::agent_run::run_session_command(&cli.conn, cmd).await;
         }
+        Command::LocalWorker { idle } => {
+            let state = crate::local::state_dir(cli.conn.state_dir.as_deref());
+            crate::local::serve(&state, cli.conn.docker_host.clone(), *idle).await?;
+            return Ok(0);
+        }
         Command::Exec(_) | Command::Sandbox(_) => {}
     }
     let conn = connect(&cli.conn).await?;
-    let result = match cli.command {
+    match cli.command {
         Command::Exec(args) => run_exec(&conn, args).await,
         Command::Sandbox(cmd) => run_sandbox(&conn, cmd).await.map(|()| 0),
-        Command::Run(_) | Command::Session(_) => Ok(0),
-    };
-    if let Some(e) = conn.embedded {
-        e.stop().await;
+        Command::Run(_) | Command::Session(_) | Command::LocalWorker { .. } => Ok(0),
     }
-    result
 }
 
 fn sandbox_id(s: &str) -> Result<SandboxId, RunError> {

@@ -94,14 +94,13 @@ pub async fn serve(
     .await
 }
 
-/// [`serve`] with TLS options.
-pub async fn serve_with(
+/// The worker's services (health open to anyone; the worker service and
+/// reflection behind the token), ready to serve on any transport.
+async fn router(
     worker: Worker,
-    listener: TcpListener,
-    options: ServeOptions,
-    shutdown: impl Future<Output = ()>,
-) -> Result<(), ServeError> {
-    let token = options.token;
+    token: Option<String>,
+    tls: Option<tonic::transport::ServerTlsConfig>,
+) -> Result<tonic::transport::server::Router, ServeError> {
     let (health_reporter, health) = tonic_health::server::health_reporter();
     health_reporter
         .set_serving::<WorkerServer<WorkerService>>()
@@ -126,19 +125,118 @@ pub async fn serve_with(
         .max_concurrent_streams(MAX_STREAMS_PER_CONNECTION)
         .http2_keepalive_interval(Some(std::time::Duration::from_secs(30)))
         .http2_keepalive_timeout(Some(std::time::Duration::from_secs(20)));
-    if let Some(tls) = options.tls {
+    if let Some(tls) = tls {
         builder = builder.tls_config(tls)?;
     }
+    Ok(builder
+        .add_service(health)
+        .add_service(reflection)
+        .add_service(service))
+}
+
+/// [`serve`] with TLS options.
+pub async fn serve_with(
+    worker: Worker,
+    listener: TcpListener,
+    options: ServeOptions,
+    shutdown: impl Future<Output = ()>,
+) -> Result<(), ServeError> {
+    let router = router(worker, options.token, options.tls).await?;
     // Accepted sockets (with TCP_NODELAY: without it every reply waits on
     // Nagle) reach the server only once their client has spoken.
     let (incoming, accept) = crate::admission::admit(listener, options.admission);
-    let served = builder
-        .add_service(health)
-        .add_service(reflection)
-        .add_service(service)
+    let served = router
         .serve_with_incoming_shutdown(incoming, shutdown)
         .await;
     accept.abort();
     served?;
     Ok(())
+}
+
+/// Serves on a Unix socket (the local worker that `corral` commands on one
+/// machine share). `connections` counts the open ones, so the owner can
+/// tell when nobody is using the worker.
+pub async fn serve_unix(
+    worker: Worker,
+    listener: tokio::net::UnixListener,
+    token: Option<String>,
+    connections: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    shutdown: impl Future<Output = ()>,
+) -> Result<(), ServeError> {
+    let router = router(worker, token, None).await?;
+    let incoming = futures_util::stream::unfold(listener, move |listener| {
+        let connections = connections.clone();
+        async move {
+            let accepted = listener
+                .accept()
+                .await
+                .map(|(stream, _)| Counted::new(stream, connections));
+            Some((accepted, listener))
+        }
+    });
+    router
+        .serve_with_incoming_shutdown(incoming, shutdown)
+        .await?;
+    Ok(())
+}
+
+/// A connection that counts itself while it is open.
+struct Counted {
+    stream: tokio::net::UnixStream,
+    count: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl Counted {
+    fn new(
+        stream: tokio::net::UnixStream,
+        count: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    ) -> Self {
+        count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Self { stream, count }
+    }
+}
+
+impl Drop for Counted {
+    fn drop(&mut self) {
+        self.count.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+impl tonic::transport::server::Connected for Counted {
+    type ConnectInfo = <tokio::net::UnixStream as tonic::transport::server::Connected>::ConnectInfo;
+    fn connect_info(&self) -> Self::ConnectInfo {
+        self.stream.connect_info()
+    }
+}
+
+impl tokio::io::AsyncRead for Counted {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.stream).poll_read(cx, buf)
+    }
+}
+
+impl tokio::io::AsyncWrite for Counted {
+    fn poll_write(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        std::pin::Pin::new(&mut self.stream).poll_write(cx, buf)
+    }
+    fn poll_flush(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.stream).poll_flush(cx)
+    }
+    fn poll_shutdown(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.stream).poll_shutdown(cx)
+    }
 }

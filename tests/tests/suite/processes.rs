@@ -703,3 +703,47 @@ async fn a_sandbox_whose_exec_client_died_is_removed_by_its_worker() -> Result<(
     h.stop().await;
     Ok(())
 }
+
+#[tokio::test]
+async fn two_commands_without_a_worker_share_one_local_worker_that_leaves_when_idle() -> Result<()>
+{
+    let state = tempfile::tempdir()?;
+    let local = |args: &[&str]| -> Result<tokio::process::Command> {
+        let mut cmd = tokio::process::Command::new(binary("corral")?);
+        cmd.args(args)
+            .env_remove("CORRAL_WORKER")
+            .env("CORRAL_STATE_DIR", state.path())
+            .env("CORRAL_LOCAL_WORKER_IDLE", "2s")
+            .kill_on_drop(true);
+        Ok(cmd)
+    };
+    let first = local(&["exec", "--", "sh", "-c", "sleep 2; echo first"])?.output();
+    let second = async {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        local(&["exec", "--", "echo", "second"])?
+            .output()
+            .await
+            .map_err(anyhow::Error::from)
+    };
+    let (first, second) = tokio::join!(first, second);
+    let (first, second) = (first?, second?);
+    assert_eq!(text(&first.stdout), "first\n", "{}", text(&first.stderr));
+    assert_eq!(text(&second.stdout), "second\n", "{}", text(&second.stderr));
+    assert!(first.status.success() && second.status.success());
+    // One worker served both, and it leaves once nobody is connected.
+    let log = std::fs::read_to_string(state.path().join("worker.log"))?;
+    assert_eq!(log.matches("local worker serving").count(), 1, "{log}");
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while state.path().join("worker.sock").exists() {
+        if Instant::now() > deadline {
+            bail!("the local worker did not leave when idle");
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let log = std::fs::read_to_string(state.path().join("worker.log"))?;
+    assert!(log.contains("the local worker exits"), "{log}");
+    // The next command starts one again.
+    let out = local(&["exec", "--", "echo", "again"])?.output().await?;
+    assert_eq!(text(&out.stdout), "again\n", "{}", text(&out.stderr));
+    Ok(())
+}
