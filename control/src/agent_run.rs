@@ -396,7 +396,7 @@ async fn run_agent_inner(conn: &ConnArgs, args: &RunArgs) -> Result<u8, RunError
         urls.first().cloned()
     };
     let connection = connect_to(conn, worker.as_deref()).await?;
-    let out = drive(
+    drive(
         &connection,
         args,
         &req,
@@ -407,8 +407,7 @@ async fn run_agent_inner(conn: &ConnArgs, args: &RunArgs) -> Result<u8, RunError
         started,
         worker,
     )
-    .await;
-    out
+    .await
 }
 
 fn api_of(args: &RunArgs) -> Option<Api> {
