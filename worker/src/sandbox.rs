@@ -263,29 +263,23 @@ impl InputLink {
         }
     }
 
+    /// Every call waiting on this input, the one in flight first.
+    fn take_waiting(&mut self) -> Vec<PendingInput> {
+        let in_flight = self.in_flight.take().map(|(_, p)| p);
+        in_flight.into_iter().chain(self.queue.drain(..)).collect()
+    }
+
     /// Answers every waiting call: the input is closed.
     fn close_all(&mut self) {
         self.closed = true;
         let reply = self.reply();
-        for p in self
-            .in_flight
-            .take()
-            .map(|(_, p)| p)
-            .into_iter()
-            .chain(self.queue.drain(..))
-        {
+        for p in self.take_waiting() {
             let _ = p.reply.send(Ok(reply));
         }
     }
 
     fn fail_all(&mut self, err: impl Fn() -> WorkerError) {
-        for p in self
-            .in_flight
-            .take()
-            .map(|(_, p)| p)
-            .into_iter()
-            .chain(self.queue.drain(..))
-        {
+        for p in self.take_waiting() {
             let _ = p.reply.send(Err(err()));
         }
     }

@@ -1164,3 +1164,54 @@ async fn view_image_sends_the_picture_to_the_model() -> Result<()> {
     h.stop().await;
     Ok(())
 }
+
+#[tokio::test]
+async fn a_stopped_run_leaves_within_its_patience_when_its_worker_hangs() -> Result<()> {
+    let state = tempfile::tempdir()?;
+    let worker = corral_e2e::WorkerProcess::spawn(
+        state.path(),
+        &corral_e2e::unique_id("w"),
+        corral_e2e::free_port()?,
+        &[],
+        &[],
+    )?;
+    let sessions = tempfile::tempdir()?;
+    let model = ModelServer::start(vec![
+        responses::calls(&[("c1", "Bash", &bash("sleep 300"))]),
+        responses::text("never asked"),
+    ])
+    .await;
+    let mut cmd = command(
+        &model,
+        &worker.url,
+        sessions.path(),
+        &["--session", "wedged", "go"],
+    );
+    cmd.env("CORRAL_TOKEN_FILE", worker.token_file());
+    let child = cmd.spawn()?;
+    model.wait_for(1, Duration::from_secs(30)).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    // The worker freezes: its connections stay open and nothing answers, so
+    // the cancel of the running call never comes back.
+    let worker_pid = nix::unistd::Pid::from_raw(worker.child.id() as i32);
+    nix::sys::signal::kill(worker_pid, nix::sys::signal::Signal::SIGSTOP)?;
+    let stopped = std::time::Instant::now();
+    let pid = nix::unistd::Pid::from_raw(child.id().context("pid")? as i32);
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM)?;
+    let out = tokio::time::timeout(Duration::from_secs(60), child.wait_with_output()).await??;
+    let took = stopped.elapsed();
+    nix::sys::signal::kill(worker_pid, nix::sys::signal::Signal::SIGCONT)?;
+    assert_eq!(
+        out.status.code(),
+        Some(130),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        took < corral_control::agent_run::STOP_PATIENCE + Duration::from_secs(5),
+        "left {took:?} after SIGTERM"
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("\"interrupted\""), "{stdout}");
+    Ok(())
+}

@@ -290,20 +290,20 @@ async fn stdin_reaches_the_command_piped_or_from_a_file() -> Result<()> {
     let path = dir.path().join("input");
     let data: Vec<u8> = (0..6_000_000u32).map(|i| b'a' + (i % 26) as u8).collect();
     std::fs::write(&path, &data)?;
-    let out = corral(&h)?
-        .args([
-            "exec",
-            "-i",
-            "--sandbox",
-            sb.as_str(),
-            "--",
-            "sh",
-            "-c",
-            "wc -c; echo end",
-        ])
-        .stdin(std::fs::File::open(&path)?)
-        .output()
-        .await?;
+    let from_file = |args: &'static [&'static str]| {
+        let (h, sb, path) = (&h, &sb, &path);
+        async move {
+            anyhow::Ok(
+                corral(h)?
+                    .args(["exec", "-i", "--sandbox", sb.as_str(), "--"])
+                    .args(args)
+                    .stdin(std::fs::File::open(path)?)
+                    .output()
+                    .await?,
+            )
+        }
+    };
+    let out = from_file(&["sh", "-c", "wc -c; echo end"]).await?;
     assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
     assert_eq!(
         text(&out.stdout).split_whitespace().collect::<Vec<_>>(),
@@ -311,20 +311,7 @@ async fn stdin_reaches_the_command_piped_or_from_a_file() -> Result<()> {
     );
 
     // A command that stops reading: the rest of the input is dropped.
-    let out = corral(&h)?
-        .args([
-            "exec",
-            "-i",
-            "--sandbox",
-            sb.as_str(),
-            "--",
-            "head",
-            "-c",
-            "5",
-        ])
-        .stdin(std::fs::File::open(&path)?)
-        .output()
-        .await?;
+    let out = from_file(&["head", "-c", "5"]).await?;
     assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
     assert_eq!(text(&out.stdout), "abcde");
     h.stop().await;
