@@ -947,8 +947,9 @@ impl Actor {
         link.received = link.received.max(received);
         link.consumed = link.consumed.max(consumed);
         if closed {
+            // Kept (closed) until the operation finishes: later calls are
+            // told so, with where the input ended.
             link.close_all();
-            self.inputs.remove(&id);
             return;
         }
         if let Some((end, _)) = &link.in_flight
@@ -1043,7 +1044,15 @@ impl Actor {
                     && let Some(link) = self.inputs.get_mut(&id)
                     && let Some((_, p)) = link.in_flight.take()
                 {
+                    let finished = lock(&self.shared.ops)
+                        .ops
+                        .get(&id)
+                        .is_none_or(|r| r.result.is_some());
                     link.queue.push_front(p);
+                    if finished || reason.contains("unknown operation") {
+                        // Nothing will take it any more: say so, not wait.
+                        link.close_all();
+                    }
                 }
             }
             InitMessage::InputAck {
@@ -1081,7 +1090,7 @@ impl Actor {
         self.live_after = w.last_seq;
         let known: std::collections::HashSet<OperationId> =
             w.operations.iter().map(|o| o.id.clone()).collect();
-        for rec in &w.operations {
+        for rec in w.operations.iter().filter(|r| r.result.is_none()) {
             if let Some(link) = self.inputs.get_mut(&rec.id) {
                 link.received = rec.input_bytes;
                 link.consumed = link.consumed.min(rec.input_bytes);

@@ -235,6 +235,15 @@ impl Worker {
                 })
                 .collect();
             for (id, idle) in idle {
+                // Looked at again: a client may have come since.
+                let still = lock(&self.inner.sandboxes).get(&id).is_some_and(|s| {
+                    s.spec
+                        .idle_timeout_ms
+                        .is_some_and(|ms| s.idle_for() >= Duration::from_millis(ms))
+                });
+                if !still {
+                    continue;
+                }
                 info!(sandbox = %id, idle = ?idle, "removing a sandbox no client has used within its idle timeout");
                 if let Err(e) = self.destroy_sandbox(&id).await {
                     warn!(sandbox = %id, error = %e, "could not remove an idle sandbox");

@@ -104,12 +104,25 @@ impl<B: Backend> Manager<B> {
         )
     }
 
-    /// Stops the actor (operations keep running on the worker).
-    pub async fn shutdown(self) {
+    /// Stops the actor (operations keep running on the worker): at once when it is idle, and within
+    /// [`SHUTDOWN_PATIENCE`] when a call to the worker hangs (everything it
+    /// did is durable on the worker; a new manager takes over from there).
+    pub async fn shutdown(mut self) {
         self.stop.cancel();
-        let _ = self.task.await;
+        if tokio::time::timeout(SHUTDOWN_PATIENCE, &mut self.task)
+            .await
+            .is_err()
+        {
+            tracing::warn!(
+                "the operation manager did not stop within {SHUTDOWN_PATIENCE:?}; aborted"
+            );
+            self.task.abort();
+        }
     }
 }
+
+/// How long [`Manager::shutdown`] waits for a call in flight.
+pub const SHUTDOWN_PATIENCE: std::time::Duration = std::time::Duration::from_secs(2);
 
 impl<B: Backend> OperationManager for Manager<B> {
     async fn add(&self, op: Operation) -> Result<(), ManagerError> {

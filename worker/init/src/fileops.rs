@@ -345,13 +345,25 @@ impl FileWriter {
         }
         let existing = dir.ancestors().find(|a| a.exists()).map(Path::to_path_buf);
         fs::create_dir_all(dir).map_err(|e| io_error(&spec.path, &e))?;
+        // A directory swapped for a link since the check is caught here
+        // (and the file itself is opened beneath its root below).
+        if !fs::canonicalize(dir).is_ok_and(|real| within_roots(roots, &real)) {
+            return Err(outside(&spec.path));
+        }
         if let Some(uid) = owner {
             for made in dir
                 .ancestors()
                 .take_while(|a| Some(*a) != existing.as_deref())
             {
-                std::os::unix::fs::chown(made, Some(uid), Some(uid))
-                    .map_err(|e| io_error(&spec.path, &e))?;
+                // Never through a link: only what was made here changes owner.
+                nix::unistd::fchownat(
+                    nix::fcntl::AT_FDCWD,
+                    made,
+                    Some(nix::unistd::Uid::from_raw(uid)),
+                    Some(nix::unistd::Gid::from_raw(uid)),
+                    nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW,
+                )
+                .map_err(|e| io_error(&spec.path, &io::Error::from(e)))?;
             }
         }
         let (target, tmp, flags) = if spec.append {

@@ -42,6 +42,9 @@ pub const KILL_GRACE: Duration = Duration::from_secs(2);
 /// After a command's main process exits, how long its pipes may stay open
 /// (held by background children) before the operation ends anyway.
 pub const LINGER: Duration = Duration::from_millis(200);
+/// After the linger, how long a kept background child may keep a finished
+/// command's pipes busy before they are handed to the drain anyway.
+const OVERDUE: Duration = Duration::from_secs(1);
 /// Finished operations remembered for re-attaching workers.
 pub const MAX_FINISHED: usize = 1024;
 /// Bytes of finished operations (results and specs) remembered: the
@@ -136,6 +139,8 @@ struct Input {
     closed: bool,
     /// The worker should hear how far the input got.
     ack_due: bool,
+    /// A terminal's end-of-file character is queued.
+    eof_sent: bool,
 }
 
 impl Input {
@@ -155,7 +160,8 @@ impl Input {
                 Ok(n) => {
                     let _ = chunk.split_to(n);
                     self.pending_bytes -= n;
-                    self.consumed += n as u64;
+                    // The terminal's ^D is ours, not the worker's input.
+                    self.consumed = (self.consumed + n as u64).min(self.received);
                     self.ack_due = true;
                     if chunk.is_empty() {
                         self.pending.pop_front();
@@ -616,10 +622,16 @@ impl Supervisor {
                 return PollTimeout::ZERO;
             }
             let Some(run) = &op.running else { continue };
+            // Lingering ends only with credit to read what is left (new
+            // credit wakes the loop through stdin).
+            let linger = run
+                .linger_until
+                .filter(|_| self.credit > 0)
+                .map(|t| if t <= now { t + OVERDUE } else { t });
             let candidates = [
                 run.ending.is_none().then_some(run.deadline),
                 run.kill_at,
-                run.linger_until,
+                linger,
             ];
             for t in candidates.into_iter().flatten() {
                 next = Some(next.map_or(t, |n| n.min(t)));
@@ -831,13 +843,15 @@ impl Supervisor {
                 if input.closed {
                     continue;
                 }
+                if input.eof && run.terminal.is_some() && !input.eof_sent {
+                    // A terminal gets its end-of-file character (written
+                    // like any input); it stays open for the output.
+                    input.eof_sent = true;
+                    input.pending.push_back(Bytes::from_static(&[TERMINAL_EOF]));
+                    input.pending_bytes += 1;
+                }
                 input.pump(fd);
                 if input.eof && input.pending.is_empty() && !input.closed {
-                    if run.terminal.is_some() {
-                        // A terminal gets its end-of-file character; it
-                        // stays open for the output.
-                        let _ = (&*fd).write(&[TERMINAL_EOF]);
-                    }
                     input.closed = true;
                     input.ack_due = true;
                     if run.terminal.is_none() {
@@ -1264,8 +1278,18 @@ impl Supervisor {
         let pid = Pid::from_raw(child.id() as i32);
         let (pipes, stdin, input) = match master {
             Some(master) => {
-                let input_fd = master.try_clone().map_err(|e| format!("terminal: {e}"))?;
-                let out = master.try_clone().map_err(|e| format!("terminal: {e}"))?;
+                let clones = master
+                    .try_clone()
+                    .and_then(|a| Ok((a, master.try_clone()?)));
+                let (input_fd, out) = match clones {
+                    Ok(c) => c,
+                    Err(e) => {
+                        // Not tracked, so not left running.
+                        let _ = child.kill();
+                        let _ = child.wait();
+                        return Err(format!("terminal: {e}"));
+                    }
+                };
                 (
                     [Some(Pipe(out)), None],
                     Some(input_fd),
@@ -1464,6 +1488,9 @@ impl Supervisor {
                 continue;
             }
             let lingered = run.linger_until.is_some_and(|t| now >= t);
+            // A kept background child that never stops writing would hold
+            // the operation forever: past this, its pipes go regardless.
+            let overdue = run.linger_until.is_some_and(|t| now >= t + OVERDUE);
             if lingered && self.credit > 0 {
                 // Whatever is still buffered was read while we had credit;
                 // a pipe with nothing to read now is held by a background
@@ -1471,7 +1498,7 @@ impl Supervisor {
                 for p in &mut run.pipes {
                     if p.as_ref().is_some_and(|p| {
                         let mut fds = [PollFd::new(p.fd(), PollFlags::POLLIN)];
-                        matches!(poll(&mut fds, PollTimeout::ZERO), Ok(0))
+                        overdue || matches!(poll(&mut fds, PollTimeout::ZERO), Ok(0))
                     }) && let Some(pipe) = p.take()
                     {
                         orphaned.push(pipe);
