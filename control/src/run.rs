@@ -263,11 +263,16 @@ pub(crate) fn stop_signals() -> impl futures_util::Stream<Item = i32> + Send + '
     })
 }
 
-/// The first of [`stop_signals`].
-pub(crate) async fn stop_signal() -> i32 {
+/// Resolves with the first of [`stop_signals`]. The handlers are in place
+/// when this returns (not when the future is first polled), so a signal
+/// that comes at once is not the default death.
+pub(crate) fn stop_signal() -> impl std::future::Future<Output = i32> + Send + 'static {
     use futures_util::StreamExt;
-    let mut signals = std::pin::pin!(stop_signals());
-    signals.next().await.unwrap_or(2)
+    let signals = stop_signals();
+    async move {
+        let mut signals = std::pin::pin!(signals);
+        signals.next().await.unwrap_or(2)
+    }
 }
 
 async fn run_exec(conn: &Connection, args: ExecArgs) -> Result<u8, RunError> {
