@@ -55,6 +55,52 @@ pub struct Welcome {
     pub boot_id: String,
     pub last_seq: u64,
     pub operations: Vec<OperationRecord>,
+    /// More Welcome frames follow with the rest of the operations.
+    pub more: bool,
+}
+
+/// Most encoded bytes of operations in one Welcome frame (well under
+/// [`crate::limits::MAX_FRAME_BYTES`], and above the largest single
+/// operation record).
+pub const WELCOME_PAGE_BYTES: usize = 8 << 20;
+
+impl Welcome {
+    /// The Welcome for `operations`, in frames of at most `page_bytes` of
+    /// operations each (a record larger than that gets a frame of its own).
+    /// Every frame but the last says `more`.
+    pub fn paged(
+        version: &str,
+        boot_id: &str,
+        last_seq: u64,
+        operations: Vec<OperationRecord>,
+        page_bytes: usize,
+    ) -> Vec<Welcome> {
+        use prost::Message;
+        let page = |operations| Welcome {
+            version: version.to_string(),
+            boot_id: boot_id.to_string(),
+            last_seq,
+            operations,
+            more: true,
+        };
+        let mut pages = Vec::new();
+        let mut current = Vec::new();
+        let mut bytes = 0usize;
+        for op in operations {
+            let len = op.to_pb_in(String::new()).encoded_len() + 8;
+            if !current.is_empty() && bytes + len > page_bytes {
+                pages.push(page(std::mem::take(&mut current)));
+                bytes = 0;
+            }
+            bytes += len;
+            current.push(op);
+        }
+        pages.push(page(current));
+        if let Some(last) = pages.last_mut() {
+            last.more = false;
+        }
+        pages
+    }
 }
 
 /// A frame from corral-init to the worker.
@@ -200,6 +246,7 @@ impl From<InitMessage> for pb::InitMessage {
                     .iter()
                     .map(|o| o.to_pb_in(String::new()))
                     .collect(),
+                more: w.more,
             }),
             InitMessage::Event(e) => Kind::Event(e.into()),
             InitMessage::Rejected {
@@ -240,6 +287,7 @@ impl TryFrom<pb::InitMessage> for InitMessage {
                     .into_iter()
                     .map(TryInto::try_into)
                     .collect::<Result<_, _>>()?,
+                more: w.more,
             }),
             Kind::Event(e) => Self::Event(e.try_into()?),
             Kind::Rejected(r) => Self::Rejected {

@@ -48,6 +48,10 @@ const MAX_OPERATIONS: usize = 4096;
 pub const INPUT_WINDOW_BYTES: u64 = 2 << 20;
 /// Input calls of one operation waiting their turn.
 const MAX_QUEUED_INPUTS: usize = 64;
+/// Most pages of one Welcome: what init remembers (64 MiB of finished
+/// operations, and running ones) fits in far fewer; more is a broken or
+/// hostile supervisor, and the worker attaches again.
+const MAX_WELCOME_PAGES: usize = 24;
 
 /// What one sandbox allows its watchers.
 #[derive(Debug, Clone, Copy)]
@@ -340,6 +344,8 @@ impl Sandbox {
             decoder: FrameDecoder::new(),
             boot_id: None,
             welcomed: false,
+            welcome_pages: None,
+            welcome_page_count: 0,
             granted: 0,
             received: 0,
             live_after: 0,
@@ -618,6 +624,9 @@ struct Actor {
     decoder: FrameDecoder,
     boot_id: Option<String>,
     welcomed: bool,
+    /// Pages of a Welcome still coming.
+    welcome_pages: Option<Welcome>,
+    welcome_page_count: usize,
     /// Credit granted to init since the last attach, and output received.
     granted: u64,
     received: u64,
@@ -683,6 +692,8 @@ impl Actor {
         self.output = None;
         self.input = None;
         self.welcomed = false;
+        self.welcome_pages = None;
+        self.welcome_page_count = 0;
         self.decoder = FrameDecoder::new();
         // Input in flight is sent again after the next attach (init places
         // it by offset, so nothing is taken twice); resets are not.
@@ -1073,7 +1084,30 @@ impl Actor {
         }
     }
 
-    async fn on_welcome(&mut self, w: Welcome) {
+    async fn on_welcome(&mut self, mut w: Welcome) {
+        // A Welcome comes in pages; it is acted on once whole.
+        if let Some(mut earlier) = self.welcome_pages.take() {
+            if earlier.boot_id != w.boot_id {
+                warn!("the supervisor's Welcome pages disagree; attaching again");
+                self.detach();
+                return;
+            }
+            earlier.operations.append(&mut w.operations);
+            earlier.last_seq = w.last_seq;
+            earlier.more = w.more;
+            w = earlier;
+        }
+        if w.more {
+            self.welcome_page_count += 1;
+            if self.welcome_page_count > MAX_WELCOME_PAGES {
+                warn!("the supervisor's Welcome is past any sane size; attaching again");
+                self.detach();
+                return;
+            }
+            self.welcome_pages = Some(w);
+            return;
+        }
+        self.welcome_page_count = 0;
         if let Some(known) = &self.boot_id
             && known != &w.boot_id
         {

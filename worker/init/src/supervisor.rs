@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use corral_proto::frame::{self, FrameDecoder};
-use corral_proto::init::{InitMessage, InitRequest, OperationRecord, Welcome};
+use corral_proto::init::{InitMessage, InitRequest, OperationRecord, WELCOME_PAGE_BYTES, Welcome};
 use corral_proto::{
     EventKind, OperationId, OperationResult, OperationSpec, Outcome, OutputStream, ShellSpec,
     TerminalSize, pb,
@@ -720,12 +720,16 @@ impl Supervisor {
                         input_bytes: op.input().map_or(0, |i| i.received),
                     })
                     .collect();
-                self.send(InitMessage::Welcome(Welcome {
-                    version: crate::VERSION.into(),
-                    boot_id: self.boot_id.clone(),
-                    last_seq: self.journal.last_seq(),
+                // In pages: what init remembers may exceed one frame.
+                for page in Welcome::paged(
+                    crate::VERSION,
+                    &self.boot_id,
+                    self.journal.last_seq(),
                     operations,
-                }));
+                    WELCOME_PAGE_BYTES,
+                ) {
+                    self.send(InitMessage::Welcome(page));
+                }
                 for event in self.journal.read_after(after_seq, usize::MAX) {
                     self.send(InitMessage::Event(event));
                 }

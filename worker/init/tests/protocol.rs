@@ -145,9 +145,28 @@ fn attach(init: &mut Init, after_seq: u64, window_bytes: u64) -> corral_proto::i
         after_seq,
         window_bytes,
     });
-    match init.recv() {
-        InitMessage::Welcome(w) => w,
-        other => panic!("expected welcome, got {other:?}"),
+    let mut pages = attach_pages(init);
+    let mut w = pages.remove(0);
+    for mut p in pages {
+        w.operations.append(&mut p.operations);
+    }
+    w
+}
+
+/// The pages of the Welcome that answers an Attach.
+fn attach_pages(init: &mut Init) -> Vec<corral_proto::init::Welcome> {
+    let mut pages = Vec::new();
+    loop {
+        match init.recv() {
+            InitMessage::Welcome(w) => {
+                let more = w.more;
+                pages.push(w);
+                if !more {
+                    return pages;
+                }
+            }
+            other => panic!("expected welcome, got {other:?}"),
+        }
     }
 }
 
@@ -669,4 +688,54 @@ fn a_reset_kills_every_process_and_ends_what_runs() {
         &result_of(&init.until_finished()).stdout.head[..],
         b"after\n"
     );
+}
+
+#[test]
+fn a_reattach_after_large_operations_is_welcomed_in_pages_under_the_frame_limit() {
+    // Five 7 MiB reads are 35 MiB of remembered results: more than one
+    // frame may carry.
+    let mut init = Init::start();
+    attach(&mut init, 0, 64 << 20);
+    let (_, req) = run("head -c 7340032 /dev/urandom > big");
+    init.send(req);
+    init.until_finished();
+    let mut ids = Vec::new();
+    for _ in 0..5 {
+        let id = OperationId::random();
+        init.send(InitRequest::Run {
+            operation_id: id.clone(),
+            spec: OperationSpec::ReadFile(ReadFileSpec::new("big")),
+        });
+        let r = result_of(&init.until_finished());
+        assert_eq!(r.file_data.len(), 7 << 20);
+        ids.push(id);
+    }
+    init.send(InitRequest::Attach {
+        after_seq: u64::MAX - 1,
+        window_bytes: 1 << 20,
+    });
+    let pages = attach_pages(&mut init);
+    assert!(
+        pages.len() > 1,
+        "one page of {} operations",
+        pages[0].operations.len()
+    );
+    assert!(pages.iter().all(|p| p.boot_id == pages[0].boot_id));
+    let mut kept: Vec<_> = pages
+        .iter()
+        .flat_map(|p| &p.operations)
+        .filter(|o| {
+            o.result
+                .as_ref()
+                .is_some_and(|r| r.file_data.len() == 7 << 20)
+        })
+        .map(|o| o.id.clone())
+        .collect();
+    kept.sort_by_key(ToString::to_string);
+    ids.sort_by_key(ToString::to_string);
+    assert_eq!(kept, ids, "every read is remembered, once");
+    // The link goes on after the pages.
+    let (_, req) = run("echo after");
+    init.send(req);
+    assert_eq!(stdout_of(&init.until_finished()), b"after\n");
 }
