@@ -16,19 +16,19 @@ use futures_util::StreamExt;
 use serde::Deserialize;
 use tokio::sync::mpsc;
 
-use crate::agent::core::{now_ms, replay};
-use crate::agent::events::{Event, RunResult, to_json_line};
-use crate::agent::record::{Endpoint, Overrides, SkillDef};
-use crate::agent::{
+use crate::cli::{ApiKind, ConnArgs, RunArgs, SessionCommand};
+use crate::run::{Connection, RunError, connect_to, place, worker_urls};
+use corral_harness::agent::core::replay;
+use corral_harness::agent::events::{Event, RunResult, to_json_line};
+use corral_harness::agent::record::{Endpoint, Overrides, SkillDef};
+use corral_harness::agent::{
     Coordinator, Core, Ending, Inbox, Record, SessionConfig, Settings, StopMode, Summary,
 };
-use crate::cli::{ApiKind, ConnArgs, RunArgs, SessionCommand};
-use crate::client::ClientError;
-use crate::context::Budget;
-use crate::llm::{Api, LlmClient, LlmConfig, Role, ToolChoice};
-use crate::ops::{Backend, Manager, OperationManager, RemoteBackend};
-use crate::run::{Connection, RunError, connect_to, place, worker_urls};
-use crate::session::SessionLog;
+use corral_harness::client::ClientError;
+use corral_harness::context::Budget;
+use corral_harness::llm::{Api, LlmClient, LlmConfig, Role, ToolChoice};
+use corral_harness::ops::{Backend, Manager, OperationManager, RemoteBackend};
+use corral_harness::session::SessionLog;
 
 pub const EXIT_DONE: u8 = 0;
 pub const EXIT_FAILED: u8 = 1;
@@ -335,7 +335,7 @@ pub async fn run_agent(conn: &ConnArgs, args: &RunArgs) -> Result<u8, RunError> 
     {
         // A JSON reader learns why the run failed from its own stream too.
         let line = to_json_line(&Event::Error {
-            message: crate::client::source_chain(e),
+            message: corral_harness::client::source_chain(e),
         });
         let mut stdout = std::io::stdout().lock();
         let _ = stdout
@@ -353,8 +353,8 @@ async fn run_agent_inner(conn: &ConnArgs, args: &RunArgs) -> Result<u8, RunError
         Some(s) => s.clone(),
         None => new_session_id(),
     };
-    crate::session::log::check_id(&id).map_err(|e| usage(e.to_string()))?;
-    let exists = crate::session::log::path_of(&dir, &id).exists();
+    corral_harness::session::log::check_id(&id).map_err(|e| usage(e.to_string()))?;
+    let exists = corral_harness::session::log::path_of(&dir, &id).exists();
     if !exists && req.prompt.is_none() && req.messages.is_empty() {
         return Err(usage(
             "nothing to do: give a prompt (or --request with a prompt or messages)",
@@ -431,7 +431,7 @@ fn check_tool_choice(config: &SessionConfig) -> Result<(), RunError> {
     let Some(ToolChoice::Tool(name)) = &config.tool_choice else {
         return Ok(());
     };
-    let offered: Vec<String> = crate::agent::core::registry_for(config)
+    let offered: Vec<String> = corral_harness::agent::core::registry_for(config)
         .tools()
         .into_iter()
         .map(|t| t.name)
@@ -458,7 +458,7 @@ fn new_config(
     args: &RunArgs,
     req: &RunRequest,
     id: &str,
-    skills: &[crate::tools::skills::Skill],
+    skills: &[corral_harness::tools::skills::Skill],
 ) -> SessionConfig {
     let budget = Budget {
         context_window_tokens: req
@@ -481,7 +481,11 @@ fn new_config(
             .system_prompt
             .clone()
             .or_else(|| req.system_prompt.clone())
-            .unwrap_or_else(|| crate::context::DEFAULT_SYSTEM_PROMPT.trim_end().to_string()),
+            .unwrap_or_else(|| {
+                corral_harness::context::DEFAULT_SYSTEM_PROMPT
+                    .trim_end()
+                    .to_string()
+            }),
         tools: req.tools.clone(),
         sandbox_id: SandboxId::new(format!(
             "{}-{}",
@@ -525,7 +529,7 @@ async fn drive(
 ) -> Result<u8, RunError> {
     let (skills, skill_files) = match (&args.skills, exists) {
         (Some(dir), false) => {
-            let skills = crate::tools::skills::discover(dir).map_err(usage)?;
+            let skills = corral_harness::tools::skills::discover(dir).map_err(usage)?;
             let files = skill_files(dir)?;
             (skills, files)
         }
@@ -684,7 +688,7 @@ async fn run_on<B: Backend>(
 async fn session<M: OperationManager + 'static>(
     mut core: Core,
     manager: Arc<M>,
-    updates: mpsc::Receiver<crate::ops::Operation>,
+    updates: mpsc::Receiver<corral_harness::ops::Operation>,
     run: Attended<'_>,
 ) -> Result<Summary, RunError> {
     let Attended {
@@ -696,7 +700,10 @@ async fn session<M: OperationManager + 'static>(
     } = run;
     use tokio::io::AsyncBufReadExt;
     // A `corral run` ends once the session is idle.
-    core.stop(StopMode::WhenIdle, crate::agent::StopCause::Requested)?;
+    core.stop(
+        StopMode::WhenIdle,
+        corral_harness::agent::StopCause::Requested,
+    )?;
     let resumed = core.state().turns() > 0 || core.state().last_input.is_some();
     for (i, m) in req.messages.iter().enumerate() {
         match m.role {
@@ -705,7 +712,7 @@ async fn session<M: OperationManager + 'static>(
                 let id = m.message_id.clone().unwrap_or_else(|| {
                     format!(
                         "message-{i}-{:016x}",
-                        crate::llm::conform::fnv1a(m.content.as_bytes())
+                        corral_harness::llm::conform::fnv1a(m.content.as_bytes())
                     )
                 });
                 core.add_input(&id, &m.content)?;
@@ -835,7 +842,10 @@ fn skill_files(dir: &Path) -> Result<Vec<(String, Vec<u8>)>, RunError> {
                     .to_string_lossy()
                     .into_owned();
                 out.push((
-                    format!("{}/{rel}", crate::tools::skills::SANDBOX_SKILLS_DIR),
+                    format!(
+                        "{}/{rel}",
+                        corral_harness::tools::skills::SANDBOX_SKILLS_DIR
+                    ),
                     data,
                 ));
             }
@@ -848,7 +858,7 @@ fn skill_files(dir: &Path) -> Result<Vec<(String, Vec<u8>)>, RunError> {
 /// Writes files into the sandbox, one write operation each, and waits for
 /// every one of them.
 async fn install_files(
-    client: &crate::client::WorkerClient,
+    client: &corral_harness::client::WorkerClient,
     sandbox: &SandboxId,
     files: Vec<(String, Vec<u8>)>,
 ) -> Result<(), RunError> {
@@ -990,7 +1000,7 @@ pub async fn run_session_command(conn: &ConnArgs, cmd: &SessionCommand) -> Resul
             sessions_dir: d,
         } => {
             let dir = sessions_dir(d.as_deref());
-            fork(&dir, id, new_id, *turn)?;
+            corral_harness::sessions::fork(&dir, id, new_id, *turn)?;
             writeln!(out, "{new_id}")?;
         }
     }
@@ -1021,7 +1031,7 @@ async fn remove_session(
             }
         }
     }
-    let path = crate::session::log::path_of(dir, id);
+    let path = corral_harness::session::log::path_of(dir, id);
     std::fs::remove_file(&path).map_err(|e| failed(format!("{}: {e}", path.display())))?;
     drop(log);
     Ok(())
@@ -1064,8 +1074,8 @@ fn describe(rec: &Record) -> String {
             output,
             running,
         } => {
-            let mut text = crate::llm::ToolOutput::text_of(output);
-            let images = crate::llm::ToolOutput::images_in(output);
+            let mut text = corral_harness::llm::ToolOutput::text_of(output);
+            let images = corral_harness::llm::ToolOutput::images_in(output);
             if images > 0 {
                 text.push_str(&format!(" [{images} image(s)]"));
             }
@@ -1079,77 +1089,4 @@ fn describe(rec: &Record) -> String {
         Record::Finished { ending } => format!("{ending:?}"),
     };
     format!("{:<13} {detail}", rec.kind())
-}
-
-/// The text an inherited call without a result gets in a fork.
-pub const INTERRUPTED_BY_FORK: &str = "Error: interrupted by fork: this call had not finished when the session was forked, and its result is not part of this session.";
-
-/// Forks `parent` into `child` at a turn boundary: everything before turn
-/// `turn + 1` starts (all of it when `turn` is `None`). Calls without a
-/// final result get an explicit "interrupted by fork" result, and the child
-/// runs in a new sandbox.
-pub fn fork(dir: &Path, parent: &str, child: &str, turn: Option<u64>) -> Result<(), RunError> {
-    let mut upto = 0;
-    let mut after = 0;
-    let mut state = crate::agent::State::new();
-    'pages: loop {
-        let page = SessionLog::<Record>::replay(dir, parent, after, 256)?;
-        for (seq, rec) in &page.records {
-            if let (Some(n), Record::Turn { turn: t }) = (turn, rec)
-                && *t > n
-            {
-                break 'pages;
-            }
-            state.apply(rec);
-            upto = *seq;
-        }
-        match page.next {
-            Some(n) => after = n,
-            None => break,
-        }
-    }
-    if let Some(n) = turn
-        && state.last_turn < n
-    {
-        return Err(usage(format!(
-            "session {parent} has no turn {n} (it has {})",
-            state.last_turn
-        )));
-    }
-    let mut then = vec![Record::Forked {
-        parent: parent.to_string(),
-        sandbox_id: SandboxId::random(),
-    }];
-    let mut open: Vec<(&String, &crate::agent::state::CallState)> =
-        state.unanswered_calls().collect();
-    open.sort_by_key(|(id, _)| (*id).clone());
-    for (call_id, call) in open {
-        for op in &call.ops {
-            if state.ops.get(op).is_some_and(|o| o.end.is_none()) {
-                then.push(Record::Operation {
-                    snapshot: crate::agent::record::OpSnapshot {
-                        id: op.clone(),
-                        status: crate::ops::OpStatus::Canceled,
-                        result: None,
-                        failure: Some("interrupted by fork".into()),
-                    },
-                });
-            }
-        }
-        then.push(Record::Result {
-            call_id: call_id.clone(),
-            output: crate::tools::text(INTERRUPTED_BY_FORK),
-            running: false,
-        });
-    }
-    // A request in flight at the fork point is sent again when the child
-    // resumes (its Resume record says so).
-    then.push(Record::Resume {
-        at_unix_ms: now_ms(),
-        max_turns: None,
-        model: None,
-        endpoint: None,
-    });
-    SessionLog::<Record>::fork(dir, parent, child, upto, &then)?;
-    Ok(())
 }

@@ -14,7 +14,7 @@ use corral_proto::{
 use futures_util::{Stream, StreamExt};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
-use crate::client::{ClientError, Credentials, EventStream, WorkerClient};
+use corral_harness::client::{ClientError, Credentials, EventStream, WorkerClient};
 
 /// How long `corral exec` keeps trying to reach a worker that went away.
 pub const RECONNECT_WINDOW: Duration = Duration::from_secs(120);

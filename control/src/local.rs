@@ -18,7 +18,7 @@ use std::time::Duration;
 use corral_worker::cli::default_state_dir;
 use corral_worker::{Worker, WorkerConfig, WorkerError};
 
-use crate::client::{Credentials, WorkerClient};
+use corral_harness::client::{Credentials, WorkerClient};
 
 /// The socket's file name in the state directory.
 const SOCKET: &str = "worker.sock";

@@ -30,7 +30,7 @@ fn main() -> ExitCode {
     let code = match runtime.block_on(run(cli)) {
         Ok(code) => ExitCode::from(code),
         Err(e) => {
-            eprintln!("corral: {}", corral_control::client::source_chain(&e));
+            eprintln!("corral: {}", corral_harness::client::source_chain(&e));
             ExitCode::from(e.exit_code(agent))
         }
     };

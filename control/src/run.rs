@@ -6,8 +6,8 @@ use std::io::Write;
 use corral_proto::{NetworkMode, SandboxId, SandboxSpec, SandboxState, TerminalSize};
 
 use crate::cli::{Cli, Command, ConnArgs, ExecArgs, Network, SandboxCommand};
-use crate::client::{ClientError, ClientTls, Credentials, WorkerClient, source_chain};
 use crate::exec::{self, ExecError, ExecRequest};
+use corral_harness::client::{ClientError, ClientTls, Credentials, WorkerClient, source_chain};
 
 /// Exit code for Corral's own failures (as `docker run` uses 125).
 pub const EXIT_CORRAL_ERROR: u8 = 125;
@@ -31,9 +31,11 @@ pub enum RunError {
     #[error("{0}")]
     Failed(String),
     #[error(transparent)]
-    Session(#[from] crate::session::LogError),
+    Session(#[from] corral_harness::session::LogError),
     #[error(transparent)]
-    Core(#[from] crate::agent::CoreError),
+    Core(#[from] corral_harness::agent::CoreError),
+    #[error(transparent)]
+    Lifecycle(#[from] corral_harness::sessions::SessionError),
     #[error("writing output: {0}")]
     Io(#[from] std::io::Error),
 }
@@ -44,12 +46,15 @@ impl RunError {
     pub fn exit_code(&self, agent: bool) -> u8 {
         match self {
             RunError::Usage(_) => crate::agent_run::EXIT_USAGE,
-            RunError::Session(crate::session::LogError::BadId(_))
-            | RunError::Session(crate::session::LogError::AlreadyExists(_))
-            | RunError::Session(crate::session::LogError::NotFound(_))
-            | RunError::Session(crate::session::LogError::BadForkPoint { .. })
+            RunError::Session(corral_harness::session::LogError::BadId(_))
+            | RunError::Session(corral_harness::session::LogError::AlreadyExists(_))
+            | RunError::Session(corral_harness::session::LogError::NotFound(_))
+            | RunError::Session(corral_harness::session::LogError::BadForkPoint { .. })
                 if agent =>
             {
+                crate::agent_run::EXIT_USAGE
+            }
+            RunError::Lifecycle(corral_harness::sessions::SessionError::NoSuchTurn { .. }) => {
                 crate::agent_run::EXIT_USAGE
             }
             _ if agent => crate::agent_run::EXIT_FAILED,

@@ -19,8 +19,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use bollard::exec::{CreateExecOptions, StartExecResults};
-use corral_control::client::EventStream;
 use corral_e2e::Harness;
+use corral_harness::client::EventStream;
 use corral_proto::{EventKind, OperationId, OperationSpec, SandboxId, SandboxSpec, ShellSpec};
 use futures_util::StreamExt;
 

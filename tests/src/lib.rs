@@ -17,7 +17,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
-use corral_control::client::WorkerClient;
+use corral_harness::client::WorkerClient;
 use corral_proto::{
     Event, EventKind, OperationId, OperationResult, OperationSpec, SandboxId, SandboxSpec,
     ShellSpec,
@@ -28,14 +28,14 @@ use tokio::task::JoinHandle;
 
 /// A session's settings for tests: `model` in `sandbox`, ten turns a run,
 /// everything else the defaults.
-pub fn session_config(model: &str, sandbox: SandboxId) -> corral_control::agent::SessionConfig {
-    corral_control::agent::SessionConfig {
+pub fn session_config(model: &str, sandbox: SandboxId) -> corral_harness::agent::SessionConfig {
+    corral_harness::agent::SessionConfig {
         model: model.into(),
         system_prompt: String::new(),
         tools: None,
         sandbox_id: sandbox,
         image: None,
-        budget: corral_control::context::Budget::default(),
+        budget: corral_harness::context::Budget::default(),
         max_output_tokens: None,
         reasoning_effort: None,
         max_turns: 10,

@@ -10,8 +10,8 @@
 
 use std::time::{Duration, Instant};
 
-use corral_control::context::{Budget, ContextBuilder};
-use corral_control::llm::{Item, Response, StopReason, ToolOutput, chat, conform, responses};
+use corral_harness::context::{Budget, ContextBuilder};
+use corral_harness::llm::{Item, Response, StopReason, ToolOutput, chat, conform, responses};
 
 /// p50 and p90 of 50 runs of `f`.
 fn time<T>(mut f: impl FnMut() -> T) -> (Duration, Duration) {

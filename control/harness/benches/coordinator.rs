@@ -16,11 +16,11 @@
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use corral_control::agent::{Core, Effect, Record, SessionConfig, replay};
-use corral_control::context::Budget;
-use corral_control::llm::{Item, Response, StopReason, Usage};
-use corral_control::ops::Operation;
-use corral_control::session::SessionLog;
+use corral_harness::agent::{Core, Effect, Record, SessionConfig, replay};
+use corral_harness::context::Budget;
+use corral_harness::llm::{Item, Response, StopReason, Usage};
+use corral_harness::ops::Operation;
+use corral_harness::session::SessionLog;
 use corral_proto::{Captured, OperationResult, Outcome, SandboxId};
 
 const TURNS: u64 = 600;

@@ -24,18 +24,18 @@
 use crate::llm::{Item, Request, Response, Role, Tool, ToolChoice, ToolOutput};
 
 /// The async-turn contract, in our words.
-pub const PREAMBLE: &str = include_str!("../../prompts/preamble.md");
+pub const PREAMBLE: &str = include_str!("../../../prompts/preamble.md");
 /// What precedes the list of skills.
-pub const SKILLS_PREAMBLE: &str = include_str!("../../prompts/skills.md");
+pub const SKILLS_PREAMBLE: &str = include_str!("../../../prompts/skills.md");
 /// What a running call shows until its result arrives.
-pub const RUNNING_PLACEHOLDER: &str = include_str!("../../prompts/running.md");
+pub const RUNNING_PLACEHOLDER: &str = include_str!("../../../prompts/running.md");
 /// How a late result (its placeholder already sent) is introduced;
 /// `{call_id}` names the call.
-pub const LATE_RESULT: &str = include_str!("../../prompts/late-result.md");
+pub const LATE_RESULT: &str = include_str!("../../../prompts/late-result.md");
 /// Opens a heartbeat, followed by the list of running calls.
-pub const HEARTBEAT: &str = include_str!("../../prompts/heartbeat.md");
+pub const HEARTBEAT: &str = include_str!("../../../prompts/heartbeat.md");
 /// The system prompt of a session that is given none.
-pub const DEFAULT_SYSTEM_PROMPT: &str = include_str!("../../prompts/system.md");
+pub const DEFAULT_SYSTEM_PROMPT: &str = include_str!("../../../prompts/system.md");
 
 /// A skill the model may load.
 #[derive(Debug, Clone, PartialEq, Eq)]

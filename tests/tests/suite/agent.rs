@@ -10,14 +10,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
-use corral_control::agent::{Coordinator, Core, Ending, Inbox, Record, Settings, StopMode, replay};
-use corral_control::llm::conform::CallIds;
-use corral_control::llm::{Api, LlmClient, LlmConfig};
-use corral_control::ops::{LocalBackend, Manager};
-use corral_control::session::SessionLog;
 use corral_e2e::model::{ModelServer, chat, responses, status};
 use corral_e2e::run::{command, corral_run, corral_run_env};
 use corral_e2e::{Harness, binary};
+use corral_harness::agent::{Coordinator, Core, Ending, Inbox, Record, Settings, StopMode, replay};
+use corral_harness::llm::conform::CallIds;
+use corral_harness::llm::{Api, LlmClient, LlmConfig};
+use corral_harness::ops::{LocalBackend, Manager};
+use corral_harness::session::SessionLog;
 use corral_proto::{Outcome, SandboxSpec};
 use serde_json::{Value, json};
 
@@ -726,7 +726,7 @@ async fn an_interrupt_cancels_the_running_command_and_exits_130() -> Result<()> 
     let op = state.ops.values().next().unwrap();
     assert_eq!(
         op.end.as_ref().unwrap().status,
-        corral_control::ops::OpStatus::Canceled
+        corral_harness::ops::OpStatus::Canceled
     );
     h.stop().await;
     Ok(())

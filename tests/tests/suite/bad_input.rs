@@ -1,7 +1,7 @@
 //! Bad input gets a clear error and changes nothing.
 
-use corral_control::client::{ClientError, WorkerClient};
 use corral_e2e::{Harness, WorkerProcess, free_port, unique_id};
+use corral_harness::client::{ClientError, WorkerClient};
 use corral_proto::{
     FileErrorKind, OperationId, OperationSpec, Outcome, ReadFileSpec, SandboxId, SandboxSpec,
     ShellSpec, WriteFileSpec,

@@ -11,13 +11,13 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use bytes::Bytes;
-use corral_control::agent::core::Overrides;
-use corral_control::agent::{Core, Effect, Record, SessionConfig, StopCause, StopMode};
-use corral_control::llm::conform::{self, CallIds};
-use corral_control::llm::{Item, Request, Response, Role, StopReason, Usage, chat, responses};
-use corral_control::ops::Operation;
-use corral_control::session::SessionLog;
 use corral_e2e::strict::{Memory, Profile, check};
+use corral_harness::agent::core::Overrides;
+use corral_harness::agent::{Core, Effect, Record, SessionConfig, StopCause, StopMode};
+use corral_harness::llm::conform::{self, CallIds};
+use corral_harness::llm::{Item, Request, Response, Role, StopReason, Usage, chat, responses};
+use corral_harness::ops::Operation;
+use corral_harness::session::SessionLog;
 use corral_proto::{Captured, OperationResult, OperationSpec, Outcome, SandboxId};
 use serde_json::json;
 
@@ -290,7 +290,7 @@ fn run(seed: u64, steps: usize) -> usize {
             50..=57 => sim.core().grace_over().unwrap(),
             58..=65 => sim
                 .core()
-                .heartbeat(corral_control::agent::core::now_ms())
+                .heartbeat(corral_harness::agent::core::now_ms())
                 .unwrap(),
             66..=75 => {
                 let n = rng.next();
@@ -300,7 +300,7 @@ fn run(seed: u64, steps: usize) -> usize {
             }
             76..=78 => {
                 if let Some(turn) = sim.in_flight.take() {
-                    let e = corral_control::llm::LlmError::Http {
+                    let e = corral_harness::llm::LlmError::Http {
                         api: "chat completions",
                         status: 400,
                         code: None,
@@ -319,7 +319,7 @@ fn run(seed: u64, steps: usize) -> usize {
                 forks += 1;
                 sim.effects(&context);
                 let child = format!("f{forks}");
-                corral_control::agent_run::fork(sim.dir.path(), &sim.id, &child, None).unwrap();
+                corral_harness::sessions::fork(sim.dir.path(), &sim.id, &child, None).unwrap();
                 sim.id = child;
                 sim.crash_and_resume();
             }

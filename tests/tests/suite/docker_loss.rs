@@ -8,8 +8,8 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use corral_control::client::ClientError;
 use corral_e2e::{Harness, collect};
+use corral_harness::client::ClientError;
 use corral_proto::{OperationId, OperationSpec, ShellSpec};
 use tokio::net::{UnixListener, UnixStream};
 use tokio::task::JoinSet;

@@ -11,13 +11,13 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
-use corral_control::agent::record::{CallOutcome, Record};
-use corral_control::llm::{Item, Response, StopReason, Usage};
-use corral_control::session::SessionLog;
 use corral_e2e::Harness;
 use corral_e2e::model::{ModelServer, Received, Reply, chat, responses, sse};
 use corral_e2e::run::{Run, command, corral_run};
 use corral_e2e::strict::Profile;
+use corral_harness::agent::record::{CallOutcome, Record};
+use corral_harness::llm::{Item, Response, StopReason, Usage};
+use corral_harness::session::SessionLog;
 use serde_json::json;
 use tokio::io::AsyncWriteExt;
 
@@ -446,7 +446,7 @@ async fn a_session_recorded_with_an_invalid_prefix_heals_on_resume() -> Result<(
             },
             Record::Result {
                 call_id: "c1".into(),
-                output: corral_control::tools::text("Error: tool \"Nope\" is not available"),
+                output: corral_harness::tools::text("Error: tool \"Nope\" is not available"),
                 running: false,
             },
             Record::Turn { turn: 2 },

@@ -67,7 +67,7 @@ async fn gvisor_is_used_only_where_the_worker_allows_it() -> anyhow::Result<()> 
         .create_sandbox(None, under("runsc"))
         .await
         .unwrap_err();
-    let corral_control::client::ClientError::Status(s) = err else {
+    let corral_harness::client::ClientError::Status(s) = err else {
         panic!("not a status: {err}");
     };
     assert_eq!(s.code(), tonic::Code::PermissionDenied);

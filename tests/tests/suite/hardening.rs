@@ -217,7 +217,7 @@ async fn the_workers_policy_refuses_what_its_operator_did_not_allow() -> anyhow:
     ];
     for (spec, flag) in asks {
         let err = h.client.create_sandbox(None, spec).await.unwrap_err();
-        let corral_control::client::ClientError::Status(s) = err else {
+        let corral_harness::client::ClientError::Status(s) = err else {
             panic!("not a status: {err}");
         };
         assert_eq!(s.code(), tonic::Code::PermissionDenied, "{}", s.message());
@@ -253,7 +253,7 @@ async fn the_release_agent_escape_is_refused_at_create_and_fails_inside() -> any
         )
         .await
         .unwrap_err();
-    let corral_control::client::ClientError::Status(s) = err else {
+    let corral_harness::client::ClientError::Status(s) = err else {
         panic!("not a status: {err}");
     };
     assert_eq!(s.code(), tonic::Code::PermissionDenied);

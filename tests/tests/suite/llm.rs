@@ -4,13 +4,13 @@
 
 use std::time::Duration;
 
-use corral_control::llm::retry::RetryPolicy;
-use corral_control::llm::{
+use corral_e2e::model::responses::completed;
+use corral_e2e::model::{ModelServer, chat, sse, status};
+use corral_harness::llm::retry::RetryPolicy;
+use corral_harness::llm::{
     Api, Item, LlmClient, LlmConfig, LlmError, Request, Role, StopReason, StreamDelta, Tool,
     ToolOutput,
 };
-use corral_e2e::model::responses::completed;
-use corral_e2e::model::{ModelServer, chat, sse, status};
 use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
 
@@ -62,7 +62,7 @@ async fn respond(
     c: &LlmClient,
     req: &Request,
 ) -> (
-    Result<corral_control::llm::Response, LlmError>,
+    Result<corral_harness::llm::Response, LlmError>,
     Vec<StreamDelta>,
 ) {
     let (tx, mut rx) = tokio::sync::mpsc::channel(1024);
@@ -367,7 +367,7 @@ async fn chat_completions_streams_text_tool_calls_and_usage() {
     // Call ids go out as nine letters and digits (the strictest servers'
     // rule), the same for the call and its result.
     let id = m[2]["tool_calls"][0]["id"].as_str().unwrap();
-    assert!(corral_control::llm::conform::is_strict_call_id(id), "{id}");
+    assert!(corral_harness::llm::conform::is_strict_call_id(id), "{id}");
     assert_eq!(
         m[3],
         json!({"role": "tool", "tool_call_id": id, "content": "/workspace"})

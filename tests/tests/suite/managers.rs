@@ -4,10 +4,10 @@
 
 use std::time::Duration;
 
-use corral_control::ops::{
+use corral_e2e::{Harness, WorkerProcess, free_port, unique_id};
+use corral_harness::ops::{
     Backend, LocalBackend, Manager, OpStatus, Operation, OperationManager, RemoteBackend,
 };
-use corral_e2e::{Harness, WorkerProcess, free_port, unique_id};
 use corral_proto::{OperationId, OperationSpec, Outcome, SandboxId, SandboxSpec, ShellSpec};
 use tokio::sync::mpsc;
 

@@ -535,6 +535,9 @@ async fn a_hundred_megabytes_go_in_and_come_back_byte_for_byte() -> Result<()> {
 
     let read = OperationId::random();
     let after = h.client.get_sandbox(&sb).await?.last_seq;
+    // Watched before it starts: a watcher holds the sandbox's output
+    // window back, so nothing is evicted from the journal before it is read.
+    let mut stream = h.client.watch(&sb, after, Some(&read)).await?;
     h.client
         .submit(
             &sb,
@@ -546,7 +549,6 @@ async fn a_hundred_megabytes_go_in_and_come_back_byte_for_byte() -> Result<()> {
             }),
         )
         .await?;
-    let mut stream = h.client.watch(&sb, after, Some(&read)).await?;
     let mut got = Vec::with_capacity(SIZE + 4);
     while let Some(event) = stream.next().await {
         match event?.kind {

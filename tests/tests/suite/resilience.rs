@@ -4,8 +4,8 @@
 
 use std::time::{Duration, Instant};
 
-use corral_control::client::{ClientError, WorkerClient};
 use corral_e2e::Harness;
+use corral_harness::client::{ClientError, WorkerClient};
 
 /// A watcher whose client never reads holds the window back; after the
 /// stall limit it is dropped, and the command runs on to its end.

@@ -3,8 +3,8 @@
 
 use std::time::Duration;
 
-use corral_control::client::ClientError;
 use corral_e2e::{Harness, collect};
+use corral_harness::client::ClientError;
 use corral_proto::{
     EventKind, OperationId, OperationSpec, Outcome, SandboxSpec, SandboxState, ShellSpec,
 };

@@ -1,7 +1,7 @@
 //! TLS and mutual TLS between clients and a worker, with certificates made
 //! for the test.
 
-use corral_control::client::{ClientError, ClientTls, Credentials, WorkerClient};
+use corral_harness::client::{ClientError, ClientTls, Credentials, WorkerClient};
 use corral_worker::server::{ServeOptions, serve_with};
 use corral_worker::{Worker, WorkerConfig};
 use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};

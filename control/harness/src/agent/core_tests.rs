@@ -647,7 +647,7 @@ fn a_fork_closes_inherited_calls_with_an_explicit_result() {
             .unwrap();
         fx(&mut core);
     }
-    crate::agent_run::fork(dir.path(), "p", "child", Some(1)).unwrap();
+    crate::sessions::fork(dir.path(), "p", "child", Some(1)).unwrap();
     let mut core = resume(dir.path(), "child");
     let f = fx(&mut core);
     assert!(f.adds.is_empty(), "nothing of the parent runs in the child");
@@ -658,10 +658,10 @@ fn a_fork_closes_inherited_calls_with_an_explicit_result() {
     let results = result_texts(&f.sends[0].1);
     assert!(results[0].1.contains("interrupted by fork"), "{results:?}");
     assert!(
-        crate::agent_run::fork(dir.path(), "p", "child", None).is_err(),
+        crate::sessions::fork(dir.path(), "p", "child", None).is_err(),
         "a fork never overwrites"
     );
-    assert!(crate::agent_run::fork(dir.path(), "p", "c2", Some(5)).is_err());
+    assert!(crate::sessions::fork(dir.path(), "p", "c2", Some(5)).is_err());
 }
 
 /// Every tool call in a request has a result (a provider rejects a call

@@ -17,7 +17,7 @@ const API: &str = "chat completions";
 /// What an assistant says between tool results and a user message that
 /// follows them: Mistral's and Gemma's templates (and mistral_common)
 /// refuse a user message right after a tool message.
-pub const BRIDGE: &str = include_str!("../../../prompts/bridge.md");
+pub const BRIDGE: &str = include_str!("../../../../prompts/bridge.md");
 
 /// One part of a user message.
 enum Part {

@@ -1,0 +1,25 @@
+//! corral-harness: Corral's agent harness, as a library.
+//!
+//! It owns everything a session is made of, and one front door to it
+//! ([`sessions`]: start, resume, fork, remove, list); the `corral` binary
+//! is a thin command line over it. Its parts:
+//!
+//! - [`agent`]: the coordinator (an event loop per session) around an
+//!   I/O-free core whose records are the only way a session changes;
+//! - [`context`]: the pure context builder (what the model is sent);
+//! - [`tools`]: translators from tool calls to operations and back;
+//! - [`llm`]: model clients (OpenAI Responses and Chat Completions, SSE);
+//! - [`session`]: the durable, append-only session log;
+//! - [`ops`]: operation managers (one actor per sandbox);
+//! - [`client`]: the typed gRPC client of a worker.
+//!
+//! It runs no operation itself: workers do.
+
+pub mod agent;
+pub mod client;
+pub mod context;
+pub mod llm;
+pub mod ops;
+pub mod session;
+pub mod sessions;
+pub mod tools;
