@@ -75,10 +75,7 @@ pub fn url(state: &Path) -> String {
 /// A connection to the local worker of `state`, started first if none
 /// answers. Starts are serialized by a lock file, so commands started
 /// together share one worker.
-pub async fn connect(
-    state: &Path,
-    docker_host: Option<&str>,
-) -> Result<(WorkerClient, Credentials), LocalError> {
+pub async fn connect(state: &Path, docker_host: Option<&str>) -> Result<WorkerClient, LocalError> {
     std::fs::create_dir_all(state).map_err(io("creating", state))?;
     {
         use std::os::unix::fs::PermissionsExt;
@@ -89,7 +86,7 @@ pub async fn connect(
     let creds = Credentials::token(Some(&token));
     let url = url(state);
     if let Some(client) = answers(&url, &creds).await {
-        return Ok((client, creds));
+        return Ok(client);
     }
     let lock_path = state.join("start.lock");
     let lock_file = std::fs::OpenOptions::new()
@@ -115,7 +112,7 @@ pub async fn connect(
     // Someone else may have started it while we waited for the lock.
     if let Some(client) = answers(&url, &creds).await {
         drop(lock);
-        return Ok((client, creds));
+        return Ok(client);
     }
     let log_path = state.join("worker.log");
     let mut child = start_process(state, docker_host, &log_path)?;
@@ -123,7 +120,7 @@ pub async fn connect(
     loop {
         if let Some(client) = answers(&url, &creds).await {
             drop(lock);
-            return Ok((client, creds));
+            return Ok(client);
         }
         if let Ok(Some(status)) = child.try_wait() {
             // It could not start (no Docker engine, say): what it said last.
@@ -228,7 +225,7 @@ pub async fn serve(
     };
     let watch = async {
         let mut quiet_since = tokio::time::Instant::now();
-        let mut signals = std::pin::pin!(crate::run::stop_signals());
+        let mut signals = std::pin::pin!(crate::signals::stop_signals());
         loop {
             tokio::select! {
                 Some(sig) = futures_util::StreamExt::next(&mut signals) => {

@@ -1,13 +1,29 @@
-//! `corral`: the control plane's command line. See the library docs.
+//! `corral`: the control plane's command line, a thin layer over the
+//! harness library (`corral-harness`).
+//!
+//! It owns argument parsing ([`cli`]), one module per command
+//! ([`commands`]), which worker a command talks to ([`connect`]), the local
+//! worker that `corral` commands share when given no `--worker`
+//! ([`local`]), `corral exec`'s engine ([`exec`]: live output, input and
+//! terminals, resumed from a cursor across worker restarts), the views of
+//! `corral run` ([`view`]), the terminal ([`terminal`]) and the stop
+//! signals ([`signals`]). It does not run operations itself: that is the
+//! worker's job.
 
-// A binary talks to its terminal; the libraries never print.
-#![allow(clippy::print_stdout, clippy::print_stderr)]
+mod cli;
+mod commands;
+mod connect;
+mod exec;
+mod local;
+mod signals;
+mod terminal;
+mod view;
 
 use std::process::ExitCode;
 
-use corral_control::cli::{Cli, Command};
-use corral_control::run::{EXIT_CORRAL_ERROR, run};
+use cli::{Cli, Command};
 
+#[allow(clippy::print_stderr)]
 fn main() -> ExitCode {
     let cli = match corral_worker::cli::parse_args::<Cli>("corral") {
         Ok(cli) => cli,
@@ -23,19 +39,12 @@ fn main() -> ExitCode {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("corral: cannot start the async runtime: {e}");
-            return ExitCode::from(EXIT_CORRAL_ERROR);
+            return ExitCode::from(commands::EXIT_CORRAL_ERROR);
         }
     };
-    let agent = matches!(cli.command, Command::Run(_) | Command::Session(_));
-    let code = match runtime.block_on(run(cli)) {
-        Ok(code) => ExitCode::from(code),
-        Err(e) => {
-            eprintln!("corral: {}", corral_harness::client::source_chain(&e));
-            ExitCode::from(e.exit_code(agent))
-        }
-    };
+    let code = runtime.block_on(commands::run(cli));
     // Nothing may keep the process alive once the run is over (a blocking
     // stdin read, say).
     runtime.shutdown_timeout(std::time::Duration::from_secs(1));
-    code
+    ExitCode::from(code)
 }

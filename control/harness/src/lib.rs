@@ -11,15 +11,21 @@
 //! - [`llm`]: model clients (OpenAI Responses and Chat Completions, SSE);
 //! - [`session`]: the durable, append-only session log;
 //! - [`ops`]: operation managers (one actor per sandbox);
-//! - [`client`]: the typed gRPC client of a worker.
+//! - [`worker_api`]: the worker's calls as one trait, implemented by the
+//!   worker library in this process and by [`client`], the typed gRPC
+//!   client;
+//! - [`follow`]: the one way to wait for operations (events followed from
+//!   a cursor across reconnects).
 //!
 //! It runs no operation itself: workers do.
 
 pub mod agent;
 pub mod client;
 pub mod context;
+pub mod follow;
 pub mod llm;
 pub mod ops;
 pub mod session;
 pub mod sessions;
 pub mod tools;
+pub mod worker_api;

@@ -1,13 +1,53 @@
 //! The front door of the harness: sessions started, resumed, forked,
-//! removed and listed.
+//! removed and listed, in the spirit of a queue pair. [`Sessions::start`]
+//! and [`Sessions::resume`] return a [`SessionHandle`]: an input sender,
+//! an event receiver and the task that runs the session, whose error says
+//! what failed. Everything a session's lifecycle decides lives here: a new
+//! session's settings (flags over the request over defaults), message ids
+//! ("the same request again asks nothing twice", "the same prompt
+//! resumes"), the sandbox (made before the session is recorded; checked
+//! and replaced on resume), skills copied in through the operation
+//! manager, and the wiring of manager, model client and coordinator.
+//!
+//! The caller picks the worker (any [`WorkerApi`]) and shows the events.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
 
-use corral_proto::SandboxId;
+use corral_proto::{OperationId, OperationSpec, SandboxId, SandboxSpec, WriteFileSpec};
+use serde::Deserialize;
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
 
-use crate::agent::Record;
 use crate::agent::core::now_ms;
-use crate::session::{LogError, SessionLog};
+use crate::agent::events::Event;
+use crate::agent::record::{Endpoint, Overrides, SkillDef};
+use crate::agent::{
+    Coordinator, Core, Inbox, Record, SessionConfig, Settings, State, StopCause, StopMode, Summary,
+};
+use crate::context::Budget;
+use crate::follow;
+use crate::llm::{Api, LlmClient, LlmConfig, Role, ToolChoice};
+use crate::ops::{Manager, OpStatus, Operation, OperationManager};
+use crate::session::{LogError, Records, Recovery, SessionLog};
+use crate::tools::skills::{SANDBOX_SKILLS_DIR, Skill};
+use crate::worker_api::{ApiError, WorkerApi};
+
+/// How long a stopped session may take to end its calls before a caller
+/// leaves it (a wedged call, an unreachable worker); its log lets a rerun
+/// resume.
+pub const STOP_PATIENCE: Duration = Duration::from_secs(10);
+/// Default model when neither the caller nor the request names one.
+pub const DEFAULT_MODEL: &str = "gpt-5-mini";
+pub const DEFAULT_MAX_TURNS: u64 = 100;
+/// Events waiting for the caller.
+const EVENTS_CAPACITY: usize = 1024;
+/// Most bytes of skill files copied into a sandbox.
+const MAX_SKILL_FILES_BYTES: u64 = 32 << 20;
+const MAX_SKILL_FILES: usize = 2_000;
+/// How long copying the skills into a new sandbox may take.
+const UPLOAD_PATIENCE: Duration = Duration::from_secs(60);
 
 /// What failed in a session's lifecycle.
 #[derive(Debug, thiserror::Error)]
@@ -18,6 +58,704 @@ pub enum SessionError {
     Core(#[from] crate::agent::CoreError),
     #[error("session {id} has no turn {turn} (it has {last})")]
     NoSuchTurn { id: String, turn: u64, last: u64 },
+    /// What was asked cannot be done as asked (the caller's mistake).
+    #[error("{0}")]
+    Invalid(String),
+    /// The session's sandbox could not be made, found or removed.
+    #[error("sandbox {sandbox}: {error}")]
+    Sandbox { sandbox: SandboxId, error: String },
+    /// The model client could not be set up.
+    #[error("model client: {0}")]
+    Model(String),
+    /// Skills could not be copied into the sandbox.
+    #[error("copying {path} into the sandbox: {error}")]
+    Upload { path: String, error: String },
+    /// The session's task ended without a summary (it panicked or was
+    /// aborted).
+    #[error("the session task failed: {0}")]
+    Task(String),
+}
+
+/// A run's request: what `corral run --request` reads as JSON.
+#[derive(Debug, Default, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct SessionRequest {
+    #[serde(default)]
+    pub prompt: Option<String>,
+    #[serde(default)]
+    pub messages: Vec<Message>,
+    #[serde(default)]
+    pub system_prompt: Option<String>,
+    #[serde(default)]
+    pub model: Option<String>,
+    /// Tools offered (default: all).
+    #[serde(default)]
+    pub tools: Option<Vec<String>>,
+    /// low | medium | high.
+    #[serde(default)]
+    pub reasoning_effort: Option<ReasoningEffort>,
+    /// auto | required | none | a tool's name.
+    #[serde(default)]
+    pub tool_choice: Option<String>,
+    #[serde(default)]
+    pub limits: Limits,
+}
+
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Message {
+    pub role: MessageRole,
+    pub content: String,
+    /// De-duplicates the message across reruns of a session (default: its
+    /// position and content).
+    #[serde(default)]
+    pub message_id: Option<String>,
+}
+
+#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum MessageRole {
+    User,
+    Assistant,
+}
+
+#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum ReasoningEffort {
+    Low,
+    Medium,
+    High,
+}
+
+impl ReasoningEffort {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Low => "low",
+            Self::Medium => "medium",
+            Self::High => "high",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "low" => Some(Self::Low),
+            "medium" => Some(Self::Medium),
+            "high" => Some(Self::High),
+            _ => None,
+        }
+    }
+}
+
+#[derive(Debug, Default, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Limits {
+    pub max_turns: Option<u64>,
+    pub max_output_tokens: Option<u32>,
+    pub context_window_tokens: Option<u64>,
+    pub max_tool_result_chars: Option<usize>,
+}
+
+/// Parses a request document.
+pub fn parse_request(text: &str) -> Result<SessionRequest, String> {
+    serde_json::from_str(text).map_err(|e| e.to_string())
+}
+
+/// How a session is run, besides its request.
+#[derive(Debug, Clone, Default)]
+pub struct RunOptions {
+    pub request: SessionRequest,
+    /// `reasoning_effort` as given by the caller (over the request's).
+    pub reasoning_effort: Option<String>,
+    /// The sandbox image of a new session.
+    pub image: Option<String>,
+    /// The model endpoint (a new session's, or a resumed one's new one).
+    pub base_url: Option<String>,
+    pub api: Option<Api>,
+    pub api_key: Option<String>,
+    /// A directory of skills (`NAME/SKILL.md`) for a new session.
+    pub skills: Option<PathBuf>,
+    pub settings: Settings,
+    /// End the run once the session is idle (as `corral run` does), rather
+    /// than when the input sender is dropped.
+    pub until_idle: bool,
+}
+
+/// A new session, checked and settled but not made yet (see
+/// [`Sessions::prepare`]).
+#[derive(Debug)]
+pub struct NewSession {
+    id: String,
+    config: SessionConfig,
+    opts: RunOptions,
+    files: Vec<(String, Vec<u8>)>,
+}
+
+impl NewSession {
+    pub fn config(&self) -> &SessionConfig {
+        &self.config
+    }
+
+    /// Records the worker the session is placed on (`None`: the local one).
+    pub fn placed_on(mut self, worker: Option<String>) -> Self {
+        self.config.worker = worker;
+        self
+    }
+}
+
+/// A running session.
+pub struct SessionHandle {
+    pub id: String,
+    pub resumed: bool,
+    pub config: SessionConfig,
+    /// Inputs and stops for the session (bounded).
+    pub inputs: mpsc::Sender<Inbox>,
+    /// What happens, starting with [`Event::SessionStarted`].
+    pub events: mpsc::Receiver<Event>,
+    /// The session's task: how the run ended. Aborting it leaves the
+    /// session as a crash would (its log lets a rerun resume).
+    pub task: JoinHandle<Result<Summary, SessionError>>,
+}
+
+/// A stored session, opened by this process (its log locked) and read
+/// once.
+pub struct Stored {
+    log: SessionLog<Record>,
+    state: State,
+    config: SessionConfig,
+    recovery: Recovery,
+}
+
+impl Stored {
+    pub fn id(&self) -> &str {
+        self.log.id()
+    }
+
+    pub fn config(&self) -> &SessionConfig {
+        &self.config
+    }
+
+    pub fn state(&self) -> &State {
+        &self.state
+    }
+
+    /// What opening had to repair (a torn last record).
+    pub fn recovery(&self) -> Recovery {
+        self.recovery
+    }
+}
+
+/// A session as [`Sessions::list`] finds it.
+#[derive(Debug)]
+pub struct Listed {
+    pub id: String,
+    /// Its state, or why its log cannot be read.
+    pub state: Result<State, SessionError>,
+}
+
+/// Sessions kept in one directory.
+#[derive(Debug, Clone)]
+pub struct Sessions {
+    dir: PathBuf,
+}
+
+impl Sessions {
+    pub fn new(dir: impl Into<PathBuf>) -> Self {
+        Self { dir: dir.into() }
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// A fresh session id.
+    pub fn new_id() -> String {
+        format!("s-{}", &uuid::Uuid::new_v4().simple().to_string()[..12])
+    }
+
+    /// Whether session `id` exists (`id` must be valid).
+    pub fn exists(&self, id: &str) -> Result<bool, SessionError> {
+        crate::session::log::check_id(id)?;
+        Ok(crate::session::log::path_of(&self.dir, id).exists())
+    }
+
+    /// Opens session `id` for this process: locks its log and reads it
+    /// once (a torn last record is cut off; see [`Stored::recovery`]).
+    pub fn open(&self, id: &str) -> Result<Stored, SessionError> {
+        let mut state = State::new();
+        let (log, recovery) =
+            SessionLog::<Record>::open_with(&self.dir, id, |_, rec| state.apply(&rec))?;
+        let config = state
+            .config
+            .clone()
+            .ok_or_else(|| crate::agent::CoreError::NoStart(id.to_string()))?;
+        Ok(Stored {
+            log,
+            state,
+            config,
+            recovery,
+        })
+    }
+
+    /// Checks and settles a new session `id` (which must not exist):
+    /// its settings, its skills, its endpoint's key. Nothing is made yet.
+    pub fn prepare(&self, id: &str, opts: RunOptions) -> Result<NewSession, SessionError> {
+        crate::session::log::check_id(id)?;
+        let req = &opts.request;
+        if req.prompt.is_none() && req.messages.is_empty() {
+            return Err(SessionError::Invalid(
+                "nothing to do: give a prompt (or --request with a prompt or messages)".into(),
+            ));
+        }
+        let endpoint = Endpoint::merge(None, opts.base_url.clone(), opts.api);
+        check_key(&endpoint, &opts.api_key)?;
+        let (skills, files) = match &opts.skills {
+            Some(dir) => (
+                crate::tools::skills::discover(dir).map_err(SessionError::Invalid)?,
+                skill_files(dir)?,
+            ),
+            None => (Vec::new(), Vec::new()),
+        };
+        let config = new_config(&opts, id, endpoint, &skills);
+        check_tool_choice(&config)?;
+        if self.exists(id)? {
+            return Err(LogError::AlreadyExists(id.into()).into());
+        }
+        Ok(NewSession {
+            id: id.to_string(),
+            config,
+            opts,
+            files,
+        })
+    }
+
+    /// Starts a prepared session on `worker`: its sandbox first (a session
+    /// is not recorded with a sandbox that cannot be made), then its log,
+    /// its skills, and its run.
+    pub async fn start<W: WorkerApi>(
+        &self,
+        new: NewSession,
+        worker: W,
+    ) -> Result<SessionHandle, SessionError> {
+        let NewSession {
+            id,
+            config,
+            opts,
+            files,
+        } = new;
+        let (sandbox, spec) = (config.sandbox_id.clone(), sandbox_spec(&config));
+        follow::retry(&worker, Duration::ZERO, || {
+            worker.create_sandbox(&sandbox, &spec)
+        })
+        .await
+        .map_err(|e| sandbox_error(&sandbox, e))?;
+        let made = SessionLog::<Record>::create(&self.dir, &id)
+            .map_err(SessionError::from)
+            .and_then(|log| Ok(Core::create(log, config.clone())?));
+        let core = match made {
+            Ok(core) => core,
+            Err(e) => {
+                let _ = worker.destroy_sandbox(&sandbox).await;
+                return Err(e);
+            }
+        };
+        launch(core, worker, opts, files, false).await
+    }
+
+    /// Resumes a stored session on `worker` (the one it was placed on):
+    /// its sandbox is checked, and made again when it is gone (operations
+    /// that ran in the lost one are answered as lost, never run again).
+    pub async fn resume<W: WorkerApi>(
+        &self,
+        stored: Stored,
+        worker: W,
+        opts: RunOptions,
+    ) -> Result<SessionHandle, SessionError> {
+        if opts.skills.is_some() {
+            tracing::warn!("skills apply to new sessions; this one keeps its recorded skills");
+        }
+        let Stored {
+            log, state, config, ..
+        } = stored;
+        check_key(
+            &Endpoint::merge(config.endpoint.as_ref(), opts.base_url.clone(), opts.api),
+            &opts.api_key,
+        )?;
+        let overrides = Overrides {
+            max_turns: opts.request.limits.max_turns,
+            model: opts.request.model.clone(),
+            base_url: opts.base_url.clone(),
+            api: opts.api,
+        };
+        let mut core = Core::resume(log, state, overrides)?;
+        let sandbox = config.sandbox_id.clone();
+        let existed = match worker.get_sandbox(&sandbox).await {
+            Ok(_) => true,
+            Err(ApiError::NotFound(_)) => false,
+            Err(e) => return Err(sandbox_error(&sandbox, follow::FollowError::Refused(e))),
+        };
+        let spec = sandbox_spec(&config);
+        follow::retry(&worker, Duration::ZERO, || {
+            worker.create_sandbox(&sandbox, &spec)
+        })
+        .await
+        .map_err(|e| sandbox_error(&sandbox, e))?;
+        if !existed {
+            tracing::warn!(sandbox = %sandbox, "the session's sandbox is gone; a new one replaces it");
+            core.sandbox_replaced()?;
+        }
+        launch(core, worker, opts, Vec::new(), true).await
+    }
+
+    /// Forks `parent` into `child` at a turn boundary (see [`fork`]).
+    pub fn fork(&self, parent: &str, child: &str, turn: Option<u64>) -> Result<(), SessionError> {
+        fork(&self.dir, parent, child, turn)
+    }
+
+    /// Removes a stored session: its sandbox from `worker` (the one it was
+    /// placed on; `None` keeps the sandbox), then its log.
+    pub async fn remove<W: WorkerApi>(
+        &self,
+        stored: Stored,
+        worker: Option<W>,
+    ) -> Result<(), SessionError> {
+        if let Some(worker) = worker {
+            let sandbox = &stored.config.sandbox_id;
+            match worker.destroy_sandbox(sandbox).await {
+                Ok(_) | Err(ApiError::NotFound(_)) => {}
+                Err(e) => return Err(sandbox_error(sandbox, follow::FollowError::Refused(e))),
+            }
+        }
+        let path = crate::session::log::path_of(&self.dir, stored.id());
+        std::fs::remove_file(&path).map_err(|source| LogError::Io {
+            path: path.display().to_string(),
+            source,
+        })?;
+        drop(stored);
+        Ok(())
+    }
+
+    /// Every session, by id, with its state (or why it cannot be read).
+    pub fn list(&self) -> Result<Vec<Listed>, SessionError> {
+        let mut ids: Vec<String> = match std::fs::read_dir(&self.dir) {
+            Ok(rd) => rd
+                .filter_map(Result::ok)
+                .filter_map(|e| {
+                    e.file_name()
+                        .to_str()
+                        .and_then(|n| n.strip_suffix(".jsonl"))
+                        .map(String::from)
+                })
+                .collect(),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
+            Err(source) => {
+                return Err(LogError::Io {
+                    path: self.dir.display().to_string(),
+                    source,
+                }
+                .into());
+            }
+        };
+        ids.sort();
+        Ok(ids
+            .into_iter()
+            .map(|id| {
+                let state = crate::agent::replay(&self.dir, &id).map_err(SessionError::from);
+                Listed { id, state }
+            })
+            .collect())
+    }
+
+    /// A session's records, read as a stream.
+    pub fn records(&self, id: &str) -> Result<Records<Record>, SessionError> {
+        Ok(SessionLog::records(&self.dir, id)?)
+    }
+}
+
+fn sandbox_error(sandbox: &SandboxId, e: follow::FollowError) -> SessionError {
+    SessionError::Sandbox {
+        sandbox: sandbox.clone(),
+        error: match e {
+            follow::FollowError::Refused(e) => e.to_string(),
+            other => other.to_string(),
+        },
+    }
+}
+
+fn check_key(endpoint: &Endpoint, key: &Option<String>) -> Result<(), SessionError> {
+    if key.is_none() && endpoint.base_url.contains("api.openai.com") {
+        return Err(SessionError::Invalid(
+            "no API key: set OPENAI_API_KEY or pass --api-key-file (endpoints that need no key: --base-url)".into(),
+        ));
+    }
+    Ok(())
+}
+
+/// A tool choice that names a tool must name one the session offers.
+fn check_tool_choice(config: &SessionConfig) -> Result<(), SessionError> {
+    let Some(ToolChoice::Tool(name)) = &config.tool_choice else {
+        return Ok(());
+    };
+    let offered: Vec<String> = config
+        .registry()
+        .tools()
+        .into_iter()
+        .map(|t| t.name)
+        .collect();
+    if offered.contains(name) {
+        return Ok(());
+    }
+    Err(SessionError::Invalid(format!(
+        "--tool-choice {name}: the session offers no such tool (auto, required, none, or one of: {})",
+        offered.join(", ")
+    )))
+}
+
+fn sandbox_spec(config: &SessionConfig) -> SandboxSpec {
+    SandboxSpec {
+        image: config.image.clone(),
+        ..SandboxSpec::default()
+    }
+}
+
+/// The settings of a new session: the request (with what the caller put
+/// over it), then defaults.
+fn new_config(opts: &RunOptions, id: &str, endpoint: Endpoint, skills: &[Skill]) -> SessionConfig {
+    let req = &opts.request;
+    let budget = Budget {
+        context_window_tokens: req
+            .limits
+            .context_window_tokens
+            .unwrap_or(Budget::default().context_window_tokens),
+        max_tool_result_chars: req
+            .limits
+            .max_tool_result_chars
+            .unwrap_or(Budget::default().max_tool_result_chars),
+        ..Budget::default()
+    };
+    SessionConfig {
+        model: req
+            .model
+            .clone()
+            .unwrap_or_else(|| DEFAULT_MODEL.to_string()),
+        system_prompt: req
+            .system_prompt
+            .clone()
+            .unwrap_or_else(|| crate::context::DEFAULT_SYSTEM_PROMPT.trim_end().to_string()),
+        tools: req.tools.clone(),
+        sandbox_id: SandboxId::new(format!(
+            "{}-{}",
+            id.chars().take(40).collect::<String>(),
+            &uuid::Uuid::new_v4().simple().to_string()[..8]
+        ))
+        .unwrap_or_else(|_| SandboxId::random()),
+        image: opts.image.clone(),
+        budget,
+        max_output_tokens: req.limits.max_output_tokens,
+        reasoning_effort: opts
+            .reasoning_effort
+            .clone()
+            .or_else(|| req.reasoning_effort.map(|e| e.as_str().to_string())),
+        max_turns: req.limits.max_turns.unwrap_or(DEFAULT_MAX_TURNS),
+        skills: skills.iter().map(SkillDef::from_skill).collect(),
+        worker: None,
+        endpoint: Some(endpoint),
+        tool_choice: req.tool_choice.as_deref().map(ToolChoice::parse),
+    }
+}
+
+/// Every regular file under `dir`, as (path in the sandbox, contents).
+fn skill_files(dir: &Path) -> Result<Vec<(String, Vec<u8>)>, SessionError> {
+    let invalid =
+        |p: &Path, e: std::io::Error| SessionError::Invalid(format!("{}: {e}", p.display()));
+    let mut out = Vec::new();
+    let mut total = 0u64;
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).map_err(|e| invalid(&d, e))? {
+            let e = e.map_err(|e| invalid(&d, e))?;
+            let path = e.path();
+            let kind = e.file_type().map_err(|e| invalid(&path, e))?;
+            if kind.is_dir() {
+                stack.push(path);
+            } else if kind.is_file() {
+                let data = std::fs::read(&path).map_err(|e| invalid(&path, e))?;
+                total += data.len() as u64;
+                if total > MAX_SKILL_FILES_BYTES || out.len() >= MAX_SKILL_FILES {
+                    return Err(SessionError::Invalid(format!(
+                        "{}: the skills are over {} files or {} MiB",
+                        dir.display(),
+                        MAX_SKILL_FILES,
+                        MAX_SKILL_FILES_BYTES >> 20
+                    )));
+                }
+                let rel = path
+                    .strip_prefix(dir)
+                    .unwrap_or(&path)
+                    .to_string_lossy()
+                    .into_owned();
+                out.push((format!("{SANDBOX_SKILLS_DIR}/{rel}"), data));
+            }
+        }
+    }
+    out.sort();
+    Ok(out)
+}
+
+/// Copies files into the sandbox through the operation manager, and
+/// waits for every one of them.
+async fn upload<M: OperationManager>(
+    manager: &M,
+    updates: &mut mpsc::Receiver<Operation>,
+    files: Vec<(String, Vec<u8>)>,
+) -> Result<(), SessionError> {
+    let mut waiting = std::collections::HashMap::new();
+    for (path, data) in files {
+        let id = OperationId::random();
+        let spec = OperationSpec::WriteFile(WriteFileSpec::new(path.clone(), data));
+        waiting.insert(id.clone(), path.clone());
+        manager
+            .add(Operation::new(id, spec))
+            .await
+            .map_err(|e| SessionError::Upload {
+                path: path.clone(),
+                error: e.to_string(),
+            })?;
+    }
+    let wait = async {
+        while !waiting.is_empty() {
+            let Some(op) = updates.recv().await else {
+                return Err(SessionError::Upload {
+                    path: waiting.values().next().cloned().unwrap_or_default(),
+                    error: "the operation manager stopped".into(),
+                });
+            };
+            if !op.status.is_terminal() {
+                continue;
+            }
+            let Some(path) = waiting.remove(&op.id) else {
+                continue;
+            };
+            let ok = op.status == OpStatus::Completed
+                && op.result.as_ref().is_some_and(|r| r.outcome.is_success());
+            if !ok {
+                let error = match (&op.failure, &op.result) {
+                    (Some(f), _) => f.clone(),
+                    (None, Some(r)) => r.outcome.to_string(),
+                    (None, None) => format!("{:?}", op.status),
+                };
+                return Err(SessionError::Upload { path, error });
+            }
+        }
+        Ok(())
+    };
+    match tokio::time::timeout(UPLOAD_PATIENCE, wait).await {
+        Ok(r) => r,
+        Err(_) => Err(SessionError::Upload {
+            path: waiting.values().next().cloned().unwrap_or_default(),
+            error: format!("not done within {} s", UPLOAD_PATIENCE.as_secs()),
+        }),
+    }
+}
+
+/// Gives the core its inputs, wires the manager, model client and
+/// coordinator, and starts the run.
+async fn launch<W: WorkerApi>(
+    mut core: Core,
+    worker: W,
+    opts: RunOptions,
+    files: Vec<(String, Vec<u8>)>,
+    resumed: bool,
+) -> Result<SessionHandle, SessionError> {
+    let config = core.config().clone();
+    let endpoint = Endpoint::merge(config.endpoint.as_ref(), None, None);
+    let mut llm_config = LlmConfig::new(endpoint.base_url, endpoint.api);
+    llm_config.api_key = opts.api_key.clone();
+    let llm = Arc::new(LlmClient::new(llm_config).map_err(|e| SessionError::Model(e.to_string()))?);
+    let (manager, mut updates) = Manager::start(worker, config.sandbox_id.clone());
+    if let Err(e) = upload(&manager, &mut updates, files).await {
+        manager.shutdown().await;
+        return Err(e);
+    }
+    if let Err(e) = give_inputs(&mut core, &opts) {
+        manager.shutdown().await;
+        return Err(e);
+    }
+    let (events_tx, events) = mpsc::channel(EVENTS_CAPACITY);
+    let id = core.session_id().to_string();
+    let _ = events_tx.try_send(Event::SessionStarted {
+        session_id: id.clone(),
+        resumed,
+        sandbox_id: config.sandbox_id.to_string(),
+        model: config.model.clone(),
+        worker: config.worker.clone(),
+    });
+    let manager = Arc::new(manager);
+    let (coordinator, inputs) = Coordinator::new(
+        core,
+        manager.clone(),
+        updates,
+        llm,
+        events_tx,
+        opts.settings,
+    );
+    let task = tokio::spawn(async move {
+        let summary = coordinator.run().await;
+        // The coordinator is gone: its manager stops (operations keep
+        // running on the worker).
+        if let Ok(m) = Arc::try_unwrap(manager) {
+            m.shutdown().await;
+        }
+        Ok(summary?)
+    });
+    Ok(SessionHandle {
+        id,
+        resumed,
+        config,
+        inputs,
+        events,
+        task,
+    })
+}
+
+/// The run's inputs: the request's messages (the same request again asks
+/// nothing twice), then its prompt (rerunning a run that did not finish,
+/// with the same prompt, resumes it rather than asking again).
+fn give_inputs(core: &mut Core, opts: &RunOptions) -> Result<(), SessionError> {
+    if opts.until_idle {
+        core.stop(StopMode::WhenIdle, StopCause::Requested)?;
+    }
+    let resumed = core.state().turns() > 0 || core.state().last_input.is_some();
+    for (i, m) in opts.request.messages.iter().enumerate() {
+        match m.role {
+            MessageRole::User => {
+                let id = m.message_id.clone().unwrap_or_else(|| {
+                    format!(
+                        "message-{i}-{:016x}",
+                        crate::llm::conform::fnv1a(m.content.as_bytes())
+                    )
+                });
+                core.add_input(&id, &m.content)?;
+            }
+            MessageRole::Assistant if resumed => {
+                tracing::warn!(
+                    "assistant messages of a request apply to new sessions only; skipped"
+                );
+            }
+            MessageRole::Assistant => core.history(Role::Assistant, &m.content)?,
+        }
+    }
+    if let Some(prompt) = &opts.request.prompt {
+        let repeat = core
+            .state()
+            .last_input
+            .as_ref()
+            .is_some_and(|(text, answered)| text == prompt && !answered);
+        if !repeat {
+            core.add_input(&uuid::Uuid::new_v4().to_string(), prompt)?;
+        }
+    }
+    core.kick()?;
+    Ok(())
 }
 
 /// The text an inherited call without a result gets in a fork.
@@ -27,25 +765,18 @@ pub const INTERRUPTED_BY_FORK: &str = "Error: interrupted by fork: this call had
 /// `turn + 1` starts (all of it when `turn` is `None`). Calls without a
 /// final result get an explicit "interrupted by fork" result, and the child
 /// runs in a new sandbox.
-pub fn fork(dir: &Path, parent: &str, child: &str, turn: Option<u64>) -> Result<(), SessionError> {
+fn fork(dir: &Path, parent: &str, child: &str, turn: Option<u64>) -> Result<(), SessionError> {
     let mut upto = 0;
-    let mut after = 0;
     let mut state = crate::agent::State::new();
-    'pages: loop {
-        let page = SessionLog::<Record>::replay(dir, parent, after, 256)?;
-        for (seq, rec) in &page.records {
-            if let (Some(n), Record::Turn { turn: t }) = (turn, rec)
-                && *t > n
-            {
-                break 'pages;
-            }
-            state.apply(rec);
-            upto = *seq;
+    for rec in SessionLog::<Record>::records(dir, parent)? {
+        let (seq, rec) = rec?;
+        if let (Some(n), Record::Turn { turn: t }) = (turn, &rec)
+            && *t > n
+        {
+            break;
         }
-        match page.next {
-            Some(n) => after = n,
-            None => break,
-        }
+        state.apply(&rec);
+        upto = seq;
     }
     if let Some(n) = turn
         && state.last_turn < n

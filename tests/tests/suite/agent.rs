@@ -16,7 +16,7 @@ use corral_e2e::{Harness, binary};
 use corral_harness::agent::{Coordinator, Core, Ending, Inbox, Record, Settings, StopMode, replay};
 use corral_harness::llm::conform::CallIds;
 use corral_harness::llm::{Api, LlmClient, LlmConfig};
-use corral_harness::ops::{LocalBackend, Manager};
+use corral_harness::ops::Manager;
 use corral_harness::session::SessionLog;
 use corral_proto::{Outcome, SandboxSpec};
 use serde_json::{Value, json};
@@ -41,15 +41,18 @@ async fn signal_once_the_call_runs(
     Ok(tokio::time::timeout(Duration::from_secs(60), child.wait_with_output()).await??)
 }
 
+/// Every record of session `id`.
+fn all_records(sessions: &Path, id: &str) -> anyhow::Result<Vec<(u64, Record)>> {
+    Ok(SessionLog::<Record>::records(sessions, id)?.collect::<Result<_, _>>()?)
+}
+
 /// Waits until session `id` has recorded a tool call.
 async fn call_recorded(sessions: &Path, id: &str) {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
     loop {
-        let recorded = SessionLog::<Record>::replay(sessions, id, 0, 1000)
-            .map(|p| {
-                p.records
-                    .iter()
-                    .any(|(_, r)| matches!(r, Record::Call { .. }))
+        let recorded = SessionLog::<Record>::records(sessions, id)
+            .map(|mut records| {
+                records.any(|r| r.is_ok_and(|(_, r)| matches!(r, Record::Call { .. })))
             })
             .unwrap_or(false);
         if recorded {
@@ -366,17 +369,15 @@ async fn rate_limits_and_server_errors_are_retried_and_a_bad_request_fails_with_
         r["error"].as_str().unwrap().contains("no such model"),
         "{r}"
     );
-    let records = SessionLog::<Record>::replay(sessions.path(), "bad", 0, 1000)?;
+    let records = all_records(sessions.path(), "bad")?;
     assert!(
         records
-            .records
             .iter()
             .any(|(_, r)| matches!(r, Record::ModelFailure { .. })),
         "the failure is recorded, never as an answer"
     );
     assert!(
         !records
-            .records
             .iter()
             .any(|(_, r)| matches!(r, Record::Response { .. }))
     );
@@ -534,7 +535,7 @@ async fn a_new_input_steers_a_request_in_flight() -> Result<()> {
     let sessions = tempfile::tempdir()?;
     let log = SessionLog::create(sessions.path(), "steer")?;
     let core = Core::create(log, corral_e2e::session_config("m", sandbox.clone()))?;
-    let (manager, updates) = Manager::start(LocalBackend::new(h.worker.clone()), sandbox);
+    let (manager, updates) = Manager::start(h.worker.clone(), sandbox);
     let mut llm = LlmConfig::new(model.url.clone(), Api::Responses);
     llm.api_key = Some("k".into());
     let llm = Arc::new(LlmClient::new(llm)?);
@@ -895,7 +896,7 @@ async fn a_run_whose_output_fails_resumes_without_duplicates() -> Result<()> {
     )
     .await?;
     assert_eq!(run.code, 0, "{}", run.stderr);
-    let records = SessionLog::<Record>::replay(sessions.path(), "pipe", 0, 1000)?.records;
+    let records = all_records(sessions.path(), "pipe")?;
     let count = |f: fn(&Record) -> bool| records.iter().filter(|(_, r)| f(r)).count();
     assert_eq!(
         count(|r| matches!(r, Record::Input { .. })),
@@ -1208,7 +1209,7 @@ async fn a_stopped_run_leaves_within_its_patience_when_its_worker_hangs() -> Res
         String::from_utf8_lossy(&out.stderr)
     );
     assert!(
-        took < corral_control::agent_run::STOP_PATIENCE + Duration::from_secs(5),
+        took < corral_harness::sessions::STOP_PATIENCE + Duration::from_secs(5),
         "left {took:?} after SIGTERM"
     );
     let stdout = String::from_utf8_lossy(&out.stdout);

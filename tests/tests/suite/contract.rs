@@ -227,8 +227,7 @@ impl Sim {
     fn crash_and_resume(&mut self) {
         self.core = None;
         self.in_flight = None;
-        let (log, _) = SessionLog::<Record>::open(self.dir.path(), &self.id).unwrap();
-        let core = Core::resume(self.dir.path(), log, Overrides::default()).unwrap();
+        let (core, _) = Core::open(self.dir.path(), &self.id, Overrides::default()).unwrap();
         self.core = Some(core);
         // The worker still has the operations: they are added again.
         self.running.clear();
@@ -319,7 +318,9 @@ fn run(seed: u64, steps: usize) -> usize {
                 forks += 1;
                 sim.effects(&context);
                 let child = format!("f{forks}");
-                corral_harness::sessions::fork(sim.dir.path(), &sim.id, &child, None).unwrap();
+                corral_harness::sessions::Sessions::new(sim.dir.path())
+                    .fork(&sim.id, &child, None)
+                    .unwrap();
                 sim.id = child;
                 sim.crash_and_resume();
             }

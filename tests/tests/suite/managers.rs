@@ -5,9 +5,9 @@
 use std::time::Duration;
 
 use corral_e2e::{Harness, WorkerProcess, free_port, unique_id};
-use corral_harness::ops::{
-    Backend, LocalBackend, Manager, OpStatus, Operation, OperationManager, RemoteBackend,
-};
+use corral_harness::client::WorkerClient;
+use corral_harness::ops::{Manager, OpStatus, Operation, OperationManager};
+use corral_harness::worker_api::WorkerApi;
 use corral_proto::{OperationId, OperationSpec, Outcome, SandboxId, SandboxSpec, ShellSpec};
 use tokio::sync::mpsc;
 
@@ -58,7 +58,7 @@ async fn until_status(
     }
 }
 
-async fn conformance<B: Backend>(h: &Harness, make: impl Fn() -> B) -> anyhow::Result<()> {
+async fn conformance<W: WorkerApi>(h: &Harness, make: impl Fn() -> W) -> anyhow::Result<()> {
     let sb = h.sandbox().await?;
     let (mgr, mut updates) = Manager::start(make(), sb.clone());
 
@@ -169,7 +169,7 @@ async fn conformance<B: Backend>(h: &Harness, make: impl Fn() -> B) -> anyhow::R
 async fn local_manager_conforms() -> anyhow::Result<()> {
     let h = Harness::start().await?;
     let worker = h.worker.clone();
-    conformance(&h, || LocalBackend::new(worker.clone())).await?;
+    conformance(&h, || worker.clone()).await?;
     h.stop().await;
     Ok(())
 }
@@ -177,8 +177,9 @@ async fn local_manager_conforms() -> anyhow::Result<()> {
 #[tokio::test]
 async fn remote_manager_conforms() -> anyhow::Result<()> {
     let h = Harness::start().await?;
-    let url = h.url.clone();
-    conformance(&h, || RemoteBackend::new(url.clone(), None)).await?;
+    // One connection, shared by every call of the manager.
+    let client = WorkerClient::connect(&h.url, None).await?;
+    conformance(&h, || client.clone()).await?;
     h.stop().await;
     Ok(())
 }
@@ -193,10 +194,9 @@ async fn remote_manager_survives_a_worker_restart() -> anyhow::Result<()> {
     client
         .create_sandbox(Some(&sb), SandboxSpec::default())
         .await?;
-    let (mgr, mut updates) = Manager::start(
-        RemoteBackend::new(worker.url.clone(), Some(worker.token())),
-        sb.clone(),
-    );
+    // The same connection throughout: it is made again under the manager
+    // when the worker comes back.
+    let (mgr, mut updates) = Manager::start(client.clone(), sb.clone());
     let op = Operation::new(OperationId::random(), shell("sleep 1.5; echo survived"));
     mgr.add(op.clone()).await?;
     until_status(&mut updates, &op.id, OpStatus::Awaiting).await?;

@@ -22,9 +22,6 @@ use crate::tools::{CallStatus, Registry};
 /// before the run fails.
 pub const MAX_SHRINKS: u32 = 3;
 
-/// Records read per page when a session is replayed.
-pub const REPLAY_PAGE: usize = 256;
-
 #[derive(Debug, thiserror::Error)]
 pub enum CoreError {
     #[error(transparent)]
@@ -61,32 +58,11 @@ pub struct Core {
     effects: Vec<Effect>,
 }
 
-/// The tools a session offers.
-pub fn registry_for(config: &SessionConfig) -> Registry {
-    let mut r = Registry::with_skills(config.skills.iter().map(|s| s.to_skill()).collect());
-    // The session's default bound of a command's output.
-    r.register(Box::new(crate::tools::bash::Bash::with_default_output(
-        config.budget.max_tool_result_chars as u64,
-    )));
-    if let Some(allowed) = &config.tools {
-        r.retain(allowed);
-    }
-    r
-}
-
-/// Rebuilds a session's state from its log, a page at a time.
+/// Rebuilds a session's state from its log, read once as a stream.
 pub fn replay(dir: &std::path::Path, id: &str) -> Result<State, CoreError> {
     let mut state = State::new();
-    let mut after = 0;
-    loop {
-        let page = SessionLog::<Record>::replay(dir, id, after, REPLAY_PAGE)?;
-        for (_, rec) in &page.records {
-            state.apply(rec);
-        }
-        match page.next {
-            Some(n) => after = n,
-            None => break,
-        }
+    for rec in SessionLog::<Record>::records(dir, id)? {
+        state.apply(&rec?.1);
     }
     Ok(state)
 }
@@ -94,7 +70,7 @@ pub fn replay(dir: &std::path::Path, id: &str) -> Result<State, CoreError> {
 impl Core {
     /// Starts a new session: its log must be new (and empty).
     pub fn create(log: SessionLog<Record>, config: SessionConfig) -> Result<Self, CoreError> {
-        let registry = registry_for(&config);
+        let registry = config.registry();
         let mut core = Self {
             log,
             state: State::new(),
@@ -107,19 +83,31 @@ impl Core {
         Ok(core)
     }
 
-    /// Takes over an existing session: replays it, records the resume, and
-    /// queues what a resumed session must do (see `resume_effects`). Call
-    /// [`Core::kick`] once its new inputs are given.
-    pub fn resume(
+    /// Opens session `id` (its lock held by this process), replays it in
+    /// the same read, and resumes it.
+    pub fn open(
         dir: &std::path::Path,
+        id: &str,
+        overrides: Overrides,
+    ) -> Result<(Self, crate::session::Recovery), CoreError> {
+        let mut state = State::new();
+        let (log, recovery) = SessionLog::<Record>::open_with(dir, id, |_, rec| state.apply(&rec))?;
+        Ok((Self::resume(log, state, overrides)?, recovery))
+    }
+
+    /// Takes over an existing session whose log was opened and replayed
+    /// into `state` (see [`SessionLog::open_with`]): records the resume,
+    /// and queues what a resumed session must do (see `resume_effects`).
+    /// Call [`Core::kick`] once its new inputs are given.
+    pub fn resume(
         log: SessionLog<Record>,
+        state: State,
         overrides: Overrides,
     ) -> Result<Self, CoreError> {
-        let state = replay(dir, log.id())?;
         let Some(config) = state.config.clone() else {
             return Err(CoreError::NoStart(log.id().into()));
         };
-        let registry = registry_for(&config);
+        let registry = config.registry();
         let mut core = Self {
             log,
             state,

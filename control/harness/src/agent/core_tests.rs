@@ -48,8 +48,7 @@ fn with_calls(dir: &std::path::Path, list: &[(&str, &str, &str)]) -> (Core, Vec<
 }
 
 fn resume(dir: &std::path::Path, id: &str) -> Core {
-    let (log, _) = SessionLog::open(dir, id).unwrap();
-    Core::resume(dir, log, Default::default()).unwrap()
+    Core::open(dir, id, Default::default()).unwrap().0
 }
 
 fn text(t: &str) -> Response {
@@ -129,11 +128,9 @@ fn done(op: &Operation, stdout: &str) -> Operation {
 }
 
 fn kinds(dir: &std::path::Path, id: &str) -> Vec<&'static str> {
-    SessionLog::<Record>::replay(dir, id, 0, 10_000)
+    SessionLog::<Record>::records(dir, id)
         .unwrap()
-        .records
-        .iter()
-        .map(|(_, r)| r.kind())
+        .map(|r| r.unwrap().1.kind())
         .collect()
 }
 
@@ -647,7 +644,9 @@ fn a_fork_closes_inherited_calls_with_an_explicit_result() {
             .unwrap();
         fx(&mut core);
     }
-    crate::sessions::fork(dir.path(), "p", "child", Some(1)).unwrap();
+    crate::sessions::Sessions::new(dir.path())
+        .fork("p", "child", Some(1))
+        .unwrap();
     let mut core = resume(dir.path(), "child");
     let f = fx(&mut core);
     assert!(f.adds.is_empty(), "nothing of the parent runs in the child");
@@ -658,10 +657,16 @@ fn a_fork_closes_inherited_calls_with_an_explicit_result() {
     let results = result_texts(&f.sends[0].1);
     assert!(results[0].1.contains("interrupted by fork"), "{results:?}");
     assert!(
-        crate::sessions::fork(dir.path(), "p", "child", None).is_err(),
+        crate::sessions::Sessions::new(dir.path())
+            .fork("p", "child", None)
+            .is_err(),
         "a fork never overwrites"
     );
-    assert!(crate::sessions::fork(dir.path(), "p", "c2", Some(5)).is_err());
+    assert!(
+        crate::sessions::Sessions::new(dir.path())
+            .fork("p", "c2", Some(5))
+            .is_err()
+    );
 }
 
 /// Every tool call in a request has a result (a provider rejects a call
@@ -689,7 +694,7 @@ fn assert_every_call_has_one_result(req: &crate::llm::Request) {
 }
 
 #[test]
-fn a_long_session_replays_across_pages() {
+fn a_long_session_replays_in_one_read() {
     let dir = tempfile::tempdir().unwrap();
     let log = SessionLog::create(dir.path(), "s").unwrap();
     let mut cfg = config();
@@ -705,7 +710,7 @@ fn a_long_session_replays_across_pages() {
         turn = fx(&mut core).sends[0].0;
     }
     assert!(core.state().turns() > 150);
-    assert!(kinds(dir.path(), "s").len() > 2 * REPLAY_PAGE);
+    assert!(kinds(dir.path(), "s").len() > 600);
     assert_replays(dir.path(), &core);
 }
 

@@ -50,6 +50,23 @@ pub struct SessionConfig {
     pub tool_choice: Option<ToolChoice>,
 }
 
+impl SessionConfig {
+    /// The tools the session offers.
+    pub fn registry(&self) -> crate::tools::Registry {
+        let mut r = crate::tools::Registry::with_skills(
+            self.skills.iter().map(SkillDef::to_skill).collect(),
+        );
+        // The session's default bound of a command's output.
+        r.register(Box::new(crate::tools::bash::Bash::with_default_output(
+            self.budget.max_tool_result_chars as u64,
+        )));
+        if let Some(allowed) = &self.tools {
+            r.retain(allowed);
+        }
+        r
+    }
+}
+
 /// What a resumed run was told (flags, a request file); what differs from
 /// the session's settings is recorded with the resume.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]

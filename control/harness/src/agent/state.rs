@@ -192,7 +192,7 @@ impl State {
                 self.context
                     .set_reasoning_effort(config.reasoning_effort.clone());
                 self.context.set_tool_choice(config.tool_choice.clone());
-                for t in super::core::registry_for(config).tools() {
+                for t in config.registry().tools() {
                     self.context.add_tool(t);
                 }
                 self.config = Some(config.clone());

@@ -10,24 +10,24 @@
 
 use std::collections::{HashMap, HashSet};
 use std::future::Future;
-use std::sync::Arc;
 use std::time::Duration;
 
 use corral_proto::init::OperationRecord;
 use corral_proto::{EventKind, OperationId, SandboxId};
-use futures_util::StreamExt;
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info_span, warn};
 
-use super::backend::{Backend, BackendError, EventStream, LocalBackend, RemoteBackend};
 use super::operation::{OpStatus, Operation};
+use crate::client::WorkerClient;
+use crate::follow::{self, FollowError, Follower};
+use crate::worker_api::{ApiError, WorkerApi};
 
 /// Least time between two progress snapshots of one operation.
 pub const PROGRESS_INTERVAL: Duration = Duration::from_millis(250);
 /// How long a transient failure is retried before the operation fails.
-const PATIENCE: Duration = Duration::from_secs(120);
+const PATIENCE: Duration = follow::DEFAULT_PATIENCE;
 /// Updates waiting for the consumer; past it the manager waits too.
 const UPDATES_CAPACITY: usize = 1024;
 
@@ -55,29 +55,29 @@ enum Command {
     Cancel(OperationId, String, oneshot::Sender<()>),
 }
 
-/// A manager over any [`Backend`]; see [`LocalManager`] and [`RemoteManager`].
-pub struct Manager<B: Backend> {
+/// A manager over any [`WorkerApi`]; see [`LocalManager`] and [`RemoteManager`].
+pub struct Manager<W: WorkerApi> {
     tx: mpsc::Sender<Command>,
     stop: CancellationToken,
     task: tokio::task::JoinHandle<()>,
-    _backend: std::marker::PhantomData<fn() -> B>,
+    _worker: std::marker::PhantomData<fn() -> W>,
 }
 
 /// Runs operations through the worker library in this process.
-pub type LocalManager = Manager<LocalBackend>;
-/// Runs operations on a worker over gRPC, reconnecting and resuming from its
-/// cursor when the connection or the worker goes away.
-pub type RemoteManager = Manager<RemoteBackend>;
+pub type LocalManager = Manager<corral_worker::Worker>;
+/// Runs operations on a worker over gRPC, following its events from a
+/// cursor across lost connections and worker restarts.
+pub type RemoteManager = Manager<WorkerClient>;
 
-impl<B: Backend> Manager<B> {
+impl<W: WorkerApi> Manager<W> {
     /// Starts the manager of one sandbox. Snapshots arrive on the returned
     /// channel, which the caller must keep draining.
-    pub fn start(backend: B, sandbox: SandboxId) -> (Self, mpsc::Receiver<Operation>) {
+    pub fn start(worker: W, sandbox: SandboxId) -> (Self, mpsc::Receiver<Operation>) {
         let (tx, rx) = mpsc::channel(64);
         let (updates, updates_rx) = mpsc::channel(UPDATES_CAPACITY);
         let stop = CancellationToken::new();
         let actor = Actor {
-            backend: Arc::new(backend),
+            worker,
             sandbox: sandbox.clone(),
             rx,
             updates,
@@ -85,8 +85,7 @@ impl<B: Backend> Manager<B> {
             seen: HashSet::new(),
             ops: HashMap::new(),
             dirty: HashMap::new(),
-            cursor: None,
-            stream: None,
+            follower: None,
         };
         let task = tokio::spawn(
             actor
@@ -98,7 +97,7 @@ impl<B: Backend> Manager<B> {
                 tx,
                 stop,
                 task,
-                _backend: std::marker::PhantomData,
+                _worker: std::marker::PhantomData,
             },
             updates_rx,
         )
@@ -124,7 +123,7 @@ impl<B: Backend> Manager<B> {
 /// How long [`Manager::shutdown`] waits for a call in flight.
 pub const SHUTDOWN_PATIENCE: std::time::Duration = std::time::Duration::from_secs(2);
 
-impl<B: Backend> OperationManager for Manager<B> {
+impl<W: WorkerApi> OperationManager for Manager<W> {
     async fn add(&self, op: Operation) -> Result<(), ManagerError> {
         let (reply, done) = oneshot::channel();
         self.tx
@@ -144,8 +143,8 @@ impl<B: Backend> OperationManager for Manager<B> {
     }
 }
 
-struct Actor<B: Backend> {
-    backend: Arc<B>,
+struct Actor<W: WorkerApi> {
+    worker: W,
     sandbox: SandboxId,
     rx: mpsc::Receiver<Command>,
     updates: mpsc::Sender<Operation>,
@@ -156,64 +155,52 @@ struct Actor<B: Backend> {
     ops: HashMap<OperationId, Operation>,
     /// Operations with unpublished progress, and when they were last published.
     dirty: HashMap<OperationId, Instant>,
-    /// Seq of the last sandbox event handled (`None` before the first watch).
-    cursor: Option<u64>,
-    stream: Option<EventStream>,
+    /// The sandbox's events (`None` until first reached).
+    follower: Option<Follower<W>>,
 }
 
 enum Wake {
     Command(Option<Command>),
-    Event(Option<Result<corral_proto::Event, BackendError>>),
+    Event(Result<corral_proto::Event, FollowError>),
     Tick,
     Stop,
 }
 
-/// Retries `f` on transient errors with backoff, for up to [`PATIENCE`].
-async fn retry<T, F, Fut>(stop: &CancellationToken, mut f: F) -> Result<T, BackendError>
+/// Runs a worker call, retrying transient failures for up to
+/// [`PATIENCE`], unless the manager is stopped first.
+async fn call<W, T, F, Fut>(worker: &W, stop: &CancellationToken, f: F) -> Result<T, String>
 where
+    W: WorkerApi,
     F: FnMut() -> Fut,
-    Fut: Future<Output = Result<T, BackendError>>,
+    Fut: Future<Output = Result<T, ApiError>>,
 {
-    let deadline = Instant::now() + PATIENCE;
-    let mut delay = Duration::from_millis(50);
-    loop {
-        match f().await {
-            Err(BackendError::Transient(e))
-                if Instant::now() < deadline && !stop.is_cancelled() =>
-            {
-                debug!(error = %e, "transient failure; retrying");
-                tokio::select! {
-                    () = tokio::time::sleep(delay) => {}
-                    () = stop.cancelled() => return Err(BackendError::Transient(e)),
-                }
-                delay = (delay * 2).min(Duration::from_secs(2));
-            }
-            other => return other,
-        }
+    tokio::select! {
+        r = follow::retry(worker, PATIENCE, f) => r.map_err(|e| e.to_string()),
+        () = stop.cancelled() => Err("the operation manager stopped".into()),
     }
 }
 
-async fn next_event(
-    stream: &mut Option<EventStream>,
-) -> Option<Result<corral_proto::Event, BackendError>> {
-    match stream {
-        Some(s) => s.next().await,
+async fn next_event<W: WorkerApi>(
+    follower: &mut Option<Follower<W>>,
+) -> Result<corral_proto::Event, FollowError> {
+    match follower {
+        Some(f) => f.next().await,
         None => std::future::pending().await,
     }
 }
 
-impl<B: Backend> Actor<B> {
+impl<W: WorkerApi> Actor<W> {
     async fn run(mut self) {
         let mut tick = tokio::time::interval(PROGRESS_INTERVAL);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
-            if self.stream.is_none() && !self.connect().await {
+            if self.follower.is_none() && !self.connect().await {
                 break;
             }
             let wake = tokio::select! {
                 () = self.stop.cancelled() => Wake::Stop,
                 cmd = self.rx.recv() => Wake::Command(cmd),
-                ev = next_event(&mut self.stream) => Wake::Event(ev),
+                ev = next_event(&mut self.follower) => Wake::Event(ev),
                 _ = tick.tick(), if !self.dirty.is_empty() => Wake::Tick,
             };
             match wake {
@@ -226,14 +213,12 @@ impl<B: Backend> Actor<B> {
                     self.cancel(&id, &reason).await;
                     let _ = reply.send(());
                 }
-                Wake::Event(Some(Ok(event))) => self.on_event(event).await,
-                Wake::Event(Some(Err(e))) => {
-                    debug!(error = %e, "event stream failed; resuming from the cursor");
-                    self.stream = None;
-                }
-                Wake::Event(None) => {
-                    debug!("event stream ended; resuming from the cursor");
-                    self.stream = None;
+                Wake::Event(Ok(event)) => self.on_event(event).await,
+                Wake::Event(Err(e)) => {
+                    warn!(error = %e, "cannot follow the sandbox");
+                    if !self.give_up(&e.to_string()).await {
+                        break;
+                    }
                 }
                 Wake::Tick => self.flush_progress().await,
             }
@@ -241,32 +226,19 @@ impl<B: Backend> Actor<B> {
         debug!("operation manager stopped");
     }
 
-    /// (Re)opens the sandbox's event stream from the cursor. After a gap in
-    /// the connection, results that went by are fetched directly.
+    /// Starts following the sandbox's events from its current seq.
     async fn connect(&mut self) -> bool {
-        let (backend, sandbox, stop) = (
-            self.backend.clone(),
-            self.sandbox.clone(),
-            self.stop.clone(),
-        );
-        let cursor = match self.cursor {
-            Some(c) => c,
-            None => match retry(&stop, || backend.last_seq(&sandbox)).await {
-                Ok(c) => c,
-                Err(e) => {
-                    warn!(error = %e, "cannot reach the sandbox");
-                    return self.give_up(&e.to_string()).await;
-                }
-            },
+        let opened = tokio::select! {
+            f = Follower::from_now(self.worker.clone(), self.sandbox.clone(), None, PATIENCE) => f,
+            () = self.stop.cancelled() => return false,
         };
-        match retry(&stop, || backend.watch(&sandbox, cursor)).await {
-            Ok(s) => {
-                self.cursor = Some(cursor);
-                self.stream = Some(s);
+        match opened {
+            Ok(f) => {
+                self.follower = Some(f);
                 true
             }
             Err(e) => {
-                warn!(error = %e, "cannot watch the sandbox");
+                warn!(error = %e, "cannot reach the sandbox");
                 self.give_up(&e.to_string()).await
             }
         }
@@ -303,16 +275,15 @@ impl<B: Backend> Actor<B> {
         }
         op.status = OpStatus::Ready;
         self.publish(op.clone()).await;
-        let (backend, sandbox, stop) = (
-            self.backend.clone(),
-            self.sandbox.clone(),
-            self.stop.clone(),
-        );
-        let submitted = retry(&stop, || backend.submit(&sandbox, &op.id, &op.spec)).await;
+        let (worker, sandbox) = (&self.worker, &self.sandbox);
+        let submitted = call(worker, &self.stop, || {
+            worker.submit(sandbox, &op.id, &op.spec)
+        })
+        .await;
         match submitted {
             Ok(record) => self.track(op, record).await,
             Err(e) => {
-                op.fail(e.to_string());
+                op.fail(e);
                 self.publish(op).await;
             }
         }
@@ -341,18 +312,13 @@ impl<B: Backend> Actor<B> {
         op.status = OpStatus::Canceling;
         let snapshot = op.clone();
         self.publish(snapshot).await;
-        let (backend, sandbox, stop) = (
-            self.backend.clone(),
-            self.sandbox.clone(),
-            self.stop.clone(),
-        );
-        if let Err(e) = retry(&stop, || backend.cancel(&sandbox, id)).await {
+        let (worker, sandbox) = (&self.worker, &self.sandbox);
+        if let Err(e) = call(worker, &self.stop, || worker.cancel(sandbox, id)).await {
             warn!(operation = %id, error = %e, "cancel failed");
         }
     }
 
     async fn on_event(&mut self, event: corral_proto::Event) {
-        self.cursor = Some(self.cursor.unwrap_or(0).max(event.seq));
         match event.kind {
             EventKind::Gap { .. } => self.refresh_all().await,
             EventKind::SandboxLost { reason } => {
@@ -392,12 +358,9 @@ impl<B: Backend> Actor<B> {
     async fn refresh_all(&mut self) {
         let ids: Vec<OperationId> = self.ops.keys().cloned().collect();
         for id in ids {
-            let (backend, sandbox, stop) = (
-                self.backend.clone(),
-                self.sandbox.clone(),
-                self.stop.clone(),
-            );
-            if let Ok(record) = retry(&stop, || backend.operation(&sandbox, &id)).await
+            let (worker, sandbox) = (&self.worker, &self.sandbox);
+            let fetched = call(worker, &self.stop, || worker.operation(sandbox, &id)).await;
+            if let Ok(record) = fetched
                 && let Some(result) = record.result
                 && let Some(mut op) = self.ops.remove(&id)
             {

@@ -93,14 +93,6 @@ pub struct Recovery {
     pub torn_bytes: u64,
 }
 
-/// One page of a replay.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Page<R> {
-    pub records: Vec<(u64, R)>,
-    /// Pass as `after_seq` for the next page; `None` at the end.
-    pub next: Option<u64>,
-}
-
 /// An open session log, locked for writing.
 #[derive(Debug)]
 pub struct SessionLog<R> {
@@ -219,9 +211,22 @@ impl<R: Serialize + DeserializeOwned> SessionLog<R> {
     /// Opens an existing session for writing: checks its version, verifies
     /// every record, and cuts off a torn last line.
     pub fn open(dir: &Path, id: &str) -> Result<(Self, Recovery), LogError> {
+        Self::open_with(dir, id, |_, _| {})
+    }
+
+    /// [`SessionLog::open`], handing every record to `each` as it is
+    /// verified: a session is read once when it starts.
+    pub fn open_with(
+        dir: &Path,
+        id: &str,
+        mut each: impl FnMut(u64, R),
+    ) -> Result<(Self, Recovery), LogError> {
         let (path, file) = open_existing(dir, id, true)?;
         let mut file = lock(file, id)?;
-        let (header, last_seq, good_len) = scan::<R>(&mut file, id, &path, |_, _| true)?;
+        let (header, last_seq, good_len) = scan::<R>(&mut file, id, &path, |seq, rec| {
+            each(seq, rec);
+            true
+        })?;
         let total = file.metadata().map_err(io(&path))?.len();
         let torn_bytes = total - good_len;
         if torn_bytes > 0 {
@@ -269,29 +274,27 @@ impl<R: Serialize + DeserializeOwned> SessionLog<R> {
         Ok(seq)
     }
 
-    /// Reads up to `page` records with `seq > after_seq` (no lock needed;
-    /// a torn last line is ignored).
-    pub fn replay(dir: &Path, id: &str, after_seq: u64, page: usize) -> Result<Page<R>, LogError> {
+    /// Every record of session `id`, in order, read as a stream (no lock
+    /// needed; a torn last line is not part of the log). The header is
+    /// checked before this returns.
+    pub fn records(dir: &Path, id: &str) -> Result<Records<R>, LogError> {
         let (path, mut file) = open_existing(dir, id, false)?;
-        let mut records = Vec::new();
-        let mut more = false;
-        scan::<R>(&mut file, id, &path, |seq, rec| {
-            if seq <= after_seq {
-                return true;
-            }
-            if records.len() == page {
-                more = true;
-                return false;
-            }
-            records.push((seq, rec));
-            true
-        })?;
-        let next = if more {
-            records.last().map(|(s, _)| *s)
-        } else {
-            None
+        file.seek(SeekFrom::Start(0)).map_err(io(&path))?;
+        let mut reader = Reader {
+            lines: BufReader::new(file),
+            id: id.into(),
+            path,
+            buf: Vec::new(),
+            line_no: 0,
+            last: 0,
         };
-        Ok(Page { records, next })
+        let (header, _) = reader.header()?;
+        Ok(Records {
+            reader,
+            header,
+            done: false,
+            _records: PhantomData,
+        })
     }
 
     /// Creates session `child` from `parent`'s records 1..=`upto_seq`,
@@ -334,6 +337,113 @@ impl<R: Serialize + DeserializeOwned> SessionLog<R> {
     }
 }
 
+/// The records of a log, one at a time (see [`SessionLog::records`]).
+pub struct Records<R> {
+    reader: Reader,
+    header: Header,
+    done: bool,
+    _records: PhantomData<fn() -> R>,
+}
+
+impl<R> Records<R> {
+    pub fn header(&self) -> &Header {
+        &self.header
+    }
+}
+
+impl<R: DeserializeOwned> Iterator for Records<R> {
+    type Item = Result<(u64, R), LogError>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        if self.done {
+            return None;
+        }
+        match self.reader.record::<R>() {
+            Ok(Some((seq, rec, _))) => Some(Ok((seq, rec))),
+            Ok(None) => {
+                self.done = true;
+                None
+            }
+            Err(e) => {
+                self.done = true;
+                Some(Err(e))
+            }
+        }
+    }
+}
+
+/// Lines of a log file, checked as they are read.
+struct Reader {
+    lines: BufReader<File>,
+    id: String,
+    path: PathBuf,
+    buf: Vec<u8>,
+    line_no: u64,
+    /// The seq of the last record read.
+    last: u64,
+}
+
+impl Reader {
+    fn corrupt(&self, reason: String) -> LogError {
+        LogError::Corrupt {
+            id: self.id.clone(),
+            line: self.line_no,
+            reason,
+        }
+    }
+
+    /// The header line, and its length in bytes.
+    fn header(&mut self) -> Result<(Header, u64), LogError> {
+        self.buf.clear();
+        let n = self
+            .lines
+            .read_until(b'\n', &mut self.buf)
+            .map_err(io(&self.path))?;
+        self.line_no = 1;
+        if n == 0 || self.buf.last() != Some(&b'\n') {
+            return Err(self.corrupt("no complete header line".into()));
+        }
+        // Check the version before anything else, with a lenient read, so a
+        // newer format is reported as such rather than as damage.
+        let loose: serde_json::Value = serde_json::from_slice(&self.buf)
+            .map_err(|e| self.corrupt(format!("header is not JSON: {e}")))?;
+        if loose["format"] != FORMAT_NAME {
+            return Err(self.corrupt("not a Corral session log".into()));
+        }
+        let version = loose["version"].as_u64().unwrap_or(0) as u32;
+        if version != FORMAT_VERSION {
+            return Err(LogError::UnknownVersion {
+                id: self.id.clone(),
+                found: version,
+            });
+        }
+        let header: Header =
+            serde_json::from_value(loose).map_err(|e| self.corrupt(format!("header: {e}")))?;
+        Ok((header, n as u64))
+    }
+
+    /// The next complete record and its length in bytes; `None` at the
+    /// end of the file or at a torn last line (not part of the log).
+    fn record<R: DeserializeOwned>(&mut self) -> Result<Option<(u64, R, u64)>, LogError> {
+        self.buf.clear();
+        let n = self
+            .lines
+            .read_until(b'\n', &mut self.buf)
+            .map_err(io(&self.path))?;
+        if n == 0 || self.buf.last() != Some(&b'\n') {
+            return Ok(None);
+        }
+        self.line_no += 1;
+        let line: LineIn<R> =
+            serde_json::from_slice(&self.buf).map_err(|e| self.corrupt(e.to_string()))?;
+        if line.seq != self.last + 1 {
+            return Err(self.corrupt(format!("seq {} follows {}", line.seq, self.last)));
+        }
+        self.last = line.seq;
+        Ok(Some((line.seq, line.record, n as u64)))
+    }
+}
+
 /// Reads the header and every complete record line, handing each record to
 /// `each` until it returns false. Returns the header, the last seq read and
 /// the byte length of the valid prefix (everything before a torn tail).
@@ -344,56 +454,23 @@ fn scan<R: DeserializeOwned>(
     mut each: impl FnMut(u64, R) -> bool,
 ) -> Result<(Header, u64, u64), LogError> {
     file.seek(SeekFrom::Start(0)).map_err(io(path))?;
-    let mut reader = BufReader::new(file);
-    let corrupt = |line: u64, reason: String| LogError::Corrupt {
+    let clone = file.try_clone().map_err(io(path))?;
+    let mut reader = Reader {
+        lines: BufReader::new(clone),
         id: id.into(),
-        line,
-        reason,
+        path: path.to_path_buf(),
+        buf: Vec::new(),
+        line_no: 0,
+        last: 0,
     };
-    let mut buf = Vec::new();
-    let n = reader.read_until(b'\n', &mut buf).map_err(io(path))?;
-    if n == 0 || buf.last() != Some(&b'\n') {
-        return Err(corrupt(1, "no complete header line".into()));
-    }
-    // Check the version before anything else, with a lenient read, so a
-    // newer format is reported as such rather than as damage.
-    let loose: serde_json::Value =
-        serde_json::from_slice(&buf).map_err(|e| corrupt(1, format!("header is not JSON: {e}")))?;
-    if loose["format"] != FORMAT_NAME {
-        return Err(corrupt(1, "not a Corral session log".into()));
-    }
-    let version = loose["version"].as_u64().unwrap_or(0) as u32;
-    if version != FORMAT_VERSION {
-        return Err(LogError::UnknownVersion {
-            id: id.into(),
-            found: version,
-        });
-    }
-    let header: Header =
-        serde_json::from_value(loose).map_err(|e| corrupt(1, format!("header: {e}")))?;
-    let mut good = n as u64;
-    let mut last = 0u64;
-    let mut line_no = 1u64;
-    loop {
-        buf.clear();
-        let n = reader.read_until(b'\n', &mut buf).map_err(io(path))?;
-        if n == 0 || buf.last() != Some(&b'\n') {
-            // End of file, or a torn last line: not part of the log.
-            break;
-        }
-        line_no += 1;
-        let line: LineIn<R> =
-            serde_json::from_slice(&buf).map_err(|e| corrupt(line_no, e.to_string()))?;
-        if line.seq != last + 1 {
-            return Err(corrupt(line_no, format!("seq {} follows {last}", line.seq)));
-        }
-        last = line.seq;
-        good += n as u64;
-        if !each(line.seq, line.record) {
+    let (header, mut good) = reader.header()?;
+    while let Some((seq, rec, n)) = reader.record::<R>()? {
+        good += n;
+        if !each(seq, rec) {
             break;
         }
     }
-    Ok((header, last, good))
+    Ok((header, reader.last, good))
 }
 
 #[cfg(test)]
@@ -409,15 +486,19 @@ mod tests {
         Rec { text: s.into() }
     }
 
-    fn texts(page: &Page<Rec>) -> Vec<(u64, String)> {
-        page.records
-            .iter()
-            .map(|(s, r)| (*s, r.text.clone()))
-            .collect()
+    fn all(dir: &Path, id: &str) -> Vec<(u64, Rec)> {
+        SessionLog::<Rec>::records(dir, id)
+            .unwrap()
+            .collect::<Result<_, _>>()
+            .unwrap()
+    }
+
+    fn texts(records: &[(u64, Rec)]) -> Vec<(u64, String)> {
+        records.iter().map(|(s, r)| (*s, r.text.clone())).collect()
     }
 
     #[test]
-    fn append_reopen_and_replay_in_pages() {
+    fn append_reopen_and_read_as_a_stream() {
         let dir = tempfile::tempdir().unwrap();
         let mut log = SessionLog::<Rec>::create(dir.path(), "s1").unwrap();
         for i in 1..=5 {
@@ -428,15 +509,19 @@ mod tests {
         assert_eq!(rec_, Recovery::default());
         assert_eq!(log.last_seq(), 5);
         log.append(&rec("r6")).unwrap();
-        let p = SessionLog::<Rec>::replay(dir.path(), "s1", 0, 4).unwrap();
-        assert_eq!(p.records.len(), 4);
-        assert_eq!(p.next, Some(4));
-        let p = SessionLog::<Rec>::replay(dir.path(), "s1", 4, 4).unwrap();
+        let records = all(dir.path(), "s1");
+        assert_eq!(records.len(), 6);
         assert_eq!(
-            texts(&p),
+            texts(&records[4..]),
             vec![(5, "r5\nwith newline".into()), (6, "r6".into())]
         );
-        assert_eq!(p.next, None);
+        // Opening hands over every record in the same pass.
+        drop(log);
+        let mut seen = Vec::new();
+        let (log, _) =
+            SessionLog::<Rec>::open_with(dir.path(), "s1", |seq, r| seen.push((seq, r))).unwrap();
+        assert_eq!(seen, records);
+        assert_eq!(log.last_seq(), 6);
     }
 
     #[test]
@@ -451,20 +536,13 @@ mod tests {
         f.write_all(br#"{"seq":3,"record":{"te"#).unwrap();
         drop(f);
         // Readers ignore the torn tail.
-        assert_eq!(
-            SessionLog::<Rec>::replay(dir.path(), "s", 0, 100)
-                .unwrap()
-                .records
-                .len(),
-            2
-        );
+        assert_eq!(all(dir.path(), "s").len(), 2);
         let (mut log, recovery) = SessionLog::<Rec>::open(dir.path(), "s").unwrap();
         assert_eq!(recovery.torn_bytes, 22);
         assert_eq!(log.append(&rec("c")).unwrap(), 3);
         drop(log);
-        let p = SessionLog::<Rec>::replay(dir.path(), "s", 0, 100).unwrap();
         assert_eq!(
-            texts(&p),
+            texts(&all(dir.path(), "s")),
             vec![(1, "a".into()), (2, "b".into()), (3, "c".into())]
         );
     }
@@ -486,6 +564,11 @@ mod tests {
         fs::write(&path, format!("{text}not json\n")).unwrap();
         let e = SessionLog::<Rec>::open(dir.path(), "s").unwrap_err();
         assert!(matches!(e, LogError::Corrupt { line: 3, .. }), "{e}");
+        let mut records = SessionLog::<Rec>::records(dir.path(), "s").unwrap();
+        assert!(records.next().unwrap().is_ok());
+        let e = records.next().unwrap().unwrap_err();
+        assert!(matches!(e, LogError::Corrupt { line: 3, .. }), "{e}");
+        assert!(records.next().is_none(), "nothing after damage");
         fs::write(&path, text.replace("\"seq\":1", "\"seq\":2")).unwrap();
         let e = SessionLog::<Rec>::open(dir.path(), "s").unwrap_err();
         assert!(e.to_string().contains("seq 2 follows 0"), "{e}");
@@ -533,9 +616,8 @@ mod tests {
             })
         );
         drop(child);
-        let p = SessionLog::<Rec>::replay(dir.path(), "c", 0, 100).unwrap();
         assert_eq!(
-            texts(&p),
+            texts(&all(dir.path(), "c")),
             vec![
                 (1, "a".into()),
                 (2, "b".into()),
@@ -552,12 +634,6 @@ mod tests {
         ));
         // The parent is untouched and still being written.
         log.append(&rec("e")).unwrap();
-        assert_eq!(
-            SessionLog::<Rec>::replay(dir.path(), "p", 0, 100)
-                .unwrap()
-                .records
-                .len(),
-            5
-        );
+        assert_eq!(all(dir.path(), "p").len(), 5);
     }
 }

@@ -2,4 +2,4 @@
 
 pub mod log;
 
-pub use log::{LogError, Page, Recovery, SessionLog};
+pub use log::{LogError, Records, Recovery, SessionLog};

@@ -1,0 +1,196 @@
+//! The one way the harness waits for operations: a sandbox's events
+//! followed from a cursor, across broken streams, restarted workers and
+//! network blinks, with nothing lost or repeated. The operation managers
+//! follow a whole sandbox; `corral exec` follows one operation.
+
+use std::future::Future;
+use std::time::Duration;
+
+use corral_proto::{Event, OperationId, SandboxId};
+use futures_util::StreamExt;
+use tokio::time::Instant;
+
+use crate::worker_api::{ApiError, Events, WorkerApi};
+
+/// How long a worker may stay unreachable before a waiter gives up.
+pub const DEFAULT_PATIENCE: Duration = Duration::from_secs(120);
+/// First pause between attempts; it doubles up to [`MAX_BACKOFF`].
+const FIRST_BACKOFF: Duration = Duration::from_millis(50);
+const MAX_BACKOFF: Duration = Duration::from_secs(2);
+
+/// Why following stopped.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum FollowError {
+    /// The worker stayed unreachable for the whole patience.
+    #[error("{worker} stayed unreachable for {} s: {last}", .patience.as_secs())]
+    GaveUp {
+        worker: String,
+        patience: Duration,
+        last: String,
+    },
+    /// The worker refused (an unknown sandbox, say).
+    #[error("{0}")]
+    Refused(ApiError),
+}
+
+/// Runs `call` until it succeeds, retrying transient failures with
+/// backoff for up to `patience`.
+pub async fn retry<T, F, Fut>(
+    worker: &impl WorkerApi,
+    patience: Duration,
+    mut call: F,
+) -> Result<T, FollowError>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<T, ApiError>>,
+{
+    let deadline = Instant::now() + patience;
+    let mut delay = FIRST_BACKOFF;
+    loop {
+        match call().await {
+            Ok(v) => return Ok(v),
+            Err(ApiError::Transient(e)) => {
+                if Instant::now() + delay > deadline {
+                    return Err(FollowError::GaveUp {
+                        worker: worker.describe(),
+                        patience,
+                        last: e,
+                    });
+                }
+                tracing::debug!(error = %e, "transient failure; retrying");
+                tokio::time::sleep(delay).await;
+                delay = (delay * 2).min(MAX_BACKOFF);
+            }
+            Err(e) => return Err(FollowError::Refused(e)),
+        }
+    }
+}
+
+/// A sandbox's events from a cursor on. [`Follower::next`] is
+/// cancel-safe: it can sit in a `select!` beside other work.
+pub struct Follower<W: WorkerApi> {
+    worker: W,
+    sandbox: SandboxId,
+    only: Option<OperationId>,
+    cursor: u64,
+    stream: Option<Events>,
+    patience: Duration,
+    /// Since when the worker has been unreachable.
+    lost_since: Option<Instant>,
+    delay: Duration,
+}
+
+impl<W: WorkerApi> Follower<W> {
+    /// Follows events after `after_seq` (of one operation, with `only`).
+    pub fn new(worker: W, sandbox: SandboxId, after_seq: u64, only: Option<OperationId>) -> Self {
+        Self {
+            worker,
+            sandbox,
+            only,
+            cursor: after_seq,
+            stream: None,
+            patience: DEFAULT_PATIENCE,
+            lost_since: None,
+            delay: FIRST_BACKOFF,
+        }
+    }
+
+    /// Follows what happens from now on: the cursor is the sandbox's
+    /// current seq, and the stream is open (its watcher registered) when
+    /// this returns, so nothing submitted afterwards can outrun it.
+    pub async fn from_now(
+        worker: W,
+        sandbox: SandboxId,
+        only: Option<OperationId>,
+        patience: Duration,
+    ) -> Result<Self, FollowError> {
+        let last = retry(&worker, patience, || worker.get_sandbox(&sandbox)).await?;
+        let mut f = Self::new(worker, sandbox, last.last_seq, only).with_patience(patience);
+        f.open().await?;
+        Ok(f)
+    }
+
+    pub fn with_patience(mut self, patience: Duration) -> Self {
+        self.patience = patience;
+        self
+    }
+
+    /// The seq of the last event handed out.
+    pub fn cursor(&self) -> u64 {
+        self.cursor
+    }
+
+    pub fn worker(&self) -> &W {
+        &self.worker
+    }
+
+    /// Opens the stream from the cursor if it is not open, retrying
+    /// transient failures within the patience.
+    pub async fn open(&mut self) -> Result<(), FollowError> {
+        while self.stream.is_none() {
+            match self
+                .worker
+                .watch(&self.sandbox, self.cursor, self.only.as_ref())
+                .await
+            {
+                Ok(s) => self.stream = Some(s),
+                Err(ApiError::Transient(e)) => self.pause(e).await?,
+                Err(e) => return Err(FollowError::Refused(e)),
+            }
+        }
+        Ok(())
+    }
+
+    /// The next event. A broken stream is reopened from the cursor; the
+    /// error says the worker stayed unreachable for the whole patience (a
+    /// later call starts a new patience) or refused.
+    pub async fn next(&mut self) -> Result<Event, FollowError> {
+        loop {
+            self.open().await?;
+            let Some(stream) = self.stream.as_mut() else {
+                continue;
+            };
+            match stream.next().await {
+                Some(Ok(event)) => {
+                    self.lost_since = None;
+                    self.delay = FIRST_BACKOFF;
+                    self.cursor = self.cursor.max(event.seq);
+                    return Ok(event);
+                }
+                Some(Err(e)) if !e.is_transient() => {
+                    self.stream = None;
+                    return Err(FollowError::Refused(e));
+                }
+                // The stream broke, or the worker closed it (a restart):
+                // resume from the cursor.
+                Some(Err(e)) => {
+                    self.stream = None;
+                    self.pause(e.to_string()).await?;
+                }
+                None => {
+                    self.stream = None;
+                    self.pause("the event stream ended".into()).await?;
+                }
+            }
+        }
+    }
+
+    /// Waits before the next attempt, or gives up once the worker has been
+    /// unreachable for the whole patience.
+    async fn pause(&mut self, last: String) -> Result<(), FollowError> {
+        let since = *self.lost_since.get_or_insert_with(Instant::now);
+        if since.elapsed() + self.delay > self.patience {
+            self.lost_since = None;
+            self.delay = FIRST_BACKOFF;
+            return Err(FollowError::GaveUp {
+                worker: self.worker.describe(),
+                patience: self.patience,
+                last,
+            });
+        }
+        tracing::debug!(error = %last, cursor = self.cursor, "following again from the cursor");
+        tokio::time::sleep(self.delay).await;
+        self.delay = (self.delay * 2).min(MAX_BACKOFF);
+        Ok(())
+    }
+}

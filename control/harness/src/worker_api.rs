@@ -1,0 +1,302 @@
+//! The worker's API as the harness uses it: one trait over the sandbox and
+//! operation calls, implemented by the worker library in this process
+//! ([`corral_worker::Worker`]) and by the gRPC client ([`WorkerClient`],
+//! one connection that re-establishes itself). Everything above it — the
+//! operation managers, the waiter, the session front door — is written
+//! once against the trait.
+
+use std::future::Future;
+use std::pin::Pin;
+
+use bytes::Bytes;
+use corral_proto::init::OperationRecord;
+use corral_proto::{Event, OperationId, OperationSpec, SandboxId, SandboxInfo, SandboxSpec};
+use corral_worker::{Worker, WorkerError};
+use futures_util::{Stream, StreamExt};
+use tokio_stream::wrappers::ReceiverStream;
+
+use crate::client::{ClientError, WorkerClient, source_chain};
+
+/// A sandbox's events, as they come.
+pub type Events = Pin<Box<dyn Stream<Item = Result<Event, ApiError>> + Send>>;
+
+/// How a worker call failed, as far as a caller must tell apart.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ApiError {
+    /// Worth another try (the worker restarted, the network blinked).
+    #[error("{0}")]
+    Transient(String),
+    /// No such sandbox or operation.
+    #[error("{0}")]
+    NotFound(String),
+    /// Will not succeed however often it is tried.
+    #[error("{0}")]
+    Rejected(String),
+}
+
+impl ApiError {
+    pub fn is_transient(&self) -> bool {
+        matches!(self, Self::Transient(_))
+    }
+}
+
+/// The calls of a worker the harness makes. Implementations are cheap to
+/// clone (a handle), and every call may be retried after a transient
+/// failure: creates are idempotent by id, submits run an id at most once.
+pub trait WorkerApi: Clone + Send + Sync + 'static {
+    /// Where the worker is, for messages (its address, or "this process").
+    fn describe(&self) -> String;
+    /// Creates the sandbox, or returns it when it exists with this spec.
+    fn create_sandbox(
+        &self,
+        id: &SandboxId,
+        spec: &SandboxSpec,
+    ) -> impl Future<Output = Result<SandboxInfo, ApiError>> + Send;
+    fn get_sandbox(
+        &self,
+        id: &SandboxId,
+    ) -> impl Future<Output = Result<SandboxInfo, ApiError>> + Send;
+    /// Removes the sandbox; false when there was none.
+    fn destroy_sandbox(
+        &self,
+        id: &SandboxId,
+    ) -> impl Future<Output = Result<bool, ApiError>> + Send;
+    fn submit(
+        &self,
+        sandbox: &SandboxId,
+        id: &OperationId,
+        spec: &OperationSpec,
+    ) -> impl Future<Output = Result<OperationRecord, ApiError>> + Send;
+    /// Asks a running operation to stop; false when it was not running.
+    fn cancel(
+        &self,
+        sandbox: &SandboxId,
+        id: &OperationId,
+    ) -> impl Future<Output = Result<bool, ApiError>> + Send;
+    fn operation(
+        &self,
+        sandbox: &SandboxId,
+        id: &OperationId,
+    ) -> impl Future<Output = Result<OperationRecord, ApiError>> + Send;
+    /// The sandbox's events after `after_seq` (of one operation, with
+    /// `only`). The watcher is registered when this returns, so a stream
+    /// opened before a submit holds the sandbox's output for its reader.
+    fn watch(
+        &self,
+        sandbox: &SandboxId,
+        after_seq: u64,
+        only: Option<&OperationId>,
+    ) -> impl Future<Output = Result<Events, ApiError>> + Send;
+    /// Feeds `data` at `offset` of an operation's input; returns the
+    /// input's end and whether it takes more.
+    fn write_input(
+        &self,
+        sandbox: &SandboxId,
+        id: &OperationId,
+        offset: u64,
+        data: Bytes,
+        eof: bool,
+    ) -> impl Future<Output = Result<(u64, bool), ApiError>> + Send;
+    fn resize_terminal(
+        &self,
+        sandbox: &SandboxId,
+        id: &OperationId,
+        size: corral_proto::TerminalSize,
+    ) -> impl Future<Output = Result<(), ApiError>> + Send;
+}
+
+fn local(e: WorkerError) -> ApiError {
+    let text = e.to_string();
+    match e {
+        WorkerError::UnknownSandbox(_) | WorkerError::UnknownOperation(_) => {
+            ApiError::NotFound(text)
+        }
+        WorkerError::Docker(_)
+        | WorkerError::InitUnresponsive { .. }
+        | WorkerError::Detached(_)
+        | WorkerError::ShuttingDown => ApiError::Transient(text),
+        _ => ApiError::Rejected(text),
+    }
+}
+
+impl WorkerApi for Worker {
+    fn describe(&self) -> String {
+        "the worker in this process".into()
+    }
+
+    async fn create_sandbox(
+        &self,
+        id: &SandboxId,
+        spec: &SandboxSpec,
+    ) -> Result<SandboxInfo, ApiError> {
+        Worker::create_sandbox(self, Some(id.clone()), spec.clone())
+            .await
+            .map_err(local)
+    }
+
+    async fn get_sandbox(&self, id: &SandboxId) -> Result<SandboxInfo, ApiError> {
+        Worker::get_sandbox(self, id).map_err(local)
+    }
+
+    async fn destroy_sandbox(&self, id: &SandboxId) -> Result<bool, ApiError> {
+        Worker::destroy_sandbox(self, id).await.map_err(local)
+    }
+
+    async fn submit(
+        &self,
+        sandbox: &SandboxId,
+        id: &OperationId,
+        spec: &OperationSpec,
+    ) -> Result<OperationRecord, ApiError> {
+        Worker::submit(self, sandbox, id.clone(), spec.clone())
+            .await
+            .map_err(local)
+    }
+
+    async fn cancel(&self, sandbox: &SandboxId, id: &OperationId) -> Result<bool, ApiError> {
+        Worker::cancel(self, sandbox, id).await.map_err(local)
+    }
+
+    async fn operation(
+        &self,
+        sandbox: &SandboxId,
+        id: &OperationId,
+    ) -> Result<OperationRecord, ApiError> {
+        Worker::operation(self, sandbox, id).map_err(local)
+    }
+
+    async fn watch(
+        &self,
+        sandbox: &SandboxId,
+        after_seq: u64,
+        only: Option<&OperationId>,
+    ) -> Result<Events, ApiError> {
+        let rx = Worker::watch(self, sandbox, after_seq, only.cloned()).map_err(local)?;
+        Ok(Box::pin(ReceiverStream::new(rx).map(Ok)))
+    }
+
+    async fn write_input(
+        &self,
+        sandbox: &SandboxId,
+        id: &OperationId,
+        offset: u64,
+        data: Bytes,
+        eof: bool,
+    ) -> Result<(u64, bool), ApiError> {
+        let r = Worker::write_input(self, sandbox, id.clone(), offset, data, eof)
+            .await
+            .map_err(local)?;
+        Ok((r.input_bytes, r.closed))
+    }
+
+    async fn resize_terminal(
+        &self,
+        sandbox: &SandboxId,
+        id: &OperationId,
+        size: corral_proto::TerminalSize,
+    ) -> Result<(), ApiError> {
+        Worker::resize_terminal(self, sandbox, id.clone(), size)
+            .await
+            .map_err(local)
+    }
+}
+
+fn remote(e: ClientError) -> ApiError {
+    let text = source_chain(&e);
+    if e.is_transient() {
+        ApiError::Transient(text)
+    } else if matches!(&e, ClientError::Status(s) if s.code() == tonic::Code::NotFound) {
+        ApiError::NotFound(text)
+    } else {
+        ApiError::Rejected(text)
+    }
+}
+
+impl WorkerApi for WorkerClient {
+    fn describe(&self) -> String {
+        self.url().to_string()
+    }
+
+    async fn create_sandbox(
+        &self,
+        id: &SandboxId,
+        spec: &SandboxSpec,
+    ) -> Result<SandboxInfo, ApiError> {
+        WorkerClient::create_sandbox(self, Some(id), spec.clone())
+            .await
+            .map_err(remote)
+    }
+
+    async fn get_sandbox(&self, id: &SandboxId) -> Result<SandboxInfo, ApiError> {
+        WorkerClient::get_sandbox(self, id).await.map_err(remote)
+    }
+
+    async fn destroy_sandbox(&self, id: &SandboxId) -> Result<bool, ApiError> {
+        WorkerClient::destroy_sandbox(self, id)
+            .await
+            .map_err(remote)
+    }
+
+    async fn submit(
+        &self,
+        sandbox: &SandboxId,
+        id: &OperationId,
+        spec: &OperationSpec,
+    ) -> Result<OperationRecord, ApiError> {
+        WorkerClient::submit(self, sandbox, id, spec.clone())
+            .await
+            .map_err(remote)
+    }
+
+    async fn cancel(&self, sandbox: &SandboxId, id: &OperationId) -> Result<bool, ApiError> {
+        WorkerClient::cancel(self, sandbox, id)
+            .await
+            .map_err(remote)
+    }
+
+    async fn operation(
+        &self,
+        sandbox: &SandboxId,
+        id: &OperationId,
+    ) -> Result<OperationRecord, ApiError> {
+        WorkerClient::operation(self, sandbox, id)
+            .await
+            .map_err(remote)
+    }
+
+    async fn watch(
+        &self,
+        sandbox: &SandboxId,
+        after_seq: u64,
+        only: Option<&OperationId>,
+    ) -> Result<Events, ApiError> {
+        let stream = WorkerClient::watch(self, sandbox, after_seq, only)
+            .await
+            .map_err(remote)?;
+        Ok(Box::pin(stream.map(|r| r.map_err(remote))))
+    }
+
+    async fn write_input(
+        &self,
+        sandbox: &SandboxId,
+        id: &OperationId,
+        offset: u64,
+        data: Bytes,
+        eof: bool,
+    ) -> Result<(u64, bool), ApiError> {
+        WorkerClient::write_input(self, sandbox, id, offset, data, eof)
+            .await
+            .map_err(remote)
+    }
+
+    async fn resize_terminal(
+        &self,
+        sandbox: &SandboxId,
+        id: &OperationId,
+        size: corral_proto::TerminalSize,
+    ) -> Result<(), ApiError> {
+        WorkerClient::resize_terminal(self, sandbox, id, size)
+            .await
+            .map_err(remote)
+    }
+}

@@ -1,0 +1,101 @@
+//! `corral exec`: exits with the command's exit code; 125 when Corral
+//! itself fails, 128+N when stopped by signal N, 141 on a closed stdout.
+
+use corral_proto::{SandboxId, TerminalSize};
+
+use crate::cli::{ConnArgs, ExecArgs};
+use crate::connect::{ConnectError, connect};
+use crate::exec::{self, ExecError, ExecRequest};
+
+#[derive(Debug, thiserror::Error)]
+enum Error {
+    #[error(transparent)]
+    Connect(#[from] ConnectError),
+    #[error(transparent)]
+    Exec(#[from] ExecError),
+    #[error("{0}")]
+    Invalid(String),
+    #[error("writing output: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+pub async fn main(conn: &ConnArgs, args: ExecArgs) -> u8 {
+    match exec_command(conn, args).await {
+        Ok(code) => code,
+        Err(e) => {
+            super::report(&e);
+            match e {
+                Error::Connect(ConnectError::Usage(_)) => super::EXIT_USAGE,
+                _ => super::EXIT_CORRAL_ERROR,
+            }
+        }
+    }
+}
+
+async fn exec_command(conn: &ConnArgs, args: ExecArgs) -> Result<u8, Error> {
+    let client = connect(conn).await?;
+    let terminal = args
+        .tty
+        .then(|| crate::terminal::current_size().unwrap_or(TerminalSize { rows: 24, cols: 80 }));
+    let req = ExecRequest {
+        sandbox: args
+            .sandbox
+            .as_deref()
+            .map(SandboxId::new)
+            .transpose()
+            .map_err(|e| Error::Invalid(e.to_string()))?,
+        image: args.image.clone(),
+        timeout: args.timeout,
+        env: args.env_map(),
+        workdir: args.workdir.clone(),
+        use_bash: args.bash,
+        argv: args.argv.clone(),
+        keep_background: args.keep_background,
+        stdin: args.interactive,
+        terminal,
+        idle_timeout: args.idle_timeout,
+    };
+    let mut controls = exec::Controls::stop_on(crate::signals::stop_signal());
+    if args.interactive {
+        controls.input = Some(Box::pin(tokio::io::stdin()));
+    }
+    // Keys go to the remote terminal as typed (Ctrl-C included) while it
+    // runs; the local modes come back when this guard goes.
+    let _raw = (args.tty && args.interactive)
+        .then(crate::terminal::RawMode::enable)
+        .flatten();
+    if args.tty {
+        controls.resize = crate::terminal::resizes()
+            .ok()
+            .map(|s| Box::pin(s) as std::pin::Pin<Box<_>>);
+    }
+    let mut out = tokio::io::stdout();
+    let mut err = tokio::io::stderr();
+    let ended = exec::exec(client, req, &mut out, &mut err, controls).await?;
+    drop(_raw);
+    use corral_proto::Outcome;
+    let outcome = &ended.result.outcome;
+    if ended.output_closed {
+        // As a shell reports a command killed by SIGPIPE, and silently.
+        return Ok(141);
+    }
+    match (outcome, ended.stopped_by) {
+        (Outcome::Exited { .. } | Outcome::Signaled { .. }, _) => {}
+        (Outcome::Canceled, Some(sig)) => {
+            let name = match sig {
+                1 => "SIGHUP",
+                2 => "SIGINT",
+                15 => "SIGTERM",
+                _ => "a signal",
+            };
+            let line = format!("corral: command canceled ({name})\n");
+            tokio::io::AsyncWriteExt::write_all(&mut err, line.as_bytes()).await?;
+            return Ok(128 + sig as u8);
+        }
+        (other, _) => {
+            let line = format!("corral: command {other}\n");
+            tokio::io::AsyncWriteExt::write_all(&mut err, line.as_bytes()).await?;
+        }
+    }
+    Ok(outcome.exit_status().clamp(0, 255) as u8)
+}

@@ -1,0 +1,344 @@
+//! `corral run`: a session from the command line, through the harness's
+//! front door ([`corral_harness::sessions`]). It picks the worker (the
+//! recorded one for a resumed session, placement for a new one), shows
+//! the events, feeds stdin lines as inputs when asked, and stops the
+//! session on SIGINT/SIGTERM/SIGHUP. Exit codes: 0 done, 1 failed, 2 usage
+//! error, 130 interrupted.
+
+use std::io::{IsTerminal, Read, Write};
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use corral_harness::agent::events::{Event, RunResult, to_json_line};
+use corral_harness::agent::{Ending, Inbox, StopMode, Summary};
+use corral_harness::llm::Api;
+use corral_harness::session::LogError;
+use corral_harness::sessions::{
+    RunOptions, STOP_PATIENCE, SessionError, SessionHandle, SessionRequest, Sessions, parse_request,
+};
+use futures_util::StreamExt;
+
+use crate::cli::{ApiKind, ConnArgs, RunArgs};
+use crate::connect::{ConnectError, connect_to, place, worker_urls};
+use crate::view::View;
+
+pub const EXIT_DONE: u8 = 0;
+pub const EXIT_FAILED: u8 = 1;
+pub const EXIT_INTERRUPTED: u8 = 130;
+
+#[derive(Debug, thiserror::Error)]
+enum Error {
+    /// Exit code 2.
+    #[error("{0}")]
+    Usage(String),
+    #[error(transparent)]
+    Connect(#[from] ConnectError),
+    #[error(transparent)]
+    Session(#[from] SessionError),
+    #[error("writing output: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+impl Error {
+    fn exit_code(&self) -> u8 {
+        use SessionError as S;
+        match self {
+            Error::Usage(_)
+            | Error::Connect(ConnectError::Usage(_))
+            | Error::Session(
+                S::Invalid(_)
+                | S::NoSuchTurn { .. }
+                | S::Log(
+                    LogError::BadId(_)
+                    | LogError::AlreadyExists(_)
+                    | LogError::NotFound(_)
+                    | LogError::BadForkPoint { .. },
+                ),
+            ) => super::EXIT_USAGE,
+            _ => EXIT_FAILED,
+        }
+    }
+}
+
+pub async fn main(conn: &ConnArgs, args: &RunArgs) -> u8 {
+    let json = args.json || !std::io::stdout().is_terminal();
+    match run(conn, args, json).await {
+        Ok(code) => code,
+        Err(e) => {
+            super::report(&e);
+            if json {
+                // A JSON reader learns why the run failed from its own
+                // stream too.
+                let line = to_json_line(&Event::Error {
+                    message: corral_harness::client::source_chain(&e),
+                });
+                let mut stdout = std::io::stdout().lock();
+                let _ = stdout
+                    .write_all(line.as_bytes())
+                    .and_then(|()| stdout.flush());
+            }
+            e.exit_code()
+        }
+    }
+}
+
+fn sessions_dir(flag: Option<&Path>) -> std::path::PathBuf {
+    flag.map(Path::to_path_buf)
+        .unwrap_or_else(|| corral_worker::cli::default_state_dir("sessions"))
+}
+
+/// The session store of `--sessions-dir` (or the user's default).
+pub fn sessions(flag: Option<&Path>) -> Sessions {
+    Sessions::new(sessions_dir(flag))
+}
+
+/// `--request` (a file, or `-` for stdin), with the flags over it.
+fn load_request(args: &RunArgs) -> Result<SessionRequest, Error> {
+    let usage = |m: String| Error::Usage(m);
+    let mut req = match args.request.as_deref() {
+        None => SessionRequest::default(),
+        Some("-") => {
+            if args.inputs_from_stdin {
+                return Err(usage(
+                    "--request - and --inputs-from-stdin both want stdin".into(),
+                ));
+            }
+            let mut s = String::new();
+            std::io::stdin()
+                .read_to_string(&mut s)
+                .map_err(|e| usage(format!("--request -: {e}")))?;
+            parse_request(&s).map_err(|e| usage(format!("--request: {e}")))?
+        }
+        Some(path) => {
+            let s = std::fs::read_to_string(path)
+                .map_err(|e| usage(format!("--request {path}: {e}")))?;
+            parse_request(&s).map_err(|e| usage(format!("--request: {e}")))?
+        }
+    };
+    if let Some(p) = &args.prompt {
+        if req.prompt.is_some() {
+            return Err(usage(
+                "give the prompt either as an argument or in --request, not both".into(),
+            ));
+        }
+        req.prompt = Some(p.clone());
+    }
+    if let Some(p) = &req.prompt
+        && p.trim().is_empty()
+    {
+        return Err(usage("the prompt is empty".into()));
+    }
+    // Flags first, then the request.
+    if args.model.is_some() {
+        req.model = args.model.clone();
+    }
+    if args.system_prompt.is_some() {
+        req.system_prompt = args.system_prompt.clone();
+    }
+    if args.tool_choice.is_some() {
+        req.tool_choice = args.tool_choice.clone();
+    }
+    if args.max_turns.is_some() {
+        req.limits.max_turns = args.max_turns;
+    }
+    Ok(req)
+}
+
+fn api_key(args: &RunArgs) -> Result<Option<String>, Error> {
+    if let Some(path) = &args.api_key_file {
+        let key = std::fs::read_to_string(path)
+            .map_err(|e| Error::Usage(format!("--api-key-file {}: {e}", path.display())))?;
+        let key = key.trim().to_string();
+        if key.is_empty() {
+            return Err(Error::Usage(format!(
+                "--api-key-file {}: the file is empty",
+                path.display()
+            )));
+        }
+        return Ok(Some(key));
+    }
+    Ok(std::env::var("OPENAI_API_KEY")
+        .ok()
+        .filter(|k| !k.trim().is_empty()))
+}
+
+fn api_of(args: &RunArgs) -> Option<Api> {
+    args.api.map(|a| match a {
+        ApiKind::Responses => Api::Responses,
+        ApiKind::Chat => Api::Chat,
+    })
+}
+
+async fn run(conn: &ConnArgs, args: &RunArgs, json: bool) -> Result<u8, Error> {
+    let started = Instant::now();
+    let request = load_request(args)?;
+    let store = sessions(args.sessions_dir.as_deref());
+    let id = args.session.clone().unwrap_or_else(Sessions::new_id);
+    let opts = RunOptions {
+        request,
+        reasoning_effort: args.reasoning_effort.clone(),
+        image: args.image.clone(),
+        base_url: args.base_url.clone(),
+        api: api_of(args),
+        api_key: api_key(args)?,
+        skills: args.skills.clone(),
+        settings: corral_harness::agent::Settings {
+            heartbeat: (!args.heartbeat.is_zero()).then_some(args.heartbeat),
+            grace: args.grace,
+        },
+        until_idle: true,
+    };
+    // A session stays on the worker it was placed on; a new one goes to
+    // the worker of --worker with the most room.
+    let urls = worker_urls(conn);
+    let handle = if store.exists(&id)? {
+        let stored = store.open(&id)?;
+        if stored.recovery().torn_bytes > 0 {
+            tracing::warn!(
+                session = %id,
+                bytes = stored.recovery().torn_bytes,
+                "the session log ended in a torn record (a crash mid-write); it was cut off"
+            );
+        }
+        let worker = stored.config().worker.clone();
+        if let Some(w) = &worker
+            && !urls.is_empty()
+            && !urls.contains(w)
+        {
+            tracing::warn!(worker = %w, "the session stays on the worker it was placed on");
+        }
+        let worker = worker.or_else(|| urls.first().cloned());
+        let connection = connect_to(conn, worker.as_deref()).await?;
+        store.resume(stored, connection, opts).await?
+    } else {
+        // Checked before any worker is asked.
+        let new = store.prepare(&id, opts)?;
+        let worker = if urls.len() > 1 {
+            Some(place(conn, &urls).await?)
+        } else {
+            urls.first().cloned()
+        };
+        let connection = connect_to(conn, worker.as_deref()).await?;
+        store.start(new.placed_on(worker), connection).await?
+    };
+    let mut view = View::new(json);
+    let summary = watch(handle, &mut view, args.inputs_from_stdin).await?;
+    let (status, code) = match summary.ending {
+        Ending::Done => ("done", EXIT_DONE),
+        Ending::Failed => ("failed", EXIT_FAILED),
+        Ending::Interrupted => ("interrupted", EXIT_INTERRUPTED),
+    };
+    view.show(&Event::Result(RunResult {
+        status,
+        session_id: id,
+        final_text: summary.final_text,
+        error: summary.error,
+        turns: summary.turns,
+        tool_calls: summary.tool_calls,
+        usage: summary.usage,
+        duration_ms: started.elapsed().as_millis() as u64,
+    }))?;
+    Ok(code)
+}
+
+type StdinLines = tokio::io::Lines<tokio::io::BufReader<tokio::io::Stdin>>;
+
+/// The next line of stdin, when it is read for inputs.
+async fn next_input(lines: &mut Option<StdinLines>) -> std::io::Result<Option<String>> {
+    match lines {
+        Some(l) => l.next_line().await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Resolves at the deadline, if there is one.
+async fn deadline(at: &mut Option<std::pin::Pin<Box<tokio::time::Sleep>>>) {
+    match at {
+        Some(sleep) => sleep.as_mut().await,
+        None => std::future::pending().await,
+    }
+}
+
+fn left_unfinished(error: String) -> Summary {
+    Summary {
+        ending: Ending::Interrupted,
+        final_text: String::new(),
+        error: Some(error),
+        turns: 0,
+        tool_calls: 0,
+        usage: Default::default(),
+    }
+}
+
+/// Shows the session's events until it ends. A stop signal asks the
+/// session to stop; it is left after [`STOP_PATIENCE`] or a second signal.
+async fn watch(handle: SessionHandle, view: &mut View, from_stdin: bool) -> Result<Summary, Error> {
+    use tokio::io::AsyncBufReadExt;
+    let SessionHandle {
+        inputs,
+        mut events,
+        task,
+        ..
+    } = handle;
+    // Owned here: if showing an event fails (stdout closed), the session
+    // task is aborted with this handle; the log lets a rerun resume.
+    let mut task = tokio_util::task::AbortOnDropHandle::new(task);
+    let mut interrupts = 0;
+    let mut give_up: Option<std::pin::Pin<Box<tokio::time::Sleep>>> = None;
+    let mut stop_signals = std::pin::pin!(crate::signals::stop_signals());
+    let mut stdin_lines: Option<StdinLines> =
+        from_stdin.then(|| tokio::io::BufReader::new(tokio::io::stdin()).lines());
+    let mut tick = tokio::time::interval(Duration::from_secs(5));
+    tick.tick().await;
+    let summary = loop {
+        tokio::select! {
+            biased;
+            Some(e) = events.recv() => view.show(&e)?,
+            res = &mut task => {
+                // Drain what the loop said before it ended.
+                while let Ok(e) = events.try_recv() {
+                    view.show(&e)?;
+                }
+                break res.map_err(|e| SessionError::Task(e.to_string()))??;
+            }
+            () = deadline(&mut give_up) => {
+                task.abort();
+                return Ok(left_unfinished(format!(
+                    "stopped: its calls did not end within {} s; left without them (the log lets a rerun resume)",
+                    STOP_PATIENCE.as_secs()
+                )));
+            }
+            Some(_) = stop_signals.next() => {
+                interrupts += 1;
+                if interrupts > 1 {
+                    task.abort();
+                    return Ok(left_unfinished(
+                        "interrupted twice: left without waiting for operations to stop".into(),
+                    ));
+                }
+                give_up = Some(Box::pin(tokio::time::sleep(STOP_PATIENCE)));
+                // The inbox is bounded: a session too busy to take the stop
+                // at once still gets left at the deadline.
+                let _ = inputs.try_send(Inbox::Stop(StopMode::Hard));
+            }
+            line = next_input(&mut stdin_lines) => match line {
+                Ok(Some(text)) if !text.trim().is_empty() => {
+                    let input = Inbox::Input { input_id: uuid::Uuid::new_v4().to_string(), text };
+                    let _ = inputs.send(input).await;
+                }
+                Ok(Some(_)) => {}
+                Ok(None) => stdin_lines = None,
+                Err(e) => {
+                    tracing::warn!(error = %e, "stdin cannot be read; no more inputs from it");
+                    stdin_lines = None;
+                }
+            },
+            _ = tick.tick() => {
+                if let View::Terminal(t) = view {
+                    t.tick()?;
+                }
+            }
+        }
+    };
+    Ok(summary)
+}

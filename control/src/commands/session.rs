@@ -1,0 +1,195 @@
+//! `corral session`: list, show, fork and remove sessions, through the
+//! harness's front door. Exit codes: 0, 1 when it fails, 2 for a usage
+//! error (an unknown session or turn, a bad id).
+
+use std::io::Write;
+
+use corral_harness::agent::{Ending, Record};
+use corral_harness::session::LogError;
+use corral_harness::sessions::SessionError;
+
+use crate::cli::{ConnArgs, SessionCommand};
+use crate::connect::{ConnectError, connect_to};
+use crate::view::one_line;
+
+#[derive(Debug, thiserror::Error)]
+enum Error {
+    #[error(transparent)]
+    Connect(#[from] ConnectError),
+    #[error(transparent)]
+    Session(#[from] SessionError),
+    #[error(transparent)]
+    Log(#[from] LogError),
+    #[error("writing output: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+impl Error {
+    fn exit_code(&self) -> u8 {
+        let log = match self {
+            Error::Log(e) | Error::Session(SessionError::Log(e)) => Some(e),
+            _ => None,
+        };
+        match (self, log) {
+            (Error::Session(SessionError::NoSuchTurn { .. }), _)
+            | (Error::Connect(ConnectError::Usage(_)), _)
+            | (
+                _,
+                Some(
+                    LogError::BadId(_)
+                    | LogError::AlreadyExists(_)
+                    | LogError::NotFound(_)
+                    | LogError::BadForkPoint { .. },
+                ),
+            ) => super::EXIT_USAGE,
+            _ => 1,
+        }
+    }
+}
+
+pub async fn main(conn: &ConnArgs, cmd: &SessionCommand) -> u8 {
+    match session_command(conn, cmd).await {
+        Ok(()) => 0,
+        Err(e) => {
+            super::report(&e);
+            e.exit_code()
+        }
+    }
+}
+
+async fn session_command(conn: &ConnArgs, cmd: &SessionCommand) -> Result<(), Error> {
+    let mut out = std::io::stdout().lock();
+    match cmd {
+        SessionCommand::Rm {
+            id,
+            keep_sandbox,
+            sessions_dir,
+        } => {
+            let store = super::run::sessions(sessions_dir.as_deref());
+            // Held open (locked) throughout: a running session is not
+            // removed under it.
+            let stored = store.open(id)?;
+            let worker = if *keep_sandbox {
+                None
+            } else {
+                // The worker it was placed on: recorded, or (none recorded)
+                // the local one, whatever `--worker` says now.
+                Some(connect_to(conn, stored.config().worker.as_deref()).await?)
+            };
+            store.remove(stored, worker).await?;
+        }
+        SessionCommand::Ls { sessions_dir } => {
+            let store = super::run::sessions(sessions_dir.as_deref());
+            writeln!(
+                out,
+                "{:<24} {:>5} {:>6} {:<10} LAST",
+                "ID", "TURNS", "CALLS", "STATE"
+            )?;
+            for corral_harness::sessions::Listed { id, state } in store.list()? {
+                match state {
+                    Ok(s) => {
+                        let state = match s.last_end {
+                            Some(Ending::Done) => "done",
+                            Some(Ending::Failed) => "failed",
+                            Some(Ending::Interrupted) => "interrupted",
+                            // No run finished since the last one began:
+                            // one runs, or was killed (rerun to resume).
+                            None => "unfinished",
+                        };
+                        writeln!(
+                            out,
+                            "{:<24} {:>5} {:>6} {:<10} {}",
+                            id,
+                            s.turns(),
+                            s.tool_calls(),
+                            state,
+                            one_line(&s.final_text, 60)
+                        )?;
+                    }
+                    Err(e) => writeln!(out, "{id:<24} (unreadable: {e})")?,
+                }
+            }
+        }
+        SessionCommand::Show {
+            id,
+            sessions_dir,
+            json,
+        } => {
+            let store = super::run::sessions(sessions_dir.as_deref());
+            for rec in store.records(id)? {
+                let (seq, rec) = rec?;
+                if *json {
+                    let line = serde_json::json!({"seq": seq, "record": rec});
+                    writeln!(out, "{line}")?;
+                } else {
+                    writeln!(out, "{seq:>6} {}", describe(&rec))?;
+                }
+            }
+        }
+        SessionCommand::Fork {
+            id,
+            new_id,
+            turn,
+            sessions_dir,
+        } => {
+            let store = super::run::sessions(sessions_dir.as_deref());
+            store.fork(id, new_id, *turn)?;
+            writeln!(out, "{new_id}")?;
+        }
+    }
+    Ok(())
+}
+
+fn describe(rec: &Record) -> String {
+    let detail = match rec {
+        Record::Start { config } => {
+            format!("model {} · sandbox {}", config.model, config.sandbox_id)
+        }
+        Record::Forked { parent, sandbox_id } => format!("from {parent} · sandbox {sandbox_id}"),
+        Record::Resume { .. } => String::new(),
+        Record::History { role, text } => format!("{}: {}", role.as_str(), one_line(text, 100)),
+        Record::Input { text, .. } | Record::Heartbeat { text } => one_line(text, 100),
+        Record::Turn { turn } => format!("#{turn}"),
+        Record::Response { turn, response } => format!(
+            "#{turn} {:?} {} call(s): {}",
+            response.stop,
+            response.tool_calls().count(),
+            one_line(&response.text(), 80)
+        ),
+        Record::ModelFailure { turn, error, .. } => format!("#{turn} {error}"),
+        Record::Shrink {
+            turn,
+            context_window_tokens,
+            ..
+        } => format!("#{turn} refused as too long; window now {context_window_tokens} tokens"),
+        Record::Call {
+            call_id,
+            tool,
+            outcome,
+            ..
+        } => format!("{call_id} {tool} {outcome:?}")
+            .chars()
+            .take(120)
+            .collect(),
+        Record::Operation { snapshot } => format!("{} {:?}", snapshot.id, snapshot.status),
+        Record::Result {
+            call_id,
+            output,
+            running,
+        } => {
+            let mut text = corral_harness::llm::ToolOutput::text_of(output);
+            let images = corral_harness::llm::ToolOutput::images_in(output);
+            if images > 0 {
+                text.push_str(&format!(" [{images} image(s)]"));
+            }
+            if *running {
+                format!("{call_id} (running: placeholder)")
+            } else {
+                format!("{call_id} {}", one_line(&text, 100))
+            }
+        }
+        Record::Stop { mode, cause } => format!("{mode:?} ({cause:?})"),
+        Record::Finished { ending } => format!("{ending:?}"),
+    };
+    format!("{:<13} {detail}", rec.kind())
+}

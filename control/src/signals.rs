@@ -1,0 +1,39 @@
+//! The signals that stop a command: SIGINT, SIGTERM and SIGHUP.
+
+/// The numbers of the SIGINT, SIGTERM and SIGHUP this process gets, as
+/// they come.
+pub fn stop_signals() -> impl futures_util::Stream<Item = i32> + Send + 'static {
+    use tokio::signal::unix::{SignalKind, signal};
+    let handlers = (
+        signal(SignalKind::interrupt()),
+        signal(SignalKind::terminate()),
+        signal(SignalKind::hangup()),
+    );
+    futures_util::stream::unfold(handlers, |mut h| async move {
+        let sig = match &mut h {
+            (Ok(int), Ok(term), Ok(hup)) => tokio::select! {
+                _ = int.recv() => 2,
+                _ = term.recv() => 15,
+                _ = hup.recv() => 1,
+            },
+            // No handlers (not expected on Unix): Ctrl-C alone.
+            _ => {
+                tokio::signal::ctrl_c().await.ok()?;
+                2
+            }
+        };
+        Some((sig, h))
+    })
+}
+
+/// Resolves with the first of [`stop_signals`]. The handlers are in place
+/// when this returns (not when the future is first polled), so a signal
+/// that comes at once is not the default death.
+pub fn stop_signal() -> impl std::future::Future<Output = i32> + Send + 'static {
+    use futures_util::StreamExt;
+    let signals = stop_signals();
+    async move {
+        let mut signals = std::pin::pin!(signals);
+        signals.next().await.unwrap_or(2)
+    }
+}

@@ -1,0 +1,165 @@
+//! What `corral run` shows: a live view on a terminal (text as it comes,
+//! one line per tool call and result, on stderr), or versioned JSON events
+//! on stdout, one per line.
+
+use std::io::Write;
+use std::time::Instant;
+
+use corral_harness::agent::events::{Event, to_json_line};
+
+/// What the watcher prints.
+pub enum View {
+    Json(std::io::Stdout),
+    Terminal(TerminalView),
+}
+
+pub struct TerminalView {
+    running: Vec<(String, String, Instant)>,
+    mid_line: bool,
+}
+
+pub fn one_line(s: &str, max: usize) -> String {
+    let line = s.lines().next().unwrap_or("");
+    let mut out: String = line.chars().take(max).collect();
+    if line.chars().count() > max || s.lines().nth(1).is_some() {
+        out.push('…');
+    }
+    out
+}
+
+impl TerminalView {
+    fn show(&mut self, e: &Event) -> std::io::Result<()> {
+        let mut out = std::io::stdout().lock();
+        let mut err = std::io::stderr().lock();
+        if let Event::TextDelta { text, .. } = e {
+            out.write_all(text.as_bytes())?;
+            out.flush()?;
+            self.mid_line = !text.ends_with('\n');
+            return Ok(());
+        }
+        if self.mid_line {
+            writeln!(out)?;
+            self.mid_line = false;
+        }
+        match e {
+            Event::SessionStarted {
+                session_id,
+                resumed,
+                sandbox_id,
+                model,
+                worker,
+            } => writeln!(
+                err,
+                "corral: session {session_id}{} · sandbox {sandbox_id} on {} · model {model}",
+                if *resumed { " (resumed)" } else { "" },
+                worker.as_deref().unwrap_or("the embedded worker")
+            )?,
+            Event::TurnStarted { turn, changes, .. } => {
+                write!(err, "── turn {turn}")?;
+                if !changes.is_empty() {
+                    write!(
+                        err,
+                        " ({} context changes to fit the budget)",
+                        changes.len()
+                    )?;
+                }
+                writeln!(err)?;
+            }
+            Event::ModelRetry {
+                attempt, reason, ..
+            } => writeln!(err, "   retrying (attempt {attempt}): {reason}")?,
+            Event::Steered { turn } => writeln!(err, "   turn {turn} canceled by a new input")?,
+            Event::ToolCall {
+                call_id,
+                tool,
+                arguments,
+                error,
+            } => match error {
+                Some(e) => writeln!(err, "✗ {tool}: {}", one_line(e, 160))?,
+                None => {
+                    writeln!(err, "▸ {tool} {}", one_line(arguments, 160))?;
+                    self.running
+                        .push((call_id.clone(), tool.clone(), Instant::now()));
+                }
+            },
+            Event::ToolResult {
+                call_id,
+                tool,
+                text,
+                ..
+            } => {
+                let took = self
+                    .running
+                    .iter()
+                    .position(|(c, _, _)| c == call_id)
+                    .map(|i| self.running.remove(i).2.elapsed());
+                let took = took.map_or(String::new(), |d| format!(" ({:.1}s)", d.as_secs_f64()));
+                writeln!(err, "✓ {tool}{took}: {}", one_line(text, 160))?;
+            }
+            Event::Heartbeat { .. } => writeln!(err, "♥ heartbeat sent to the model")?,
+            Event::ModelFailed { error, .. } => writeln!(err, "model failed: {error}")?,
+            Event::TurnCompleted { .. } | Event::TextDelta { .. } | Event::Error { .. } => {}
+            Event::Result(r) => {
+                writeln!(
+                    err,
+                    "corral: {} · {} turns · {} tool calls · {} tokens in, {} out · {:.1}s{}",
+                    r.status,
+                    r.turns,
+                    r.tool_calls,
+                    r.usage.input_tokens,
+                    r.usage.output_tokens,
+                    r.duration_ms as f64 / 1000.0,
+                    r.error
+                        .as_ref()
+                        .map(|e| format!(" · {e}"))
+                        .unwrap_or_default()
+                )?;
+            }
+        }
+        Ok(())
+    }
+
+    pub fn tick(&self) -> std::io::Result<()> {
+        if self.running.is_empty() || self.mid_line {
+            return Ok(());
+        }
+        let list: Vec<String> = self
+            .running
+            .iter()
+            .map(|(_, tool, t)| format!("{tool} {}s", t.elapsed().as_secs()))
+            .collect();
+        writeln!(
+            std::io::stderr().lock(),
+            "   … running: {}",
+            list.join(", ")
+        )
+    }
+}
+
+impl View {
+    pub fn show(&mut self, e: &Event) -> std::io::Result<()> {
+        match self {
+            View::Json(out) => {
+                let mut out = out.lock();
+                out.write_all(to_json_line(e).as_bytes())?;
+                out.flush()?;
+            }
+            View::Terminal(t) => t.show(e)?,
+        }
+        Ok(())
+    }
+}
+
+impl View {
+    /// JSON events when asked, or when stdout is not a terminal.
+    pub fn new(json: bool) -> Self {
+        if json {
+            View::Json(std::io::stdout())
+        } else {
+            View::Terminal(TerminalView {
+                running: Vec::new(),
+                mid_line: false,
+            })
+        }
+    }
+}
