@@ -301,7 +301,9 @@ impl Sessions {
     pub fn prepare(&self, id: &str, opts: RunOptions) -> Result<NewSession, SessionError> {
         crate::session::log::check_id(id)?;
         let req = &opts.request;
-        if req.prompt.is_none() && req.messages.is_empty() {
+        // A run that ends once idle needs something to do; a session fed
+        // through its handle starts with nothing.
+        if opts.until_idle && req.prompt.is_none() && req.messages.is_empty() {
             return Err(SessionError::Invalid(
                 "nothing to do: give a prompt (or --request with a prompt or messages)".into(),
             ));

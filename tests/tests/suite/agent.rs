@@ -1,24 +1,23 @@
-//! The agent end to end: the `corral run` binary (or the coordinator in
-//! process) against a real worker with real Docker sandboxes, and a
+//! The agent end to end: the `corral run` binary (or the harness's front
+//! door in process) against a real worker with real Docker sandboxes, and a
 //! scripted model endpoint on loopback speaking the Responses API or Chat
 //! Completions over SSE.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::path::Path;
 use std::process::Stdio;
-use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
 use corral_e2e::model::{ModelServer, chat, responses, status};
 use corral_e2e::run::{command, corral_run, corral_run_env};
 use corral_e2e::{Harness, binary};
-use corral_harness::agent::{Coordinator, Core, Ending, Inbox, Record, Settings, StopMode, replay};
+use corral_harness::agent::{Ending, Inbox, Record, StopMode, replay};
+use corral_harness::llm::Api;
 use corral_harness::llm::conform::CallIds;
-use corral_harness::llm::{Api, LlmClient, LlmConfig};
-use corral_harness::ops::Manager;
 use corral_harness::session::SessionLog;
-use corral_proto::{Outcome, SandboxSpec};
+use corral_harness::sessions::{RunOptions, SessionHandle, Sessions};
+use corral_proto::Outcome;
 use serde_json::{Value, json};
 
 /// Starts `corral run --session ID PROMPT`, waits until it has recorded a
@@ -521,50 +520,49 @@ async fn a_killed_run_resumes_without_running_its_command_twice() -> Result<()> 
     Ok(())
 }
 
-/// The coordinator in process: a new input cancels the request in flight,
-/// whose answer never arrives, and the next request carries both inputs.
+/// Through the front door, in process: a new input cancels the request in
+/// flight, whose answer never arrives, and the next request carries both
+/// inputs.
 #[tokio::test]
 async fn a_new_input_steers_a_request_in_flight() -> Result<()> {
     let h = Harness::start().await?;
-    let sandbox = h.sandbox_with(SandboxSpec::default()).await?;
     let model = ModelServer::start(vec![
         responses::text("a very long essay").after(Duration::from_secs(30)),
         responses::text("short answer"),
     ])
     .await;
     let sessions = tempfile::tempdir()?;
-    let log = SessionLog::create(sessions.path(), "steer")?;
-    let core = Core::create(log, corral_e2e::session_config("m", sandbox.clone()))?;
-    let (manager, updates) = Manager::start(h.worker.clone(), sandbox);
-    let mut llm = LlmConfig::new(model.url.clone(), Api::Responses);
-    llm.api_key = Some("k".into());
-    let llm = Arc::new(LlmClient::new(llm)?);
-    let (events, mut events_rx) = tokio::sync::mpsc::channel(1024);
-    let manager = Arc::new(manager);
-    let (coordinator, inbox) = Coordinator::new(
-        core,
-        manager.clone(),
-        updates,
-        llm,
-        events,
-        Settings::default(),
-    );
-    let task = tokio::spawn(coordinator.run());
-    let drain = tokio::spawn(async move { while events_rx.recv().await.is_some() {} });
-    inbox
+    let store = Sessions::new(sessions.path());
+    // Fed through its handle: no prompt, and it ends when told.
+    let opts = RunOptions {
+        base_url: Some(model.url.clone()),
+        api: Some(Api::Responses),
+        api_key: Some("k".into()),
+        ..RunOptions::default()
+    };
+    let new = store.prepare("steer", opts)?;
+    let SessionHandle {
+        inputs,
+        mut events,
+        task,
+        config,
+        ..
+    } = store.start(new, h.worker.clone()).await?;
+    let drain = tokio::spawn(async move { while events.recv().await.is_some() {} });
+    inputs
         .send(Inbox::Input {
             input_id: "1".into(),
             text: "write an essay".into(),
         })
         .await?;
     model.wait_for(1, Duration::from_secs(30)).await;
-    inbox
+    inputs
         .send(Inbox::Input {
             input_id: "2".into(),
             text: "no, one line".into(),
         })
         .await?;
-    inbox.send(Inbox::Stop(StopMode::WhenIdle)).await?;
+    inputs.send(Inbox::Stop(StopMode::WhenIdle)).await?;
     let summary = tokio::time::timeout(Duration::from_secs(30), task).await???;
     assert_eq!(summary.ending, Ending::Done);
     assert_eq!(summary.final_text, "short answer");
@@ -577,10 +575,7 @@ async fn a_new_input_steers_a_request_in_flight() -> Result<()> {
         (state.turns(), state.final_text.as_str()),
         (2, "short answer")
     );
-    drop(inbox);
-    if let Ok(m) = Arc::try_unwrap(manager) {
-        m.shutdown().await;
-    }
+    h.worker.destroy_sandbox(&config.sandbox_id).await?;
     h.stop().await;
     Ok(())
 }

@@ -16,4 +16,5 @@ mod resilience;
 mod restart;
 mod roundtrip;
 mod service;
+mod sessions;
 mod tls;
