@@ -2,7 +2,7 @@
 //! request on the wire: the provider contract's arrangement alone, then the
 //! whole body of each protocol (arrangement, ids, JSON).
 //!
-//! Run: `cargo bench -p corral-control --bench context`. Target: under 2 ms
+//! Run: `cargo bench -p corral-harness --bench context`. Target: under 2 ms
 //! at 5,000 items, growing linearly at most.
 
 // A report printer: printing is its job.

@@ -8,7 +8,7 @@
 //! session log (the fsyncs alone). Then the whole log is replayed, as a
 //! resumed session does.
 //!
-//! Run: `cargo bench -p corral-control --bench coordinator`.
+//! Run: `cargo bench -p corral-harness --bench coordinator`.
 
 // A report printer: printing is its job.
 #![allow(clippy::print_stdout, clippy::unwrap_used, clippy::expect_used)]

@@ -138,6 +138,9 @@ pub struct ContextBuilder {
     tools: Vec<Tool>,
     committed: Vec<Entry>,
     staged: Vec<Entry>,
+    /// The calls with a placeholder among the committed entries: looked up
+    /// for every result, so a long session's replay stays linear.
+    committed_placeholders: std::collections::HashSet<String>,
     budget: Budget,
 }
 
@@ -245,6 +248,7 @@ impl ContextBuilder {
             tools: Vec::new(),
             committed: Vec::new(),
             staged: Vec::new(),
+            committed_placeholders: std::collections::HashSet::new(),
             budget,
         }
     }
@@ -332,13 +336,8 @@ impl ContextBuilder {
             e.placeholder
                 && matches!(&e.item, Item::ToolResult { call_id: c, .. } if &**c == call_id)
         };
-        if running
-            && self
-                .committed
-                .iter()
-                .chain(&self.staged)
-                .any(is_placeholder_of)
-        {
+        let sent_placeholder = self.committed_placeholders.contains(call_id);
+        if running && (sent_placeholder || self.staged.iter().any(is_placeholder_of)) {
             // Staged when the call was recorded: one placeholder per call.
             return;
         }
@@ -349,11 +348,7 @@ impl ContextBuilder {
         } else {
             output
         };
-        let sent_placeholder = !running
-            && self.committed.iter().any(|e| {
-                e.placeholder
-                    && matches!(&e.item, Item::ToolResult { call_id: c, .. } if &**c == call_id)
-            });
+        let sent_placeholder = !running && sent_placeholder;
         let entry = Entry {
             item: Item::ToolResult {
                 call_id: call_id.into(),
@@ -374,6 +369,11 @@ impl ContextBuilder {
 
     /// Staged becomes committed (idempotent): call when a turn is sent.
     pub fn commit(&mut self) {
+        for e in &self.staged {
+            if let (true, Item::ToolResult { call_id, .. }) = (e.placeholder, &e.item) {
+                self.committed_placeholders.insert(call_id.to_string());
+            }
+        }
         self.committed.append(&mut self.staged);
     }
 
