@@ -452,13 +452,8 @@ impl Core {
         if call.shown == Shown::Final {
             return Ok(());
         }
-        let status = match &call.outcome {
-            CallOutcome::Error { text } => CallStatus::Error(text.clone()),
-            CallOutcome::Done { output } => CallStatus::Done(output.clone()),
-            CallOutcome::Submit => CallStatus::Submit(Vec::new()),
-        };
         let ops = self.state.operations_of(call);
-        let output = self.registry.render(&call.tool, &status, &ops);
+        let output = self.registry.render(&call.tool, &call.outcome, &ops);
         let tool = call.tool.clone();
         self.emit(Event::ToolResult {
             call_id: call_id.into(),

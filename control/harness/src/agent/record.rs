@@ -133,17 +133,8 @@ impl SkillDef {
     }
 }
 
-/// What the translator made of a tool call.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
-pub enum CallOutcome {
-    /// Refused (unknown tool, malformed arguments...): `text` is its result.
-    Error { text: String },
-    /// Accepted: the call's operations (listed in the record) produce its result.
-    Submit,
-    /// Answered at once, with no operation.
-    Done { output: Vec<ToolOutput> },
-}
+/// What the translator made of a tool call (recorded in `call`).
+pub use crate::tools::CallOutcome;
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]

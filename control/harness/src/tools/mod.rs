@@ -29,6 +29,19 @@ pub enum CallStatus {
     Done(Vec<ToolOutput>),
 }
 
+/// What became of a tool call, as a session records it: [`CallStatus`]
+/// less the operations (recorded beside it, with their ids).
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
+pub enum CallOutcome {
+    /// Refused (unknown tool, malformed arguments...): `text` is its result.
+    Error { text: String },
+    /// Accepted: the call's operations (listed in the record) produce its result.
+    Submit,
+    /// Answered at once, with no operation.
+    Done { output: Vec<ToolOutput> },
+}
+
 pub trait Translator: Send + Sync {
     /// The tool as the model sees it.
     fn tool(&self) -> Tool;
@@ -121,14 +134,12 @@ impl Registry {
     }
 
     /// The result of a call: its error, or its operations rendered.
-    pub fn render(&self, name: &str, status: &CallStatus, ops: &[Operation]) -> Vec<ToolOutput> {
-        match (status, self.tools.get(name)) {
-            (CallStatus::Error(e), _) => text(e.as_str()),
-            (CallStatus::Done(out), _) => out.clone(),
-            (CallStatus::Submit(_), Some(t)) => t.render(ops),
-            (CallStatus::Submit(_), None) => {
-                text(format!("Error: tool \"{name}\" is not available"))
-            }
+    pub fn render(&self, name: &str, outcome: &CallOutcome, ops: &[Operation]) -> Vec<ToolOutput> {
+        match (outcome, self.tools.get(name)) {
+            (CallOutcome::Error { text: e }, _) => text(e.as_str()),
+            (CallOutcome::Done { output }, _) => output.clone(),
+            (CallOutcome::Submit, Some(t)) => t.render(ops),
+            (CallOutcome::Submit, None) => text(format!("Error: tool \"{name}\" is not available")),
         }
     }
 }
