@@ -12,6 +12,8 @@ pub enum InitRequest {
     Attach {
         after_seq: u64,
         window_bytes: u64,
+        /// Which attach this is, counted from 1; the Welcome echoes it.
+        attach: u64,
     },
     Credit {
         bytes: u64,
@@ -57,12 +59,22 @@ pub struct Welcome {
     pub operations: Vec<OperationRecord>,
     /// More Welcome frames follow with the rest of the operations.
     pub more: bool,
+    /// The attach this answers (0 from a supervisor that does not say).
+    pub attach: u64,
+    /// This frame's place in the Welcome, from 0.
+    pub page: u32,
 }
 
 /// Most encoded bytes of operations in one Welcome frame (well under
 /// [`crate::limits::MAX_FRAME_BYTES`], and above the largest single
 /// operation record).
 pub const WELCOME_PAGE_BYTES: usize = 8 << 20;
+
+/// Most encoded bytes of one whole Welcome a worker takes. Init remembers
+/// at most 64 MiB of finished operations (`MAX_FINISHED_BYTES` in
+/// corral-init), and its running ones are what the worker sent it; a
+/// Welcome past this is a broken or hostile supervisor.
+pub const MAX_WELCOME_BYTES: usize = 256 << 20;
 
 impl Welcome {
     /// The Welcome for `operations`, in frames of at most `page_bytes` of
@@ -72,16 +84,19 @@ impl Welcome {
         version: &str,
         boot_id: &str,
         last_seq: u64,
+        attach: u64,
         operations: Vec<OperationRecord>,
         page_bytes: usize,
     ) -> Vec<Welcome> {
         use prost::Message;
-        let page = |operations| Welcome {
+        let page = |operations, page: usize| Welcome {
             version: version.to_string(),
             boot_id: boot_id.to_string(),
             last_seq,
             operations,
             more: true,
+            attach,
+            page: u32::try_from(page).unwrap_or(u32::MAX),
         };
         let mut pages = Vec::new();
         let mut current = Vec::new();
@@ -89,13 +104,13 @@ impl Welcome {
         for op in operations {
             let len = op.to_pb_in(String::new()).encoded_len() + 8;
             if !current.is_empty() && bytes + len > page_bytes {
-                pages.push(page(std::mem::take(&mut current)));
+                pages.push(page(std::mem::take(&mut current), pages.len()));
                 bytes = 0;
             }
             bytes += len;
             current.push(op);
         }
-        pages.push(page(current));
+        pages.push(page(current, pages.len()));
         if let Some(last) = pages.last_mut() {
             last.more = false;
         }
@@ -130,9 +145,11 @@ impl From<InitRequest> for pb::InitRequest {
             InitRequest::Attach {
                 after_seq,
                 window_bytes,
+                attach,
             } => Kind::Attach(p::Attach {
                 after_seq,
                 window_bytes,
+                attach,
             }),
             InitRequest::Credit { bytes } => Kind::Credit(p::Credit { bytes }),
             InitRequest::Run { operation_id, spec } => Kind::Run(p::Run {
@@ -171,6 +188,7 @@ impl TryFrom<pb::InitRequest> for InitRequest {
             Kind::Attach(a) => Self::Attach {
                 after_seq: a.after_seq,
                 window_bytes: a.window_bytes,
+                attach: a.attach,
             },
             Kind::Credit(c) => Self::Credit { bytes: c.bytes },
             Kind::Run(run) => Self::Run {
@@ -247,6 +265,8 @@ impl From<InitMessage> for pb::InitMessage {
                     .map(|o| o.to_pb_in(String::new()))
                     .collect(),
                 more: w.more,
+                attach: w.attach,
+                page: w.page,
             }),
             InitMessage::Event(e) => Kind::Event(e.into()),
             InitMessage::Rejected {
@@ -288,6 +308,8 @@ impl TryFrom<pb::InitMessage> for InitMessage {
                     .map(TryInto::try_into)
                     .collect::<Result<_, _>>()?,
                 more: w.more,
+                attach: w.attach,
+                page: w.page,
             }),
             Kind::Event(e) => Self::Event(e.try_into()?),
             Kind::Rejected(r) => Self::Rejected {

@@ -25,7 +25,7 @@ use bollard::container::LogOutput;
 use bytes::Bytes;
 use corral_init::journal::Journal;
 use corral_proto::frame::{self, FrameDecoder};
-use corral_proto::init::{InitMessage, InitRequest, OperationRecord, Welcome};
+use corral_proto::init::{InitMessage, InitRequest, MAX_WELCOME_BYTES, OperationRecord, Welcome};
 use corral_proto::{
     Event, EventKind, OperationId, OperationResult, OperationSpec, Outcome, ProtocolError,
     SandboxId, SandboxInfo, SandboxSpec, SandboxState, TerminalSize, pb,
@@ -48,10 +48,6 @@ const MAX_OPERATIONS: usize = 4096;
 pub const INPUT_WINDOW_BYTES: u64 = 2 << 20;
 /// Input calls of one operation waiting their turn.
 const MAX_QUEUED_INPUTS: usize = 64;
-/// Most pages of one Welcome: what init remembers (64 MiB of finished
-/// operations, and running ones) fits in far fewer; more is a broken or
-/// hostile supervisor, and the worker attaches again.
-const MAX_WELCOME_PAGES: usize = 24;
 
 /// What one sandbox allows its watchers.
 #[derive(Debug, Clone, Copy)]
@@ -345,7 +341,8 @@ impl Sandbox {
             boot_id: None,
             welcomed: false,
             welcome_pages: None,
-            welcome_page_count: 0,
+            welcome_bytes: 0,
+            attaches: 0,
             granted: 0,
             received: 0,
             live_after: 0,
@@ -624,9 +621,12 @@ struct Actor {
     decoder: FrameDecoder,
     boot_id: Option<String>,
     welcomed: bool,
-    /// Pages of a Welcome still coming.
+    /// Pages of a Welcome still coming, and their encoded size.
     welcome_pages: Option<Welcome>,
-    welcome_page_count: usize,
+    welcome_bytes: usize,
+    /// Attaches made so far: the current one's number, which its Welcome
+    /// echoes.
+    attaches: u64,
     /// Credit granted to init since the last attach, and output received.
     granted: u64,
     received: u64,
@@ -693,7 +693,7 @@ impl Actor {
         self.input = None;
         self.welcomed = false;
         self.welcome_pages = None;
-        self.welcome_page_count = 0;
+        self.welcome_bytes = 0;
         self.decoder = FrameDecoder::new();
         // Input in flight is sent again after the next attach (init places
         // it by offset, so nothing is taken twice); resets are not.
@@ -721,9 +721,11 @@ impl Actor {
                         let after_seq = lock(&self.shared.journal).last_seq();
                         self.granted = WINDOW_BYTES;
                         self.received = 0;
+                        self.attaches += 1;
                         let attach = InitRequest::Attach {
                             after_seq,
                             window_bytes: WINDOW_BYTES,
+                            attach: self.attaches,
                         };
                         if self.send(attach).await {
                             debug!(after_seq, "attached");
@@ -1021,10 +1023,13 @@ impl Actor {
         loop {
             match self.decoder.next_message::<pb::InitMessage>() {
                 Ok(None) => break,
-                Ok(Some(msg)) => match InitMessage::try_from(msg) {
-                    Ok(msg) => self.on_message(msg).await,
-                    Err(e) => warn!(error = %e, "invalid message from the supervisor, skipped"),
-                },
+                Ok(Some(msg)) => {
+                    let bytes = prost::Message::encoded_len(&msg);
+                    match InitMessage::try_from(msg) {
+                        Ok(msg) => self.on_message(msg, bytes).await,
+                        Err(e) => warn!(error = %e, "invalid message from the supervisor, skipped"),
+                    }
+                }
                 Err(e @ ProtocolError::FrameTooLarge { .. }) => {
                     // The link can no longer be trusted to be in step.
                     warn!(error = %e, "supervisor protocol error");
@@ -1036,9 +1041,10 @@ impl Actor {
         }
     }
 
-    async fn on_message(&mut self, msg: InitMessage) {
+    /// A message from the supervisor, `bytes` encoded.
+    async fn on_message(&mut self, msg: InitMessage, bytes: usize) {
         match msg {
-            InitMessage::Welcome(w) => self.on_welcome(w).await,
+            InitMessage::Welcome(w) => self.on_welcome(w, bytes).await,
             // Events that reach a fresh attach before the Welcome were
             // written before init saw our Attach, so its replay (which follows
             // the Welcome) carries them too. Taking them now would move the
@@ -1084,30 +1090,54 @@ impl Actor {
         }
     }
 
-    async fn on_welcome(&mut self, mut w: Welcome) {
-        // A Welcome comes in pages; it is acted on once whole.
+    /// A page of the supervisor's Welcome (`bytes` encoded). A Welcome
+    /// comes in pages, and is acted on once whole; pages of an earlier
+    /// attach's Welcome (still in the pipe when this attach began) are
+    /// skipped. Pages out of order, disagreeing or past any sane size are a
+    /// broken or hostile supervisor: attaching again would only get the same
+    /// Welcome, so the sandbox is lost.
+    async fn on_welcome(&mut self, mut w: Welcome, bytes: usize) {
+        // 0: a supervisor from before attaches were counted.
+        if w.attach != 0 && w.attach != self.attaches {
+            debug!(
+                attach = w.attach,
+                current = self.attaches,
+                "a Welcome of an earlier attach, skipped"
+            );
+            return;
+        }
+        let expected = self.welcome_pages.as_ref().map_or(0, |p| p.page + 1);
+        if w.attach != 0 && w.page != expected {
+            self.lose(format!(
+                "the sandbox's supervisor sent Welcome page {} where {expected} was due",
+                w.page
+            ));
+            return;
+        }
+        self.welcome_bytes = self.welcome_bytes.saturating_add(bytes);
+        if self.welcome_bytes > MAX_WELCOME_BYTES {
+            self.lose(format!(
+                "the sandbox's supervisor sent a Welcome of over {} MiB",
+                MAX_WELCOME_BYTES >> 20
+            ));
+            return;
+        }
         if let Some(mut earlier) = self.welcome_pages.take() {
             if earlier.boot_id != w.boot_id {
-                warn!("the supervisor's Welcome pages disagree; attaching again");
-                self.detach();
+                self.lose("the sandbox's supervisor sent Welcome pages that disagree".into());
                 return;
             }
             earlier.operations.append(&mut w.operations);
             earlier.last_seq = w.last_seq;
             earlier.more = w.more;
+            earlier.page = w.page;
             w = earlier;
         }
         if w.more {
-            self.welcome_page_count += 1;
-            if self.welcome_page_count > MAX_WELCOME_PAGES {
-                warn!("the supervisor's Welcome is past any sane size; attaching again");
-                self.detach();
-                return;
-            }
             self.welcome_pages = Some(w);
             return;
         }
-        self.welcome_page_count = 0;
+        self.welcome_bytes = 0;
         if let Some(known) = &self.boot_id
             && known != &w.boot_id
         {

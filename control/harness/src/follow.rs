@@ -50,7 +50,7 @@ where
         match call().await {
             Ok(v) => return Ok(v),
             Err(ApiError::Transient(e)) => {
-                if Instant::now() + delay > deadline {
+                if Instant::now() >= deadline {
                     return Err(FollowError::GaveUp {
                         worker: worker.describe(),
                         patience,
@@ -58,7 +58,8 @@ where
                     });
                 }
                 tracing::debug!(error = %e, "transient failure; retrying");
-                tokio::time::sleep(delay).await;
+                // The last attempt is made at the deadline.
+                tokio::time::sleep_until((Instant::now() + delay).min(deadline)).await;
                 delay = (delay * 2).min(MAX_BACKOFF);
             }
             Err(e) => return Err(FollowError::Refused(e)),
@@ -78,6 +79,9 @@ pub struct Follower<W: WorkerApi> {
     /// Since when the worker has been unreachable.
     lost_since: Option<Instant>,
     delay: Duration,
+    /// When the next attempt may be made: kept across calls, so a `next`
+    /// cancelled in the middle of a pause does not skip the backoff.
+    retry_at: Option<Instant>,
 }
 
 impl<W: WorkerApi> Follower<W> {
@@ -92,6 +96,7 @@ impl<W: WorkerApi> Follower<W> {
             patience: DEFAULT_PATIENCE,
             lost_since: None,
             delay: FIRST_BACKOFF,
+            retry_at: None,
         }
     }
 
@@ -128,12 +133,20 @@ impl<W: WorkerApi> Follower<W> {
     /// transient failures within the patience.
     pub async fn open(&mut self) -> Result<(), FollowError> {
         while self.stream.is_none() {
+            if let Some(at) = self.retry_at {
+                tokio::time::sleep_until(at).await;
+                self.retry_at = None;
+            }
             match self
                 .worker
                 .watch(&self.sandbox, self.cursor, self.only.as_ref())
                 .await
             {
-                Ok(s) => self.stream = Some(s),
+                Ok(s) => {
+                    // Reachable again: a later break starts a new patience.
+                    self.lost_since = None;
+                    self.stream = Some(s);
+                }
                 Err(ApiError::Transient(e)) => self.pause(e).await?,
                 Err(e) => return Err(FollowError::Refused(e)),
             }
@@ -178,10 +191,15 @@ impl<W: WorkerApi> Follower<W> {
     /// Waits before the next attempt, or gives up once the worker has been
     /// unreachable for the whole patience.
     async fn pause(&mut self, last: String) -> Result<(), FollowError> {
-        let since = *self.lost_since.get_or_insert_with(Instant::now);
-        if since.elapsed() + self.delay > self.patience {
+        let now = Instant::now();
+        // The first failure after the worker was reachable starts the
+        // patience, and is always retried.
+        let since = *self.lost_since.get_or_insert(now);
+        let deadline = since + self.patience;
+        if now > since && now >= deadline {
             self.lost_since = None;
             self.delay = FIRST_BACKOFF;
+            self.retry_at = None;
             return Err(FollowError::GaveUp {
                 worker: self.worker.describe(),
                 patience: self.patience,
@@ -189,8 +207,12 @@ impl<W: WorkerApi> Follower<W> {
             });
         }
         tracing::debug!(error = %last, cursor = self.cursor, "following again from the cursor");
-        tokio::time::sleep(self.delay).await;
+        // The last attempt is made at the deadline.
+        let at = (now + self.delay).min(deadline);
+        self.retry_at = Some(at);
         self.delay = (self.delay * 2).min(MAX_BACKOFF);
+        tokio::time::sleep_until(at).await;
+        self.retry_at = None;
         Ok(())
     }
 }

@@ -27,7 +27,6 @@ use crate::agent::{
     Coordinator, Core, Inbox, Record, SessionConfig, Settings, State, StopCause, StopMode, Summary,
 };
 use crate::context::Budget;
-use crate::follow;
 use crate::llm::{Api, LlmClient, LlmConfig, Role, ToolChoice};
 use crate::ops::{Manager, OpStatus, Operation, OperationManager};
 use crate::session::{LogError, Records, Recovery, SessionLog};
@@ -221,7 +220,9 @@ pub struct SessionHandle {
 pub struct Stored {
     log: SessionLog<Record>,
     state: State,
-    config: SessionConfig,
+    /// None for a log that was made but never started (a crash between
+    /// the two): it can only be removed.
+    config: Option<SessionConfig>,
     recovery: Recovery,
 }
 
@@ -230,8 +231,9 @@ impl Stored {
         self.log.id()
     }
 
-    pub fn config(&self) -> &SessionConfig {
-        &self.config
+    /// How the session was started; None when it never was.
+    pub fn config(&self) -> Option<&SessionConfig> {
+        self.config.as_ref()
     }
 
     pub fn state(&self) -> &State {
@@ -284,10 +286,7 @@ impl Sessions {
         let mut state = State::new();
         let (log, recovery) =
             SessionLog::<Record>::open_with(&self.dir, id, |_, rec| state.apply(&rec))?;
-        let config = state
-            .config
-            .clone()
-            .ok_or_else(|| crate::agent::CoreError::NoStart(id.to_string()))?;
+        let config = state.config.clone();
         Ok(Stored {
             log,
             state,
@@ -345,14 +344,19 @@ impl Sessions {
             files,
         } = new;
         let (sandbox, spec) = (config.sandbox_id.clone(), sandbox_spec(&config));
-        follow::retry(&worker, Duration::ZERO, || {
-            worker.create_sandbox(&sandbox, &spec)
-        })
-        .await
-        .map_err(|e| sandbox_error(&sandbox, e))?;
+        worker
+            .create_sandbox(&sandbox, &spec)
+            .await
+            .map_err(|e| sandbox_error(&sandbox, e))?;
         let made = SessionLog::<Record>::create(&self.dir, &id)
             .map_err(SessionError::from)
-            .and_then(|log| Ok(Core::create(log, config.clone())?));
+            .and_then(|log| {
+                Core::create(log, config.clone()).map_err(|e| {
+                    // The log was made but not started: it goes too.
+                    let _ = std::fs::remove_file(crate::session::log::path_of(&self.dir, &id));
+                    e.into()
+                })
+            });
         let core = match made {
             Ok(core) => core,
             Err(e) => {
@@ -378,6 +382,7 @@ impl Sessions {
         let Stored {
             log, state, config, ..
         } = stored;
+        let config = config.ok_or_else(|| crate::agent::CoreError::NoStart(log.id().into()))?;
         check_key(
             &Endpoint::merge(config.endpoint.as_ref(), opts.base_url.clone(), opts.api),
             &opts.api_key,
@@ -393,14 +398,13 @@ impl Sessions {
         let existed = match worker.get_sandbox(&sandbox).await {
             Ok(_) => true,
             Err(ApiError::NotFound(_)) => false,
-            Err(e) => return Err(sandbox_error(&sandbox, follow::FollowError::Refused(e))),
+            Err(e) => return Err(sandbox_error(&sandbox, e)),
         };
         let spec = sandbox_spec(&config);
-        follow::retry(&worker, Duration::ZERO, || {
-            worker.create_sandbox(&sandbox, &spec)
-        })
-        .await
-        .map_err(|e| sandbox_error(&sandbox, e))?;
+        worker
+            .create_sandbox(&sandbox, &spec)
+            .await
+            .map_err(|e| sandbox_error(&sandbox, e))?;
         if !existed {
             tracing::warn!(sandbox = %sandbox, "the session's sandbox is gone; a new one replaces it");
             core.sandbox_replaced()?;
@@ -420,11 +424,11 @@ impl Sessions {
         stored: Stored,
         worker: Option<W>,
     ) -> Result<(), SessionError> {
-        if let Some(worker) = worker {
-            let sandbox = &stored.config.sandbox_id;
+        if let (Some(worker), Some(config)) = (worker, &stored.config) {
+            let sandbox = &config.sandbox_id;
             match worker.destroy_sandbox(sandbox).await {
                 Ok(_) | Err(ApiError::NotFound(_)) => {}
-                Err(e) => return Err(sandbox_error(sandbox, follow::FollowError::Refused(e))),
+                Err(e) => return Err(sandbox_error(sandbox, e)),
             }
         }
         let path = crate::session::log::path_of(&self.dir, stored.id());
@@ -473,13 +477,10 @@ impl Sessions {
     }
 }
 
-fn sandbox_error(sandbox: &SandboxId, e: follow::FollowError) -> SessionError {
+fn sandbox_error(sandbox: &SandboxId, e: ApiError) -> SessionError {
     SessionError::Sandbox {
         sandbox: sandbox.clone(),
-        error: match e {
-            follow::FollowError::Refused(e) => e.to_string(),
-            other => other.to_string(),
-        },
+        error: e.to_string(),
     }
 }
 
@@ -610,19 +611,29 @@ async fn upload<M: OperationManager>(
     updates: &mut mpsc::Receiver<Operation>,
     files: Vec<(String, Vec<u8>)>,
 ) -> Result<(), SessionError> {
-    let mut waiting = std::collections::HashMap::new();
-    for (path, data) in files {
-        let id = OperationId::random();
-        let spec = OperationSpec::WriteFile(WriteFileSpec::new(path.clone(), data));
-        waiting.insert(id.clone(), path.clone());
-        manager
-            .add(Operation::new(id, spec))
-            .await
-            .map_err(|e| SessionError::Upload {
-                path: path.clone(),
-                error: e.to_string(),
-            })?;
-    }
+    let ops: Vec<(OperationId, String, Vec<u8>)> = files
+        .into_iter()
+        .map(|(path, data)| (OperationId::random(), path, data))
+        .collect();
+    let mut waiting: std::collections::HashMap<OperationId, String> = ops
+        .iter()
+        .map(|(id, path, _)| (id.clone(), path.clone()))
+        .collect();
+    // Operations are added while their updates are read: the manager's
+    // update channel is bounded, and it must never wait on this caller.
+    let adds = async {
+        for (id, path, data) in ops {
+            let spec = OperationSpec::WriteFile(WriteFileSpec::new(path.clone(), data));
+            manager
+                .add(Operation::new(id, spec))
+                .await
+                .map_err(|e| SessionError::Upload {
+                    path,
+                    error: e.to_string(),
+                })?;
+        }
+        Ok::<_, SessionError>(())
+    };
     let wait = async {
         while !waiting.is_empty() {
             let Some(op) = updates.recv().await else {
@@ -650,7 +661,8 @@ async fn upload<M: OperationManager>(
         }
         Ok(())
     };
-    match tokio::time::timeout(UPLOAD_PATIENCE, wait).await {
+    let both = async { tokio::try_join!(adds, wait).map(|_| ()) };
+    match tokio::time::timeout(UPLOAD_PATIENCE, both).await {
         Ok(r) => r,
         Err(_) => Err(SessionError::Upload {
             path: waiting.values().next().cloned().unwrap_or_default(),

@@ -214,7 +214,7 @@ fn remote(e: ClientError) -> ApiError {
 
 impl WorkerApi for WorkerClient {
     fn describe(&self) -> String {
-        self.url().to_string()
+        format!("the worker at {}", self.url())
     }
 
     async fn create_sandbox(

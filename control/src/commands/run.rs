@@ -10,7 +10,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use corral_harness::agent::events::{Event, RunResult, to_json_line};
-use corral_harness::agent::{Ending, Inbox, StopMode, Summary};
+use corral_harness::agent::{CoreError, Ending, Inbox, StopMode, Summary};
 use corral_harness::llm::Api;
 use corral_harness::session::LogError;
 use corral_harness::sessions::{
@@ -200,14 +200,17 @@ async fn run(conn: &ConnArgs, args: &RunArgs, json: bool) -> Result<u8, Error> {
                 "the session log ended in a torn record (a crash mid-write); it was cut off"
             );
         }
-        let worker = stored.config().worker.clone();
-        if let Some(w) = &worker
-            && !urls.is_empty()
-            && !urls.contains(w)
-        {
-            tracing::warn!(worker = %w, "the session stays on the worker it was placed on");
+        let Some(config) = stored.config() else {
+            return Err(SessionError::Core(CoreError::NoStart(id)).into());
+        };
+        // Recorded, or (none recorded) the local worker.
+        let worker = config.worker.clone();
+        if !urls.is_empty() && worker.as_ref().is_none_or(|w| !urls.contains(w)) {
+            tracing::warn!(
+                worker = worker.as_deref().unwrap_or("the local worker"),
+                "the session stays on the worker it was placed on"
+            );
         }
-        let worker = worker.or_else(|| urls.first().cloned());
         let connection = connect_to(conn, worker.as_deref()).await?;
         store.resume(stored, connection, opts).await?
     } else {

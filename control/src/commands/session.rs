@@ -69,12 +69,14 @@ async fn session_command(conn: &ConnArgs, cmd: &SessionCommand) -> Result<(), Er
             // Held open (locked) throughout: a running session is not
             // removed under it.
             let stored = store.open(id)?;
-            let worker = if *keep_sandbox {
-                None
-            } else {
+            let worker = match stored.config() {
                 // The worker it was placed on: recorded, or (none recorded)
                 // the local one, whatever `--worker` says now.
-                Some(connect_to(conn, stored.config().worker.as_deref()).await?)
+                Some(config) if !*keep_sandbox => {
+                    Some(connect_to(conn, config.worker.as_deref()).await?)
+                }
+                // Kept, or never started (no sandbox was recorded).
+                _ => None,
             };
             store.remove(stored, worker).await?;
         }

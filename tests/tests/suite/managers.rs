@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use corral_e2e::{Harness, WorkerProcess, free_port, unique_id};
 use corral_harness::client::WorkerClient;
+use corral_harness::follow::{FollowError, Follower};
 use corral_harness::ops::{Manager, OpStatus, Operation, OperationManager};
 use corral_harness::worker_api::WorkerApi;
 use corral_proto::{OperationId, OperationSpec, Outcome, SandboxId, SandboxSpec, ShellSpec};
@@ -211,5 +212,78 @@ async fn remote_manager_survives_a_worker_restart() -> anyhow::Result<()> {
     mgr.shutdown().await;
     let client = worker2.client().await?;
     client.destroy_sandbox(&sb).await?;
+    Ok(())
+}
+
+/// A waiter's patience counts from when the worker became unreachable, not
+/// from its last event: a worker that came back and then stayed quiet for
+/// longer than the patience is retried when it blinks again. A worker gone
+/// for good is given up on, with its address named.
+#[tokio::test]
+async fn a_follower_retries_after_a_quiet_reconnect_and_gives_up_on_a_gone_worker()
+-> anyhow::Result<()> {
+    let state = tempfile::tempdir()?;
+    let (wid, port) = (unique_id("fw"), free_port()?);
+    // Each process is kept until the end: dropping one removes its
+    // worker's containers.
+    let mut first = WorkerProcess::spawn(state.path(), &wid, port, &[], &[])?;
+    let client = first.client().await?;
+    let sb = SandboxId::new(unique_id("sb"))?;
+    client
+        .create_sandbox(Some(&sb), SandboxSpec::default())
+        .await?;
+    let patience = Duration::from_secs(3);
+    let mut follower = Follower::from_now(client.clone(), sb.clone(), None, patience).await?;
+    let (tx, mut rx) = mpsc::channel(1024);
+    let task = tokio::spawn(async move {
+        loop {
+            let next = follower.next().await;
+            let end = next.is_err();
+            if tx.send(next).await.is_err() || end {
+                return;
+            }
+        }
+    });
+    // A blink, then a reconnect, then a silence longer than the patience.
+    first.kill9();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let mut second = WorkerProcess::spawn(state.path(), &wid, port, &[], &[])?;
+    tokio::time::sleep(patience + Duration::from_secs(3)).await;
+    // Another blink: retried, not given up on.
+    second.kill9();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let mut third = WorkerProcess::spawn(state.path(), &wid, port, &[], &[])?;
+    let op = OperationId::random();
+    WorkerApi::submit(&client, &sb, &op, &shell("echo after")).await?;
+    loop {
+        let next = tokio::time::timeout(Duration::from_secs(30), rx.recv())
+            .await?
+            .ok_or_else(|| anyhow::anyhow!("the follower stopped"))?;
+        match next {
+            Ok(e) if e.operation_id.as_ref() == Some(&op) => break,
+            Ok(_) => {}
+            Err(e) => anyhow::bail!("the follower gave up on a worker that came back: {e}"),
+        }
+    }
+    // Gone for good: given up on after the patience, its address named.
+    third.kill9();
+    let started = std::time::Instant::now();
+    let err = loop {
+        match tokio::time::timeout(Duration::from_secs(30), rx.recv()).await? {
+            Some(Ok(_)) => {}
+            Some(Err(e)) => break e,
+            None => anyhow::bail!("the follower stopped without an error"),
+        }
+    };
+    assert!(matches!(err, FollowError::GaveUp { .. }), "{err}");
+    assert!(
+        err.to_string()
+            .contains(&format!("the worker at http://127.0.0.1:{port}")),
+        "{err}"
+    );
+    assert!(started.elapsed() >= patience - Duration::from_millis(500));
+    task.await?;
+    let last = WorkerProcess::spawn(state.path(), &wid, port, &[], &[])?;
+    last.client().await?.destroy_sandbox(&sb).await?;
     Ok(())
 }

@@ -219,3 +219,64 @@ async fn a_container_made_behind_the_workers_back_is_swept_away() -> anyhow::Res
     h.stop().await;
     Ok(())
 }
+
+/// A restarted worker re-attaches to a sandbox whose supervisor remembers
+/// more than one frame holds (five 7 MiB reads): the Welcome comes in
+/// pages, the worker puts them together, and every result is still there.
+#[tokio::test]
+async fn a_restarted_worker_reattaches_after_large_operations() -> anyhow::Result<()> {
+    use corral_proto::{OperationId, OperationSpec, ReadFileSpec, ShellSpec};
+    let state = tempfile::tempdir()?;
+    let (wid, port) = (unique_id("rw"), free_port()?);
+    let mut first = WorkerProcess::spawn(state.path(), &wid, port, &[], &[])?;
+    let client = first.client().await?;
+    let sb = SandboxId::new(unique_id("sb"))?;
+    client
+        .create_sandbox(Some(&sb), SandboxSpec::default())
+        .await?;
+    let run = |spec: OperationSpec| {
+        let client = client.clone();
+        let sb = sb.clone();
+        async move {
+            let op = OperationId::random();
+            let after = client.get_sandbox(&sb).await?.last_seq;
+            client.submit(&sb, &op, spec).await?;
+            let (_, result) = corral_e2e::collect(&client, &sb, &op, after).await?;
+            anyhow::Ok((op, result))
+        }
+    };
+    let (_, made) = run(OperationSpec::Shell(ShellSpec::new(
+        "head -c 7340032 /dev/zero > /workspace/big",
+    )))
+    .await?;
+    assert!(made.outcome.is_success(), "{made:?}");
+    let mut reads = Vec::new();
+    for _ in 0..5 {
+        let (op, r) = run(OperationSpec::ReadFile(ReadFileSpec::new("/workspace/big"))).await?;
+        assert_eq!(r.file_data.len(), 7 << 20);
+        reads.push(op);
+    }
+    first.kill9();
+    // Kept until the end: dropping a process removes its worker's
+    // containers.
+    let second = WorkerProcess::spawn(state.path(), &wid, port, &[], &[])?;
+    let client = second.client().await?;
+    for op in &reads {
+        let record = client.operation(&sb, op).await?;
+        let result = record
+            .result
+            .ok_or_else(|| anyhow::anyhow!("read {op} has no result after the restart"))?;
+        assert_eq!(result.file_data.len(), 7 << 20);
+    }
+    let (_, after) = {
+        let op = OperationId::random();
+        let from = client.get_sandbox(&sb).await?.last_seq;
+        client
+            .submit(&sb, &op, OperationSpec::Shell(ShellSpec::new("echo alive")))
+            .await?;
+        corral_e2e::collect(&client, &sb, &op, from).await?
+    };
+    assert_eq!(after.stdout.to_lossy_string(), "alive\n");
+    client.destroy_sandbox(&sb).await?;
+    Ok(())
+}

@@ -32,11 +32,22 @@ fn options(model: &ModelServer, prompt: Option<&str>) -> RunOptions {
     }
 }
 
-/// Every event of the session, and how it ended.
+/// Every event of the session, and how it ended. Events are read while
+/// the session runs, as a caller would: a full event channel must not be
+/// what ends it.
 async fn finish(mut handle: SessionHandle) -> Result<(Vec<Event>, Summary)> {
     let mut events = Vec::new();
     let summary = tokio::time::timeout(Duration::from_secs(60), async {
-        let summary = (&mut handle.task).await??;
+        let mut open = true;
+        let summary = loop {
+            tokio::select! {
+                r = &mut handle.task => break r??,
+                e = handle.events.recv(), if open => match e {
+                    Some(e) => events.push(e),
+                    None => open = false,
+                },
+            }
+        };
         while let Ok(e) = handle.events.try_recv() {
             events.push(e);
         }
@@ -122,7 +133,8 @@ async fn a_crashed_session_resumes_without_running_its_call_twice() -> Result<()
     let new = store.prepare("crash", options(&model, Some(prompt)))?;
     let mut handle = store.start(new, h.worker.clone()).await?;
     let sandbox = handle.config.sandbox_id.clone();
-    // Crash while the command runs: the task is gone, as a killed process.
+    // Crash while the command runs (submitted, not done): the task is
+    // gone, as a killed process.
     loop {
         match tokio::time::timeout(Duration::from_secs(30), handle.events.recv()).await? {
             Some(Event::ToolCall { .. }) => break,
@@ -130,13 +142,20 @@ async fn a_crashed_session_resumes_without_running_its_call_twice() -> Result<()
             None => bail!("the session ended before its call"),
         }
     }
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while h.worker.info().running_operations == 0 {
+        if tokio::time::Instant::now() > deadline {
+            bail!("the call never ran");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     handle.task.abort();
     let _ = (&mut handle.task).await;
     drop(handle);
 
     // The same prompt again resumes the run rather than asking anew.
     let stored = store.open("crash")?;
-    assert_eq!(stored.config().sandbox_id, sandbox);
+    assert_eq!(stored.config().map(|c| &c.sandbox_id), Some(&sandbox));
     let handle = store
         .resume(stored, h.worker.clone(), options(&model, Some(prompt)))
         .await?;
@@ -152,6 +171,11 @@ async fn a_crashed_session_resumes_without_running_its_call_twice() -> Result<()
         "it ran exactly once"
     );
     assert_eq!(model.received().len(), 2, "nothing was asked twice");
+    let inputs = store
+        .records("crash")?
+        .filter(|r| matches!(r, Ok((_, Record::Input { text, .. })) if text == prompt))
+        .count();
+    assert_eq!(inputs, 1, "the prompt is recorded once");
     h.worker.destroy_sandbox(&sandbox).await?;
     h.stop().await;
     Ok(())
@@ -183,7 +207,10 @@ async fn a_fork_runs_in_its_own_sandbox_and_removal_takes_the_sandbox_along() ->
         })
     ));
     let child = store.open("child")?;
-    let child_sandbox = child.config().sandbox_id.clone();
+    let child_sandbox = child
+        .config()
+        .map(|c| c.sandbox_id.clone())
+        .ok_or_else(|| anyhow::anyhow!("the fork has no start"))?;
     assert_ne!(child_sandbox, parent_sandbox);
     let handle = store
         .resume(child, h.worker.clone(), options(&model, Some("two")))
@@ -227,6 +254,84 @@ async fn a_fork_runs_in_its_own_sandbox_and_removal_takes_the_sandbox_along() ->
         ));
     }
     assert!(store.list()?.is_empty());
+    h.stop().await;
+    Ok(())
+}
+
+/// A log made but never started (a crash between the two) can be removed,
+/// and resuming it says so.
+#[tokio::test]
+async fn a_session_never_started_is_removable() -> Result<()> {
+    let h = Harness::start().await?;
+    let model = ModelServer::start(vec![]).await;
+    let dir = tempfile::tempdir()?;
+    let store = Sessions::new(dir.path());
+    drop(corral_harness::session::SessionLog::<Record>::create(
+        dir.path(),
+        "bare",
+    )?);
+    let stored = store.open("bare")?;
+    assert!(stored.config().is_none());
+    let resumed = store
+        .resume(stored, h.worker.clone(), options(&model, Some("hi")))
+        .await;
+    let Err(e) = resumed else {
+        bail!("a session never started was resumed")
+    };
+    assert!(e.to_string().contains("corral session rm bare"), "{e}");
+    store
+        .remove(store.open("bare")?, Some(h.worker.clone()))
+        .await?;
+    assert!(!store.exists("bare")?);
+    h.stop().await;
+    Ok(())
+}
+
+/// Skills of many files are all copied in before the first turn (the
+/// copies are read while they are added: nothing waits on a full channel).
+#[tokio::test]
+async fn a_session_with_many_skill_files_gets_them_all() -> Result<()> {
+    let h = Harness::start().await?;
+    let model = ModelServer::start(vec![responses::text("ready")]).await;
+    let skills = tempfile::tempdir()?;
+    let data = skills.path().join("many/data");
+    std::fs::create_dir_all(&data)?;
+    std::fs::write(
+        skills.path().join("many/SKILL.md"),
+        "---\nname: many\ndescription: many files\n---\nUse the data.\n",
+    )?;
+    const FILES: usize = 1_500;
+    for i in 0..FILES {
+        std::fs::write(data.join(format!("f{i:04}")), format!("{i}\n"))?;
+    }
+    let dir = tempfile::tempdir()?;
+    let store = Sessions::new(dir.path());
+    let new = store.prepare(
+        "skilled",
+        RunOptions {
+            skills: Some(skills.path().to_path_buf()),
+            ..options(&model, Some("go"))
+        },
+    )?;
+    let handle = store.start(new, h.worker.clone()).await?;
+    let sandbox = handle.config.sandbox_id.clone();
+    let (_, summary) = finish(handle).await?;
+    assert_eq!(summary.ending, Ending::Done);
+    let count = h
+        .run(
+            &sandbox,
+            "find /workspace/.corral/skills/many -type f | wc -l; cat /workspace/.corral/skills/many/data/f1499",
+        )
+        .await?;
+    assert_eq!(
+        count
+            .stdout
+            .to_lossy_string()
+            .split_whitespace()
+            .collect::<Vec<_>>(),
+        [(FILES + 1).to_string().as_str(), "1499"]
+    );
+    h.worker.destroy_sandbox(&sandbox).await?;
     h.stop().await;
     Ok(())
 }

@@ -706,6 +706,7 @@ impl Supervisor {
             InitRequest::Attach {
                 after_seq,
                 window_bytes,
+                attach,
             } => {
                 self.credit = window_bytes;
                 self.out_broken = false;
@@ -725,6 +726,7 @@ impl Supervisor {
                     crate::VERSION,
                     &self.boot_id,
                     self.journal.last_seq(),
+                    attach,
                     operations,
                     WELCOME_PAGE_BYTES,
                 ) {

@@ -144,6 +144,7 @@ fn attach(init: &mut Init, after_seq: u64, window_bytes: u64) -> corral_proto::i
     init.send(InitRequest::Attach {
         after_seq,
         window_bytes,
+        attach: 1,
     });
     let mut pages = attach_pages(init);
     let mut w = pages.remove(0);
@@ -713,6 +714,7 @@ fn a_reattach_after_large_operations_is_welcomed_in_pages_under_the_frame_limit(
     init.send(InitRequest::Attach {
         after_seq: u64::MAX - 1,
         window_bytes: 1 << 20,
+        attach: 7,
     });
     let pages = attach_pages(&mut init);
     assert!(
@@ -721,6 +723,10 @@ fn a_reattach_after_large_operations_is_welcomed_in_pages_under_the_frame_limit(
         pages[0].operations.len()
     );
     assert!(pages.iter().all(|p| p.boot_id == pages[0].boot_id));
+    // Each page names the attach it answers and its place.
+    for (i, p) in pages.iter().enumerate() {
+        assert_eq!((p.attach, p.page as usize), (7, i));
+    }
     let mut kept: Vec<_> = pages
         .iter()
         .flat_map(|p| &p.operations)

@@ -26,7 +26,9 @@ pub const MAX_SHRINKS: u32 = 3;
 pub enum CoreError {
     #[error(transparent)]
     Log(#[from] LogError),
-    #[error("session {0} has no start record")]
+    #[error(
+        "session {0} was never started (its log has no start record); `corral session rm {0}` removes it"
+    )]
     NoStart(String),
 }
 
