@@ -31,7 +31,8 @@ pub use ids::{OperationId, SandboxId};
 pub use result::{Captured, FileErrorKind, OperationResult, Outcome};
 pub use sandbox::{SandboxInfo, SandboxPolicy, SandboxState, WorkerInfo};
 pub use spec::{
-    NetworkMode, OperationSpec, ReadFileSpec, SandboxSpec, ShellSpec, TerminalSize, WriteFileSpec,
+    ArchiveSpec, NetworkMode, OperationSpec, ReadFileSpec, SandboxSpec, ShellSpec, TerminalSize,
+    WriteFileSpec,
 };
 
 /// Generated protobuf messages and gRPC stubs. Use them only at the edges

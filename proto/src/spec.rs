@@ -168,6 +168,19 @@ impl WriteFileSpec {
     }
 }
 
+/// A tree moved as a tar stream (see `ArchiveSpec` in worker.proto).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+pub struct ArchiveSpec {
+    pub path: String,
+}
+
+impl ArchiveSpec {
+    pub fn new(path: impl Into<String>) -> Self {
+        Self { path: path.into() }
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 #[cfg_attr(feature = "serde", serde(tag = "kind", rename_all = "snake_case"))]
@@ -175,6 +188,10 @@ pub enum OperationSpec {
     Shell(ShellSpec),
     ReadFile(ReadFileSpec),
     WriteFile(WriteFileSpec),
+    /// A tar stream, fed as input, unpacked in the sandbox.
+    PutArchive(ArchiveSpec),
+    /// A tree of the sandbox packed as a tar stream of stdout output.
+    GetArchive(ArchiveSpec),
 }
 
 impl OperationSpec {
@@ -183,6 +200,8 @@ impl OperationSpec {
             Self::Shell(_) => "shell",
             Self::ReadFile(_) => "read_file",
             Self::WriteFile(_) => "write_file",
+            Self::PutArchive(_) => "put_archive",
+            Self::GetArchive(_) => "get_archive",
         }
     }
 
@@ -191,7 +210,8 @@ impl OperationSpec {
         match self {
             Self::Shell(s) => s.takes_input(),
             Self::WriteFile(w) => w.stream,
-            Self::ReadFile(_) => false,
+            Self::PutArchive(_) => true,
+            Self::ReadFile(_) | Self::GetArchive(_) => false,
         }
     }
 
@@ -377,6 +397,7 @@ impl OperationSpec {
                 }
                 Ok(())
             }
+            Self::PutArchive(a) | Self::GetArchive(a) => validate_path("path", &a.path),
         }
     }
 }
@@ -478,6 +499,8 @@ impl TryFrom<pb::OperationSpec> for OperationSpec {
                 append: w.append,
                 stream: w.stream,
             }),
+            Kind::PutArchive(a) => Self::PutArchive(ArchiveSpec { path: a.path }),
+            Kind::GetArchive(a) => Self::GetArchive(ArchiveSpec { path: a.path }),
         };
         spec.validate()?;
         Ok(spec)
@@ -537,6 +560,8 @@ impl From<OperationSpec> for pb::OperationSpec {
                 append: w.append,
                 stream: w.stream,
             }),
+            OperationSpec::PutArchive(a) => Kind::PutArchive(pb::ArchiveSpec { path: a.path }),
+            OperationSpec::GetArchive(a) => Kind::GetArchive(pb::ArchiveSpec { path: a.path }),
         };
         Self { kind: Some(kind) }
     }

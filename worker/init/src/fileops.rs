@@ -123,6 +123,12 @@ fn resolve(roots: &Roots, raw: &str) -> Result<PathBuf, FileError> {
     }
 }
 
+/// [`resolve`] for other modules: `raw` as a real path under the roots, or
+/// why not.
+pub fn resolve_under_roots(roots: &Roots, raw: &str) -> Result<PathBuf, String> {
+    resolve(roots, raw).map_err(|FileError(_, message)| message)
+}
+
 /// Opens `path` (resolved under the roots) from the root it is under, so
 /// that the kernel refuses any step out of that root and any magic link.
 /// Kernels without openat2 (before 5.6) get a plain open that follows no

@@ -14,6 +14,8 @@
 //!   worker, which keeps one per sandbox for its watchers);
 //! - [`capture`]: head/tail capture of an output stream with its full size;
 //! - [`fileops`]: read/write of files confined to the sandbox's roots;
+//! - [`archive`]: trees in and out as tar streams (`corral cp`), each in a
+//!   process of its own run as the sandbox's user;
 //! - [`syscalls`]: the seccomp filters it applies to itself and all it
 //!   starts (io_uring, AF_VSOCK), on top of the engine's profile.
 //!
@@ -24,6 +26,7 @@
 // worker reads from the attach stream and logs with the sandbox's id.
 #![allow(clippy::print_stderr)]
 
+pub mod archive;
 pub mod capture;
 pub mod fileops;
 pub mod journal;

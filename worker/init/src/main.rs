@@ -24,6 +24,32 @@ fn main() -> ExitCode {
             }
         };
     }
+    // `--put-archive DEST --roots WORKSPACE TMP...` and `--get-archive SRC
+    // --roots ...`: an archive helper, started by the supervisor as the
+    // command user (under its restrictions already), the tar stream on
+    // stdin or stdout.
+    if let [flag, path, roots_flag, workspace, others @ ..] = args.as_slice()
+        && (flag == "--put-archive" || flag == "--get-archive")
+        && roots_flag == "--roots"
+    {
+        let roots = corral_init::fileops::Roots {
+            workspace: workspace.into(),
+            others: others.iter().map(Into::into).collect(),
+        };
+        let done = if flag == "--put-archive" {
+            corral_init::archive::put(&roots, path, std::io::stdin().lock())
+        } else {
+            let out = std::io::BufWriter::with_capacity(256 * 1024, std::io::stdout().lock());
+            corral_init::archive::get(&roots, path, out)
+        };
+        return match done {
+            Ok(_) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("{e}");
+                ExitCode::from(1)
+            }
+        };
+    }
     // `--check-restrictions`: what a program in this sandbox meets.
     if args.first().map(String::as_str) == Some("--check-restrictions") {
         for line in corral_init::syscalls::check() {

@@ -78,6 +78,8 @@ pub struct Config {
     /// root: then nothing a command does can signal, trace or read the
     /// supervisor. File operations are done with this user's rights too.
     pub command_uid: Option<u32>,
+    /// This binary, run (as the command user) for archives in and out.
+    pub helper: Option<PathBuf>,
 }
 
 impl Default for Config {
@@ -89,6 +91,7 @@ impl Default for Config {
             journal_budget_bytes: crate::journal::DEFAULT_BUDGET_BYTES,
             finished_budget_bytes: MAX_FINISHED_BYTES,
             command_uid: None,
+            helper: std::env::current_exe().ok(),
         }
     }
 }
@@ -426,6 +429,7 @@ fn op_weight(op: &Op) -> usize {
         OperationSpec::Shell(s) => s.command.len(),
         OperationSpec::ReadFile(r) => r.path.len(),
         OperationSpec::WriteFile(w) => w.path.len() + w.data.len(),
+        OperationSpec::PutArchive(a) | OperationSpec::GetArchive(a) => a.path.len(),
     };
     let result = op.result.as_ref().map_or(0, |r| {
         r.stdout.head.len()
@@ -435,6 +439,37 @@ fn op_weight(op: &Op) -> usize {
             + r.file_data.len()
     });
     256 + spec + result
+}
+
+/// What the process of an operation runs: a shell command, or this binary
+/// as an archive helper.
+struct Launch<'a> {
+    program: PathBuf,
+    args: Vec<OsString>,
+    workdir: Option<&'a str>,
+    env: Option<&'a std::collections::BTreeMap<String, String>>,
+    stdin: bool,
+    terminal: Option<TerminalSize>,
+    timeout: Duration,
+    /// Bytes of stdout and stderr the result keeps.
+    limits: [u64; 2],
+    keep_background: bool,
+}
+
+impl<'a> Launch<'a> {
+    fn shell(shell: PathBuf, spec: &'a ShellSpec) -> Self {
+        Self {
+            program: shell,
+            args: vec!["-c".into(), spec.command.clone().into()],
+            workdir: spec.workdir.as_deref(),
+            env: Some(&spec.env),
+            stdin: spec.stdin,
+            terminal: spec.terminal,
+            timeout: spec.timeout(),
+            limits: [spec.output_limit(); 2],
+            keep_background: spec.keep_background,
+        }
+    }
 }
 
 fn find_shell(use_bash: bool) -> Result<PathBuf, String> {
@@ -1112,7 +1147,9 @@ impl Supervisor {
             result: None,
         };
         let immediate = match &spec {
-            OperationSpec::Shell(_) => None,
+            OperationSpec::Shell(_)
+            | OperationSpec::PutArchive(_)
+            | OperationSpec::GetArchive(_) => None,
             OperationSpec::ReadFile(r) if r.stream => {
                 let _as = AsCommandUser::new(self.config.command_uid);
                 match fileops::open_read(&self.config.roots, r) {
@@ -1173,10 +1210,15 @@ impl Supervisor {
             self.complete(&id, result);
             return;
         }
-        let OperationSpec::Shell(shell) = spec else {
-            return;
+        let launch = match &spec {
+            OperationSpec::Shell(shell) => {
+                find_shell(shell.use_bash).map(|sh| Launch::shell(sh, shell))
+            }
+            OperationSpec::PutArchive(a) => self.archive_helper("--put-archive", &a.path),
+            OperationSpec::GetArchive(a) => self.archive_helper("--get-archive", &a.path),
+            OperationSpec::ReadFile(_) | OperationSpec::WriteFile(_) => return,
         };
-        match self.spawn(&shell) {
+        match launch.and_then(|launch| self.spawn(&launch)) {
             Ok((pid, run)) => {
                 self.pids.insert(pid.as_raw(), id.clone());
                 let seq = self.emit(
@@ -1197,9 +1239,44 @@ impl Supervisor {
         }
     }
 
+    /// This binary run as an archive helper (`--put-archive PATH` or
+    /// `--get-archive PATH`) with the roots: its stdout carries nothing but
+    /// the archive, so none of it is kept in the result.
+    fn archive_helper(&self, flag: &str, path: &str) -> Result<Launch<'static>, String> {
+        let helper = self
+            .config
+            .helper
+            .clone()
+            .ok_or("the supervisor cannot find its own binary")?;
+        let mut args: Vec<OsString> = vec![flag.into(), path.into(), "--roots".into()];
+        args.push(self.config.roots.workspace.clone().into_os_string());
+        for other in &self.config.roots.others {
+            args.push(other.clone().into_os_string());
+        }
+        let get = flag == "--get-archive";
+        Ok(Launch {
+            program: helper,
+            args,
+            workdir: None,
+            env: None,
+            stdin: !get,
+            terminal: None,
+            timeout: Duration::from_millis(corral_proto::limits::MAX_TIMEOUT_MS),
+            limits: [
+                if get {
+                    0
+                } else {
+                    corral_proto::limits::DEFAULT_OUTPUT_LIMIT_BYTES
+                },
+                corral_proto::limits::DEFAULT_OUTPUT_LIMIT_BYTES,
+            ],
+            keep_background: false,
+        })
+    }
+
     #[allow(unsafe_code)]
-    fn spawn(&self, spec: &ShellSpec) -> Result<(Pid, Box<Running>), String> {
-        let shell = find_shell(spec.use_bash)?;
+    fn spawn(&self, spec: &Launch<'_>) -> Result<(Pid, Box<Running>), String> {
+        let shell = &spec.program;
         let workdir = match &spec.workdir {
             Some(w) => self.config.roots.workspace.join(w),
             None => self.config.roots.workspace.clone(),
@@ -1210,9 +1287,8 @@ impl Supervisor {
                 workdir.display()
             ));
         }
-        let mut cmd = Command::new(&shell);
-        cmd.arg("-c")
-            .arg(&spec.command)
+        let mut cmd = Command::new(shell);
+        cmd.args(&spec.args)
             .env_clear()
             .envs(self.base_env.iter().map(|(k, v)| (k, v)));
         // The pseudo-terminal: the command's stdin, stdout and stderr; the
@@ -1250,7 +1326,10 @@ impl Supervisor {
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
         }
-        cmd.envs(&spec.env).current_dir(&workdir);
+        if let Some(env) = spec.env {
+            cmd.envs(env);
+        }
+        cmd.current_dir(&workdir);
         if let Some(uid) = self.config.command_uid {
             // std drops the supplementary groups too (setgroups before setuid).
             cmd.uid(uid).gid(uid);
@@ -1328,18 +1407,17 @@ impl Supervisor {
             _ => None,
         };
         let started = Instant::now();
-        let limit = spec.output_limit();
         Ok((
             pid,
             Box::new(Running {
                 pgid: pid,
                 started,
-                deadline: started + spec.timeout(),
+                deadline: started + spec.timeout,
                 ending: None,
                 kill_at: None,
                 keep_background: spec.keep_background,
                 pipes,
-                captures: [HeadTail::new(limit), HeadTail::new(limit)],
+                captures: [HeadTail::new(spec.limits[0]), HeadTail::new(spec.limits[1])],
                 exit: None,
                 linger_until: None,
                 oom_kills_at_start,

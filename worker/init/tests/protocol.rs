@@ -13,8 +13,8 @@ use bytes::Bytes;
 use corral_proto::frame::{self, FrameDecoder};
 use corral_proto::init::{InitMessage, InitRequest};
 use corral_proto::{
-    EventKind, FileErrorKind, OperationId, OperationResult, OperationSpec, Outcome, ReadFileSpec,
-    ShellSpec, TerminalSize, WriteFileSpec, pb,
+    ArchiveSpec, EventKind, FileErrorKind, OperationId, OperationResult, OperationSpec, Outcome,
+    OutputStream, ReadFileSpec, ShellSpec, TerminalSize, WriteFileSpec, pb,
 };
 
 struct Init {
@@ -744,4 +744,105 @@ fn a_reattach_after_large_operations_is_welcomed_in_pages_under_the_frame_limit(
     let (_, req) = run("echo after");
     init.send(req);
     assert_eq!(stdout_of(&init.until_finished()), b"after\n");
+}
+
+/// Packs `path` through the protocol: the archive's bytes, taken under
+/// credit, and the result.
+fn get_archive(init: &mut Init, path: &str) -> (Vec<u8>, corral_proto::OperationResult) {
+    init.send(InitRequest::Run {
+        operation_id: OperationId::random(),
+        spec: OperationSpec::GetArchive(ArchiveSpec::new(path)),
+    });
+    let mut got = Vec::new();
+    loop {
+        let InitMessage::Event(e) = init.recv() else {
+            continue;
+        };
+        match e.kind {
+            EventKind::Output {
+                stream: OutputStream::Stdout,
+                data,
+            } => {
+                got.extend_from_slice(&data);
+                init.send(InitRequest::Credit {
+                    bytes: data.len() as u64,
+                });
+            }
+            EventKind::Output { data, .. } => {
+                init.send(InitRequest::Credit {
+                    bytes: data.len() as u64,
+                });
+            }
+            EventKind::Finished(r) => return (got, *r),
+            _ => {}
+        }
+    }
+}
+
+/// Unpacks `tar` at `path` through the protocol, fed in 1 MiB inputs
+/// within the input window.
+fn put_archive(init: &mut Init, path: &str, tar: &[u8]) -> corral_proto::OperationResult {
+    let id = OperationId::random();
+    init.send(InitRequest::Run {
+        operation_id: id.clone(),
+        spec: OperationSpec::PutArchive(ArchiveSpec::new(path)),
+    });
+    let window = corral_init::supervisor::MAX_INPUT_BUFFER as u64 / 2;
+    let (mut sent, mut consumed, mut closed) = (0u64, 0u64, false);
+    while !closed && sent < tar.len() as u64 {
+        if sent - consumed + (1 << 20) > window {
+            (_, consumed, closed) = init.ack();
+            continue;
+        }
+        let end = (sent as usize + (1 << 20)).min(tar.len());
+        init.send(InitRequest::Input {
+            operation_id: id.clone(),
+            offset: sent,
+            data: Bytes::copy_from_slice(&tar[sent as usize..end]),
+            eof: end == tar.len(),
+        });
+        sent = end as u64;
+    }
+    result_of(&init.until_finished())
+}
+
+#[test]
+fn a_tree_goes_out_and_back_in_as_a_tar_stream() {
+    let mut init = Init::start();
+    attach(&mut init, 0, 1 << 20);
+    let (_, make) = run(
+        "mkdir -p proj/sub && head -c 3000000 /dev/urandom > proj/sub/big && echo hi > proj/a \
+         && chmod 751 proj/a && ln -s ../../etc/passwd proj/out && touch -d @1000000 proj/a",
+    );
+    init.send(make);
+    let r = result_of(&init.until_finished());
+    assert_eq!(r.outcome, Outcome::Exited { code: 0 }, "{r:?}");
+    let (tar, r) = get_archive(&mut init, "proj");
+    assert_eq!(r.outcome, Outcome::Exited { code: 0 }, "{r:?}");
+    assert!(
+        r.stdout.head.is_empty(),
+        "the archive is not kept in the result"
+    );
+    assert!(tar.len() > 3_000_000);
+    let r = put_archive(&mut init, "copy", &tar);
+    assert_eq!(r.outcome, Outcome::Exited { code: 0 }, "{r:?}");
+    let (_, check) =
+        run("cmp proj/sub/big copy/sub/big && stat -c '%a %Y' copy/a && readlink copy/out");
+    init.send(check);
+    let events = init.until_finished();
+    assert_eq!(
+        String::from_utf8_lossy(&stdout_of(&events)),
+        "751 1000000\n../../etc/passwd\n"
+    );
+    // Garbage in: a clear error, and the supervisor goes on.
+    let r = put_archive(&mut init, "bad", &[7u8; 4096]);
+    assert_ne!(r.outcome, Outcome::Exited { code: 0 });
+    assert!(!r.stderr.head.is_empty(), "{r:?}");
+    // Outside the roots: refused.
+    let (_, r) = get_archive(&mut init, "/etc");
+    assert_ne!(r.outcome, Outcome::Exited { code: 0 });
+    assert!(
+        String::from_utf8_lossy(&r.stderr.head).contains("outside"),
+        "{r:?}"
+    );
 }
