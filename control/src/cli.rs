@@ -57,6 +57,12 @@ pub enum Command {
     /// Manage sandboxes.
     #[command(subcommand)]
     Sandbox(SandboxCommand),
+    /// Copy files and directories into or out of a sandbox:
+    /// `corral cp LOCAL SANDBOX:PATH` or `corral cp SANDBOX:PATH LOCAL`.
+    /// Into a directory that exists, the source keeps its name; else it
+    /// takes the destination's. Modes and times are kept, links are copied
+    /// as links.
+    Cp(CpArgs),
     /// Run an agent: a model drives tools in a sandbox until the task is done.
     Run(Box<RunArgs>),
     /// Inspect and fork agent sessions.
@@ -69,6 +75,19 @@ pub enum Command {
         #[arg(long, env = "CORRAL_LOCAL_WORKER_IDLE", default_value = "30s", value_parser = humantime::parse_duration)]
         idle: Duration,
     },
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct CpArgs {
+    /// What to copy: a local path, or SANDBOX:PATH (a relative PATH is
+    /// under /workspace).
+    pub src: String,
+    /// Where to: SANDBOX:PATH, or a local path. A local path with a colon
+    /// is written ./like:this.
+    pub dest: String,
+    /// Show no progress, even on a terminal.
+    #[arg(long, short, env = "CORRAL_QUIET")]
+    pub quiet: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]

@@ -15,7 +15,8 @@
 //!   worker library in this process and by [`client`], the typed gRPC
 //!   client;
 //! - [`follow`]: the one way to wait for operations (events followed from
-//!   a cursor across reconnects).
+//!   a cursor across reconnects);
+//! - [`transfer`]: trees in and out of a sandbox as tar streams.
 //!
 //! It runs no operation itself: workers do.
 
@@ -28,4 +29,5 @@ pub mod ops;
 pub mod session;
 pub mod sessions;
 pub mod tools;
+pub mod transfer;
 pub mod worker_api;

@@ -88,7 +88,7 @@ pub trait WorkerApi: Clone + Send + Sync + 'static {
         only: Option<&OperationId>,
     ) -> impl Future<Output = Result<Events, ApiError>> + Send;
     /// Feeds `data` at `offset` of an operation's input; returns the
-    /// input's end and whether it takes more.
+    /// input's end and whether it is closed (takes no more).
     fn write_input(
         &self,
         sandbox: &SandboxId,

@@ -1,6 +1,7 @@
 //! One module per command; each reports its own errors (one line on
 //! stderr) and chooses its exit code.
 
+mod cp;
 mod exec;
 mod local_worker;
 mod run;
@@ -19,6 +20,7 @@ pub async fn run(cli: Cli) -> u8 {
     match cli.command {
         Command::Exec(args) => exec::main(&cli.conn, args).await,
         Command::Sandbox(cmd) => sandbox::main(&cli.conn, cmd).await,
+        Command::Cp(args) => cp::main(&cli.conn, &args).await,
         Command::Run(args) => run::main(&cli.conn, &args).await,
         Command::Session(cmd) => session::main(&cli.conn, &cmd).await,
         Command::LocalWorker { idle } => local_worker::main(&cli.conn, idle).await,

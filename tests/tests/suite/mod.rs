@@ -2,6 +2,7 @@ mod agent;
 mod bad_input;
 mod cli;
 mod contract;
+mod copy;
 mod docker_loss;
 mod endpoints;
 mod gvisor;

@@ -26,11 +26,20 @@ pub struct Moved {
     pub bytes: u64,
 }
 
-/// Unpacks the tar stream `input` at `dest` (as `docker cp` does): into
-/// `dest` when it is a directory, else as `dest` itself (the archive's top
-/// entry takes its name), in its parent directory, which must exist.
+/// Unpacks the tar stream `input` at `dest`, which must resolve under the
+/// roots (see [`unpack`]).
 pub fn put(roots: &Roots, dest: &str, input: impl Read) -> Result<Moved, String> {
     let target = resolve_under_roots(roots, dest)?;
+    unpack(&target, dest, input)
+}
+
+/// Unpacks the tar stream `input` at `target` (as `docker cp` does): into
+/// `target` when it is a directory, else as `target` itself (the archive's
+/// top entry takes its name), in its parent directory, which must exist.
+/// Set-user-id, set-group-id and sticky bits are dropped. `dest` is how
+/// messages name the target.
+pub fn unpack(target: &Path, dest: &str, input: impl Read) -> Result<Moved, String> {
+    let target = target.to_path_buf();
     let (base, rename) = match fs::symlink_metadata(&target) {
         Ok(m) if m.is_dir() => (target, None),
         Ok(_) | Err(_) => {
@@ -46,7 +55,7 @@ pub fn put(roots: &Roots, dest: &str, input: impl Read) -> Result<Moved, String>
     };
     let base = fs::canonicalize(&base).map_err(|e| format!("{dest}: {e}"))?;
     let mut archive = tar::Archive::new(input);
-    archive.set_preserve_permissions(true);
+    archive.set_preserve_permissions(false);
     archive.set_preserve_mtime(true);
     archive.set_overwrite(true);
     let mut moved = Moved::default();
@@ -116,7 +125,7 @@ pub fn put(roots: &Roots, dest: &str, input: impl Read) -> Result<Moved, String>
     }
     for (dir, mode, mtime) in dirs.into_iter().rev() {
         use std::os::unix::fs::PermissionsExt;
-        fs::set_permissions(&dir, fs::Permissions::from_mode(mode & 0o7777))
+        fs::set_permissions(&dir, fs::Permissions::from_mode(mode & 0o777))
             .map_err(|e| format!("{}: {e}", dir.display()))?;
         set_mtime(&dir, mtime);
     }
@@ -128,6 +137,13 @@ pub fn put(roots: &Roots, dest: &str, input: impl Read) -> Result<Moved, String>
 /// which no archive holds, are left out with a note on stderr.
 pub fn get(roots: &Roots, src: &str, out: impl Write) -> Result<Moved, String> {
     let path = resolve_under_roots(roots, src)?;
+    pack(&path, out)
+}
+
+/// The tar stream of `path` (see [`get`]), written to `out`.
+pub fn pack(path: &Path, out: impl Write) -> Result<Moved, String> {
+    let src = path.display().to_string();
+    let path = path.to_path_buf();
     let meta = fs::symlink_metadata(&path).map_err(|e| format!("{src}: {e}"))?;
     let name = path
         .file_name()
@@ -263,14 +279,18 @@ fn set_mtime(path: &Path, mtime: u64) {
     );
 }
 
-/// An unpack error without the tar crate's wrapping of the path (the
-/// caller names the entry).
+/// An unpack error in its own words (the tar crate wraps it in one that
+/// names the paths; the caller names the entry).
 fn plain(e: &io::Error) -> String {
-    let text = e.to_string();
-    match text.rsplit_once(" when ") {
-        Some((first, _)) if text.starts_with("failed to unpack") => first.to_string(),
-        _ => text,
+    let mut said = e.to_string();
+    let mut cause: Option<&(dyn std::error::Error + 'static)> = e
+        .get_ref()
+        .map(|inner| inner as &(dyn std::error::Error + 'static));
+    while let Some(c) = cause.and_then(std::error::Error::source) {
+        said = c.to_string();
+        cause = Some(c);
     }
+    said
 }
 
 #[cfg(test)]

@@ -1,0 +1,310 @@
+//! Trees in and out of a sandbox as tar streams, through `put_archive` and
+//! `get_archive` operations: what `corral cp` and workspaces move.
+//!
+//! The local archive is made and unpacked on a blocking thread and moves in
+//! chunks of at most 1 MiB through a small bounded channel, so the slower
+//! side sets the pace (in the sandbox, the worker's input window and output
+//! credit do the same). Unpacking here follows corral-init's rules: nothing
+//! lands outside the destination, no link is followed out of it, and no
+//! set-id bit is kept. A worker that blinks is followed across the blink
+//! (input is placed by offset, events come from a cursor): nothing is lost
+//! or written twice.
+
+use std::io::{self, Read, Write};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use bytes::Bytes;
+use corral_proto::{
+    ArchiveSpec, EventKind, OperationId, OperationResult, OperationSpec, Outcome, OutputStream,
+    SandboxId,
+};
+use tokio::sync::mpsc;
+
+use crate::follow::{self, FollowError, Follower};
+use crate::worker_api::WorkerApi;
+
+/// Largest chunk of archive sent in one input call.
+pub const CHUNK: usize = corral_proto::limits::MAX_INPUT_CHUNK_BYTES;
+/// How long a transfer waits for a worker that went away.
+pub const PATIENCE: Duration = follow::DEFAULT_PATIENCE;
+/// Chunks waiting between the archive and the wire.
+const QUEUED_CHUNKS: usize = 4;
+/// Most bytes of the sandbox side's error output kept for the message.
+const MAX_ERROR_BYTES: usize = 16 * 1024;
+
+#[derive(Debug, thiserror::Error)]
+pub enum TransferError {
+    #[error(transparent)]
+    Worker(#[from] FollowError),
+    /// The sandbox's side refused or failed (its own words).
+    #[error("in the sandbox: {0}")]
+    Sandbox(String),
+    /// This machine's side failed.
+    #[error("{0}")]
+    Local(String),
+}
+
+/// What moved: the archive's bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Moved {
+    pub bytes: u64,
+}
+
+/// Copies the local `src` (a file, a link or a tree) to `dest` in the
+/// sandbox: into `dest` when that is a directory, else as `dest`.
+/// `progress` hears the archive bytes sent so far.
+pub async fn upload<W: WorkerApi>(
+    worker: &W,
+    sandbox: &SandboxId,
+    src: &Path,
+    dest: &str,
+    progress: impl FnMut(u64),
+) -> Result<Moved, TransferError> {
+    std::fs::symlink_metadata(src)
+        .map_err(|e| TransferError::Local(format!("{}: {e}", src.display())))?;
+    let (tx, rx) = mpsc::channel(QUEUED_CHUNKS);
+    let src = src.to_path_buf();
+    let packer = tokio::task::spawn_blocking(move || {
+        let mut out = ChunkWriter::new(tx.clone());
+        if let Err(e) = corral_init::archive::pack(&src, &mut out) {
+            // Said before the end, so the sandbox never takes a cut archive
+            // for a whole one.
+            let _ = tx.blocking_send(Err(e));
+        }
+    });
+    let sent = put(worker, sandbox, dest, rx, progress).await;
+    let _ = packer.await;
+    sent
+}
+
+/// Copies `src` of the sandbox (a file, a link or a tree) to the local
+/// `dest`: into `dest` when that is a directory, else as `dest`.
+/// `progress` hears the archive bytes received so far.
+pub async fn download<W: WorkerApi>(
+    worker: &W,
+    sandbox: &SandboxId,
+    src: &str,
+    dest: &Path,
+    progress: impl FnMut(u64),
+) -> Result<Moved, TransferError> {
+    let (tx, rx) = mpsc::channel::<Bytes>(QUEUED_CHUNKS);
+    let target = absolute(dest)?;
+    let shown = dest.display().to_string();
+    let unpacker = tokio::task::spawn_blocking(move || {
+        corral_init::archive::unpack(&target, &shown, ChunkReader::new(rx))
+    });
+    let got = get(worker, sandbox, src, tx, progress).await;
+    let unpacked = unpacker
+        .await
+        .map_err(|e| TransferError::Local(format!("unpacking: {e}")))?;
+    match (got, unpacked) {
+        (Ok(moved), Ok(_)) => Ok(moved),
+        // The local side stopped first: its error is the cause.
+        (Err(_), Err(e)) | (Ok(_), Err(e)) => Err(TransferError::Local(e)),
+        (Err(e), Ok(_)) => Err(e),
+    }
+}
+
+fn absolute(p: &Path) -> Result<PathBuf, TransferError> {
+    std::path::absolute(p).map_err(|e| TransferError::Local(format!("{}: {e}", p.display())))
+}
+
+/// Feeds a `put_archive` operation the chunks of `chunks` (an `Err` ends
+/// it as failed) and waits for its end.
+pub async fn put<W: WorkerApi>(
+    worker: &W,
+    sandbox: &SandboxId,
+    dest: &str,
+    mut chunks: mpsc::Receiver<Result<Bytes, String>>,
+    mut progress: impl FnMut(u64),
+) -> Result<Moved, TransferError> {
+    let op = OperationId::random();
+    let spec = OperationSpec::PutArchive(ArchiveSpec::new(dest));
+    let mut events =
+        Follower::from_now(worker.clone(), sandbox.clone(), Some(op.clone()), PATIENCE).await?;
+    follow::retry(worker, PATIENCE, || worker.submit(sandbox, &op, &spec)).await?;
+    let mut stderr = Vec::new();
+    let mut offset = 0u64;
+    let mut feeding = true;
+    loop {
+        tokio::select! {
+            event = events.next() => match event?.kind {
+                EventKind::Output { stream: OutputStream::Stderr, data } => keep(&mut stderr, &data),
+                EventKind::Finished(result) => {
+                    return ended(&result, &stderr).map(|()| Moved { bytes: offset });
+                }
+                EventKind::SandboxLost { reason } => {
+                    return Err(TransferError::Sandbox(format!("the sandbox was lost: {reason}")));
+                }
+                _ => {}
+            },
+            chunk = chunks.recv(), if feeding => {
+                let (data, eof) = match chunk {
+                    Some(Ok(data)) => (data, false),
+                    Some(Err(e)) => {
+                        // Best effort: the operation ends either way.
+                        let _ = worker.cancel(sandbox, &op).await;
+                        return Err(TransferError::Local(e));
+                    }
+                    None => (Bytes::new(), true),
+                };
+                let len = data.len() as u64;
+                let (_, closed) = follow::retry(worker, PATIENCE, || {
+                    worker.write_input(sandbox, &op, offset, data.clone(), eof)
+                })
+                .await?;
+                offset += len;
+                progress(offset);
+                // Closed early: the sandbox side stopped taking input (it
+                // failed), and its end says why.
+                feeding = !closed && !eof;
+            }
+        }
+    }
+}
+
+/// Follows a `get_archive` operation, handing its archive bytes to `out`.
+pub async fn get<W: WorkerApi>(
+    worker: &W,
+    sandbox: &SandboxId,
+    src: &str,
+    out: mpsc::Sender<Bytes>,
+    mut progress: impl FnMut(u64),
+) -> Result<Moved, TransferError> {
+    let op = OperationId::random();
+    let spec = OperationSpec::GetArchive(ArchiveSpec::new(src));
+    let mut events =
+        Follower::from_now(worker.clone(), sandbox.clone(), Some(op.clone()), PATIENCE).await?;
+    follow::retry(worker, PATIENCE, || worker.submit(sandbox, &op, &spec)).await?;
+    let mut stderr = Vec::new();
+    let mut received = 0u64;
+    loop {
+        match events.next().await?.kind {
+            EventKind::Output {
+                stream: OutputStream::Stdout,
+                data,
+            } => {
+                received += data.len() as u64;
+                if out.send(data).await.is_err() {
+                    // The local side gave up (and says why).
+                    let _ = worker.cancel(sandbox, &op).await;
+                    return Err(TransferError::Local("unpacking stopped".into()));
+                }
+                progress(received);
+            }
+            EventKind::Output { data, .. } => keep(&mut stderr, &data),
+            EventKind::Finished(result) => {
+                return ended(&result, &stderr).map(|()| Moved { bytes: received });
+            }
+            EventKind::SandboxLost { reason } => {
+                return Err(TransferError::Sandbox(format!(
+                    "the sandbox was lost: {reason}"
+                )));
+            }
+            EventKind::Gap { from, to } => {
+                let _ = worker.cancel(sandbox, &op).await;
+                return Err(TransferError::Sandbox(format!(
+                    "events {from}..={to} of the archive were dropped by the worker's journal"
+                )));
+            }
+            EventKind::Started { .. } => {}
+        }
+    }
+}
+
+fn keep(stderr: &mut Vec<u8>, data: &[u8]) {
+    let room = MAX_ERROR_BYTES.saturating_sub(stderr.len());
+    stderr.extend_from_slice(&data[..data.len().min(room)]);
+}
+
+/// Success, or the sandbox side's own words for what failed.
+fn ended(result: &OperationResult, stderr: &[u8]) -> Result<(), TransferError> {
+    if result.outcome == (Outcome::Exited { code: 0 }) {
+        return Ok(());
+    }
+    let said = String::from_utf8_lossy(stderr).trim().to_string();
+    let said = if said.is_empty() {
+        String::from_utf8_lossy(&result.stderr.head)
+            .trim()
+            .to_string()
+    } else {
+        said
+    };
+    Err(TransferError::Sandbox(if said.is_empty() {
+        result.outcome.to_string()
+    } else {
+        said
+    }))
+}
+
+/// A `Write` that hands full chunks to a channel (blocking when it is
+/// full): the packing thread's end of an upload.
+struct ChunkWriter {
+    tx: mpsc::Sender<Result<Bytes, String>>,
+    buf: Vec<u8>,
+}
+
+impl ChunkWriter {
+    fn new(tx: mpsc::Sender<Result<Bytes, String>>) -> Self {
+        Self {
+            tx,
+            buf: Vec::with_capacity(CHUNK),
+        }
+    }
+
+    fn send(&mut self) -> io::Result<()> {
+        if self.buf.is_empty() {
+            return Ok(());
+        }
+        let chunk = Bytes::from(std::mem::replace(&mut self.buf, Vec::with_capacity(CHUNK)));
+        self.tx
+            .blocking_send(Ok(chunk))
+            .map_err(|_| io::Error::new(io::ErrorKind::BrokenPipe, "the upload stopped"))
+    }
+}
+
+impl Write for ChunkWriter {
+    fn write(&mut self, data: &[u8]) -> io::Result<usize> {
+        let n = data.len().min(CHUNK - self.buf.len());
+        self.buf.extend_from_slice(&data[..n]);
+        if self.buf.len() == CHUNK {
+            self.send()?;
+        }
+        Ok(n)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        self.send()
+    }
+}
+
+/// A `Read` over chunks from a channel (blocking while it is empty): the
+/// unpacking thread's end of a download.
+struct ChunkReader {
+    rx: mpsc::Receiver<Bytes>,
+    current: Bytes,
+}
+
+impl ChunkReader {
+    fn new(rx: mpsc::Receiver<Bytes>) -> Self {
+        Self {
+            rx,
+            current: Bytes::new(),
+        }
+    }
+}
+
+impl Read for ChunkReader {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        while self.current.is_empty() {
+            match self.rx.blocking_recv() {
+                Some(chunk) => self.current = chunk,
+                None => return Ok(0),
+            }
+        }
+        let n = buf.len().min(self.current.len());
+        buf[..n].copy_from_slice(&self.current.split_to(n));
+        Ok(n)
+    }
+}

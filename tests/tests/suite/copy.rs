@@ -1,0 +1,208 @@
+//! `corral cp`: files and trees into and out of a sandbox, byte-exact with
+//! their modes and times, links never followed out, and clean failures.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+use anyhow::{Result, bail};
+use corral_e2e::{Harness, binary};
+use corral_proto::{SandboxId, SandboxSpec};
+
+async fn corral(h: &Harness, args: &[&str]) -> Result<Output> {
+    Ok(tokio::process::Command::new(binary("corral")?)
+        .arg("--worker")
+        .arg(&h.url)
+        .args(args)
+        .env_remove("CORRAL_WORKER")
+        .output()
+        .await?)
+}
+
+async fn cp(h: &Harness, src: &str, dest: &str) -> Result<()> {
+    let out = corral(h, &["cp", src, dest]).await?;
+    if !out.status.success() {
+        bail!(
+            "corral cp {src} {dest}: {:?}: {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Ok(())
+}
+
+/// The same listing on both sides: every path under the directory with its
+/// mode and mtime, and each file's checksum.
+const LISTING: &str = "find . | sort | xargs stat -c '%a %Y %n' && \
+     find . -type f | sort | xargs sha256sum";
+
+fn local_listing(dir: &Path) -> Result<String> {
+    let out = Command::new("sh")
+        .arg("-c")
+        .arg(LISTING)
+        .current_dir(dir)
+        .output()?;
+    if !out.status.success() {
+        bail!(
+            "listing {}: {}",
+            dir.display(),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Ok(String::from_utf8(out.stdout)?)
+}
+
+async fn sandbox_listing(h: &Harness, sb: &SandboxId, dir: &str) -> Result<String> {
+    // Streamed: the listing is longer than a result keeps.
+    let (events, r) = h
+        .run_spec(
+            sb,
+            corral_proto::OperationSpec::Shell(corral_proto::ShellSpec::new(format!(
+                "cd {dir} && {LISTING}"
+            ))),
+        )
+        .await?;
+    if !r.outcome.is_success() {
+        bail!("listing {dir}: {r:?}");
+    }
+    Ok(String::from_utf8(corral_e2e::stdout_of(&events))?)
+}
+
+/// Fails with the first lines that differ (listings are long).
+fn same(what: &str, got: &str, want: &str) -> Result<()> {
+    let (g, w): (Vec<&str>, Vec<&str>) = (got.lines().collect(), want.lines().collect());
+    if let Some(i) = (0..g.len().max(w.len())).find(|&i| g.get(i) != w.get(i)) {
+        bail!(
+            "{what} differs at line {i} of {}: got {:?}, want {:?}",
+            w.len(),
+            g.get(i),
+            w.get(i)
+        );
+    }
+    Ok(())
+}
+
+fn sh(cmd: &str, dir: &Path) -> Result<()> {
+    let status = Command::new("sh")
+        .arg("-c")
+        .arg(cmd)
+        .current_dir(dir)
+        .status()?;
+    if !status.success() {
+        bail!("{cmd}: {status}");
+    }
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_large_file_and_ten_thousand_small_ones_go_in_and_out_byte_exact() -> Result<()> {
+    let h = Harness::start().await?;
+    let sb = h.sandbox().await?;
+    let local = tempfile::tempdir()?;
+    let src = local.path().join("src");
+    std::fs::create_dir(&src)?;
+    // 200 MB of noise, and 10,000 small files in 100 directories, with
+    // modes, times and a link that stays a link.
+    sh(
+        "head -c 200000000 /dev/urandom > big.bin && chmod 640 big.bin && \
+         touch -d @1500000000 big.bin && \
+         for d in $(seq 0 99); do mkdir tree$d; \
+           for f in $(seq 0 99); do echo \"$d/$f\" > tree$d/f$f; done; \
+           chmod 755 tree$d/f0; done && \
+         ln -s ../big.bin tree0/link && touch -h -d @1400000000 tree0/link && \
+         find . -type d -exec touch -d @1600000000 {} +",
+        &src,
+    )?;
+    let sid = sb.as_str();
+    cp(&h, src.to_str().unwrap(), &format!("{sid}:/workspace/in")).await?;
+    let want = local_listing(&src)?;
+    assert!(want.lines().count() > 20_000);
+    same(
+        "what went in",
+        &sandbox_listing(&h, &sb, "/workspace/in").await?,
+        &want,
+    )?;
+    let back = local.path().join("back");
+    cp(&h, &format!("{sid}:in"), back.to_str().unwrap()).await?;
+    same("what came out", &local_listing(&back)?, &want)?;
+    assert_eq!(
+        std::fs::read_link(back.join("tree0/link"))?,
+        Path::new("../big.bin")
+    );
+    // Into a directory that exists: under the source's own name.
+    cp(&h, &format!("{sid}:in/tree7"), back.to_str().unwrap()).await?;
+    assert_eq!(std::fs::read_to_string(back.join("tree7/f3"))?, "7/3\n");
+    h.client.destroy_sandbox(&sb).await?;
+    h.stop().await;
+    Ok(())
+}
+
+#[tokio::test]
+async fn links_are_never_followed_out_and_a_full_workspace_fails_cleanly() -> Result<()> {
+    let h = Harness::start().await?;
+    let sb = h
+        .sandbox_with(SandboxSpec {
+            workspace_bytes: Some(32 << 20),
+            ..SandboxSpec::default()
+        })
+        .await?;
+    let sid = sb.as_str();
+    let local = tempfile::tempdir()?;
+    std::fs::write(local.path().join("small"), "small\n")?;
+    let small = local.path().join("small");
+    let r = h
+        .run(
+            &sb,
+            "ln -s /etc /workspace/etc-link && mkdir /workspace/d && \
+             ln -s /etc/passwd /workspace/d/pw && echo in > /workspace/d/f",
+        )
+        .await?;
+    assert!(r.outcome.is_success(), "{r:?}");
+    // A link out of the roots is not a way in, nor a way out.
+    for (src, dest) in [
+        (
+            small.to_str().unwrap().to_string(),
+            format!("{sid}:etc-link/x"),
+        ),
+        (
+            format!("{sid}:etc-link"),
+            local.path().join("etc").display().to_string(),
+        ),
+    ] {
+        let out = corral(&h, &["cp", &src, &dest]).await?;
+        assert_eq!(out.status.code(), Some(125), "cp {src} {dest}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("outside"), "{err}");
+        assert_eq!(err.lines().count(), 1, "{err}");
+    }
+    // A link inside a tree comes out as a link; one standing where the
+    // tree lands locally is replaced, not followed.
+    let victim = tempfile::tempdir()?;
+    let dest = local.path().join("dest");
+    std::fs::create_dir(&dest)?;
+    std::os::unix::fs::symlink(victim.path(), dest.join("d"))?;
+    cp(&h, &format!("{sid}:d"), dest.to_str().unwrap()).await?;
+    assert_eq!(
+        std::fs::read_link(dest.join("d/pw"))?,
+        Path::new("/etc/passwd")
+    );
+    assert_eq!(std::fs::read_to_string(dest.join("d/f"))?, "in\n");
+    assert_eq!(
+        std::fs::read_dir(victim.path())?.count(),
+        0,
+        "written through a link"
+    );
+
+    // More than the workspace holds: a clear error, and the sandbox goes on.
+    let big = local.path().join("big");
+    sh("head -c 67108864 /dev/zero > big", local.path())?;
+    let out = corral(&h, &["cp", big.to_str().unwrap(), &format!("{sid}:big")]).await?;
+    assert_eq!(out.status.code(), Some(125));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("No space left"), "{err}");
+    assert_eq!(err.lines().count(), 1, "{err}");
+    let r = h.run(&sb, "rm -f /workspace/big; echo fine").await?;
+    assert_eq!(r.stdout.to_lossy_string(), "fine\n");
+    h.client.destroy_sandbox(&sb).await?;
+    h.stop().await;
+    Ok(())
+}
