@@ -27,6 +27,38 @@ pub fn one_line(s: &str, max: usize) -> String {
     out
 }
 
+/// A call's result as the terminal shows it: marked by how it ended
+/// (✓ ok, ✗ failed, lost or refused, ⊘ canceled), with its exit code when
+/// it failed and how long it took.
+fn result_line(
+    tool: &str,
+    status: &str,
+    exit_code: Option<i32>,
+    took: Option<std::time::Duration>,
+    text: &str,
+) -> String {
+    let mut how = Vec::new();
+    match (status, exit_code) {
+        ("ok", _) | ("failed", None) => {}
+        ("failed", Some(code)) => how.push(format!("exit {code}")),
+        (other, _) => how.push(other.to_string()),
+    }
+    if let Some(d) = took {
+        how.push(format!("{:.1}s", d.as_secs_f64()));
+    }
+    let how = if how.is_empty() {
+        String::new()
+    } else {
+        format!(" ({})", how.join(", "))
+    };
+    let mark = match status {
+        "ok" => "✓",
+        "canceled" => "⊘",
+        _ => "✗",
+    };
+    format!("{mark} {tool}{how}: {}", one_line(text, 160))
+}
+
 impl TerminalView {
     fn show(&mut self, e: &Event) -> std::io::Result<()> {
         let mut out = std::io::stdout().lock();
@@ -86,6 +118,8 @@ impl TerminalView {
                 call_id,
                 tool,
                 text,
+                status,
+                exit_code,
                 ..
             } => {
                 let took = self
@@ -93,8 +127,7 @@ impl TerminalView {
                     .iter()
                     .position(|(c, _, _)| c == call_id)
                     .map(|i| self.running.remove(i).2.elapsed());
-                let took = took.map_or(String::new(), |d| format!(" ({:.1}s)", d.as_secs_f64()));
-                writeln!(err, "✓ {tool}{took}: {}", one_line(text, 160))?;
+                writeln!(err, "{}", result_line(tool, status, *exit_code, took, text))?;
             }
             Event::Heartbeat { .. } => writeln!(err, "♥ heartbeat sent to the model")?,
             Event::ModelFailed { error, .. } => writeln!(err, "model failed: {error}")?,
@@ -161,5 +194,36 @@ impl View {
                 mid_line: false,
             })
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn results_are_marked_by_how_they_ended() {
+        let secs = Some(Duration::from_millis(1500));
+        assert_eq!(
+            result_line("Bash", "ok", Some(0), secs, "fine\nmore"),
+            "✓ Bash (1.5s): fine…"
+        );
+        assert_eq!(
+            result_line("Bash", "failed", Some(3), secs, "broken"),
+            "✗ Bash (exit 3, 1.5s): broken"
+        );
+        assert_eq!(
+            result_line("Bash", "canceled", None, None, "stopped"),
+            "⊘ Bash (canceled): stopped"
+        );
+        assert_eq!(
+            result_line("ReadFile", "refused", None, None, "Error: bad"),
+            "✗ ReadFile (refused): Error: bad"
+        );
+        assert_eq!(
+            result_line("Bash", "lost", None, None, "gone"),
+            "✗ Bash (lost): gone"
+        );
     }
 }

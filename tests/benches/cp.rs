@@ -39,7 +39,12 @@ fn median(mut v: Vec<Duration>) -> Duration {
 
 fn same_file(a: &Path, b: &Path) -> Result<()> {
     let status = Command::new("cmp").arg(a).arg(b).status()?;
-    anyhow::ensure!(status.success(), "{} and {} differ", a.display(), b.display());
+    anyhow::ensure!(
+        status.success(),
+        "{} and {} differ",
+        a.display(),
+        b.display()
+    );
     Ok(())
 }
 
@@ -49,10 +54,7 @@ async fn main() -> Result<()> {
     let file = dir.path().join("one-gib");
     let status = Command::new("sh")
         .arg("-c")
-        .arg(format!(
-            "head -c {BYTES} /dev/urandom > {}",
-            file.display()
-        ))
+        .arg(format!("head -c {BYTES} /dev/urandom > {}", file.display()))
         .status()?;
     anyhow::ensure!(status.success(), "making the file");
     let back = dir.path().join("back");

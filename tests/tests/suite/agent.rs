@@ -336,6 +336,56 @@ async fn malformed_tool_arguments_go_back_to_the_model_and_the_run_goes_on() -> 
     Ok(())
 }
 
+/// Each `tool_result` says how its call ended: status, exit code and the
+/// time its command ran, for a success, a failure and a refusal alike.
+#[tokio::test]
+async fn tool_results_carry_how_each_call_ended() -> Result<()> {
+    let h = Harness::start().await?;
+    let sessions = tempfile::tempdir()?;
+    // The commands in one turn, the refusal in the next.
+    let script = || {
+        vec![
+            responses::calls(&[
+                ("ok", "Bash", &bash("echo fine")),
+                ("bad", "Bash", &bash("sleep 0.2; echo broken >&2; exit 3")),
+            ]),
+            responses::calls(&[("refused", "Bash", "{\"command\": ")]),
+            responses::text("Done."),
+        ]
+    };
+    let model = ModelServer::start(script()).await;
+    let run = corral_run(&model, &h.url, sessions.path(), &["try"]).await?;
+    assert_eq!(run.code, 0, "{}", run.stderr);
+    let results = run.of_type("tool_result");
+    let by = |id: &str| {
+        results
+            .iter()
+            .find(|e| e["call_id"] == id)
+            .cloned()
+            .unwrap_or_else(|| panic!("no tool_result for {id}: {results:?}"))
+    };
+    let ok = by("ok");
+    assert_eq!(
+        (ok["status"].as_str(), ok["exit_code"].as_i64()),
+        (Some("ok"), Some(0))
+    );
+    let bad = by("bad");
+    assert_eq!(
+        (bad["status"].as_str(), bad["exit_code"].as_i64()),
+        (Some("failed"), Some(3))
+    );
+    assert!(
+        bad["duration_ms"].as_u64().is_some_and(|d| d >= 200),
+        "{bad}"
+    );
+    let refused = by("refused");
+    assert_eq!(refused["status"], "refused");
+    assert!(refused.get("exit_code").is_none(), "{refused}");
+
+    h.stop().await;
+    Ok(())
+}
+
 #[tokio::test]
 async fn rate_limits_and_server_errors_are_retried_and_a_bad_request_fails_with_exit_1()
 -> Result<()> {

@@ -14,7 +14,7 @@ pub use super::record::Overrides;
 use super::record::{CallOutcome, OpEntry, OpSnapshot, Record, SessionConfig, StopCause, StopMode};
 use super::state::{Shown, State};
 use crate::llm::{Item, LlmError, Request, Response, ToolOutput};
-use crate::ops::{Operation, Progress};
+use crate::ops::{OpStatus, Operation, Progress};
 use crate::session::{LogError, SessionLog};
 use crate::tools::{CallStatus, Registry};
 
@@ -457,11 +457,15 @@ impl Core {
         let ops = self.state.operations_of(call);
         let output = self.registry.render(&call.tool, &call.outcome, &ops);
         let tool = call.tool.clone();
+        let ended = Ended::of(&call.outcome, &ops);
         self.emit(Event::ToolResult {
             call_id: call_id.into(),
             tool,
             text: ToolOutput::text_of(&output),
             images: ToolOutput::images_in(&output),
+            status: ended.status,
+            exit_code: ended.exit_code,
+            duration_ms: ended.duration_ms,
         });
         self.record(Record::Result {
             call_id: call_id.into(),
@@ -651,3 +655,64 @@ pub fn now_ms() -> i64 {
 #[cfg(test)]
 #[path = "core_tests.rs"]
 mod tests;
+
+/// How a call ended, as its `tool_result` event tells it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Ended {
+    pub status: &'static str,
+    pub exit_code: Option<i32>,
+    pub duration_ms: Option<u64>,
+}
+
+impl Ended {
+    /// From the call's outcome and its operations (in order): the worst of
+    /// them sets the status; the last command that exited, the exit code.
+    pub fn of(outcome: &CallOutcome, ops: &[Operation]) -> Self {
+        use corral_proto::Outcome;
+        let mut ended = Self {
+            status: "ok",
+            exit_code: None,
+            duration_ms: None,
+        };
+        match outcome {
+            CallOutcome::Error { .. } => {
+                ended.status = "refused";
+                return ended;
+            }
+            CallOutcome::Done { .. } => return ended,
+            CallOutcome::Submit => {}
+        }
+        let rank = |s: &str| match s {
+            "ok" => 0,
+            "failed" => 1,
+            "canceled" => 2,
+            _ => 3,
+        };
+        for op in ops {
+            let status = match (op.status, op.result.as_ref().map(|r| &r.outcome)) {
+                (OpStatus::Canceled, _) | (_, Some(Outcome::Canceled)) => "canceled",
+                (_, Some(Outcome::SandboxLost { .. })) => "lost",
+                (OpStatus::Failed, _)
+                    if op.failure.as_deref().is_some_and(|f| {
+                        f.starts_with("sandbox ") || f.starts_with("the sandbox was lost")
+                    }) =>
+                {
+                    "lost"
+                }
+                (OpStatus::Failed, _) => "failed",
+                (_, Some(o)) if !o.is_success() => "failed",
+                _ => "ok",
+            };
+            if rank(status) > rank(ended.status) {
+                ended.status = status;
+            }
+            if let Some(r) = &op.result {
+                if let Outcome::Exited { code } = r.outcome {
+                    ended.exit_code = Some(code);
+                }
+                *ended.duration_ms.get_or_insert(0) += r.duration_ms;
+            }
+        }
+        ended
+    }
+}

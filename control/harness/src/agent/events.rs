@@ -87,6 +87,16 @@ pub enum Event {
         tool: String,
         text: String,
         images: usize,
+        /// How the call ended: ok | failed (a non-zero exit, a timeout, a
+        /// file error...) | canceled | lost (its sandbox or worker) |
+        /// refused (never ran: malformed arguments, an unknown tool).
+        status: &'static str,
+        /// The exit code of its command, when one exited.
+        #[serde(skip_serializing_if = "Option::is_none")]
+        exit_code: Option<i32>,
+        /// How long its operations ran, in the sandbox.
+        #[serde(skip_serializing_if = "Option::is_none")]
+        duration_ms: Option<u64>,
     },
     Heartbeat {
         text: String,
