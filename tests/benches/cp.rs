@@ -58,6 +58,7 @@ async fn main() -> Result<()> {
         .status()?;
     anyhow::ensure!(status.success(), "making the file");
     let back = dir.path().join("back");
+    let (file_s, back_s) = (file.display().to_string(), back.display().to_string());
 
     let h = Harness::start().await?;
     let sb = h
@@ -74,15 +75,9 @@ async fn main() -> Result<()> {
     };
     let (mut corral_in, mut corral_out) = (Vec::new(), Vec::new());
     for _ in 0..RUNS {
-        corral_in.push(run(&mut cp(
-            file.to_str().unwrap(),
-            &format!("{}:f", sb.as_str()),
-        ))?);
+        corral_in.push(run(&mut cp(&file_s, &format!("{}:f", sb.as_str())))?);
         let _ = std::fs::remove_file(&back);
-        corral_out.push(run(&mut cp(
-            &format!("{}:f", sb.as_str()),
-            back.to_str().unwrap(),
-        ))?);
+        corral_out.push(run(&mut cp(&format!("{}:f", sb.as_str()), &back_s))?);
         same_file(&file, &back)?;
     }
     h.client.destroy_sandbox(&sb).await?;
@@ -105,14 +100,14 @@ async fn main() -> Result<()> {
         for _ in 0..RUNS {
             docker_in.push(run(Command::new("docker").args([
                 "cp",
-                file.to_str().unwrap(),
+                &file_s,
                 &format!("{name}:/tmp/f"),
             ]))?);
             let _ = std::fs::remove_file(&back);
             docker_out.push(run(Command::new("docker").args([
                 "cp",
                 &format!("{name}:/tmp/f"),
-                back.to_str().unwrap(),
+                &back_s,
             ]))?);
             same_file(&file, &back)?;
         }
