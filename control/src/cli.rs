@@ -314,10 +314,39 @@ pub enum SandboxCommand {
         #[arg(long, value_parser = humantime::parse_duration)]
         idle_timeout: Option<Duration>,
     },
-    /// List sandboxes.
-    Ls,
-    /// Remove a sandbox.
-    Rm { id: String },
+    /// List sandboxes: id, state, image, age, idle time, running
+    /// commands, worker and container.
+    Ls {
+        /// One JSON array of sandboxes.
+        #[arg(long)]
+        json: bool,
+        /// Ids only, one per line.
+        #[arg(long, short, conflicts_with = "json")]
+        quiet: bool,
+    },
+    /// Everything about one sandbox: spec, limits, image, worker,
+    /// container, age, idle time.
+    Inspect {
+        id: String,
+        /// As one JSON object.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Remove sandboxes (and everything in them).
+    Rm {
+        #[arg(required_unless_present = "all", conflicts_with = "all")]
+        ids: Vec<String>,
+        /// Every sandbox of the worker.
+        #[arg(long)]
+        all: bool,
+    },
+    /// Remove the sandboxes nobody uses: lost ones, and those running
+    /// nothing that no client has used for --idle. Prints what it removed.
+    Prune {
+        /// How long unused (e.g. 30m, 2h).
+        #[arg(long, default_value = "1h", value_parser = humantime::parse_duration)]
+        idle: Duration,
+    },
     /// Kill every process in a sandbox (its files stay); running commands
     /// end as canceled. Works when the sandbox is at its process limit.
     Reset { id: String },

@@ -21,6 +21,12 @@ pub struct SandboxInfo {
     pub last_seq: u64,
     pub running_operations: u32,
     pub created_at_unix_ms: i64,
+    /// When a client last used it (0: unknown).
+    pub last_used_unix_ms: i64,
+    /// The worker that owns it (empty: unknown).
+    pub worker_id: String,
+    /// The image it runs (empty: unknown).
+    pub image: String,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -96,6 +102,9 @@ impl From<SandboxInfo> for pb::Sandbox {
             running_operations: s.running_operations,
             lost_reason,
             created_at_unix_ms: s.created_at_unix_ms,
+            last_used_unix_ms: s.last_used_unix_ms,
+            worker_id: s.worker_id,
+            image: s.image,
         }
     }
 }
@@ -122,6 +131,9 @@ impl TryFrom<pb::Sandbox> for SandboxInfo {
             last_seq: s.last_seq,
             running_operations: s.running_operations,
             created_at_unix_ms: s.created_at_unix_ms,
+            last_used_unix_ms: s.last_used_unix_ms,
+            worker_id: s.worker_id,
+            image: s.image,
         })
     }
 }

@@ -372,6 +372,10 @@ impl Sandbox {
             last_seq: *self.shared.last_seq.borrow(),
             running_operations: lock(&self.shared.ops).running() as u32,
             created_at_unix_ms: self.created_at_unix_ms,
+            last_used_unix_ms: crate::state::now_unix_ms()
+                - i64::try_from(self.idle_for().as_millis()).unwrap_or(i64::MAX),
+            worker_id: String::new(),
+            image: String::new(),
         }
     }
 

@@ -385,18 +385,28 @@ impl Worker {
         }
         info!(sandbox = %id, container = %container, "sandbox ready");
         lock(&self.inner.sandboxes).insert(id, sandbox.clone());
-        Ok(sandbox.info())
+        Ok(self.info_of(&sandbox))
+    }
+
+    /// A sandbox as clients see it: with its worker and its image.
+    fn info_of(&self, sandbox: &Sandbox) -> SandboxInfo {
+        let mut info = sandbox.info();
+        info.worker_id = self.id().to_string();
+        info.image = info
+            .spec
+            .image
+            .clone()
+            .unwrap_or_else(|| self.inner.default_image.clone());
+        info
     }
 
     pub fn get_sandbox(&self, id: &SandboxId) -> Result<SandboxInfo> {
-        Ok(self.sandbox(id)?.info())
+        Ok(self.info_of(&self.sandbox(id)?))
     }
 
     pub fn list_sandboxes(&self) -> Vec<SandboxInfo> {
-        let mut all: Vec<SandboxInfo> = lock(&self.inner.sandboxes)
-            .values()
-            .map(Sandbox::info)
-            .collect();
+        let sandboxes: Vec<Sandbox> = lock(&self.inner.sandboxes).values().cloned().collect();
+        let mut all: Vec<SandboxInfo> = sandboxes.iter().map(|s| self.info_of(s)).collect();
         all.sort_by(|a, b| (a.created_at_unix_ms, &a.id).cmp(&(b.created_at_unix_ms, &b.id)));
         all
     }

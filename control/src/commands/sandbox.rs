@@ -85,35 +85,108 @@ async fn sandbox_command(conn: &ConnArgs, cmd: SandboxCommand) -> Result<(), Err
             let sb = conn.create_sandbox(id.as_ref(), spec).await?;
             writeln!(stdout, "{}", sb.id)?;
         }
-        SandboxCommand::Ls => {
+        SandboxCommand::Ls { json, quiet } => {
             let all = conn.list_sandboxes().await?;
-            writeln!(
-                stdout,
-                "{:<38} {:<8} {:<24} {:>7} CONTAINER",
-                "ID", "STATE", "IMAGE", "RUNNING"
-            )?;
-            for sb in all {
-                let state = match &sb.state {
-                    SandboxState::Ready => "ready",
-                    SandboxState::Starting => "starting",
-                    SandboxState::Lost(_) => "lost",
-                };
-                let image = sb.spec.image.as_deref().unwrap_or("(default)");
-                writeln!(
-                    stdout,
-                    "{:<38} {:<8} {:<24} {:>7} {}",
-                    sb.id,
-                    state,
-                    image,
-                    sb.running_operations,
-                    &sb.container_id[..sb.container_id.len().min(12)]
-                )?;
+            if quiet {
+                for sb in &all {
+                    writeln!(stdout, "{}", sb.id)?;
+                }
+            } else if json {
+                let list: Vec<_> = all.iter().map(to_json).collect();
+                writeln!(stdout, "{}", serde_json::Value::Array(list))?;
+            } else {
+                let now = now_ms();
+                let mut rows = vec![
+                    [
+                        "ID",
+                        "STATE",
+                        "IMAGE",
+                        "AGE",
+                        "IDLE",
+                        "RUNNING",
+                        "WORKER",
+                        "CONTAINER",
+                    ]
+                    .map(String::from),
+                ];
+                for sb in &all {
+                    rows.push([
+                        sb.id.to_string(),
+                        state_name(&sb.state).to_string(),
+                        sb.image.clone(),
+                        ago(now, sb.created_at_unix_ms),
+                        if sb.running_operations > 0 {
+                            "-".into()
+                        } else {
+                            ago(now, sb.last_used_unix_ms)
+                        },
+                        sb.running_operations.to_string(),
+                        sb.worker_id.clone(),
+                        sb.container_id.chars().take(12).collect(),
+                    ]);
+                }
+                write_table(&mut stdout, &rows)?;
             }
         }
-        SandboxCommand::Rm { id } => {
-            let id = sandbox_id(&id)?;
-            if !conn.destroy_sandbox(&id).await? {
-                return Err(Error::Invalid(format!("unknown sandbox {id}")));
+        SandboxCommand::Inspect { id, json } => {
+            let sb = conn.get_sandbox(&sandbox_id(&id)?).await?;
+            let v = to_json(&sb);
+            if json {
+                writeln!(stdout, "{v}")?;
+            } else {
+                let now = now_ms();
+                let spec = serde_json::to_string(&sb.spec).unwrap_or_default();
+                for (k, val) in [
+                    ("id", sb.id.to_string()),
+                    ("state", state_text(&sb.state)),
+                    ("image", sb.image.clone()),
+                    ("worker", sb.worker_id.clone()),
+                    ("container", sb.container_id.clone()),
+                    ("age", ago(now, sb.created_at_unix_ms)),
+                    ("idle", ago(now, sb.last_used_unix_ms)),
+                    ("running", sb.running_operations.to_string()),
+                    ("last event", sb.last_seq.to_string()),
+                    ("spec", spec),
+                ] {
+                    writeln!(stdout, "{:<11} {val}", format!("{k}:"))?;
+                }
+            }
+        }
+        SandboxCommand::Rm { ids, all } => {
+            let ids: Vec<SandboxId> = if all {
+                conn.list_sandboxes()
+                    .await?
+                    .into_iter()
+                    .map(|s| s.id)
+                    .collect()
+            } else {
+                ids.iter()
+                    .map(|i| sandbox_id(i))
+                    .collect::<Result<_, _>>()?
+            };
+            // Each one tried; the unknown ones named together at the end.
+            let mut unknown = Vec::new();
+            for id in ids {
+                if !conn.destroy_sandbox(&id).await? {
+                    unknown.push(id.to_string());
+                }
+            }
+            if !unknown.is_empty() {
+                return Err(Error::Invalid(format!(
+                    "unknown sandbox {}",
+                    unknown.join(", ")
+                )));
+            }
+        }
+        SandboxCommand::Prune { idle } => {
+            let now = now_ms();
+            for sb in conn.list_sandboxes().await? {
+                let unused_for = now.saturating_sub(sb.last_used_unix_ms);
+                let lost = matches!(sb.state, SandboxState::Lost(_));
+                let unused = sb.running_operations == 0 && unused_for >= idle.as_millis() as i64;
+                if (lost || unused) && conn.destroy_sandbox(&sb.id).await? {
+                    writeln!(stdout, "{}", sb.id)?;
+                }
             }
         }
         SandboxCommand::Reset { id } => {
@@ -123,4 +196,109 @@ async fn sandbox_command(conn: &ConnArgs, cmd: SandboxCommand) -> Result<(), Err
         }
     }
     Ok(())
+}
+
+fn state_name(s: &SandboxState) -> &'static str {
+    match s {
+        SandboxState::Ready => "ready",
+        SandboxState::Starting => "starting",
+        SandboxState::Lost(_) => "lost",
+    }
+}
+
+fn state_text(s: &SandboxState) -> String {
+    match s {
+        SandboxState::Lost(why) => format!("lost: {why}"),
+        other => state_name(other).to_string(),
+    }
+}
+
+fn now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as i64)
+}
+
+/// How long ago `then` was, shortly: 45s, 12m, 3h, 2d.
+fn ago(now: i64, then: i64) -> String {
+    if then <= 0 {
+        return "?".into();
+    }
+    let s = now.saturating_sub(then).max(0) / 1000;
+    match s {
+        0..60 => format!("{s}s"),
+        60..3600 => format!("{}m", s / 60),
+        3600..86400 => format!("{}h", s / 3600),
+        _ => format!("{}d", s / 86400),
+    }
+}
+
+fn to_json(sb: &corral_proto::SandboxInfo) -> serde_json::Value {
+    let (state, lost_reason) = match &sb.state {
+        SandboxState::Lost(why) => ("lost", Some(why.clone())),
+        other => (state_name(other), None),
+    };
+    serde_json::json!({
+        "id": sb.id.to_string(),
+        "state": state,
+        "lost_reason": lost_reason,
+        "image": sb.image,
+        "worker_id": sb.worker_id,
+        "container_id": sb.container_id,
+        "created_at_unix_ms": sb.created_at_unix_ms,
+        "last_used_unix_ms": sb.last_used_unix_ms,
+        "running_operations": sb.running_operations,
+        "last_seq": sb.last_seq,
+        "spec": sb.spec,
+    })
+}
+
+/// Rows as aligned columns, two spaces apart (the last one not padded).
+fn write_table(out: &mut impl Write, rows: &[[String; 8]]) -> std::io::Result<()> {
+    let mut widths = [0usize; 8];
+    for row in rows {
+        for (w, cell) in widths.iter_mut().zip(row) {
+            *w = (*w).max(cell.chars().count());
+        }
+    }
+    for row in rows {
+        let mut line = String::new();
+        for (i, cell) in row.iter().enumerate() {
+            if i + 1 == row.len() {
+                line.push_str(cell);
+            } else {
+                line.push_str(&format!("{cell:<w$}  ", w = widths[i]));
+            }
+        }
+        writeln!(out, "{}", line.trim_end())?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tables_line_up_and_ages_are_short() {
+        let row = |a: &str, b: &str| {
+            let mut r: [String; 8] = Default::default();
+            r[0] = a.into();
+            r[1] = b.into();
+            r[7] = "end".into();
+            r
+        };
+        let mut out = Vec::new();
+        write_table(
+            &mut out,
+            &[row("ID", "STATE"), row("a-much-longer-id", "x")],
+        )
+        .unwrap();
+        let text = String::from_utf8(out).unwrap();
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines[0].find("STATE"), lines[1].find('x'), "{text}");
+        assert_eq!(ago(10_000_000, 10_000_000 - 45_000), "45s");
+        assert_eq!(ago(100_000_000, 100_000_000 - 3 * 3_600_000), "3h");
+        assert_eq!(ago(10_000_000, 0), "?");
+    }
 }

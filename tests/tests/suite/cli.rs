@@ -288,3 +288,97 @@ async fn sandbox_create_loosens_only_what_it_is_told() -> anyhow::Result<()> {
     h.stop().await;
     Ok(())
 }
+
+/// `sandbox ls` (a table, JSON, ids), `inspect`, `rm` of several and of
+/// all, and `prune` of what nobody uses.
+#[tokio::test]
+async fn sandboxes_are_listed_inspected_removed_and_pruned() -> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let w = ["--worker", h.url.as_str()];
+    let sb = |args: &[&str]| {
+        let mut all: Vec<String> = w.iter().map(|s| s.to_string()).collect();
+        all.push("sandbox".into());
+        all.extend(args.iter().map(|s| s.to_string()));
+        async move {
+            let args: Vec<&str> = all.iter().map(String::as_str).collect();
+            corral(&args).await
+        }
+    };
+    let mut ids = Vec::new();
+    for name in ["one", "two", "three"] {
+        let out = sb(&["create", "--id", &unique_id(name)]).await?;
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        ids.push(String::from_utf8(out.stdout)?.trim().to_string());
+    }
+    let out = sb(&["ls", "-q"]).await?;
+    let mut listed: Vec<String> = String::from_utf8(out.stdout)?
+        .lines()
+        .map(String::from)
+        .collect();
+    listed.sort();
+    let mut want = ids.clone();
+    want.sort();
+    assert_eq!(listed, want);
+
+    let out = sb(&["ls"]).await?;
+    let table = String::from_utf8(out.stdout)?;
+    let lines: Vec<&str> = table.lines().collect();
+    assert!(
+        lines[0].starts_with("ID") && lines[0].contains("WORKER"),
+        "{table}"
+    );
+    let col = lines[0].find("IMAGE");
+    assert!(
+        lines[1..]
+            .iter()
+            .all(|l| l[col.unwrap()..].starts_with("corral-sandbox")),
+        "{table}"
+    );
+    assert!(table.contains(&h.worker_id), "{table}");
+
+    let out = sb(&["ls", "--json"]).await?;
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+    assert_eq!(json.as_array().map(Vec::len), Some(3));
+    assert_eq!(json[0]["worker_id"], h.worker_id.as_str());
+    assert_eq!(json[0]["state"], "ready");
+
+    let out = sb(&["inspect", &ids[0], "--json"]).await?;
+    let one: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+    assert_eq!(one["id"], ids[0].as_str());
+    assert!(
+        one["spec"].is_object() && one["last_used_unix_ms"].as_i64() > Some(0),
+        "{one}"
+    );
+    let out = sb(&["inspect", &ids[0]]).await?;
+    assert!(String::from_utf8(out.stdout)?.contains("worker:"));
+
+    // Several at once; an unknown one is named, the others still go.
+    let out = sb(&["rm", &ids[0], "nope", &ids[1]]).await?;
+    assert_eq!(out.status.code(), Some(125));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("unknown sandbox nope"));
+    let out = sb(&["ls", "-q"]).await?;
+    assert_eq!(String::from_utf8(out.stdout)?.trim(), ids[2]);
+
+    // Used just now: kept by a prune of what is an hour idle, not by one of
+    // what is idle at all.
+    let out = sb(&["prune"]).await?;
+    assert!(out.status.success() && out.stdout.is_empty());
+    let out = sb(&["prune", "--idle", "0s"]).await?;
+    assert_eq!(String::from_utf8(out.stdout)?.trim(), ids[2]);
+    let out = sb(&["create"]).await?;
+    assert!(out.status.success());
+    let out = sb(&["rm", "--all"]).await?;
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = sb(&["ls", "-q"]).await?;
+    assert!(out.stdout.is_empty());
+    h.stop().await;
+    Ok(())
+}
