@@ -144,6 +144,14 @@ pub struct RunArgs {
     /// SkillUse tool (new sessions only).
     #[arg(long, env = "CORRAL_SKILLS_DIR")]
     pub skills: Option<PathBuf>,
+    /// A local directory whose contents the session's /workspace starts
+    /// with (new sessions only; copied once, before the first turn).
+    #[arg(long, env = "CORRAL_WORKSPACE", value_name = "DIR")]
+    pub workspace: Option<PathBuf>,
+    /// When the run ends, copy the session's /workspace into this local
+    /// directory (made if missing).
+    #[arg(long, env = "CORRAL_EXPORT", value_name = "DIR")]
+    pub export: Option<PathBuf>,
     /// Reasoning effort for models that take one (Responses API): low,
     /// medium or high (new sessions only).
     #[arg(long, env = "CORRAL_REASONING_EFFORT", value_parser = ["low", "medium", "high"])]
@@ -188,6 +196,14 @@ pub enum SessionCommand {
         /// Keep turns 1..=N and what happened before turn N+1 (default: all).
         #[arg(long)]
         turn: Option<u64>,
+        #[arg(long, env = "CORRAL_SESSIONS_DIR")]
+        sessions_dir: Option<PathBuf>,
+    },
+    /// Copy a session's /workspace into a local directory (made if
+    /// missing), from the worker it was placed on.
+    Export {
+        id: String,
+        dest: PathBuf,
         #[arg(long, env = "CORRAL_SESSIONS_DIR")]
         sessions_dir: Option<PathBuf>,
     },

@@ -173,11 +173,26 @@ impl WriteFileSpec {
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub struct ArchiveSpec {
     pub path: String,
+    /// Get only: the directory's contents (entries named `./...`), not the
+    /// directory under its own name.
+    #[cfg_attr(feature = "serde", serde(default, skip_serializing_if = "is_false"))]
+    pub contents: bool,
 }
 
 impl ArchiveSpec {
     pub fn new(path: impl Into<String>) -> Self {
-        Self { path: path.into() }
+        Self {
+            path: path.into(),
+            contents: false,
+        }
+    }
+
+    /// The contents of the directory `path`.
+    pub fn contents_of(path: impl Into<String>) -> Self {
+        Self {
+            path: path.into(),
+            contents: true,
+        }
     }
 }
 
@@ -499,8 +514,14 @@ impl TryFrom<pb::OperationSpec> for OperationSpec {
                 append: w.append,
                 stream: w.stream,
             }),
-            Kind::PutArchive(a) => Self::PutArchive(ArchiveSpec { path: a.path }),
-            Kind::GetArchive(a) => Self::GetArchive(ArchiveSpec { path: a.path }),
+            Kind::PutArchive(a) => Self::PutArchive(ArchiveSpec {
+                path: a.path,
+                contents: a.contents,
+            }),
+            Kind::GetArchive(a) => Self::GetArchive(ArchiveSpec {
+                path: a.path,
+                contents: a.contents,
+            }),
         };
         spec.validate()?;
         Ok(spec)
@@ -560,8 +581,14 @@ impl From<OperationSpec> for pb::OperationSpec {
                 append: w.append,
                 stream: w.stream,
             }),
-            OperationSpec::PutArchive(a) => Kind::PutArchive(pb::ArchiveSpec { path: a.path }),
-            OperationSpec::GetArchive(a) => Kind::GetArchive(pb::ArchiveSpec { path: a.path }),
+            OperationSpec::PutArchive(a) => Kind::PutArchive(pb::ArchiveSpec {
+                path: a.path,
+                contents: a.contents,
+            }),
+            OperationSpec::GetArchive(a) => Kind::GetArchive(pb::ArchiveSpec {
+                path: a.path,
+                contents: a.contents,
+            }),
         };
         Self { kind: Some(kind) }
     }

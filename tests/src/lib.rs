@@ -43,6 +43,7 @@ pub fn session_config(model: &str, sandbox: SandboxId) -> corral_harness::agent:
         worker: None,
         endpoint: None,
         tool_choice: None,
+        workspace: None,
     }
 }
 

@@ -40,6 +40,7 @@ fn config() -> SessionConfig {
         worker: None,
         endpoint: None,
         tool_choice: None,
+        workspace: None,
     }
 }
 

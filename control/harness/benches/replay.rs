@@ -49,6 +49,7 @@ fn config(turns: u64) -> SessionConfig {
         worker: None,
         endpoint: None,
         tool_choice: None,
+        workspace: None,
     }
 }
 

@@ -45,6 +45,8 @@ const EVENTS_CAPACITY: usize = 1024;
 /// Most bytes of skill files copied into a sandbox.
 const MAX_SKILL_FILES_BYTES: u64 = 32 << 20;
 const MAX_SKILL_FILES: usize = 2_000;
+/// The sandbox directory a session works in.
+const WORKSPACE: &str = corral_proto::limits::WORKSPACE_DIR;
 /// How long copying the skills into a new sandbox may take.
 const UPLOAD_PATIENCE: Duration = Duration::from_secs(60);
 
@@ -173,6 +175,9 @@ pub struct RunOptions {
     pub api_key: Option<String>,
     /// A directory of skills (`NAME/SKILL.md`) for a new session.
     pub skills: Option<PathBuf>,
+    /// A local directory whose contents a new session's /workspace starts
+    /// with.
+    pub workspace: Option<PathBuf>,
     pub settings: Settings,
     /// End the run once the session is idle (as `corral run` does), rather
     /// than when the input sender is dropped.
@@ -316,6 +321,14 @@ impl Sessions {
             ),
             None => (Vec::new(), Vec::new()),
         };
+        if let Some(dir) = &opts.workspace
+            && !dir.is_dir()
+        {
+            return Err(SessionError::Invalid(format!(
+                "--workspace {}: not a directory",
+                dir.display()
+            )));
+        }
         let config = new_config(&opts, id, endpoint, &skills);
         check_tool_choice(&config)?;
         if self.exists(id)? {
@@ -348,6 +361,19 @@ impl Sessions {
             .create_sandbox(&sandbox, &spec)
             .await
             .map_err(|e| sandbox_error(&sandbox, e))?;
+        // The workspace first: a session is recorded only once its files
+        // are in, so a resume never copies them again.
+        if let Some(dir) = &opts.workspace {
+            let copied =
+                crate::transfer::upload_contents(&worker, &sandbox, dir, WORKSPACE, |_| {}).await;
+            if let Err(e) = copied {
+                let _ = worker.destroy_sandbox(&sandbox).await;
+                return Err(SessionError::Upload {
+                    path: dir.display().to_string(),
+                    error: e.to_string(),
+                });
+            }
+        }
         let made = SessionLog::<Record>::create(&self.dir, &id)
             .map_err(SessionError::from)
             .and_then(|log| {
@@ -412,9 +438,84 @@ impl Sessions {
         launch(core, worker, opts, Vec::new(), true).await
     }
 
-    /// Forks `parent` into `child` at a turn boundary (see [`fork`]).
+    /// Forks `parent` into `child` at a turn boundary (see [`fork`]); the
+    /// child gets a new sandbox when it first runs, empty.
     pub fn fork(&self, parent: &str, child: &str, turn: Option<u64>) -> Result<(), SessionError> {
         fork(&self.dir, parent, child, turn)
+    }
+
+    /// Forks `parent` into `child` (see [`fork`]) and gives the child its
+    /// sandbox now, on `worker` (the parent's), with a copy of the parent's
+    /// workspace as it is. A parent whose sandbox is gone leaves the child
+    /// an empty one (`Ok(false)`). If the copy fails, the fork is undone.
+    pub async fn fork_with_workspace<W: WorkerApi>(
+        &self,
+        parent: &str,
+        child: &str,
+        turn: Option<u64>,
+        worker: W,
+    ) -> Result<bool, SessionError> {
+        fork(&self.dir, parent, child, turn)?;
+        let undo = |e: SessionError| {
+            let _ = std::fs::remove_file(crate::session::log::path_of(&self.dir, child));
+            e
+        };
+        let config = |id: &str| {
+            crate::agent::replay(&self.dir, id)
+                .map_err(SessionError::from)
+                .and_then(|s| {
+                    s.config
+                        .ok_or_else(|| crate::agent::CoreError::NoStart(id.into()).into())
+                })
+        };
+        let (from, to) = match (config(parent), config(child)) {
+            (Ok(p), Ok(c)) => (p, c),
+            (Err(e), _) | (_, Err(e)) => return Err(undo(e)),
+        };
+        if let Err(e) = worker.get_sandbox(&from.sandbox_id).await {
+            tracing::warn!(sandbox = %from.sandbox_id, error = %e, "the parent's sandbox is gone; the fork starts with an empty workspace");
+            return Ok(false);
+        }
+        let made = worker
+            .create_sandbox(&to.sandbox_id, &sandbox_spec(&to))
+            .await
+            .map_err(|e| sandbox_error(&to.sandbox_id, e));
+        if let Err(e) = made {
+            return Err(undo(e));
+        }
+        let copied = crate::transfer::copy_contents(
+            (&worker, &from.sandbox_id, WORKSPACE),
+            (&worker, &to.sandbox_id, WORKSPACE),
+        )
+        .await;
+        if let Err(e) = copied {
+            let _ = worker.destroy_sandbox(&to.sandbox_id).await;
+            return Err(undo(SessionError::Upload {
+                path: format!("{parent}'s workspace"),
+                error: e.to_string(),
+            }));
+        }
+        Ok(true)
+    }
+
+    /// Copies the session's /workspace into the local directory `dest`
+    /// (made if missing), from `worker` (the one it was placed on). A
+    /// running session may be exported: what it has written so far comes.
+    pub async fn export<W: WorkerApi>(
+        &self,
+        id: &str,
+        worker: W,
+        dest: &Path,
+    ) -> Result<crate::transfer::Moved, SessionError> {
+        let config = crate::agent::replay(&self.dir, id)?
+            .config
+            .ok_or_else(|| crate::agent::CoreError::NoStart(id.into()))?;
+        crate::transfer::download_contents(&worker, &config.sandbox_id, WORKSPACE, dest, |_| {})
+            .await
+            .map_err(|e| SessionError::Sandbox {
+                sandbox: config.sandbox_id.clone(),
+                error: e.to_string(),
+            })
     }
 
     /// Removes a stored session: its sandbox from `worker` (the one it was
@@ -563,6 +664,7 @@ fn new_config(opts: &RunOptions, id: &str, endpoint: Endpoint, skills: &[Skill])
         worker: None,
         endpoint: Some(endpoint),
         tool_choice: req.tool_choice.as_deref().map(ToolChoice::parse),
+        workspace: opts.workspace.as_ref().map(|d| d.display().to_string()),
     }
 }
 

@@ -61,13 +61,41 @@ pub async fn upload<W: WorkerApi>(
     dest: &str,
     progress: impl FnMut(u64),
 ) -> Result<Moved, TransferError> {
+    upload_with(worker, sandbox, src, dest, false, progress).await
+}
+
+/// Copies the contents of the local directory `dir` into the sandbox's
+/// directory `dest` (a project into /workspace, say).
+pub async fn upload_contents<W: WorkerApi>(
+    worker: &W,
+    sandbox: &SandboxId,
+    dir: &Path,
+    dest: &str,
+    progress: impl FnMut(u64),
+) -> Result<Moved, TransferError> {
+    upload_with(worker, sandbox, dir, dest, true, progress).await
+}
+
+async fn upload_with<W: WorkerApi>(
+    worker: &W,
+    sandbox: &SandboxId,
+    src: &Path,
+    dest: &str,
+    contents: bool,
+    progress: impl FnMut(u64),
+) -> Result<Moved, TransferError> {
     std::fs::symlink_metadata(src)
         .map_err(|e| TransferError::Local(format!("{}: {e}", src.display())))?;
     let (tx, rx) = mpsc::channel(QUEUED_CHUNKS);
     let src = src.to_path_buf();
     let packer = tokio::task::spawn_blocking(move || {
         let mut out = ChunkWriter::new(tx.clone());
-        if let Err(e) = corral_init::archive::pack(&src, &mut out) {
+        let packed = if contents {
+            corral_init::archive::pack_contents(&src, &mut out)
+        } else {
+            corral_init::archive::pack(&src, &mut out)
+        };
+        if let Err(e) = packed {
             // Said before the end, so the sandbox never takes a cut archive
             // for a whole one.
             let _ = tx.blocking_send(Err(e));
@@ -88,13 +116,48 @@ pub async fn download<W: WorkerApi>(
     dest: &Path,
     progress: impl FnMut(u64),
 ) -> Result<Moved, TransferError> {
+    download_with(worker, sandbox, ArchiveSpec::new(src), dest, progress).await
+}
+
+/// Copies the contents of the sandbox's directory `src` into the local
+/// directory `dest` (made if missing): a workspace brought back, say.
+pub async fn download_contents<W: WorkerApi>(
+    worker: &W,
+    sandbox: &SandboxId,
+    src: &str,
+    dest: &Path,
+    progress: impl FnMut(u64),
+) -> Result<Moved, TransferError> {
+    download_with(
+        worker,
+        sandbox,
+        ArchiveSpec::contents_of(src),
+        dest,
+        progress,
+    )
+    .await
+}
+
+async fn download_with<W: WorkerApi>(
+    worker: &W,
+    sandbox: &SandboxId,
+    spec: ArchiveSpec,
+    dest: &Path,
+    progress: impl FnMut(u64),
+) -> Result<Moved, TransferError> {
     let (tx, rx) = mpsc::channel::<Bytes>(QUEUED_CHUNKS);
     let target = absolute(dest)?;
     let shown = dest.display().to_string();
+    let contents = spec.contents;
     let unpacker = tokio::task::spawn_blocking(move || {
-        corral_init::archive::unpack(&target, &shown, ChunkReader::new(rx))
+        let input = ChunkReader::new(rx);
+        if contents {
+            corral_init::archive::unpack_contents(&target, &shown, input)
+        } else {
+            corral_init::archive::unpack(&target, &shown, input)
+        }
     });
-    let got = get(worker, sandbox, src, tx, progress).await;
+    let got = get(worker, sandbox, spec, tx, progress).await;
     let unpacked = unpacker
         .await
         .map_err(|e| TransferError::Local(format!("unpacking: {e}")))?;
@@ -164,16 +227,60 @@ pub async fn put<W: WorkerApi>(
     }
 }
 
+/// Copies the contents of the directory `src` of one sandbox into the
+/// directory `dest` of another (on the same worker or not): a fork's
+/// workspace, say. The archive streams from one to the other.
+pub async fn copy_contents<A: WorkerApi, B: WorkerApi>(
+    from: (&A, &SandboxId, &str),
+    to: (&B, &SandboxId, &str),
+) -> Result<Moved, TransferError> {
+    let (tx, mut rx) = mpsc::channel::<Bytes>(QUEUED_CHUNKS);
+    let (relay_tx, relay_rx) = mpsc::channel(QUEUED_CHUNKS);
+    let getting = async move {
+        let got = get(from.0, from.1, ArchiveSpec::contents_of(from.2), tx, |_| {});
+        tokio::pin!(got);
+        let mut done = None;
+        loop {
+            tokio::select! {
+                r = &mut got, if done.is_none() => done = Some(r),
+                chunk = rx.recv() => match chunk {
+                    Some(chunk) => {
+                        if relay_tx.send(Ok(chunk)).await.is_err() {
+                            break;
+                        }
+                    }
+                    // The sender is gone: the get is over.
+                    None => break,
+                },
+            }
+        }
+        let done = match done {
+            Some(r) => r,
+            None => got.await,
+        };
+        if let Err(e) = &done {
+            // Said before the end, so the other side never takes a cut
+            // archive for a whole one.
+            let _ = relay_tx.send(Err(e.to_string())).await;
+        }
+        done
+    };
+    let putting = put(to.0, to.1, to.2, relay_rx, |_| {});
+    let (got, put) = tokio::join!(getting, putting);
+    got?;
+    put
+}
+
 /// Follows a `get_archive` operation, handing its archive bytes to `out`.
 pub async fn get<W: WorkerApi>(
     worker: &W,
     sandbox: &SandboxId,
-    src: &str,
+    archive: ArchiveSpec,
     out: mpsc::Sender<Bytes>,
     mut progress: impl FnMut(u64),
 ) -> Result<Moved, TransferError> {
     let op = OperationId::random();
-    let spec = OperationSpec::GetArchive(ArchiveSpec::new(src));
+    let spec = OperationSpec::GetArchive(archive);
     let mut events =
         Follower::from_now(worker.clone(), sandbox.clone(), Some(op.clone()), PATIENCE).await?;
     follow::retry(worker, PATIENCE, || worker.submit(sandbox, &op, &spec)).await?;

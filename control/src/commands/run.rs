@@ -182,6 +182,7 @@ async fn run(conn: &ConnArgs, args: &RunArgs, json: bool) -> Result<u8, Error> {
         api: api_of(args),
         api_key: api_key(args)?,
         skills: args.skills.clone(),
+        workspace: args.workspace.clone(),
         settings: corral_harness::agent::Settings {
             heartbeat: (!args.heartbeat.is_zero()).then_some(args.heartbeat),
             grace: args.grace,
@@ -191,7 +192,7 @@ async fn run(conn: &ConnArgs, args: &RunArgs, json: bool) -> Result<u8, Error> {
     // A session stays on the worker it was placed on; a new one goes to
     // the worker of --worker with the most room.
     let urls = worker_urls(conn);
-    let handle = if store.exists(&id)? {
+    let (handle, connection) = if store.exists(&id)? {
         let stored = store.open(&id)?;
         if stored.recovery().torn_bytes > 0 {
             tracing::warn!(
@@ -211,8 +212,14 @@ async fn run(conn: &ConnArgs, args: &RunArgs, json: bool) -> Result<u8, Error> {
                 "the session stays on the worker it was placed on"
             );
         }
+        if args.workspace.is_some() {
+            tracing::warn!("--workspace applies to new sessions; this one keeps its files");
+        }
         let connection = connect_to(conn, worker.as_deref()).await?;
-        store.resume(stored, connection, opts).await?
+        (
+            store.resume(stored, connection.clone(), opts).await?,
+            connection,
+        )
     } else {
         // Checked before any worker is asked.
         let new = store.prepare(&id, opts)?;
@@ -222,15 +229,29 @@ async fn run(conn: &ConnArgs, args: &RunArgs, json: bool) -> Result<u8, Error> {
             urls.first().cloned()
         };
         let connection = connect_to(conn, worker.as_deref()).await?;
-        store.start(new.placed_on(worker), connection).await?
+        (
+            store
+                .start(new.placed_on(worker), connection.clone())
+                .await?,
+            connection,
+        )
     };
     let mut view = View::new(json);
     let summary = watch(handle, &mut view, args.inputs_from_stdin).await?;
-    let (status, code) = match summary.ending {
+    let (status, mut code) = match summary.ending {
         Ending::Done => ("done", EXIT_DONE),
         Ending::Failed => ("failed", EXIT_FAILED),
         Ending::Interrupted => ("interrupted", EXIT_INTERRUPTED),
     };
+    // However the run ended, what it made is brought back.
+    if let Some(dest) = &args.export
+        && let Err(e) = store.export(&id, connection, dest).await
+    {
+        super::report(&e);
+        if code == EXIT_DONE {
+            code = super::EXIT_CORRAL_ERROR;
+        }
+    }
     view.show(&Event::Result(RunResult {
         status,
         session_id: id,

@@ -135,8 +135,22 @@ async fn session_command(conn: &ConnArgs, cmd: &SessionCommand) -> Result<(), Er
             sessions_dir,
         } => {
             let store = super::run::sessions(sessions_dir.as_deref());
-            store.fork(id, new_id, *turn)?;
+            // The child's sandbox is made now, on the parent's worker, with
+            // a copy of the parent's workspace.
+            let worker = parent_worker(&store, id)?;
+            let worker = connect_to(conn, worker.as_deref()).await?;
+            store.fork_with_workspace(id, new_id, *turn, worker).await?;
             writeln!(out, "{new_id}")?;
+        }
+        SessionCommand::Export {
+            id,
+            dest,
+            sessions_dir,
+        } => {
+            let store = super::run::sessions(sessions_dir.as_deref());
+            let worker = parent_worker(&store, id)?;
+            let worker = connect_to(conn, worker.as_deref()).await?;
+            store.export(id, worker, dest).await?;
         }
     }
     Ok(())
@@ -194,4 +208,19 @@ fn describe(rec: &Record) -> String {
         Record::Finished { ending } => format!("{ending:?}"),
     };
     format!("{:<13} {detail}", rec.kind())
+}
+
+/// The worker a stored session was placed on (`None`: the local one).
+fn parent_worker(
+    store: &corral_harness::sessions::Sessions,
+    id: &str,
+) -> Result<Option<String>, Error> {
+    let state = corral_harness::agent::replay(store.dir(), id)
+        .map_err(corral_harness::sessions::SessionError::from)?;
+    let config = state.config.ok_or_else(|| {
+        corral_harness::sessions::SessionError::from(corral_harness::agent::CoreError::NoStart(
+            id.into(),
+        ))
+    })?;
+    Ok(config.worker)
 }

@@ -1261,3 +1261,186 @@ async fn a_stopped_run_leaves_within_its_patience_when_its_worker_hangs() -> Res
     assert!(stdout.contains("\"interrupted\""), "{stdout}");
     Ok(())
 }
+
+/// `corral run --workspace DIR` starts the session's /workspace with DIR's
+/// contents, once (a resume does not copy them again); `--export` and
+/// `session export` bring /workspace back; a fork's sandbox starts with a
+/// copy of its parent's workspace.
+#[tokio::test]
+async fn a_workspace_goes_in_once_comes_back_out_and_is_copied_into_a_fork() -> Result<()> {
+    let h = Harness::start().await?;
+    let sessions = tempfile::tempdir()?;
+    let local = tempfile::tempdir()?;
+    let project = local.path().join("project");
+    std::fs::create_dir_all(project.join("src"))?;
+    std::fs::write(project.join("src/lib.txt"), "one\n")?;
+    std::fs::write(project.join("notes"), "keep me\n")?;
+    let model = ModelServer::start(vec![
+        responses::calls(&[(
+            "c1",
+            "Bash",
+            &bash("cat src/lib.txt && echo two >> src/lib.txt"),
+        )]),
+        responses::text("Edited."),
+        responses::text("Nothing to do."),
+        responses::calls(&[("c2", "Bash", &bash("cat src/lib.txt; ls"))]),
+        responses::text("The fork sees it."),
+    ])
+    .await;
+    let exported = local.path().join("exported");
+    let dir = project.to_str().unwrap_or_default();
+    let out = exported.to_str().unwrap_or_default();
+    let run = corral_run(
+        &model,
+        &h.url,
+        sessions.path(),
+        &[
+            "--session",
+            "ws",
+            "--workspace",
+            dir,
+            "--export",
+            out,
+            "edit it",
+        ],
+    )
+    .await?;
+    assert_eq!(run.code, 0, "{}", run.stderr);
+    let result = run.of_type("tool_result");
+    assert!(
+        result[0]["text"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("one"),
+        "{result:?}"
+    );
+    assert_eq!(
+        std::fs::read_to_string(exported.join("src/lib.txt"))?,
+        "one\ntwo\n"
+    );
+    assert_eq!(
+        std::fs::read_to_string(exported.join("notes"))?,
+        "keep me\n"
+    );
+    let state = replay(sessions.path(), "ws")?;
+    assert_eq!(
+        state.config.as_ref().and_then(|c| c.workspace.as_deref()),
+        Some(dir)
+    );
+
+    // A resume copies nothing again: the sandbox keeps its own edits.
+    std::fs::write(project.join("src/lib.txt"), "changed locally\n")?;
+    let run = corral_run(
+        &model,
+        &h.url,
+        sessions.path(),
+        &["--session", "ws", "--workspace", dir, "anything else?"],
+    )
+    .await?;
+    assert_eq!(run.code, 0, "{}", run.stderr);
+    let again = local.path().join("again");
+    // The worker serves from this test's runtime: the commands are awaited.
+    let export = tokio::process::Command::new(binary("corral")?)
+        .env("CORRAL_WORKER", &h.url)
+        .env("CORRAL_SESSIONS_DIR", sessions.path())
+        .args(["session", "export", "ws"])
+        .arg(&again)
+        .output()
+        .await?;
+    assert!(
+        export.status.success(),
+        "{}",
+        String::from_utf8_lossy(&export.stderr)
+    );
+    assert_eq!(
+        std::fs::read_to_string(again.join("src/lib.txt"))?,
+        "one\ntwo\n"
+    );
+
+    // A fork starts with the parent's files, in a sandbox of its own.
+    let fork = tokio::process::Command::new(binary("corral")?)
+        .env("CORRAL_WORKER", &h.url)
+        .env("CORRAL_SESSIONS_DIR", sessions.path())
+        .args(["session", "fork", "ws", "ws-fork"])
+        .output()
+        .await?;
+    assert!(
+        fork.status.success(),
+        "{}",
+        String::from_utf8_lossy(&fork.stderr)
+    );
+    let run = corral_run(
+        &model,
+        &h.url,
+        sessions.path(),
+        &["--session", "ws-fork", "what is there?"],
+    )
+    .await?;
+    assert_eq!(run.code, 0, "{}", run.stderr);
+    let seen = run.of_type("tool_result")[0]["text"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    assert!(
+        seen.contains("one\ntwo") && seen.contains("notes"),
+        "{seen}"
+    );
+    let (parent, child) = (
+        replay(sessions.path(), "ws")?.config.map(|c| c.sandbox_id),
+        replay(sessions.path(), "ws-fork")?
+            .config
+            .map(|c| c.sandbox_id),
+    );
+    assert_ne!(parent, child);
+    h.stop().await;
+    Ok(())
+}
+
+/// `session rm` reaches the worker the session was placed on: an embedded
+/// session's sandbox is removed from the local worker even while
+/// CORRAL_WORKER names another one.
+#[tokio::test]
+async fn session_rm_removes_an_embedded_sessions_sandbox_whatever_corral_worker_says() -> Result<()>
+{
+    let h = Harness::start().await?;
+    let sessions = tempfile::tempdir()?;
+    let model = ModelServer::start(vec![responses::text("hello")]).await;
+    let run = corral_run(&model, "", sessions.path(), &["--session", "local", "hi"]).await?;
+    assert_eq!(run.code, 0, "{}", run.stderr);
+    let sandbox = replay(sessions.path(), "local")?
+        .config
+        .map(|c| c.sandbox_id.to_string())
+        .unwrap_or_default();
+    let state = sessions.path().join("embedded");
+    let local = |args: &[&str]| {
+        let mut c = tokio::process::Command::new(binary("corral").unwrap_or_default());
+        c.env("CORRAL_STATE_DIR", &state)
+            .env("CORRAL_SESSIONS_DIR", sessions.path())
+            .args(args);
+        c
+    };
+    let listed = local(&["sandbox", "ls", "-q"])
+        .env_remove("CORRAL_WORKER")
+        .output()
+        .await?;
+    assert!(String::from_utf8_lossy(&listed.stdout).contains(&sandbox));
+    let rm = local(&["session", "rm", "local"])
+        .env("CORRAL_WORKER", &h.url)
+        .output()
+        .await?;
+    assert!(
+        rm.status.success(),
+        "{}",
+        String::from_utf8_lossy(&rm.stderr)
+    );
+    let listed = local(&["sandbox", "ls", "-q"])
+        .env_remove("CORRAL_WORKER")
+        .output()
+        .await?;
+    assert!(
+        !String::from_utf8_lossy(&listed.stdout).contains(&sandbox),
+        "the embedded session's sandbox is still there"
+    );
+    h.stop().await;
+    Ok(())
+}

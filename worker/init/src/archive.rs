@@ -33,15 +33,23 @@ pub fn put(roots: &Roots, dest: &str, input: impl Read) -> Result<Moved, String>
     unpack(&target, dest, input)
 }
 
+/// What becomes of an archive's top entry.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Top {
+    /// It lands under its own name.
+    Keep,
+    /// It takes this name.
+    Rename(std::ffi::OsString),
+}
+
 /// Unpacks the tar stream `input` at `target` (as `docker cp` does): into
 /// `target` when it is a directory, else as `target` itself (the archive's
 /// top entry takes its name), in its parent directory, which must exist.
 /// Set-user-id, set-group-id and sticky bits are dropped. `dest` is how
 /// messages name the target.
 pub fn unpack(target: &Path, dest: &str, input: impl Read) -> Result<Moved, String> {
-    let target = target.to_path_buf();
-    let (base, rename) = match fs::symlink_metadata(&target) {
-        Ok(m) if m.is_dir() => (target, None),
+    let (base, top) = match fs::symlink_metadata(target) {
+        Ok(m) if m.is_dir() => (target.to_path_buf(), Top::Keep),
         Ok(_) | Err(_) => {
             let parent = target
                 .parent()
@@ -50,10 +58,21 @@ pub fn unpack(target: &Path, dest: &str, input: impl Read) -> Result<Moved, Stri
             let name = target
                 .file_name()
                 .ok_or_else(|| format!("{dest}: not a file name"))?;
-            (parent.to_path_buf(), Some(name.to_os_string()))
+            (parent.to_path_buf(), Top::Rename(name.to_os_string()))
         }
     };
-    let base = fs::canonicalize(&base).map_err(|e| format!("{dest}: {e}"))?;
+    unpack_at(&base, top, dest, input)
+}
+
+/// Unpacks an archive of a directory's contents (see [`pack_contents`])
+/// into `dir`, made if missing: a whole workspace brought back, say.
+pub fn unpack_contents(dir: &Path, dest: &str, input: impl Read) -> Result<Moved, String> {
+    fs::create_dir_all(dir).map_err(|e| format!("{dest}: {e}"))?;
+    unpack_at(dir, Top::Keep, dest, input)
+}
+
+fn unpack_at(base: &Path, top: Top, dest: &str, input: impl Read) -> Result<Moved, String> {
+    let base = fs::canonicalize(base).map_err(|e| format!("{dest}: {e}"))?;
     let mut archive = tar::Archive::new(input);
     archive.set_preserve_permissions(false);
     archive.set_preserve_mtime(true);
@@ -71,7 +90,7 @@ pub fn unpack(target: &Path, dest: &str, input: impl Read) -> Result<Moved, Stri
             .path()
             .map_err(|e| format!("reading the archive: {e}"))?
             .into_owned();
-        let rel = relative(&name, rename.as_deref())?;
+        let rel = relative(&name, &top)?;
         if rel.as_os_str().is_empty() {
             continue;
         }
@@ -99,7 +118,7 @@ pub fn unpack(target: &Path, dest: &str, input: impl Read) -> Result<Moved, Stri
                     .link_name()
                     .map_err(|e| format!("{shown}: {e}"))?
                     .ok_or_else(|| format!("{shown}: a hard link without a target"))?;
-                let target = base.join(relative(&target, rename.as_deref())?);
+                let target = base.join(relative(&target, &top)?);
                 clear(&full, &name)?;
                 fs::hard_link(&target, &full).map_err(|e| format!("{shown}: {e}"))?;
             }
@@ -140,15 +159,34 @@ pub fn get(roots: &Roots, src: &str, out: impl Write) -> Result<Moved, String> {
     pack(&path, out)
 }
 
+/// [`get`] of a directory's contents (see [`pack_contents`]).
+pub fn get_contents(roots: &Roots, src: &str, out: impl Write) -> Result<Moved, String> {
+    let path = resolve_under_roots(roots, src)?;
+    pack_contents(&path, out)
+}
+
 /// The tar stream of `path` (see [`get`]), written to `out`.
 pub fn pack(path: &Path, out: impl Write) -> Result<Moved, String> {
-    let src = path.display().to_string();
-    let path = path.to_path_buf();
-    let meta = fs::symlink_metadata(&path).map_err(|e| format!("{src}: {e}"))?;
     let name = path
         .file_name()
         .map(PathBuf::from)
         .unwrap_or_else(|| PathBuf::from("."));
+    pack_named(path, name, out)
+}
+
+/// The tar stream of the directory `dir`'s contents (its entries named
+/// `./...`): unpacked into a directory, they land in it, not under it.
+pub fn pack_contents(dir: &Path, out: impl Write) -> Result<Moved, String> {
+    if !dir.is_dir() {
+        return Err(format!("{}: not a directory", dir.display()));
+    }
+    pack_named(dir, PathBuf::from("."), out)
+}
+
+fn pack_named(path: &Path, name: PathBuf, out: impl Write) -> Result<Moved, String> {
+    let src = path.display().to_string();
+    let path = path.to_path_buf();
+    let meta = fs::symlink_metadata(&path).map_err(|e| format!("{src}: {e}"))?;
     let mut builder = tar::Builder::new(out);
     builder.follow_symlinks(false);
     let mut moved = Moved::default();
@@ -198,15 +236,19 @@ fn is_socket(meta: &fs::Metadata) -> bool {
 }
 
 /// An entry's name as a path under the destination: no root, no `..`, and
-/// the first component renamed when the destination names the top entry.
-fn relative(name: &Path, rename: Option<&std::ffi::OsStr>) -> Result<PathBuf, String> {
+/// the first component renamed or dropped as `top` says.
+fn relative(name: &Path, top: &Top) -> Result<PathBuf, String> {
     let mut out = PathBuf::new();
-    for (i, c) in name.components().enumerate() {
+    let mut first = true;
+    for c in name.components() {
         match c {
-            Component::Normal(part) => match (i, rename) {
-                (0, Some(new)) => out.push(new),
-                _ => out.push(part),
-            },
+            Component::Normal(part) => {
+                match (first, top) {
+                    (true, Top::Rename(new)) => out.push(new),
+                    _ => out.push(part),
+                }
+                first = false;
+            }
             Component::CurDir => {}
             Component::RootDir | Component::Prefix(_) | Component::ParentDir => {
                 return Err(format!(
@@ -364,6 +406,32 @@ mod tests {
         // Into an existing directory: under its own name.
         put(&r, r.others[0].to_str().unwrap(), tar.as_slice()).unwrap();
         assert!(r.others[0].join("proj/sub/a.sh").is_file());
+    }
+
+    #[test]
+    fn contents_go_into_a_directory_and_come_back_out_of_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let r = roots(dir.path());
+        let src = dir.path().join("project");
+        fs::create_dir_all(src.join("src")).unwrap();
+        fs::write(src.join("src/main.rs"), b"fn main() {}\n").unwrap();
+        fs::write(src.join("README"), b"hi\n").unwrap();
+        let mut tar = Vec::new();
+        pack_contents(&src, &mut tar).unwrap();
+        // Into the workspace itself, not under a directory of its own.
+        put(&r, ".", tar.as_slice()).unwrap();
+        assert_eq!(
+            fs::read(r.workspace.join("src/main.rs")).unwrap(),
+            b"fn main() {}\n"
+        );
+        assert!(!r.workspace.join("project").exists());
+        // And a whole workspace back out, into a directory of any name.
+        let mut out = Vec::new();
+        get_contents(&r, ".", &mut out).unwrap();
+        let back = dir.path().join("exported");
+        unpack_contents(&back, "exported", out.as_slice()).unwrap();
+        assert_eq!(fs::read(back.join("README")).unwrap(), b"hi\n");
+        assert!(back.join("src/main.rs").is_file());
     }
 
     #[test]

@@ -29,18 +29,18 @@ fn main() -> ExitCode {
     // command user (under its restrictions already), the tar stream on
     // stdin or stdout.
     if let [flag, path, roots_flag, workspace, others @ ..] = args.as_slice()
-        && (flag == "--put-archive" || flag == "--get-archive")
+        && (flag == "--put-archive" || flag == "--get-archive" || flag == "--get-contents")
         && roots_flag == "--roots"
     {
         let roots = corral_init::fileops::Roots {
             workspace: workspace.into(),
             others: others.iter().map(Into::into).collect(),
         };
-        let done = if flag == "--put-archive" {
-            corral_init::archive::put(&roots, path, std::io::stdin().lock())
-        } else {
-            let out = std::io::BufWriter::with_capacity(256 * 1024, std::io::stdout().lock());
-            corral_init::archive::get(&roots, path, out)
+        let out = || std::io::BufWriter::with_capacity(256 * 1024, std::io::stdout().lock());
+        let done = match flag.as_str() {
+            "--put-archive" => corral_init::archive::put(&roots, path, std::io::stdin().lock()),
+            "--get-contents" => corral_init::archive::get_contents(&roots, path, out()),
+            _ => corral_init::archive::get(&roots, path, out()),
         };
         return match done {
             Ok(_) => ExitCode::SUCCESS,

@@ -1215,6 +1215,9 @@ impl Supervisor {
                 find_shell(shell.use_bash).map(|sh| Launch::shell(sh, shell))
             }
             OperationSpec::PutArchive(a) => self.archive_helper("--put-archive", &a.path),
+            OperationSpec::GetArchive(a) if a.contents => {
+                self.archive_helper("--get-contents", &a.path)
+            }
             OperationSpec::GetArchive(a) => self.archive_helper("--get-archive", &a.path),
             OperationSpec::ReadFile(_) | OperationSpec::WriteFile(_) => return,
         };
@@ -1253,7 +1256,7 @@ impl Supervisor {
         for other in &self.config.roots.others {
             args.push(other.clone().into_os_string());
         }
-        let get = flag == "--get-archive";
+        let get = flag != "--put-archive";
         Ok(Launch {
             program: helper,
             args,

@@ -48,6 +48,10 @@ pub struct SessionConfig {
     /// default).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tool_choice: Option<ToolChoice>,
+    /// The local directory whose contents were copied into /workspace
+    /// before the first turn (once: never again on resume).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub workspace: Option<String>,
 }
 
 impl SessionConfig {
