@@ -15,3 +15,5 @@ cargo build --locked --profile "$profile" --bins
 RUSTFLAGS="-C target-feature=+crt-static" \
     cargo build --locked --release --target x86_64-unknown-linux-gnu -p corral-init
 deploy/images/build.sh
+# What `corral run` uses by default (about a minute the first time).
+deploy/images/build-debian.sh

@@ -8,6 +8,7 @@ cd "$(dirname "$0")/.."
 RUSTFLAGS="-C target-feature=+crt-static" \
     cargo build --locked --release --target x86_64-unknown-linux-gnu -p corral-init
 deploy/images/build.sh
+deploy/images/build-debian.sh
 cargo build --locked --workspace --bins
 # The tests against a real llama.cpp server need its build (about 10
 # minutes the first time): deploy/test-llama.sh runs them.

@@ -123,7 +123,9 @@ pub struct RunArgs {
     /// File holding the API key (default: the OPENAI_API_KEY variable).
     #[arg(long, env = "CORRAL_API_KEY_FILE")]
     pub api_key_file: Option<PathBuf>,
-    /// Image of the session's sandbox (new sessions only).
+    /// Image of the session's sandbox (new sessions only; default:
+    /// corral-debian:latest, with python3, git and a C toolchain; build it
+    /// with deploy/images/build-debian.sh).
     #[arg(long, env = "CORRAL_IMAGE")]
     pub image: Option<String>,
     /// Session id: a new one is created, an existing one resumed.

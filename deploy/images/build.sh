@@ -26,6 +26,8 @@ fi
 
 root=$(mktemp -d)
 trap 'rm -rf "$root"' EXIT
+# mktemp makes it 0700: the image's / must be readable by the sandbox user.
+chmod 0755 "$root"
 mkdir -p "$root"/{bin,sbin,usr/bin,usr/sbin,etc,tmp,workspace,root}
 cp "$busybox" "$root/bin/busybox"
 cp "$bash_static" "$root/bin/bash"

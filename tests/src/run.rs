@@ -56,6 +56,9 @@ pub fn command(
         .env("CORRAL_SESSIONS_DIR", sessions)
         // An embedded worker (no worker given) keeps its state here.
         .env("CORRAL_STATE_DIR", sessions.join("embedded"))
+        // The minimal image, for speed; `corral_run_default_image` runs
+        // with the default one.
+        .env("CORRAL_IMAGE", "corral-sandbox:latest")
         .arg("run")
         .arg("--json")
         .args(args)
@@ -89,6 +92,22 @@ pub async fn corral_run_env(
 ) -> Result<Run> {
     let mut cmd = command(model, worker, sessions, args);
     cmd.envs(env.iter().copied());
+    finish(cmd).await
+}
+
+/// As [`corral_run`], in the image `corral run` picks by default.
+pub async fn corral_run_default_image(
+    model: &ModelServer,
+    worker: &str,
+    sessions: &Path,
+    args: &[&str],
+) -> Result<Run> {
+    let mut cmd = command(model, worker, sessions, args);
+    cmd.env_remove("CORRAL_IMAGE");
+    finish(cmd).await
+}
+
+async fn finish(mut cmd: tokio::process::Command) -> Result<Run> {
     let out = tokio::time::timeout(Duration::from_secs(120), cmd.output())
         .await
         .context("corral run did not finish")??;

@@ -17,7 +17,7 @@ pub enum WorkerError {
     #[error("sandbox {id} is lost: {reason}")]
     SandboxLost { id: String, reason: String },
     #[error(
-        "image {0:?} is not present on the Docker engine (build it with deploy/images/build.sh, or pull it)"
+        "image {0:?} is not present on the Docker engine (build it with deploy/images/build.sh, or build-debian.sh for corral-debian, or pull it)"
     )]
     NoSuchImage(String),
     #[error("Docker engine: {0}")]

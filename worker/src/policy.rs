@@ -97,9 +97,14 @@ pub fn check_policy(policy: &SandboxPolicy) -> Result<(), String> {
     Ok(())
 }
 
+/// Corral's own images, built on the worker's host from Debian packages
+/// (deploy/images): allowed like the default one.
+pub const STOCK_IMAGES: [&str; 2] = ["corral-sandbox:latest", "corral-debian:latest"];
+
 fn image_allowed(policy: &SandboxPolicy, image: &str, default_image: &str) -> bool {
     policy.allow_any_image
         || image == default_image
+        || STOCK_IMAGES.contains(&image)
         || policy
             .allowed_images
             .iter()

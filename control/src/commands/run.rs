@@ -177,7 +177,7 @@ async fn run(conn: &ConnArgs, args: &RunArgs, json: bool) -> Result<u8, Error> {
     let opts = RunOptions {
         request,
         reasoning_effort: args.reasoning_effort.clone(),
-        image: args.image.clone(),
+        image: Some(args.image.clone().unwrap_or_else(|| DEFAULT_IMAGE.into())),
         base_url: args.base_url.clone(),
         api: api_of(args),
         api_key: api_key(args)?,
@@ -264,6 +264,10 @@ async fn run(conn: &ConnArgs, args: &RunArgs, json: bool) -> Result<u8, Error> {
     }))?;
     Ok(code)
 }
+
+/// The image of a new session's sandbox unless `--image` says otherwise: a
+/// Debian with python3, git and a C toolchain (deploy/images/build-debian.sh).
+pub const DEFAULT_IMAGE: &str = "corral-debian:latest";
 
 type StdinLines = tokio::io::Lines<tokio::io::BufReader<tokio::io::Stdin>>;
 

@@ -1444,3 +1444,53 @@ async fn session_rm_removes_an_embedded_sessions_sandbox_whatever_corral_worker_
     h.stop().await;
     Ok(())
 }
+
+/// The README's first agent example works in the image `corral run` uses by
+/// default: the model writes fizzbuzz.py and runs it with python3.
+#[tokio::test]
+async fn the_default_image_runs_the_readme_fizzbuzz() -> Result<()> {
+    let h = Harness::start().await?;
+    let sessions = tempfile::tempdir()?;
+    let program = "for i in range(1, 16):\n    print('FizzBuzz' if i % 15 == 0 else 'Fizz' if i % 3 == 0 else 'Buzz' if i % 5 == 0 else i)\n";
+    let model = ModelServer::start(vec![
+        responses::calls(&[(
+            "w",
+            "WriteFile",
+            &json!({"path": "fizzbuzz.py", "content": program}).to_string(),
+        )]),
+        responses::calls(&[("r", "Bash", &bash("python3 fizzbuzz.py | tail -1"))]),
+        responses::text("It prints FizzBuzz at 15."),
+    ])
+    .await;
+    let run = corral_e2e::run::corral_run_default_image(
+        &model,
+        &h.url,
+        sessions.path(),
+        &["Write fizzbuzz.py in the workspace and run it"],
+    )
+    .await?;
+    assert_eq!(run.code, 0, "{}", run.stderr);
+    let ran = run
+        .of_type("tool_result")
+        .into_iter()
+        .find(|e| e["call_id"] == "r")
+        .cloned()
+        .unwrap_or_default();
+    assert_eq!(ran["status"], "ok", "{ran}");
+    assert!(
+        ran["text"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("FizzBuzz"),
+        "{ran}"
+    );
+    let started = run.of_type("session_started");
+    let sandbox = started[0]["sandbox_id"].as_str().unwrap_or_default();
+    let info = h
+        .client
+        .get_sandbox(&corral_proto::SandboxId::new(sandbox)?)
+        .await?;
+    assert_eq!(info.image, "corral-debian:latest");
+    h.stop().await;
+    Ok(())
+}
