@@ -205,7 +205,12 @@ pub enum SessionCommand {
     /// missing), from the worker it was placed on.
     Export {
         id: String,
+        /// A directory, or with --diff the patch file.
         dest: PathBuf,
+        /// Only the changes, as a patch for `git apply` (the workspace must
+        /// be a git repository): against its HEAD, new files included.
+        #[arg(long)]
+        diff: bool,
         #[arg(long, env = "CORRAL_SESSIONS_DIR")]
         sessions_dir: Option<PathBuf>,
     },

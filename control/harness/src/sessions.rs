@@ -45,6 +45,28 @@ const EVENTS_CAPACITY: usize = 1024;
 /// Most bytes of skill files copied into a sandbox.
 const MAX_SKILL_FILES_BYTES: u64 = 32 << 20;
 const MAX_SKILL_FILES: usize = 2_000;
+/// The patch of a git workspace against its HEAD, through an index of its
+/// own (the repository's stays as it is).
+const DIFF_COMMAND: &str = r#"cd /workspace || exit 1
+if ! command -v git >/dev/null; then
+  echo "git is not in this sandbox's image (export it whole, without --diff)" >&2
+  exit 3
+fi
+if ! git rev-parse --is-inside-work-tree >/dev/null 2>&1; then
+  echo "/workspace is not a git repository (export it whole, without --diff)" >&2
+  exit 3
+fi
+GIT_INDEX_FILE=$(mktemp -u) || exit 1
+export GIT_INDEX_FILE
+trap 'rm -f "$GIT_INDEX_FILE"' EXIT
+if git rev-parse --verify -q HEAD >/dev/null; then
+  base=HEAD
+  git read-tree HEAD || exit 1
+else
+  base=$(git hash-object -t tree /dev/null)
+fi
+git add -A . && git diff --cached --binary "$base""#;
+
 /// The sandbox directory a session works in.
 const WORKSPACE: &str = corral_proto::limits::WORKSPACE_DIR;
 /// How long copying the skills into a new sandbox may take.
@@ -496,6 +518,35 @@ impl Sessions {
             }));
         }
         Ok(true)
+    }
+
+    /// Writes the changes made to the session's /workspace, a git
+    /// repository, as a patch to the local file `dest`: everything against
+    /// its HEAD (an empty tree before the first commit), new files
+    /// included, binary-safe, so that `git apply` on the original gives
+    /// the session's files. The repository's own index is left alone.
+    pub async fn export_diff<W: WorkerApi>(
+        &self,
+        id: &str,
+        worker: W,
+        dest: &Path,
+    ) -> Result<crate::transfer::Moved, SessionError> {
+        let config = crate::agent::replay(&self.dir, id)?
+            .config
+            .ok_or_else(|| crate::agent::CoreError::NoStart(id.into()))?;
+        let sandbox = config.sandbox_id.clone();
+        let mut file = tokio::fs::File::create(dest)
+            .await
+            .map_err(|e| SessionError::Invalid(format!("{}: {e}", dest.display())))?;
+        let written =
+            crate::transfer::stream_stdout(&worker, &sandbox, DIFF_COMMAND, &mut file).await;
+        written.map_err(|e| {
+            let _ = std::fs::remove_file(dest);
+            SessionError::Sandbox {
+                sandbox,
+                error: e.to_string(),
+            }
+        })
     }
 
     /// Copies the session's /workspace into the local directory `dest`

@@ -415,3 +415,56 @@ impl Read for ChunkReader {
         Ok(n)
     }
 }
+
+/// Runs `command` in the sandbox and writes its whole stdout to `out`, as it
+/// comes (any size: it is streamed, not kept in the result). Fails with the
+/// command's stderr when it exits non-zero.
+pub async fn stream_stdout<W: WorkerApi>(
+    worker: &W,
+    sandbox: &SandboxId,
+    command: &str,
+    out: &mut (impl tokio::io::AsyncWrite + Unpin),
+) -> Result<Moved, TransferError> {
+    use tokio::io::AsyncWriteExt;
+    let op = OperationId::random();
+    let spec = OperationSpec::Shell(corral_proto::ShellSpec::new(command));
+    let mut events =
+        Follower::from_now(worker.clone(), sandbox.clone(), Some(op.clone()), PATIENCE).await?;
+    follow::retry(worker, PATIENCE, || worker.submit(sandbox, &op, &spec)).await?;
+    let mut stderr = Vec::new();
+    let mut written = 0u64;
+    loop {
+        match events.next().await?.kind {
+            EventKind::Output {
+                stream: OutputStream::Stdout,
+                data,
+            } => {
+                if let Err(e) = out.write_all(&data).await {
+                    let _ = worker.cancel(sandbox, &op).await;
+                    return Err(TransferError::Local(e.to_string()));
+                }
+                written += data.len() as u64;
+            }
+            EventKind::Output { data, .. } => keep(&mut stderr, &data),
+            EventKind::Finished(result) => {
+                ended(&result, &stderr)?;
+                out.flush()
+                    .await
+                    .map_err(|e| TransferError::Local(e.to_string()))?;
+                return Ok(Moved { bytes: written });
+            }
+            EventKind::SandboxLost { reason } => {
+                return Err(TransferError::Sandbox(format!(
+                    "the sandbox was lost: {reason}"
+                )));
+            }
+            EventKind::Gap { from, to } => {
+                let _ = worker.cancel(sandbox, &op).await;
+                return Err(TransferError::Sandbox(format!(
+                    "events {from}..={to} of the output were dropped by the worker's journal"
+                )));
+            }
+            EventKind::Started { .. } => {}
+        }
+    }
+}

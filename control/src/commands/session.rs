@@ -1,4 +1,4 @@
-//! `corral session`: list, show, fork and remove sessions, through the
+//! `corral session`: list, show, fork, export and remove sessions, through the
 //! harness's front door. Exit codes: 0, 1 when it fails, 2 for a usage
 //! error (an unknown session or turn, a bad id).
 
@@ -145,12 +145,17 @@ async fn session_command(conn: &ConnArgs, cmd: &SessionCommand) -> Result<(), Er
         SessionCommand::Export {
             id,
             dest,
+            diff,
             sessions_dir,
         } => {
             let store = super::run::sessions(sessions_dir.as_deref());
             let worker = parent_worker(&store, id)?;
             let worker = connect_to(conn, worker.as_deref()).await?;
-            store.export(id, worker, dest).await?;
+            if *diff {
+                store.export_diff(id, worker, dest).await?;
+            } else {
+                store.export(id, worker, dest).await?;
+            }
         }
     }
     Ok(())

@@ -1356,6 +1356,19 @@ async fn a_workspace_goes_in_once_comes_back_out_and_is_copied_into_a_fork() -> 
         std::fs::read_to_string(again.join("src/lib.txt"))?,
         "one\ntwo\n"
     );
+    // A patch needs git: this image has none, and says so.
+    let patch = local.path().join("p.patch");
+    let diff = tokio::process::Command::new(binary("corral")?)
+        .env("CORRAL_WORKER", &h.url)
+        .env("CORRAL_SESSIONS_DIR", sessions.path())
+        .args(["session", "export", "--diff", "ws"])
+        .arg(&patch)
+        .output()
+        .await?;
+    assert_eq!(diff.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&diff.stderr);
+    assert!(err.contains("git is not in this sandbox's image"), "{err}");
+    assert!(!patch.exists(), "no half patch is left");
 
     // A fork starts with the parent's files, in a sandbox of its own.
     let fork = tokio::process::Command::new(binary("corral")?)
@@ -1491,6 +1504,91 @@ async fn the_default_image_runs_the_readme_fizzbuzz() -> Result<()> {
         .get_sandbox(&corral_proto::SandboxId::new(sandbox)?)
         .await?;
     assert_eq!(info.image, "corral-debian:latest");
+    h.stop().await;
+    Ok(())
+}
+
+/// A git repository given as the workspace comes back as a patch: the
+/// model's edits, a new file and a deletion, which `git apply` puts on a
+/// clone of the original.
+#[tokio::test]
+async fn a_git_workspace_exports_as_a_patch_that_applies_to_the_original() -> Result<()> {
+    let h = Harness::start().await?;
+    let sessions = tempfile::tempdir()?;
+    let local = tempfile::tempdir()?;
+    let repo = local.path().join("repo");
+    std::fs::create_dir_all(repo.join("src"))?;
+    std::fs::write(repo.join("src/lib.txt"), "one\ntwo\n")?;
+    std::fs::write(repo.join("notes"), "old notes\n")?;
+    let git = |args: &[&str], dir: &Path| -> Result<()> {
+        let out = std::process::Command::new("git")
+            .args(["-c", "user.email=t@example.com", "-c", "user.name=t"])
+            .args(args)
+            .current_dir(dir)
+            .output()?;
+        anyhow::ensure!(
+            out.status.success(),
+            "git {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Ok(())
+    };
+    git(&["init", "-q"], &repo)?;
+    git(&["add", "."], &repo)?;
+    git(&["commit", "-qm", "start"], &repo)?;
+    let model = ModelServer::start(vec![
+        responses::calls(&[(
+            "e",
+            "Bash",
+            &bash("sed -i s/one/ONE/ src/lib.txt && printf 'new\\n' > added.txt && rm notes"),
+        )]),
+        responses::text("Edited."),
+    ])
+    .await;
+    let run = corral_e2e::run::corral_run_default_image(
+        &model,
+        &h.url,
+        sessions.path(),
+        &[
+            "--session",
+            "git",
+            "--workspace",
+            repo.to_str().unwrap_or_default(),
+            "edit",
+        ],
+    )
+    .await?;
+    assert_eq!(run.code, 0, "{}", run.stderr);
+    let patch = local.path().join("changes.patch");
+    let out = tokio::process::Command::new(binary("corral")?)
+        .env("CORRAL_WORKER", &h.url)
+        .env("CORRAL_SESSIONS_DIR", sessions.path())
+        .args(["session", "export", "--diff", "git"])
+        .arg(&patch)
+        .output()
+        .await?;
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let copy = local.path().join("copy");
+    git(
+        &[
+            "clone",
+            "-q",
+            repo.to_str().unwrap_or_default(),
+            copy.to_str().unwrap_or_default(),
+        ],
+        local.path(),
+    )?;
+    git(&["apply", patch.to_str().unwrap_or_default()], &copy)?;
+    assert_eq!(
+        std::fs::read_to_string(copy.join("src/lib.txt"))?,
+        "ONE\ntwo\n"
+    );
+    assert_eq!(std::fs::read_to_string(copy.join("added.txt"))?, "new\n");
+    assert!(!copy.join("notes").exists());
     h.stop().await;
     Ok(())
 }
