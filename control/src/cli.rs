@@ -154,6 +154,12 @@ pub struct RunArgs {
     /// directory (made if missing).
     #[arg(long, env = "CORRAL_EXPORT", value_name = "DIR")]
     pub export: Option<PathBuf>,
+    /// Leave the session's sandbox running when the run ends. By default
+    /// it is suspended: its /workspace is saved beside the session's log
+    /// and the sandbox removed, so it holds nothing on the worker; the next
+    /// run brings the files back (not the processes).
+    #[arg(long, env = "CORRAL_KEEP_SANDBOX")]
+    pub keep_sandbox: bool,
     /// Reasoning effort for models that take one (Responses API): low,
     /// medium or high (new sessions only).
     #[arg(long, env = "CORRAL_REASONING_EFFORT", value_parser = ["low", "medium", "high"])]

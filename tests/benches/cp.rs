@@ -4,9 +4,14 @@
 //! so `docker cp` cannot reach it). Both sides are the command-line tools,
 //! run as processes, so each figure is what a user waits for.
 //!
+//! Then a session's suspension and resumption with a 100 MB workspace,
+//! through the harness's front door: suspend (the workspace saved beside
+//! the log, the sandbox removed) and resume (a new sandbox, the files put
+//! back, up to the point where the run starts).
+//!
 //! Run: `cargo bench -p corral-e2e --bench cp` after `deploy/build.sh` (the
 //! release `corral`, the static corral-init and the sandbox image). Prints
-//! a Markdown table.
+//! Markdown tables.
 
 // A report printer: printing is its job.
 #![allow(clippy::print_stdout)]
@@ -116,6 +121,8 @@ async fn main() -> Result<()> {
     let _ = Command::new("docker").args(["rm", "-f", &name]).output();
     measured?;
 
+    let (suspends, resumes) = suspend_and_resume().await?;
+
     let rate = |d: Duration| BYTES as f64 / (1 << 20) as f64 / d.as_secs_f64();
     println!("| 1 GiB, median of {RUNS} | corral cp | docker cp | docker / corral |");
     println!("|---|---|---|---|");
@@ -132,5 +139,74 @@ async fn main() -> Result<()> {
             d.as_secs_f64() / c.as_secs_f64()
         );
     }
+    println!();
+    println!("| session with 100 MB in /workspace, median of {RUNS} | time |");
+    println!("|---|---|");
+    println!(
+        "| suspend (workspace saved, sandbox removed) | {:.2} s |",
+        median(suspends).as_secs_f64()
+    );
+    println!(
+        "| resume (new sandbox, workspace back) | {:.2} s |",
+        median(resumes).as_secs_f64()
+    );
     Ok(())
+}
+
+const WORKSPACE_BYTES: u64 = 100_000_000;
+
+/// Suspends and resumes one session RUNS times with 100 MB in its
+/// workspace; returns the times of each.
+async fn suspend_and_resume() -> Result<(Vec<Duration>, Vec<Duration>)> {
+    use corral_e2e::model::{ModelServer, responses};
+    use corral_harness::llm::Api;
+    use corral_harness::sessions::{RunOptions, SessionRequest, Sessions};
+    let h = Harness::start().await?;
+    let model = ModelServer::start((0..=RUNS).map(|_| responses::text("ok")).collect()).await;
+    let dir = tempfile::tempdir()?;
+    let store = Sessions::new(dir.path());
+    let opts = |prompt: &str| RunOptions {
+        request: SessionRequest {
+            prompt: Some(prompt.into()),
+            ..SessionRequest::default()
+        },
+        base_url: Some(model.url.clone()),
+        api: Some(Api::Responses),
+        api_key: Some("k".into()),
+        until_idle: true,
+        ..RunOptions::default()
+    };
+    let new = store.prepare("bench", opts("start"))?;
+    let handle = store.start(new, h.worker.clone()).await?;
+    let sandbox = handle.config.sandbox_id.clone();
+    handle.task.await??;
+    let made = h
+        .run(
+            &sandbox,
+            &format!("head -c {WORKSPACE_BYTES} /dev/urandom > /workspace/blob"),
+        )
+        .await?;
+    anyhow::ensure!(made.outcome.is_success(), "{made:?}");
+    let (mut suspends, mut resumes) = (Vec::new(), Vec::new());
+    for i in 0..RUNS {
+        let stored = store.open("bench")?;
+        let started = Instant::now();
+        store.suspend(&stored, h.worker.clone()).await?;
+        suspends.push(started.elapsed());
+        drop(stored);
+        let stored = store.open("bench")?;
+        let started = Instant::now();
+        let handle = store
+            .resume(stored, h.worker.clone(), opts(&format!("again {i}")))
+            .await?;
+        resumes.push(started.elapsed());
+        handle.task.await??;
+        let size = h.run(&sandbox, "wc -c < /workspace/blob").await?;
+        anyhow::ensure!(
+            size.stdout.to_lossy_string().trim() == WORKSPACE_BYTES.to_string(),
+            "the workspace came back different: {size:?}"
+        );
+    }
+    h.stop().await;
+    Ok((suspends, resumes))
 }

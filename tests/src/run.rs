@@ -59,6 +59,9 @@ pub fn command(
         // The minimal image, for speed; `corral_run_default_image` runs
         // with the default one.
         .env("CORRAL_IMAGE", "corral-sandbox:latest")
+        // Sandboxes stay for the tests to look into after a run; the
+        // suspension of idle sessions has tests of its own.
+        .env("CORRAL_KEEP_SANDBOX", "true")
         .arg("run")
         .arg("--json")
         .args(args)

@@ -454,10 +454,61 @@ impl Sessions {
             .await
             .map_err(|e| sandbox_error(&sandbox, e))?;
         if !existed {
-            tracing::warn!(sandbox = %sandbox, "the session's sandbox is gone; a new one replaces it");
+            let saved = self.saved_workspace(core.session_id());
+            if saved.exists() {
+                // Suspended: its files come back; nothing ran meanwhile.
+                crate::transfer::restore_contents(&worker, &sandbox, &saved, WORKSPACE)
+                    .await
+                    .map_err(|e| SessionError::Upload {
+                        path: saved.display().to_string(),
+                        error: e.to_string(),
+                    })?;
+                let _ = std::fs::remove_file(&saved);
+                tracing::info!(sandbox = %sandbox, "the suspended session's workspace is back");
+            } else {
+                tracing::warn!(sandbox = %sandbox, "the session's sandbox is gone; a new one replaces it");
+            }
             core.sandbox_replaced()?;
         }
         launch(core, worker, opts, Vec::new(), true).await
+    }
+
+    /// Where a suspended session's workspace is kept: beside its log.
+    pub fn saved_workspace(&self, id: &str) -> PathBuf {
+        self.dir.join(format!("{id}.workspace.tar"))
+    }
+
+    /// Suspends a stored session that is not running (its log is held):
+    /// its /workspace is saved beside its log and its sandbox removed from
+    /// `worker`, so it holds no process, memory or disk there; a resume
+    /// brings the files back in a new sandbox (processes it had started do
+    /// not come back). Returns the bytes saved, or `None` when its sandbox
+    /// was gone already.
+    pub async fn suspend<W: WorkerApi>(
+        &self,
+        stored: &Stored,
+        worker: W,
+    ) -> Result<Option<u64>, SessionError> {
+        let Some(config) = stored.config() else {
+            return Ok(None);
+        };
+        let sandbox = &config.sandbox_id;
+        match worker.get_sandbox(sandbox).await {
+            Ok(_) => {}
+            Err(ApiError::NotFound(_)) => return Ok(None),
+            Err(e) => return Err(sandbox_error(sandbox, e)),
+        }
+        let saved = self.saved_workspace(stored.id());
+        let moved = crate::transfer::save_contents(&worker, sandbox, WORKSPACE, &saved)
+            .await
+            .map_err(|e| SessionError::Sandbox {
+                sandbox: sandbox.clone(),
+                error: format!("saving its workspace: {e}"),
+            })?;
+        match worker.destroy_sandbox(sandbox).await {
+            Ok(_) | Err(ApiError::NotFound(_)) => Ok(Some(moved.bytes)),
+            Err(e) => Err(sandbox_error(sandbox, e)),
+        }
     }
 
     /// Forks `parent` into `child` at a turn boundary (see [`fork`]); the
@@ -494,8 +545,10 @@ impl Sessions {
             (Ok(p), Ok(c)) => (p, c),
             (Err(e), _) | (_, Err(e)) => return Err(undo(e)),
         };
-        if let Err(e) = worker.get_sandbox(&from.sandbox_id).await {
-            tracing::warn!(sandbox = %from.sandbox_id, error = %e, "the parent's sandbox is gone; the fork starts with an empty workspace");
+        let saved = self.saved_workspace(parent);
+        let live = worker.get_sandbox(&from.sandbox_id).await.is_ok();
+        if !live && !saved.exists() {
+            tracing::warn!(sandbox = %from.sandbox_id, "the parent's sandbox is gone; the fork starts with an empty workspace");
             return Ok(false);
         }
         let made = worker
@@ -505,11 +558,16 @@ impl Sessions {
         if let Err(e) = made {
             return Err(undo(e));
         }
-        let copied = crate::transfer::copy_contents(
-            (&worker, &from.sandbox_id, WORKSPACE),
-            (&worker, &to.sandbox_id, WORKSPACE),
-        )
-        .await;
+        let copied = if live {
+            crate::transfer::copy_contents(
+                (&worker, &from.sandbox_id, WORKSPACE),
+                (&worker, &to.sandbox_id, WORKSPACE),
+            )
+            .await
+        } else {
+            // A suspended parent: its saved workspace.
+            crate::transfer::restore_contents(&worker, &to.sandbox_id, &saved, WORKSPACE).await
+        };
         if let Err(e) = copied {
             let _ = worker.destroy_sandbox(&to.sandbox_id).await;
             return Err(undo(SessionError::Upload {
@@ -534,12 +592,48 @@ impl Sessions {
         let config = crate::agent::replay(&self.dir, id)?
             .config
             .ok_or_else(|| crate::agent::CoreError::NoStart(id.into()))?;
-        let sandbox = config.sandbox_id.clone();
-        let mut file = tokio::fs::File::create(dest)
+        let saved = self.saved_workspace(id);
+        // A suspended session's files are brought up in a sandbox of their
+        // own for as long as it takes.
+        let temporary = saved.exists().then(|| {
+            SandboxId::new(format!("{}-diff", config.sandbox_id))
+                .unwrap_or_else(|_| SandboxId::random())
+        });
+        let sandbox = temporary
+            .clone()
+            .unwrap_or_else(|| config.sandbox_id.clone());
+        if temporary.is_some() {
+            worker
+                .create_sandbox(&sandbox, &sandbox_spec(&config))
+                .await
+                .map_err(|e| sandbox_error(&sandbox, e))?;
+            if let Err(e) =
+                crate::transfer::restore_contents(&worker, &sandbox, &saved, WORKSPACE).await
+            {
+                let _ = worker.destroy_sandbox(&sandbox).await;
+                return Err(SessionError::Upload {
+                    path: saved.display().to_string(),
+                    error: e.to_string(),
+                });
+            }
+        }
+        let file = tokio::fs::File::create(dest)
             .await
-            .map_err(|e| SessionError::Invalid(format!("{}: {e}", dest.display())))?;
-        let written =
-            crate::transfer::stream_stdout(&worker, &sandbox, DIFF_COMMAND, &mut file).await;
+            .map_err(|e| SessionError::Invalid(format!("{}: {e}", dest.display())));
+        let written = match file {
+            Ok(mut file) => {
+                crate::transfer::stream_stdout(&worker, &sandbox, DIFF_COMMAND, &mut file).await
+            }
+            Err(e) => {
+                if temporary.is_some() {
+                    let _ = worker.destroy_sandbox(&sandbox).await;
+                }
+                return Err(e);
+            }
+        };
+        if temporary.is_some() {
+            let _ = worker.destroy_sandbox(&sandbox).await;
+        }
         written.map_err(|e| {
             let _ = std::fs::remove_file(dest);
             SessionError::Sandbox {
@@ -561,6 +655,13 @@ impl Sessions {
         let config = crate::agent::replay(&self.dir, id)?
             .config
             .ok_or_else(|| crate::agent::CoreError::NoStart(id.into()))?;
+        let saved = self.saved_workspace(id);
+        if saved.exists() {
+            // Suspended: the files are here already.
+            return crate::transfer::unpack_saved(&saved, dest)
+                .await
+                .map_err(|e| SessionError::Invalid(e.to_string()));
+        }
         crate::transfer::download_contents(&worker, &config.sandbox_id, WORKSPACE, dest, |_| {})
             .await
             .map_err(|e| SessionError::Sandbox {
@@ -583,6 +684,7 @@ impl Sessions {
                 Err(e) => return Err(sandbox_error(sandbox, e)),
             }
         }
+        let _ = std::fs::remove_file(self.saved_workspace(stored.id()));
         let path = crate::session::log::path_of(&self.dir, stored.id());
         std::fs::remove_file(&path).map_err(|source| LogError::Io {
             path: path.display().to_string(),

@@ -468,3 +468,90 @@ pub async fn stream_stdout<W: WorkerApi>(
         }
     }
 }
+
+/// Saves the contents of the sandbox's directory `src` as a tar file at
+/// `file` (written beside it, synced, then renamed into place: a file
+/// there is always whole).
+pub async fn save_contents<W: WorkerApi>(
+    worker: &W,
+    sandbox: &SandboxId,
+    src: &str,
+    file: &Path,
+) -> Result<Moved, TransferError> {
+    use tokio::io::AsyncWriteExt;
+    let local = |e: std::io::Error| TransferError::Local(format!("{}: {e}", file.display()));
+    let tmp = file.with_extension("tar.partial");
+    let mut out = tokio::fs::File::create(&tmp).await.map_err(local)?;
+    let (tx, mut rx) = mpsc::channel::<Bytes>(QUEUED_CHUNKS);
+    let getting = get(worker, sandbox, ArchiveSpec::contents_of(src), tx, |_| {});
+    let writing = async {
+        while let Some(chunk) = rx.recv().await {
+            out.write_all(&chunk).await?;
+        }
+        out.flush().await?;
+        out.sync_all().await
+    };
+    let (got, written) = tokio::join!(getting, writing);
+    let saved = got.and_then(|moved| written.map(|()| moved).map_err(local));
+    match saved {
+        Ok(moved) => {
+            tokio::fs::rename(&tmp, file).await.map_err(local)?;
+            Ok(moved)
+        }
+        Err(e) => {
+            let _ = tokio::fs::remove_file(&tmp).await;
+            Err(e)
+        }
+    }
+}
+
+/// Puts a tar file of a directory's contents (see [`save_contents`]) into
+/// the sandbox's directory `dest`.
+pub async fn restore_contents<W: WorkerApi>(
+    worker: &W,
+    sandbox: &SandboxId,
+    file: &Path,
+    dest: &str,
+) -> Result<Moved, TransferError> {
+    use tokio::io::AsyncReadExt;
+    let mut input = tokio::fs::File::open(file)
+        .await
+        .map_err(|e| TransferError::Local(format!("{}: {e}", file.display())))?;
+    let (tx, rx) = mpsc::channel(QUEUED_CHUNKS);
+    let shown = file.display().to_string();
+    let reading = async move {
+        loop {
+            let mut buf = vec![0u8; CHUNK];
+            let n = match input.read(&mut buf).await {
+                Ok(0) => return,
+                Ok(n) => n,
+                Err(e) => {
+                    let _ = tx.send(Err(format!("{shown}: {e}"))).await;
+                    return;
+                }
+            };
+            buf.truncate(n);
+            if tx.send(Ok(Bytes::from(buf))).await.is_err() {
+                return;
+            }
+        }
+    };
+    let (_, put) = tokio::join!(reading, put(worker, sandbox, dest, rx, |_| {}));
+    put
+}
+
+/// Unpacks a tar file of a directory's contents (see [`save_contents`])
+/// into the local directory `dest`, made if missing.
+pub async fn unpack_saved(file: &Path, dest: &Path) -> Result<Moved, TransferError> {
+    let (file, dest) = (file.to_path_buf(), absolute(dest)?);
+    tokio::task::spawn_blocking(move || {
+        let input = std::fs::File::open(&file)
+            .map_err(|e| TransferError::Local(format!("{}: {e}", file.display())))?;
+        let bytes = input.metadata().map_or(0, |m| m.len());
+        corral_init::archive::unpack_contents(&dest, &dest.display().to_string(), input)
+            .map(|_| Moved { bytes })
+            .map_err(TransferError::Local)
+    })
+    .await
+    .map_err(|e| TransferError::Local(format!("unpacking: {e}")))?
+}

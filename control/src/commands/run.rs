@@ -245,12 +245,15 @@ async fn run(conn: &ConnArgs, args: &RunArgs, json: bool) -> Result<u8, Error> {
     };
     // However the run ended, what it made is brought back.
     if let Some(dest) = &args.export
-        && let Err(e) = store.export(&id, connection, dest).await
+        && let Err(e) = store.export(&id, connection.clone(), dest).await
     {
         super::report(&e);
         if code == EXIT_DONE {
             code = super::EXIT_CORRAL_ERROR;
         }
+    }
+    if !args.keep_sandbox {
+        suspend(&store, &id, connection).await;
     }
     view.show(&Event::Result(RunResult {
         status,
@@ -263,6 +266,21 @@ async fn run(conn: &ConnArgs, args: &RunArgs, json: bool) -> Result<u8, Error> {
         duration_ms: started.elapsed().as_millis() as u64,
     }))?;
     Ok(code)
+}
+
+/// Suspends the session once its run is over (see `Sessions::suspend`).
+/// Not done, the sandbox keeps running, which loses nothing: said, not
+/// failed.
+async fn suspend<W: corral_harness::worker_api::WorkerApi>(store: &Sessions, id: &str, worker: W) {
+    let suspended = match store.open(id) {
+        Ok(stored) => store.suspend(&stored, worker).await,
+        // Another run has it now.
+        Err(SessionError::Log(LogError::Locked(_))) => return,
+        Err(e) => Err(e),
+    };
+    if let Err(e) = suspended {
+        tracing::warn!(session = id, error = %e, "the session's sandbox stays (it could not be suspended)");
+    }
 }
 
 /// The image of a new session's sandbox unless `--image` says otherwise: a

@@ -1592,3 +1592,90 @@ async fn a_git_workspace_exports_as_a_patch_that_applies_to_the_original() -> Re
     h.stop().await;
     Ok(())
 }
+
+/// When a run ends, its session holds nothing on the worker: the sandbox
+/// is gone, its workspace saved beside the log; the next run brings the
+/// files back in a new sandbox, and an export needs no sandbox at all.
+#[tokio::test]
+async fn an_idle_session_holds_nothing_and_its_files_come_back_on_resume() -> Result<()> {
+    let h = Harness::start().await?;
+    let sessions = tempfile::tempdir()?;
+    let model = ModelServer::start(vec![
+        responses::calls(&[(
+            "w",
+            "Bash",
+            &bash("mkdir -p d && echo kept > d/f && chmod 640 d/f; sleep 1000 &"),
+        )]),
+        responses::text("Written."),
+        responses::calls(&[("r", "Bash", &bash("cat d/f; stat -c %a d/f"))]),
+        responses::text("Read."),
+    ])
+    .await;
+    let suspend = [("CORRAL_KEEP_SANDBOX", "false")];
+    let run = corral_run_env(
+        &model,
+        &h.url,
+        sessions.path(),
+        &["--session", "idle", "write"],
+        &suspend,
+    )
+    .await?;
+    assert_eq!(run.code, 0, "{}", run.stderr);
+    let sandbox = replay(sessions.path(), "idle")?
+        .config
+        .map(|c| c.sandbox_id)
+        .ok_or_else(|| anyhow::anyhow!("no config"))?;
+    assert!(
+        h.client.get_sandbox(&sandbox).await.is_err(),
+        "the sandbox of an idle session is still there"
+    );
+    assert!(h.client.list_sandboxes().await?.is_empty());
+    let saved = sessions.path().join("idle.workspace.tar");
+    assert!(saved.is_file());
+
+    // Exported from what was saved.
+    let out = tempfile::tempdir()?;
+    let export = tokio::process::Command::new(binary("corral")?)
+        .env("CORRAL_WORKER", "http://127.0.0.1:1")
+        .env("CORRAL_SESSIONS_DIR", sessions.path())
+        .args(["session", "export", "idle"])
+        .arg(out.path().join("ws"))
+        .output()
+        .await?;
+    assert!(
+        export.status.success(),
+        "{}",
+        String::from_utf8_lossy(&export.stderr)
+    );
+    assert_eq!(
+        std::fs::read_to_string(out.path().join("ws/d/f"))?,
+        "kept\n"
+    );
+
+    let run = corral_run_env(
+        &model,
+        &h.url,
+        sessions.path(),
+        &["--session", "idle", "read"],
+        &suspend,
+    )
+    .await?;
+    assert_eq!(run.code, 0, "{}", run.stderr);
+    let read = run
+        .of_type("tool_result")
+        .into_iter()
+        .find(|e| e["call_id"] == "r")
+        .cloned()
+        .unwrap_or_default();
+    assert_eq!(
+        read["text"].as_str().map(str::trim),
+        Some("kept\n640"),
+        "{read}"
+    );
+    assert!(
+        h.client.list_sandboxes().await?.is_empty(),
+        "suspended again"
+    );
+    h.stop().await;
+    Ok(())
+}
