@@ -342,6 +342,10 @@ pub enum SandboxCommand {
         /// (e.g. 30m; default: never).
         #[arg(long, value_parser = humantime::parse_duration)]
         idle_timeout: Option<Duration>,
+        /// Remove the sandbox this long after it is made, whatever it does
+        /// (e.g. 8h; the worker's --max-lifetime caps it).
+        #[arg(long, value_parser = humantime::parse_duration)]
+        ttl: Option<Duration>,
     },
     /// List sandboxes: id, state, image, age, idle time, running
     /// commands, worker and container.

@@ -45,6 +45,13 @@ pub struct SandboxSpec {
         serde(default, skip_serializing_if = "Option::is_none")
     )]
     pub idle_timeout_ms: Option<u64>,
+    /// Removed by the worker this long after it was made, whatever it
+    /// does; `None`: only the worker's own limit applies.
+    #[cfg_attr(
+        feature = "serde",
+        serde(default, skip_serializing_if = "Option::is_none")
+    )]
+    pub ttl_ms: Option<u64>,
 }
 
 /// A pseudo-terminal's window size.
@@ -452,6 +459,7 @@ impl TryFrom<pb::SandboxSpec> for SandboxSpec {
             env: p.env.into_iter().collect(),
             runtime: nonempty(p.runtime),
             idle_timeout_ms: nonzero(p.idle_timeout_ms),
+            ttl_ms: nonzero(p.ttl_ms),
         };
         spec.validate()?;
         Ok(spec)
@@ -477,6 +485,7 @@ impl From<SandboxSpec> for pb::SandboxSpec {
             env: s.env.into_iter().collect(),
             runtime: s.runtime.unwrap_or_default(),
             idle_timeout_ms: s.idle_timeout_ms.unwrap_or_default(),
+            ttl_ms: s.ttl_ms.unwrap_or_default(),
         }
     }
 }

@@ -75,6 +75,14 @@ pub struct WorkerArgs {
     /// Require client certificates signed by this CA (mutual TLS).
     #[arg(long, env = "CORRAL_TLS_CLIENT_CA", requires = "tls_cert")]
     pub tls_client_ca: Option<PathBuf>,
+    /// Idle timeout of sandboxes that name none: removed once no client has
+    /// used them for this long (e.g. 2h; default: never).
+    #[arg(long, env = "CORRAL_IDLE_TIMEOUT", value_parser = humantime::parse_duration)]
+    pub idle_timeout: Option<std::time::Duration>,
+    /// Longest a sandbox may live, whatever it does (e.g. 24h; default:
+    /// forever); a sandbox's own --ttl can only be shorter.
+    #[arg(long, env = "CORRAL_MAX_LIFETIME", value_parser = humantime::parse_duration)]
+    pub max_lifetime: Option<std::time::Duration>,
     /// How often to remove containers of this worker that have no record.
     #[arg(long, env = "CORRAL_SWEEP_INTERVAL", default_value = "60s", value_parser = humantime::parse_duration)]
     pub sweep_interval: std::time::Duration,
@@ -350,6 +358,8 @@ impl WorkerArgs {
             init_binary: self.init_binary.clone(),
             max_sandboxes: self.max_sandboxes,
             sweep_interval: self.sweep_interval,
+            default_idle_timeout: self.idle_timeout,
+            max_lifetime: self.max_lifetime,
             defaults: Defaults {
                 image: self.default_image.clone(),
                 runtime: self.runtime.clone(),

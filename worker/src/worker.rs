@@ -42,6 +42,10 @@ pub struct WorkerConfig {
     pub sandbox_limits: crate::sandbox::Limits,
     /// Most watchers of all sandboxes at once.
     pub max_watchers: usize,
+    /// The idle timeout of sandboxes that name none (`None`: they have none).
+    pub default_idle_timeout: Option<Duration>,
+    /// How long any sandbox may live, whatever it does (`None`: forever).
+    pub max_lifetime: Option<Duration>,
 }
 
 impl WorkerConfig {
@@ -57,6 +61,8 @@ impl WorkerConfig {
             policy: SandboxPolicy::default(),
             sandbox_limits: crate::sandbox::Limits::default(),
             max_watchers: 4096,
+            default_idle_timeout: None,
+            max_lifetime: None,
         }
     }
 }
@@ -80,6 +86,8 @@ struct Inner {
     default_runtime: Option<String>,
     sandbox_limits: crate::sandbox::Limits,
     max_watchers: usize,
+    default_idle_timeout: Option<Duration>,
+    max_lifetime: Option<Duration>,
     tracker: TaskTracker,
     shutdown: CancellationToken,
 }
@@ -123,6 +131,8 @@ impl Worker {
                 default_runtime,
                 sandbox_limits: config.sandbox_limits,
                 max_watchers: config.max_watchers,
+                default_idle_timeout: config.default_idle_timeout,
+                max_lifetime: config.max_lifetime,
                 tracker: TaskTracker::new(),
                 shutdown: CancellationToken::new(),
             }),
@@ -219,6 +229,32 @@ impl Worker {
 
     /// Removes, every second, the sandboxes that asked for an idle timeout
     /// and have had no client for that long.
+    /// Why `s` is to be removed now, if it is: no client used it within
+    /// its idle timeout (its own, else the worker's default), or it lived
+    /// past its lifetime (its own, else the worker's; the shorter wins).
+    fn expired(&self, s: &Sandbox, now_ms: i64) -> Option<&'static str> {
+        let idle_limit = s
+            .spec
+            .idle_timeout_ms
+            .map(Duration::from_millis)
+            .or(self.inner.default_idle_timeout);
+        if idle_limit.is_some_and(|limit| s.idle_for() >= limit) {
+            return Some("no client used it within its idle timeout");
+        }
+        let lifetime = match (
+            s.spec.ttl_ms.map(Duration::from_millis),
+            self.inner.max_lifetime,
+        ) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+        let age =
+            Duration::from_millis(u64::try_from(now_ms - s.info().created_at_unix_ms).unwrap_or(0));
+        lifetime
+            .is_some_and(|l| age >= l)
+            .then_some("it lived past its lifetime")
+    }
+
     async fn reap_idle_forever(&self) {
         let shutdown = self.inner.shutdown.clone();
         loop {
@@ -226,25 +262,20 @@ impl Worker {
                 () = tokio::time::sleep(Duration::from_secs(1)) => {}
                 () = shutdown.cancelled() => return,
             }
-            let idle: Vec<(SandboxId, Duration)> = lock(&self.inner.sandboxes)
+            let now = crate::state::now_unix_ms();
+            let expired: Vec<(SandboxId, &'static str)> = lock(&self.inner.sandboxes)
                 .iter()
-                .filter_map(|(id, s)| {
-                    let limit = Duration::from_millis(s.spec.idle_timeout_ms?);
-                    let idle = s.idle_for();
-                    (idle >= limit).then(|| (id.clone(), idle))
-                })
+                .filter_map(|(id, s)| self.expired(s, now).map(|why| (id.clone(), why)))
                 .collect();
-            for (id, idle) in idle {
+            for (id, why) in expired {
                 // Looked at again: a client may have come since.
-                let still = lock(&self.inner.sandboxes).get(&id).is_some_and(|s| {
-                    s.spec
-                        .idle_timeout_ms
-                        .is_some_and(|ms| s.idle_for() >= Duration::from_millis(ms))
-                });
+                let still = lock(&self.inner.sandboxes)
+                    .get(&id)
+                    .is_some_and(|s| self.expired(s, now).is_some());
                 if !still {
                     continue;
                 }
-                info!(sandbox = %id, idle = ?idle, "removing a sandbox no client has used within its idle timeout");
+                info!(sandbox = %id, why, "removing a sandbox");
                 if let Err(e) = self.destroy_sandbox(&id).await {
                     warn!(sandbox = %id, error = %e, "could not remove an idle sandbox");
                 }
@@ -257,7 +288,12 @@ impl Worker {
     pub fn sandboxes_with_idle_timeout(&self) -> usize {
         lock(&self.inner.sandboxes)
             .values()
-            .filter(|s| s.spec.idle_timeout_ms.is_some())
+            .filter(|s| {
+                s.spec.idle_timeout_ms.is_some()
+                    || s.spec.ttl_ms.is_some()
+                    || self.inner.default_idle_timeout.is_some()
+                    || self.inner.max_lifetime.is_some()
+            })
             .count()
     }
 

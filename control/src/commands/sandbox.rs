@@ -56,6 +56,7 @@ async fn sandbox_command(conn: &ConnArgs, cmd: SandboxCommand) -> Result<(), Err
             env,
             runtime,
             idle_timeout,
+            ttl,
         } => {
             let id = id.as_deref().map(sandbox_id).transpose()?;
             if let Some(c) = cpus
@@ -80,6 +81,7 @@ async fn sandbox_command(conn: &ConnArgs, cmd: SandboxCommand) -> Result<(), Err
                 env: env.into_iter().collect(),
                 runtime,
                 idle_timeout_ms: idle_timeout.map(|d| d.as_millis() as u64),
+                ttl_ms: ttl.map(|d| d.as_millis().max(1) as u64),
             };
             spec.validate().map_err(|e| Error::Invalid(e.to_string()))?;
             let sb = conn.create_sandbox(id.as_ref(), spec).await?;

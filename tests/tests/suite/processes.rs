@@ -736,3 +736,27 @@ async fn two_commands_without_a_worker_share_one_local_worker_that_leaves_when_i
     assert_eq!(text(&out.stdout), "again\n", "{}", text(&out.stderr));
     Ok(())
 }
+
+/// The worker's own limits: a sandbox that names no idle timeout gets the
+/// worker's, and one with a TTL goes when it is up even while a client
+/// watches it.
+#[tokio::test]
+async fn the_workers_idle_timeout_and_a_sandboxs_ttl_remove_it() -> Result<()> {
+    let h = Harness::start_with(|c| c.default_idle_timeout = Some(Duration::from_secs(1))).await?;
+    h.sandbox().await?;
+    wait_gone(&h, Duration::from_secs(15)).await?;
+
+    let h2 = Harness::start().await?;
+    let sb = h2
+        .sandbox_with(corral_proto::SandboxSpec {
+            ttl_ms: Some(1500),
+            ..corral_proto::SandboxSpec::default()
+        })
+        .await?;
+    // Watched all along: busy, and still removed at its TTL.
+    let _watch = h2.client.watch(&sb, 0, None).await?;
+    wait_gone(&h2, Duration::from_secs(15)).await?;
+    h.stop().await;
+    h2.stop().await;
+    Ok(())
+}
