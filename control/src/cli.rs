@@ -298,6 +298,8 @@ pub enum Network {
 }
 
 #[derive(Debug, Subcommand)]
+// Parsed once per process: the size of its largest variant costs nothing.
+#[allow(clippy::large_enum_variant)]
 pub enum SandboxCommand {
     /// Create a sandbox and print its id.
     Create {
