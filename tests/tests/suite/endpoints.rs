@@ -405,7 +405,10 @@ async fn a_session_recorded_with_an_invalid_prefix_heals_on_resume() -> Result<(
     for api in APIS {
         let dir = tempfile::tempdir()?;
         let sandbox = h.sandbox().await?;
-        let config = corral_e2e::session_config("gpt-5-mini", sandbox);
+        let mut config = corral_e2e::session_config("gpt-5-mini", sandbox);
+        // Placed on this test's worker: a session recorded with none
+        // resumes on the local one.
+        config.worker = Some(h.url.clone());
         let call = Item::ToolCall {
             call_id: "c1".into(),
             name: "Nope".into(),
