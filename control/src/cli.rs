@@ -57,6 +57,27 @@ pub enum Command {
     /// Manage sandboxes.
     #[command(subcommand)]
     Sandbox(SandboxCommand),
+    /// A sandbox's operations: the running ones (--all: the finished ones
+    /// its worker remembers too).
+    Ps {
+        sandbox: String,
+        #[arg(long, short)]
+        all: bool,
+    },
+    /// Cancel a running operation (of --sandbox, else found among the
+    /// worker's sandboxes).
+    Kill {
+        operation: String,
+        #[arg(long)]
+        sandbox: Option<String>,
+    },
+    /// What a sandbox's operations printed, as far back as its journal
+    /// reaches; with -f, then what they print, live, until Ctrl-C.
+    Logs {
+        sandbox: String,
+        #[arg(long, short)]
+        follow: bool,
+    },
     /// Copy files and directories into or out of a sandbox:
     /// `corral cp LOCAL SANDBOX:PATH` or `corral cp SANDBOX:PATH LOCAL`.
     /// Into a directory that exists, the source keeps its name; else it

@@ -431,6 +431,14 @@ impl Sandbox {
         lock(&self.shared.ops).ops.get(id).cloned()
     }
 
+    /// Every operation known here, oldest first (those not started yet
+    /// last).
+    pub fn operations(&self) -> Vec<OperationRecord> {
+        let mut all: Vec<OperationRecord> = lock(&self.shared.ops).ops.values().cloned().collect();
+        all.sort_by_key(|o| (o.first_seq == 0, o.first_seq, o.id.to_string()));
+        all
+    }
+
     /// Feeds input to an operation; answers once init has taken it.
     pub async fn write_input(
         &self,

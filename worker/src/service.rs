@@ -104,6 +104,20 @@ impl pb::worker_server::Worker for WorkerService {
         ))
     }
 
+    async fn list_operations(
+        &self,
+        req: Request<pb::ListOperationsRequest>,
+    ) -> Result<Response<pb::ListOperationsResponse>, Status> {
+        let sid = sandbox_id(req.into_inner().sandbox_id)?;
+        let operations = self
+            .worker
+            .list_operations(&sid)?
+            .iter()
+            .map(|o| o.to_pb(&sid))
+            .collect();
+        Ok(Response::new(pb::ListOperationsResponse { operations }))
+    }
+
     async fn cancel_operation(
         &self,
         req: Request<pb::CancelOperationRequest>,

@@ -475,6 +475,10 @@ impl Worker {
         self.sandbox(sandbox)?.submit(id, spec).await
     }
 
+    pub fn list_operations(&self, sandbox: &SandboxId) -> Result<Vec<OperationRecord>> {
+        Ok(self.sandbox(sandbox)?.operations())
+    }
+
     pub fn operation(&self, sandbox: &SandboxId, id: &OperationId) -> Result<OperationRecord> {
         self.sandbox(sandbox)?
             .operation(id)

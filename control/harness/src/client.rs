@@ -293,6 +293,22 @@ impl WorkerClient {
             .try_into()?)
     }
 
+    /// The sandbox's operations, oldest first.
+    pub async fn list_operations(
+        &self,
+        sandbox: &SandboxId,
+    ) -> Result<Vec<OperationRecord>, ClientError> {
+        let req = pb::ListOperationsRequest {
+            sandbox_id: sandbox.to_string(),
+        };
+        let resp = self.inner.clone().list_operations(req).await?.into_inner();
+        Ok(resp
+            .operations
+            .into_iter()
+            .map(OperationRecord::try_from)
+            .collect::<Result<_, _>>()?)
+    }
+
     pub async fn cancel(&self, sandbox: &SandboxId, id: &OperationId) -> Result<bool, ClientError> {
         let req = pb::CancelOperationRequest {
             sandbox_id: sandbox.to_string(),

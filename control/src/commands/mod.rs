@@ -4,6 +4,7 @@
 mod cp;
 mod exec;
 mod local_worker;
+mod ops;
 mod run;
 mod sandbox;
 mod session;
@@ -21,6 +22,11 @@ pub async fn run(cli: Cli) -> u8 {
         Command::Exec(args) => exec::main(&cli.conn, args).await,
         Command::Sandbox(cmd) => sandbox::main(&cli.conn, cmd).await,
         Command::Cp(args) => cp::main(&cli.conn, &args).await,
+        Command::Ps { sandbox, all } => ops::ps(&cli.conn, &sandbox, all).await,
+        Command::Kill { operation, sandbox } => {
+            ops::kill(&cli.conn, &operation, sandbox.as_deref()).await
+        }
+        Command::Logs { sandbox, follow } => ops::logs(&cli.conn, &sandbox, follow).await,
         Command::Run(args) => run::main(&cli.conn, &args).await,
         Command::Session(cmd) => session::main(&cli.conn, &cmd).await,
         Command::LocalWorker { idle } => local_worker::main(&cli.conn, idle).await,

@@ -382,3 +382,121 @@ async fn sandboxes_are_listed_inspected_removed_and_pruned() -> anyhow::Result<(
     h.stop().await;
     Ok(())
 }
+
+/// `corral ps` lists a sandbox's operations, `corral kill` cancels one by
+/// its id alone, and `corral logs` prints what they printed (and, with -f,
+/// what they print next).
+#[tokio::test]
+async fn operations_are_listed_killed_and_their_output_read_back() -> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let sb = h.sandbox().await?;
+    let done = h.run(&sb, "echo first-out; echo first-err >&2").await?;
+    assert!(done.outcome.is_success());
+    let op = corral_proto::OperationId::random();
+    h.client
+        .submit(
+            &sb,
+            &op,
+            corral_proto::OperationSpec::Shell(corral_proto::ShellSpec::new(
+                "echo started; sleep 300",
+            )),
+        )
+        .await?;
+    let w = ["--worker", h.url.as_str()];
+    let with = |args: &[&str]| {
+        let mut all: Vec<String> = w.iter().map(|s| s.to_string()).collect();
+        all.extend(args.iter().map(|s| s.to_string()));
+        all
+    };
+    let run = |args: Vec<String>| async move {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        corral(&args).await
+    };
+    // Running only, then all.
+    let out = run(with(&["ps", sb.as_str()])).await?;
+    let text = String::from_utf8(out.stdout)?;
+    assert!(
+        text.starts_with("ID") && text.contains(&op.to_string()),
+        "{text}"
+    );
+    assert!(
+        text.contains("running") && text.contains("echo started; sleep 300"),
+        "{text}"
+    );
+    assert_eq!(text.lines().count(), 2, "{text}");
+    let out = run(with(&["ps", "--all", sb.as_str()])).await?;
+    let text = String::from_utf8(out.stdout)?;
+    assert!(text.contains("exited with code 0"), "{text}");
+
+    // What was printed so far, stdout and stderr apart.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let out = run(with(&["logs", sb.as_str()])).await?;
+        let (o, e) = (
+            String::from_utf8(out.stdout)?,
+            String::from_utf8(out.stderr)?,
+        );
+        if o.contains("started") {
+            assert!(o.starts_with("first-out\n"), "{o}");
+            assert!(e.contains("first-err"), "{e}");
+            break;
+        }
+        anyhow::ensure!(std::time::Instant::now() < deadline, "no output: {o}");
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+
+    // Followed: what is printed next arrives live, and Ctrl-C ends it.
+    let mut follow = tokio::process::Command::new(binary("corral")?)
+        .args(["--worker", h.url.as_str(), "logs", "-f", sb.as_str()])
+        .env_remove("CORRAL_WORKER")
+        .stdout(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()?;
+    let mut stdout = follow
+        .stdout
+        .take()
+        .ok_or_else(|| anyhow::anyhow!("no stdout"))?;
+    h.run(&sb, "echo later").await?;
+    let mut seen = String::new();
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !seen.contains("later") {
+        let mut buf = [0u8; 4096];
+        let n = tokio::time::timeout_at(
+            deadline,
+            tokio::io::AsyncReadExt::read(&mut stdout, &mut buf),
+        )
+        .await??;
+        anyhow::ensure!(n > 0, "logs -f ended: {seen}");
+        seen.push_str(&String::from_utf8_lossy(&buf[..n]));
+    }
+    let pid = nix::unistd::Pid::from_raw(follow.id().unwrap_or_default() as i32);
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGINT)?;
+    let status = tokio::time::timeout(std::time::Duration::from_secs(10), follow.wait()).await??;
+    assert!(status.success(), "{status:?}");
+
+    // Killed by its id alone; then it is no longer running.
+    let out = run(with(&["kill", &op.to_string()])).await?;
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let record = loop {
+        let r = h.client.operation(&sb, &op).await?;
+        if r.result.is_some() {
+            break r;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    };
+    assert_eq!(
+        record.result.map(|r| r.outcome),
+        Some(corral_proto::Outcome::Canceled)
+    );
+    let out = run(with(&["kill", &op.to_string()])).await?;
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("not running"));
+    let out = run(with(&["kill", "no-such-op"])).await?;
+    assert!(String::from_utf8_lossy(&out.stderr).contains("no sandbox of this worker knows"));
+    h.stop().await;
+    Ok(())
+}
