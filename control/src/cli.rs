@@ -388,6 +388,15 @@ pub enum SandboxCommand {
         #[arg(long)]
         json: bool,
     },
+    /// What sandboxes use now, from their cgroups: memory (tmpfs files
+    /// included), CPU over the last second, processes. All of them when no
+    /// id is given.
+    Stats {
+        ids: Vec<String>,
+        /// One JSON array.
+        #[arg(long)]
+        json: bool,
+    },
     /// Remove sandboxes (and everything in them).
     Rm {
         #[arg(required_unless_present = "all", conflicts_with = "all")]

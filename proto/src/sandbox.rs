@@ -165,3 +165,44 @@ impl From<pb::WorkerInfo> for WorkerInfo {
         }
     }
 }
+
+/// What a sandbox uses now (see `SandboxStats` in worker.proto).
+#[derive(Debug, Clone, PartialEq)]
+pub struct SandboxStats {
+    pub sandbox_id: SandboxId,
+    pub memory_bytes: u64,
+    pub memory_limit_bytes: u64,
+    pub cpu_percent: f64,
+    pub cpu_total_ns: u64,
+    pub pids: u32,
+    pub pids_limit: u32,
+}
+
+impl From<SandboxStats> for pb::SandboxStats {
+    fn from(s: SandboxStats) -> Self {
+        Self {
+            sandbox_id: s.sandbox_id.into(),
+            memory_bytes: s.memory_bytes,
+            memory_limit_bytes: s.memory_limit_bytes,
+            cpu_percent: s.cpu_percent,
+            cpu_total_ns: s.cpu_total_ns,
+            pids: s.pids,
+            pids_limit: s.pids_limit,
+        }
+    }
+}
+
+impl TryFrom<pb::SandboxStats> for SandboxStats {
+    type Error = ProtocolError;
+    fn try_from(s: pb::SandboxStats) -> Result<Self, ProtocolError> {
+        Ok(Self {
+            sandbox_id: SandboxId::new(s.sandbox_id)?,
+            memory_bytes: s.memory_bytes,
+            memory_limit_bytes: s.memory_limit_bytes,
+            cpu_percent: s.cpu_percent,
+            cpu_total_ns: s.cpu_total_ns,
+            pids: s.pids,
+            pids_limit: s.pids_limit,
+        })
+    }
+}

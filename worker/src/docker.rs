@@ -440,6 +440,58 @@ impl DockerRuntime {
         }
     }
 
+    /// What the container uses now: memory (less the page cache that can
+    /// be dropped, as `docker stats` counts it), CPU over one sampling
+    /// interval of the engine, processes.
+    pub async fn stats(&self, container: &str) -> Result<ContainerUsage> {
+        let options = bollard::query_parameters::StatsOptions {
+            stream: false,
+            one_shot: false,
+        };
+        let mut stream = self.docker.stats(container, Some(options));
+        let s = match stream.next().await {
+            Some(r) => r?,
+            None => return Ok(ContainerUsage::default()),
+        };
+        let mem = s.memory_stats.unwrap_or_default();
+        let inactive = mem
+            .stats
+            .as_ref()
+            .and_then(|m| {
+                m.get("inactive_file")
+                    .or_else(|| m.get("total_inactive_file"))
+            })
+            .copied()
+            .unwrap_or(0);
+        let cpu = s.cpu_stats.unwrap_or_default();
+        let pre = s.precpu_stats.unwrap_or_default();
+        let total = |c: &bollard::models::ContainerCpuStats| {
+            c.cpu_usage
+                .as_ref()
+                .and_then(|u| u.total_usage)
+                .unwrap_or(0)
+        };
+        let cpu_delta = total(&cpu).saturating_sub(total(&pre)) as f64;
+        let system_delta = cpu
+            .system_cpu_usage
+            .unwrap_or(0)
+            .saturating_sub(pre.system_cpu_usage.unwrap_or(0)) as f64;
+        let cpus = f64::from(cpu.online_cpus.unwrap_or(1).max(1));
+        let pids = s.pids_stats.unwrap_or_default();
+        Ok(ContainerUsage {
+            memory_bytes: mem.usage.unwrap_or(0).saturating_sub(inactive),
+            memory_limit_bytes: mem.limit.unwrap_or(0),
+            cpu_percent: if system_delta > 0.0 {
+                cpu_delta / system_delta * cpus * 100.0
+            } else {
+                0.0
+            },
+            cpu_total_ns: total(&cpu),
+            pids: pids.current.unwrap_or(0),
+            pids_limit: pids.limit.unwrap_or(0),
+        })
+    }
+
     /// Why a container stopped, in words, from its state.
     pub async fn exit_reason(&self, container: &str) -> String {
         match self.docker.inspect_container(container, None).await {
@@ -532,4 +584,15 @@ impl DockerRuntime {
             .and_then(|v| v.version)
             .unwrap_or_default()
     }
+}
+
+/// What a container uses (see [`DockerRuntime::stats`]).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ContainerUsage {
+    pub memory_bytes: u64,
+    pub memory_limit_bytes: u64,
+    pub cpu_percent: f64,
+    pub cpu_total_ns: u64,
+    pub pids: u64,
+    pub pids_limit: u64,
 }

@@ -188,6 +188,14 @@ impl pb::worker_server::Worker for WorkerService {
         Ok(Response::new(pb::ResetSandboxResponse { killed }))
     }
 
+    async fn get_sandbox_stats(
+        &self,
+        req: Request<pb::GetSandboxStatsRequest>,
+    ) -> Result<Response<pb::SandboxStats>, Status> {
+        let sid = sandbox_id(req.into_inner().sandbox_id)?;
+        Ok(Response::new(self.worker.sandbox_stats(&sid).await?.into()))
+    }
+
     async fn get_worker_info(
         &self,
         _req: Request<pb::GetWorkerInfoRequest>,

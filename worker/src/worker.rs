@@ -475,6 +475,21 @@ impl Worker {
         self.sandbox(sandbox)?.submit(id, spec).await
     }
 
+    /// What the sandbox uses now (about a second: see `GetSandboxStats`).
+    pub async fn sandbox_stats(&self, id: &SandboxId) -> Result<corral_proto::SandboxStats> {
+        let container = self.sandbox(id)?.info().container_id;
+        let u = self.inner.runtime.stats(&container).await?;
+        Ok(corral_proto::SandboxStats {
+            sandbox_id: id.clone(),
+            memory_bytes: u.memory_bytes,
+            memory_limit_bytes: u.memory_limit_bytes,
+            cpu_percent: u.cpu_percent,
+            cpu_total_ns: u.cpu_total_ns,
+            pids: u32::try_from(u.pids).unwrap_or(u32::MAX),
+            pids_limit: u32::try_from(u.pids_limit).unwrap_or(u32::MAX),
+        })
+    }
+
     pub fn list_operations(&self, sandbox: &SandboxId) -> Result<Vec<OperationRecord>> {
         Ok(self.sandbox(sandbox)?.operations())
     }

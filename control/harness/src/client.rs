@@ -391,6 +391,18 @@ impl WorkerClient {
             .killed)
     }
 
+    /// What the sandbox uses now (about a second).
+    pub async fn sandbox_stats(
+        &self,
+        id: &SandboxId,
+    ) -> Result<corral_proto::SandboxStats, ClientError> {
+        let req = pb::GetSandboxStatsRequest {
+            sandbox_id: id.to_string(),
+        };
+        let resp = self.inner.clone().get_sandbox_stats(req).await?;
+        Ok(resp.into_inner().try_into()?)
+    }
+
     pub async fn worker_info(&self) -> Result<WorkerInfo, ClientError> {
         let resp = self
             .inner

@@ -154,6 +154,57 @@ async fn sandbox_command(conn: &ConnArgs, cmd: SandboxCommand) -> Result<(), Err
                 }
             }
         }
+        SandboxCommand::Stats { ids, json } => {
+            let ids: Vec<SandboxId> = if ids.is_empty() {
+                conn.list_sandboxes()
+                    .await?
+                    .into_iter()
+                    .map(|s| s.id)
+                    .collect()
+            } else {
+                ids.iter()
+                    .map(|i| sandbox_id(i))
+                    .collect::<Result<_, _>>()?
+            };
+            // Each takes a sampling interval: all at once.
+            let all =
+                futures_util::future::join_all(ids.iter().map(|id| conn.sandbox_stats(id))).await;
+            let all: Vec<corral_proto::SandboxStats> = all.into_iter().collect::<Result<_, _>>()?;
+            if json {
+                let list: Vec<serde_json::Value> = all
+                    .iter()
+                    .map(|s| {
+                        serde_json::json!({
+                            "id": s.sandbox_id.to_string(),
+                            "memory_bytes": s.memory_bytes,
+                            "memory_limit_bytes": s.memory_limit_bytes,
+                            "cpu_percent": s.cpu_percent,
+                            "cpu_total_ns": s.cpu_total_ns,
+                            "pids": s.pids,
+                            "pids_limit": s.pids_limit,
+                        })
+                    })
+                    .collect();
+                writeln!(stdout, "{}", serde_json::Value::Array(list))?;
+            } else {
+                let mib = |b: u64| format!("{:.1} MiB", b as f64 / f64::from(1u32 << 20));
+                let mut rows =
+                    vec![["ID", "MEMORY", "LIMIT", "CPU", "PIDS", "", "", ""].map(String::from)];
+                for s in &all {
+                    rows.push([
+                        s.sandbox_id.to_string(),
+                        mib(s.memory_bytes),
+                        mib(s.memory_limit_bytes),
+                        format!("{:.1}%", s.cpu_percent),
+                        format!("{}/{}", s.pids, s.pids_limit),
+                        String::new(),
+                        String::new(),
+                        String::new(),
+                    ]);
+                }
+                write_table(&mut stdout, &rows)?;
+            }
+        }
         SandboxCommand::Rm { ids, all } => {
             let ids: Vec<SandboxId> = if all {
                 conn.list_sandboxes()

@@ -500,3 +500,55 @@ async fn operations_are_listed_killed_and_their_output_read_back() -> anyhow::Re
     h.stop().await;
     Ok(())
 }
+
+/// `corral sandbox stats` reads a sandbox's cgroup: its limits, its
+/// processes, and memory that counts what its workspace holds.
+#[tokio::test]
+async fn sandbox_stats_show_what_a_sandbox_uses() -> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let sb = h
+        .sandbox_with(corral_proto::SandboxSpec {
+            pids_limit: Some(100),
+            ..corral_proto::SandboxSpec::default()
+        })
+        .await?;
+    let r = h
+        .run(&sb, "head -c 40000000 /dev/urandom > /workspace/blob")
+        .await?;
+    assert!(r.outcome.is_success(), "{r:?}");
+    let out = corral(&[
+        "--worker",
+        &h.url,
+        "sandbox",
+        "stats",
+        sb.as_str(),
+        "--json",
+    ])
+    .await?;
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let all: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+    let s = &all[0];
+    assert_eq!(s["id"], sb.as_str());
+    assert_eq!(s["pids_limit"], 100);
+    assert!(s["pids"].as_u64() >= Some(1), "{s}");
+    assert!(
+        s["memory_bytes"].as_u64() >= Some(40_000_000),
+        "the workspace counts: {s}"
+    );
+    assert!(
+        s["memory_limit_bytes"].as_u64() > s["memory_bytes"].as_u64(),
+        "{s}"
+    );
+    let out = corral(&["--worker", &h.url, "sandbox", "stats"]).await?;
+    let table = String::from_utf8(out.stdout)?;
+    assert!(
+        table.starts_with("ID") && table.contains(sb.as_str()) && table.contains("MiB"),
+        "{table}"
+    );
+    h.stop().await;
+    Ok(())
+}
