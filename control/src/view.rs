@@ -16,6 +16,8 @@ pub enum View {
 pub struct TerminalView {
     running: Vec<(String, String, Instant)>,
     mid_line: bool,
+    /// A running call's newest line is on stderr, to be replaced.
+    progress_line: bool,
 }
 
 pub fn one_line(s: &str, max: usize) -> String {
@@ -63,6 +65,17 @@ impl TerminalView {
     fn show(&mut self, e: &Event) -> std::io::Result<()> {
         let mut out = std::io::stdout().lock();
         let mut err = std::io::stderr().lock();
+        if let Event::ToolProgress { tool, line, .. } = e {
+            // One line, replaced as the command goes on.
+            write!(err, "\r\x1b[K  ⋯ {tool}: {}", one_line(line, 120))?;
+            err.flush()?;
+            self.progress_line = true;
+            return Ok(());
+        }
+        if self.progress_line {
+            write!(err, "\r\x1b[K")?;
+            self.progress_line = false;
+        }
         if let Event::TextDelta { text, .. } = e {
             out.write_all(text.as_bytes())?;
             out.flush()?;
@@ -131,7 +144,10 @@ impl TerminalView {
             }
             Event::Heartbeat { .. } => writeln!(err, "♥ heartbeat sent to the model")?,
             Event::ModelFailed { error, .. } => writeln!(err, "model failed: {error}")?,
-            Event::TurnCompleted { .. } | Event::TextDelta { .. } | Event::Error { .. } => {}
+            Event::TurnCompleted { .. }
+            | Event::TextDelta { .. }
+            | Event::ToolProgress { .. }
+            | Event::Error { .. } => {}
             Event::Result(r) => {
                 writeln!(
                     err,
@@ -192,6 +208,7 @@ impl View {
             View::Terminal(TerminalView {
                 running: Vec::new(),
                 mid_line: false,
+                progress_line: false,
             })
         }
     }

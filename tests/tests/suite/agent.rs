@@ -1679,3 +1679,42 @@ async fn an_idle_session_holds_nothing_and_its_files_come_back_on_resume() -> Re
     h.stop().await;
     Ok(())
 }
+
+/// A running command's newest line comes as `tool_progress` events, at most
+/// one a second, before its result.
+#[tokio::test]
+async fn a_running_command_shows_its_newest_line() -> Result<()> {
+    let h = Harness::start().await?;
+    let sessions = tempfile::tempdir()?;
+    let model = ModelServer::start(vec![
+        responses::calls(&[(
+            "slow",
+            "Bash",
+            &bash("for i in 1 2 3 4 5; do echo step$i; sleep 0.6; done"),
+        )]),
+        responses::text("Done."),
+    ])
+    .await;
+    let run = corral_run(&model, &h.url, sessions.path(), &["count"]).await?;
+    assert_eq!(run.code, 0, "{}", run.stderr);
+    let progress = run.of_type("tool_progress");
+    assert!(!progress.is_empty(), "no progress: {:?}", run.events);
+    assert!(progress.len() <= 4, "more than one a second: {progress:?}");
+    for p in &progress {
+        assert_eq!(p["call_id"], "slow");
+        assert_eq!(p["tool"], "Bash");
+        assert!(
+            p["line"].as_str().is_some_and(|l| l.starts_with("step")),
+            "{p}"
+        );
+    }
+    let order: Vec<&str> = run
+        .events
+        .iter()
+        .filter_map(|e| e["type"].as_str())
+        .filter(|t| *t == "tool_progress" || *t == "tool_result")
+        .collect();
+    assert_eq!(order.last(), Some(&"tool_result"), "{order:?}");
+    h.stop().await;
+    Ok(())
+}

@@ -57,8 +57,13 @@ pub struct Core {
     grace: Option<u64>,
     /// What running operations printed so far (not persisted).
     progress: HashMap<OperationId, Progress>,
+    /// When each running operation's progress was last told (ms).
+    progress_told: HashMap<OperationId, i64>,
     effects: Vec<Effect>,
 }
+
+/// Least time between two `tool_progress` events of one operation.
+const PROGRESS_EVERY_MS: i64 = 1000;
 
 /// Rebuilds a session's state from its log, read once as a stream.
 pub fn replay(dir: &std::path::Path, id: &str) -> Result<State, CoreError> {
@@ -79,6 +84,7 @@ impl Core {
             registry,
             grace: None,
             progress: HashMap::new(),
+            progress_told: HashMap::new(),
             effects: Vec::new(),
         };
         core.record(Record::Start { config })?;
@@ -116,6 +122,7 @@ impl Core {
             registry,
             grace: None,
             progress: HashMap::new(),
+            progress_told: HashMap::new(),
             effects: Vec::new(),
         };
         let current = config.endpoint.as_ref();
@@ -490,11 +497,49 @@ impl Core {
             {
                 self.effects.push(Effect::Cancel(vec![op.id.clone()]));
             }
+            let now = now_ms();
+            let due = self
+                .progress_told
+                .get(&op.id)
+                .is_none_or(|t| now - t >= PROGRESS_EVERY_MS);
+            let printed = op.progress.stdout_bytes + op.progress.stderr_bytes > 0;
+            if due && printed {
+                self.progress_told.insert(op.id.clone(), now);
+                let call_id = st.call_id.clone();
+                let tool = self
+                    .state
+                    .calls
+                    .get(&call_id)
+                    .map(|c| c.tool.clone())
+                    .unwrap_or_default();
+                let p = &op.progress;
+                // The newest line of stdout, else of stderr.
+                let tail = if p.stdout_tail.is_empty() {
+                    &p.stderr_tail
+                } else {
+                    &p.stdout_tail
+                };
+                let text = String::from_utf8_lossy(tail);
+                let line = text
+                    .trim_end()
+                    .rsplit('\n')
+                    .next()
+                    .unwrap_or_default()
+                    .to_string();
+                self.emit(Event::ToolProgress {
+                    call_id,
+                    tool,
+                    line,
+                    stdout_bytes: p.stdout_bytes,
+                    stderr_bytes: p.stderr_bytes,
+                });
+            }
             self.progress.insert(op.id.clone(), op.progress);
             return Ok(());
         }
         let call_id = st.call_id.clone();
         self.progress.remove(&op.id);
+        self.progress_told.remove(&op.id);
         self.record(Record::Operation {
             snapshot: OpSnapshot {
                 id: op.id.clone(),

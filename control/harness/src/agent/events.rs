@@ -98,6 +98,15 @@ pub enum Event {
         #[serde(skip_serializing_if = "Option::is_none")]
         duration_ms: Option<u64>,
     },
+    /// A running call printed more (at most once a second per
+    /// operation): its newest line and how much each stream has printed.
+    ToolProgress {
+        call_id: String,
+        tool: String,
+        line: String,
+        stdout_bytes: u64,
+        stderr_bytes: u64,
+    },
     Heartbeat {
         text: String,
     },
