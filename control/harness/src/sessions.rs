@@ -473,6 +473,14 @@ impl Sessions {
         launch(core, worker, opts, Vec::new(), true).await
     }
 
+    /// How a stored session was started, read without taking its lock (it
+    /// may be running).
+    pub fn config_of(&self, id: &str) -> Result<SessionConfig, SessionError> {
+        crate::agent::replay(&self.dir, id)?
+            .config
+            .ok_or_else(|| crate::agent::CoreError::NoStart(id.into()).into())
+    }
+
     /// Where a suspended session's workspace is kept: beside its log.
     pub fn saved_workspace(&self, id: &str) -> PathBuf {
         self.dir.join(format!("{id}.workspace.tar"))
@@ -533,15 +541,7 @@ impl Sessions {
             let _ = std::fs::remove_file(crate::session::log::path_of(&self.dir, child));
             e
         };
-        let config = |id: &str| {
-            crate::agent::replay(&self.dir, id)
-                .map_err(SessionError::from)
-                .and_then(|s| {
-                    s.config
-                        .ok_or_else(|| crate::agent::CoreError::NoStart(id.into()).into())
-                })
-        };
-        let (from, to) = match (config(parent), config(child)) {
+        let (from, to) = match (self.config_of(parent), self.config_of(child)) {
             (Ok(p), Ok(c)) => (p, c),
             (Err(e), _) | (_, Err(e)) => return Err(undo(e)),
         };
@@ -589,9 +589,7 @@ impl Sessions {
         worker: W,
         dest: &Path,
     ) -> Result<crate::transfer::Moved, SessionError> {
-        let config = crate::agent::replay(&self.dir, id)?
-            .config
-            .ok_or_else(|| crate::agent::CoreError::NoStart(id.into()))?;
+        let config = self.config_of(id)?;
         let saved = self.saved_workspace(id);
         // A suspended session's files are brought up in a sandbox of their
         // own for as long as it takes.
@@ -652,9 +650,7 @@ impl Sessions {
         worker: W,
         dest: &Path,
     ) -> Result<crate::transfer::Moved, SessionError> {
-        let config = crate::agent::replay(&self.dir, id)?
-            .config
-            .ok_or_else(|| crate::agent::CoreError::NoStart(id.into()))?;
+        let config = self.config_of(id)?;
         let saved = self.saved_workspace(id);
         if saved.exists() {
             // Suspended: the files are here already.

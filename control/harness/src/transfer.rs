@@ -277,10 +277,28 @@ pub async fn get<W: WorkerApi>(
     sandbox: &SandboxId,
     archive: ArchiveSpec,
     out: mpsc::Sender<Bytes>,
+    progress: impl FnMut(u64),
+) -> Result<Moved, TransferError> {
+    stdout_of(
+        worker,
+        sandbox,
+        OperationSpec::GetArchive(archive),
+        out,
+        progress,
+    )
+    .await
+}
+
+/// Runs `spec` and hands its stdout to `out` as it comes; fails with its
+/// stderr when it does not exit 0.
+async fn stdout_of<W: WorkerApi>(
+    worker: &W,
+    sandbox: &SandboxId,
+    spec: OperationSpec,
+    out: mpsc::Sender<Bytes>,
     mut progress: impl FnMut(u64),
 ) -> Result<Moved, TransferError> {
     let op = OperationId::random();
-    let spec = OperationSpec::GetArchive(archive);
     let mut events =
         Follower::from_now(worker.clone(), sandbox.clone(), Some(op.clone()), PATIENCE).await?;
     follow::retry(worker, PATIENCE, || worker.submit(sandbox, &op, &spec)).await?;
@@ -296,7 +314,9 @@ pub async fn get<W: WorkerApi>(
                 if out.send(data).await.is_err() {
                     // The local side gave up (and says why).
                     let _ = worker.cancel(sandbox, &op).await;
-                    return Err(TransferError::Local("unpacking stopped".into()));
+                    return Err(TransferError::Local(
+                        "this side stopped taking the output".into(),
+                    ));
                 }
                 progress(received);
             }
@@ -312,7 +332,7 @@ pub async fn get<W: WorkerApi>(
             EventKind::Gap { from, to } => {
                 let _ = worker.cancel(sandbox, &op).await;
                 return Err(TransferError::Sandbox(format!(
-                    "events {from}..={to} of the archive were dropped by the worker's journal"
+                    "events {from}..={to} of the output were dropped by the worker's journal"
                 )));
             }
             EventKind::Started { .. } => {}
@@ -426,46 +446,20 @@ pub async fn stream_stdout<W: WorkerApi>(
     out: &mut (impl tokio::io::AsyncWrite + Unpin),
 ) -> Result<Moved, TransferError> {
     use tokio::io::AsyncWriteExt;
-    let op = OperationId::random();
+    let (tx, mut rx) = mpsc::channel::<Bytes>(QUEUED_CHUNKS);
     let spec = OperationSpec::Shell(corral_proto::ShellSpec::new(command));
-    let mut events =
-        Follower::from_now(worker.clone(), sandbox.clone(), Some(op.clone()), PATIENCE).await?;
-    follow::retry(worker, PATIENCE, || worker.submit(sandbox, &op, &spec)).await?;
-    let mut stderr = Vec::new();
-    let mut written = 0u64;
-    loop {
-        match events.next().await?.kind {
-            EventKind::Output {
-                stream: OutputStream::Stdout,
-                data,
-            } => {
-                if let Err(e) = out.write_all(&data).await {
-                    let _ = worker.cancel(sandbox, &op).await;
-                    return Err(TransferError::Local(e.to_string()));
-                }
-                written += data.len() as u64;
-            }
-            EventKind::Output { data, .. } => keep(&mut stderr, &data),
-            EventKind::Finished(result) => {
-                ended(&result, &stderr)?;
-                out.flush()
-                    .await
-                    .map_err(|e| TransferError::Local(e.to_string()))?;
-                return Ok(Moved { bytes: written });
-            }
-            EventKind::SandboxLost { reason } => {
-                return Err(TransferError::Sandbox(format!(
-                    "the sandbox was lost: {reason}"
-                )));
-            }
-            EventKind::Gap { from, to } => {
-                let _ = worker.cancel(sandbox, &op).await;
-                return Err(TransferError::Sandbox(format!(
-                    "events {from}..={to} of the output were dropped by the worker's journal"
-                )));
-            }
-            EventKind::Started { .. } => {}
+    let running = stdout_of(worker, sandbox, spec, tx, |_| {});
+    let writing = async {
+        while let Some(chunk) = rx.recv().await {
+            out.write_all(&chunk).await?;
         }
+        out.flush().await
+    };
+    let (ran, written) = tokio::join!(running, writing);
+    match written {
+        // The local side stopped first: its error is the cause.
+        Err(e) => Err(TransferError::Local(e.to_string())),
+        Ok(()) => ran,
     }
 }
 

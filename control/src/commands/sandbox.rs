@@ -155,17 +155,7 @@ async fn sandbox_command(conn: &ConnArgs, cmd: SandboxCommand) -> Result<(), Err
             }
         }
         SandboxCommand::Stats { ids, json } => {
-            let ids: Vec<SandboxId> = if ids.is_empty() {
-                conn.list_sandboxes()
-                    .await?
-                    .into_iter()
-                    .map(|s| s.id)
-                    .collect()
-            } else {
-                ids.iter()
-                    .map(|i| sandbox_id(i))
-                    .collect::<Result<_, _>>()?
-            };
+            let ids = ids_or_all(&conn, &ids, ids.is_empty()).await?;
             // Each takes a sampling interval: all at once.
             let all =
                 futures_util::future::join_all(ids.iter().map(|id| conn.sandbox_stats(id))).await;
@@ -206,17 +196,7 @@ async fn sandbox_command(conn: &ConnArgs, cmd: SandboxCommand) -> Result<(), Err
             }
         }
         SandboxCommand::Rm { ids, all } => {
-            let ids: Vec<SandboxId> = if all {
-                conn.list_sandboxes()
-                    .await?
-                    .into_iter()
-                    .map(|s| s.id)
-                    .collect()
-            } else {
-                ids.iter()
-                    .map(|i| sandbox_id(i))
-                    .collect::<Result<_, _>>()?
-            };
+            let ids = ids_or_all(&conn, &ids, all).await?;
             // Each one tried; the unknown ones named together at the end.
             let mut unknown = Vec::new();
             for id in ids {
@@ -249,6 +229,24 @@ async fn sandbox_command(conn: &ConnArgs, cmd: SandboxCommand) -> Result<(), Err
         }
     }
     Ok(())
+}
+
+/// The sandboxes named, or (`all`) every sandbox of the worker.
+async fn ids_or_all(
+    conn: &corral_harness::client::WorkerClient,
+    ids: &[String],
+    all: bool,
+) -> Result<Vec<SandboxId>, Error> {
+    if all {
+        Ok(conn
+            .list_sandboxes()
+            .await?
+            .into_iter()
+            .map(|s| s.id)
+            .collect())
+    } else {
+        ids.iter().map(|i| sandbox_id(i)).collect()
+    }
 }
 
 fn state_name(s: &SandboxState) -> &'static str {

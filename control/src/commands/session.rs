@@ -220,12 +220,5 @@ fn parent_worker(
     store: &corral_harness::sessions::Sessions,
     id: &str,
 ) -> Result<Option<String>, Error> {
-    let state = corral_harness::agent::replay(store.dir(), id)
-        .map_err(corral_harness::sessions::SessionError::from)?;
-    let config = state.config.ok_or_else(|| {
-        corral_harness::sessions::SessionError::from(corral_harness::agent::CoreError::NoStart(
-            id.into(),
-        ))
-    })?;
-    Ok(config.worker)
+    Ok(store.config_of(id)?.worker)
 }
