@@ -65,6 +65,24 @@ async fn call_recorded(sessions: &Path, id: &str) {
     }
 }
 
+/// `corral ARGS [PATH]` against `worker` with sessions in `sessions`,
+/// awaited: the test's worker serves from the test's own runtime.
+async fn session_cmd(
+    worker: &str,
+    sessions: &Path,
+    args: &[&str],
+    path: Option<&Path>,
+) -> Result<std::process::Output> {
+    let mut cmd = tokio::process::Command::new(binary("corral")?);
+    cmd.env("CORRAL_WORKER", worker)
+        .env("CORRAL_SESSIONS_DIR", sessions)
+        .args(args);
+    if let Some(p) = path {
+        cmd.arg(p);
+    }
+    Ok(cmd.output().await?)
+}
+
 fn bash(cmd: &str) -> String {
     json!({ "command": cmd }).to_string()
 }
@@ -1339,14 +1357,13 @@ async fn a_workspace_goes_in_once_comes_back_out_and_is_copied_into_a_fork() -> 
     .await?;
     assert_eq!(run.code, 0, "{}", run.stderr);
     let again = local.path().join("again");
-    // The worker serves from this test's runtime: the commands are awaited.
-    let export = tokio::process::Command::new(binary("corral")?)
-        .env("CORRAL_WORKER", &h.url)
-        .env("CORRAL_SESSIONS_DIR", sessions.path())
-        .args(["session", "export", "ws"])
-        .arg(&again)
-        .output()
-        .await?;
+    let export = session_cmd(
+        &h.url,
+        sessions.path(),
+        &["session", "export", "ws"],
+        Some(again.as_ref()),
+    )
+    .await?;
     assert!(
         export.status.success(),
         "{}",
@@ -1358,25 +1375,26 @@ async fn a_workspace_goes_in_once_comes_back_out_and_is_copied_into_a_fork() -> 
     );
     // A patch needs git: this image has none, and says so.
     let patch = local.path().join("p.patch");
-    let diff = tokio::process::Command::new(binary("corral")?)
-        .env("CORRAL_WORKER", &h.url)
-        .env("CORRAL_SESSIONS_DIR", sessions.path())
-        .args(["session", "export", "--diff", "ws"])
-        .arg(&patch)
-        .output()
-        .await?;
+    let diff = session_cmd(
+        &h.url,
+        sessions.path(),
+        &["session", "export", "--diff", "ws"],
+        Some(patch.as_ref()),
+    )
+    .await?;
     assert_eq!(diff.status.code(), Some(1));
     let err = String::from_utf8_lossy(&diff.stderr);
     assert!(err.contains("git is not in this sandbox's image"), "{err}");
     assert!(!patch.exists(), "no half patch is left");
 
     // A fork starts with the parent's files, in a sandbox of its own.
-    let fork = tokio::process::Command::new(binary("corral")?)
-        .env("CORRAL_WORKER", &h.url)
-        .env("CORRAL_SESSIONS_DIR", sessions.path())
-        .args(["session", "fork", "ws", "ws-fork"])
-        .output()
-        .await?;
+    let fork = session_cmd(
+        &h.url,
+        sessions.path(),
+        &["session", "fork", "ws", "ws-fork"],
+        None,
+    )
+    .await?;
     assert!(
         fork.status.success(),
         "{}",
@@ -1560,13 +1578,13 @@ async fn a_git_workspace_exports_as_a_patch_that_applies_to_the_original() -> Re
     .await?;
     assert_eq!(run.code, 0, "{}", run.stderr);
     let patch = local.path().join("changes.patch");
-    let out = tokio::process::Command::new(binary("corral")?)
-        .env("CORRAL_WORKER", &h.url)
-        .env("CORRAL_SESSIONS_DIR", sessions.path())
-        .args(["session", "export", "--diff", "git"])
-        .arg(&patch)
-        .output()
-        .await?;
+    let out = session_cmd(
+        &h.url,
+        sessions.path(),
+        &["session", "export", "--diff", "git"],
+        Some(patch.as_ref()),
+    )
+    .await?;
     assert!(
         out.status.success(),
         "{}",
@@ -1635,13 +1653,13 @@ async fn an_idle_session_holds_nothing_and_its_files_come_back_on_resume() -> Re
 
     // Exported from what was saved.
     let out = tempfile::tempdir()?;
-    let export = tokio::process::Command::new(binary("corral")?)
-        .env("CORRAL_WORKER", "http://127.0.0.1:1")
-        .env("CORRAL_SESSIONS_DIR", sessions.path())
-        .args(["session", "export", "idle"])
-        .arg(out.path().join("ws"))
-        .output()
-        .await?;
+    let export = session_cmd(
+        "http://127.0.0.1:1",
+        sessions.path(),
+        &["session", "export", "idle"],
+        Some(out.path().join("ws").as_ref()),
+    )
+    .await?;
     assert!(
         export.status.success(),
         "{}",
