@@ -29,6 +29,7 @@ fn operation_id(s: String) -> Result<OperationId, Status> {
 }
 
 type EventStream = Pin<Box<dyn Stream<Item = Result<pb::SandboxEvent, Status>> + Send>>;
+type DownloadStream = Pin<Box<dyn Stream<Item = Result<pb::DownloadResponse, Status>> + Send>>;
 
 #[tonic::async_trait]
 impl pb::worker_server::Worker for WorkerService {
@@ -104,6 +105,133 @@ impl pb::worker_server::Worker for WorkerService {
         ))
     }
 
+    async fn upload(
+        &self,
+        req: Request<tonic::Streaming<pb::UploadRequest>>,
+    ) -> Result<Response<pb::Operation>, Status> {
+        let mut stream = req.into_inner();
+        let first = stream
+            .message()
+            .await?
+            .ok_or_else(|| Status::invalid_argument("an upload needs a first message"))?;
+        let sid = sandbox_id(first.sandbox_id)?;
+        let oid = operation_id(first.operation_id)?;
+        let spec = OperationSpec::PutArchive(corral_proto::ArchiveSpec::new(first.path));
+        spec.validate()?;
+        // Watched before it is submitted: its end cannot be missed.
+        let after = self.worker.get_sandbox(&sid)?.last_seq;
+        let mut events = self.worker.watch(&sid, after, Some(oid.clone()))?;
+        self.worker.submit(&sid, oid.clone(), spec).await?;
+        let mut offset = 0u64;
+        let (mut data, mut eof) = (first.data, first.eof);
+        loop {
+            if !data.is_empty() || eof {
+                let len = data.len() as u64;
+                let reply = self
+                    .worker
+                    .write_input(&sid, oid.clone(), offset, data, eof)
+                    .await?;
+                offset += len;
+                // Ended, or the sandbox side stopped (it failed): its end
+                // says why.
+                if eof || reply.closed {
+                    break;
+                }
+            }
+            let gone = match stream.message().await {
+                Ok(Some(m)) => {
+                    (data, eof) = (m.data, m.eof);
+                    continue;
+                }
+                Ok(None) => Status::cancelled("the upload ended without its eof"),
+                Err(e) => e,
+            };
+            // The client is gone: so is what it was sending.
+            let _ = self.worker.cancel(&sid, &oid).await;
+            return Err(gone);
+        }
+        while let Some(event) = events.recv().await {
+            match event.kind {
+                corral_proto::EventKind::Finished(_) => {
+                    return Ok(Response::new(
+                        self.worker.operation(&sid, &oid)?.to_pb(&sid),
+                    ));
+                }
+                corral_proto::EventKind::SandboxLost { reason } => {
+                    return Err(Status::unavailable(format!(
+                        "the sandbox was lost: {reason}"
+                    )));
+                }
+                _ => {}
+            }
+        }
+        Err(Status::unavailable(
+            "the worker stopped watching the upload",
+        ))
+    }
+
+    async fn download(
+        &self,
+        req: Request<pb::DownloadRequest>,
+    ) -> Result<Response<DownloadStream>, Status> {
+        let req = req.into_inner();
+        let sid = sandbox_id(req.sandbox_id)?;
+        let oid = operation_id(req.operation_id)?;
+        let archive = req
+            .archive
+            .ok_or(corral_proto::ProtocolError::Missing("archive"))?;
+        let spec = OperationSpec::GetArchive(corral_proto::ArchiveSpec {
+            path: archive.path,
+            contents: archive.contents,
+        });
+        spec.validate()?;
+        let after = self.worker.get_sandbox(&sid)?.last_seq;
+        let mut events = self.worker.watch(&sid, after, Some(oid.clone()))?;
+        self.worker.submit(&sid, oid.clone(), spec).await?;
+        let (tx, rx) = tokio::sync::mpsc::channel(4);
+        let worker = self.worker.clone();
+        // Owned by the response: it ends with the operation, or when the
+        // client goes away (and then cancels the operation).
+        tokio::spawn(async move {
+            while let Some(event) = events.recv().await {
+                let msg = match event.kind {
+                    corral_proto::EventKind::Output {
+                        stream: corral_proto::OutputStream::Stdout,
+                        data,
+                    } => Ok(pb::DownloadResponse {
+                        data,
+                        finished: None,
+                    }),
+                    corral_proto::EventKind::Finished(_) => {
+                        let last = worker
+                            .operation(&sid, &oid)
+                            .map(|r| pb::DownloadResponse {
+                                data: bytes::Bytes::new(),
+                                finished: Some(r.to_pb(&sid)),
+                            })
+                            .map_err(Status::from);
+                        let _ = tx.send(last).await;
+                        return;
+                    }
+                    corral_proto::EventKind::SandboxLost { reason } => {
+                        let _ = tx
+                            .send(Err(Status::unavailable(format!(
+                                "the sandbox was lost: {reason}"
+                            ))))
+                            .await;
+                        return;
+                    }
+                    _ => continue,
+                };
+                if tx.send(msg).await.is_err() {
+                    let _ = worker.cancel(&sid, &oid).await;
+                    return;
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+
     async fn list_operations(
         &self,
         req: Request<pb::ListOperationsRequest>,
@@ -130,6 +258,7 @@ impl pb::worker_server::Worker for WorkerService {
     }
 
     type WatchSandboxStream = EventStream;
+    type DownloadStream = DownloadStream;
 
     async fn watch_sandbox(
         &self,

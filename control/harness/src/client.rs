@@ -293,6 +293,67 @@ impl WorkerClient {
             .try_into()?)
     }
 
+    /// A tar stream into the sandbox's `path` in one call (see `Upload` in
+    /// worker.proto): `chunks` are the archive's bytes (each at most 1 MiB),
+    /// their end its end. Returns the finished operation.
+    pub async fn upload(
+        &self,
+        sandbox: &SandboxId,
+        op: &OperationId,
+        path: &str,
+        chunks: impl futures_util::Stream<Item = bytes::Bytes> + Send + 'static,
+    ) -> Result<OperationRecord, ClientError> {
+        let first = pb::UploadRequest {
+            sandbox_id: sandbox.to_string(),
+            operation_id: op.to_string(),
+            path: path.to_string(),
+            data: bytes::Bytes::new(),
+            eof: false,
+        };
+        let rest = chunks.map(|data| pb::UploadRequest {
+            data,
+            ..pb::UploadRequest::default()
+        });
+        let end = pb::UploadRequest {
+            eof: true,
+            ..pb::UploadRequest::default()
+        };
+        let requests = futures_util::stream::once(async move { first })
+            .chain(rest)
+            .chain(futures_util::stream::once(async move { end }));
+        let resp = self.inner.clone().upload(requests).await?;
+        Ok(resp.into_inner().try_into()?)
+    }
+
+    /// A path of the sandbox as a tar stream in one call (see `Download` in
+    /// worker.proto): the archive's pieces, then the finished operation.
+    pub async fn download(
+        &self,
+        sandbox: &SandboxId,
+        op: &OperationId,
+        archive: corral_proto::ArchiveSpec,
+    ) -> Result<
+        impl futures_util::Stream<Item = Result<DownloadPart, ClientError>> + use<>,
+        ClientError,
+    > {
+        let req = pb::DownloadRequest {
+            sandbox_id: sandbox.to_string(),
+            operation_id: op.to_string(),
+            archive: Some(pb::ArchiveSpec {
+                path: archive.path,
+                contents: archive.contents,
+            }),
+        };
+        let stream = self.inner.clone().download(req).await?.into_inner();
+        Ok(stream.map(|m| {
+            let m = m?;
+            match m.finished {
+                Some(op) => Ok(DownloadPart::Finished(Box::new(op.try_into()?))),
+                None => Ok(DownloadPart::Data(m.data)),
+            }
+        }))
+    }
+
     /// The sandbox's operations, oldest first.
     pub async fn list_operations(
         &self,
@@ -426,4 +487,13 @@ pub fn source_chain(e: &dyn std::error::Error) -> String {
         cur = c.source();
     }
     s
+}
+
+/// A piece of a [`WorkerClient::download`].
+#[derive(Debug, Clone, PartialEq)]
+pub enum DownloadPart {
+    /// Bytes of the archive, in order.
+    Data(bytes::Bytes),
+    /// The operation, finished: the archive is whole if it exited 0.
+    Finished(Box<OperationRecord>),
 }

@@ -67,6 +67,11 @@ else
 fi
 git add -A . && git diff --cached --binary "$base""#;
 
+/// How long a session's sandbox outlives the last client that used it: a
+/// run watches its sandbox all along, and suspends it when it ends; this
+/// removes the sandbox of a run that was killed and not resumed.
+pub const SANDBOX_IDLE_TIMEOUT: Duration = Duration::from_secs(3600);
+
 /// The sandbox directory a session works in.
 const WORKSPACE: &str = corral_proto::limits::WORKSPACE_DIR;
 /// How long copying the skills into a new sandbox may take.
@@ -448,21 +453,26 @@ impl Sessions {
             Err(ApiError::NotFound(_)) => false,
             Err(e) => return Err(sandbox_error(&sandbox, e)),
         };
-        let spec = sandbox_spec(&config);
-        worker
-            .create_sandbox(&sandbox, &spec)
-            .await
-            .map_err(|e| sandbox_error(&sandbox, e))?;
         if !existed {
+            // Made again, with today's spec (a sandbox that exists keeps
+            // the one it was made with).
+            worker
+                .create_sandbox(&sandbox, &sandbox_spec(&config))
+                .await
+                .map_err(|e| sandbox_error(&sandbox, e))?;
             let saved = self.saved_workspace(core.session_id());
             if saved.exists() {
                 // Suspended: its files come back; nothing ran meanwhile.
-                crate::transfer::restore_contents(&worker, &sandbox, &saved, WORKSPACE)
-                    .await
-                    .map_err(|e| SessionError::Upload {
+                let restored =
+                    crate::transfer::restore_contents(&worker, &sandbox, &saved, WORKSPACE).await;
+                if let Err(e) = restored {
+                    // Not left half restored: the next try starts over.
+                    let _ = worker.destroy_sandbox(&sandbox).await;
+                    return Err(SessionError::Upload {
                         path: saved.display().to_string(),
                         error: e.to_string(),
-                    })?;
+                    });
+                }
                 let _ = std::fs::remove_file(&saved);
                 tracing::info!(sandbox = %sandbox, "the suspended session's workspace is back");
             } else {
@@ -766,6 +776,7 @@ fn check_tool_choice(config: &SessionConfig) -> Result<(), SessionError> {
 fn sandbox_spec(config: &SessionConfig) -> SandboxSpec {
     SandboxSpec {
         image: config.image.clone(),
+        idle_timeout_ms: Some(SANDBOX_IDLE_TIMEOUT.as_millis() as u64),
         ..SandboxSpec::default()
     }
 }

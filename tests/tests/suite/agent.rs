@@ -1522,6 +1522,8 @@ async fn the_default_image_runs_the_readme_fizzbuzz() -> Result<()> {
         .get_sandbox(&corral_proto::SandboxId::new(sandbox)?)
         .await?;
     assert_eq!(info.image, "corral-debian:latest");
+    // Removed by its worker if no run comes back to it within the hour.
+    assert_eq!(info.spec.idle_timeout_ms, Some(3_600_000));
     h.stop().await;
     Ok(())
 }

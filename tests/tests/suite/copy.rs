@@ -206,3 +206,100 @@ async fn links_are_never_followed_out_and_a_full_workspace_fails_cleanly() -> Re
     h.stop().await;
     Ok(())
 }
+
+/// The API's one-call transfers: `Upload` takes a tar stream as fast as the
+/// sandbox does, `Download` gives one back, and a client that goes away
+/// mid-upload leaves nothing running.
+#[tokio::test]
+async fn the_api_moves_an_archive_in_and_out_in_one_call() -> Result<()> {
+    use corral_harness::client::DownloadPart;
+    use corral_proto::{ArchiveSpec, OperationId, Outcome};
+    use futures_util::StreamExt;
+    let h = Harness::start().await?;
+    let sb = h.sandbox().await?;
+    let local = tempfile::tempdir()?;
+    let src = local.path().join("src");
+    std::fs::create_dir_all(src.join("deep/er"))?;
+    sh(
+        "head -c 5000000 /dev/urandom > deep/er/blob && echo hi > a && chmod 700 a",
+        &src,
+    )?;
+    let mut tar = Vec::new();
+    corral_init::archive::pack_contents(&src, &mut tar).map_err(anyhow::Error::msg)?;
+    let chunks: Vec<bytes::Bytes> = tar
+        .chunks(256 * 1024)
+        .map(bytes::Bytes::copy_from_slice)
+        .collect();
+    let done = h
+        .client
+        .upload(
+            &sb,
+            &OperationId::random(),
+            "/workspace",
+            futures_util::stream::iter(chunks),
+        )
+        .await?;
+    assert_eq!(
+        done.result.map(|r| r.outcome),
+        Some(Outcome::Exited { code: 0 })
+    );
+
+    let mut parts = h
+        .client
+        .download(
+            &sb,
+            &OperationId::random(),
+            ArchiveSpec::contents_of("/workspace"),
+        )
+        .await?;
+    let (mut back, mut finished) = (Vec::new(), None);
+    while let Some(part) = parts.next().await {
+        match part? {
+            DownloadPart::Data(d) => back.extend_from_slice(&d),
+            DownloadPart::Finished(op) => finished = Some(op),
+        }
+    }
+    let finished = finished.ok_or_else(|| anyhow::anyhow!("no end"))?;
+    assert_eq!(
+        finished.result.map(|r| r.outcome),
+        Some(Outcome::Exited { code: 0 })
+    );
+    let out = local.path().join("out");
+    corral_init::archive::unpack_contents(&out, "out", back.as_slice())
+        .map_err(anyhow::Error::msg)?;
+    same(
+        "what came back",
+        &local_listing(&out)?,
+        &local_listing(&src)?,
+    )?;
+
+    // A client gone mid-upload: its operation is canceled, not left waiting.
+    let op = OperationId::random();
+    let first = bytes::Bytes::from(tar[..512 * 1024].to_vec());
+    let stalled =
+        futures_util::stream::once(async move { first }).chain(futures_util::stream::pending());
+    let client = h.client.clone();
+    let (sb2, op2) = (sb.clone(), op.clone());
+    let upload = tokio::spawn(async move { client.upload(&sb2, &op2, "/tmp", stalled).await });
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
+    while h.client.operation(&sb, &op).await.is_err() {
+        anyhow::ensure!(tokio::time::Instant::now() < deadline, "never submitted");
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    upload.abort();
+    let ended = loop {
+        let r = h.client.operation(&sb, &op).await?;
+        if let Some(r) = r.result {
+            break r;
+        }
+        anyhow::ensure!(
+            tokio::time::Instant::now() < deadline,
+            "the upload still runs"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    };
+    assert_eq!(ended.outcome, Outcome::Canceled);
+    h.client.destroy_sandbox(&sb).await?;
+    h.stop().await;
+    Ok(())
+}
