@@ -132,7 +132,12 @@ async fn sandbox_command(conn: &ConnArgs, cmd: SandboxCommand) -> Result<(), Err
         }
         SandboxCommand::Inspect { id, json } => {
             let sb = conn.get_sandbox(&sandbox_id(&id)?).await?;
-            let v = to_json(&sb);
+            // What it uses now, unless it cannot be measured (a lost one).
+            let usage = conn.sandbox_stats(&sb.id).await.ok();
+            let mut v = to_json(&sb);
+            if let Some(u) = &usage {
+                v["usage"] = stats_json(u);
+            }
             if json {
                 writeln!(stdout, "{v}")?;
             } else {
@@ -148,6 +153,19 @@ async fn sandbox_command(conn: &ConnArgs, cmd: SandboxCommand) -> Result<(), Err
                     ("idle", ago(now, sb.last_used_unix_ms)),
                     ("running", sb.running_operations.to_string()),
                     ("last event", sb.last_seq.to_string()),
+                    (
+                        "usage",
+                        usage.as_ref().map_or("unknown".into(), |u| {
+                            format!(
+                                "{:.1} MiB of {:.1} MiB, {:.1}% CPU, {}/{} processes",
+                                u.memory_bytes as f64 / f64::from(1u32 << 20),
+                                u.memory_limit_bytes as f64 / f64::from(1u32 << 20),
+                                u.cpu_percent,
+                                u.pids,
+                                u.pids_limit
+                            )
+                        }),
+                    ),
                     ("spec", spec),
                 ] {
                     writeln!(stdout, "{:<11} {val}", format!("{k}:"))?;
@@ -161,20 +179,7 @@ async fn sandbox_command(conn: &ConnArgs, cmd: SandboxCommand) -> Result<(), Err
                 futures_util::future::join_all(ids.iter().map(|id| conn.sandbox_stats(id))).await;
             let all: Vec<corral_proto::SandboxStats> = all.into_iter().collect::<Result<_, _>>()?;
             if json {
-                let list: Vec<serde_json::Value> = all
-                    .iter()
-                    .map(|s| {
-                        serde_json::json!({
-                            "id": s.sandbox_id.to_string(),
-                            "memory_bytes": s.memory_bytes,
-                            "memory_limit_bytes": s.memory_limit_bytes,
-                            "cpu_percent": s.cpu_percent,
-                            "cpu_total_ns": s.cpu_total_ns,
-                            "pids": s.pids,
-                            "pids_limit": s.pids_limit,
-                        })
-                    })
-                    .collect();
+                let list: Vec<serde_json::Value> = all.iter().map(stats_json).collect();
                 writeln!(stdout, "{}", serde_json::Value::Array(list))?;
             } else {
                 let mib = |b: u64| format!("{:.1} MiB", b as f64 / f64::from(1u32 << 20));
@@ -247,6 +252,18 @@ async fn ids_or_all(
     } else {
         ids.iter().map(|i| sandbox_id(i)).collect()
     }
+}
+
+fn stats_json(s: &corral_proto::SandboxStats) -> serde_json::Value {
+    serde_json::json!({
+        "id": s.sandbox_id.to_string(),
+        "memory_bytes": s.memory_bytes,
+        "memory_limit_bytes": s.memory_limit_bytes,
+        "cpu_percent": s.cpu_percent,
+        "cpu_total_ns": s.cpu_total_ns,
+        "pids": s.pids,
+        "pids_limit": s.pids_limit,
+    })
 }
 
 fn state_name(s: &SandboxState) -> &'static str {

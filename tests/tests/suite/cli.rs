@@ -353,8 +353,13 @@ async fn sandboxes_are_listed_inspected_removed_and_pruned() -> anyhow::Result<(
         one["spec"].is_object() && one["last_used_unix_ms"].as_i64() > Some(0),
         "{one}"
     );
+    assert!(one["usage"]["pids"].as_u64() >= Some(1), "{one}");
     let out = sb(&["inspect", &ids[0]]).await?;
-    assert!(String::from_utf8(out.stdout)?.contains("worker:"));
+    let text = String::from_utf8(out.stdout)?;
+    assert!(
+        text.contains("worker:") && text.contains("processes"),
+        "{text}"
+    );
 
     // Several at once; an unknown one is named, the others still go.
     let out = sb(&["rm", &ids[0], "nope", &ids[1]]).await?;
