@@ -267,10 +267,18 @@ async fn the_api_moves_an_archive_in_and_out_in_one_call() -> Result<()> {
     let out = local.path().join("out");
     corral_init::archive::unpack_contents(&out, "out", back.as_slice())
         .map_err(anyhow::Error::msg)?;
+    // Contents moved, not the directory itself: its own line (its mtime is
+    // when it was unpacked into) is left out.
+    let inside = |l: String| {
+        l.lines()
+            .filter(|l| !l.ends_with(" ."))
+            .collect::<Vec<_>>()
+            .join("\n")
+    };
     same(
         "what came back",
-        &local_listing(&out)?,
-        &local_listing(&src)?,
+        &inside(local_listing(&out)?),
+        &inside(local_listing(&src)?),
     )?;
 
     // A client gone mid-upload: its operation is canceled, not left waiting.
