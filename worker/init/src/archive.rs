@@ -119,6 +119,17 @@ fn unpack_at(base: &Path, top: Top, dest: &str, input: impl Read) -> Result<Move
                     .map_err(|e| format!("{shown}: {e}"))?
                     .ok_or_else(|| format!("{shown}: a hard link without a target"))?;
                 let target = base.join(relative(&target, &top)?);
+                // The file linked to must be inside the destination too: a
+                // link among its directories may not lead out.
+                let inside = target
+                    .parent()
+                    .and_then(|p| fs::canonicalize(p).ok())
+                    .is_some_and(|p| p.starts_with(&base));
+                if !inside {
+                    return Err(format!(
+                        "{shown}: a hard link to a file outside the destination"
+                    ));
+                }
                 clear(&full, &name)?;
                 fs::hard_link(&target, &full).map_err(|e| format!("{shown}: {e}"))?;
             }
@@ -460,6 +471,23 @@ mod tests {
         put(&r, &ws, over.as_slice()).unwrap();
         assert!(!outside.join("victim").exists());
         assert_eq!(fs::read(r.workspace.join("f")).unwrap(), b"new");
+        // A hard link may not reach out through a link either.
+        let secret = outside.join("secret");
+        fs::write(&secret, b"s").unwrap();
+        let hard = tar_of(&[
+            ("way", tar::EntryType::Symlink, b"", Some(&out)),
+            ("h", tar::EntryType::Link, b"", Some("way/secret")),
+        ]);
+        let err = put(&r, &ws, hard.as_slice()).unwrap_err();
+        assert!(err.contains("outside the destination"), "{err}");
+        assert!(!r.workspace.join("h").exists());
+        // One inside is made.
+        let fine = tar_of(&[
+            ("a", tar::EntryType::Regular, b"x", None),
+            ("b", tar::EntryType::Link, b"", Some("a")),
+        ]);
+        put(&r, &ws, fine.as_slice()).unwrap();
+        assert_eq!(fs::read(r.workspace.join("b")).unwrap(), b"x");
         // A destination outside the roots is refused before anything.
         assert!(put(&r, out.as_str(), over.as_slice()).is_err());
         assert!(get(&r, out.as_str(), Vec::new()).is_err());
