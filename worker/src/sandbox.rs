@@ -363,6 +363,10 @@ impl Sandbox {
         }
     }
 
+    pub fn created_at_unix_ms(&self) -> i64 {
+        self.created_at_unix_ms
+    }
+
     pub fn info(&self) -> SandboxInfo {
         SandboxInfo {
             id: self.id.clone(),

@@ -127,10 +127,19 @@ impl pb::worker_server::Worker for WorkerService {
         loop {
             if !data.is_empty() || eof {
                 let len = data.len() as u64;
-                let reply = self
+                let written = self
                     .worker
                     .write_input(&sid, oid.clone(), offset, data, eof)
-                    .await?;
+                    .await;
+                let reply = match written {
+                    Ok(reply) => reply,
+                    Err(e) => {
+                        // A refused piece (over 1 MiB, say) ends the upload:
+                        // nothing is left waiting for the rest.
+                        let _ = self.worker.cancel(&sid, &oid).await;
+                        return Err(e.into());
+                    }
+                };
                 offset += len;
                 // Ended, or the sandbox side stopped (it failed): its end
                 // says why.

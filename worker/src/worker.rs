@@ -249,7 +249,7 @@ impl Worker {
             (a, b) => a.or(b),
         };
         let age =
-            Duration::from_millis(u64::try_from(now_ms - s.info().created_at_unix_ms).unwrap_or(0));
+            Duration::from_millis(u64::try_from(now_ms - s.created_at_unix_ms()).unwrap_or(0));
         lifetime
             .is_some_and(|l| age >= l)
             .then_some("it lived past its lifetime")

@@ -556,7 +556,12 @@ impl Sessions {
             (Err(e), _) | (_, Err(e)) => return Err(undo(e)),
         };
         let saved = self.saved_workspace(parent);
-        let live = worker.get_sandbox(&from.sandbox_id).await.is_ok();
+        let live = match worker.get_sandbox(&from.sandbox_id).await {
+            Ok(_) => true,
+            Err(ApiError::NotFound(_)) => false,
+            // Not knowing is not "gone": no fork with an empty workspace.
+            Err(e) => return Err(undo(sandbox_error(&from.sandbox_id, e))),
+        };
         if !live && !saved.exists() {
             tracing::warn!(sandbox = %from.sandbox_id, "the parent's sandbox is gone; the fork starts with an empty workspace");
             return Ok(false);

@@ -307,6 +307,17 @@ async fn the_api_moves_an_archive_in_and_out_in_one_call() -> Result<()> {
         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
     };
     assert_eq!(ended.outcome, Outcome::Canceled);
+
+    // A piece over 1 MiB is refused, and ends the upload too.
+    let op = OperationId::random();
+    let big = bytes::Bytes::from(vec![0u8; 2 << 20]);
+    let refused = h
+        .client
+        .upload(&sb, &op, "/tmp", futures_util::stream::iter([big]))
+        .await;
+    assert!(refused.is_err(), "{refused:?}");
+    let ended = h.client.operation(&sb, &op).await?;
+    assert_eq!(ended.result.map(|r| r.outcome), Some(Outcome::Canceled));
     h.client.destroy_sandbox(&sb).await?;
     h.stop().await;
     Ok(())
