@@ -15,6 +15,10 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 pub struct Cli {
     #[command(flatten)]
     pub conn: ConnArgs,
+    /// Log format: json (one object per line), text, or auto (text on a
+    /// terminal, else json).
+    #[arg(long, global = true, env = "CORRAL_LOG_FORMAT", value_enum, default_value_t = corral_worker::cli::LogFormat::Auto)]
+    pub log_format: corral_worker::cli::LogFormat,
     #[command(subcommand)]
     pub command: Command,
 }

@@ -34,7 +34,7 @@ fn main() -> ExitCode {
     } else {
         "warn"
     };
-    corral_worker::cli::init_logging(level);
+    corral_worker::cli::init_logging(level, cli.log_format);
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(rt) => rt,
         Err(e) => {

@@ -38,6 +38,10 @@ pub struct WorkerInfo {
     pub running_operations: u32,
     pub docker_version: String,
     pub policy: SandboxPolicy,
+    /// Refusing new sandboxes while it serves the ones it has.
+    pub draining: bool,
+    /// When a drain removes what is left (ms since the epoch; 0: none).
+    pub drain_deadline_ms: u64,
 }
 
 /// What a worker lets a sandbox be: its operator's choice, never a
@@ -148,6 +152,8 @@ impl From<WorkerInfo> for pb::WorkerInfo {
             running_operations: i.running_operations,
             docker_version: i.docker_version,
             policy: Some(i.policy.into()),
+            draining: i.draining,
+            drain_deadline_ms: i.drain_deadline_ms,
         }
     }
 }
@@ -162,6 +168,8 @@ impl From<pb::WorkerInfo> for WorkerInfo {
             running_operations: i.running_operations,
             docker_version: i.docker_version,
             policy: i.policy.map(Into::into).unwrap_or_default(),
+            draining: i.draining,
+            drain_deadline_ms: i.drain_deadline_ms,
         }
     }
 }

@@ -203,6 +203,21 @@ pub async fn collect(
     }
 }
 
+/// Runs `command` in `sandbox` to its end; its stdout.
+pub async fn run_shell(
+    client: &WorkerClient,
+    sandbox: &SandboxId,
+    command: &str,
+) -> Result<String> {
+    let op = OperationId::random();
+    let after = client.get_sandbox(sandbox).await?.last_seq;
+    client
+        .submit(sandbox, &op, OperationSpec::Shell(ShellSpec::new(command)))
+        .await?;
+    let (events, _) = collect(client, sandbox, &op, after).await?;
+    Ok(String::from_utf8_lossy(&stdout_of(&events)).into_owned())
+}
+
 /// The stdout bytes carried by output events.
 pub fn stdout_of(events: &[Event]) -> Vec<u8> {
     let mut out = Vec::new();

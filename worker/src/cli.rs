@@ -113,6 +113,25 @@ pub struct WorkerArgs {
     /// How long a new connection may stay silent before it is closed.
     #[arg(long, env = "CORRAL_HANDSHAKE_TIMEOUT", default_value = "5s", value_parser = humantime::parse_duration)]
     pub handshake_timeout: std::time::Duration,
+    /// Start draining: take no new sandboxes (creates are refused with
+    /// UNAVAILABLE) and report NOT_SERVING on the gRPC health service, while
+    /// the sandboxes here are served until they end or --drain-deadline
+    /// passes. SIGUSR1 and the Drain call do the same at run time; a drain
+    /// survives restarts until the Drain call ends it.
+    #[arg(long, env = "CORRAL_DRAIN")]
+    pub drain: bool,
+    /// How long a drain serves the sandboxes it found before removing what
+    /// is left.
+    #[arg(long, env = "CORRAL_DRAIN_DEADLINE", default_value = "1h", value_parser = humantime::parse_duration)]
+    pub drain_deadline: std::time::Duration,
+    /// Serve Prometheus metrics at http://ADDR/metrics (a port of its own,
+    /// without the token: bind it where only the scraper reaches).
+    #[arg(long, env = "CORRAL_METRICS_LISTEN")]
+    pub metrics_listen: Option<SocketAddr>,
+    /// Log format: json (one object per line), text, or auto (text on a
+    /// terminal, else json).
+    #[arg(long, env = "CORRAL_LOG_FORMAT", value_enum, default_value_t = LogFormat::Auto)]
+    pub log_format: LogFormat,
     /// Image for sandboxes that name none.
     #[arg(
         long,
@@ -122,17 +141,39 @@ pub struct WorkerArgs {
     pub default_image: String,
 }
 
-/// Logs to stderr, filtered by `CORRAL_LOG` (default `default_level`), in
-/// colour only on a terminal.
-pub fn init_logging(default_level: &str) {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("CORRAL_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_level)),
-        )
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .init();
+/// How logs are written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum LogFormat {
+    /// Text on a terminal, JSON otherwise (a log collector).
+    Auto,
+    Text,
+    Json,
+}
+
+/// Logs to stderr, filtered by `CORRAL_LOG` (default `default_level`):
+/// text (in colour) on a terminal, one JSON object per line otherwise,
+/// unless `format` says which.
+pub fn init_logging(default_level: &str, format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("CORRAL_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_level));
+    let terminal = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let json = match format {
+        LogFormat::Auto => !terminal,
+        LogFormat::Text => false,
+        LogFormat::Json => true,
+    };
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    if json {
+        builder
+            .json()
+            .with_current_span(true)
+            .with_span_list(false)
+            .init();
+    } else {
+        builder.with_ansi(terminal).init();
+    }
 }
 
 /// Parses the command line. Help and version print as usual; a usage error
@@ -360,6 +401,8 @@ impl WorkerArgs {
             sweep_interval: self.sweep_interval,
             default_idle_timeout: self.idle_timeout,
             max_lifetime: self.max_lifetime,
+            drain: self.drain,
+            drain_deadline: self.drain_deadline,
             defaults: Defaults {
                 image: self.default_image.clone(),
                 runtime: self.runtime.clone(),

@@ -38,6 +38,9 @@ pub enum WorkerError {
     StateLocked(String),
     #[error("the worker is shutting down")]
     ShuttingDown,
+    /// Draining: no new sandboxes here (ask another worker).
+    #[error("this worker is draining: it takes no new sandboxes")]
+    Draining,
     /// A limit on watchers was reached.
     #[error("too many watchers: {0}")]
     TooManyWatchers(String),
@@ -91,6 +94,7 @@ impl From<WorkerError> for tonic::Status {
             WorkerError::Docker(_)
             | WorkerError::InitUnresponsive { .. }
             | WorkerError::Detached(_)
+            | WorkerError::Draining
             | WorkerError::ShuttingDown => Code::Unavailable,
             WorkerError::InitBinary(_)
             | WorkerError::Config(_)

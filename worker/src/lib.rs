@@ -13,7 +13,8 @@
 //!   ask, the worker decides);
 //! - [`admission`]: which connections reach the server (limits, handshake
 //!   timeout);
-//! - [`state`]: the worker's durable records; [`initbin`]: the supervisor
+//! - [`metrics`]: Prometheus metrics and the endpoint that serves them;
+//! - [`state`]: the worker's durable records (sandboxes, id, drain); [`initbin`]: the supervisor
 //!   binary; [`service`] and [`server`]: the gRPC edge (auth, health,
 //!   reflection), the only place generated types are touched.
 //!
@@ -25,6 +26,7 @@ pub mod cli;
 pub mod docker;
 pub mod error;
 pub mod initbin;
+pub mod metrics;
 pub mod policy;
 pub mod sandbox;
 pub mod server;

@@ -7,14 +7,14 @@ use std::process::ExitCode;
 
 use anyhow::Context;
 use corral_worker::cli::WorkerArgs;
-use corral_worker::{Worker, server};
+use corral_worker::{Worker, metrics, server};
 
 fn main() -> ExitCode {
     let args = match corral_worker::cli::parse_args::<WorkerArgs>("corral-worker") {
         Ok(args) => args,
         Err(code) => return code,
     };
-    corral_worker::cli::init_logging("info");
+    corral_worker::cli::init_logging("info", args.log_format);
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(rt) => rt,
         Err(e) => {
@@ -55,6 +55,10 @@ async fn run(args: WorkerArgs) -> anyhow::Result<()> {
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("cannot listen on {}", args.listen))?;
+    let metrics = match args.metrics_listen {
+        Some(addr) => Some(metrics::bind(addr).await?),
+        None => None,
+    };
     let worker = Worker::start(config).await?;
     let addr = listener.local_addr()?;
     println!(
@@ -62,14 +66,29 @@ async fn run(args: WorkerArgs) -> anyhow::Result<()> {
         worker.id(),
         args.token_path().display()
     );
+    let stop = tokio_util::sync::CancellationToken::new();
+    let metrics = metrics.map(|listener| {
+        if let Ok(addr) = listener.local_addr() {
+            println!("metrics at http://{addr}/metrics");
+        }
+        let w = worker.clone();
+        let stopped = stop.clone().cancelled_owned();
+        tokio::spawn(metrics::serve(
+            listener,
+            std::sync::Arc::new(move || w.metrics_text()),
+            stopped,
+        ))
+    });
     let stopping = worker.clone();
+    let signalled = stop.clone();
     let shutdown = async move {
-        shutdown_signal().await;
+        shutdown_signal(&stopping).await;
         tracing::info!("shutting down; sandboxes keep running for the next start");
+        signalled.cancel();
         // Ends the actors and the open watch streams, so the server drains.
         stopping.shutdown().await;
     };
-    server::serve_with(
+    let served = server::serve_with(
         worker,
         listener,
         server::ServeOptions {
@@ -79,17 +98,38 @@ async fn run(args: WorkerArgs) -> anyhow::Result<()> {
         },
         shutdown,
     )
-    .await?;
+    .await;
+    stop.cancel();
+    if let Some(task) = metrics {
+        match task.await {
+            Ok(Err(e)) => tracing::warn!(error = %e, "the metrics endpoint failed"),
+            Err(e) => tracing::warn!(error = %e, "the metrics endpoint panicked"),
+            Ok(Ok(())) => {}
+        }
+    }
+    served?;
     Ok(())
 }
 
-async fn shutdown_signal() {
-    let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-        Ok(s) => s,
-        Err(_) => return std::future::pending().await,
+/// Resolves on SIGTERM or Ctrl-C; meanwhile SIGUSR1 starts a drain.
+async fn shutdown_signal(worker: &Worker) {
+    use tokio::signal::unix::{SignalKind, signal};
+    let (Ok(mut term), Ok(mut usr1)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::user_defined1()),
+    ) else {
+        return std::future::pending().await;
     };
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        _ = term.recv() => {}
+    loop {
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => return,
+            _ = term.recv() => return,
+            _ = usr1.recv() => {
+                tracing::info!("SIGUSR1: draining");
+                if let Err(e) = worker.drain(true) {
+                    tracing::error!(error = %e, "cannot start draining");
+                }
+            }
+        }
     }
 }

@@ -75,6 +75,7 @@ pub struct Env<'a> {
     pub tracker: &'a tokio_util::task::TaskTracker,
     pub shutdown: &'a CancellationToken,
     pub limits: Limits,
+    pub metrics: &'a Arc<crate::metrics::WorkerMetrics>,
 }
 
 /// One watcher, as the actor sees it.
@@ -314,6 +315,7 @@ impl Sandbox {
             tracker,
             shutdown,
             limits,
+            metrics,
         } = env;
         let (runtime, limits) = (Arc::clone(runtime), *limits);
         let shared = Arc::new(Shared {
@@ -333,6 +335,7 @@ impl Sandbox {
             id: id.clone(),
             container: container_id.clone(),
             runtime,
+            metrics: Arc::clone(metrics),
             shared: shared.clone(),
             rx,
             output: None,
@@ -558,6 +561,11 @@ impl Sandbox {
     pub fn watchers(&self) -> usize {
         lock(&self.shared.watchers).len()
     }
+
+    /// Bytes its event journal holds.
+    pub fn journal_bytes(&self) -> usize {
+        lock(&self.shared.journal).bytes()
+    }
 }
 
 async fn run_watcher(
@@ -630,6 +638,7 @@ struct Actor {
     id: SandboxId,
     container: String,
     runtime: Arc<DockerRuntime>,
+    metrics: Arc<crate::metrics::WorkerMetrics>,
     shared: Arc<Shared>,
     rx: mpsc::Receiver<Command>,
     output: Option<Output>,
@@ -1231,6 +1240,15 @@ impl Actor {
                             r.first_seq = seq;
                         }
                         info!(operation = %id, outcome = %result.outcome, "operation finished");
+                        if seq > self.live_after
+                            && let Some(r) = ops.ops.get(id)
+                        {
+                            self.metrics.operation_finished(
+                                r.spec.kind(),
+                                crate::metrics::outcome_label(&result.outcome),
+                                Duration::from_millis(result.duration_ms),
+                            );
+                        }
                         ops.finish(id, (**result).clone());
                         if let Some(mut link) = self.inputs.remove(id) {
                             link.close_all();

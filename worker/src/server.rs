@@ -94,17 +94,74 @@ pub async fn serve(
     .await
 }
 
+/// Keeps the health service saying what the worker is: SERVING, or
+/// NOT_SERVING while it drains (for the whole server, "", which is what a
+/// Kubernetes gRPC probe asks about, and for `corral.v1.Worker`). Ends when
+/// the worker is gone.
+async fn report_health(worker: &Worker, reporter: tonic_health::server::HealthReporter) {
+    use tonic_health::ServingStatus;
+    let mut drain = worker.drain_state();
+    loop {
+        let status = if drain.borrow_and_update().is_some() {
+            ServingStatus::NotServing
+        } else {
+            ServingStatus::Serving
+        };
+        reporter.set_service_status("", status).await;
+        reporter
+            .set_service_status(
+                <WorkerServer<WorkerService> as tonic::server::NamedService>::NAME,
+                status,
+            )
+            .await;
+        if drain.changed().await.is_err() {
+            return;
+        }
+    }
+}
+
+/// Serves `router` on `incoming` until `shutdown`, with the health service
+/// following the worker's drain meanwhile.
+async fn run<IO, IE>(
+    worker: Worker,
+    router: tonic::transport::server::Router,
+    reporter: tonic_health::server::HealthReporter,
+    incoming: impl futures_util::Stream<Item = Result<IO, IE>>,
+    shutdown: impl Future<Output = ()>,
+) -> Result<(), ServeError>
+where
+    IO: tokio::io::AsyncRead
+        + tokio::io::AsyncWrite
+        + tonic::transport::server::Connected
+        + Unpin
+        + Send
+        + 'static,
+    IE: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    let served = router.serve_with_incoming_shutdown(incoming, shutdown);
+    tokio::pin!(served);
+    let health = report_health(&worker, reporter);
+    tokio::select! {
+        r = &mut served => return Ok(r?),
+        () = health => {}
+    }
+    Ok(served.await?)
+}
+
 /// The worker's services (health open to anyone; the worker service and
 /// reflection behind the token), ready to serve on any transport.
 async fn router(
     worker: Worker,
     token: Option<String>,
     tls: Option<tonic::transport::ServerTlsConfig>,
-) -> Result<tonic::transport::server::Router, ServeError> {
+) -> Result<
+    (
+        tonic::transport::server::Router,
+        tonic_health::server::HealthReporter,
+    ),
+    ServeError,
+> {
     let (health_reporter, health) = tonic_health::server::health_reporter();
-    health_reporter
-        .set_serving::<WorkerServer<WorkerService>>()
-        .await;
     let reflection = tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(pb::FILE_DESCRIPTOR_SET)
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
@@ -128,10 +185,13 @@ async fn router(
     if let Some(tls) = tls {
         builder = builder.tls_config(tls)?;
     }
-    Ok(builder
-        .add_service(health)
-        .add_service(reflection)
-        .add_service(service))
+    Ok((
+        builder
+            .add_service(health)
+            .add_service(reflection)
+            .add_service(service),
+        health_reporter,
+    ))
 }
 
 /// [`serve`] with TLS options.
@@ -141,16 +201,13 @@ pub async fn serve_with(
     options: ServeOptions,
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), ServeError> {
-    let router = router(worker, options.token, options.tls).await?;
+    let (router, reporter) = router(worker.clone(), options.token, options.tls).await?;
     // Accepted sockets (with TCP_NODELAY: without it every reply waits on
     // Nagle) reach the server only once their client has spoken.
     let (incoming, accept) = crate::admission::admit(listener, options.admission);
-    let served = router
-        .serve_with_incoming_shutdown(incoming, shutdown)
-        .await;
+    let served = run(worker, router, reporter, incoming, shutdown).await;
     accept.abort();
-    served?;
-    Ok(())
+    served
 }
 
 /// Serves on a Unix socket (the local worker that `corral` commands on one
@@ -163,7 +220,7 @@ pub async fn serve_unix(
     connections: std::sync::Arc<std::sync::atomic::AtomicUsize>,
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), ServeError> {
-    let router = router(worker, token, None).await?;
+    let (router, reporter) = router(worker.clone(), token, None).await?;
     let incoming = futures_util::stream::unfold(listener, move |listener| {
         let connections = connections.clone();
         async move {
@@ -174,10 +231,7 @@ pub async fn serve_unix(
             Some((accepted, listener))
         }
     });
-    router
-        .serve_with_incoming_shutdown(incoming, shutdown)
-        .await?;
-    Ok(())
+    run(worker, router, reporter, incoming, shutdown).await
 }
 
 /// A connection that counts itself while it is open.

@@ -281,7 +281,11 @@ impl pb::worker_server::Worker for WorkerService {
             Some(operation_id(req.operation_id)?)
         };
         let rx = self.worker.watch(&sid, req.after_seq, only)?;
-        let stream = ReceiverStream::new(rx).map(|e| Ok(pb::SandboxEvent::from(e)));
+        let worker = self.worker.clone();
+        let stream = ReceiverStream::new(rx).map(move |e| {
+            worker.streamed(e.output_len());
+            Ok(pb::SandboxEvent::from(e))
+        });
         Ok(Response::new(Box::pin(stream)))
     }
 
@@ -339,5 +343,13 @@ impl pb::worker_server::Worker for WorkerService {
         _req: Request<pb::GetWorkerInfoRequest>,
     ) -> Result<Response<pb::WorkerInfo>, Status> {
         Ok(Response::new(self.worker.info().into()))
+    }
+
+    async fn drain(
+        &self,
+        req: Request<pb::DrainRequest>,
+    ) -> Result<Response<pb::WorkerInfo>, Status> {
+        let info = self.worker.drain(req.into_inner().drain)?;
+        Ok(Response::new(info.into()))
     }
 }

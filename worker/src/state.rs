@@ -53,9 +53,14 @@ impl StateDir {
         &self.root
     }
 
-    /// This worker's id: `preferred` if given, else the stored one, else a
-    /// new random one (stored).
-    pub fn worker_id(&self, preferred: Option<&str>) -> Result<String> {
+    /// This worker's id: `preferred` if given, else the stored one, else
+    /// `default` (stored, so that a renamed host keeps owning its
+    /// sandboxes).
+    pub fn worker_id(
+        &self,
+        preferred: Option<&str>,
+        default: impl FnOnce() -> String,
+    ) -> Result<String> {
         let path = self.root.join("worker-id");
         if let Some(id) = preferred {
             return Ok(id.to_string());
@@ -63,11 +68,32 @@ impl StateDir {
         match fs::read_to_string(&path) {
             Ok(s) if !s.trim().is_empty() => Ok(s.trim().to_string()),
             _ => {
-                let id = format!("w{}", &corral_proto::ids::random_uuid()[..8]);
+                let id = default();
                 write_synced(&path, id.as_bytes()).map_err(|e| WorkerError::state(&path, e))?;
                 Ok(id)
             }
         }
+    }
+
+    /// When a drain removes what is left (ms since the epoch), if this
+    /// worker is draining: kept here so a restart goes on draining.
+    pub fn drain_deadline(&self) -> Option<i64> {
+        fs::read_to_string(self.root.join("draining"))
+            .ok()
+            .and_then(|s| s.trim().parse().ok())
+    }
+
+    /// Records the drain (`None`: ended).
+    pub fn set_drain_deadline(&self, deadline: Option<i64>) -> Result<()> {
+        let path = self.root.join("draining");
+        match deadline {
+            Some(ms) => write_synced(&path, ms.to_string().as_bytes()),
+            None => match fs::remove_file(&path) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
+                _ => Ok(()),
+            },
+        }
+        .map_err(|e| WorkerError::state(&path, e))
     }
 
     fn record_path(&self, id: &str) -> PathBuf {
@@ -171,7 +197,18 @@ mod tests {
         state.remove(&id).unwrap();
         state.remove(&id).unwrap();
         assert!(state.load_all().unwrap().is_empty());
-        let wid = state.worker_id(None).unwrap();
-        assert_eq!(state.worker_id(None).unwrap(), wid);
+        let wid = state.worker_id(None, || "node-1".into()).unwrap();
+        assert_eq!(wid, "node-1");
+        assert_eq!(state.worker_id(None, || "other".into()).unwrap(), wid);
+        assert_eq!(
+            state.worker_id(Some("given"), || "other".into()).unwrap(),
+            "given"
+        );
+        assert_eq!(state.drain_deadline(), None);
+        state.set_drain_deadline(Some(42)).unwrap();
+        assert_eq!(state.drain_deadline(), Some(42));
+        state.set_drain_deadline(None).unwrap();
+        state.set_drain_deadline(None).unwrap();
+        assert_eq!(state.drain_deadline(), None);
     }
 }

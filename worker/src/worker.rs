@@ -22,6 +22,9 @@ use crate::initbin::InitBinary;
 use crate::sandbox::Sandbox;
 use crate::state::StateDir;
 
+/// How long a drain serves sandboxes before it removes what is left.
+pub const DEFAULT_DRAIN_DEADLINE: Duration = Duration::from_secs(3600);
+
 /// How long a new sandbox's supervisor has to answer.
 const READY_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -46,6 +49,11 @@ pub struct WorkerConfig {
     pub default_idle_timeout: Option<Duration>,
     /// How long any sandbox may live, whatever it does (`None`: forever).
     pub max_lifetime: Option<Duration>,
+    /// Start draining (see [`Worker::drain`]).
+    pub drain: bool,
+    /// How long a drain serves the sandboxes it found before it removes
+    /// what is left.
+    pub drain_deadline: Duration,
 }
 
 impl WorkerConfig {
@@ -63,8 +71,44 @@ impl WorkerConfig {
             max_watchers: 4096,
             default_idle_timeout: None,
             max_lifetime: None,
+            drain: false,
+            drain_deadline: DEFAULT_DRAIN_DEADLINE,
         }
     }
+}
+
+/// The id of a worker that was given none: its host's name, which is what
+/// a node's sandboxes are known by; with a state directory other than the
+/// default one, qualified by a digest of its path, so that two workers on
+/// one host (each with its own directory) never take each other's
+/// containers for orphans.
+fn default_worker_id(state_dir: &std::path::Path) -> String {
+    let host: String = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .unwrap_or_default()
+        .trim()
+        .chars()
+        .filter(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | '-'))
+        .take(40)
+        .collect();
+    let host = if host.is_empty() {
+        "worker".to_string()
+    } else {
+        host
+    };
+    let canonical =
+        |p: &std::path::Path| std::fs::canonicalize(p).unwrap_or_else(|_| p.to_path_buf());
+    if canonical(state_dir) == canonical(&crate::cli::default_state_dir("worker")) {
+        return host;
+    }
+    // FNV-1a: stable across builds and machines.
+    let digest = canonical(state_dir)
+        .as_os_str()
+        .as_encoded_bytes()
+        .iter()
+        .fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
+            (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3)
+        });
+    format!("{host}-{:08x}", digest as u32)
 }
 
 /// A cheap handle to the worker.
@@ -88,6 +132,11 @@ struct Inner {
     max_watchers: usize,
     default_idle_timeout: Option<Duration>,
     max_lifetime: Option<Duration>,
+    /// When a drain removes what is left (ms since the epoch), while
+    /// draining; watched by the health service.
+    drain: tokio::sync::watch::Sender<Option<i64>>,
+    drain_deadline: Duration,
+    metrics: Arc<crate::metrics::WorkerMetrics>,
     tracker: TaskTracker,
     shutdown: CancellationToken,
 }
@@ -102,7 +151,9 @@ impl Worker {
     /// for and removes containers it owns but has no record of.
     pub async fn start(config: WorkerConfig) -> Result<Self> {
         let state = StateDir::open(&config.state_dir)?;
-        let worker_id = state.worker_id(config.worker_id.as_deref())?;
+        let worker_id = state.worker_id(config.worker_id.as_deref(), || {
+            default_worker_id(&config.state_dir)
+        })?;
         corral_proto::SandboxId::new(worker_id.clone())
             .map_err(|e| WorkerError::Config(format!("worker id {worker_id:?}: {e}")))?;
         crate::policy::check_policy(&config.policy).map_err(WorkerError::Config)?;
@@ -117,6 +168,7 @@ impl Worker {
             config.defaults,
         ));
         let docker_version = runtime.version().await;
+        let state_drain = state.drain_deadline();
         runtime.prune_old_init_volumes().await;
         let worker = Self {
             inner: Arc::new(Inner {
@@ -133,11 +185,22 @@ impl Worker {
                 max_watchers: config.max_watchers,
                 default_idle_timeout: config.default_idle_timeout,
                 max_lifetime: config.max_lifetime,
+                drain: tokio::sync::watch::Sender::new(state_drain),
+                drain_deadline: config.drain_deadline,
+                metrics: Arc::new(crate::metrics::WorkerMetrics::default()),
                 tracker: TaskTracker::new(),
                 shutdown: CancellationToken::new(),
             }),
         };
         worker.reconcile().await?;
+        if config.drain {
+            worker.drain(true)?;
+        } else if let Some(deadline) = state_drain {
+            info!(
+                deadline_ms = deadline,
+                "still draining (a drain survives restarts; end it with the Drain call)"
+            );
+        }
         let sweeper = worker.clone();
         let interval = config.sweep_interval;
         worker
@@ -263,15 +326,28 @@ impl Worker {
                 () = shutdown.cancelled() => return,
             }
             let now = crate::state::now_unix_ms();
+            let drained = self
+                .inner
+                .drain
+                .borrow()
+                .is_some_and(|deadline| now >= deadline);
             let expired: Vec<(SandboxId, &'static str)> = lock(&self.inner.sandboxes)
                 .iter()
-                .filter_map(|(id, s)| self.expired(s, now).map(|why| (id.clone(), why)))
+                .filter_map(|(id, s)| {
+                    let why = if drained {
+                        Some("the drain deadline passed")
+                    } else {
+                        self.expired(s, now)
+                    };
+                    why.map(|why| (id.clone(), why))
+                })
                 .collect();
             for (id, why) in expired {
                 // Looked at again: a client may have come since.
-                let still = lock(&self.inner.sandboxes)
-                    .get(&id)
-                    .is_some_and(|s| self.expired(s, now).is_some());
+                let still = drained
+                    || lock(&self.inner.sandboxes)
+                        .get(&id)
+                        .is_some_and(|s| self.expired(s, now).is_some());
                 if !still {
                     continue;
                 }
@@ -339,6 +415,7 @@ impl Worker {
             tracker: &self.inner.tracker,
             shutdown: &self.inner.shutdown,
             limits: self.inner.sandbox_limits,
+            metrics: &self.inner.metrics,
         }
     }
 
@@ -365,6 +442,32 @@ impl Worker {
         id: Option<SandboxId>,
         spec: SandboxSpec,
     ) -> Result<SandboxInfo> {
+        let started = std::time::Instant::now();
+        let made = self.create_sandbox_inner(id, spec).await;
+        let m = &self.inner.metrics;
+        match &made {
+            Ok((_, true)) => {
+                m.sandbox_create("created");
+                m.sandbox_create_seconds
+                    .observe(started.elapsed().as_secs_f64());
+            }
+            Ok((_, false)) => {}
+            Err(WorkerError::AtCapacity(_)) => m.sandbox_create("at_capacity"),
+            Err(WorkerError::Draining) => m.sandbox_create("draining"),
+            Err(
+                WorkerError::Invalid(_) | WorkerError::Denied(_) | WorkerError::Conflict { .. },
+            ) => m.sandbox_create("refused"),
+            Err(_) => m.sandbox_create("failed"),
+        }
+        made.map(|(info, _)| info)
+    }
+
+    /// [`Self::create_sandbox`], and whether a new one was made.
+    async fn create_sandbox_inner(
+        &self,
+        id: Option<SandboxId>,
+        spec: SandboxSpec,
+    ) -> Result<(SandboxInfo, bool)> {
         spec.validate()?;
         crate::policy::check(
             &self.inner.policy,
@@ -380,13 +483,17 @@ impl Worker {
         let _guard = id_lock.lock().await;
         if let Ok(existing) = self.sandbox(&id) {
             return if existing.spec == spec {
-                Ok(existing.info())
+                Ok((existing.info(), false))
             } else {
                 Err(WorkerError::Conflict {
                     what: "sandbox",
                     id: id.to_string(),
                 })
             };
+        }
+        // The same create again is answered above; a new one is not.
+        if self.inner.drain.borrow().is_some() {
+            return Err(WorkerError::Draining);
         }
         // A lost sandbox (its container killed or removed behind the
         // worker's back) holds no slot; the next sweep removes it.
@@ -421,7 +528,7 @@ impl Worker {
         }
         info!(sandbox = %id, container = %container, "sandbox ready");
         lock(&self.inner.sandboxes).insert(id, sandbox.clone());
-        Ok(self.info_of(&sandbox))
+        Ok((self.info_of(&sandbox), true))
     }
 
     /// A sandbox as clients see it: with its worker and its image.
@@ -568,6 +675,7 @@ impl Worker {
     }
 
     pub fn info(&self) -> WorkerInfo {
+        let drain = *self.inner.drain.borrow();
         let sandboxes = lock(&self.inner.sandboxes);
         WorkerInfo {
             worker_id: self.id().to_string(),
@@ -580,7 +688,83 @@ impl Worker {
                 .sum(),
             docker_version: self.inner.docker_version.clone(),
             policy: self.inner.policy.clone(),
+            draining: drain.is_some(),
+            drain_deadline_ms: drain.map_or(0, |ms| u64::try_from(ms).unwrap_or(0)),
         }
+    }
+
+    /// Starts draining (`true`; again: the deadline stays) or ends it:
+    /// see `Drain` in worker.proto. Recorded in the state directory, so a
+    /// restarted worker goes on draining.
+    pub fn drain(&self, on: bool) -> Result<WorkerInfo> {
+        let now = crate::state::now_unix_ms();
+        let current = *self.inner.drain.borrow();
+        let next = match (on, current) {
+            (true, Some(deadline)) => Some(deadline),
+            (true, None) => Some(
+                now + i64::try_from(self.inner.drain_deadline.as_millis()).unwrap_or(i64::MAX / 2),
+            ),
+            (false, _) => None,
+        };
+        if next != current {
+            self.inner.state.set_drain_deadline(next)?;
+            self.inner.drain.send_replace(next);
+            match next {
+                Some(deadline) => info!(
+                    sandboxes = lock(&self.inner.sandboxes).len(),
+                    deadline_ms = deadline,
+                    "draining: no new sandboxes; the ones here are served until they end or the deadline passes"
+                ),
+                None => info!("drain ended: taking new sandboxes again"),
+            }
+        }
+        Ok(self.info())
+    }
+
+    /// The metrics' text exposition, with what the worker holds now.
+    pub fn metrics_text(&self) -> String {
+        let m = &self.inner.metrics;
+        let sandboxes: Vec<Sandbox> = lock(&self.inner.sandboxes).values().cloned().collect();
+        let mut by_state: std::collections::BTreeMap<&'static str, i64> =
+            ["starting", "ready", "lost"]
+                .into_iter()
+                .map(|s| (s, 0))
+                .collect();
+        let (mut running, mut watchers, mut journal) = (0i64, 0i64, 0i64);
+        for s in &sandboxes {
+            let info = s.info();
+            let state = match info.state {
+                SandboxState::Starting => "starting",
+                SandboxState::Ready => "ready",
+                SandboxState::Lost(_) => "lost",
+            };
+            *by_state.entry(state).or_default() += 1;
+            running += i64::from(info.running_operations);
+            watchers += s.watchers() as i64;
+            journal += s.journal_bytes() as i64;
+        }
+        for (state, n) in by_state {
+            m.sandboxes
+                .get_or_create(&vec![("state", state.to_string())])
+                .set(n);
+        }
+        m.capacity.set(i64::from(self.inner.max_sandboxes));
+        m.running_operations.set(running);
+        m.watchers.set(watchers);
+        m.journal_bytes.set(journal);
+        m.draining
+            .set(i64::from(self.inner.drain.borrow().is_some()));
+        m.render()
+    }
+
+    /// Counts output bytes streamed to a watcher.
+    pub fn streamed(&self, bytes: usize) {
+        self.inner.metrics.stream_bytes.inc_by(bytes as u64);
+    }
+
+    /// Whether the worker drains (`Some(deadline ms)`), as it changes.
+    pub fn drain_state(&self) -> tokio::sync::watch::Receiver<Option<i64>> {
+        self.inner.drain.subscribe()
     }
 
     /// Stops every actor and watcher (so open watch streams end and a

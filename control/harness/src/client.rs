@@ -472,6 +472,12 @@ impl WorkerClient {
             .await?;
         Ok(resp.into_inner().into())
     }
+
+    /// Starts (`true`) or ends a drain; see `Drain` in worker.proto.
+    pub async fn drain(&self, drain: bool) -> Result<WorkerInfo, ClientError> {
+        let resp = self.inner.clone().drain(pb::DrainRequest { drain }).await?;
+        Ok(resp.into_inner().into())
+    }
 }
 
 /// An error with its causes, on one line.

@@ -5,6 +5,7 @@ mod contract;
 mod copy;
 mod docker_loss;
 mod endpoints;
+mod fleet;
 mod gvisor;
 mod hardening;
 mod limits;

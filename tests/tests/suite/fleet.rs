@@ -1,0 +1,210 @@
+//! Running many workers: drain (flag, signal, call; health; survives a
+//! restart; a deadline), the metrics endpoint, and worker ids.
+
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use corral_e2e::{WorkerProcess, free_port, unique_id};
+use corral_harness::client::{ClientError, WorkerClient};
+use corral_proto::{SandboxId, SandboxSpec};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tonic_health::pb::health_check_response::ServingStatus;
+
+/// `GET /metrics` over plain HTTP/1.1.
+pub async fn scrape(port: u16) -> Result<String> {
+    let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port)).await?;
+    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        .await?;
+    let mut out = String::new();
+    s.read_to_string(&mut out).await?;
+    if !out.starts_with("HTTP/1.1 200") {
+        bail!("metrics answered {}", out.lines().next().unwrap_or(""));
+    }
+    Ok(out)
+}
+
+/// The value of one sample line (`name{labels} value`), if present.
+pub fn sample(text: &str, series: &str) -> Option<f64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(series).and_then(|v| v.strip_prefix(' ')))
+        .and_then(|v| v.trim().parse().ok())
+}
+
+async fn health(url: &str) -> Result<i32> {
+    let channel = tonic::transport::Endpoint::from_shared(url.to_string())?
+        .connect()
+        .await?;
+    let mut health = tonic_health::pb::health_client::HealthClient::new(channel);
+    Ok(health
+        .check(tonic_health::pb::HealthCheckRequest::default())
+        .await?
+        .into_inner()
+        .status)
+}
+
+async fn wait_health(url: &str, want: ServingStatus) -> Result<()> {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        if health(url).await? == want as i32 {
+            return Ok(());
+        }
+        if tokio::time::Instant::now() > deadline {
+            bail!("health did not become {want:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+fn unavailable(e: &ClientError) -> bool {
+    matches!(e, ClientError::Status(s) if s.code() == tonic::Code::Unavailable)
+}
+
+async fn new_sandbox(client: &WorkerClient) -> Result<SandboxId, ClientError> {
+    let id = SandboxId::new(unique_id("sb")).map_err(ClientError::Protocol)?;
+    client
+        .create_sandbox(Some(&id), SandboxSpec::default())
+        .await
+        .map(|_| id)
+}
+
+#[tokio::test]
+async fn a_draining_worker_refuses_new_sandboxes_serves_its_own_and_says_so_across_a_restart()
+-> Result<()> {
+    let state = tempfile::tempdir()?;
+    let id = unique_id("drain");
+    let (port, metrics) = (free_port()?, free_port()?);
+    let metrics_addr = format!("127.0.0.1:{metrics}");
+    let args = ["--metrics-listen", metrics_addr.as_str()];
+    let w = WorkerProcess::spawn(state.path(), &id, port, &[], &args)?;
+    let client = w.client().await?;
+    wait_health(&w.url, ServingStatus::Serving).await?;
+    let kept = new_sandbox(&client).await?;
+    let before = scrape(metrics).await?;
+    assert_eq!(sample(&before, "corral_draining"), Some(0.0), "{before}");
+    assert_eq!(
+        sample(&before, "corral_sandboxes{state=\"ready\"}"),
+        Some(1.0),
+        "{before}"
+    );
+
+    // SIGUSR1: health goes NOT_SERVING, creates are refused, the sandbox
+    // it has is served.
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(w.child.id() as i32),
+        nix::sys::signal::Signal::SIGUSR1,
+    )?;
+    wait_health(&w.url, ServingStatus::NotServing).await?;
+    let refused = new_sandbox(&client).await.unwrap_err();
+    assert!(unavailable(&refused), "{refused}");
+    assert!(refused.to_string().contains("draining"), "{refused}");
+    let info = client.worker_info().await?;
+    assert!(info.draining && info.drain_deadline_ms > 0, "{info:?}");
+    let out = corral_e2e::run_shell(&client, &kept, "echo still served").await?;
+    assert_eq!(out, "still served\n");
+    let during = scrape(metrics).await?;
+    assert_eq!(sample(&during, "corral_draining"), Some(1.0), "{during}");
+    assert_eq!(
+        sample(
+            &during,
+            "corral_sandbox_creates_total{outcome=\"draining\"}"
+        ),
+        Some(1.0),
+        "{during}"
+    );
+    assert!(
+        sample(
+            &during,
+            "corral_operations_total{kind=\"shell\",outcome=\"ok\"}"
+        ) >= Some(1.0),
+        "{during}"
+    );
+
+    // A restart goes on draining, with the same deadline.
+    // Blocking: off the runtime, whose connections must see the goodbye.
+    let (w, code) = tokio::task::spawn_blocking(move || {
+        let mut w = w;
+        let code = w.terminate(Duration::from_secs(20));
+        (w, code)
+    })
+    .await?;
+    assert_eq!(code?, Some(0));
+    let w2 = WorkerProcess::spawn(state.path(), &id, port, &[], &args)?;
+    let client = w2.client().await?;
+    wait_health(&w2.url, ServingStatus::NotServing).await?;
+    let again = client.worker_info().await?;
+    assert_eq!(again.drain_deadline_ms, info.drain_deadline_ms);
+    assert!(client.get_sandbox(&kept).await.is_ok(), "re-adopted");
+
+    // The Drain call ends it.
+    let ended = client.drain(false).await?;
+    assert!(!ended.draining && ended.drain_deadline_ms == 0, "{ended:?}");
+    wait_health(&w2.url, ServingStatus::Serving).await?;
+    let made = new_sandbox(&client).await?;
+    client.destroy_sandbox(&made).await?;
+    client.destroy_sandbox(&kept).await?;
+    drop(w);
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_drain_removes_what_is_left_at_its_deadline() -> Result<()> {
+    let state = tempfile::tempdir()?;
+    let id = unique_id("drain");
+    let w = WorkerProcess::spawn(
+        state.path(),
+        &id,
+        free_port()?,
+        &[],
+        &["--drain-deadline", "2s"],
+    )?;
+    let client = w.client().await?;
+    let sandbox = new_sandbox(&client).await?;
+    let info = client.drain(true).await?;
+    assert!(info.draining);
+    // Asked again: the deadline stays.
+    assert_eq!(
+        client.drain(true).await?.drain_deadline_ms,
+        info.drain_deadline_ms
+    );
+    assert!(client.get_sandbox(&sandbox).await.is_ok());
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+    loop {
+        match client.get_sandbox(&sandbox).await {
+            Err(ClientError::Status(s)) if s.code() == tonic::Code::NotFound => break,
+            Ok(_) if tokio::time::Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            other => bail!("the sandbox outlived the drain deadline: {other:?}"),
+        }
+    }
+    let info = client.worker_info().await?;
+    assert!(info.draining && info.sandboxes == 0, "{info:?}");
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_worker_given_no_id_is_named_after_its_host_and_its_state_directory() -> Result<()> {
+    let state = tempfile::tempdir()?;
+    let port = free_port()?;
+    // The test harness always names its workers; this one is started by
+    // hand to get the default.
+    let mut child = std::process::Command::new(corral_e2e::binary("corral-worker")?)
+        .args(["--listen", &format!("127.0.0.1:{port}"), "--state-dir"])
+        .arg(state.path())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()?;
+    let mut line = String::new();
+    let stdout = child.stdout.take().context("stdout")?;
+    std::io::BufRead::read_line(&mut std::io::BufReader::new(stdout), &mut line)?;
+    let _ = child.kill();
+    let _ = child.wait();
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")?;
+    let stored = std::fs::read_to_string(state.path().join("worker-id"))?;
+    assert!(
+        stored.starts_with(&format!("{}-", host.trim())) && stored.len() == host.trim().len() + 9,
+        "{stored:?} for host {host:?}"
+    );
+    assert!(line.contains(&stored), "{line}");
+    Ok(())
+}

@@ -1,0 +1,229 @@
+//! Prometheus metrics: the worker's families (sandboxes, operations,
+//! watchers, bytes streamed, drain), and a small HTTP endpoint that serves
+//! any registry's text exposition on a port of its own (the control plane
+//! serves its placement metrics with it too).
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+
+/// Label sets: `(name, value)` pairs.
+pub type Labels = Vec<(&'static str, String)>;
+
+/// Seconds, from 1 ms to about 9 min.
+pub fn latency_histogram() -> Histogram {
+    Histogram::new(exponential_buckets(0.001, 2.0, 20))
+}
+
+/// The worker's metrics. Counters and histograms are updated where things
+/// happen; gauges of what the worker holds are set when scraped.
+pub struct WorkerMetrics {
+    registry: Registry,
+    pub sandboxes: Family<Labels, Gauge>,
+    pub capacity: Gauge,
+    pub sandbox_creates: Family<Labels, Counter>,
+    pub sandbox_create_seconds: Histogram,
+    pub operations: Family<Labels, Counter>,
+    pub operation_seconds: Family<Labels, Histogram, fn() -> Histogram>,
+    pub running_operations: Gauge,
+    pub watchers: Gauge,
+    pub stream_bytes: Counter,
+    pub journal_bytes: Gauge,
+    pub draining: Gauge,
+}
+
+impl Default for WorkerMetrics {
+    fn default() -> Self {
+        let mut registry = Registry::with_prefix("corral");
+        let m = Self {
+            registry: Registry::default(),
+            sandboxes: Family::default(),
+            capacity: Gauge::default(),
+            sandbox_creates: Family::default(),
+            sandbox_create_seconds: latency_histogram(),
+            operations: Family::default(),
+            operation_seconds: Family::new_with_constructor(latency_histogram as fn() -> Histogram),
+            running_operations: Gauge::default(),
+            watchers: Gauge::default(),
+            stream_bytes: Counter::default(),
+            journal_bytes: Gauge::default(),
+            draining: Gauge::default(),
+        };
+        registry.register("sandboxes", "Sandboxes held, by state", m.sandboxes.clone());
+        registry.register(
+            "sandbox_capacity",
+            "Most sandboxes this worker runs at once",
+            m.capacity.clone(),
+        );
+        registry.register(
+            "sandbox_creates",
+            "New sandboxes asked for, by outcome (created, at_capacity, draining, refused, failed)",
+            m.sandbox_creates.clone(),
+        );
+        registry.register(
+            "sandbox_create_seconds",
+            "Time to make a sandbox ready",
+            m.sandbox_create_seconds.clone(),
+        );
+        registry.register(
+            "operations",
+            "Operations finished, by kind and outcome",
+            m.operations.clone(),
+        );
+        registry.register(
+            "operation_seconds",
+            "Operation run time, by kind",
+            m.operation_seconds.clone(),
+        );
+        registry.register(
+            "running_operations",
+            "Operations running now",
+            m.running_operations.clone(),
+        );
+        registry.register("watchers", "Open watch streams", m.watchers.clone());
+        registry.register(
+            "stream_bytes",
+            "Output bytes streamed to watchers",
+            m.stream_bytes.clone(),
+        );
+        registry.register(
+            "journal_bytes",
+            "Bytes held in the sandboxes' event journals",
+            m.journal_bytes.clone(),
+        );
+        registry.register("draining", "1 while the worker drains", m.draining.clone());
+        Self { registry, ..m }
+    }
+}
+
+impl WorkerMetrics {
+    /// The text exposition.
+    pub fn render(&self) -> String {
+        render(&self.registry)
+    }
+
+    /// An operation ended: counted by kind and outcome, timed by kind.
+    pub fn operation_finished(&self, kind: &'static str, outcome: &str, duration: Duration) {
+        self.operations
+            .get_or_create(&vec![
+                ("kind", kind.to_string()),
+                ("outcome", outcome.to_string()),
+            ])
+            .inc();
+        self.operation_seconds
+            .get_or_create(&vec![("kind", kind.to_string())])
+            .observe(duration.as_secs_f64());
+    }
+
+    /// A create ended with `outcome`.
+    pub fn sandbox_create(&self, outcome: &'static str) {
+        self.sandbox_creates
+            .get_or_create(&vec![("outcome", outcome.to_string())])
+            .inc();
+    }
+}
+
+/// An outcome as a label: a handful of values, never a message.
+pub fn outcome_label(outcome: &corral_proto::Outcome) -> &'static str {
+    use corral_proto::Outcome;
+    match outcome {
+        Outcome::Exited { code: 0 } => "ok",
+        Outcome::Exited { .. } => "exited_nonzero",
+        Outcome::Signaled { .. } => "signaled",
+        Outcome::TimedOut => "timed_out",
+        Outcome::OutOfMemory => "out_of_memory",
+        Outcome::Canceled => "canceled",
+        Outcome::SandboxLost { .. } => "sandbox_lost",
+        Outcome::SpawnFailed { .. } => "spawn_failed",
+        Outcome::FileError { .. } => "file_error",
+    }
+}
+
+/// The text exposition of `registry` (OpenMetrics text).
+pub fn render(registry: &Registry) -> String {
+    let mut out = String::new();
+    // Writing into a String cannot fail.
+    let _ = encode(&mut out, registry);
+    out
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum MetricsError {
+    #[error("cannot listen for metrics on {addr}: {source}")]
+    Listen {
+        addr: std::net::SocketAddr,
+        source: std::io::Error,
+    },
+    #[error("metrics endpoint: {0}")]
+    Serve(std::io::Error),
+}
+
+/// Binds the metrics endpoint (before anything else starts, so a taken
+/// port fails the start).
+pub async fn bind(addr: std::net::SocketAddr) -> Result<tokio::net::TcpListener, MetricsError> {
+    tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|source| MetricsError::Listen { addr, source })
+}
+
+/// Serves `GET /metrics` (the exposition `render` makes at each scrape)
+/// on `listener` until `shutdown`; every other path is 404.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    render: Arc<dyn Fn() -> String + Send + Sync>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), MetricsError> {
+    let app = axum::Router::new().route(
+        "/metrics",
+        axum::routing::get(move || {
+            let render = render.clone();
+            async move {
+                (
+                    [(
+                        axum::http::header::CONTENT_TYPE,
+                        "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                    )],
+                    render(),
+                )
+            }
+        }),
+    );
+    axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown)
+        .await
+        .map_err(MetricsError::Serve)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_exposition_names_every_family_with_its_labels() {
+        let m = WorkerMetrics::default();
+        m.operation_finished("shell", "exited", Duration::from_millis(20));
+        m.sandbox_create("created");
+        m.sandboxes
+            .get_or_create(&vec![("state", "ready".to_string())])
+            .set(3);
+        let text = m.render();
+        for want in [
+            "corral_operations_total{kind=\"shell\",outcome=\"exited\"} 1",
+            "corral_operation_seconds_count{kind=\"shell\"} 1",
+            "corral_sandbox_creates_total{outcome=\"created\"} 1",
+            "corral_sandboxes{state=\"ready\"} 3",
+            "corral_draining 0",
+            "corral_stream_bytes_total 0",
+            "# EOF",
+        ] {
+            assert!(text.contains(want), "{want} missing from:\n{text}");
+        }
+    }
+}
