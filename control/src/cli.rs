@@ -33,6 +33,11 @@ pub struct ConnArgs {
     /// most free sandbox slots, and stays there.
     #[arg(long, global = true, env = "CORRAL_WORKER")]
     pub worker: Option<String>,
+    /// How long a worker may stay unreachable before its sandbox is taken
+    /// for lost: `exec` then exits 125, a session fails (HTTP/2 keepalive
+    /// notices a dead connection within about 30 s).
+    #[arg(long, global = true, env = "CORRAL_WORKER_LOST_AFTER", default_value = "60s", value_parser = humantime::parse_duration)]
+    pub worker_lost_after: Duration,
     /// File holding the worker's bearer token.
     #[arg(long, global = true, env = "CORRAL_TOKEN_FILE")]
     pub token_file: Option<PathBuf>,

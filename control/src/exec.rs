@@ -17,8 +17,8 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use corral_harness::follow::{self, FollowError, Follower};
 use corral_harness::worker_api::WorkerApi;
 
-/// How long `corral exec` keeps trying to reach a worker that went away.
-pub const RECONNECT_WINDOW: Duration = follow::DEFAULT_PATIENCE;
+/// How often `corral exec` says it is waiting for a worker that went away.
+const WAITING_NOTICE: Duration = Duration::from_secs(5);
 /// Largest chunk of input sent in one call.
 const INPUT_CHUNK: usize = 64 * 1024;
 
@@ -39,6 +39,9 @@ pub struct ExecRequest {
     /// For a sandbox made for this command: removed by its worker once no
     /// client has used it for this long.
     pub idle_timeout: Duration,
+    /// How long the worker may stay unreachable before the sandbox is
+    /// taken for lost (`--worker-lost-after`).
+    pub worker_lost_after: Duration,
 }
 
 /// What reaches a running command from outside.
@@ -139,19 +142,20 @@ pub async fn exec<W: WorkerApi>(
                 idle_timeout_ms: Some(req.idle_timeout.as_millis().max(1) as u64),
                 ..SandboxSpec::default()
             };
-            follow::retry(&worker, RECONNECT_WINDOW, || {
+            follow::retry(&worker, req.worker_lost_after, || {
                 worker.create_sandbox(&id, &sb_spec)
             })
             .await?;
             (id, true)
         }
     };
-    let result = run_op(&worker, &sandbox, spec, out, err, controls).await;
-    if temporary {
-        let removed = follow::retry(&worker, RECONNECT_WINDOW, || {
-            worker.destroy_sandbox(&sandbox)
-        })
-        .await;
+    let patience = req.worker_lost_after;
+    let result = run_op(&worker, &sandbox, spec, out, err, controls, patience).await;
+    // A worker lost is not waited for again: its idle timeout removes
+    // the sandbox if it ever comes back.
+    let lost = matches!(result, Err(ExecError::Worker(FollowError::GaveUp { .. })));
+    if temporary && !lost {
+        let removed = follow::retry(&worker, patience, || worker.destroy_sandbox(&sandbox)).await;
         if let Err(e) = removed {
             tracing::warn!(sandbox = %sandbox, error = %e, "could not remove the sandbox");
         }
@@ -166,22 +170,15 @@ async fn run_op<W: WorkerApi>(
     out: &mut (impl AsyncWrite + Unpin),
     err: &mut (impl AsyncWrite + Unpin),
     controls: Controls,
+    patience: Duration,
 ) -> Result<Ended, ExecError> {
     let op = OperationId::random();
     // Followed before it is submitted: everything of this operation comes
     // after the sandbox's current seq, and an open watcher holds the
     // sandbox's output for this reader rather than let the journal drop it.
-    let mut events = Follower::from_now(
-        worker.clone(),
-        sandbox.clone(),
-        Some(op.clone()),
-        RECONNECT_WINDOW,
-    )
-    .await?;
-    follow::retry(worker, RECONNECT_WINDOW, || {
-        worker.submit(sandbox, &op, &spec)
-    })
-    .await?;
+    let mut events =
+        Follower::from_now(worker.clone(), sandbox.clone(), Some(op.clone()), patience).await?;
+    follow::retry(worker, patience, || worker.submit(sandbox, &op, &spec)).await?;
 
     let Controls {
         mut stop,
@@ -191,7 +188,7 @@ async fn run_op<W: WorkerApi>(
     let feed_op = op.clone();
     let mut feeding = std::pin::pin!(async move {
         match input {
-            Some(input) => feed(worker, sandbox, &feed_op, input).await,
+            Some(input) => feed(worker, sandbox, &feed_op, input, patience).await,
             None => std::future::pending().await,
         }
     });
@@ -200,6 +197,8 @@ async fn run_op<W: WorkerApi>(
     let mut stopped_by: Option<i32> = None;
     let mut output_closed = false;
     let mut canceled = false;
+    let mut notices =
+        tokio::time::interval_at(tokio::time::Instant::now() + WAITING_NOTICE, WAITING_NOTICE);
     let ended = |result: OperationResult, stopped_by, output_closed| Ended {
         result,
         stopped_by,
@@ -208,11 +207,25 @@ async fn run_op<W: WorkerApi>(
     loop {
         let next = tokio::select! {
             next = events.next() => next?,
+            _ = notices.tick() => {
+                // Said while it waits, so a silent terminal is never a
+                // mystery.
+                if let Some(lost) = events.unreachable_for() {
+                    let note = format!(
+                        "corral: waiting for {} (unreachable for {}s; the sandbox is taken for lost after {}s)\n",
+                        worker.name(),
+                        lost.as_secs(),
+                        patience.as_secs()
+                    );
+                    let _ = err.write_all(note.as_bytes()).await;
+                }
+                continue;
+            }
             sig = &mut stop, if stopped_by.is_none() => {
                 stopped_by = Some(sig);
                 if !canceled {
                     canceled = true;
-                    cancel(worker, sandbox, &op).await?;
+                    cancel(worker, sandbox, &op, patience).await?;
                 }
                 continue;
             }
@@ -256,7 +269,7 @@ async fn run_op<W: WorkerApi>(
                         }
                         if !canceled {
                             canceled = true;
-                            cancel(worker, sandbox, &op).await?;
+                            cancel(worker, sandbox, &op, patience).await?;
                         }
                     }
                     Err(e) => return Err(e.into()),
@@ -289,8 +302,9 @@ async fn cancel<W: WorkerApi>(
     worker: &W,
     sandbox: &SandboxId,
     op: &OperationId,
+    patience: Duration,
 ) -> Result<(), ExecError> {
-    follow::retry(worker, RECONNECT_WINDOW, || worker.cancel(sandbox, op)).await?;
+    follow::retry(worker, patience, || worker.cancel(sandbox, op)).await?;
     Ok(())
 }
 
@@ -302,6 +316,7 @@ async fn feed<W: WorkerApi>(
     sandbox: &SandboxId,
     op: &OperationId,
     mut input: Pin<Box<dyn AsyncRead + Send>>,
+    patience: Duration,
 ) -> Result<(), ExecError> {
     let mut buf = vec![0u8; INPUT_CHUNK];
     let mut offset = 0u64;
@@ -309,7 +324,7 @@ async fn feed<W: WorkerApi>(
         let n = input.read(&mut buf).await?;
         let eof = n == 0;
         let chunk = Bytes::copy_from_slice(&buf[..n]);
-        let (_, closed) = follow::retry(worker, RECONNECT_WINDOW, || {
+        let (_, closed) = follow::retry(worker, patience, || {
             worker.write_input(sandbox, op, offset, chunk.clone(), eof)
         })
         .await?;

@@ -15,6 +15,11 @@ use tonic::service::Interceptor;
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
 use tonic::{Request, Status};
 
+/// HTTP/2 pings on every connection, idle or not: a worker whose host or
+/// network is gone is noticed within two of these, well inside the
+/// deadline after which its sandboxes are taken for lost.
+pub const KEEPALIVE: Duration = Duration::from_secs(10);
+
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
     #[error("invalid worker address {url:?}: {reason}")]
@@ -127,7 +132,8 @@ impl WorkerClient {
             .map_err(|e| bad(e.to_string()))?
             .connect_timeout(Duration::from_secs(5))
             .tcp_nodelay(true)
-            .http2_keep_alive_interval(Duration::from_secs(20))
+            .http2_keep_alive_interval(KEEPALIVE)
+            .keep_alive_timeout(KEEPALIVE)
             .keep_alive_while_idle(true);
         if url.starts_with("https://") {
             let tls = creds.tls.clone().unwrap_or_default();
@@ -161,7 +167,8 @@ impl WorkerClient {
         // The address is a placeholder: the connector below decides.
         let endpoint = Endpoint::from_static("http://local.worker")
             .connect_timeout(Duration::from_secs(5))
-            .http2_keep_alive_interval(Duration::from_secs(20))
+            .http2_keep_alive_interval(KEEPALIVE)
+            .keep_alive_timeout(KEEPALIVE)
             .keep_alive_while_idle(true);
         let channel = endpoint
             .connect_with_connector(tower::service_fn(move |_: tonic::transport::Uri| {

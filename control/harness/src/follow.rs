@@ -12,8 +12,9 @@ use tokio::time::Instant;
 
 use crate::worker_api::{ApiError, Events, WorkerApi};
 
-/// How long a worker may stay unreachable before a waiter gives up.
-pub const DEFAULT_PATIENCE: Duration = Duration::from_secs(120);
+/// How long a worker may stay unreachable before a waiter gives up on it
+/// (`--worker-lost-after`): its sandbox is then taken for lost.
+pub const DEFAULT_PATIENCE: Duration = Duration::from_secs(60);
 /// First pause between attempts; it doubles up to [`MAX_BACKOFF`].
 const FIRST_BACKOFF: Duration = Duration::from_millis(50);
 const MAX_BACKOFF: Duration = Duration::from_secs(2);
@@ -22,7 +23,7 @@ const MAX_BACKOFF: Duration = Duration::from_secs(2);
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum FollowError {
     /// The worker stayed unreachable for the whole patience.
-    #[error("{worker} stayed unreachable for {} s: {last}", .patience.as_secs())]
+    #[error("sandbox lost: {worker} unreachable for {}s ({last})", .patience.as_secs())]
     GaveUp {
         worker: String,
         patience: Duration,
@@ -52,7 +53,7 @@ where
             Err(ApiError::Transient(e)) => {
                 if Instant::now() >= deadline {
                     return Err(FollowError::GaveUp {
-                        worker: worker.describe(),
+                        worker: worker.name(),
                         patience,
                         last: e,
                     });
@@ -129,6 +130,11 @@ impl<W: WorkerApi> Follower<W> {
         &self.worker
     }
 
+    /// How long the worker has been unreachable, while it is.
+    pub fn unreachable_for(&self) -> Option<Duration> {
+        self.lost_since.map(|since| since.elapsed())
+    }
+
     /// Opens the stream from the cursor if it is not open, retrying
     /// transient failures within the patience.
     pub async fn open(&mut self) -> Result<(), FollowError> {
@@ -201,7 +207,7 @@ impl<W: WorkerApi> Follower<W> {
             self.delay = FIRST_BACKOFF;
             self.retry_at = None;
             return Err(FollowError::GaveUp {
-                worker: self.worker.describe(),
+                worker: self.worker.name(),
                 patience: self.patience,
                 last,
             });

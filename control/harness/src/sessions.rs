@@ -209,6 +209,9 @@ pub struct RunOptions {
     /// End the run once the session is idle (as `corral run` does), rather
     /// than when the input sender is dropped.
     pub until_idle: bool,
+    /// How long the worker may stay unreachable before the sandbox is taken
+    /// for lost and the run fails (`None`: [`crate::follow::DEFAULT_PATIENCE`]).
+    pub worker_lost_after: Option<Duration>,
 }
 
 /// A new session, checked and settled but not made yet (see
@@ -952,7 +955,11 @@ async fn launch<W: WorkerApi>(
     let mut llm_config = LlmConfig::new(endpoint.base_url, endpoint.api);
     llm_config.api_key = opts.api_key.clone();
     let llm = Arc::new(LlmClient::new(llm_config).map_err(|e| SessionError::Model(e.to_string()))?);
-    let (manager, mut updates) = Manager::start(worker, config.sandbox_id.clone());
+    let patience = opts
+        .worker_lost_after
+        .unwrap_or(crate::follow::DEFAULT_PATIENCE);
+    let (manager, mut updates) = Manager::start_with(worker, config.sandbox_id.clone(), patience);
+    let mut lost = manager.lost();
     if let Err(e) = upload(&manager, &mut updates, files).await {
         manager.shutdown().await;
         return Err(e);
@@ -979,8 +986,28 @@ async fn launch<W: WorkerApi>(
         events_tx,
         opts.settings,
     );
+    // Not a sender: a caller that drops its inputs still ends the run.
+    let inbox = inputs.downgrade();
     let task = tokio::spawn(async move {
-        let summary = coordinator.run().await;
+        let run = coordinator.run();
+        tokio::pin!(run);
+        // A lost sandbox fails the run (the coordinator records why).
+        let summary = loop {
+            tokio::select! {
+                summary = &mut run => break summary,
+                changed = lost.changed() => {
+                    let reason = lost.borrow_and_update().clone();
+                    match (changed, reason, inbox.upgrade()) {
+                        (Ok(()), Some(reason), Some(tx)) => {
+                            tracing::warn!(%reason, "the session's sandbox is lost");
+                            let _ = tx.send(crate::agent::Inbox::SandboxLost(reason)).await;
+                        }
+                        (Ok(()), _, _) => {}
+                        _ => break run.await,
+                    }
+                }
+            }
+        };
         // The coordinator is gone: its manager stops (operations keep
         // running on the worker).
         if let Ok(m) = Arc::try_unwrap(manager) {

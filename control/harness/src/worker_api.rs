@@ -46,6 +46,8 @@ impl ApiError {
 pub trait WorkerApi: Clone + Send + Sync + 'static {
     /// Where the worker is, for messages (its address, or "this process").
     fn describe(&self) -> String;
+    /// The worker in a line of the form `worker W ...`: its address.
+    fn name(&self) -> String;
     /// Creates the sandbox, or returns it when it exists with this spec.
     fn create_sandbox(
         &self,
@@ -122,6 +124,10 @@ fn local(e: WorkerError) -> ApiError {
 impl WorkerApi for Worker {
     fn describe(&self) -> String {
         "the worker in this process".into()
+    }
+
+    fn name(&self) -> String {
+        format!("worker {} (in this process)", self.id())
     }
 
     async fn create_sandbox(
@@ -215,6 +221,10 @@ fn remote(e: ClientError) -> ApiError {
 impl WorkerApi for WorkerClient {
     fn describe(&self) -> String {
         format!("the worker at {}", self.url())
+    }
+
+    fn name(&self) -> String {
+        format!("worker {}", self.url())
     }
 
     async fn create_sandbox(

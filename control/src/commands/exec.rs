@@ -54,6 +54,7 @@ async fn exec_command(conn: &ConnArgs, args: ExecArgs) -> Result<u8, Error> {
         stdin: args.interactive,
         terminal,
         idle_timeout: args.idle_timeout,
+        worker_lost_after: conn.worker_lost_after,
     };
     let mut controls = exec::Controls::stop_on(crate::signals::stop_signal());
     if args.interactive {

@@ -188,6 +188,7 @@ async fn run(conn: &ConnArgs, args: &RunArgs, json: bool) -> Result<u8, Error> {
             grace: args.grace,
         },
         until_idle: true,
+        worker_lost_after: Some(conn.worker_lost_after),
     };
     // A session stays on the worker it was placed on; a new one goes to
     // the worker of --worker with the most room.

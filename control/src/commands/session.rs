@@ -210,6 +210,7 @@ fn describe(rec: &Record) -> String {
             }
         }
         Record::Stop { mode, cause } => format!("{mode:?} ({cause:?})"),
+        Record::SandboxLost { reason } => reason.clone(),
         Record::Finished { ending } => format!("{ending:?}"),
     };
     format!("{:<13} {detail}", rec.kind())

@@ -208,3 +208,109 @@ async fn a_worker_given_no_id_is_named_after_its_host_and_its_state_directory() 
     assert!(line.contains(&stored), "{line}");
     Ok(())
 }
+
+/// Kills a worker and removes its containers: its host is gone for good.
+fn lose_host(w: &mut WorkerProcess) {
+    w.kill9();
+    corral_e2e::remove_containers_of(&w.worker_id);
+}
+
+#[tokio::test]
+async fn exec_on_a_lost_worker_says_it_waits_then_exits_125_at_the_deadline() -> Result<()> {
+    let state = tempfile::tempdir()?;
+    let mut w = WorkerProcess::spawn(state.path(), &unique_id("lost"), free_port()?, &[], &[])?;
+    let mut child = tokio::process::Command::new(corral_e2e::binary("corral")?)
+        .args([
+            "--worker",
+            &w.url,
+            "--worker-lost-after",
+            "8s",
+            "--token-file",
+        ])
+        .arg(w.token_file())
+        .args(["exec", "--", "sh", "-c", "echo started; sleep 120"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()?;
+    let mut stdout = child.stdout.take().context("stdout")?;
+    let mut first = [0u8; 8];
+    tokio::time::timeout(Duration::from_secs(60), stdout.read_exact(&mut first)).await??;
+    assert_eq!(&first, b"started\n");
+    let lost_at = tokio::time::Instant::now();
+    lose_host(&mut w);
+    let out = tokio::time::timeout(Duration::from_secs(60), child.wait_with_output()).await??;
+    let took = lost_at.elapsed();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(125), "{stderr}");
+    assert!(
+        stderr.contains(&format!("waiting for worker {}", w.url)),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains(&format!(
+            "sandbox lost: worker {} unreachable for 8s",
+            w.url
+        )),
+        "{stderr}"
+    );
+    // The deadline, give or take a backoff step and the keepalive.
+    assert!(took < Duration::from_secs(40), "{took:?}");
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_session_whose_worker_is_lost_fails_within_the_deadline_and_says_why() -> Result<()> {
+    use corral_e2e::model::{ModelServer, responses};
+    let state = tempfile::tempdir()?;
+    let sessions = tempfile::tempdir()?;
+    let mut w = WorkerProcess::spawn(state.path(), &unique_id("lost"), free_port()?, &[], &[])?;
+    let model = ModelServer::start(vec![responses::calls(&[(
+        "c1",
+        "Bash",
+        &serde_json::json!({"command": "echo started; sleep 120"}).to_string(),
+    )])])
+    .await;
+    let token = w.token_file();
+    let token = token.to_string_lossy();
+    let mut cmd = corral_e2e::run::command(
+        &model,
+        &w.url,
+        sessions.path(),
+        &["--session", "s1", "Sleep."],
+    );
+    cmd.env("CORRAL_TOKEN_FILE", token.as_ref())
+        .env("CORRAL_WORKER_LOST_AFTER", "5s");
+    let child = cmd.spawn()?;
+    // The command is running once the worker has an operation.
+    let client = w.client().await?;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while client.worker_info().await?.running_operations == 0 {
+        if tokio::time::Instant::now() > deadline {
+            bail!("the command never started");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    lose_host(&mut w);
+    let out = tokio::time::timeout(Duration::from_secs(60), child.wait_with_output()).await??;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let result: serde_json::Value = stdout
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .find(|e| e["type"] == "result")
+        .with_context(|| format!("no result: {stdout}"))?;
+    assert_eq!(result["status"], "failed", "{result}");
+    let error = result["error"].as_str().unwrap_or_default();
+    assert!(
+        error.starts_with(&format!(
+            "sandbox lost: worker {} unreachable for 5s",
+            w.url
+        )),
+        "{error}"
+    );
+    // The call is answered as lost in the log, and the log says why the
+    // run failed.
+    let log = std::fs::read_to_string(sessions.path().join("s1.jsonl"))?;
+    assert!(log.contains("\"type\":\"sandbox_lost\""), "{log}");
+    Ok(())
+}

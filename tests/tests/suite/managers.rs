@@ -278,7 +278,7 @@ async fn a_follower_retries_after_a_quiet_reconnect_and_gives_up_on_a_gone_worke
     assert!(matches!(err, FollowError::GaveUp { .. }), "{err}");
     assert!(
         err.to_string()
-            .contains(&format!("the worker at http://127.0.0.1:{port}")),
+            .contains(&format!("worker http://127.0.0.1:{port} unreachable")),
         "{err}"
     );
     assert!(started.elapsed() >= patience - Duration::from_millis(500));

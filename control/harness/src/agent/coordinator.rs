@@ -35,6 +35,8 @@ pub enum Inbox {
         text: String,
     },
     Stop(StopMode),
+    /// The session's sandbox is lost, for this reason: the run fails.
+    SandboxLost(String),
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -269,6 +271,7 @@ impl<M: OperationManager + 'static> Coordinator<M> {
                 msg = self.inbox.recv(), if inbox_open => match msg {
                     Some(Inbox::Input { input_id, text }) => self.core.input(&input_id, &text),
                     Some(Inbox::Stop(mode)) => self.core.stop(mode, StopCause::Requested),
+                    Some(Inbox::SandboxLost(reason)) => self.core.sandbox_lost(&reason),
                     None => {
                         inbox_open = false;
                         self.core.stop(StopMode::WhenIdle, StopCause::Requested)

@@ -277,6 +277,21 @@ impl Core {
         })
     }
 
+    /// The sandbox is lost: the run fails with `reason` (once), its
+    /// request in flight is dropped (a resume sends it again).
+    pub fn sandbox_lost(&mut self, reason: &str) -> Result<(), CoreError> {
+        if self.state.failure.is_some() {
+            return Ok(());
+        }
+        if self.state.in_flight.is_some() {
+            self.effects.push(Effect::CancelRequest);
+        }
+        self.grace = None;
+        self.record(Record::SandboxLost {
+            reason: reason.into(),
+        })
+    }
+
     pub fn stop(&mut self, mode: StopMode, cause: StopCause) -> Result<(), CoreError> {
         if self.state.stop.is_some_and(|(m, _)| m == StopMode::Hard) {
             return Ok(());

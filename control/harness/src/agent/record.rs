@@ -286,6 +286,12 @@ pub enum Record {
         mode: StopMode,
         cause: StopCause,
     },
+    /// The session's sandbox was lost (its worker unreachable past the
+    /// deadline, or the worker says so): the run fails with `reason`; a
+    /// resume goes on where it can.
+    SandboxLost {
+        reason: String,
+    },
     /// A run ended.
     Finished {
         ending: Ending,
@@ -310,6 +316,7 @@ impl Record {
             Record::Operation { .. } => "operation",
             Record::Result { .. } => "result",
             Record::Stop { .. } => "stop",
+            Record::SandboxLost { .. } => "sandbox_lost",
             Record::Finished { .. } => "finished",
         }
     }

@@ -319,6 +319,7 @@ impl State {
                     }
                 }
             }
+            Record::SandboxLost { reason } => self.failure = Some(reason.clone()),
             Record::ModelFailure { turn, error, .. } => {
                 if self.in_flight == Some(*turn) {
                     self.in_flight = None;

@@ -26,8 +26,6 @@ use crate::worker_api::{ApiError, WorkerApi};
 
 /// Least time between two progress snapshots of one operation.
 pub const PROGRESS_INTERVAL: Duration = Duration::from_millis(250);
-/// How long a transient failure is retried before the operation fails.
-const PATIENCE: Duration = follow::DEFAULT_PATIENCE;
 /// Updates waiting for the consumer; past it the manager waits too.
 const UPDATES_CAPACITY: usize = 1024;
 
@@ -58,6 +56,7 @@ enum Command {
 /// A manager over any [`WorkerApi`]; see [`LocalManager`] and [`RemoteManager`].
 pub struct Manager<W: WorkerApi> {
     tx: mpsc::Sender<Command>,
+    lost: tokio::sync::watch::Receiver<Option<String>>,
     stop: CancellationToken,
     task: tokio::task::JoinHandle<()>,
     _worker: std::marker::PhantomData<fn() -> W>,
@@ -73,7 +72,18 @@ impl<W: WorkerApi> Manager<W> {
     /// Starts the manager of one sandbox. Snapshots arrive on the returned
     /// channel, which the caller must keep draining.
     pub fn start(worker: W, sandbox: SandboxId) -> (Self, mpsc::Receiver<Operation>) {
+        Self::start_with(worker, sandbox, follow::DEFAULT_PATIENCE)
+    }
+
+    /// [`Self::start`], taking the sandbox for lost once its worker has
+    /// been unreachable for `patience`.
+    pub fn start_with(
+        worker: W,
+        sandbox: SandboxId,
+        patience: Duration,
+    ) -> (Self, mpsc::Receiver<Operation>) {
         let (tx, rx) = mpsc::channel(64);
+        let (lost_tx, lost) = tokio::sync::watch::channel(None);
         let (updates, updates_rx) = mpsc::channel(UPDATES_CAPACITY);
         let stop = CancellationToken::new();
         let actor = Actor {
@@ -86,6 +96,8 @@ impl<W: WorkerApi> Manager<W> {
             ops: HashMap::new(),
             dirty: HashMap::new(),
             follower: None,
+            patience,
+            lost: lost_tx,
         };
         let task = tokio::spawn(
             actor
@@ -95,12 +107,19 @@ impl<W: WorkerApi> Manager<W> {
         (
             Self {
                 tx,
+                lost,
                 stop,
                 task,
                 _worker: std::marker::PhantomData,
             },
             updates_rx,
         )
+    }
+
+    /// Why the sandbox is lost, once it is (its worker unreachable past the
+    /// patience, or the worker says so); `None` until then.
+    pub fn lost(&self) -> tokio::sync::watch::Receiver<Option<String>> {
+        self.lost.clone()
     }
 
     /// Stops the actor (operations keep running on the worker): at once when it is idle, and within
@@ -157,6 +176,10 @@ struct Actor<W: WorkerApi> {
     dirty: HashMap<OperationId, Instant>,
     /// The sandbox's events (`None` until first reached).
     follower: Option<Follower<W>>,
+    /// How long the worker may stay unreachable.
+    patience: Duration,
+    /// Set once the sandbox is lost.
+    lost: tokio::sync::watch::Sender<Option<String>>,
 }
 
 enum Wake {
@@ -167,15 +190,20 @@ enum Wake {
 }
 
 /// Runs a worker call, retrying transient failures for up to
-/// [`PATIENCE`], unless the manager is stopped first.
-async fn call<W, T, F, Fut>(worker: &W, stop: &CancellationToken, f: F) -> Result<T, String>
+/// `patience`, unless the manager is stopped first.
+async fn call<W, T, F, Fut>(
+    worker: &W,
+    patience: Duration,
+    stop: &CancellationToken,
+    f: F,
+) -> Result<T, String>
 where
     W: WorkerApi,
     F: FnMut() -> Fut,
     Fut: Future<Output = Result<T, ApiError>>,
 {
     tokio::select! {
-        r = follow::retry(worker, PATIENCE, f) => r.map_err(|e| e.to_string()),
+        r = follow::retry(worker, patience, f) => r.map_err(|e| e.to_string()),
         () = stop.cancelled() => Err("the operation manager stopped".into()),
     }
 }
@@ -229,7 +257,7 @@ impl<W: WorkerApi> Actor<W> {
     /// Starts following the sandbox's events from its current seq.
     async fn connect(&mut self) -> bool {
         let opened = tokio::select! {
-            f = Follower::from_now(self.worker.clone(), self.sandbox.clone(), None, PATIENCE) => f,
+            f = Follower::from_now(self.worker.clone(), self.sandbox.clone(), None, self.patience) => f,
             () = self.stop.cancelled() => return false,
         };
         match opened {
@@ -244,22 +272,32 @@ impl<W: WorkerApi> Actor<W> {
         }
     }
 
-    /// The sandbox cannot be reached: every running operation fails. The
-    /// manager stays up (answering adds with failures) unless stopped.
+    /// The sandbox cannot be reached: every running operation fails, and
+    /// the sandbox is reported lost. The manager stays up (it tries again,
+    /// and answers adds) unless stopped.
     async fn give_up(&mut self, reason: &str) -> bool {
-        let ids: Vec<OperationId> = self.ops.keys().cloned().collect();
-        for id in ids {
-            if let Some(mut op) = self.ops.remove(&id) {
-                op.fail(format!("sandbox unreachable: {reason}"));
-                self.publish(op).await;
-            }
-        }
+        self.fail_all(reason).await;
         if self.stop.is_cancelled() {
             return false;
         }
         tokio::select! {
             () = tokio::time::sleep(Duration::from_secs(1)) => true,
             () = self.stop.cancelled() => false,
+        }
+    }
+
+    /// Every running operation fails with `reason`, and the sandbox is
+    /// reported lost (once).
+    async fn fail_all(&mut self, reason: &str) {
+        let ids: Vec<OperationId> = self.ops.keys().cloned().collect();
+        for id in ids {
+            if let Some(mut op) = self.ops.remove(&id) {
+                op.fail(reason.to_string());
+                self.publish(op).await;
+            }
+        }
+        if self.lost.borrow().is_none() {
+            self.lost.send_replace(Some(reason.to_string()));
         }
     }
 
@@ -276,15 +314,18 @@ impl<W: WorkerApi> Actor<W> {
         op.status = OpStatus::Ready;
         self.publish(op.clone()).await;
         let (worker, sandbox) = (&self.worker, &self.sandbox);
-        let submitted = call(worker, &self.stop, || {
+        let submitted = call(worker, self.patience, &self.stop, || {
             worker.submit(sandbox, &op.id, &op.spec)
         })
         .await;
         match submitted {
             Ok(record) => self.track(op, record).await,
             Err(e) => {
-                op.fail(e);
+                op.fail(e.clone());
                 self.publish(op).await;
+                if e.starts_with("sandbox lost") {
+                    self.fail_all(&e).await;
+                }
             }
         }
     }
@@ -313,7 +354,11 @@ impl<W: WorkerApi> Actor<W> {
         let snapshot = op.clone();
         self.publish(snapshot).await;
         let (worker, sandbox) = (&self.worker, &self.sandbox);
-        if let Err(e) = call(worker, &self.stop, || worker.cancel(sandbox, id)).await {
+        if let Err(e) = call(worker, self.patience, &self.stop, || {
+            worker.cancel(sandbox, id)
+        })
+        .await
+        {
             warn!(operation = %id, error = %e, "cancel failed");
         }
     }
@@ -322,13 +367,7 @@ impl<W: WorkerApi> Actor<W> {
         match event.kind {
             EventKind::Gap { .. } => self.refresh_all().await,
             EventKind::SandboxLost { reason } => {
-                let ids: Vec<OperationId> = self.ops.keys().cloned().collect();
-                for id in ids {
-                    if let Some(mut op) = self.ops.remove(&id) {
-                        op.fail(format!("sandbox lost: {reason}"));
-                        self.publish(op).await;
-                    }
-                }
+                self.fail_all(&format!("sandbox lost: {reason}")).await;
             }
             kind => {
                 let Some(id) = event.operation_id else { return };
@@ -359,7 +398,10 @@ impl<W: WorkerApi> Actor<W> {
         let ids: Vec<OperationId> = self.ops.keys().cloned().collect();
         for id in ids {
             let (worker, sandbox) = (&self.worker, &self.sandbox);
-            let fetched = call(worker, &self.stop, || worker.operation(sandbox, &id)).await;
+            let fetched = call(worker, self.patience, &self.stop, || {
+                worker.operation(sandbox, &id)
+            })
+            .await;
             if let Ok(record) = fetched
                 && let Some(result) = record.result
                 && let Some(mut op) = self.ops.remove(&id)
