@@ -19,6 +19,10 @@ pub struct Cli {
     /// terminal, else json).
     #[arg(long, global = true, env = "CORRAL_LOG_FORMAT", value_enum, default_value_t = corral_worker::cli::LogFormat::Auto)]
     pub log_format: corral_worker::cli::LogFormat,
+    /// Serve the control plane's Prometheus metrics (placements, probes,
+    /// workers lost) at http://ADDR/metrics while the command runs.
+    #[arg(long, global = true, env = "CORRAL_METRICS_LISTEN")]
+    pub metrics_listen: Option<std::net::SocketAddr>,
     #[command(subcommand)]
     pub command: Command,
 }

@@ -1,8 +1,11 @@
-//! Which worker a command talks to, and how: `--worker` (a list, each
-//! with its scheme), the token and TLS settings, the local worker when none
-//! is given, and the placement of a new session.
+//! Which worker a command talks to, and how: `--worker` (a list of
+//! addresses and DNS names), the token and TLS settings, the local worker
+//! when none is given, the placement of what is new and the worker that
+//! has a given sandbox.
 
 use corral_harness::client::{ClientError, ClientTls, Credentials, WorkerClient, source_chain};
+use corral_harness::placement::{self, Attempt, Entry, PlaceError, Placer};
+use corral_proto::SandboxId;
 
 use crate::cli::ConnArgs;
 
@@ -14,12 +17,14 @@ pub enum ConnectError {
     Local(#[from] crate::local::LocalError),
     #[error(transparent)]
     Config(#[from] corral_worker::cli::ConfigError),
+    #[error(transparent)]
+    Discovery(#[from] placement::DiscoveryError),
     /// The flags do not fit together.
     #[error("{0}")]
     Usage(String),
     #[error("{0}")]
     Invalid(String),
-    #[error("no worker can take the session: {0}")]
+    #[error("no worker can take it: {0}")]
     NoWorker(String),
 }
 
@@ -43,25 +48,28 @@ fn client_tls(conn: &ConnArgs) -> Result<Option<ClientTls>, ConnectError> {
             ));
         }
     };
-    Ok((ca_pem.is_some() || identity.is_some()).then_some(ClientTls { ca_pem, identity }))
+    Ok(
+        (ca_pem.is_some() || identity.is_some()).then_some(ClientTls {
+            ca_pem,
+            identity,
+            domain: None,
+        }),
+    )
 }
 
-/// The workers of `--worker` (a comma-separated list), with a scheme.
-pub fn worker_urls(conn: &ConnArgs) -> Vec<String> {
-    conn.worker
-        .as_deref()
-        .unwrap_or_default()
-        .split(',')
-        .map(str::trim)
-        .filter(|u| !u.is_empty())
-        .map(|u| {
-            if u.contains("://") {
-                u.to_string()
-            } else {
-                format!("http://{u}")
-            }
-        })
-        .collect()
+/// The entries of `--worker` (a comma-separated list of addresses and
+/// `dns:///NAME:PORT` names).
+fn entries(conn: &ConnArgs) -> Result<Vec<Entry>, ConnectError> {
+    Ok(Entry::parse_list(
+        conn.worker.as_deref().unwrap_or_default(),
+    )?)
+}
+
+/// The workers of `--worker`, each with a scheme; a DNS name gives one
+/// worker per address it resolves to (https when TLS options are given).
+pub async fn worker_urls(conn: &ConnArgs) -> Result<Vec<String>, ConnectError> {
+    let tls = conn.tls_ca.is_some() || conn.tls_cert.is_some();
+    Ok(placement::resolve(&entries(conn)?, tls).await?)
 }
 
 /// Whether `url` names this machine (a worker this user may have started).
@@ -78,29 +86,33 @@ fn is_loopback(url: &str) -> bool {
             .is_ok_and(|ip| ip.is_loopback())
 }
 
-/// The token for the workers of `--worker`: `--token-file`, else, for a
-/// worker on this machine, the one a worker run by this user made in its
-/// default state directory (never sent anywhere else).
-fn credentials(conn: &ConnArgs) -> Result<Credentials, ConnectError> {
+/// The token for the workers of `--worker`: `--token-file`, else, for
+/// workers all on this machine, the one a worker run by this user made in
+/// its default state directory (never sent anywhere else). Workers found
+/// through a DNS name are checked against its name in their certificates.
+fn credentials(conn: &ConnArgs, urls: &[String]) -> Result<Credentials, ConnectError> {
     let own = corral_worker::cli::default_state_dir("worker").join("token");
-    let local = worker_urls(conn).iter().all(|u| is_loopback(u));
+    let entries = entries(conn)?;
+    let local =
+        entries.iter().all(|e| matches!(e, Entry::Url(_))) && urls.iter().all(|u| is_loopback(u));
     let token = match conn.token_file.as_deref() {
         Some(path) => Some(corral_worker::cli::read_token(path)?),
         None if local && own.exists() => Some(corral_worker::cli::read_token(&own)?),
         None => None,
     };
-    Ok(Credentials {
-        token,
-        tls: client_tls(conn)?,
-    })
+    let tls = client_tls(conn)?.map(|mut tls| {
+        tls.domain = placement::tls_name(&entries);
+        tls
+    });
+    Ok(Credentials { token, tls })
 }
 
 /// Connects to the one worker of `--worker`, or embeds one.
 pub async fn connect(conn: &ConnArgs) -> Result<WorkerClient, ConnectError> {
-    let urls = worker_urls(conn);
+    let urls = worker_urls(conn).await?;
     if urls.len() > 1 {
         return Err(ConnectError::Usage(
-            "several workers are for corral run (it places each session); give this command one --worker".into(),
+            "several workers are for corral run, exec and sandbox create (they place what they make); give this command one --worker".into(),
         ));
     }
     connect_to(conn, urls.first().map(String::as_str)).await
@@ -110,7 +122,7 @@ pub async fn connect(conn: &ConnArgs) -> Result<WorkerClient, ConnectError> {
 pub async fn connect_to(conn: &ConnArgs, url: Option<&str>) -> Result<WorkerClient, ConnectError> {
     match url {
         Some(url) => {
-            let creds = credentials(conn)?;
+            let creds = credentials(conn, &[url.to_string()])?;
             Ok(WorkerClient::connect_with(url, &creds).await?)
         }
         None => {
@@ -121,49 +133,57 @@ pub async fn connect_to(conn: &ConnArgs, url: Option<&str>) -> Result<WorkerClie
     }
 }
 
-/// Picks the worker for a new session: of those that answer within 5 s,
-/// the one with the most free sandbox slots (then the fewest running
-/// operations, then the first listed).
-pub async fn place(conn: &ConnArgs, urls: &[String]) -> Result<String, ConnectError> {
-    let creds = credentials(conn)?;
-    let probes = urls.iter().map(|url| {
+/// Places something new (a session, a sandbox) on one of `urls` and makes
+/// it there with `create`: see [`corral_harness::placement`].
+pub async fn place<T, E, F, Fut>(conn: &ConnArgs, urls: &[String], create: F) -> Result<T, E>
+where
+    E: std::fmt::Display + From<ConnectError>,
+    F: FnMut(String, WorkerClient) -> Fut,
+    Fut: std::future::Future<Output = Result<T, Attempt<E>>>,
+{
+    let placer = Placer::new(credentials(conn, urls)?);
+    match placer.place(urls, create).await {
+        Ok(placed) => {
+            tracing::debug!(worker = %placed.url, probes = placed.probes, attempts = placed.attempts, "placed");
+            Ok(placed.value)
+        }
+        Err(PlaceError::NoWorker(why)) => Err(ConnectError::NoWorker(why).into()),
+        Err(PlaceError::Failed(e)) => Err(e),
+    }
+}
+
+/// A client to the worker of `--worker` that has `sandbox` (each is asked
+/// when there are several), or the local worker.
+pub async fn connect_for(
+    conn: &ConnArgs,
+    sandbox: &SandboxId,
+) -> Result<WorkerClient, ConnectError> {
+    let urls = worker_urls(conn).await?;
+    if urls.len() <= 1 {
+        return connect_to(conn, urls.first().map(String::as_str)).await;
+    }
+    let creds = credentials(conn, &urls)?;
+    let asked = urls.iter().map(|url| {
         let creds = creds.clone();
         async move {
-            let probe = async {
-                let client = WorkerClient::connect_with(url, &creds).await?;
-                client.worker_info().await
-            };
-            let info = tokio::time::timeout(std::time::Duration::from_secs(5), probe)
-                .await
-                .map_err(|_| "no answer within 5 s".to_string())
-                .and_then(|r| r.map_err(|e| source_chain(&e)));
-            (url.clone(), info)
+            let client = WorkerClient::connect_with(url, &creds).await?;
+            client.get_sandbox(sandbox).await.map(|_| client)
         }
     });
-    let answers = futures_util::future::join_all(probes).await;
-    let mut best: Option<(String, u32, u32)> = None;
+    let answers = futures_util::future::join_all(asked).await;
     let mut why = Vec::new();
-    for (url, info) in answers {
-        match info {
-            Ok(i) => {
-                let free = i.max_sandboxes.saturating_sub(i.sandboxes);
-                tracing::debug!(worker = %url, free, running = i.running_operations, "worker answered");
-                if free == 0 {
-                    why.push(format!("{url}: full ({} sandboxes)", i.sandboxes));
-                    continue;
-                }
-                let better = best
-                    .as_ref()
-                    .is_none_or(|(_, f, r)| free > *f || (free == *f && i.running_operations < *r));
-                if better {
-                    best = Some((url, free, i.running_operations));
-                }
-            }
-            Err(e) => why.push(format!("{url}: {e}")),
+    for (url, answer) in urls.iter().zip(answers) {
+        match answer {
+            Ok(client) => return Ok(client),
+            Err(ClientError::Status(s)) if s.code() == tonic::Code::NotFound => {}
+            Err(e) => why.push(format!("{url}: {}", source_chain(&e))),
         }
     }
-    best.map(|(url, _, _)| url)
-        .ok_or_else(|| ConnectError::NoWorker(why.join("; ")))
+    let mut msg = format!("no worker of --worker has sandbox {sandbox}");
+    if !why.is_empty() {
+        msg.push_str(&format!(" (not asked: {})", why.join("; ")));
+    }
+    Err(ConnectError::Invalid(msg))
 }
 
 #[cfg(test)]

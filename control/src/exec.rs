@@ -42,6 +42,20 @@ pub struct ExecRequest {
     /// How long the worker may stay unreachable before the sandbox is
     /// taken for lost (`--worker-lost-after`).
     pub worker_lost_after: Duration,
+    /// `sandbox` was made for this command (by a placement): it is removed
+    /// afterwards, as one made here would be.
+    pub made_for_it: bool,
+}
+
+impl ExecRequest {
+    /// The spec of a sandbox made for this command.
+    pub fn sandbox_spec(&self) -> SandboxSpec {
+        SandboxSpec {
+            image: self.image.clone(),
+            idle_timeout_ms: Some(self.idle_timeout.as_millis().max(1) as u64),
+            ..SandboxSpec::default()
+        }
+    }
 }
 
 /// What reaches a running command from outside.
@@ -134,14 +148,10 @@ pub async fn exec<W: WorkerApi>(
         .map_err(|e| ExecError::Invalid(e.to_string()))?;
 
     let (sandbox, temporary) = match &req.sandbox {
-        Some(id) => (id.clone(), false),
+        Some(id) => (id.clone(), req.made_for_it),
         None => {
             let id = SandboxId::random();
-            let sb_spec = SandboxSpec {
-                image: req.image.clone(),
-                idle_timeout_ms: Some(req.idle_timeout.as_millis().max(1) as u64),
-                ..SandboxSpec::default()
-            };
+            let sb_spec = req.sandbox_spec();
             follow::retry(&worker, req.worker_lost_after, || {
                 worker.create_sandbox(&id, &sb_spec)
             })

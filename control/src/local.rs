@@ -172,6 +172,9 @@ fn start_process(
         .stdin(std::process::Stdio::null())
         .stdout(log_file)
         .stderr(err_file)
+        // The command's own endpoint, not the worker's (whose port it
+        // would take).
+        .env_remove("CORRAL_METRICS_LISTEN")
         .process_group(0);
     if let Some(host) = docker_host {
         cmd.arg("--docker-host").arg(host);

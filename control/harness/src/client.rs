@@ -51,6 +51,19 @@ fn describe(s: &Status) -> String {
 }
 
 impl ClientError {
+    /// The worker takes no new sandbox: at capacity (RESOURCE_EXHAUSTED on
+    /// a create) or draining (UNAVAILABLE saying so). Another worker may.
+    pub fn is_refusal(&self) -> bool {
+        match self {
+            Self::Status(s) => match s.code() {
+                tonic::Code::ResourceExhausted => s.message().contains("capacity"),
+                tonic::Code::Unavailable => s.message().contains("draining"),
+                _ => false,
+            },
+            _ => false,
+        }
+    }
+
     /// Worth retrying after a reconnect (the worker restarted or the network blinked).
     pub fn is_transient(&self) -> bool {
         match self {
@@ -84,6 +97,9 @@ pub struct ClientTls {
     pub ca_pem: Option<Vec<u8>>,
     /// PEM certificate and key presented to a worker that asks for one.
     pub identity: Option<(Vec<u8>, Vec<u8>)>,
+    /// The name the worker's certificate must carry, when it is not the
+    /// address's host (workers found through a DNS name, reached by IP).
+    pub domain: Option<String>,
 }
 
 /// What a client presents to a worker.
@@ -144,6 +160,9 @@ impl WorkerClient {
             };
             if let Some((cert, key)) = tls.identity {
                 cfg = cfg.identity(Identity::from_pem(cert, key));
+            }
+            if let Some(name) = tls.domain {
+                cfg = cfg.domain_name(name);
             }
             endpoint = endpoint
                 .tls_config(cfg)

@@ -206,6 +206,7 @@ impl<W: WorkerApi> Follower<W> {
             self.lost_since = None;
             self.delay = FIRST_BACKOFF;
             self.retry_at = None;
+            crate::metrics::control().workers_lost.inc();
             return Err(FollowError::GaveUp {
                 worker: self.worker.name(),
                 patience: self.patience,

@@ -16,7 +16,9 @@
 //!   client;
 //! - [`follow`]: the one way to wait for operations (events followed from
 //!   a cursor across reconnects);
-//! - [`transfer`]: trees in and out of a sandbox as tar streams.
+//! - [`transfer`]: trees in and out of a sandbox as tar streams;
+//! - [`placement`]: workers found by list or DNS, and where a new sandbox
+//!   goes among them; [`metrics`]: the control plane's metrics.
 //!
 //! It runs no operation itself: workers do.
 
@@ -25,7 +27,9 @@ pub mod client;
 pub mod context;
 pub mod follow;
 pub mod llm;
+pub mod metrics;
 pub mod ops;
+pub mod placement;
 pub mod session;
 pub mod sessions;
 pub mod tools;

@@ -92,6 +92,10 @@ pub enum SessionError {
     /// The session's sandbox could not be made, found or removed.
     #[error("sandbox {sandbox}: {error}")]
     Sandbox { sandbox: SandboxId, error: String },
+    /// The worker takes no new sandbox (at capacity, or draining): another
+    /// worker may.
+    #[error("sandbox {sandbox}: {error}")]
+    Refused { sandbox: SandboxId, error: String },
     /// The model client could not be set up.
     #[error("model client: {0}")]
     Model(String),
@@ -216,7 +220,7 @@ pub struct RunOptions {
 
 /// A new session, checked and settled but not made yet (see
 /// [`Sessions::prepare`]).
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct NewSession {
     id: String,
     config: SessionConfig,
@@ -746,9 +750,15 @@ impl Sessions {
 }
 
 fn sandbox_error(sandbox: &SandboxId, e: ApiError) -> SessionError {
-    SessionError::Sandbox {
-        sandbox: sandbox.clone(),
-        error: e.to_string(),
+    match e {
+        ApiError::Refused(error) => SessionError::Refused {
+            sandbox: sandbox.clone(),
+            error,
+        },
+        e => SessionError::Sandbox {
+            sandbox: sandbox.clone(),
+            error: e.to_string(),
+        },
     }
 }
 

@@ -32,6 +32,10 @@ pub enum ApiError {
     /// Will not succeed however often it is tried.
     #[error("{0}")]
     Rejected(String),
+    /// This worker takes no new sandbox (at capacity, or draining):
+    /// another one may.
+    #[error("{0}")]
+    Refused(String),
 }
 
 impl ApiError {
@@ -113,6 +117,7 @@ fn local(e: WorkerError) -> ApiError {
         WorkerError::UnknownSandbox(_) | WorkerError::UnknownOperation(_) => {
             ApiError::NotFound(text)
         }
+        WorkerError::AtCapacity(_) | WorkerError::Draining => ApiError::Refused(text),
         WorkerError::Docker(_)
         | WorkerError::InitUnresponsive { .. }
         | WorkerError::Detached(_)
@@ -209,7 +214,9 @@ impl WorkerApi for Worker {
 
 fn remote(e: ClientError) -> ApiError {
     let text = source_chain(&e);
-    if e.is_transient() {
+    if e.is_refusal() {
+        ApiError::Refused(text)
+    } else if e.is_transient() {
         ApiError::Transient(text)
     } else if matches!(&e, ClientError::Status(s) if s.code() == tonic::Code::NotFound) {
         ApiError::NotFound(text)

@@ -10,7 +10,7 @@ use corral_harness::transfer::{self, TransferError};
 use corral_proto::SandboxId;
 
 use crate::cli::{ConnArgs, CpArgs};
-use crate::connect::{ConnectError, connect};
+use crate::connect::{ConnectError, connect_for};
 
 #[derive(Debug, thiserror::Error)]
 enum Error {
@@ -61,11 +61,11 @@ async fn cp(conn: &ConnArgs, args: &CpArgs) -> Result<(), Error> {
     let mut meter = Meter::new(!args.quiet && std::io::stderr().is_terminal());
     let moved = match (src, dest) {
         (End::Local(src), End::Sandbox(sandbox, dest)) => {
-            let worker = connect(conn).await?;
+            let worker = connect_for(conn, &sandbox).await?;
             transfer::upload(&worker, &sandbox, &src, &dest, |n| meter.show(n)).await?
         }
         (End::Sandbox(sandbox, src), End::Local(dest)) => {
-            let worker = connect(conn).await?;
+            let worker = connect_for(conn, &sandbox).await?;
             transfer::download(&worker, &sandbox, &src, &dest, |n| meter.show(n)).await?
         }
         (End::Local(_), End::Local(_)) => {

@@ -4,7 +4,9 @@
 use corral_proto::{SandboxId, TerminalSize};
 
 use crate::cli::{ConnArgs, ExecArgs};
-use crate::connect::{ConnectError, connect};
+use corral_harness::placement::Attempt;
+
+use crate::connect::{ConnectError, connect, connect_for, place, worker_urls};
 use crate::exec::{self, ExecError, ExecRequest};
 
 #[derive(Debug, thiserror::Error)]
@@ -33,11 +35,10 @@ pub async fn main(conn: &ConnArgs, args: ExecArgs) -> u8 {
 }
 
 async fn exec_command(conn: &ConnArgs, args: ExecArgs) -> Result<u8, Error> {
-    let client = connect(conn).await?;
     let terminal = args
         .tty
         .then(|| crate::terminal::current_size().unwrap_or(TerminalSize { rows: 24, cols: 80 }));
-    let req = ExecRequest {
+    let mut req = ExecRequest {
         sandbox: args
             .sandbox
             .as_deref()
@@ -55,6 +56,32 @@ async fn exec_command(conn: &ConnArgs, args: ExecArgs) -> Result<u8, Error> {
         terminal,
         idle_timeout: args.idle_timeout,
         worker_lost_after: conn.worker_lost_after,
+        made_for_it: false,
+    };
+    // Several workers: the sandbox is found among them, or a new one is
+    // placed.
+    let urls = worker_urls(conn).await?;
+    let client = match (&req.sandbox, urls.len()) {
+        (_, 0 | 1) => connect(conn).await?,
+        (Some(id), _) => connect_for(conn, id).await?,
+        (None, _) => {
+            let id = SandboxId::random();
+            let spec = req.sandbox_spec();
+            let client = place(conn, &urls, |_, client| {
+                let (id, spec) = (id.clone(), spec.clone());
+                async move {
+                    match client.create_sandbox(Some(&id), spec).await {
+                        Ok(_) => Ok(client),
+                        Err(e) if e.is_refusal() => Err(Attempt::Refused(e.to_string())),
+                        Err(e) => Err(Attempt::Failed(Error::Connect(e.into()))),
+                    }
+                }
+            })
+            .await?;
+            req.sandbox = Some(id);
+            req.made_for_it = true;
+            client
+        }
     };
     let mut controls = exec::Controls::stop_on(crate::signals::stop_signal());
     if args.interactive {

@@ -16,8 +16,36 @@ pub const EXIT_CORRAL_ERROR: u8 = 125;
 /// A usage error.
 pub const EXIT_USAGE: u8 = 2;
 
-/// Runs a parsed command; returns the process exit code.
+/// Runs a parsed command, with the metrics endpoint up meanwhile when
+/// asked for; returns the process exit code.
 pub async fn run(cli: Cli) -> u8 {
+    let Some(addr) = cli.metrics_listen else {
+        return dispatch(cli).await;
+    };
+    let listener = match corral_worker::metrics::bind(addr).await {
+        Ok(l) => l,
+        Err(e) => {
+            report(&e);
+            return EXIT_CORRAL_ERROR;
+        }
+    };
+    let stop = tokio_util::sync::CancellationToken::new();
+    let server = tokio::spawn(corral_worker::metrics::serve(
+        listener,
+        std::sync::Arc::new(|| corral_harness::metrics::control().render()),
+        stop.clone().cancelled_owned(),
+    ));
+    let code = dispatch(cli).await;
+    stop.cancel();
+    match server.await {
+        Ok(Err(e)) => tracing::warn!(error = %e, "the metrics endpoint failed"),
+        Err(e) => tracing::warn!(error = %e, "the metrics endpoint panicked"),
+        Ok(Ok(())) => {}
+    }
+    code
+}
+
+async fn dispatch(cli: Cli) -> u8 {
     match cli.command {
         Command::Exec(args) => exec::main(&cli.conn, args).await,
         Command::Sandbox(cmd) => sandbox::main(&cli.conn, cmd).await,

@@ -9,7 +9,7 @@ use corral_proto::init::OperationRecord;
 use corral_proto::{EventKind, OperationId, OperationSpec, OutputStream, SandboxId};
 
 use crate::cli::ConnArgs;
-use crate::connect::{ConnectError, connect};
+use crate::connect::{ConnectError, connect, connect_for};
 use crate::view::one_line;
 
 #[derive(Debug, thiserror::Error)]
@@ -47,7 +47,7 @@ pub async fn ps(conn: &ConnArgs, sandbox: &str, all: bool) -> u8 {
     finish(
         async {
             let sandbox = sandbox_id(sandbox)?;
-            let worker = connect(conn).await?;
+            let worker = connect_for(conn, &sandbox).await?;
             let ops = worker.list_operations(&sandbox).await?;
             let mut out = std::io::stdout().lock();
             let rows: Vec<[String; 4]> =
@@ -104,9 +104,13 @@ pub async fn kill(conn: &ConnArgs, operation: &str, sandbox: Option<&str>) -> u8
     finish(
         async {
             let op = OperationId::new(operation).map_err(|e| Error::Invalid(e.to_string()))?;
-            let worker = connect(conn).await?;
+            let sandbox = sandbox.map(sandbox_id).transpose()?;
+            let worker = match &sandbox {
+                Some(s) => connect_for(conn, s).await?,
+                None => connect(conn).await?,
+            };
             let sandbox = match sandbox {
-                Some(s) => sandbox_id(s)?,
+                Some(s) => s,
                 None => find(&worker, &op).await?,
             };
             if !worker.cancel(&sandbox, &op).await? {
@@ -138,7 +142,7 @@ pub async fn logs(conn: &ConnArgs, sandbox: &str, follow: bool) -> u8 {
     finish(
         async {
             let sandbox = sandbox_id(sandbox)?;
-            let worker = connect(conn).await?;
+            let worker = connect_for(conn, &sandbox).await?;
             // Without -f, what there is now: up to the sandbox's last event.
             let until = worker.get_sandbox(&sandbox).await?.last_seq;
             if !follow && until == 0 {

@@ -19,6 +19,8 @@ use corral_harness::sessions::{
 use futures_util::StreamExt;
 
 use crate::cli::{ApiKind, ConnArgs, RunArgs};
+use corral_harness::placement::Attempt;
+
 use crate::connect::{ConnectError, connect_to, place, worker_urls};
 use crate::view::View;
 
@@ -190,9 +192,9 @@ async fn run(conn: &ConnArgs, args: &RunArgs, json: bool) -> Result<u8, Error> {
         until_idle: true,
         worker_lost_after: Some(conn.worker_lost_after),
     };
-    // A session stays on the worker it was placed on; a new one goes to
-    // the worker of --worker with the most room.
-    let urls = worker_urls(conn);
+    // A session stays on the worker it was placed on; a new one is placed
+    // among the workers of --worker.
+    let urls = worker_urls(conn).await?;
     let (handle, connection) = if store.exists(&id)? {
         let stored = store.open(&id)?;
         if stored.recovery().torn_bytes > 0 {
@@ -224,18 +226,31 @@ async fn run(conn: &ConnArgs, args: &RunArgs, json: bool) -> Result<u8, Error> {
     } else {
         // Checked before any worker is asked.
         let new = store.prepare(&id, opts)?;
-        let worker = if urls.len() > 1 {
-            Some(place(conn, &urls).await?)
+        if urls.len() > 1 {
+            let store = &store;
+            place(conn, &urls, |url, client| {
+                let new = new.clone().placed_on(Some(url));
+                async move {
+                    match store.start(new, client.clone()).await {
+                        Ok(handle) => Ok((handle, client)),
+                        Err(e @ SessionError::Refused { .. }) => {
+                            Err(Attempt::Refused(e.to_string()))
+                        }
+                        Err(e) => Err(Attempt::Failed(Error::from(e))),
+                    }
+                }
+            })
+            .await?
         } else {
-            urls.first().cloned()
-        };
-        let connection = connect_to(conn, worker.as_deref()).await?;
-        (
-            store
-                .start(new.placed_on(worker), connection.clone())
-                .await?,
-            connection,
-        )
+            let worker = urls.first().cloned();
+            let connection = connect_to(conn, worker.as_deref()).await?;
+            (
+                store
+                    .start(new.placed_on(worker), connection.clone())
+                    .await?,
+                connection,
+            )
+        }
     };
     let mut view = View::new(json);
     let summary = watch(handle, &mut view, args.inputs_from_stdin).await?;

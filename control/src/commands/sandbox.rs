@@ -6,7 +6,10 @@ use std::io::Write;
 use corral_proto::{NetworkMode, SandboxId, SandboxSpec, SandboxState};
 
 use crate::cli::{ConnArgs, Network, SandboxCommand};
-use crate::connect::{ConnectError, connect};
+use corral_harness::client::WorkerClient;
+use corral_harness::placement::Attempt;
+
+use crate::connect::{ConnectError, connect, connect_to, place, worker_urls};
 
 #[derive(Debug, thiserror::Error)]
 enum Error {
@@ -33,12 +36,61 @@ pub async fn main(conn: &ConnArgs, cmd: SandboxCommand) -> u8 {
     }
 }
 
+/// The workers a command talks to.
+enum Workers<'a> {
+    One(WorkerClient),
+    Many(&'a ConnArgs, Vec<String>),
+}
+
+impl Workers<'_> {
+    fn one(&self) -> Result<&WorkerClient, Error> {
+        match self {
+            Workers::One(c) => Ok(c),
+            Workers::Many(..) => Err(Error::Connect(ConnectError::Usage(
+                "give this command one --worker".into(),
+            ))),
+        }
+    }
+
+    /// Every sandbox of every worker (each is asked; one that does not
+    /// answer fails the listing rather than leave it silently short).
+    async fn list_sandboxes(&self) -> Result<Vec<corral_proto::SandboxInfo>, Error> {
+        match self {
+            Workers::One(c) => Ok(c.list_sandboxes().await?),
+            Workers::Many(conn, urls) => {
+                let asked = urls.iter().map(|u| async move {
+                    let c = connect_to(conn, Some(u)).await?;
+                    Ok::<_, Error>(c.list_sandboxes().await?)
+                });
+                let mut all = Vec::new();
+                for listed in futures_util::future::join_all(asked).await {
+                    all.extend(listed?);
+                }
+                all.sort_by(|a, b| {
+                    (a.created_at_unix_ms, &a.id).cmp(&(b.created_at_unix_ms, &b.id))
+                });
+                Ok(all)
+            }
+        }
+    }
+}
+
 fn sandbox_id(s: &str) -> Result<SandboxId, Error> {
     SandboxId::new(s).map_err(|e| Error::Invalid(e.to_string()))
 }
 
 async fn sandbox_command(conn: &ConnArgs, cmd: SandboxCommand) -> Result<(), Error> {
-    let conn = connect(conn).await?;
+    // Several workers: a new sandbox is placed among them, a listing
+    // covers them all; the rest is for one worker.
+    let urls = worker_urls(conn).await?;
+    let conn = if urls.len() > 1 {
+        match &cmd {
+            SandboxCommand::Create { .. } | SandboxCommand::Ls { .. } => Workers::Many(conn, urls),
+            _ => Workers::One(connect(conn).await?),
+        }
+    } else {
+        Workers::One(connect(conn).await?)
+    };
     let mut stdout = std::io::stdout().lock();
     match cmd {
         SandboxCommand::Create {
@@ -84,7 +136,25 @@ async fn sandbox_command(conn: &ConnArgs, cmd: SandboxCommand) -> Result<(), Err
                 ttl_ms: ttl.map(|d| d.as_millis().max(1) as u64),
             };
             spec.validate().map_err(|e| Error::Invalid(e.to_string()))?;
-            let sb = conn.create_sandbox(id.as_ref(), spec).await?;
+            let sb = match &conn {
+                Workers::One(c) => c.create_sandbox(id.as_ref(), spec).await?,
+                Workers::Many(c, urls) => {
+                    // An id of its own, so a create repeated elsewhere
+                    // never makes two.
+                    let id = id.unwrap_or_else(SandboxId::random);
+                    place(c, urls, |_, client| {
+                        let (id, spec) = (id.clone(), spec.clone());
+                        async move {
+                            match client.create_sandbox(Some(&id), spec).await {
+                                Ok(sb) => Ok(sb),
+                                Err(e) if e.is_refusal() => Err(Attempt::Refused(e.to_string())),
+                                Err(e) => Err(Attempt::Failed(Error::Client(e))),
+                            }
+                        }
+                    })
+                    .await?
+                }
+            };
             writeln!(stdout, "{}", sb.id)?;
         }
         SandboxCommand::Ls { json, quiet } => {
@@ -131,9 +201,9 @@ async fn sandbox_command(conn: &ConnArgs, cmd: SandboxCommand) -> Result<(), Err
             }
         }
         SandboxCommand::Inspect { id, json } => {
-            let sb = conn.get_sandbox(&sandbox_id(&id)?).await?;
+            let sb = conn.one()?.get_sandbox(&sandbox_id(&id)?).await?;
             // What it uses now, unless it cannot be measured (a lost one).
-            let usage = conn.sandbox_stats(&sb.id).await.ok();
+            let usage = conn.one()?.sandbox_stats(&sb.id).await.ok();
             let mut v = to_json(&sb);
             if let Some(u) = &usage {
                 v["usage"] = stats_json(u);
@@ -173,10 +243,12 @@ async fn sandbox_command(conn: &ConnArgs, cmd: SandboxCommand) -> Result<(), Err
             }
         }
         SandboxCommand::Stats { ids, json } => {
-            let ids = ids_or_all(&conn, &ids, ids.is_empty()).await?;
+            let ids = ids_or_all(conn.one()?, &ids, ids.is_empty()).await?;
             // Each takes a sampling interval: all at once.
-            let all =
-                futures_util::future::join_all(ids.iter().map(|id| conn.sandbox_stats(id))).await;
+            let all = {
+                let one = conn.one()?;
+                futures_util::future::join_all(ids.iter().map(|id| one.sandbox_stats(id))).await
+            };
             let all: Vec<corral_proto::SandboxStats> = all.into_iter().collect::<Result<_, _>>()?;
             if json {
                 let list: Vec<serde_json::Value> = all.iter().map(stats_json).collect();
@@ -201,11 +273,11 @@ async fn sandbox_command(conn: &ConnArgs, cmd: SandboxCommand) -> Result<(), Err
             }
         }
         SandboxCommand::Rm { ids, all } => {
-            let ids = ids_or_all(&conn, &ids, all).await?;
+            let ids = ids_or_all(conn.one()?, &ids, all).await?;
             // Each one tried; the unknown ones named together at the end.
             let mut unknown = Vec::new();
             for id in ids {
-                if !conn.destroy_sandbox(&id).await? {
+                if !conn.one()?.destroy_sandbox(&id).await? {
                     unknown.push(id.to_string());
                 }
             }
@@ -218,18 +290,18 @@ async fn sandbox_command(conn: &ConnArgs, cmd: SandboxCommand) -> Result<(), Err
         }
         SandboxCommand::Prune { idle } => {
             let now = now_ms();
-            for sb in conn.list_sandboxes().await? {
+            for sb in conn.one()?.list_sandboxes().await? {
                 let unused_for = now.saturating_sub(sb.last_used_unix_ms);
                 let lost = matches!(sb.state, SandboxState::Lost(_));
                 let unused = sb.running_operations == 0 && unused_for >= idle.as_millis() as i64;
-                if (lost || unused) && conn.destroy_sandbox(&sb.id).await? {
+                if (lost || unused) && conn.one()?.destroy_sandbox(&sb.id).await? {
                     writeln!(stdout, "{}", sb.id)?;
                 }
             }
         }
         SandboxCommand::Reset { id } => {
             let id = sandbox_id(&id)?;
-            let killed = conn.reset_sandbox(&id).await?;
+            let killed = conn.one()?.reset_sandbox(&id).await?;
             writeln!(stdout, "killed {killed} processes")?;
         }
     }

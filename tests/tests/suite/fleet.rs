@@ -314,3 +314,122 @@ async fn a_session_whose_worker_is_lost_fails_within_the_deadline_and_says_why()
     assert!(log.contains("\"type\":\"sandbox_lost\""), "{log}");
     Ok(())
 }
+
+/// `corral ARGS` against `workers` (a `--worker` list) with `token`.
+async fn corral(
+    workers: &str,
+    token: &std::path::Path,
+    args: &[&str],
+) -> Result<std::process::Output> {
+    Ok(tokio::process::Command::new(corral_e2e::binary("corral")?)
+        .args(["--worker", workers, "--token-file"])
+        .arg(token)
+        .args(args)
+        .kill_on_drop(true)
+        .output()
+        .await?)
+}
+
+#[tokio::test]
+async fn new_sandboxes_are_placed_where_there_is_room_and_never_on_a_draining_worker() -> Result<()>
+{
+    // Three workers of two slots each, sharing one token file.
+    let token_dir = tempfile::tempdir()?;
+    let token = token_dir.path().join("token");
+    std::fs::write(&token, "placement-test-token-0123456789\n")?;
+    std::fs::set_permissions(&token, std::os::unix::fs::PermissionsExt::from_mode(0o600))?;
+    let mut workers = Vec::new();
+    let mut states = Vec::new();
+    for _ in 0..3 {
+        let state = tempfile::tempdir()?;
+        let args = [
+            "--max-sandboxes",
+            "2",
+            "--token-file",
+            token.to_str().context("path")?,
+        ];
+        workers.push(WorkerProcess::spawn(
+            state.path(),
+            &unique_id("place"),
+            free_port()?,
+            &[],
+            &args,
+        )?);
+        states.push(state);
+    }
+    let list = workers
+        .iter()
+        .map(|w| w.url.as_str())
+        .collect::<Vec<_>>()
+        .join(",");
+    // The third drains: nothing new goes there.
+    let third =
+        WorkerClient::connect(&workers[2].url, Some("placement-test-token-0123456789")).await?;
+    third.drain(true).await?;
+    for i in 0..4 {
+        let out = corral(&list, &token, &["sandbox", "create"]).await?;
+        assert!(
+            out.status.success(),
+            "create {i}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let mut counts = Vec::new();
+    for w in &workers {
+        let c = WorkerClient::connect(&w.url, Some("placement-test-token-0123456789")).await?;
+        counts.push(c.worker_info().await?.sandboxes);
+    }
+    assert_eq!(
+        counts,
+        [2, 2, 0],
+        "two each where there is room, none on the draining one"
+    );
+    // Full: the next one is refused with every worker's reason.
+    let out = corral(&list, &token, &["sandbox", "create"]).await?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(125), "{stderr}");
+    assert!(stderr.contains("no worker can take it"), "{stderr}");
+    assert!(
+        stderr.contains("draining") && stderr.contains("full"),
+        "{stderr}"
+    );
+    // A listing covers every worker; exec finds a sandbox wherever it is.
+    let out = corral(&list, &token, &["sandbox", "ls", "-q"]).await?;
+    let ids: Vec<String> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(String::from)
+        .collect();
+    assert_eq!(ids.len(), 4, "{ids:?}");
+    let out = corral(
+        &list,
+        &token,
+        &["exec", "--sandbox", &ids[3], "--", "echo", "found"],
+    )
+    .await?;
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        "found\n",
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // The drain ends: exec places its own sandbox there (the only room).
+    third.drain(false).await?;
+    let out = corral(&list, &token, &["exec", "--", "echo", "placed"]).await?;
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        "placed\n",
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // A DNS name stands for its addresses.
+    let dns = format!("dns:///localhost:{}", workers[2].port);
+    let out = corral(&dns, &token, &["exec", "--", "echo", "by name"]).await?;
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        "by name\n",
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    drop(states);
+    Ok(())
+}

@@ -74,6 +74,7 @@ fn creds(ca: &str, identity: Option<&(String, String)>) -> Credentials {
         tls: Some(ClientTls {
             ca_pem: Some(ca.as_bytes().to_vec()),
             identity: identity.map(|(c, k)| (c.as_bytes().to_vec(), k.as_bytes().to_vec())),
+            domain: None,
         }),
     }
 }
@@ -96,6 +97,37 @@ async fn tls_with_the_right_ca_works_and_a_stranger_is_refused() -> anyhow::Resu
     let plain = url.replace("https://", "http://");
     let err = refusal(WorkerClient::connect(&plain, Some("t0ken")).await).await;
     assert!(err.is_some_and(|e| !e.is_empty()), "plain HTTP got in");
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_worker_reached_by_address_is_checked_against_its_service_name() -> anyhow::Result<()> {
+    // As a worker found through a DNS name: reached by IP, its certificate
+    // names the Service only.
+    let pki = pki()?;
+    let ca = CertifiedIssuer::self_signed(
+        {
+            let mut p = CertificateParams::new(Vec::<String>::new())?;
+            p.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+            p
+        },
+        KeyPair::generate()?,
+    )?;
+    let key = KeyPair::generate()?;
+    let cert = CertificateParams::new(vec!["corral-worker.corral.svc".to_string()])?
+        .signed_by(&key, &ca)?;
+    let tls = ServerTlsConfig::new().identity(Identity::from_pem(cert.pem(), key.serialize_pem()));
+    let (url, _stop, _state) = worker(tls).await?;
+    let mut named = creds(&ca.pem(), None);
+    if let Some(t) = named.tls.as_mut() {
+        t.domain = Some("corral-worker.corral.svc".into());
+    }
+    let client = WorkerClient::connect_with(&url, &named).await?;
+    assert!(client.list_sandboxes().await?.is_empty());
+    // Without the name, the address does not match the certificate.
+    let unnamed = WorkerClient::connect_with(&url, &creds(&ca.pem(), None)).await;
+    assert!(refusal(unnamed).await.is_some(), "an unchecked name got in");
+    drop(pki);
     Ok(())
 }
 

@@ -1,0 +1,68 @@
+//! The control plane's Prometheus metrics: placements (attempts by result,
+//! probe latency) and workers lost. One set per process, served by
+//! `corral --metrics-listen`.
+
+use std::sync::LazyLock;
+
+use corral_worker::metrics::{Labels, latency_histogram};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+
+pub struct ControlMetrics {
+    registry: Registry,
+    /// Placement steps by result: placed, refused, full, draining,
+    /// no_answer, failed.
+    pub placement_attempts: Family<Labels, Counter>,
+    pub probe_seconds: Histogram,
+    pub workers_lost: Counter,
+}
+
+impl ControlMetrics {
+    fn new() -> Self {
+        let mut registry = Registry::with_prefix("corral");
+        let placement_attempts = Family::<Labels, Counter>::default();
+        let probe_seconds = latency_histogram();
+        let workers_lost = Counter::default();
+        registry.register(
+            "placement_attempts",
+            "Placement steps by result (placed, refused, full, draining, no_answer, failed)",
+            placement_attempts.clone(),
+        );
+        registry.register(
+            "placement_probe_seconds",
+            "Time to ask a worker how full it is",
+            probe_seconds.clone(),
+        );
+        registry.register(
+            "workers_lost",
+            "Workers given up on after --worker-lost-after",
+            workers_lost.clone(),
+        );
+        Self {
+            registry,
+            placement_attempts,
+            probe_seconds,
+            workers_lost,
+        }
+    }
+
+    pub fn attempt(&self, result: &str) {
+        self.placement_attempts
+            .get_or_create(&vec![("result", result.to_string())])
+            .inc();
+    }
+
+    /// The text exposition.
+    pub fn render(&self) -> String {
+        corral_worker::metrics::render(&self.registry)
+    }
+}
+
+static CONTROL: LazyLock<ControlMetrics> = LazyLock::new(ControlMetrics::new);
+
+/// This process's metrics.
+pub fn control() -> &'static ControlMetrics {
+    &CONTROL
+}

@@ -1,0 +1,169 @@
+//! A fake worker for placement benchmarks: a real tonic server that
+//! answers `GetWorkerInfo` with a fixed fullness (after a delay, if set)
+//! and refuses everything else. A black-holed worker is a listener that
+//! never accepts: connections hang until the caller's timeout.
+
+use std::pin::Pin;
+use std::time::Duration;
+
+use corral_proto::pb;
+use futures_util::Stream;
+use tonic::{Request, Response, Status, Streaming};
+
+/// How a fake worker answers.
+#[derive(Debug, Clone, Copy)]
+pub struct FakeWorker {
+    pub max_sandboxes: u32,
+    pub sandboxes: u32,
+    pub draining: bool,
+    /// Each answer waits this long.
+    pub delay: Duration,
+}
+
+type Stream_<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
+
+fn no<T>() -> Result<Response<T>, Status> {
+    Err(Status::unimplemented(
+        "a fake worker answers GetWorkerInfo only",
+    ))
+}
+
+#[tonic::async_trait]
+impl pb::worker_server::Worker for FakeWorker {
+    async fn create_sandbox(
+        &self,
+        _: Request<pb::CreateSandboxRequest>,
+    ) -> Result<Response<pb::Sandbox>, Status> {
+        no()
+    }
+    async fn get_sandbox(
+        &self,
+        _: Request<pb::GetSandboxRequest>,
+    ) -> Result<Response<pb::Sandbox>, Status> {
+        no()
+    }
+    async fn list_sandboxes(
+        &self,
+        _: Request<pb::ListSandboxesRequest>,
+    ) -> Result<Response<pb::ListSandboxesResponse>, Status> {
+        no()
+    }
+    async fn destroy_sandbox(
+        &self,
+        _: Request<pb::DestroySandboxRequest>,
+    ) -> Result<Response<pb::DestroySandboxResponse>, Status> {
+        no()
+    }
+    async fn submit_operation(
+        &self,
+        _: Request<pb::SubmitOperationRequest>,
+    ) -> Result<Response<pb::Operation>, Status> {
+        no()
+    }
+    async fn get_operation(
+        &self,
+        _: Request<pb::GetOperationRequest>,
+    ) -> Result<Response<pb::Operation>, Status> {
+        no()
+    }
+    async fn upload(
+        &self,
+        _: Request<Streaming<pb::UploadRequest>>,
+    ) -> Result<Response<pb::Operation>, Status> {
+        no()
+    }
+    type DownloadStream = Stream_<pb::DownloadResponse>;
+    async fn download(
+        &self,
+        _: Request<pb::DownloadRequest>,
+    ) -> Result<Response<Self::DownloadStream>, Status> {
+        no()
+    }
+    async fn list_operations(
+        &self,
+        _: Request<pb::ListOperationsRequest>,
+    ) -> Result<Response<pb::ListOperationsResponse>, Status> {
+        no()
+    }
+    async fn cancel_operation(
+        &self,
+        _: Request<pb::CancelOperationRequest>,
+    ) -> Result<Response<pb::CancelOperationResponse>, Status> {
+        no()
+    }
+    type WatchSandboxStream = Stream_<pb::SandboxEvent>;
+    async fn watch_sandbox(
+        &self,
+        _: Request<pb::WatchSandboxRequest>,
+    ) -> Result<Response<Self::WatchSandboxStream>, Status> {
+        no()
+    }
+    async fn write_input(
+        &self,
+        _: Request<pb::WriteInputRequest>,
+    ) -> Result<Response<pb::WriteInputResponse>, Status> {
+        no()
+    }
+    async fn resize_terminal(
+        &self,
+        _: Request<pb::ResizeTerminalRequest>,
+    ) -> Result<Response<pb::ResizeTerminalResponse>, Status> {
+        no()
+    }
+    async fn reset_sandbox(
+        &self,
+        _: Request<pb::ResetSandboxRequest>,
+    ) -> Result<Response<pb::ResetSandboxResponse>, Status> {
+        no()
+    }
+    async fn get_sandbox_stats(
+        &self,
+        _: Request<pb::GetSandboxStatsRequest>,
+    ) -> Result<Response<pb::SandboxStats>, Status> {
+        no()
+    }
+    async fn drain(
+        &self,
+        _: Request<pb::DrainRequest>,
+    ) -> Result<Response<pb::WorkerInfo>, Status> {
+        no()
+    }
+    async fn get_worker_info(
+        &self,
+        _: Request<pb::GetWorkerInfoRequest>,
+    ) -> Result<Response<pb::WorkerInfo>, Status> {
+        tokio::time::sleep(self.delay).await;
+        Ok(Response::new(pb::WorkerInfo {
+            worker_id: "fake".into(),
+            version: "0".into(),
+            max_sandboxes: self.max_sandboxes,
+            sandboxes: self.sandboxes,
+            draining: self.draining,
+            ..Default::default()
+        }))
+    }
+}
+
+/// Serves `worker` on a new loopback port until `stop`; its URL.
+pub async fn serve(
+    worker: FakeWorker,
+    stop: tokio_util::sync::CancellationToken,
+) -> std::io::Result<(String, tokio::task::JoinHandle<()>)> {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let url = format!("http://{}", listener.local_addr()?);
+    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+    let task = tokio::spawn(async move {
+        let _ = tonic::transport::Server::builder()
+            .add_service(pb::worker_server::WorkerServer::new(worker))
+            .serve_with_incoming_shutdown(incoming, stop.cancelled_owned())
+            .await;
+    });
+    Ok((url, task))
+}
+
+/// A listener that never accepts (held until dropped): a worker whose
+/// host is gone without a word.
+pub fn black_hole() -> std::io::Result<(String, std::net::TcpListener)> {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
+    Ok((format!("http://{}", listener.local_addr()?), listener))
+}
