@@ -102,6 +102,10 @@ pub enum Command {
     /// Inspect and fork agent sessions.
     #[command(subcommand)]
     Session(SessionCommand),
+    /// A worker's state, and its drain (for maintenance: no new sandboxes,
+    /// the ones it has served until they end or its drain deadline).
+    #[command(subcommand)]
+    Worker(WorkerCommand),
     /// The local worker process (started by `corral` itself when needed).
     #[command(hide = true)]
     LocalWorker {
@@ -194,6 +198,12 @@ pub struct RunArgs {
     /// run brings the files back (not the processes).
     #[arg(long, env = "CORRAL_KEEP_SANDBOX")]
     pub keep_sandbox: bool,
+    /// What a new session's runs do when its sandbox is lost (its worker
+    /// unreachable past --worker-lost-after): fail, or go on in a fresh
+    /// sandbox placed anew, the model told what was lost (over the
+    /// request's `on_sandbox_lost`).
+    #[arg(long, env = "CORRAL_ON_SANDBOX_LOST", value_enum)]
+    pub on_sandbox_lost: Option<LostPolicy>,
     /// Reasoning effort for models that take one (Responses API): low,
     /// medium or high (new sessions only).
     #[arg(long, env = "CORRAL_REASONING_EFFORT", value_parser = ["low", "medium", "high"])]
@@ -329,6 +339,27 @@ impl ExecArgs {
 pub enum Network {
     None,
     Bridge,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+#[value(rename_all = "snake_case")]
+pub enum LostPolicy {
+    Fail,
+    NewSandbox,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum WorkerCommand {
+    /// What the worker of --worker says of itself: id, version, capacity,
+    /// sandboxes, drain.
+    Info {
+        #[arg(long)]
+        json: bool,
+    },
+    /// Start draining the worker of --worker (it survives restarts).
+    Drain,
+    /// End its drain: it takes new sandboxes again.
+    Undrain,
 }
 
 #[derive(Debug, Subcommand)]

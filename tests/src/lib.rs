@@ -45,6 +45,9 @@ pub fn session_config(model: &str, sandbox: SandboxId) -> corral_harness::agent:
         endpoint: None,
         tool_choice: None,
         workspace: None,
+        worker_id: None,
+        on_sandbox_lost: Default::default(),
+        generation: 0,
     }
 }
 

@@ -71,11 +71,12 @@ async fn run(args: WorkerArgs) -> anyhow::Result<()> {
         if let Ok(addr) = listener.local_addr() {
             println!("metrics at http://{addr}/metrics");
         }
-        let w = worker.clone();
+        let (w, r) = (worker.clone(), worker.clone());
         let stopped = stop.clone().cancelled_owned();
         tokio::spawn(metrics::serve(
             listener,
             std::sync::Arc::new(move || w.metrics_text()),
+            Some(std::sync::Arc::new(move || !r.draining())),
             stopped,
         ))
     });

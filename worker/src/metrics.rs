@@ -1,7 +1,7 @@
 //! Prometheus metrics: the worker's families (sandboxes, operations,
 //! watchers, bytes streamed, drain), and a small HTTP endpoint that serves
 //! any registry's text exposition on a port of its own (the control plane
-//! serves its placement metrics with it too).
+//! serves its placement metrics with it too), with a readiness check.
 
 use std::future::Future;
 use std::sync::Arc;
@@ -173,14 +173,20 @@ pub async fn bind(addr: std::net::SocketAddr) -> Result<tokio::net::TcpListener,
         .map_err(|source| MetricsError::Listen { addr, source })
 }
 
+/// Whether the process takes new work (`GET /readyz`).
+pub type Ready = Arc<dyn Fn() -> bool + Send + Sync>;
+
 /// Serves `GET /metrics` (the exposition `render` makes at each scrape)
-/// on `listener` until `shutdown`; every other path is 404.
+/// and, with `ready`, `GET /readyz` (200, or 503 while it takes no new
+/// work: a plain-HTTP readiness probe beside a TLS gRPC port) on
+/// `listener` until `shutdown`; every other path is 404.
 pub async fn serve(
     listener: tokio::net::TcpListener,
     render: Arc<dyn Fn() -> String + Send + Sync>,
+    ready: Option<Ready>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), MetricsError> {
-    let app = axum::Router::new().route(
+    let mut app = axum::Router::new().route(
         "/metrics",
         axum::routing::get(move || {
             let render = render.clone();
@@ -195,6 +201,24 @@ pub async fn serve(
             }
         }),
     );
+    if let Some(ready) = ready {
+        app = app.route(
+            "/readyz",
+            axum::routing::get(move || {
+                let ready = ready.clone();
+                async move {
+                    if ready() {
+                        (axum::http::StatusCode::OK, "ready\n")
+                    } else {
+                        (
+                            axum::http::StatusCode::SERVICE_UNAVAILABLE,
+                            "draining: no new sandboxes\n",
+                        )
+                    }
+                }
+            }),
+        );
+    }
     axum::serve(listener, app)
         .with_graceful_shutdown(shutdown)
         .await

@@ -762,6 +762,11 @@ impl Worker {
         self.inner.metrics.stream_bytes.inc_by(bytes as u64);
     }
 
+    /// Whether the worker drains now.
+    pub fn draining(&self) -> bool {
+        self.inner.drain.borrow().is_some()
+    }
+
     /// Whether the worker drains (`Some(deadline ms)`), as it changes.
     pub fn drain_state(&self) -> tokio::sync::watch::Receiver<Option<i64>> {
         self.inner.drain.subscribe()

@@ -41,6 +41,9 @@ fn config() -> SessionConfig {
         endpoint: None,
         tool_choice: None,
         workspace: None,
+        worker_id: None,
+        on_sandbox_lost: Default::default(),
+        generation: 0,
     }
 }
 

@@ -50,6 +50,9 @@ fn config(turns: u64) -> SessionConfig {
         endpoint: None,
         tool_choice: None,
         workspace: None,
+        worker_id: None,
+        on_sandbox_lost: Default::default(),
+        generation: 0,
     }
 }
 

@@ -34,6 +34,8 @@ pub const RUNNING_PLACEHOLDER: &str = include_str!("../../../prompts/running.md"
 pub const LATE_RESULT: &str = include_str!("../../../prompts/late-result.md");
 /// Opens a heartbeat, followed by the list of running calls.
 pub const HEARTBEAT: &str = include_str!("../../../prompts/heartbeat.md");
+/// Tells the model its sandbox was replaced (`{reason}`: why it was lost).
+pub const SANDBOX_REPLACED: &str = include_str!("../../../prompts/sandbox-replaced.md");
 /// The system prompt of a session that is given none.
 pub const DEFAULT_SYSTEM_PROMPT: &str = include_str!("../../../prompts/system.md");
 

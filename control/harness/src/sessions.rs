@@ -22,7 +22,7 @@ use tokio::task::JoinHandle;
 
 use crate::agent::core::now_ms;
 use crate::agent::events::Event;
-use crate::agent::record::{Endpoint, Overrides, SkillDef};
+use crate::agent::record::{Endpoint, OnSandboxLost, Overrides, SkillDef};
 use crate::agent::{
     Coordinator, Core, Inbox, Record, SessionConfig, Settings, State, StopCause, StopMode, Summary,
 };
@@ -129,6 +129,10 @@ pub struct SessionRequest {
     /// auto | required | none | a tool's name.
     #[serde(default)]
     pub tool_choice: Option<String>,
+    /// fail (the default) | new_sandbox: what a run does when its sandbox
+    /// is lost.
+    #[serde(default)]
+    pub on_sandbox_lost: Option<OnSandboxLost>,
     #[serde(default)]
     pub limits: Limits,
 }
@@ -216,6 +220,9 @@ pub struct RunOptions {
     /// How long the worker may stay unreachable before the sandbox is taken
     /// for lost and the run fails (`None`: [`crate::follow::DEFAULT_PATIENCE`]).
     pub worker_lost_after: Option<Duration>,
+    /// What a new session's runs do when its sandbox is lost (over the
+    /// request's).
+    pub on_sandbox_lost: Option<OnSandboxLost>,
 }
 
 /// A new session, checked and settled but not made yet (see
@@ -386,15 +393,17 @@ impl Sessions {
     ) -> Result<SessionHandle, SessionError> {
         let NewSession {
             id,
-            config,
+            mut config,
             opts,
             files,
         } = new;
         let (sandbox, spec) = (config.sandbox_id.clone(), sandbox_spec(&config));
-        worker
+        let made = worker
             .create_sandbox(&sandbox, &spec)
             .await
             .map_err(|e| sandbox_error(&sandbox, e))?;
+        // Its address may change (a restarted pod); its id does not.
+        config.worker_id = Some(made.worker_id).filter(|w| !w.is_empty());
         // The workspace first: a session is recorded only once its files
         // are in, so a resume never copies them again.
         if let Some(dir) = &opts.workspace {
@@ -487,6 +496,49 @@ impl Sessions {
             }
             core.sandbox_replaced()?;
         }
+        launch(core, worker, opts, Vec::new(), true).await
+    }
+
+    /// Resumes a stored session whose sandbox was lost in a fresh sandbox
+    /// on `worker` (at `url`; `None`: the local one), of the next
+    /// generation: made first (a refusal, at capacity or draining, is
+    /// [`SessionError::Refused`], so another worker may be tried), then
+    /// recorded; operations that were running are answered as lost, and
+    /// the model is told what was lost and why (`reason`).
+    pub async fn resume_elsewhere<W: WorkerApi>(
+        &self,
+        stored: Stored,
+        worker: W,
+        url: Option<String>,
+        reason: &str,
+        opts: RunOptions,
+    ) -> Result<SessionHandle, SessionError> {
+        let Stored {
+            log, state, config, ..
+        } = stored;
+        let config = config.ok_or_else(|| crate::agent::CoreError::NoStart(log.id().into()))?;
+        let generation = config.generation + 1;
+        let sandbox = next_generation(&config.sandbox_id, generation);
+        let made = worker
+            .create_sandbox(&sandbox, &sandbox_spec(&config))
+            .await
+            .map_err(|e| sandbox_error(&sandbox, e))?;
+        let overrides = Overrides {
+            max_turns: opts.request.limits.max_turns,
+            model: opts.request.model.clone(),
+            base_url: opts.base_url.clone(),
+            api: opts.api,
+        };
+        let mut core = match Core::resume(log, state, overrides) {
+            Ok(core) => core,
+            Err(e) => {
+                let _ = worker.destroy_sandbox(&sandbox).await;
+                return Err(e.into());
+            }
+        };
+        let worker_id = Some(made.worker_id).filter(|w| !w.is_empty());
+        core.placed_again(url, worker_id, sandbox.clone(), generation, reason)?;
+        tracing::warn!(sandbox = %sandbox, generation, %reason, "the session goes on in a fresh sandbox");
         launch(core, worker, opts, Vec::new(), true).await
     }
 
@@ -749,6 +801,19 @@ impl Sessions {
     }
 }
 
+/// The id of a replacement sandbox: the first one's, with its generation
+/// (`ID-g2`), within the id's length limit.
+fn next_generation(current: &SandboxId, generation: u64) -> SandboxId {
+    let first = current.as_str();
+    let first = match first.rsplit_once("-g") {
+        Some((base, n)) if !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()) => base,
+        _ => first,
+    };
+    let suffix = format!("-g{generation}");
+    let base: String = first.chars().take(64 - suffix.len()).collect();
+    SandboxId::new(format!("{base}{suffix}")).unwrap_or_else(|_| SandboxId::random())
+}
+
 fn sandbox_error(sandbox: &SandboxId, e: ApiError) -> SessionError {
     match e {
         ApiError::Refused(error) => SessionError::Refused {
@@ -843,6 +908,12 @@ fn new_config(opts: &RunOptions, id: &str, endpoint: Endpoint, skills: &[Skill])
         endpoint: Some(endpoint),
         tool_choice: req.tool_choice.as_deref().map(ToolChoice::parse),
         workspace: opts.workspace.as_ref().map(|d| d.display().to_string()),
+        worker_id: None,
+        on_sandbox_lost: opts
+            .on_sandbox_lost
+            .or(req.on_sandbox_lost)
+            .unwrap_or_default(),
+        generation: 0,
     }
 }
 
@@ -1141,4 +1212,21 @@ fn fork(dir: &Path, parent: &str, child: &str, turn: Option<u64>) -> Result<(), 
     });
     SessionLog::<Record>::fork(dir, parent, child, upto, &then)?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_replacement_sandbox_is_named_after_the_first_with_its_generation() {
+        let first = SandboxId::new("s1-0123abcd").unwrap();
+        let second = next_generation(&first, 1);
+        assert_eq!(second.as_str(), "s1-0123abcd-g1");
+        assert_eq!(next_generation(&second, 2).as_str(), "s1-0123abcd-g2");
+        let long = SandboxId::new("x".repeat(64)).unwrap();
+        let next = next_generation(&long, 12);
+        assert_eq!(next.as_str().len(), 64);
+        assert!(next.as_str().ends_with("-g12"));
+    }
 }

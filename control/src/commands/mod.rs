@@ -8,6 +8,7 @@ mod ops;
 mod run;
 mod sandbox;
 mod session;
+mod worker;
 
 use crate::cli::{Cli, Command};
 
@@ -33,6 +34,7 @@ pub async fn run(cli: Cli) -> u8 {
     let server = tokio::spawn(corral_worker::metrics::serve(
         listener,
         std::sync::Arc::new(|| corral_harness::metrics::control().render()),
+        None,
         stop.clone().cancelled_owned(),
     ));
     let code = dispatch(cli).await;
@@ -57,6 +59,7 @@ async fn dispatch(cli: Cli) -> u8 {
         Command::Logs { sandbox, follow } => ops::logs(&cli.conn, &sandbox, follow).await,
         Command::Run(args) => run::main(&cli.conn, &args).await,
         Command::Session(cmd) => session::main(&cli.conn, &cmd).await,
+        Command::Worker(cmd) => worker::main(&cli.conn, &cmd).await,
         Command::LocalWorker { idle } => local_worker::main(&cli.conn, idle).await,
     }
 }

@@ -10,7 +10,8 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use corral_harness::agent::events::{Event, RunResult, to_json_line};
-use corral_harness::agent::{CoreError, Ending, Inbox, StopMode, Summary};
+use corral_harness::agent::{CoreError, Ending, Inbox, OnSandboxLost, StopMode, Summary};
+use corral_harness::client::WorkerClient;
 use corral_harness::llm::Api;
 use corral_harness::session::LogError;
 use corral_harness::sessions::{
@@ -18,8 +19,9 @@ use corral_harness::sessions::{
 };
 use futures_util::StreamExt;
 
-use crate::cli::{ApiKind, ConnArgs, RunArgs};
 use corral_harness::placement::Attempt;
+
+use crate::cli::{ApiKind, ConnArgs, LostPolicy, RunArgs};
 
 use crate::connect::{ConnectError, connect_to, place, worker_urls};
 use crate::view::View;
@@ -191,7 +193,12 @@ async fn run(conn: &ConnArgs, args: &RunArgs, json: bool) -> Result<u8, Error> {
         },
         until_idle: true,
         worker_lost_after: Some(conn.worker_lost_after),
+        on_sandbox_lost: args.on_sandbox_lost.map(|p| match p {
+            LostPolicy::Fail => OnSandboxLost::Fail,
+            LostPolicy::NewSandbox => OnSandboxLost::NewSandbox,
+        }),
     };
+    let again = opts.clone();
     // A session stays on the worker it was placed on; a new one is placed
     // among the workers of --worker.
     let urls = worker_urls(conn).await?;
@@ -253,7 +260,19 @@ async fn run(conn: &ConnArgs, args: &RunArgs, json: bool) -> Result<u8, Error> {
         }
     };
     let mut view = View::new(json);
-    let summary = watch(handle, &mut view, args.inputs_from_stdin).await?;
+    let mut summary = watch(handle, &mut view, args.inputs_from_stdin).await?;
+    let mut connection = connection;
+    // A session that asked for it goes on in a fresh sandbox when its
+    // sandbox is lost, placed anew (the lost worker does not answer).
+    let mut replaced = 0;
+    while let Some(reason) = lost(&summary, &store, &id)
+        && replaced < MAX_REPLACEMENTS
+    {
+        replaced += 1;
+        let (handle, now) = resume_elsewhere(conn, &urls, &store, &id, &reason, &again).await?;
+        connection = now;
+        summary = watch(handle, &mut view, args.inputs_from_stdin).await?;
+    }
     let (status, mut code) = match summary.ending {
         Ending::Done => ("done", EXIT_DONE),
         Ending::Failed => ("failed", EXIT_FAILED),
@@ -282,6 +301,53 @@ async fn run(conn: &ConnArgs, args: &RunArgs, json: bool) -> Result<u8, Error> {
         duration_ms: started.elapsed().as_millis() as u64,
     }))?;
     Ok(code)
+}
+
+/// Fresh sandboxes one run may take after losses.
+const MAX_REPLACEMENTS: usize = 3;
+
+/// Why the run's sandbox was lost, when the run failed for it and its
+/// session asked to go on in a fresh sandbox.
+fn lost(summary: &Summary, store: &Sessions, id: &str) -> Option<String> {
+    let reason = summary
+        .error
+        .clone()
+        .filter(|e| summary.ending == Ending::Failed && e.starts_with("sandbox lost"))?;
+    let config = store.config_of(id).ok()?;
+    (config.on_sandbox_lost == OnSandboxLost::NewSandbox).then_some(reason)
+}
+
+/// Resumes session `id` in a fresh sandbox: placed among `urls` (or on
+/// the one worker, or the local one).
+async fn resume_elsewhere(
+    conn: &ConnArgs,
+    urls: &[String],
+    store: &Sessions,
+    id: &str,
+    reason: &str,
+    opts: &RunOptions,
+) -> Result<(SessionHandle, WorkerClient), Error> {
+    if urls.len() > 1 {
+        return place(conn, urls, |url, client| async move {
+            let stored = store.open(id).map_err(|e| Attempt::Failed(e.into()))?;
+            match store
+                .resume_elsewhere(stored, client.clone(), Some(url), reason, opts.clone())
+                .await
+            {
+                Ok(handle) => Ok((handle, client)),
+                Err(e @ SessionError::Refused { .. }) => Err(Attempt::Refused(e.to_string())),
+                Err(e) => Err(Attempt::Failed(Error::from(e))),
+            }
+        })
+        .await;
+    }
+    let url = urls.first().cloned();
+    let client = connect_to(conn, url.as_deref()).await?;
+    let stored = store.open(id)?;
+    let handle = store
+        .resume_elsewhere(stored, client.clone(), url, reason, opts.clone())
+        .await?;
+    Ok((handle, client))
 }
 
 /// Suspends the session once its run is over (see `Sessions::suspend`).

@@ -211,6 +211,15 @@ fn describe(rec: &Record) -> String {
         }
         Record::Stop { mode, cause } => format!("{mode:?} ({cause:?})"),
         Record::SandboxLost { reason } => reason.clone(),
+        Record::Placed {
+            worker,
+            sandbox_id,
+            generation,
+            ..
+        } => format!(
+            "{sandbox_id} (generation {generation}) on {}",
+            worker.as_deref().unwrap_or("the local worker")
+        ),
         Record::Finished { ending } => format!("{ending:?}"),
     };
     format!("{:<13} {detail}", rec.kind())

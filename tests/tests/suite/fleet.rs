@@ -10,13 +10,19 @@ use corral_proto::{SandboxId, SandboxSpec};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tonic_health::pb::health_check_response::ServingStatus;
 
-/// `GET /metrics` over plain HTTP/1.1.
-pub async fn scrape(port: u16) -> Result<String> {
+/// `GET path` over plain HTTP/1.1: the whole response.
+async fn get(port: u16, path: &str) -> Result<String> {
     let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port)).await?;
-    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-        .await?;
+    let req = format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+    s.write_all(req.as_bytes()).await?;
     let mut out = String::new();
     s.read_to_string(&mut out).await?;
+    Ok(out)
+}
+
+/// `GET /metrics`.
+pub async fn scrape(port: u16) -> Result<String> {
+    let out = get(port, "/metrics").await?;
     if !out.starts_with("HTTP/1.1 200") {
         bail!("metrics answered {}", out.lines().next().unwrap_or(""));
     }
@@ -81,6 +87,7 @@ async fn a_draining_worker_refuses_new_sandboxes_serves_its_own_and_says_so_acro
     let kept = new_sandbox(&client).await?;
     let before = scrape(metrics).await?;
     assert_eq!(sample(&before, "corral_draining"), Some(0.0), "{before}");
+    assert!(get(metrics, "/readyz").await?.starts_with("HTTP/1.1 200"));
     assert_eq!(
         sample(&before, "corral_sandboxes{state=\"ready\"}"),
         Some(1.0),
@@ -103,6 +110,7 @@ async fn a_draining_worker_refuses_new_sandboxes_serves_its_own_and_says_so_acro
     assert_eq!(out, "still served\n");
     let during = scrape(metrics).await?;
     assert_eq!(sample(&during, "corral_draining"), Some(1.0), "{during}");
+    assert!(get(metrics, "/readyz").await?.starts_with("HTTP/1.1 503"));
     assert_eq!(
         sample(
             &during,
@@ -413,7 +421,8 @@ async fn new_sandboxes_are_placed_where_there_is_room_and_never_on_a_draining_wo
         String::from_utf8_lossy(&out.stderr)
     );
     // The drain ends: exec places its own sandbox there (the only room).
-    third.drain(false).await?;
+    let out = corral(&workers[2].url, &token, &["worker", "undrain"]).await?;
+    assert!(String::from_utf8_lossy(&out.stdout).contains("draining:   no"));
     let out = corral(&list, &token, &["exec", "--", "echo", "placed"]).await?;
     assert_eq!(
         String::from_utf8_lossy(&out.stdout),
@@ -431,5 +440,104 @@ async fn new_sandboxes_are_placed_where_there_is_room_and_never_on_a_draining_wo
         String::from_utf8_lossy(&out.stderr)
     );
     drop(states);
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_session_that_asks_for_it_goes_on_in_a_fresh_sandbox_on_another_worker() -> Result<()> {
+    use corral_e2e::model::{ModelServer, responses};
+    let token_dir = tempfile::tempdir()?;
+    let token = token_dir.path().join("token");
+    std::fs::write(&token, "replacement-test-token-0123456789\n")?;
+    std::fs::set_permissions(&token, std::os::unix::fs::PermissionsExt::from_mode(0o600))?;
+    let (sa, sb) = (tempfile::tempdir()?, tempfile::tempdir()?);
+    let args = ["--token-file", token.to_str().context("path")?];
+    let mut workers = [
+        WorkerProcess::spawn(sa.path(), &unique_id("repl"), free_port()?, &[], &args)?,
+        WorkerProcess::spawn(sb.path(), &unique_id("repl"), free_port()?, &[], &args)?,
+    ];
+    let list = format!("{},{}", workers[0].url, workers[1].url);
+    let sessions = tempfile::tempdir()?;
+    let model = ModelServer::start(vec![
+        responses::calls(&[(
+            "c1",
+            "Bash",
+            &serde_json::json!({"command": "echo started; sleep 120"}).to_string(),
+        )]),
+        responses::text("Starting over."),
+    ])
+    .await;
+    let mut cmd = corral_e2e::run::command(
+        &model,
+        &list,
+        sessions.path(),
+        &[
+            "--session",
+            "moves",
+            "--on-sandbox-lost",
+            "new_sandbox",
+            "Sleep.",
+        ],
+    );
+    cmd.env("CORRAL_TOKEN_FILE", &token)
+        .env("CORRAL_WORKER_LOST_AFTER", "4s");
+    let child = cmd.spawn()?;
+    // Whichever worker got it runs the command; that one's host is lost.
+    let token_text = "replacement-test-token-0123456789";
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    let placed = 'found: loop {
+        for (i, w) in workers.iter().enumerate() {
+            let c = WorkerClient::connect(&w.url, Some(token_text)).await?;
+            if c.worker_info().await?.running_operations > 0 {
+                break 'found i;
+            }
+        }
+        if tokio::time::Instant::now() > deadline {
+            bail!("the command never started");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let lost_url = workers[placed].url.clone();
+    lose_host(&mut workers[placed]);
+    let out = tokio::time::timeout(Duration::from_secs(90), child.wait_with_output()).await??;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let result: serde_json::Value = stdout
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .find(|e| e["type"] == "result")
+        .with_context(|| {
+            format!(
+                "no result: {stdout} {}",
+                String::from_utf8_lossy(&out.stderr)
+            )
+        })?;
+    assert_eq!(result["status"], "done", "{result}");
+    assert_eq!(result["final_text"], "Starting over.");
+    // The model was told: the call's result says it was lost, and a note
+    // says the sandbox is fresh and why.
+    let second = &model.received()[1];
+    let text = second.text();
+    assert!(text.contains("Error: sandbox lost: worker"), "{text}");
+    assert!(
+        text.contains("The sandbox your tools run in was lost (worker"),
+        "{text}"
+    );
+    assert!(text.contains(&lost_url), "{text}");
+    // It lives on the other worker now, as generation 1.
+    let survivor = &workers[1 - placed];
+    let c = WorkerClient::connect(&survivor.url, Some(token_text)).await?;
+    let sandboxes = c.list_sandboxes().await?;
+    assert_eq!(sandboxes.len(), 1, "{sandboxes:?}");
+    assert!(
+        sandboxes[0].id.as_str().ends_with("-g1"),
+        "{:?}",
+        sandboxes[0].id
+    );
+    let log = std::fs::read_to_string(sessions.path().join("moves.jsonl"))?;
+    assert!(log.contains("\"type\":\"placed\""), "{log}");
+    assert!(
+        log.contains(&format!("\"worker\":\"{}\"", survivor.url)),
+        "{log}"
+    );
     Ok(())
 }

@@ -6,7 +6,7 @@
 
 use std::collections::HashMap;
 
-use corral_proto::OperationId;
+use corral_proto::{OperationId, SandboxId};
 
 use super::events::{Change, Event};
 pub use super::record::Ending;
@@ -235,6 +235,31 @@ impl Core {
             self.operation(op)?;
         }
         Ok(())
+    }
+
+    /// A fresh sandbox (`sandbox`, of `generation`) on `worker` replaces
+    /// the lost one: operations that were running are answered as lost,
+    /// and the model is told (`prompts/sandbox-replaced.md`).
+    pub fn placed_again(
+        &mut self,
+        worker: Option<String>,
+        worker_id: Option<String>,
+        sandbox: SandboxId,
+        generation: u64,
+        reason: &str,
+    ) -> Result<(), CoreError> {
+        self.sandbox_replaced()?;
+        let reason = reason.strip_prefix("sandbox lost: ").unwrap_or(reason);
+        let text = crate::context::SANDBOX_REPLACED
+            .trim_end()
+            .replace("{reason}", reason);
+        self.record(Record::Placed {
+            worker,
+            worker_id,
+            sandbox_id: sandbox,
+            generation,
+            text,
+        })
     }
 
     /// Starts a turn if one is due (after creating or resuming a session

@@ -21,5 +21,5 @@ pub mod state;
 pub use self::core::{Core, CoreError, Effect, replay};
 pub use coordinator::{Coordinator, Inbox, Settings, Summary};
 pub use events::{Event, RunResult};
-pub use record::{Ending, Record, SessionConfig, StopCause, StopMode};
+pub use record::{Ending, OnSandboxLost, Record, SessionConfig, StopCause, StopMode};
 pub use state::State;

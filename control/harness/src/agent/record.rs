@@ -52,6 +52,41 @@ pub struct SessionConfig {
     /// before the first turn (once: never again on resume).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub workspace: Option<String>,
+    /// The id of the worker the session was placed on (its address may
+    /// change; its id does not).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub worker_id: Option<String>,
+    /// What a run does when the sandbox is lost.
+    #[serde(default, skip_serializing_if = "OnSandboxLost::is_fail")]
+    pub on_sandbox_lost: OnSandboxLost,
+    /// The sandbox's generation: 0 for the first, one more for each
+    /// replacement after a loss.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub generation: u64,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
+}
+
+/// What a run does when its sandbox is lost (its worker unreachable past
+/// the deadline, or the worker says so).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OnSandboxLost {
+    /// The run fails, saying why (a resume goes on once the worker is
+    /// back).
+    #[default]
+    Fail,
+    /// The run goes on in a fresh sandbox, placed anew; the model is told
+    /// what was lost.
+    NewSandbox,
+}
+
+impl OnSandboxLost {
+    pub fn is_fail(&self) -> bool {
+        *self == Self::Fail
+    }
 }
 
 impl SessionConfig {
@@ -292,6 +327,17 @@ pub enum Record {
     SandboxLost {
         reason: String,
     },
+    /// A fresh sandbox replaces a lost one, on `worker` (the model is told
+    /// with `text`, as a user message).
+    Placed {
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        worker: Option<String>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        worker_id: Option<String>,
+        sandbox_id: SandboxId,
+        generation: u64,
+        text: String,
+    },
     /// A run ended.
     Finished {
         ending: Ending,
@@ -317,6 +363,7 @@ impl Record {
             Record::Result { .. } => "result",
             Record::Stop { .. } => "stop",
             Record::SandboxLost { .. } => "sandbox_lost",
+            Record::Placed { .. } => "placed",
             Record::Finished { .. } => "finished",
         }
     }

@@ -320,6 +320,22 @@ impl State {
                 }
             }
             Record::SandboxLost { reason } => self.failure = Some(reason.clone()),
+            Record::Placed {
+                worker,
+                worker_id,
+                sandbox_id,
+                generation,
+                text,
+            } => {
+                if let Some(c) = &mut self.config {
+                    c.worker = worker.clone();
+                    c.worker_id = worker_id.clone();
+                    c.sandbox_id = sandbox_id.clone();
+                    c.generation = *generation;
+                }
+                self.context.add_heartbeat(text);
+                self.has_new = true;
+            }
             Record::ModelFailure { turn, error, .. } => {
                 if self.in_flight == Some(*turn) {
                     self.in_flight = None;
