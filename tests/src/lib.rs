@@ -280,9 +280,21 @@ impl WorkerProcess {
         extra: &[(&str, &str)],
         args: &[&str],
     ) -> Result<Self> {
+        Self::spawn_on("127.0.0.1", state_dir, worker_id, port, extra, args)
+    }
+
+    /// [`Self::spawn`] on address `host` (one of 127/8, say).
+    pub fn spawn_on(
+        host: &str,
+        state_dir: &Path,
+        worker_id: &str,
+        port: u16,
+        extra: &[(&str, &str)],
+        args: &[&str],
+    ) -> Result<Self> {
         let mut cmd = Command::new(binary("corral-worker")?);
         cmd.arg("--listen")
-            .arg(format!("127.0.0.1:{port}"))
+            .arg(format!("{host}:{port}"))
             .arg("--state-dir")
             .arg(state_dir)
             .arg("--worker-id")
@@ -302,7 +314,7 @@ impl WorkerProcess {
         Ok(Self {
             child,
             port,
-            url: format!("http://127.0.0.1:{port}"),
+            url: format!("http://{host}:{port}"),
             worker_id: worker_id.to_string(),
             state_dir: state_dir.to_path_buf(),
         })

@@ -184,9 +184,15 @@ pub struct ModelServer {
     task: JoinHandle<()>,
 }
 
+/// Where replies come from: a list in order, or a function of the request.
+enum Replies {
+    Script(std::vec::IntoIter<Reply>),
+    Respond(Box<dyn FnMut(&Received) -> Reply + Send>),
+}
+
 /// What the server keeps between requests.
 struct Script {
-    replies: std::vec::IntoIter<Reply>,
+    replies: Replies,
     profiles: Vec<Profile>,
     memory: Memory,
 }
@@ -200,12 +206,15 @@ impl Script {
                 check(*p, &req.body, &self.memory)?;
             }
         }
-        let reply = self.replies.next().unwrap_or_else(|| {
-            status(
-                500,
-                json!({"error": {"message": "the script has no more replies"}}),
-            )
-        });
+        let reply = match &mut self.replies {
+            Replies::Script(list) => list.next().unwrap_or_else(|| {
+                status(
+                    500,
+                    json!({"error": {"message": "the script has no more replies"}}),
+                )
+            }),
+            Replies::Respond(f) => f(req),
+        };
         self.remember(&reply);
         Ok(reply)
     }
@@ -257,6 +266,20 @@ impl ModelServer {
     /// As [`ModelServer::start`], checking requests against `profiles`
     /// (each applies to the requests on its own path).
     pub async fn strict(replies: Vec<Reply>, profiles: &[Profile]) -> Self {
+        Self::serve(Replies::Script(replies.into_iter()), profiles).await
+    }
+
+    /// Answers each request with `respond(request)` (many sessions at
+    /// once), checking every request as OpenAI does.
+    pub async fn responding(respond: impl FnMut(&Received) -> Reply + Send + 'static) -> Self {
+        Self::serve(
+            Replies::Respond(Box::new(respond)),
+            &[Profile::OpenAiChat, Profile::OpenAiResponses],
+        )
+        .await
+    }
+
+    async fn serve(replies: Replies, profiles: &[Profile]) -> Self {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
             .unwrap_or_else(|e| panic!("bind: {e}"));
@@ -269,7 +292,7 @@ impl ModelServer {
         let received = Arc::new(Mutex::new(Vec::new()));
         let log = received.clone();
         let script = Arc::new(Mutex::new(Script {
-            replies: replies.into_iter(),
+            replies,
             profiles: profiles.to_vec(),
             memory: Memory::default(),
         }));

@@ -123,6 +123,8 @@ struct Inner {
     sandboxes: Mutex<HashMap<SandboxId, Sandbox>>,
     /// Serializes create and destroy per sandbox id.
     id_locks: Mutex<HashMap<SandboxId, Arc<tokio::sync::Mutex<()>>>>,
+    /// Sandboxes being made: their slots are taken.
+    creating: Mutex<usize>,
     max_sandboxes: u32,
     docker_version: String,
     policy: SandboxPolicy,
@@ -143,6 +145,17 @@ struct Inner {
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// A slot taken by a sandbox being made, given back when the create ends
+/// (by then a made sandbox is in the set and holds its slot there).
+struct Slot<'a>(&'a Mutex<usize>);
+
+impl Drop for Slot<'_> {
+    fn drop(&mut self) {
+        let mut creating = lock(self.0);
+        *creating = creating.saturating_sub(1);
+    }
 }
 
 impl Worker {
@@ -176,6 +189,7 @@ impl Worker {
                 state,
                 sandboxes: Mutex::new(HashMap::new()),
                 id_locks: Mutex::new(HashMap::new()),
+                creating: Mutex::new(0),
                 max_sandboxes: config.max_sandboxes,
                 docker_version,
                 policy: config.policy,
@@ -495,15 +509,24 @@ impl Worker {
         if self.inner.drain.borrow().is_some() {
             return Err(WorkerError::Draining);
         }
-        // A lost sandbox (its container killed or removed behind the
-        // worker's back) holds no slot; the next sweep removes it.
-        let count = lock(&self.inner.sandboxes)
-            .values()
-            .filter(|s| !matches!(s.info().state, SandboxState::Lost(_)))
-            .count() as u32;
-        if count >= self.inner.max_sandboxes {
-            return Err(WorkerError::AtCapacity(self.inner.max_sandboxes));
-        }
+        // A slot is taken before the container is made (creates run
+        // concurrently, and each takes seconds). A lost sandbox (its
+        // container killed or removed behind the worker's back) holds
+        // none; the next sweep removes it.
+        let _slot = {
+            let sandboxes = lock(&self.inner.sandboxes);
+            let mut creating = lock(&self.inner.creating);
+            let count = sandboxes
+                .values()
+                .filter(|s| !matches!(s.info().state, SandboxState::Lost(_)))
+                .count()
+                + *creating;
+            if count >= self.inner.max_sandboxes as usize {
+                return Err(WorkerError::AtCapacity(self.inner.max_sandboxes));
+            }
+            *creating += 1;
+            Slot(&self.inner.creating)
+        };
         let record = StateDir::new_record(&id, &spec);
         self.inner.state.save(&record)?;
         let container = match self.inner.runtime.create(&id, &spec).await {

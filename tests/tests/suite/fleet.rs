@@ -541,3 +541,26 @@ async fn a_session_that_asks_for_it_goes_on_in_a_fresh_sandbox_on_another_worker
     );
     Ok(())
 }
+
+#[tokio::test]
+async fn concurrent_creates_never_go_over_capacity() -> Result<()> {
+    let state = tempfile::tempdir()?;
+    let w = WorkerProcess::spawn(
+        state.path(),
+        &unique_id("cap"),
+        free_port()?,
+        &[],
+        &["--max-sandboxes", "3"],
+    )?;
+    let client = w.client().await?;
+    let creates = (0..8).map(|_| new_sandbox(&client));
+    let results = futures_util::future::join_all(creates).await;
+    let made = results.iter().filter(|r| r.is_ok()).count();
+    let full = results
+        .iter()
+        .filter(|r| matches!(r, Err(ClientError::Status(s)) if s.code() == tonic::Code::ResourceExhausted))
+        .count();
+    assert_eq!((made, full), (3, 5), "{results:?}");
+    assert_eq!(client.worker_info().await?.sandboxes, 3);
+    Ok(())
+}

@@ -1,6 +1,7 @@
 mod agent;
 mod bad_input;
 mod cli;
+mod cluster;
 mod contract;
 mod copy;
 mod docker_loss;

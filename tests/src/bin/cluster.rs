@@ -1,0 +1,521 @@
+//! corral-cluster-check: Corral across three hosts, inside a network
+//! namespace of its own. The test `cluster::three_workers_in_a_network_namespace`
+//! makes the namespace (loopback up, a hosts file naming the three workers
+//! `workers.cluster.test`) and runs this in it with `ip netns exec`; run by
+//! hand elsewhere, it would bind addresses of the machine's own loopback.
+//!
+//! Three `corral-worker` processes serve on 127.0.1.1-3:7070 (their own
+//! state directories and ids, 12 sandboxes each, one token), the scripted
+//! model server on 127.0.0.1, and `corral` finds the workers by DNS name.
+//! Each scenario prints `ok: ...`; the first failure ends the run with an
+//! error (exit 1). Workers are killed and their containers removed on the
+//! way out, whatever happened.
+
+// A test program: it reports on stdout.
+#![allow(clippy::print_stdout)]
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail, ensure};
+use corral_e2e::model::{ModelServer, Received, Reply, responses};
+use corral_e2e::{WorkerProcess, binary, unique_id};
+use corral_harness::client::WorkerClient;
+use serde_json::{Value, json};
+use tokio::io::AsyncBufReadExt;
+
+const HOSTS: [&str; 3] = ["127.0.1.1", "127.0.1.2", "127.0.1.3"];
+const PORT: u16 = 7070;
+const WORKERS: &str = "dns:///workers.cluster.test:7070";
+const TOKEN: &str = "cluster-check-token-0123456789";
+const CAPACITY: u32 = 12;
+
+struct Cluster {
+    workers: Vec<Option<WorkerProcess>>,
+    states: Vec<tempfile::TempDir>,
+    ids: Vec<String>,
+    token: PathBuf,
+    model: ModelServer,
+    sessions: tempfile::TempDir,
+    _dir: tempfile::TempDir,
+}
+
+/// The model: a tool call (the command the session's first message asks
+/// for), then, once a result is in, a final answer.
+fn respond(req: &Received) -> Reply {
+    let text = req.text();
+    if text.contains("function_call_output") {
+        return responses::text("Done.");
+    }
+    let command = req.body["input"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|i| i["role"] == "user")
+        .find_map(|i| i["content"].as_str())
+        .unwrap_or("echo nothing asked")
+        .to_string();
+    responses::calls(&[("c1", "Bash", &json!({ "command": command }).to_string())])
+}
+
+impl Cluster {
+    async fn start() -> Result<Self> {
+        let dir = tempfile::tempdir()?;
+        let token = dir.path().join("token");
+        std::fs::write(&token, format!("{TOKEN}\n"))?;
+        std::fs::set_permissions(&token, std::os::unix::fs::PermissionsExt::from_mode(0o600))?;
+        let run = unique_id("cl");
+        let mut c = Self {
+            workers: Vec::new(),
+            states: Vec::new(),
+            ids: (1..=3).map(|i| format!("{run}-w{i}")).collect(),
+            token,
+            model: ModelServer::responding(respond).await,
+            sessions: tempfile::tempdir()?,
+            _dir: dir,
+        };
+        for i in 0..3 {
+            c.states.push(tempfile::tempdir()?);
+            c.workers.push(None);
+            c.start_worker(i)?;
+        }
+        Ok(c)
+    }
+
+    fn start_worker(&mut self, i: usize) -> Result<()> {
+        let token = self.token.to_str().context("token path")?;
+        let max = CAPACITY.to_string();
+        let w = WorkerProcess::spawn_on(
+            HOSTS[i],
+            self.states[i].path(),
+            &self.ids[i],
+            PORT,
+            &[("CORRAL_LOG", "warn")],
+            &["--max-sandboxes", &max, "--token-file", token],
+        )?;
+        self.workers[i] = Some(w);
+        Ok(())
+    }
+
+    fn url(i: usize) -> String {
+        format!("http://{}:{PORT}", HOSTS[i])
+    }
+
+    async fn client(&self, i: usize) -> Result<WorkerClient> {
+        Ok(WorkerClient::connect(&Self::url(i), Some(TOKEN)).await?)
+    }
+
+    /// `corral --worker W ARGS`, with the token.
+    fn corral(&self, worker: &str, args: &[&str]) -> Result<tokio::process::Command> {
+        let mut cmd = tokio::process::Command::new(binary("corral")?);
+        cmd.args(["--worker", worker, "--token-file"])
+            .arg(&self.token)
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true);
+        Ok(cmd)
+    }
+
+    /// `corral run` of session `id` asking for `command`, placed among the
+    /// workers by their DNS name.
+    fn session(
+        &self,
+        id: &str,
+        command: &str,
+        env: &[(&str, &str)],
+    ) -> Result<tokio::process::Child> {
+        let mut cmd = corral_e2e::run::command(
+            &self.model,
+            WORKERS,
+            self.sessions.path(),
+            &["--session", id, command],
+        );
+        cmd.env("CORRAL_TOKEN_FILE", &self.token)
+            .envs(env.iter().copied());
+        Ok(cmd.spawn()?)
+    }
+
+    /// Sandbox ids on each worker.
+    async fn sandboxes(&self) -> Result<Vec<Vec<String>>> {
+        let mut all = Vec::new();
+        for i in 0..3 {
+            let listed = self.client(i).await?.list_sandboxes().await?;
+            all.push(listed.into_iter().map(|s| s.id.to_string()).collect());
+        }
+        Ok(all)
+    }
+
+    /// Removes every sandbox of every worker (between scenarios).
+    async fn clear(&self) -> Result<()> {
+        for i in 0..3 {
+            let c = self.client(i).await?;
+            for sb in c.list_sandboxes().await? {
+                c.destroy_sandbox(&sb.id).await?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The `result` event of a `corral run --json` output.
+fn result_of(out: &std::process::Output) -> Result<Value> {
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    stdout
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .find(|e| e["type"] == "result")
+        .with_context(|| {
+            format!(
+                "no result event: {stdout}\n{}",
+                String::from_utf8_lossy(&out.stderr)
+            )
+        })
+}
+
+async fn thirty_sessions_spread_over_the_three_within_capacity(c: &Cluster) -> Result<()> {
+    let mut runs = Vec::new();
+    for i in 0..30 {
+        runs.push(c.session(&format!("spread-{i}"), "sleep 3; echo done", &[])?);
+    }
+    for (i, run) in runs.into_iter().enumerate() {
+        let out = tokio::time::timeout(Duration::from_secs(240), run.wait_with_output()).await??;
+        let r = result_of(&out)?;
+        ensure!(r["status"] == "done", "session {i}: {r}");
+    }
+    // The sessions keep their sandboxes: where they are is where they went.
+    let counts: Vec<usize> = c.sandboxes().await?.iter().map(Vec::len).collect();
+    ensure!(counts.iter().sum::<usize>() == 30, "{counts:?}");
+    ensure!(
+        counts.iter().all(|n| *n >= 1 && *n <= CAPACITY as usize),
+        "30 sessions over three workers of {CAPACITY}: {counts:?}"
+    );
+    println!("ok: 30 sessions placed by DNS name, {counts:?} sandboxes per worker");
+    c.clear().await
+}
+
+/// Runs `corral exec` on worker `i` printing `n` numbered lines, `every`
+/// apart; calls `meanwhile` once `after` lines are out; returns the lines.
+async fn exec_lines<F, Fut>(
+    c: &Cluster,
+    i: usize,
+    n: u32,
+    every: f64,
+    after: usize,
+    meanwhile: F,
+) -> Result<Vec<String>>
+where
+    F: FnOnce() -> Fut,
+    Fut: std::future::Future<Output = Result<()>>,
+{
+    let script = format!("for i in $(seq 1 {n}); do echo line-$i; sleep {every}; done");
+    let mut child = c
+        .corral(&Cluster::url(i), &["exec", "--", "sh", "-c", &script])?
+        .spawn()?;
+    let stdout = child.stdout.take().context("stdout")?;
+    let mut lines = tokio::io::BufReader::new(stdout).lines();
+    let mut got = Vec::new();
+    let mut meanwhile = Some(meanwhile);
+    while let Some(line) =
+        tokio::time::timeout(Duration::from_secs(120), lines.next_line()).await??
+    {
+        got.push(line);
+        if got.len() == after
+            && let Some(f) = meanwhile.take()
+        {
+            f().await?;
+        }
+    }
+    let out = child.wait_with_output().await?;
+    ensure!(
+        out.status.code() == Some(0),
+        "exec: {:?} {}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let want: Vec<String> = (1..=n).map(|k| format!("line-{k}")).collect();
+    ensure!(got == want, "each line once, in order: {got:?}");
+    Ok(got)
+}
+
+async fn sigkill_and_restart(c: &mut Cluster) -> Result<()> {
+    // Killed after 5 of 20 lines, restarted a second later by this task.
+    let script = "for i in $(seq 1 20); do echo line-$i; sleep 0.2; done";
+    let mut child = c
+        .corral(&Cluster::url(1), &["exec", "--", "sh", "-c", script])?
+        .spawn()?;
+    let stdout = child.stdout.take().context("stdout")?;
+    let mut lines = tokio::io::BufReader::new(stdout).lines();
+    let mut got = Vec::new();
+    while let Some(line) =
+        tokio::time::timeout(Duration::from_secs(120), lines.next_line()).await??
+    {
+        got.push(line);
+        if got.len() == 5 {
+            if let Some(mut w) = c.workers[1].take() {
+                w.kill9();
+                // Not dropped (its drop removes its containers): the
+                // restarted worker adopts them.
+                std::mem::forget(w);
+            }
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            c.start_worker(1)?;
+        }
+    }
+    let out = child.wait_with_output().await?;
+    ensure!(
+        out.status.code() == Some(0),
+        "exec: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let want: Vec<String> = (1..=20).map(|k| format!("line-{k}")).collect();
+    ensure!(got == want, "each line once, in order: {got:?}");
+    println!("ok: w2 SIGKILLed after 5 of 20 lines and restarted: all 20, each once");
+    Ok(())
+}
+
+fn iptables(args: &[&str]) -> Result<()> {
+    let out = std::process::Command::new("iptables").args(args).output()?;
+    ensure!(
+        out.status.success(),
+        "iptables {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(())
+}
+
+async fn ten_seconds_of_dropped_packets_lose_nothing(c: &Cluster) -> Result<()> {
+    let rule = ["INPUT", "-d", HOSTS[2], "-j", "DROP"];
+    let cut = Instant::now();
+    let healed = std::sync::Arc::new(std::sync::Mutex::new(None));
+    let h = healed.clone();
+    exec_lines(c, 2, 25, 1.0, 3, || async move {
+        let mut add = vec!["-I"];
+        add.extend(rule);
+        iptables(&add)?;
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_secs(10)).await;
+            let mut del = vec!["-D"];
+            del.extend(rule);
+            let r = iptables(&del);
+            *h.lock().unwrap_or_else(|p| p.into_inner()) = Some(r);
+        });
+        Ok(())
+    })
+    .await?;
+    let healed = healed.lock().unwrap_or_else(|p| p.into_inner()).take();
+    match healed {
+        Some(Ok(())) => {}
+        Some(Err(e)) => return Err(e),
+        None => bail!("the partition was never healed"),
+    }
+    println!(
+        "ok: 10 s of dropped packets to w3 mid command: 25 of 25 lines, each once ({:.1} s)",
+        cut.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+async fn a_lost_host_ends_or_moves_its_sessions_within_the_deadline(c: &mut Cluster) -> Result<()> {
+    let env = [("CORRAL_WORKER_LOST_AFTER", "5s")];
+    let mut runs = Vec::new();
+    for i in 0..6 {
+        let policy = if i % 2 == 0 { "fail" } else { "new_sandbox" };
+        let id = format!("lost-{policy}-{i}");
+        let mut env = env.to_vec();
+        env.push(("CORRAL_ON_SANDBOX_LOST", policy));
+        runs.push((
+            id.clone(),
+            policy,
+            c.session(&id, "echo started; sleep 40", &env)?,
+        ));
+    }
+    // Every command running: then the host with the most of them is lost.
+    let deadline = Instant::now() + Duration::from_secs(90);
+    loop {
+        let mut running = 0;
+        for i in 0..3 {
+            running += c.client(i).await?.worker_info().await?.running_operations;
+        }
+        if running == 6 {
+            break;
+        }
+        ensure!(
+            Instant::now() < deadline,
+            "only {running} of 6 commands started"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let where_: Vec<Vec<String>> = c.sandboxes().await?;
+    let (lost, _) = where_
+        .iter()
+        .enumerate()
+        .max_by_key(|(_, s)| s.len())
+        .context("no worker")?;
+    let on_lost: Vec<String> = runs
+        .iter()
+        .filter(|(id, _, _)| {
+            where_[lost]
+                .iter()
+                .any(|s| s.starts_with(&format!("{id}-")))
+        })
+        .map(|(id, _, _)| id.clone())
+        .collect();
+    ensure!(
+        !on_lost.is_empty(),
+        "no session on the worker with the most: {where_:?}"
+    );
+    let killed_at = Instant::now();
+    if let Some(mut w) = c.workers[lost].take() {
+        w.kill9();
+        corral_e2e::remove_containers_of(&w.worker_id);
+    }
+    // Each run's end, timed as it comes.
+    let ends: Vec<_> = runs
+        .into_iter()
+        .map(|(id, policy, run)| {
+            let ended = tokio::spawn(async move {
+                let out =
+                    tokio::time::timeout(Duration::from_secs(120), run.wait_with_output()).await;
+                (out, Instant::now())
+            });
+            (id, policy, ended)
+        })
+        .collect();
+    let mut report = BTreeMap::new();
+    for (id, policy, ended) in ends {
+        let (out, at) = ended.await?;
+        let out = out??;
+        let took = at.duration_since(killed_at);
+        let r = result_of(&out)?;
+        let moved = on_lost.contains(&id);
+        match (moved, policy) {
+            (true, "fail") => {
+                ensure!(r["status"] == "failed", "{id}: {r}");
+                let error = r["error"].as_str().unwrap_or_default();
+                let want = format!(
+                    "sandbox lost: worker {} unreachable for 5s",
+                    Cluster::url(lost)
+                );
+                ensure!(error.starts_with(&want), "{id}: {error}");
+                // The deadline and a retry step, well before the command's
+                // own end (40 s).
+                ensure!(took < Duration::from_secs(25), "{id} ended after {took:?}");
+            }
+            _ => ensure!(
+                r["status"] == "done",
+                "{id} ({policy}, moved: {moved}): {r}"
+            ),
+        }
+        report.insert(id, r["status"].as_str().unwrap_or_default().to_string());
+    }
+    c.start_worker(lost)?;
+    println!(
+        "ok: w{} lost with {} of 6 sessions: {report:?}",
+        lost + 1,
+        on_lost.len()
+    );
+    c.clear().await
+}
+
+async fn a_drained_worker_gets_no_new_sandboxes(c: &Cluster) -> Result<()> {
+    let out = c
+        .corral(&Cluster::url(2), &["worker", "drain"])?
+        .output()
+        .await?;
+    ensure!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let mut made = Vec::new();
+    for _ in 0..6 {
+        let out = c.corral(WORKERS, &["sandbox", "create"])?.output().await?;
+        ensure!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        made.push(String::from_utf8_lossy(&out.stdout).trim().to_string());
+    }
+    let counts: Vec<usize> = c.sandboxes().await?.iter().map(Vec::len).collect();
+    ensure!(
+        counts[2] == 0 && counts.iter().sum::<usize>() == 6,
+        "{counts:?}"
+    );
+    let out = c
+        .corral(&Cluster::url(2), &["worker", "undrain"])?
+        .output()
+        .await?;
+    ensure!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    println!("ok: 6 sandboxes while w3 drained: {counts:?}");
+    c.clear().await
+}
+
+async fn an_abandoned_sandbox_is_gone_after_its_idle_timeout(c: &Cluster) -> Result<()> {
+    let out = c
+        .corral(WORKERS, &["sandbox", "create", "--idle-timeout", "3s"])?
+        .output()
+        .await?;
+    ensure!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let id = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    let made = Instant::now();
+    loop {
+        let all: HashMap<usize, Vec<String>> =
+            c.sandboxes().await?.into_iter().enumerate().collect();
+        if !all.values().flatten().any(|s| *s == id) {
+            break;
+        }
+        ensure!(
+            made.elapsed() < Duration::from_secs(20),
+            "{id} outlived its idle timeout"
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    println!(
+        "ok: a sandbox left alone with a 3 s idle timeout was gone after {:.1} s",
+        made.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+async fn check() -> Result<()> {
+    let mut c = Cluster::start().await?;
+    thirty_sessions_spread_over_the_three_within_capacity(&c).await?;
+    sigkill_and_restart(&mut c).await?;
+    ten_seconds_of_dropped_packets_lose_nothing(&c).await?;
+    a_lost_host_ends_or_moves_its_sessions_within_the_deadline(&mut c).await?;
+    a_drained_worker_gets_no_new_sandboxes(&c).await?;
+    an_abandoned_sandbox_is_gone_after_its_idle_timeout(&c).await?;
+    // Teardown: each worker killed and its containers removed (Drop).
+    drop(c);
+    Ok(())
+}
+
+fn main() -> std::process::ExitCode {
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(rt) => rt,
+        Err(e) => {
+            println!("error: {e}");
+            return std::process::ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(check()) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            println!("error: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
