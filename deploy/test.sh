@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs Corral's whole test suite against the local Docker engine: builds the
-# static corral-init and the sandbox image first (the tests run real
-# sandboxes), then every test of the workspace with cargo-nextest.
+# static corral-init and the sandbox images first (the tests run real
+# sandboxes), builds Corral's own images and validates the deployment files,
+# then runs every test of the workspace with cargo-nextest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -9,6 +10,10 @@ RUSTFLAGS="-C target-feature=+crt-static" \
     cargo build --locked --release --target x86_64-unknown-linux-gnu -p corral-init
 deploy/images/build.sh
 deploy/images/build-debian.sh
+# Corral's own images (static binaries, FROM scratch), and the Kubernetes
+# manifests and Compose file checked against their schemas.
+deploy/images/runtime.sh
+deploy/validate.sh
 cargo build --locked --workspace --bins
 # The tests against a real llama.cpp server need its build (about 10
 # minutes the first time): deploy/test-llama.sh runs them.
