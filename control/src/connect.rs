@@ -152,6 +152,44 @@ where
     }
 }
 
+/// A client to the worker a session was placed on: at its recorded address
+/// if the worker there is still the one it was (`worker_id`), else the
+/// worker of `--worker` with that id (a restarted pod has a new address);
+/// the local worker when none was recorded.
+pub async fn connect_recorded(
+    conn: &ConnArgs,
+    urls: &[String],
+    url: Option<&str>,
+    worker_id: Option<&str>,
+) -> Result<WorkerClient, ConnectError> {
+    let (Some(url), Some(id)) = (url, worker_id) else {
+        return connect_to(conn, url).await;
+    };
+    let there = async {
+        let client = connect_to(conn, Some(url)).await.ok()?;
+        let info = client.worker_info().await.ok()?;
+        (info.worker_id == id).then_some(client)
+    };
+    if let Some(client) = there.await {
+        return Ok(client);
+    }
+    let creds = credentials(conn, urls)?;
+    let asked = urls.iter().filter(|u| u.as_str() != url).map(|u| {
+        let creds = creds.clone();
+        async move {
+            let client = WorkerClient::connect_with(u, &creds).await.ok()?;
+            let info = client.worker_info().await.ok()?;
+            (info.worker_id == id).then_some((u.clone(), client))
+        }
+    });
+    let found = futures_util::future::join_all(asked).await;
+    if let Some((now, client)) = found.into_iter().flatten().next() {
+        tracing::info!(worker = id, was = url, now = %now, "the session's worker has a new address");
+        return Ok(client);
+    }
+    connect_to(conn, Some(url)).await
+}
+
 /// A client to the worker of `--worker` that has `sandbox` (each is asked
 /// when there are several), or the local worker.
 pub async fn connect_for(

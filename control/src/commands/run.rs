@@ -23,7 +23,7 @@ use corral_harness::placement::Attempt;
 
 use crate::cli::{ApiKind, ConnArgs, LostPolicy, RunArgs};
 
-use crate::connect::{ConnectError, connect_to, place, worker_urls};
+use crate::connect::{ConnectError, connect_recorded, connect_to, place, worker_urls};
 use crate::view::View;
 
 pub const EXIT_DONE: u8 = 0;
@@ -225,7 +225,8 @@ async fn run(conn: &ConnArgs, args: &RunArgs, json: bool) -> Result<u8, Error> {
         if args.workspace.is_some() {
             tracing::warn!("--workspace applies to new sessions; this one keeps its files");
         }
-        let connection = connect_to(conn, worker.as_deref()).await?;
+        let connection =
+            connect_recorded(conn, &urls, worker.as_deref(), config.worker_id.as_deref()).await?;
         (
             store.resume(stored, connection.clone(), opts).await?,
             connection,

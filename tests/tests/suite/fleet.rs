@@ -564,3 +564,42 @@ async fn concurrent_creates_never_go_over_capacity() -> Result<()> {
     assert_eq!(client.worker_info().await?.sandboxes, 3);
     Ok(())
 }
+
+#[tokio::test]
+async fn a_session_finds_its_worker_by_id_when_its_address_changed() -> Result<()> {
+    use corral_e2e::model::{ModelServer, responses};
+    let state = tempfile::tempdir()?;
+    let sessions = tempfile::tempdir()?;
+    let id = unique_id("moved");
+    let mut first = WorkerProcess::spawn(state.path(), &id, free_port()?, &[], &[])?;
+    let model =
+        ModelServer::start(vec![responses::text("First."), responses::text("Second.")]).await;
+    let token = first.token_file();
+    let run = |url: String, prompt: &'static str| {
+        let mut cmd =
+            corral_e2e::run::command(&model, &url, sessions.path(), &["--session", "s", prompt]);
+        cmd.env("CORRAL_TOKEN_FILE", &token);
+        async move { Ok::<_, anyhow::Error>(cmd.output().await?) }
+    };
+    let out = run(first.url.clone(), "One.").await?;
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // The same worker (state, id) comes back on another port, as a
+    // restarted pod comes back at another address.
+    first.kill9();
+    std::mem::forget(first);
+    let second = WorkerProcess::spawn(state.path(), &id, free_port()?, &[], &[])?;
+    let out = run(second.url.clone(), "Two.").await?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout} {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("Second."), "{stdout}");
+    assert!(stdout.contains("\"resumed\":true"), "{stdout}");
+    Ok(())
+}
