@@ -29,12 +29,13 @@ pub struct Cli {
 
 #[derive(Debug, Clone, Args)]
 pub struct ConnArgs {
-    /// Worker to use (http://host:port, https://..., unix:///path). Without
-    /// it, the local worker: started by the first command that needs it
-    /// (against the local Docker engine), shared by the others, gone when
-    /// idle. `corral run` takes
-    /// a comma-separated list: a new session goes to the worker with the
-    /// most free sandbox slots, and stays there.
+    /// Workers to use: a comma-separated list of addresses
+    /// (http://host:port, https://..., unix:///path) and DNS names
+    /// (dns:///NAME:PORT, one worker per address). What is new (a session,
+    /// `exec`'s sandbox, `sandbox create`) is placed among them; commands
+    /// about one sandbox find its worker. Without it, the local worker:
+    /// started by the first command that needs it (against the local
+    /// Docker engine), shared by the others, gone when idle.
     #[arg(long, global = true, env = "CORRAL_WORKER")]
     pub worker: Option<String>,
     /// How long a worker may stay unreachable before its sandbox is taken
@@ -49,6 +50,11 @@ pub struct ConnArgs {
     /// the system's roots).
     #[arg(long, global = true, env = "CORRAL_TLS_CA")]
     pub tls_ca: Option<PathBuf>,
+    /// The name the workers' certificates must carry when it is not the
+    /// address's host (workers reached by IP whose certificates name a
+    /// Service); default: the DNS name of --worker, when it is one.
+    #[arg(long, global = true, env = "CORRAL_TLS_SERVER_NAME")]
+    pub tls_server_name: Option<String>,
     /// Client certificate (PEM) for a worker that requires mutual TLS.
     #[arg(long, global = true, env = "CORRAL_TLS_CERT", requires = "tls_key")]
     pub tls_cert: Option<PathBuf>,

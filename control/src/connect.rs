@@ -57,6 +57,9 @@ fn client_tls(conn: &ConnArgs) -> Result<Option<ClientTls>, ConnectError> {
     )
 }
 
+/// How long a worker asked about a sandbox or its id may take.
+const ASK_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// The entries of `--worker` (a comma-separated list of addresses and
 /// `dns:///NAME:PORT` names).
 fn entries(conn: &ConnArgs) -> Result<Vec<Entry>, ConnectError> {
@@ -100,8 +103,13 @@ fn credentials(conn: &ConnArgs, urls: &[String]) -> Result<Credentials, ConnectE
         None if local && own.exists() => Some(corral_worker::cli::read_token(&own)?),
         None => None,
     };
+    // The name workers' certificates carry: --tls-server-name, else the
+    // DNS name they were found by (when they all were, by one name).
     let tls = client_tls(conn)?.map(|mut tls| {
-        tls.domain = placement::tls_name(&entries);
+        tls.domain = conn
+            .tls_server_name
+            .clone()
+            .or_else(|| placement::tls_name(&entries));
         tls
     });
     Ok(Credentials { token, tls })
@@ -170,16 +178,22 @@ pub async fn connect_recorded(
         let info = client.worker_info().await.ok()?;
         (info.worker_id == id).then_some(client)
     };
-    if let Some(client) = there.await {
+    if let Ok(Some(client)) = tokio::time::timeout(ASK_TIMEOUT, there).await {
         return Ok(client);
     }
     let creds = credentials(conn, urls)?;
     let asked = urls.iter().filter(|u| u.as_str() != url).map(|u| {
         let creds = creds.clone();
-        async move {
+        let asked = async move {
             let client = WorkerClient::connect_with(u, &creds).await.ok()?;
             let info = client.worker_info().await.ok()?;
             (info.worker_id == id).then_some((u.clone(), client))
+        };
+        async move {
+            tokio::time::timeout(ASK_TIMEOUT, asked)
+                .await
+                .ok()
+                .flatten()
         }
     });
     let found = futures_util::future::join_all(asked).await;
@@ -203,18 +217,23 @@ pub async fn connect_for(
     let creds = credentials(conn, &urls)?;
     let asked = urls.iter().map(|url| {
         let creds = creds.clone();
-        async move {
+        let asked = async move {
             let client = WorkerClient::connect_with(url, &creds).await?;
             client.get_sandbox(sandbox).await.map(|_| client)
-        }
+        };
+        async move { tokio::time::timeout(ASK_TIMEOUT, asked).await }
     });
     let answers = futures_util::future::join_all(asked).await;
     let mut why = Vec::new();
     for (url, answer) in urls.iter().zip(answers) {
         match answer {
-            Ok(client) => return Ok(client),
-            Err(ClientError::Status(s)) if s.code() == tonic::Code::NotFound => {}
-            Err(e) => why.push(format!("{url}: {}", source_chain(&e))),
+            Ok(Ok(client)) => return Ok(client),
+            Ok(Err(ClientError::Status(s))) if s.code() == tonic::Code::NotFound => {}
+            Ok(Err(e)) => why.push(format!("{url}: {}", source_chain(&e))),
+            Err(_) => why.push(format!(
+                "{url}: no answer within {} s",
+                ASK_TIMEOUT.as_secs()
+            )),
         }
     }
     let mut msg = format!("no worker of --worker has sandbox {sandbox}");

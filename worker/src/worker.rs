@@ -704,7 +704,13 @@ impl Worker {
             worker_id: self.id().to_string(),
             version: env!("CARGO_PKG_VERSION").to_string(),
             max_sandboxes: self.inner.max_sandboxes,
-            sandboxes: sandboxes.len() as u32,
+            // As the capacity check counts: lost ones hold no slot, ones
+            // being made do.
+            sandboxes: (sandboxes
+                .values()
+                .filter(|s| !matches!(s.info().state, SandboxState::Lost(_)))
+                .count()
+                + *lock(&self.inner.creating)) as u32,
             running_operations: sandboxes
                 .values()
                 .map(|s| s.info().running_operations)

@@ -48,6 +48,8 @@ where
     let deadline = Instant::now() + patience;
     let mut delay = FIRST_BACKOFF;
     loop {
+        // A call may take long by design (input waiting for a slow
+        // reader): only failures count against the deadline.
         match call().await {
             Ok(v) => return Ok(v),
             Err(ApiError::Transient(e)) => {
@@ -143,11 +145,29 @@ impl<W: WorkerApi> Follower<W> {
                 tokio::time::sleep_until(at).await;
                 self.retry_at = None;
             }
-            match self
-                .worker
-                .watch(&self.sandbox, self.cursor, self.only.as_ref())
-                .await
-            {
+            // While the worker is unreachable, no attempt outlives the
+            // deadline, and none starts after it: the deadline holds even
+            // when attempts are cut short (a `next` cancelled in a
+            // `select!`, a connect that hangs on dropped packets).
+            let deadline = self.lost_since.map(|since| since + self.patience);
+            let late = || Err(ApiError::Transient("no answer before the deadline".into()));
+            let answered = match deadline {
+                Some(at) if Instant::now() >= at => late(),
+                Some(at) => {
+                    let attempt = self
+                        .worker
+                        .watch(&self.sandbox, self.cursor, self.only.as_ref());
+                    tokio::time::timeout_at(at, attempt)
+                        .await
+                        .unwrap_or_else(|_| late())
+                }
+                None => {
+                    self.worker
+                        .watch(&self.sandbox, self.cursor, self.only.as_ref())
+                        .await
+                }
+            };
+            match answered {
                 Ok(s) => {
                     // Reachable again: a later break starts a new patience.
                     self.lost_since = None;

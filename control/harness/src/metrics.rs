@@ -37,7 +37,7 @@ impl ControlMetrics {
         );
         registry.register(
             "workers_lost",
-            "Workers given up on after --worker-lost-after",
+            "Times a waiter gave up on its worker after --worker-lost-after (one per session or command waiting)",
             workers_lost.clone(),
         );
         Self {

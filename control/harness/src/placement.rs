@@ -29,7 +29,8 @@ pub const DNS_CACHE: Duration = Duration::from_secs(5);
 pub const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
 /// Up to this many workers, each is probed.
 pub const PROBE_ALL_UP_TO: usize = 8;
-/// Workers tried for one placement.
+/// Workers a placement's create is tried on (probe rounds that find none
+/// able to take it: up to three times as many).
 pub const ATTEMPTS: usize = 3;
 /// Least time the other probes get once one worker could take the sandbox.
 pub const STRAGGLER_GRACE: Duration = Duration::from_millis(20);
@@ -145,13 +146,15 @@ pub async fn resolve(entries: &[Entry], tls: bool) -> Result<Vec<String>, Discov
     Ok(out)
 }
 
-/// The name a DNS entry's workers present in their certificates (the
-/// Service's name), when the list has one.
+/// The name the workers present in their certificates when they were all
+/// found by one DNS name (a Service's), reached by address.
 pub fn tls_name(entries: &[Entry]) -> Option<String> {
-    entries.iter().find_map(|e| match e {
+    let mut names = entries.iter().map(|e| match e {
         Entry::Dns { host, .. } => Some(host.clone()),
         Entry::Url(_) => None,
-    })
+    });
+    let first = names.next()??;
+    names.all(|n| n.as_deref() == Some(&first)).then_some(first)
 }
 
 /// A uniformly random index below `n` (`n > 0`).
@@ -274,7 +277,11 @@ impl Placer {
         let mut excluded: HashSet<String> = HashSet::new();
         let mut why: Vec<String> = Vec::new();
         let (mut probes, mut attempts) = (0, 0);
-        for _ in 0..self.attempts.max(1) {
+        // Creates are tried on at most `attempts` workers; rounds of probes
+        // that find no worker able to take it are bounded too.
+        let mut rounds = 0;
+        while attempts < self.attempts.max(1) && rounds < 3 * self.attempts.max(1) {
+            rounds += 1;
             let left: Vec<String> = urls
                 .iter()
                 .filter(|u| !excluded.contains(*u))

@@ -92,8 +92,8 @@ pub enum SessionError {
     /// The session's sandbox could not be made, found or removed.
     #[error("sandbox {sandbox}: {error}")]
     Sandbox { sandbox: SandboxId, error: String },
-    /// The worker takes no new sandbox (at capacity, or draining): another
-    /// worker may.
+    /// The worker takes no new sandbox (at capacity, draining, or not
+    /// answering): another worker may.
     #[error("sandbox {sandbox}: {error}")]
     Refused { sandbox: SandboxId, error: String },
     /// The model client could not be set up.
@@ -816,7 +816,8 @@ fn next_generation(current: &SandboxId, generation: u64) -> SandboxId {
 
 fn sandbox_error(sandbox: &SandboxId, e: ApiError) -> SessionError {
     match e {
-        ApiError::Refused(error) => SessionError::Refused {
+        // Full, draining, or not answering: another worker may do.
+        ApiError::Refused(error) | ApiError::Transient(error) => SessionError::Refused {
             sandbox: sandbox.clone(),
             error,
         },
@@ -1081,7 +1082,11 @@ async fn launch<W: WorkerApi>(
                     match (changed, reason, inbox.upgrade()) {
                         (Ok(()), Some(reason), Some(tx)) => {
                             tracing::warn!(%reason, "the session's sandbox is lost");
-                            let _ = tx.send(crate::agent::Inbox::SandboxLost(reason)).await;
+                            // The run goes on meanwhile (its inbox may be full).
+                            tokio::select! {
+                                summary = &mut run => break summary,
+                                _ = tx.send(crate::agent::Inbox::SandboxLost(reason)) => {}
+                            }
                         }
                         (Ok(()), _, _) => {}
                         _ => break run.await,

@@ -72,7 +72,9 @@ async fn exec_command(conn: &ConnArgs, args: ExecArgs) -> Result<u8, Error> {
                 async move {
                     match client.create_sandbox(Some(&id), spec).await {
                         Ok(_) => Ok(client),
-                        Err(e) if e.is_refusal() => Err(Attempt::Refused(e.to_string())),
+                        Err(e) if e.is_refusal() || e.is_transient() => {
+                            Err(Attempt::Refused(e.to_string()))
+                        }
                         Err(e) => Err(Attempt::Failed(Error::Connect(e.into()))),
                     }
                 }

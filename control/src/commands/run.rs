@@ -225,12 +225,32 @@ async fn run(conn: &ConnArgs, args: &RunArgs, json: bool) -> Result<u8, Error> {
         if args.workspace.is_some() {
             tracing::warn!("--workspace applies to new sessions; this one keeps its files");
         }
-        let connection =
-            connect_recorded(conn, &urls, worker.as_deref(), config.worker_id.as_deref()).await?;
-        (
-            store.resume(stored, connection.clone(), opts).await?,
-            connection,
-        )
+        let worker_id = config.worker_id.clone();
+        let moves = config.on_sandbox_lost == OnSandboxLost::NewSandbox;
+        let reached = if moves {
+            // Given the same patience as a run: a worker that restarts is
+            // waited for, one that is gone is not.
+            reach(conn, &urls, worker.as_deref(), worker_id.as_deref()).await
+        } else {
+            connect_recorded(conn, &urls, worker.as_deref(), worker_id.as_deref()).await
+        };
+        match reached {
+            Ok(connection) => (
+                store.resume(stored, connection.clone(), opts).await?,
+                connection,
+            ),
+            Err(e) if moves && unreachable(&e) => {
+                drop(stored);
+                let reason = format!(
+                    "sandbox lost: worker {} unreachable for {}s ({e})",
+                    worker.as_deref().unwrap_or("in this process"),
+                    conn.worker_lost_after.as_secs()
+                );
+                tracing::warn!(%reason, "the session's worker is gone; it goes on in a fresh sandbox");
+                resume_elsewhere(conn, &store, &id, &reason, &opts).await?
+            }
+            Err(e) => return Err(e.into()),
+        }
     } else {
         // Checked before any worker is asked.
         let new = store.prepare(&id, opts)?;
@@ -270,7 +290,7 @@ async fn run(conn: &ConnArgs, args: &RunArgs, json: bool) -> Result<u8, Error> {
         && replaced < MAX_REPLACEMENTS
     {
         replaced += 1;
-        let (handle, now) = resume_elsewhere(conn, &urls, &store, &id, &reason, &again).await?;
+        let (handle, now) = resume_elsewhere(conn, &store, &id, &reason, &again).await?;
         connection = now;
         summary = watch(handle, &mut view, args.inputs_from_stdin).await?;
     }
@@ -318,16 +338,43 @@ fn lost(summary: &Summary, store: &Sessions, id: &str) -> Option<String> {
     (config.on_sandbox_lost == OnSandboxLost::NewSandbox).then_some(reason)
 }
 
-/// Resumes session `id` in a fresh sandbox: placed among `urls` (or on
-/// the one worker, or the local one).
-async fn resume_elsewhere(
+/// Whether connecting failed because nobody answered.
+fn unreachable(e: &ConnectError) -> bool {
+    matches!(e, ConnectError::Client(c) if c.is_transient())
+}
+
+/// [`connect_recorded`], tried again while the worker does not answer, for
+/// up to `--worker-lost-after`.
+async fn reach(
     conn: &ConnArgs,
     urls: &[String],
+    url: Option<&str>,
+    worker_id: Option<&str>,
+) -> Result<WorkerClient, ConnectError> {
+    let deadline = tokio::time::Instant::now() + conn.worker_lost_after;
+    let mut pause = Duration::from_millis(200);
+    loop {
+        match connect_recorded(conn, urls, url, worker_id).await {
+            Err(e) if unreachable(&e) && tokio::time::Instant::now() + pause < deadline => {
+                tracing::info!(error = %e, "the session's worker does not answer; trying again");
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(Duration::from_secs(5));
+            }
+            other => return other,
+        }
+    }
+}
+
+/// Resumes session `id` in a fresh sandbox: placed among the workers of
+/// `--worker`, looked up again (or on the one worker, or the local one).
+async fn resume_elsewhere(
+    conn: &ConnArgs,
     store: &Sessions,
     id: &str,
     reason: &str,
     opts: &RunOptions,
 ) -> Result<(SessionHandle, WorkerClient), Error> {
+    let urls = &worker_urls(conn).await?;
     if urls.len() > 1 {
         return place(conn, urls, |url, client| async move {
             let stored = store.open(id).map_err(|e| Attempt::Failed(e.into()))?;

@@ -147,7 +147,9 @@ async fn sandbox_command(conn: &ConnArgs, cmd: SandboxCommand) -> Result<(), Err
                         async move {
                             match client.create_sandbox(Some(&id), spec).await {
                                 Ok(sb) => Ok(sb),
-                                Err(e) if e.is_refusal() => Err(Attempt::Refused(e.to_string())),
+                                Err(e) if e.is_refusal() || e.is_transient() => {
+                                    Err(Attempt::Refused(e.to_string()))
+                                }
                                 Err(e) => Err(Attempt::Failed(Error::Client(e))),
                             }
                         }

@@ -603,3 +603,99 @@ async fn a_session_finds_its_worker_by_id_when_its_address_changed() -> Result<(
     assert!(stdout.contains("\"resumed\":true"), "{stdout}");
     Ok(())
 }
+
+#[tokio::test]
+async fn a_session_rerun_after_its_worker_is_gone_goes_on_elsewhere_when_it_asked_to() -> Result<()>
+{
+    use corral_e2e::model::{ModelServer, responses};
+    let token_dir = tempfile::tempdir()?;
+    let token = token_dir.path().join("token");
+    std::fs::write(&token, "rerun-test-token-0123456789\n")?;
+    std::fs::set_permissions(&token, std::os::unix::fs::PermissionsExt::from_mode(0o600))?;
+    let args = ["--token-file", token.to_str().context("path")?];
+    let (sa, sb) = (tempfile::tempdir()?, tempfile::tempdir()?);
+    let mut a = WorkerProcess::spawn(sa.path(), &unique_id("rerun"), free_port()?, &[], &args)?;
+    let b = WorkerProcess::spawn(sb.path(), &unique_id("rerun"), free_port()?, &[], &args)?;
+    let sessions = tempfile::tempdir()?;
+    let model =
+        ModelServer::start(vec![responses::text("First."), responses::text("Second.")]).await;
+    let run = |workers: String, extra: &'static [&'static str]| {
+        let mut argv = vec!["--session", "s"];
+        argv.extend_from_slice(extra);
+        let mut cmd = corral_e2e::run::command(&model, &workers, sessions.path(), &argv);
+        cmd.env("CORRAL_TOKEN_FILE", &token)
+            .env("CORRAL_WORKER_LOST_AFTER", "2s");
+        async move { Ok::<_, anyhow::Error>(cmd.output().await?) }
+    };
+    let out = run(a.url.clone(), &["--on-sandbox-lost", "new_sandbox", "One."]).await?;
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    lose_host(&mut a);
+    let out = run(format!("{},{}", a.url, b.url), &["Two."]).await?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout} {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("Second."), "{stdout}");
+    let told = model.received()[1].text();
+    assert!(
+        told.contains("The sandbox your tools run in was lost (worker"),
+        "{told}"
+    );
+    let on_b = WorkerClient::connect(&b.url, Some("rerun-test-token-0123456789"))
+        .await?
+        .list_sandboxes()
+        .await?;
+    assert!(
+        on_b.len() == 1 && on_b[0].id.as_str().ends_with("-g1"),
+        "{on_b:?}"
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn exec_on_a_worker_that_went_silent_ends_at_the_deadline_too() -> Result<()> {
+    // SIGSTOP: connections stay open and new ones are accepted by the
+    // kernel, but nothing answers (a host gone without a word).
+    let state = tempfile::tempdir()?;
+    let mut w = WorkerProcess::spawn(state.path(), &unique_id("silent"), free_port()?, &[], &[])?;
+    let mut child = tokio::process::Command::new(corral_e2e::binary("corral")?)
+        .args([
+            "--worker",
+            &w.url,
+            "--worker-lost-after",
+            "6s",
+            "--token-file",
+        ])
+        .arg(w.token_file())
+        .args(["exec", "--", "sh", "-c", "echo started; sleep 300"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()?;
+    let mut stdout = child.stdout.take().context("stdout")?;
+    let mut first = [0u8; 8];
+    tokio::time::timeout(Duration::from_secs(60), stdout.read_exact(&mut first)).await??;
+    let pid = nix::unistd::Pid::from_raw(w.child.id() as i32);
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGSTOP)?;
+    let stopped = tokio::time::Instant::now();
+    let out = tokio::time::timeout(Duration::from_secs(90), child.wait_with_output()).await;
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGCONT)?;
+    let out = out??;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(125), "{stderr}");
+    assert!(stderr.contains("unreachable for 6s"), "{stderr}");
+    // Keepalive (two 10 s pings at most) notices, then the deadline.
+    assert!(
+        stopped.elapsed() < Duration::from_secs(45),
+        "{:?}",
+        stopped.elapsed()
+    );
+    w.kill9();
+    Ok(())
+}

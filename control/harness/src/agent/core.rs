@@ -248,7 +248,8 @@ impl Core {
         generation: u64,
         reason: &str,
     ) -> Result<(), CoreError> {
-        self.sandbox_replaced()?;
+        // The notice first: answering the lost calls may start a turn,
+        // which must carry it.
         let reason = reason.strip_prefix("sandbox lost: ").unwrap_or(reason);
         let text = crate::context::SANDBOX_REPLACED
             .trim_end()
@@ -259,7 +260,8 @@ impl Core {
             sandbox_id: sandbox,
             generation,
             text,
-        })
+        })?;
+        self.sandbox_replaced()
     }
 
     /// Starts a turn if one is due (after creating or resuming a session

@@ -244,7 +244,7 @@ impl<W: WorkerApi> Actor<W> {
                 Wake::Event(Ok(event)) => self.on_event(event).await,
                 Wake::Event(Err(e)) => {
                     warn!(error = %e, "cannot follow the sandbox");
-                    if !self.give_up(&e.to_string()).await {
+                    if !self.give_up(&e).await {
                         break;
                     }
                 }
@@ -267,16 +267,31 @@ impl<W: WorkerApi> Actor<W> {
             }
             Err(e) => {
                 warn!(error = %e, "cannot reach the sandbox");
-                self.give_up(&e.to_string()).await
+                self.give_up(&e).await
             }
         }
     }
 
-    /// The sandbox cannot be reached: every running operation fails, and
-    /// the sandbox is reported lost. The manager stays up (it tries again,
-    /// and answers adds) unless stopped.
-    async fn give_up(&mut self, reason: &str) -> bool {
-        self.fail_all(reason).await;
+    /// The sandbox cannot be followed: every running operation fails. It
+    /// is reported lost when its worker stayed unreachable past the
+    /// deadline or no longer has it; other refusals (too many watchers,
+    /// say) are tried again. The manager stays up (it tries again, and
+    /// answers adds) unless stopped.
+    async fn give_up(&mut self, e: &FollowError) -> bool {
+        match e {
+            FollowError::GaveUp { .. } => self.fail_all(&e.to_string(), true).await,
+            FollowError::Refused(ApiError::NotFound(why)) => {
+                let reason = format!(
+                    "sandbox lost: {} no longer has it ({why})",
+                    self.worker.name()
+                );
+                self.fail_all(&reason, true).await;
+            }
+            FollowError::Refused(_) => {
+                self.fail_all(&format!("sandbox unreachable: {e}"), false)
+                    .await;
+            }
+        }
         if self.stop.is_cancelled() {
             return false;
         }
@@ -286,9 +301,9 @@ impl<W: WorkerApi> Actor<W> {
         }
     }
 
-    /// Every running operation fails with `reason`, and the sandbox is
-    /// reported lost (once).
-    async fn fail_all(&mut self, reason: &str) {
+    /// Every running operation fails with `reason`; with `lost`, the
+    /// sandbox is reported lost (once).
+    async fn fail_all(&mut self, reason: &str, lost: bool) {
         let ids: Vec<OperationId> = self.ops.keys().cloned().collect();
         for id in ids {
             if let Some(mut op) = self.ops.remove(&id) {
@@ -296,7 +311,7 @@ impl<W: WorkerApi> Actor<W> {
                 self.publish(op).await;
             }
         }
-        if self.lost.borrow().is_none() {
+        if lost && self.lost.borrow().is_none() {
             self.lost.send_replace(Some(reason.to_string()));
         }
     }
@@ -324,7 +339,7 @@ impl<W: WorkerApi> Actor<W> {
                 op.fail(e.clone());
                 self.publish(op).await;
                 if e.starts_with("sandbox lost") {
-                    self.fail_all(&e).await;
+                    self.fail_all(&e, true).await;
                 }
             }
         }
@@ -367,7 +382,8 @@ impl<W: WorkerApi> Actor<W> {
         match event.kind {
             EventKind::Gap { .. } => self.refresh_all().await,
             EventKind::SandboxLost { reason } => {
-                self.fail_all(&format!("sandbox lost: {reason}")).await;
+                self.fail_all(&format!("sandbox lost: {reason}"), true)
+                    .await;
             }
             kind => {
                 let Some(id) = event.operation_id else { return };
