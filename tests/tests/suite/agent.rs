@@ -513,22 +513,27 @@ async fn usage_errors_exit_2_before_anything_runs() -> Result<()> {
             .unwrap()
             .contains("cannot reach the worker")
     );
+    // Several workers: what is new is placed among them (none answers
+    // here), what concerns one worker needs one.
+    let two = "http://127.0.0.1:9,http://127.0.0.1:10";
     let exec = tokio::process::Command::new(binary("corral")?)
-        .args([
-            "--worker",
-            "http://127.0.0.1:9,http://127.0.0.1:10",
-            "exec",
-            "--",
-            "true",
-        ])
+        .args(["--worker", two, "exec", "--", "true"])
         .output()
         .await?;
-    assert_eq!(
-        exec.status.code(),
-        Some(2),
-        "several workers are for corral run only"
+    let said = String::from_utf8_lossy(&exec.stderr);
+    assert_eq!(exec.status.code(), Some(125), "{said}");
+    assert!(
+        said.contains("no worker can take it")
+            && said.contains("127.0.0.1:9")
+            && said.contains("127.0.0.1:10"),
+        "{said}"
     );
-    assert!(String::from_utf8_lossy(&exec.stderr).contains("one --worker"));
+    let info = tokio::process::Command::new(binary("corral")?)
+        .args(["--worker", two, "worker", "info"])
+        .output()
+        .await?;
+    assert_eq!(info.status.code(), Some(2), "one worker's command");
+    assert!(String::from_utf8_lossy(&info.stderr).contains("one --worker"));
     assert!(model.received().is_empty());
     Ok(())
 }
