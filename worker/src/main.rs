@@ -3,6 +3,7 @@
 // A binary talks to its terminal; the libraries never print.
 #![allow(clippy::print_stdout, clippy::print_stderr)]
 
+use std::io::Write;
 use std::process::ExitCode;
 
 use anyhow::Context;
@@ -61,7 +62,9 @@ async fn run(args: WorkerArgs) -> anyhow::Result<()> {
     };
     let worker = Worker::start(config).await?;
     let addr = listener.local_addr()?;
-    println!(
+    // One line for whoever started it; a closed stdout is no failure.
+    let _ = writeln!(
+        std::io::stdout(),
         "corral-worker {} listening on {addr} (clients present the token in {})",
         worker.id(),
         args.token_path().display()
@@ -69,7 +72,7 @@ async fn run(args: WorkerArgs) -> anyhow::Result<()> {
     let stop = tokio_util::sync::CancellationToken::new();
     let metrics = metrics.map(|listener| {
         if let Ok(addr) = listener.local_addr() {
-            println!("metrics at http://{addr}/metrics");
+            tracing::info!(%addr, "serving metrics at /metrics and readiness at /readyz");
         }
         let (w, r) = (worker.clone(), worker.clone());
         let stopped = stop.clone().cancelled_owned();

@@ -424,7 +424,9 @@ mod tests {
         );
         let tls = resolve(&entries[..1], true).await.unwrap();
         assert!(tls.iter().all(|u| u.starts_with("https://")), "{tls:?}");
-        assert_eq!(tls_name(&entries).as_deref(), Some("localhost"));
+        assert_eq!(tls_name(&entries[..1]).as_deref(), Some("localhost"));
+        // Mixed with an address: no one name for all.
+        assert_eq!(tls_name(&entries), None);
         let none = resolve(
             &Entry::parse_list("dns:///no-such-host.invalid:1").unwrap(),
             false,
