@@ -151,7 +151,16 @@ pub async fn serve(
 ) -> std::io::Result<(String, tokio::task::JoinHandle<()>)> {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let url = format!("http://{}", listener.local_addr()?);
-    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+    // TCP_NODELAY, as the real worker sets it: without it every answer
+    // waits on Nagle and delayed ACKs.
+    let incoming = futures_util::StreamExt::map(
+        tokio_stream::wrappers::TcpListenerStream::new(listener),
+        |conn| {
+            conn.inspect(|s| {
+                let _ = s.set_nodelay(true);
+            })
+        },
+    );
     let task = tokio::spawn(async move {
         let _ = tonic::transport::Server::builder()
             .add_service(pb::worker_server::WorkerServer::new(worker))
