@@ -316,8 +316,20 @@ async fn the_api_moves_an_archive_in_and_out_in_one_call() -> Result<()> {
         .upload(&sb, &op, "/tmp", futures_util::stream::iter([big]))
         .await;
     assert!(refused.is_err(), "{refused:?}");
-    let ended = h.client.operation(&sb, &op).await?;
-    assert_eq!(ended.result.map(|r| r.outcome), Some(Outcome::Canceled));
+    // The refusal answers at once; the cancel it sent ends the operation
+    // a moment later.
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
+    let ended = loop {
+        if let Some(r) = h.client.operation(&sb, &op).await?.result {
+            break r;
+        }
+        anyhow::ensure!(
+            tokio::time::Instant::now() < deadline,
+            "the refused upload still runs"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    };
+    assert_eq!(ended.outcome, Outcome::Canceled);
     h.client.destroy_sandbox(&sb).await?;
     h.stop().await;
     Ok(())
