@@ -562,6 +562,16 @@ impl Sandbox {
         lock(&self.shared.watchers).len()
     }
 
+    /// Whether it is lost (cheap: no info is built).
+    pub fn is_lost(&self) -> bool {
+        matches!(*self.shared.state.borrow(), SandboxState::Lost(_))
+    }
+
+    /// Operations running in it now.
+    pub fn running_operations(&self) -> usize {
+        lock(&self.shared.ops).running()
+    }
+
     /// Bytes its event journal holds.
     pub fn journal_bytes(&self) -> usize {
         lock(&self.shared.journal).bytes()

@@ -392,7 +392,7 @@ impl Worker {
         // their container (if any is left) and record go.
         let lost: Vec<SandboxId> = lock(&self.inner.sandboxes)
             .iter()
-            .filter(|(_, s)| matches!(s.info().state, SandboxState::Lost(_)))
+            .filter(|(_, s)| s.is_lost())
             .map(|(id, _)| id.clone())
             .collect();
         for id in lost {
@@ -516,11 +516,7 @@ impl Worker {
         let _slot = {
             let sandboxes = lock(&self.inner.sandboxes);
             let mut creating = lock(&self.inner.creating);
-            let count = sandboxes
-                .values()
-                .filter(|s| !matches!(s.info().state, SandboxState::Lost(_)))
-                .count()
-                + *creating;
+            let count = sandboxes.values().filter(|s| !s.is_lost()).count() + *creating;
             if count >= self.inner.max_sandboxes as usize {
                 return Err(WorkerError::AtCapacity(self.inner.max_sandboxes));
             }
@@ -706,14 +702,11 @@ impl Worker {
             max_sandboxes: self.inner.max_sandboxes,
             // As the capacity check counts: lost ones hold no slot, ones
             // being made do.
-            sandboxes: (sandboxes
-                .values()
-                .filter(|s| !matches!(s.info().state, SandboxState::Lost(_)))
-                .count()
+            sandboxes: (sandboxes.values().filter(|s| !s.is_lost()).count()
                 + *lock(&self.inner.creating)) as u32,
             running_operations: sandboxes
                 .values()
-                .map(|s| s.info().running_operations)
+                .map(|s| s.running_operations() as u32)
                 .sum(),
             docker_version: self.inner.docker_version.clone(),
             policy: self.inner.policy.clone(),

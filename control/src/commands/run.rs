@@ -330,10 +330,7 @@ const MAX_REPLACEMENTS: usize = 3;
 /// Why the run's sandbox was lost, when the run failed for it and its
 /// session asked to go on in a fresh sandbox.
 fn lost(summary: &Summary, store: &Sessions, id: &str) -> Option<String> {
-    let reason = summary
-        .error
-        .clone()
-        .filter(|e| summary.ending == Ending::Failed && e.starts_with("sandbox lost"))?;
+    let reason = summary.sandbox_lost.clone()?;
     let config = store.config_of(id).ok()?;
     (config.on_sandbox_lost == OnSandboxLost::NewSandbox).then_some(reason)
 }
@@ -440,6 +437,7 @@ fn left_unfinished(error: String) -> Summary {
         ending: Ending::Interrupted,
         final_text: String::new(),
         error: Some(error),
+        sandbox_lost: None,
         turns: 0,
         tool_calls: 0,
         usage: Default::default(),

@@ -14,7 +14,7 @@
 // A test program: it reports on stdout.
 #![allow(clippy::print_stdout)]
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
@@ -137,6 +137,17 @@ impl Cluster {
         cmd.env("CORRAL_TOKEN_FILE", &self.token)
             .envs(env.iter().copied());
         Ok(cmd.spawn()?)
+    }
+
+    /// `corral --worker W ARGS`, which must succeed; its stdout.
+    async fn ok(&self, worker: &str, args: &[&str]) -> Result<String> {
+        let out = self.corral(worker, args)?.output().await?;
+        ensure!(
+            out.status.success(),
+            "corral {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
     }
 
     /// Sandbox ids on each worker.
@@ -422,59 +433,29 @@ async fn a_lost_host_ends_or_moves_its_sessions_within_the_deadline(c: &mut Clus
 }
 
 async fn a_drained_worker_gets_no_new_sandboxes(c: &Cluster) -> Result<()> {
-    let out = c
-        .corral(&Cluster::url(2), &["worker", "drain"])?
-        .output()
-        .await?;
-    ensure!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let mut made = Vec::new();
+    c.ok(&Cluster::url(2), &["worker", "drain"]).await?;
     for _ in 0..6 {
-        let out = c.corral(WORKERS, &["sandbox", "create"])?.output().await?;
-        ensure!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        made.push(String::from_utf8_lossy(&out.stdout).trim().to_string());
+        c.ok(WORKERS, &["sandbox", "create"]).await?;
     }
     let counts: Vec<usize> = c.sandboxes().await?.iter().map(Vec::len).collect();
     ensure!(
         counts[2] == 0 && counts.iter().sum::<usize>() == 6,
         "{counts:?}"
     );
-    let out = c
-        .corral(&Cluster::url(2), &["worker", "undrain"])?
-        .output()
-        .await?;
-    ensure!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    c.ok(&Cluster::url(2), &["worker", "undrain"]).await?;
     println!("ok: 6 sandboxes while w3 drained: {counts:?}");
     c.clear().await
 }
 
 async fn an_abandoned_sandbox_is_gone_after_its_idle_timeout(c: &Cluster) -> Result<()> {
-    let out = c
-        .corral(WORKERS, &["sandbox", "create", "--idle-timeout", "3s"])?
-        .output()
-        .await?;
-    ensure!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let id = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    let id = c
+        .ok(WORKERS, &["sandbox", "create", "--idle-timeout", "3s"])
+        .await?
+        .trim()
+        .to_string();
     let made = Instant::now();
     loop {
-        let all: HashMap<usize, Vec<String>> =
-            c.sandboxes().await?.into_iter().enumerate().collect();
-        if !all.values().flatten().any(|s| *s == id) {
+        if !c.sandboxes().await?.iter().flatten().any(|s| *s == id) {
             break;
         }
         ensure!(

@@ -61,6 +61,8 @@ pub struct Summary {
     pub ending: Ending,
     pub final_text: String,
     pub error: Option<String>,
+    /// Why the sandbox was lost, when that is why the run failed.
+    pub sandbox_lost: Option<String>,
     pub turns: u64,
     pub tool_calls: u64,
     pub usage: crate::llm::Usage,
@@ -327,6 +329,7 @@ impl<M: OperationManager + 'static> Coordinator<M> {
                     )
                 })),
             },
+            sandbox_lost: s.sandbox_lost.clone().filter(|_| ending == Ending::Failed),
             turns: s.turns(),
             tool_calls: s.tool_calls(),
             usage: s.usage,

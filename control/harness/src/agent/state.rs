@@ -69,6 +69,9 @@ pub struct State {
     pub stop: Option<(StopMode, StopCause)>,
     /// Why the run failed (a model failure, a refusal, a cut-off answer).
     pub failure: Option<String>,
+    /// Why the sandbox was lost, when that failed the run (cleared by a
+    /// resume, as the failure is).
+    pub sandbox_lost: Option<String>,
     /// The text of the last response.
     pub final_text: String,
     pub usage: Usage,
@@ -101,6 +104,7 @@ impl State {
             pending_calls: Vec::new(),
             stop: None,
             failure: None,
+            sandbox_lost: None,
             final_text: String::new(),
             usage: Usage::default(),
             input_ids: HashSet::new(),
@@ -217,6 +221,7 @@ impl State {
                 self.last_end = None;
                 self.stop = None;
                 self.failure = None;
+                self.sandbox_lost = None;
                 if self.in_flight.take().is_some() {
                     // Its answer is lost: the same context goes out again.
                     self.has_new = true;
@@ -265,6 +270,7 @@ impl State {
                 self.in_flight = None;
                 // New work: a previous stop or failure no longer holds.
                 self.failure = None;
+                self.sandbox_lost = None;
             }
             Record::Heartbeat { text } => {
                 self.context.add_heartbeat(text);
@@ -319,7 +325,10 @@ impl State {
                     }
                 }
             }
-            Record::SandboxLost { reason } => self.failure = Some(reason.clone()),
+            Record::SandboxLost { reason } => {
+                self.failure = Some(reason.clone());
+                self.sandbox_lost = Some(reason.clone());
+            }
             Record::Placed {
                 worker,
                 worker_id,

@@ -196,16 +196,25 @@ async fn call<W, T, F, Fut>(
     patience: Duration,
     stop: &CancellationToken,
     f: F,
-) -> Result<T, String>
+) -> Result<T, CallError>
 where
     W: WorkerApi,
     F: FnMut() -> Fut,
     Fut: Future<Output = Result<T, ApiError>>,
 {
     tokio::select! {
-        r = follow::retry(worker, patience, f) => r.map_err(|e| e.to_string()),
-        () = stop.cancelled() => Err("the operation manager stopped".into()),
+        r = follow::retry(worker, patience, f) => r.map_err(CallError::Worker),
+        () = stop.cancelled() => Err(CallError::Stopped),
     }
+}
+
+/// Why a worker call of the manager failed.
+#[derive(Debug, thiserror::Error)]
+enum CallError {
+    #[error(transparent)]
+    Worker(FollowError),
+    #[error("the operation manager stopped")]
+    Stopped,
 }
 
 async fn next_event<W: WorkerApi>(
@@ -336,10 +345,11 @@ impl<W: WorkerApi> Actor<W> {
         match submitted {
             Ok(record) => self.track(op, record).await,
             Err(e) => {
-                op.fail(e.clone());
+                op.fail(e.to_string());
                 self.publish(op).await;
-                if e.starts_with("sandbox lost") {
-                    self.fail_all(&e, true).await;
+                // Its worker stayed unreachable past the deadline.
+                if matches!(e, CallError::Worker(FollowError::GaveUp { .. })) {
+                    self.fail_all(&e.to_string(), true).await;
                 }
             }
         }
