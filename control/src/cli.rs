@@ -132,6 +132,39 @@ pub struct CpArgs {
     /// Show no progress, even on a terminal.
     #[arg(long, short, env = "CORRAL_QUIET")]
     pub quiet: bool,
+    #[command(flatten)]
+    pub out: OutArgs,
+}
+
+/// What is taken of files coming out of a sandbox (`cp` out, exports):
+/// they are the sandbox's, so hostile.
+#[derive(Debug, Clone, Args)]
+pub struct OutArgs {
+    /// Most bytes of file data one copy out brings (a sparse file counts
+    /// at its full size); past it the copy fails.
+    #[arg(long, env = "CORRAL_MAX_BYTES", default_value = "8g", value_parser = parse_size)]
+    pub max_bytes: u64,
+    /// Most entries (files, directories, links) one copy out brings.
+    #[arg(long, env = "CORRAL_MAX_ENTRIES", default_value_t = corral_harness::transfer::DEFAULT_MAX_ENTRIES)]
+    pub max_entries: u64,
+    /// Bring git's configuration, hooks and info/attributes too (left out
+    /// by default: a repository's config can name commands that git runs
+    /// on this machine).
+    #[arg(long, env = "CORRAL_WITH_GIT_CONFIG")]
+    pub with_git_config: bool,
+}
+
+impl OutArgs {
+    /// These limits over `rules`.
+    pub fn apply(
+        &self,
+        mut rules: corral_harness::transfer::Unpacking,
+    ) -> corral_harness::transfer::Unpacking {
+        rules.max_bytes = Some(self.max_bytes);
+        rules.max_entries = Some(self.max_entries);
+        rules.skip_git_config = !self.with_git_config;
+        rules
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -198,6 +231,8 @@ pub struct RunArgs {
     /// directory (made if missing).
     #[arg(long, env = "CORRAL_EXPORT", value_name = "DIR")]
     pub export: Option<PathBuf>,
+    #[command(flatten)]
+    pub out: OutArgs,
     /// Leave the session's sandbox running when the run ends. By default
     /// it is suspended: its /workspace is saved beside the session's log
     /// and the sandbox removed, so it holds nothing on the worker; the next
@@ -267,6 +302,8 @@ pub enum SessionCommand {
         /// be a git repository): against its HEAD, new files included.
         #[arg(long)]
         diff: bool,
+        #[command(flatten)]
+        out: OutArgs,
         #[arg(long, env = "CORRAL_SESSIONS_DIR")]
         sessions_dir: Option<PathBuf>,
     },

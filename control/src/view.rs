@@ -20,9 +20,36 @@ pub struct TerminalView {
     progress_line: bool,
 }
 
+/// `s` with its control characters made visible (caret notation, `^[`
+/// for ESC; C1 controls as `\u{9b}`): what models, commands and sandboxes
+/// say reaches the terminal as text, never as escape sequences that move
+/// the cursor, retitle the window, write the clipboard or hide what came
+/// before. New lines and tabs stay.
+pub fn printable(s: &str) -> std::borrow::Cow<'_, str> {
+    let is_control = |c: char| {
+        (c.is_control() && c != '\n' && c != '\t') || matches!(c, '\u{2028}' | '\u{2029}')
+    };
+    if !s.chars().any(is_control) {
+        return std::borrow::Cow::Borrowed(s);
+    }
+    let mut out = String::with_capacity(s.len() + 8);
+    for c in s.chars() {
+        match c {
+            c if !is_control(c) => out.push(c),
+            '\u{7f}' => out.push_str("^?"),
+            c if (c as u32) < 0x20 => {
+                out.push('^');
+                out.push(char::from(c as u8 + 0x40));
+            }
+            c => out.push_str(&format!("\\u{{{:x}}}", c as u32)),
+        }
+    }
+    std::borrow::Cow::Owned(out)
+}
+
 pub fn one_line(s: &str, max: usize) -> String {
     let line = s.lines().next().unwrap_or("");
-    let mut out: String = line.chars().take(max).collect();
+    let mut out: String = printable(line).chars().take(max).collect();
     if line.chars().count() > max || s.lines().nth(1).is_some() {
         out.push('…');
     }
@@ -77,7 +104,7 @@ impl TerminalView {
             self.progress_line = false;
         }
         if let Event::TextDelta { text, .. } = e {
-            out.write_all(text.as_bytes())?;
+            out.write_all(printable(text).as_bytes())?;
             out.flush()?;
             self.mid_line = !text.ends_with('\n');
             return Ok(());
@@ -95,9 +122,10 @@ impl TerminalView {
                 worker,
             } => writeln!(
                 err,
-                "corral: session {session_id}{} · sandbox {sandbox_id} on {} · model {model}",
+                "corral: session {session_id}{} · sandbox {sandbox_id} on {} · model {}",
                 if *resumed { " (resumed)" } else { "" },
-                worker.as_deref().unwrap_or("the embedded worker")
+                printable(worker.as_deref().unwrap_or("the embedded worker")),
+                printable(model)
             )?,
             Event::TurnStarted { turn, changes, .. } => {
                 write!(err, "── turn {turn}")?;
@@ -112,7 +140,11 @@ impl TerminalView {
             }
             Event::ModelRetry {
                 attempt, reason, ..
-            } => writeln!(err, "   retrying (attempt {attempt}): {reason}")?,
+            } => writeln!(
+                err,
+                "   retrying (attempt {attempt}): {}",
+                printable(reason)
+            )?,
             Event::Steered { turn } => writeln!(err, "   turn {turn} canceled by a new input")?,
             Event::ToolCall {
                 call_id,
@@ -143,7 +175,9 @@ impl TerminalView {
                 writeln!(err, "{}", result_line(tool, status, *exit_code, took, text))?;
             }
             Event::Heartbeat { .. } => writeln!(err, "♥ heartbeat sent to the model")?,
-            Event::ModelFailed { error, .. } => writeln!(err, "model failed: {error}")?,
+            Event::ModelFailed { error, .. } => {
+                writeln!(err, "model failed: {}", printable(error))?
+            }
             Event::TurnCompleted { .. }
             | Event::TextDelta { .. }
             | Event::ToolProgress { .. }
@@ -160,7 +194,7 @@ impl TerminalView {
                     r.duration_ms as f64 / 1000.0,
                     r.error
                         .as_ref()
-                        .map(|e| format!(" · {e}"))
+                        .map(|e| format!(" · {}", printable(e)))
                         .unwrap_or_default()
                 )?;
             }
@@ -218,6 +252,23 @@ impl View {
 mod tests {
     use super::*;
     use std::time::Duration;
+
+    #[test]
+    fn control_characters_reach_the_terminal_as_text() {
+        // A title change, a clipboard write (OSC 52), a cursor move and a
+        // CSI in its one-character C1 form.
+        let hostile = "ok\x1b]0;pwned\x07\x1b]52;c;ZWNobyBldmls\x07\x1b[2J\r\u{9b}31mred\u{7f}";
+        let shown = printable(hostile);
+        assert!(!shown.chars().any(|c| c.is_control()), "{shown:?}");
+        assert_eq!(
+            shown,
+            "ok^[]0;pwned^G^[]52;c;ZWNobyBldmls^G^[[2J^M\\u{9b}31mred^?"
+        );
+        assert_eq!(printable("a\tb\nc"), "a\tb\nc");
+        assert!(!one_line(hostile, 200).contains('\x1b'));
+        let line = result_line("Bash", "ok", Some(0), None, "\x1b[31mred");
+        assert_eq!(line, "✓ Bash: ^[[31mred");
+    }
 
     #[test]
     fn results_are_marked_by_how_they_ended() {

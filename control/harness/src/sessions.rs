@@ -46,8 +46,12 @@ const EVENTS_CAPACITY: usize = 1024;
 const MAX_SKILL_FILES_BYTES: u64 = 32 << 20;
 const MAX_SKILL_FILES: usize = 2_000;
 /// The patch of a git workspace against its HEAD, through an index of its
-/// own (the repository's stays as it is).
+/// own (the repository's stays as it is), with nothing of the repository's
+/// configuration run on the way: no fsmonitor, hook, external diff or
+/// textconv filter. (What it prints is still the sandbox's: a patch to read
+/// before applying.)
 const DIFF_COMMAND: &str = r#"cd /workspace || exit 1
+git() { command git -c core.fsmonitor=false -c core.hooksPath=/dev/null -c diff.external= -c color.ui=never "$@"; }
 if ! command -v git >/dev/null; then
   echo "git is not in this sandbox's image (export it whole, without --diff)" >&2
   exit 3
@@ -65,7 +69,7 @@ if git rev-parse --verify -q HEAD >/dev/null; then
 else
   base=$(git hash-object -t tree /dev/null)
 fi
-git add -A . && git diff --cached --binary "$base""#;
+git add -A . && git diff --cached --binary --no-ext-diff --no-textconv --no-color "$base""#;
 
 /// How long a session's sandbox outlives the last client that used it: a
 /// run watches its sandbox all along, and suspends it when it ends; this
@@ -718,26 +722,38 @@ impl Sessions {
     /// Copies the session's /workspace into the local directory `dest`
     /// (made if missing), from `worker` (the one it was placed on). A
     /// running session may be exported: what it has written so far comes.
+    ///
+    /// What comes is the sandbox's, so hostile: `rules` (usually
+    /// [`Unpacking::contents_from_sandbox`](crate::transfer::Unpacking::contents_from_sandbox))
+    /// bound it, and the notes of the result say what was left out.
     pub async fn export<W: WorkerApi>(
         &self,
         id: &str,
         worker: W,
         dest: &Path,
+        rules: crate::transfer::Unpacking,
     ) -> Result<crate::transfer::Moved, SessionError> {
         let config = self.config_of(id)?;
         let saved = self.saved_workspace(id);
         if saved.exists() {
             // Suspended: the files are here already.
-            return crate::transfer::unpack_saved(&saved, dest)
+            return crate::transfer::unpack_saved(&saved, dest, rules)
                 .await
                 .map_err(|e| SessionError::Invalid(e.to_string()));
         }
-        crate::transfer::download_contents(&worker, &config.sandbox_id, WORKSPACE, dest, |_| {})
-            .await
-            .map_err(|e| SessionError::Sandbox {
-                sandbox: config.sandbox_id.clone(),
-                error: e.to_string(),
-            })
+        crate::transfer::download_contents(
+            &worker,
+            &config.sandbox_id,
+            WORKSPACE,
+            dest,
+            rules,
+            |_| {},
+        )
+        .await
+        .map_err(|e| SessionError::Sandbox {
+            sandbox: config.sandbox_id.clone(),
+            error: e.to_string(),
+        })
     }
 
     /// Removes a stored session: its sandbox from `worker` (the one it was

@@ -45,10 +45,25 @@ pub enum TransferError {
     Local(String),
 }
 
-/// What moved: the archive's bytes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub use corral_init::archive::{DEFAULT_MAX_ENTRIES, Unpacking, archive_name};
+
+/// What moved: the archive's bytes, and, coming out, what was left out.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Moved {
     pub bytes: u64,
+    /// A note per entry left out (special files, git's configuration), at
+    /// most [`corral_init::archive::MAX_NOTES`]; `left_out` counts them all.
+    pub notes: Vec<String>,
+    pub left_out: u64,
+}
+
+impl Moved {
+    fn bytes(bytes: u64) -> Self {
+        Self {
+            bytes,
+            ..Self::default()
+        }
+    }
 }
 
 /// Copies the local `src` (a file, a link or a tree) to `dest` in the
@@ -107,25 +122,38 @@ async fn upload_with<W: WorkerApi>(
 }
 
 /// Copies `src` of the sandbox (a file, a link or a tree) to the local
-/// `dest`: into `dest` when that is a directory, else as `dest`.
+/// `dest`: into `dest` when that is a directory, else as `dest`. What comes
+/// is hostile: `rules` (usually [`Unpacking::from_sandbox`] of the name
+/// [`corral_init::archive::archive_name`] gives `src`) say what is taken.
 /// `progress` hears the archive bytes received so far.
 pub async fn download<W: WorkerApi>(
     worker: &W,
     sandbox: &SandboxId,
     src: &str,
     dest: &Path,
+    rules: Unpacking,
     progress: impl FnMut(u64),
 ) -> Result<Moved, TransferError> {
-    download_with(worker, sandbox, ArchiveSpec::new(src), dest, progress).await
+    download_with(
+        worker,
+        sandbox,
+        ArchiveSpec::new(src),
+        dest,
+        rules,
+        progress,
+    )
+    .await
 }
 
 /// Copies the contents of the sandbox's directory `src` into the local
-/// directory `dest` (made if missing): a workspace brought back, say.
+/// directory `dest` (made if missing): a workspace brought back, say,
+/// under `rules` (usually [`Unpacking::contents_from_sandbox`]).
 pub async fn download_contents<W: WorkerApi>(
     worker: &W,
     sandbox: &SandboxId,
     src: &str,
     dest: &Path,
+    rules: Unpacking,
     progress: impl FnMut(u64),
 ) -> Result<Moved, TransferError> {
     download_with(
@@ -133,6 +161,7 @@ pub async fn download_contents<W: WorkerApi>(
         sandbox,
         ArchiveSpec::contents_of(src),
         dest,
+        rules,
         progress,
     )
     .await
@@ -143,6 +172,7 @@ async fn download_with<W: WorkerApi>(
     sandbox: &SandboxId,
     spec: ArchiveSpec,
     dest: &Path,
+    rules: Unpacking,
     progress: impl FnMut(u64),
 ) -> Result<Moved, TransferError> {
     let (tx, rx) = mpsc::channel::<Bytes>(QUEUED_CHUNKS);
@@ -152,9 +182,9 @@ async fn download_with<W: WorkerApi>(
     let unpacker = tokio::task::spawn_blocking(move || {
         let input = ChunkReader::new(rx);
         if contents {
-            corral_init::archive::unpack_contents(&target, &shown, input)
+            corral_init::archive::unpack_contents_with(&target, &shown, input, &rules)
         } else {
-            corral_init::archive::unpack(&target, &shown, input)
+            corral_init::archive::unpack_with(&target, &shown, input, &rules)
         }
     });
     let got = get(worker, sandbox, spec, tx, progress).await;
@@ -162,7 +192,11 @@ async fn download_with<W: WorkerApi>(
         .await
         .map_err(|e| TransferError::Local(format!("unpacking: {e}")))?;
     match (got, unpacked) {
-        (Ok(moved), Ok(_)) => Ok(moved),
+        (Ok(moved), Ok(done)) => Ok(Moved {
+            notes: done.notes,
+            left_out: done.left_out,
+            ..moved
+        }),
         // The local side stopped first: its error is the cause.
         (Err(_), Err(e)) | (Ok(_), Err(e)) => Err(TransferError::Local(e)),
         (Err(e), Ok(_)) => Err(e),
@@ -195,7 +229,7 @@ pub async fn put<W: WorkerApi>(
             event = events.next() => match event?.kind {
                 EventKind::Output { stream: OutputStream::Stderr, data } => keep(&mut stderr, &data),
                 EventKind::Finished(result) => {
-                    return ended(&result, &stderr).map(|()| Moved { bytes: offset });
+                    return ended(&result, &stderr).map(|()| Moved::bytes(offset));
                 }
                 EventKind::SandboxLost { reason } => {
                     return Err(TransferError::Sandbox(format!("the sandbox was lost: {reason}")));
@@ -322,7 +356,7 @@ async fn stdout_of<W: WorkerApi>(
             }
             EventKind::Output { data, .. } => keep(&mut stderr, &data),
             EventKind::Finished(result) => {
-                return ended(&result, &stderr).map(|()| Moved { bytes: received });
+                return ended(&result, &stderr).map(|()| Moved::bytes(received));
             }
             EventKind::SandboxLost { reason } => {
                 return Err(TransferError::Sandbox(format!(
@@ -535,16 +569,30 @@ pub async fn restore_contents<W: WorkerApi>(
 }
 
 /// Unpacks a tar file of a directory's contents (see [`save_contents`])
-/// into the local directory `dest`, made if missing.
-pub async fn unpack_saved(file: &Path, dest: &Path) -> Result<Moved, TransferError> {
+/// into the local directory `dest`, made if missing, under `rules` (it
+/// came out of a sandbox).
+pub async fn unpack_saved(
+    file: &Path,
+    dest: &Path,
+    rules: Unpacking,
+) -> Result<Moved, TransferError> {
     let (file, dest) = (file.to_path_buf(), absolute(dest)?);
     tokio::task::spawn_blocking(move || {
         let input = std::fs::File::open(&file)
             .map_err(|e| TransferError::Local(format!("{}: {e}", file.display())))?;
         let bytes = input.metadata().map_or(0, |m| m.len());
-        corral_init::archive::unpack_contents(&dest, &dest.display().to_string(), input)
-            .map(|_| Moved { bytes })
-            .map_err(TransferError::Local)
+        corral_init::archive::unpack_contents_with(
+            &dest,
+            &dest.display().to_string(),
+            input,
+            &rules,
+        )
+        .map(|done| Moved {
+            bytes,
+            notes: done.notes,
+            left_out: done.left_out,
+        })
+        .map_err(TransferError::Local)
     })
     .await
     .map_err(|e| TransferError::Local(format!("unpacking: {e}")))?

@@ -6,7 +6,7 @@ use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use corral_harness::transfer::{self, TransferError};
+use corral_harness::transfer::{self, TransferError, Unpacking};
 use corral_proto::SandboxId;
 
 use crate::cli::{ConnArgs, CpArgs};
@@ -66,7 +66,17 @@ async fn cp(conn: &ConnArgs, args: &CpArgs) -> Result<(), Error> {
         }
         (End::Sandbox(sandbox, src), End::Local(dest)) => {
             let worker = connect_for(conn, &sandbox).await?;
-            transfer::download(&worker, &sandbox, &src, &dest, |n| meter.show(n)).await?
+            // Only the tree asked for, under its own name: the archive is
+            // the sandbox's to forge.
+            let rules = args
+                .out
+                .apply(Unpacking::from_sandbox(transfer::archive_name(&src)));
+            let moved =
+                transfer::download(&worker, &sandbox, &src, &dest, rules, |n| meter.show(n))
+                    .await?;
+            meter.done(moved.bytes);
+            super::left_out(&moved);
+            return Ok(());
         }
         (End::Local(_), End::Local(_)) => {
             return Err(Error::Usage(

@@ -69,3 +69,19 @@ async fn dispatch(cli: Cli) -> u8 {
 fn report(e: &dyn std::error::Error) {
     eprintln!("corral: {}", corral_harness::client::source_chain(e));
 }
+
+/// Says what a copy out of a sandbox left out, a line each (the names are
+/// the sandbox's: their control characters are shown escaped).
+#[allow(clippy::print_stderr)]
+fn left_out(moved: &corral_harness::transfer::Moved) {
+    for note in &moved.notes {
+        eprintln!("corral: {}", crate::view::printable(note));
+    }
+    let more = moved.left_out.saturating_sub(moved.notes.len() as u64);
+    if more > 0 {
+        eprintln!("corral: and {more} more left out");
+    }
+    if moved.notes.iter().any(|n| n.contains("git configuration")) {
+        eprintln!("corral: (git configuration is left out unless --with-git-config)");
+    }
+}

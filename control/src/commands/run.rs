@@ -17,6 +17,7 @@ use corral_harness::session::LogError;
 use corral_harness::sessions::{
     RunOptions, STOP_PATIENCE, SessionError, SessionHandle, SessionRequest, Sessions, parse_request,
 };
+use corral_harness::transfer::Unpacking;
 use futures_util::StreamExt;
 
 use corral_harness::placement::Attempt;
@@ -300,12 +301,16 @@ async fn run(conn: &ConnArgs, args: &RunArgs, json: bool) -> Result<u8, Error> {
         Ending::Interrupted => ("interrupted", EXIT_INTERRUPTED),
     };
     // However the run ended, what it made is brought back.
-    if let Some(dest) = &args.export
-        && let Err(e) = store.export(&id, connection.clone(), dest).await
-    {
-        super::report(&e);
-        if code == EXIT_DONE {
-            code = super::EXIT_CORRAL_ERROR;
+    if let Some(dest) = &args.export {
+        let rules = args.out.apply(Unpacking::contents_from_sandbox());
+        match store.export(&id, connection.clone(), dest, rules).await {
+            Ok(moved) => super::left_out(&moved),
+            Err(e) => {
+                super::report(&e);
+                if code == EXIT_DONE {
+                    code = super::EXIT_CORRAL_ERROR;
+                }
+            }
         }
     }
     if !args.keep_sandbox {

@@ -7,6 +7,7 @@ use std::io::Write;
 use corral_harness::agent::{Ending, Record};
 use corral_harness::session::LogError;
 use corral_harness::sessions::SessionError;
+use corral_harness::transfer::Unpacking;
 
 use crate::cli::{ConnArgs, SessionCommand};
 use crate::connect::{ConnectError, connect_to};
@@ -146,6 +147,7 @@ async fn session_command(conn: &ConnArgs, cmd: &SessionCommand) -> Result<(), Er
             id,
             dest,
             diff,
+            out: limits,
             sessions_dir,
         } => {
             let store = super::run::sessions(sessions_dir.as_deref());
@@ -154,7 +156,9 @@ async fn session_command(conn: &ConnArgs, cmd: &SessionCommand) -> Result<(), Er
             if *diff {
                 store.export_diff(id, worker, dest).await?;
             } else {
-                store.export(id, worker, dest).await?;
+                let rules = limits.apply(Unpacking::contents_from_sandbox());
+                let moved = store.export(id, worker, dest, rules).await?;
+                super::left_out(&moved);
             }
         }
     }

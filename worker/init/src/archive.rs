@@ -11,7 +11,14 @@
 //! directories are checked one by one (a link among them must resolve
 //! inside), the entry itself replaces whatever link stands at its place,
 //! and names that are absolute or climb out (`..`) are refused. Packing
-//! stores links as links and never follows them.
+//! stores links as links and never follows them, a file with several hard
+//! links once (the others as links to it), and leaves special files out.
+//!
+//! What comes out of a sandbox is hostile, whoever packed it (a command may
+//! have tampered with the helper): [`Unpacking::from_sandbox`] takes only
+//! the one tree the client asked for, under its own name, caps modes at
+//! 0755/0644 under the local umask, makes no special file, can leave out
+//! git's configuration and hooks, and stops at a size and an entry count.
 
 use std::fs;
 use std::io::{self, Read, Write};
@@ -24,6 +31,132 @@ use crate::fileops::{Roots, resolve_under_roots};
 pub struct Moved {
     pub entries: u64,
     pub bytes: u64,
+    /// What was left out, and why, one note each (at most [`MAX_NOTES`];
+    /// `left_out` counts them all).
+    pub notes: Vec<String>,
+    pub left_out: u64,
+}
+
+/// Makes this process untraceable by its own user (not dumpable: ptrace,
+/// `/proc/PID/mem` and `/proc/PID/fd` need `CAP_SYS_PTRACE` then, which no
+/// sandbox has), then checks that no tracer attached before that: what an
+/// archive helper does first.
+pub fn untraceable() -> Result<(), String> {
+    nix::sys::prctl::set_dumpable(false).map_err(|e| format!("prctl(PR_SET_DUMPABLE): {e}"))?;
+    let status =
+        fs::read_to_string("/proc/self/status").map_err(|e| format!("/proc/self/status: {e}"))?;
+    let tracer = status
+        .lines()
+        .find_map(|l| l.strip_prefix("TracerPid:"))
+        .map(str::trim);
+    match tracer {
+        Some("0") => Ok(()),
+        Some(pid) => Err(format!(
+            "traced by process {pid}: the archive helper refuses to run"
+        )),
+        None => Err("/proc/self/status names no TracerPid".into()),
+    }
+}
+
+/// Notes kept of what a transfer left out.
+pub const MAX_NOTES: usize = 20;
+
+impl Moved {
+    fn leave_out(&mut self, note: String) {
+        self.left_out += 1;
+        if self.notes.len() < MAX_NOTES {
+            self.notes.push(note);
+        }
+    }
+}
+
+/// Default ceiling on the bytes a transfer out of a sandbox unpacks.
+pub const DEFAULT_MAX_BYTES: u64 = 8 << 30;
+/// Default ceiling on the entries a transfer out of a sandbox unpacks.
+pub const DEFAULT_MAX_ENTRIES: u64 = 1_000_000;
+
+/// How an archive is taken. The default is what the sandbox's own side
+/// does with what its client sends (modes kept but set-id bits, FIFOs
+/// made); [`Unpacking::from_sandbox`] is for what comes out of one.
+#[derive(Debug, Clone, Default)]
+pub struct Unpacking {
+    /// One tree: every entry under the first one's top name, and a top
+    /// entry that is not a directory is the whole archive.
+    pub one_tree: bool,
+    /// The top name the tree must have (the source's own name), when it
+    /// lands under its own name in an existing directory.
+    pub top_name: Option<std::ffi::OsString>,
+    /// Masked from every mode, as a umask is; `None` keeps the modes.
+    pub mode_mask: Option<u32>,
+    /// FIFOs and devices are left out with a note instead of being made.
+    pub skip_special: bool,
+    /// Git's configuration (`config`, `config.worktree`, `commondir`),
+    /// hooks and `info/attributes` of any `.git` directory, and `.git`
+    /// files that point elsewhere, are left out with a note.
+    pub skip_git_config: bool,
+    /// Bytes of file data (a sparse file counts at its full size).
+    pub max_bytes: Option<u64>,
+    pub max_entries: Option<u64>,
+}
+
+impl Unpacking {
+    /// What comes out of a sandbox: one tree named `top_name` (the
+    /// source's own name, see [`archive_name`]), modes at most 0755/0644
+    /// under the local umask, no special file, git's configuration and
+    /// hooks left out, at most the default bytes and entries.
+    pub fn from_sandbox(top_name: Option<std::ffi::OsString>) -> Self {
+        Self {
+            one_tree: true,
+            top_name,
+            mode_mask: Some(local_umask() | 0o022),
+            skip_special: true,
+            skip_git_config: true,
+            max_bytes: Some(DEFAULT_MAX_BYTES),
+            max_entries: Some(DEFAULT_MAX_ENTRIES),
+        }
+    }
+
+    /// [`Unpacking::from_sandbox`] for a directory's contents, unpacked
+    /// into a directory of their own: every name lands under it, so there
+    /// is no one tree to hold them to.
+    pub fn contents_from_sandbox() -> Self {
+        Self {
+            one_tree: false,
+            ..Self::from_sandbox(None)
+        }
+    }
+}
+
+/// This process's umask, read without changing it (`umask(2)` would, for
+/// every thread); 022 where `/proc` does not say.
+pub fn local_umask() -> u32 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("Umask:"))
+                .and_then(|v| u32::from_str_radix(v.trim(), 8).ok())
+        })
+        .unwrap_or(0o022)
+}
+
+/// The name an archive of the sandbox path `raw` gives its top entry: the
+/// last component of the path, taken lexically (a relative path is under
+/// /workspace), so that the client knows it before the archive comes. `None`
+/// for the root.
+pub fn archive_name(raw: &str) -> Option<std::ffi::OsString> {
+    let joined = Path::new("/workspace").join(raw);
+    let mut parts: Vec<&std::ffi::OsStr> = Vec::new();
+    for c in joined.components() {
+        match c {
+            Component::ParentDir => {
+                parts.pop();
+            }
+            Component::Normal(p) => parts.push(p),
+            Component::RootDir | Component::CurDir | Component::Prefix(_) => {}
+        }
+    }
+    parts.last().map(|p| p.to_os_string())
 }
 
 /// Unpacks the tar stream `input` at `dest`, which must resolve under the
@@ -48,6 +181,16 @@ enum Top {
 /// Set-user-id, set-group-id and sticky bits are dropped. `dest` is how
 /// messages name the target.
 pub fn unpack(target: &Path, dest: &str, input: impl Read) -> Result<Moved, String> {
+    unpack_with(target, dest, input, &Unpacking::default())
+}
+
+/// [`unpack`] under `rules`.
+pub fn unpack_with(
+    target: &Path,
+    dest: &str,
+    input: impl Read,
+    rules: &Unpacking,
+) -> Result<Moved, String> {
     let (base, top) = match fs::symlink_metadata(target) {
         Ok(m) if m.is_dir() => (target.to_path_buf(), Top::Keep),
         Ok(_) | Err(_) => {
@@ -61,23 +204,71 @@ pub fn unpack(target: &Path, dest: &str, input: impl Read) -> Result<Moved, Stri
             (parent.to_path_buf(), Top::Rename(name.to_os_string()))
         }
     };
-    unpack_at(&base, top, dest, input)
+    unpack_at(&base, top, dest, input, rules)
 }
 
 /// Unpacks an archive of a directory's contents (see [`pack_contents`])
 /// into `dir`, made if missing: a whole workspace brought back, say.
 pub fn unpack_contents(dir: &Path, dest: &str, input: impl Read) -> Result<Moved, String> {
-    fs::create_dir_all(dir).map_err(|e| format!("{dest}: {e}"))?;
-    unpack_at(dir, Top::Keep, dest, input)
+    unpack_contents_with(dir, dest, input, &Unpacking::default())
 }
 
-fn unpack_at(base: &Path, top: Top, dest: &str, input: impl Read) -> Result<Moved, String> {
+/// [`unpack_contents`] under `rules`.
+pub fn unpack_contents_with(
+    dir: &Path,
+    dest: &str,
+    input: impl Read,
+    rules: &Unpacking,
+) -> Result<Moved, String> {
+    fs::create_dir_all(dir).map_err(|e| format!("{dest}: {e}"))?;
+    unpack_at(dir, Top::Keep, dest, input, rules)
+}
+
+/// The parts of a git directory that make git run commands or read
+/// configuration from elsewhere: what an export leaves out unless asked.
+fn is_git_config(rel: &Path, kind: tar::EntryType) -> bool {
+    let parts: Vec<&std::ffi::OsStr> = rel.iter().collect();
+    for (i, part) in parts.iter().enumerate() {
+        if *part != ".git" {
+            continue;
+        }
+        let rest = &parts[i + 1..];
+        match rest {
+            // A `.git` file says where the repository is: anywhere.
+            [] if kind != tar::EntryType::Directory => return true,
+            [name]
+                if matches!(
+                    name.to_str(),
+                    Some("config" | "config.worktree" | "commondir")
+                ) =>
+            {
+                return true;
+            }
+            [hooks, ..] if *hooks == "hooks" => return true,
+            [info, attributes] if *info == "info" && *attributes == "attributes" => return true,
+            _ => {}
+        }
+    }
+    false
+}
+
+fn unpack_at(
+    base: &Path,
+    top: Top,
+    dest: &str,
+    input: impl Read,
+    rules: &Unpacking,
+) -> Result<Moved, String> {
     let base = fs::canonicalize(base).map_err(|e| format!("{dest}: {e}"))?;
     let mut archive = tar::Archive::new(input);
     archive.set_preserve_permissions(false);
     archive.set_preserve_mtime(true);
     archive.set_overwrite(true);
+    let mask = rules.mode_mask.unwrap_or(0);
+    archive.set_mask(mask);
     let mut moved = Moved::default();
+    // The first entry's top name, and whether it was a directory.
+    let mut tree: Option<(std::ffi::OsString, bool)> = None;
     // Directories get their modes and times last: what is unpacked into
     // them would change both.
     let mut dirs: Vec<(PathBuf, u32, u64)> = Vec::new();
@@ -90,15 +281,63 @@ fn unpack_at(base: &Path, top: Top, dest: &str, input: impl Read) -> Result<Move
             .path()
             .map_err(|e| format!("reading the archive: {e}"))?
             .into_owned();
+        let kind = entry.header().entry_type();
+        if matches!(
+            kind,
+            tar::EntryType::XGlobalHeader
+                | tar::EntryType::XHeader
+                | tar::EntryType::GNULongName
+                | tar::EntryType::GNULongLink
+        ) {
+            continue;
+        }
+        if rules.one_tree {
+            one_tree(&mut tree, &name, kind, rules, &top)?;
+        }
         let rel = relative(&name, &top)?;
         if rel.as_os_str().is_empty() {
             continue;
         }
+        let shown = name.display();
+        if rules.skip_git_config && is_git_config(&rel, kind) {
+            moved.leave_out(format!("{shown}: git configuration, left out"));
+            continue;
+        }
+        if rules.skip_special
+            && matches!(
+                kind,
+                tar::EntryType::Fifo | tar::EntryType::Char | tar::EntryType::Block
+            )
+        {
+            moved.leave_out(format!("{shown}: a special file, left out"));
+            continue;
+        }
+        if rules.max_entries.is_some_and(|max| moved.entries >= max) {
+            return Err(format!(
+                "the archive holds more than {} entries (the limit: --max-entries)",
+                rules.max_entries.unwrap_or(0)
+            ));
+        }
+        let size = match kind {
+            tar::EntryType::GNUSparse => entry
+                .header()
+                .as_gnu()
+                .and_then(|g| g.real_size().ok())
+                .unwrap_or(0)
+                .max(entry.size()),
+            _ => entry.size(),
+        };
+        if let Some(max) = rules.max_bytes
+            && moved.bytes.saturating_add(size) > max
+        {
+            return Err(format!(
+                "the archive holds more than {} of file data (the limit: --max-bytes)",
+                human_bytes(max)
+            ));
+        }
         let full = base.join(&rel);
         let parent = full.parent().unwrap_or(&base);
         make_parents(&base, parent, &name)?;
-        let kind = entry.header().entry_type();
-        let shown = name.display();
         match kind {
             tar::EntryType::Directory => {
                 match fs::symlink_metadata(&full) {
@@ -109,7 +348,7 @@ fn unpack_at(base: &Path, top: Top, dest: &str, input: impl Read) -> Result<Move
                 if !full.is_dir() {
                     fs::create_dir(&full).map_err(|e| format!("{shown}: {e}"))?;
                 }
-                let mode = entry.header().mode().unwrap_or(0o755);
+                let mode = entry.header().mode().unwrap_or(0o755) & !mask;
                 let mtime = entry.header().mtime().unwrap_or(0);
                 dirs.push((full, mode, mtime));
             }
@@ -118,6 +357,9 @@ fn unpack_at(base: &Path, top: Top, dest: &str, input: impl Read) -> Result<Move
                     .link_name()
                     .map_err(|e| format!("{shown}: {e}"))?
                     .ok_or_else(|| format!("{shown}: a hard link without a target"))?;
+                if rules.one_tree {
+                    same_tree(&tree, &target, &name)?;
+                }
                 let target = base.join(relative(&target, &top)?);
                 // The file linked to must be inside the destination too: a
                 // link among its directories may not lead out.
@@ -139,16 +381,11 @@ fn unpack_at(base: &Path, top: Top, dest: &str, input: impl Read) -> Result<Move
             | tar::EntryType::Symlink
             | tar::EntryType::Fifo => {
                 clear(&full, &name)?;
-                moved.bytes += entry.size();
+                moved.bytes += size;
                 entry
                     .unpack(&full)
                     .map_err(|e| format!("{shown}: {}", plain(&e)))?;
             }
-            // Extended headers are read by the entries that follow them.
-            tar::EntryType::XGlobalHeader
-            | tar::EntryType::XHeader
-            | tar::EntryType::GNULongName
-            | tar::EntryType::GNULongLink => continue,
             other => return Err(format!("{shown}: cannot unpack a {other:?} entry")),
         }
         moved.entries += 1;
@@ -162,12 +399,90 @@ fn unpack_at(base: &Path, top: Top, dest: &str, input: impl Read) -> Result<Move
     Ok(moved)
 }
 
+/// Checks that `name` belongs to the archive's one tree (see
+/// [`Unpacking::one_tree`]), the first entry naming it.
+fn one_tree(
+    tree: &mut Option<(std::ffi::OsString, bool)>,
+    name: &Path,
+    kind: tar::EntryType,
+    rules: &Unpacking,
+    top: &Top,
+) -> Result<(), String> {
+    let first = top_of(name);
+    match tree {
+        None => {
+            let first =
+                first.ok_or_else(|| format!("{}: an entry with no name", name.display()))?;
+            if let (Top::Keep, Some(want)) = (top, &rules.top_name)
+                && first != *want
+            {
+                return Err(format!(
+                    "{}: not under {}, the name asked for: the archive is refused",
+                    name.display(),
+                    Path::new(want).display()
+                ));
+            }
+            *tree = Some((first, kind == tar::EntryType::Directory));
+            Ok(())
+        }
+        Some((top_name, is_dir)) => {
+            if !*is_dir {
+                return Err(format!(
+                    "{}: more than the one file asked for: the archive is refused",
+                    name.display()
+                ));
+            }
+            if first.as_ref() != Some(top_name) {
+                return Err(format!(
+                    "{}: not under {}, the tree asked for: the archive is refused",
+                    name.display(),
+                    Path::new(top_name).display()
+                ));
+            }
+            Ok(())
+        }
+    }
+}
+
+/// A hard link's target must be in the same tree as the link.
+fn same_tree(
+    tree: &Option<(std::ffi::OsString, bool)>,
+    target: &Path,
+    name: &Path,
+) -> Result<(), String> {
+    match tree {
+        Some((top, _)) if top_of(target).as_ref() == Some(top) => Ok(()),
+        _ => Err(format!(
+            "{}: a hard link out of the tree asked for: the archive is refused",
+            name.display()
+        )),
+    }
+}
+
+/// The first component of an entry's name (`.` for `./...`).
+fn top_of(name: &Path) -> Option<std::ffi::OsString> {
+    match name.components().next()? {
+        Component::Normal(p) => Some(p.to_os_string()),
+        Component::CurDir => Some(".".into()),
+        _ => None,
+    }
+}
+
+fn human_bytes(n: u64) -> String {
+    match n {
+        n if n >= 1 << 30 && n % (1 << 30) == 0 => format!("{} GiB", n >> 30),
+        n if n >= 1 << 20 && n % (1 << 20) == 0 => format!("{} MiB", n >> 20),
+        n => format!("{n} bytes"),
+    }
+}
+
 /// The tar stream of `src` (a file, a link or a whole tree, named by its
-/// last component), written to `out`. Links are stored as links; sockets,
+/// last component as given, see [`archive_name`]), written to `out`. Links are stored as links; sockets,
 /// which no archive holds, are left out with a note on stderr.
 pub fn get(roots: &Roots, src: &str, out: impl Write) -> Result<Moved, String> {
     let path = resolve_under_roots(roots, src)?;
-    pack(&path, out)
+    let name = archive_name(src).ok_or_else(|| format!("{src}: not a file name"))?;
+    pack_named(&path, PathBuf::from(name), out)
 }
 
 /// [`get`] of a directory's contents (see [`pack_contents`]).
@@ -201,10 +516,27 @@ fn pack_named(path: &Path, name: PathBuf, out: impl Write) -> Result<Moved, Stri
     let mut builder = tar::Builder::new(out);
     builder.follow_symlinks(false);
     let mut moved = Moved::default();
+    // Files with several links: the name each was first packed under.
+    let mut linked: std::collections::HashMap<(u64, u64), PathBuf> = Default::default();
     let mut stack = vec![(path, name, meta)];
     while let Some((path, name, meta)) = stack.pop() {
+        use std::os::unix::fs::MetadataExt;
         let ft = meta.file_type();
         let shown = path.display();
+        if ft.is_file() && meta.nlink() > 1 {
+            if let Some(first) = linked.get(&(meta.dev(), meta.ino())) {
+                let mut header = tar::Header::new_gnu();
+                header.set_metadata(&meta);
+                header.set_entry_type(tar::EntryType::Link);
+                header.set_size(0);
+                builder
+                    .append_link(&mut header, &name, first)
+                    .map_err(|e| format!("{shown}: {e}"))?;
+                moved.entries += 1;
+                continue;
+            }
+            linked.insert((meta.dev(), meta.ino()), name.clone());
+        }
         if ft.is_dir() {
             builder
                 .append_dir(&name, &path)
@@ -221,8 +553,10 @@ fn pack_named(path: &Path, name: PathBuf, out: impl Write) -> Result<Moved, Stri
                     .map_err(|e| format!("{}: {e}", child.path().display()))?;
                 stack.push((child.path(), name.join(child.file_name()), meta));
             }
-        } else if is_socket(&meta) {
-            eprintln!("corral-init: {shown}: a socket, left out");
+        } else if is_special(&meta) {
+            let note = format!("{shown}: a special file, left out");
+            eprintln!("corral-init: {note}");
+            moved.leave_out(note);
             continue;
         } else {
             if ft.is_file() {
@@ -241,9 +575,12 @@ fn pack_named(path: &Path, name: PathBuf, out: impl Write) -> Result<Moved, Stri
     Ok(moved)
 }
 
-fn is_socket(meta: &fs::Metadata) -> bool {
+/// Sockets, FIFOs and devices: no archive needs them, and a FIFO blocks
+/// whoever reads it.
+fn is_special(meta: &fs::Metadata) -> bool {
     use std::os::unix::fs::FileTypeExt;
-    meta.file_type().is_socket()
+    let ft = meta.file_type();
+    ft.is_socket() || ft.is_fifo() || ft.is_char_device() || ft.is_block_device()
 }
 
 /// An entry's name as a path under the destination: no root, no `..`, and
@@ -491,5 +828,171 @@ mod tests {
         // A destination outside the roots is refused before anything.
         assert!(put(&r, out.as_str(), over.as_slice()).is_err());
         assert!(get(&r, out.as_str(), Vec::new()).is_err());
+    }
+
+    #[test]
+    fn what_comes_out_of_a_sandbox_is_one_tree_under_the_name_asked_for() {
+        let dir = tempfile::tempdir().unwrap();
+        let home = dir.path().join("home");
+        fs::create_dir_all(&home).unwrap();
+        fs::write(home.join(".bashrc"), b"mine\n").unwrap();
+        let rules = Unpacking::from_sandbox(archive_name("/workspace/report.txt"));
+        // A forged second entry beside the file asked for.
+        let forged = tar_of(&[
+            ("report.txt", tar::EntryType::Regular, b"ok", None),
+            (".bashrc", tar::EntryType::Regular, b"evil", None),
+        ]);
+        let err = unpack_with(&home, "home", forged.as_slice(), &rules).unwrap_err();
+        assert!(err.contains("more than the one file"), "{err}");
+        assert_eq!(fs::read(home.join(".bashrc")).unwrap(), b"mine\n");
+        // Another name than the one asked for.
+        let other = tar_of(&[(".bashrc", tar::EntryType::Regular, b"evil", None)]);
+        let err = unpack_with(&home, "home", other.as_slice(), &rules).unwrap_err();
+        assert!(err.contains("the name asked for"), "{err}");
+        assert_eq!(fs::read(home.join(".bashrc")).unwrap(), b"mine\n");
+        // A tree that holds another tree beside it.
+        let rules = Unpacking::from_sandbox(archive_name("proj"));
+        let two = tar_of(&[
+            ("proj", tar::EntryType::Directory, b"", None),
+            ("proj/a", tar::EntryType::Regular, b"a", None),
+            ("other/b", tar::EntryType::Regular, b"b", None),
+        ]);
+        let err = unpack_with(&home, "home", two.as_slice(), &rules).unwrap_err();
+        assert!(err.contains("the tree asked for"), "{err}");
+        assert!(!home.join("other").exists());
+        // A hard link out of the tree.
+        let link = tar_of(&[
+            ("proj", tar::EntryType::Directory, b"", None),
+            ("proj/h", tar::EntryType::Link, b"", Some(".bashrc")),
+        ]);
+        let err = unpack_with(&home, "home", link.as_slice(), &rules).unwrap_err();
+        assert!(err.contains("hard link out of the tree"), "{err}");
+        // What was asked for lands.
+        let fine = tar_of(&[("report.txt", tar::EntryType::Regular, b"ok", None)]);
+        let rules = Unpacking::from_sandbox(archive_name("report.txt"));
+        unpack_with(&home, "home", fine.as_slice(), &rules).unwrap();
+        assert_eq!(fs::read(home.join("report.txt")).unwrap(), b"ok");
+    }
+
+    #[test]
+    fn modes_special_files_git_configuration_and_size_are_bounded_on_the_way_out() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("out");
+        let mut b = tar::Builder::new(Vec::new());
+        let mut add = |name: &str, kind: tar::EntryType, mode: u32, data: &[u8]| {
+            let mut h = tar::Header::new_gnu();
+            h.set_entry_type(kind);
+            h.set_mode(mode);
+            h.set_size(data.len() as u64);
+            b.append_data(&mut h, name, data).unwrap();
+        };
+        add("./", tar::EntryType::Directory, 0o777, b"");
+        add("./open", tar::EntryType::Directory, 0o777, b"");
+        add("./open/run.sh", tar::EntryType::Regular, 0o777, b"x");
+        add("./open/data", tar::EntryType::Regular, 0o666, b"x");
+        add("./pipe", tar::EntryType::Fifo, 0o644, b"");
+        add(
+            "./.git/config",
+            tar::EntryType::Regular,
+            0o644,
+            b"[core]\nfsmonitor = evil\n",
+        );
+        add(
+            "./.git/hooks/pre-commit",
+            tar::EntryType::Regular,
+            0o755,
+            b"evil",
+        );
+        add(
+            "./.git/info/attributes",
+            tar::EntryType::Regular,
+            0o644,
+            b"* filter=x",
+        );
+        add(
+            "./.git/HEAD",
+            tar::EntryType::Regular,
+            0o644,
+            b"ref: refs/heads/main\n",
+        );
+        add(
+            "./sub/.git",
+            tar::EntryType::Regular,
+            0o644,
+            b"gitdir: /elsewhere\n",
+        );
+        let tar = b.into_inner().unwrap();
+        let mut rules = Unpacking::contents_from_sandbox();
+        rules.mode_mask = Some(0o022);
+        let moved = unpack_contents_with(&out, "out", tar.as_slice(), &rules).unwrap();
+        let mode = |p: &str| fs::metadata(out.join(p)).unwrap().permissions().mode() & 0o7777;
+        assert_eq!(mode("open"), 0o755);
+        assert_eq!(mode("open/run.sh"), 0o755);
+        assert_eq!(mode("open/data"), 0o644);
+        assert!(!out.join("pipe").exists());
+        assert!(!out.join(".git/config").exists());
+        assert!(!out.join(".git/hooks/pre-commit").exists());
+        assert!(!out.join(".git/info/attributes").exists());
+        assert!(!out.join("sub/.git").exists());
+        assert!(out.join(".git/HEAD").is_file());
+        assert_eq!(moved.left_out, 5, "{:?}", moved.notes);
+        assert!(
+            moved
+                .notes
+                .iter()
+                .any(|n| n.contains("pipe: a special file"))
+        );
+        // The same archive, asked with git's configuration.
+        rules.skip_git_config = false;
+        let again = dir.path().join("again");
+        unpack_contents_with(&again, "again", tar.as_slice(), &rules).unwrap();
+        assert!(again.join(".git/config").is_file());
+        // Past the byte ceiling: a clear error.
+        rules.max_bytes = Some(1);
+        let err =
+            unpack_contents_with(&dir.path().join("x"), "x", tar.as_slice(), &rules).unwrap_err();
+        assert!(err.contains("--max-bytes"), "{err}");
+        rules.max_bytes = None;
+        rules.max_entries = Some(3);
+        let err =
+            unpack_contents_with(&dir.path().join("y"), "y", tar.as_slice(), &rules).unwrap_err();
+        assert!(err.contains("--max-entries"), "{err}");
+    }
+
+    #[test]
+    fn hard_links_travel_as_links_and_special_files_are_left_out() {
+        use std::os::unix::fs::MetadataExt;
+        let dir = tempfile::tempdir().unwrap();
+        let r = roots(dir.path());
+        let src = r.workspace.join("bomb");
+        fs::create_dir_all(&src).unwrap();
+        fs::write(src.join("big"), vec![7u8; 1 << 20]).unwrap();
+        for i in 0..100 {
+            fs::hard_link(src.join("big"), src.join(format!("l{i}"))).unwrap();
+        }
+        nix::unistd::mkfifo(
+            &src.join("fifo"),
+            nix::sys::stat::Mode::from_bits_truncate(0o644),
+        )
+        .unwrap();
+        let mut tar = Vec::new();
+        let packed = get(&r, "bomb", &mut tar).unwrap();
+        assert!(tar.len() < 2 << 20, "100 links made {} bytes", tar.len());
+        assert_eq!(packed.left_out, 1);
+        let out = dir.path().join("out");
+        fs::create_dir_all(&out).unwrap();
+        let moved = unpack_with(
+            &out,
+            "out",
+            tar.as_slice(),
+            &Unpacking::from_sandbox(archive_name("bomb")),
+        )
+        .unwrap();
+        assert!(moved.bytes <= 1 << 20, "{moved:?}");
+        let big = fs::metadata(out.join("bomb/big")).unwrap();
+        assert_eq!(big.nlink(), 101);
+        assert_eq!(fs::read(out.join("bomb/l99")).unwrap().len(), 1 << 20);
+        assert!(!out.join("bomb/fifo").exists());
     }
 }

@@ -10,6 +10,8 @@
 //!   shell command in its own process group, enforces timeouts and cancels,
 //!   reaps zombies, reads output under flow-control credit, and answers
 //!   re-attaching workers from its journal;
+//! - [`keeper`]: one per running command, the subreaper of all it starts,
+//!   so that nothing escapes its operation by leaving its session;
 //! - [`journal`]: the bounded, sequence-numbered event log (shared with the
 //!   worker, which keeps one per sandbox for its watchers);
 //! - [`capture`]: head/tail capture of an output stream with its full size;
@@ -30,6 +32,7 @@ pub mod archive;
 pub mod capture;
 pub mod fileops;
 pub mod journal;
+pub mod keeper;
 pub mod procs;
 pub mod supervisor;
 pub mod syscalls;

@@ -32,6 +32,14 @@ fn main() -> ExitCode {
         && (flag == "--put-archive" || flag == "--get-archive" || flag == "--get-contents")
         && roots_flag == "--roots"
     {
+        // Out of reach of the sandbox's commands (the same user) before it
+        // reads or writes anything: not dumpable, so none may trace it, read
+        // its memory or open its descriptors; and if one attached in the
+        // moment before, it stops here.
+        if let Err(e) = corral_init::archive::untraceable() {
+            eprintln!("corral-init: {e}");
+            return ExitCode::from(1);
+        }
         let roots = corral_init::fileops::Roots {
             workspace: workspace.into(),
             others: others.iter().map(Into::into).collect(),

@@ -1,8 +1,9 @@
 //! The processes of the sandbox, as `/proc` shows them: enough to kill an
 //! operation's whole session (its process group and any group a shell's
-//! job control made in it) and to count what a reset kills.
+//! job control made in it), to tell its keeper (see [`crate::keeper`]) to
+//! kill what left the session, and to count what a reset kills.
 
-use nix::sys::signal::{Signal, kill, killpg};
+use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 
 /// Pid and session id of every process in `/proc`.
@@ -18,6 +19,27 @@ fn sessions() -> impl Iterator<Item = (i32, i32)> {
         })
 }
 
+/// Pid and parent pid of every process in `/proc`.
+pub fn parents() -> Vec<(i32, i32)> {
+    std::fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|entry| {
+            let pid: i32 = entry.file_name().to_str()?.parse().ok()?;
+            let stat = std::fs::read_to_string(entry.path().join("stat")).ok()?;
+            Some((pid, parent_of(&stat)?))
+        })
+        .collect()
+}
+
+/// The parent field of a `/proc/PID/stat` line: the second after the
+/// command name.
+fn parent_of(stat: &str) -> Option<i32> {
+    let rest = &stat[stat.rfind(')')? + 1..];
+    rest.split_whitespace().nth(1)?.parse().ok()
+}
+
 /// The session field of a `/proc/PID/stat` line: the fourth after the
 /// command name, which is in parentheses and may hold anything.
 fn session_of(stat: &str) -> Option<i32> {
@@ -25,16 +47,29 @@ fn session_of(stat: &str) -> Option<i32> {
     rest.split_whitespace().nth(3)?.parse().ok()
 }
 
-/// Sends SIGKILL to the process group `sid` and to every process of the
-/// session `sid`. Returns whether any process was found to kill.
-pub fn kill_session(sid: Pid) -> bool {
-    let mut found = killpg(sid, Signal::SIGKILL).is_ok();
+/// Kills the operation whose keeper leads the session `sid`: the keeper,
+/// while it lives (`keeper_alive`: not yet reaped, so its pid is still
+/// its own), is told to kill everything it keeps, and every other process
+/// of the session gets SIGKILL. Returns whether any process was found.
+pub fn kill_session(sid: Pid, keeper_alive: bool) -> bool {
+    let mut found = keeper_alive && kill(sid, Signal::SIGUSR1).is_ok();
     for (pid, session) in sessions() {
-        if session == sid.as_raw() && kill(Pid::from_raw(pid), Signal::SIGKILL).is_ok() {
+        if session == sid.as_raw()
+            && pid != sid.as_raw()
+            && kill(Pid::from_raw(pid), Signal::SIGKILL).is_ok()
+        {
             found = true;
         }
     }
     found
+}
+
+/// Tells the keeper of session `sid`, while it lives, that its operation
+/// is ending: what it left in the background goes with its command.
+pub fn ending(sid: Pid, keeper_alive: bool) {
+    if keeper_alive {
+        let _ = kill(sid, Signal::SIGUSR2);
+    }
 }
 
 /// Processes a reset by `me` kills: as PID 1, all the others; outside a
@@ -57,5 +92,7 @@ mod tests {
         assert_eq!(session_of(stat), Some(41));
         assert_eq!(session_of("7 (sh) R 1 7 7 0"), Some(7));
         assert_eq!(session_of("garbage"), None);
+        assert_eq!(parent_of(stat), Some(1));
+        assert_eq!(parent_of("7 (sh) R 9 7 7 0"), Some(9));
     }
 }

@@ -514,14 +514,34 @@ struct KernelSigaction {
     mask: u64,
 }
 
-/// In the forked child, before exec: the command starts as on a fresh
-/// machine, with no signal blocked and every disposition the default
-/// (the supervisor's signalfd mask and ignored signals must not leak),
-/// in a session of its own, on its terminal if it has one.
+/// In the forked child, before exec, as the keeper to be: a session of
+/// the operation's own, on its terminal if it has one (the command, forked
+/// from it, is in both).
 ///
-/// Only async-signal-safe calls: sigprocmask, signal, setsid, ioctl.
+/// Only async-signal-safe calls: setsid, ioctl.
 #[allow(unsafe_code)]
-fn child_setup(terminal: bool) -> io::Result<()> {
+fn session_setup(terminal: bool) -> io::Result<()> {
+    // SAFETY: plain libc calls; no allocation, no lock.
+    unsafe {
+        if libc::setsid() < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        if terminal && libc::ioctl(0, libc::TIOCSCTTY, 0) < 0 {
+            return Err(io::Error::last_os_error());
+        }
+    }
+    Ok(())
+}
+
+/// In the command's process, before exec: it starts as on a fresh
+/// machine, with no signal blocked and every disposition the default (the
+/// supervisor's signalfd mask, the keeper's and ignored signals must not
+/// leak), as the command user with no supplementary group.
+///
+/// Only async-signal-safe calls: sigprocmask, rt_sigaction, setgroups,
+/// setgid, setuid.
+#[allow(unsafe_code)]
+fn command_setup(uid: Option<u32>) -> io::Result<()> {
     // SAFETY: plain libc calls on values owned here; no allocation, no lock.
     unsafe {
         let mut set: libc::sigset_t = std::mem::zeroed();
@@ -546,11 +566,13 @@ fn child_setup(terminal: bool) -> io::Result<()> {
                 );
             }
         }
-        if libc::setsid() < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        if terminal && libc::ioctl(0, libc::TIOCSCTTY, 0) < 0 {
-            return Err(io::Error::last_os_error());
+        if let Some(uid) = uid {
+            if libc::setgroups(0, std::ptr::null()) < 0
+                || libc::setgid(uid) < 0
+                || libc::setuid(uid) < 0
+            {
+                return Err(io::Error::last_os_error());
+            }
         }
     }
     Ok(())
@@ -1083,6 +1105,7 @@ impl Supervisor {
             return;
         }
         run.ending = Some(Ending::Canceled);
+        procs::ending(run.pgid, run.exit.is_none());
         let _ = killpg(run.pgid, Signal::SIGTERM);
         run.kill_at = Some(Instant::now() + grace);
     }
@@ -1122,7 +1145,7 @@ impl Supervisor {
                 let mut any = false;
                 for op in self.ops.values() {
                     if let Some(run) = &op.running {
-                        any |= procs::kill_session(run.pgid);
+                        any |= procs::kill_session(run.pgid, run.exit.is_none());
                     }
                 }
                 any
@@ -1333,21 +1356,21 @@ impl Supervisor {
             cmd.envs(env);
         }
         cmd.current_dir(&workdir);
-        if let Some(uid) = self.config.command_uid {
-            // std drops the supplementary groups too (setgroups before setuid).
-            cmd.uid(uid).gid(uid);
-        }
         let terminal = master.is_some();
-        // SAFETY: runs in the forked child before exec (after the switch to
-        // the command's user). The supervisor is single-threaded, so no lock
-        // (allocator included) can be held by another thread at the fork;
-        // the closure makes async-signal-safe calls, one prctl and one
-        // write of a proc file. It makes the command, not PID 1, the first
-        // choice of the OOM killer (a process that changed user is not
-        // dumpable, and its proc files are not its own until it is again).
+        let (uid, keep_background) = (self.config.command_uid, spec.keep_background);
+        // SAFETY: runs in the forked child before exec. The supervisor is
+        // single-threaded, so no lock (allocator included) can be held by
+        // another thread at the fork. The child becomes the operation's
+        // keeper (see `keeper`), which forks the command and never returns
+        // here; the command switches to its user, and makes itself, not
+        // PID 1, the first choice of the OOM killer (a process that changed
+        // user is not dumpable, and its proc files are not its own until it
+        // is again).
         unsafe {
             cmd.pre_exec(move || {
-                child_setup(terminal)?;
+                session_setup(terminal)?;
+                crate::keeper::fork(keep_background)?;
+                command_setup(uid)?;
                 let _ = nix::sys::prctl::set_dumpable(true);
                 let _ = std::fs::write("/proc/self/oom_score_adj", b"1000");
                 Ok(())
@@ -1535,7 +1558,7 @@ impl Supervisor {
                             run.stdin = None;
                         }
                         if !run.keep_background {
-                            procs::kill_session(run.pgid);
+                            procs::kill_session(run.pgid, false);
                             run.kill_at = Some(now);
                         }
                     }
@@ -1552,14 +1575,15 @@ impl Supervisor {
             };
             if run.ending.is_none() && run.exit.is_none() && now >= run.deadline {
                 run.ending = Some(Ending::TimedOut);
+                procs::ending(run.pgid, true);
                 let _ = killpg(run.pgid, Signal::SIGTERM);
                 run.kill_at = Some(now + grace);
             }
             if run.kill_at.is_some_and(|t| now >= t) {
                 // Repeated until the session is gone: a fork bomb may add
                 // members between two kills.
-                run.kill_at =
-                    procs::kill_session(run.pgid).then(|| now + Duration::from_millis(50));
+                run.kill_at = procs::kill_session(run.pgid, run.exit.is_none())
+                    .then(|| now + Duration::from_millis(50));
             }
         }
     }
@@ -1617,7 +1641,7 @@ impl Supervisor {
                 ..
             } = *run;
             if ending.is_some() || !keep_background {
-                procs::kill_session(pgid);
+                procs::kill_session(pgid, false);
             }
             if let Some(mut input) = input {
                 input.close();
@@ -1679,7 +1703,7 @@ impl Supervisor {
     fn kill_everything(&mut self) {
         for op in self.ops.values_mut() {
             if let Some(run) = &op.running {
-                procs::kill_session(run.pgid);
+                procs::kill_session(run.pgid, run.exit.is_none());
             }
             if let Some(FileTask::Write { writer, .. }) = op.file.take() {
                 writer.abort();

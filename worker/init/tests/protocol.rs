@@ -473,6 +473,67 @@ fn background_processes_end_with_the_command_unless_kept() {
     .unwrap();
 }
 
+/// Pids printed one a line.
+fn pids_of(r: &OperationResult) -> Vec<i32> {
+    r.stdout
+        .to_lossy_string()
+        .lines()
+        .map(|l| l.trim().parse().unwrap())
+        .collect()
+}
+
+#[test]
+fn nothing_escapes_its_operation_by_leaving_the_session() {
+    let mut init = Init::start();
+    attach(&mut init, 0, 1 << 20);
+    // A new session, and a new session whose parent is gone at once (a
+    // double fork): both used to outlive their command.
+    let escape = |n: u32| format!("setsid sh -c 'echo $$; exec sleep {n} >/dev/null 2>&1'");
+    let cmd = format!("{} & ( {} & ); sleep 0.3", escape(101), escape(102));
+    let (_, req) = run(&cmd);
+    init.send(req);
+    let r = result_of(&init.until_finished());
+    let pids = pids_of(&r);
+    assert_eq!(pids.len(), 2, "{:?}", r.stdout.to_lossy_string());
+    std::thread::sleep(Duration::from_millis(300));
+    for pid in &pids {
+        assert!(
+            !alive(*pid),
+            "process {pid} left its session and outlived its command"
+        );
+    }
+
+    // Kept background that left the session: it stays when the command
+    // ends, and goes when the command times out or is canceled.
+    let mut spec = ShellSpec::new(format!("{} & sleep 0.3", escape(103)));
+    spec.keep_background = true;
+    let (_, req) = shell(spec);
+    init.send(req);
+    let kept = pids_of(&result_of(&init.until_finished()));
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(alive(kept[0]), "a kept background process was killed");
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(kept[0]),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+
+    let mut spec = ShellSpec::new(format!("{} & sleep 0.3; exec sleep 100", escape(104)));
+    spec.keep_background = true;
+    spec.timeout_ms = Some(1_000);
+    let (_, req) = shell(spec);
+    init.send(req);
+    let r = result_of(&init.until_finished());
+    assert!(matches!(r.outcome, Outcome::TimedOut), "{:?}", r.outcome);
+    let pids = pids_of(&r);
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(
+        !alive(pids[0]),
+        "a timed-out operation left {} behind",
+        pids[0]
+    );
+}
+
 #[test]
 fn stdin_is_placed_by_offset_and_closed_at_its_end() {
     let mut init = Init::start();
