@@ -29,7 +29,7 @@ pub use error::ProtocolError;
 pub use event::{Event, EventKind, OutputStream};
 pub use ids::{OperationId, SandboxId};
 pub use result::{Captured, FileErrorKind, OperationResult, Outcome};
-pub use sandbox::{SandboxInfo, SandboxPolicy, SandboxState, SandboxStats, WorkerInfo};
+pub use sandbox::{Ceilings, SandboxInfo, SandboxPolicy, SandboxState, SandboxStats, WorkerInfo};
 pub use spec::{
     ArchiveSpec, NetworkMode, OperationSpec, ReadFileSpec, SandboxSpec, ShellSpec, TerminalSize,
     WriteFileSpec,

@@ -45,8 +45,9 @@ pub struct WorkerInfo {
 }
 
 /// What a worker lets a sandbox be: its operator's choice, never a
-/// client's. The default refuses every loosening.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+/// client's. The default refuses every loosening, and has the default
+/// ceilings.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SandboxPolicy {
     pub allow_root: bool,
     pub allow_writable_rootfs: bool,
@@ -60,6 +61,49 @@ pub struct SandboxPolicy {
     pub allow_any_image: bool,
     /// OCI runtimes a sandbox may name besides the worker's default.
     pub allowed_runtimes: Vec<String>,
+    /// The most a sandbox may ask for.
+    pub ceilings: Ceilings,
+}
+
+impl Default for SandboxPolicy {
+    fn default() -> Self {
+        Self {
+            allow_root: false,
+            allow_writable_rootfs: false,
+            allow_network: false,
+            allowed_capabilities: Vec::new(),
+            allowed_images: Vec::new(),
+            allow_any_image: false,
+            allowed_runtimes: Vec::new(),
+            ceilings: Ceilings::default(),
+        }
+    }
+}
+
+/// The most a sandbox may ask for: the operator's ceilings on its limits.
+/// The working memory, the workspace and /tmp are each capped, so their
+/// sum (the container's memory limit) is too.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Ceilings {
+    pub memory_bytes: u64,
+    pub cpu_millis: u32,
+    pub pids: u32,
+    pub workspace_bytes: u64,
+    pub tmp_bytes: u64,
+}
+
+impl Default for Ceilings {
+    /// 16 GiB of memory, 16 CPUs, 4,096 processes (an eighth of Linux's
+    /// default `pid_max`), a 16 GiB workspace, 4 GiB of /tmp.
+    fn default() -> Self {
+        Self {
+            memory_bytes: 16 << 30,
+            cpu_millis: 16_000,
+            pids: 4096,
+            workspace_bytes: 16 << 30,
+            tmp_bytes: 4 << 30,
+        }
+    }
 }
 
 impl From<SandboxPolicy> for pb::SandboxPolicy {
@@ -72,6 +116,11 @@ impl From<SandboxPolicy> for pb::SandboxPolicy {
             allowed_images: p.allowed_images,
             allow_any_image: p.allow_any_image,
             allowed_runtimes: p.allowed_runtimes,
+            max_memory_bytes: p.ceilings.memory_bytes,
+            max_cpu_millis: p.ceilings.cpu_millis,
+            max_pids: p.ceilings.pids,
+            max_workspace_bytes: p.ceilings.workspace_bytes,
+            max_tmp_bytes: p.ceilings.tmp_bytes,
         }
     }
 }
@@ -86,6 +135,13 @@ impl From<pb::SandboxPolicy> for SandboxPolicy {
             allowed_images: p.allowed_images,
             allow_any_image: p.allow_any_image,
             allowed_runtimes: p.allowed_runtimes,
+            ceilings: Ceilings {
+                memory_bytes: p.max_memory_bytes,
+                cpu_millis: p.max_cpu_millis,
+                pids: p.max_pids,
+                workspace_bytes: p.max_workspace_bytes,
+                tmp_bytes: p.max_tmp_bytes,
+            },
         }
     }
 }

@@ -107,6 +107,21 @@ pub struct WorkerArgs {
     /// OCI runtime of sandboxes that name none (default: the engine's).
     #[arg(long, env = "CORRAL_RUNTIME")]
     pub runtime: Option<String>,
+    /// Most working memory a sandbox may ask for (e.g. 16g).
+    #[arg(long, env = "CORRAL_MAX_MEMORY", default_value = "16g", value_parser = parse_size)]
+    pub max_memory: u64,
+    /// Most CPUs a sandbox may ask for (default: this host's).
+    #[arg(long, env = "CORRAL_MAX_CPUS")]
+    pub max_cpus: Option<f64>,
+    /// Most processes a sandbox may ask for.
+    #[arg(long, env = "CORRAL_MAX_PIDS", default_value_t = 4096)]
+    pub max_pids: u32,
+    /// Largest /workspace a sandbox may ask for (it counts as memory).
+    #[arg(long, env = "CORRAL_MAX_WORKSPACE", default_value = "16g", value_parser = parse_size)]
+    pub max_workspace: u64,
+    /// Largest /tmp a sandbox may ask for (it counts as memory).
+    #[arg(long, env = "CORRAL_MAX_TMP", default_value = "4g", value_parser = parse_size)]
+    pub max_tmp: u64,
     /// Connections served at once.
     #[arg(long, env = "CORRAL_MAX_CONNECTIONS", default_value_t = 1024)]
     pub max_connections: usize,
@@ -373,6 +388,23 @@ impl WorkerArgs {
                 .collect(),
             allow_any_image: self.allow_images.iter().any(|i| i == "*"),
             allowed_runtimes: self.allow_runtimes.clone(),
+            ceilings: corral_proto::Ceilings {
+                memory_bytes: self.max_memory,
+                cpu_millis: match self.max_cpus {
+                    Some(c) if c.is_finite() && c > 0.0 => (c * 1000.0).round() as u32,
+                    Some(c) => {
+                        return Err(ConfigError::Policy(format!(
+                            "--max-cpus {c}: not a positive number"
+                        )));
+                    }
+                    None => std::thread::available_parallelism()
+                        .map_or(1, std::num::NonZeroUsize::get)
+                        .saturating_mul(1000) as u32,
+                },
+                pids: self.max_pids,
+                workspace_bytes: self.max_workspace,
+                tmp_bytes: self.max_tmp,
+            },
         };
         crate::policy::check_policy(&policy).map_err(ConfigError::Policy)?;
         Ok(policy)
@@ -416,6 +448,26 @@ impl WorkerArgs {
             max_watchers: self.max_watchers,
         })
     }
+}
+
+/// Sizes like `512m`, `16g` (k, m, g, t; a plain number is bytes).
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    let t = s.trim().to_ascii_lowercase();
+    let t = t.trim_end_matches("ib").trim_end_matches('b');
+    let (num, mult) = match t.char_indices().last() {
+        Some((i, 'k')) => (&t[..i], 1u64 << 10),
+        Some((i, 'm')) => (&t[..i], 1 << 20),
+        Some((i, 'g')) => (&t[..i], 1 << 30),
+        Some((i, 't')) => (&t[..i], 1 << 40),
+        _ => (t, 1),
+    };
+    let n: f64 = num
+        .parse()
+        .map_err(|_| format!("{s:?} is not a size like 512m or 16g"))?;
+    if !n.is_finite() || n < 0.0 {
+        return Err(format!("{s:?} is not a size like 512m or 16g"));
+    }
+    Ok((n * mult as f64) as u64)
 }
 
 #[cfg(test)]

@@ -81,6 +81,7 @@ pub fn permissive() -> SandboxPolicy {
         allowed_images: Vec::new(),
         allow_any_image: true,
         allowed_runtimes: vec!["runsc".into()],
+        ceilings: Default::default(),
     }
 }
 
@@ -172,7 +173,69 @@ pub fn check(
             "image {image:?} is not on this worker's list (its operator allows it with corral-worker --allow-image {image})"
         )));
     }
+    check_ceilings(&policy.ceilings, spec)
+}
+
+/// Whether what `spec` asks for is within the operator's ceilings.
+fn check_ceilings(c: &corral_proto::Ceilings, spec: &SandboxSpec) -> Result<(), WorkerError> {
+    let over = |what: &str, asked: String, most: String, flag: &str| {
+        Err(denied(format!(
+            "{what} {asked} is more than this worker gives a sandbox ({most}; its operator raises the ceiling with corral-worker {flag})"
+        )))
+    };
+    if let Some(m) = spec.memory_bytes
+        && m > c.memory_bytes
+    {
+        return over("memory", size(m), size(c.memory_bytes), "--max-memory");
+    }
+    if let Some(n) = spec.cpu_millis
+        && n > c.cpu_millis
+    {
+        let cpus = |m: u32| format!("{} CPUs", f64::from(m) / 1000.0);
+        return over("a CPU limit of", cpus(n), cpus(c.cpu_millis), "--max-cpus");
+    }
+    if let Some(n) = spec.pids_limit
+        && n > c.pids
+    {
+        return over(
+            "a limit of",
+            format!("{n} processes"),
+            format!("at most {}", c.pids),
+            "--max-pids",
+        );
+    }
+    if let Some(w) = spec.workspace_bytes
+        && w > c.workspace_bytes
+    {
+        return over(
+            "a workspace of",
+            size(w),
+            size(c.workspace_bytes),
+            "--max-workspace",
+        );
+    }
+    if let Some(t) = spec.tmp_bytes
+        && t > c.tmp_bytes
+    {
+        return over("a /tmp of", size(t), size(c.tmp_bytes), "--max-tmp");
+    }
     Ok(())
+}
+
+/// Bytes as the flags take them: `512m`, `16g`.
+fn size(n: u64) -> String {
+    const UNITS: [(u64, &str); 4] = [(1 << 50, "p"), (1 << 40, "t"), (1 << 30, "g"), (1 << 20, "m")];
+    for (unit, name) in UNITS {
+        if n >= unit {
+            let v = n as f64 / unit as f64;
+            return if n % unit == 0 {
+                format!("{}{name}", n / unit)
+            } else {
+                format!("{v:.1}{name}")
+            };
+        }
+    }
+    format!("{n} bytes")
 }
 
 #[cfg(test)]
@@ -265,6 +328,73 @@ mod tests {
             })
             .is_err()
         );
+    }
+
+    #[test]
+    fn what_a_sandbox_asks_for_is_capped_by_the_operators_ceilings() {
+        let p = SandboxPolicy::default();
+        let cases: Vec<(SandboxSpec, &str)> = vec![
+            (
+                SandboxSpec {
+                    pids_limit: Some(4_000_000),
+                    ..spec()
+                },
+                "--max-pids",
+            ),
+            (
+                SandboxSpec {
+                    workspace_bytes: Some(1 << 50),
+                    ..spec()
+                },
+                "--max-workspace",
+            ),
+            (
+                SandboxSpec {
+                    tmp_bytes: Some(1 << 40),
+                    ..spec()
+                },
+                "--max-tmp",
+            ),
+            (
+                SandboxSpec {
+                    memory_bytes: Some(1 << 45),
+                    ..spec()
+                },
+                "--max-memory",
+            ),
+            (
+                SandboxSpec {
+                    cpu_millis: Some(1_000_000),
+                    ..spec()
+                },
+                "--max-cpus",
+            ),
+        ];
+        for (s, flag) in cases {
+            let e = check(&p, &s, "img", None).unwrap_err();
+            assert!(matches!(e, WorkerError::Denied(_)), "{e}");
+            assert!(e.to_string().contains(flag), "{e}");
+        }
+        let e = check(
+            &p,
+            &SandboxSpec {
+                workspace_bytes: Some(1 << 50),
+                ..spec()
+            },
+            "img",
+            None,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("a workspace of 1p") && e.contains("16g"), "{e}");
+        let within = SandboxSpec {
+            pids_limit: Some(4096),
+            workspace_bytes: Some(16 << 30),
+            memory_bytes: Some(2 << 30),
+            cpu_millis: Some(2000),
+            ..spec()
+        };
+        assert!(check(&p, &within, "img", None).is_ok());
     }
 
     #[test]

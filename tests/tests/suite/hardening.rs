@@ -214,6 +214,36 @@ async fn the_workers_policy_refuses_what_its_operator_did_not_allow() -> anyhow:
             },
             "--allow-image busybox:latest",
         ),
+        // Ceilings: more processes than the host has, and a workspace so
+        // large it would lift the memory limit (which covers the tmpfs).
+        (
+            SandboxSpec {
+                pids_limit: Some(4_000_000),
+                ..Default::default()
+            },
+            "--max-pids",
+        ),
+        (
+            SandboxSpec {
+                workspace_bytes: Some(1 << 50),
+                ..Default::default()
+            },
+            "--max-workspace",
+        ),
+        (
+            SandboxSpec {
+                tmp_bytes: Some(1 << 50),
+                ..Default::default()
+            },
+            "--max-tmp",
+        ),
+        (
+            SandboxSpec {
+                memory_bytes: Some(1 << 50),
+                ..Default::default()
+            },
+            "--max-memory",
+        ),
     ];
     for (spec, flag) in asks {
         let err = h.client.create_sandbox(None, spec).await.unwrap_err();
