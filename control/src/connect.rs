@@ -89,20 +89,145 @@ fn is_loopback(url: &str) -> bool {
             .is_ok_and(|ip| ip.is_loopback())
 }
 
+/// The host (an IP address, or `localhost`) and port of `url`.
+fn host_port(url: &str) -> Option<(String, u16)> {
+    let rest = url.split("://").nth(1).unwrap_or(url);
+    let authority = rest.split('/').next()?;
+    let (host, port) = match authority.strip_prefix('[') {
+        Some(v6) => {
+            let (h, p) = v6.split_once(']')?;
+            (h, p.strip_prefix(':')?)
+        }
+        None => authority.rsplit_once(':')?,
+    };
+    Some((host.to_string(), port.parse().ok()?))
+}
+
+/// The owners (uids) of the sockets listening on this machine's `port` at
+/// `host` (or at every address), from `/proc/net/tcp` and `tcp6`.
+fn listener_owners(host: &str, port: u16) -> Vec<u32> {
+    let wanted: Vec<std::net::IpAddr> = match host {
+        "localhost" => vec![
+            std::net::Ipv4Addr::LOCALHOST.into(),
+            std::net::Ipv6Addr::LOCALHOST.into(),
+        ],
+        h => h.parse().into_iter().collect(),
+    };
+    let mut owners = Vec::new();
+    for (file, v6) in [("/proc/net/tcp", false), ("/proc/net/tcp6", true)] {
+        let Ok(text) = std::fs::read_to_string(file) else {
+            continue;
+        };
+        for line in text.lines().skip(1) {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            // sl local rem st queues timer retransmits uid ...; 0A: LISTEN.
+            if f.len() < 8 || f[3] != "0A" {
+                continue;
+            }
+            let Some((addr, p)) = f[1].split_once(':') else {
+                continue;
+            };
+            if u16::from_str_radix(p, 16).ok() != Some(port) {
+                continue;
+            }
+            let Some(ip) = proc_net_ip(addr, v6) else {
+                continue;
+            };
+            let v4_mapped = match ip {
+                std::net::IpAddr::V6(a) => a.to_ipv4_mapped().map(std::net::IpAddr::V4),
+                std::net::IpAddr::V4(_) => None,
+            };
+            let at = ip.is_unspecified()
+                || wanted.contains(&ip)
+                || v4_mapped.is_some_and(|m| wanted.contains(&m));
+            if at && let Ok(uid) = f[7].parse() {
+                owners.push(uid);
+            }
+        }
+    }
+    owners
+}
+
+/// An address as `/proc/net/tcp*` writes it: 32-bit words in hex, each in
+/// this machine's byte order.
+fn proc_net_ip(hex: &str, v6: bool) -> Option<std::net::IpAddr> {
+    let words: Option<Vec<[u8; 4]>> = (0..hex.len() / 8)
+        .map(|i| {
+            u32::from_str_radix(hex.get(i * 8..i * 8 + 8)?, 16)
+                .ok()
+                .map(u32::to_ne_bytes)
+        })
+        .collect();
+    let bytes: Vec<u8> = words?.concat();
+    match (v6, bytes.len()) {
+        (false, 4) => Some(std::net::Ipv4Addr::new(bytes[0], bytes[1], bytes[2], bytes[3]).into()),
+        (true, 16) => {
+            let b: [u8; 16] = bytes.try_into().ok()?;
+            Some(std::net::Ipv6Addr::from(b).into())
+        }
+        _ => None,
+    }
+}
+
+/// A token goes to a worker on this machine only if the socket that
+/// listens there belongs to this user, to root, or to the owner of the
+/// token file: a port left free by a stopped worker may have been taken by
+/// another local user, who would get the token. (Nothing listening: the
+/// connection fails anyway.)
+fn check_listener(url: &str, token_owner: Option<u32>) -> Result<(), ConnectError> {
+    let Some((host, port)) = host_port(url) else {
+        return Ok(());
+    };
+    let me = nix::unistd::geteuid().as_raw();
+    let strangers: Vec<u32> = listener_owners(&host, port)
+        .into_iter()
+        .filter(|uid| *uid != me && *uid != 0 && Some(*uid) != token_owner)
+        .collect();
+    match strangers.first() {
+        None => Ok(()),
+        Some(uid) => Err(ConnectError::Invalid(format!(
+            "{url}: the socket listening there belongs to uid {uid}, not to you, root or the token's owner: the token is not sent (is the worker running?)"
+        ))),
+    }
+}
+
 /// The token for the workers of `--worker`: `--token-file`, else, for
 /// workers all on this machine, the one a worker run by this user made in
-/// its default state directory (never sent anywhere else). Workers found
-/// through a DNS name are checked against its name in their certificates.
+/// its default state directory (never sent anywhere else). A token goes to
+/// a worker on this machine only through a socket its user owns (see
+/// [`check_listener`]), and to workers found through a DNS name only over
+/// TLS, unless every address the name gave is this machine's. Those
+/// workers are checked against the name in their certificates.
 fn credentials(conn: &ConnArgs, urls: &[String]) -> Result<Credentials, ConnectError> {
+    use std::os::unix::fs::MetadataExt;
     let own = corral_worker::cli::default_state_dir("worker").join("token");
     let entries = entries(conn)?;
     let local =
         entries.iter().all(|e| matches!(e, Entry::Url(_))) && urls.iter().all(|u| is_loopback(u));
-    let token = match conn.token_file.as_deref() {
-        Some(path) => Some(corral_worker::cli::read_token(path)?),
-        None if local && own.exists() => Some(corral_worker::cli::read_token(&own)?),
-        None => None,
+    let (token, token_owner) = match conn.token_file.as_deref() {
+        Some(path) => (
+            Some(corral_worker::cli::read_token(path)?),
+            std::fs::metadata(path).ok().map(|m| m.uid()),
+        ),
+        None if local && own.exists() => (Some(corral_worker::cli::read_token(&own)?), None),
+        None => (None, None),
     };
+    if token.is_some() {
+        for url in urls.iter().filter(|u| is_loopback(u)) {
+            check_listener(url, token_owner)?;
+        }
+        let by_name = entries.iter().any(|e| !matches!(e, Entry::Url(_)));
+        if by_name
+            && client_tls(conn)?.is_none()
+            && let Some(far) = urls
+                .iter()
+                .find(|u| u.starts_with("http://") && !is_loopback(u))
+        {
+            return Err(ConnectError::Usage(format!(
+                "{far}: a worker found by DNS name gets the token over TLS only (give --tls-ca, or name the worker by its address)"
+            )));
+        }
+    }
     // The name workers' certificates carry: --tls-server-name, else the
     // DNS name they were found by (when they all were, by one name).
     let tls = client_tls(conn)?.map(|mut tls| {
@@ -246,6 +371,23 @@ pub async fn connect_for(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn listeners_are_found_with_their_owners() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let me = nix::unistd::geteuid().as_raw();
+        assert_eq!(listener_owners("127.0.0.1", port), vec![me]);
+        assert_eq!(listener_owners("localhost", port), vec![me]);
+        assert!(listener_owners("127.0.0.2", port).is_empty());
+        let url = format!("http://127.0.0.1:{port}");
+        assert!(check_listener(&url, None).is_ok());
+        assert_eq!(host_port("https://[::1]:7070"), Some(("::1".into(), 7070)));
+        assert_eq!(
+            proc_net_ip("0100007F", false),
+            Some(std::net::Ipv4Addr::LOCALHOST.into())
+        );
+    }
 
     #[test]
     fn the_own_token_goes_only_to_workers_on_this_machine() {

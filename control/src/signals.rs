@@ -28,12 +28,29 @@ pub fn stop_signals() -> impl futures_util::Stream<Item = i32> + Send + 'static 
 
 /// Resolves with the first of [`stop_signals`]. The handlers are in place
 /// when this returns (not when the future is first polled), so a signal
-/// that comes at once is not the default death.
+/// that comes at once is not the default death. A second stop signal,
+/// whatever this process is waiting for then (a worker that waits for its
+/// Docker engine, say), ends it at once with 128 + its number, the
+/// terminal's modes given back first.
 pub fn stop_signal() -> impl std::future::Future<Output = i32> + Send + 'static {
     use futures_util::StreamExt;
     let signals = stop_signals();
     async move {
-        let mut signals = std::pin::pin!(signals);
-        signals.next().await.unwrap_or(2)
+        let mut signals = Box::pin(signals);
+        let first = signals.next().await.unwrap_or(2);
+        tokio::spawn(async move {
+            if let Some(second) = signals.next().await {
+                leave_now(second);
+            }
+        });
+        first
     }
+}
+
+/// Ends this process at once, as a second stop signal asks.
+#[allow(clippy::print_stderr)]
+fn leave_now(sig: i32) -> ! {
+    crate::terminal::restore();
+    eprintln!("corral: a second signal: leaving without waiting for the worker");
+    std::process::exit(128 + sig)
 }

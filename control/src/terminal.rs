@@ -46,6 +46,9 @@ impl RawMode {
         let mut raw = saved.clone();
         termios::cfmakeraw(&mut raw);
         termios::tcsetattr(stdin.as_fd(), SetArg::TCSANOW, &raw).ok()?;
+        if let Ok(mut s) = SAVED.lock() {
+            *s = Some(saved.clone());
+        }
         Some(Self { saved })
     }
 }
@@ -53,6 +56,23 @@ impl RawMode {
 impl Drop for RawMode {
     fn drop(&mut self) {
         let _ = termios::tcsetattr(std::io::stdin().as_fd(), SetArg::TCSADRAIN, &self.saved);
+        if let Ok(mut s) = SAVED.lock() {
+            *s = None;
+        }
+    }
+}
+
+/// The modes a live [`RawMode`] will give back: for a process that leaves
+/// without unwinding.
+static SAVED: std::sync::Mutex<Option<Termios>> = std::sync::Mutex::new(None);
+
+/// Gives back the modes of a live [`RawMode`], if any (before an exit that
+/// runs no destructor).
+pub fn restore() {
+    if let Ok(s) = SAVED.lock()
+        && let Some(saved) = s.as_ref()
+    {
+        let _ = termios::tcsetattr(std::io::stdin().as_fd(), SetArg::TCSANOW, saved);
     }
 }
 

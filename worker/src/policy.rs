@@ -224,7 +224,12 @@ fn check_ceilings(c: &corral_proto::Ceilings, spec: &SandboxSpec) -> Result<(), 
 
 /// Bytes as the flags take them: `512m`, `16g`.
 fn size(n: u64) -> String {
-    const UNITS: [(u64, &str); 4] = [(1 << 50, "p"), (1 << 40, "t"), (1 << 30, "g"), (1 << 20, "m")];
+    const UNITS: [(u64, &str); 4] = [
+        (1 << 50, "p"),
+        (1 << 40, "t"),
+        (1 << 30, "g"),
+        (1 << 20, "m"),
+    ];
     for (unit, name) in UNITS {
         if n >= unit {
             let v = n as f64 / unit as f64;

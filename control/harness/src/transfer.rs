@@ -192,11 +192,17 @@ async fn download_with<W: WorkerApi>(
         .await
         .map_err(|e| TransferError::Local(format!("unpacking: {e}")))?;
     match (got, unpacked) {
-        (Ok(moved), Ok(done)) => Ok(Moved {
-            notes: done.notes,
-            left_out: done.left_out,
-            ..moved
-        }),
+        (Ok(moved), Ok(done)) => {
+            let mut notes = moved.notes;
+            let left_out = done.left_out + notes.len() as u64;
+            notes.extend(done.notes);
+            notes.truncate(corral_init::archive::MAX_NOTES);
+            Ok(Moved {
+                notes,
+                left_out,
+                bytes: moved.bytes,
+            })
+        }
         // The local side stopped first: its error is the cause.
         (Err(_), Err(e)) | (Ok(_), Err(e)) => Err(TransferError::Local(e)),
         (Err(e), Ok(_)) => Err(e),
@@ -356,7 +362,10 @@ async fn stdout_of<W: WorkerApi>(
             }
             EventKind::Output { data, .. } => keep(&mut stderr, &data),
             EventKind::Finished(result) => {
-                return ended(&result, &stderr).map(|()| Moved::bytes(received));
+                return ended(&result, &stderr).map(|()| Moved {
+                    notes: sandbox_notes(&stderr),
+                    ..Moved::bytes(received)
+                });
             }
             EventKind::SandboxLost { reason } => {
                 return Err(TransferError::Sandbox(format!(
@@ -372,6 +381,23 @@ async fn stdout_of<W: WorkerApi>(
             EventKind::Started { .. } => {}
         }
     }
+}
+
+/// What the sandbox side said it left out (a special file, say): its
+/// lines, without the helper's name, at most the usual number of notes.
+fn sandbox_notes(stderr: &[u8]) -> Vec<String> {
+    String::from_utf8_lossy(stderr)
+        .lines()
+        .map(|l| {
+            l.strip_prefix("corral-init: ")
+                .unwrap_or(l)
+                .trim()
+                .to_string()
+        })
+        .filter(|l| !l.is_empty())
+        .take(corral_init::archive::MAX_NOTES)
+        .map(|l| format!("in the sandbox: {l}"))
+        .collect()
 }
 
 fn keep(stderr: &mut Vec<u8>, data: &[u8]) {

@@ -21,3 +21,4 @@ mod roundtrip;
 mod service;
 mod sessions;
 mod tls;
+mod way_out;

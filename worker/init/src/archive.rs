@@ -300,7 +300,16 @@ fn unpack_at(
         }
         let shown = name.display();
         if rules.skip_git_config && is_git_config(&rel, kind) {
-            moved.leave_out(format!("{shown}: git configuration, left out"));
+            // One note for the hooks directory, not one per hook.
+            let in_hooks = rel
+                .parent()
+                .and_then(Path::file_name)
+                .is_some_and(|p| p == "hooks");
+            if in_hooks {
+                moved.left_out += 1;
+            } else {
+                moved.leave_out(format!("{shown}: git configuration, left out"));
+            }
             continue;
         }
         if rules.skip_special

@@ -1,0 +1,438 @@
+//! The way out: nothing that leaves a sandbox harms the host, another
+//! user, or the worker. A tree copied out comes bounded (modes, links,
+//! special files, git's configuration, a byte ceiling); the archive helper
+//! cannot be traced by the sandbox's commands; nothing a command starts
+//! outlives it by leaving its session; the user's token goes to no socket
+//! another user listens on; a second signal ends `corral exec` whatever its
+//! worker is doing.
+
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::path::Path;
+use std::process::Output;
+use std::time::Duration;
+
+use anyhow::{Result, bail};
+use corral_e2e::{Harness, binary};
+use corral_proto::{OperationSpec, SandboxId, SandboxSpec, ShellSpec};
+
+async fn corral(url: &str, args: &[&str]) -> Result<Output> {
+    Ok(tokio::process::Command::new(binary("corral")?)
+        .arg("--worker")
+        .arg(url)
+        .args(args)
+        .env_remove("CORRAL_WORKER")
+        .output()
+        .await?)
+}
+
+async fn ok(h: &Harness, sb: &SandboxId, cmd: &str) -> Result<String> {
+    let r = h.run(sb, cmd).await?;
+    if !r.outcome.is_success() {
+        bail!("{cmd}: {r:?}");
+    }
+    Ok(r.stdout.to_lossy_string())
+}
+
+fn git(dir: &Path, args: &[&str]) -> Result<()> {
+    let out = std::process::Command::new("git")
+        .arg("-C")
+        .arg(dir)
+        .args(args)
+        .env("GIT_CONFIG_NOSYSTEM", "1")
+        .env("HOME", dir)
+        .output()?;
+    if !out.status.success() {
+        bail!("git {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    Ok(())
+}
+
+/// A hostile tree: a repository whose config runs a command through
+/// `core.fsmonitor`, a hook, modes 0777 and 0666, a FIFO, and one 8 MB file
+/// under a hundred hard links. What comes out: no git configuration (said
+/// so), modes at most 0755/0644, no FIFO (said so), the links as links (8
+/// MB, not 800), and a ceiling that stops a copy with a clear error.
+#[tokio::test]
+async fn a_hostile_tree_comes_out_bounded() -> Result<()> {
+    let h = Harness::start().await?;
+    let sb = h.sandbox().await?;
+    let sid = sb.as_str();
+    let local = tempfile::tempdir()?;
+    let marker = local.path().join("fsmonitor-ran");
+    // A real repository, made here and copied in.
+    let repo = local.path().join("proj");
+    std::fs::create_dir(&repo)?;
+    git(&repo, &["init", "-q"])?;
+    std::fs::write(repo.join("a.txt"), "a\n")?;
+    let up = corral(
+        &h.url,
+        &["cp", repo.to_str().unwrap(), &format!("{sid}:/workspace/")],
+    )
+    .await?;
+    assert!(
+        up.status.success(),
+        "{}",
+        String::from_utf8_lossy(&up.stderr)
+    );
+    ok(
+        &h,
+        &sb,
+        &format!(
+            "cd /workspace/proj && printf '[core]\\n\\tfsmonitor = \"touch {m}; false\"\\n' >> .git/config && \
+             mkdir -p .git/hooks && printf '#!/bin/sh\\ntouch {m}\\n' > .git/hooks/post-checkout && \
+             chmod 755 .git/hooks/post-checkout && \
+             echo x > open.sh && chmod 0777 open.sh && echo y > open.txt && chmod 0666 open.txt && \
+             mkfifo pipe && head -c 8388608 /dev/zero > big && \
+             for i in $(seq 1 100); do ln big link$i; done",
+            m = marker.display()
+        ),
+    )
+    .await?;
+    let out = local.path().join("out");
+    std::fs::create_dir(&out)?;
+    let got = corral(
+        &h.url,
+        &["cp", &format!("{sid}:proj"), out.to_str().unwrap()],
+    )
+    .await?;
+    let said = String::from_utf8_lossy(&got.stderr);
+    assert!(got.status.success(), "{said}");
+    let copy = out.join("proj");
+    assert!(!copy.join(".git/config").exists(), "git's config came out");
+    assert!(!copy.join(".git/hooks").exists(), "git's hooks came out");
+    assert!(copy.join(".git/HEAD").is_file());
+    assert!(
+        said.contains(".git/config: git configuration, left out"),
+        "{said}"
+    );
+    assert!(said.contains("--with-git-config"), "{said}");
+    assert!(said.contains("pipe: a special file, left out"), "{said}");
+    assert!(said.lines().count() < 8, "one line per hook: {said}");
+    assert!(!copy.join("pipe").exists());
+    // git run in the copy runs nothing of the sandbox's.
+    git(&copy, &["status", "--short"])?;
+    assert!(!marker.exists(), "the sandbox's fsmonitor ran on the host");
+    let mode = |p: &str| -> Result<u32> {
+        Ok(std::fs::metadata(copy.join(p))?.permissions().mode() & 0o7777)
+    };
+    assert_eq!(mode("open.sh")?, 0o755);
+    assert_eq!(mode("open.txt")?, 0o644);
+    let big = std::fs::metadata(copy.join("big"))?;
+    assert_eq!(big.nlink(), 101, "hard links came out as copies");
+    assert_eq!(big.len(), 8 << 20);
+    let used = std::process::Command::new("du")
+        .args(["-sk"])
+        .arg(&copy)
+        .output()?;
+    let kib: u64 = String::from_utf8_lossy(&used.stdout)
+        .split_whitespace()
+        .next()
+        .unwrap_or("0")
+        .parse()?;
+    assert!(kib < 12 * 1024, "{kib} KiB on disk for one 8 MB file");
+
+    // Asked for: the configuration comes.
+    let again = local.path().join("again");
+    let got = corral(
+        &h.url,
+        &[
+            "cp",
+            "--with-git-config",
+            &format!("{sid}:proj"),
+            again.to_str().unwrap(),
+        ],
+    )
+    .await?;
+    assert!(
+        got.status.success(),
+        "{}",
+        String::from_utf8_lossy(&got.stderr)
+    );
+    assert!(again.join(".git/config").is_file());
+    // A ceiling: a clear error, and nothing past it.
+    let capped = local.path().join("capped");
+    let got = corral(
+        &h.url,
+        &[
+            "cp",
+            "--max-bytes",
+            "1m",
+            &format!("{sid}:proj"),
+            capped.to_str().unwrap(),
+        ],
+    )
+    .await?;
+    let said = String::from_utf8_lossy(&got.stderr);
+    assert_eq!(got.status.code(), Some(125), "{said}");
+    assert!(said.contains("--max-bytes"), "{said}");
+    assert!(!capped.join("big").exists());
+    h.client.destroy_sandbox(&sb).await?;
+    h.stop().await;
+    Ok(())
+}
+
+/// A command that leaves its session (`setsid`), and one whose parent dies
+/// at once, used to outlive their operation and could then work on what
+/// came after it (the archive helper of a `cp`, say). Now they end with it.
+#[tokio::test]
+async fn nothing_a_command_starts_outlives_it_by_leaving_its_session() -> Result<()> {
+    let h = Harness::start().await?;
+    let sb = h.sandbox().await?;
+    ok(
+        &h,
+        &sb,
+        "setsid sh -c 'exec sleep 1001' >/dev/null 2>&1 & \
+         ( setsid sh -c 'exec sleep 1002' >/dev/null 2>&1 & ) ; sleep 0.3",
+    )
+    .await?;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let left = ok(
+        &h,
+        &sb,
+        "for p in /proc/[0-9]*; do cat $p/cmdline 2>/dev/null | tr '\\0' ' '; echo; done | grep -c 'sleep 100[12]' || true",
+    )
+    .await?;
+    assert_eq!(
+        left.trim(),
+        "0",
+        "processes that left their session live on"
+    );
+    h.client.destroy_sandbox(&sb).await?;
+    h.stop().await;
+    Ok(())
+}
+
+/// The attack that wrote `~/.bashrc` through `corral cp`: a process of the
+/// sandbox's user (kept in the background, the strongest case) waits for
+/// the archive helper and traces it to make it emit extra entries. The
+/// helper is not dumpable from its first instruction (its binary is not
+/// readable by the sandbox's user), so every attach fails with EPERM.
+#[tokio::test]
+async fn the_archive_helper_cannot_be_traced_by_the_sandbox() -> Result<()> {
+    let h = Harness::start().await?;
+    let sb = h
+        .sandbox_with(SandboxSpec {
+            image: Some("corral-debian:latest".into()),
+            ..SandboxSpec::default()
+        })
+        .await?;
+    let sid = sb.as_str();
+    ok(
+        &h,
+        &sb,
+        "head -c 67108864 /dev/urandom > /workspace/report.bin",
+    )
+    .await?;
+    let tracer = r#"
+import ctypes, os, time
+libc = ctypes.CDLL(None, use_errno=True)
+libc.ptrace.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
+seen, results, end = set(), [], time.time() + 30
+open("/tmp/tracer.ready", "w").close()
+while time.time() < end and len(seen) < 3:
+    for p in os.listdir("/proc"):
+        if not p.isdigit() or p in seen:
+            continue
+        try:
+            cmd = open("/proc/%s/cmdline" % p, "rb").read()
+        except OSError:
+            continue
+        if b"--get-archive" in cmd:
+            seen.add(p)
+            r = libc.ptrace(16, int(p), None, None)
+            results.append("%d %d" % (r, ctypes.get_errno()))
+            if r == 0:
+                libc.ptrace(17, int(p), None, None)
+with open("/tmp/tracer.out", "w") as f:
+    f.write("\n".join(results) + "\n")
+"#;
+    let mut spec = ShellSpec::new(format!(
+        "cat > /tmp/tracer.py <<'EOF'\n{tracer}\nEOF\npython3 /tmp/tracer.py &"
+    ));
+    spec.keep_background = true;
+    h.run_spec(&sb, OperationSpec::Shell(spec)).await?;
+    ok(
+        &h,
+        &sb,
+        "while [ ! -e /tmp/tracer.ready ]; do sleep 0.05; done",
+    )
+    .await?;
+    let local = tempfile::tempdir()?;
+    for i in 0..3 {
+        let dest = local.path().join(format!("r{i}"));
+        let got = corral(
+            &h.url,
+            &["cp", &format!("{sid}:report.bin"), dest.to_str().unwrap()],
+        )
+        .await?;
+        assert!(
+            got.status.success(),
+            "{}",
+            String::from_utf8_lossy(&got.stderr)
+        );
+        assert_eq!(std::fs::metadata(&dest)?.len(), 64 << 20);
+    }
+    let results = ok(
+        &h,
+        &sb,
+        "for i in $(seq 1 400); do [ -e /tmp/tracer.out ] && break; sleep 0.1; done; cat /tmp/tracer.out",
+    )
+    .await?;
+    let attempts: Vec<&str> = results.lines().filter(|l| !l.is_empty()).collect();
+    assert!(!attempts.is_empty(), "the tracer never saw a helper");
+    for a in &attempts {
+        assert_eq!(
+            *a, "-1 1",
+            "an attach to the helper did not fail with EPERM: {results}"
+        );
+    }
+    h.client.destroy_sandbox(&sb).await?;
+    h.stop().await;
+    Ok(())
+}
+
+/// Another local user takes the port of a stopped worker: `corral` finds
+/// that the socket is not its user's (nor root's) and sends it no token.
+#[tokio::test]
+async fn a_squatter_on_the_workers_port_gets_no_token() -> Result<()> {
+    if !nix::unistd::geteuid().is_root() {
+        bail!("this test needs root (it runs a listener as the user nobody)");
+    }
+    let home = tempfile::tempdir()?;
+    let state = home.path().join(".local/state/corral/worker");
+    std::fs::create_dir_all(&state)?;
+    let token = "own-token-of-this-user-0123456789";
+    std::fs::write(state.join("token"), token)?;
+    std::fs::set_permissions(state.join("token"), std::fs::Permissions::from_mode(0o600))?;
+    // The squatter: nobody, listening where the worker was, writing down
+    // whatever it is sent.
+    let squat = r#"
+import socket, sys
+s = socket.socket(); s.bind(("127.0.0.1", 0)); s.listen(16)
+print(s.getsockname()[1], flush=True)
+s.settimeout(20)
+while True:
+    try:
+        c, _ = s.accept()
+    except OSError:
+        break
+    c.settimeout(2)
+    try:
+        while True:
+            d = c.recv(65536)
+            if not d:
+                break
+            sys.stdout.buffer.write(d); sys.stdout.flush()
+    except OSError:
+        pass
+"#;
+    let mut squatter = tokio::process::Command::new("python3")
+        .args(["-c", squat])
+        .uid(65534)
+        .gid(65534)
+        .current_dir("/")
+        .stdout(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()?;
+    let mut stdout = squatter.stdout.take().expect("piped");
+    let mut first = String::new();
+    {
+        use tokio::io::AsyncBufReadExt;
+        let mut lines = tokio::io::BufReader::new(&mut stdout);
+        lines.read_line(&mut first).await?;
+    }
+    let url = format!("http://127.0.0.1:{}", first.trim());
+    let out = tokio::process::Command::new(binary("corral")?)
+        .args(["--worker", &url, "exec", "--", "true"])
+        .env("HOME", home.path())
+        .env_remove("XDG_STATE_HOME")
+        .env_remove("CORRAL_WORKER")
+        .env_remove("CORRAL_TOKEN_FILE")
+        .output()
+        .await?;
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(125), "{said}");
+    assert!(said.contains("belongs to uid 65534"), "{said}");
+    squatter.start_kill()?;
+    let mut got = Vec::new();
+    tokio::io::AsyncReadExt::read_to_end(&mut stdout, &mut got).await?;
+    assert!(
+        !String::from_utf8_lossy(&got).contains(token),
+        "the squatter got the token"
+    );
+    Ok(())
+}
+
+/// The first SIGTERM cancels the command, which waits for the worker; the
+/// worker waits for its Docker engine, which is gone. A second SIGTERM
+/// ends `corral exec` at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_sigterm_ends_exec_during_a_docker_outage() -> Result<()> {
+    use tokio::net::{UnixListener, UnixStream};
+    let dir = tempfile::tempdir()?;
+    let sock = dir.path().join("docker.sock");
+    let listener = UnixListener::bind(&sock)?;
+    let proxy = tokio::spawn(async move {
+        let mut conns = tokio::task::JoinSet::new();
+        while let Ok((mut client, _)) = listener.accept().await {
+            conns.spawn(async move {
+                if let Ok(mut docker) = UnixStream::connect("/var/run/docker.sock").await {
+                    let _ = tokio::io::copy_bidirectional(&mut client, &mut docker).await;
+                }
+            });
+        }
+    });
+    let host = format!("unix://{}", sock.display());
+    let h = Harness::start_with(|c| c.docker_host = Some(host.clone())).await?;
+    let sb = h.sandbox().await?;
+    let mut exec = tokio::process::Command::new(binary("corral")?)
+        .args([
+            "--worker",
+            &h.url,
+            "exec",
+            "--sandbox",
+            sb.as_str(),
+            "--",
+            "sh",
+            "-c",
+        ])
+        .arg("trap '' TERM; echo started; sleep 300")
+        .env_remove("CORRAL_WORKER")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()?;
+    let mut stdout = exec.stdout.take().expect("piped");
+    let mut line = String::new();
+    {
+        use tokio::io::AsyncBufReadExt;
+        tokio::io::BufReader::new(&mut stdout)
+            .read_line(&mut line)
+            .await?;
+    }
+    assert_eq!(line, "started\n");
+    // The engine goes away (every connection with it).
+    proxy.abort();
+    let _ = proxy.await;
+    let _ = std::fs::remove_file(&sock);
+    let pid = nix::unistd::Pid::from_raw(exec.id().expect("running") as i32);
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM)?;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(
+        exec.try_wait()?.is_none(),
+        "the first SIGTERM waits for the cancel"
+    );
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM)?;
+    let status = tokio::time::timeout(Duration::from_secs(5), exec.wait())
+        .await
+        .map_err(|_| anyhow::anyhow!("corral exec still runs 5 s after a second SIGTERM"))??;
+    assert_eq!(status.code(), Some(143));
+    let mut err = String::new();
+    if let Some(mut e) = exec.stderr.take() {
+        tokio::io::AsyncReadExt::read_to_string(&mut e, &mut err).await?;
+    }
+    assert!(err.contains("second signal"), "{err}");
+    // Its sandbox goes with the harness (by its worker's label).
+    drop(h);
+    Ok(())
+}
