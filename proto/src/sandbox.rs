@@ -47,7 +47,7 @@ pub struct WorkerInfo {
 /// What a worker lets a sandbox be: its operator's choice, never a
 /// client's. The default refuses every loosening, and has the default
 /// ceilings.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct SandboxPolicy {
     pub allow_root: bool,
     pub allow_writable_rootfs: bool,
@@ -63,21 +63,6 @@ pub struct SandboxPolicy {
     pub allowed_runtimes: Vec<String>,
     /// The most a sandbox may ask for.
     pub ceilings: Ceilings,
-}
-
-impl Default for SandboxPolicy {
-    fn default() -> Self {
-        Self {
-            allow_root: false,
-            allow_writable_rootfs: false,
-            allow_network: false,
-            allowed_capabilities: Vec::new(),
-            allowed_images: Vec::new(),
-            allow_any_image: false,
-            allowed_runtimes: Vec::new(),
-            ceilings: Ceilings::default(),
-        }
-    }
 }
 
 /// The most a sandbox may ask for: the operator's ceilings on its limits.

@@ -300,7 +300,7 @@ pub fn token_or_new(path: &Path) -> Result<String, ConfigError> {
             reason,
         };
         if let Some(dir) = path.parent() {
-            std::fs::create_dir_all(dir).map_err(|e| err(e.to_string()))?;
+            crate::state::private_dir(dir).map_err(|e| err(e.to_string()))?;
         }
         let token = new_token();
         let tmp = path.with_extension("new");

@@ -233,7 +233,7 @@ fn size(n: u64) -> String {
     for (unit, name) in UNITS {
         if n >= unit {
             let v = n as f64 / unit as f64;
-            return if n % unit == 0 {
+            return if n.is_multiple_of(unit) {
                 format!("{}{name}", n / unit)
             } else {
                 format!("{v:.1}{name}")

@@ -31,12 +31,38 @@ pub struct SandboxRecord {
 
 const RECORD_VERSION: u32 = 1;
 
+/// Makes `dir` (and what is missing above it) for Corral's state, readable
+/// by its owner only: 0700, the leaf made so even when it existed.
+pub fn private_dir(dir: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+    fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)?;
+    fs::set_permissions(dir, fs::Permissions::from_mode(0o700))
+}
+
+/// Options that create a file of Corral's state readable by its owner
+/// only (0600).
+pub fn private_file() -> fs::OpenOptions {
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut o = fs::OpenOptions::new();
+    o.mode(0o600);
+    o
+}
+
 impl StateDir {
     /// Opens (creating) and locks the directory.
     pub fn open(root: &Path) -> Result<Self> {
         let err = |e| WorkerError::state(root, e);
-        fs::create_dir_all(root.join("sandboxes")).map_err(err)?;
-        let lock_file = File::create(root.join("lock")).map_err(err)?;
+        private_dir(root).map_err(err)?;
+        private_dir(&root.join("sandboxes")).map_err(err)?;
+        let lock_file = private_file()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(root.join("lock"))
+            .map_err(err)?;
         let lock = Flock::lock(lock_file, FlockArg::LockExclusiveNonblock).map_err(|_| {
             WorkerError::StateLocked(format!(
                 "state directory {} is in use by another worker process",
@@ -162,7 +188,11 @@ pub fn now_unix_ms() -> i64 {
 fn write_synced(path: &Path, data: &[u8]) -> std::io::Result<()> {
     let tmp = path.with_extension("tmp");
     {
-        let mut f = File::create(&tmp)?;
+        let mut f = private_file()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&tmp)?;
         f.write_all(data)?;
         f.sync_all()?;
     }
@@ -191,6 +221,14 @@ mod tests {
             ..Default::default()
         };
         state.save(&StateDir::new_record(&id, &spec)).unwrap();
+        // Its owner's only: the directory, the records, the id.
+        use std::os::unix::fs::PermissionsExt;
+        let mode = |p: &Path| fs::metadata(p).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode(dir.path()), 0o700);
+        assert_eq!(mode(&dir.path().join("sandboxes")), 0o700);
+        for entry in fs::read_dir(dir.path().join("sandboxes")).unwrap() {
+            assert_eq!(mode(&entry.unwrap().path()), 0o600);
+        }
         let all = state.load_all().unwrap();
         assert_eq!(all.len(), 1);
         assert_eq!(all[0].spec, spec);

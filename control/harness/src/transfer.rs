@@ -535,7 +535,15 @@ pub async fn save_contents<W: WorkerApi>(
     use tokio::io::AsyncWriteExt;
     let local = |e: std::io::Error| TransferError::Local(format!("{}: {e}", file.display()));
     let tmp = file.with_extension("tar.partial");
-    let mut out = tokio::fs::File::create(&tmp).await.map_err(local)?;
+    // The sandbox's files, beside the session's log: its owner's only.
+    let mut out = tokio::fs::File::from_std(
+        corral_worker::state::private_file()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&tmp)
+            .map_err(local)?,
+    );
     let (tx, mut rx) = mpsc::channel::<Bytes>(QUEUED_CHUNKS);
     let getting = get(worker, sandbox, ArchiveSpec::contents_of(src), tx, |_| {});
     let writing = async {

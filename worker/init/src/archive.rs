@@ -479,8 +479,8 @@ fn top_of(name: &Path) -> Option<std::ffi::OsString> {
 
 fn human_bytes(n: u64) -> String {
     match n {
-        n if n >= 1 << 30 && n % (1 << 30) == 0 => format!("{} GiB", n >> 30),
-        n if n >= 1 << 20 && n % (1 << 20) == 0 => format!("{} MiB", n >> 20),
+        n if n >= 1 << 30 && n.is_multiple_of(1 << 30) => format!("{} GiB", n >> 30),
+        n if n >= 1 << 20 && n.is_multiple_of(1 << 20) => format!("{} MiB", n >> 20),
         n => format!("{n} bytes"),
     }
 }

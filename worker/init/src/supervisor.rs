@@ -566,13 +566,12 @@ fn command_setup(uid: Option<u32>) -> io::Result<()> {
                 );
             }
         }
-        if let Some(uid) = uid {
-            if libc::setgroups(0, std::ptr::null()) < 0
+        if let Some(uid) = uid
+            && (libc::setgroups(0, std::ptr::null()) < 0
                 || libc::setgid(uid) < 0
-                || libc::setuid(uid) < 0
-            {
-                return Err(io::Error::last_os_error());
-            }
+                || libc::setuid(uid) < 0)
+        {
+            return Err(io::Error::last_os_error());
         }
     }
     Ok(())

@@ -11,7 +11,7 @@
 //! held while it is open), and creating or forking never replaces an
 //! existing session.
 
-use std::fs::{self, File, OpenOptions};
+use std::fs::{File, OpenOptions};
 use std::io::{BufRead, BufReader, Seek, SeekFrom, Write};
 use std::marker::PhantomData;
 use std::path::{Path, PathBuf};
@@ -173,9 +173,9 @@ impl<R: Serialize + DeserializeOwned> SessionLog<R> {
         forked_from: Option<ForkOrigin>,
     ) -> Result<Self, LogError> {
         check_id(id)?;
-        fs::create_dir_all(dir).map_err(io(dir))?;
+        corral_worker::state::private_dir(dir).map_err(io(dir))?;
         let path = path_of(dir, id);
-        let file = OpenOptions::new()
+        let file = corral_worker::state::private_file()
             .write(true)
             .read(true)
             .create_new(true)
@@ -476,6 +476,7 @@ fn scan<R: DeserializeOwned>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::fs;
 
     #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
     struct Rec {
@@ -495,6 +496,18 @@ mod tests {
 
     fn texts(records: &[(u64, Rec)]) -> Vec<(u64, String)> {
         records.iter().map(|(s, r)| (*s, r.text.clone())).collect()
+    }
+
+    #[test]
+    fn session_logs_are_their_owners_only() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let sessions = dir.path().join("sessions");
+        let mut log = SessionLog::<Rec>::create(&sessions, "s1").unwrap();
+        log.append(&rec("secret")).unwrap();
+        let mode = |p: &Path| fs::metadata(p).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode(&sessions), 0o700);
+        assert_eq!(mode(&path_of(&sessions, "s1")), 0o600);
     }
 
     #[test]
