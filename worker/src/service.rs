@@ -230,6 +230,17 @@ impl pb::worker_server::Worker for WorkerService {
                             .await;
                         return;
                     }
+                    // Part of the archive is gone: never a cut archive
+                    // that ends as if whole.
+                    corral_proto::EventKind::Gap { from, to } => {
+                        let _ = worker.cancel(&sid, &oid).await;
+                        let _ = tx
+                            .send(Err(Status::data_loss(format!(
+                                "events {from}..={to} of the archive were dropped by the worker's journal: the download is incomplete"
+                            ))))
+                            .await;
+                        return;
+                    }
                     _ => continue,
                 };
                 if tx.send(msg).await.is_err() {
@@ -237,6 +248,15 @@ impl pb::worker_server::Worker for WorkerService {
                     return;
                 }
             }
+            // The watch was dropped (a client that took too long to read,
+            // a sandbox removed, a worker stopping): the stream ends with
+            // an error, never as if the archive were whole.
+            let _ = worker.cancel(&sid, &oid).await;
+            let _ = tx
+                .send(Err(Status::unavailable(
+                    "the worker stopped following this download before it finished (its watch was dropped): the archive is incomplete",
+                )))
+                .await;
         });
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }

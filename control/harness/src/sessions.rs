@@ -51,11 +51,11 @@ const MAX_SKILL_FILES: usize = 2_000;
 /// textconv filter. (What it prints is still the sandbox's: a patch to read
 /// before applying.)
 const DIFF_COMMAND: &str = r#"cd /workspace || exit 1
-git() { command git -c core.fsmonitor=false -c core.hooksPath=/dev/null -c diff.external= -c color.ui=never "$@"; }
 if ! command -v git >/dev/null; then
   echo "git is not in this sandbox's image (export it whole, without --diff)" >&2
   exit 3
 fi
+git() { command git -c core.fsmonitor=false -c core.hooksPath=/dev/null -c diff.external= -c color.ui=never "$@"; }
 if ! git rev-parse --is-inside-work-tree >/dev/null 2>&1; then
   echo "/workspace is not a git repository (export it whole, without --diff)" >&2
   exit 3

@@ -436,3 +436,47 @@ async fn a_second_sigterm_ends_exec_during_a_docker_outage() -> Result<()> {
     drop(h);
     Ok(())
 }
+
+/// A Download whose client stops reading is dropped by the worker (it may
+/// not hold the sandbox's output back); the stream then ends with an
+/// error, never as if the archive were whole.
+#[tokio::test]
+async fn a_dropped_download_ends_with_an_error() -> Result<()> {
+    use corral_harness::client::DownloadPart;
+    use futures_util::StreamExt;
+    let h = Harness::start_with(|c| c.sandbox_limits.watch_stall = Duration::from_secs(1)).await?;
+    let sb = h.sandbox().await?;
+    ok(&h, &sb, "head -c 200000000 /dev/urandom > /workspace/big").await?;
+    let mut parts = h
+        .client
+        .download(
+            &sb,
+            &corral_proto::OperationId::random(),
+            corral_proto::ArchiveSpec::new("big"),
+        )
+        .await?;
+    let first = parts.next().await;
+    assert!(
+        matches!(first, Some(Ok(DownloadPart::Data(_)))),
+        "{first:?}"
+    );
+    // Not reading for longer than the worker waits for a stalled watch.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let (mut bytes, mut finished, mut error) = (0usize, false, None);
+    while let Some(part) = parts.next().await {
+        match part {
+            Ok(DownloadPart::Data(d)) => bytes += d.len(),
+            Ok(DownloadPart::Finished(_)) => finished = true,
+            Err(e) => {
+                error = Some(e.to_string());
+                break;
+            }
+        }
+    }
+    assert!(!finished, "a dropped download said it finished");
+    let error = error.ok_or_else(|| anyhow::anyhow!("ended OK after {bytes} bytes"))?;
+    assert!(error.contains("incomplete"), "{error}");
+    h.client.destroy_sandbox(&sb).await?;
+    h.stop().await;
+    Ok(())
+}
