@@ -6,30 +6,27 @@
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 
-/// Pid and session id of every process in `/proc`.
-fn sessions() -> impl Iterator<Item = (i32, i32)> {
+/// Pid and `/proc/PID/stat` line of every process in `/proc`.
+fn stats() -> impl Iterator<Item = (i32, String)> {
     std::fs::read_dir("/proc")
         .into_iter()
         .flatten()
         .flatten()
         .filter_map(|entry| {
             let pid: i32 = entry.file_name().to_str()?.parse().ok()?;
-            let stat = std::fs::read_to_string(entry.path().join("stat")).ok()?;
-            Some((pid, session_of(&stat)?))
+            Some((pid, std::fs::read_to_string(entry.path().join("stat")).ok()?))
         })
+}
+
+/// Pid and session id of every process in `/proc`.
+fn sessions() -> impl Iterator<Item = (i32, i32)> {
+    stats().filter_map(|(pid, stat)| Some((pid, session_of(&stat)?)))
 }
 
 /// Pid and parent pid of every process in `/proc`.
 pub fn parents() -> Vec<(i32, i32)> {
-    std::fs::read_dir("/proc")
-        .into_iter()
-        .flatten()
-        .flatten()
-        .filter_map(|entry| {
-            let pid: i32 = entry.file_name().to_str()?.parse().ok()?;
-            let stat = std::fs::read_to_string(entry.path().join("stat")).ok()?;
-            Some((pid, parent_of(&stat)?))
-        })
+    stats()
+        .filter_map(|(pid, stat)| Some((pid, parent_of(&stat)?)))
         .collect()
 }
 
