@@ -14,7 +14,10 @@ fn stats() -> impl Iterator<Item = (i32, String)> {
         .flatten()
         .filter_map(|entry| {
             let pid: i32 = entry.file_name().to_str()?.parse().ok()?;
-            Some((pid, std::fs::read_to_string(entry.path().join("stat")).ok()?))
+            Some((
+                pid,
+                std::fs::read_to_string(entry.path().join("stat")).ok()?,
+            ))
         })
 }
 
