@@ -326,7 +326,8 @@ while True:
     except OSError:
         pass
 "#;
-    let mut squatter = tokio::process::Command::new("python3")
+    // Debian's python: a toolchain under root's home is not nobody's to run.
+    let mut squatter = tokio::process::Command::new("/usr/bin/python3")
         .args(["-c", squat])
         .uid(65534)
         .gid(65534)

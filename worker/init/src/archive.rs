@@ -145,18 +145,9 @@ pub fn local_umask() -> u32 {
 /// /workspace), so that the client knows it before the archive comes. `None`
 /// for the root.
 pub fn archive_name(raw: &str) -> Option<std::ffi::OsString> {
-    let joined = Path::new("/workspace").join(raw);
-    let mut parts: Vec<&std::ffi::OsStr> = Vec::new();
-    for c in joined.components() {
-        match c {
-            Component::ParentDir => {
-                parts.pop();
-            }
-            Component::Normal(p) => parts.push(p),
-            Component::RootDir | Component::CurDir | Component::Prefix(_) => {}
-        }
-    }
-    parts.last().map(|p| p.to_os_string())
+    crate::fileops::lexical(Path::new("/workspace"), raw)
+        .file_name()
+        .map(|n| n.to_os_string())
 }
 
 /// Unpacks the tar stream `input` at `dest`, which must resolve under the

@@ -61,7 +61,12 @@ fn io_error(path: &str, e: &io::Error) -> FileError {
 
 /// Lexical normalization: resolves `.` and `..` without touching the disk.
 fn normalize(roots: &Roots, raw: &str) -> PathBuf {
-    let joined = roots.workspace.join(raw);
+    lexical(&roots.workspace, raw)
+}
+
+/// `raw` under `base` (unless absolute), its `.` and `..` taken lexically.
+pub fn lexical(base: &Path, raw: &str) -> PathBuf {
+    let joined = base.join(raw);
     let mut out = PathBuf::from("/");
     for c in joined.components() {
         match c {
