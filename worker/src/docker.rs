@@ -243,10 +243,10 @@ impl DockerRuntime {
         let mut tar = tar::Builder::new(Vec::new());
         let mut header = tar::Header::new_gnu();
         header.set_size(self.init.bytes.len() as u64);
-        // Executable by the sandbox's user, not readable: the kernel then
-        // starts every program of it that user runs (the archive helpers)
-        // not dumpable, out of reach of ptrace from the first instruction.
-        header.set_mode(0o711);
+        // Readable and executable by all (gVisor reads a program to run
+        // it). The archive helpers start as root and make themselves not
+        // dumpable before they become the sandbox's user.
+        header.set_mode(0o755);
         header.set_uid(0);
         header.set_gid(0);
         header.set_mtime(0);

@@ -37,12 +37,26 @@ pub struct Moved {
     pub left_out: u64,
 }
 
-/// Makes this process untraceable by its own user (not dumpable: ptrace,
-/// `/proc/PID/mem` and `/proc/PID/fd` need `CAP_SYS_PTRACE` then, which no
-/// sandbox has), then checks that no tracer attached before that: what an
-/// archive helper does first.
-pub fn untraceable() -> Result<(), String> {
+/// Makes this process untraceable by the sandbox's user (not dumpable:
+/// ptrace, `/proc/PID/mem` and `/proc/PID/fd` need `CAP_SYS_PTRACE` then,
+/// which no sandbox has) and, given `uid`, makes it that user only then
+/// (no supplementary group, no capability left), so there is no moment in
+/// which it is both the sandbox's user and traceable; then checks that no
+/// tracer attached all the same: what an archive helper does first.
+pub fn untraceable(uid: Option<u32>) -> Result<(), String> {
     nix::sys::prctl::set_dumpable(false).map_err(|e| format!("prctl(PR_SET_DUMPABLE): {e}"))?;
+    if let Some(uid) = uid {
+        use nix::unistd::{Gid, Uid, setgid, setgroups, setuid};
+        setgroups(&[]).map_err(|e| format!("setgroups: {e}"))?;
+        setgid(Gid::from_raw(uid)).map_err(|e| format!("setgid({uid}): {e}"))?;
+        setuid(Uid::from_raw(uid)).map_err(|e| format!("setuid({uid}): {e}"))?;
+        if nix::unistd::geteuid().as_raw() != uid {
+            return Err(format!("still not user {uid} after setuid"));
+        }
+        // A change of user leaves a process not dumpable, but say it again.
+        nix::sys::prctl::set_dumpable(false)
+            .map_err(|e| format!("prctl(PR_SET_DUMPABLE): {e}"))?;
+    }
     let status =
         fs::read_to_string("/proc/self/status").map_err(|e| format!("/proc/self/status: {e}"))?;
     let tracer = status

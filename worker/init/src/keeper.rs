@@ -34,7 +34,14 @@ pub fn fork(keep_background: bool) -> io::Result<()> {
     // SAFETY: plain system calls on values owned here, in a process that
     // has a single thread (forked from the single-threaded supervisor).
     unsafe {
-        if libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) < 0 {
+        // gVisor lets only PID 1 be a subreaper (EINVAL for any other):
+        // there the keeper still kills the command's whole tree, and the
+        // supervisor its session, but a process that both leaves the
+        // session and is orphaned goes to PID 1 and outlives its command
+        // (docs/security.md, "Under gVisor").
+        if libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) < 0
+            && io::Error::last_os_error().raw_os_error() != Some(libc::EINVAL)
+        {
             return Err(io::Error::last_os_error());
         }
         // Blocked before the fork, so no word from the supervisor is lost
@@ -125,16 +132,16 @@ fn keep(command: libc::pid_t, mut keep_background: bool) -> ! {
     }
 }
 
-/// SIGKILL to every child of `me`. What they started comes to the keeper
-/// as they die, and is killed on the next round.
+/// SIGKILL to every descendant of `me`, the whole tree in one round
+/// (where the keeper is not a subreaper, what a killed child started goes
+/// to PID 1, not here). What is started meanwhile comes to the keeper as
+/// its parent dies, and is killed on the next round.
 fn kill_children(me: libc::pid_t) {
-    for (pid, parent) in crate::procs::parents() {
-        if parent == me {
-            // SAFETY: kill(2) on a pid; a wrong one fails with ESRCH.
-            #[allow(unsafe_code)]
-            unsafe {
-                libc::kill(pid, libc::SIGKILL);
-            }
+    for pid in crate::procs::descendants(me) {
+        // SAFETY: kill(2) on a pid; a wrong one fails with ESRCH.
+        #[allow(unsafe_code)]
+        unsafe {
+            libc::kill(pid, libc::SIGKILL);
         }
     }
 }

@@ -24,19 +24,31 @@ fn main() -> ExitCode {
             }
         };
     }
-    // `--put-archive DEST --roots WORKSPACE TMP...` and `--get-archive SRC
-    // --roots ...`: an archive helper, started by the supervisor as the
-    // command user (under its restrictions already), the tar stream on
-    // stdin or stdout.
-    if let [flag, path, roots_flag, workspace, others @ ..] = args.as_slice()
+    // `--put-archive DEST [--as UID] --roots WORKSPACE TMP...` and
+    // `--get-archive SRC [--as UID] --roots ...`: an archive helper, started
+    // by the supervisor (under its restrictions already) as its own user,
+    // which becomes the command user UID itself; the tar stream on stdin or
+    // stdout.
+    let helper_args = match args.as_slice() {
+        [flag, path, as_flag, uid, rest @ ..] if as_flag == "--as" => match uid.parse::<u32>() {
+            Ok(uid) => Some((flag, path, Some(uid), rest)),
+            Err(_) => {
+                eprintln!("corral-init: --as {uid}: not a user id");
+                return ExitCode::from(2);
+            }
+        },
+        [flag, path, rest @ ..] => Some((flag, path, None, rest)),
+        _ => None,
+    };
+    if let Some((flag, path, uid, [roots_flag, workspace, others @ ..])) = helper_args
         && (flag == "--put-archive" || flag == "--get-archive" || flag == "--get-contents")
         && roots_flag == "--roots"
     {
         // Out of reach of the sandbox's commands (the same user) before it
-        // reads or writes anything: not dumpable, so none may trace it, read
-        // its memory or open its descriptors; and if one attached in the
-        // moment before, it stops here.
-        if let Err(e) = corral_init::archive::untraceable() {
+        // reads or writes anything: not dumpable before it is their user,
+        // so none may trace it, read its memory or open its descriptors;
+        // and if one attached all the same, it stops here.
+        if let Err(e) = corral_init::archive::untraceable(uid) {
             eprintln!("corral-init: {e}");
             return ExitCode::from(1);
         }

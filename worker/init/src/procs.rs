@@ -33,6 +33,25 @@ pub fn parents() -> Vec<(i32, i32)> {
         .collect()
 }
 
+/// Every descendant of `root`, as `/proc` shows them now.
+pub fn descendants(root: i32) -> Vec<i32> {
+    let parents = parents();
+    let mut found = vec![root];
+    let mut i = 0;
+    while i < found.len() {
+        let of = found[i];
+        found.extend(
+            parents
+                .iter()
+                .filter(|(pid, parent)| *parent == of && *pid != root)
+                .map(|(pid, _)| *pid),
+        );
+        i += 1;
+    }
+    found.remove(0);
+    found
+}
+
 /// The parent field of a `/proc/PID/stat` line: the second after the
 /// command name.
 fn parent_of(stat: &str) -> Option<i32> {

@@ -454,6 +454,12 @@ struct Launch<'a> {
     /// Bytes of stdout and stderr the result keeps.
     limits: [u64; 2],
     keep_background: bool,
+    /// Whether the program switches to the command user itself (an
+    /// archive helper, told `--as UID`: it starts as the supervisor's user
+    /// and makes itself not dumpable first, so no command of the sandbox
+    /// can trace it from its first instruction on any runtime), or is
+    /// switched before exec (a command).
+    switches_itself: bool,
 }
 
 impl<'a> Launch<'a> {
@@ -468,6 +474,7 @@ impl<'a> Launch<'a> {
             timeout: spec.timeout(),
             limits: [spec.output_limit(); 2],
             keep_background: spec.keep_background,
+            switches_itself: false,
         }
     }
 }
@@ -1273,7 +1280,11 @@ impl Supervisor {
             .helper
             .clone()
             .ok_or("the supervisor cannot find its own binary")?;
-        let mut args: Vec<OsString> = vec![flag.into(), path.into(), "--roots".into()];
+        let mut args: Vec<OsString> = vec![flag.into(), path.into()];
+        if let Some(uid) = self.config.command_uid {
+            args.extend(["--as".into(), uid.to_string().into()]);
+        }
+        args.push("--roots".into());
         args.push(self.config.roots.workspace.clone().into_os_string());
         for other in &self.config.roots.others {
             args.push(other.clone().into_os_string());
@@ -1296,6 +1307,7 @@ impl Supervisor {
                 corral_proto::limits::DEFAULT_OUTPUT_LIMIT_BYTES,
             ],
             keep_background: false,
+            switches_itself: true,
         })
     }
 
@@ -1356,7 +1368,8 @@ impl Supervisor {
         }
         cmd.current_dir(&workdir);
         let terminal = master.is_some();
-        let (uid, keep_background) = (self.config.command_uid, spec.keep_background);
+        let uid = self.config.command_uid.filter(|_| !spec.switches_itself);
+        let keep_background = spec.keep_background;
         // SAFETY: runs in the forked child before exec. The supervisor is
         // single-threaded, so no lock (allocator included) can be held by
         // another thread at the fork. The child becomes the operation's
