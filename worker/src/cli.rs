@@ -125,9 +125,23 @@ pub struct WorkerArgs {
     /// Connections served at once.
     #[arg(long, env = "CORRAL_MAX_CONNECTIONS", default_value_t = 1024)]
     pub max_connections: usize,
-    /// How long a new connection may stay silent before it is closed.
+    /// How long a new connection may take to send its HTTP/2 preface (or
+    /// TLS record header) before it is closed.
     #[arg(long, env = "CORRAL_HANDSHAKE_TIMEOUT", default_value = "5s", value_parser = humantime::parse_duration)]
     pub handshake_timeout: std::time::Duration,
+    /// How long a connection may go without a call that passes the token
+    /// check before it is closed.
+    #[arg(long, env = "CORRAL_FIRST_CALL_TIMEOUT", default_value = "10s", value_parser = humantime::parse_duration)]
+    pub first_call_timeout: std::time::Duration,
+    /// Connections one client address may have open before one of its
+    /// calls passes the token check (half the served connections at most
+    /// are unauthenticated, whatever their address).
+    #[arg(
+        long,
+        env = "CORRAL_MAX_UNAUTHENTICATED_PER_PEER",
+        default_value_t = 256
+    )]
+    pub max_unauthenticated_per_peer: usize,
     /// Start draining: take no new sandboxes (creates are refused with
     /// UNAVAILABLE) and report NOT_SERVING on the gRPC health service, while
     /// the sandboxes here are served until they end or --drain-deadline
@@ -365,6 +379,8 @@ impl WorkerArgs {
         crate::admission::Admission {
             max_connections: self.max_connections,
             handshake_timeout: self.handshake_timeout,
+            first_call_timeout: self.first_call_timeout,
+            max_unauthenticated_per_peer: self.max_unauthenticated_per_peer,
             ..crate::admission::Admission::default()
         }
     }

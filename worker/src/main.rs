@@ -34,22 +34,45 @@ fn main() -> ExitCode {
 
 /// Raises the open-file limit to its hard limit: every client connection,
 /// watch and sandbox attachment holds descriptors, and the usual soft limit
-/// of 1,024 is what a few hundred idle connections exhaust.
-fn raise_open_file_limit() {
+/// of 1,024 is what a few hundred idle connections exhaust. Returns the
+/// limit the process has now.
+fn raise_open_file_limit() -> Option<u64> {
     use nix::sys::resource::{Resource, getrlimit, setrlimit};
     match getrlimit(Resource::RLIMIT_NOFILE) {
         Ok((soft, hard)) if soft < hard => {
             if let Err(e) = setrlimit(Resource::RLIMIT_NOFILE, hard, hard) {
                 tracing::warn!(error = %e, soft, hard, "cannot raise the open-file limit");
+                return Some(soft);
             }
+            Some(hard)
         }
-        Ok(_) => {}
-        Err(e) => tracing::warn!(error = %e, "cannot read the open-file limit"),
+        Ok((soft, _)) => Some(soft),
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot read the open-file limit");
+            None
+        }
     }
 }
 
+/// Descriptors kept for what is not a client connection: the Docker
+/// engine's, sandbox attachments, state files, the metrics endpoint.
+const DESCRIPTORS_KEPT: u64 = 1024;
+
 async fn run(args: WorkerArgs) -> anyhow::Result<()> {
-    raise_open_file_limit();
+    let nofile = raise_open_file_limit();
+    let mut admission = args.admission();
+    if let Some(nofile) = nofile {
+        // Connections never take the descriptors the rest needs.
+        let available = nofile.saturating_sub(DESCRIPTORS_KEPT) as usize;
+        if admission.fit(available) {
+            tracing::warn!(
+                nofile,
+                max_connections = admission.max_connections,
+                max_pending = admission.max_pending,
+                "the open-file limit is too low for the connection limits asked; lowered"
+            );
+        }
+    }
     let token = args.token()?;
     let tls = args.tls()?;
     let config = args.worker_config()?;
@@ -98,7 +121,7 @@ async fn run(args: WorkerArgs) -> anyhow::Result<()> {
         server::ServeOptions {
             token: Some(token),
             tls,
-            admission: args.admission(),
+            admission,
         },
         shutdown,
     )

@@ -219,10 +219,128 @@ pub async fn serve(
             }),
         );
     }
-    axum::serve(listener, app)
+    axum::serve(Bounded::new(listener), app)
         .with_graceful_shutdown(shutdown)
         .await
         .map_err(MetricsError::Serve)
+}
+
+/// Connections the endpoint serves at once; more are closed on accept.
+pub const MAX_CONNECTIONS: usize = 64;
+/// How long a connection may send nothing (a request's headers, the next
+/// request) before it is closed.
+pub const IDLE_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a connection may live, however busy.
+pub const MAX_LIFETIME: Duration = Duration::from_secs(60);
+
+/// The endpoint's listener: at most [`MAX_CONNECTIONS`] open, each closed
+/// when idle or old, so idle or slow clients cannot take the process's
+/// descriptors or the scraper's place for long.
+struct Bounded {
+    listener: tokio::net::TcpListener,
+    places: Arc<tokio::sync::Semaphore>,
+}
+
+impl Bounded {
+    fn new(listener: tokio::net::TcpListener) -> Self {
+        Self {
+            listener,
+            places: Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS)),
+        }
+    }
+}
+
+impl axum::serve::Listener for Bounded {
+    type Io = BoundedIo;
+    type Addr = std::net::SocketAddr;
+
+    async fn accept(&mut self) -> (BoundedIo, std::net::SocketAddr) {
+        loop {
+            let (stream, addr) = match self.listener.accept().await {
+                Ok(a) => a,
+                Err(e) => {
+                    tracing::debug!(error = %e, "metrics: accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            };
+            let Ok(place) = self.places.clone().try_acquire_owned() else {
+                tracing::debug!(%addr, "metrics: at the connection limit; closed");
+                continue;
+            };
+            let now = tokio::time::Instant::now();
+            return (
+                BoundedIo {
+                    stream,
+                    idle: Box::pin(tokio::time::sleep_until(now + IDLE_TIMEOUT)),
+                    end: Box::pin(tokio::time::sleep_until(now + MAX_LIFETIME)),
+                    _place: place,
+                },
+                addr,
+            );
+        }
+    }
+
+    fn local_addr(&self) -> std::io::Result<std::net::SocketAddr> {
+        self.listener.local_addr()
+    }
+}
+
+/// One connection of the endpoint, closed (reads fail) when idle or old.
+struct BoundedIo {
+    stream: tokio::net::TcpStream,
+    idle: std::pin::Pin<Box<tokio::time::Sleep>>,
+    end: std::pin::Pin<Box<tokio::time::Sleep>>,
+    _place: tokio::sync::OwnedSemaphorePermit,
+}
+
+impl tokio::io::AsyncRead for BoundedIo {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        use std::task::Poll;
+        let this = &mut *self;
+        if this.idle.as_mut().poll(cx).is_ready() || this.end.as_mut().poll(cx).is_ready() {
+            return Poll::Ready(Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                "metrics connection idle or too old",
+            )));
+        }
+        let before = buf.filled().len();
+        let read = std::pin::Pin::new(&mut this.stream).poll_read(cx, buf);
+        if matches!(read, Poll::Ready(Ok(()))) && buf.filled().len() > before {
+            this.idle
+                .as_mut()
+                .reset(tokio::time::Instant::now() + IDLE_TIMEOUT);
+        }
+        read
+    }
+}
+
+impl tokio::io::AsyncWrite for BoundedIo {
+    fn poll_write(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        std::pin::Pin::new(&mut self.stream).poll_write(cx, buf)
+    }
+
+    fn poll_flush(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.stream).poll_flush(cx)
+    }
+
+    fn poll_shutdown(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.stream).poll_shutdown(cx)
+    }
 }
 
 #[cfg(test)]

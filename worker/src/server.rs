@@ -11,6 +11,7 @@ use tokio::net::TcpListener;
 use tonic::{Request, Status};
 
 pub use crate::admission::Admission;
+use crate::admission::AdmittedInfo;
 use crate::service::WorkerService;
 use crate::worker::Worker;
 
@@ -28,6 +29,7 @@ impl TokenAuth {
     #[allow(clippy::result_large_err)]
     pub fn check(&self, req: Request<()>) -> Result<Request<()>, Status> {
         let Some(expected) = &self.expected else {
+            mark_authenticated(&req);
             return Ok(req);
         };
         let given = req
@@ -43,12 +45,24 @@ impl TokenAuth {
                 .fold(0u8, |acc, (a, b)| acc | (a ^ b))
                 == 0;
         if same {
+            mark_authenticated(&req);
             Ok(req)
         } else if given.is_empty() {
             Err(Status::unauthenticated("missing bearer token"))
         } else {
             Err(Status::unauthenticated("wrong bearer token"))
         }
+    }
+}
+
+/// Tells admission that the connection of `req` made an authenticated
+/// call (see [`crate::admission`]).
+fn mark_authenticated(req: &Request<()>) {
+    let ext = req.extensions();
+    if let Some(info) = ext.get::<AdmittedInfo>() {
+        info.authenticated();
+    } else if let Some(tls) = ext.get::<tonic::transport::server::TlsConnectInfo<AdmittedInfo>>() {
+        tls.get_ref().authenticated();
     }
 }
 

@@ -141,10 +141,11 @@ async fn a_flood_of_watchers_and_silent_connections_leaves_the_worker_serving() 
     }
     let before = rss(pid)?;
 
-    // 1,100 connections that never say a word.
+    // 1,100 connections that never say a word, from another address (its
+    // first 256 are held until the handshake time is up, the rest closed).
     let mut silent = Vec::new();
     for _ in 0..1100 {
-        silent.push(tokio::net::TcpStream::connect(("127.0.0.1", port)).await?);
+        silent.push(connect_from("127.0.0.2", port).await?);
     }
     // 6,000 watches over 30 connections, never read.
     let token = worker.token();
@@ -194,5 +195,212 @@ async fn a_flood_of_watchers_and_silent_connections_leaves_the_worker_serving() 
     drop(silent);
     client.destroy_sandbox(&sb).await?;
     client.destroy_sandbox(&theirs).await?;
+    Ok(())
+}
+
+/// A connection to the worker on 127.0.0.1:`port` from address `from` (one
+/// of 127/8): another client host, as the worker sees it.
+async fn connect_from(from: &str, port: u16) -> anyhow::Result<tokio::net::TcpStream> {
+    let socket = tokio::net::TcpSocket::new_v4()?;
+    socket.bind(format!("{from}:0").parse()?)?;
+    Ok(socket
+        .connect(std::net::SocketAddr::from(([127, 0, 0, 1], port)))
+        .await?)
+}
+
+/// Whether the worker has closed `s` (EOF or reset) within `wait`.
+async fn closed_within(s: &mut tokio::net::TcpStream, wait: Duration) -> bool {
+    use tokio::io::AsyncReadExt;
+    let mut b = [0u8; 64];
+    loop {
+        match tokio::time::timeout(wait, s.read(&mut b)).await {
+            Ok(Ok(0)) | Ok(Err(_)) => return true,
+            // The server's own HTTP/2 settings, for a client that sent the
+            // preface: not a close.
+            Ok(Ok(_)) => continue,
+            Err(_) => return false,
+        }
+    }
+}
+
+/// 1,024 connections that send one byte and wait, and 300 that send the
+/// whole HTTP/2 preface but never make an authenticated call, all from one
+/// other address: a client that works meanwhile is served on its own
+/// connection and on new ones, the address holds no more than its
+/// unauthenticated places, and every one of its connections is closed once
+/// its deadline passes.
+#[tokio::test]
+async fn one_byte_and_unauthenticated_connections_take_no_clients_place() -> anyhow::Result<()> {
+    use corral_e2e::{WorkerProcess, free_port, unique_id};
+    use corral_proto::{OperationId, OperationSpec, SandboxId, SandboxSpec, ShellSpec};
+    use tokio::io::AsyncWriteExt;
+    let state = tempfile::tempdir()?;
+    let port = free_port()?;
+    let worker = WorkerProcess::spawn(
+        state.path(),
+        &unique_id("adm"),
+        port,
+        &[],
+        &[
+            "--handshake-timeout",
+            "3s",
+            "--first-call-timeout",
+            "4s",
+            "--max-unauthenticated-per-peer",
+            "256",
+            "--max-connections",
+            "512",
+        ],
+    )?;
+    let client = worker.client().await?;
+    let sb = SandboxId::new(unique_id("sb"))?;
+    client
+        .create_sandbox(Some(&sb), SandboxSpec::default())
+        .await?;
+    let exec_true = |client: WorkerClient, sb: SandboxId| async move {
+        let op = OperationId::random();
+        let after = client.get_sandbox(&sb).await?.last_seq;
+        client
+            .submit(&sb, &op, OperationSpec::Shell(ShellSpec::new("true")))
+            .await?;
+        let (_, r) = corral_e2e::collect(&client, &sb, &op, after).await?;
+        anyhow::ensure!(
+            matches!(r.outcome, corral_proto::Outcome::Exited { code: 0 }),
+            "{r:?}"
+        );
+        anyhow::Ok(())
+    };
+    exec_true(client.clone(), sb.clone()).await?;
+
+    let mut flood = Vec::new();
+    for _ in 0..1024 {
+        let mut s = connect_from("127.0.0.2", port).await?;
+        // Closed at once beyond the address's places: a write may fail.
+        let _ = s.write_all(b"P").await;
+        flood.push(s);
+    }
+    for _ in 0..300 {
+        let mut s = connect_from("127.0.0.2", port).await?;
+        let _ = s.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n").await;
+        flood.push(s);
+    }
+    // Served throughout, on its own connection and on a new one.
+    for _ in 0..10 {
+        exec_true(client.clone(), sb.clone()).await?;
+    }
+    let late = WorkerClient::connect(&worker.url, Some(&worker.token())).await?;
+    exec_true(late, sb.clone()).await?;
+    // Still open a moment later: no more than the address's places.
+    let mut open = 0;
+    for s in flood.iter_mut() {
+        if !closed_within(s, Duration::from_millis(5)).await {
+            open += 1;
+        }
+    }
+    assert!(open <= 256, "{open} connections of one address held open");
+    assert!(open > 0, "the address got no place at all");
+    // And once the deadlines pass, none.
+    let mut still = 0;
+    for s in flood.iter_mut() {
+        if !closed_within(s, Duration::from_secs(10)).await {
+            still += 1;
+        }
+    }
+    assert_eq!(still, 0, "connections outlived their deadlines");
+    // A client that connects and authenticates in time keeps its place
+    // past the deadlines.
+    let kept = WorkerClient::connect(&worker.url, Some(&worker.token())).await?;
+    exec_true(kept.clone(), sb.clone()).await?;
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    exec_true(kept, sb.clone()).await?;
+    client.destroy_sandbox(&sb).await?;
+    Ok(())
+}
+
+/// 20,000 connections to the metrics endpoint that never send a request
+/// (two processes of 10,000, each as many as one may hold): the worker
+/// keeps no more than its limit of them, its descriptors stay bounded, gRPC
+/// calls are answered throughout, and a scrape gets through once the idle
+/// ones are closed.
+#[tokio::test]
+async fn twenty_thousand_idle_metrics_connections_leave_the_worker_serving() -> anyhow::Result<()> {
+    use corral_e2e::{WorkerProcess, free_port, unique_id};
+    let state = tempfile::tempdir()?;
+    let (port, mport) = (free_port()?, free_port()?);
+    let metrics = format!("127.0.0.1:{mport}");
+    let worker = WorkerProcess::spawn(
+        state.path(),
+        &unique_id("met"),
+        port,
+        &[],
+        &["--metrics-listen", &metrics],
+    )?;
+    let pid = worker.child.id();
+    let client = worker.client().await?;
+    let holder = format!(
+        r#"
+import resource, socket, sys, time
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+held = []
+for i in range(10000):
+    s = socket.socket()
+    s.connect(("127.0.0.1", {mport}))
+    held.append(s)
+print("held", len(held), flush=True)
+sys.stdin.read()
+"#
+    );
+    let mut holders = Vec::new();
+    for _ in 0..2 {
+        let mut child = tokio::process::Command::new("python3")
+            .args(["-c", &holder])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()?;
+        let mut out = tokio::io::BufReader::new(child.stdout.take().expect("stdout"));
+        let mut line = String::new();
+        tokio::time::timeout(
+            Duration::from_secs(120),
+            tokio::io::AsyncBufReadExt::read_line(&mut out, &mut line),
+        )
+        .await??;
+        assert_eq!(line.trim(), "held 10000");
+        holders.push(child);
+        // Answered while the connections are held.
+        assert!(client.list_sandboxes().await.is_ok());
+    }
+    let fds = std::fs::read_dir(format!("/proc/{pid}/fd"))?.count();
+    assert!(
+        fds < 64 + 200,
+        "the worker holds {fds} descriptors with 20,000 idle metrics connections"
+    );
+    // A scrape gets through once the idle places are given back.
+    let mut scraped = false;
+    for _ in 0..30 {
+        let got = tokio::time::timeout(Duration::from_secs(2), async {
+            use tokio::io::{AsyncReadExt, AsyncWriteExt};
+            let mut s = tokio::net::TcpStream::connect(&metrics).await?;
+            s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                .await?;
+            let mut body = String::new();
+            s.read_to_string(&mut body).await?;
+            anyhow::Ok(body)
+        })
+        .await;
+        if let Ok(Ok(body)) = got
+            && body.contains("corral_sandboxes")
+        {
+            scraped = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+    assert!(
+        scraped,
+        "no scrape got through after the idle ones were closed"
+    );
+    drop(holders);
     Ok(())
 }

@@ -54,8 +54,7 @@ pub fn untraceable(uid: Option<u32>) -> Result<(), String> {
             return Err(format!("still not user {uid} after setuid"));
         }
         // A change of user leaves a process not dumpable, but say it again.
-        nix::sys::prctl::set_dumpable(false)
-            .map_err(|e| format!("prctl(PR_SET_DUMPABLE): {e}"))?;
+        nix::sys::prctl::set_dumpable(false).map_err(|e| format!("prctl(PR_SET_DUMPABLE): {e}"))?;
     }
     let status =
         fs::read_to_string("/proc/self/status").map_err(|e| format!("/proc/self/status: {e}"))?;
