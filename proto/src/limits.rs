@@ -4,6 +4,10 @@
 pub const MAX_FRAME_BYTES: usize = 32 << 20;
 /// Largest gRPC message either side accepts.
 pub const MAX_GRPC_MESSAGE_BYTES: usize = 40 << 20;
+/// Largest request the worker accepts: one write_file's data, its path,
+/// and room for a command and environment at their limits besides. What
+/// one connection can make the worker hold while it decodes.
+pub const MAX_REQUEST_BYTES: usize = MAX_FILE_BYTES as usize + (3 << 20);
 /// Largest shell command text.
 pub const MAX_COMMAND_BYTES: usize = 1 << 20;
 /// Largest file a single read_file returns, or write_file carries, in one

@@ -515,7 +515,7 @@ impl Sandbox {
         after_seq: u64,
         only: Option<OperationId>,
         tracker: &tokio_util::task::TaskTracker,
-    ) -> Result<mpsc::Receiver<Event>> {
+    ) -> Result<Watch> {
         // Small: what sits here counts as taken, so it widens the window.
         let (tx, rx) = mpsc::channel(4);
         let shared = self.shared.clone();
@@ -542,6 +542,7 @@ impl Sandbox {
             );
         }
         let span = info_span!("watch", sandbox = %self.id, watcher, after_seq);
+        let dropped = kick.clone();
         tracker.spawn(
             async move {
                 let reason = tokio::select! {
@@ -554,7 +555,10 @@ impl Sandbox {
             }
             .instrument(span),
         );
-        Ok(rx)
+        Ok(Watch {
+            events: rx,
+            dropped,
+        })
     }
 
     /// Watchers of this sandbox now.
@@ -575,6 +579,20 @@ impl Sandbox {
     /// Bytes its event journal holds.
     pub fn journal_bytes(&self) -> usize {
         lock(&self.shared.journal).bytes()
+    }
+}
+
+/// One watcher's events. When they end, [`Watch::was_dropped`] tells a
+/// watcher the worker dropped (it held the sandbox back) from one whose
+/// sandbox or client went away.
+pub struct Watch {
+    pub events: mpsc::Receiver<Event>,
+    dropped: CancellationToken,
+}
+
+impl Watch {
+    pub fn was_dropped(&self) -> bool {
+        self.dropped.is_cancelled()
     }
 }
 

@@ -4,7 +4,7 @@
 
 use std::future::Future;
 
-use corral_proto::limits::MAX_GRPC_MESSAGE_BYTES;
+use corral_proto::limits::{MAX_GRPC_MESSAGE_BYTES, MAX_REQUEST_BYTES};
 use corral_proto::pb;
 use corral_proto::pb::worker_server::WorkerServer;
 use tokio::net::TcpListener;
@@ -187,7 +187,7 @@ async fn router(
         reflection_auth.check(req)
     });
     let service = WorkerServer::new(WorkerService::new(worker))
-        .max_decoding_message_size(MAX_GRPC_MESSAGE_BYTES)
+        .max_decoding_message_size(MAX_REQUEST_BYTES)
         .max_encoding_message_size(MAX_GRPC_MESSAGE_BYTES);
     let service =
         tonic::service::interceptor::InterceptedService::new(service, move |req| auth.check(req));

@@ -4,7 +4,7 @@
 use std::pin::Pin;
 
 use corral_proto::{OperationId, OperationSpec, SandboxId, SandboxSpec, pb};
-use futures_util::{Stream, StreamExt};
+use futures_util::Stream;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 
@@ -120,7 +120,7 @@ impl pb::worker_server::Worker for WorkerService {
         spec.validate()?;
         // Watched before it is submitted: its end cannot be missed.
         let after = self.worker.get_sandbox(&sid)?.last_seq;
-        let mut events = self.worker.watch(&sid, after, Some(oid.clone()))?;
+        let mut events = self.worker.watch(&sid, after, Some(oid.clone()))?.events;
         self.worker.submit(&sid, oid.clone(), spec).await?;
         let mut offset = 0u64;
         let (mut data, mut eof) = (first.data, first.eof);
@@ -195,7 +195,7 @@ impl pb::worker_server::Worker for WorkerService {
         });
         spec.validate()?;
         let after = self.worker.get_sandbox(&sid)?.last_seq;
-        let mut events = self.worker.watch(&sid, after, Some(oid.clone()))?;
+        let mut events = self.worker.watch(&sid, after, Some(oid.clone()))?.events;
         self.worker.submit(&sid, oid.clone(), spec).await?;
         let (tx, rx) = tokio::sync::mpsc::channel(4);
         let worker = self.worker.clone();
@@ -300,11 +300,30 @@ impl pb::worker_server::Worker for WorkerService {
         } else {
             Some(operation_id(req.operation_id)?)
         };
-        let rx = self.worker.watch(&sid, req.after_seq, only)?;
+        let watch = self.worker.watch(&sid, req.after_seq, only)?;
         let worker = self.worker.clone();
-        let stream = ReceiverStream::new(rx).map(move |e| {
-            worker.streamed(e.output_len());
-            Ok(pb::SandboxEvent::from(e))
+        // A watch the worker drops ends with ABORTED, never as if the
+        // sandbox had nothing more to say: its client resumes from the seq
+        // of the last event it got.
+        let stream = futures_util::stream::unfold(Some(watch), move |state| {
+            let worker = worker.clone();
+            async move {
+                let mut watch = state?;
+                match watch.events.recv().await {
+                    Some(e) => {
+                        worker.streamed(e.output_len());
+                        Some((Ok(pb::SandboxEvent::from(e)), Some(watch)))
+                    }
+                    None if watch.was_dropped() => Some((
+                        Err(Status::aborted(
+                            "the worker dropped this watch: it took nothing while holding the \
+                             sandbox's output back; watch again after the last seq received",
+                        )),
+                        None,
+                    )),
+                    None => None,
+                }
+            }
         });
         Ok(Response::new(Box::pin(stream)))
     }

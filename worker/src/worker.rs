@@ -8,10 +8,9 @@ use std::time::Duration;
 
 use corral_proto::init::OperationRecord;
 use corral_proto::{
-    Event, OperationId, OperationSpec, SandboxId, SandboxInfo, SandboxPolicy, SandboxSpec,
-    SandboxState, WorkerInfo,
+    OperationId, OperationSpec, SandboxId, SandboxInfo, SandboxPolicy, SandboxSpec, SandboxState,
+    WorkerInfo,
 };
-use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{info, warn};
@@ -679,7 +678,7 @@ impl Worker {
         sandbox: &SandboxId,
         after_seq: u64,
         only: Option<OperationId>,
-    ) -> Result<mpsc::Receiver<Event>> {
+    ) -> Result<crate::sandbox::Watch> {
         let sandbox = self.sandbox(sandbox)?;
         let total: usize = lock(&self.inner.sandboxes)
             .values()

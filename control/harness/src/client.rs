@@ -69,8 +69,11 @@ impl ClientError {
         match self {
             Self::Connect { .. } => true,
             Self::Status(s) => {
-                matches!(s.code(), tonic::Code::Unavailable | tonic::Code::Unknown)
-                    || (s.code() == tonic::Code::Internal && s.message().contains("h2"))
+                // ABORTED: the worker dropped a watch that fell behind.
+                matches!(
+                    s.code(),
+                    tonic::Code::Unavailable | tonic::Code::Unknown | tonic::Code::Aborted
+                ) || (s.code() == tonic::Code::Internal && s.message().contains("h2"))
             }
             _ => false,
         }

@@ -182,7 +182,9 @@ impl WorkerApi for Worker {
         after_seq: u64,
         only: Option<&OperationId>,
     ) -> Result<Events, ApiError> {
-        let rx = Worker::watch(self, sandbox, after_seq, only.cloned()).map_err(local)?;
+        let rx = Worker::watch(self, sandbox, after_seq, only.cloned())
+            .map_err(local)?
+            .events;
         Ok(Box::pin(ReceiverStream::new(rx).map(Ok)))
     }
 

@@ -86,6 +86,23 @@ async fn invalid_commands_ids_and_unknown_sandboxes() -> anyhow::Result<()> {
             .unwrap_err(),
     );
     assert_eq!(c, tonic::Code::InvalidArgument);
+    // Larger than any request may be (a write's data and a command's
+    // room): refused before it is decoded, not held as 40 MiB.
+    let huge = OperationSpec::WriteFile(WriteFileSpec {
+        path: "huge".into(),
+        data: bytes::Bytes::from(vec![0u8; corral_proto::limits::MAX_REQUEST_BYTES + 1]),
+        mode: 0o644,
+        append: false,
+        stream: false,
+    });
+    let (c, m) = code(
+        h.client
+            .submit(&sb, &OperationId::random(), huge)
+            .await
+            .unwrap_err(),
+    );
+    assert_eq!(c, tonic::Code::OutOfRange, "{m}");
+    assert!(m.contains("too large"), "{m}");
     h.stop().await;
     Ok(())
 }

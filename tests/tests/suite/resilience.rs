@@ -30,8 +30,24 @@ async fn a_watcher_that_stops_reading_does_not_stall_commands() -> anyhow::Resul
     let t = Instant::now();
     h.run(&sb, "true").await?;
     assert!(t.elapsed() < Duration::from_secs(5));
-    drop(idle);
     eprintln!("24 MB past a stalled watcher in {:?}", started.elapsed());
+    // The dropped watch says so at its end: ABORTED, never a clean end.
+    let mut idle = idle;
+    let mut last = None;
+    while let Some(item) = tokio::time::timeout(
+        Duration::from_secs(30),
+        futures_util::StreamExt::next(&mut idle),
+    )
+    .await?
+    {
+        last = Some(item);
+    }
+    match last {
+        Some(Err(ClientError::Status(s))) => {
+            assert_eq!(s.code(), tonic::Code::Aborted, "{s:?}");
+        }
+        other => panic!("the dropped watch ended with {other:?}"),
+    }
     h.stop().await;
     Ok(())
 }

@@ -385,7 +385,7 @@ impl Core {
                 self.emit(Event::ModelFailed { turn, error });
             }
             Ok(response) => {
-                let response = self.unique_call_ids(turn, response);
+                let response = bound_arguments(self.unique_call_ids(turn, response));
                 let calls = response.tool_calls().count();
                 self.record(Record::Response {
                     turn,
@@ -730,6 +730,20 @@ pub fn cache_key(session_id: &str) -> String {
         "corral-{}",
         base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(&digest.as_ref()[..24])
     )
+}
+
+/// Tool-call arguments over [`crate::tools::MAX_TOOL_ARGUMENT_BYTES`] replaced, before
+/// the response is recorded, by a placeholder the registry answers with an
+/// error: never run, and never sent back to the model.
+fn bound_arguments(mut response: Response) -> Response {
+    for item in &mut response.output {
+        if let Item::ToolCall { arguments, .. } = item
+            && arguments.len() > crate::tools::MAX_TOOL_ARGUMENT_BYTES
+        {
+            *arguments = crate::tools::omitted_arguments(arguments.len()).into();
+        }
+    }
+    response
 }
 
 pub fn now_ms() -> i64 {

@@ -341,6 +341,42 @@ fn malformed_arguments_and_unknown_tools_answer_at_once_and_the_run_goes_on() {
 }
 
 #[test]
+fn an_oversized_argument_is_answered_as_an_error_and_kept_out_of_the_context() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut core = new_core(dir.path(), "s");
+    core.input("i", "go").unwrap();
+    fx(&mut core);
+    let big = serde_json::json!({ "path": "big.txt", "content": "x".repeat(7 << 20) }).to_string();
+    core.model_done(
+        1,
+        Ok(calls(&[
+            ("big", "WriteFile", &big),
+            ("ok", "Bash", &bash("true")),
+        ])),
+    )
+    .unwrap();
+    let f = fx(&mut core);
+    // Nothing of the oversized call runs; the other one does.
+    assert_eq!(f.adds.len(), 1);
+    let results = result_texts(&f.sends[0].1);
+    assert!(
+        results[0].1.contains(&format!("were {} bytes", big.len()))
+            && results[0].1.contains("nothing was run"),
+        "{results:?}"
+    );
+    // The next request is small: the 7 MiB is in neither the call nor the
+    // result, nor in the log the session resumes from.
+    let sent = serde_json::to_string(&f.sends[0].1.input).unwrap();
+    assert!(sent.len() < 64 * 1024, "{} bytes sent back", sent.len());
+    let logged: usize = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().metadata().unwrap().len() as usize)
+        .sum();
+    assert!(logged < 1 << 20, "{logged} bytes logged");
+    assert_replays(dir.path(), &core);
+}
+
+#[test]
 fn a_new_input_steers_the_request_in_flight_and_its_late_answer_is_dropped() {
     let dir = tempfile::tempdir().unwrap();
     let mut core = new_core(dir.path(), "s");

@@ -51,6 +51,33 @@ pub trait Translator: Send + Sync {
     fn render(&self, ops: &[Operation]) -> Vec<ToolOutput>;
 }
 
+/// The largest tool-call arguments a session keeps and runs (256 KiB:
+/// far more than any command or edit; 64k tokens or so). Larger ones are
+/// answered with an error and replaced in the conversation by
+/// [`omitted_arguments`], so one call cannot fill every later request.
+pub const MAX_TOOL_ARGUMENT_BYTES: usize = 256 * 1024;
+
+/// The key of the placeholder that stands for omitted arguments.
+const OMITTED_KEY: &str = "corral_arguments_omitted_bytes";
+
+/// What stands in the conversation for arguments of `bytes` bytes that
+/// were over [`MAX_TOOL_ARGUMENT_BYTES`].
+pub fn omitted_arguments(bytes: usize) -> String {
+    format!("{{\"{OMITTED_KEY}\":{bytes}}}")
+}
+
+/// The size of the arguments `arguments` stands for, if it is the
+/// placeholder of [`omitted_arguments`].
+fn omitted_size(arguments: &str) -> Option<u64> {
+    if arguments.len() > 64 {
+        return None;
+    }
+    let v: serde_json::Value = serde_json::from_str(arguments).ok()?;
+    let obj = v.as_object()?;
+    (obj.len() == 1).then_some(())?;
+    obj.get(OMITTED_KEY)?.as_u64()
+}
+
 /// Parses arguments strictly: a JSON object with known fields only.
 pub fn parse_args<T: DeserializeOwned>(tool: &str, arguments: &str) -> Result<T, String> {
     let arguments = if arguments.trim().is_empty() {
@@ -119,6 +146,14 @@ impl Registry {
     /// command, an empty command, a path too long...) are refused here, at
     /// once, with the worker's own words.
     pub fn translate(&self, name: &str, arguments: &str) -> CallStatus {
+        if let Some(bytes) = omitted_size(arguments) {
+            return CallStatus::Error(format!(
+                "Error: the arguments of this {name} call were {bytes} bytes, over the limit of \
+                 {MAX_TOOL_ARGUMENT_BYTES}; nothing was run and they were left out of the \
+                 conversation. Send large content in parts (write a file piece by piece, or \
+                 generate it with a command)."
+            ));
+        }
         match self.tools.get(name) {
             Some(t) => match t.translate(arguments) {
                 CallStatus::Submit(specs) => match specs.iter().find_map(|s| s.validate().err()) {
