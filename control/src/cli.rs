@@ -340,7 +340,9 @@ pub struct ExecArgs {
     /// Image of the new sandbox.
     #[arg(long, env = "CORRAL_IMAGE")]
     pub image: Option<String>,
-    /// Kill the command after this long (e.g. 30s, 5m); exit code 124.
+    /// Kill the command after this long (e.g. 30s, 5m); exit code 124. By
+    /// default (and with 0) none: the command runs until it ends, up to the
+    /// worker's cap of 24 h on any one operation.
     #[arg(long, env = "CORRAL_TIMEOUT", value_parser = humantime::parse_duration)]
     pub timeout: Option<Duration>,
     /// Environment variable for the command (repeatable).

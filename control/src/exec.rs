@@ -138,7 +138,14 @@ pub async fn exec<W: WorkerApi>(
     let mut shell = ShellSpec::new(format!("exec {}", shell_join(&req.argv)));
     shell.env = req.env.clone();
     shell.workdir = req.workdir.clone();
-    shell.timeout_ms = req.timeout.map(|t| t.as_millis() as u64);
+    // No timeout asked (or 0): none but the worker's cap, as `docker exec`.
+    shell.timeout_ms = Some(
+        req.timeout
+            .filter(|t| !t.is_zero())
+            .map_or(corral_proto::limits::MAX_TIMEOUT_MS, |t| {
+                u64::try_from(t.as_millis()).unwrap_or(u64::MAX)
+            }),
+    );
     shell.use_bash = req.use_bash;
     shell.keep_background = req.keep_background;
     shell.stdin = req.stdin;

@@ -25,6 +25,10 @@ use crate::initbin::InitBinary;
 pub const LABEL_MANAGED: &str = "corral.managed";
 pub const LABEL_WORKER: &str = "corral.worker";
 pub const LABEL_SANDBOX: &str = "corral.sandbox";
+/// The state directory of the worker that made a container: two workers
+/// that happen to share an id (and an engine) never take each other's
+/// containers for their own.
+pub const LABEL_STATE_DIR: &str = "corral.state-dir";
 /// Where the supervisor volume is mounted (read-only) in every sandbox.
 pub const INIT_DIR: &str = "/.corral";
 /// The unprivileged user operations run as, unless a sandbox asks for root.
@@ -60,6 +64,8 @@ impl Default for Defaults {
 pub struct DockerRuntime {
     docker: Docker,
     worker_id: String,
+    /// The worker's state directory, as its containers' labels name it.
+    state_dir: String,
     init: InitBinary,
     pub defaults: Defaults,
     init_volume_ready: Mutex<bool>,
@@ -138,6 +144,7 @@ impl DockerRuntime {
         Self {
             docker,
             worker_id,
+            state_dir: String::new(),
             init,
             defaults,
             init_volume_ready: Mutex::new(false),
@@ -146,6 +153,15 @@ impl DockerRuntime {
 
     pub fn docker(&self) -> &Docker {
         &self.docker
+    }
+
+    /// Names the worker's state directory in the labels of what it makes.
+    pub fn with_state_dir(mut self, dir: &std::path::Path) -> Self {
+        self.state_dir = std::fs::canonicalize(dir)
+            .unwrap_or_else(|_| dir.to_path_buf())
+            .display()
+            .to_string();
+        self
     }
 
     pub fn worker_id(&self) -> &str {
@@ -340,6 +356,7 @@ impl DockerRuntime {
                 (LABEL_MANAGED.into(), "1".into()),
                 (LABEL_WORKER.into(), self.worker_id.clone()),
                 (LABEL_SANDBOX.into(), id.to_string()),
+                (LABEL_STATE_DIR.into(), self.state_dir.clone()),
             ])),
             host_config: Some(HostConfig {
                 network_mode: Some(
@@ -546,7 +563,27 @@ impl DockerRuntime {
             .all(true)
             .filters(&filters)
             .build();
-        Ok(self.docker.list_containers(Some(opts)).await?)
+        let all = self.docker.list_containers(Some(opts)).await?;
+        // Made by a worker of this id with another state directory: not
+        // ours to adopt or remove. (No label: made before labels named
+        // the state directory, by this worker.)
+        Ok(all
+            .into_iter()
+            .filter(|c| {
+                let theirs = c
+                    .labels
+                    .as_ref()
+                    .and_then(|l| l.get(LABEL_STATE_DIR))
+                    .is_some_and(|d| *d != self.state_dir);
+                if theirs {
+                    tracing::debug!(
+                        container = c.id.as_deref().unwrap_or(""),
+                        "a container of another worker with this worker's id; left alone"
+                    );
+                }
+                !theirs
+            })
+            .collect())
     }
 
     /// Removes supervisor volumes of other builds that no container uses

@@ -102,16 +102,41 @@ pub fn check_policy(policy: &SandboxPolicy) -> Result<(), String> {
 /// (deploy/images): allowed like the default one.
 pub const STOCK_IMAGES: [&str; 2] = ["corral-sandbox:latest", "corral-debian:latest"];
 
+/// An image reference as Docker reads it: no tag means `:latest`, and
+/// Docker Hub's own prefixes (`docker.io/`, `docker.io/library/`,
+/// `index.docker.io/`) are the same as none.
+pub fn normalize_image(image: &str) -> String {
+    let mut name = image;
+    for hub in [
+        "docker.io/library/",
+        "index.docker.io/library/",
+        "docker.io/",
+        "index.docker.io/",
+    ] {
+        if let Some(rest) = name.strip_prefix(hub) {
+            name = rest;
+            break;
+        }
+    }
+    let last = name.rsplit('/').next().unwrap_or(name);
+    if last.contains(':') || name.contains('@') {
+        name.to_string()
+    } else {
+        format!("{name}:latest")
+    }
+}
+
 fn image_allowed(policy: &SandboxPolicy, image: &str, default_image: &str) -> bool {
+    let image = normalize_image(image);
     policy.allow_any_image
-        || image == default_image
-        || STOCK_IMAGES.contains(&image)
+        || image == normalize_image(default_image)
+        || STOCK_IMAGES.contains(&image.as_str())
         || policy
             .allowed_images
             .iter()
             .any(|p| match p.strip_suffix('*') {
                 Some(prefix) => image.starts_with(prefix),
-                None => image == p,
+                None => image == normalize_image(p),
             })
 }
 
@@ -419,5 +444,53 @@ mod tests {
             "the default image"
         );
         assert!(check(&p, &with("python:3.13"), "d", None).is_err());
+        // As Docker reads them: no tag is :latest, Docker Hub's prefix is none.
+        assert!(check(&p, &with("docker.io/library/python:3.12"), "d", None).is_ok());
+        let stock = SandboxPolicy {
+            allow_any_image: false,
+            ..SandboxPolicy::default()
+        };
+        assert!(
+            check(
+                &stock,
+                &with("corral-debian"),
+                "corral-sandbox:latest",
+                None
+            )
+            .is_ok()
+        );
+        assert!(
+            check(
+                &stock,
+                &with("corral-sandbox"),
+                "corral-sandbox:latest",
+                None
+            )
+            .is_ok()
+        );
+        assert!(
+            check(
+                &stock,
+                &with("corral-debian:old"),
+                "corral-sandbox:latest",
+                None
+            )
+            .is_err()
+        );
+    }
+
+    #[test]
+    fn image_names_are_normalized_as_docker_does() {
+        for (given, want) in [
+            ("alpine", "alpine:latest"),
+            ("alpine:3.20", "alpine:3.20"),
+            ("docker.io/library/alpine", "alpine:latest"),
+            ("docker.io/user/app:1", "user/app:1"),
+            ("localhost:5000/app", "localhost:5000/app:latest"),
+            ("localhost:5000/app:2", "localhost:5000/app:2"),
+            ("alpine@sha256:abc", "alpine@sha256:abc"),
+        ] {
+            assert_eq!(normalize_image(given), want, "{given}");
+        }
     }
 }

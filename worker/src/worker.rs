@@ -76,11 +76,11 @@ impl WorkerConfig {
     }
 }
 
-/// The id of a worker that was given none: its host's name, which is what
-/// a node's sandboxes are known by; with a state directory other than the
-/// default one, qualified by a digest of its path, so that two workers on
-/// one host (each with its own directory) never take each other's
-/// containers for orphans.
+/// The id of a worker that was given none (stored in its state directory
+/// on first start, and kept): its host's name qualified by a digest of its
+/// state directory's path, so that two workers on one host, say two users'
+/// default ones (each its own home), never share an id. Their containers'
+/// labels name the state directory besides (see `LABEL_STATE_DIR`).
 fn default_worker_id(state_dir: &std::path::Path) -> String {
     let host: String = std::fs::read_to_string("/proc/sys/kernel/hostname")
         .unwrap_or_default()
@@ -96,9 +96,6 @@ fn default_worker_id(state_dir: &std::path::Path) -> String {
     };
     let canonical =
         |p: &std::path::Path| std::fs::canonicalize(p).unwrap_or_else(|_| p.to_path_buf());
-    if canonical(state_dir) == canonical(&crate::cli::default_state_dir("worker")) {
-        return host;
-    }
     // FNV-1a: stable across builds and machines.
     let digest = canonical(state_dir)
         .as_os_str()
@@ -173,12 +170,10 @@ impl Worker {
         let default_runtime = config.defaults.runtime.clone();
         let init = InitBinary::locate(config.init_binary.as_deref())?;
         let docker = docker::connect(config.docker_host.as_deref()).await?;
-        let runtime = Arc::new(DockerRuntime::new(
-            docker,
-            worker_id.clone(),
-            init,
-            config.defaults,
-        ));
+        let runtime = Arc::new(
+            DockerRuntime::new(docker, worker_id.clone(), init, config.defaults)
+                .with_state_dir(&config.state_dir),
+        );
         let docker_version = runtime.version().await;
         let state_drain = state.drain_deadline();
         runtime.prune_old_init_volumes().await;

@@ -62,6 +62,33 @@ async fn exit_codes_and_streams() -> anyhow::Result<()> {
 
     let out = run(&["--bash", "--", "echo", "through bash"]).await?;
     assert_eq!(String::from_utf8_lossy(&out.stdout), "through bash\n");
+
+    // No timeout unless asked, and 0 is none: the worker's cap (24 h), not
+    // a hidden ten minutes.
+    for extra in [&[][..], &["--timeout", "0"][..]] {
+        let mut args: Vec<&str> = base.to_vec();
+        args.extend_from_slice(extra);
+        args.extend_from_slice(&["--", "echo", "untimed"]);
+        let out = corral(&args).await?;
+        assert_eq!(String::from_utf8_lossy(&out.stdout), "untimed\n");
+    }
+    let untimed: Vec<_> = h
+        .client
+        .list_operations(&sb)
+        .await?
+        .into_iter()
+        .filter_map(|r| match r.spec {
+            corral_proto::OperationSpec::Shell(s) if s.command.contains("untimed") => {
+                Some(s.timeout_ms)
+            }
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        untimed,
+        vec![Some(corral_proto::limits::MAX_TIMEOUT_MS); 2],
+        "{untimed:?}"
+    );
     h.stop().await;
     Ok(())
 }

@@ -190,6 +190,43 @@ async fn a_drain_removes_what_is_left_at_its_deadline() -> Result<()> {
     Ok(())
 }
 
+/// Two workers that share an id (as two users' default workers once did:
+/// both named after the host) on one engine, each with its own state
+/// directory: the second's start and sweeps leave the first's sandbox
+/// alone, and it goes on serving.
+#[tokio::test]
+async fn two_workers_sharing_an_id_never_remove_each_others_sandboxes() -> Result<()> {
+    use corral_proto::{OperationId, OperationSpec, ShellSpec};
+    let (a_dir, b_dir) = (tempfile::tempdir()?, tempfile::tempdir()?);
+    let id = unique_id("same");
+    let a = WorkerProcess::spawn(a_dir.path(), &id, free_port()?, &[], &[])?;
+    let client = a.client().await?;
+    let sb = SandboxId::new(unique_id("sb"))?;
+    client
+        .create_sandbox(Some(&sb), SandboxSpec::default())
+        .await?;
+    let b = WorkerProcess::spawn(
+        b_dir.path(),
+        &id,
+        free_port()?,
+        &[],
+        &["--sweep-interval", "200ms"],
+    )?;
+    let b_client = b.client().await?;
+    // Its start and a few sweeps.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert!(b_client.list_sandboxes().await?.is_empty());
+    let op = OperationId::random();
+    let after = client.get_sandbox(&sb).await?.last_seq;
+    client
+        .submit(&sb, &op, OperationSpec::Shell(ShellSpec::new("echo alive")))
+        .await?;
+    let (_, r) = corral_e2e::collect(&client, &sb, &op, after).await?;
+    assert_eq!(&r.stdout.head[..], b"alive\n", "{r:?}");
+    client.destroy_sandbox(&sb).await?;
+    Ok(())
+}
+
 #[tokio::test]
 async fn a_worker_given_no_id_is_named_after_its_host_and_its_state_directory() -> Result<()> {
     let state = tempfile::tempdir()?;
