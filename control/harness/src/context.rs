@@ -84,7 +84,9 @@ pub struct Built {
 pub struct Budget {
     /// The model's context window, in tokens.
     pub context_window_tokens: u64,
-    /// Kept free for the answer.
+    /// Kept free for the answer, at most: the session's
+    /// `max_output_tokens` when it names one (else 16,000); never more
+    /// than a quarter of the window (see [`Budget::reserve`]).
     pub reserve_output_tokens: u64,
     /// Bytes of each output stream a command keeps (head and tail) when the
     /// model does not say; the Bash tool's default `max_output_length`.
@@ -98,6 +100,16 @@ impl Default for Budget {
             reserve_output_tokens: 16_000,
             max_tool_result_chars: 40_000,
         }
+    }
+}
+
+impl Budget {
+    /// Tokens kept free for the answer: what it may take, but at most a
+    /// quarter of the window, so a small window (llama.cpp's and Ollama's
+    /// 4k, 8k or 16k) keeps three quarters for the request.
+    pub fn reserve(&self) -> u64 {
+        self.reserve_output_tokens
+            .min(self.context_window_tokens / 4)
     }
 }
 
@@ -415,7 +427,7 @@ impl ContextBuilder {
         let limit = self
             .budget
             .context_window_tokens
-            .saturating_sub(self.budget.reserve_output_tokens);
+            .saturating_sub(self.budget.reserve());
         if estimate > limit {
             // Oldest tool outputs go first; the latest one is kept, since it
             // is what the model is about to act on.
@@ -450,7 +462,7 @@ impl ContextBuilder {
                     source: format!("tool result {call}"),
                     reason: format!(
                         "the request was estimated over the window of {} tokens ({} kept for the answer); oldest tool outputs are elided first",
-                        self.budget.context_window_tokens, self.budget.reserve_output_tokens
+                        self.budget.context_window_tokens, self.budget.reserve()
                     ),
                 });
             }
@@ -479,7 +491,7 @@ impl ContextBuilder {
                     source: format!("tool result {call}"),
                     reason: format!(
                         "the latest tool output alone is over the window of {} tokens ({} kept for the answer); its head and tail are kept",
-                        self.budget.context_window_tokens, self.budget.reserve_output_tokens
+                        self.budget.context_window_tokens, self.budget.reserve()
                     ),
                 });
             }

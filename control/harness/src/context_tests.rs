@@ -273,6 +273,47 @@ fn a_late_result_keeps_its_images() {
 }
 
 #[test]
+fn the_answer_reserve_follows_the_window_and_the_output_limit() {
+    // The default 16,000 held for the answer at every window once left
+    // nothing of an 8k or 16k window for the request.
+    for (window, max_output, reserve) in [
+        (4_096, None, 1_024),
+        (8_192, None, 2_048),
+        (16_384, None, 4_096),
+        (200_000, None, 16_000),
+        (8_192, Some(512), 512),
+        (200_000, Some(32_000), 32_000),
+    ] {
+        let budget = Budget {
+            context_window_tokens: window,
+            reserve_output_tokens: max_output.unwrap_or(Budget::default().reserve_output_tokens),
+            ..Budget::default()
+        };
+        assert_eq!(budget.reserve(), reserve, "window {window}, {max_output:?}");
+        // A short result is kept whole in a short conversation.
+        let mut b = ContextBuilder::new(&[], budget);
+        b.add_user_input("list the files");
+        b.commit();
+        b.add_model_response(&response(vec![call("c1")]));
+        b.add_tool_result("c1", text("a.txt"), false);
+        b.commit();
+        let built = b.build();
+        assert!(
+            built.report.changes.is_empty(),
+            "window {window}: {:?}",
+            built.report.changes
+        );
+        let kept = built.request.input.iter().any(|i| match i {
+            Item::ToolResult { output, .. } => output
+                .iter()
+                .any(|o| matches!(o, ToolOutput::Text { text } if &**text == "a.txt")),
+            _ => false,
+        });
+        assert!(kept, "window {window}: the result was not kept whole");
+    }
+}
+
+#[test]
 fn over_the_window_the_oldest_tool_outputs_go_first() {
     let budget = Budget {
         context_window_tokens: 2_500,

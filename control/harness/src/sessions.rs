@@ -894,7 +894,11 @@ fn new_config(opts: &RunOptions, id: &str, endpoint: Endpoint, skills: &[Skill])
             .limits
             .max_tool_result_chars
             .unwrap_or(Budget::default().max_tool_result_chars),
-        ..Budget::default()
+        // What the answer may take, when the request bounds it.
+        reserve_output_tokens: req
+            .limits
+            .max_output_tokens
+            .map_or(Budget::default().reserve_output_tokens, u64::from),
     };
     SessionConfig {
         model: req

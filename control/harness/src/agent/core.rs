@@ -356,7 +356,15 @@ impl Core {
                 // three quarters of what was refused, and ask again.
                 let budget = self.state.context.budget();
                 let refused = self.state.context.build().estimated_tokens;
-                let fitted = refused * 3 / 4 + budget.reserve_output_tokens;
+                // The window whose room for the request (the window less
+                // its reserve, at most a quarter of it) is that much.
+                let target = refused * 3 / 4;
+                let most = budget.reserve_output_tokens;
+                let fitted = if target >= 3 * most {
+                    target + most
+                } else {
+                    target * 4 / 3
+                };
                 let context_window_tokens = if fitted < budget.context_window_tokens {
                     fitted
                 } else {

@@ -365,7 +365,7 @@ impl State {
                 budget.context_window_tokens = *context_window_tokens;
                 // One result may take at most about a quarter of the room
                 // left for the request (four characters a token).
-                let room = context_window_tokens.saturating_sub(budget.reserve_output_tokens);
+                let room = context_window_tokens.saturating_sub(budget.reserve());
                 budget.max_tool_result_chars =
                     budget.max_tool_result_chars.min(room.max(1_000) as usize);
                 self.context.set_budget(budget);
