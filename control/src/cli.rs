@@ -197,6 +197,16 @@ pub struct RunArgs {
     /// tool's name (default: the request's, else the provider's).
     #[arg(long, env = "CORRAL_TOOL_CHOICE")]
     pub tool_choice: Option<String>,
+    /// The model's context window, in tokens (default: the request's
+    /// `limits.context_window_tokens`, else 200,000). Give a local server's
+    /// (llama.cpp's `--ctx-size`) so requests fit it.
+    #[arg(long, env = "CORRAL_CONTEXT_WINDOW", value_name = "TOKENS", value_parser = clap::value_parser!(u64).range(1024..))]
+    pub context_window: Option<u64>,
+    /// Most tokens one answer may take (default: the request's
+    /// `limits.max_output_tokens`, else the provider's); what the context
+    /// keeps free for it, up to a quarter of the window.
+    #[arg(long, env = "CORRAL_MAX_OUTPUT_TOKENS", value_name = "TOKENS", value_parser = clap::value_parser!(u32).range(16..))]
+    pub max_output_tokens: Option<u32>,
     /// File holding the API key (default: the OPENAI_API_KEY variable).
     #[arg(long, env = "CORRAL_API_KEY_FILE")]
     pub api_key_file: Option<PathBuf>,

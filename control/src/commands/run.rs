@@ -146,6 +146,12 @@ fn load_request(args: &RunArgs) -> Result<SessionRequest, Error> {
     if args.max_turns.is_some() {
         req.limits.max_turns = args.max_turns;
     }
+    if args.context_window.is_some() {
+        req.limits.context_window_tokens = args.context_window;
+    }
+    if args.max_output_tokens.is_some() {
+        req.limits.max_output_tokens = args.max_output_tokens;
+    }
     Ok(req)
 }
 

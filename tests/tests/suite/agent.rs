@@ -1045,6 +1045,90 @@ async fn a_request_refused_as_too_long_is_cut_down_and_the_run_goes_on() -> Resu
     Ok(())
 }
 
+/// A llama.cpp server answers a request over its window with a 200 and an
+/// empty stream: taken as a context overflow (cut down and sent again at
+/// once), never retried as it is.
+#[tokio::test]
+async fn an_empty_answer_is_taken_as_a_context_overflow() -> Result<()> {
+    let h = Harness::start().await?;
+    let sessions = tempfile::tempdir()?;
+    let model = ModelServer::start(vec![
+        chat::calls(&[("c", "Bash", &bash("head -c 30000 /dev/zero | tr '\\0' y"))]),
+        corral_e2e::model::sse(&[]),
+        chat::text("fits now"),
+    ])
+    .await;
+    let run = corral_run(&model, &h.url, sessions.path(), &["--api", "chat", "go"]).await?;
+    assert_eq!(run.code, 0, "{}\n{:#?}", run.stderr, run.events);
+    assert_eq!(run.result()["final_text"], "fits now");
+    let retry = run.of_type("model_retry");
+    assert!(
+        retry[0]["reason"]
+            .as_str()
+            .unwrap()
+            .contains("empty stream"),
+        "{retry:?}"
+    );
+    let got = model.received();
+    assert_eq!(
+        got.len(),
+        3,
+        "the empty answer was not sent again as it was"
+    );
+    assert!(
+        got[2].text().len() < got[1].text().len(),
+        "the resent request is shorter"
+    );
+    h.stop().await;
+    Ok(())
+}
+
+/// `--context-window` and `--max-output-tokens` (a local server's small
+/// window): the answer's bound is sent, and a 30,000-byte result is cut to
+/// fit a 4,096-token window at once instead of being refused.
+#[tokio::test]
+async fn the_window_and_the_output_bound_are_flags() -> Result<()> {
+    let h = Harness::start().await?;
+    let sessions = tempfile::tempdir()?;
+    let model = ModelServer::start(vec![
+        chat::calls(&[("c", "Bash", &bash("head -c 30000 /dev/zero | tr '\\0' y"))]),
+        chat::text("done"),
+    ])
+    .await;
+    let run = corral_run(
+        &model,
+        &h.url,
+        sessions.path(),
+        &[
+            "--api",
+            "chat",
+            "--context-window",
+            "4096",
+            "--max-output-tokens",
+            "512",
+            "go",
+        ],
+    )
+    .await?;
+    assert_eq!(run.code, 0, "{}\n{:#?}", run.stderr, run.events);
+    let got = model.received();
+    assert_eq!(got.len(), 2);
+    let bound = got[0]
+        .body
+        .get("max_completion_tokens")
+        .or(got[0].body.get("max_tokens"));
+    assert_eq!(bound, Some(&json!(512)), "{}", got[0].body);
+    // 4,096 tokens less 512 for the answer, about four characters a
+    // token (the body's JSON adds its quoting): the 30,000 bytes were cut.
+    assert!(
+        got[1].text().len() < 20_000,
+        "{} bytes sent to a 4,096-token window",
+        got[1].text().len()
+    );
+    h.stop().await;
+    Ok(())
+}
+
 /// The disk fills up mid-run (a file-size limit makes appends to the
 /// session log fail): the run stops with exit 1 and a clear error before
 /// anything it could not record takes effect; a rerun repairs the torn

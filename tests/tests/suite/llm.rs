@@ -449,3 +449,26 @@ async fn a_template_error_reported_as_500_is_not_retried() {
     assert!(err.to_string().contains("roles must alternate"), "{err}");
     assert_eq!(server.received().len(), 1, "not retried");
 }
+
+/// The same malformed answer twice is the server's answer to the request,
+/// not a hiccup: not sent a third time (of five attempts allowed).
+#[tokio::test]
+async fn the_same_malformed_stream_twice_is_not_retried_again() {
+    let bad = || sse(&[json!({"id": "x", "choices": [{"index": 0, "delta": {"content": "a"}}]})]);
+    let server = ModelServer::start(vec![bad(), bad(), bad(), bad(), bad()]).await;
+    let c = client(&server, Api::Chat, 5);
+    let err = respond(&c, &request()).await.0.unwrap_err();
+    assert!(err.to_string().contains("without a finish reason"), "{err}");
+    assert_eq!(server.received().len(), 2);
+}
+
+/// An empty 200 stream (llama.cpp past its window) is an overflow, and not
+/// retried by the client.
+#[tokio::test]
+async fn an_empty_stream_is_a_context_overflow() {
+    let server = ModelServer::start(vec![sse(&[]), sse(&[])]).await;
+    let c = client(&server, Api::Chat, 5);
+    let err = respond(&c, &request()).await.0.unwrap_err();
+    assert!(err.is_context_length_exceeded(), "{err}");
+    assert_eq!(server.received().len(), 1);
+}

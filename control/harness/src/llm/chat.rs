@@ -353,6 +353,8 @@ pub struct StreamState {
     legacy: PartialCall,
     finish: Option<String>,
     usage: Usage,
+    /// Data payloads seen: none at all is an empty answer.
+    chunks: u64,
 }
 
 impl PartialCall {
@@ -393,6 +395,7 @@ impl StreamState {
         if data == "[DONE]" {
             return self.finish().map(Some);
         }
+        self.chunks += 1;
         let v: Value =
             serde_json::from_str(data).map_err(|e| protocol(format!("bad chunk JSON: {e}")))?;
         if let Some(err) = v.get("error").filter(|e| !e.is_null()) {
@@ -460,6 +463,9 @@ impl StreamState {
     /// The response once the stream is over.
     pub fn finish(&mut self) -> Result<Response, LlmError> {
         let Some(finish) = self.finish.take() else {
+            if self.chunks == 0 {
+                return Err(LlmError::EmptyAnswer { api: API });
+            }
             return Err(protocol("stream ended without a finish reason"));
         };
         let stop = match finish.as_str() {

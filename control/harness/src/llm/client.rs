@@ -135,6 +135,7 @@ impl LlmClient {
         let body = serde_json::to_vec(&body).map_err(|e| LlmError::Request(e.to_string()))?;
         let max = self.config.retry.max_attempts.max(1);
         let mut attempt = 1;
+        let mut last_protocol: Option<String> = None;
         loop {
             let result = tokio::select! {
                 r = self.attempt(&body, deltas) => r,
@@ -147,7 +148,18 @@ impl LlmClient {
             if !is_retryable(&err) {
                 return Err(err);
             }
-            if attempt >= max {
+            // The same request broken the same way twice is the server's
+            // answer to it, not a hiccup: not sent a third time.
+            let repeated = if let LlmError::Protocol { .. } = &err {
+                let text = err.to_string();
+                let same = last_protocol.as_deref() == Some(text.as_str());
+                last_protocol = Some(text);
+                same
+            } else {
+                last_protocol = None;
+                false
+            };
+            if attempt >= max || repeated {
                 return Err(LlmError::GaveUp {
                     attempts: attempt,
                     last: Box::new(err),

@@ -235,6 +235,13 @@ pub enum LlmError {
     /// The stream broke off or did not follow the protocol.
     #[error("malformed {api} stream: {message}")]
     Protocol { api: &'static str, message: String },
+    /// A 2xx answer whose stream held nothing at all: what llama.cpp's
+    /// servers send for a request longer than their context window (the
+    /// failure comes after the status). Treated as a context overflow.
+    #[error(
+        "the {api} endpoint answered with an empty stream (a llama.cpp server does so for a request longer than its context window)"
+    )]
+    EmptyAnswer { api: &'static str },
     #[error("request could not be built: {0}")]
     Request(String),
     #[error("canceled")]
@@ -255,7 +262,8 @@ impl LlmError {
 
     /// The request does not fit the model's context window.
     pub fn is_context_length_exceeded(&self) -> bool {
-        self.code() == Some("context_length_exceeded")
+        matches!(self, Self::EmptyAnswer { .. })
+            || self.code() == Some("context_length_exceeded")
             || self.to_string().contains("maximum context length")
     }
 }

@@ -90,6 +90,8 @@ pub fn is_retryable(e: &LlmError) -> bool {
         LlmError::Http { status, .. } => RETRYABLE_STATUS.contains(status),
         // In-band failures are retried unless known to be final.
         LlmError::InBand { .. } => !e.is_context_length_exceeded(),
+        // Shrunk and built again by the session, never sent again as is.
+        LlmError::EmptyAnswer { .. } => false,
         LlmError::Request(_) | LlmError::Canceled | LlmError::GaveUp { .. } => false,
     }
 }
