@@ -42,6 +42,10 @@ pub struct WorkerInfo {
     pub draining: bool,
     /// When a drain removes what is left (ms since the epoch; 0: none).
     pub drain_deadline_ms: u64,
+    /// The image of a sandbox that names none.
+    pub default_image: String,
+    /// The OCI runtime of a sandbox that names none (`None`: the engine's).
+    pub default_runtime: Option<String>,
 }
 
 /// What a worker lets a sandbox be: its operator's choice, never a
@@ -195,6 +199,8 @@ impl From<WorkerInfo> for pb::WorkerInfo {
             policy: Some(i.policy.into()),
             draining: i.draining,
             drain_deadline_ms: i.drain_deadline_ms,
+            default_image: i.default_image,
+            default_runtime: i.default_runtime.unwrap_or_default(),
         }
     }
 }
@@ -211,6 +217,8 @@ impl From<pb::WorkerInfo> for WorkerInfo {
             policy: i.policy.map(Into::into).unwrap_or_default(),
             draining: i.draining,
             drain_deadline_ms: i.drain_deadline_ms,
+            default_image: i.default_image,
+            default_runtime: Some(i.default_runtime).filter(|r| !r.is_empty()),
         }
     }
 }

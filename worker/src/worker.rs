@@ -706,6 +706,8 @@ impl Worker {
             policy: self.inner.policy.clone(),
             draining: drain.is_some(),
             drain_deadline_ms: drain.map_or(0, |ms| u64::try_from(ms).unwrap_or(0)),
+            default_image: self.inner.default_image.clone(),
+            default_runtime: self.inner.default_runtime.clone(),
         }
     }
 

@@ -35,6 +35,13 @@ pub async fn main(conn: &ConnArgs, args: ExecArgs) -> u8 {
 }
 
 async fn exec_command(conn: &ConnArgs, args: ExecArgs) -> Result<u8, Error> {
+    // As `docker exec -it`: keys cannot come from a pipe or a file (a
+    // terminal's end of input is a key, which a file never sends).
+    if args.tty && args.interactive && !std::io::IsTerminal::is_terminal(&std::io::stdin()) {
+        return Err(Error::Connect(ConnectError::Usage(
+            "the input device is not a TTY (give -i alone to send a pipe or a file)".into(),
+        )));
+    }
     let terminal = args
         .tty
         .then(|| crate::terminal::current_size().unwrap_or(TerminalSize { rows: 24, cols: 80 }));

@@ -75,7 +75,78 @@ fn lines(info: &WorkerInfo) -> Vec<(&'static str, String)> {
         ),
         ("running", info.running_operations.to_string()),
         ("draining", drain_text(info)),
+        ("image", info.default_image.clone()),
+        (
+            "runtime",
+            info.default_runtime
+                .clone()
+                .unwrap_or_else(|| "the engine's default".into()),
+        ),
+        ("allows", allows(&info.policy)),
+        ("at most", ceilings(&info.policy.ceilings)),
     ]
+}
+
+/// What a sandbox may ask for beyond the hardened default, as the flags
+/// of `corral sandbox create` say it.
+fn allows(p: &corral_proto::SandboxPolicy) -> String {
+    let mut parts = Vec::new();
+    if p.allow_root {
+        parts.push("--root".to_string());
+    }
+    if p.allow_writable_rootfs {
+        parts.push("--writable-rootfs".to_string());
+    }
+    if p.allow_network {
+        parts.push("--network bridge".to_string());
+    }
+    if !p.allowed_capabilities.is_empty() {
+        parts.push(format!("capabilities {}", p.allowed_capabilities.join(",")));
+    }
+    if p.allow_any_image {
+        parts.push("any image".to_string());
+    } else if !p.allowed_images.is_empty() {
+        parts.push(format!("images {}", p.allowed_images.join(",")));
+    }
+    if !p.allowed_runtimes.is_empty() {
+        parts.push(format!("runtimes {}", p.allowed_runtimes.join(",")));
+    }
+    if parts.is_empty() {
+        "nothing beyond the default (its image and Corral's own)".into()
+    } else {
+        parts.join("; ")
+    }
+}
+
+fn ceilings(c: &corral_proto::Ceilings) -> String {
+    let gib = |b: u64| format!("{:.1} GiB", b as f64 / f64::from(1u32 << 30));
+    format!(
+        "memory {}, {} CPUs, {} processes, workspace {}, /tmp {}",
+        gib(c.memory_bytes),
+        f64::from(c.cpu_millis) / 1000.0,
+        c.pids,
+        gib(c.workspace_bytes),
+        gib(c.tmp_bytes)
+    )
+}
+
+fn policy_json(p: &corral_proto::SandboxPolicy) -> serde_json::Value {
+    serde_json::json!({
+        "allow_root": p.allow_root,
+        "allow_writable_rootfs": p.allow_writable_rootfs,
+        "allow_network": p.allow_network,
+        "allowed_capabilities": p.allowed_capabilities,
+        "allowed_images": p.allowed_images,
+        "allow_any_image": p.allow_any_image,
+        "allowed_runtimes": p.allowed_runtimes,
+        "ceilings": {
+            "memory_bytes": p.ceilings.memory_bytes,
+            "cpu_millis": p.ceilings.cpu_millis,
+            "pids": p.ceilings.pids,
+            "workspace_bytes": p.ceilings.workspace_bytes,
+            "tmp_bytes": p.ceilings.tmp_bytes,
+        },
+    })
 }
 
 fn to_json(info: &WorkerInfo) -> serde_json::Value {
@@ -88,6 +159,9 @@ fn to_json(info: &WorkerInfo) -> serde_json::Value {
         "running_operations": info.running_operations,
         "draining": info.draining,
         "drain_deadline_ms": info.drain_deadline_ms,
+        "default_image": info.default_image,
+        "default_runtime": info.default_runtime,
+        "policy": policy_json(&info.policy),
     })
 }
 

@@ -63,6 +63,11 @@ async fn exit_codes_and_streams() -> anyhow::Result<()> {
     let out = run(&["--bash", "--", "echo", "through bash"]).await?;
     assert_eq!(String::from_utf8_lossy(&out.stdout), "through bash\n");
 
+    // -it with no terminal for input: refused at once, as `docker exec -it`.
+    let out = run(&["-it", "--", "cat"]).await?;
+    assert_eq!(out.status.code(), Some(2));
+    assert!(one_line_error(&out).contains("not a TTY"));
+
     // No timeout unless asked, and 0 is none: the worker's cap (24 h), not
     // a hidden ten minutes.
     for extra in [&[][..], &["--timeout", "0"][..]] {
@@ -580,6 +585,45 @@ async fn sandbox_stats_show_what_a_sandbox_uses() -> anyhow::Result<()> {
     assert!(
         table.starts_with("ID") && table.contains(sb.as_str()) && table.contains("MiB"),
         "{table}"
+    );
+    h.stop().await;
+    Ok(())
+}
+
+/// `corral worker info` says what a sandbox gets when it names nothing and
+/// what it may ask for: the worker's default image and runtime, its policy
+/// and ceilings, in text and in JSON.
+#[tokio::test]
+async fn worker_info_shows_the_default_image_and_the_policy() -> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let out = corral(&["--worker", h.url.as_str(), "worker", "info"]).await?;
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("image:") && text.contains("corral-sandbox"),
+        "{text}"
+    );
+    assert!(
+        text.contains("allows:") && text.contains("at most:"),
+        "{text}"
+    );
+    let out = corral(&["--worker", h.url.as_str(), "worker", "info", "--json"]).await?;
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+    assert!(
+        v["default_image"]
+            .as_str()
+            .is_some_and(|i| i.contains("corral-sandbox")),
+        "{v}"
+    );
+    assert!(
+        v["policy"]["ceilings"]["pids"]
+            .as_u64()
+            .is_some_and(|p| p > 0),
+        "{v}"
     );
     h.stop().await;
     Ok(())
