@@ -59,6 +59,16 @@ pub fn one_line(s: &str, max: usize) -> String {
 /// A call's result as the terminal shows it: marked by how it ended
 /// (✓ ok, ✗ failed, lost or refused, ⊘ canceled), with its exit code when
 /// it failed and how long it took.
+/// A run's tokens as the summary line says them. Every request has input
+/// tokens: none at all means the endpoint did not say, not a free run.
+fn usage_text(u: &corral_harness::llm::Usage) -> String {
+    if u.input_tokens == 0 && u.output_tokens == 0 {
+        "usage not reported by the endpoint".into()
+    } else {
+        format!("{} tokens in, {} out", u.input_tokens, u.output_tokens)
+    }
+}
+
 fn result_line(
     tool: &str,
     status: &str,
@@ -183,14 +193,13 @@ impl TerminalView {
             | Event::ToolProgress { .. }
             | Event::Error { .. } => {}
             Event::Result(r) => {
+                let usage = usage_text(&r.usage);
                 writeln!(
                     err,
-                    "corral: {} · {} turns · {} tool calls · {} tokens in, {} out · {:.1}s{}",
+                    "corral: {} · {} turns · {} tool calls · {usage} · {:.1}s{}",
                     r.status,
                     r.turns,
                     r.tool_calls,
-                    r.usage.input_tokens,
-                    r.usage.output_tokens,
                     r.duration_ms as f64 / 1000.0,
                     r.error
                         .as_ref()
@@ -268,6 +277,18 @@ mod tests {
         assert!(!one_line(hostile, 200).contains('\x1b'));
         let line = result_line("Bash", "ok", Some(0), None, "\x1b[31mred");
         assert_eq!(line, "✓ Bash: ^[[31mred");
+    }
+
+    #[test]
+    fn usage_never_reported_is_not_zero_tokens() {
+        let none = corral_harness::llm::Usage::default();
+        assert_eq!(usage_text(&none), "usage not reported by the endpoint");
+        let some = corral_harness::llm::Usage {
+            input_tokens: 12,
+            output_tokens: 3,
+            ..Default::default()
+        };
+        assert_eq!(usage_text(&some), "12 tokens in, 3 out");
     }
 
     #[test]

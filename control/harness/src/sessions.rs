@@ -693,9 +693,16 @@ impl Sessions {
                 });
             }
         }
-        let file = tokio::fs::File::create(dest)
-            .await
-            .map_err(|e| SessionError::Invalid(format!("{}: {e}", dest.display())));
+        // `-` is stdout (a patch for a pipe), never a file named `-`.
+        let to_stdout = dest.as_os_str() == "-";
+        let file: Result<Box<dyn tokio::io::AsyncWrite + Unpin + Send>, _> = if to_stdout {
+            Ok(Box::new(tokio::io::stdout()))
+        } else {
+            tokio::fs::File::create(dest)
+                .await
+                .map(|f| Box::new(f) as Box<dyn tokio::io::AsyncWrite + Unpin + Send>)
+                .map_err(|e| SessionError::Invalid(format!("{}: {e}", dest.display())))
+        };
         let written = match file {
             Ok(mut file) => {
                 crate::transfer::stream_stdout(&worker, &sandbox, DIFF_COMMAND, &mut file).await
@@ -711,7 +718,9 @@ impl Sessions {
             let _ = worker.destroy_sandbox(&sandbox).await;
         }
         written.map_err(|e| {
-            let _ = std::fs::remove_file(dest);
+            if !to_stdout {
+                let _ = std::fs::remove_file(dest);
+            }
             SessionError::Sandbox {
                 sandbox,
                 error: e.to_string(),

@@ -496,6 +496,32 @@ impl Read for ChunkReader {
     }
 }
 
+/// Writes the archive of the sandbox's `src` (a tar stream, as `docker cp`
+/// writes one to `-`) to `out` as it comes, untouched: nothing is unpacked
+/// here, so the sandbox's names are the reader's to check.
+pub async fn archive_to<W: WorkerApi>(
+    worker: &W,
+    sandbox: &SandboxId,
+    src: &str,
+    out: &mut (impl tokio::io::AsyncWrite + Unpin),
+    progress: impl FnMut(u64),
+) -> Result<Moved, TransferError> {
+    use tokio::io::AsyncWriteExt;
+    let (tx, mut rx) = mpsc::channel::<Bytes>(QUEUED_CHUNKS);
+    let getting = get(worker, sandbox, ArchiveSpec::new(src), tx, progress);
+    let writing = async {
+        while let Some(chunk) = rx.recv().await {
+            out.write_all(&chunk).await?;
+        }
+        out.flush().await
+    };
+    let (got, written) = tokio::join!(getting, writing);
+    match written {
+        Err(e) => Err(TransferError::Local(e.to_string())),
+        Ok(()) => got,
+    }
+}
+
 /// Runs `command` in the sandbox and writes its whole stdout to `out`, as it
 /// comes (any size: it is streamed, not kept in the result). Fails with the
 /// command's stderr when it exits non-zero.

@@ -64,6 +64,20 @@ async fn cp(conn: &ConnArgs, args: &CpArgs) -> Result<(), Error> {
             let worker = connect_for(conn, &sandbox).await?;
             transfer::upload(&worker, &sandbox, &src, &dest, |n| meter.show(n)).await?
         }
+        // `-`: the archive itself, on stdout, as `docker cp` writes it.
+        (End::Sandbox(sandbox, src), End::Local(dest)) if dest.as_os_str() == "-" => {
+            if std::io::stdout().is_terminal() {
+                return Err(Error::Usage(
+                    "refusing to write a tar archive to a terminal: redirect it (> file.tar) or pipe it (| tar -x)".into(),
+                ));
+            }
+            let worker = connect_for(conn, &sandbox).await?;
+            let mut out = tokio::io::stdout();
+            let moved =
+                transfer::archive_to(&worker, &sandbox, &src, &mut out, |n| meter.show(n)).await?;
+            meter.done(moved.bytes);
+            return Ok(());
+        }
         (End::Sandbox(sandbox, src), End::Local(dest)) => {
             let worker = connect_for(conn, &sandbox).await?;
             // Only the tree asked for, under its own name: the archive is

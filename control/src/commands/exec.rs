@@ -129,6 +129,14 @@ async fn exec_command(conn: &ConnArgs, args: ExecArgs) -> Result<u8, Error> {
             tokio::io::AsyncWriteExt::write_all(&mut err, line.as_bytes()).await?;
             return Ok(128 + sig as u8);
         }
+        // Canceled by someone else (`corral kill`, another client): said
+        // so, with the code of a command killed (SIGKILL), not Ctrl-C's.
+        (Outcome::Canceled, None) => {
+            let line =
+                "corral: the command was killed by a cancel from another client (corral kill)\n";
+            tokio::io::AsyncWriteExt::write_all(&mut err, line.as_bytes()).await?;
+            return Ok(137);
+        }
         (other, _) => {
             let line = format!("corral: command {other}\n");
             tokio::io::AsyncWriteExt::write_all(&mut err, line.as_bytes()).await?;

@@ -22,6 +22,9 @@ enum Error {
     Follow(#[from] FollowError),
     #[error("{0}")]
     Invalid(String),
+    /// Nothing to do: not a mistake in how the command was given.
+    #[error("{0}")]
+    NotRunning(String),
     #[error("writing output: {0}")]
     Io(#[from] std::io::Error),
 }
@@ -33,6 +36,7 @@ fn finish(r: Result<(), Error>) -> u8 {
             super::report(&e);
             match e {
                 Error::Invalid(_) | Error::Connect(ConnectError::Usage(_)) => super::EXIT_USAGE,
+                Error::NotRunning(_) => 1,
                 _ => super::EXIT_CORRAL_ERROR,
             }
         }
@@ -114,7 +118,7 @@ pub async fn kill(conn: &ConnArgs, operation: &str, sandbox: Option<&str>) -> u8
                 None => find(&worker, &op).await?,
             };
             if !worker.cancel(&sandbox, &op).await? {
-                return Err(Error::Invalid(format!(
+                return Err(Error::NotRunning(format!(
                     "operation {op} of sandbox {sandbox} is not running"
                 )));
             }

@@ -153,6 +153,8 @@ async fn session_command(conn: &ConnArgs, cmd: &SessionCommand) -> Result<(), Er
             let store = super::run::sessions(sessions_dir.as_deref());
             let worker = parent_worker(&store, id)?;
             let worker = connect_to(conn, worker.as_deref()).await?;
+            // The patch may go to stdout (`-`), written from another thread.
+            drop(out);
             if *diff {
                 store.export_diff(id, worker, dest).await?;
             } else {

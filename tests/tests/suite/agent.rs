@@ -1698,6 +1698,21 @@ async fn a_git_workspace_exports_as_a_patch_that_applies_to_the_original() -> Re
     );
     assert_eq!(std::fs::read_to_string(copy.join("added.txt"))?, "new\n");
     assert!(!copy.join("notes").exists());
+    // `-` is stdout: the same patch, and no file named `-`.
+    let out = tokio::process::Command::new(binary("corral")?)
+        .env("CORRAL_WORKER", &h.url)
+        .env("CORRAL_SESSIONS_DIR", sessions.path())
+        .args(["session", "export", "--diff", "git", "-"])
+        .current_dir(local.path())
+        .output()
+        .await?;
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(out.stdout, std::fs::read(&patch)?);
+    assert!(!local.path().join("-").exists());
     h.stop().await;
     Ok(())
 }

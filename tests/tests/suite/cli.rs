@@ -529,11 +529,50 @@ async fn operations_are_listed_killed_and_their_output_read_back() -> anyhow::Re
         record.result.map(|r| r.outcome),
         Some(corral_proto::Outcome::Canceled)
     );
+    // Killing what has ended: nothing to do (1), not a usage error (2).
     let out = run(with(&["kill", &op.to_string()])).await?;
-    assert_eq!(out.status.code(), Some(2));
+    assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("not running"));
     let out = run(with(&["kill", "no-such-op"])).await?;
     assert!(String::from_utf8_lossy(&out.stderr).contains("no sandbox of this worker knows"));
+
+    // An exec whose command another client kills says so, with 137, not
+    // the 130 of a Ctrl-C it never got.
+    let watching = tokio::process::Command::new(binary("corral")?)
+        .args(["--worker", h.url.as_str(), "exec", "--sandbox", sb.as_str()])
+        .args(["--", "sh", "-c", "sleep 120 # to-be-killed"])
+        .env_remove("CORRAL_WORKER")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()?;
+    let target = loop {
+        let found = h.client.list_operations(&sb).await?.into_iter().find(|r| {
+            r.result.is_none()
+                && matches!(&r.spec, corral_proto::OperationSpec::Shell(s) if s.command.contains("to-be-killed"))
+        });
+        if let Some(r) = found {
+            break r.id;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    };
+    let out = run(with(&["kill", &target.to_string()])).await?;
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let ended = tokio::time::timeout(
+        std::time::Duration::from_secs(30),
+        watching.wait_with_output(),
+    )
+    .await??;
+    assert_eq!(ended.status.code(), Some(137));
+    assert!(
+        String::from_utf8_lossy(&ended.stderr).contains("killed by a cancel from another client"),
+        "{}",
+        String::from_utf8_lossy(&ended.stderr)
+    );
     h.stop().await;
     Ok(())
 }

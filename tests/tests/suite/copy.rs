@@ -334,3 +334,44 @@ async fn the_api_moves_an_archive_in_and_out_in_one_call() -> Result<()> {
     h.stop().await;
     Ok(())
 }
+
+/// `corral cp SANDBOX:PATH -` writes the archive itself to stdout (as
+/// `docker cp` does), never a directory named `-`; and refuses a terminal.
+#[tokio::test]
+async fn a_dash_as_destination_is_the_archive_on_stdout() -> Result<()> {
+    let h = Harness::start().await?;
+    let sb = h.sandbox().await?;
+    let r = h
+        .run(
+            &sb,
+            "mkdir -p /workspace/d && echo one > /workspace/d/a && echo two > /workspace/d/b",
+        )
+        .await?;
+    assert!(r.outcome.is_success(), "{r:?}");
+    let here = tempfile::tempdir()?;
+    let out = tokio::process::Command::new(binary("corral")?)
+        .arg("--worker")
+        .arg(&h.url)
+        .args(["cp", &format!("{}:d", sb.as_str()), "-"])
+        .current_dir(here.path())
+        .env_remove("CORRAL_WORKER")
+        .output()
+        .await?;
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        !here.path().join("-").exists(),
+        "a file or directory named -"
+    );
+    let mut names: Vec<String> = tar::Archive::new(&out.stdout[..])
+        .entries()?
+        .map(|e| Ok(e?.path()?.display().to_string()))
+        .collect::<Result<_>>()?;
+    names.sort();
+    assert_eq!(names, ["d", "d/a", "d/b"], "{names:?}");
+    h.stop().await;
+    Ok(())
+}
