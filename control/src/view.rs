@@ -11,6 +11,9 @@ use corral_harness::agent::events::{Event, to_json_line};
 pub enum View {
     Json(std::io::Stdout),
     Terminal(TerminalView),
+    /// Stdout was closed under a JSON view (`corral run | head -1`):
+    /// nothing more is shown, and the run stops as on SIGTERM.
+    Closed,
 }
 
 pub struct TerminalView {
@@ -233,12 +236,44 @@ impl View {
         match self {
             View::Json(out) => {
                 let mut out = out.lock();
-                out.write_all(to_json_line(e).as_bytes())?;
-                out.flush()?;
+                let written = out
+                    .write_all(to_json_line(e).as_bytes())
+                    .and_then(|()| out.flush());
+                match written {
+                    Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => {
+                        drop(out);
+                        *self = View::Closed;
+                    }
+                    other => other?,
+                }
             }
             View::Terminal(t) => t.show(e)?,
+            View::Closed => {}
         }
         Ok(())
+    }
+
+    /// Whether its reader has gone (see [`View::Closed`]).
+    pub fn is_closed(&self) -> bool {
+        matches!(self, View::Closed)
+    }
+
+    /// Looks, without writing, whether the JSON view's reader has gone (a
+    /// pipe with no reader polls as an error): a quiet run (a long
+    /// command, nothing to show) learns it without waiting for its next
+    /// event.
+    pub fn check_reader(&mut self) {
+        use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
+        use std::os::fd::AsFd;
+        let View::Json(out) = self else { return };
+        let mut fds = [PollFd::new(out.as_fd(), PollFlags::POLLOUT)];
+        let gone = poll(&mut fds, PollTimeout::ZERO).is_ok()
+            && fds[0]
+                .revents()
+                .is_some_and(|r| r.intersects(PollFlags::POLLERR | PollFlags::POLLHUP));
+        if gone {
+            *self = View::Closed;
+        }
     }
 }
 

@@ -332,6 +332,10 @@ async fn run(conn: &ConnArgs, args: &RunArgs, json: bool) -> Result<u8, Error> {
         usage: summary.usage,
         duration_ms: started.elapsed().as_millis() as u64,
     }))?;
+    if view.is_closed() {
+        // As a shell reports a command killed by SIGPIPE, and quietly.
+        return Ok(141);
+    }
     Ok(code)
 }
 
@@ -475,7 +479,16 @@ async fn watch(handle: SessionHandle, view: &mut View, from_stdin: bool) -> Resu
         from_stdin.then(|| tokio::io::BufReader::new(tokio::io::stdin()).lines());
     let mut tick = tokio::time::interval(Duration::from_secs(5));
     tick.tick().await;
+    let mut closed_told = false;
     let summary = loop {
+        // The reader of the JSON stream went away: stop as on SIGTERM
+        // (the run is stopped, suspended and recorded), once.
+        if view.is_closed() && !closed_told {
+            closed_told = true;
+            interrupts += 1;
+            give_up = Some(Box::pin(tokio::time::sleep(STOP_PATIENCE)));
+            let _ = inputs.try_send(Inbox::Stop(StopMode::Hard));
+        }
         tokio::select! {
             biased;
             Some(e) = events.recv() => view.show(&e)?,
@@ -522,6 +535,7 @@ async fn watch(handle: SessionHandle, view: &mut View, from_stdin: bool) -> Resu
                 if let View::Terminal(t) = view {
                     t.tick()?;
                 }
+                view.check_reader();
             }
         }
     };

@@ -51,6 +51,8 @@ impl Error {
 pub async fn main(conn: &ConnArgs, cmd: &SessionCommand) -> u8 {
     match session_command(conn, cmd).await {
         Ok(()) => 0,
+        // Its reader went away (`| head`): quietly, as SIGPIPE would.
+        Err(Error::Io(e)) if e.kind() == std::io::ErrorKind::BrokenPipe => 141,
         Err(e) => {
             super::report(&e);
             e.exit_code()

@@ -1804,6 +1804,61 @@ async fn an_idle_session_holds_nothing_and_its_files_come_back_on_resume() -> Re
     Ok(())
 }
 
+/// `corral run | head -1`: the reader goes after one line. The run stops
+/// as on SIGTERM (its command canceled, the session recorded and
+/// suspended, its sandbox removed) and exits 141 quietly.
+#[tokio::test]
+async fn a_closed_stdout_stops_the_run_as_sigterm_does() -> Result<()> {
+    use tokio::io::AsyncBufReadExt;
+    let h = Harness::start().await?;
+    let sessions = tempfile::tempdir()?;
+    let model = ModelServer::start(vec![
+        responses::calls(&[("s", "Bash", &bash("sleep 300"))]),
+        responses::text("never asked"),
+    ])
+    .await;
+    let mut cmd = corral_e2e::run::command(
+        &model,
+        &h.url,
+        sessions.path(),
+        &["--session", "pipe", "go"],
+    );
+    cmd.env("CORRAL_KEEP_SANDBOX", "false");
+    let mut child = cmd.spawn()?;
+    let stdout = child.stdout.take().context("stdout")?;
+    let mut lines = tokio::io::BufReader::new(stdout).lines();
+    // Read up to the call, then go away.
+    loop {
+        let line = tokio::time::timeout(Duration::from_secs(60), lines.next_line())
+            .await??
+            .context("the stream ended")?;
+        if line.contains("\"tool_call\"") {
+            break;
+        }
+    }
+    drop(lines);
+    let out = tokio::time::timeout(Duration::from_secs(60), child.wait_with_output()).await??;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(141), "{stderr}");
+    assert!(!stderr.to_lowercase().contains("broken pipe"), "{stderr}");
+    assert!(
+        h.client.list_sandboxes().await?.is_empty(),
+        "the session's sandbox was left running"
+    );
+    let show = tokio::process::Command::new(binary("corral")?)
+        .env("CORRAL_SESSIONS_DIR", sessions.path())
+        .args(["session", "show", "pipe", "--json"])
+        .output()
+        .await?;
+    let text = String::from_utf8_lossy(&show.stdout);
+    assert!(
+        text.contains("stop") || text.contains("interrupted"),
+        "{text}"
+    );
+    h.stop().await;
+    Ok(())
+}
+
 /// A running command's newest line comes as `tool_progress` events, at most
 /// one a second, before its result.
 #[tokio::test]
