@@ -506,19 +506,29 @@ pub async fn archive_to<W: WorkerApi>(
     out: &mut (impl tokio::io::AsyncWrite + Unpin),
     progress: impl FnMut(u64),
 ) -> Result<Moved, TransferError> {
-    use tokio::io::AsyncWriteExt;
-    let (tx, mut rx) = mpsc::channel::<Bytes>(QUEUED_CHUNKS);
+    let (tx, rx) = mpsc::channel::<Bytes>(QUEUED_CHUNKS);
     let getting = get(worker, sandbox, ArchiveSpec::new(src), tx, progress);
+    written_out(getting, rx, out).await
+}
+
+/// Writes what `producing` hands to `rx` to `out` as it comes; the local
+/// side's error, if it stopped first, is the cause.
+async fn written_out(
+    producing: impl std::future::Future<Output = Result<Moved, TransferError>>,
+    mut rx: mpsc::Receiver<Bytes>,
+    out: &mut (impl tokio::io::AsyncWrite + Unpin),
+) -> Result<Moved, TransferError> {
+    use tokio::io::AsyncWriteExt;
     let writing = async {
         while let Some(chunk) = rx.recv().await {
             out.write_all(&chunk).await?;
         }
         out.flush().await
     };
-    let (got, written) = tokio::join!(getting, writing);
+    let (produced, written) = tokio::join!(producing, writing);
     match written {
         Err(e) => Err(TransferError::Local(e.to_string())),
-        Ok(()) => got,
+        Ok(()) => produced,
     }
 }
 
@@ -531,22 +541,10 @@ pub async fn stream_stdout<W: WorkerApi>(
     command: &str,
     out: &mut (impl tokio::io::AsyncWrite + Unpin),
 ) -> Result<Moved, TransferError> {
-    use tokio::io::AsyncWriteExt;
-    let (tx, mut rx) = mpsc::channel::<Bytes>(QUEUED_CHUNKS);
+    let (tx, rx) = mpsc::channel::<Bytes>(QUEUED_CHUNKS);
     let spec = OperationSpec::Shell(corral_proto::ShellSpec::new(command));
     let running = stdout_of(worker, sandbox, spec, tx, |_| {});
-    let writing = async {
-        while let Some(chunk) = rx.recv().await {
-            out.write_all(&chunk).await?;
-        }
-        out.flush().await
-    };
-    let (ran, written) = tokio::join!(running, writing);
-    match written {
-        // The local side stopped first: its error is the cause.
-        Err(e) => Err(TransferError::Local(e.to_string())),
-        Ok(()) => ran,
-    }
+    written_out(running, rx, out).await
 }
 
 /// Saves the contents of the sandbox's directory `src` as a tar file at
