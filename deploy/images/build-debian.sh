@@ -2,7 +2,8 @@
 # Builds the Debian sandbox image (corral-debian:latest), what `corral run`
 # uses by default, with no registry: mmdebstrap makes a minimal Debian root
 # filesystem from the Debian archive (python3, git, coreutils, procps,
-# findutils, a C toolchain, a sandbox user with uid 1000), and `docker
+# findutils, a C toolchain; /etc/passwd and /etc/group linked to the ones
+# the supervisor writes for each sandbox's own uid), and `docker
 # import` makes it an image. The root filesystem is cached under
 # ~/.cache/corral/images, keyed by this script, so a rebuild is an import.
 # Needs: docker, and mmdebstrap (installed with apt-get when missing and
@@ -38,8 +39,7 @@ if [ ! -s "$rootfs" ]; then
         --dpkgopt='path-exclude=/usr/share/locale/*' \
         --dpkgopt='path-exclude=/usr/share/doc/*' \
         --dpkgopt='path-include=/usr/share/doc/*/copyright' \
-        --customize-hook='chroot "$1" groupadd -g 1000 sandbox' \
-        --customize-hook='chroot "$1" useradd -u 1000 -g 1000 -d /workspace -M -s /bin/bash sandbox' \
+        --customize-hook='for f in passwd group; do mv "$1/etc/$f" "$1/etc/$f.image" && ln -s /run/corral/$f "$1/etc/$f"; done' \
         --customize-hook='mkdir -p "$1/workspace" && chmod 0755 "$1" "$1/workspace"' \
         --customize-hook='rm -rf "$1"/var/lib/apt/lists/* "$1"/var/cache/apt/*' \
         "$suite" "$tmp" "$mirror"

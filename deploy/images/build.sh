@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds the default sandbox image (corral-sandbox:latest) locally, with no
 # registry: an empty root filesystem holding Debian's static busybox (with a
-# link per applet) and static bash, a sandbox user (uid 1000), imported with
+# link per applet) and static bash, its user database linked to the one the
+# supervisor writes for each sandbox's own uid, imported with
 # `docker import`. Needs: docker, and the busybox-static and bash-static
 # packages (installed with apt-get when missing and running as root).
 set -euo pipefail
@@ -35,16 +36,19 @@ for applet in $("$busybox" --list); do
     [ -e "$root/bin/$applet" ] || ln -s busybox "$root/bin/$applet"
 done
 ln -s /bin/env "$root/usr/bin/env"
-cat > "$root/etc/passwd" <<'PASSWD'
+# The image's accounts; the sandbox user (a uid of its own in every
+# sandbox) is added by the supervisor, which writes the database the links
+# below point to.
+cat > "$root/etc/passwd.image" <<'PASSWD'
 root:x:0:0:root:/root:/bin/sh
-sandbox:x:1000:1000:sandbox:/workspace:/bin/sh
 nobody:x:65534:65534:nobody:/nonexistent:/bin/false
 PASSWD
-cat > "$root/etc/group" <<'GROUP'
+cat > "$root/etc/group.image" <<'GROUP'
 root:x:0:
-sandbox:x:1000:
 nogroup:x:65534:
 GROUP
+ln -s /run/corral/passwd "$root/etc/passwd"
+ln -s /run/corral/group "$root/etc/group"
 chmod 1777 "$root/tmp"
 
 tar -C "$root" -c . | docker import \

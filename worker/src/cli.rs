@@ -161,6 +161,13 @@ pub struct WorkerArgs {
     /// terminal, else json).
     #[arg(long, env = "CORRAL_LOG_FORMAT", value_enum, default_value_t = LogFormat::Auto)]
     pub log_format: LogFormat,
+    /// The uids sandboxes' commands run as, FIRST-LAST: each sandbox gets
+    /// one of its own, at random (default 1879048192-2147352575, a range
+    /// where no distribution puts accounts; 10000-59999 on an engine that
+    /// remaps uids, as rootless Docker does). Refused when it overlaps an
+    /// account of /etc/passwd or a range of /etc/subuid.
+    #[arg(long, env = "CORRAL_SANDBOX_UIDS")]
+    pub sandbox_uids: Option<crate::uids::UidRange>,
     /// Image for sandboxes that name none.
     #[arg(
         long,
@@ -462,6 +469,7 @@ impl WorkerArgs {
                 max_watchers: self.max_watchers_per_sandbox,
             },
             max_watchers: self.max_watchers,
+            sandbox_uids: self.sandbox_uids,
         })
     }
 }

@@ -21,6 +21,7 @@ use tokio::sync::Mutex;
 
 use crate::error::{Result, WorkerError};
 use crate::initbin::InitBinary;
+use crate::uids::{LABEL_UID, UidRange};
 
 pub const LABEL_MANAGED: &str = "corral.managed";
 pub const LABEL_WORKER: &str = "corral.worker";
@@ -31,8 +32,9 @@ pub const LABEL_SANDBOX: &str = "corral.sandbox";
 pub const LABEL_STATE_DIR: &str = "corral.state-dir";
 /// Where the supervisor volume is mounted (read-only) in every sandbox.
 pub const INIT_DIR: &str = "/.corral";
-/// The unprivileged user operations run as, unless a sandbox asks for root.
-pub const SANDBOX_UID: u32 = 1000;
+/// Where the supervisor writes the sandbox user's `passwd` and `group`
+/// (a small tmpfs of its own; Corral's images link `/etc/passwd` there).
+pub const USERS_DIR: &str = "/run/corral";
 
 /// Hardened defaults; a sandbox spec can change each one, explicitly.
 #[derive(Debug, Clone)]
@@ -68,6 +70,8 @@ pub struct DockerRuntime {
     state_dir: String,
     init: InitBinary,
     pub defaults: Defaults,
+    /// The uids sandboxes' commands run as, one each.
+    uids: UidRange,
     init_volume_ready: Mutex<bool>,
 }
 
@@ -147,7 +151,33 @@ impl DockerRuntime {
             state_dir: String::new(),
             init,
             defaults,
+            uids: crate::uids::DEFAULT,
             init_volume_ready: Mutex::new(false),
+        }
+    }
+
+    /// The range sandboxes' uids are taken from.
+    pub fn with_uids(mut self, uids: UidRange) -> Self {
+        self.uids = uids;
+        self
+    }
+
+    pub fn uids(&self) -> UidRange {
+        self.uids
+    }
+
+    /// Does the engine map container uids into a user namespace (rootless
+    /// Docker, `userns-remap`)? Then only 0–65535 exist in containers.
+    pub async fn remaps_uids(&self) -> bool {
+        match self.docker.info().await {
+            Ok(info) => info.security_options.unwrap_or_default().iter().any(|o| {
+                o.split(',')
+                    .any(|kv| kv == "name=rootless" || kv == "name=userns")
+            }),
+            Err(e) => {
+                tracing::warn!(error = %e, "could not ask the engine whether it remaps uids");
+                false
+            }
         }
     }
 
@@ -298,11 +328,16 @@ impl DockerRuntime {
         }
     }
 
-    /// The container configuration of a sandbox: every default hardened.
-    pub fn container_body(&self, id: &SandboxId, spec: &SandboxSpec) -> ContainerCreateBody {
+    /// The container configuration of a sandbox whose commands run as
+    /// `uid` (0 when it asked for root): every default hardened.
+    pub fn container_body(
+        &self,
+        id: &SandboxId,
+        spec: &SandboxSpec,
+        uid: u32,
+    ) -> ContainerCreateBody {
         let d = &self.defaults;
         let image = spec.image.clone().unwrap_or_else(|| d.image.clone());
-        let uid = if spec.run_as_root { 0 } else { SANDBOX_UID };
         let (tmp_bytes, workspace_bytes) = (
             spec.tmp_bytes.unwrap_or(d.tmp_bytes),
             spec.workspace_bytes.unwrap_or(d.workspace_bytes),
@@ -323,7 +358,31 @@ impl DockerRuntime {
                     "rw,exec,nosuid,nodev,size={workspace_bytes},uid={uid},gid={uid},mode=0755"
                 ),
             ),
+            (
+                USERS_DIR.to_string(),
+                "rw,noexec,nosuid,nodev,size=65536,mode=0755".to_string(),
+            ),
         ]);
+        let mut env: Vec<String> = Vec::new();
+        // HOME is the workspace unless the sandbox says otherwise (the
+        // engine would make it root's, the supervisor's user); USER and
+        // LOGNAME name the sandbox user, for the programs that ask.
+        let user = if spec.run_as_root { "root" } else { "sandbox" };
+        for (key, value) in [("HOME", WORKSPACE_DIR), ("USER", user), ("LOGNAME", user)] {
+            if !spec.env.contains_key(key) {
+                env.push(format!("{key}={value}"));
+            }
+        }
+        env.extend(spec.env.iter().map(|(k, v)| format!("{k}={v}")));
+        let mut labels = HashMap::from([
+            (LABEL_MANAGED.into(), "1".into()),
+            (LABEL_WORKER.into(), self.worker_id.clone()),
+            (LABEL_SANDBOX.into(), id.to_string()),
+            (LABEL_STATE_DIR.into(), self.state_dir.clone()),
+        ]);
+        if uid != 0 {
+            labels.insert(LABEL_UID.into(), uid.to_string());
+        }
         ContainerCreateBody {
             image: Some(image),
             entrypoint: Some(vec![format!("{INIT_DIR}/corral-init")]),
@@ -336,15 +395,7 @@ impl DockerRuntime {
             }),
             user: Some("0:0".into()),
             working_dir: Some(WORKSPACE_DIR.into()),
-            // HOME is the workspace unless the sandbox says otherwise (the
-            // engine would make it root's, the supervisor's user).
-            env: Some(
-                (!spec.env.contains_key("HOME"))
-                    .then(|| format!("HOME={WORKSPACE_DIR}"))
-                    .into_iter()
-                    .chain(spec.env.iter().map(|(k, v)| format!("{k}={v}")))
-                    .collect(),
-            ),
+            env: Some(env),
             attach_stdin: Some(true),
             attach_stdout: Some(true),
             attach_stderr: Some(true),
@@ -352,12 +403,7 @@ impl DockerRuntime {
             stdin_once: Some(false),
             tty: Some(false),
             network_disabled: Some(spec.network == NetworkMode::None),
-            labels: Some(HashMap::from([
-                (LABEL_MANAGED.into(), "1".into()),
-                (LABEL_WORKER.into(), self.worker_id.clone()),
-                (LABEL_SANDBOX.into(), id.to_string()),
-                (LABEL_STATE_DIR.into(), self.state_dir.clone()),
-            ])),
+            labels: Some(labels),
             host_config: Some(HostConfig {
                 network_mode: Some(
                     match spec.network {
@@ -397,26 +443,53 @@ impl DockerRuntime {
 
     /// Creates and starts a sandbox's container; returns its id.
     pub async fn create(&self, id: &SandboxId, spec: &SandboxSpec) -> Result<String> {
-        let body = self.container_body(id, spec);
-        let image = body.image.clone().unwrap_or_default();
+        let image = spec
+            .image
+            .clone()
+            .unwrap_or_else(|| self.defaults.image.clone());
         self.ensure_init_volume(&image).await?;
         let name = container_name(&self.worker_id, id);
         let opts = CreateContainerOptionsBuilder::default().name(&name).build();
-        let created = match self
-            .docker
-            .create_container(Some(opts.clone()), body.clone())
-            .await
-        {
-            Ok(c) => c,
-            Err(bollard::errors::Error::DockerResponseServerError {
-                status_code: 409, ..
-            }) => {
-                // A leftover of ours with that name (a create that crashed
-                // before its record was trusted): replace it.
-                self.remove_container(&name).await?;
-                self.docker.create_container(Some(opts), body).await?
+        let mut attempts = 0;
+        let created = loop {
+            attempts += 1;
+            let uid = if spec.run_as_root {
+                0
+            } else {
+                self.uids.pick()
+            };
+            let body = self.container_body(id, spec, uid);
+            let created = match self
+                .docker
+                .create_container(Some(opts.clone()), body.clone())
+                .await
+            {
+                Ok(c) => c,
+                Err(bollard::errors::Error::DockerResponseServerError {
+                    status_code: 409, ..
+                }) => {
+                    // A leftover of ours with that name (a create that
+                    // crashed before its record was trusted): replace it.
+                    self.remove_container(&name).await?;
+                    self.docker
+                        .create_container(Some(opts.clone()), body)
+                        .await?
+                }
+                Err(e) => return Err(self.image_error(e, &image)),
+            };
+            if uid == 0 || !self.uid_taken_elsewhere(uid, &created.id).await? {
+                break created;
             }
-            Err(e) => return Err(self.image_error(e, &image)),
+            // Another container (any worker's) has this uid: made at the
+            // same moment, or before. Ours goes; the other keeps it.
+            tracing::info!(uid, sandbox = %id, "uid already taken on this engine; picking another");
+            self.remove_container(&created.id).await?;
+            if attempts >= 16 {
+                return Err(WorkerError::NoFreeUid {
+                    range: self.uids.to_string(),
+                    tries: attempts,
+                });
+            }
         };
         if let Err(e) = self.docker.start_container(&created.id, None).await {
             // The supervisor may still be on its way into a volume another
@@ -438,6 +511,19 @@ impl DockerRuntime {
             }
         }
         Ok(created.id)
+    }
+
+    /// Does a container other than `ours` carry the label of `uid`?
+    async fn uid_taken_elsewhere(&self, uid: u32, ours: &str) -> Result<bool> {
+        let opts = ListContainersOptionsBuilder::default()
+            .all(true)
+            .filters(&HashMap::from([(
+                "label".to_string(),
+                vec![format!("{LABEL_UID}={uid}")],
+            )]))
+            .build();
+        let found = self.docker.list_containers(Some(opts)).await?;
+        Ok(found.iter().any(|c| c.id.as_deref() != Some(ours)))
     }
 
     pub async fn attach(&self, container: &str) -> Result<AttachContainerResults> {

@@ -14,6 +14,10 @@ pub enum WorkerError {
     Conflict { what: &'static str, id: String },
     #[error("this worker is at its capacity of {0} sandboxes")]
     AtCapacity(u32),
+    /// Every uid tried was another container's (a range too small for the
+    /// engine's sandboxes).
+    #[error("no free uid in --sandbox-uids {range} after {tries} tries")]
+    NoFreeUid { range: String, tries: u32 },
     #[error("sandbox {id} is lost: {reason}")]
     SandboxLost { id: String, reason: String },
     #[error(
@@ -78,7 +82,9 @@ impl From<WorkerError> for tonic::Status {
             WorkerError::UnknownSandbox(_) | WorkerError::UnknownOperation(_) => Code::NotFound,
             WorkerError::Conflict { .. } => Code::AlreadyExists,
             WorkerError::Denied(_) => Code::PermissionDenied,
-            WorkerError::AtCapacity(_) | WorkerError::TooManyWatchers(_) => Code::ResourceExhausted,
+            WorkerError::AtCapacity(_)
+            | WorkerError::TooManyWatchers(_)
+            | WorkerError::NoFreeUid { .. } => Code::ResourceExhausted,
             WorkerError::SandboxLost { .. }
             | WorkerError::NoSuchImage(_)
             | WorkerError::NotApplicable(_) => Code::FailedPrecondition,

@@ -9,6 +9,8 @@
 //!   stdio, with flow control towards its watchers;
 //! - [`docker`]: everything said to the Docker engine (bollard), including
 //!   the hardened container configuration;
+//! - [`uids`]: the uid each sandbox's commands run as, one no host account
+//!   and no other sandbox holds;
 //! - [`policy`]: what a sandbox may be, as the operator allows it (clients
 //!   ask, the worker decides);
 //! - [`admission`]: which connections reach the server (limits, handshake
@@ -32,6 +34,7 @@ pub mod sandbox;
 pub mod server;
 pub mod service;
 pub mod state;
+pub mod uids;
 pub mod worker;
 
 pub use error::WorkerError;

@@ -53,6 +53,9 @@ pub struct WorkerConfig {
     /// How long a drain serves the sandboxes it found before it removes
     /// what is left.
     pub drain_deadline: Duration,
+    /// The uids sandboxes' commands run as (`None`: the default for the
+    /// engine, see [`crate::uids`]).
+    pub sandbox_uids: Option<crate::uids::UidRange>,
 }
 
 impl WorkerConfig {
@@ -72,6 +75,7 @@ impl WorkerConfig {
             max_lifetime: None,
             drain: false,
             drain_deadline: DEFAULT_DRAIN_DEADLINE,
+            sandbox_uids: None,
         }
     }
 }
@@ -170,10 +174,22 @@ impl Worker {
         let default_runtime = config.defaults.runtime.clone();
         let init = InitBinary::locate(config.init_binary.as_deref())?;
         let docker = docker::connect(config.docker_host.as_deref()).await?;
-        let runtime = Arc::new(
-            DockerRuntime::new(docker, worker_id.clone(), init, config.defaults)
-                .with_state_dir(&config.state_dir),
-        );
+        let runtime = DockerRuntime::new(docker, worker_id.clone(), init, config.defaults)
+            .with_state_dir(&config.state_dir);
+        let uids = match config.sandbox_uids {
+            Some(u) => u,
+            None if runtime.remaps_uids().await => crate::uids::DEFAULT_REMAPPED,
+            None => crate::uids::DEFAULT,
+        };
+        let read = |p: &str| std::fs::read_to_string(p).unwrap_or_default();
+        let overlaps = uids.host_overlaps(&read("/etc/passwd"), &read("/etc/subuid"));
+        if !overlaps.is_empty() {
+            return Err(WorkerError::Config(format!(
+                "--sandbox-uids {uids} overlaps {}: give a range no host account holds",
+                overlaps.join(", ")
+            )));
+        }
+        let runtime = Arc::new(runtime.with_uids(uids));
         let docker_version = runtime.version().await;
         let state_drain = state.drain_deadline();
         runtime.prune_old_init_volumes().await;

@@ -34,12 +34,12 @@ async fn a_sandbox_under_gvisor_serves_and_its_supervisor_is_out_of_reach() -> a
     let r = h
         .run(
             &sb,
-            "dmesg | head -1; id -u; echo hi > /workspace/f; cat /workspace/f",
+            "dmesg | head -1; id -un; echo hi > /workspace/f; cat /workspace/f",
         )
         .await?;
     let out = r.stdout.to_lossy_string();
     assert!(
-        out.contains("gVisor") && out.ends_with("1000\nhi\n"),
+        out.contains("gVisor") && out.ends_with("sandbox\nhi\n"),
         "{out}"
     );
     // The forgery once possible under gVisor: writing into the supervisor's

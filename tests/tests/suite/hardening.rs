@@ -39,7 +39,19 @@ async fn the_container_is_hardened_by_default() -> anyhow::Result<()> {
             .any(|o| o.starts_with("no-new-privileges"))
     );
     assert_eq!(hc.readonly_rootfs, Some(true));
+    // Commands run as a uid of the sandbox's own, out of every host
+    // account's way, named on the container.
+    let labels = cfg.labels.clone().unwrap_or_default();
+    let uid: u32 = labels.get("corral.uid").expect("a uid label").parse()?;
+    let range = corral_worker::uids::DEFAULT;
+    assert!((range.first..=range.last).contains(&uid), "{uid}");
     let tmpfs: HashMap<String, String> = hc.tmpfs.unwrap_or_default();
+    assert!(
+        tmpfs
+            .get("/run/corral")
+            .is_some_and(|o| o.contains("size=65536") && o.contains("noexec")),
+        "{tmpfs:?}"
+    );
     assert!(
         tmpfs.get("/tmp").is_some_and(|o| o.contains("size=")),
         "{tmpfs:?}"
@@ -47,7 +59,7 @@ async fn the_container_is_hardened_by_default() -> anyhow::Result<()> {
     assert!(
         tmpfs
             .get("/workspace")
-            .is_some_and(|o| o.contains("size=") && o.contains("uid=1000")),
+            .is_some_and(|o| o.contains("size=") && o.contains(&format!("uid={uid},gid={uid}"))),
         "{tmpfs:?}"
     );
     assert_eq!(hc.pids_limit, Some(256));
@@ -65,7 +77,7 @@ async fn the_container_is_hardened_by_default() -> anyhow::Result<()> {
     assert_eq!(cfg.user.as_deref(), Some("0:0"), "the supervisor's user");
     assert_eq!(
         cfg.cmd,
-        Some(vec!["--command-uid".to_string(), "1000".to_string()])
+        Some(vec!["--command-uid".to_string(), uid.to_string()])
     );
     let labels = cfg.labels.unwrap_or_default();
     assert_eq!(labels.get("corral.worker"), Some(&h.worker_id));
@@ -84,7 +96,7 @@ async fn the_container_is_hardened_by_default() -> anyhow::Result<()> {
     let r = h
         .run(
             &sb,
-            "id -u; touch /etc/x 2>/dev/null && echo rootfs-writable || echo rootfs-ro; \
+            "id -u; whoami; touch /etc/x 2>/dev/null && echo rootfs-writable || echo rootfs-ro; \
              grep -E '^(CapEff|CapPrm|CapInh|CapAmb|NoNewPrivs)' /proc/self/status; \
              tail -n +3 /proc/net/dev | cut -d: -f1 | tr -d ' '; \
              echo ok > /tmp/t && cat /tmp/t; ls /var/run/docker.sock 2>&1 | grep -c 'No such'",
@@ -92,7 +104,9 @@ async fn the_container_is_hardened_by_default() -> anyhow::Result<()> {
         .await?;
     assert_eq!(
         r.stdout.to_lossy_string(),
-        "1000\nrootfs-ro\nCapInh:\t0000000000000000\nCapPrm:\t0000000000000000\nCapEff:\t0000000000000000\nCapAmb:\t0000000000000000\nNoNewPrivs:\t1\nlo\nok\n1\n"
+        format!(
+            "{uid}\nsandbox\nrootfs-ro\nCapInh:\t0000000000000000\nCapPrm:\t0000000000000000\nCapEff:\t0000000000000000\nCapAmb:\t0000000000000000\nNoNewPrivs:\t1\nlo\nok\n1\n"
+        )
     );
     h.stop().await;
     Ok(())
@@ -349,9 +363,17 @@ async fn signals_to_the_supervisor_from_inside_change_nothing() -> anyhow::Resul
     });
     h.run_spec(&sb, write).await?;
     let r = h
-        .run(&sb, "stat -c %u /workspace/sub /workspace/sub/made.txt")
+        .run(
+            &sb,
+            "stat -c %u /workspace/sub /workspace/sub/made.txt; id -u",
+        )
         .await?;
-    assert_eq!(r.stdout.to_lossy_string(), "1000\n1000\n");
+    let out = r.stdout.to_lossy_string();
+    let lines: Vec<&str> = out.lines().collect();
+    assert!(
+        lines.len() == 3 && lines[0] == lines[2] && lines[1] == lines[2] && lines[2] != "1000",
+        "{out}"
+    );
     let r = h
         .run(
             &sb,

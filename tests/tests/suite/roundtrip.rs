@@ -83,9 +83,9 @@ async fn files_are_written_and_read_back() -> anyhow::Result<()> {
         (Outcome::Exited { code: 0 }, 12)
     );
     let r = h
-        .run(&sb, "stat -c '%a %u' dir/hello.txt; cat dir/hello.txt")
+        .run(&sb, "stat -c '%a %U' dir/hello.txt; cat dir/hello.txt")
         .await?;
-    assert_eq!(r.stdout.to_lossy_string(), "600 1000\nhello\nworld\n");
+    assert_eq!(r.stdout.to_lossy_string(), "600 sandbox\nhello\nworld\n");
     let read = OperationSpec::ReadFile(ReadFileSpec {
         path: "/workspace/dir/hello.txt".into(),
         offset: 6,

@@ -481,3 +481,153 @@ async fn a_dropped_download_ends_with_an_error() -> Result<()> {
     h.stop().await;
     Ok(())
 }
+
+/// The host pid of the process of `uid` whose command line is `argv`.
+async fn host_pid(uid: u32, argv: &str) -> Result<u32> {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        for entry in std::fs::read_dir("/proc")? {
+            let path = entry?.path();
+            let Some(pid) = path
+                .file_name()
+                .and_then(|n| n.to_str()?.parse::<u32>().ok())
+            else {
+                continue;
+            };
+            let status = std::fs::read_to_string(path.join("status")).unwrap_or_default();
+            let cmdline = std::fs::read(path.join("cmdline")).unwrap_or_default();
+            if status.contains(&format!("\nUid:\t{uid}\t"))
+                && String::from_utf8_lossy(&cmdline).replace('\0', " ").trim() == argv
+            {
+                return Ok(pid);
+            }
+        }
+        if tokio::time::Instant::now() > deadline {
+            bail!("no process {argv:?} of uid {uid} on the host");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// What a host process of `uid` reaches of process `pid`: its files
+/// (through /proc/PID/root), its environment, a signal.
+fn reach_as(uid: u32, pid: u32) -> Result<String> {
+    let probe = format!(
+        "cat /proc/{pid}/root/workspace/secret.txt >/dev/null 2>&1 && echo file; \
+         grep -q hunter2 /proc/{pid}/environ 2>/dev/null && echo environ; \
+         kill -0 {pid} 2>/dev/null && echo signal; true"
+    );
+    let out = std::process::Command::new("setpriv")
+        .args([
+            &format!("--reuid={uid}"),
+            &format!("--regid={uid}"),
+            "--clear-groups",
+            "sh",
+            "-c",
+            &probe,
+        ])
+        .output()?;
+    if !out.status.success() {
+        bail!("setpriv: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    Ok(String::from_utf8_lossy(&out.stdout)
+        .replace('\n', " ")
+        .trim()
+        .to_string())
+}
+
+/// Every sandbox's commands run as a uid of its own, which no host account
+/// holds: the host's uid 1000 (the uid sandboxes once all had) reaches
+/// neither a running command's files, nor its environment, nor its
+/// signals, while the sandbox's own uid would reach all three (so the probe
+/// can tell). Two sandboxes never share a uid, nor the kernel's per-user
+/// limits: one that holds every inotify instance a user may have leaves
+/// the other free to make one.
+#[tokio::test]
+async fn a_host_user_and_another_sandbox_reach_nothing_of_a_sandbox() -> Result<()> {
+    let h = Harness::start_with(|c| c.policy = corral_worker::policy::permissive()).await?;
+    let debian = || SandboxSpec {
+        image: Some("corral-debian:latest".into()),
+        ..Default::default()
+    };
+    let a = h.sandbox_with(debian()).await?;
+    let b = h.sandbox_with(debian()).await?;
+    let uid_a: u32 = ok(&h, &a, "id -u").await?.trim().parse()?;
+    let uid_b: u32 = ok(&h, &b, "id -u").await?.trim().parse()?;
+    let range = corral_worker::uids::DEFAULT;
+    assert_ne!(uid_a, uid_b);
+    for uid in [uid_a, uid_b] {
+        assert!((range.first..=range.last).contains(&uid), "{uid}");
+    }
+    assert_eq!(ok(&h, &a, "whoami").await?, "sandbox\n");
+
+    ok(&h, &a, "echo private > /workspace/secret.txt").await?;
+    let op = corral_proto::OperationId::random();
+    h.client
+        .submit(
+            &a,
+            &op,
+            OperationSpec::Shell(ShellSpec::new("export TOKEN=hunter2; exec sleep 301")),
+        )
+        .await?;
+    let pid = host_pid(uid_a, "sleep 301").await?;
+    assert_eq!(
+        reach_as(uid_a, pid)?,
+        "file environ signal",
+        "the probe works"
+    );
+    assert_eq!(
+        reach_as(1000, pid)?,
+        "",
+        "host uid 1000 reaches the sandbox"
+    );
+    assert_eq!(
+        reach_as(uid_b, pid)?,
+        "",
+        "another sandbox's uid reaches it"
+    );
+    h.client.cancel(&a, &op).await?;
+
+    // The per-user inotify limit: a holds all of its user's instances.
+    let hold = "import ctypes, time\n\
+                libc = ctypes.CDLL(None, use_errno=True)\n\
+                fds = []\n\
+                while libc.inotify_init1(0) >= 0: fds.append(1)\n\
+                open('/tmp/held', 'w').write(f'{len(fds)} {ctypes.get_errno()}')\n\
+                time.sleep(300)\n";
+    let one = "import ctypes; libc = ctypes.CDLL(None, use_errno=True); \
+               print('made' if libc.inotify_init1(0) >= 0 else ctypes.get_errno())";
+    ok(&h, &a, &format!("cat > /tmp/hold.py <<'EOF'\n{hold}EOF")).await?;
+    let holder = corral_proto::OperationId::random();
+    h.client
+        .submit(
+            &a,
+            &holder,
+            OperationSpec::Shell(ShellSpec::new("exec python3 /tmp/hold.py")),
+        )
+        .await?;
+    let limit = std::fs::read_to_string("/proc/sys/fs/inotify/max_user_instances")?;
+    let mut tries = 0;
+    let held = loop {
+        let r = h.run(&a, "cat /tmp/held 2>/dev/null").await?;
+        if r.outcome.is_success() {
+            break r.stdout.to_lossy_string();
+        }
+        tries += 1;
+        if tries > 300 {
+            bail!("the holder never said how many instances it holds");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(
+        held,
+        format!("{} 24", limit.trim()),
+        "EMFILE at the user's limit"
+    );
+    let cmd = format!("python3 -c \"{one}\"");
+    assert_eq!(ok(&h, &a, &cmd).await?, "24\n", "a's user is at its limit");
+    assert_eq!(ok(&h, &b, &cmd).await?, "made\n", "b shares a's limit");
+    h.client.cancel(&a, &holder).await?;
+    h.stop().await;
+    Ok(())
+}

@@ -18,6 +18,8 @@
 //! - [`fileops`]: read/write of files confined to the sandbox's roots;
 //! - [`archive`]: trees in and out as tar streams (`corral cp`), each in a
 //!   process of its own run as the sandbox's user;
+//! - [`users`]: the sandbox user's `passwd` and `group` entries, for the
+//!   uid the worker chose;
 //! - [`syscalls`]: the seccomp filters it applies to itself and all it
 //!   starts (io_uring, AF_VSOCK), on top of the engine's profile.
 //!
@@ -36,6 +38,7 @@ pub mod keeper;
 pub mod procs;
 pub mod supervisor;
 pub mod syscalls;
+pub mod users;
 
 /// Version reported in the init's Welcome frame.
 pub const VERSION: &str = env!("CARGO_PKG_VERSION");

@@ -97,6 +97,17 @@ fn main() -> ExitCode {
             }
         }
     }
+    // In a sandbox (not under `--roots`): the sandbox user's name, before
+    // anything runs. An image that does not look there loses nothing.
+    if args.first().map(String::as_str) != Some("--roots")
+        && let Err(e) = corral_init::users::write(
+            std::path::Path::new(corral_init::users::USERS_DIR),
+            std::path::Path::new("/etc"),
+            config.command_uid,
+        )
+    {
+        eprintln!("corral-init: writing the sandbox's user database: {e}");
+    }
     if let [flag, workspace, tmp, rest @ ..] = args.as_slice()
         && flag == "--roots"
     {
