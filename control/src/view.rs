@@ -30,7 +30,10 @@ pub struct TerminalView {
 /// before. New lines and tabs stay.
 pub fn printable(s: &str) -> std::borrow::Cow<'_, str> {
     let is_control = |c: char| {
-        (c.is_control() && c != '\n' && c != '\t') || matches!(c, '\u{2028}' | '\u{2029}')
+        (c.is_control() && c != '\n' && c != '\t')
+            // Line separators, and the bidirectional controls that make a
+            // terminal show text in another order than it is.
+            || matches!(c, '\u{2028}' | '\u{2029}' | '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}')
     };
     if !s.chars().any(is_control) {
         return std::borrow::Cow::Borrowed(s);
@@ -309,6 +312,7 @@ mod tests {
             "ok^[]0;pwned^G^[]52;c;ZWNobyBldmls^G^[[2J^M\\u{9b}31mred^?"
         );
         assert_eq!(printable("a\tb\nc"), "a\tb\nc");
+        assert_eq!(printable("x\u{202e}gpj.exe"), "x\\u{202e}gpj.exe");
         assert!(!one_line(hostile, 200).contains('\x1b'));
         let line = result_line("Bash", "ok", Some(0), None, "\x1b[31mred");
         assert_eq!(line, "✓ Bash: ^[[31mred");

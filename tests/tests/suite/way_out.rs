@@ -202,6 +202,33 @@ async fn nothing_a_command_starts_outlives_it_by_leaving_its_session() -> Result
     Ok(())
 }
 
+/// Waits (30 s at most) for the archive helpers of three copies, tries to
+/// attach to each (`PTRACE_ATTACH`), and writes `RESULT ERRNO` per attempt
+/// to /tmp/tracer.out; /tmp/tracer.ready once it watches.
+const TRACER: &str = r#"
+import ctypes, os, time
+libc = ctypes.CDLL(None, use_errno=True)
+libc.ptrace.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
+seen, results, end = set(), [], time.time() + 30
+open("/tmp/tracer.ready", "w").close()
+while time.time() < end and len(seen) < 3:
+    for p in os.listdir("/proc"):
+        if not p.isdigit() or p in seen:
+            continue
+        try:
+            cmd = open("/proc/%s/cmdline" % p, "rb").read()
+        except OSError:
+            continue
+        if b"--get-" + b"archive" in cmd:
+            seen.add(p)
+            r = libc.ptrace(16, int(p), None, None)
+            results.append("%d %d" % (r, ctypes.get_errno()))
+            if r == 0:
+                libc.ptrace(17, int(p), None, None)
+with open("/tmp/tracer.out", "w") as f:
+    f.write("\n".join(results) + "\n")
+"#;
+
 /// The attack that wrote `~/.bashrc` through `corral cp`: a process of the
 /// sandbox's user (kept in the background, the strongest case) waits for
 /// the archive helper and traces it to make it emit extra entries. The
@@ -223,31 +250,8 @@ async fn the_archive_helper_cannot_be_traced_by_the_sandbox() -> Result<()> {
         "head -c 67108864 /dev/urandom > /workspace/report.bin",
     )
     .await?;
-    let tracer = r#"
-import ctypes, os, time
-libc = ctypes.CDLL(None, use_errno=True)
-libc.ptrace.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
-seen, results, end = set(), [], time.time() + 30
-open("/tmp/tracer.ready", "w").close()
-while time.time() < end and len(seen) < 3:
-    for p in os.listdir("/proc"):
-        if not p.isdigit() or p in seen:
-            continue
-        try:
-            cmd = open("/proc/%s/cmdline" % p, "rb").read()
-        except OSError:
-            continue
-        if b"--get-archive" in cmd:
-            seen.add(p)
-            r = libc.ptrace(16, int(p), None, None)
-            results.append("%d %d" % (r, ctypes.get_errno()))
-            if r == 0:
-                libc.ptrace(17, int(p), None, None)
-with open("/tmp/tracer.out", "w") as f:
-    f.write("\n".join(results) + "\n")
-"#;
     let mut spec = ShellSpec::new(format!(
-        "cat > /tmp/tracer.py <<'EOF'\n{tracer}\nEOF\npython3 /tmp/tracer.py &"
+        "cat > /tmp/tracer.py <<'EOF'\n{TRACER}\nEOF\npython3 /tmp/tracer.py &"
     ));
     spec.keep_background = true;
     h.run_spec(&sb, OperationSpec::Shell(spec)).await?;
@@ -628,6 +632,138 @@ async fn a_host_user_and_another_sandbox_reach_nothing_of_a_sandbox() -> Result<
     assert_eq!(ok(&h, &a, &cmd).await?, "24\n", "a's user is at its limit");
     assert_eq!(ok(&h, &b, &cmd).await?, "made\n", "b shares a's limit");
     h.client.cancel(&a, &holder).await?;
+    h.stop().await;
+    Ok(())
+}
+
+/// The same attack made by a hostile model through `corral run`, with one
+/// ordinary Bash call, as it was first done: it starts the tracer in a
+/// session of its own, detached, so that it waits for the archive helper
+/// of the run's `--export`. Nothing the call starts outlives it, so no
+/// tracer is left when the export runs: the export is the workspace's
+/// tree alone, beside files of the user's it never touches.
+#[tokio::test]
+async fn a_hostile_models_tracer_is_gone_before_corral_run_exports() -> Result<()> {
+    use corral_e2e::model::{ModelServer, responses};
+    let h = Harness::start().await?;
+    let sessions = tempfile::tempdir()?;
+    let home = tempfile::tempdir()?;
+    std::fs::write(home.path().join(".bashrc"), "mine\n")?;
+    let export = home.path().join("out");
+    let attack = format!(
+        "cat > /tmp/tracer.py <<'EOF'\n{TRACER}\nEOF\n\
+         head -c 8388608 /dev/urandom > /workspace/report.bin\n\
+         setsid nohup python3 /tmp/tracer.py >/dev/null 2>&1 < /dev/null &\n\
+         while [ ! -e /tmp/tracer.ready ]; do sleep 0.05; done; echo waiting"
+    );
+    let args = serde_json::json!({ "command": attack }).to_string();
+    let model = ModelServer::start(vec![
+        responses::calls(&[("c1", "Bash", &args)]),
+        responses::text("The report is ready."),
+    ])
+    .await;
+    let run = corral_e2e::run::corral_run_default_image(
+        &model,
+        &h.url,
+        sessions.path(),
+        &["--export", export.to_str().unwrap(), "write the report"],
+    )
+    .await?;
+    assert_eq!(run.code, 0, "{}", run.stderr);
+    let shown = run.of_type("tool_result");
+    assert!(
+        shown[0]["text"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("waiting"),
+        "the tracer started: {shown:?}"
+    );
+    let mut names: Vec<String> = std::fs::read_dir(&export)?
+        .map(|e| Ok(e?.file_name().to_string_lossy().into_owned()))
+        .collect::<Result<_>>()?;
+    names.sort();
+    assert_eq!(names, ["report.bin"], "the export is the workspace's tree");
+    assert_eq!(std::fs::metadata(export.join("report.bin"))?.len(), 8 << 20);
+    assert_eq!(
+        std::fs::read_to_string(home.path().join(".bashrc"))?,
+        "mine\n"
+    );
+    // The sandbox is kept (CORRAL_KEEP_SANDBOX): the tracer is not in it,
+    // and never got to attach to anything.
+    let started = run.of_type("session_started");
+    let sandbox = SandboxId::new(started[0]["sandbox_id"].as_str().unwrap_or_default())?;
+    let left = ok(
+        &h,
+        &sandbox,
+        "for p in /proc/[0-9]*; do tr '\\0' ' ' < $p/cmdline 2>/dev/null; echo; done | grep -c 'tracer[.]py' || true; \
+         cat /tmp/tracer.out 2>/dev/null || echo no-attempt",
+    )
+    .await?;
+    assert_eq!(left, "0\nno-attempt\n");
+    h.stop().await;
+    Ok(())
+}
+
+/// Escape sequences from a model's text, from a command's output and in a
+/// tool call's arguments reach the user's terminal through `corral run`'s
+/// view (no `--json`) as text: a title change, a clipboard write (OSC 52),
+/// a screen clear, a C1 CSI and a right-to-left override.
+#[tokio::test]
+async fn escape_sequences_from_a_model_and_a_command_reach_no_terminal() -> Result<()> {
+    use corral_e2e::model::{ModelServer, responses};
+    let h = Harness::start().await?;
+    let sessions = tempfile::tempdir()?;
+    let hostile = "\u{1b}]0;pwned\u{7}\u{1b}]52;c;ZWNobyBldmls\u{7}\u{1b}[2J\u{9b}31m\u{202e}";
+    let printer = format!(
+        "printf '\\033]52;c;ZWNobyBldmls\\007\\033[2J\\302\\23331m\\342\\200\\256out\\n'; echo '{hostile}'"
+    );
+    let args = serde_json::json!({ "command": printer }).to_string();
+    let model = ModelServer::start(vec![
+        responses::calls(&[("c1", "Bash", &args)]),
+        responses::text(&format!("Done{hostile}.")),
+    ])
+    .await;
+    // The view a person sees: the same command without --json, on a
+    // terminal (util-linux `script` gives it one and writes what the
+    // terminal received).
+    let cmd = corral_e2e::run::command(&model, &h.url, sessions.path(), &["print it"]);
+    let std = cmd.as_std();
+    let mut line = std.get_program().to_string_lossy().into_owned();
+    for a in std.get_args().filter(|a| *a != "--json") {
+        line.push_str(&format!(" '{}'", a.to_string_lossy()));
+    }
+    let mut tty = tokio::process::Command::new("script");
+    tty.args(["-q", "-e", "-c", &line, "/dev/null"]).env_clear();
+    for (k, v) in std.get_envs() {
+        if let Some(v) = v {
+            tty.env(k, v);
+        }
+    }
+    tty.env("TERM", "xterm").stdin(std::process::Stdio::null());
+    let out = tokio::time::timeout(Duration::from_secs(120), tty.output()).await??;
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // The view's own line clearing (`ESC [ K`, progress) aside.
+    let seen = String::from_utf8_lossy(&out.stdout).replace("\u{1b}[K", "");
+    assert!(
+        !seen
+            .chars()
+            .any(|c| matches!(c, '\u{1b}' | '\u{7}' | '\u{9b}' | '\u{202e}')),
+        "the terminal received a control character: {seen:?}"
+    );
+    let all = seen;
+    assert!(
+        all.contains("Done^[]0;pwned^G"),
+        "the model's text, as text: {all}"
+    );
+    assert!(
+        all.contains("^[]52;c;ZWNobyBldmls^G"),
+        "the command's output, as text: {all}"
+    );
     h.stop().await;
     Ok(())
 }

@@ -155,6 +155,46 @@ pub fn to_json_line(event: &Event) -> String {
             e.to_string()
         )
     });
+    s = escape_terminal_controls(s);
     s.push('\n');
     s
+}
+
+/// JSON leaves C1 controls (U+0080–U+009F, of which U+009B starts an escape
+/// sequence) and the bidirectional overrides raw: written as `\uXXXX`
+/// escapes (the same JSON), a line shown on a terminal (`corral run | cat`)
+/// moves no cursor and reorders no text.
+fn escape_terminal_controls(s: String) -> String {
+    let hostile = |c: char| matches!(c, '\u{80}'..='\u{9f}' | '\u{200e}' | '\u{200f}' | '\u{2028}' | '\u{2029}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}');
+    if !s.chars().any(hostile) {
+        return s;
+    }
+    let mut out = String::with_capacity(s.len() + 16);
+    for c in s.chars() {
+        if hostile(c) {
+            out.push_str(&format!("\\u{:04x}", c as u32));
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod terminal_tests {
+    use super::*;
+
+    #[test]
+    fn json_lines_carry_no_raw_terminal_control() {
+        let line = to_json_line(&Event::Heartbeat {
+            text: "a\u{1b}[2J\u{9b}31m\u{202e}b".into(),
+        });
+        assert!(
+            !line.chars().any(|c| c.is_control() && c != '\n'),
+            "{line:?}"
+        );
+        assert!(!line.contains('\u{202e}'), "{line:?}");
+        let back: serde_json::Value = serde_json::from_str(&line).unwrap();
+        assert_eq!(back["text"], "a\u{1b}[2J\u{9b}31m\u{202e}b");
+    }
 }
