@@ -51,6 +51,33 @@ pub struct OperationRecord {
     pub input_bytes: u64,
 }
 
+impl OperationRecord {
+    /// About what remembering it costs (see [`weight`]).
+    pub fn weight(&self) -> usize {
+        weight(&self.spec, self.result.as_ref())
+    }
+}
+
+/// About what remembering an operation costs: its command or path, a
+/// write's data, the output captured in its result.
+pub fn weight(spec: &crate::OperationSpec, result: Option<&crate::OperationResult>) -> usize {
+    use crate::OperationSpec;
+    let spec = match spec {
+        OperationSpec::Shell(s) => s.command.len(),
+        OperationSpec::ReadFile(r) => r.path.len(),
+        OperationSpec::WriteFile(w) => w.path.len() + w.data.len(),
+        OperationSpec::PutArchive(a) | OperationSpec::GetArchive(a) => a.path.len(),
+    };
+    let result = result.map_or(0, |r| {
+        r.stdout.head.len()
+            + r.stdout.tail.len()
+            + r.stderr.head.len()
+            + r.stderr.tail.len()
+            + r.file_data.len()
+    });
+    256 + spec + result
+}
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Welcome {
     pub version: String,

@@ -8,6 +8,12 @@ pub const MAX_GRPC_MESSAGE_BYTES: usize = 40 << 20;
 /// and room for a command and environment at their limits besides. What
 /// one connection can make the worker hold while it decodes.
 pub const MAX_REQUEST_BYTES: usize = MAX_FILE_BYTES as usize + (3 << 20);
+/// Most bytes of finished operations (commands, write data, captured
+/// output: [`crate::init::OperationRecord::weight`]) the supervisor and the
+/// worker remember per sandbox; the oldest are forgotten past it.
+pub const MAX_FINISHED_BYTES: usize = 64 << 20;
+/// About how many bytes of operations one ListOperations page carries.
+pub const LIST_PAGE_BYTES: usize = 4 << 20;
 /// Largest shell command text.
 pub const MAX_COMMAND_BYTES: usize = 1 << 20;
 /// Largest file a single read_file returns, or write_file carries, in one

@@ -122,6 +122,10 @@ pub struct WorkerArgs {
     /// Largest /tmp a sandbox may ask for (it counts as memory).
     #[arg(long, env = "CORRAL_MAX_TMP", default_value = "4g", value_parser = parse_size)]
     pub max_tmp: u64,
+    /// Bytes of request messages read at once, across every connection
+    /// (e.g. 512m): a request that does not fit waits, unread, for room.
+    #[arg(long, env = "CORRAL_MAX_REQUEST_MEMORY", default_value = "512m", value_parser = parse_size)]
+    pub max_request_memory: u64,
     /// Connections served at once.
     #[arg(long, env = "CORRAL_MAX_CONNECTIONS", default_value_t = 1024)]
     pub max_connections: usize,

@@ -14,7 +14,7 @@
 //! - [`policy`]: what a sandbox may be, as the operator allows it (clients
 //!   ask, the worker decides);
 //! - [`admission`]: which connections reach the server (limits, handshake
-//!   timeout);
+//!   timeout); [`budget`]: what their requests may hold while they are read;
 //! - [`metrics`]: Prometheus metrics and the endpoint that serves them;
 //! - [`state`]: the worker's durable records (sandboxes, id, drain); [`initbin`]: the supervisor
 //!   binary; [`service`] and [`server`]: the gRPC edge (auth, health,
@@ -24,6 +24,7 @@
 //! (crate `corral-proto`).
 
 pub mod admission;
+pub mod budget;
 pub mod cli;
 pub mod docker;
 pub mod error;

@@ -122,6 +122,7 @@ async fn run(args: WorkerArgs) -> anyhow::Result<()> {
             token: Some(token),
             tls,
             admission,
+            request_memory: Some(usize::try_from(args.max_request_memory).unwrap_or(usize::MAX)),
         },
         shutdown,
     )

@@ -26,6 +26,7 @@ use bytes::Bytes;
 use corral_init::journal::Journal;
 use corral_proto::frame::{self, FrameDecoder};
 use corral_proto::init::{InitMessage, InitRequest, MAX_WELCOME_BYTES, OperationRecord, Welcome};
+use corral_proto::limits::MAX_FINISHED_BYTES;
 use corral_proto::{
     Event, EventKind, OperationId, OperationResult, OperationSpec, Outcome, ProtocolError,
     SandboxId, SandboxInfo, SandboxSpec, SandboxState, TerminalSize, pb,
@@ -88,10 +89,15 @@ struct WatcherEntry {
     kick: CancellationToken,
 }
 
+/// The operations of a sandbox as the worker knows them: every running
+/// one, and finished ones up to [`MAX_OPERATIONS`] and
+/// [`MAX_FINISHED_BYTES`] (the oldest forgotten first), as the supervisor
+/// remembers them. A finished write keeps no data.
 #[derive(Default)]
 struct OpTable {
     ops: HashMap<OperationId, OperationRecord>,
-    finished: VecDeque<OperationId>,
+    finished: VecDeque<(OperationId, usize)>,
+    finished_bytes: usize,
 }
 
 impl OpTable {
@@ -107,11 +113,17 @@ impl OpTable {
             return;
         }
         rec.result = Some(result);
-        self.finished.push_back(id.clone());
-        while self.ops.len() > MAX_OPERATIONS {
-            let Some(old) = self.finished.pop_front() else {
+        rec.spec = rec.spec.without_data();
+        let weight = rec.weight();
+        self.finished.push_back((id.clone(), weight));
+        self.finished_bytes += weight;
+        while self.ops.len() > MAX_OPERATIONS
+            || (self.finished_bytes > MAX_FINISHED_BYTES && self.finished.len() > 1)
+        {
+            let Some((old, w)) = self.finished.pop_front() else {
                 break;
             };
+            self.finished_bytes -= w;
             self.ops.remove(&old);
         }
     }

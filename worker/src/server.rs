@@ -83,7 +83,15 @@ pub struct ServeOptions {
     pub tls: Option<tonic::transport::ServerTlsConfig>,
     /// Limits on connections and on how long one may stay silent.
     pub admission: Admission,
+    /// Bytes of request messages read at once, across all connections
+    /// (`None`: [`crate::budget::DEFAULT_BYTES`]).
+    pub request_memory: Option<usize>,
 }
+
+/// The worker's services behind its request budget.
+type Routes = tonic::transport::server::Router<
+    tower::layer::util::Stack<crate::budget::BudgetLayer, tower::layer::util::Identity>,
+>;
 
 /// Streams one connection may have open at once.
 pub const MAX_STREAMS_PER_CONNECTION: u32 = 256;
@@ -138,7 +146,7 @@ async fn report_health(worker: &Worker, reporter: tonic_health::server::HealthRe
 /// following the worker's drain meanwhile.
 async fn run<IO, IE>(
     worker: Worker,
-    router: tonic::transport::server::Router,
+    router: Routes,
     reporter: tonic_health::server::HealthReporter,
     incoming: impl futures_util::Stream<Item = Result<IO, IE>>,
     shutdown: impl Future<Output = ()>,
@@ -168,13 +176,8 @@ async fn router(
     worker: Worker,
     token: Option<String>,
     tls: Option<tonic::transport::ServerTlsConfig>,
-) -> Result<
-    (
-        tonic::transport::server::Router,
-        tonic_health::server::HealthReporter,
-    ),
-    ServeError,
-> {
+    budget: crate::budget::Budget,
+) -> Result<(Routes, tonic_health::server::HealthReporter), ServeError> {
     let (health_reporter, health) = tonic_health::server::health_reporter();
     let reflection = tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(pb::FILE_DESCRIPTOR_SET)
@@ -199,6 +202,7 @@ async fn router(
     if let Some(tls) = tls {
         builder = builder.tls_config(tls)?;
     }
+    let mut builder = builder.layer(crate::budget::BudgetLayer(budget));
     Ok((
         builder
             .add_service(health)
@@ -215,7 +219,12 @@ pub async fn serve_with(
     options: ServeOptions,
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), ServeError> {
-    let (router, reporter) = router(worker.clone(), options.token, options.tls).await?;
+    let budget = crate::budget::Budget::new(
+        options
+            .request_memory
+            .unwrap_or(crate::budget::DEFAULT_BYTES),
+    );
+    let (router, reporter) = router(worker.clone(), options.token, options.tls, budget).await?;
     // Accepted sockets (with TCP_NODELAY: without it every reply waits on
     // Nagle) reach the server only once their client has spoken.
     let (incoming, accept) = crate::admission::admit(listener, options.admission);
@@ -234,7 +243,8 @@ pub async fn serve_unix(
     connections: std::sync::Arc<std::sync::atomic::AtomicUsize>,
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), ServeError> {
-    let (router, reporter) = router(worker.clone(), token, None).await?;
+    let budget = crate::budget::Budget::new(crate::budget::DEFAULT_BYTES);
+    let (router, reporter) = router(worker.clone(), token, None, budget).await?;
     let incoming = futures_util::stream::unfold(listener, move |listener| {
         let connections = connections.clone();
         async move {

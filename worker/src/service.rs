@@ -3,6 +3,8 @@
 
 use std::pin::Pin;
 
+use corral_proto::init::OperationRecord;
+use corral_proto::limits::LIST_PAGE_BYTES;
 use corral_proto::{OperationId, OperationSpec, SandboxId, SandboxSpec, pb};
 use futures_util::Stream;
 use tokio_stream::wrappers::ReceiverStream;
@@ -265,14 +267,14 @@ impl pb::worker_server::Worker for WorkerService {
         &self,
         req: Request<pb::ListOperationsRequest>,
     ) -> Result<Response<pb::ListOperationsResponse>, Status> {
-        let sid = sandbox_id(req.into_inner().sandbox_id)?;
-        let operations = self
-            .worker
-            .list_operations(&sid)?
-            .iter()
-            .map(|o| o.to_pb(&sid))
-            .collect();
-        Ok(Response::new(pb::ListOperationsResponse { operations }))
+        let req = req.into_inner();
+        let sid = sandbox_id(req.sandbox_id)?;
+        let all = self.worker.list_operations(&sid)?;
+        let (operations, next_page_token) = list_page(&sid, &all, &req.page_token)?;
+        Ok(Response::new(pb::ListOperationsResponse {
+            operations,
+            next_page_token,
+        }))
     }
 
     async fn cancel_operation(
@@ -391,4 +393,46 @@ impl pb::worker_server::Worker for WorkerService {
         let info = self.worker.drain(req.into_inner().drain)?;
         Ok(Response::new(info.into()))
     }
+}
+
+/// Where an operation sorts in a listing (the order of
+/// [`crate::sandbox::Sandbox::operations`]), as a page token.
+fn list_key(o: &OperationRecord) -> String {
+    if o.first_seq == 0 {
+        format!("u:{}", o.id)
+    } else {
+        format!("s{:020}:{}", o.first_seq, o.id)
+    }
+}
+
+/// One page of a listing, oldest first, from after `token`: about
+/// [`LIST_PAGE_BYTES`] of operations (at least one), and the token of the
+/// next page when more follow.
+fn list_page(
+    sid: &SandboxId,
+    all: &[OperationRecord],
+    token: &str,
+) -> Result<(Vec<pb::Operation>, String), Status> {
+    use prost::Message;
+    let ours = token.is_empty() || token.starts_with("u:") || token.starts_with('s');
+    if !ours || token.len() > 256 {
+        return Err(Status::invalid_argument(
+            "page_token: not one this worker gave",
+        ));
+    }
+    let mut page = Vec::new();
+    let mut bytes = 0;
+    let mut rest = all
+        .iter()
+        .filter(|o| token.is_empty() || list_key(o).as_str() > token)
+        .peekable();
+    while let Some(o) = rest.next() {
+        let op = o.to_pb(sid);
+        bytes += op.encoded_len();
+        page.push(op);
+        if bytes >= LIST_PAGE_BYTES && rest.peek().is_some() {
+            return Ok((page, list_key(o)));
+        }
+    }
+    Ok((page, String::new()))
 }

@@ -388,15 +388,31 @@ impl WorkerClient {
         &self,
         sandbox: &SandboxId,
     ) -> Result<Vec<OperationRecord>, ClientError> {
-        let req = pb::ListOperationsRequest {
-            sandbox_id: sandbox.to_string(),
-        };
-        let resp = self.inner.clone().list_operations(req).await?.into_inner();
-        Ok(resp
-            .operations
-            .into_iter()
-            .map(OperationRecord::try_from)
-            .collect::<Result<_, _>>()?)
+        let mut all = Vec::new();
+        let mut page_token = String::new();
+        // Pages of a few MiB each; a worker that keeps answering a token
+        // already seen is broken, not endless.
+        let mut seen = std::collections::HashSet::new();
+        loop {
+            let req = pb::ListOperationsRequest {
+                sandbox_id: sandbox.to_string(),
+                page_token: page_token.clone(),
+            };
+            let resp = self.inner.clone().list_operations(req).await?.into_inner();
+            for op in resp.operations {
+                all.push(OperationRecord::try_from(op)?);
+            }
+            if resp.next_page_token.is_empty() {
+                return Ok(all);
+            }
+            if !seen.insert(resp.next_page_token.clone()) {
+                return Err(ClientError::Protocol(corral_proto::ProtocolError::invalid(
+                    "next_page_token",
+                    "the same page of operations given twice",
+                )));
+            }
+            page_token = resp.next_page_token;
+        }
     }
 
     pub async fn cancel(&self, sandbox: &SandboxId, id: &OperationId) -> Result<bool, ClientError> {

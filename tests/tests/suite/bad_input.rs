@@ -102,7 +102,29 @@ async fn invalid_commands_ids_and_unknown_sandboxes() -> anyhow::Result<()> {
             .unwrap_err(),
     );
     assert_eq!(c, tonic::Code::OutOfRange, "{m}");
-    assert!(m.contains("too large"), "{m}");
+    assert!(m.contains("over this call's limit"), "{m}");
+    // A call that carries no file data has a small limit of its own: a
+    // create of 3 MiB (a write could be that large) is refused unread.
+    let mut raw = corral_proto::pb::worker_client::WorkerClient::connect(h.url.clone()).await?;
+    let spec = corral_proto::pb::SandboxSpec {
+        env: [("BIG".to_string(), "x".repeat(3 << 20))].into(),
+        ..Default::default()
+    };
+    let refused = raw
+        .create_sandbox(corral_proto::pb::CreateSandboxRequest {
+            id: String::new(),
+            spec: Some(spec),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::OutOfRange, "{refused:?}");
+    assert!(
+        refused.message().contains(&format!(
+            "limit of {} bytes",
+            corral_worker::budget::MAX_OTHER_REQUEST_BYTES
+        )),
+        "{refused:?}"
+    );
     h.stop().await;
     Ok(())
 }

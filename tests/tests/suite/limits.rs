@@ -257,3 +257,70 @@ async fn a_filled_workspace_fails_the_write_and_the_sandbox_serves_on() -> anyho
     h.stop().await;
     Ok(())
 }
+
+/// What a sandbox's operations leave on the worker is bounded by bytes as
+/// well as by count, a finished write keeps no data, and a listing larger
+/// than one gRPC message (40 MiB) comes whole, in pages: here six 8 MiB
+/// writes and 72 commands that kept 1 MiB of output each (72 MiB: more
+/// than the 64 MiB remembered, so the oldest are forgotten).
+#[tokio::test]
+async fn operations_past_one_message_are_listed_in_pages_and_bounded_in_bytes() -> anyhow::Result<()>
+{
+    let h = Harness::start().await?;
+    let sb = h.sandbox().await?;
+    for i in 0..6 {
+        let write = OperationSpec::WriteFile(corral_proto::WriteFileSpec {
+            path: format!("big{i}"),
+            data: bytes::Bytes::from(vec![b'w'; 8 << 20]),
+            mode: 0o644,
+            append: false,
+            stream: false,
+        });
+        let (_, r) = h.run_spec(&sb, write).await?;
+        assert!(r.outcome.is_success(), "{r:?}");
+    }
+    let mut ids = Vec::new();
+    for _ in 0..72 {
+        let op = OperationId::random();
+        let after = h.client.get_sandbox(&sb).await?.last_seq;
+        h.client
+            .submit(
+                &sb,
+                &op,
+                shell("head -c 1048576 /dev/zero | tr '\\0' x", 60_000),
+            )
+            .await?;
+        let (_, r) = collect(&h.client, &sb, &op, after).await?;
+        assert!(r.outcome.is_success(), "{r:?}");
+        ids.push(op);
+    }
+    let listed = h.client.list_operations(&sb).await?;
+    let kept: u64 = listed
+        .iter()
+        .filter_map(|o| o.result.as_ref())
+        .map(|r| (r.stdout.head.len() + r.stdout.tail.len()) as u64)
+        .sum();
+    assert!(
+        kept > 40 << 20,
+        "the listing is past one message: {kept} bytes"
+    );
+    assert!(
+        kept <= corral_proto::limits::MAX_FINISHED_BYTES as u64,
+        "kept {kept} bytes"
+    );
+    // The newest are all there, the oldest forgotten.
+    let listed_ids: std::collections::HashSet<String> =
+        listed.iter().map(|o| o.id.to_string()).collect();
+    assert!(ids[40..].iter().all(|id| listed_ids.contains(id.as_str())));
+    assert!(
+        !listed_ids.contains(ids[0].as_str()),
+        "the oldest command is forgotten"
+    );
+    for o in &listed {
+        if let OperationSpec::WriteFile(w) = &o.spec {
+            assert!(w.data.is_empty(), "a finished write keeps its data");
+        }
+    }
+    h.stop().await;
+    Ok(())
+}

@@ -50,7 +50,7 @@ pub const MAX_FINISHED: usize = 1024;
 /// Bytes of finished operations (results and specs) remembered: the
 /// supervisor lives in the sandbox's memory budget, so what it keeps is
 /// bounded by size as well as by count.
-pub const MAX_FINISHED_BYTES: usize = 64 << 20;
+pub const MAX_FINISHED_BYTES: usize = corral_proto::limits::MAX_FINISHED_BYTES;
 /// Largest read from an output pipe (and so the largest output event).
 const READ_CHUNK: usize = 256 * 1024;
 /// Pipe buffer asked for (the unprivileged maximum by default): fewer,
@@ -425,20 +425,7 @@ fn oom_kills() -> Option<u64> {
 
 /// What a finished operation costs to remember.
 fn op_weight(op: &Op) -> usize {
-    let spec = match &op.spec {
-        OperationSpec::Shell(s) => s.command.len(),
-        OperationSpec::ReadFile(r) => r.path.len(),
-        OperationSpec::WriteFile(w) => w.path.len() + w.data.len(),
-        OperationSpec::PutArchive(a) | OperationSpec::GetArchive(a) => a.path.len(),
-    };
-    let result = op.result.as_ref().map_or(0, |r| {
-        r.stdout.head.len()
-            + r.stdout.tail.len()
-            + r.stderr.head.len()
-            + r.stderr.tail.len()
-            + r.file_data.len()
-    });
-    256 + spec + result
+    corral_proto::init::weight(&op.spec, op.result.as_ref())
 }
 
 /// What the process of an operation runs: a shell command, or this binary
