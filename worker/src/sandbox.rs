@@ -1024,6 +1024,10 @@ impl Actor {
         let link = self.inputs.entry(id.clone()).or_default();
         link.received = link.received.max(received);
         link.consumed = link.consumed.max(consumed);
+        // What GetOperation and ListOperations say it has taken.
+        if let Some(rec) = lock(&self.shared.ops).ops.get_mut(&id) {
+            rec.input_bytes = rec.input_bytes.max(link.received);
+        }
         if closed {
             // Kept (closed) until the operation finishes: later calls are
             // told so, with where the input ended.

@@ -203,9 +203,12 @@ async fn download_with<W: WorkerApi>(
                 bytes: moved.bytes,
             })
         }
-        // The local side stopped first: its error is the cause.
-        (Err(_), Err(e)) | (Ok(_), Err(e)) => Err(TransferError::Local(e)),
-        (Err(e), Ok(_)) => Err(e),
+        // The local side stopped first (the sandbox's side says only that
+        // its output was no longer taken): the local error is the cause.
+        (Err(TransferError::Local(_)) | Ok(_), Err(e)) => Err(TransferError::Local(e)),
+        // The sandbox's side or the worker failed: the archive the local
+        // side saw end early is only the consequence.
+        (Err(e), _) => Err(e),
     }
 }
 

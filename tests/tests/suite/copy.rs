@@ -375,3 +375,71 @@ async fn a_dash_as_destination_is_the_archive_on_stdout() -> Result<()> {
     h.stop().await;
     Ok(())
 }
+
+/// An upload whose client goes away mid-file leaves no part of that file
+/// in the sandbox: the file being written has no name until it is whole.
+#[tokio::test]
+async fn an_upload_cut_off_mid_file_leaves_no_part_of_it() -> Result<()> {
+    use corral_proto::pb;
+    let h = Harness::start().await?;
+    let sb = h.sandbox().await?;
+    let mut tar = tar::Builder::new(Vec::new());
+    let mut header = tar::Header::new_gnu();
+    header.set_size(4 << 20);
+    header.set_mode(0o644);
+    header.set_cksum();
+    tar.append_data(
+        &mut header,
+        "big.bin",
+        std::io::Read::take(std::io::repeat(7), 4 << 20),
+    )?;
+    let archive = tar.into_inner()?;
+    let (tx, rx) = tokio::sync::mpsc::channel::<pb::UploadRequest>(4);
+    let op = corral_proto::OperationId::random();
+    tx.send(pb::UploadRequest {
+        sandbox_id: sb.to_string(),
+        operation_id: op.to_string(),
+        path: "/workspace/in".into(),
+        ..Default::default()
+    })
+    .await?;
+    let half = bytes::Bytes::copy_from_slice(&archive[..2 << 20]);
+    for chunk in [half.slice(..1 << 20), half.slice(1 << 20..)] {
+        tx.send(pb::UploadRequest {
+            data: chunk,
+            ..Default::default()
+        })
+        .await?;
+    }
+    let mut raw = pb::worker_client::WorkerClient::connect(h.url.clone()).await?;
+    let call = tokio::spawn(async move {
+        raw.upload(tokio_stream::wrappers::ReceiverStream::new(rx))
+            .await
+    });
+    // Once the helper has taken the first half, the client goes.
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(20);
+    loop {
+        let rec = h.client.operation(&sb, &op).await;
+        if rec.is_ok_and(|r| r.input_bytes >= half.len() as u64) {
+            break;
+        }
+        if tokio::time::Instant::now() > deadline {
+            bail!("the helper never took the first half");
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    drop(tx);
+    let answered = call.await?;
+    assert!(
+        answered.is_err(),
+        "a cut upload is not a whole one: {answered:?}"
+    );
+    let r = h.run(&sb, "ls -A /workspace; echo end").await?;
+    assert_eq!(
+        r.stdout.to_lossy_string(),
+        "end\n",
+        "a part of the file is left"
+    );
+    h.stop().await;
+    Ok(())
+}

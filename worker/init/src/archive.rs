@@ -388,13 +388,31 @@ fn unpack_at(
                 clear(&full, &name)?;
                 fs::hard_link(&target, &full).map_err(|e| format!("{shown}: {e}"))?;
             }
-            tar::EntryType::Regular
-            | tar::EntryType::Continuous
-            | tar::EntryType::GNUSparse
-            | tar::EntryType::Symlink
-            | tar::EntryType::Fifo => {
+            tar::EntryType::Regular | tar::EntryType::Continuous | tar::EntryType::GNUSparse => {
                 clear(&full, &name)?;
                 moved.bytes += size;
+                // Written unnamed and named only once whole: an archive cut
+                // off mid-file (a client gone, a helper killed) leaves no
+                // part of it behind.
+                let whole = unpack_whole(&mut entry, &full, mask)
+                    .map_err(|e| format!("{shown}: {}", plain(&e)))?;
+                if !whole {
+                    // No unnamed files here (gVisor): a hidden name, taken
+                    // away if the archive ends or the helper is canceled
+                    // before the file is whole.
+                    let part = full.with_file_name(format!(".corral-part.{}", std::process::id()));
+                    let _ = fs::remove_file(&part);
+                    match entry.unpack(&part) {
+                        Ok(_) => fs::rename(&part, &full).map_err(|e| format!("{shown}: {e}"))?,
+                        Err(e) => {
+                            let _ = fs::remove_file(&part);
+                            return Err(format!("{shown}: {}", plain(&e)));
+                        }
+                    }
+                }
+            }
+            tar::EntryType::Symlink | tar::EntryType::Fifo => {
+                clear(&full, &name)?;
                 entry
                     .unpack(&full)
                     .map_err(|e| format!("{shown}: {}", plain(&e)))?;
@@ -667,6 +685,113 @@ fn clear(full: &Path, name: &Path) -> Result<(), String> {
         }
         _ => Ok(()),
     }
+}
+
+/// The helper's standard input, which gives up with an error when SIGTERM
+/// comes (its operation canceled) instead of dying mid-file: SIGTERM is
+/// blocked and read from a signalfd beside stdin, so what the helper was
+/// writing is taken away before it exits.
+pub struct CancellableStdin {
+    signals: nix::sys::signalfd::SignalFd,
+}
+
+impl CancellableStdin {
+    pub fn new() -> io::Result<Self> {
+        use nix::sys::signal::{SigSet, Signal};
+        use nix::sys::signalfd::{SfdFlags, SignalFd};
+        let mut set = SigSet::empty();
+        set.add(Signal::SIGTERM);
+        set.thread_block().map_err(io::Error::from)?;
+        let signals = SignalFd::with_flags(&set, SfdFlags::SFD_NONBLOCK | SfdFlags::SFD_CLOEXEC)
+            .map_err(io::Error::from)?;
+        Ok(Self { signals })
+    }
+}
+
+impl Read for CancellableStdin {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
+        use std::os::fd::AsFd;
+        let stdin = io::stdin();
+        loop {
+            let mut fds = [
+                PollFd::new(stdin.as_fd(), PollFlags::POLLIN),
+                PollFd::new(self.signals.as_fd(), PollFlags::POLLIN),
+            ];
+            match poll(&mut fds, PollTimeout::NONE) {
+                Err(nix::errno::Errno::EINTR) => continue,
+                Err(e) => return Err(e.into()),
+                Ok(_) => {}
+            }
+            if fds[1].revents().is_some_and(|r| !r.is_empty()) {
+                return Err(io::Error::other("canceled"));
+            }
+            if fds[0].revents().is_some_and(|r| !r.is_empty()) {
+                return match nix::unistd::read(stdin.as_fd(), buf) {
+                    Err(nix::errno::Errno::EINTR | nix::errno::Errno::EAGAIN) => continue,
+                    other => other.map_err(io::Error::from),
+                };
+            }
+        }
+    }
+}
+
+/// Writes a regular file's entry at `full` as a file with no name
+/// (`O_TMPFILE`) that gets its name only once its data, mode (at most
+/// 0777, less `mask`) and time are all written. False, with nothing done,
+/// where the filesystem has no unnamed files.
+fn unpack_whole<R: Read>(
+    entry: &mut tar::Entry<'_, R>,
+    full: &Path,
+    mask: u32,
+) -> io::Result<bool> {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+    let dir = match full.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    let mut file = match fs::OpenOptions::new()
+        .write(true)
+        .custom_flags(libc::O_TMPFILE)
+        .mode(0o600)
+        .open(dir)
+    {
+        Ok(f) => f,
+        Err(e)
+            if matches!(
+                e.raw_os_error(),
+                Some(libc::EOPNOTSUPP | libc::EISDIR | libc::EINVAL)
+            ) =>
+        {
+            return Ok(false);
+        }
+        Err(e) => return Err(e),
+    };
+    let size = entry.size();
+    let written = io::copy(entry, &mut file)?;
+    if written != size {
+        return Err(io::Error::new(
+            io::ErrorKind::UnexpectedEof,
+            format!("the archive ended {written} bytes into a file of {size}"),
+        ));
+    }
+    let mode = entry.header().mode().unwrap_or(0o644) & 0o777 & !mask;
+    file.set_permissions(fs::Permissions::from_mode(mode))?;
+    if let Ok(mtime) = entry.header().mtime() {
+        let t = nix::sys::time::TimeSpec::new(mtime as i64, 0);
+        let _ = nix::sys::stat::futimens(&file, &nix::sys::time::TimeSpec::UTIME_OMIT, &t);
+    }
+    let unnamed = format!("/proc/self/fd/{}", file.as_raw_fd());
+    nix::unistd::linkat(
+        nix::fcntl::AT_FDCWD,
+        unnamed.as_str(),
+        nix::fcntl::AT_FDCWD,
+        full,
+        nix::fcntl::AtFlags::AT_SYMLINK_FOLLOW,
+    )
+    .map_err(io::Error::from)?;
+    Ok(true)
 }
 
 fn set_mtime(path: &Path, mtime: u64) {
@@ -971,6 +1096,48 @@ mod tests {
         let err =
             unpack_contents_with(&dir.path().join("y"), "y", tar.as_slice(), &rules).unwrap_err();
         assert!(err.contains("--max-entries"), "{err}");
+    }
+
+    #[test]
+    fn an_archive_cut_off_mid_file_leaves_no_part_of_it() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let r = roots(dir.path());
+        let src = r.workspace.join("tree");
+        fs::create_dir_all(&src).unwrap();
+        fs::write(src.join("a-first"), b"whole").unwrap();
+        fs::set_permissions(src.join("a-first"), fs::Permissions::from_mode(0o640)).unwrap();
+        fs::write(src.join("b-big"), vec![9u8; 1 << 20]).unwrap();
+        let mut tar = Vec::new();
+        get(&r, "tree", &mut tar).unwrap();
+        // Cut in the middle of the big file's data.
+        let at = tar
+            .windows(4096)
+            .position(|w| w.iter().all(|b| *b == 9))
+            .unwrap()
+            + (512 << 10);
+        let out = dir.path().join("out");
+        fs::create_dir_all(&out).unwrap();
+        let cut = unpack(&out, "out", &tar[..at]);
+        assert!(cut.is_err(), "{cut:?}");
+        let mut left: Vec<String> = fs::read_dir(out.join("tree"))
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        left.sort();
+        // Whichever came before the cut is whole; the cut one is not there.
+        assert!(!left.iter().any(|n| n == "b-big"), "{left:?}");
+        if left.iter().any(|n| n == "a-first") {
+            assert_eq!(fs::read(out.join("tree/a-first")).unwrap(), b"whole");
+            let mode = fs::metadata(out.join("tree/a-first"))
+                .unwrap()
+                .permissions()
+                .mode();
+            assert_eq!(mode & 0o777, 0o640);
+        }
+        // Whole, it unpacks whole, with its mode.
+        unpack(&out, "out", tar.as_slice()).unwrap();
+        assert_eq!(fs::read(out.join("tree/b-big")).unwrap().len(), 1 << 20);
     }
 
     #[test]

@@ -58,7 +58,9 @@ fn main() -> ExitCode {
         };
         let out = || std::io::BufWriter::with_capacity(256 * 1024, std::io::stdout().lock());
         let done = match flag.as_str() {
-            "--put-archive" => corral_init::archive::put(&roots, path, std::io::stdin().lock()),
+            "--put-archive" => corral_init::archive::CancellableStdin::new()
+                .map_err(|e| format!("corral-init: {e}"))
+                .and_then(|stdin| corral_init::archive::put(&roots, path, stdin)),
             "--get-contents" => corral_init::archive::get_contents(&roots, path, out()),
             _ => corral_init::archive::get(&roots, path, out()),
         };
