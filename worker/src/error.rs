@@ -8,6 +8,9 @@ pub enum WorkerError {
     Invalid(#[from] ProtocolError),
     #[error("unknown sandbox {0}")]
     UnknownSandbox(String),
+    /// Removed by this worker lately, for this reason.
+    #[error("sandbox {id} was removed: {reason}")]
+    Removed { id: String, reason: &'static str },
     #[error("unknown operation {0}")]
     UnknownOperation(String),
     #[error("{what} {id} already exists with a different spec")]
@@ -79,7 +82,9 @@ impl From<WorkerError> for tonic::Status {
         use tonic::Code;
         let code = match &e {
             WorkerError::Invalid(_) => Code::InvalidArgument,
-            WorkerError::UnknownSandbox(_) | WorkerError::UnknownOperation(_) => Code::NotFound,
+            WorkerError::UnknownSandbox(_)
+            | WorkerError::Removed { .. }
+            | WorkerError::UnknownOperation(_) => Code::NotFound,
             WorkerError::Conflict { .. } => Code::AlreadyExists,
             WorkerError::Denied(_) => Code::PermissionDenied,
             WorkerError::AtCapacity(_)

@@ -309,6 +309,7 @@ impl pb::worker_server::Worker for WorkerService {
         // of the last event it got.
         let stream = futures_util::stream::unfold(Some(watch), move |state| {
             let worker = worker.clone();
+            let sid = sid.clone();
             async move {
                 let mut watch = state?;
                 match watch.events.recv().await {
@@ -323,7 +324,18 @@ impl pb::worker_server::Worker for WorkerService {
                         )),
                         None,
                     )),
-                    None => None,
+                    // The sandbox went (removed, its worker stopping):
+                    // said, never an end as if it had nothing more to say.
+                    None => match worker.get_sandbox(&sid) {
+                        Err(e) => Some((Err(Status::from(e)), None)),
+                        Ok(_) if worker.shutting_down() => Some((
+                            Err(Status::unavailable(
+                                "the worker is shutting down; its sandboxes go on: watch again",
+                            )),
+                            None,
+                        )),
+                        Ok(_) => None,
+                    },
                 }
             }
         });

@@ -139,8 +139,33 @@ struct Inner {
     drain: tokio::sync::watch::Sender<Option<i64>>,
     drain_deadline: Duration,
     metrics: Arc<crate::metrics::WorkerMetrics>,
+    /// Why sandboxes removed lately were removed, so that their clients
+    /// (a watch of one, a call naming one) are told, not only "unknown".
+    removed: Mutex<Removed>,
     tracker: TaskTracker,
     shutdown: CancellationToken,
+}
+
+/// The reasons of the last [`Removed::KEPT`] removals.
+#[derive(Default)]
+struct Removed {
+    why: HashMap<SandboxId, &'static str>,
+    order: std::collections::VecDeque<SandboxId>,
+}
+
+impl Removed {
+    const KEPT: usize = 4096;
+
+    fn note(&mut self, id: SandboxId, why: &'static str) {
+        if self.why.insert(id.clone(), why).is_none() {
+            self.order.push_back(id);
+        }
+        while self.order.len() > Self::KEPT {
+            if let Some(old) = self.order.pop_front() {
+                self.why.remove(&old);
+            }
+        }
+    }
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -212,6 +237,7 @@ impl Worker {
                 drain: tokio::sync::watch::Sender::new(state_drain),
                 drain_deadline: config.drain_deadline,
                 metrics: Arc::new(crate::metrics::WorkerMetrics::default()),
+                removed: Mutex::new(Removed::default()),
                 tracker: TaskTracker::new(),
                 shutdown: CancellationToken::new(),
             }),
@@ -376,7 +402,7 @@ impl Worker {
                     continue;
                 }
                 info!(sandbox = %id, why, "removing a sandbox");
-                if let Err(e) = self.destroy_sandbox(&id).await {
+                if let Err(e) = self.remove_sandbox(&id, why).await {
                     warn!(sandbox = %id, error = %e, "could not remove an idle sandbox");
                 }
             }
@@ -407,7 +433,7 @@ impl Worker {
             .collect();
         for id in lost {
             info!(sandbox = %id, "removing a lost sandbox");
-            self.destroy_sandbox(&id).await?;
+            self.remove_sandbox(&id, "it was lost").await?;
         }
         // Containers first, records second: a container seen here had its
         // record written before it was created, so a create racing with the
@@ -452,10 +478,16 @@ impl Worker {
 
     /// The sandbox a client names (which keeps it from being idle).
     fn sandbox(&self, id: &SandboxId) -> Result<Sandbox> {
-        let sandbox = lock(&self.inner.sandboxes)
-            .get(id)
-            .cloned()
-            .ok_or_else(|| WorkerError::UnknownSandbox(id.to_string()))?;
+        let found = lock(&self.inner.sandboxes).get(id).cloned();
+        let Some(sandbox) = found else {
+            return Err(match lock(&self.inner.removed).why.get(id) {
+                Some(why) => WorkerError::Removed {
+                    id: id.to_string(),
+                    reason: why,
+                },
+                None => WorkerError::UnknownSandbox(id.to_string()),
+            });
+        };
         sandbox.touch();
         Ok(sandbox)
     }
@@ -584,12 +616,20 @@ impl Worker {
     }
 
     /// Removes a sandbox and its container. Returns whether it existed.
+    /// Removes a sandbox at a client's word.
     pub async fn destroy_sandbox(&self, id: &SandboxId) -> Result<bool> {
+        self.remove_sandbox(id, "a client removed it").await
+    }
+
+    /// Removes a sandbox; its watchers and later calls naming it are told
+    /// `why`.
+    async fn remove_sandbox(&self, id: &SandboxId, why: &'static str) -> Result<bool> {
         let id_lock = self.id_lock(id);
         let _guard = id_lock.lock().await;
         let Some(sandbox) = lock(&self.inner.sandboxes).remove(id) else {
             return Ok(false);
         };
+        lock(&self.inner.removed).note(id.clone(), why);
         sandbox.close();
         self.inner
             .runtime
@@ -796,6 +836,11 @@ impl Worker {
         self.inner.metrics.stream_bytes.inc_by(bytes as u64);
     }
 
+    /// Whether the worker is shutting down (its sandboxes stay).
+    pub fn shutting_down(&self) -> bool {
+        self.inner.shutdown.is_cancelled()
+    }
+
     /// Whether the worker drains now.
     pub fn draining(&self) -> bool {
         self.inner.drain.borrow().is_some()
@@ -824,7 +869,7 @@ impl Worker {
     pub async fn destroy_all_and_shutdown(&self) {
         let ids: Vec<SandboxId> = lock(&self.inner.sandboxes).keys().cloned().collect();
         for id in ids {
-            if let Err(e) = self.destroy_sandbox(&id).await {
+            if let Err(e) = self.remove_sandbox(&id, "its worker shut down").await {
                 warn!(sandbox = %id, error = %e, "could not destroy sandbox");
             }
         }

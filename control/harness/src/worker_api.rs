@@ -114,9 +114,9 @@ pub trait WorkerApi: Clone + Send + Sync + 'static {
 fn local(e: WorkerError) -> ApiError {
     let text = e.to_string();
     match e {
-        WorkerError::UnknownSandbox(_) | WorkerError::UnknownOperation(_) => {
-            ApiError::NotFound(text)
-        }
+        WorkerError::UnknownSandbox(_)
+        | WorkerError::Removed { .. }
+        | WorkerError::UnknownOperation(_) => ApiError::NotFound(text),
         WorkerError::AtCapacity(_) | WorkerError::Draining => ApiError::Refused(text),
         WorkerError::Docker(_)
         | WorkerError::InitUnresponsive { .. }

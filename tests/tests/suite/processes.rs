@@ -753,9 +753,31 @@ async fn the_workers_idle_timeout_and_a_sandboxs_ttl_remove_it() -> Result<()> {
             ..corral_proto::SandboxSpec::default()
         })
         .await?;
-    // Watched all along: busy, and still removed at its TTL.
-    let _watch = h2.client.watch(&sb, 0, None).await?;
+    // Watched all along: busy, and still removed at its TTL. Its watcher
+    // is told why, as is a call that names it afterwards.
+    let mut watch = h2.client.watch(&sb, 0, None).await?;
     wait_gone(&h2, Duration::from_secs(15)).await?;
+    let end = loop {
+        match tokio::time::timeout(Duration::from_secs(10), watch.next()).await? {
+            Some(Ok(_)) => continue,
+            other => break other,
+        }
+    };
+    let Some(Err(e)) = end else {
+        panic!("the watch of a removed sandbox ended as if whole: {end:?}");
+    };
+    assert!(
+        e.to_string()
+            .contains("was removed: it lived past its lifetime"),
+        "{e}"
+    );
+    let named = h2.client.get_sandbox(&sb).await.unwrap_err();
+    assert!(
+        named
+            .to_string()
+            .contains("was removed: it lived past its lifetime"),
+        "{named}"
+    );
     h.stop().await;
     h2.stop().await;
     Ok(())
