@@ -122,6 +122,71 @@ impl Credentials {
     }
 }
 
+/// What a listener speaks, judged from its first answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Speaks {
+    /// A TLS record (a ServerHello, or an alert).
+    Tls,
+    /// An HTTP/2 SETTINGS frame.
+    PlainHttp2,
+}
+
+/// Whether the listener at `host:port` answers `hello` as a TLS or a
+/// plain HTTP/2 server would (within a second; `None`: neither, or no
+/// answer).
+pub async fn sniff(addr: &str, hello: &[u8]) -> Option<Speaks> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let probe = async {
+        let mut s = tokio::net::TcpStream::connect(addr).await.ok()?;
+        s.write_all(hello).await.ok()?;
+        let mut head = [0u8; 5];
+        let mut got = 0;
+        while got < head.len() {
+            match s.read(&mut head[got..]).await.ok()? {
+                0 => break,
+                n => got += n,
+            }
+        }
+        match head {
+            [0x15 | 0x16, 0x03, ..] if got >= 2 => Some(Speaks::Tls),
+            [_, _, _, 0x04, _] if got == 5 => Some(Speaks::PlainHttp2),
+            _ => None,
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(1), probe)
+        .await
+        .ok()
+        .flatten()
+}
+
+/// An HTTP/2 client preface and an empty SETTINGS frame: a plain HTTP/2
+/// server answers with its SETTINGS.
+pub const H2_HELLO: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x00\x04\x00\x00\x00\x00\x00";
+
+/// The start of a TLS ClientHello that no server can take (its body is
+/// cut short): a TLS server answers with an alert.
+pub const TLS_HELLO: &[u8] = &[0x16, 0x03, 0x01, 0x00, 0x04, 0x01, 0x00, 0x00, 0x00];
+
+/// Why a connection to `url` failed when its listener speaks the other
+/// protocol: TLS behind `http://`, plain HTTP/2 behind `https://`.
+async fn mismatch(url: &str) -> Option<String> {
+    let (tls, rest) = match url.split_once("://")? {
+        ("https", rest) => (true, rest),
+        ("http", rest) => (false, rest),
+        _ => return None,
+    };
+    let addr = rest.split('/').next()?;
+    if tls {
+        (sniff(addr, H2_HELLO).await == Some(Speaks::PlainHttp2)).then(|| {
+            format!("it speaks plain HTTP/2, not TLS: use http://{addr} (without the TLS options)")
+        })
+    } else {
+        (sniff(addr, TLS_HELLO).await == Some(Speaks::Tls)).then(|| {
+            format!("it speaks TLS: use https://{addr} (with --tls-ca if its certificate is not from a public CA)")
+        })
+    }
+}
+
 /// A connection to one worker.
 #[derive(Clone)]
 pub struct WorkerClient {
@@ -173,10 +238,21 @@ impl WorkerClient {
         } else if creds.tls.is_some() {
             return Err(bad("TLS options need an https:// address".into()));
         }
-        let channel = endpoint.connect().await.map_err(|e| ClientError::Connect {
-            url: url.to_string(),
-            reason: source_chain(&e),
-        })?;
+        let channel = match endpoint.connect().await {
+            Ok(c) => c,
+            Err(e) => {
+                // A listener that speaks the other protocol says so, not
+                // "h2 protocol error" or "InvalidContentType".
+                let reason = match mismatch(url).await {
+                    Some(why) => why,
+                    None => source_chain(&e),
+                };
+                return Err(ClientError::Connect {
+                    url: url.to_string(),
+                    reason,
+                });
+            }
+        };
         Self::over(url, channel, token)
     }
 
@@ -234,6 +310,36 @@ impl WorkerClient {
         &self.url
     }
 
+    /// One call's answer; a failure of the transport whose listener speaks
+    /// the other protocol (TLS behind `http://`, found at the first call)
+    /// says so.
+    async fn rpc<T>(
+        &self,
+        call: impl Future<Output = Result<T, Status>>,
+    ) -> Result<T, ClientError> {
+        match call.await {
+            Ok(v) => Ok(v),
+            Err(s)
+                if matches!(
+                    s.code(),
+                    tonic::Code::Unknown
+                        | tonic::Code::Internal
+                        | tonic::Code::Unavailable
+                        | tonic::Code::Cancelled
+                ) && std::error::Error::source(&s).is_some() =>
+            {
+                match mismatch(&self.url).await {
+                    Some(reason) => Err(ClientError::Connect {
+                        url: self.url.clone(),
+                        reason,
+                    }),
+                    None => Err(ClientError::Status(s)),
+                }
+            }
+            Err(s) => Err(ClientError::Status(s)),
+        }
+    }
+
     pub async fn create_sandbox(
         &self,
         id: Option<&SandboxId>,
@@ -244,9 +350,7 @@ impl WorkerClient {
             spec: Some(spec.into()),
         };
         Ok(self
-            .inner
-            .clone()
-            .create_sandbox(req)
+            .rpc(self.inner.clone().create_sandbox(req))
             .await?
             .into_inner()
             .try_into()?)
@@ -255,9 +359,7 @@ impl WorkerClient {
     pub async fn get_sandbox(&self, id: &SandboxId) -> Result<SandboxInfo, ClientError> {
         let req = pb::GetSandboxRequest { id: id.to_string() };
         Ok(self
-            .inner
-            .clone()
-            .get_sandbox(req)
+            .rpc(self.inner.clone().get_sandbox(req))
             .await?
             .into_inner()
             .try_into()?)
@@ -265,9 +367,11 @@ impl WorkerClient {
 
     pub async fn list_sandboxes(&self) -> Result<Vec<SandboxInfo>, ClientError> {
         let resp = self
-            .inner
-            .clone()
-            .list_sandboxes(pb::ListSandboxesRequest {})
+            .rpc(
+                self.inner
+                    .clone()
+                    .list_sandboxes(pb::ListSandboxesRequest {}),
+            )
             .await?;
         Ok(resp
             .into_inner()
@@ -281,9 +385,7 @@ impl WorkerClient {
     pub async fn destroy_sandbox(&self, id: &SandboxId) -> Result<bool, ClientError> {
         let req = pb::DestroySandboxRequest { id: id.to_string() };
         Ok(self
-            .inner
-            .clone()
-            .destroy_sandbox(req)
+            .rpc(self.inner.clone().destroy_sandbox(req))
             .await?
             .into_inner()
             .existed)
@@ -300,7 +402,10 @@ impl WorkerClient {
             operation_id: id.to_string(),
             spec: Some(spec.into()),
         };
-        let op = self.inner.clone().submit_operation(req).await?.into_inner();
+        let op = self
+            .rpc(self.inner.clone().submit_operation(req))
+            .await?
+            .into_inner();
         Ok(op.try_into()?)
     }
 
@@ -314,9 +419,7 @@ impl WorkerClient {
             operation_id: id.to_string(),
         };
         Ok(self
-            .inner
-            .clone()
-            .get_operation(req)
+            .rpc(self.inner.clone().get_operation(req))
             .await?
             .into_inner()
             .try_into()?)
@@ -350,7 +453,7 @@ impl WorkerClient {
         let requests = futures_util::stream::once(async move { first })
             .chain(rest)
             .chain(futures_util::stream::once(async move { end }));
-        let resp = self.inner.clone().upload(requests).await?;
+        let resp = self.rpc(self.inner.clone().upload(requests)).await?;
         Ok(resp.into_inner().try_into()?)
     }
 
@@ -373,7 +476,10 @@ impl WorkerClient {
                 contents: archive.contents,
             }),
         };
-        let stream = self.inner.clone().download(req).await?.into_inner();
+        let stream = self
+            .rpc(self.inner.clone().download(req))
+            .await?
+            .into_inner();
         Ok(stream.map(|m| {
             let m = m?;
             match m.finished {
@@ -398,7 +504,10 @@ impl WorkerClient {
                 sandbox_id: sandbox.to_string(),
                 page_token: page_token.clone(),
             };
-            let resp = self.inner.clone().list_operations(req).await?.into_inner();
+            let resp = self
+                .rpc(self.inner.clone().list_operations(req))
+                .await?
+                .into_inner();
             for op in resp.operations {
                 all.push(OperationRecord::try_from(op)?);
             }
@@ -421,9 +530,7 @@ impl WorkerClient {
             operation_id: id.to_string(),
         };
         Ok(self
-            .inner
-            .clone()
-            .cancel_operation(req)
+            .rpc(self.inner.clone().cancel_operation(req))
             .await?
             .into_inner()
             .canceling)
@@ -441,7 +548,10 @@ impl WorkerClient {
             after_seq,
             operation_id: only.map(ToString::to_string).unwrap_or_default(),
         };
-        let stream = self.inner.clone().watch_sandbox(req).await?.into_inner();
+        let stream = self
+            .rpc(self.inner.clone().watch_sandbox(req))
+            .await?
+            .into_inner();
         Ok(Box::pin(stream.map(|item| {
             let event = item?;
             Ok(Event::try_from(event)?)
@@ -465,7 +575,10 @@ impl WorkerClient {
             data,
             eof,
         };
-        let r = self.inner.clone().write_input(req).await?.into_inner();
+        let r = self
+            .rpc(self.inner.clone().write_input(req))
+            .await?
+            .into_inner();
         Ok((r.input_bytes, r.closed))
     }
 
@@ -480,7 +593,7 @@ impl WorkerClient {
             operation_id: id.to_string(),
             size: Some(size.into()),
         };
-        self.inner.clone().resize_terminal(req).await?;
+        self.rpc(self.inner.clone().resize_terminal(req)).await?;
         Ok(())
     }
 
@@ -489,9 +602,7 @@ impl WorkerClient {
     pub async fn reset_sandbox(&self, id: &SandboxId) -> Result<u32, ClientError> {
         let req = pb::ResetSandboxRequest { id: id.to_string() };
         Ok(self
-            .inner
-            .clone()
-            .reset_sandbox(req)
+            .rpc(self.inner.clone().reset_sandbox(req))
             .await?
             .into_inner()
             .killed)
@@ -505,22 +616,26 @@ impl WorkerClient {
         let req = pb::GetSandboxStatsRequest {
             sandbox_id: id.to_string(),
         };
-        let resp = self.inner.clone().get_sandbox_stats(req).await?;
+        let resp = self.rpc(self.inner.clone().get_sandbox_stats(req)).await?;
         Ok(resp.into_inner().try_into()?)
     }
 
     pub async fn worker_info(&self) -> Result<WorkerInfo, ClientError> {
         let resp = self
-            .inner
-            .clone()
-            .get_worker_info(pb::GetWorkerInfoRequest {})
+            .rpc(
+                self.inner
+                    .clone()
+                    .get_worker_info(pb::GetWorkerInfoRequest {}),
+            )
             .await?;
         Ok(resp.into_inner().into())
     }
 
     /// Starts (`true`) or ends a drain; see `Drain` in worker.proto.
     pub async fn drain(&self, drain: bool) -> Result<WorkerInfo, ClientError> {
-        let resp = self.inner.clone().drain(pb::DrainRequest { drain }).await?;
+        let resp = self
+            .rpc(self.inner.clone().drain(pb::DrainRequest { drain }))
+            .await?;
         Ok(resp.into_inner().into())
     }
 }

@@ -221,3 +221,81 @@ async fn both_command_lines_speak_tls() -> anyhow::Result<()> {
     assert!(String::from_utf8_lossy(&out.stdout).starts_with("ID"));
     Ok(())
 }
+
+/// `http://` to a TLS worker and `https://` to a plain one say which
+/// protocol the worker speaks and what to write instead.
+#[tokio::test]
+async fn the_wrong_scheme_says_what_the_worker_speaks() -> anyhow::Result<()> {
+    let pki = pki()?;
+    let dir = tempfile::tempdir()?;
+    let file = |name: &str, body: &str| -> anyhow::Result<String> {
+        let p = dir.path().join(name);
+        std::fs::write(&p, body)?;
+        Ok(p.to_string_lossy().to_string())
+    };
+    let (cert, key, ca) = (
+        file("server.pem", &pki.server.0)?,
+        file("server.key", &pki.server.1)?,
+        file("ca.pem", &pki.ca_pem)?,
+    );
+    let token = file("token", "t0ken-0123456789abcdef")?;
+    std::fs::set_permissions(&token, std::os::unix::fs::PermissionsExt::from_mode(0o600))?;
+    let (tls_port, plain_port) = (corral_e2e::free_port()?, corral_e2e::free_port()?);
+    let tls_args = [
+        "--tls-cert",
+        &cert,
+        "--tls-key",
+        &key,
+        "--token-file",
+        &token,
+    ];
+    let _tls = corral_e2e::WorkerProcess::spawn(
+        &dir.path().join("tls-state"),
+        &corral_e2e::unique_id("tlsw"),
+        tls_port,
+        &[],
+        &tls_args,
+    )?;
+    let _plain = corral_e2e::WorkerProcess::spawn(
+        &dir.path().join("plain-state"),
+        &corral_e2e::unique_id("plainw"),
+        plain_port,
+        &[],
+        &["--token-file", &token],
+    )?;
+    let run = |url: String, extra: Vec<String>| {
+        let token = token.clone();
+        async move {
+            let out = tokio::process::Command::new(corral_e2e::binary("corral")?)
+                .arg("--worker")
+                .arg(&url)
+                .args(extra)
+                .args(["--token-file", &token, "sandbox", "ls"])
+                .output()
+                .await?;
+            anyhow::Ok((
+                out.status.code(),
+                String::from_utf8_lossy(&out.stderr).into_owned(),
+            ))
+        }
+    };
+    let (code, err) = run(format!("http://127.0.0.1:{tls_port}"), vec![]).await?;
+    assert_ne!(code, Some(0));
+    assert!(
+        err.contains(&format!("it speaks TLS: use https://127.0.0.1:{tls_port}")),
+        "{err}"
+    );
+    let (code, err) = run(
+        format!("https://127.0.0.1:{plain_port}"),
+        vec!["--tls-ca".into(), ca.clone()],
+    )
+    .await?;
+    assert_ne!(code, Some(0));
+    assert!(
+        err.contains(&format!(
+            "it speaks plain HTTP/2, not TLS: use http://127.0.0.1:{plain_port}"
+        )),
+        "{err}"
+    );
+    Ok(())
+}
