@@ -21,6 +21,8 @@ pub struct TerminalView {
     mid_line: bool,
     /// A running call's newest line is on stderr, to be replaced.
     progress_line: bool,
+    /// That line's tool and text, shown again with the running notice.
+    last_progress: Option<(String, String)>,
 }
 
 /// `s` with its control characters made visible (caret notation, `^[`
@@ -51,6 +53,16 @@ pub fn printable(s: &str) -> std::borrow::Cow<'_, str> {
         }
     }
     std::borrow::Cow::Owned(out)
+}
+
+/// The progress line of a running call (its newest output line), with the
+/// running notice when one is due.
+fn progress_text(tool: &str, line: &str, running: Option<&str>) -> String {
+    let mut text = format!("  ⋯ {tool}: {}", one_line(line, 120));
+    if let Some(r) = running {
+        text.push_str(&format!("  (running: {r})"));
+    }
+    text
 }
 
 pub fn one_line(s: &str, max: usize) -> String {
@@ -110,14 +122,16 @@ impl TerminalView {
         let mut err = std::io::stderr().lock();
         if let Event::ToolProgress { tool, line, .. } = e {
             // One line, replaced as the command goes on.
-            write!(err, "\r\x1b[K  ⋯ {tool}: {}", one_line(line, 120))?;
+            write!(err, "\r\x1b[K{}", progress_text(tool, line, None))?;
             err.flush()?;
             self.progress_line = true;
+            self.last_progress = Some((tool.clone(), line.clone()));
             return Ok(());
         }
         if self.progress_line {
             write!(err, "\r\x1b[K")?;
             self.progress_line = false;
+            self.last_progress = None;
         }
         if let Event::TextDelta { text, .. } = e {
             out.write_all(printable(text).as_bytes())?;
@@ -226,11 +240,16 @@ impl TerminalView {
             .iter()
             .map(|(_, tool, t)| format!("{tool} {}s", t.elapsed().as_secs()))
             .collect();
-        writeln!(
-            std::io::stderr().lock(),
-            "   … running: {}",
-            list.join(", ")
-        )
+        let running = list.join(", ");
+        let mut err = std::io::stderr().lock();
+        match (&self.last_progress, self.progress_line) {
+            // The progress line stays one line: the notice joins it.
+            (Some((tool, line)), true) => {
+                write!(err, "\r\x1b[K{}", progress_text(tool, line, Some(&running)))?;
+                err.flush()
+            }
+            _ => writeln!(err, "   … running: {running}"),
+        }
     }
 }
 
@@ -290,6 +309,7 @@ impl View {
                 running: Vec::new(),
                 mid_line: false,
                 progress_line: false,
+                last_progress: None,
             })
         }
     }
@@ -316,6 +336,14 @@ mod tests {
         assert!(!one_line(hostile, 200).contains('\x1b'));
         let line = result_line("Bash", "ok", Some(0), None, "\x1b[31mred");
         assert_eq!(line, "✓ Bash: ^[[31mred");
+    }
+
+    #[test]
+    fn the_running_notice_joins_the_progress_line_instead_of_breaking_it() {
+        let with = progress_text("Bash", "step 3\u{1b}[2J", Some("Bash 4s"));
+        assert_eq!(with, "  ⋯ Bash: step 3^[[2J  (running: Bash 4s)");
+        assert!(!with.contains('\n'));
+        assert_eq!(progress_text("Bash", "a\nb", None), "  ⋯ Bash: a…");
     }
 
     #[test]
