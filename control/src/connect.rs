@@ -58,7 +58,7 @@ fn client_tls(conn: &ConnArgs) -> Result<Option<ClientTls>, ConnectError> {
 }
 
 /// How long a worker asked about a sandbox or its id may take.
-const ASK_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+pub const ASK_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// The entries of `--worker` (a comma-separated list of addresses and
 /// `dns:///NAME:PORT` names).

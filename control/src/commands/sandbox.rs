@@ -43,35 +43,86 @@ enum Workers<'a> {
 }
 
 impl Workers<'_> {
-    fn one(&self) -> Result<&WorkerClient, Error> {
+    /// The client of the worker that has sandbox `id` (each is asked).
+    async fn for_sandbox(&self, id: &SandboxId) -> Result<WorkerClient, Error> {
         match self {
-            Workers::One(c) => Ok(c),
-            Workers::Many(..) => Err(Error::Connect(ConnectError::Usage(
-                "give this command one --worker".into(),
-            ))),
+            Workers::One(c) => Ok(c.clone()),
+            Workers::Many(conn, _) => Ok(crate::connect::connect_for(conn, id).await?),
         }
     }
 
-    /// Every sandbox of every worker (each is asked; one that does not
-    /// answer fails the listing rather than leave it silently short).
-    async fn list_sandboxes(&self) -> Result<Vec<corral_proto::SandboxInfo>, Error> {
+    /// Every sandbox of every worker, each with its worker's client. Of
+    /// several workers, those that answer are listed and the others named
+    /// in a warning; with one, its failure is the command's.
+    async fn sandboxes(&self) -> Result<Vec<(WorkerClient, corral_proto::SandboxInfo)>, Error> {
         match self {
-            Workers::One(c) => Ok(c.list_sandboxes().await?),
+            Workers::One(c) => Ok(c
+                .list_sandboxes()
+                .await?
+                .into_iter()
+                .map(|sb| (c.clone(), sb))
+                .collect()),
             Workers::Many(conn, urls) => {
                 let asked = urls.iter().map(|u| async move {
-                    let c = connect_to(conn, Some(u)).await?;
-                    Ok::<_, Error>(c.list_sandboxes().await?)
+                    let ask = async {
+                        let c = connect_to(conn, Some(u)).await?;
+                        let listed = c.list_sandboxes().await?;
+                        Ok::<_, Error>((c, listed))
+                    };
+                    let limit = crate::connect::ASK_TIMEOUT;
+                    tokio::time::timeout(limit, ask).await.unwrap_or_else(|_| {
+                        Err(Error::Invalid(format!(
+                            "no answer within {} s",
+                            limit.as_secs()
+                        )))
+                    })
                 });
                 let mut all = Vec::new();
-                for listed in futures_util::future::join_all(asked).await {
-                    all.extend(listed?);
+                let mut silent = Vec::new();
+                for (url, listed) in urls.iter().zip(futures_util::future::join_all(asked).await) {
+                    match listed {
+                        Ok((c, list)) => all.extend(list.into_iter().map(|sb| (c.clone(), sb))),
+                        Err(e) => silent.push(format!("{url}: {e}")),
+                    }
                 }
-                all.sort_by(|a, b| {
+                if all.is_empty() && silent.len() == urls.len() {
+                    return Err(Error::Invalid(format!(
+                        "no worker answered: {}",
+                        silent.join("; ")
+                    )));
+                }
+                for s in &silent {
+                    eprintln!("corral: warning: not listed, the worker did not answer: {s}");
+                }
+                all.sort_by(|(_, a), (_, b)| {
                     (a.created_at_unix_ms, &a.id).cmp(&(b.created_at_unix_ms, &b.id))
                 });
                 Ok(all)
             }
         }
+    }
+
+    /// The sandboxes named, each with its worker's client, or (`all`)
+    /// every sandbox of every worker.
+    async fn named_or_all(
+        &self,
+        ids: &[String],
+        all: bool,
+    ) -> Result<Vec<(WorkerClient, SandboxId)>, Error> {
+        if all {
+            return Ok(self
+                .sandboxes()
+                .await?
+                .into_iter()
+                .map(|(c, sb)| (c, sb.id))
+                .collect());
+        }
+        let mut found = Vec::new();
+        for id in ids {
+            let id = sandbox_id(id)?;
+            found.push((self.for_sandbox(&id).await?, id));
+        }
+        Ok(found)
     }
 }
 
@@ -84,10 +135,7 @@ async fn sandbox_command(conn: &ConnArgs, cmd: SandboxCommand) -> Result<(), Err
     // covers them all; the rest is for one worker.
     let urls = worker_urls(conn).await?;
     let conn = if urls.len() > 1 {
-        match &cmd {
-            SandboxCommand::Create { .. } | SandboxCommand::Ls { .. } => Workers::Many(conn, urls),
-            _ => Workers::One(connect(conn).await?),
-        }
+        Workers::Many(conn, urls)
     } else {
         Workers::One(connect(conn).await?)
     };
@@ -160,7 +208,12 @@ async fn sandbox_command(conn: &ConnArgs, cmd: SandboxCommand) -> Result<(), Err
             writeln!(stdout, "{}", sb.id)?;
         }
         SandboxCommand::Ls { json, quiet } => {
-            let all = conn.list_sandboxes().await?;
+            let all: Vec<corral_proto::SandboxInfo> = conn
+                .sandboxes()
+                .await?
+                .into_iter()
+                .map(|(_, sb)| sb)
+                .collect();
             if quiet {
                 for sb in &all {
                     writeln!(stdout, "{}", sb.id)?;
@@ -203,9 +256,11 @@ async fn sandbox_command(conn: &ConnArgs, cmd: SandboxCommand) -> Result<(), Err
             }
         }
         SandboxCommand::Inspect { id, json } => {
-            let sb = conn.one()?.get_sandbox(&sandbox_id(&id)?).await?;
+            let id = sandbox_id(&id)?;
+            let worker = conn.for_sandbox(&id).await?;
+            let sb = worker.get_sandbox(&id).await?;
             // What it uses now, unless it cannot be measured (a lost one).
-            let usage = conn.one()?.sandbox_stats(&sb.id).await.ok();
+            let usage = worker.sandbox_stats(&sb.id).await.ok();
             let mut v = to_json(&sb);
             if let Some(u) = &usage {
                 v["usage"] = stats_json(u);
@@ -245,12 +300,10 @@ async fn sandbox_command(conn: &ConnArgs, cmd: SandboxCommand) -> Result<(), Err
             }
         }
         SandboxCommand::Stats { ids, json } => {
-            let ids = ids_or_all(conn.one()?, &ids, ids.is_empty()).await?;
+            let ids = conn.named_or_all(&ids, ids.is_empty()).await?;
             // Each takes a sampling interval: all at once.
-            let all = {
-                let one = conn.one()?;
-                futures_util::future::join_all(ids.iter().map(|id| one.sandbox_stats(id))).await
-            };
+            let all =
+                futures_util::future::join_all(ids.iter().map(|(w, id)| w.sandbox_stats(id))).await;
             let all: Vec<corral_proto::SandboxStats> = all.into_iter().collect::<Result<_, _>>()?;
             if json {
                 let list: Vec<serde_json::Value> = all.iter().map(stats_json).collect();
@@ -275,11 +328,26 @@ async fn sandbox_command(conn: &ConnArgs, cmd: SandboxCommand) -> Result<(), Err
             }
         }
         SandboxCommand::Rm { ids, all } => {
-            let ids = ids_or_all(conn.one()?, &ids, all).await?;
             // Each one tried; the unknown ones named together at the end.
             let mut unknown = Vec::new();
-            for id in ids {
-                if !conn.one()?.destroy_sandbox(&id).await? {
+            let found = if all {
+                conn.named_or_all(&[], true).await?
+            } else {
+                let mut found = Vec::new();
+                for id in &ids {
+                    let id = sandbox_id(id)?;
+                    match conn.for_sandbox(&id).await {
+                        Ok(w) => found.push((w, id)),
+                        Err(Error::Connect(ConnectError::Invalid(_))) => {
+                            unknown.push(id.to_string())
+                        }
+                        Err(e) => return Err(e),
+                    }
+                }
+                found
+            };
+            for (worker, id) in found {
+                if !worker.destroy_sandbox(&id).await? {
                     unknown.push(id.to_string());
                 }
             }
@@ -292,40 +360,22 @@ async fn sandbox_command(conn: &ConnArgs, cmd: SandboxCommand) -> Result<(), Err
         }
         SandboxCommand::Prune { idle } => {
             let now = now_ms();
-            for sb in conn.one()?.list_sandboxes().await? {
+            for (worker, sb) in conn.sandboxes().await? {
                 let unused_for = now.saturating_sub(sb.last_used_unix_ms);
                 let lost = matches!(sb.state, SandboxState::Lost(_));
                 let unused = sb.running_operations == 0 && unused_for >= idle.as_millis() as i64;
-                if (lost || unused) && conn.one()?.destroy_sandbox(&sb.id).await? {
+                if (lost || unused) && worker.destroy_sandbox(&sb.id).await? {
                     writeln!(stdout, "{}", sb.id)?;
                 }
             }
         }
         SandboxCommand::Reset { id } => {
             let id = sandbox_id(&id)?;
-            let killed = conn.one()?.reset_sandbox(&id).await?;
+            let killed = conn.for_sandbox(&id).await?.reset_sandbox(&id).await?;
             writeln!(stdout, "killed {killed} processes")?;
         }
     }
     Ok(())
-}
-
-/// The sandboxes named, or (`all`) every sandbox of the worker.
-async fn ids_or_all(
-    conn: &corral_harness::client::WorkerClient,
-    ids: &[String],
-    all: bool,
-) -> Result<Vec<SandboxId>, Error> {
-    if all {
-        Ok(conn
-            .list_sandboxes()
-            .await?
-            .into_iter()
-            .map(|s| s.id)
-            .collect())
-    } else {
-        ids.iter().map(|i| sandbox_id(i)).collect()
-    }
 }
 
 fn stats_json(s: &corral_proto::SandboxStats) -> serde_json::Value {

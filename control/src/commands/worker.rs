@@ -16,6 +16,8 @@ enum Error {
     Client(#[from] corral_harness::client::ClientError),
     #[error("writing output: {0}")]
     Io(#[from] std::io::Error),
+    #[error("no answer within {0} s")]
+    Silent(u64),
 }
 
 pub async fn main(conn: &ConnArgs, cmd: &WorkerCommand) -> u8 {
@@ -32,6 +34,12 @@ pub async fn main(conn: &ConnArgs, cmd: &WorkerCommand) -> u8 {
 }
 
 async fn worker_command(conn: &ConnArgs, cmd: &WorkerCommand) -> Result<(), Error> {
+    let urls = crate::connect::worker_urls(conn).await?;
+    // `worker info` of several workers: each one, in the order given;
+    // a drain is for one worker at a time.
+    if let (WorkerCommand::Info { json }, true) = (cmd, urls.len() > 1) {
+        return info_of_each(conn, &urls, *json).await;
+    }
     let worker = connect(conn).await?;
     let (info, json) = match cmd {
         WorkerCommand::Info { json } => (worker.worker_info().await?, *json),
@@ -47,6 +55,52 @@ async fn worker_command(conn: &ConnArgs, cmd: &WorkerCommand) -> Result<(), Erro
         }
     }
     Ok(())
+}
+
+/// `worker info` of each worker of `urls`: a block (or a JSON object in
+/// an array) each; one that does not answer is said to, and fails the
+/// command once all are shown.
+async fn info_of_each(conn: &ConnArgs, urls: &[String], json: bool) -> Result<(), Error> {
+    let asked = urls.iter().map(|u| async move {
+        let ask = async {
+            let c = crate::connect::connect_to(conn, Some(u)).await?;
+            Ok::<_, Error>(c.worker_info().await?)
+        };
+        let limit = crate::connect::ASK_TIMEOUT;
+        tokio::time::timeout(limit, ask)
+            .await
+            .unwrap_or_else(|_| Err(Error::Silent(limit.as_secs())))
+    });
+    let answers = futures_util::future::join_all(asked).await;
+    let mut out = std::io::stdout().lock();
+    let mut failed = None;
+    let mut list = Vec::new();
+    for (i, (url, answer)) in urls.iter().zip(answers).enumerate() {
+        match answer {
+            Ok(info) if json => {
+                let mut v = to_json(&info);
+                v["url"] = url.clone().into();
+                list.push(v);
+            }
+            Ok(info) => {
+                if i > 0 {
+                    writeln!(out)?;
+                }
+                writeln!(out, "{:<11} {url}", "address:")?;
+                for (k, v) in lines(&info) {
+                    writeln!(out, "{:<11} {v}", format!("{k}:"))?;
+                }
+            }
+            Err(e) => {
+                eprintln!("corral: {url}: {e}");
+                failed = Some(e);
+            }
+        }
+    }
+    if json {
+        writeln!(out, "{}", serde_json::Value::Array(list))?;
+    }
+    failed.map_or(Ok(()), Err)
 }
 
 fn drain_text(info: &WorkerInfo) -> String {

@@ -735,3 +735,74 @@ async fn exec_on_a_worker_that_went_silent_ends_at_the_deadline_too() -> Result<
     w.kill9();
     Ok(())
 }
+
+/// With several workers, every per-sandbox command finds the worker that
+/// has the sandbox; `sandbox ls` lists what answers and warns about a
+/// worker that does not; `worker info` covers each worker.
+#[tokio::test]
+async fn per_sandbox_commands_find_their_worker_among_several() -> Result<()> {
+    let secret = "several-workers-token-0123456789";
+    let (_token_dir, token) = shared_token(secret)?;
+    let mut workers = Vec::new();
+    let mut states = Vec::new();
+    for _ in 0..2 {
+        let state = tempfile::tempdir()?;
+        let args = ["--token-file", token.to_str().context("path")?];
+        workers.push(WorkerProcess::spawn(
+            state.path(),
+            &unique_id("many"),
+            free_port()?,
+            &[],
+            &args,
+        )?);
+        states.push(state);
+    }
+    let (dead, _hole) = corral_e2e::fake::black_hole()?;
+    let list = format!("{},{}", workers[0].url, workers[1].url);
+    // The sandbox is on the second worker.
+    let second = WorkerClient::connect(&workers[1].url, Some(secret)).await?;
+    let sb = SandboxId::new(unique_id("far"))?;
+    second
+        .create_sandbox(Some(&sb), SandboxSpec::default())
+        .await?;
+    let ok = |out: &std::process::Output| {
+        anyhow::ensure!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    };
+    let inspected = ok(&corral(&list, &token, &["sandbox", "inspect", sb.as_str()]).await?)?;
+    assert!(inspected.contains(&workers[1].worker_id), "{inspected}");
+    let stats = ok(&corral(&list, &token, &["sandbox", "stats", sb.as_str()]).await?)?;
+    assert!(stats.contains(sb.as_str()), "{stats}");
+    ok(&corral(&list, &token, &["sandbox", "reset", sb.as_str()]).await?)?;
+    let info = ok(&corral(&list, &token, &["worker", "info"]).await?)?;
+    for w in &workers {
+        assert!(
+            info.contains(&w.url) && info.contains(&w.worker_id),
+            "{info}"
+        );
+    }
+    // A third worker that never answers: the listing has the others and
+    // says which one it could not ask.
+    let with_dead = format!("{list},{dead}");
+    let out = corral(&with_dead, &token, &["sandbox", "ls", "-q"]).await?;
+    assert_eq!(ok(&out)?, format!("{sb}\n"));
+    let warned = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        warned.contains("warning: not listed") && warned.contains(&dead),
+        "{warned}"
+    );
+    ok(&corral(&list, &token, &["sandbox", "rm", sb.as_str()]).await?)?;
+    assert!(second.list_sandboxes().await?.is_empty());
+    let out = corral(&list, &token, &["sandbox", "rm", sb.as_str()]).await?;
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains(&format!("unknown sandbox {sb}")),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(())
+}
