@@ -70,6 +70,13 @@ fn report(e: &dyn std::error::Error) {
     eprintln!("corral: {}", corral_harness::client::source_chain(e));
 }
 
+/// Says something went wrong that did not stop the command: one line on
+/// stderr.
+#[allow(clippy::print_stderr)]
+fn warn(text: &str) {
+    eprintln!("corral: {}", crate::view::printable(text));
+}
+
 /// Says what a copy out of a sandbox left out, a line each (the names are
 /// the sandbox's: their control characters are shown escaped).
 #[allow(clippy::print_stderr)]

@@ -92,7 +92,9 @@ impl Workers<'_> {
                     )));
                 }
                 for s in &silent {
-                    eprintln!("corral: warning: not listed, the worker did not answer: {s}");
+                    super::warn(&format!(
+                        "warning: not listed, the worker did not answer: {s}"
+                    ));
                 }
                 all.sort_by(|(_, a), (_, b)| {
                     (a.created_at_unix_ms, &a.id).cmp(&(b.created_at_unix_ms, &b.id))

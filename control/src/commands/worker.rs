@@ -92,7 +92,7 @@ async fn info_of_each(conn: &ConnArgs, urls: &[String], json: bool) -> Result<()
                 }
             }
             Err(e) => {
-                eprintln!("corral: {url}: {e}");
+                super::warn(&format!("{url}: {e}"));
                 failed = Some(e);
             }
         }
