@@ -32,6 +32,8 @@ enum Error {
 fn finish(r: Result<(), Error>) -> u8 {
     match r {
         Ok(()) => 0,
+        // Its reader went away (`| head`): quietly, as SIGPIPE would.
+        Err(Error::Io(e)) if e.kind() == std::io::ErrorKind::BrokenPipe => 141,
         Err(e) => {
             super::report(&e);
             match e {
@@ -172,11 +174,8 @@ pub async fn logs(conn: &ConnArgs, sandbox: &str, follow: bool) -> u8 {
                                 err.write_all(data).and_then(|()| err.flush())
                             }
                         };
-                        match written {
-                            // `| head`: nobody reads any more.
-                            Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => return Ok(()),
-                            other => other?,
-                        }
+                        // `| head`: nobody reads any more (141, quietly).
+                        written?;
                     }
                     EventKind::Gap { from, to } => {
                         eprintln!(

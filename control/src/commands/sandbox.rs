@@ -26,6 +26,8 @@ enum Error {
 pub async fn main(conn: &ConnArgs, cmd: SandboxCommand) -> u8 {
     match sandbox_command(conn, cmd).await {
         Ok(()) => 0,
+        // Its reader went away (`| head`): quietly, as SIGPIPE would.
+        Err(Error::Io(e)) if e.kind() == std::io::ErrorKind::BrokenPipe => 141,
         Err(e) => {
             super::report(&e);
             match e {

@@ -1,5 +1,5 @@
 //! `corral session`: list, show, fork, export and remove sessions, through the
-//! harness's front door. Exit codes: 0, 1 when it fails, 2 for a usage
+//! harness's front door. Exit codes: 0, 125 when it fails, 2 for a usage
 //! error (an unknown session or turn, a bad id).
 
 use std::io::Write;
@@ -43,7 +43,7 @@ impl Error {
                     | LogError::BadForkPoint { .. },
                 ),
             ) => super::EXIT_USAGE,
-            _ => 1,
+            _ => super::EXIT_CORRAL_ERROR,
         }
     }
 }

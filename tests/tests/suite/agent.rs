@@ -1450,7 +1450,7 @@ async fn a_workspace_goes_in_once_comes_back_out_and_is_copied_into_a_fork() -> 
         Some(patch.as_ref()),
     )
     .await?;
-    assert_eq!(diff.status.code(), Some(1));
+    assert_eq!(diff.status.code(), Some(125));
     let err = String::from_utf8_lossy(&diff.stderr);
     assert!(err.contains("git is not in this sandbox's image"), "{err}");
     assert!(!patch.exists(), "no half patch is left");
