@@ -214,11 +214,21 @@ impl TerminalView {
             | Event::Error { .. } => {}
             Event::Result(r) => {
                 let usage = usage_text(&r.usage);
+                // A resumed session: this run's turns, and the session's.
+                let turns = if r.run_turns == r.turns {
+                    format!("{} turns", r.turns)
+                } else {
+                    format!("{} turns ({} in the session)", r.run_turns, r.turns)
+                };
+                let whose = if r.run_turns == r.turns {
+                    ""
+                } else {
+                    " in the session"
+                };
                 writeln!(
                     err,
-                    "corral: {} · {} turns · {} tool calls · {usage} · {:.1}s{}",
+                    "corral: {} · {turns} · {} tool calls{whose} · {usage} · {:.1}s{}",
                     r.status,
-                    r.turns,
                     r.tool_calls,
                     r.duration_ms as f64 / 1000.0,
                     r.error

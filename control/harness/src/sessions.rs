@@ -460,12 +460,14 @@ impl Sessions {
             &Endpoint::merge(config.endpoint.as_ref(), opts.base_url.clone(), opts.api),
             &opts.api_key,
         )?;
-        let overrides = Overrides {
-            max_turns: opts.request.limits.max_turns,
-            model: opts.request.model.clone(),
-            base_url: opts.base_url.clone(),
-            api: opts.api,
-        };
+        let overrides = overrides_of(&opts);
+        // A tool the session does not offer is refused before anything is
+        // recorded.
+        if let Some(choice) = &overrides.tool_choice {
+            let mut with = config.clone();
+            with.tool_choice = Some(choice.clone());
+            check_tool_choice(&with)?;
+        }
         let mut core = Core::resume(log, state, overrides)?;
         let sandbox = config.sandbox_id.clone();
         let existed = match worker.get_sandbox(&sandbox).await {
@@ -527,12 +529,7 @@ impl Sessions {
             .create_sandbox(&sandbox, &sandbox_spec(&config))
             .await
             .map_err(|e| sandbox_error(&sandbox, e))?;
-        let overrides = Overrides {
-            max_turns: opts.request.limits.max_turns,
-            model: opts.request.model.clone(),
-            base_url: opts.base_url.clone(),
-            api: opts.api,
-        };
+        let overrides = overrides_of(&opts);
         let mut core = match Core::resume(log, state, overrides) {
             Ok(core) => core,
             Err(e) => {
@@ -880,6 +877,25 @@ fn check_tool_choice(config: &SessionConfig) -> Result<(), SessionError> {
         "--tool-choice {name}: the session offers no such tool (auto, required, none, or one of: {})",
         offered.join(", ")
     )))
+}
+
+/// What a resumed run changes of its session, from the request: what is
+/// given replaces the session's from here on (recorded with the resume).
+fn overrides_of(opts: &RunOptions) -> Overrides {
+    let req = &opts.request;
+    Overrides {
+        max_turns: req.limits.max_turns,
+        model: req.model.clone(),
+        base_url: opts.base_url.clone(),
+        api: opts.api,
+        tool_choice: req.tool_choice.as_deref().map(ToolChoice::parse),
+        context_window_tokens: req.limits.context_window_tokens,
+        max_output_tokens: req.limits.max_output_tokens,
+        reasoning_effort: opts
+            .reasoning_effort
+            .clone()
+            .or_else(|| req.reasoning_effort.map(|e| e.as_str().to_string())),
+    }
 }
 
 fn sandbox_spec(config: &SessionConfig) -> SandboxSpec {
@@ -1243,6 +1259,10 @@ fn fork(dir: &Path, parent: &str, child: &str, turn: Option<u64>) -> Result<(), 
         max_turns: None,
         model: None,
         endpoint: None,
+        tool_choice: None,
+        context_window_tokens: None,
+        max_output_tokens: None,
+        reasoning_effort: None,
     });
     SessionLog::<Record>::fork(dir, parent, child, upto, &then)?;
     Ok(())

@@ -232,6 +232,20 @@ async fn run(conn: &ConnArgs, args: &RunArgs, json: bool) -> Result<u8, Error> {
         if args.workspace.is_some() {
             tracing::warn!("--workspace applies to new sessions; this one keeps its files");
         }
+        // What a resume cannot change (the model, endpoint, turn limit,
+        // tool choice, window, answer bound and reasoning effort it can).
+        if let Some(image) = &args.image
+            && config.image.as_deref() != Some(image.as_str())
+        {
+            tracing::warn!(
+                image = %image,
+                keeps = config.image.as_deref().unwrap_or("the worker's default"),
+                "--image applies to new sessions; this one keeps its image"
+            );
+        }
+        if args.system_prompt.is_some() {
+            tracing::warn!("--system-prompt applies to new sessions; this one keeps its prompt");
+        }
         let worker_id = config.worker_id.clone();
         let moves = config.on_sandbox_lost == OnSandboxLost::NewSandbox;
         let reached = if moves {
@@ -328,6 +342,7 @@ async fn run(conn: &ConnArgs, args: &RunArgs, json: bool) -> Result<u8, Error> {
         final_text: summary.final_text,
         error: summary.error,
         turns: summary.turns,
+        run_turns: summary.run_turns,
         tool_calls: summary.tool_calls,
         usage: summary.usage,
         duration_ms: started.elapsed().as_millis() as u64,
@@ -454,6 +469,7 @@ fn left_unfinished(error: String) -> Summary {
         error: Some(error),
         sandbox_lost: None,
         turns: 0,
+        run_turns: 0,
         tool_calls: 0,
         usage: Default::default(),
     }

@@ -528,12 +528,23 @@ async fn usage_errors_exit_2_before_anything_runs() -> Result<()> {
             && said.contains("127.0.0.1:10"),
         "{said}"
     );
+    let drain = tokio::process::Command::new(binary("corral")?)
+        .args(["--worker", two, "worker", "drain"])
+        .output()
+        .await?;
+    assert_eq!(drain.status.code(), Some(2), "one worker's command");
+    assert!(String::from_utf8_lossy(&drain.stderr).contains("one --worker"));
+    // `worker info` covers each worker: neither answers here.
     let info = tokio::process::Command::new(binary("corral")?)
         .args(["--worker", two, "worker", "info"])
         .output()
         .await?;
-    assert_eq!(info.status.code(), Some(2), "one worker's command");
-    assert!(String::from_utf8_lossy(&info.stderr).contains("one --worker"));
+    let said = String::from_utf8_lossy(&info.stderr);
+    assert_eq!(info.status.code(), Some(125), "{said}");
+    assert!(
+        said.contains("127.0.0.1:9") && said.contains("127.0.0.1:10"),
+        "{said}"
+    );
     assert!(model.received().is_empty());
     Ok(())
 }

@@ -671,3 +671,77 @@ async fn a_tool_choice_naming_no_offered_tool_is_a_usage_error() -> Result<()> {
     h.stop().await;
     Ok(())
 }
+
+/// A resumed session takes what its run gives of the tool choice, the
+/// answer bound and the reasoning effort (recorded with the resume, kept
+/// by later runs); the turn limit it fails at is this run's; its summary
+/// counts this run's turns beside the session's.
+#[tokio::test]
+async fn a_resume_applies_the_tool_choice_answer_bound_and_turn_limit_it_is_given() -> Result<()> {
+    let h = Harness::start().await?;
+    for api in APIS {
+        let dir = tempfile::tempdir()?;
+        let model = server(vec![
+            api.text("first"),
+            api.calls(&[("c1", "Bash", &bash("echo one"))]),
+            api.text("third"),
+        ])
+        .await;
+        let first = run(&model, &h, dir.path(), api, &["--session", "r", "hi"]).await?;
+        done(&first, api);
+        let second = run(
+            &model,
+            &h,
+            dir.path(),
+            api,
+            &[
+                "--session",
+                "r",
+                "--tool-choice",
+                "Bash",
+                "--max-output-tokens",
+                "777",
+                "--reasoning-effort",
+                "low",
+                "--max-turns",
+                "1",
+                "again",
+            ],
+        )
+        .await?;
+        assert_eq!(second.code, 1, "{api:?}: {}", second.stderr);
+        let result = second.result();
+        assert_eq!(
+            result["error"], "the run reached its limit of 1 turns",
+            "{api:?}"
+        );
+        assert_eq!(
+            (result["run_turns"].as_u64(), result["turns"].as_u64()),
+            (Some(1), Some(2))
+        );
+        let got = model.received();
+        assert_all_accepted(&got, api);
+        let (before, after) = (&got[0].body, &got[1].body);
+        assert!(before.get("tool_choice").is_none(), "{api:?}: {before}");
+        let (bound, choice) = match api {
+            Api::Responses => (
+                "max_output_tokens",
+                json!({"type": "function", "name": "Bash"}),
+            ),
+            Api::Chat => (
+                "max_completion_tokens",
+                json!({"type": "function", "function": {"name": "Bash"}}),
+            ),
+        };
+        assert_eq!(after["tool_choice"], choice, "{api:?}");
+        assert_eq!(after[bound], 777, "{api:?}");
+        // Kept by the next run, which changes nothing.
+        let third = run(&model, &h, dir.path(), api, &["--session", "r", "and now?"]).await?;
+        done(&third, api);
+        let got = model.received();
+        assert_eq!(got[2].body["tool_choice"], choice, "{api:?}");
+        assert_eq!(got[2].body[bound], 777, "{api:?}");
+    }
+    h.stop().await;
+    Ok(())
+}

@@ -63,7 +63,9 @@ pub struct Summary {
     pub error: Option<String>,
     /// Why the sandbox was lost, when that is why the run failed.
     pub sandbox_lost: Option<String>,
+    /// Model requests of the whole session, and of this run.
     pub turns: u64,
+    pub run_turns: u64,
     pub tool_calls: u64,
     pub usage: crate::llm::Usage,
 }
@@ -323,14 +325,12 @@ impl<M: OperationManager + 'static> Coordinator<M> {
                 Ending::Done => None,
                 Ending::Interrupted => Some("interrupted".into()),
                 Ending::Failed => Some(s.failure.clone().unwrap_or_else(|| {
-                    format!(
-                        "the run reached its limit of {} turns",
-                        self.core.config().max_turns
-                    )
+                    format!("the run reached its limit of {} turns", s.max_turns())
                 })),
             },
             sandbox_lost: s.sandbox_lost.clone().filter(|_| ending == Ending::Failed),
             turns: s.turns(),
+            run_turns: s.run_turns(),
             tool_calls: s.tool_calls(),
             usage: s.usage,
         })

@@ -132,6 +132,18 @@ impl Core {
             max_turns: overrides.max_turns,
             model: overrides.model.filter(|m| *m != config.model),
             endpoint: (Some(&endpoint) != current).then_some(endpoint),
+            tool_choice: overrides
+                .tool_choice
+                .filter(|t| Some(t) != config.tool_choice.as_ref()),
+            context_window_tokens: overrides
+                .context_window_tokens
+                .filter(|w| *w != config.budget.context_window_tokens),
+            max_output_tokens: overrides
+                .max_output_tokens
+                .filter(|m| Some(*m) != config.max_output_tokens),
+            reasoning_effort: overrides
+                .reasoning_effort
+                .filter(|r| Some(r) != config.reasoning_effort.as_ref()),
         })?;
         core.resume_effects()?;
         Ok(core)

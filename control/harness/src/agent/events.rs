@@ -131,9 +131,14 @@ pub struct RunResult {
     pub session_id: String,
     pub final_text: String,
     pub error: Option<String>,
+    /// Model requests of the whole session (a resumed one counts its
+    /// earlier runs), and of this run.
     pub turns: u64,
+    pub run_turns: u64,
+    /// Tool calls and token usage of the whole session.
     pub tool_calls: u64,
     pub usage: Usage,
+    /// This run's.
     pub duration_ms: u64,
 }
 

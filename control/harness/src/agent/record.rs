@@ -114,6 +114,10 @@ pub struct Overrides {
     pub model: Option<String>,
     pub base_url: Option<String>,
     pub api: Option<Api>,
+    pub tool_choice: Option<ToolChoice>,
+    pub context_window_tokens: Option<u64>,
+    pub max_output_tokens: Option<u32>,
+    pub reasoning_effort: Option<String>,
 }
 
 impl Endpoint {
@@ -246,6 +250,18 @@ pub enum Record {
         /// An endpoint that replaces the session's from here on.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         endpoint: Option<Endpoint>,
+        /// A tool choice that replaces the session's from here on.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        tool_choice: Option<ToolChoice>,
+        /// A context window that replaces the session's from here on.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        context_window_tokens: Option<u64>,
+        /// A bound on each answer that replaces the session's from here on.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        max_output_tokens: Option<u32>,
+        /// A reasoning effort that replaces the session's from here on.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        reasoning_effort: Option<String>,
     },
     /// This session was forked from another; its operations run in a
     /// sandbox of its own.

@@ -205,6 +205,10 @@ impl State {
                 max_turns,
                 model,
                 endpoint,
+                tool_choice,
+                context_window_tokens,
+                max_output_tokens,
+                reasoning_effort,
                 ..
             } => {
                 self.run_start_turn = self.last_turn;
@@ -216,6 +220,25 @@ impl State {
                     }
                     if let Some(e) = endpoint {
                         c.endpoint = Some(e.clone());
+                    }
+                    if let Some(t) = tool_choice {
+                        c.tool_choice = Some(t.clone());
+                        self.context.set_tool_choice(Some(t.clone()));
+                    }
+                    if let Some(r) = reasoning_effort {
+                        c.reasoning_effort = Some(r.clone());
+                        self.context.set_reasoning_effort(Some(r.clone()));
+                    }
+                    if let Some(m) = max_output_tokens {
+                        c.max_output_tokens = Some(*m);
+                        c.budget.reserve_output_tokens = u64::from(*m);
+                        self.context.set_max_output_tokens(Some(*m));
+                    }
+                    if let Some(w) = context_window_tokens {
+                        c.budget.context_window_tokens = *w;
+                    }
+                    if context_window_tokens.is_some() || max_output_tokens.is_some() {
+                        self.context.set_budget(c.budget);
                     }
                 }
                 self.last_end = None;
