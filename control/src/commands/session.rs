@@ -94,6 +94,7 @@ async fn session_command(conn: &ConnArgs, cmd: &SessionCommand) -> Result<(), Er
                 match state {
                     Ok(s) => {
                         let state = match s.last_end {
+                            _ if s.fresh_fork => "forked",
                             Some(Ending::Done) => "done",
                             Some(Ending::Failed) => "failed",
                             Some(Ending::Interrupted) => "interrupted",
@@ -175,7 +176,54 @@ fn describe(rec: &Record) -> String {
             format!("model {} · sandbox {}", config.model, config.sandbox_id)
         }
         Record::Forked { parent, sandbox_id } => format!("from {parent} · sandbox {sandbox_id}"),
-        Record::Resume { .. } => String::new(),
+        Record::Resume {
+            max_turns,
+            model,
+            endpoint,
+            tool_choice,
+            context_window_tokens,
+            max_output_tokens,
+            reasoning_effort,
+            ..
+        } => {
+            let mut changed = Vec::new();
+            if let Some(n) = max_turns {
+                changed.push(format!("at most {n} turns this run"));
+            }
+            if let Some(m) = model {
+                changed.push(format!("model {m}"));
+            }
+            if let Some(e) = endpoint {
+                let api = match e.api {
+                    corral_harness::llm::Api::Responses => "responses",
+                    corral_harness::llm::Api::Chat => "chat",
+                };
+                changed.push(format!("endpoint {} ({api})", e.base_url));
+            }
+            if let Some(t) = tool_choice {
+                let t = match t {
+                    corral_harness::llm::ToolChoice::Auto => "auto",
+                    corral_harness::llm::ToolChoice::Required => "required",
+                    corral_harness::llm::ToolChoice::None => "none",
+                    corral_harness::llm::ToolChoice::Tool(name) => name.as_str(),
+                };
+                changed.push(format!("tool choice {t}"));
+            }
+            if let Some(w) = context_window_tokens {
+                changed.push(format!("window {w} tokens"));
+            }
+            if let Some(m) = max_output_tokens {
+                changed.push(format!("answers of at most {m} tokens"));
+            }
+            if let Some(r) = reasoning_effort {
+                changed.push(format!("reasoning effort {r}"));
+            }
+            if changed.is_empty() {
+                "nothing changed".into()
+            } else {
+                changed.join(" · ")
+            }
+        }
         Record::History { role, text } => format!("{}: {}", role.as_str(), one_line(text, 100)),
         Record::Input { text, .. } | Record::Heartbeat { text } => one_line(text, 100),
         Record::Turn { turn } => format!("#{turn}"),

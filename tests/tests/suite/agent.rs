@@ -1479,14 +1479,51 @@ async fn a_workspace_goes_in_once_comes_back_out_and_is_copied_into_a_fork() -> 
         "{}",
         String::from_utf8_lossy(&fork.stderr)
     );
+    let state_of = |listing: &str, id: &str| -> Option<String> {
+        listing
+            .lines()
+            .find(|l| l.split_whitespace().next() == Some(id))
+            .and_then(|l| l.split_whitespace().nth(3).map(str::to_string))
+    };
+    let listed = session_cmd(&h.url, sessions.path(), &["session", "ls"], None).await?;
+    let listed = String::from_utf8_lossy(&listed.stdout).into_owned();
+    assert_eq!(
+        state_of(&listed, "ws-fork").as_deref(),
+        Some("forked"),
+        "{listed}"
+    );
     let run = corral_run(
         &model,
         &h.url,
         sessions.path(),
-        &["--session", "ws-fork", "what is there?"],
+        &["--session", "ws-fork", "--max-turns", "7", "what is there?"],
     )
     .await?;
     assert_eq!(run.code, 0, "{}", run.stderr);
+    let listed = session_cmd(&h.url, sessions.path(), &["session", "ls"], None).await?;
+    let listed = String::from_utf8_lossy(&listed.stdout).into_owned();
+    assert_eq!(
+        state_of(&listed, "ws-fork").as_deref(),
+        Some("done"),
+        "{listed}"
+    );
+    // Each resume line says what it changed.
+    let shown = session_cmd(
+        &h.url,
+        sessions.path(),
+        &["session", "show", "ws-fork"],
+        None,
+    )
+    .await?;
+    let shown = String::from_utf8_lossy(&shown.stdout).into_owned();
+    let resumes: Vec<&str> = shown.lines().filter(|l| l.contains(" resume")).collect();
+    assert!(
+        resumes.iter().any(|l| l.ends_with("nothing changed"))
+            && resumes
+                .iter()
+                .any(|l| l.ends_with("at most 7 turns this run")),
+        "{shown}"
+    );
     let seen = run.of_type("tool_result")[0]["text"]
         .as_str()
         .unwrap_or_default()

@@ -83,6 +83,9 @@ pub struct State {
     pub last_input: Option<(String, bool)>,
     /// How the last run ended (`None` before any did, or while one runs).
     pub last_end: Option<super::record::Ending>,
+    /// A fork that no run has used yet (it has taken no input and sent no
+    /// request since it was made).
+    pub fresh_fork: bool,
     /// The last turn before this run started: `--max-turns` bounds one run.
     pub run_start_turn: u64,
     /// The turn limit of this run, when its resume gave one.
@@ -110,6 +113,7 @@ impl State {
             input_ids: HashSet::new(),
             last_input: None,
             last_end: None,
+            fresh_fork: false,
             shrinks: 0,
             run_start_turn: 0,
             run_max_turns: None,
@@ -254,6 +258,7 @@ impl State {
                 if let Some(c) = &mut self.config {
                     c.sandbox_id = sandbox_id.clone();
                 }
+                self.fresh_fork = true;
             }
             Record::History { role, text } => {
                 let response = Response {
@@ -283,6 +288,7 @@ impl State {
                 }
             }
             Record::Input { input_id, text } => {
+                self.fresh_fork = false;
                 self.input_ids.insert(input_id.clone());
                 self.last_input = Some((text.clone(), false));
                 self.context.add_user_input(text);
@@ -300,6 +306,7 @@ impl State {
                 self.has_new = true;
             }
             Record::Turn { turn } => {
+                self.fresh_fork = false;
                 self.context.commit();
                 self.last_turn = *turn;
                 self.in_flight = Some(*turn);
