@@ -181,6 +181,9 @@ impl Received {
 pub struct ModelServer {
     pub url: String,
     received: Arc<Mutex<Vec<Received>>>,
+    /// What `GET /props` answers (llama.cpp's server settings); `None`: a
+    /// 404, as OpenAI, vLLM and Ollama answer.
+    props: Arc<Mutex<Option<Value>>>,
     task: JoinHandle<()>,
 }
 
@@ -291,6 +294,8 @@ impl ModelServer {
         );
         let received = Arc::new(Mutex::new(Vec::new()));
         let log = received.clone();
+        let props: Arc<Mutex<Option<Value>>> = Arc::new(Mutex::new(None));
+        let served_props = props.clone();
         let script = Arc::new(Mutex::new(Script {
             replies,
             profiles: profiles.to_vec(),
@@ -300,10 +305,31 @@ impl ModelServer {
             while let Ok((mut sock, _)) = listener.accept().await {
                 let log = log.clone();
                 let script = script.clone();
+                let props = served_props.clone();
                 tokio::spawn(async move {
                     let Some(mut req) = read_request(&mut sock).await else {
                         return;
                     };
+                    // Not a model call (a GET of the server's settings, say):
+                    // answered apart, neither scripted nor logged.
+                    if !(req.path.ends_with("/chat/completions")
+                        || req.path.ends_with("/responses"))
+                    {
+                        let settings = props.lock().unwrap_or_else(|p| p.into_inner()).clone();
+                        let (code, body) = match settings {
+                            Some(v) if req.path == "/props" => ("200 OK", v),
+                            _ => ("404 Not Found", json!({"error": {"message": "not found"}})),
+                        };
+                        let body = body.to_string();
+                        let head = format!(
+                            "HTTP/1.1 {code}\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+                            body.len()
+                        );
+                        let _ = sock.write_all(head.as_bytes()).await;
+                        let _ = sock.write_all(body.as_bytes()).await;
+                        let _ = sock.shutdown().await;
+                        return;
+                    }
                     let answer = script
                         .lock()
                         .unwrap_or_else(|p| p.into_inner())
@@ -339,8 +365,14 @@ impl ModelServer {
         Self {
             url,
             received,
+            props,
             task,
         }
+    }
+
+    /// Answers `GET /props` with `settings`, as llama.cpp's own server does.
+    pub fn serve_props(&self, settings: Value) {
+        *self.props.lock().unwrap_or_else(|p| p.into_inner()) = Some(settings);
     }
 
     pub fn received(&self) -> Vec<Received> {
@@ -405,7 +437,11 @@ async fn read_request(sock: &mut tokio::net::TcpStream) -> Option<Received> {
     Some(Received {
         path,
         authorization,
-        body: serde_json::from_slice(&buf[head_end..head_end + len]).ok()?,
+        body: if len == 0 {
+            Value::Null
+        } else {
+            serde_json::from_slice(&buf[head_end..head_end + len]).ok()?
+        },
         refused: None,
     })
 }

@@ -401,6 +401,21 @@ impl Sessions {
             opts,
             files,
         } = new;
+        // A local Chat Completions server may say its window (llama.cpp's
+        // does); a window given by the caller wins.
+        if opts.request.limits.context_window_tokens.is_none()
+            && let Some(endpoint) = &config.endpoint
+            && endpoint.api == crate::llm::Api::Chat
+            && endpoint.base_url != crate::llm::client::DEFAULT_BASE_URL
+            && let Some(window) = crate::llm::client::served_context_window(
+                &endpoint.base_url,
+                opts.api_key.as_deref(),
+            )
+            .await
+        {
+            tracing::info!(window, "the model server's context window");
+            config.budget.context_window_tokens = window;
+        }
         let (sandbox, spec) = (config.sandbox_id.clone(), sandbox_spec(&config));
         let made = worker
             .create_sandbox(&sandbox, &spec)

@@ -745,3 +745,69 @@ async fn a_resume_applies_the_tool_choice_answer_bound_and_turn_limit_it_is_give
     h.stop().await;
     Ok(())
 }
+
+/// A Chat Completions server that says its window (llama.cpp's own
+/// answers `GET /props` with its `n_ctx`) gets requests built for it; a
+/// window given on the command line wins, and a server that answers 404
+/// (OpenAI, vLLM, Ollama) leaves the default.
+#[tokio::test]
+async fn a_local_servers_own_window_is_read_from_its_props() -> Result<()> {
+    let h = Harness::start().await?;
+    let window = |dir: &Path, id: &str| -> Result<u64> {
+        Ok(corral_harness::agent::replay(dir, id)?
+            .config
+            .context("a config")?
+            .budget
+            .context_window_tokens)
+    };
+    let dir = tempfile::tempdir()?;
+    let model = server(vec![
+        Api::Chat.text("a"),
+        Api::Chat.text("b"),
+        Api::Chat.text("c"),
+    ])
+    .await;
+    let plain = run(
+        &model,
+        &h,
+        dir.path(),
+        Api::Chat,
+        &["--session", "plain", "hi"],
+    )
+    .await?;
+    done(&plain, Api::Chat);
+    let default = corral_harness::context::Budget::default().context_window_tokens;
+    assert_eq!(
+        window(dir.path(), "plain")?,
+        default,
+        "a 404 leaves the default"
+    );
+    model.serve_props(json!({"default_generation_settings": {"n_ctx": 4096}, "total_slots": 1}));
+    let local = run(
+        &model,
+        &h,
+        dir.path(),
+        Api::Chat,
+        &["--session", "local", "hi"],
+    )
+    .await?;
+    done(&local, Api::Chat);
+    assert_eq!(window(dir.path(), "local")?, 4096);
+    let given = run(
+        &model,
+        &h,
+        dir.path(),
+        Api::Chat,
+        &["--session", "given", "--context-window", "3000", "hi"],
+    )
+    .await?;
+    done(&given, Api::Chat);
+    assert_eq!(window(dir.path(), "given")?, 3000);
+    assert_eq!(
+        model.received().len(),
+        3,
+        "the settings are not model calls"
+    );
+    h.stop().await;
+    Ok(())
+}

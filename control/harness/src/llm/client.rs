@@ -96,6 +96,42 @@ impl Interp {
     }
 }
 
+/// The context window a local server says it serves, where it says it:
+/// llama.cpp's own server answers `GET /props` (beside its `/v1`) with
+/// `default_generation_settings.n_ctx`. `None` for any other answer, or
+/// none within two seconds (OpenAI, vLLM and Ollama answer 404).
+pub async fn served_context_window(base_url: &str, api_key: Option<&str>) -> Option<u64> {
+    let base = base_url.trim_end_matches('/');
+    let root = base.strip_suffix("/v1").unwrap_or(base);
+    let http = reqwest::Client::builder()
+        .timeout(Duration::from_secs(2))
+        .build()
+        .ok()?;
+    let mut req = http.get(format!("{root}/props"));
+    if let Some(key) = api_key {
+        req = req.bearer_auth(key);
+    }
+    let resp = req.send().await.ok()?;
+    if !resp.status().is_success() {
+        return None;
+    }
+    // Read up to 1 MiB: the settings are a few KiB.
+    let mut resp = resp;
+    let mut bytes = Vec::new();
+    while let Some(chunk) = resp.chunk().await.ok()? {
+        bytes.extend_from_slice(&chunk);
+        if bytes.len() > 1 << 20 {
+            return None;
+        }
+    }
+    let body: serde_json::Value = serde_json::from_slice(&bytes).ok()?;
+    let n_ctx = body
+        .pointer("/default_generation_settings/n_ctx")
+        .or_else(|| body.get("n_ctx"))?
+        .as_u64()?;
+    (n_ctx >= 256).then_some(n_ctx)
+}
+
 fn jitter() -> f64 {
     (uuid::Uuid::new_v4().as_u128() % 1_000_000) as f64 / 1_000_000.0
 }
