@@ -36,6 +36,9 @@ pub const LATE_RESULT: &str = include_str!("../../../prompts/late-result.md");
 pub const HEARTBEAT: &str = include_str!("../../../prompts/heartbeat.md");
 /// Tells the model its sandbox was replaced (`{reason}`: why it was lost).
 pub const SANDBOX_REPLACED: &str = include_str!("../../../prompts/sandbox-replaced.md");
+/// What the model is told when a suspended session goes on on another
+/// worker (its files came along).
+pub const SANDBOX_MOVED: &str = include_str!("../../../prompts/sandbox-moved.md");
 /// The system prompt of a session that is given none.
 pub const DEFAULT_SYSTEM_PROMPT: &str = include_str!("../../../prompts/system.md");
 

@@ -544,6 +544,21 @@ impl Sessions {
             .create_sandbox(&sandbox, &sandbox_spec(&config))
             .await
             .map_err(|e| sandbox_error(&sandbox, e))?;
+        // A suspended session lost nothing with its worker: its files come
+        // along into the new sandbox.
+        let saved = self.saved_workspace(log.id());
+        let files_kept = saved.exists();
+        if files_kept {
+            let restored =
+                crate::transfer::restore_contents(&worker, &sandbox, &saved, WORKSPACE).await;
+            if let Err(e) = restored {
+                let _ = worker.destroy_sandbox(&sandbox).await;
+                return Err(SessionError::Upload {
+                    path: saved.display().to_string(),
+                    error: e.to_string(),
+                });
+            }
+        }
         let overrides = overrides_of(&opts);
         let mut core = match Core::resume(log, state, overrides) {
             Ok(core) => core,
@@ -553,7 +568,17 @@ impl Sessions {
             }
         };
         let worker_id = Some(made.worker_id).filter(|w| !w.is_empty());
-        core.placed_again(url, worker_id, sandbox.clone(), generation, reason)?;
+        core.placed_again(
+            url,
+            worker_id,
+            sandbox.clone(),
+            generation,
+            reason,
+            files_kept,
+        )?;
+        if files_kept {
+            let _ = std::fs::remove_file(&saved);
+        }
         tracing::warn!(sandbox = %sandbox, generation, %reason, "the session goes on in a fresh sandbox");
         launch(core, worker, opts, Vec::new(), true).await
     }

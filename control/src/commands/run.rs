@@ -260,6 +260,17 @@ async fn run(conn: &ConnArgs, args: &RunArgs, json: bool) -> Result<u8, Error> {
                 store.resume(stored, connection.clone(), opts).await?,
                 connection,
             ),
+            // Suspended, it holds nothing on its worker: whatever its
+            // policy, it goes on elsewhere with its files.
+            Err(e) if unreachable(&e) && store.saved_workspace(&id).exists() => {
+                drop(stored);
+                let reason = format!(
+                    "its worker {} does not answer: {e}",
+                    worker.as_deref().unwrap_or("in this process")
+                );
+                tracing::warn!(%reason, "the suspended session goes on on another worker");
+                resume_elsewhere(conn, &store, &id, &reason, &opts).await?
+            }
             Err(e) if moves && unreachable(&e) => {
                 drop(stored);
                 let reason = format!(

@@ -806,3 +806,77 @@ async fn per_sandbox_commands_find_their_worker_among_several() -> Result<()> {
     );
     Ok(())
 }
+
+/// A suspended session holds nothing on its worker: when that worker is
+/// gone (a replaced node), a rerun goes on on another worker of
+/// `--worker`, with the files it had, whatever its loss policy, and the
+/// model is told it moved.
+#[tokio::test]
+async fn a_suspended_session_whose_worker_is_gone_goes_on_elsewhere_with_its_files() -> Result<()> {
+    use corral_e2e::model::{ModelServer, responses};
+    let secret = "suspended-move-token-0123456789";
+    let (_token_dir, token) = shared_token(secret)?;
+    let args = ["--token-file", token.to_str().context("path")?];
+    let (sa, sb) = (tempfile::tempdir()?, tempfile::tempdir()?);
+    let mut a = WorkerProcess::spawn(sa.path(), &unique_id("susp"), free_port()?, &[], &args)?;
+    let b = WorkerProcess::spawn(sb.path(), &unique_id("susp"), free_port()?, &[], &args)?;
+    let sessions = tempfile::tempdir()?;
+    let write = serde_json::json!({"command": "echo kept > /workspace/notes.txt"}).to_string();
+    let read = serde_json::json!({"command": "cat /workspace/notes.txt"}).to_string();
+    let model = ModelServer::start(vec![
+        responses::calls(&[("c1", "Bash", &write)]),
+        responses::text("Written."),
+        responses::calls(&[("c2", "Bash", &read)]),
+        responses::text("Read."),
+    ])
+    .await;
+    let run = |workers: String, prompt: &'static str| {
+        let mut cmd = corral_e2e::run::command(
+            &model,
+            &workers,
+            sessions.path(),
+            &["--session", "s", prompt],
+        );
+        // Suspended at the end of each run, as a user's runs are.
+        cmd.env_remove("CORRAL_KEEP_SANDBOX")
+            .env("CORRAL_TOKEN_FILE", &token)
+            .env("CORRAL_WORKER_LOST_AFTER", "2s");
+        async move { Ok::<_, anyhow::Error>(cmd.output().await?) }
+    };
+    let out = run(a.url.clone(), "write it").await?;
+    anyhow::ensure!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        sessions.path().join("s.workspace.tar").exists(),
+        "suspended"
+    );
+    lose_host(&mut a);
+    let out = run(format!("{},{}", a.url, b.url), "read it").await?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    anyhow::ensure!(
+        out.status.success(),
+        "{stdout} {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains("\"text\":\"kept\""),
+        "the files came along: {stdout}"
+    );
+    let told = model.received()[2].text();
+    assert!(
+        told.contains("This session was suspended, and it goes on now"),
+        "{told}"
+    );
+    let state = corral_harness::agent::replay(sessions.path(), "s")?;
+    let config = state.config.context("config")?;
+    assert_eq!(
+        config.worker.as_deref(),
+        Some(b.url.as_str()),
+        "recorded on b"
+    );
+    assert_eq!(config.worker_id.as_deref(), Some(b.worker_id.as_str()));
+    Ok(())
+}

@@ -259,13 +259,17 @@ impl Core {
         sandbox: SandboxId,
         generation: u64,
         reason: &str,
+        files_kept: bool,
     ) -> Result<(), CoreError> {
         // The notice first: answering the lost calls may start a turn,
         // which must carry it.
         let reason = reason.strip_prefix("sandbox lost: ").unwrap_or(reason);
-        let text = crate::context::SANDBOX_REPLACED
-            .trim_end()
-            .replace("{reason}", reason);
+        let notice = if files_kept {
+            crate::context::SANDBOX_MOVED
+        } else {
+            crate::context::SANDBOX_REPLACED
+        };
+        let text = notice.trim_end().replace("{reason}", reason);
         self.record(Record::Placed {
             worker,
             worker_id,
