@@ -181,10 +181,16 @@ impl TerminalView {
                 tool,
                 arguments,
                 error,
+                replayed,
             } => match error {
                 Some(e) => writeln!(err, "✗ {tool}: {}", one_line(e, 160))?,
                 None => {
-                    writeln!(err, "▸ {tool} {}", one_line(arguments, 160))?;
+                    let again = if *replayed {
+                        " (from the last run)"
+                    } else {
+                        ""
+                    };
+                    writeln!(err, "▸ {tool}{again} {}", one_line(arguments, 160))?;
                     self.running
                         .push((call_id.clone(), tool.clone(), Instant::now()));
                 }

@@ -580,6 +580,25 @@ async fn a_killed_run_resumes_without_running_its_command_twice() -> Result<()> 
     let run = corral_run(&model, &h.url, sessions.path(), &["--session", "crash"]).await?;
     assert_eq!(run.code, 0, "{}", run.stderr);
     assert_eq!(run.result()["final_text"], "Counted.");
+    // The call of the killed run comes again, marked, after the session
+    // starts and before its result.
+    let kinds: Vec<&str> = run
+        .events
+        .iter()
+        .filter_map(|e| e["type"].as_str())
+        .filter(|t| ["session_started", "tool_call", "tool_result"].contains(t))
+        .collect();
+    assert_eq!(
+        kinds,
+        ["session_started", "tool_call", "tool_result"],
+        "{:#?}",
+        run.events
+    );
+    let call = run.of_type("tool_call")[0];
+    assert_eq!(
+        (call["call_id"].as_str(), call["replayed"].as_bool()),
+        (Some("c"), Some(true))
+    );
     let got = model.received();
     assert_eq!(got.len(), 2);
     assert!(got[1].text().contains("finished-1"), "{}", got[1].text());

@@ -811,3 +811,24 @@ async fn a_local_servers_own_window_is_read_from_its_props() -> Result<()> {
     h.stop().await;
     Ok(())
 }
+
+/// A command that runs past its timeout is reported as `timed_out`, not
+/// as any failure.
+#[tokio::test]
+async fn a_timed_out_call_says_so() -> Result<()> {
+    let h = Harness::start().await?;
+    let dir = tempfile::tempdir()?;
+    let slow = json!({"command": "sleep 30", "timeout_seconds": 1}).to_string();
+    let model = server(vec![
+        Api::Responses.calls(&[("c1", "Bash", &slow)]),
+        Api::Responses.text("It was too slow."),
+    ])
+    .await;
+    let r = run(&model, &h, dir.path(), Api::Responses, &["wait"]).await?;
+    done(&r, Api::Responses);
+    let result = &r.of_type("tool_result")[0];
+    assert_eq!(result["status"], "timed_out", "{result}");
+    assert_eq!(result["exit_code"], serde_json::Value::Null, "{result}");
+    h.stop().await;
+    Ok(())
+}

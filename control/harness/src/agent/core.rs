@@ -198,6 +198,23 @@ impl Core {
     /// followed, not re-run), translate calls that were never translated,
     /// give results that were never given, then go on.
     fn resume_effects(&mut self) -> Result<(), CoreError> {
+        // Calls of an earlier run still unanswered: shown again, so that
+        // a reader of this run's events sees the call before its result.
+        let replayed: Vec<Event> = self
+            .state
+            .unanswered_calls()
+            .filter(|(_, c)| c.outcome == CallOutcome::Submit)
+            .map(|(id, c)| Event::ToolCall {
+                call_id: id.clone(),
+                tool: c.tool.clone(),
+                arguments: c.arguments.clone(),
+                error: None,
+                replayed: true,
+            })
+            .collect();
+        for e in replayed {
+            self.emit(e);
+        }
         let again: Vec<Operation> = self
             .state
             .running_op_ids()
@@ -488,6 +505,7 @@ impl Core {
                     CallOutcome::Error { text } => Some(text.clone()),
                     _ => None,
                 },
+                replayed: false,
             });
             for op in &operations {
                 add.push(Operation::new(op.id.clone(), op.spec.clone()));
@@ -810,8 +828,9 @@ impl Ended {
         let rank = |s: &str| match s {
             "ok" => 0,
             "failed" => 1,
-            "canceled" => 2,
-            _ => 3,
+            "timed_out" => 2,
+            "canceled" => 3,
+            _ => 4,
         };
         for op in ops {
             let status = match (op.status, op.result.as_ref().map(|r| &r.outcome)) {
@@ -825,6 +844,7 @@ impl Ended {
                     "lost"
                 }
                 (OpStatus::Failed, _) => "failed",
+                (_, Some(Outcome::TimedOut)) => "timed_out",
                 (_, Some(o)) if !o.is_success() => "failed",
                 _ => "ok",
             };

@@ -75,11 +75,15 @@ pub enum Event {
         turn: u64,
     },
     /// A tool call was translated; `error` is set when it was refused.
+    /// `replayed`: a call of an earlier run still unanswered, shown again
+    /// when a resume takes it up (its result follows in this stream).
     ToolCall {
         call_id: String,
         tool: String,
         arguments: String,
         error: Option<String>,
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        replayed: bool,
     },
     /// A call's final result, as the model reads it.
     ToolResult {
