@@ -500,16 +500,7 @@ impl Sessions {
             let saved = self.saved_workspace(core.session_id());
             if saved.exists() {
                 // Suspended: its files come back; nothing ran meanwhile.
-                let restored =
-                    crate::transfer::restore_contents(&worker, &sandbox, &saved, WORKSPACE).await;
-                if let Err(e) = restored {
-                    // Not left half restored: the next try starts over.
-                    let _ = worker.destroy_sandbox(&sandbox).await;
-                    return Err(SessionError::Upload {
-                        path: saved.display().to_string(),
-                        error: e.to_string(),
-                    });
-                }
+                restore_saved(&worker, &sandbox, &saved).await?;
                 let _ = std::fs::remove_file(&saved);
                 tracing::info!(sandbox = %sandbox, "the suspended session's workspace is back");
             } else {
@@ -549,15 +540,7 @@ impl Sessions {
         let saved = self.saved_workspace(log.id());
         let files_kept = saved.exists();
         if files_kept {
-            let restored =
-                crate::transfer::restore_contents(&worker, &sandbox, &saved, WORKSPACE).await;
-            if let Err(e) = restored {
-                let _ = worker.destroy_sandbox(&sandbox).await;
-                return Err(SessionError::Upload {
-                    path: saved.display().to_string(),
-                    error: e.to_string(),
-                });
-            }
+            restore_saved(&worker, &sandbox, &saved).await?;
         }
         let overrides = overrides_of(&opts);
         let mut core = match Core::resume(log, state, overrides) {
@@ -917,6 +900,24 @@ fn check_tool_choice(config: &SessionConfig) -> Result<(), SessionError> {
         "--tool-choice {name}: the session offers no such tool (auto, required, none, or one of: {})",
         offered.join(", ")
     )))
+}
+
+/// Brings a suspended session's saved workspace into `sandbox`; a sandbox
+/// left half restored is removed (the next try starts over).
+async fn restore_saved<W: WorkerApi>(
+    worker: &W,
+    sandbox: &SandboxId,
+    saved: &std::path::Path,
+) -> Result<(), SessionError> {
+    let restored = crate::transfer::restore_contents(worker, sandbox, saved, WORKSPACE).await;
+    if let Err(e) = restored {
+        let _ = worker.destroy_sandbox(sandbox).await;
+        return Err(SessionError::Upload {
+            path: saved.display().to_string(),
+            error: e.to_string(),
+        });
+    }
+    Ok(())
 }
 
 /// What a resumed run changes of its session, from the request: what is

@@ -169,22 +169,29 @@ fn tls_options_need_an_https_address() {
     assert!(err.contains("need an https:// address"), "{err}");
 }
 
-#[tokio::test]
-async fn both_command_lines_speak_tls() -> anyhow::Result<()> {
+/// A fresh PKI's server certificate, key and CA, and a token file (0600),
+/// written into `dir`: their paths.
+fn pki_files(dir: &std::path::Path) -> anyhow::Result<(String, String, String, String)> {
     let pki = pki()?;
-    let dir = tempfile::tempdir()?;
     let file = |name: &str, body: &str| -> anyhow::Result<String> {
-        let p = dir.path().join(name);
+        let p = dir.join(name);
         std::fs::write(&p, body)?;
         Ok(p.to_string_lossy().to_string())
     };
-    let (cert, key, ca, token) = (
+    let token = file("token", "t0ken-0123456789abcdef")?;
+    std::fs::set_permissions(&token, std::os::unix::fs::PermissionsExt::from_mode(0o600))?;
+    Ok((
         file("server.pem", &pki.server.0)?,
         file("server.key", &pki.server.1)?,
         file("ca.pem", &pki.ca_pem)?,
-        file("token", "t0ken-0123456789abcdef")?,
-    );
-    std::fs::set_permissions(&token, std::os::unix::fs::PermissionsExt::from_mode(0o600))?;
+        token,
+    ))
+}
+
+#[tokio::test]
+async fn both_command_lines_speak_tls() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let (cert, key, ca, token) = pki_files(dir.path())?;
     let port = corral_e2e::free_port()?;
     let _worker = corral_e2e::WorkerProcess::spawn(
         &dir.path().join("state"),
@@ -226,20 +233,8 @@ async fn both_command_lines_speak_tls() -> anyhow::Result<()> {
 /// protocol the worker speaks and what to write instead.
 #[tokio::test]
 async fn the_wrong_scheme_says_what_the_worker_speaks() -> anyhow::Result<()> {
-    let pki = pki()?;
     let dir = tempfile::tempdir()?;
-    let file = |name: &str, body: &str| -> anyhow::Result<String> {
-        let p = dir.path().join(name);
-        std::fs::write(&p, body)?;
-        Ok(p.to_string_lossy().to_string())
-    };
-    let (cert, key, ca) = (
-        file("server.pem", &pki.server.0)?,
-        file("server.key", &pki.server.1)?,
-        file("ca.pem", &pki.ca_pem)?,
-    );
-    let token = file("token", "t0ken-0123456789abcdef")?;
-    std::fs::set_permissions(&token, std::os::unix::fs::PermissionsExt::from_mode(0o600))?;
+    let (cert, key, ca, token) = pki_files(dir.path())?;
     let (tls_port, plain_port) = (corral_e2e::free_port()?, corral_e2e::free_port()?);
     let tls_args = [
         "--tls-cert",
