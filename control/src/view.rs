@@ -157,6 +157,17 @@ impl TerminalView {
                 printable(worker.as_deref().unwrap_or("the embedded worker")),
                 printable(model)
             )?,
+            Event::SandboxReplaced {
+                sandbox_id,
+                worker,
+                reason,
+                ..
+            } => writeln!(
+                err,
+                "corral: {} · the run goes on in sandbox {sandbox_id} on {}",
+                printable(reason),
+                printable(worker.as_deref().unwrap_or("the embedded worker"))
+            )?,
             Event::TurnStarted { turn, changes, .. } => {
                 write!(err, "── turn {turn}")?;
                 if !changes.is_empty() {

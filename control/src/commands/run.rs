@@ -313,18 +313,28 @@ async fn run(conn: &ConnArgs, args: &RunArgs, json: bool) -> Result<u8, Error> {
         }
     };
     let mut view = View::new(json);
-    let mut summary = watch(handle, &mut view, args.inputs_from_stdin).await?;
+    let mut summary = watch(handle, &mut view, args.inputs_from_stdin, None).await?;
     let mut connection = connection;
     // A session that asked for it goes on in a fresh sandbox when its
-    // sandbox is lost, placed anew (the lost worker does not answer).
+    // sandbox is lost, placed anew (the lost worker does not answer): the
+    // same run, shown as one, its turn limit counting on.
+    let limit = match again.request.limits.max_turns {
+        Some(n) => n,
+        None => store.config_of(&id)?.max_turns,
+    };
+    let mut used = summary.run_turns;
     let mut replaced = 0;
     while let Some(reason) = lost(&summary, &store, &id)
         && replaced < MAX_REPLACEMENTS
     {
         replaced += 1;
-        let (handle, now) = resume_elsewhere(conn, &store, &id, &reason, &again).await?;
+        let mut rest = again.clone();
+        rest.request.limits.max_turns = Some(limit.saturating_sub(used));
+        let (handle, now) = resume_elsewhere(conn, &store, &id, &reason, &rest).await?;
         connection = now;
-        summary = watch(handle, &mut view, args.inputs_from_stdin).await?;
+        summary = watch(handle, &mut view, args.inputs_from_stdin, Some(&reason)).await?;
+        used += summary.run_turns;
+        summary.run_turns = used;
     }
     let (status, mut code) = match summary.ending {
         Ending::Done => ("done", EXIT_DONE),
@@ -473,6 +483,27 @@ async fn deadline(at: &mut Option<std::pin::Pin<Box<tokio::time::Sleep>>>) {
     }
 }
 
+/// A replacement's start, shown as what it is.
+fn replaced(e: Event, replacing: Option<&str>) -> Event {
+    match (e, replacing) {
+        (
+            Event::SessionStarted {
+                session_id,
+                sandbox_id,
+                worker,
+                ..
+            },
+            Some(reason),
+        ) => Event::SandboxReplaced {
+            session_id,
+            sandbox_id,
+            worker,
+            reason: reason.to_string(),
+        },
+        (e, _) => e,
+    }
+}
+
 fn left_unfinished(error: String) -> Summary {
     Summary {
         ending: Ending::Interrupted,
@@ -488,7 +519,14 @@ fn left_unfinished(error: String) -> Summary {
 
 /// Shows the session's events until it ends. A stop signal asks the
 /// session to stop; it is left after [`STOP_PATIENCE`] or a second signal.
-async fn watch(handle: SessionHandle, view: &mut View, from_stdin: bool) -> Result<Summary, Error> {
+/// `replacing`: the run goes on in a fresh sandbox for this reason, so its
+/// start is shown as the sandbox's replacement, not as a new run.
+async fn watch(
+    handle: SessionHandle,
+    view: &mut View,
+    from_stdin: bool,
+    replacing: Option<&str>,
+) -> Result<Summary, Error> {
     use tokio::io::AsyncBufReadExt;
     let SessionHandle {
         inputs,
@@ -518,11 +556,11 @@ async fn watch(handle: SessionHandle, view: &mut View, from_stdin: bool) -> Resu
         }
         tokio::select! {
             biased;
-            Some(e) = events.recv() => view.show(&e)?,
+            Some(e) = events.recv() => view.show(&replaced(e, replacing))?,
             res = &mut task => {
                 // Drain what the loop said before it ended.
                 while let Ok(e) = events.try_recv() {
-                    view.show(&e)?;
+                    view.show(&replaced(e, replacing))?;
                 }
                 break res.map_err(|e| SessionError::Task(e.to_string()))??;
             }

@@ -81,7 +81,34 @@ async fn session_command(conn: &ConnArgs, cmd: &SessionCommand) -> Result<(), Er
                 // Kept, or never started (no sandbox was recorded).
                 _ => None,
             };
+            // The sandboxes of earlier generations (replaced after a loss,
+            // they may live on a worker that came back).
+            let earlier = if *keep_sandbox {
+                Vec::new()
+            } else {
+                earlier_generations(&store, id)?
+            };
             store.remove(stored, worker).await?;
+            for (at, sandbox) in earlier {
+                let gone = async {
+                    let c = connect_to(conn, at.as_deref()).await?;
+                    c.destroy_sandbox(&sandbox)
+                        .await
+                        .map_err(ConnectError::from)?;
+                    Ok::<_, Error>(())
+                };
+                let limit = crate::connect::ASK_TIMEOUT;
+                match tokio::time::timeout(limit, gone).await {
+                    Ok(Ok(())) => {}
+                    Ok(Err(e)) => super::warn(&format!(
+                        "sandbox {sandbox} of an earlier generation was not removed ({e}); its worker removes it once idle"
+                    )),
+                    Err(_) => super::warn(&format!(
+                        "sandbox {sandbox} of an earlier generation was not removed (its worker did not answer within {} s); its worker removes it once idle",
+                        limit.as_secs()
+                    )),
+                }
+            }
         }
         SessionCommand::Ls { sessions_dir } => {
             let store = super::run::sessions(sessions_dir.as_deref());
@@ -168,6 +195,26 @@ async fn session_command(conn: &ConnArgs, cmd: &SessionCommand) -> Result<(), Er
         }
     }
     Ok(())
+}
+
+/// Where each sandbox of a session's earlier generations was: its worker
+/// (`None`: the local one) and id, oldest first (the current one left out).
+fn earlier_generations(
+    store: &corral_harness::sessions::Sessions,
+    id: &str,
+) -> Result<Vec<(Option<String>, corral_proto::SandboxId)>, Error> {
+    let mut all = Vec::new();
+    for rec in store.records(id)? {
+        match rec?.1 {
+            Record::Start { config } => all.push((config.worker, config.sandbox_id)),
+            Record::Placed {
+                worker, sandbox_id, ..
+            } => all.push((worker, sandbox_id)),
+            _ => {}
+        }
+    }
+    all.pop();
+    Ok(all)
 }
 
 fn describe(rec: &Record) -> String {

@@ -563,6 +563,21 @@ async fn a_session_that_asks_for_it_goes_on_in_a_fresh_sandbox_on_another_worker
     let result = result_of(&out)?;
     assert_eq!(result["status"], "done", "{result}");
     assert_eq!(result["final_text"], "Starting over.");
+    // One run: one start, the replacement said as such, its turns counted
+    // across both sandboxes.
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let types: Vec<String> = stdout
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter_map(|e| e["type"].as_str().map(String::from))
+        .collect();
+    let count = |t: &str| types.iter().filter(|x| *x == t).count();
+    assert_eq!(
+        (count("session_started"), count("sandbox_replaced")),
+        (1, 1),
+        "{stdout}"
+    );
+    assert_eq!(result["run_turns"], result["turns"], "one run: {result}");
     // The model was told: the call's result says it was lost, and a note
     // says the sandbox is fresh and why.
     let second = &model.received()[1];
@@ -593,6 +608,24 @@ async fn a_session_that_asks_for_it_goes_on_in_a_fresh_sandbox_on_another_worker
     assert!(
         log.contains(&format!("\"worker\":\"{}\"", survivor.url)),
         "{log}"
+    );
+    // `session rm` removes every generation's sandbox it can reach, and
+    // says which one it could not (the first lived on the lost host).
+    let rm = tokio::process::Command::new(corral_e2e::binary("corral")?)
+        .args(["--worker", &list, "session", "rm", "moves"])
+        .env("CORRAL_SESSIONS_DIR", sessions.path())
+        .env("CORRAL_TOKEN_FILE", &token)
+        .output()
+        .await?;
+    let said = String::from_utf8_lossy(&rm.stderr);
+    assert!(rm.status.success(), "{said}");
+    assert!(
+        c.list_sandboxes().await?.is_empty(),
+        "the survivor's sandbox is gone"
+    );
+    assert!(
+        said.contains("of an earlier generation was not removed"),
+        "{said}"
     );
     Ok(())
 }

@@ -45,6 +45,15 @@ pub enum Event {
         /// The worker's URL (`None`: the embedded worker).
         worker: Option<String>,
     },
+    /// The run goes on in a fresh sandbox after its sandbox was lost
+    /// (`reason`): the same run, its turn limit counting on.
+    SandboxReplaced {
+        session_id: String,
+        sandbox_id: String,
+        /// The worker's URL (`None`: the embedded worker).
+        worker: Option<String>,
+        reason: String,
+    },
     /// A request was sent; `changes` lists what the context builder left
     /// out or shortened to fit the budget.
     TurnStarted {
