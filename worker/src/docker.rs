@@ -477,8 +477,19 @@ impl DockerRuntime {
                 }
                 Err(e) => return Err(self.image_error(e, &image)),
             };
-            if uid == 0 || !self.uid_taken_elsewhere(uid, &created.id).await? {
-                break created;
+            let taken = if uid == 0 {
+                Ok(false)
+            } else {
+                self.uid_taken_elsewhere(uid, &created.id).await
+            };
+            match taken {
+                Ok(false) => break created,
+                Ok(true) => {}
+                Err(e) => {
+                    // Not left behind unstarted.
+                    let _ = self.remove_container(&created.id).await;
+                    return Err(e);
+                }
             }
             // Another container (any worker's) has this uid: made at the
             // same moment, or before. Ours goes; the other keeps it.
