@@ -430,9 +430,17 @@ pub enum SandboxCommand {
         image: Option<String>,
         #[arg(long, value_enum, default_value = "none")]
         network: Network,
-        /// Memory limit, e.g. 512m, 2g.
+        /// Working memory, e.g. 512m, 2g. The container's limit adds the
+        /// sizes of /workspace and /tmp, whose files live in memory (a full
+        /// workspace then fails a write and kills nothing), unless
+        /// --memory-includes-files.
         #[arg(long, value_parser = parse_size)]
         memory: Option<u64>,
+        /// One limit for processes and files, as `docker run --memory`:
+        /// processes may allocate at most --memory, less what the files of
+        /// /workspace and /tmp take.
+        #[arg(long)]
+        memory_includes_files: bool,
         /// CPU limit, e.g. 0.5, 2.
         #[arg(long)]
         cpus: Option<f64>,

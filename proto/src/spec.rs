@@ -52,6 +52,9 @@ pub struct SandboxSpec {
         serde(default, skip_serializing_if = "Option::is_none")
     )]
     pub ttl_ms: Option<u64>,
+    /// The memory limit covers the tmpfs files too (see worker.proto).
+    #[cfg_attr(feature = "serde", serde(default, skip_serializing_if = "is_false"))]
+    pub memory_includes_files: bool,
 }
 
 /// A pseudo-terminal's window size.
@@ -460,6 +463,7 @@ impl TryFrom<pb::SandboxSpec> for SandboxSpec {
             runtime: nonempty(p.runtime),
             idle_timeout_ms: nonzero(p.idle_timeout_ms),
             ttl_ms: nonzero(p.ttl_ms),
+            memory_includes_files: p.memory_includes_files,
         };
         spec.validate()?;
         Ok(spec)
@@ -486,6 +490,7 @@ impl From<SandboxSpec> for pb::SandboxSpec {
             runtime: s.runtime.unwrap_or_default(),
             idle_timeout_ms: s.idle_timeout_ms.unwrap_or_default(),
             ttl_ms: s.ttl_ms.unwrap_or_default(),
+            memory_includes_files: s.memory_includes_files,
         }
     }
 }

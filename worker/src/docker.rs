@@ -345,8 +345,13 @@ impl DockerRuntime {
         // The tmpfs mounts live in the sandbox's memory: the limit covers
         // them full on top of the working memory, so a full workspace fails
         // the write (ENOSPC) instead of OOM-killing the supervisor.
-        let memory =
-            (spec.memory_bytes.unwrap_or(d.memory_bytes) + tmp_bytes + workspace_bytes) as i64;
+        // Unless the sandbox asks for docker's meaning: one limit for all.
+        let working = spec.memory_bytes.unwrap_or(d.memory_bytes);
+        let memory = if spec.memory_includes_files {
+            working as i64
+        } else {
+            (working + tmp_bytes + workspace_bytes) as i64
+        };
         let tmpfs = HashMap::from([
             (
                 TMP_DIR.to_string(),
@@ -580,6 +585,14 @@ impl DockerRuntime {
             })
             .copied()
             .unwrap_or(0);
+        // Tmpfs pages: cgroup v2 counts them as `shmem`; v1 has them in
+        // `cache` but on no file list (they are swap-backed).
+        let stat = |k: &str| mem.stats.as_ref().and_then(|m| m.get(k)).copied();
+        let shmem = stat("shmem").unwrap_or_else(|| {
+            stat("cache").unwrap_or(0).saturating_sub(
+                stat("active_file").unwrap_or(0) + stat("inactive_file").unwrap_or(0),
+            )
+        });
         let cpu = s.cpu_stats.unwrap_or_default();
         let pre = s.precpu_stats.unwrap_or_default();
         let total = |c: &bollard::models::ContainerCpuStats| {
@@ -598,6 +611,7 @@ impl DockerRuntime {
         Ok(ContainerUsage {
             memory_bytes: mem.usage.unwrap_or(0).saturating_sub(inactive),
             memory_limit_bytes: mem.limit.unwrap_or(0),
+            files_bytes: shmem,
             cpu_percent: if system_delta > 0.0 {
                 cpu_delta / system_delta * cpus * 100.0
             } else {
@@ -728,6 +742,8 @@ impl DockerRuntime {
 pub struct ContainerUsage {
     pub memory_bytes: u64,
     pub memory_limit_bytes: u64,
+    /// Tmpfs pages (the cgroup's `shmem`): the sandbox's files.
+    pub files_bytes: u64,
     pub cpu_percent: f64,
     pub cpu_total_ns: u64,
     pub pids: u64,

@@ -659,6 +659,7 @@ impl Worker {
             sandbox_id: id.clone(),
             memory_bytes: u.memory_bytes,
             memory_limit_bytes: u.memory_limit_bytes,
+            files_bytes: u.files_bytes.min(u.memory_bytes),
             cpu_percent: u.cpu_percent,
             cpu_total_ns: u.cpu_total_ns,
             pids: u32::try_from(u.pids).unwrap_or(u32::MAX),

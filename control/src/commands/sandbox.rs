@@ -150,6 +150,7 @@ async fn sandbox_command(conn: &ConnArgs, cmd: SandboxCommand) -> Result<(), Err
             image,
             network,
             memory,
+            memory_includes_files,
             cpus,
             pids,
             workspace_size,
@@ -186,6 +187,7 @@ async fn sandbox_command(conn: &ConnArgs, cmd: SandboxCommand) -> Result<(), Err
                 runtime,
                 idle_timeout_ms: idle_timeout.map(|d| d.as_millis() as u64),
                 ttl_ms: ttl.map(|d| d.as_millis().max(1) as u64),
+                memory_includes_files,
             };
             spec.validate().map_err(|e| Error::Invalid(e.to_string()))?;
             let sb = match &conn {
@@ -288,9 +290,10 @@ async fn sandbox_command(conn: &ConnArgs, cmd: SandboxCommand) -> Result<(), Err
                         "usage",
                         usage.as_ref().map_or("unknown".into(), |u| {
                             format!(
-                                "{:.1} MiB of {:.1} MiB, {:.1}% CPU, {}/{} processes",
+                                "{:.1} MiB of {:.1} MiB ({:.1} MiB of it files in /workspace and /tmp), {:.1}% CPU, {}/{} processes",
                                 u.memory_bytes as f64 / f64::from(1u32 << 20),
                                 u.memory_limit_bytes as f64 / f64::from(1u32 << 20),
+                                u.files_bytes as f64 / f64::from(1u32 << 20),
                                 u.cpu_percent,
                                 u.pids,
                                 u.pids_limit
@@ -314,17 +317,23 @@ async fn sandbox_command(conn: &ConnArgs, cmd: SandboxCommand) -> Result<(), Err
                 writeln!(stdout, "{}", serde_json::Value::Array(list))?;
             } else {
                 let mib = |b: u64| format!("{:.1} MiB", b as f64 / f64::from(1u32 << 20));
-                let mut rows =
-                    vec![["ID", "MEMORY", "LIMIT", "CPU", "PIDS", "", "", ""].map(String::from)];
+                // Processes' working memory and the tmpfs files apart: both
+                // count against the limit.
+                let mut rows = vec![
+                    [
+                        "ID", "MEMORY", "WORKING", "FILES", "LIMIT", "CPU", "PIDS", "",
+                    ]
+                    .map(String::from),
+                ];
                 for s in &all {
                     rows.push([
                         s.sandbox_id.to_string(),
                         mib(s.memory_bytes),
+                        mib(s.memory_bytes.saturating_sub(s.files_bytes)),
+                        mib(s.files_bytes),
                         mib(s.memory_limit_bytes),
                         format!("{:.1}%", s.cpu_percent),
                         format!("{}/{}", s.pids, s.pids_limit),
-                        String::new(),
-                        String::new(),
                         String::new(),
                     ]);
                 }
@@ -387,6 +396,8 @@ fn stats_json(s: &corral_proto::SandboxStats) -> serde_json::Value {
         "id": s.sandbox_id.to_string(),
         "memory_bytes": s.memory_bytes,
         "memory_limit_bytes": s.memory_limit_bytes,
+        "files_bytes": s.files_bytes,
+        "working_bytes": s.memory_bytes.saturating_sub(s.files_bytes),
         "cpu_percent": s.cpu_percent,
         "cpu_total_ns": s.cpu_total_ns,
         "pids": s.pids,

@@ -324,3 +324,47 @@ async fn operations_past_one_message_are_listed_in_pages_and_bounded_in_bytes() 
     h.stop().await;
     Ok(())
 }
+
+/// `--memory` is working memory, to which the container's limit adds the
+/// tmpfs sizes (a full workspace fails a write, it kills nothing); with
+/// `memory_includes_files` it is one limit for processes and files, as
+/// `docker run --memory`: 600 MiB cannot be allocated under 256 MiB.
+/// Stats tell the files from the working memory.
+#[tokio::test]
+async fn memory_is_working_memory_unless_it_includes_the_files() -> anyhow::Result<()> {
+    let h = Harness::start_with(|c| c.policy = corral_worker::policy::permissive()).await?;
+    let spec = |includes: bool| SandboxSpec {
+        image: Some("corral-debian:latest".into()),
+        memory_bytes: Some(256 << 20),
+        memory_includes_files: includes,
+        ..SandboxSpec::default()
+    };
+    let alloc = "python3 -c \"b = b'x' * (600 << 20); print('allocated', len(b) >> 20)\"";
+    let loose = h.sandbox_with(spec(false)).await?;
+    let r = h.run(&loose, alloc).await?;
+    assert_eq!(r.stdout.to_lossy_string(), "allocated 600\n", "{r:?}");
+    let strict = h.sandbox_with(spec(true)).await?;
+    let r = h.run(&strict, alloc).await?;
+    assert!(
+        !r.outcome.is_success(),
+        "600 MiB under a strict 256 MiB: {r:?}"
+    );
+    assert!(!r.stdout.to_lossy_string().contains("allocated"), "{r:?}");
+    let limit = |sb: &SandboxId| {
+        let sb = sb.clone();
+        let c = h.client.clone();
+        async move { anyhow::Ok(c.sandbox_stats(&sb).await?.memory_limit_bytes) }
+    };
+    assert_eq!(limit(&strict).await?, 256 << 20);
+    assert_eq!(limit(&loose).await?, (256 << 20) + (1 << 30) + (256 << 20));
+    // 64 MiB of files: counted as files, not as working memory.
+    let r = h
+        .run(&loose, "head -c 67108864 /dev/zero > /workspace/f")
+        .await?;
+    assert!(r.outcome.is_success(), "{r:?}");
+    let s = h.client.sandbox_stats(&loose).await?;
+    assert!(s.files_bytes >= 64 << 20, "{s:?}");
+    assert!(s.memory_bytes - s.files_bytes < 32 << 20, "{s:?}");
+    h.stop().await;
+    Ok(())
+}
