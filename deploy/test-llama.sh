@@ -10,3 +10,26 @@ while IFS='=' read -r name value; do
     export "$name=$value"
 done < <(deploy/llama/setup.sh)
 cargo nextest run --locked --workspace -E 'test(real_llama)' "$@"
+
+# The README's local-model recipe, as a newcomer runs it: serve.sh, then
+# the exact corral run line (one turn: the tiny model must call Bash).
+port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+deploy/llama/serve.sh "$port" >/dev/null 2>&1 &
+server=$!
+trap 'kill "$server" 2>/dev/null || true' EXIT
+for _ in $(seq 1 120); do
+    curl -sf "http://127.0.0.1:$port/v1/models" >/dev/null && break
+    sleep 1
+done
+home=$(mktemp -d)
+out=$(HOME="$home" CORRAL_STATE_DIR="$home/worker" target/debug/corral run --json --api chat \
+    --base-url "http://127.0.0.1:$port/v1" --model local --context-window 8192 \
+    --tool-choice Bash --max-turns 1 "list the files in /workspace" || true)
+HOME="$home" target/debug/corral sandbox prune --idle 0s >/dev/null 2>&1 || true
+rm -rf "$home"
+if ! grep -q '"type":"tool_call"' <<<"$out"; then
+    echo "the README's local-model recipe did not reach a tool call:" >&2
+    echo "$out" >&2
+    exit 1
+fi
+echo "the README's local-model recipe works"
