@@ -18,7 +18,8 @@ deploy/llama/serve.sh "$port" >/dev/null 2>&1 &
 server=$!
 trap 'kill "$server" 2>/dev/null || true' EXIT
 for _ in $(seq 1 120); do
-    curl -sf "http://127.0.0.1:$port/v1/models" >/dev/null && break
+    python3 -c "import urllib.request, sys; urllib.request.urlopen(sys.argv[1], timeout=2)" \
+        "http://127.0.0.1:$port/v1/models" 2>/dev/null && break
     sleep 1
 done
 home=$(mktemp -d)

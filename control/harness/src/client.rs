@@ -124,7 +124,7 @@ impl Credentials {
 
 /// What a listener speaks, judged from its first answer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Speaks {
+enum Speaks {
     /// A TLS record (a ServerHello, or an alert).
     Tls,
     /// An HTTP/2 SETTINGS frame.
@@ -134,7 +134,7 @@ pub enum Speaks {
 /// Whether the listener at `host:port` answers `hello` as a TLS or a
 /// plain HTTP/2 server would (within a second; `None`: neither, or no
 /// answer).
-pub async fn sniff(addr: &str, hello: &[u8]) -> Option<Speaks> {
+async fn sniff(addr: &str, hello: &[u8]) -> Option<Speaks> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let probe = async {
         let mut s = tokio::net::TcpStream::connect(addr).await.ok()?;
@@ -161,11 +161,11 @@ pub async fn sniff(addr: &str, hello: &[u8]) -> Option<Speaks> {
 
 /// An HTTP/2 client preface and an empty SETTINGS frame: a plain HTTP/2
 /// server answers with its SETTINGS.
-pub const H2_HELLO: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x00\x04\x00\x00\x00\x00\x00";
+const H2_HELLO: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x00\x04\x00\x00\x00\x00\x00";
 
 /// The start of a TLS ClientHello that no server can take (its body is
 /// cut short): a TLS server answers with an alert.
-pub const TLS_HELLO: &[u8] = &[0x16, 0x03, 0x01, 0x00, 0x04, 0x01, 0x00, 0x00, 0x00];
+const TLS_HELLO: &[u8] = &[0x16, 0x03, 0x01, 0x00, 0x04, 0x01, 0x00, 0x00, 0x00];
 
 /// Why a connection to `url` failed when its listener speaks the other
 /// protocol: TLS behind `http://`, plain HTTP/2 behind `https://`.
