@@ -36,9 +36,9 @@ pub fn fork(keep_background: bool) -> io::Result<()> {
     unsafe {
         // gVisor lets only PID 1 be a subreaper (EINVAL for any other):
         // there the keeper still kills the command's whole tree, and the
-        // supervisor its session, but a process that both leaves the
-        // session and is orphaned goes to PID 1 and outlives its command
-        // (docs/security.md, "Under gVisor").
+        // supervisor its session and its tag (`procs`), which a process
+        // that both leaves the session and is orphaned (to PID 1) still
+        // carries.
         if libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) < 0
             && io::Error::last_os_error().raw_os_error() != Some(libc::EINVAL)
         {

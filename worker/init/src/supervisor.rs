@@ -188,6 +188,9 @@ impl Input {
 
 struct Running {
     pgid: Pid,
+    /// The supplementary group its command and all it starts carry
+    /// (`procs::tag`), where the command runs as the sandbox's user.
+    tag: Option<u32>,
     started: Instant,
     deadline: Instant,
     ending: Option<Ending>,
@@ -290,6 +293,8 @@ pub struct Supervisor {
     /// Output pipes of finished operations still held open by background
     /// children: drained and discarded, so those children never see EPIPE.
     orphans: Vec<Pipe>,
+    /// Commands started so far: the next one's tag.
+    launched: u64,
 }
 
 /// Most orphaned pipes kept draining; past it the oldest are closed.
@@ -340,6 +345,7 @@ pub fn run(config: Config) -> Result<i32, InitError> {
         signals,
         shutdown: false,
         orphans: Vec::new(),
+        launched: 0,
     };
     sup.main_loop();
     Ok(0)
@@ -530,12 +536,13 @@ fn session_setup(terminal: bool) -> io::Result<()> {
 /// In the command's process, before exec: it starts as on a fresh
 /// machine, with no signal blocked and every disposition the default (the
 /// supervisor's signalfd mask, the keeper's and ignored signals must not
-/// leak), as the command user with no supplementary group.
+/// leak), as the command user with its operation's tag (`procs::tag`)
+/// as its one supplementary group.
 ///
 /// Only async-signal-safe calls: sigprocmask, rt_sigaction, setgroups,
 /// setgid, setuid.
 #[allow(unsafe_code)]
-fn command_setup(uid: Option<u32>) -> io::Result<()> {
+fn command_setup(uid: Option<u32>, tag: Option<u32>) -> io::Result<()> {
     // SAFETY: plain libc calls on values owned here; no allocation, no lock.
     unsafe {
         let mut set: libc::sigset_t = std::mem::zeroed();
@@ -560,12 +567,19 @@ fn command_setup(uid: Option<u32>) -> io::Result<()> {
                 );
             }
         }
-        if let Some(uid) = uid
-            && (libc::setgroups(0, std::ptr::null()) < 0
-                || libc::setgid(uid) < 0
-                || libc::setuid(uid) < 0)
-        {
-            return Err(io::Error::last_os_error());
+        if let Some(uid) = uid {
+            // The operation's tag as the one supplementary group; where
+            // the engine maps too few gids into the sandbox (a user
+            // namespace), none, and the keeper alone holds the operation.
+            let groups = tag.map_or(0, |t| t as libc::gid_t);
+            if (tag.is_none() || libc::setgroups(1, &groups) < 0)
+                && libc::setgroups(0, std::ptr::null()) < 0
+            {
+                return Err(io::Error::last_os_error());
+            }
+            if libc::setgid(uid) < 0 || libc::setuid(uid) < 0 {
+                return Err(io::Error::last_os_error());
+            }
         }
     }
     Ok(())
@@ -1138,7 +1152,7 @@ impl Supervisor {
                 let mut any = false;
                 for op in self.ops.values() {
                     if let Some(run) = &op.running {
-                        any |= procs::kill_session(run.pgid, run.exit.is_none());
+                        any |= procs::kill_session(run.pgid, run.tag, run.exit.is_none());
                     }
                 }
                 any
@@ -1299,7 +1313,7 @@ impl Supervisor {
     }
 
     #[allow(unsafe_code)]
-    fn spawn(&self, spec: &Launch<'_>) -> Result<(Pid, Box<Running>), String> {
+    fn spawn(&mut self, spec: &Launch<'_>) -> Result<(Pid, Box<Running>), String> {
         let shell = &spec.program;
         let workdir = match &spec.workdir {
             Some(w) => self.config.roots.workspace.join(w),
@@ -1356,6 +1370,8 @@ impl Supervisor {
         cmd.current_dir(&workdir);
         let terminal = master.is_some();
         let uid = self.config.command_uid.filter(|_| !spec.switches_itself);
+        let tag = uid.map(|_| procs::tag(self.launched));
+        self.launched += 1;
         let keep_background = spec.keep_background;
         // SAFETY: runs in the forked child before exec. The supervisor is
         // single-threaded, so no lock (allocator included) can be held by
@@ -1369,7 +1385,7 @@ impl Supervisor {
             cmd.pre_exec(move || {
                 session_setup(terminal)?;
                 crate::keeper::fork(keep_background)?;
-                command_setup(uid)?;
+                command_setup(uid, tag)?;
                 let _ = nix::sys::prctl::set_dumpable(true);
                 let _ = std::fs::write("/proc/self/oom_score_adj", b"1000");
                 Ok(())
@@ -1436,6 +1452,7 @@ impl Supervisor {
             pid,
             Box::new(Running {
                 pgid: pid,
+                tag,
                 started,
                 deadline: started + spec.timeout,
                 ending: None,
@@ -1557,7 +1574,7 @@ impl Supervisor {
                             run.stdin = None;
                         }
                         if !run.keep_background {
-                            procs::kill_session(run.pgid, false);
+                            procs::kill_session(run.pgid, run.tag, false);
                             run.kill_at = Some(now);
                         }
                     }
@@ -1581,7 +1598,7 @@ impl Supervisor {
             if run.kill_at.is_some_and(|t| now >= t) {
                 // Repeated until the session is gone: a fork bomb may add
                 // members between two kills.
-                run.kill_at = procs::kill_session(run.pgid, run.exit.is_none())
+                run.kill_at = procs::kill_session(run.pgid, run.tag, run.exit.is_none())
                     .then(|| now + Duration::from_millis(50));
             }
         }
@@ -1630,6 +1647,7 @@ impl Supervisor {
             };
             let Running {
                 pgid,
+                tag,
                 started,
                 ending,
                 captures,
@@ -1640,7 +1658,7 @@ impl Supervisor {
                 ..
             } = *run;
             if ending.is_some() || !keep_background {
-                procs::kill_session(pgid, false);
+                procs::kill_session(pgid, tag, false);
             }
             if let Some(mut input) = input {
                 input.close();
@@ -1702,7 +1720,7 @@ impl Supervisor {
     fn kill_everything(&mut self) {
         for op in self.ops.values_mut() {
             if let Some(run) = &op.running {
-                procs::kill_session(run.pgid, run.exit.is_none());
+                procs::kill_session(run.pgid, run.tag, run.exit.is_none());
             }
             if let Some(FileTask::Write { writer, .. }) = op.file.take() {
                 writer.abort();
