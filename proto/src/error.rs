@@ -32,6 +32,11 @@ impl From<prost::DecodeError> for ProtocolError {
 #[cfg(feature = "grpc")]
 impl From<ProtocolError> for tonic::Status {
     fn from(e: ProtocolError) -> Self {
-        tonic::Status::invalid_argument(e.to_string())
+        crate::reason::status(
+            tonic::Code::InvalidArgument,
+            crate::Reason::InvalidArgument,
+            None,
+            e.to_string(),
+        )
     }
 }

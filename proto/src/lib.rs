@@ -9,7 +9,8 @@
 //!   them and [`pb`]: generated `Option`s and `i32` enums stop here;
 //! - the length-delimited [`frame`] codec spoken between a worker and the
 //!   in-sandbox supervisor `corral-init`;
-//! - the hard limits every part enforces ([`limits`]).
+//! - the hard limits every part enforces ([`limits`]);
+//! - the machine-readable [`reason`] every error status carries.
 //!
 //! It owns no behaviour beyond validation: no I/O, no async.
 
@@ -19,6 +20,7 @@ pub mod frame;
 pub mod ids;
 pub mod init;
 pub mod limits;
+pub mod reason;
 pub mod result;
 pub mod sandbox;
 #[cfg(feature = "serde")]
@@ -28,6 +30,7 @@ pub mod spec;
 pub use error::ProtocolError;
 pub use event::{Event, EventKind, OutputStream};
 pub use ids::{OperationId, SandboxId};
+pub use reason::Reason;
 pub use result::{Captured, FileErrorKind, OperationResult, Outcome};
 pub use sandbox::{Ceilings, SandboxInfo, SandboxPolicy, SandboxState, SandboxStats, WorkerInfo};
 pub use spec::{

@@ -198,7 +198,10 @@ impl http_body::Body for Budgeted {
                 match acquire.as_mut().poll(cx) {
                     Poll::Pending => return Poll::Pending,
                     Poll::Ready(Err(_)) => {
-                        return Poll::Ready(Some(Err(Status::unavailable(
+                        return Poll::Ready(Some(Err(corral_proto::reason::status(
+                            tonic::Code::Unavailable,
+                            corral_proto::Reason::ShuttingDown,
+                            None,
                             "the worker is shutting down",
                         ))));
                     }
@@ -224,10 +227,15 @@ impl http_body::Body for Budgeted {
                 let len = u32::from_be_bytes([p[1], p[2], p[3], p[4]]) as usize;
                 if len > this.limit {
                     this.pending.clear();
-                    return Poll::Ready(Some(Err(Status::out_of_range(format!(
-                        "a message of {len} bytes is over this call's limit of {} bytes",
-                        this.limit
-                    )))));
+                    return Poll::Ready(Some(Err(corral_proto::reason::status(
+                        tonic::Code::OutOfRange,
+                        corral_proto::Reason::TooLarge,
+                        None,
+                        format!(
+                            "a message of {len} bytes is over this call's limit of {} bytes",
+                            this.limit
+                        ),
+                    ))));
                 }
                 // The previous message is decoded by now: its share goes
                 // back before this one asks for its own.

@@ -1,6 +1,6 @@
 //! The worker's typed errors and their one mapping to gRPC status codes.
 
-use corral_proto::ProtocolError;
+use corral_proto::{ProtocolError, Reason, reason};
 
 #[derive(Debug, thiserror::Error)]
 pub enum WorkerError {
@@ -51,9 +51,13 @@ pub enum WorkerError {
     /// A limit on watchers was reached.
     #[error("too many watchers: {0}")]
     TooManyWatchers(String),
-    /// The worker's policy refuses what was asked.
-    #[error("refused: {0}")]
-    Denied(String),
+    /// The worker's policy refuses what was asked; `flag` is the worker
+    /// flag that would allow it (none for what is never granted).
+    #[error("refused: {what}")]
+    Denied {
+        flag: Option<&'static str>,
+        what: String,
+    },
     /// What was asked does not fit the operation (input to one that takes
     /// none, a resize of one without a terminal).
     #[error("{0}")]
@@ -77,42 +81,55 @@ impl WorkerError {
     }
 }
 
-impl From<WorkerError> for tonic::Status {
-    fn from(e: WorkerError) -> Self {
+impl WorkerError {
+    /// The status code and machine-readable reason this error is sent with.
+    pub fn code_and_reason(&self) -> (tonic::Code, Reason) {
         use tonic::Code;
-        let code = match &e {
-            WorkerError::Invalid(_) => Code::InvalidArgument,
-            WorkerError::UnknownSandbox(_)
-            | WorkerError::Removed { .. }
-            | WorkerError::UnknownOperation(_) => Code::NotFound,
-            WorkerError::Conflict { .. } => Code::AlreadyExists,
-            WorkerError::Denied(_) => Code::PermissionDenied,
-            WorkerError::AtCapacity(_)
-            | WorkerError::TooManyWatchers(_)
-            | WorkerError::NoFreeUid { .. } => Code::ResourceExhausted,
-            WorkerError::SandboxLost { .. }
-            | WorkerError::NoSuchImage(_)
-            | WorkerError::NotApplicable(_) => Code::FailedPrecondition,
-            WorkerError::InputGap(_) => Code::OutOfRange,
+        match self {
+            WorkerError::Invalid(_) => (Code::InvalidArgument, Reason::InvalidArgument),
+            WorkerError::UnknownSandbox(_) => (Code::NotFound, Reason::SandboxNotFound),
+            WorkerError::Removed { .. } => (Code::NotFound, Reason::SandboxRemoved),
+            WorkerError::UnknownOperation(_) => (Code::NotFound, Reason::OperationNotFound),
+            WorkerError::Conflict { .. } => (Code::AlreadyExists, Reason::Conflict),
+            WorkerError::Denied { .. } => (Code::PermissionDenied, Reason::PolicyDenied),
+            WorkerError::AtCapacity(_) => (Code::ResourceExhausted, Reason::AtCapacity),
+            WorkerError::TooManyWatchers(_) => (Code::ResourceExhausted, Reason::TooManyWatchers),
+            WorkerError::NoFreeUid { .. } => (Code::ResourceExhausted, Reason::NoFreeUid),
+            WorkerError::SandboxLost { .. } => (Code::FailedPrecondition, Reason::SandboxLost),
+            WorkerError::NoSuchImage(_) => (Code::FailedPrecondition, Reason::NoSuchImage),
+            WorkerError::NotApplicable(_) => (Code::FailedPrecondition, Reason::NotApplicable),
+            WorkerError::InputGap(_) => (Code::OutOfRange, Reason::InputGap),
             // The engine refused what was asked: asking again cannot help.
             WorkerError::Docker(bollard::errors::Error::DockerResponseServerError {
                 status_code,
                 ..
             }) if (400..500).contains(status_code) => match status_code {
-                400 => Code::InvalidArgument,
-                _ => Code::FailedPrecondition,
+                400 => (Code::InvalidArgument, Reason::DockerRefused),
+                _ => (Code::FailedPrecondition, Reason::DockerRefused),
             },
-            WorkerError::Docker(_)
-            | WorkerError::InitUnresponsive { .. }
-            | WorkerError::Detached(_)
-            | WorkerError::Draining
-            | WorkerError::ShuttingDown => Code::Unavailable,
+            WorkerError::Docker(_) => (Code::Unavailable, Reason::DockerUnavailable),
+            WorkerError::InitUnresponsive { .. } => {
+                (Code::Unavailable, Reason::SupervisorUnresponsive)
+            }
+            WorkerError::Detached(_) => (Code::Unavailable, Reason::SupervisorDetached),
+            WorkerError::Draining => (Code::Unavailable, Reason::Draining),
+            WorkerError::ShuttingDown => (Code::Unavailable, Reason::ShuttingDown),
             WorkerError::InitBinary(_)
             | WorkerError::Config(_)
             | WorkerError::State { .. }
-            | WorkerError::StateLocked(_) => Code::Internal,
+            | WorkerError::StateLocked(_) => (Code::Internal, Reason::Internal),
+        }
+    }
+}
+
+impl From<WorkerError> for tonic::Status {
+    fn from(e: WorkerError) -> Self {
+        let (code, reason) = e.code_and_reason();
+        let flag = match &e {
+            WorkerError::Denied { flag, .. } => *flag,
+            _ => None,
         };
-        tonic::Status::new(code, e.to_string())
+        reason::status(code, reason, flag, e.to_string())
     }
 }
 
@@ -137,5 +154,19 @@ mod tests {
         assert_eq!(docker(404), tonic::Code::FailedPrecondition);
         assert_eq!(docker(500), tonic::Code::Unavailable);
         assert_eq!(docker(503), tonic::Code::Unavailable);
+    }
+
+    #[test]
+    fn a_refusal_by_policy_names_its_flag_in_metadata() {
+        let s = tonic::Status::from(WorkerError::Denied {
+            flag: Some("--allow-root"),
+            what: "no root".into(),
+        });
+        assert_eq!(s.code(), tonic::Code::PermissionDenied);
+        assert_eq!(reason::of(&s), Some(Reason::PolicyDenied));
+        assert_eq!(reason::flag_of(&s).as_deref(), Some("--allow-root"));
+        let s = tonic::Status::from(WorkerError::AtCapacity(3));
+        assert_eq!(reason::of(&s), Some(Reason::AtCapacity));
+        assert_eq!(reason::flag_of(&s), None);
     }
 }

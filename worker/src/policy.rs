@@ -140,8 +140,8 @@ fn image_allowed(policy: &SandboxPolicy, image: &str, default_image: &str) -> bo
             })
 }
 
-fn denied(what: String) -> WorkerError {
-    WorkerError::Denied(what)
+fn denied(flag: Option<&'static str>, what: String) -> WorkerError {
+    WorkerError::Denied { flag, what }
 }
 
 /// Whether `spec` stays within `policy`; the error names the worker flag
@@ -156,57 +156,75 @@ pub fn check(
         && Some(r.as_str()) != default_runtime
         && !policy.allowed_runtimes.contains(r)
     {
-        return Err(denied(format!(
-            "this worker runs no sandbox under runtime {r:?} (its operator allows it with corral-worker --allow-runtime {r})"
-        )));
+        return Err(denied(
+            Some("--allow-runtime"),
+            format!(
+                "this worker runs no sandbox under runtime {r:?} (its operator allows it with corral-worker --allow-runtime {r})"
+            ),
+        ));
     }
     if spec.run_as_root && !policy.allow_root {
         return Err(denied(
+            Some("--allow-root"),
             "this worker runs no sandbox as root (its operator allows it with corral-worker --allow-root)".into(),
         ));
     }
     if spec.writable_rootfs && !policy.allow_writable_rootfs {
         return Err(denied(
+            Some("--allow-writable-rootfs"),
             "this worker gives no sandbox a writable root filesystem (its operator allows it with corral-worker --allow-writable-rootfs)".into(),
         ));
     }
     if spec.network != NetworkMode::None && !policy.allow_network {
         return Err(denied(
+            Some("--allow-network"),
             "this worker gives no sandbox a network (its operator allows it with corral-worker --allow-network)".into(),
         ));
     }
     for cap in &spec.add_capabilities {
         let cap = capability_name(cap);
         if never_granted(&cap) {
-            return Err(denied(format!(
-                "{cap} is never granted to a sandbox: it lets a sandbox take over its host"
-            )));
+            return Err(denied(
+                None,
+                format!(
+                    "{cap} is never granted to a sandbox: it lets a sandbox take over its host"
+                ),
+            ));
         }
         if !policy
             .allowed_capabilities
             .iter()
             .any(|a| capability_name(a) == cap)
         {
-            return Err(denied(format!(
-                "this worker grants no sandbox {cap} (its operator allows it with corral-worker --allow-cap {cap})"
-            )));
+            return Err(denied(
+                Some("--allow-cap"),
+                format!(
+                    "this worker grants no sandbox {cap} (its operator allows it with corral-worker --allow-cap {cap})"
+                ),
+            ));
         }
     }
     let image = spec.image.as_deref().unwrap_or(default_image);
     if !image_allowed(policy, image, default_image) {
-        return Err(denied(format!(
-            "image {image:?} is not on this worker's list (its operator allows it with corral-worker --allow-image {image})"
-        )));
+        return Err(denied(
+            Some("--allow-image"),
+            format!(
+                "image {image:?} is not on this worker's list (its operator allows it with corral-worker --allow-image {image})"
+            ),
+        ));
     }
     check_ceilings(&policy.ceilings, spec)
 }
 
 /// Whether what `spec` asks for is within the operator's ceilings.
 fn check_ceilings(c: &corral_proto::Ceilings, spec: &SandboxSpec) -> Result<(), WorkerError> {
-    let over = |what: &str, asked: String, most: String, flag: &str| {
-        Err(denied(format!(
-            "{what} {asked} is more than this worker gives a sandbox ({most}; its operator raises the ceiling with corral-worker {flag})"
-        )))
+    let over = |what: &str, asked: String, most: String, flag: &'static str| {
+        Err(denied(
+            Some(flag),
+            format!(
+                "{what} {asked} is more than this worker gives a sandbox ({most}; its operator raises the ceiling with corral-worker {flag})"
+            ),
+        ))
     };
     if let Some(m) = spec.memory_bytes
         && m > c.memory_bytes
@@ -402,7 +420,7 @@ mod tests {
         ];
         for (s, flag) in cases {
             let e = check(&p, &s, "img", None).unwrap_err();
-            assert!(matches!(e, WorkerError::Denied(_)), "{e}");
+            assert!(matches!(e, WorkerError::Denied { .. }), "{e}");
             assert!(e.to_string().contains(flag), "{e}");
         }
         let e = check(

@@ -48,9 +48,19 @@ impl TokenAuth {
             mark_authenticated(&req);
             Ok(req)
         } else if given.is_empty() {
-            Err(Status::unauthenticated("missing bearer token"))
+            Err(corral_proto::reason::status(
+                tonic::Code::Unauthenticated,
+                corral_proto::Reason::Unauthenticated,
+                None,
+                "missing bearer token",
+            ))
         } else {
-            Err(Status::unauthenticated("wrong bearer token"))
+            Err(corral_proto::reason::status(
+                tonic::Code::Unauthenticated,
+                corral_proto::Reason::Unauthenticated,
+                None,
+                "wrong bearer token",
+            ))
         }
     }
 }

@@ -5,10 +5,10 @@ use std::pin::Pin;
 
 use corral_proto::init::OperationRecord;
 use corral_proto::limits::LIST_PAGE_BYTES;
-use corral_proto::{OperationId, OperationSpec, SandboxId, SandboxSpec, pb};
+use corral_proto::{OperationId, OperationSpec, Reason, SandboxId, SandboxSpec, pb};
 use futures_util::Stream;
 use tokio_stream::wrappers::ReceiverStream;
-use tonic::{Request, Response, Status};
+use tonic::{Code, Request, Response, Status};
 
 use crate::worker::Worker;
 
@@ -20,6 +20,11 @@ impl WorkerService {
     pub fn new(worker: Worker) -> Self {
         Self { worker }
     }
+}
+
+/// An error status with its machine-readable reason.
+fn status(code: Code, reason: Reason, message: impl Into<String>) -> Status {
+    corral_proto::reason::status(code, reason, None, message)
 }
 
 fn sandbox_id(s: String) -> Result<SandboxId, Status> {
@@ -112,10 +117,13 @@ impl pb::worker_server::Worker for WorkerService {
         req: Request<tonic::Streaming<pb::UploadRequest>>,
     ) -> Result<Response<pb::Operation>, Status> {
         let mut stream = req.into_inner();
-        let first = stream
-            .message()
-            .await?
-            .ok_or_else(|| Status::invalid_argument("an upload needs a first message"))?;
+        let first = stream.message().await?.ok_or_else(|| {
+            status(
+                Code::InvalidArgument,
+                Reason::InvalidArgument,
+                "an upload needs a first message",
+            )
+        })?;
         let sid = sandbox_id(first.sandbox_id)?;
         let oid = operation_id(first.operation_id)?;
         let spec = OperationSpec::PutArchive(corral_proto::ArchiveSpec::new(first.path));
@@ -154,7 +162,11 @@ impl pb::worker_server::Worker for WorkerService {
                     (data, eof) = (m.data, m.eof);
                     continue;
                 }
-                Ok(None) => Status::cancelled("the upload ended without its eof"),
+                Ok(None) => status(
+                    Code::Cancelled,
+                    Reason::Incomplete,
+                    "the upload ended without its eof",
+                ),
                 Err(e) => e,
             };
             // The client is gone: so is what it was sending.
@@ -169,14 +181,18 @@ impl pb::worker_server::Worker for WorkerService {
                     ));
                 }
                 corral_proto::EventKind::SandboxLost { reason } => {
-                    return Err(Status::unavailable(format!(
-                        "the sandbox was lost: {reason}"
-                    )));
+                    return Err(status(
+                        Code::Unavailable,
+                        Reason::SandboxLost,
+                        format!("the sandbox was lost: {reason}"),
+                    ));
                 }
                 _ => {}
             }
         }
-        Err(Status::unavailable(
+        Err(status(
+            Code::Unavailable,
+            Reason::Incomplete,
             "the worker stopped watching the upload",
         ))
     }
@@ -226,9 +242,11 @@ impl pb::worker_server::Worker for WorkerService {
                     }
                     corral_proto::EventKind::SandboxLost { reason } => {
                         let _ = tx
-                            .send(Err(Status::unavailable(format!(
-                                "the sandbox was lost: {reason}"
-                            ))))
+                            .send(Err(status(
+                                Code::Unavailable,
+                                Reason::SandboxLost,
+                                format!("the sandbox was lost: {reason}"),
+                            )))
                             .await;
                         return;
                     }
@@ -237,7 +255,7 @@ impl pb::worker_server::Worker for WorkerService {
                     corral_proto::EventKind::Gap { from, to } => {
                         let _ = worker.cancel(&sid, &oid).await;
                         let _ = tx
-                            .send(Err(Status::data_loss(format!(
+                            .send(Err(status(Code::DataLoss, Reason::Incomplete, format!(
                                 "events {from}..={to} of the archive were dropped by the worker's journal: the download is incomplete"
                             ))))
                             .await;
@@ -255,7 +273,9 @@ impl pb::worker_server::Worker for WorkerService {
             // an error, never as if the archive were whole.
             let _ = worker.cancel(&sid, &oid).await;
             let _ = tx
-                .send(Err(Status::unavailable(
+                .send(Err(status(
+                    Code::Unavailable,
+                    Reason::Incomplete,
                     "the worker stopped following this download before it finished (its watch was dropped): the archive is incomplete",
                 )))
                 .await;
@@ -318,7 +338,9 @@ impl pb::worker_server::Worker for WorkerService {
                         Some((Ok(pb::SandboxEvent::from(e)), Some(watch)))
                     }
                     None if watch.was_dropped() => Some((
-                        Err(Status::aborted(
+                        Err(status(
+                            Code::Aborted,
+                            Reason::Incomplete,
                             "the worker dropped this watch: it took nothing while holding the \
                              sandbox's output back; watch again after the last seq received",
                         )),
@@ -329,7 +351,9 @@ impl pb::worker_server::Worker for WorkerService {
                     None => match worker.get_sandbox(&sid) {
                         Err(e) => Some((Err(Status::from(e)), None)),
                         Ok(_) if worker.shutting_down() => Some((
-                            Err(Status::unavailable(
+                            Err(status(
+                                Code::Unavailable,
+                                Reason::ShuttingDown,
                                 "the worker is shutting down; its sandboxes go on: watch again",
                             )),
                             None,
@@ -428,7 +452,9 @@ fn list_page(
     use prost::Message;
     let ours = token.is_empty() || token.starts_with("u:") || token.starts_with('s');
     if !ours || token.len() > 256 {
-        return Err(Status::invalid_argument(
+        return Err(status(
+            Code::InvalidArgument,
+            Reason::InvalidArgument,
             "page_token: not one this worker gave",
         ));
     }

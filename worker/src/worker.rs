@@ -511,7 +511,7 @@ impl Worker {
             Err(WorkerError::AtCapacity(_)) => m.sandbox_create("at_capacity"),
             Err(WorkerError::Draining) => m.sandbox_create("draining"),
             Err(
-                WorkerError::Invalid(_) | WorkerError::Denied(_) | WorkerError::Conflict { .. },
+                WorkerError::Invalid(_) | WorkerError::Denied { .. } | WorkerError::Conflict { .. },
             ) => m.sandbox_create("refused"),
             Err(_) => m.sandbox_create("failed"),
         }

@@ -7,7 +7,7 @@ use corral_proto::init::OperationRecord;
 use corral_proto::limits::MAX_GRPC_MESSAGE_BYTES;
 use corral_proto::pb::worker_client::WorkerClient as PbClient;
 use corral_proto::{
-    Event, OperationId, OperationSpec, SandboxId, SandboxInfo, SandboxSpec, WorkerInfo, pb,
+    Event, OperationId, OperationSpec, Reason, SandboxId, SandboxInfo, SandboxSpec, WorkerInfo, pb,
 };
 use futures_util::{Stream, StreamExt};
 use tonic::metadata::MetadataValue;
@@ -51,17 +51,27 @@ fn describe(s: &Status) -> String {
 }
 
 impl ClientError {
-    /// The worker takes no new sandbox: at capacity (RESOURCE_EXHAUSTED on
-    /// a create) or draining (UNAVAILABLE saying so). Another worker may.
-    pub fn is_refusal(&self) -> bool {
+    /// The machine-readable reason the worker sent with its status (none
+    /// for a status made by the transport, or by a worker too old to say).
+    pub fn reason(&self) -> Option<Reason> {
         match self {
-            Self::Status(s) => match s.code() {
-                tonic::Code::ResourceExhausted => s.message().contains("capacity"),
-                tonic::Code::Unavailable => s.message().contains("draining"),
-                _ => false,
-            },
-            _ => false,
+            Self::Status(s) => corral_proto::reason::of(s),
+            _ => None,
         }
+    }
+
+    /// The worker flag a refusal by the worker's policy names.
+    pub fn flag(&self) -> Option<String> {
+        match self {
+            Self::Status(s) => corral_proto::reason::flag_of(s),
+            _ => None,
+        }
+    }
+
+    /// The worker takes no new sandbox: at capacity or draining. Another
+    /// worker may.
+    pub fn is_refusal(&self) -> bool {
+        matches!(self.reason(), Some(Reason::AtCapacity | Reason::Draining))
     }
 
     /// Worth retrying after a reconnect (the worker restarted or the network blinked).
@@ -70,10 +80,14 @@ impl ClientError {
             Self::Connect { .. } => true,
             Self::Status(s) => {
                 // ABORTED: the worker dropped a watch that fell behind.
+                // INTERNAL with no reason but a cause: the transport's own
+                // (an h2 stream reset), never the worker's.
                 matches!(
                     s.code(),
                     tonic::Code::Unavailable | tonic::Code::Unknown | tonic::Code::Aborted
-                ) || (s.code() == tonic::Code::Internal && s.message().contains("h2"))
+                ) || (s.code() == tonic::Code::Internal
+                    && corral_proto::reason::of(s).is_none()
+                    && std::error::Error::source(s).is_some())
             }
             _ => false,
         }

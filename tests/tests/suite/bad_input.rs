@@ -32,7 +32,9 @@ async fn invalid_commands_ids_and_unknown_sandboxes() -> anyhow::Result<()> {
             "invalid `command`: contains a NUL byte at offset 6"
         )
     );
-    let (c, m) = code(submit("").await.unwrap_err());
+    let empty = submit("").await.unwrap_err();
+    assert_eq!(empty.reason(), Some(corral_proto::Reason::InvalidArgument));
+    let (c, m) = code(empty);
     assert_eq!(
         (c, m.as_str()),
         (
@@ -42,7 +44,12 @@ async fn invalid_commands_ids_and_unknown_sandboxes() -> anyhow::Result<()> {
     );
 
     let nosuch = SandboxId::new("no-such-sandbox")?;
-    let (c, m) = code(h.client.get_sandbox(&nosuch).await.unwrap_err());
+    let unknown = h.client.get_sandbox(&nosuch).await.unwrap_err();
+    assert_eq!(
+        unknown.reason(),
+        Some(corral_proto::Reason::SandboxNotFound)
+    );
+    let (c, m) = code(unknown);
     assert_eq!(
         (c, m.as_str()),
         (tonic::Code::NotFound, "unknown sandbox no-such-sandbox")

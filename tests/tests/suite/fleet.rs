@@ -104,6 +104,8 @@ async fn a_draining_worker_refuses_new_sandboxes_serves_its_own_and_says_so_acro
     let refused = new_sandbox(&client).await.unwrap_err();
     assert!(unavailable(&refused), "{refused}");
     assert!(refused.to_string().contains("draining"), "{refused}");
+    assert_eq!(refused.reason(), Some(corral_proto::Reason::Draining));
+    assert!(refused.is_refusal());
     let info = client.worker_info().await?;
     assert!(info.draining && info.drain_deadline_ms > 0, "{info:?}");
     let out = corral_e2e::run_shell(&client, &kept, "echo still served").await?;

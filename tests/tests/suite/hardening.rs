@@ -266,6 +266,13 @@ async fn the_workers_policy_refuses_what_its_operator_did_not_allow() -> anyhow:
         };
         assert_eq!(s.code(), tonic::Code::PermissionDenied, "{}", s.message());
         assert!(s.message().contains(flag), "{}", s.message());
+        // Said for programs too: the reason and the flag, in metadata.
+        assert_eq!(
+            corral_proto::reason::of(&s),
+            Some(corral_proto::Reason::PolicyDenied)
+        );
+        let name = flag.split(' ').next();
+        assert_eq!(corral_proto::reason::flag_of(&s).as_deref(), name);
     }
     assert!(
         h.client.list_sandboxes().await?.is_empty(),
@@ -302,6 +309,8 @@ async fn the_release_agent_escape_is_refused_at_create_and_fails_inside() -> any
     };
     assert_eq!(s.code(), tonic::Code::PermissionDenied);
     assert!(s.message().contains("never granted"), "{}", s.message());
+    // No flag allows it.
+    assert_eq!(corral_proto::reason::flag_of(&s), None);
     let caps = corral_worker::policy::DOCKER_DEFAULT_CAPABILITIES
         .iter()
         .map(|c| c.to_string())

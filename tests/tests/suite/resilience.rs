@@ -65,7 +65,14 @@ async fn watchers_are_limited_per_sandbox_and_per_worker() -> anyhow::Result<()>
         open.push(h.client.watch(&a, 0, None).await?);
     }
     let refused = |e: ClientError| match e {
-        ClientError::Status(s) => (s.code(), s.message().to_string()),
+        ClientError::Status(s) => {
+            assert_eq!(
+                corral_proto::reason::of(&s),
+                Some(corral_proto::Reason::TooManyWatchers)
+            );
+            assert!(!ClientError::Status(s.clone()).is_refusal());
+            (s.code(), s.message().to_string())
+        }
         other => panic!("not a status: {other}"),
     };
     let (code, msg) = refused(h.client.watch(&a, 0, None).await.err().unwrap());

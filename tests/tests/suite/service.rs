@@ -72,6 +72,11 @@ async fn capacity_is_enforced_with_a_clear_error() -> anyhow::Result<()> {
     };
     assert_eq!(s.code(), tonic::Code::ResourceExhausted);
     assert_eq!(s.message(), "this worker is at its capacity of 1 sandboxes");
+    assert_eq!(
+        corral_proto::reason::of(&s),
+        Some(corral_proto::Reason::AtCapacity)
+    );
+    assert!(ClientError::Status(s).is_refusal());
     let info = h.client.worker_info().await?;
     assert_eq!((info.sandboxes, info.max_sandboxes), (1, 1));
     h.stop().await;

@@ -1,0 +1,177 @@
+//! Why a call failed, in words a program can match on.
+//!
+//! A worker sends every error status with a `corral-reason` entry in its
+//! metadata (one of [`Reason`]'s names), and a refusal by its policy with a
+//! `corral-flag` entry too: the worker flag that would allow what was asked.
+//! Clients (the harness, the CLI, the Python SDK) decide on these, never on
+//! a status's message, which is for people and may change.
+
+/// The metadata key of a status's reason.
+pub const REASON_KEY: &str = "corral-reason";
+/// The metadata key of the flag a policy refusal names.
+pub const FLAG_KEY: &str = "corral-flag";
+
+macro_rules! reasons {
+    ($($(#[$doc:meta])* $variant:ident = $name:literal,)*) => {
+        /// A machine-readable reason for an error status.
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+        pub enum Reason {
+            $($(#[$doc])* $variant,)*
+        }
+
+        impl Reason {
+            /// Every reason, in the order they are declared.
+            pub const ALL: &'static [Reason] = &[$(Reason::$variant,)*];
+
+            /// The name sent on the wire.
+            pub fn as_str(self) -> &'static str {
+                match self {
+                    $(Reason::$variant => $name,)*
+                }
+            }
+
+            /// The reason of a name sent on the wire; `None` for a name
+            /// this build does not know (a newer peer's).
+            pub fn parse(name: &str) -> Option<Self> {
+                match name {
+                    $($name => Some(Reason::$variant),)*
+                    _ => None,
+                }
+            }
+        }
+    };
+}
+
+reasons! {
+    /// The request is malformed or out of bounds.
+    InvalidArgument = "invalid_argument",
+    /// No credentials, or the wrong ones.
+    Unauthenticated = "unauthenticated",
+    /// The worker's policy refuses what was asked (see [`FLAG_KEY`]).
+    PolicyDenied = "policy_denied",
+    /// No sandbox of that id on this worker.
+    SandboxNotFound = "sandbox_not_found",
+    /// The sandbox was removed by this worker lately (TTL, idle, a client).
+    SandboxRemoved = "sandbox_removed",
+    /// No operation of that id in the sandbox.
+    OperationNotFound = "operation_not_found",
+    /// A sandbox or operation of that id exists with a different spec.
+    Conflict = "conflict",
+    /// The worker holds as many sandboxes as it may.
+    AtCapacity = "at_capacity",
+    /// A limit on concurrent watchers was reached.
+    TooManyWatchers = "too_many_watchers",
+    /// Every sandbox uid of the worker's range is taken.
+    NoFreeUid = "no_free_uid",
+    /// A message over the call's size limit.
+    TooLarge = "too_large",
+    /// The sandbox's container is gone or broken: its work cannot go on.
+    SandboxLost = "sandbox_lost",
+    /// The image is not on the worker's Docker engine.
+    NoSuchImage = "no_such_image",
+    /// The request does not fit the operation (input to one that takes
+    /// none, a resize without a terminal).
+    NotApplicable = "not_applicable",
+    /// Input past the end of what the operation has taken.
+    InputGap = "input_gap",
+    /// The Docker engine refused the request (a 4xx): asking again will not help.
+    DockerRefused = "docker_refused",
+    /// The Docker engine did not answer, or failed: try again later.
+    DockerUnavailable = "docker_unavailable",
+    /// The sandbox's supervisor did not answer in time.
+    SupervisorUnresponsive = "supervisor_unresponsive",
+    /// The link to the sandbox's supervisor is down for now: try again.
+    SupervisorDetached = "supervisor_detached",
+    /// The worker takes no new sandboxes (ask another worker).
+    Draining = "draining",
+    /// The worker is shutting down.
+    ShuttingDown = "shutting_down",
+    /// A stream ended before all it carries was sent (an upload without its
+    /// end, a download cut short, a watch the worker had to drop).
+    Incomplete = "incomplete",
+    /// The worker itself failed (its state directory, its configuration).
+    Internal = "internal",
+}
+
+impl std::fmt::Display for Reason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A status of `code` carrying `reason` (and the flag of a policy refusal).
+#[cfg(feature = "grpc")]
+pub fn status(
+    code: tonic::Code,
+    reason: Reason,
+    flag: Option<&str>,
+    message: impl Into<String>,
+) -> tonic::Status {
+    let mut md = tonic::metadata::MetadataMap::new();
+    md.insert(
+        REASON_KEY,
+        tonic::metadata::MetadataValue::from_static(reason.as_str()),
+    );
+    if let Some(flag) = flag
+        && let Ok(v) = flag.parse()
+    {
+        md.insert(FLAG_KEY, v);
+    }
+    tonic::Status::with_metadata(code, message, md)
+}
+
+/// The reason a status carries, if it carries one this build knows.
+#[cfg(feature = "grpc")]
+pub fn of(status: &tonic::Status) -> Option<Reason> {
+    status
+        .metadata()
+        .get(REASON_KEY)
+        .and_then(|v| v.to_str().ok())
+        .and_then(Reason::parse)
+}
+
+/// The worker flag a policy refusal names.
+#[cfg(feature = "grpc")]
+pub fn flag_of(status: &tonic::Status) -> Option<String> {
+    status
+        .metadata()
+        .get(FLAG_KEY)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_reason_goes_through_its_name() {
+        let mut seen = std::collections::HashSet::new();
+        for r in Reason::ALL {
+            assert!(seen.insert(r.as_str()), "{r} twice");
+            assert_eq!(Reason::parse(r.as_str()), Some(*r));
+            assert!(
+                r.as_str()
+                    .bytes()
+                    .all(|b| b.is_ascii_lowercase() || b == b'_')
+            );
+        }
+        assert_eq!(Reason::parse("no_such_reason"), None);
+    }
+
+    #[cfg(feature = "grpc")]
+    #[test]
+    fn a_status_carries_its_reason_and_flag_in_metadata() {
+        let s = status(
+            tonic::Code::PermissionDenied,
+            Reason::PolicyDenied,
+            Some("--allow-root"),
+            "no root here",
+        );
+        assert_eq!(of(&s), Some(Reason::PolicyDenied));
+        assert_eq!(flag_of(&s).as_deref(), Some("--allow-root"));
+        assert_eq!(s.message(), "no root here");
+        let plain = tonic::Status::unavailable("draining, as text");
+        assert_eq!(of(&plain), None);
+    }
+}
