@@ -1,0 +1,79 @@
+"""Corral from Python: hardened sandboxes on Corral workers.
+
+>>> import corral
+>>> with corral.Sandbox.create() as sb:
+...     r = sb.run("echo hello")
+...     r.stdout
+'hello\\n'
+
+Every call has an async twin (:class:`AsyncSandbox`, :class:`AsyncProcess`),
+over the same core. A worker is found as the ``corral`` CLI finds it:
+``worker=`` or ``CORRAL_WORKER`` (addresses, ``dns:///NAME:PORT``),
+``CORRAL_TOKEN_FILE`` and the TLS settings, else the local worker that
+``corral`` starts.
+"""
+
+from corral._core import AsyncFiles, AsyncProcess, AsyncSandbox
+from corral._core import list_sandboxes as alist_sandboxes
+from corral._sync import Files, Process, Sandbox, list_sandboxes
+from corral._tar import Moved
+from corral.errors import (
+    ConfigError,
+    Conflict,
+    CorralError,
+    FileError,
+    InvalidArgument,
+    PolicyDenied,
+    ProcessNotFound,
+    ResourceExhausted,
+    SandboxLost,
+    SandboxNotFound,
+    TransferError,
+    Unauthenticated,
+    WorkerUnavailable,
+)
+from corral.types import (
+    EndCause,
+    EntryType,
+    FileEntry,
+    OutputChunk,
+    Result,
+    SandboxInfo,
+    SandboxState,
+    SandboxStats,
+    WorkerInfo,
+)
+
+__all__ = [
+    "AsyncFiles",
+    "AsyncProcess",
+    "AsyncSandbox",
+    "ConfigError",
+    "Conflict",
+    "CorralError",
+    "EndCause",
+    "EntryType",
+    "FileEntry",
+    "FileError",
+    "Files",
+    "InvalidArgument",
+    "Moved",
+    "OutputChunk",
+    "PolicyDenied",
+    "Process",
+    "ProcessNotFound",
+    "ResourceExhausted",
+    "Result",
+    "Sandbox",
+    "SandboxInfo",
+    "SandboxLost",
+    "SandboxNotFound",
+    "SandboxState",
+    "SandboxStats",
+    "TransferError",
+    "Unauthenticated",
+    "WorkerInfo",
+    "WorkerUnavailable",
+    "alist_sandboxes",
+    "list_sandboxes",
+]

@@ -1,0 +1,419 @@
+"""Which worker a client talks to, and how: found as the ``corral`` CLI finds
+it (``CORRAL_WORKER``, ``CORRAL_TOKEN_FILE``, TLS settings, ``dns:///`` names,
+and with none of them the local worker ``corral`` starts)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import ipaddress
+import os
+import shutil
+import socket
+import stat
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from corral.errors import ConfigError, WorkerUnavailable
+
+MIN_TOKEN_CHARS = 16
+#: How long a starting local worker may take to answer.
+START_PATIENCE_S = 30.0
+
+
+@dataclass(frozen=True)
+class Tls:
+    ca_pem: bytes | None = None
+    cert_pem: bytes | None = None
+    key_pem: bytes | None = None
+    server_name: str | None = None
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """One worker: its address as given (``http://h:p``, ``https://h:p``,
+    ``unix:///path``) and the credentials it gets."""
+
+    url: str
+    token: str | None = field(default=None, repr=False)
+    tls: Tls | None = None
+
+    @property
+    def target(self) -> str:
+        """The address as gRPC takes it."""
+        if self.url.startswith("unix://"):
+            return "unix:" + self.url[len("unix://") :]
+        return self.url.split("://", 1)[1].rstrip("/")
+
+
+@dataclass(frozen=True)
+class Options:
+    """Where workers are and how to reach them; every field defaults from
+    the environment as ``corral``'s flags do."""
+
+    worker: str | None = None
+    token_file: str | None = None
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_server_name: str | None = None
+    state_dir: str | None = None
+    docker_host: str | None = None
+
+    @staticmethod
+    def from_env(worker: str | None = None, **given: str | None) -> Options:
+        env = os.environ
+
+        def pick(name: str, var: str) -> str | None:
+            v = given.get(name)
+            return v if v else (env.get(var) or None)
+
+        return Options(
+            worker=worker or env.get("CORRAL_WORKER") or None,
+            token_file=pick("token_file", "CORRAL_TOKEN_FILE"),
+            tls_ca=pick("tls_ca", "CORRAL_TLS_CA"),
+            tls_cert=pick("tls_cert", "CORRAL_TLS_CERT"),
+            tls_key=pick("tls_key", "CORRAL_TLS_KEY"),
+            tls_server_name=pick("tls_server_name", "CORRAL_TLS_SERVER_NAME"),
+            state_dir=pick("state_dir", "CORRAL_STATE_DIR"),
+            docker_host=pick("docker_host", "CORRAL_DOCKER_HOST"),
+        )
+
+
+def default_state_dir(name: str) -> Path:
+    """As corral-worker's: ``$XDG_STATE_HOME/corral/NAME``, else
+    ``~/.local/state/corral/NAME``."""
+    base = os.environ.get("XDG_STATE_HOME")
+    if base:
+        root = Path(base)
+    elif os.environ.get("HOME"):
+        root = Path(os.environ["HOME"]) / ".local" / "state"
+    else:
+        root = Path("/var/lib")
+    return root / "corral" / name
+
+
+def read_token(path: Path) -> str:
+    """A token file as the worker reads it: the user's own (no access for
+    others), one line of at least 16 characters."""
+    try:
+        st = path.stat()
+        text = path.read_text()
+    except OSError as e:
+        raise ConfigError(f"token file {path}: {e.strerror or e}") from e
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & 0o077:
+        raise ConfigError(
+            f"token file {path}: other users can read or write it (mode {mode:03o}): "
+            f"chmod 600 {path}"
+        )
+    token = text.strip()
+    if not token or any(c.isspace() or not c.isprintable() for c in token):
+        raise ConfigError(f"token file {path}: must be one line without spaces")
+    if len(token) < MIN_TOKEN_CHARS:
+        raise ConfigError(
+            f"token file {path}: too short ({len(token)} characters; at least {MIN_TOKEN_CHARS})"
+        )
+    return token
+
+
+@dataclass(frozen=True)
+class _Entry:
+    url: str | None = None
+    dns: tuple[str, int] | None = None
+
+
+def _entries(spec: str) -> list[_Entry]:
+    out = []
+    for raw in spec.split(","):
+        e = raw.strip()
+        if not e:
+            continue
+        if e.startswith("dns:"):
+            rest = e[4:].lstrip("/")
+            host, sep, port = rest.rpartition(":")
+            if not sep:
+                raise ConfigError(
+                    f"invalid worker address {e!r}: a DNS name needs a port: dns:///NAME:PORT"
+                )
+            if not port.isdigit():
+                raise ConfigError(f"invalid worker address {e!r}: the port is not a number")
+            if not host or "/" in host:
+                raise ConfigError(f"invalid worker address {e!r}: no host name")
+            out.append(_Entry(dns=(host, int(port))))
+        elif "://" in e:
+            scheme = e.split("://", 1)[0]
+            if scheme not in ("http", "https", "unix"):
+                raise ConfigError(
+                    f"invalid worker address {e!r}: scheme {scheme}:// (http, https, unix or dns)"
+                )
+            out.append(_Entry(url=e))
+        else:
+            out.append(_Entry(url=f"http://{e}"))
+    return out
+
+
+def _host_port(url: str) -> tuple[str, int] | None:
+    rest = url.split("://", 1)[-1]
+    authority = rest.split("/", 1)[0]
+    if authority.startswith("["):
+        host, _, tail = authority[1:].partition("]")
+        port = tail.removeprefix(":")
+    else:
+        host, _, port = authority.rpartition(":")
+    if not host or not port.isdigit():
+        return None
+    return host, int(port)
+
+
+def is_loopback(url: str) -> bool:
+    """Whether ``url`` names this machine (a worker this user may have
+    started)."""
+    hp = _host_port(url)
+    if hp is None:
+        return False
+    host = hp[0]
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _proc_net_ip(hexaddr: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    try:
+        words = [int(hexaddr[i : i + 8], 16) for i in range(0, len(hexaddr), 8)]
+    except ValueError:
+        return None
+    raw = b"".join(w.to_bytes(4, sys.byteorder) for w in words)
+    if len(raw) == 4:
+        return ipaddress.IPv4Address(raw)
+    if len(raw) == 16:
+        return ipaddress.IPv6Address(raw)
+    return None
+
+
+def listener_owners(host: str, port: int) -> list[int]:
+    """The uids owning sockets that listen on ``port`` at ``host`` (or at every
+    address), from /proc/net/tcp and tcp6."""
+    wanted: list[ipaddress.IPv4Address | ipaddress.IPv6Address] = []
+    if host == "localhost":
+        wanted = [ipaddress.ip_address("127.0.0.1"), ipaddress.ip_address("::1")]
+    else:
+        with contextlib.suppress(ValueError):
+            wanted = [ipaddress.ip_address(host)]
+    owners = []
+    for name in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(name).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            f = line.split()
+            if len(f) < 8 or f[3] != "0A":
+                continue
+            addr, _, p = f[1].partition(":")
+            try:
+                if int(p, 16) != port:
+                    continue
+            except ValueError:
+                continue
+            ip = _proc_net_ip(addr)
+            if ip is None:
+                continue
+            mapped = ip.ipv4_mapped if isinstance(ip, ipaddress.IPv6Address) else None
+            if (
+                ip.is_unspecified or ip in wanted or (mapped is not None and mapped in wanted)
+            ) and f[7].isdigit():
+                owners.append(int(f[7]))
+    return owners
+
+
+def _check_listener(url: str, token_owner: int | None) -> None:
+    """A token goes to a worker on this machine only through a socket owned
+    by this user, root, or the token file's owner: a port a stopped worker
+    left free may have been taken by another local user."""
+    hp = _host_port(url)
+    if hp is None:
+        return
+    me = os.geteuid()
+    for uid in listener_owners(*hp):
+        if uid not in (me, 0) and uid != token_owner:
+            raise ConfigError(
+                f"{url}: the socket listening there belongs to uid {uid}, not to you, root or "
+                "the token's owner: the token is not sent (is the worker running?)"
+            )
+
+
+def _read(path: str, what: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as e:
+        raise ConfigError(f"{what} {path}: {e.strerror or e}") from e
+
+
+def _tls(o: Options, entries: list[_Entry]) -> Tls | None:
+    if bool(o.tls_cert) != bool(o.tls_key):
+        raise ConfigError("tls_cert and tls_key go together")
+    if not (o.tls_ca or o.tls_cert):
+        return None
+    dns = [e.dns[0] for e in entries if e.dns]
+    name = o.tls_server_name or (
+        dns[0] if len(dns) == len(entries) and len(set(dns)) == 1 else None
+    )
+    return Tls(
+        ca_pem=_read(o.tls_ca, "tls_ca") if o.tls_ca else None,
+        cert_pem=_read(o.tls_cert, "tls_cert") if o.tls_cert else None,
+        key_pem=_read(o.tls_key, "tls_key") if o.tls_key else None,
+        server_name=name,
+    )
+
+
+async def _resolve(entries: list[_Entry], tls: bool) -> list[str]:
+    loop = asyncio.get_running_loop()
+    urls: list[str] = []
+    for e in entries:
+        if e.url:
+            urls.append(e.url)
+            continue
+        assert e.dns
+        host, port = e.dns
+        try:
+            infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except OSError as err:
+            raise WorkerUnavailable(f"dns:///{host}:{port}: {err}") from err
+        scheme = "https" if tls else "http"
+        seen = set()
+        for info in infos:
+            ip = str(info[4][0])
+            if ip in seen:
+                continue
+            seen.add(ip)
+            shown = f"[{ip}]" if ":" in ip else ip
+            urls.append(f"{scheme}://{shown}:{port}")
+    return urls
+
+
+async def endpoints(o: Options) -> list[Endpoint] | None:
+    """The workers of ``o.worker``, each with its credentials; None for the
+    local worker (no worker named)."""
+    if not o.worker:
+        return None
+    entries = _entries(o.worker)
+    if not entries:
+        return None
+    tls = _tls(o, entries)
+    urls = await _resolve(entries, tls is not None)
+    if not urls:
+        raise WorkerUnavailable(f"{o.worker}: no worker address")
+    token: str | None = None
+    token_owner: int | None = None
+    own = default_state_dir("worker") / "token"
+    local = all(e.url for e in entries) and all(is_loopback(u) for u in urls)
+    if o.token_file:
+        token = read_token(Path(o.token_file))
+        try:
+            token_owner = Path(o.token_file).stat().st_uid
+        except OSError:
+            token_owner = None
+    elif local and own.exists():
+        token = read_token(own)
+    if token is not None:
+        for u in urls:
+            if is_loopback(u):
+                _check_listener(u, token_owner)
+        by_name = any(e.dns for e in entries)
+        if by_name and tls is None:
+            far = [u for u in urls if u.startswith("http://") and not is_loopback(u)]
+            if far:
+                raise ConfigError(
+                    f"{far[0]}: a worker found by DNS name gets the token over TLS only "
+                    "(give tls_ca, or name the worker by its address)"
+                )
+    for u in urls:
+        if u.startswith("https://") and tls is None:
+            tls = Tls()
+    return [
+        Endpoint(url=u, token=token, tls=tls if u.startswith("https://") else None) for u in urls
+    ]
+
+
+def local_state_dir(o: Options) -> Path:
+    return Path(o.state_dir) if o.state_dir else default_state_dir("embedded")
+
+
+def corral_binary() -> str:
+    """The ``corral`` that starts the local worker: ``CORRAL_BIN``, else the
+    one on PATH."""
+    given = os.environ.get("CORRAL_BIN")
+    if given:
+        return given
+    found = shutil.which("corral")
+    if not found:
+        raise ConfigError(
+            "no worker given and no `corral` binary to start the local one: put corral on PATH "
+            "(or set CORRAL_BIN), or name a worker (worker=... or CORRAL_WORKER)"
+        )
+    return found
+
+
+def local_endpoint(state: Path) -> Endpoint | None:
+    """The local worker's endpoint, if its socket and token are there."""
+    sock = state / "worker.sock"
+    token_path = state / "token"
+    if not sock.exists() or not token_path.exists():
+        return None
+    return Endpoint(url=f"unix://{sock}", token=read_token(token_path))
+
+
+class LocalStarter:
+    """Starts ``corral local-worker`` for a state directory, as ``corral``
+    does: serialized by ``start.lock``, detached (its own process group, its
+    log in the state directory), waited for until it answers."""
+
+    def __init__(self, state: Path, docker_host: str | None) -> None:
+        self.state = state
+        self.docker_host = docker_host
+
+    def lock(self) -> int:
+        self.state.mkdir(parents=True, exist_ok=True, mode=0o700)
+        os.chmod(self.state, 0o700)
+        fd = os.open(self.state / "start.lock", os.O_CREAT | os.O_WRONLY, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        return fd
+
+    def start(self) -> subprocess.Popen[bytes]:
+        exe = corral_binary()
+        log = open(self.state / "worker.log", "ab")  # noqa: SIM115 - given to the child
+        args = [exe, "local-worker", "--state-dir", str(self.state)]
+        if self.docker_host:
+            args += ["--docker-host", self.docker_host]
+        env = {k: v for k, v in os.environ.items() if k != "CORRAL_METRICS_LISTEN"}
+        try:
+            return subprocess.Popen(
+                args,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+                env=env,
+                start_new_session=False,
+                preexec_fn=os.setpgrp,
+            )
+        except OSError as e:
+            raise ConfigError(f"starting {exe} local-worker: {e.strerror or e}") from e
+        finally:
+            log.close()
+
+    def last_words(self, code: int) -> str:
+        try:
+            lines = (self.state / "worker.log").read_text(errors="replace").splitlines()
+        except OSError:
+            lines = []
+        for line in reversed(lines):
+            if line.strip():
+                return line.strip().removeprefix("corral: ")
+        return f"local worker: exited with {code}"

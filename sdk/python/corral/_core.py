@@ -1,0 +1,681 @@
+"""The one async core: sandboxes, their processes and files, on grpc.aio.
+
+Everything here is idempotent by id (a sandbox or operation id is chosen by
+the client), so a call cut by a worker restart or a network blink is made
+again with the same ids and nothing runs twice; a watch goes on from the
+sequence number of the last event it got, so no output is lost or repeated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import random
+import re
+import shlex
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from pathlib import Path
+
+from corral import _connect, _rpc, _tar
+from corral._proto import worker_pb2 as pb
+from corral.errors import (
+    CorralError,
+    FileError,
+    InvalidArgument,
+    ResourceExhausted,
+    SandboxNotFound,
+    WorkerUnavailable,
+    is_transient,
+)
+from corral.types import (
+    EntryType,
+    FileEntry,
+    OutputChunk,
+    Result,
+    SandboxInfo,
+    SandboxStats,
+    WorkerInfo,
+    result_of,
+    sandbox_info_of,
+    stats_of,
+    worker_info_of,
+)
+
+#: How long a worker may stay unreachable before a call gives up on it.
+PATIENCE_S = 60.0
+#: Largest piece of input sent in one call (the worker's limit).
+CHUNK = 1 << 20
+#: Largest write sent whole, in one operation.
+MAX_FILE = 8 << 20
+#: Workers probed before a placement; beyond, two at random.
+PROBE_ALL_UP_TO = 8
+PROBE_TIMEOUT_S = 1.0
+ATTEMPTS = 3
+
+Command = str | Sequence[str]
+OnOutput = Callable[[bytes], Awaitable[None] | None]
+
+
+def _new_id() -> str:
+    return uuid.uuid4().hex
+
+
+def parse_size(v: int | str | None, what: str) -> int:
+    """Bytes, from a number or a size as the CLI takes it (``512m``, ``2g``)."""
+    if v is None:
+        return 0
+    if isinstance(v, bool):
+        raise InvalidArgument(f"{what}: {v!r} is not a size")
+    if isinstance(v, int):
+        if v < 0:
+            raise InvalidArgument(f"{what}: {v} is negative")
+        return v
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)i?b?\s*", v.lower())
+    if not m:
+        raise InvalidArgument(f"{what}: {v!r} is not a size (e.g. 512m, 2g)")
+    scale = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40, "p": 1 << 50}
+    return int(float(m.group(1)) * scale[m.group(2)])
+
+
+def _ms(seconds: float | None, what: str) -> int:
+    if seconds is None:
+        return 0
+    if seconds < 0:
+        raise InvalidArgument(f"{what}: {seconds} is negative")
+    return max(1, round(seconds * 1000)) if seconds > 0 else 0
+
+
+def _command(cmd: Command) -> str:
+    """A string runs as it is under ``sh -c``; a list is an argv, quoted so
+    that the shell runs exactly it."""
+    if isinstance(cmd, str):
+        return cmd
+    args = list(cmd)
+    if not args or not all(isinstance(a, str) for a in args):
+        raise InvalidArgument("a command list needs at least one string, and only strings")
+    return shlex.join(args)
+
+
+async def _call_back(cb: OnOutput | None, data: bytes) -> None:
+    if cb is None:
+        return
+    out = cb(data)
+    if inspect.isawaitable(out):
+        await out
+
+
+def _file_error(r: pb.OperationResult, path: str) -> FileError | None:
+    if r.outcome.WhichOneof("kind") != "file_error":
+        return None
+    kind = pb.FileErrorKind.Name(r.outcome.file_error.kind).removeprefix("FILE_ERROR_KIND_")
+    return FileError(f"{path}: {r.outcome.file_error.message}", kind=kind.lower())
+
+
+class AsyncProcess:
+    """A command running in a sandbox (see :meth:`AsyncSandbox.start`).
+
+    ``stdout`` and ``stderr`` are iterators of bytes; each follows the
+    command's output from its start (or from ``after``) on its own, so a
+    stream nobody reads holds nothing back. ``seq`` is the place, in the
+    sandbox's event stream, of the last output any iterator gave:
+    ``AsyncProcess.attach(sb, id, after=seq)`` goes on right after it.
+    """
+
+    def __init__(self, sandbox: AsyncSandbox, op_id: str, after: int = 0) -> None:
+        self.sandbox = sandbox
+        self.id = op_id
+        self.after = after
+        self.seq = after
+        #: Events the worker's journal dropped before they could be read
+        #: (output lost to a reader that came too late).
+        self.missed = 0
+        self._input = 0
+        self._result: Result | None = None
+        self._raw = pb.OperationResult()
+
+    @classmethod
+    async def attach(
+        cls, sandbox: AsyncSandbox, process_id: str, after: int | None = None
+    ) -> AsyncProcess:
+        """Picks a process up again (after this client died, or its worker
+        restarted): its output from ``after`` (an :class:`OutputChunk`'s
+        seq), or from its start."""
+        op = await sandbox._ask(
+            "GetOperation",
+            pb.GetOperationRequest(sandbox_id=sandbox.id, operation_id=process_id),
+            pb.Operation,
+        )
+        p = cls(sandbox, process_id, after or 0)
+        p._input = op.input_bytes
+        if op.status == pb.OPERATION_STATUS_FINISHED:
+            p._result = result_of(op.result)
+        return p
+
+    async def _events(self, after: int) -> AsyncIterator[pb.SandboxEvent]:
+        """The operation's events after ``after``, to its end, across
+        dropped watches and worker restarts."""
+        sb = self.sandbox
+        loop = asyncio.get_running_loop()
+        last = after
+        gone_since: float | None = None
+        pause = 0.05
+        while True:
+            try:
+                req = pb.WatchSandboxRequest(sandbox_id=sb.id, after_seq=last, operation_id=self.id)
+                async for ev in sb.worker.watch(req):
+                    gone_since = None
+                    last = max(last, ev.seq)
+                    kind = ev.WhichOneof("kind")
+                    if kind == "gap":
+                        self.missed += ev.gap.to_seq - ev.gap.from_seq + 1
+                        continue
+                    yield ev
+                    if kind == "finished":
+                        return
+                # The stream ended without the operation's end: ask again.
+            except CorralError as e:
+                if not is_transient(e):
+                    raise
+                now = loop.time()
+                gone_since = gone_since if gone_since is not None else now
+                if now - gone_since > sb.patience:
+                    raise WorkerUnavailable(
+                        f"{sb.worker.url}: unreachable for {sb.patience:.0f} s "
+                        f"following {self.id}: {e.message}",
+                        code=e.code,
+                        reason=e.reason,
+                    ) from e
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 1.0)
+
+    async def _follow(
+        self,
+        on_stdout: OnOutput | None = None,
+        on_stderr: OnOutput | None = None,
+        on_chunk: Callable[[OutputChunk], Awaitable[None]] | None = None,
+    ) -> Result:
+        async for ev in self._events(self.after):
+            kind = ev.WhichOneof("kind")
+            if kind == "output":
+                data = bytes(ev.output.data)
+                if ev.output.stream == pb.OUTPUT_STREAM_STDERR:
+                    await _call_back(on_stderr, data)
+                    stream = "stderr"
+                else:
+                    await _call_back(on_stdout, data)
+                    stream = "stdout"
+                self.seq = max(self.seq, ev.seq)
+                if on_chunk is not None:
+                    await on_chunk(OutputChunk(ev.seq, stream, data))
+            elif kind == "finished":
+                self._raw = ev.finished.result
+                self._result = result_of(ev.finished.result)
+                return self._result
+        # A journal that had the end dropped: the worker still has it.
+        op = await self.sandbox._ask(
+            "GetOperation",
+            pb.GetOperationRequest(sandbox_id=self.sandbox.id, operation_id=self.id),
+            pb.Operation,
+        )
+        self._raw = op.result
+        self._result = result_of(op.result)
+        return self._result
+
+    async def events(self) -> AsyncIterator[OutputChunk]:
+        """Both streams' output in the order it came, each piece with its seq."""
+        async for ev in self._events(self.after):
+            if ev.WhichOneof("kind") != "output":
+                continue
+            stream = "stderr" if ev.output.stream == pb.OUTPUT_STREAM_STDERR else "stdout"
+            self.seq = max(self.seq, ev.seq)
+            yield OutputChunk(ev.seq, stream, bytes(ev.output.data))
+
+    async def _only(self, which: int) -> AsyncIterator[bytes]:
+        async for ev in self._events(self.after):
+            if ev.WhichOneof("kind") == "output" and ev.output.stream == which:
+                self.seq = max(self.seq, ev.seq)
+                yield bytes(ev.output.data)
+
+    @property
+    def stdout(self) -> AsyncIterator[bytes]:
+        return self._only(pb.OUTPUT_STREAM_STDOUT)
+
+    @property
+    def stderr(self) -> AsyncIterator[bytes]:
+        return self._only(pb.OUTPUT_STREAM_STDERR)
+
+    async def wait(self, timeout: float | None = None) -> Result:
+        """Its result once it ends. With ``timeout`` (seconds), TimeoutError
+        when it is still running by then (it goes on)."""
+        if self._result is not None:
+            return self._result
+        if timeout is None:
+            return await self._follow()
+        return await asyncio.wait_for(self._follow(), timeout)
+
+    async def write_stdin(self, data: bytes | str) -> bool:
+        """Feeds its stdin (started with ``stdin=True``); False when it takes
+        no more input (it ended, or its stdin was closed)."""
+        raw = data.encode() if isinstance(data, str) else bytes(data)
+        for i in range(0, max(len(raw), 1), CHUNK):
+            piece = raw[i : i + CHUNK]
+            if not piece:
+                break
+            if not await self._input_call(piece, eof=False):
+                return False
+        return True
+
+    async def close_stdin(self) -> None:
+        """Ends its stdin (it reads end-of-file)."""
+        await self._input_call(b"", eof=True)
+
+    async def _input_call(self, piece: bytes, eof: bool) -> bool:
+        sb = self.sandbox
+        req = pb.WriteInputRequest(
+            sandbox_id=sb.id, operation_id=self.id, offset=self._input, data=piece, eof=eof
+        )
+        reply = await sb._ask("WriteInput", req, pb.WriteInputResponse)
+        if reply.closed:
+            return False
+        self._input = max(self._input + len(piece), reply.input_bytes)
+        return True
+
+    async def kill(self) -> bool:
+        """Ends it (and every process it started); its result says
+        ``canceled``. False when it had ended already."""
+        reply = await self.sandbox._ask(
+            "CancelOperation",
+            pb.CancelOperationRequest(sandbox_id=self.sandbox.id, operation_id=self.id),
+            pb.CancelOperationResponse,
+        )
+        return reply.canceling
+
+
+class AsyncFiles:
+    """A sandbox's files (paths relative to /workspace, or under /tmp)."""
+
+    def __init__(self, sandbox: AsyncSandbox) -> None:
+        self._sb = sandbox
+
+    async def read(self, path: str) -> bytes:
+        """The whole file; FileError when there is none, or it is no regular file."""
+        spec = pb.OperationSpec(read_file=pb.ReadFileSpec(path=path, stream=True))
+        p = await self._sb._submit(spec)
+        parts: list[bytes] = []
+        await p._follow(on_stdout=parts.append)
+        err = _file_error(p._raw, path)
+        if err is not None:
+            raise err
+        return b"".join(parts)
+
+    async def read_text(self, path: str, encoding: str = "utf-8") -> str:
+        return (await self.read(path)).decode(encoding)
+
+    async def write(self, path: str, data: bytes | str, mode: int | None = None) -> int:
+        """Replaces (or makes) the file; bytes written."""
+        raw = data.encode() if isinstance(data, str) else bytes(data)
+        if mode is not None and not 0 <= mode <= 0o7777:
+            raise InvalidArgument(f"mode {mode:o}: not a file mode")
+        stream = len(raw) > MAX_FILE
+        first = raw[:CHUNK] if stream else raw
+        spec = pb.OperationSpec(
+            write_file=pb.WriteFileSpec(path=path, data=first, mode=mode or 0, stream=stream)
+        )
+        p = await self._sb._submit(spec)
+        if stream:
+            p._input = len(first)
+            ok = await p.write_stdin(raw[len(first) :])
+            if ok:
+                await p.close_stdin()
+        r = await p._follow()
+        err = _file_error(p._raw, path)
+        if err is not None:
+            raise err
+        if r.end_cause.value != "exited":
+            raise CorralError(f"{path}: the write ended {r.end_cause.value}: {r.reason or ''}")
+        return len(raw)
+
+    async def list(self, path: str = ".") -> list[FileEntry]:
+        """The entries of a directory (not . and ..), by name."""
+        script = (
+            'cd -- "$1" || exit 3; for f in * .[!.]* ..?*; do '
+            '[ -e "$f" ] || [ -L "$f" ] || continue; '
+            "stat -c '%f %s %Y' -- \"$f\" || exit 4; printf '%s\\0' \"$f\"; done"
+        )
+        r = await self._sb.run(["sh", "-c", script, "sh", path])
+        if r.exit_code == 3:
+            raise FileError(f"{path}: {r.stderr.strip() or 'no such directory'}", kind="not_found")
+        if not r.ok:
+            raise FileError(f"{path}: {r.stderr.strip() or r.end_cause.value}", kind="other")
+        if r.omitted_bytes:
+            raise ResourceExhausted(f"{path}: the listing is over the worker's output limit")
+        out: list[FileEntry] = []
+        data = r.stdout_bytes
+        base = path.rstrip("/") or "/"
+        while data:
+            line, _, data = data.partition(b"\n")
+            name, _, data = data.partition(b"\0")
+            raw_mode, size, mtime = line.split()
+            mode = int(raw_mode, 16)
+            kind = {
+                0o040000: EntryType.DIRECTORY,
+                0o100000: EntryType.FILE,
+                0o120000: EntryType.SYMLINK,
+            }.get(mode & 0o170000, EntryType.OTHER)
+            n = name.decode("utf-8", "surrogateescape")
+            out.append(
+                FileEntry(
+                    name=n,
+                    path=f"{base}/{n}" if base != "/" else f"/{n}",
+                    type=kind,
+                    mode=mode & 0o7777,
+                    size=int(size),
+                    mtime=float(mtime),
+                )
+            )
+        return sorted(out, key=lambda e: e.name)
+
+    async def upload(self, local: str | Path, remote: str = ".") -> int:
+        """Copies a local file or tree into the sandbox as ``corral cp`` does:
+        into ``remote`` when that is a directory, else as ``remote``.
+        Archive bytes sent."""
+        return await _tar.upload(self._sb, Path(local), remote)
+
+    async def download(self, remote: str, local: str | Path) -> _tar.Moved:
+        """Copies a sandbox file or tree here as ``corral cp`` does: into
+        ``local`` when that is a directory, else as ``local``. What comes out
+        of a sandbox is held to the rules ``corral cp`` keeps (one tree of
+        the name asked for, no link out, no set-id bit, no special file, no
+        git configuration or hooks)."""
+        return await _tar.download(self._sb, remote, Path(local))
+
+
+class AsyncSandbox:
+    """A sandbox on a worker (see :meth:`create` and :meth:`connect`)."""
+
+    def __init__(self, worker: _rpc.Worker, info: pb.Sandbox, owned: bool) -> None:
+        self.worker = worker
+        self.id = info.id
+        self._info = info
+        self.owned = owned
+        self.patience = PATIENCE_S
+        self.files = AsyncFiles(self)
+
+    def __repr__(self) -> str:
+        return f"AsyncSandbox(id={self.id!r}, worker={self.worker.url!r})"
+
+    @classmethod
+    async def create(
+        cls,
+        image: str | None = None,
+        *,
+        worker: str | None = None,
+        memory: int | str | None = None,
+        cpus: float | None = None,
+        pids: int | None = None,
+        env: Mapping[str, str] | None = None,
+        ttl: float | None = None,
+        idle_timeout: float | None = None,
+        runtime: str | None = None,
+        workspace_size: int | str | None = None,
+        id: str | None = None,
+        token_file: str | None = None,
+        tls_ca: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+        tls_server_name: str | None = None,
+    ) -> AsyncSandbox:
+        """Makes a sandbox: on ``worker`` (an address, a comma-separated list,
+        or ``dns:///NAME:PORT``; default ``CORRAL_WORKER``, else the local
+        worker), placed on the freest of several. ``ttl`` and
+        ``idle_timeout`` are seconds; ``memory`` bytes or a size (``2g``)."""
+        if cpus is not None and cpus <= 0:
+            raise InvalidArgument(f"cpus: {cpus} is not positive")
+        if pids is not None and pids <= 0:
+            raise InvalidArgument(f"pids: {pids} is not positive")
+        spec = pb.SandboxSpec(
+            image=image or "",
+            memory_bytes=parse_size(memory, "memory"),
+            cpu_millis=round(cpus * 1000) if cpus else 0,
+            pids_limit=pids or 0,
+            workspace_bytes=parse_size(workspace_size, "workspace_size"),
+            env=dict(env or {}),
+            ttl_ms=_ms(ttl, "ttl"),
+            idle_timeout_ms=_ms(idle_timeout, "idle_timeout"),
+            runtime=runtime or "",
+        )
+        opts = _connect.Options.from_env(
+            worker,
+            token_file=token_file,
+            tls_ca=tls_ca,
+            tls_cert=tls_cert,
+            tls_key=tls_key,
+            tls_server_name=tls_server_name,
+        )
+        ws = await _rpc.workers(opts)
+        req = pb.CreateSandboxRequest(id=id or _new_id(), spec=spec)
+        w, made = await _place(ws, req)
+        return cls(w, made, owned=True)
+
+    @classmethod
+    async def connect(
+        cls,
+        id: str,
+        worker: str | None = None,
+        *,
+        token_file: str | None = None,
+        tls_ca: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+        tls_server_name: str | None = None,
+    ) -> AsyncSandbox:
+        """An existing sandbox, found among the workers (it is not removed
+        at the end of a ``with`` block: it is not this object's)."""
+        opts = _connect.Options.from_env(
+            worker,
+            token_file=token_file,
+            tls_ca=tls_ca,
+            tls_cert=tls_cert,
+            tls_key=tls_key,
+            tls_server_name=tls_server_name,
+        )
+        ws = await _rpc.workers(opts)
+        found = await _find(ws, id)
+        return cls(found[0], found[1], owned=False)
+
+    async def _ask(self, name: str, req: object, resp: type[_rpc.Resp]) -> _rpc.Resp:
+        return await _rpc.retrying(
+            lambda: self.worker.call(name, req, resp), self.patience, is_transient
+        )
+
+    async def _submit(self, spec: pb.OperationSpec) -> AsyncProcess:
+        op_id = _new_id()
+        req = pb.SubmitOperationRequest(sandbox_id=self.id, operation_id=op_id, spec=spec)
+        await self._ask("SubmitOperation", req, pb.Operation)
+        return AsyncProcess(self, op_id)
+
+    async def start(
+        self,
+        cmd: Command,
+        *,
+        cwd: str | None = None,
+        env: Mapping[str, str] | None = None,
+        timeout: float | None = None,
+        stdin: bool = False,
+        bash: bool = False,
+        keep_background: bool = False,
+    ) -> AsyncProcess:
+        """Starts a command and returns at once. A string runs under ``sh -c``
+        (``bash -c`` with ``bash=True``), never a login shell; a list runs
+        as that argv. ``timeout`` (seconds) ends the command (default: the
+        worker's, 10 min); its stream has none. ``stdin=True`` opens a pipe
+        fed by ``write_stdin``."""
+        shell = pb.ShellSpec(
+            command=_command(cmd),
+            workdir=cwd or "",
+            env=dict(env or {}),
+            timeout_ms=_ms(timeout, "timeout"),
+            use_bash=bash,
+            keep_background=keep_background,
+            stdin=stdin,
+        )
+        return await self._submit(pb.OperationSpec(shell=shell))
+
+    async def run(
+        self,
+        cmd: Command,
+        *,
+        cwd: str | None = None,
+        env: Mapping[str, str] | None = None,
+        timeout: float | None = None,
+        stdin: bytes | str | None = None,
+        on_stdout: OnOutput | None = None,
+        on_stderr: OnOutput | None = None,
+        bash: bool = False,
+    ) -> Result:
+        """Runs a command to its end. A non-zero exit, a signal or a timeout
+        is a result, never an exception. ``on_stdout``/``on_stderr`` hear
+        every byte as it comes (plain or async functions)."""
+        p = await self.start(
+            cmd, cwd=cwd, env=env, timeout=timeout, stdin=stdin is not None, bash=bash
+        )
+        if stdin is None:
+            return await p._follow(on_stdout, on_stderr)
+
+        async def feed() -> None:
+            if await p.write_stdin(stdin):
+                await p.close_stdin()
+
+        feeding = asyncio.ensure_future(feed())
+        try:
+            result = await p._follow(on_stdout, on_stderr)
+        finally:
+            if not feeding.done():
+                feeding.cancel()
+        with contextlib.suppress(asyncio.CancelledError, CorralError):
+            await feeding
+        return result
+
+    async def reset(self) -> int:
+        """Kills every process of the sandbox but its supervisor (running
+        commands end ``canceled``); processes killed."""
+        r = await self._ask(
+            "ResetSandbox", pb.ResetSandboxRequest(id=self.id), pb.ResetSandboxResponse
+        )
+        return r.killed
+
+    async def stats(self) -> SandboxStats:
+        return stats_of(
+            await self._ask(
+                "GetSandboxStats", pb.GetSandboxStatsRequest(sandbox_id=self.id), pb.SandboxStats
+            )
+        )
+
+    async def info(self) -> SandboxInfo:
+        s = await self._ask("GetSandbox", pb.GetSandboxRequest(id=self.id), pb.Sandbox)
+        self._info = s
+        return sandbox_info_of(s, self.worker.url)
+
+    async def worker_info(self) -> WorkerInfo:
+        return worker_info_of(
+            await self._ask("GetWorkerInfo", pb.GetWorkerInfoRequest(), pb.WorkerInfo)
+        )
+
+    async def remove(self) -> bool:
+        """Removes the sandbox and everything in it; False when it was gone."""
+        r = await self._ask(
+            "DestroySandbox", pb.DestroySandboxRequest(id=self.id), pb.DestroySandboxResponse
+        )
+        return r.existed
+
+    async def __aenter__(self) -> AsyncSandbox:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self.owned:
+            await self.remove()
+
+
+async def _probe(w: _rpc.Worker) -> tuple[_rpc.Worker, pb.WorkerInfo | None]:
+    return w, await _rpc.answers(w, PROBE_TIMEOUT_S)
+
+
+async def _place(
+    ws: list[_rpc.Worker], req: pb.CreateSandboxRequest
+) -> tuple[_rpc.Worker, pb.Sandbox]:
+    """Makes the sandbox on the freest worker: every one probed up to a few,
+    else the freer of two at random; a refusal (full, draining) tries the
+    next, up to three."""
+    if len(ws) == 1:
+        w = ws[0]
+        made = await _rpc.retrying(
+            lambda: w.call("CreateSandbox", req, pb.Sandbox), PATIENCE_S, _create_retry
+        )
+        return w, made
+    tried: set[str] = set()
+    last: CorralError | None = None
+    for _ in range(ATTEMPTS):
+        left = [w for w in ws if w.url not in tried]
+        if not left:
+            break
+        pick = left if len(left) <= PROBE_ALL_UP_TO else random.sample(left, 2)
+        probed = await asyncio.gather(*(_probe(w) for w in pick))
+        able = [
+            (w, i)
+            for w, i in probed
+            if i is not None and not i.draining and i.sandboxes < i.max_sandboxes
+        ]
+        if not able:
+            for w, _ in probed:
+                tried.add(w.url)
+            continue
+        able.sort(key=lambda wi: wi[1].max_sandboxes - wi[1].sandboxes, reverse=True)
+        w = able[0][0]
+        tried.add(w.url)
+        try:
+            return w, await w.call("CreateSandbox", req, pb.Sandbox)
+        except CorralError as e:
+            if e.reason not in ("at_capacity", "draining") and not is_transient(e):
+                raise
+            last = e
+    raise last or WorkerUnavailable(
+        "no worker can take it: none answered, or all are full or draining"
+    )
+
+
+def _create_retry(e: CorralError) -> bool:
+    # The same id and spec again is the same sandbox: safe to repeat.
+    return is_transient(e) and e.reason not in ("draining", "shutting_down")
+
+
+async def _find(ws: list[_rpc.Worker], id: str) -> tuple[_rpc.Worker, pb.Sandbox]:
+    async def ask(w: _rpc.Worker) -> tuple[_rpc.Worker, pb.Sandbox | CorralError]:
+        try:
+            return w, await w.call("GetSandbox", pb.GetSandboxRequest(id=id), pb.Sandbox)
+        except CorralError as e:
+            return w, e
+
+    answers = await asyncio.gather(*(ask(w) for w in ws))
+    for w, a in answers:
+        if isinstance(a, pb.Sandbox):
+            return w, a
+    errors = [a for _, a in answers if isinstance(a, CorralError)]
+    not_found = [e for e in errors if isinstance(e, SandboxNotFound)]
+    if len(ws) == 1 or len(not_found) == len(errors):
+        raise errors[0]
+    raise next(e for e in errors if not isinstance(e, SandboxNotFound))
+
+
+async def list_sandboxes(
+    worker: str | None = None, *, token_file: str | None = None
+) -> list[SandboxInfo]:
+    """Every sandbox of the workers named (or of the local worker)."""
+    opts = _connect.Options.from_env(worker, token_file=token_file)
+    ws = await _rpc.workers(opts)
+    out: list[SandboxInfo] = []
+    for w in ws:
+        r = await w.call("ListSandboxes", pb.ListSandboxesRequest(), pb.ListSandboxesResponse)
+        out.extend(sandbox_info_of(s, w.url) for s in r.sandboxes)
+    return out

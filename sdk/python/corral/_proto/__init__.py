@@ -1,0 +1,1 @@
+"""Generated protobuf messages of corral.v1 (private: see generate.py)."""

@@ -1,0 +1,250 @@
+"""The worker's gRPC calls, typed, over one grpc.aio channel per worker and
+event loop; every call carries the bearer token, and a failed one becomes a
+:class:`corral.errors.CorralError`."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+import weakref
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+import grpc.aio
+
+from corral import _connect
+from corral._proto import worker_pb2 as pb
+from corral.errors import CorralError, WorkerUnavailable, from_rpc_error
+
+#: The worker's own limit on a message, with room: a finished result with
+#: both streams' head and tail fits.
+MAX_MESSAGE = 64 << 20
+SERVICE = "/corral.v1.Worker/"
+
+Req = TypeVar("Req")
+Resp = TypeVar("Resp")
+T = TypeVar("T")
+
+_OPTIONS: list[tuple[str, Any]] = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE),
+    ("grpc.max_send_message_length", MAX_MESSAGE),
+    # A dead worker is noticed within about 30 s, as the CLI does.
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 20_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+    # Calls wait for a worker that is coming back rather than fail at once.
+    ("grpc.enable_retries", 0),
+]
+
+
+def _channel(ep: _connect.Endpoint) -> grpc.aio.Channel:
+    options = list(_OPTIONS)
+    if ep.url.startswith("unix://"):
+        # gRPC would send the socket's path as the authority, which is no
+        # valid one for an HTTP/2 server.
+        options.append(("grpc.default_authority", "localhost"))
+    if ep.tls is not None:
+        creds = grpc.ssl_channel_credentials(
+            root_certificates=ep.tls.ca_pem,
+            private_key=ep.tls.key_pem,
+            certificate_chain=ep.tls.cert_pem,
+        )
+        if ep.tls.server_name:
+            options.append(("grpc.ssl_target_name_override", ep.tls.server_name))
+        return grpc.aio.secure_channel(ep.target, creds, options=options)
+    return grpc.aio.insecure_channel(ep.target, options=options)
+
+
+class Worker:
+    """One worker, reached over one channel in one event loop."""
+
+    def __init__(self, ep: _connect.Endpoint) -> None:
+        self.endpoint = ep
+        self.url = ep.url
+        self.channel = _channel(ep)
+        self._metadata: tuple[tuple[str, str], ...] = (
+            (("authorization", f"Bearer {ep.token}"),) if ep.token else ()
+        )
+        ser = _ser
+        ch = self.channel
+        self._unary: dict[str, grpc.aio.UnaryUnaryMultiCallable[Any, Any]] = {}
+        calls: list[tuple[str, Any]] = [
+            ("CreateSandbox", pb.Sandbox),
+            ("GetSandbox", pb.Sandbox),
+            ("ListSandboxes", pb.ListSandboxesResponse),
+            ("DestroySandbox", pb.DestroySandboxResponse),
+            ("SubmitOperation", pb.Operation),
+            ("GetOperation", pb.Operation),
+            ("ListOperations", pb.ListOperationsResponse),
+            ("CancelOperation", pb.CancelOperationResponse),
+            ("GetWorkerInfo", pb.WorkerInfo),
+            ("GetSandboxStats", pb.SandboxStats),
+            ("WriteInput", pb.WriteInputResponse),
+            ("ResizeTerminal", pb.ResizeTerminalResponse),
+            ("ResetSandbox", pb.ResetSandboxResponse),
+        ]
+        for name, resp in calls:
+            self._unary[name] = ch.unary_unary(
+                SERVICE + name, request_serializer=ser, response_deserializer=resp.FromString
+            )
+        self._watch = ch.unary_stream(
+            SERVICE + "WatchSandbox",
+            request_serializer=ser,
+            response_deserializer=pb.SandboxEvent.FromString,
+        )
+        self._download = ch.unary_stream(
+            SERVICE + "Download",
+            request_serializer=ser,
+            response_deserializer=pb.DownloadResponse.FromString,
+        )
+        self._upload = ch.stream_unary(
+            SERVICE + "Upload",
+            request_serializer=ser,
+            response_deserializer=pb.Operation.FromString,
+        )
+
+    async def call(
+        self, name: str, req: Any, resp: type[Resp], timeout: float | None = None
+    ) -> Resp:
+        try:
+            out = await self._unary[name](req, metadata=self._metadata, timeout=timeout)
+        except grpc.aio.AioRpcError as e:
+            raise from_rpc_error(e, self.url) from None
+        assert isinstance(out, resp)
+        return out
+
+    def watch(self, req: pb.WatchSandboxRequest) -> AsyncIterator[pb.SandboxEvent]:
+        return _stream(self._watch(req, metadata=self._metadata), self.url)
+
+    def download(self, req: pb.DownloadRequest) -> AsyncIterator[pb.DownloadResponse]:
+        return _stream(self._download(req, metadata=self._metadata), self.url)
+
+    async def upload(self, reqs: AsyncIterator[pb.UploadRequest]) -> pb.Operation:
+        try:
+            out = await self._upload(reqs, metadata=self._metadata)
+        except grpc.aio.AioRpcError as e:
+            raise from_rpc_error(e, self.url) from None
+        assert isinstance(out, pb.Operation)
+        return out
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+def _ser(m: Any) -> bytes:
+    out = m.SerializeToString()
+    assert isinstance(out, bytes)
+    return out
+
+
+async def _stream(call: Any, url: str) -> AsyncIterator[Any]:
+    try:
+        async for m in call:
+            yield m
+    except grpc.aio.AioRpcError as e:
+        raise from_rpc_error(e, url) from None
+    finally:
+        call.cancel()
+
+
+class _Pool:
+    """The workers of one event loop, by address and credentials."""
+
+    def __init__(self) -> None:
+        self.workers: dict[_connect.Endpoint, Worker] = {}
+        self.local_lock = asyncio.Lock()
+
+
+_pools: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Pool] = weakref.WeakKeyDictionary()
+
+
+def _pool() -> _Pool:
+    loop = asyncio.get_running_loop()
+    p = _pools.get(loop)
+    if p is None:
+        p = _Pool()
+        _pools[loop] = p
+    return p
+
+
+def worker(ep: _connect.Endpoint) -> Worker:
+    """The worker of ``ep`` in this event loop (one channel per worker)."""
+    p = _pool()
+    w = p.workers.get(ep)
+    if w is None:
+        w = Worker(ep)
+        p.workers[ep] = w
+    return w
+
+
+async def answers(w: Worker, timeout: float = 5.0) -> pb.WorkerInfo | None:
+    try:
+        return await w.call("GetWorkerInfo", pb.GetWorkerInfoRequest(), pb.WorkerInfo, timeout)
+    except CorralError:
+        return None
+
+
+async def local_worker(o: _connect.Options) -> Worker:
+    """The local worker of ``o``'s state directory, started first if none
+    answers (as ``corral`` does)."""
+    state = _connect.local_state_dir(o)
+    pool = _pool()
+    async with pool.local_lock:
+        ep = _connect.local_endpoint(state)
+        if ep is not None and await answers(worker(ep)):
+            return worker(ep)
+        starter = _connect.LocalStarter(state, o.docker_host)
+        fd = await asyncio.to_thread(starter.lock)
+        try:
+            ep = _connect.local_endpoint(state)
+            if ep is not None and await answers(worker(ep)):
+                return worker(ep)
+            child = starter.start()
+            deadline = time.monotonic() + _connect.START_PATIENCE_S
+            while True:
+                ep = _connect.local_endpoint(state)
+                if ep is not None and await answers(worker(ep), timeout=2.0):
+                    return worker(ep)
+                code = child.poll()
+                if code is not None:
+                    raise WorkerUnavailable(starter.last_words(code))
+                if time.monotonic() > deadline:
+                    raise WorkerUnavailable(
+                        f"local worker: it did not answer within "
+                        f"{_connect.START_PATIENCE_S:.0f} s of starting "
+                        f"(see {state / 'worker.log'})"
+                    )
+                await asyncio.sleep(0.05)
+        finally:
+            os.close(fd)
+
+
+async def workers(o: _connect.Options) -> list[Worker]:
+    """Every worker ``o`` names, or the local one."""
+    eps = await _connect.endpoints(o)
+    if eps is None:
+        return [await local_worker(o)]
+    return [worker(ep) for ep in eps]
+
+
+async def retrying(
+    what: Callable[[], Awaitable[T]],
+    patience: float,
+    transient: Callable[[CorralError], bool],
+) -> T:
+    """``what()`` again after transient failures (same ids: nothing runs
+    twice), until ``patience`` seconds have passed."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + patience
+    pause = 0.05
+    while True:
+        try:
+            return await what()
+        except CorralError as e:
+            if not transient(e) or loop.time() + pause > deadline:
+                raise
+        await asyncio.sleep(pause)
+        pause = min(pause * 2, 1.0)

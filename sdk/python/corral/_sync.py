@@ -1,0 +1,320 @@
+"""The sync face: the async core run on one event loop of its own, in a
+background thread shared by every sync object of the process."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+from corral import _core, _tar
+from corral.types import FileEntry, OutputChunk, Result, SandboxInfo, SandboxStats, WorkerInfo
+
+T = TypeVar("T")
+
+
+class _Loop:
+    """The background event loop (made at first use, again after a fork)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.pid = 0
+
+    def get(self) -> asyncio.AbstractEventLoop:
+        with self.lock:
+            if self.loop is None or self.pid != os.getpid():
+                loop = asyncio.new_event_loop()
+                t = threading.Thread(target=loop.run_forever, name="corral-loop", daemon=True)
+                t.start()
+                self.loop, self.pid = loop, os.getpid()
+            return self.loop
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        loop = self.get()
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop:
+            coro.close()
+            raise RuntimeError("a sync Corral call from a Corral callback: use the async face")
+        return asyncio.run_coroutine_threadsafe(coro, loop).result()
+
+
+_LOOP = _Loop()
+
+
+def _run(coro: Coroutine[Any, Any, T]) -> T:
+    return _LOOP.run(coro)
+
+
+def _iterate(make: Callable[[], AsyncIterator[T]]) -> Iterator[T]:
+    """A sync iterator over an async one made in the background loop."""
+
+    async def start() -> AsyncIterator[T]:
+        return make()
+
+    it = _run(start())
+
+    async def step() -> T:
+        return await it.__anext__()
+
+    try:
+        while True:
+            try:
+                yield _run(step())
+            except StopAsyncIteration:
+                return
+    finally:
+        aclose = getattr(it, "aclose", None)
+        if aclose is not None:
+            _run(aclose())
+
+
+class Process:
+    """A command running in a sandbox (see :meth:`Sandbox.start`)."""
+
+    def __init__(self, inner: _core.AsyncProcess) -> None:
+        self._p = inner
+
+    @property
+    def id(self) -> str:
+        return self._p.id
+
+    @property
+    def seq(self) -> int:
+        return self._p.seq
+
+    @property
+    def missed(self) -> int:
+        return self._p.missed
+
+    @classmethod
+    def attach(cls, sandbox: Sandbox, process_id: str, after: int | None = None) -> Process:
+        """Picks a process up again, its output from ``after`` (an
+        :class:`OutputChunk`'s seq) or from its start."""
+        return cls(_run(_core.AsyncProcess.attach(sandbox._sb, process_id, after)))
+
+    @property
+    def stdout(self) -> Iterator[bytes]:
+        return _iterate(lambda: self._p.stdout)
+
+    @property
+    def stderr(self) -> Iterator[bytes]:
+        return _iterate(lambda: self._p.stderr)
+
+    def events(self) -> Iterator[OutputChunk]:
+        return _iterate(self._p.events)
+
+    def wait(self, timeout: float | None = None) -> Result:
+        return _run(self._p.wait(timeout))
+
+    def write_stdin(self, data: bytes | str) -> bool:
+        return _run(self._p.write_stdin(data))
+
+    def close_stdin(self) -> None:
+        _run(self._p.close_stdin())
+
+    def kill(self) -> bool:
+        return _run(self._p.kill())
+
+
+class Files:
+    """A sandbox's files (see :class:`corral.AsyncFiles`)."""
+
+    def __init__(self, inner: _core.AsyncFiles) -> None:
+        self._f = inner
+
+    def read(self, path: str) -> bytes:
+        return _run(self._f.read(path))
+
+    def read_text(self, path: str, encoding: str = "utf-8") -> str:
+        return _run(self._f.read_text(path, encoding))
+
+    def write(self, path: str, data: bytes | str, mode: int | None = None) -> int:
+        return _run(self._f.write(path, data, mode))
+
+    def list(self, path: str = ".") -> list[FileEntry]:
+        return _run(self._f.list(path))
+
+    def upload(self, local: str | Path, remote: str = ".") -> int:
+        return _run(self._f.upload(local, remote))
+
+    def download(self, remote: str, local: str | Path) -> _tar.Moved:
+        return _run(self._f.download(remote, local))
+
+
+class Sandbox:
+    """A sandbox on a worker. ``with Sandbox.create() as sb:`` removes it at
+    the end of the block; :meth:`connect` gives one that is not removed."""
+
+    def __init__(self, inner: _core.AsyncSandbox) -> None:
+        self._sb = inner
+        self.files = Files(inner.files)
+
+    def __repr__(self) -> str:
+        return f"Sandbox(id={self.id!r}, worker={self._sb.worker.url!r})"
+
+    @property
+    def id(self) -> str:
+        return self._sb.id
+
+    @property
+    def worker(self) -> str:
+        return self._sb.worker.url
+
+    @classmethod
+    def create(
+        cls,
+        image: str | None = None,
+        *,
+        worker: str | None = None,
+        memory: int | str | None = None,
+        cpus: float | None = None,
+        pids: int | None = None,
+        env: Mapping[str, str] | None = None,
+        ttl: float | None = None,
+        idle_timeout: float | None = None,
+        runtime: str | None = None,
+        workspace_size: int | str | None = None,
+        id: str | None = None,
+        token_file: str | None = None,
+        tls_ca: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+        tls_server_name: str | None = None,
+    ) -> Sandbox:
+        """See :meth:`corral.AsyncSandbox.create`."""
+        return cls(
+            _run(
+                _core.AsyncSandbox.create(
+                    image,
+                    worker=worker,
+                    memory=memory,
+                    cpus=cpus,
+                    pids=pids,
+                    env=env,
+                    ttl=ttl,
+                    idle_timeout=idle_timeout,
+                    runtime=runtime,
+                    workspace_size=workspace_size,
+                    id=id,
+                    token_file=token_file,
+                    tls_ca=tls_ca,
+                    tls_cert=tls_cert,
+                    tls_key=tls_key,
+                    tls_server_name=tls_server_name,
+                )
+            )
+        )
+
+    @classmethod
+    def connect(
+        cls,
+        id: str,
+        worker: str | None = None,
+        *,
+        token_file: str | None = None,
+        tls_ca: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+        tls_server_name: str | None = None,
+    ) -> Sandbox:
+        return cls(
+            _run(
+                _core.AsyncSandbox.connect(
+                    id,
+                    worker,
+                    token_file=token_file,
+                    tls_ca=tls_ca,
+                    tls_cert=tls_cert,
+                    tls_key=tls_key,
+                    tls_server_name=tls_server_name,
+                )
+            )
+        )
+
+    def run(
+        self,
+        cmd: _core.Command,
+        *,
+        cwd: str | None = None,
+        env: Mapping[str, str] | None = None,
+        timeout: float | None = None,
+        stdin: bytes | str | None = None,
+        on_stdout: Callable[[bytes], None] | None = None,
+        on_stderr: Callable[[bytes], None] | None = None,
+        bash: bool = False,
+    ) -> Result:
+        """See :meth:`corral.AsyncSandbox.run`; the callbacks run on Corral's
+        background thread."""
+        return _run(
+            self._sb.run(
+                cmd,
+                cwd=cwd,
+                env=env,
+                timeout=timeout,
+                stdin=stdin,
+                on_stdout=on_stdout,
+                on_stderr=on_stderr,
+                bash=bash,
+            )
+        )
+
+    def start(
+        self,
+        cmd: _core.Command,
+        *,
+        cwd: str | None = None,
+        env: Mapping[str, str] | None = None,
+        timeout: float | None = None,
+        stdin: bool = False,
+        bash: bool = False,
+        keep_background: bool = False,
+    ) -> Process:
+        return Process(
+            _run(
+                self._sb.start(
+                    cmd,
+                    cwd=cwd,
+                    env=env,
+                    timeout=timeout,
+                    stdin=stdin,
+                    bash=bash,
+                    keep_background=keep_background,
+                )
+            )
+        )
+
+    def reset(self) -> int:
+        return _run(self._sb.reset())
+
+    def stats(self) -> SandboxStats:
+        return _run(self._sb.stats())
+
+    def info(self) -> SandboxInfo:
+        return _run(self._sb.info())
+
+    def worker_info(self) -> WorkerInfo:
+        return _run(self._sb.worker_info())
+
+    def remove(self) -> bool:
+        return _run(self._sb.remove())
+
+    def __enter__(self) -> Sandbox:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._sb.owned:
+            self.remove()
+
+
+def list_sandboxes(
+    worker: str | None = None, *, token_file: str | None = None
+) -> list[SandboxInfo]:
+    """Every sandbox of the workers named (or of the local worker)."""
+    return _run(_core.list_sandboxes(worker, token_file=token_file))

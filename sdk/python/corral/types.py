@@ -1,0 +1,243 @@
+"""What calls return: results of commands, and what sandboxes and workers say."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from corral._proto import worker_pb2 as pb
+
+
+class EndCause(str, enum.Enum):
+    """How a command ended."""
+
+    EXITED = "exited"
+    SIGNALED = "signaled"
+    TIMED_OUT = "timed_out"
+    OUT_OF_MEMORY = "out_of_memory"
+    CANCELED = "canceled"
+    SANDBOX_LOST = "sandbox_lost"
+    SPAWN_FAILED = "spawn_failed"
+    FILE_ERROR = "file_error"
+
+
+@dataclass(frozen=True)
+class Result:
+    """A finished command.
+
+    ``exit_code`` is the command's exit status when it exited; a command
+    killed by a signal has ``end_cause`` SIGNALED and ``exit_code`` 128 +
+    the signal, as a shell says; a timeout, OOM kill or cancel has
+    ``exit_code`` None. ``stdout``/``stderr`` are what the worker kept of
+    each stream (its first and last bytes, 1 MiB each by default);
+    ``omitted_bytes`` counts what was left out between them (every byte
+    still reached ``on_stdout``/``on_stderr`` and the process iterators).
+    """
+
+    exit_code: int | None
+    stdout: str
+    stderr: str
+    end_cause: EndCause
+    duration_s: float
+    omitted_bytes: int = 0
+    signal: int | None = None
+    #: Why it could not start, or why its sandbox was lost.
+    reason: str | None = None
+    stdout_bytes: bytes = field(default=b"", repr=False)
+    stderr_bytes: bytes = field(default=b"", repr=False)
+
+    @property
+    def ok(self) -> bool:
+        """It exited with status 0."""
+        return self.end_cause is EndCause.EXITED and self.exit_code == 0
+
+    @property
+    def output(self) -> str:
+        """stdout then stderr, as a terminal shows them one after the other."""
+        return self.stdout + self.stderr
+
+
+def _kept(c: pb.CapturedOutput) -> tuple[bytes, int]:
+    data = bytes(c.head) + bytes(c.tail)
+    return data, max(0, c.total_bytes - len(data))
+
+
+def result_of(r: pb.OperationResult) -> Result:
+    out, out_omitted = _kept(r.stdout)
+    err, err_omitted = _kept(r.stderr)
+    o = r.outcome
+    kind = o.WhichOneof("kind")
+    exit_code: int | None = None
+    sig: int | None = None
+    reason: str | None = None
+    if kind == "exited":
+        cause = EndCause.EXITED
+        exit_code = o.exited.code
+    elif kind == "signaled":
+        cause = EndCause.SIGNALED
+        sig = o.signaled.signal
+        exit_code = 128 + sig
+    elif kind == "timed_out":
+        cause = EndCause.TIMED_OUT
+    elif kind == "out_of_memory":
+        cause = EndCause.OUT_OF_MEMORY
+    elif kind == "canceled":
+        cause = EndCause.CANCELED
+    elif kind == "sandbox_lost":
+        cause = EndCause.SANDBOX_LOST
+        reason = o.sandbox_lost.reason
+    elif kind == "spawn_failed":
+        cause = EndCause.SPAWN_FAILED
+        reason = o.spawn_failed.reason
+    else:
+        cause = EndCause.FILE_ERROR
+        reason = o.file_error.message
+    return Result(
+        exit_code=exit_code,
+        stdout=out.decode("utf-8", "replace"),
+        stderr=err.decode("utf-8", "replace"),
+        end_cause=cause,
+        duration_s=r.duration_ms / 1000.0,
+        omitted_bytes=out_omitted + err_omitted,
+        signal=sig,
+        reason=reason,
+        stdout_bytes=out,
+        stderr_bytes=err,
+    )
+
+
+class SandboxState(str, enum.Enum):
+    STARTING = "starting"
+    READY = "ready"
+    LOST = "lost"
+    UNKNOWN = "unknown"
+
+
+@dataclass(frozen=True)
+class SandboxInfo:
+    id: str
+    state: SandboxState
+    image: str
+    worker_id: str
+    #: The worker's address this client reached it at.
+    worker: str
+    container_id: str
+    running_operations: int
+    created_at_unix_ms: int
+    last_used_unix_ms: int
+    lost_reason: str | None
+    env: dict[str, str]
+    memory_bytes: int
+    cpus: float
+    pids: int
+    runtime: str | None
+    ttl_s: float | None
+    idle_timeout_s: float | None
+    last_seq: int
+
+
+def sandbox_info_of(s: pb.Sandbox, worker: str) -> SandboxInfo:
+    states = {
+        pb.SANDBOX_STATE_STARTING: SandboxState.STARTING,
+        pb.SANDBOX_STATE_READY: SandboxState.READY,
+        pb.SANDBOX_STATE_LOST: SandboxState.LOST,
+    }
+    spec = s.spec
+    return SandboxInfo(
+        id=s.id,
+        state=states.get(s.state, SandboxState.UNKNOWN),
+        image=s.image,
+        worker_id=s.worker_id,
+        worker=worker,
+        container_id=s.container_id,
+        running_operations=s.running_operations,
+        created_at_unix_ms=s.created_at_unix_ms,
+        last_used_unix_ms=s.last_used_unix_ms,
+        lost_reason=s.lost_reason or None,
+        env=dict(spec.env),
+        memory_bytes=spec.memory_bytes,
+        cpus=spec.cpu_millis / 1000.0,
+        pids=spec.pids_limit,
+        runtime=spec.runtime or None,
+        ttl_s=spec.ttl_ms / 1000.0 if spec.ttl_ms else None,
+        idle_timeout_s=spec.idle_timeout_ms / 1000.0 if spec.idle_timeout_ms else None,
+        last_seq=s.last_seq,
+    )
+
+
+@dataclass(frozen=True)
+class SandboxStats:
+    memory_bytes: int
+    memory_limit_bytes: int
+    files_bytes: int
+    cpu_percent: float
+    cpu_total_s: float
+    pids: int
+    pids_limit: int
+
+
+def stats_of(s: pb.SandboxStats) -> SandboxStats:
+    return SandboxStats(
+        memory_bytes=s.memory_bytes,
+        memory_limit_bytes=s.memory_limit_bytes,
+        files_bytes=s.files_bytes,
+        cpu_percent=s.cpu_percent,
+        cpu_total_s=s.cpu_total_ns / 1e9,
+        pids=s.pids,
+        pids_limit=s.pids_limit,
+    )
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    worker_id: str
+    version: str
+    max_sandboxes: int
+    sandboxes: int
+    running_operations: int
+    draining: bool
+    default_image: str
+    default_runtime: str | None
+
+
+def worker_info_of(w: pb.WorkerInfo) -> WorkerInfo:
+    return WorkerInfo(
+        worker_id=w.worker_id,
+        version=w.version,
+        max_sandboxes=w.max_sandboxes,
+        sandboxes=w.sandboxes,
+        running_operations=w.running_operations,
+        draining=w.draining,
+        default_image=w.default_image,
+        default_runtime=w.default_runtime or None,
+    )
+
+
+class EntryType(str, enum.Enum):
+    FILE = "file"
+    DIRECTORY = "directory"
+    SYMLINK = "symlink"
+    OTHER = "other"
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """One entry of a directory listing."""
+
+    name: str
+    path: str
+    type: EntryType
+    mode: int
+    size: int
+    mtime: float
+
+
+@dataclass(frozen=True)
+class OutputChunk:
+    """A piece of a process's output, with the event's place in its
+    sandbox's stream: ``Process.attach(sb, id, after=chunk.seq)`` goes on
+    right after it."""
+
+    seq: int
+    stream: str
+    data: bytes
