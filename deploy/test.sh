@@ -2,7 +2,8 @@
 # Runs Corral's whole test suite against the local Docker engine: builds the
 # static corral-init and the sandbox images first (the tests run real
 # sandboxes), builds Corral's own images and validates the deployment files,
-# then runs every test of the workspace with cargo-nextest.
+# then runs every test of the workspace with cargo-nextest, and the Python
+# SDK's.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -18,3 +19,6 @@ cargo build --locked --workspace --bins
 # The tests against a real llama.cpp server need its build (about 10
 # minutes the first time): deploy/test-llama.sh runs them.
 cargo nextest run --locked --workspace -E 'not test(real_llama)' "$@"
+# The Python SDK (sdk/python): ruff, mypy --strict and pytest against real
+# workers, in a venv of its own.
+sdk/python/test.sh

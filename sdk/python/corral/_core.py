@@ -325,7 +325,7 @@ class AsyncFiles:
         )
         p = await self._sb._submit(spec)
         if stream:
-            p._input = len(first)
+            # The spec's bytes come first; input offsets count what follows.
             ok = await p.write_stdin(raw[len(first) :])
             if ok:
                 await p.close_stdin()
@@ -541,6 +541,22 @@ class AsyncSandbox:
         p = await self.start(
             cmd, cwd=cwd, env=env, timeout=timeout, stdin=stdin is not None, bash=bash
         )
+        try:
+            return await self._run_started(p, stdin, on_stdout, on_stderr)
+        except BaseException:
+            # A callback that raised, a caller that gave up: the command
+            # goes with it.
+            with contextlib.suppress(Exception):
+                await asyncio.shield(p.kill())
+            raise
+
+    async def _run_started(
+        self,
+        p: AsyncProcess,
+        stdin: bytes | str | None,
+        on_stdout: OnOutput | None,
+        on_stderr: OnOutput | None,
+    ) -> Result:
         if stdin is None:
             return await p._follow(on_stdout, on_stderr)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Coroutine, Generator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -52,7 +52,7 @@ def _run(coro: Coroutine[Any, Any, T]) -> T:
     return _LOOP.run(coro)
 
 
-def _iterate(make: Callable[[], AsyncIterator[T]]) -> Iterator[T]:
+def _iterate(make: Callable[[], AsyncIterator[T]]) -> Generator[T, None, None]:
     """A sync iterator over an async one made in the background loop."""
 
     async def start() -> AsyncIterator[T]:
@@ -100,14 +100,14 @@ class Process:
         return cls(_run(_core.AsyncProcess.attach(sandbox._sb, process_id, after)))
 
     @property
-    def stdout(self) -> Iterator[bytes]:
+    def stdout(self) -> Generator[bytes, None, None]:
         return _iterate(lambda: self._p.stdout)
 
     @property
-    def stderr(self) -> Iterator[bytes]:
+    def stderr(self) -> Generator[bytes, None, None]:
         return _iterate(lambda: self._p.stderr)
 
-    def events(self) -> Iterator[OutputChunk]:
+    def events(self) -> Generator[OutputChunk, None, None]:
         return _iterate(self._p.events)
 
     def wait(self, timeout: float | None = None) -> Result:

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# The Python SDK's checks and tests, as deploy/test.sh runs them: a venv of
+# its own (target/sdk-venv), the package installed from this directory as a
+# user installs it, then ruff, mypy --strict and pytest against real workers
+# (the debug binaries of `cargo build --workspace --bins` and the static
+# corral-init of deploy/test.sh).
+set -euo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+repo="$(cd "$here/../.." && pwd)"
+venv="${CORRAL_SDK_VENV:-$repo/target/sdk-venv}"
+python="${PYTHON:-python3}"
+[ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
+"$venv/bin/pip" install --quiet --disable-pip-version-check "$here[dev]"
+cd "$here"
+"$venv/bin/ruff" check .
+"$venv/bin/ruff" format --check .
+"$venv/bin/mypy"
+# The installed package is what the tests import, not this directory's copy.
+cd "$here/tests"
+"$venv/bin/python" -m pytest -q -p no:cacheprovider --rootdir "$here" -c "$here/pyproject.toml" "$here/tests" "$@"

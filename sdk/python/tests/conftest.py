@@ -1,0 +1,150 @@
+"""Real workers for the tests: ``corral-worker`` processes on loopback ports,
+each with a state directory and a token of its own, against the local
+Docker engine (the binaries of ``cargo build --workspace --bins``; another
+build directory with ``CORRAL_BIN_DIR``)."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import corral
+
+REPO = Path(__file__).resolve().parents[3]
+BIN_DIR = Path(os.environ.get("CORRAL_BIN_DIR", REPO / "target" / "debug"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+class Worker:
+    """A corral-worker process that can be stopped, killed and started again
+    on the same address and state."""
+
+    def __init__(self, root: Path, *args: str) -> None:
+        self.root = root
+        self.state = root / "state"
+        self.state.mkdir(parents=True, exist_ok=True)
+        self.token_file = root / "token"
+        if not self.token_file.exists():
+            self.token_file.write_text(secrets.token_urlsafe(32) + "\n")
+            self.token_file.chmod(0o600)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.args = list(args)
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.start()
+
+    def start(self) -> None:
+        log = open(self.root / "worker.log", "ab")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            [
+                str(BIN_DIR / "corral-worker"),
+                "--listen",
+                f"127.0.0.1:{self.port}",
+                "--state-dir",
+                str(self.state),
+                "--token-file",
+                str(self.token_file),
+                "--init-binary",
+                str(init_binary()),
+                *self.args,
+            ],
+            stdout=log,
+            stderr=log,
+            env={**os.environ, "CORRAL_LOG_FORMAT": "json"},
+        )
+        log.close()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"corral-worker exited: {(self.root / 'worker.log').read_text()}"
+                )
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
+                    return
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError("corral-worker did not listen within 30 s")
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def signal(self, sig: int) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(sig)
+
+    def create(self, **kw: Any) -> corral.Sandbox:
+        return corral.Sandbox.create(worker=self.url, token_file=str(self.token_file), **kw)
+
+    def connect(self, id: str) -> corral.Sandbox:
+        return corral.Sandbox.connect(id, self.url, token_file=str(self.token_file))
+
+    def remove_all(self) -> None:
+        try:
+            for s in corral.list_sandboxes(self.url, token_file=str(self.token_file)):
+                corral.Sandbox.connect(s.id, self.url, token_file=str(self.token_file)).remove()
+        except corral.CorralError:
+            pass
+
+
+def init_binary() -> Path:
+    p = REPO / "target" / "x86_64-unknown-linux-gnu" / "release" / "corral-init"
+    if not p.exists():
+        raise RuntimeError(f"{p}: build the static corral-init first (deploy/test.sh does)")
+    return p
+
+
+@pytest.fixture(scope="session")
+def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Worker]:
+    w = Worker(tmp_path_factory.mktemp("worker"), "--allow-image", "corral-debian:latest")
+    yield w
+    w.remove_all()
+    w.stop()
+
+
+@pytest.fixture
+def own_worker(tmp_path: Path) -> Iterator[Callable[..., Worker]]:
+    """A worker of this test alone (one it may kill or fill)."""
+    made: list[Worker] = []
+
+    def make(*args: str) -> Worker:
+        w = Worker(tmp_path / f"w{len(made)}", *args)
+        made.append(w)
+        return w
+
+    yield make
+    for w in made:
+        if w.proc is not None and w.proc.poll() is None:
+            w.remove_all()
+        w.stop()
+
+
+@pytest.fixture
+def sb(worker: Worker) -> Iterator[corral.Sandbox]:
+    with worker.create() as s:
+        yield s

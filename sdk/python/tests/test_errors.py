@@ -1,0 +1,99 @@
+"""Each typed error, produced for real by a worker."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from conftest import Worker
+
+import corral
+
+
+def test_an_unknown_sandbox(worker: Worker) -> None:
+    with pytest.raises(corral.SandboxNotFound) as e:
+        worker.connect("no-such-sandbox")
+    assert e.value.reason == "sandbox_not_found" and e.value.code == "NOT_FOUND"
+    with worker.create() as sb:
+        id = sb.id
+    with pytest.raises(corral.SandboxNotFound) as e:
+        worker.connect(id)
+    assert e.value.reason in ("sandbox_removed", "sandbox_not_found")
+
+
+def test_a_policy_refusal_names_its_flag(worker: Worker) -> None:
+    with pytest.raises(corral.PolicyDenied) as e:
+        worker.create(memory="1p")
+    assert e.value.flag == "--max-memory"
+    with pytest.raises(corral.PolicyDenied) as e:
+        worker.create(image="some-other-image:1")
+    assert e.value.flag == "--allow-image"
+
+
+def test_a_full_worker_and_a_draining_one(own_worker: Callable[..., Worker]) -> None:
+    w = own_worker("--max-sandboxes", "1")
+    with w.create():
+        with pytest.raises(corral.ResourceExhausted) as e:
+            w.create()
+        assert e.value.reason == "at_capacity"
+    w.signal(signal.SIGUSR1)  # drain
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            with w.create():
+                pass
+        except corral.WorkerUnavailable as e:
+            assert e.reason == "draining"
+            break
+        assert time.monotonic() < deadline, "never drained"
+        time.sleep(0.1)
+
+
+def test_a_wrong_token_and_an_open_token_file(worker: Worker, tmp_path: Path) -> None:
+    bad = tmp_path / "bad"
+    bad.write_text("x" * 40 + "\n")
+    bad.chmod(0o600)
+    with pytest.raises(corral.Unauthenticated):
+        corral.Sandbox.create(worker=worker.url, token_file=str(bad))
+    bad.chmod(0o644)
+    with pytest.raises(corral.ConfigError):
+        corral.Sandbox.create(worker=worker.url, token_file=str(bad))
+
+
+def test_invalid_arguments(sb: corral.Sandbox) -> None:
+    with pytest.raises(corral.InvalidArgument):
+        sb.run("echo a\0b")
+    with pytest.raises(corral.InvalidArgument):
+        sb.run([])
+    with pytest.raises(corral.InvalidArgument):
+        corral.Sandbox.create(worker="http://127.0.0.1:1", memory="lots")
+
+
+def test_a_lost_sandbox(worker: Worker) -> None:
+    sb = worker.create()
+    p = sb.start("sleep 60")
+    info = sb.info()
+    subprocess.run(["docker", "rm", "-f", info.container_id], check=True, capture_output=True)
+    r = p.wait(timeout=60)
+    assert r.end_cause is corral.EndCause.SANDBOX_LOST
+    with pytest.raises((corral.SandboxLost, corral.SandboxNotFound)) as e:
+        sb.run("true")
+    assert e.value.reason in ("sandbox_lost", "sandbox_removed", "sandbox_not_found")
+    sb.remove()
+
+
+def test_no_worker_there(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from conftest import free_port
+
+    from corral import _core
+
+    token = tmp_path / "t"
+    token.write_text("y" * 40)
+    token.chmod(0o600)
+    monkeypatch.setattr(_core, "PATIENCE_S", 1.0)
+    with pytest.raises(corral.WorkerUnavailable):
+        corral.Sandbox.create(worker=f"http://127.0.0.1:{free_port()}", token_file=str(token))

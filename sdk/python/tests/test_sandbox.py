@@ -1,0 +1,81 @@
+"""Sandboxes: made, found, listed, reset, measured and removed; the local
+worker started when no worker is named."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from conftest import BIN_DIR, Worker
+
+import corral
+
+
+def test_create_with_limits_env_and_lifetimes(worker: Worker) -> None:
+    with worker.create(
+        memory="256m", cpus=0.5, pids=64, env={"A": "1"}, ttl=600, idle_timeout=300
+    ) as sb:
+        info = sb.info()
+        assert info.id == sb.id and info.state is corral.SandboxState.READY
+        assert (info.memory_bytes, info.cpus, info.pids) == (256 << 20, 0.5, 64)
+        assert (info.ttl_s, info.idle_timeout_s) == (600, 300)
+        assert sb.run("echo $A").stdout == "1\n"
+        st = sb.stats()
+        assert st.pids_limit == 64 and st.memory_limit_bytes > 0
+        assert sb.id in {
+            s.id for s in corral.list_sandboxes(worker.url, token_file=str(worker.token_file))
+        }
+        found = worker.connect(sb.id)
+        assert found.run("echo found").stdout == "found\n"
+        # Not found's to remove: its with block leaves the sandbox be.
+        with found:
+            pass
+        assert sb.info().state is corral.SandboxState.READY
+    # The with block of the one that made it removes it.
+    ids = {s.id for s in corral.list_sandboxes(worker.url, token_file=str(worker.token_file))}
+    assert sb.id not in ids
+
+
+def test_reset_kills_everything_but_the_supervisor(sb: corral.Sandbox) -> None:
+    p = sb.start("sleep 100", keep_background=True)
+    assert sb.reset() >= 1
+    assert p.wait(timeout=30).end_cause is corral.EndCause.CANCELED
+    assert sb.run("echo alive").stdout == "alive\n"
+    assert sb.remove() is True
+    assert sb.remove() is False
+
+
+def test_the_image_asked_for(worker: Worker) -> None:
+    with worker.create(image="corral-debian:latest") as sb:
+        assert "debian" in sb.run("cat /etc/os-release").stdout.lower()
+
+
+def test_no_worker_named_means_the_local_worker_corral_starts(tmp_path: Path) -> None:
+    # A program as a user writes it, with no worker anywhere in sight.
+    script = tmp_path / "user.py"
+    script.write_text(
+        textwrap.dedent("""
+        import corral
+        with corral.Sandbox.create() as sb:
+            print(sb.run("echo from the local worker").stdout, end="")
+            print(sb.worker)
+    """)
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CORRAL_") or k == "CORRAL_BIN"}
+    env["CORRAL_BIN"] = str(BIN_DIR / "corral")
+    env["XDG_STATE_HOME"] = str(tmp_path / "state")
+    out = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    said, url = out.stdout.splitlines()
+    assert said == "from the local worker"
+    sock = tmp_path / "state" / "corral" / "embedded" / "worker.sock"
+    assert url == f"unix://{sock}"
+    # Left running for the next program (it exits when idle), as with corral.
+    token = tmp_path / "state" / "corral" / "embedded" / "token"
+    assert oct(token.stat().st_mode & 0o777) == "0o600"
+    subprocess.run(["pkill", "-f", f"local-worker --state-dir {sock.parent}"], check=False)
