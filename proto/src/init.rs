@@ -25,6 +25,11 @@ pub enum InitRequest {
     Cancel {
         operation_id: OperationId,
     },
+    /// A signal (1-31) for the operation's process group.
+    Signal {
+        operation_id: OperationId,
+        signal: i32,
+    },
     Input {
         operation_id: OperationId,
         offset: u64,
@@ -36,6 +41,18 @@ pub enum InitRequest {
         size: TerminalSize,
     },
     Reset,
+}
+
+/// A signal number a client may send: 1-31 (SIGHUP .. SIGSYS).
+pub fn valid_signal(signal: i32) -> Result<i32, ProtocolError> {
+    if (1..=31).contains(&signal) {
+        Ok(signal)
+    } else {
+        Err(ProtocolError::invalid(
+            "signal",
+            format!("{signal} is not a signal (1-31)"),
+        ))
+    }
 }
 
 /// An operation as its owner remembers it.
@@ -186,6 +203,13 @@ impl From<InitRequest> for pb::InitRequest {
             InitRequest::Cancel { operation_id } => Kind::Cancel(p::Cancel {
                 operation_id: operation_id.into(),
             }),
+            InitRequest::Signal {
+                operation_id,
+                signal,
+            } => Kind::Signal(p::Signal {
+                operation_id: operation_id.into(),
+                signal,
+            }),
             InitRequest::Input {
                 operation_id,
                 offset,
@@ -224,6 +248,10 @@ impl TryFrom<pb::InitRequest> for InitRequest {
             },
             Kind::Cancel(c) => Self::Cancel {
                 operation_id: OperationId::new(c.operation_id)?,
+            },
+            Kind::Signal(s) => Self::Signal {
+                operation_id: OperationId::new(s.operation_id)?,
+                signal: valid_signal(s.signal)?,
             },
             Kind::Input(i) => Self::Input {
                 operation_id: OperationId::new(i.operation_id)?,

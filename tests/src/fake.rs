@@ -91,6 +91,12 @@ impl pb::worker_server::Worker for FakeWorker {
     ) -> Result<Response<pb::CancelOperationResponse>, Status> {
         no()
     }
+    async fn signal_operation(
+        &self,
+        _: Request<pb::SignalOperationRequest>,
+    ) -> Result<Response<pb::SignalOperationResponse>, Status> {
+        no()
+    }
     type WatchSandboxStream = Stream_<pb::SandboxEvent>;
     async fn watch_sandbox(
         &self,

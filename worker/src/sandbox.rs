@@ -227,6 +227,11 @@ enum Command {
         id: OperationId,
         reply: oneshot::Sender<bool>,
     },
+    Signal {
+        id: OperationId,
+        signal: i32,
+        reply: oneshot::Sender<Result<bool>>,
+    },
     Input(PendingInput),
     Resize {
         id: OperationId,
@@ -444,6 +449,17 @@ impl Sandbox {
             .await
             .map_err(|_| WorkerError::ShuttingDown)?;
         rx.await.map_err(|_| WorkerError::ShuttingDown)
+    }
+
+    /// Sends a signal to a running shell operation's process group;
+    /// whether it was running.
+    pub async fn signal(&self, id: OperationId, signal: i32) -> Result<bool> {
+        let (reply, rx) = oneshot::channel();
+        self.tx
+            .send(Command::Signal { id, signal, reply })
+            .await
+            .map_err(|_| WorkerError::ShuttingDown)?;
+        rx.await.map_err(|_| WorkerError::ShuttingDown)?
     }
 
     pub fn operation(&self, id: &OperationId) -> Option<OperationRecord> {
@@ -860,6 +876,30 @@ impl Actor {
                     self.send(InitRequest::Cancel { operation_id: id }).await;
                 }
                 let _ = reply.send(running);
+            }
+            Command::Signal { id, signal, reply } => {
+                let known = lock(&self.shared.ops).ops.get(&id).map(|r| {
+                    (
+                        matches!(r.spec, OperationSpec::Shell(_)),
+                        r.result.is_none(),
+                    )
+                });
+                let answer = match known {
+                    None => Err(WorkerError::UnknownOperation(id.to_string())),
+                    Some((false, _)) => Err(WorkerError::NotApplicable(format!(
+                        "operation {id} is no command: it takes no signal"
+                    ))),
+                    Some((true, false)) => Ok(false),
+                    Some((true, true)) => {
+                        self.send(InitRequest::Signal {
+                            operation_id: id,
+                            signal,
+                        })
+                        .await;
+                        Ok(true)
+                    }
+                };
+                let _ = reply.send(answer);
             }
             Command::Input(p) => self.on_input(p).await,
             Command::Resize { id, size, reply } => {

@@ -308,6 +308,17 @@ impl pb::worker_server::Worker for WorkerService {
         Ok(Response::new(pb::CancelOperationResponse { canceling }))
     }
 
+    async fn signal_operation(
+        &self,
+        req: Request<pb::SignalOperationRequest>,
+    ) -> Result<Response<pb::SignalOperationResponse>, Status> {
+        let req = req.into_inner();
+        let sid = sandbox_id(req.sandbox_id)?;
+        let oid = operation_id(req.operation_id)?;
+        let delivered = self.worker.signal(&sid, &oid, req.signal).await?;
+        Ok(Response::new(pb::SignalOperationResponse { delivered }))
+    }
+
     type WatchSandboxStream = EventStream;
     type DownloadStream = DownloadStream;
 

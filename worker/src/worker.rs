@@ -725,6 +725,12 @@ impl Worker {
         self.sandbox(sandbox)?.cancel(id.clone()).await
     }
 
+    /// Sends `signal` (checked: 1-31) to a running command of `sandbox`.
+    pub async fn signal(&self, sandbox: &SandboxId, id: &OperationId, signal: i32) -> Result<bool> {
+        let signal = corral_proto::init::valid_signal(signal)?;
+        self.sandbox(sandbox)?.signal(id.clone(), signal).await
+    }
+
     pub fn watch(
         &self,
         sandbox: &SandboxId,

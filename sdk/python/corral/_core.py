@@ -282,6 +282,18 @@ class AsyncProcess:
         self._input = max(self._input + len(piece), reply.input_bytes)
         return True
 
+    async def signal(self, sig: int) -> bool:
+        """Sends ``sig`` (``signal.SIGINT``, ...) to its process group: the
+        command and what it started; False when it had ended."""
+        reply = await self.sandbox._ask(
+            "SignalOperation",
+            pb.SignalOperationRequest(
+                sandbox_id=self.sandbox.id, operation_id=self.id, signal=int(sig)
+            ),
+            pb.SignalOperationResponse,
+        )
+        return reply.delivered
+
     async def kill(self) -> bool:
         """Ends it (and every process it started); its result says
         ``canceled``. False when it had ended already."""

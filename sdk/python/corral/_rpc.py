@@ -80,6 +80,7 @@ class Worker:
             ("GetOperation", pb.Operation),
             ("ListOperations", pb.ListOperationsResponse),
             ("CancelOperation", pb.CancelOperationResponse),
+            ("SignalOperation", pb.SignalOperationResponse),
             ("GetWorkerInfo", pb.WorkerInfo),
             ("GetSandboxStats", pb.SandboxStats),
             ("WriteInput", pb.WriteInputResponse),

@@ -119,6 +119,9 @@ class Process:
     def close_stdin(self) -> None:
         _run(self._p.close_stdin())
 
+    def signal(self, sig: int) -> bool:
+        return _run(self._p.signal(sig))
+
     def kill(self) -> bool:
         return _run(self._p.kill())
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import signal
+
 import pytest
 
 import corral
@@ -62,3 +64,20 @@ def test_events_carry_seqs_that_attach_goes_on_from(sb: corral.Sandbox) -> None:
 def test_many_processes_at_once(sb: corral.Sandbox) -> None:
     ps = [sb.start(f"sleep 0.2; echo {i}") for i in range(10)]
     assert [p.wait().stdout for p in ps] == [f"{i}\n" for i in range(10)]
+
+
+def test_signals_reach_the_command_and_its_group(sb: corral.Sandbox) -> None:
+    p = sb.start("trap 'echo got INT; exit 7' INT; echo ready; while :; do sleep 0.05; done")
+    it = p.stdout
+    assert next(it) == b"ready\n"
+    assert p.signal(signal.SIGINT)
+    r = p.wait(timeout=30)
+    assert (r.exit_code, r.stdout) == (7, "ready\ngot INT\n")
+    assert p.signal(signal.SIGINT) is False
+    q = sb.start("sleep 30")
+    assert q.signal(signal.SIGKILL)
+    assert q.wait(timeout=30).signal == signal.SIGKILL
+    with pytest.raises(corral.InvalidArgument):
+        sb.start("sleep 1").signal(0)
+    with pytest.raises(corral.ProcessNotFound):
+        corral.Process(corral.AsyncProcess(sb._sb, "no-such-op")).signal(signal.SIGTERM)

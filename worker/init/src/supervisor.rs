@@ -810,6 +810,10 @@ impl Supervisor {
                 self.credit = self.credit.saturating_add(bytes);
             }
             InitRequest::Cancel { operation_id } => self.cancel(&operation_id),
+            InitRequest::Signal {
+                operation_id,
+                signal,
+            } => self.signal(&operation_id, signal),
             InitRequest::Run { operation_id, spec } => {
                 if let Some(op) = self.ops.get(&operation_id) {
                     if op.spec != spec.without_data() || op.data_digest != spec_digest(&spec) {
@@ -1115,6 +1119,17 @@ impl Supervisor {
         procs::ending(run.pgid, run.exit.is_none());
         let _ = killpg(run.pgid, Signal::SIGTERM);
         run.kill_at = Some(Instant::now() + grace);
+    }
+
+    /// Sends `signal` to a running command's process group (a file
+    /// operation, or one that ended, takes none).
+    fn signal(&mut self, id: &OperationId, signal: i32) {
+        let Some(run) = self.ops.get(id).and_then(|op| op.running.as_ref()) else {
+            return;
+        };
+        if let Ok(sig) = Signal::try_from(signal) {
+            let _ = killpg(run.pgid, sig);
+        }
     }
 
     /// Kills every process but this one; running operations end as

@@ -326,6 +326,22 @@ class CancelOperationRequest(_message.Message):
     operation_id: str
     def __init__(self, sandbox_id: _Optional[str] = ..., operation_id: _Optional[str] = ...) -> None: ...
 
+class SignalOperationRequest(_message.Message):
+    __slots__ = ("sandbox_id", "operation_id", "signal")
+    SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
+    OPERATION_ID_FIELD_NUMBER: _ClassVar[int]
+    SIGNAL_FIELD_NUMBER: _ClassVar[int]
+    sandbox_id: str
+    operation_id: str
+    signal: int
+    def __init__(self, sandbox_id: _Optional[str] = ..., operation_id: _Optional[str] = ..., signal: _Optional[int] = ...) -> None: ...
+
+class SignalOperationResponse(_message.Message):
+    __slots__ = ("delivered",)
+    DELIVERED_FIELD_NUMBER: _ClassVar[int]
+    delivered: bool
+    def __init__(self, delivered: _Optional[bool] = ...) -> None: ...
+
 class CancelOperationResponse(_message.Message):
     __slots__ = ("canceling",)
     CANCELING_FIELD_NUMBER: _ClassVar[int]
