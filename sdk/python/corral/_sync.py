@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 import threading
 from collections.abc import AsyncIterator, Callable, Coroutine, Generator, Mapping
 from pathlib import Path
@@ -34,6 +35,10 @@ class _Loop:
             return self.loop
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        if sys.is_finalizing():
+            # The loop's thread may be gone already: nothing would answer.
+            coro.close()
+            raise RuntimeError("Python is shutting down: no more Corral calls")
         loop = self.get()
         try:
             running = asyncio.get_running_loop()
