@@ -465,6 +465,10 @@ pub enum SandboxCommand {
         /// Environment variable for every command of the sandbox (repeatable).
         #[arg(long = "env", short = 'e', value_name = "K=V", value_parser = parse_env)]
         env: Vec<(String, String)>,
+        /// A label, kept with the sandbox and shown by `sandbox ls --json`
+        /// and `inspect` (repeatable); never given to its commands.
+        #[arg(long = "label", short = 'l', value_name = "K=V", value_parser = parse_env)]
+        label: Vec<(String, String)>,
         /// OCI runtime, e.g. runsc for gVisor (as the worker allows).
         #[arg(long)]
         runtime: Option<String>,
@@ -486,6 +490,9 @@ pub enum SandboxCommand {
         /// Ids only, one per line.
         #[arg(long, short, conflicts_with = "json")]
         quiet: bool,
+        /// Only sandboxes with this label (repeatable: all of them).
+        #[arg(long = "label", short = 'l', value_name = "K=V", value_parser = parse_env)]
+        label: Vec<(String, String)>,
     },
     /// Everything about one sandbox: spec, limits, image, worker,
     /// container, age, idle time.

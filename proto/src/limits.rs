@@ -42,3 +42,7 @@ pub const MAX_PATH_BYTES: usize = 4096;
 pub const WORKSPACE_DIR: &str = "/workspace";
 /// Where the tmpfs scratch directory is mounted in every sandbox.
 pub const TMP_DIR: &str = "/tmp";
+/// Labels a sandbox may carry, and the size of each key and value.
+pub const MAX_LABELS: usize = 64;
+pub const MAX_LABEL_KEY_BYTES: usize = 128;
+pub const MAX_LABEL_VALUE_BYTES: usize = 1024;

@@ -55,6 +55,13 @@ pub struct SandboxSpec {
     /// The memory limit covers the tmpfs files too (see worker.proto).
     #[cfg_attr(feature = "serde", serde(default, skip_serializing_if = "is_false"))]
     pub memory_includes_files: bool,
+    /// The client's own names for it, kept and shown, never given to
+    /// commands (see [`crate::limits::MAX_LABELS`]).
+    #[cfg_attr(
+        feature = "serde",
+        serde(default, skip_serializing_if = "BTreeMap::is_empty")
+    )]
+    pub labels: BTreeMap<String, String>,
 }
 
 /// A pseudo-terminal's window size.
@@ -353,8 +360,40 @@ impl SandboxSpec {
                 ));
             }
         }
-        validate_env("env", &self.env)
+        validate_env("env", &self.env)?;
+        validate_labels(&self.labels)
     }
+}
+
+fn validate_labels(labels: &BTreeMap<String, String>) -> Result<(), ProtocolError> {
+    use crate::limits::{MAX_LABEL_KEY_BYTES, MAX_LABEL_VALUE_BYTES, MAX_LABELS};
+    if labels.len() > MAX_LABELS {
+        return Err(ProtocolError::invalid(
+            "labels",
+            format!("more than {MAX_LABELS} labels"),
+        ));
+    }
+    for (k, v) in labels {
+        let key_ok = !k.is_empty()
+            && k.len() <= MAX_LABEL_KEY_BYTES
+            && k.bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"_.-/".contains(&b));
+        if !key_ok {
+            return Err(ProtocolError::invalid(
+                "labels",
+                format!("key {k:?}: 1-{MAX_LABEL_KEY_BYTES} characters of [A-Za-z0-9_.-/]"),
+            ));
+        }
+        if v.len() > MAX_LABEL_VALUE_BYTES || v.chars().any(char::is_control) {
+            return Err(ProtocolError::invalid(
+                "labels",
+                format!(
+                    "the value of {k}: at most {MAX_LABEL_VALUE_BYTES} bytes, no control characters"
+                ),
+            ));
+        }
+    }
+    Ok(())
 }
 
 impl OperationSpec {
@@ -464,6 +503,7 @@ impl TryFrom<pb::SandboxSpec> for SandboxSpec {
             idle_timeout_ms: nonzero(p.idle_timeout_ms),
             ttl_ms: nonzero(p.ttl_ms),
             memory_includes_files: p.memory_includes_files,
+            labels: p.labels.into_iter().collect(),
         };
         spec.validate()?;
         Ok(spec)
@@ -491,6 +531,7 @@ impl From<SandboxSpec> for pb::SandboxSpec {
             idle_timeout_ms: s.idle_timeout_ms.unwrap_or_default(),
             ttl_ms: s.ttl_ms.unwrap_or_default(),
             memory_includes_files: s.memory_includes_files,
+            labels: s.labels.into_iter().collect(),
         }
     }
 }

@@ -159,6 +159,7 @@ async fn sandbox_command(conn: &ConnArgs, cmd: SandboxCommand) -> Result<(), Err
             writable_rootfs,
             cap_add,
             env,
+            label,
             runtime,
             idle_timeout,
             ttl,
@@ -188,6 +189,7 @@ async fn sandbox_command(conn: &ConnArgs, cmd: SandboxCommand) -> Result<(), Err
                 idle_timeout_ms: idle_timeout.map(|d| d.as_millis() as u64),
                 ttl_ms: ttl.map(|d| d.as_millis().max(1) as u64),
                 memory_includes_files,
+                labels: label.into_iter().collect(),
             };
             spec.validate().map_err(|e| Error::Invalid(e.to_string()))?;
             let sb = match &conn {
@@ -213,12 +215,13 @@ async fn sandbox_command(conn: &ConnArgs, cmd: SandboxCommand) -> Result<(), Err
             };
             writeln!(stdout, "{}", sb.id)?;
         }
-        SandboxCommand::Ls { json, quiet } => {
+        SandboxCommand::Ls { json, quiet, label } => {
             let all: Vec<corral_proto::SandboxInfo> = conn
                 .sandboxes()
                 .await?
                 .into_iter()
                 .map(|(_, sb)| sb)
+                .filter(|sb| label.iter().all(|(k, v)| sb.spec.labels.get(k) == Some(v)))
                 .collect();
             if quiet {
                 for sb in &all {

@@ -430,6 +430,7 @@ class AsyncSandbox:
         env: Mapping[str, str] | None = None,
         ttl: float | None = None,
         idle_timeout: float | None = None,
+        labels: Mapping[str, str] | None = None,
         runtime: str | None = None,
         workspace_size: int | str | None = None,
         id: str | None = None,
@@ -454,6 +455,7 @@ class AsyncSandbox:
             pids_limit=pids or 0,
             workspace_bytes=parse_size(workspace_size, "workspace_size"),
             env=dict(env or {}),
+            labels=dict(labels or {}),
             ttl_ms=_ms(ttl, "ttl"),
             idle_timeout_ms=_ms(idle_timeout, "idle_timeout"),
             runtime=runtime or "",
@@ -697,13 +699,21 @@ async def _find(ws: list[_rpc.Worker], id: str) -> tuple[_rpc.Worker, pb.Sandbox
 
 
 async def list_sandboxes(
-    worker: str | None = None, *, token_file: str | None = None
+    worker: str | None = None,
+    *,
+    labels: Mapping[str, str] | None = None,
+    token_file: str | None = None,
 ) -> list[SandboxInfo]:
-    """Every sandbox of the workers named (or of the local worker)."""
+    """Every sandbox of the workers named (or of the local worker); with
+    ``labels``, those that carry all of them."""
     opts = _connect.Options.from_env(worker, token_file=token_file)
     ws = await _rpc.workers(opts)
     out: list[SandboxInfo] = []
     for w in ws:
         r = await w.call("ListSandboxes", pb.ListSandboxesRequest(), pb.ListSandboxesResponse)
-        out.extend(sandbox_info_of(s, w.url) for s in r.sandboxes)
+        out.extend(
+            sandbox_info_of(s, w.url)
+            for s in r.sandboxes
+            if all(s.spec.labels.get(k) == v for k, v in (labels or {}).items())
+        )
     return out

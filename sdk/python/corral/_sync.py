@@ -187,6 +187,7 @@ class Sandbox:
         env: Mapping[str, str] | None = None,
         ttl: float | None = None,
         idle_timeout: float | None = None,
+        labels: Mapping[str, str] | None = None,
         runtime: str | None = None,
         workspace_size: int | str | None = None,
         id: str | None = None,
@@ -208,6 +209,7 @@ class Sandbox:
                     env=env,
                     ttl=ttl,
                     idle_timeout=idle_timeout,
+                    labels=labels,
                     runtime=runtime,
                     workspace_size=workspace_size,
                     id=id,
@@ -322,7 +324,11 @@ class Sandbox:
 
 
 def list_sandboxes(
-    worker: str | None = None, *, token_file: str | None = None
+    worker: str | None = None,
+    *,
+    labels: Mapping[str, str] | None = None,
+    token_file: str | None = None,
 ) -> list[SandboxInfo]:
-    """Every sandbox of the workers named (or of the local worker)."""
-    return _run(_core.list_sandboxes(worker, token_file=token_file))
+    """Every sandbox of the workers named (or of the local worker); with
+    ``labels``, those that carry all of them."""
+    return _run(_core.list_sandboxes(worker, labels=labels, token_file=token_file))

@@ -127,6 +127,7 @@ class SandboxInfo:
     last_used_unix_ms: int
     lost_reason: str | None
     env: dict[str, str]
+    labels: dict[str, str]
     memory_bytes: int
     cpus: float
     pids: int
@@ -155,6 +156,7 @@ def sandbox_info_of(s: pb.Sandbox, worker: str) -> SandboxInfo:
         last_used_unix_ms=s.last_used_unix_ms,
         lost_reason=s.lost_reason or None,
         env=dict(spec.env),
+        labels=dict(spec.labels),
         memory_bytes=spec.memory_bytes,
         cpus=spec.cpu_millis / 1000.0,
         pids=spec.pids_limit,

@@ -16,13 +16,26 @@ import corral
 
 def test_create_with_limits_env_and_lifetimes(worker: Worker) -> None:
     with worker.create(
-        memory="256m", cpus=0.5, pids=64, env={"A": "1"}, ttl=600, idle_timeout=300
+        memory="256m",
+        cpus=0.5,
+        pids=64,
+        env={"A": "1"},
+        ttl=600,
+        idle_timeout=300,
+        labels={"owner": "tests", "run": "7"},
     ) as sb:
         info = sb.info()
         assert info.id == sb.id and info.state is corral.SandboxState.READY
         assert (info.memory_bytes, info.cpus, info.pids) == (256 << 20, 0.5, 64)
         assert (info.ttl_s, info.idle_timeout_s) == (600, 300)
         assert sb.run("echo $A").stdout == "1\n"
+        assert info.labels == {"owner": "tests", "run": "7"}
+        # Labels are the client's: never given to commands.
+        assert "owner" not in sb.run("env").stdout
+        tokens = str(worker.token_file)
+        mine = corral.list_sandboxes(worker.url, labels={"run": "7"}, token_file=tokens)
+        assert [s.id for s in mine] == [sb.id]
+        assert corral.list_sandboxes(worker.url, labels={"run": "8"}, token_file=tokens) == []
         st = sb.stats()
         assert st.pids_limit == 64 and st.memory_limit_bytes > 0
         assert sb.id in {

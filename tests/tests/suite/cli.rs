@@ -338,7 +338,17 @@ async fn sandboxes_are_listed_inspected_removed_and_pruned() -> anyhow::Result<(
     };
     let mut ids = Vec::new();
     for name in ["one", "two", "three"] {
-        let out = sb(&["create", "--id", &unique_id(name)]).await?;
+        let label = format!("name={name}");
+        let out = sb(&[
+            "create",
+            "--id",
+            &unique_id(name),
+            "-l",
+            &label,
+            "-l",
+            "team=x",
+        ])
+        .await?;
         assert!(
             out.status.success(),
             "{}",
@@ -377,10 +387,22 @@ async fn sandboxes_are_listed_inspected_removed_and_pruned() -> anyhow::Result<(
     assert_eq!(json.as_array().map(Vec::len), Some(3));
     assert_eq!(json[0]["worker_id"], h.worker_id.as_str());
     assert_eq!(json[0]["state"], "ready");
+    // Labels: kept, shown, and a filter.
+    let out = sb(&["ls", "-q", "--label", "name=two", "--label", "team=x"]).await?;
+    assert_eq!(String::from_utf8(out.stdout)?.trim(), ids[1]);
+    let out = sb(&["ls", "-q", "--label", "name=two", "--label", "team=y"]).await?;
+    assert!(out.stdout.is_empty());
+    let bad = sb(&["create", "--label", "a b=c"]).await?;
+    assert!(!bad.status.success(), "{bad:?}");
+    assert!(
+        String::from_utf8_lossy(&bad.stderr).contains("invalid `labels`: key \"a b\""),
+        "{bad:?}"
+    );
 
     let out = sb(&["inspect", &ids[0], "--json"]).await?;
     let one: serde_json::Value = serde_json::from_slice(&out.stdout)?;
     assert_eq!(one["id"], ids[0].as_str());
+    assert_eq!(one["spec"]["labels"]["name"], "one");
     assert!(
         one["spec"].is_object() && one["last_used_unix_ms"].as_i64() > Some(0),
         "{one}"
