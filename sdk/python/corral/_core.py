@@ -395,6 +395,17 @@ class AsyncFiles:
         Archive bytes sent."""
         return await _tar.upload(self._sb, Path(local), remote)
 
+    async def get_archive(self, remote: str, *, contents: bool = False) -> bytes:
+        """The sandbox's tar stream of ``remote`` as it made it (its entries
+        named ./... with ``contents``). Unpacking it is the caller's: what
+        comes out of a sandbox is hostile (:meth:`download` applies the rules)."""
+        return await _tar.get_archive(self._sb, remote, contents)
+
+    async def put_archive(self, remote: str, data: bytes) -> None:
+        """Unpacks a tar stream into the directory ``remote`` of the sandbox
+        (or as ``remote``), by the sandbox's own rules for what comes in."""
+        await _tar.put_archive(self._sb, data, remote)
+
     async def download(self, remote: str, local: str | Path) -> _tar.Moved:
         """Copies a sandbox file or tree here as ``corral cp`` does: into
         ``local`` when that is a directory, else as ``local``. What comes out

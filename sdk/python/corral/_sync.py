@@ -152,6 +152,12 @@ class Files:
     def upload(self, local: str | Path, remote: str = ".") -> int:
         return _run(self._f.upload(local, remote))
 
+    def get_archive(self, remote: str, *, contents: bool = False) -> bytes:
+        return _run(self._f.get_archive(remote, contents=contents))
+
+    def put_archive(self, remote: str, data: bytes) -> None:
+        _run(self._f.put_archive(remote, data))
+
     def download(self, remote: str, local: str | Path) -> _tar.Moved:
         return _run(self._f.download(remote, local))
 

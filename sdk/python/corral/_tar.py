@@ -356,3 +356,43 @@ async def download(sb: AsyncSandbox, remote: str, local: Path) -> Moved:
     if failed is not None:
         raise failed
     return moved
+
+
+async def get_archive(sb: AsyncSandbox, remote: str, contents: bool) -> bytes:
+    """The sandbox's own tar stream of ``remote`` (its contents, as entries
+    named ./..., with ``contents``), whole, unpacked by nobody."""
+    req = pb.DownloadRequest(
+        sandbox_id=sb.id,
+        operation_id=uuid.uuid4().hex,
+        archive=pb.ArchiveSpec(path=remote, contents=contents),
+    )
+    parts: list[bytes] = []
+    finished: pb.Operation | None = None
+    async for m in sb.worker.download(req):
+        if m.data:
+            parts.append(bytes(m.data))
+        if m.HasField("finished"):
+            finished = m.finished
+    if finished is None:
+        raise TransferError(f"{remote}: the download ended without its result")
+    r = result_of(finished.result)
+    if not r.ok:
+        raise TransferError(f"in the sandbox: {r.stderr.strip() or r.reason or r.end_cause.value}")
+    return b"".join(parts)
+
+
+async def put_archive(sb: AsyncSandbox, data: bytes, remote: str) -> None:
+    """A tar stream unpacked by the sandbox into ``remote`` (a directory), or
+    as ``remote``, under the rules the sandbox keeps for what comes in."""
+    op_id = uuid.uuid4().hex
+
+    async def requests() -> AsyncIterator[pb.UploadRequest]:
+        yield pb.UploadRequest(sandbox_id=sb.id, operation_id=op_id, path=remote)
+        for i in range(0, len(data), CHUNK):
+            yield pb.UploadRequest(data=data[i : i + CHUNK])
+        yield pb.UploadRequest(eof=True)
+
+    op = await sb.worker.upload(requests())
+    r = result_of(op.result)
+    if not r.ok:
+        raise TransferError(f"in the sandbox: {r.stderr.strip() or r.reason or r.end_cause.value}")
