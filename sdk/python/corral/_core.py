@@ -15,7 +15,7 @@ import random
 import re
 import shlex
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 
 from corral import _connect, _rpc, _tar
@@ -153,7 +153,7 @@ class AsyncProcess:
             p._result = result_of(op.result)
         return p
 
-    async def _events(self, after: int) -> AsyncIterator[pb.SandboxEvent]:
+    async def _events(self, after: int) -> AsyncGenerator[pb.SandboxEvent, None]:
         """The operation's events after ``after``, to its end, across
         dropped watches and worker restarts."""
         sb = self.sandbox
@@ -164,16 +164,22 @@ class AsyncProcess:
         while True:
             try:
                 req = pb.WatchSandboxRequest(sandbox_id=sb.id, after_seq=last, operation_id=self.id)
-                async for ev in sb.worker.watch(req):
-                    gone_since = None
-                    last = max(last, ev.seq)
-                    kind = ev.WhichOneof("kind")
-                    if kind == "gap":
-                        self.missed += ev.gap.to_seq - ev.gap.from_seq + 1
-                        continue
-                    yield ev
-                    if kind == "finished":
-                        return
+                stream = sb.worker.watch(req)
+                try:
+                    async for ev in stream:
+                        gone_since = None
+                        last = max(last, ev.seq)
+                        kind = ev.WhichOneof("kind")
+                        if kind == "gap":
+                            self.missed += ev.gap.to_seq - ev.gap.from_seq + 1
+                            continue
+                        yield ev
+                        if kind == "finished":
+                            return
+                finally:
+                    # Ended now, not when collected: the worker's watcher
+                    # slot is freed at once.
+                    await stream.aclose()
                 # The stream ended without the operation's end: ask again.
             except CorralError as e:
                 if not is_transient(e):
@@ -196,23 +202,28 @@ class AsyncProcess:
         on_stderr: OnOutput | None = None,
         on_chunk: Callable[[OutputChunk], Awaitable[None]] | None = None,
     ) -> Result:
-        async for ev in self._events(self.after):
-            kind = ev.WhichOneof("kind")
-            if kind == "output":
-                data = bytes(ev.output.data)
-                if ev.output.stream == pb.OUTPUT_STREAM_STDERR:
-                    await _call_back(on_stderr, data)
-                    stream = "stderr"
-                else:
-                    await _call_back(on_stdout, data)
-                    stream = "stdout"
-                self.seq = max(self.seq, ev.seq)
-                if on_chunk is not None:
-                    await on_chunk(OutputChunk(ev.seq, stream, data))
-            elif kind == "finished":
-                self._raw = ev.finished.result
-                self._result = result_of(ev.finished.result)
-                return self._result
+        events = self._events(self.after)
+        try:
+            async for ev in events:
+                kind = ev.WhichOneof("kind")
+                if kind == "output":
+                    data = bytes(ev.output.data)
+                    if ev.output.stream == pb.OUTPUT_STREAM_STDERR:
+                        await _call_back(on_stderr, data)
+                        stream = "stderr"
+                    else:
+                        await _call_back(on_stdout, data)
+                        stream = "stdout"
+                    self.seq = max(self.seq, ev.seq)
+                    if on_chunk is not None:
+                        await on_chunk(OutputChunk(ev.seq, stream, data))
+                elif kind == "finished":
+                    self._raw = ev.finished.result
+                    self._result = result_of(ev.finished.result)
+                    return self._result
+        finally:
+            # The watch ends here and now (not when collected).
+            await events.aclose()
         # A journal that had the end dropped: the worker still has it.
         op = await self.sandbox._ask(
             "GetOperation",
@@ -225,18 +236,26 @@ class AsyncProcess:
 
     async def events(self) -> AsyncIterator[OutputChunk]:
         """Both streams' output in the order it came, each piece with its seq."""
-        async for ev in self._events(self.after):
-            if ev.WhichOneof("kind") != "output":
-                continue
-            stream = "stderr" if ev.output.stream == pb.OUTPUT_STREAM_STDERR else "stdout"
-            self.seq = max(self.seq, ev.seq)
-            yield OutputChunk(ev.seq, stream, bytes(ev.output.data))
+        events = self._events(self.after)
+        try:
+            async for ev in events:
+                if ev.WhichOneof("kind") != "output":
+                    continue
+                stream = "stderr" if ev.output.stream == pb.OUTPUT_STREAM_STDERR else "stdout"
+                self.seq = max(self.seq, ev.seq)
+                yield OutputChunk(ev.seq, stream, bytes(ev.output.data))
+        finally:
+            await events.aclose()
 
     async def _only(self, which: int) -> AsyncIterator[bytes]:
-        async for ev in self._events(self.after):
-            if ev.WhichOneof("kind") == "output" and ev.output.stream == which:
-                self.seq = max(self.seq, ev.seq)
-                yield bytes(ev.output.data)
+        events = self._events(self.after)
+        try:
+            async for ev in events:
+                if ev.WhichOneof("kind") == "output" and ev.output.stream == which:
+                    self.seq = max(self.seq, ev.seq)
+                    yield bytes(ev.output.data)
+        finally:
+            await events.aclose()
 
     @property
     def stdout(self) -> AsyncIterator[bytes]:

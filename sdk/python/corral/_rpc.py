@@ -5,10 +5,11 @@ event loop; every call carries the bearer token, and a failed one becomes a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
@@ -117,10 +118,10 @@ class Worker:
         assert isinstance(out, resp)
         return out
 
-    def watch(self, req: pb.WatchSandboxRequest) -> AsyncIterator[pb.SandboxEvent]:
+    def watch(self, req: pb.WatchSandboxRequest) -> AsyncGenerator[pb.SandboxEvent, None]:
         return _stream(self._watch(req, metadata=self._metadata), self.url)
 
-    def download(self, req: pb.DownloadRequest) -> AsyncIterator[pb.DownloadResponse]:
+    def download(self, req: pb.DownloadRequest) -> AsyncGenerator[pb.DownloadResponse, None]:
         return _stream(self._download(req, metadata=self._metadata), self.url)
 
     async def upload(self, reqs: AsyncIterator[pb.UploadRequest]) -> pb.Operation:
@@ -141,7 +142,7 @@ def _ser(m: Any) -> bytes:
     return out
 
 
-async def _stream(call: Any, url: str) -> AsyncIterator[Any]:
+async def _stream(call: Any, url: str) -> AsyncGenerator[Any, None]:
     try:
         async for m in call:
             yield m
@@ -151,12 +152,35 @@ async def _stream(call: Any, url: str) -> AsyncIterator[Any]:
         call.cancel()
 
 
+#: Loops that live as long as the process (the sync face's): no keeper.
+PERMANENT_LOOPS: weakref.WeakSet[asyncio.AbstractEventLoop] = weakref.WeakSet()
+
+
 class _Pool:
     """The workers of one event loop, by address and credentials."""
 
     def __init__(self) -> None:
         self.workers: dict[_connect.Endpoint, Worker] = {}
         self.local_lock = asyncio.Lock()
+        # Closes the loop's channels when the loop ends: asyncio.run cancels
+        # every task left before it closes the loop, this one among them.
+        # (A channel left open past its loop has gRPC call into a closed
+        # loop.)
+        loop = asyncio.get_running_loop()
+        self.keeper = None if loop in PERMANENT_LOOPS else asyncio.ensure_future(self._keep())
+
+    async def _keep(self) -> None:
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            workers, self.workers = list(self.workers.values()), {}
+            for w in workers:
+                with contextlib.suppress(Exception):
+                    await w.close()
+            # What the closed calls still owe this loop comes in meanwhile.
+            with contextlib.suppress(BaseException):
+                await asyncio.sleep(0.02)
+            raise
 
 
 _pools: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Pool] = weakref.WeakKeyDictionary()

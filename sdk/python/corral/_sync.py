@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Callable, Coroutine, Generator, Mappi
 from pathlib import Path
 from typing import Any, TypeVar
 
-from corral import _core, _tar
+from corral import _core, _rpc, _tar
 from corral.types import FileEntry, OutputChunk, Result, SandboxInfo, SandboxStats, WorkerInfo
 
 T = TypeVar("T")
@@ -29,6 +29,7 @@ class _Loop:
         with self.lock:
             if self.loop is None or self.pid != os.getpid():
                 loop = asyncio.new_event_loop()
+                _rpc.PERMANENT_LOOPS.add(loop)
                 t = threading.Thread(target=loop.run_forever, name="corral-loop", daemon=True)
                 t.start()
                 self.loop, self.pid = loop, os.getpid()

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
 
 from conftest import BIN_DIR, Worker
@@ -92,3 +93,44 @@ def test_no_worker_named_means_the_local_worker_corral_starts(tmp_path: Path) ->
     token = tmp_path / "state" / "corral" / "embedded" / "token"
     assert oct(token.stat().st_mode & 0o777) == "0o600"
     subprocess.run(["pkill", "-f", f"local-worker --state-dir {sock.parent}"], check=False)
+
+
+def test_each_command_frees_its_watch_at_once(own_worker: Callable[..., Worker]) -> None:
+    # Four watchers a sandbox at most: two hundred commands in a row, and
+    # processes read and dropped half-way, never run out of them.
+    w = own_worker("--max-watchers-per-sandbox", "4")
+    with w.create() as sb:
+        for i in range(200):
+            assert sb.run(f"echo {i}").stdout == f"{i}\n"
+        for _ in range(20):
+            p = sb.start("echo a; sleep 0.01; echo b")
+            it = p.stdout
+            assert next(it) == b"a\n"
+            it.close()
+            assert p.wait().ok
+
+
+def test_the_sync_and_async_faces_in_one_program_leave_no_noise(
+    worker: Worker, tmp_path: Path
+) -> None:
+    script = tmp_path / "both.py"
+    script.write_text(
+        textwrap.dedent(f"""
+        import asyncio, corral
+        W, T = {worker.url!r}, {str(worker.token_file)!r}
+        s = corral.Sandbox.create(worker=W, token_file=T)
+        s.run("true")
+        async def main():
+            sb = await corral.AsyncSandbox.connect(s.id, W, token_file=T)
+            for _ in range(30):
+                await sb.run("true")
+        for _ in range(3):
+            asyncio.run(main())
+        s.run("true")
+        s.remove()
+        print("done")
+    """)
+    )
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout == "done\n", out.stderr
+    assert out.stderr == "", out.stderr
