@@ -87,6 +87,17 @@ def _ms(seconds: float | None, what: str) -> int:
     return max(1, round(seconds * 1000)) if seconds > 0 else 0
 
 
+def _network(network: str | None) -> pb.NetworkMode:
+    modes = {
+        None: pb.NETWORK_MODE_UNSPECIFIED,
+        "none": pb.NETWORK_MODE_NONE,
+        "bridge": pb.NETWORK_MODE_BRIDGE,
+    }
+    if network not in modes:
+        raise InvalidArgument(f"network {network!r}: none or bridge")
+    return modes[network]
+
+
 def _command(cmd: Command) -> str:
     """A string runs as it is under ``sh -c``; a list is an argv, quoted so
     that the shell runs exactly it."""
@@ -463,6 +474,9 @@ class AsyncSandbox:
         labels: Mapping[str, str] | None = None,
         runtime: str | None = None,
         workspace_size: int | str | None = None,
+        network: str | None = None,
+        root: bool = False,
+        writable_rootfs: bool = False,
         id: str | None = None,
         token_file: str | None = None,
         tls_ca: str | None = None,
@@ -473,7 +487,10 @@ class AsyncSandbox:
         """Makes a sandbox: on ``worker`` (an address, a comma-separated list,
         or ``dns:///NAME:PORT``; default ``CORRAL_WORKER``, else the local
         worker), placed on the freest of several. ``ttl`` and
-        ``idle_timeout`` are seconds; ``memory`` bytes or a size (``2g``)."""
+        ``idle_timeout`` are seconds; ``memory`` bytes or a size (``2g``).
+        ``network="bridge"``, ``root`` (commands as uid 0) and
+        ``writable_rootfs`` loosen the hardened defaults, as far as the
+        worker's policy allows (else :class:`PolicyDenied` naming its flag)."""
         if cpus is not None and cpus <= 0:
             raise InvalidArgument(f"cpus: {cpus} is not positive")
         if pids is not None and pids <= 0:
@@ -489,6 +506,9 @@ class AsyncSandbox:
             ttl_ms=_ms(ttl, "ttl"),
             idle_timeout_ms=_ms(idle_timeout, "idle_timeout"),
             runtime=runtime or "",
+            network=_network(network),
+            run_as_root=root,
+            writable_rootfs=writable_rootfs,
         )
         opts = _connect.Options.from_env(
             worker,

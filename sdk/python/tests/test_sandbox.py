@@ -9,7 +9,9 @@ import sys
 import textwrap
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import pytest
 from conftest import BIN_DIR, Worker
 
 import corral
@@ -134,3 +136,25 @@ def test_the_sync_and_async_faces_in_one_program_leave_no_noise(
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout == "done\n", out.stderr
     assert out.stderr == "", out.stderr
+
+
+def test_loosening_is_the_workers_to_allow(worker: Worker) -> None:
+    # This worker allows none of it: each refusal names its flag.
+    asks: list[tuple[dict[str, Any], str]] = [
+        ({"root": True}, "--allow-root"),
+        ({"writable_rootfs": True}, "--allow-writable-rootfs"),
+        ({"network": "bridge"}, "--allow-network"),
+    ]
+    for ask, flag in asks:
+        with pytest.raises(corral.PolicyDenied) as e:
+            worker.create(**ask)
+        assert e.value.flag == flag
+    with pytest.raises(corral.InvalidArgument):
+        worker.create(network="wide open")
+
+
+def test_a_worker_that_allows_root_and_a_writable_root(own_worker: Callable[..., Worker]) -> None:
+    w = own_worker("--allow-root", "--allow-writable-rootfs")
+    with w.create(root=True, writable_rootfs=True) as sb:
+        r = sb.run("id -u; mkdir -p /logs/x && echo ok > /logs/x/f && cat /logs/x/f")
+        assert r.stdout == "0\nok\n", r
