@@ -3,7 +3,8 @@
 # its own (target/sdk-venv), the package installed from this directory as a
 # user installs it, then ruff, mypy --strict and pytest against real workers
 # (the debug binaries of `cargo build --workspace --bins` and the static
-# corral-init of deploy/test.sh).
+# corral-init of deploy/test.sh), Harbor's in a Python 3.13 image built
+# first (tests/harbor/build-image.sh).
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 repo="$(cd "$here/../.." && pwd)"
@@ -15,6 +16,8 @@ cd "$here"
 "$venv/bin/ruff" check .
 "$venv/bin/ruff" format --check .
 "$venv/bin/mypy"
+# Harbor needs Python >= 3.12: its test runs it in an image of its own.
+PYTHON="$venv/bin/python" "$here/tests/harbor/build-image.sh"
 # The installed package is what the tests import, not this directory's copy.
 cd "$here/tests"
 "$venv/bin/python" -m pytest -q -p no:cacheprovider --rootdir "$here" -c "$here/pyproject.toml" "$here/tests" "$@"

@@ -96,6 +96,10 @@ class CorralEnvironment(BaseEnvironment):
             labels={"harbor.session": self.session_id[:1024]},
         )
         self.logger.info(f"Corral sandbox {self._sb.id} on {self._sb.worker.url}")
+        workdir = getattr(cfg, "workdir", None)
+        if workdir:
+            # As an image's WORKDIR is: there before the first command.
+            await self._sh('mkdir -p -- "$1"', workdir)
         await self.ensure_dirs(self._mount_targets(writable_only=True))
         await self._upload_environment_dir_after_start()
 

@@ -101,6 +101,9 @@ class Worker:
     def create(self, **kw: Any) -> corral.Sandbox:
         return corral.Sandbox.create(worker=self.url, token_file=str(self.token_file), **kw)
 
+    def list(self) -> list[corral.SandboxInfo]:
+        return corral.list_sandboxes(self.url, token_file=str(self.token_file))
+
     def connect(self, id: str) -> corral.Sandbox:
         return corral.Sandbox.connect(id, self.url, token_file=str(self.token_file))
 
