@@ -1,0 +1,136 @@
+"""Workers found as the CLI finds them: a list and a DNS name, with new
+sandboxes placed on the freer worker and old ones found where they are; TLS
+and mutual TLS with the options the CLI takes."""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from conftest import Worker
+
+import corral
+
+
+def test_a_list_places_on_the_freer_worker_and_finds_sandboxes_where_they_are(
+    own_worker: Callable[..., Worker], tmp_path: Path
+) -> None:
+    a = own_worker("--max-sandboxes", "1")
+    b = own_worker("--max-sandboxes", "4")
+    # One token for both, as a fleet has.
+    b.token_file.write_bytes(a.token_file.read_bytes())
+    b.stop()
+    b.start()
+    both = f"{a.url},{b.url}"
+    token = str(a.token_file)
+    with corral.Sandbox.create(worker=a.url, token_file=token) as first:
+        assert first.worker == a.url
+        # a is full: every new one goes to b, whatever the order.
+        made = [corral.Sandbox.create(worker=both, token_file=token) for _ in range(3)]
+        assert {s.worker for s in made} == {b.url}
+        found = corral.Sandbox.connect(first.id, both, token_file=token)
+        assert found.worker == a.url
+        assert found.run("echo here").stdout == "here\n"
+        ids = {s.id for s in corral.list_sandboxes(both, token_file=token)}
+        assert ids == {first.id, *(s.id for s in made)}
+        for s in made:
+            s.remove()
+    with pytest.raises(corral.SandboxNotFound):
+        corral.Sandbox.connect("nowhere", both, token_file=token)
+
+
+def test_a_dns_name_is_a_worker_per_address(own_worker: Callable[..., Worker]) -> None:
+    w = own_worker()
+    with corral.Sandbox.create(
+        worker=f"dns:///localhost:{w.port}", token_file=str(w.token_file)
+    ) as sb:
+        assert sb.run("echo via dns").stdout == "via dns\n"
+        assert sb.worker in (f"http://127.0.0.1:{w.port}", f"http://[::1]:{w.port}")
+
+
+def pki(d: Path) -> dict[str, Path]:
+    def run(*args: str) -> None:
+        subprocess.run(["openssl", *args], check=True, capture_output=True, cwd=d)
+
+    run(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=corral-test-ca",
+    )
+    for name, ext in [
+        ("server", "subjectAltName=DNS:localhost,IP:127.0.0.1\nextendedKeyUsage=serverAuth"),
+        ("client", "extendedKeyUsage=clientAuth"),
+    ]:
+        (d / f"{name}.ext").write_text(ext + "\n")
+        run(
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            f"{name}.key",
+            "-out",
+            f"{name}.csr",
+            "-subj",
+            f"/CN={name}",
+        )
+        run(
+            "x509",
+            "-req",
+            "-in",
+            f"{name}.csr",
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            f"{name}.pem",
+            "-days",
+            "2",
+            "-extfile",
+            f"{name}.ext",
+        )
+    for f in d.glob("*.key"):
+        f.chmod(0o600)
+    return {n: d / n for n in ("ca.pem", "server.pem", "server.key", "client.pem", "client.key")}
+
+
+def test_mutual_tls(
+    own_worker: Callable[..., Worker], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    p = pki(tmp_path)
+    w = own_worker(
+        "--tls-cert",
+        str(p["server.pem"]),
+        "--tls-key",
+        str(p["server.key"]),
+        "--tls-client-ca",
+        str(p["ca.pem"]),
+    )
+    url = f"https://127.0.0.1:{w.port}"
+    tls = {"tls_ca": str(p["ca.pem"]), "token_file": str(w.token_file)}
+    with corral.Sandbox.create(
+        worker=url, tls_cert=str(p["client.pem"]), tls_key=str(p["client.key"]), **tls
+    ) as sb:
+        assert sb.run("echo over tls").stdout == "over tls\n"
+    # No client certificate: refused by the worker.
+    from corral import _core
+
+    monkeypatch.setattr(_core, "PATIENCE_S", 1.0)
+    with pytest.raises(corral.CorralError):
+        corral.Sandbox.create(worker=url, **tls)
+    with pytest.raises(corral.ConfigError):
+        corral.Sandbox.create(worker=url, tls_cert=str(p["client.pem"]), **tls)
