@@ -7,6 +7,7 @@ from __future__ import annotations
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import Worker
@@ -121,7 +122,7 @@ def test_mutual_tls(
         str(p["ca.pem"]),
     )
     url = f"https://127.0.0.1:{w.port}"
-    tls = {"tls_ca": str(p["ca.pem"]), "token_file": str(w.token_file)}
+    tls: dict[str, Any] = {"tls_ca": str(p["ca.pem"]), "token_file": str(w.token_file)}
     with corral.Sandbox.create(
         worker=url, tls_cert=str(p["client.pem"]), tls_key=str(p["client.key"]), **tls
     ) as sb:
