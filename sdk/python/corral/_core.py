@@ -570,12 +570,15 @@ class AsyncSandbox:
         stdin: bool = False,
         bash: bool = False,
         keep_background: bool = False,
+        terminal: tuple[int, int] | None = None,
     ) -> AsyncProcess:
         """Starts a command and returns at once. A string runs under ``sh -c``
         (``bash -c`` with ``bash=True``), never a login shell; a list runs
         as that argv. ``timeout`` (seconds) ends the command (default: the
         worker's, 10 min); its stream has none. ``stdin=True`` opens a pipe
-        fed by ``write_stdin``."""
+        fed by ``write_stdin``. ``terminal=(rows, cols)`` runs it on a
+        pseudo-terminal: its input is ``write_stdin``'s (Ctrl-C is ``\x03``),
+        all its output comes as stdout."""
         shell = pb.ShellSpec(
             command=_command(cmd),
             workdir=cwd or "",
@@ -585,6 +588,9 @@ class AsyncSandbox:
             keep_background=keep_background,
             stdin=stdin,
         )
+        if terminal is not None:
+            rows, cols = terminal
+            shell.terminal.CopyFrom(pb.TerminalSize(rows=rows, cols=cols))
         return await self._submit(pb.OperationSpec(shell=shell))
 
     async def run(

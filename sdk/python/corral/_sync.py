@@ -298,6 +298,7 @@ class Sandbox:
         stdin: bool = False,
         bash: bool = False,
         keep_background: bool = False,
+        terminal: tuple[int, int] | None = None,
     ) -> Process:
         return Process(
             _run(
@@ -309,6 +310,7 @@ class Sandbox:
                     stdin=stdin,
                     bash=bash,
                     keep_background=keep_background,
+                    terminal=terminal,
                 )
             )
         )

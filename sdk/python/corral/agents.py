@@ -21,16 +21,21 @@ supervisor (no tar needed in the image).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import io
 import tarfile
+import time
 import uuid
+from collections import deque
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from agents.sandbox.errors import (
     ExecTimeoutError,
     ExecTransportError,
+    PtySessionNotFoundError,
     WorkspaceArchiveReadError,
     WorkspaceArchiveWriteError,
     WorkspaceReadNotFoundError,
@@ -39,6 +44,15 @@ from agents.sandbox.manifest import Manifest
 from agents.sandbox.session import SandboxSession, SandboxSessionState
 from agents.sandbox.session.base_sandbox_session import BaseSandboxSession
 from agents.sandbox.session.manager import Instrumentation
+from agents.sandbox.session.pty_output import collect_pty_output
+from agents.sandbox.session.pty_types import (
+    PTY_PROCESSES_MAX,
+    PtyExecUpdate,
+    allocate_pty_process_id,
+    clamp_pty_yield_time_ms,
+    process_id_to_prune_from_meta,
+    resolve_pty_write_yield_time_ms,
+)
 from agents.sandbox.session.runtime_helpers import RESOLVE_WORKSPACE_PATH_HELPER
 from agents.sandbox.session.sandbox_client import BaseSandboxClient, BaseSandboxClientOptions
 from agents.sandbox.session.workspace_payloads import coerce_write_payload
@@ -47,7 +61,7 @@ from agents.sandbox.types import ExecResult, User
 from agents.sandbox.util.tar_utils import validate_tarfile
 from agents.sandbox.workspace_paths import sandbox_path_str
 
-from corral._core import AsyncSandbox
+from corral._core import AsyncProcess, AsyncSandbox
 from corral.errors import CorralError, FileError, SandboxLost, SandboxNotFound
 from corral.types import EndCause, SandboxState
 
@@ -79,12 +93,141 @@ class CorralSandboxSessionState(SandboxSessionState):
     ttl: float | None = None
 
 
+#: The window of a PTY process's terminal.
+PTY_SIZE = (24, 80)
+
+
+@dataclass
+class _Pty:
+    """A process started for the SDK's PTY tools, its output gathered as it
+    comes."""
+
+    process: AsyncProcess
+    tty: bool
+    last_used: float = field(default_factory=time.monotonic)
+    output_chunks: deque[bytes] = field(default_factory=deque)
+    output_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    output_notify: asyncio.Event = field(default_factory=asyncio.Event)
+    output_closed: asyncio.Event = field(default_factory=asyncio.Event)
+    exit_code: int | None = None
+    pump: asyncio.Task[None] | None = None
+
+    async def follow(self) -> None:
+        try:
+            async for chunk in self.process.events():
+                async with self.output_lock:
+                    self.output_chunks.append(chunk.data)
+                self.output_notify.set()
+            r = await self.process.wait()
+            # As a local process's return code: a signal is its negative.
+            self.exit_code = (
+                -r.signal if r.signal else (r.exit_code if r.exit_code is not None else -1)
+            )
+        finally:
+            if self.exit_code is None:
+                self.exit_code = -1
+            self.output_closed.set()
+            self.output_notify.set()
+
+
 class CorralSandboxSession(BaseSandboxSession):
     state: CorralSandboxSessionState
 
     def __init__(self, *, state: CorralSandboxSessionState, sandbox: AsyncSandbox) -> None:
         self.state = state
         self.sandbox = sandbox
+        self._ptys: dict[int, _Pty] = {}
+
+    def supports_pty(self) -> bool:
+        return True
+
+    async def pty_exec_start(
+        self,
+        *command: str | Path,
+        timeout: float | None = None,
+        shell: bool | list[str] = True,
+        user: str | User | None = None,
+        tty: bool = False,
+        yield_time_s: float | None = None,
+        max_output_tokens: int | None = None,
+    ) -> PtyExecUpdate:
+        argv = [str(c) for c in self._prepare_exec_command(*command, shell=shell, user=user)]
+        cwd = self.state.manifest.root if self.state.workspace_root_ready else None
+        try:
+            p = await self.sandbox.start(
+                argv, cwd=cwd, timeout=timeout, terminal=PTY_SIZE if tty else None
+            )
+        except CorralError as e:
+            raise ExecTransportError(command=argv, cause=e, context={"retry_safe": True}) from e
+        entry = _Pty(process=p, tty=tty)
+        entry.pump = asyncio.ensure_future(entry.follow())
+        if len(self._ptys) >= PTY_PROCESSES_MAX:
+            meta = [(i, e.last_used, e.output_closed.is_set()) for i, e in self._ptys.items()]
+            old = process_id_to_prune_from_meta(meta)
+            if old is not None:
+                await self._terminate(self._ptys.pop(old))
+        pid = allocate_pty_process_id(set(self._ptys))
+        self._ptys[pid] = entry
+        wait_ms = 10_000 if yield_time_s is None else int(yield_time_s * 1000)
+        return await self._collect(pid, entry, clamp_pty_yield_time_ms(wait_ms), max_output_tokens)
+
+    async def pty_write_stdin(
+        self,
+        *,
+        session_id: int,
+        chars: str,
+        yield_time_s: float | None = None,
+        max_output_tokens: int | None = None,
+    ) -> PtyExecUpdate:
+        entry = self._ptys.get(session_id)
+        if entry is None:
+            raise PtySessionNotFoundError(session_id=session_id)
+        if chars:
+            if not entry.tty:
+                raise RuntimeError("stdin is not available for this process")
+            with contextlib.suppress(CorralError):
+                await entry.process.write_stdin(chars.encode("utf-8"))
+            await asyncio.sleep(0.1)
+        wait_ms = 250 if yield_time_s is None else int(yield_time_s * 1000)
+        wait_ms = resolve_pty_write_yield_time_ms(yield_time_ms=wait_ms, input_empty=chars == "")
+        entry.last_used = time.monotonic()
+        return await self._collect(session_id, entry, wait_ms, max_output_tokens)
+
+    async def _collect(
+        self, pid: int, entry: _Pty, wait_ms: int, max_output_tokens: int | None
+    ) -> PtyExecUpdate:
+        output, tokens, closed = await collect_pty_output(
+            output_chunks=entry.output_chunks,
+            output_lock=entry.output_lock,
+            output_notify=entry.output_notify,
+            is_done=entry.output_closed.is_set,
+            yield_time_ms=wait_ms,
+            max_output_tokens=max_output_tokens,
+        )
+        if closed and entry.exit_code is not None:
+            self._ptys.pop(pid, None)
+            return PtyExecUpdate(
+                process_id=None,
+                output=output,
+                exit_code=entry.exit_code,
+                original_token_count=tokens,
+            )
+        return PtyExecUpdate(
+            process_id=pid, output=output, exit_code=None, original_token_count=tokens
+        )
+
+    async def _terminate(self, entry: _Pty) -> None:
+        with contextlib.suppress(CorralError):
+            await entry.process.kill()
+        if entry.pump is not None:
+            entry.pump.cancel()
+            with contextlib.suppress(BaseException):
+                await entry.pump
+
+    async def pty_terminate_all(self) -> None:
+        entries, self._ptys = list(self._ptys.values()), {}
+        for entry in entries:
+            await self._terminate(entry)
 
     async def _ensure_backend_started(self) -> None:
         root = self.state.manifest.root

@@ -267,3 +267,77 @@ def test_a_sandbox_agent_runs_in_corral_and_resumes_in_a_new_process(
         worker.url, labels=None, token_file=str(worker.token_file)
     )
     assert not [s for s in left if "agents.session_id" in s.labels], left
+
+
+def test_pty_sessions_as_the_sdks_own_pty_tests_drive_them(worker: Worker) -> None:
+    # The steps and checks of the SDK's TestUnixLocalPty, on a Corral session.
+    from agents.sandbox.errors import PtySessionNotFoundError
+
+    async def main() -> None:
+        c = client(worker)
+        session = await c.create(manifest=Manifest(), snapshot=None, options=None)
+        async with session:
+            started = await session.pty_exec_start(
+                "sh",
+                "-c",
+                "IFS= read -r line; printf '%s\\n' \"$line\"",
+                shell=False,
+                tty=True,
+                yield_time_s=0.05,
+            )
+            assert started.process_id is not None and started.exit_code is None
+            written = await session.pty_write_stdin(
+                session_id=started.process_id, chars="hello from pty\n", yield_time_s=2
+            )
+            assert written.process_id is None and written.exit_code == 0
+            assert "hello from pty" in written.output.decode("utf-8", "replace")
+            with pytest.raises(PtySessionNotFoundError):
+                await session.pty_write_stdin(session_id=started.process_id, chars="")
+            with pytest.raises(PtySessionNotFoundError):
+                await session.pty_write_stdin(session_id=999_999, chars="")
+
+            # Ctrl-C interrupts a long-running process on its terminal.
+            started = await session.pty_exec_start(
+                "sleep", "30", shell=False, tty=True, yield_time_s=0.05
+            )
+            assert started.process_id is not None
+            interrupted = await session.pty_write_stdin(
+                session_id=started.process_id, chars="\x03", yield_time_s=0.25
+            )
+            if interrupted.process_id is not None:
+                interrupted = await session.pty_write_stdin(
+                    session_id=started.process_id, chars="", yield_time_s=5.5
+                )
+            assert interrupted.process_id is None and interrupted.exit_code is not None
+
+            # Without a terminal: no stdin, both streams, polled to the end.
+            started = await session.pty_exec_start(
+                "sh",
+                "-c",
+                "printf 'stdout\\n'; printf 'stderr\\n' >&2; sleep 1",
+                shell=False,
+                tty=False,
+                yield_time_s=0.5,
+            )
+            assert started.process_id is not None and started.exit_code is None
+            text = started.output.decode("utf-8", "replace")
+            assert "stdout" in text and "stderr" in text
+            with pytest.raises(RuntimeError, match="stdin is not available for this process"):
+                await session.pty_write_stdin(session_id=started.process_id, chars="hello")
+            finished = await session.pty_write_stdin(
+                session_id=started.process_id, chars="", yield_time_s=5.5
+            )
+            assert finished.process_id is None and finished.exit_code == 0
+            assert finished.output == b""
+
+            # Stop ends what is still running.
+            started = await session.pty_exec_start(
+                "sh", "-c", "printf 'ready\\n'; sleep 30", shell=False, tty=True, yield_time_s=1
+            )
+            assert started.process_id is not None
+            assert "ready" in started.output.decode("utf-8", "replace")
+        with pytest.raises(PtySessionNotFoundError):
+            await session.pty_write_stdin(session_id=started.process_id, chars="")
+        await c.delete(session)
+
+    asyncio.run(main())
