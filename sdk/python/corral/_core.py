@@ -477,6 +477,7 @@ class AsyncSandbox:
         network: str | None = None,
         root: bool = False,
         writable_rootfs: bool = False,
+        capabilities: Sequence[str] | None = None,
         id: str | None = None,
         token_file: str | None = None,
         tls_ca: str | None = None,
@@ -488,8 +489,9 @@ class AsyncSandbox:
         or ``dns:///NAME:PORT``; default ``CORRAL_WORKER``, else the local
         worker), placed on the freest of several. ``ttl`` and
         ``idle_timeout`` are seconds; ``memory`` bytes or a size (``2g``).
-        ``network="bridge"``, ``root`` (commands as uid 0) and
-        ``writable_rootfs`` loosen the hardened defaults, as far as the
+        ``network="bridge"``, ``root`` (commands as uid 0),
+        ``writable_rootfs`` and ``capabilities`` (``CAP_SETUID``, ...) loosen
+        the hardened defaults, as far as the
         worker's policy allows (else :class:`PolicyDenied` naming its flag)."""
         if cpus is not None and cpus <= 0:
             raise InvalidArgument(f"cpus: {cpus} is not positive")
@@ -509,6 +511,7 @@ class AsyncSandbox:
             network=_network(network),
             run_as_root=root,
             writable_rootfs=writable_rootfs,
+            add_capabilities=list(capabilities or ()),
         )
         opts = _connect.Options.from_env(
             worker,

@@ -7,7 +7,7 @@ import asyncio
 import os
 import sys
 import threading
-from collections.abc import AsyncIterator, Callable, Coroutine, Generator, Mapping
+from collections.abc import AsyncIterator, Callable, Coroutine, Generator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -200,6 +200,7 @@ class Sandbox:
         network: str | None = None,
         root: bool = False,
         writable_rootfs: bool = False,
+        capabilities: Sequence[str] | None = None,
         id: str | None = None,
         token_file: str | None = None,
         tls_ca: str | None = None,
@@ -225,6 +226,7 @@ class Sandbox:
                     network=network,
                     root=root,
                     writable_rootfs=writable_rootfs,
+                    capabilities=capabilities,
                     id=id,
                     token_file=token_file,
                     tls_ca=tls_ca,

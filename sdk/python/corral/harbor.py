@@ -16,7 +16,10 @@ and trees move as tar streams through a staging directory under /tmp.
 Capabilities, answered truthfully: a sandbox with no network is one Corral
 makes by default, so ``disable_internet``; a ``public`` task gets the
 worker's bridge network (``--allow-network``). Allowlists, GPUs, mounts,
-Compose and changing the policy after start are not offered.
+Compose and changing the policy after start are not offered. A task whose
+agent or verifier runs as another user needs ``--ek allow_users=true``: its
+sandbox gets CAP_SETUID and CAP_SETGID (``--allow-cap`` on a worker), and
+such commands run through ``setpriv`` (a uid) or ``runuser`` (a name).
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from corral._core import AsyncSandbox
 from corral.errors import CorralError
 from corral.types import EndCause
 
-#: Users a command may ask for: the sandbox runs every command as root.
+#: Users that are the sandbox's own: its commands run as root.
 ROOT = (None, "root", 0, "0")
 
 
@@ -48,9 +51,11 @@ class CorralEnvironment(BaseEnvironment):
         token_file: str | None = None,
         image: str | None = None,
         idle_timeout: float = 3600,
+        allow_users: bool = False,
         **kwargs: Any,
     ) -> None:
         # Set before the base reads capabilities and validates.
+        self._allow_users = allow_users
         self._worker = worker
         self._token_file = token_file
         self._image = image
@@ -92,6 +97,8 @@ class CorralEnvironment(BaseEnvironment):
             network="none" if mode == NetworkMode.NO_NETWORK else "bridge",
             root=True,
             writable_rootfs=True,
+            # To run a task's commands as its agent's or verifier's user.
+            capabilities=["CAP_SETUID", "CAP_SETGID"] if self._allow_users else None,
             idle_timeout=self._idle_timeout,
             labels={"harbor.session": self.session_id[:1024]},
         )
@@ -121,14 +128,29 @@ class CorralEnvironment(BaseEnvironment):
         user: str | int | None = None,
     ) -> ExecResult:
         user = self._resolve_user(user)
+        argv = ["bash", "-c", command]
         if user not in ROOT:
-            raise RuntimeError(
-                f"CorralEnvironment runs commands as root only, not as user {user!r}"
-            )
+            if not self._allow_users:
+                raise RuntimeError(
+                    f"this task runs commands as user {user!r}: give CorralEnvironment "
+                    "--ek allow_users=true (its sandboxes then get CAP_SETUID and CAP_SETGID)"
+                )
+            if isinstance(user, int) or str(user).isdigit():
+                # A uid needs no entry in /etc/passwd.
+                argv = [
+                    "setpriv",
+                    f"--reuid={user}",
+                    f"--regid={user}",
+                    "--clear-groups",
+                    "--",
+                    *argv,
+                ]
+            else:
+                argv = ["runuser", "-u", str(user), "--", *argv]
         out: list[bytes] = []
         err: list[bytes] = []
         r = await self.sandbox.run(
-            ["bash", "-c", command],
+            argv,
             cwd=cwd or getattr(self.task_env_config, "workdir", None) or None,
             env=self._merge_env(env) or None,
             timeout=timeout_sec or None,

@@ -21,36 +21,48 @@ schema_version = "1.4"
 
 [verifier]
 timeout_sec = 120.0
-env = {{ EXPECTED = "{expected}" }}
+env = {{ EXPECTED = "{expected}", WANT_UID = "{want_uid}", OUT = "{out}" }}
 
 [agent]
 timeout_sec = 120.0
-
+{agent_user}
 [environment]
 build_timeout_sec = 600.0
 network_mode = "no-network"
 workdir = "/app"
-env = {{ GREETING = "hi" }}
+env = {{ GREETING = "hi", OUT = "{out}" }}
 """
 
 TEST_SH = """\
 #!/bin/sh
 mkdir -p /logs/verifier
-got=$(cat /app/out/hello.txt 2>/dev/null)
-if [ "$got" = "$EXPECTED" ] && [ "$(cat /app/out/greeting)" = "hi" ]; then
+got=$(cat "$OUT/hello.txt" 2>/dev/null)
+uid=$(cat "$OUT/uid" 2>/dev/null || echo none)
+if [ "$got" = "$EXPECTED" ] && [ "$(cat "$OUT/greeting")" = "hi" ] && [ "$uid" = "$WANT_UID" ]
+then
   echo 1 > /logs/verifier/reward.txt
 else
-  echo "got '$got'"
+  echo "got '$got' from uid $uid"
   echo 0 > /logs/verifier/reward.txt
 fi
 """
 
 
-def write_task(root: Path, name: str, solve: str, expected: str = "Hello, world!") -> None:
+def write_task(
+    root: Path, name: str, solve: str, expected: str = "Hello, world!", agent_user: str = ""
+) -> None:
     t = root / name
     for d in ("environment", "solution", "tests"):
         (t / d).mkdir(parents=True)
-    (t / "task.toml").write_text(TASK_TOML.format(expected=expected))
+    (t / "task.toml").write_text(
+        TASK_TOML.format(
+            expected=expected,
+            want_uid=agent_user or "none",
+            # A user other than root writes where anyone may.
+            out="/logs/agent/out" if agent_user else "/app/out",
+            agent_user=f"user = {agent_user}\n" if agent_user else "",
+        )
+    )
     (t / "instruction.md").write_text("Write /app/out/hello.txt saying `Hello, world!`.\n")
     (t / "environment" / "Dockerfile").write_text("FROM corral-debian:latest\nWORKDIR /app\n")
     (t / "solution" / "solve.sh").write_text(solve)
@@ -64,23 +76,31 @@ def test_harbor_runs_its_oracle_in_corral_sandboxes(
     have = subprocess.run(["docker", "image", "inspect", IMAGE], capture_output=True)
     assert have.returncode == 0, f"{IMAGE} is missing: run sdk/python/tests/harbor/build-image.sh"
     w = own_worker(
-        "--allow-root", "--allow-writable-rootfs", "--allow-image", "corral-debian:latest"
+        "--allow-root",
+        "--allow-writable-rootfs",
+        "--allow-image",
+        "corral-debian:latest",
+        "--allow-cap",
+        "CAP_SETUID,CAP_SETGID",
     )
     tasks = tmp_path / "tasks"
     good = textwrap.dedent("""\
         #!/bin/sh
         set -e
-        mkdir -p /app/out
-        cp /solution/data.txt /app/out/hello.txt
-        printf '%s' "$GREETING" > /app/out/greeting
+        mkdir -p "$OUT"
+        cp /solution/data.txt "$OUT/hello.txt"
+        printf '%s' "$GREETING" > "$OUT/greeting"
         echo solved in "$(pwd)"
     """)
     write_task(tasks, "hello-file", good)
     write_task(tasks, "hello-other", good, expected="Hello, Corral!")
+    # Its agent runs as uid 1000: the solution's files say so.
+    as_user = good.replace("echo solved", 'id -u > "$OUT/uid"; echo solved')
+    write_task(tasks, "hello-user", as_user, agent_user="1000")
     write_task(
         tasks,
         "hello-broken",
-        "#!/bin/sh\nmkdir -p /app/out\necho Goodbye > /app/out/hello.txt\n",
+        '#!/bin/sh\nmkdir -p "$OUT"\necho Goodbye > "$OUT/hello.txt"\n',
     )
     jobs = tmp_path / "jobs"
     jobs.mkdir()
@@ -123,6 +143,8 @@ def test_harbor_runs_its_oracle_in_corral_sandboxes(
             "token_file=/token",
             "--ek",
             "image=corral-debian:latest",
+            "--ek",
+            "allow_users=true",
             "-o",
             "/jobs",
             "--job-name",
@@ -142,7 +164,10 @@ def test_harbor_runs_its_oracle_in_corral_sandboxes(
         rewards = (r.get("verifier_result") or {}).get("rewards") or {}
         exc = r.get("exception_info")
         outcomes[r["task_name"]] = (rewards.get("reward"), exc and exc["exception_type"], exc)
-    assert set(outcomes) == {"hello-file", "hello-other", "hello-broken"}, run.stdout[-4000:]
+    assert set(outcomes) == {"hello-file", "hello-other", "hello-user", "hello-broken"}, run.stdout[
+        -4000:
+    ]
+    assert outcomes["hello-user"][:2] == (1.0, None), outcomes["hello-user"]
     assert outcomes["hello-file"][:2] == (1.0, None), outcomes["hello-file"]
     assert outcomes["hello-other"][:2] == (1.0, None), outcomes["hello-other"]
     assert outcomes["hello-broken"][:2] == (0.0, None), outcomes["hello-broken"]
