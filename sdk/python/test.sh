@@ -16,6 +16,18 @@ cd "$here"
 "$venv/bin/ruff" check .
 "$venv/bin/ruff" format --check .
 "$venv/bin/mypy"
+# The Agents SDK's own sandbox test helpers come in its sdist (the version
+# installed): fetched here, not by a test (tests reach loopback only).
+agents_version=$("$venv/bin/python" -c 'import importlib.metadata as m; print(m.version("openai-agents"))')
+agents_src="$repo/target/pypi/openai_agents-$agents_version"
+if [ ! -f "$agents_src/tests/sandbox/integration_tests/_helpers.py" ]; then
+    mkdir -p "$repo/target/pypi"
+    "$venv/bin/pip" download --quiet --disable-pip-version-check --no-deps --no-binary :all: \
+        "openai-agents==$agents_version" -d "$repo/target/pypi"
+    tar -xzf "$repo/target/pypi/openai_agents-$agents_version.tar.gz" -C "$repo/target/pypi"
+fi
+# No model price list from the network when litellm is imported.
+export LITELLM_LOCAL_MODEL_COST_MAP=True
 # Harbor needs Python >= 3.12: its test runs it in an image of its own.
 PYTHON="$venv/bin/python" "$here/tests/harbor/build-image.sh"
 # The installed package is what the tests import, not this directory's copy.

@@ -12,7 +12,6 @@ import importlib.metadata
 import json
 import subprocess
 import sys
-import tarfile
 import textwrap
 from pathlib import Path
 from types import ModuleType
@@ -39,30 +38,12 @@ IMAGE = "corral-debian:latest"
 
 @pytest.fixture(scope="session")
 def sdk_helpers() -> ModuleType:
-    """tests/sandbox/integration_tests/_helpers.py of the installed SDK's sdist."""
+    """tests/sandbox/integration_tests/_helpers.py of the installed SDK's sdist
+    (sdk/python/test.sh fetches it into target/pypi)."""
     version = importlib.metadata.version("openai-agents")
-    cache = REPO / "target" / "pypi"
-    root = cache / f"openai_agents-{version}"
-    if not (root / "tests" / "sandbox" / "integration_tests" / "_helpers.py").exists():
-        cache.mkdir(parents=True, exist_ok=True)
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "pip",
-                "download",
-                "--quiet",
-                "--no-deps",
-                "--no-binary",
-                ":all:",
-                f"openai-agents=={version}",
-                "-d",
-                str(cache),
-            ],
-            check=True,
-        )
-        with tarfile.open(cache / f"openai_agents-{version}.tar.gz") as t:
-            t.extractall(cache, filter="data")
+    root = REPO / "target" / "pypi" / f"openai_agents-{version}"
+    helpers = root / "tests" / "sandbox" / "integration_tests" / "_helpers.py"
+    assert helpers.exists(), f"{helpers} is missing: sdk/python/test.sh fetches it"
     sys.path.insert(0, str(root))
     try:
         return importlib.import_module("tests.sandbox.integration_tests._helpers")
