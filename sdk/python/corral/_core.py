@@ -47,6 +47,8 @@ from corral.types import (
 PATIENCE_S = 60.0
 #: Largest piece of input sent in one call (the worker's limit).
 CHUNK = 1 << 20
+#: The worker's longest timeout of a command.
+MAX_TIMEOUT_MS = 24 * 60 * 60 * 1000
 #: Largest write sent whole, in one operation.
 MAX_FILE = 8 << 20
 #: Workers probed before a placement; beyond, two at random.
@@ -82,6 +84,8 @@ def parse_size(v: int | str | None, what: str) -> int:
 def _ms(seconds: float | None, what: str) -> int:
     if seconds is None:
         return 0
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+        raise InvalidArgument(f"{what}: {seconds!r} is not a number of seconds")
     if seconds < 0:
         raise InvalidArgument(f"{what}: {seconds} is negative")
     return max(1, round(seconds * 1000)) if seconds > 0 else 0
@@ -554,7 +558,7 @@ class AsyncSandbox:
 
     async def _ask(self, name: str, req: object, resp: type[_rpc.Resp]) -> _rpc.Resp:
         return await _rpc.retrying(
-            lambda: self.worker.call(name, req, resp), self.patience, is_transient
+            lambda: self.worker.call(name, req, resp), self.patience, is_transient, self.worker
         )
 
     async def _submit(self, spec: pb.OperationSpec) -> AsyncProcess:
@@ -577,8 +581,8 @@ class AsyncSandbox:
     ) -> AsyncProcess:
         """Starts a command and returns at once. A string runs under ``sh -c``
         (``bash -c`` with ``bash=True``), never a login shell; a list runs
-        as that argv. ``timeout`` (seconds) ends the command (default: the
-        worker's, 10 min); its stream has none. ``stdin=True`` opens a pipe
+        as that argv. ``timeout`` (seconds) ends the command (none unless given:
+        the worker's cap, 24 h); its stream has none. ``stdin=True`` opens a pipe
         fed by ``write_stdin``. ``terminal=(rows, cols)`` runs it on a
         pseudo-terminal: its input is ``write_stdin``'s (Ctrl-C is ``\x03``),
         all its output comes as stdout."""
@@ -586,7 +590,9 @@ class AsyncSandbox:
             command=_command(cmd),
             workdir=cwd or "",
             env=dict(env or {}),
-            timeout_ms=_ms(timeout, "timeout"),
+            # None: the longest the worker takes (24 h), as corral exec
+            # asks: no timeout unless one is given.
+            timeout_ms=_ms(timeout, "timeout") or MAX_TIMEOUT_MS,
             use_bash=bash,
             keep_background=keep_background,
             stdin=stdin,
@@ -700,7 +706,7 @@ async def _place(
     if len(ws) == 1:
         w = ws[0]
         made = await _rpc.retrying(
-            lambda: w.call("CreateSandbox", req, pb.Sandbox), PATIENCE_S, _create_retry
+            lambda: w.call("CreateSandbox", req, pb.Sandbox), PATIENCE_S, _create_retry, w
         )
         return w, made
     tried: set[str] = set()

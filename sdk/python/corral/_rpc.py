@@ -66,6 +66,9 @@ class Worker:
         self.endpoint = ep
         self.url = ep.url
         self.channel = _channel(ep)
+        #: It has answered a call: a failure now is a blink to wait out,
+        #: not a wrong address.
+        self.answered = False
         self._metadata: tuple[tuple[str, str], ...] = (
             (("authorization", f"Bearer {ep.token}"),) if ep.token else ()
         )
@@ -116,6 +119,7 @@ class Worker:
         except grpc.aio.AioRpcError as e:
             raise from_rpc_error(e, self.url) from None
         assert isinstance(out, resp)
+        self.answered = True
         return out
 
     def watch(self, req: pb.WatchSandboxRequest) -> AsyncGenerator[pb.SandboxEvent, None]:
@@ -255,14 +259,22 @@ async def workers(o: _connect.Options) -> list[Worker]:
     return [worker(ep) for ep in eps]
 
 
+#: How long a worker that never answered is waited for.
+FIRST_CONTACT_S = 5.0
+
+
 async def retrying(
     what: Callable[[], Awaitable[T]],
     patience: float,
     transient: Callable[[CorralError], bool],
+    worker: Worker | None = None,
 ) -> T:
     """``what()`` again after transient failures (same ids: nothing runs
-    twice), until ``patience`` seconds have passed."""
+    twice), until ``patience`` seconds have passed (a few, for a worker
+    that has never answered: a wrong address says so soon)."""
     loop = asyncio.get_running_loop()
+    if worker is not None and not worker.answered:
+        patience = min(patience, FIRST_CONTACT_S)
     deadline = loop.time() + patience
     pause = 0.05
     while True:

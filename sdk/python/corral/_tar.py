@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import os
 import posixpath
+import stat
 import tarfile
 import threading
 import uuid
@@ -25,7 +26,7 @@ from pathlib import Path, PurePosixPath
 from typing import IO, TYPE_CHECKING, Any, cast
 
 from corral._proto import worker_pb2 as pb
-from corral.errors import ConfigError, CorralError, TransferError
+from corral.errors import CorralError, TransferError
 from corral.types import result_of
 
 if TYPE_CHECKING:
@@ -35,9 +36,11 @@ CHUNK = 1 << 20
 QUEUED = 4
 #: As corral cp's limits on what comes out.
 MAX_ENTRIES = 1_000_000
-MAX_BYTES = 64 << 30
+MAX_BYTES = 8 << 30
 MAX_NOTES = 20
-_GIT_LEFT_OUT = {("config",), ("config.worktree",), ("commondir",), ("info", "attributes")}
+#: Largest long-name or PAX header taken.
+MAX_HEADER = 1 << 20
+MAX_TRAILING = 1 << 20
 
 
 @dataclass
@@ -68,99 +71,262 @@ def _umask() -> int:
     return 0o022
 
 
-class _Rules:
-    """The filter every entry of a download passes (tarfile's extraction
-    filter protocol), after tarfile's own ``data`` rules."""
+class _BoundedTarInfo(tarfile.TarInfo):
+    """A header whose long-name or PAX records are read only up to a bound
+    (tarfile reads them whole, before any rule can look)."""
 
-    def __init__(self, top: str | None, rename: str | None, moved: Moved) -> None:
+    def _proc_gnulong(self, tar: tarfile.TarFile) -> tarfile.TarInfo:
+        if self.size > MAX_HEADER:
+            raise TransferError(f"a long-name header of {self.size} bytes: the archive is refused")
+        return super()._proc_gnulong(tar)  # type: ignore[misc, no-any-return]
+
+    def _proc_pax(self, tar: tarfile.TarFile) -> tarfile.TarInfo:
+        if self.size > MAX_HEADER:
+            raise TransferError(f"a PAX header of {self.size} bytes: the archive is refused")
+        return super()._proc_pax(tar)  # type: ignore[misc, no-any-return]
+
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _git_left_out(parts: tuple[str, ...], is_dir: bool) -> bool:
+    """Git's configuration, hooks and pointers anywhere under a ``.git``
+    (compared as a case-insensitive file system would)."""
+    norm = [p.rstrip(". ").casefold() for p in parts]
+    if norm[-1] == ".git" and not is_dir:
+        return True
+    for i, comp in enumerate(norm[:-1]):
+        if comp not in (".git", "git~1"):
+            continue
+        below = norm[i + 1 :]
+        if "hooks" in below:
+            return True
+        if below[-1] in ("config", "config.worktree", "commondir", "gitdir"):
+            return True
+        if below[-2:] == ["info", "attributes"]:
+            return True
+    return False
+
+
+class Unpacker:
+    """Unpacks a hostile tar stream under ``base`` by the rules of what comes
+    out of a sandbox. Every path is walked from ``base`` one component at a
+    time by directory descriptors, never through a link (``O_NOFOLLOW``): no
+    entry can reach outside, whatever links the archive made. A file is
+    written under a hidden name and named only once whole; a hard link may
+    only name a file this archive wrote."""
+
+    def __init__(self, base: Path, top: str | None, rename: str | None, moved: Moved) -> None:
+        self.base = base
         self.top = top
         self.rename = rename
         self.moved = moved
         self.mask = _umask() | 0o022
         self.tree: tuple[str, bool] | None = None
         self.data_bytes = 0
+        self.files: set[tuple[str, ...]] = set()
+        self.dirs: list[tuple[tuple[str, ...], int, float]] = []
+        self.made: set[tuple[str, ...]] = set()
 
     def _note(self, text: str) -> None:
         self.moved.left_out += 1
         if len(self.moved.notes) < MAX_NOTES:
             self.moved.notes.append(text)
 
-    def _parts(self, name: str) -> tuple[str, ...]:
+    @staticmethod
+    def _parts(name: str) -> tuple[str, ...]:
         p = PurePosixPath(name)
         parts = tuple(x for x in p.parts if x not in (".", ""))
-        if p.is_absolute() or not parts or ".." in parts:
-            raise TransferError(f"{name}: a name outside the destination: the archive is refused")
+        if p.is_absolute() or not parts or ".." in parts or any("\0" in x for x in parts):
+            raise TransferError(f"{name!r}: a name outside the destination: the archive is refused")
         return parts
 
-    def _renamed(self, parts: tuple[str, ...]) -> str:
-        if self.rename is not None:
-            parts = (self.rename, *parts[1:])
-        return "/".join(parts)
+    def _walk(self, parts: tuple[str, ...], create: bool) -> int:
+        """A descriptor of the directory ``parts`` under base, reached
+        without following any link; made (0700 until the end) if missing."""
+        fd = os.open(self.base, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            for i, comp in enumerate(parts):
+                try:
+                    nfd = os.open(comp, _DIR_FLAGS, dir_fd=fd)
+                except FileNotFoundError:
+                    if not create:
+                        raise
+                    os.mkdir(comp, 0o700, dir_fd=fd)
+                    self.made.add(parts[: i + 1])
+                    nfd = os.open(comp, _DIR_FLAGS, dir_fd=fd)
+                except OSError as e:
+                    raise TransferError(
+                        f"{'/'.join(parts[: i + 1])}: not a directory of this archive "
+                        f"(a link or a file): the archive is refused"
+                    ) from e
+                os.close(fd)
+                fd = nfd
+            return fd
+        except BaseException:
+            os.close(fd)
+            raise
 
-    def __call__(self, member: tarfile.TarInfo, dest: str) -> tarfile.TarInfo | None:
-        parts = self._parts(member.name)
+    @staticmethod
+    def _clear(dfd: int, name: str, shown: str) -> None:
+        try:
+            st = os.lstat(name, dir_fd=dfd)
+        except FileNotFoundError:
+            return
+        if stat.S_ISDIR(st.st_mode):
+            raise TransferError(f"{shown}: would replace a directory: the archive is refused")
+        os.unlink(name, dir_fd=dfd)
+
+    def entry(self, tar: tarfile.TarFile, m: tarfile.TarInfo) -> None:
+        try:
+            self._entry(tar, m)
+        except OSError as e:
+            raise TransferError(f"{m.name}: {e.strerror or e}") from e
+
+    def _entry(self, tar: tarfile.TarFile, m: tarfile.TarInfo) -> None:
+        parts = self._parts(m.name)
         first = parts[0]
         if self.tree is None:
-            if self.top is not None and self.rename is None and first != self.top:
+            if self.top is not None and first != self.top:
                 raise TransferError(
-                    f"{member.name}: not under {self.top}, the name asked for: "
-                    "the archive is refused"
+                    f"{m.name}: not under {self.top}, the name asked for: the archive is refused"
                 )
-            self.tree = (first, member.isdir())
+            if len(parts) != 1:
+                raise TransferError(f"{m.name}: the archive does not start with its top entry")
+            self.tree = (first, m.isdir())
         else:
             top, is_dir = self.tree
             if not is_dir:
                 raise TransferError(
-                    f"{member.name}: more than the one file asked for: the archive is refused"
+                    f"{m.name}: more than the one file asked for: the archive is refused"
                 )
             if first != top:
                 raise TransferError(
-                    f"{member.name}: not under {top}, the tree asked for: the archive is refused"
+                    f"{m.name}: not under {top}, the tree asked for: the archive is refused"
                 )
         self.moved.entries += 1
         if self.moved.entries > MAX_ENTRIES:
             raise TransferError(f"the archive holds more than {MAX_ENTRIES} entries")
+        if self.rename is not None:
+            parts = (self.rename, *parts[1:])
         shown = "/".join(parts)
-        if member.ischr() or member.isblk() or member.isfifo():
+        if not (m.isdir() or m.isreg() or m.issym() or m.islnk()):
             self._note(f"{shown}: a special file, left out")
-            return None
-        if ".git" in parts[:-1]:
-            at = parts.index(".git")
-            below = parts[at + 1 :]
-            if below in _GIT_LEFT_OUT or (below and below[0] == "hooks"):
-                self._note(f"{shown}: git configuration, left out")
-                return None
-        if parts[-1] == ".git" and not member.isdir():
-            self._note(f"{shown}: a .git file pointing elsewhere, left out")
-            return None
-        if member.isfile():
-            self.data_bytes += member.size
-            if self.data_bytes > MAX_BYTES:
-                raise TransferError(f"the archive holds more than {MAX_BYTES} bytes of file data")
-        changes: dict[str, Any] = {"name": self._renamed(parts)}
-        if member.islnk():
-            target = self._parts(member.linkname)
-            if self.tree is None or target[0] != self.tree[0]:
-                raise TransferError(
-                    f"{shown}: a hard link to a file outside the tree: the archive is refused"
-                )
-            changes["linkname"] = self._renamed(target)
-        member = member.replace(**changes, deep=False)
+            return
+        if _git_left_out(parts, m.isdir()):
+            self._note(f"{shown}: git configuration, left out")
+            return
+        mode = m.mode & 0o777 & ~self.mask
+        dfd = self._walk(parts[:-1], create=True)
+        name = parts[-1]
         try:
-            if member.issym():
-                # A link may point anywhere (it is never followed here: every
-                # later entry is checked against where it really lands).
-                out = tarfile.tar_filter(member, dest)
-                # Never chowned here, whoever runs this.
-                nobody: dict[str, Any] = {"uid": None, "gid": None, "uname": None, "gname": None}
-                out = out.replace(**nobody, deep=False)
+            if m.isdir():
+                try:
+                    st = os.lstat(name, dir_fd=dfd)
+                    if not stat.S_ISDIR(st.st_mode):
+                        os.unlink(name, dir_fd=dfd)
+                        os.mkdir(name, 0o700, dir_fd=dfd)
+                except FileNotFoundError:
+                    os.mkdir(name, 0o700, dir_fd=dfd)
+                self.dirs.append((parts, mode, float(m.mtime)))
+            elif m.isreg():
+                self.data_bytes += m.size
+                if self.data_bytes > MAX_BYTES:
+                    raise TransferError(
+                        f"the archive holds more than {MAX_BYTES >> 30} GiB of file data"
+                    )
+                self._clear(dfd, name, shown)
+                self._write(tar, m, dfd, name, mode)
+                self.files.add(parts)
+            elif m.issym():
+                # Made, never followed: every later entry is walked without
+                # following links.
+                self._clear(dfd, name, shown)
+                os.symlink(m.linkname, name, dir_fd=dfd)
             else:
-                out = tarfile.data_filter(member, dest)
-        except tarfile.FilterError as e:
-            raise TransferError(f"{shown}: {e}: the archive is refused") from e
-        if out.mode is not None and not out.issym():
-            out = out.replace(mode=out.mode & ~self.mask & 0o7777, deep=False)
-        return out
+                target = self._parts(m.linkname)
+                if self.rename is not None:
+                    target = (self.rename, *target[1:])
+                if target not in self.files:
+                    raise TransferError(
+                        f"{shown}: a hard link to {m.linkname!r}, no file of this archive: "
+                        "the archive is refused"
+                    )
+                tfd = self._walk(target[:-1], create=False)
+                try:
+                    self._clear(dfd, name, shown)
+                    os.link(target[-1], name, src_dir_fd=tfd, dst_dir_fd=dfd, follow_symlinks=False)
+                finally:
+                    os.close(tfd)
+                self.files.add(parts)
+        finally:
+            os.close(dfd)
+
+    def _write(
+        self, tar: tarfile.TarFile, m: tarfile.TarInfo, dfd: int, name: str, mode: int
+    ) -> None:
+        src = tar.extractfile(m)
+        assert src is not None
+        part = f".corral-part.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+        fd = os.open(
+            part,
+            os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+            0o600,
+            dir_fd=dfd,
+        )
+        try:
+            with os.fdopen(fd, "wb", closefd=True) as out:
+                while piece := src.read(CHUNK):
+                    out.write(piece)
+                out.flush()
+                os.fchmod(out.fileno(), mode)
+                os.utime(out.fileno(), (float(m.mtime), float(m.mtime)))
+            # Named only once whole: a cut archive leaves no part of a file.
+            os.rename(part, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(part, dir_fd=dfd)
+            raise
+
+    def finish(self) -> None:
+        if self.tree is None:
+            raise TransferError("the archive is empty")
+        # Directories last, deepest first, each reached without links: its
+        # mode and time are set on what this archive made, nothing else.
+        wanted = {p: (mode, mtime) for p, mode, mtime in self.dirs}
+        for p in self.made:
+            wanted.setdefault(p, (0o777 & ~self.mask, -1.0))
+        for p in sorted(wanted, key=len, reverse=True):
+            mode, mtime = wanted[p]
+            try:
+                fd = self._walk(p, create=False)
+            except (OSError, TransferError):
+                continue
+            try:
+                os.fchmod(fd, mode)
+                if mtime >= 0:
+                    os.utime(fd, (mtime, mtime))
+            finally:
+                os.close(fd)
+
+
+def unpack(fileobj: IO[bytes], base: Path, top: str | None, rename: str | None) -> Moved:
+    """What :func:`download` does with the archive it gets, on a thread."""
+    moved = Moved()
+    u = Unpacker(base, top, rename, moved)
+    with tarfile.open(fileobj=fileobj, mode="r|", tarinfo=_BoundedTarInfo) as tar:
+        while (m := tar.next()) is not None:
+            u.entry(tar, m)
+            # Stream mode keeps every header read: not here.
+            cast(Any, tar).members.clear()
+    u.finish()
+    # What follows the archive's end is padding, or someone's junk: bounded.
+    trailing = 0
+    while piece := fileobj.read(CHUNK):
+        trailing += len(piece)
+        if trailing > MAX_TRAILING:
+            raise TransferError("more than 1 MiB after the archive's end: the archive is refused")
+    return moved
 
 
 class _Pipe:
@@ -272,11 +438,6 @@ async def upload(sb: AsyncSandbox, src: Path, remote: str) -> int:
 
 
 async def download(sb: AsyncSandbox, remote: str, local: Path) -> Moved:
-    if not hasattr(tarfile, "data_filter"):
-        raise ConfigError(
-            "downloads need a Python whose tarfile has extraction filters "
-            "(3.10.12, 3.11.4, 3.12 or later)"
-        )
     top = archive_name(remote)
     if local.is_dir():
         base, rename = local, None
@@ -288,17 +449,13 @@ async def download(sb: AsyncSandbox, remote: str, local: Path) -> Moved:
             raise TransferError(f"{local}: the sandbox's root goes into a directory")
     loop = asyncio.get_running_loop()
     pipe = _Pipe(loop)
-    moved = Moved()
-    rules = _Rules(top, rename, moved)
+    received = 0
+    result: list[Moved] = []
 
-    def unpack() -> None:
-        with tarfile.open(fileobj=cast(IO[bytes], pipe), mode="r|") as tar:
-            tar.extractall(str(base), filter=rules)
-        # Whatever follows the archive's end (there should be nothing).
-        while pipe.read(CHUNK):
-            pass
+    def unpacking() -> None:
+        result.append(unpack(cast(IO[bytes], pipe), base, top, rename))
 
-    unpacker = loop.run_in_executor(None, unpack)
+    unpacker = loop.run_in_executor(None, unpacking)
     req = pb.DownloadRequest(
         sandbox_id=sb.id, operation_id=uuid.uuid4().hex, archive=pb.ArchiveSpec(path=remote)
     )
@@ -308,7 +465,8 @@ async def download(sb: AsyncSandbox, remote: str, local: Path) -> Moved:
         nonlocal finished
         async for m in sb.worker.download(req):
             if m.data:
-                moved.bytes += len(m.data)
+                nonlocal received
+                received += len(m.data)
                 if not pipe.closed.is_set():
                     await pipe.queue.put(bytes(m.data))
             if m.HasField("finished"):
@@ -355,6 +513,15 @@ async def download(sb: AsyncSandbox, remote: str, local: Path) -> Moved:
     failed = sandbox_failure()
     if failed is not None:
         raise failed
+    moved = result[0]
+    moved.bytes = received
+    # What the sandbox's side left out (special files, say), in its words.
+    said = result_of(finished.result).stderr
+    for line in said.splitlines():
+        if line.strip():
+            moved.left_out += 1
+            if len(moved.notes) < MAX_NOTES:
+                moved.notes.append(f"in the sandbox: {line.strip()}")
     return moved
 
 

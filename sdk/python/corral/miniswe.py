@@ -18,11 +18,13 @@ returncode -1 and a ``TimeoutExpired`` exception, the submit marker raises
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import os
 import platform
 import shlex
+import weakref
 from typing import Any
 
 from minisweagent.exceptions import Submitted
@@ -62,6 +64,13 @@ class CorralEnvironmentConfig(BaseModel):
     crashed agent leaves nothing behind for long)."""
 
 
+def _cleanup_at_exit(ref: weakref.ref[CorralEnvironment]) -> None:
+    env = ref()
+    if env is not None:
+        with contextlib.suppress(Exception):
+            env.cleanup()
+
+
 class CorralEnvironment:
     def __init__(
         self,
@@ -89,6 +98,10 @@ class CorralEnvironment:
             )
             self._owned = True
         self.logger.info(f"Corral sandbox {self.sandbox.id} on {self.sandbox.worker}")
+        # At exit, while calls can still be made (as DockerEnvironment's
+        # container goes with its program).
+        ref = weakref.ref(self)
+        atexit.register(_cleanup_at_exit, ref)
 
     def get_template_vars(self, **kwargs: Any) -> dict[str, Any]:
         out: dict[str, Any] = recursive_merge(

@@ -4,6 +4,9 @@ own DockerEnvironment on the same image gives the same observations."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any, cast
 
 import pytest
@@ -93,3 +96,19 @@ def test_the_environment_serializes_and_cleans_up(worker: Worker) -> None:
     env.cleanup()
     with pytest.raises(corral.SandboxNotFound):
         worker.connect(sid)
+
+
+def test_a_program_that_exits_leaves_no_sandbox(worker: Worker, tmp_path: Path) -> None:
+    # An environment still referenced at exit (a module global) goes with
+    # the program, as mini-swe-agent's DockerEnvironment's container does.
+    script = tmp_path / "prog.py"
+    script.write_text(
+        "from corral.miniswe import CorralEnvironment\n"
+        f"env = CorralEnvironment(worker={worker.url!r}, token_file={str(worker.token_file)!r})\n"
+        "print(env.sandbox.id)\n"
+    )
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "shutting down" not in out.stderr, out.stderr
+    sid = out.stdout.strip()
+    assert sid not in {s.id for s in worker.list()}
