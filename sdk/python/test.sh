@@ -13,8 +13,8 @@ python="${PYTHON:-python3}"
 [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
 "$venv/bin/pip" install --quiet --disable-pip-version-check "$here[dev]"
 cd "$here"
-"$venv/bin/ruff" check .
-"$venv/bin/ruff" format --check .
+"$venv/bin/ruff" check --no-cache .
+"$venv/bin/ruff" format --check --no-cache .
 "$venv/bin/mypy"
 # The Agents SDK's own sandbox test helpers come in its sdist (the version
 # installed): fetched here, not by a test (tests reach loopback only).
