@@ -10,10 +10,13 @@
 //! - the length-delimited [`frame`] codec spoken between a worker and the
 //!   in-sandbox supervisor `corral-init`;
 //! - the hard limits every part enforces ([`limits`]);
-//! - the machine-readable [`reason`] every error status carries.
+//! - the machine-readable [`reason`] every error status carries;
+//! - [`egress`] rules: what a sandbox's connections may reach, parsed and
+//!   matched, and how a worker's bound covers them.
 //!
 //! It owns no behaviour beyond validation: no I/O, no async.
 
+pub mod egress;
 pub mod error;
 pub mod event;
 pub mod frame;
