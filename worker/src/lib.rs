@@ -13,6 +13,8 @@
 //!   and no other sandbox holds;
 //! - [`policy`]: what a sandbox may be, as the operator allows it (clients
 //!   ask, the worker decides);
+//! - [`egress`]: reading what a sandbox's outbound connection asks for (a
+//!   proxy request's head, a TLS server name) and deciding on it by policy;
 //! - [`admission`]: which connections reach the server (limits, handshake
 //!   timeout); [`budget`]: what their requests may hold while they are read;
 //! - [`metrics`]: Prometheus metrics and the endpoint that serves them;
@@ -27,6 +29,7 @@ pub mod admission;
 pub mod budget;
 pub mod cli;
 pub mod docker;
+pub mod egress;
 pub mod error;
 pub mod initbin;
 pub mod metrics;

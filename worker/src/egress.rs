@@ -1,0 +1,492 @@
+//! The worker's side of egress by policy: reading what a sandbox's
+//! connection asks for (an HTTP proxy request's head, a TLS ClientHello's
+//! server name) and deciding on it. Every byte here comes from a sandbox
+//! and is hostile: parsers are bounded, total, and never allocate more than
+//! their limits.
+
+use corral_proto::egress::{Rule, normalize_name};
+
+/// Most bytes of a proxy request's head (request line and headers).
+pub const MAX_HEAD_BYTES: usize = 16 * 1024;
+/// Most header lines of a proxy request.
+pub const MAX_HEADERS: usize = 64;
+/// Most bytes of a TLS ClientHello record read for its server name.
+pub const MAX_HELLO_BYTES: usize = 16 * 1024 + 5;
+
+/// Why a connection is refused: the words of the `X-Corral-Egress` header,
+/// the event and the metric.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Blocked {
+    NotAllowed,
+    InternalAddress,
+    SniMismatch,
+    HostMismatch,
+    Port,
+    ResolveFailed,
+    BadRequest,
+}
+
+impl Blocked {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Blocked::NotAllowed => "not_allowed",
+            Blocked::InternalAddress => "internal_address",
+            Blocked::SniMismatch => "sni_mismatch",
+            Blocked::HostMismatch => "host_mismatch",
+            Blocked::Port => "port",
+            Blocked::ResolveFailed => "resolve_failed",
+            Blocked::BadRequest => "bad_request",
+        }
+    }
+}
+
+/// What a proxy request asks for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Head {
+    /// `CONNECT host:port`: a tunnel (TLS, usually).
+    Connect { host: String, port: u16 },
+    /// `GET http://host[:port]/path`: a plain request, forwarded.
+    Forward {
+        method: String,
+        host: String,
+        port: u16,
+        /// The target as sent upstream (origin form: `/path?query`).
+        path: String,
+        /// The request's `Host` header, lower-case, when it has one.
+        host_header: Option<String>,
+    },
+}
+
+/// A malformed or oversized request head.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("bad proxy request: {0}")]
+pub struct BadHead(pub String);
+
+/// The host (a name, or an IP literal) and port of `authority`
+/// (`host:port`, `[v6]:port`, or `host` with `default`).
+pub fn host_port(authority: &str, default: Option<u16>) -> Result<(String, u16), BadHead> {
+    let bad = |why: &str| BadHead(format!("{authority:?}: {why}"));
+    let (host, port) = if let Some(rest) = authority.strip_prefix('[') {
+        let (h, after) = rest.split_once(']').ok_or_else(|| bad("an unclosed '['"))?;
+        h.parse::<std::net::Ipv6Addr>()
+            .map_err(|_| bad("not an IPv6 address in brackets"))?;
+        (h.to_string(), after.strip_prefix(':'))
+    } else {
+        match authority.rsplit_once(':') {
+            Some((h, p)) => (h.to_string(), Some(p)),
+            None => (authority.to_string(), None),
+        }
+    };
+    let port = match port {
+        Some(p) => match p.parse::<u16>() {
+            Ok(n) if n > 0 => n,
+            _ => return Err(bad("not a port")),
+        },
+        None => default.ok_or_else(|| bad("no port"))?,
+    };
+    if host.is_empty() {
+        return Err(bad("no host"));
+    }
+    let host = if host.parse::<std::net::IpAddr>().is_ok() {
+        host
+    } else {
+        normalize_name(&host).map_err(BadHead)?
+    };
+    Ok((host, port))
+}
+
+/// The head of a proxy request in `buf`, and its length in bytes; `None`
+/// while it is not whole yet (and under [`MAX_HEAD_BYTES`]).
+pub fn parse_head(buf: &[u8]) -> Result<Option<(Head, usize)>, BadHead> {
+    let Some(end) = find(buf, b"\r\n\r\n") else {
+        if buf.len() > MAX_HEAD_BYTES {
+            return Err(BadHead(format!("a head over {MAX_HEAD_BYTES} bytes")));
+        }
+        return Ok(None);
+    };
+    let len = end + 4;
+    if len > MAX_HEAD_BYTES {
+        return Err(BadHead(format!("a head over {MAX_HEAD_BYTES} bytes")));
+    }
+    let text = std::str::from_utf8(&buf[..end]).map_err(|_| BadHead("not UTF-8".into()))?;
+    let mut lines = text.split("\r\n");
+    let request = lines.next().unwrap_or("");
+    let mut parts = request.split(' ');
+    let (method, target, version) = match (parts.next(), parts.next(), parts.next(), parts.next()) {
+        (Some(m), Some(t), Some(v), None) if !m.is_empty() && !t.is_empty() => (m, t, v),
+        _ => return Err(BadHead(format!("request line {request:?}"))),
+    };
+    if version != "HTTP/1.1" && version != "HTTP/1.0" {
+        return Err(BadHead(format!("version {version:?}")));
+    }
+    if !method.bytes().all(|b| b.is_ascii_uppercase()) {
+        return Err(BadHead(format!("method {method:?}")));
+    }
+    let mut host_header = None;
+    let mut count = 0;
+    for line in lines {
+        count += 1;
+        if count > MAX_HEADERS {
+            return Err(BadHead(format!("more than {MAX_HEADERS} headers")));
+        }
+        let (name, value) = line
+            .split_once(':')
+            .ok_or_else(|| BadHead(format!("header line {line:?}")))?;
+        if name.is_empty()
+            || name
+                .bytes()
+                .any(|b| b.is_ascii_whitespace() || b.is_ascii_control())
+        {
+            return Err(BadHead(format!("header name {name:?}")));
+        }
+        if value.bytes().any(|b| b.is_ascii_control() && b != b'\t') {
+            return Err(BadHead(format!("a control character in header {name}")));
+        }
+        if name.eq_ignore_ascii_case("host") {
+            if host_header.is_some() {
+                return Err(BadHead("two Host headers".into()));
+            }
+            host_header = Some(value.trim().to_ascii_lowercase());
+        }
+    }
+    let head = if method == "CONNECT" {
+        let (host, port) = host_port(target, None)?;
+        Head::Connect { host, port }
+    } else {
+        let rest = target.strip_prefix("http://").ok_or_else(|| {
+            BadHead(format!(
+                "target {target:?}: only http:// URLs (https goes by CONNECT)"
+            ))
+        })?;
+        let (authority, path) = match rest.find(['/', '?']) {
+            Some(i) => (&rest[..i], &rest[i..]),
+            None => (rest, "/"),
+        };
+        if authority.contains('@') {
+            return Err(BadHead("credentials in the URL".into()));
+        }
+        let (host, port) = host_port(authority, Some(80))?;
+        let path = if path.starts_with('?') {
+            format!("/{path}")
+        } else {
+            path.to_string()
+        };
+        Head::Forward {
+            method: method.to_string(),
+            host,
+            port,
+            path,
+            host_header,
+        }
+    };
+    Ok(Some((head, len)))
+}
+
+fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
+    hay.windows(needle.len()).position(|w| w == needle)
+}
+
+/// What the first bytes of a tunnel say of its TLS server name.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Hello {
+    /// Not whole yet: read more (the record is under [`MAX_HELLO_BYTES`]).
+    More,
+    /// A ClientHello naming this server (lower-case, no trailing dot).
+    Sni(String),
+    /// A ClientHello with no server name.
+    NoSni,
+    /// Not a TLS ClientHello at all.
+    NotTls,
+}
+
+/// The server name of the TLS ClientHello at the start of `buf`. Only the
+/// first record is read (a ClientHello split over records is taken for one
+/// without a name, and refused by the caller).
+pub fn client_hello_sni(buf: &[u8]) -> Hello {
+    // Record: type 22 (handshake), version 3.x, length.
+    if buf.is_empty() {
+        return Hello::More;
+    }
+    if buf[0] != 22 {
+        return Hello::NotTls;
+    }
+    if buf.len() < 5 {
+        return Hello::More;
+    }
+    if buf[1] != 3 {
+        return Hello::NotTls;
+    }
+    let rec_len = u16::from_be_bytes([buf[3], buf[4]]) as usize;
+    if rec_len == 0 || rec_len + 5 > MAX_HELLO_BYTES {
+        return Hello::NotTls;
+    }
+    if buf.len() < 5 + rec_len {
+        return Hello::More;
+    }
+    let mut r = Reader(&buf[5..5 + rec_len]);
+    parse_hello(&mut r).unwrap_or(Hello::NoSni)
+}
+
+struct Reader<'a>(&'a [u8]);
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, n: usize) -> Option<&'a [u8]> {
+        if self.0.len() < n {
+            return None;
+        }
+        let (head, rest) = self.0.split_at(n);
+        self.0 = rest;
+        Some(head)
+    }
+    fn u8(&mut self) -> Option<u8> {
+        self.take(1).map(|b| b[0])
+    }
+    fn u16(&mut self) -> Option<usize> {
+        self.take(2)
+            .map(|b| u16::from_be_bytes([b[0], b[1]]) as usize)
+    }
+    fn u24(&mut self) -> Option<usize> {
+        self.take(3)
+            .map(|b| (b[0] as usize) << 16 | (b[1] as usize) << 8 | b[2] as usize)
+    }
+    fn vec8(&mut self) -> Option<Reader<'a>> {
+        let n = self.u8()? as usize;
+        self.take(n).map(Reader)
+    }
+    fn vec16(&mut self) -> Option<Reader<'a>> {
+        let n = self.u16()?;
+        self.take(n).map(Reader)
+    }
+}
+
+fn parse_hello(r: &mut Reader<'_>) -> Option<Hello> {
+    if r.u8()? != 1 {
+        return Some(Hello::NotTls); // not a ClientHello
+    }
+    let len = r.u24()?;
+    let mut body = Reader(r.take(len)?);
+    body.take(2)?; // legacy version
+    body.take(32)?; // random
+    body.vec8()?; // session id
+    body.vec16()?; // cipher suites
+    body.vec8()?; // compression methods
+    if body.0.is_empty() {
+        return Some(Hello::NoSni);
+    }
+    let mut exts = body.vec16()?;
+    let mut found: Option<String> = None;
+    while !exts.0.is_empty() {
+        let kind = exts.u16()?;
+        let mut data = exts.vec16()?;
+        if kind != 0 {
+            continue;
+        }
+        if found.is_some() {
+            return Some(Hello::NoSni); // two server_name extensions: refused
+        }
+        let mut list = data.vec16()?;
+        while !list.0.is_empty() {
+            let name_type = list.u8()?;
+            let name = list.vec16()?;
+            if name_type != 0 {
+                continue;
+            }
+            if found.is_some() {
+                return Some(Hello::NoSni); // two host names: refused
+            }
+            let text = std::str::from_utf8(name.0).ok()?;
+            found = Some(normalize_name(text).ok()?);
+        }
+    }
+    Some(found.map_or(Hello::NoSni, Hello::Sni))
+}
+
+/// Whether `policy` lets a connection to `host` (a name, or an IP
+/// literal) on `port` out; the reason when it does not.
+pub fn decide(policy: &[Rule], host: &str, port: u16) -> Result<(), Blocked> {
+    let allowed = match host.parse::<std::net::IpAddr>() {
+        Ok(ip) => policy.iter().any(|r| r.allows_ip(ip, port)),
+        Err(_) => policy.iter().any(|r| r.allows_name(host, port)),
+    };
+    if allowed {
+        return Ok(());
+    }
+    // The host is listed on another port: say so.
+    let any_port = match host.parse::<std::net::IpAddr>() {
+        Ok(ip) => policy.iter().any(|r| {
+            let mut all = r.clone();
+            all.port = Some(port);
+            all.allows_ip(ip, port)
+        }),
+        Err(_) => policy.iter().any(|r| {
+            let mut all = r.clone();
+            all.port = Some(port);
+            all.allows_name(host, port)
+        }),
+    };
+    Err(if any_port {
+        Blocked::Port
+    } else {
+        Blocked::NotAllowed
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rules(r: &[&str]) -> Vec<Rule> {
+        corral_proto::egress::parse_rules(r, true).unwrap()
+    }
+
+    #[test]
+    fn connect_and_absolute_requests_are_read_whole_or_not_at_all() {
+        let (h, n) = parse_head(b"CONNECT PyPI.org:443 HTTP/1.1\r\nHost: pypi.org:443\r\n\r\nrest")
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            h,
+            Head::Connect {
+                host: "pypi.org".into(),
+                port: 443
+            }
+        );
+        // The head, up to its blank line; "rest" is the tunnel's.
+        assert_eq!(n, 53);
+        let (h, _) =
+            parse_head(b"GET http://example.com/a?b HTTP/1.1\r\nHost: Example.com\r\n\r\n")
+                .unwrap()
+                .unwrap();
+        assert_eq!(
+            h,
+            Head::Forward {
+                method: "GET".into(),
+                host: "example.com".into(),
+                port: 80,
+                path: "/a?b".into(),
+                host_header: Some("example.com".into())
+            }
+        );
+        let (h, _) = parse_head(b"CONNECT [2001:db8::1]:8443 HTTP/1.1\r\n\r\n")
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            h,
+            Head::Connect {
+                host: "2001:db8::1".into(),
+                port: 8443
+            }
+        );
+        assert_eq!(
+            parse_head(b"CONNECT x.com:443 HTTP/1.1\r\nHost: x").unwrap(),
+            None
+        );
+    }
+
+    #[test]
+    fn hostile_heads_are_refused() {
+        let big = format!(
+            "GET http://x.com/ HTTP/1.1\r\nA: {}\r\n\r\n",
+            "a".repeat(MAX_HEAD_BYTES)
+        );
+        let many: String = (0..=MAX_HEADERS).map(|i| format!("H{i}: v\r\n")).collect();
+        let many = format!("GET http://x.com/ HTTP/1.1\r\n{many}\r\n");
+        for head in [
+            b"CONNECT x.com HTTP/1.1\r\n\r\n".to_vec(),
+            b"CONNECT x.com:0 HTTP/1.1\r\n\r\n".to_vec(),
+            b"CONNECT x.com:443 HTTP/2\r\n\r\n".to_vec(),
+            b"CONNECT  x.com:443 HTTP/1.1\r\n\r\n".to_vec(),
+            b"GET https://x.com/ HTTP/1.1\r\n\r\n".to_vec(),
+            b"GET /relative HTTP/1.1\r\n\r\n".to_vec(),
+            b"GET http://user:pw@x.com/ HTTP/1.1\r\n\r\n".to_vec(),
+            b"GET http://x.com/ HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n".to_vec(),
+            b"GET http://x.com/ HTTP/1.1\r\nBad Header: v\r\n\r\n".to_vec(),
+            b"GET http://x.com/ HTTP/1.1\r\nA: b\x00c\r\n\r\n".to_vec(),
+            b"get http://x.com/ HTTP/1.1\r\n\r\n".to_vec(),
+            b"CONNECT [::1:443 HTTP/1.1\r\n\r\n".to_vec(),
+            b"CONNECT exa mple.com:443 HTTP/1.1\r\n\r\n".to_vec(),
+            b"\xff\xfe HTTP/1.1\r\n\r\n".to_vec(),
+            big.into_bytes(),
+            many.into_bytes(),
+        ] {
+            assert!(
+                parse_head(&head).is_err(),
+                "{}",
+                String::from_utf8_lossy(&head)
+            );
+        }
+        // A head that never ends is refused once past the bound.
+        assert!(parse_head(&vec![b'a'; MAX_HEAD_BYTES + 1]).is_err());
+    }
+
+    /// A ClientHello as a client sends it, with these server names.
+    fn hello(names: &[&str]) -> Vec<u8> {
+        let mut sni = Vec::new();
+        for n in names {
+            sni.push(0);
+            sni.extend_from_slice(&(n.len() as u16).to_be_bytes());
+            sni.extend_from_slice(n.as_bytes());
+        }
+        let mut ext = Vec::new();
+        // An unrelated extension first (supported_groups).
+        ext.extend_from_slice(&[0, 10, 0, 4, 0, 2, 0, 29]);
+        if !names.is_empty() {
+            ext.extend_from_slice(&0u16.to_be_bytes());
+            ext.extend_from_slice(&((sni.len() + 2) as u16).to_be_bytes());
+            ext.extend_from_slice(&(sni.len() as u16).to_be_bytes());
+            ext.extend_from_slice(&sni);
+        }
+        let mut body = vec![3, 3];
+        body.extend_from_slice(&[7; 32]);
+        body.push(0); // session id
+        body.extend_from_slice(&[0, 2, 0x13, 0x01]); // one suite
+        body.extend_from_slice(&[1, 0]); // null compression
+        body.extend_from_slice(&(ext.len() as u16).to_be_bytes());
+        body.extend_from_slice(&ext);
+        let mut hs = vec![1];
+        hs.extend_from_slice(&(body.len() as u32).to_be_bytes()[1..]);
+        hs.extend_from_slice(&body);
+        let mut rec = vec![22, 3, 1];
+        rec.extend_from_slice(&(hs.len() as u16).to_be_bytes());
+        rec.extend_from_slice(&hs);
+        rec
+    }
+
+    #[test]
+    fn the_server_name_of_a_client_hello_is_read_and_nothing_else() {
+        let h = hello(&["Files.PyPI.org."]);
+        assert_eq!(client_hello_sni(&h), Hello::Sni("files.pypi.org".into()));
+        for cut in [0, 3, 10, h.len() - 1] {
+            assert_eq!(client_hello_sni(&h[..cut]), Hello::More, "cut at {cut}");
+        }
+        assert_eq!(client_hello_sni(&hello(&[])), Hello::NoSni);
+        assert_eq!(client_hello_sni(&hello(&["a.com", "b.com"])), Hello::NoSni);
+        assert_eq!(client_hello_sni(&hello(&["bad name"])), Hello::NoSni);
+        assert_eq!(client_hello_sni(b"GET / HTTP/1.1\r\n"), Hello::NotTls);
+        // Every truncation and every byte flipped: never a panic.
+        for i in 5..h.len() {
+            let mut bent = h.clone();
+            bent[i] ^= 0xff;
+            let _ = client_hello_sni(&bent);
+            let mut short = h.clone();
+            short.truncate(i);
+            let _ = client_hello_sni(&short);
+        }
+    }
+
+    #[test]
+    fn decisions_name_their_reason() {
+        let p = rules(&["pypi.org", "*.pythonhosted.org", "192.0.2.0/24:8080"]);
+        assert_eq!(decide(&p, "pypi.org", 443), Ok(()));
+        assert_eq!(decide(&p, "files.pythonhosted.org", 443), Ok(()));
+        assert_eq!(
+            decide(&p, "pythonhosted.org", 443),
+            Err(Blocked::NotAllowed)
+        );
+        assert_eq!(decide(&p, "pypi.org", 22), Err(Blocked::Port));
+        assert_eq!(decide(&p, "192.0.2.9", 8080), Ok(()));
+        assert_eq!(decide(&p, "192.0.2.9", 443), Err(Blocked::Port));
+        assert_eq!(decide(&p, "203.0.113.1", 443), Err(Blocked::NotAllowed));
+        assert_eq!(decide(&[], "pypi.org", 443), Err(Blocked::NotAllowed));
+    }
+}
