@@ -287,7 +287,10 @@ class AsyncProcess:
             return self._result
         if timeout is None:
             return await self._follow()
-        return await asyncio.wait_for(self._follow(), timeout)
+        try:
+            return await asyncio.wait_for(self._follow(), timeout)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"process {self.id} still runs after {timeout} s") from None
 
     async def write_stdin(self, data: bytes | str) -> bool:
         """Feeds its stdin (started with ``stdin=True``); False when it takes
