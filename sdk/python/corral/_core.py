@@ -520,15 +520,16 @@ class AsyncSandbox:
             writable_rootfs=writable_rootfs,
             add_capabilities=list(capabilities or ()),
         )
-        opts = _connect.Options.from_env(
-            worker,
-            token_file=token_file,
-            tls_ca=tls_ca,
-            tls_cert=tls_cert,
-            tls_key=tls_key,
-            tls_server_name=tls_server_name,
+        ws = await _rpc.workers(
+            _connect.Options.from_env(
+                worker,
+                token_file=token_file,
+                tls_ca=tls_ca,
+                tls_cert=tls_cert,
+                tls_key=tls_key,
+                tls_server_name=tls_server_name,
+            )
         )
-        ws = await _rpc.workers(opts)
         req = pb.CreateSandboxRequest(id=id or _new_id(), spec=spec)
         w, made = await _place(ws, req)
         return cls(w, made, owned=True)
@@ -547,15 +548,16 @@ class AsyncSandbox:
     ) -> AsyncSandbox:
         """An existing sandbox, found among the workers (it is not removed
         at the end of a ``with`` block: it is not this object's)."""
-        opts = _connect.Options.from_env(
-            worker,
-            token_file=token_file,
-            tls_ca=tls_ca,
-            tls_cert=tls_cert,
-            tls_key=tls_key,
-            tls_server_name=tls_server_name,
+        ws = await _rpc.workers(
+            _connect.Options.from_env(
+                worker,
+                token_file=token_file,
+                tls_ca=tls_ca,
+                tls_cert=tls_cert,
+                tls_key=tls_key,
+                tls_server_name=tls_server_name,
+            )
         )
-        ws = await _rpc.workers(opts)
         found = await _find(ws, id)
         return cls(found[0], found[1], owned=False)
 
