@@ -4,7 +4,10 @@
 //! and is hostile: parsers are bounded, total, and never allocate more than
 //! their limits.
 
-use corral_proto::egress::{Rule, normalize_name};
+use std::net::{IpAddr, SocketAddr};
+use std::time::Duration;
+
+use corral_proto::egress::{Cidr, Rule, internal_range, normalize_name};
 
 /// Most bytes of a proxy request's head (request line and headers).
 pub const MAX_HEAD_BYTES: usize = 16 * 1024;
@@ -24,6 +27,8 @@ pub enum Blocked {
     Port,
     ResolveFailed,
     BadRequest,
+    /// Allowed, but no address of it answered.
+    Unreachable,
 }
 
 impl Blocked {
@@ -36,6 +41,7 @@ impl Blocked {
             Blocked::Port => "port",
             Blocked::ResolveFailed => "resolve_failed",
             Blocked::BadRequest => "bad_request",
+            Blocked::Unreachable => "unreachable",
         }
     }
 }
@@ -331,6 +337,80 @@ pub fn decide(policy: &[Rule], host: &str, port: u16) -> Result<(), Blocked> {
     })
 }
 
+/// Where the worker lets connections go, whatever a sandbox's policy: no
+/// internal address unless its operator exempts the range, never the
+/// worker's own listening sockets.
+#[derive(Debug, Clone, Default)]
+pub struct Gate {
+    /// Internal ranges the operator exempts (`--egress-allow-internal`).
+    pub allow_internal: Vec<Cidr>,
+    /// The worker's own listening sockets (gRPC, metrics): never reached,
+    /// exempt or not.
+    pub own: Vec<SocketAddr>,
+    /// How long one connection attempt may take.
+    pub connect_timeout: Duration,
+}
+
+impl Gate {
+    /// Whether a connection to `addr` may be made.
+    pub fn check(&self, addr: SocketAddr) -> Result<(), Blocked> {
+        let ip = corral_proto::egress::canonical(addr.ip());
+        let own = self.own.iter().any(|o| {
+            o.port() == addr.port()
+                && (o.ip().is_unspecified() || corral_proto::egress::canonical(o.ip()) == ip)
+        });
+        if own {
+            return Err(Blocked::InternalAddress);
+        }
+        if internal_range(ip).is_some() && !self.allow_internal.iter().any(|c| c.contains(ip)) {
+            return Err(Blocked::InternalAddress);
+        }
+        Ok(())
+    }
+
+    /// A connection to `host` (a name or an IP literal) on `port` for a
+    /// sandbox whose policy is `policy`: decided, resolved here (never an
+    /// address the sandbox chose for a name), every address checked, and
+    /// connected to one of those checked: no later lookup can rebind it.
+    pub async fn connect(
+        &self,
+        policy: &[Rule],
+        host: &str,
+        port: u16,
+    ) -> Result<(tokio::net::TcpStream, SocketAddr), Blocked> {
+        decide(policy, host, port)?;
+        let addrs: Vec<SocketAddr> = match host.parse::<IpAddr>() {
+            Ok(ip) => vec![SocketAddr::new(ip, port)],
+            Err(_) => {
+                tokio::time::timeout(self.connect_timeout, tokio::net::lookup_host((host, port)))
+                    .await
+                    .map_err(|_| Blocked::ResolveFailed)?
+                    .map_err(|_| Blocked::ResolveFailed)?
+                    .collect()
+            }
+        };
+        if addrs.is_empty() {
+            return Err(Blocked::ResolveFailed);
+        }
+        let allowed: Vec<SocketAddr> = addrs
+            .into_iter()
+            .filter(|a| self.check(*a).is_ok())
+            .collect();
+        if allowed.is_empty() {
+            return Err(Blocked::InternalAddress);
+        }
+        for addr in allowed {
+            if let Ok(Ok(stream)) =
+                tokio::time::timeout(self.connect_timeout, tokio::net::TcpStream::connect(addr))
+                    .await
+            {
+                return Ok((stream, addr));
+            }
+        }
+        Err(Blocked::Unreachable)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -472,6 +552,90 @@ mod tests {
             short.truncate(i);
             let _ = client_hello_sni(&short);
         }
+    }
+
+    fn gate(allow: &[&str], own: Vec<SocketAddr>) -> Gate {
+        Gate {
+            allow_internal: allow.iter().map(|c| c.parse().unwrap()).collect(),
+            own,
+            connect_timeout: Duration::from_secs(5),
+        }
+    }
+
+    #[tokio::test]
+    async fn internal_answers_and_the_workers_own_ports_are_never_reached() {
+        let server = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = server.local_addr().unwrap().port();
+        let worker_port = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let own = worker_port.local_addr().unwrap();
+        let policy = rules(&[
+            &format!("localhost:{port}"),
+            &format!("127.0.0.0/8:{port}"),
+            &format!("localhost:{}", own.port()),
+        ]);
+        // Loopback is internal: refused unless exempted.
+        let strict = gate(&[], vec![own]);
+        assert_eq!(
+            strict.connect(&policy, "localhost", port).await.err(),
+            Some(Blocked::InternalAddress)
+        );
+        assert_eq!(
+            strict.connect(&policy, "127.0.0.1", port).await.err(),
+            Some(Blocked::InternalAddress)
+        );
+        let open = gate(&["127.0.0.0/8"], vec![own]);
+        let (_, to) = open
+            .connect(&policy, "localhost", port)
+            .await
+            .expect("exempted");
+        assert_eq!(to.port(), port);
+        // The worker's own port, exempt range or not.
+        assert_eq!(
+            open.connect(&policy, "localhost", own.port()).await.err(),
+            Some(Blocked::InternalAddress)
+        );
+        // An address by a name rule: not allowed; a name not listed either.
+        let by_name = rules(&[&format!("localhost:{port}")]);
+        assert_eq!(
+            open.connect(&by_name, "127.0.0.1", port).await.err(),
+            Some(Blocked::NotAllowed)
+        );
+        assert_eq!(
+            open.connect(&by_name, "other.invalid", port).await.err(),
+            Some(Blocked::NotAllowed)
+        );
+        // Allowed, but nothing there.
+        drop(server);
+        assert_eq!(
+            open.connect(&policy, "127.0.0.1", port).await.err(),
+            Some(Blocked::Unreachable)
+        );
+        // (A name that does not resolve is not tried here: its lookup would
+        // leave loopback.)
+    }
+
+    #[test]
+    fn metadata_and_mapped_addresses_are_internal() {
+        let g = gate(&[], vec![]);
+        for a in [
+            "169.254.169.254:80",
+            "[::ffff:169.254.169.254]:80",
+            "[::1]:443",
+            "10.0.0.1:443",
+        ] {
+            assert_eq!(
+                g.check(a.parse().unwrap()),
+                Err(Blocked::InternalAddress),
+                "{a}"
+            );
+        }
+        assert_eq!(g.check("93.184.216.34:443".parse().unwrap()), Ok(()));
+        let own = gate(&["127.0.0.0/8"], vec!["0.0.0.0:7070".parse().unwrap()]);
+        assert_eq!(
+            own.check("127.0.0.1:7070".parse().unwrap()),
+            Err(Blocked::InternalAddress)
+        );
+        assert_eq!(own.check("127.0.0.1:7071".parse().unwrap()), Ok(()));
     }
 
     #[test]
