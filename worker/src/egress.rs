@@ -347,8 +347,11 @@ pub struct Gate {
     /// The worker's own listening sockets (gRPC, metrics): never reached,
     /// exempt or not.
     pub own: Vec<SocketAddr>,
-    /// How long one connection attempt may take.
+    /// How long one connection attempt (or lookup) may take.
     pub connect_timeout: Duration,
+    /// The resolver names are asked of (`--egress-resolver`); `None`: the
+    /// system's.
+    pub resolver: Option<SocketAddr>,
 }
 
 impl Gate {
@@ -379,9 +382,15 @@ impl Gate {
         port: u16,
     ) -> Result<(tokio::net::TcpStream, SocketAddr), Blocked> {
         decide(policy, host, port)?;
-        let addrs: Vec<SocketAddr> = match host.parse::<IpAddr>() {
-            Ok(ip) => vec![SocketAddr::new(ip, port)],
-            Err(_) => {
+        let addrs: Vec<SocketAddr> = match (host.parse::<IpAddr>(), self.resolver) {
+            (Ok(ip), _) => vec![SocketAddr::new(ip, port)],
+            (Err(_), Some(resolver)) => crate::dns::resolve(resolver, host, self.connect_timeout)
+                .await
+                .map_err(|_| Blocked::ResolveFailed)?
+                .into_iter()
+                .map(|ip| SocketAddr::new(ip, port))
+                .collect(),
+            (Err(_), None) => {
                 tokio::time::timeout(self.connect_timeout, tokio::net::lookup_host((host, port)))
                     .await
                     .map_err(|_| Blocked::ResolveFailed)?
@@ -559,7 +568,66 @@ mod tests {
             allow_internal: allow.iter().map(|c| c.parse().unwrap()).collect(),
             own,
             connect_timeout: Duration::from_secs(5),
+            resolver: None,
         }
+    }
+
+    #[tokio::test]
+    async fn a_name_is_resolved_once_and_connected_to_as_checked() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let server = tokio::net::TcpListener::bind("127.0.0.9:0").await.unwrap();
+        let port = server.local_addr().unwrap().port();
+        let asked = std::sync::Arc::new(AtomicUsize::new(0));
+        let counter = asked.clone();
+        // rebind.test answers an exempt address first, then the metadata
+        // address; meta.test is the metadata address at once.
+        let (dns, task) = crate::dns::tests::serve(move |name, qtype| match (name, qtype) {
+            ("rebind.test", 1) => {
+                if counter.fetch_add(1, Ordering::SeqCst) == 0 {
+                    vec!["127.0.0.9".parse().unwrap()]
+                } else {
+                    vec!["169.254.169.254".parse().unwrap()]
+                }
+            }
+            ("meta.test", 1) => vec!["169.254.169.254".parse().unwrap()],
+            ("many.test", 1) => vec!["10.0.0.1".parse().unwrap(), "127.0.0.9".parse().unwrap()],
+            _ => vec![],
+        })
+        .await;
+        let mut g = gate(&["127.0.0.9/32"], vec![]);
+        g.resolver = Some(dns);
+        let policy = rules(&[
+            &format!("rebind.test:{port}"),
+            &format!("meta.test:{port}"),
+            &format!("many.test:{port}"),
+            &format!("gone.test:{port}"),
+        ]);
+        let (_, to) = g
+            .connect(&policy, "rebind.test", port)
+            .await
+            .expect("first answer");
+        assert_eq!(to.ip().to_string(), "127.0.0.9");
+        // The second lookup answers internal: refused, never connected.
+        assert_eq!(
+            g.connect(&policy, "rebind.test", port).await.err(),
+            Some(Blocked::InternalAddress)
+        );
+        assert_eq!(
+            g.connect(&policy, "meta.test", port).await.err(),
+            Some(Blocked::InternalAddress)
+        );
+        // Of several answers only the allowed ones are tried.
+        let (_, to) = g
+            .connect(&policy, "many.test", port)
+            .await
+            .expect("the exempt one");
+        assert_eq!(to.ip().to_string(), "127.0.0.9");
+        assert_eq!(
+            g.connect(&policy, "gone.test", port).await.err(),
+            Some(Blocked::ResolveFailed)
+        );
+        task.abort();
+        drop(server);
     }
 
     #[tokio::test]

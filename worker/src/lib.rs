@@ -14,7 +14,8 @@
 //! - [`policy`]: what a sandbox may be, as the operator allows it (clients
 //!   ask, the worker decides);
 //! - [`egress`]: reading what a sandbox's outbound connection asks for (a
-//!   proxy request's head, a TLS server name) and deciding on it by policy;
+//!   proxy request's head, a TLS server name) and deciding on it by policy,
+//!   with [`dns`], its stub resolver;
 //! - [`admission`]: which connections reach the server (limits, handshake
 //!   timeout); [`budget`]: what their requests may hold while they are read;
 //! - [`metrics`]: Prometheus metrics and the endpoint that serves them;
@@ -28,6 +29,7 @@
 pub mod admission;
 pub mod budget;
 pub mod cli;
+pub mod dns;
 pub mod docker;
 pub mod egress;
 pub mod error;
