@@ -420,6 +420,211 @@ impl Gate {
     }
 }
 
+/// How one proxied connection went: for the sandbox's `egress` event, the
+/// metrics and the log.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Outcome {
+    pub host: String,
+    pub port: u16,
+    /// `None`: allowed.
+    pub blocked: Option<Blocked>,
+    pub bytes_out: u64,
+    pub bytes_in: u64,
+}
+
+/// How long a sandbox may take to send a request's head, and a tunnel's
+/// first bytes.
+pub const HEAD_TIMEOUT: Duration = Duration::from_secs(10);
+
+fn refusal(reason: Blocked) -> Vec<u8> {
+    format!(
+        "HTTP/1.1 403 Forbidden\r\nX-Corral-Egress: blocked; reason={}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
+        reason.as_str()
+    )
+    .into_bytes()
+}
+
+/// Serves one connection of a sandbox's proxy: reads its request's head,
+/// decides by `policy` (as it is now, and again whenever it changes: a
+/// connection it no longer allows is closed), connects through `gate`, and
+/// relays. A TLS tunnel's ClientHello must name the host of its CONNECT; a
+/// plain request's Host header must match its URL.
+pub async fn serve_connection<S>(
+    mut client: S,
+    mut policy: tokio::sync::watch::Receiver<std::sync::Arc<Vec<Rule>>>,
+    gate: &Gate,
+) -> Outcome
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut out = Outcome {
+        host: String::new(),
+        port: 0,
+        blocked: None,
+        bytes_out: 0,
+        bytes_in: 0,
+    };
+    let mut buf = Vec::with_capacity(1024);
+    let deadline = tokio::time::Instant::now() + HEAD_TIMEOUT;
+    // The head, within its bound and its time.
+    let (head, used) = loop {
+        match parse_head(&buf) {
+            Ok(Some(found)) => break found,
+            Ok(None) => {}
+            Err(_) => {
+                out.blocked = Some(Blocked::BadRequest);
+                let _ = client.write_all(&refusal(Blocked::BadRequest)).await;
+                return out;
+            }
+        }
+        let mut chunk = [0u8; 2048];
+        let n = match tokio::time::timeout_at(deadline, client.read(&mut chunk)).await {
+            Ok(Ok(n)) if n > 0 => n,
+            _ => {
+                out.blocked = Some(Blocked::BadRequest);
+                return out;
+            }
+        };
+        buf.extend_from_slice(&chunk[..n]);
+    };
+    let rest = buf.split_off(used);
+    let (host, port, first) = match &head {
+        Head::Connect { host, port } => (host.clone(), *port, rest),
+        Head::Forward {
+            method,
+            host,
+            port,
+            path,
+            host_header,
+        } => {
+            let wanted = if *port == 80 {
+                host.clone()
+            } else {
+                format!("{host}:{port}")
+            };
+            let given = host_header
+                .as_deref()
+                .map(|h| h.strip_suffix(":80").unwrap_or(h));
+            out.host.clone_from(host);
+            out.port = *port;
+            if given.is_some_and(|h| h != wanted && h != host.as_str()) {
+                out.blocked = Some(Blocked::HostMismatch);
+                let _ = client.write_all(&refusal(Blocked::HostMismatch)).await;
+                return out;
+            }
+            // The request as the server takes it: origin form, the rest of
+            // the head as sent (its Host header is the URL's).
+            let head_text = String::from_utf8_lossy(&buf[..used]).into_owned();
+            let after_line = head_text.split_once("\r\n").map_or("\r\n", |(_, r)| r);
+            let mut forwarded = format!("{method} {path} HTTP/1.1\r\n").into_bytes();
+            if host_header.is_none() {
+                forwarded.extend_from_slice(format!("Host: {wanted}\r\n").as_bytes());
+            }
+            forwarded.extend_from_slice(after_line.as_bytes());
+            forwarded.extend_from_slice(&rest);
+            (host.clone(), *port, forwarded)
+        }
+    };
+    out.host.clone_from(&host);
+    out.port = port;
+    let current = policy.borrow_and_update().clone();
+    let (mut upstream, _) = match gate.connect(&current, &host, port).await {
+        Ok(c) => c,
+        Err(reason) => {
+            out.blocked = Some(reason);
+            let _ = client.write_all(&refusal(reason)).await;
+            return out;
+        }
+    };
+    let mut first = first;
+    if matches!(head, Head::Connect { .. }) {
+        if client
+            .write_all(b"HTTP/1.1 200 Connection established\r\n\r\n")
+            .await
+            .is_err()
+        {
+            return out;
+        }
+        // A TLS tunnel names its server: it must be the host asked for.
+        loop {
+            match client_hello_sni(&first) {
+                Hello::More if first.len() < MAX_HELLO_BYTES => {
+                    let mut chunk = [0u8; 4096];
+                    match tokio::time::timeout(HEAD_TIMEOUT, client.read(&mut chunk)).await {
+                        Ok(Ok(n)) if n > 0 => first.extend_from_slice(&chunk[..n]),
+                        _ => return out,
+                    }
+                }
+                Hello::Sni(name) if name == host => break,
+                Hello::NotTls if host.parse::<IpAddr>().is_ok() || first.first() != Some(&22) => {
+                    break;
+                }
+                _ => {
+                    // No name, another name, or a hello past its bound: the
+                    // tunnel is closed (its 200 is sent; TLS then fails).
+                    out.blocked = Some(Blocked::SniMismatch);
+                    return out;
+                }
+            }
+        }
+    }
+    if upstream.write_all(&first).await.is_err() {
+        return out;
+    }
+    out.bytes_out += first.len() as u64;
+    let (mut cr, mut cw) = tokio::io::split(client);
+    let (mut ur, mut uw) = upstream.split();
+    let mut up = [0u8; 16 * 1024];
+    let mut down = [0u8; 16 * 1024];
+    loop {
+        tokio::select! {
+            changed = policy.changed() => {
+                if changed.is_err() {
+                    return out;
+                }
+                let now = policy.borrow_and_update().clone();
+                if let Err(reason) = decide(&now, &host, port) {
+                    // No longer allowed: closed at once.
+                    out.blocked = Some(reason);
+                    return out;
+                }
+            }
+            n = cr.read(&mut up) => match n {
+                Ok(0) | Err(_) => {
+                    let _ = uw.shutdown().await;
+                    // The sandbox is done sending: what is left comes back.
+                    while let Ok(n) = ur.read(&mut down).await {
+                        if n == 0 || cw.write_all(&down[..n]).await.is_err() {
+                            break;
+                        }
+                        out.bytes_in += n as u64;
+                    }
+                    return out;
+                }
+                Ok(n) => {
+                    if uw.write_all(&up[..n]).await.is_err() {
+                        return out;
+                    }
+                    out.bytes_out += n as u64;
+                }
+            },
+            n = ur.read(&mut down) => match n {
+                Ok(0) | Err(_) => {
+                    let _ = cw.shutdown().await;
+                    return out;
+                }
+                Ok(n) => {
+                    if cw.write_all(&down[..n]).await.is_err() {
+                        return out;
+                    }
+                    out.bytes_in += n as u64;
+                }
+            },
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -704,6 +909,174 @@ mod tests {
             Err(Blocked::InternalAddress)
         );
         assert_eq!(own.check("127.0.0.1:7071".parse().unwrap()), Ok(()));
+    }
+
+    type Policy = tokio::sync::watch::Sender<std::sync::Arc<Vec<Rule>>>;
+
+    fn policy(
+        r: &[&str],
+    ) -> (
+        Policy,
+        tokio::sync::watch::Receiver<std::sync::Arc<Vec<Rule>>>,
+    ) {
+        tokio::sync::watch::channel(std::sync::Arc::new(rules(r)))
+    }
+
+    /// A loopback server that records what it got and answers `reply`.
+    async fn upstream(reply: &'static [u8]) -> (u16, tokio::sync::mpsc::Receiver<Vec<u8>>) {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = l.local_addr().unwrap().port();
+        let (tx, rx) = tokio::sync::mpsc::channel(8);
+        tokio::spawn(async move {
+            while let Ok((mut s, _)) = l.accept().await {
+                let tx = tx.clone();
+                tokio::spawn(async move {
+                    let mut got = vec![0u8; 65536];
+                    let n = s.read(&mut got).await.unwrap_or(0);
+                    let _ = tx.send(got[..n].to_vec()).await;
+                    let _ = s.write_all(reply).await;
+                    // Held open until the other side goes.
+                    let _ = s.read(&mut got).await;
+                });
+            }
+        });
+        (port, rx)
+    }
+
+    async fn exchange(
+        request: &[u8],
+        p: tokio::sync::watch::Receiver<std::sync::Arc<Vec<Rule>>>,
+    ) -> (Outcome, Vec<u8>) {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let g = gate(&["127.0.0.0/8"], vec![]);
+        let (sandbox, proxy) = tokio::io::duplex(1 << 16);
+        let (mut from, mut to) = tokio::io::split(sandbox);
+        let request = request.to_vec();
+        // Written while the proxy reads (a big request fills the pipe).
+        let writer = tokio::spawn(async move {
+            let _ = to.write_all(&request).await;
+            let _ = to.shutdown().await;
+        });
+        let reader = tokio::spawn(async move {
+            let mut back = Vec::new();
+            let _ = from.read_to_end(&mut back).await;
+            back
+        });
+        let outcome = serve_connection(proxy, p, &g).await;
+        writer.abort();
+        (outcome, reader.await.unwrap())
+    }
+
+    #[tokio::test]
+    async fn a_tls_tunnel_goes_through_only_to_the_server_it_names() {
+        let (port, mut got) = upstream(b"server hello").await;
+        let (_tx, p) = policy(&[&format!("localhost:{port}")]);
+        let mut req =
+            format!("CONNECT localhost:{port} HTTP/1.1\r\nHost: localhost\r\n\r\n").into_bytes();
+        req.extend_from_slice(&hello(&["localhost"]));
+        let (o, back) = exchange(&req, p.clone()).await;
+        assert_eq!(o.blocked, None, "{o:?}");
+        let back = String::from_utf8_lossy(&back);
+        assert!(
+            back.starts_with("HTTP/1.1 200 Connection established\r\n\r\n"),
+            "{back}"
+        );
+        assert!(back.ends_with("server hello"), "{back}");
+        assert_eq!(got.recv().await.unwrap(), hello(&["localhost"]));
+        // Another name in the hello: closed after the 200, nothing sent on.
+        let mut req = format!("CONNECT localhost:{port} HTTP/1.1\r\n\r\n").into_bytes();
+        req.extend_from_slice(&hello(&["other.example"]));
+        let (o, back) = exchange(&req, p.clone()).await;
+        assert_eq!(o.blocked, Some(Blocked::SniMismatch));
+        assert!(!String::from_utf8_lossy(&back).contains("server hello"));
+        // No name at all.
+        let mut req = format!("CONNECT localhost:{port} HTTP/1.1\r\n\r\n").into_bytes();
+        req.extend_from_slice(&hello(&[]));
+        assert_eq!(
+            exchange(&req, p.clone()).await.0.blocked,
+            Some(Blocked::SniMismatch)
+        );
+        // Not listed: a 403 that says why.
+        let (o, back) = exchange(b"CONNECT elsewhere.test:443 HTTP/1.1\r\n\r\n", p).await;
+        assert_eq!(o.blocked, Some(Blocked::NotAllowed));
+        assert!(
+            String::from_utf8_lossy(&back).contains("X-Corral-Egress: blocked; reason=not_allowed")
+        );
+    }
+
+    #[tokio::test]
+    async fn a_plain_request_is_forwarded_in_origin_form_if_its_host_matches() {
+        let (port, mut got) = upstream(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok").await;
+        let (_tx, p) = policy(&[&format!("localhost:{port}")]);
+        let req = format!(
+            "GET http://localhost:{port}/simple/pip/?x=1 HTTP/1.1\r\nHost: localhost:{port}\r\nUser-Agent: t\r\n\r\n"
+        );
+        let (o, back) = exchange(req.as_bytes(), p.clone()).await;
+        assert_eq!(o.blocked, None, "{o:?}");
+        assert!(String::from_utf8_lossy(&back).ends_with("ok"));
+        let sent = String::from_utf8(got.recv().await.unwrap()).unwrap();
+        assert!(
+            sent.starts_with("GET /simple/pip/?x=1 HTTP/1.1\r\nHost: localhost:"),
+            "{sent}"
+        );
+        assert!(sent.contains("User-Agent: t\r\n"), "{sent}");
+        let req = format!("GET http://localhost:{port}/ HTTP/1.1\r\nHost: evil.test\r\n\r\n");
+        let (o, back) = exchange(req.as_bytes(), p).await;
+        assert_eq!(o.blocked, Some(Blocked::HostMismatch));
+        assert!(String::from_utf8_lossy(&back).contains("reason=host_mismatch"));
+    }
+
+    #[tokio::test]
+    async fn a_policy_replaced_closes_what_it_no_longer_allows() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let (port, _got) = upstream(b"").await;
+        let (tx, p) = policy(&[&format!("localhost:{port}")]);
+        let g = gate(&["127.0.0.0/8"], vec![]);
+        let (mut sandbox, proxy) = tokio::io::duplex(1 << 16);
+        let serving = tokio::spawn(async move { serve_connection(proxy, p, &g).await });
+        sandbox
+            .write_all(format!("CONNECT localhost:{port} HTTP/1.1\r\n\r\nSSH-2.0-x\r\n").as_bytes())
+            .await
+            .unwrap();
+        let mut ok = [0u8; 39];
+        sandbox.read_exact(&mut ok).await.unwrap();
+        // Still allowed: a replaced policy that keeps it changes nothing.
+        tx.send(std::sync::Arc::new(rules(&[
+            &format!("localhost:{port}"),
+            "pypi.org",
+        ])))
+        .unwrap();
+        tokio::task::yield_now().await;
+        assert!(!serving.is_finished());
+        tx.send(std::sync::Arc::new(rules(&["pypi.org"]))).unwrap();
+        let o = tokio::time::timeout(Duration::from_secs(5), serving)
+            .await
+            .expect("closed")
+            .unwrap();
+        assert_eq!(o.blocked, Some(Blocked::NotAllowed));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn slow_and_bloated_heads_are_refused() {
+        use tokio::io::AsyncWriteExt;
+        let (_tx, p) = policy(&["pypi.org"]);
+        let g = gate(&[], vec![]);
+        // A CONNECT line that never ends: given up at the head timeout.
+        let (mut sandbox, proxy) = tokio::io::duplex(1 << 16);
+        sandbox
+            .write_all(b"CONNECT pypi.org:443 HTTP/1.1\r\nX: ")
+            .await
+            .unwrap();
+        let o = serve_connection(proxy, p.clone(), &g).await;
+        assert_eq!(o.blocked, Some(Blocked::BadRequest));
+        drop(sandbox);
+        // 1 MiB of headers: refused at the bound, not read whole.
+        let mut big = b"GET http://pypi.org/ HTTP/1.1\r\n".to_vec();
+        big.extend(std::iter::repeat_n(b'a', 1 << 20));
+        let (o, back) = exchange(&big, p).await;
+        assert_eq!(o.blocked, Some(Blocked::BadRequest));
+        assert!(String::from_utf8_lossy(&back).contains("reason=bad_request"));
     }
 
     #[test]
