@@ -614,7 +614,8 @@ async fn a_host_user_and_another_sandbox_reach_nothing_of_a_sandbox() -> Result<
     let mut tries = 0;
     let held = loop {
         let r = h.run(&a, "cat /tmp/held 2>/dev/null").await?;
-        if r.outcome.is_success() {
+        // Made empty, then written: a read in between sees nothing yet.
+        if r.outcome.is_success() && !r.stdout.to_lossy_string().is_empty() {
             break r.stdout.to_lossy_string();
         }
         tries += 1;
