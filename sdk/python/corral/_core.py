@@ -30,6 +30,7 @@ from corral.errors import (
     is_transient,
 )
 from corral.types import (
+    EndCause,
     EntryType,
     FileEntry,
     OutputChunk,
@@ -239,15 +240,9 @@ class AsyncProcess:
         finally:
             # The watch ends here and now (not when collected).
             await events.aclose()
-        # A journal that had the end dropped: the worker still has it.
-        op = await self.sandbox._ask(
-            "GetOperation",
-            pb.GetOperationRequest(sandbox_id=self.sandbox.id, operation_id=self.id),
-            pb.Operation,
-        )
-        self._raw = op.result
-        self._result = result_of(op.result)
-        return self._result
+        # _events ends only with the operation's end (results are never
+        # dropped from the journal) or an error.
+        raise AssertionError("an operation's events ended without its result")
 
     async def events(self) -> AsyncIterator[OutputChunk]:
         """Both streams' output in the order it came, each piece with its seq."""
@@ -382,7 +377,7 @@ class AsyncFiles:
         err = _file_error(p._raw, path)
         if err is not None:
             raise err
-        if r.end_cause.value != "exited":
+        if r.end_cause is not EndCause.EXITED:
             raise CorralError(f"{path}: the write ended {r.end_cause.value}: {r.reason or ''}")
         return len(raw)
 
@@ -406,8 +401,14 @@ class AsyncFiles:
         while data:
             line, _, data = data.partition(b"\n")
             name, _, data = data.partition(b"\0")
-            raw_mode, size, mtime = line.split()
-            mode = int(raw_mode, 16)
+            # Made by commands in the sandbox: taken only in the form asked.
+            try:
+                raw_mode, size, mtime = line.split()
+                mode, size_n, mtime_f = int(raw_mode, 16), int(size), float(mtime)
+            except ValueError:
+                raise FileError(
+                    f"{path}: a listing line {line[:80]!r} is malformed", kind="other"
+                ) from None
             kind = {
                 0o040000: EntryType.DIRECTORY,
                 0o100000: EntryType.FILE,
@@ -420,8 +421,8 @@ class AsyncFiles:
                     path=f"{base}/{n}" if base != "/" else f"/{n}",
                     type=kind,
                     mode=mode & 0o7777,
-                    size=int(size),
-                    mtime=float(mtime),
+                    size=size_n,
+                    mtime=mtime_f,
                 )
             )
         return sorted(out, key=lambda e: e.name)
@@ -458,7 +459,6 @@ class AsyncSandbox:
     def __init__(self, worker: _rpc.Worker, info: pb.Sandbox, owned: bool) -> None:
         self.worker = worker
         self.id = info.id
-        self._info = info
         self.owned = owned
         self.patience = PATIENCE_S
         self.files = AsyncFiles(self)
@@ -675,7 +675,6 @@ class AsyncSandbox:
 
     async def info(self) -> SandboxInfo:
         s = await self._ask("GetSandbox", pb.GetSandboxRequest(id=self.id), pb.Sandbox)
-        self._info = s
         return sandbox_info_of(s, self.worker.url)
 
     async def worker_info(self) -> WorkerInfo:

@@ -36,7 +36,7 @@ _OPTIONS: list[tuple[str, Any]] = [
     ("grpc.keepalive_timeout_ms", 20_000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
-    # Calls wait for a worker that is coming back rather than fail at once.
+    # Retries are the SDK's own (same ids, a patience), never gRPC's.
     ("grpc.enable_retries", 0),
 ]
 
