@@ -283,7 +283,7 @@ class CorralSandboxSession(BaseSandboxSession):
 
     async def read(self, path: Path, *, user: str | User | None = None) -> io.IOBase:
         if user is not None:
-            return await super_read(self, path, user)
+            return await _read_as(self, path, user)
         workspace_path = await self._validate_path_access(path)
         try:
             data = await self.sandbox.files.read(sandbox_path_str(workspace_path))
@@ -299,7 +299,8 @@ class CorralSandboxSession(BaseSandboxSession):
         body = payload.stream.read()
         target = sandbox_path_str(workspace_path)
         if user is not None:
-            r = await self.exec(
+            # As that user, the bytes on its stdin.
+            argv = self._prepare_exec_command(
                 "sh",
                 "-c",
                 'mkdir -p "$(dirname "$1")" && cat > "$1"',
@@ -308,7 +309,8 @@ class CorralSandboxSession(BaseSandboxSession):
                 shell=False,
                 user=user,
             )
-            if not r.ok():
+            r = await self.sandbox.run([str(a) for a in argv], stdin=body)
+            if not r.ok:
                 raise WorkspaceArchiveWriteError(path=workspace_path, context={"stderr": r.stderr})
             return
         parent = str(Path(target).parent)
@@ -359,7 +361,7 @@ class CorralSandboxSession(BaseSandboxSession):
             raise WorkspaceArchiveWriteError(path=Path(root), cause=e) from e
 
 
-async def super_read(session: CorralSandboxSession, path: Path, user: str | User) -> io.IOBase:
+async def _read_as(session: CorralSandboxSession, path: Path, user: str | User) -> io.IOBase:
     """A read as another user of the sandbox: through ``cat`` run as them."""
     workspace_path = await session._validate_path_access(path)
     arg = sandbox_path_str(workspace_path)
