@@ -209,15 +209,31 @@ class CorralEnvironment(BaseEnvironment):
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_bytes(data)
 
+    def _merge(self, src: Path, target: Path) -> None:
+        """``src``'s files and directories into ``target``, overwriting. No
+        link goes into Harbor's trial directory: Harbor reads the reward and
+        logs there, and a link the sandbox made would have it read whatever
+        on this machine the link names."""
+        target.mkdir(parents=True, exist_ok=True)
+        for entry in src.iterdir():
+            dest = target / entry.name
+            if entry.is_symlink():
+                self.logger.warning(f"{entry.name}: a link from the sandbox, left out")
+            elif entry.is_dir():
+                self._merge(entry, dest)
+            elif entry.is_file():
+                if dest.is_symlink() or dest.is_file():
+                    dest.unlink()
+                shutil.copyfile(entry, dest)
+                shutil.copymode(entry, dest)
+
     async def download_dir(self, source_dir: str, target_dir: Path | str) -> None:
         stage = self._stage()
         await self._sh('mkdir -p -- "$2" && cp -a -- "$1"/. "$2"/', source_dir, f"{stage}/d")
         try:
             with tempfile.TemporaryDirectory() as local:
                 await self.sandbox.files.download(f"{stage}/d", Path(local))
-                target = Path(target_dir)
-                target.mkdir(parents=True, exist_ok=True)
-                shutil.copytree(Path(local) / "d", target, dirs_exist_ok=True, symlinks=True)
+                self._merge(Path(local) / "d", Path(target_dir))
         finally:
             with contextlib.suppress(CorralError):
                 await self.sandbox.run(["rm", "-rf", "--", stage])

@@ -90,6 +90,8 @@ def test_harbor_runs_its_oracle_in_corral_sandboxes(
         mkdir -p "$OUT"
         cp /solution/data.txt "$OUT/hello.txt"
         printf '%s' "$GREETING" > "$OUT/greeting"
+        # A link among the logs Harbor fetches: it must not land on the host.
+        ln -sf /etc/hostname /logs/agent/leak
         echo solved in "$(pwd)"
     """)
     write_task(tasks, "hello-file", good)
@@ -174,6 +176,9 @@ def test_harbor_runs_its_oracle_in_corral_sandboxes(
     # What the oracle printed came back from the sandbox, run in the task's workdir.
     oracle = next((jobs / "corral").glob("hello-file__*/agent/oracle.txt")).read_text()
     assert "solved in /app" in oracle
+    trial = next((jobs / "corral").glob("hello-file__*"))
+    leak = trial / "agent" / "leak"
+    assert not leak.exists() and not leak.is_symlink(), "a sandbox's link reached the host"
     # Every trial's sandbox is gone.
     left = [s for s in w.list() if "harbor.session" in s.labels]
     assert left == [], left
