@@ -154,8 +154,21 @@ RUNNER_SCRIPT = textwrap.dedent("""
         def log_message(self, *a):
             pass
 
+        def refuse(self, why):
+            # As OpenAI answers a request it will not take.
+            data = json.dumps({"error": {"message": why, "type": "invalid_request_error"}})
+            self.send_response(400)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data.encode())
+
         def do_POST(self):
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            why = invalid(body)
+            if why:
+                print("REFUSED", why, flush=True)
+                return self.refuse(why)
             seen.append(body)
             step = script[len(seen) - 1]
             n = len(seen)
@@ -180,6 +193,37 @@ RUNNER_SCRIPT = textwrap.dedent("""
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
             self.wfile.write(data)
+
+    def invalid(body):
+        # What the Chat Completions API would refuse in this request.
+        if not isinstance(body.get("model"), str) or not body["model"]:
+            return "model is required"
+        msgs = body.get("messages")
+        if not isinstance(msgs, list) or not msgs:
+            return "messages must be a non-empty array"
+        called = set()
+        for m in msgs:
+            role = m.get("role")
+            if role not in ("system", "developer", "user", "assistant", "tool"):
+                return f"invalid role {role!r}"
+            if role == "assistant":
+                for c in m.get("tool_calls") or []:
+                    if c.get("type") != "function" or not c.get("id"):
+                        return "a tool call needs an id and type function"
+                    json.loads(c["function"]["arguments"])
+                    called.add(c["id"])
+            if role == "tool" and m.get("tool_call_id") not in called:
+                return "messages with role 'tool' must answer a preceding tool call"
+            content = m.get("content")
+            if role in ("system", "user", "tool") and not isinstance(content, (str, list)):
+                return f"a {role} message needs content"
+        for t in body.get("tools") or []:
+            f = t.get("function") or {}
+            if t.get("type") != "function" or not f.get("name"):
+                return "a tool needs type function and a name"
+            if (f.get("parameters") or {}).get("type", "object") != "object":
+                return "tool parameters must be a JSON Schema object"
+        return None
 
     @function_tool(name_override="approval_tool", needs_approval=True)
     def approval_tool() -> str:
