@@ -151,7 +151,8 @@ pub async fn resolve(
                 .map_err(|_| DnsError::Timeout(resolver))?
                 .map_err(io)?;
             match answers(&buf[..n], &q, resolver) {
-                Err(DnsError::Malformed(_)) if buf[..2] != q[..2] => continue,
+                // Not an answer to this query (noise, another id): dropped.
+                Err(DnsError::Malformed(_)) if n < 2 || buf[..2] != q[..2] => continue,
                 Err(e) => return Err(e),
                 Ok(found) => {
                     all.extend(found);

@@ -557,9 +557,10 @@ where
                     }
                 }
                 Hello::Sni(name) if name == host => break,
-                Hello::NotTls if host.parse::<IpAddr>().is_ok() || first.first() != Some(&22) => {
-                    break;
-                }
+                // Another protocol (ssh, say) to the host allowed. A
+                // handshake record that does not parse is no way around
+                // the name check.
+                Hello::NotTls if first.first() != Some(&22) => break,
                 _ => {
                     // No name, another name, or a hello past its bound: the
                     // tunnel is closed (its 200 is sent; TLS then fails).
