@@ -379,6 +379,10 @@ pub struct ExecArgs {
     /// client has used it for this long (when this process was killed).
     #[arg(long, env = "CORRAL_IDLE_TIMEOUT", default_value = "60s", value_parser = humantime::parse_duration, conflicts_with = "sandbox")]
     pub idle_timeout: Duration,
+    /// Egress rule of the new sandbox (repeatable; see `sandbox create
+    /// --egress`).
+    #[arg(long = "egress", value_name = "RULE", conflicts_with = "sandbox")]
+    pub egress: Vec<String>,
     /// The command and its arguments.
     #[arg(last = true, required = true, value_name = "CMD")]
     pub argv: Vec<String>,
@@ -480,6 +484,20 @@ pub enum SandboxCommand {
         /// (e.g. 8h; the worker's --max-lifetime caps it).
         #[arg(long, value_parser = humantime::parse_duration)]
         ttl: Option<Duration>,
+        /// Egress by policy (repeatable): the sandbox keeps network none
+        /// and reaches these destinations only, through its worker's proxy
+        /// (HTTP_PROXY): DOMAIN[:PORT], *.DOMAIN[:PORT], CIDR[:PORT]; no
+        /// port means 80 and 443. Within the worker's --allow-egress.
+        #[arg(long = "egress", value_name = "RULE", conflicts_with = "network")]
+        egress: Vec<String>,
+    },
+    /// Replace a sandbox's egress policy (one made with --egress): new
+    /// connections follow it at once, open ones it no longer allows are
+    /// closed. No rule: nothing is allowed.
+    Egress {
+        id: String,
+        /// The whole new policy.
+        rules: Vec<String>,
     },
     /// List sandboxes: id, state, image, age, idle time, running
     /// commands, worker and container.

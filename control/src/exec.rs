@@ -45,6 +45,8 @@ pub struct ExecRequest {
     /// `sandbox` was made for this command (by a placement): it is removed
     /// afterwards, as one made here would be.
     pub made_for_it: bool,
+    /// Egress rules of a sandbox made for this command.
+    pub egress: Vec<corral_proto::egress::Rule>,
 }
 
 impl ExecRequest {
@@ -53,6 +55,7 @@ impl ExecRequest {
         SandboxSpec {
             image: self.image.clone(),
             idle_timeout_ms: Some(self.idle_timeout.as_millis().max(1) as u64),
+            egress: self.egress.clone(),
             ..SandboxSpec::default()
         }
     }
@@ -305,7 +308,8 @@ async fn run_op<W: WorkerApi>(
                 let result = OperationResult::with_outcome(Outcome::SandboxLost { reason });
                 return Ok(ended(result, stopped_by, output_closed));
             }
-            EventKind::Started { .. } => {}
+            // Not of this command's watch (it follows one operation).
+            EventKind::Started { .. } | EventKind::Egress(_) => {}
         }
     }
 }

@@ -327,6 +327,21 @@ impl FromStr for Rule {
     }
 }
 
+#[cfg(feature = "serde")]
+impl serde::Serialize for Rule {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+#[cfg(feature = "serde")]
+impl<'de> serde::Deserialize<'de> for Rule {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        s.parse().map_err(serde::de::Error::custom)
+    }
+}
+
 /// Rules as a list, parsed and checked (no `*` unless `allow_any`, at most
 /// [`MAX_RULES`]).
 pub fn parse_rules<S: AsRef<str>>(raw: &[S], allow_any: bool) -> Result<Vec<Rule>, ProtocolError> {

@@ -28,6 +28,75 @@ pub enum EventKind {
     SandboxLost {
         reason: String,
     },
+    /// A connection of the sandbox's egress proxy, as its worker decided.
+    Egress(Egress),
+}
+
+/// A decision on one egress connection (see worker.proto's `Egress`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Egress {
+    pub host: String,
+    pub port: u16,
+    pub decision: EgressDecision,
+    /// Why, unless allowed (`not_allowed`, `internal_address`, ...).
+    pub reason: String,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EgressDecision {
+    Allowed,
+    Blocked,
+    /// Allowed, then cut: the policy changed.
+    Closed,
+}
+
+impl EgressDecision {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Allowed => "allowed",
+            Self::Blocked => "blocked",
+            Self::Closed => "closed",
+        }
+    }
+
+    pub fn parse(s: &str) -> Result<Self, ProtocolError> {
+        match s {
+            "allowed" => Ok(Self::Allowed),
+            "blocked" => Ok(Self::Blocked),
+            "closed" => Ok(Self::Closed),
+            other => Err(ProtocolError::invalid(
+                "egress.decision",
+                format!("unknown decision {other:?}"),
+            )),
+        }
+    }
+}
+
+impl From<Egress> for pb::sandbox_event::Egress {
+    fn from(e: Egress) -> Self {
+        Self {
+            host: e.host,
+            port: u32::from(e.port),
+            decision: e.decision.as_str().into(),
+            reason: e.reason,
+        }
+    }
+}
+
+impl TryFrom<pb::sandbox_event::Egress> for Egress {
+    type Error = ProtocolError;
+    fn try_from(e: pb::sandbox_event::Egress) -> Result<Self, ProtocolError> {
+        if e.host.len() > 255 || e.reason.len() > 64 {
+            return Err(ProtocolError::invalid("egress", "host or reason too long"));
+        }
+        Ok(Self {
+            host: e.host,
+            port: u16::try_from(e.port)
+                .map_err(|_| ProtocolError::invalid("egress.port", "not a port"))?,
+            decision: EgressDecision::parse(&e.decision)?,
+            reason: e.reason,
+        })
+    }
 }
 
 /// One event of a sandbox. `seq` strictly increases per sandbox.
@@ -59,6 +128,7 @@ impl Event {
                     + r.file_data.len()
             }
             EventKind::SandboxLost { reason } => reason.len(),
+            EventKind::Egress(e) => e.host.len() + e.reason.len(),
             EventKind::Started { .. } | EventKind::Gap { .. } => 0,
         }
     }
@@ -84,6 +154,7 @@ impl From<Event> for pb::SandboxEvent {
                 to_seq: to,
             }),
             EventKind::SandboxLost { reason } => Kind::SandboxLost(ps::SandboxLost { reason }),
+            EventKind::Egress(e) => Kind::Egress(e.into()),
         };
         Self {
             seq: e.seq,
@@ -117,6 +188,7 @@ impl TryFrom<pb::SandboxEvent> for Event {
                 to: g.to_seq,
             },
             Kind::SandboxLost(l) => EventKind::SandboxLost { reason: l.reason },
+            Kind::Egress(e) => EventKind::Egress(e.try_into()?),
         };
         let operation_id = if e.operation_id.is_empty() {
             None

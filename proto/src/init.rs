@@ -41,6 +41,8 @@ pub enum InitRequest {
         size: TerminalSize,
     },
     Reset,
+    /// A decision on an egress connection, to journal as an event.
+    Egress(crate::event::Egress),
 }
 
 /// A signal number a client may send: 1-31 (SIGHUP .. SIGSYS).
@@ -226,6 +228,9 @@ impl From<InitRequest> for pb::InitRequest {
                 size: Some(size.into()),
             }),
             InitRequest::Reset => Kind::Reset(p::Reset {}),
+            InitRequest::Egress(e) => Kind::Egress(p::Egress {
+                egress: Some(e.into()),
+            }),
         };
         Self { kind: Some(kind) }
     }
@@ -264,6 +269,11 @@ impl TryFrom<pb::InitRequest> for InitRequest {
                 size: r.size.ok_or(ProtocolError::Missing("size"))?.try_into()?,
             },
             Kind::Reset(_) => Self::Reset,
+            Kind::Egress(e) => Self::Egress(
+                e.egress
+                    .ok_or(ProtocolError::Missing("egress"))?
+                    .try_into()?,
+            ),
         })
     }
 }

@@ -67,6 +67,9 @@ pub struct SandboxPolicy {
     pub allowed_runtimes: Vec<String>,
     /// The most a sandbox may ask for.
     pub ceilings: Ceilings,
+    /// What a sandbox's egress rules must fall within (`--allow-egress`;
+    /// `*`: any public destination). Empty: no egress.
+    pub allowed_egress: Vec<crate::egress::Rule>,
 }
 
 /// The most a sandbox may ask for: the operator's ceilings on its limits.
@@ -110,6 +113,7 @@ impl From<SandboxPolicy> for pb::SandboxPolicy {
             max_pids: p.ceilings.pids,
             max_workspace_bytes: p.ceilings.workspace_bytes,
             max_tmp_bytes: p.ceilings.tmp_bytes,
+            allowed_egress: p.allowed_egress.iter().map(ToString::to_string).collect(),
         }
     }
 }
@@ -131,6 +135,13 @@ impl From<pb::SandboxPolicy> for SandboxPolicy {
                 workspace_bytes: p.max_workspace_bytes,
                 tmp_bytes: p.max_tmp_bytes,
             },
+            // A worker's own words: a rule this build cannot read is left
+            // out (what it shows is then narrower, never wider).
+            allowed_egress: p
+                .allowed_egress
+                .iter()
+                .filter_map(|r| r.parse().ok())
+                .collect(),
         }
     }
 }

@@ -62,6 +62,13 @@ pub struct SandboxSpec {
         serde(default, skip_serializing_if = "BTreeMap::is_empty")
     )]
     pub labels: BTreeMap<String, String>,
+    /// Egress by policy through the worker's proxy (see worker.proto);
+    /// empty: no proxy, no way out.
+    #[cfg_attr(
+        feature = "serde",
+        serde(default, skip_serializing_if = "Vec::is_empty")
+    )]
+    pub egress: Vec<crate::egress::Rule>,
 }
 
 /// A pseudo-terminal's window size.
@@ -361,6 +368,30 @@ impl SandboxSpec {
             }
         }
         validate_env("env", &self.env)?;
+        if !self.egress.is_empty() {
+            if self.network != NetworkMode::None {
+                return Err(ProtocolError::invalid(
+                    "egress",
+                    "egress by policy is for a sandbox with network none (the bridge reaches everything already)",
+                ));
+            }
+            if self.egress.len() > crate::egress::MAX_RULES {
+                return Err(ProtocolError::invalid(
+                    "egress",
+                    format!("more than {} rules", crate::egress::MAX_RULES),
+                ));
+            }
+            if self
+                .egress
+                .iter()
+                .any(|r| r.dest == crate::egress::Dest::Any)
+            {
+                return Err(ProtocolError::invalid(
+                    "egress",
+                    "`*` is a worker's bound, not a sandbox's rule: name the hosts",
+                ));
+            }
+        }
         validate_labels(&self.labels)
     }
 }
@@ -504,6 +535,7 @@ impl TryFrom<pb::SandboxSpec> for SandboxSpec {
             ttl_ms: nonzero(p.ttl_ms),
             memory_includes_files: p.memory_includes_files,
             labels: p.labels.into_iter().collect(),
+            egress: crate::egress::parse_rules(&p.egress, false)?,
         };
         spec.validate()?;
         Ok(spec)
@@ -532,6 +564,7 @@ impl From<SandboxSpec> for pb::SandboxSpec {
             ttl_ms: s.ttl_ms.unwrap_or_default(),
             memory_includes_files: s.memory_includes_files,
             labels: s.labels.into_iter().collect(),
+            egress: s.egress.iter().map(ToString::to_string).collect(),
         }
     }
 }

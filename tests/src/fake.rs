@@ -122,6 +122,12 @@ impl pb::worker_server::Worker for FakeWorker {
     ) -> Result<Response<pb::ResetSandboxResponse>, Status> {
         no()
     }
+    async fn set_sandbox_egress(
+        &self,
+        _: Request<pb::SetSandboxEgressRequest>,
+    ) -> Result<Response<pb::Sandbox>, Status> {
+        no()
+    }
     async fn get_sandbox_stats(
         &self,
         _: Request<pb::GetSandboxStatsRequest>,

@@ -104,6 +104,34 @@ pub struct WorkerArgs {
         value_delimiter = ','
     )]
     pub allow_runtimes: Vec<String>,
+    /// Egress by policy: a rule sandboxes' egress rules may fall within
+    /// (repeat, or a comma list): DOMAIN[:PORT], *.DOMAIN[:PORT],
+    /// CIDR[:PORT], or '*' for any public destination. A sandbox's
+    /// connections go through a proxy this worker serves; internal
+    /// addresses are refused whatever the rule. None: no sandbox has egress.
+    #[arg(
+        long = "allow-egress",
+        env = "CORRAL_ALLOW_EGRESS",
+        value_delimiter = ','
+    )]
+    pub allow_egress: Vec<String>,
+    /// An internal range (RFC 1918, loopback, link-local, ...) sandboxes'
+    /// egress may reach all the same, e.g. 10.20.0.0/16 for a package
+    /// mirror (repeat, or a comma list). This worker's own listening ports
+    /// are never reached.
+    #[arg(
+        long = "egress-allow-internal",
+        env = "CORRAL_EGRESS_ALLOW_INTERNAL",
+        value_delimiter = ','
+    )]
+    pub egress_allow_internal: Vec<String>,
+    /// The DNS server (HOST:PORT, UDP) egress names are resolved with;
+    /// default: the system's resolver.
+    #[arg(long, env = "CORRAL_EGRESS_RESOLVER")]
+    pub egress_resolver: Option<SocketAddr>,
+    /// Most egress connections one sandbox has open at once.
+    #[arg(long, env = "CORRAL_EGRESS_MAX_CONNECTIONS", default_value_t = crate::proxy::DEFAULT_MAX_CONNECTIONS)]
+    pub egress_max_connections: usize,
     /// OCI runtime of sandboxes that name none (default: the engine's).
     #[arg(long, env = "CORRAL_RUNTIME")]
     pub runtime: Option<String>,
@@ -415,6 +443,8 @@ impl WorkerArgs {
                 .collect(),
             allow_any_image: self.allow_images.iter().any(|i| i == "*"),
             allowed_runtimes: self.allow_runtimes.clone(),
+            allowed_egress: corral_proto::egress::parse_rules(&self.allow_egress, true)
+                .map_err(|e| ConfigError::Policy(format!("--allow-egress: {e}")))?,
             ceilings: corral_proto::Ceilings {
                 memory_bytes: self.max_memory,
                 cpu_millis: match self.max_cpus {
@@ -474,6 +504,37 @@ impl WorkerArgs {
             },
             max_watchers: self.max_watchers,
             sandbox_uids: self.sandbox_uids,
+            egress: self.egress()?,
+        })
+    }
+
+    /// Where egress connections may go, whatever a sandbox's policy: never
+    /// this worker's own listening sockets.
+    pub fn egress(&self) -> Result<crate::proxy::Settings, ConfigError> {
+        let allow_internal = self
+            .egress_allow_internal
+            .iter()
+            .map(|c| {
+                c.parse::<corral_proto::egress::Cidr>()
+                    .map_err(|e| ConfigError::Policy(format!("--egress-allow-internal {c}: {e}")))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        if self.egress_max_connections == 0 {
+            return Err(ConfigError::Policy(
+                "--egress-max-connections: at least 1".into(),
+            ));
+        }
+        let mut own = vec![self.listen];
+        own.extend(self.metrics_listen);
+        let defaults = crate::proxy::Settings::default();
+        Ok(crate::proxy::Settings {
+            gate: crate::egress::Gate {
+                allow_internal,
+                own,
+                resolver: self.egress_resolver,
+                ..defaults.gate
+            },
+            max_connections: self.egress_max_connections,
         })
     }
 }

@@ -330,11 +330,14 @@ impl DockerRuntime {
 
     /// The container configuration of a sandbox whose commands run as
     /// `uid` (0 when it asked for root): every default hardened.
+    /// `egress_dir`: the host directory of its egress proxy's socket,
+    /// mounted read-only (the sandbox keeps network none).
     pub fn container_body(
         &self,
         id: &SandboxId,
         spec: &SandboxSpec,
         uid: u32,
+        egress_dir: Option<&std::path::Path>,
     ) -> ContainerCreateBody {
         let d = &self.defaults;
         let image = spec.image.clone().unwrap_or_else(|| d.image.clone());
@@ -378,7 +381,45 @@ impl DockerRuntime {
                 env.push(format!("{key}={value}"));
             }
         }
+        if egress_dir.is_some() {
+            // The proxy on the sandbox's loopback; loopback itself direct.
+            let url = crate::proxy::PROXY_URL;
+            for key in ["HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy"] {
+                if !spec.env.contains_key(key) {
+                    env.push(format!("{key}={url}"));
+                }
+            }
+            for key in ["NO_PROXY", "no_proxy"] {
+                if !spec.env.contains_key(key) {
+                    env.push(format!("{key}=localhost,127.0.0.1,::1"));
+                }
+            }
+        }
         env.extend(spec.env.iter().map(|(k, v)| format!("{k}={v}")));
+        let mut mounts = vec![Mount {
+            target: Some(INIT_DIR.into()),
+            source: Some(self.init_volume()),
+            typ: Some(MountType::VOLUME),
+            read_only: Some(true),
+            ..Default::default()
+        }];
+        if let Some(dir) = egress_dir {
+            mounts.push(Mount {
+                target: Some(crate::proxy::SANDBOX_DIR.into()),
+                source: Some(dir.to_string_lossy().into_owned()),
+                typ: Some(MountType::BIND),
+                read_only: Some(true),
+                ..Default::default()
+            });
+        }
+        let mut cmd = if spec.run_as_root {
+            vec![]
+        } else {
+            vec!["--command-uid".into(), uid.to_string()]
+        };
+        if egress_dir.is_some() {
+            cmd.push("--egress".into());
+        }
         let mut labels = HashMap::from([
             (LABEL_MANAGED.into(), "1".into()),
             (LABEL_WORKER.into(), self.worker_id.clone()),
@@ -393,11 +434,7 @@ impl DockerRuntime {
             entrypoint: Some(vec![format!("{INIT_DIR}/corral-init")]),
             // The supervisor runs as root, its commands as the sandbox user:
             // no command can signal, trace or read it.
-            cmd: Some(if spec.run_as_root {
-                vec![]
-            } else {
-                vec!["--command-uid".into(), uid.to_string()]
-            }),
+            cmd: Some(cmd),
             user: Some("0:0".into()),
             working_dir: Some(WORKSPACE_DIR.into()),
             env: Some(env),
@@ -422,13 +459,7 @@ impl DockerRuntime {
                 security_opt: Some(vec!["no-new-privileges".into()]),
                 readonly_rootfs: Some(!spec.writable_rootfs),
                 tmpfs: Some(tmpfs),
-                mounts: Some(vec![Mount {
-                    target: Some(INIT_DIR.into()),
-                    source: Some(self.init_volume()),
-                    typ: Some(MountType::VOLUME),
-                    read_only: Some(true),
-                    ..Default::default()
-                }]),
+                mounts: Some(mounts),
                 memory: Some(memory),
                 memory_swap: Some(memory),
                 nano_cpus: Some(i64::from(spec.cpu_millis.unwrap_or(d.cpu_millis)) * 1_000_000),
@@ -447,7 +478,12 @@ impl DockerRuntime {
     }
 
     /// Creates and starts a sandbox's container; returns its id.
-    pub async fn create(&self, id: &SandboxId, spec: &SandboxSpec) -> Result<String> {
+    pub async fn create(
+        &self,
+        id: &SandboxId,
+        spec: &SandboxSpec,
+        egress_dir: Option<&std::path::Path>,
+    ) -> Result<String> {
         let image = spec
             .image
             .clone()
@@ -463,7 +499,7 @@ impl DockerRuntime {
             } else {
                 self.uids.pick()
             };
-            let body = self.container_body(id, spec, uid);
+            let body = self.container_body(id, spec, uid, egress_dir);
             let created = match self
                 .docker
                 .create_container(Some(opts.clone()), body.clone())

@@ -371,16 +371,17 @@ impl Gate {
         Ok(())
     }
 
-    /// A connection to `host` (a name or an IP literal) on `port` for a
-    /// sandbox whose policy is `policy`: decided, resolved here (never an
-    /// address the sandbox chose for a name), every address checked, and
-    /// connected to one of those checked: no later lookup can rebind it.
-    pub async fn connect(
+    /// The addresses a connection to `host` (a name or an IP literal) on
+    /// `port` may go to, for a sandbox whose policy is `policy`: decided,
+    /// resolved here (never an address the sandbox chose for a name), every
+    /// address checked. The caller connects to these and no others, so no
+    /// later lookup can rebind the name.
+    pub async fn resolve(
         &self,
         policy: &[Rule],
         host: &str,
         port: u16,
-    ) -> Result<(tokio::net::TcpStream, SocketAddr), Blocked> {
+    ) -> Result<Vec<SocketAddr>, Blocked> {
         decide(policy, host, port)?;
         let addrs: Vec<SocketAddr> = match (host.parse::<IpAddr>(), self.resolver) {
             (Ok(ip), _) => vec![SocketAddr::new(ip, port)],
@@ -408,15 +409,39 @@ impl Gate {
         if allowed.is_empty() {
             return Err(Blocked::InternalAddress);
         }
-        for addr in allowed {
+        Ok(allowed)
+    }
+
+    /// A connection to the first of `addrs` (checked by [`Self::resolve`])
+    /// that answers.
+    pub async fn connect_to(
+        &self,
+        addrs: &[SocketAddr],
+    ) -> Result<(tokio::net::TcpStream, SocketAddr), Blocked> {
+        for addr in addrs {
+            if self.check(*addr).is_err() {
+                continue;
+            }
             if let Ok(Ok(stream)) =
                 tokio::time::timeout(self.connect_timeout, tokio::net::TcpStream::connect(addr))
                     .await
             {
-                return Ok((stream, addr));
+                let _ = stream.set_nodelay(true);
+                return Ok((stream, *addr));
             }
         }
         Err(Blocked::Unreachable)
+    }
+
+    /// [`Self::resolve`], then [`Self::connect_to`].
+    pub async fn connect(
+        &self,
+        policy: &[Rule],
+        host: &str,
+        port: u16,
+    ) -> Result<(tokio::net::TcpStream, SocketAddr), Blocked> {
+        let addrs = self.resolve(policy, host, port).await?;
+        self.connect_to(&addrs).await
     }
 }
 
@@ -428,43 +453,79 @@ pub struct Outcome {
     pub port: u16,
     /// `None`: allowed.
     pub blocked: Option<Blocked>,
+    /// Allowed, then closed because the policy no longer allows it.
+    pub cut: bool,
     pub bytes_out: u64,
     pub bytes_in: u64,
+}
+
+impl Outcome {
+    fn new() -> Self {
+        Self {
+            host: String::new(),
+            port: 0,
+            blocked: None,
+            cut: false,
+            bytes_out: 0,
+            bytes_in: 0,
+        }
+    }
 }
 
 /// How long a sandbox may take to send a request's head, and a tunnel's
 /// first bytes.
 pub const HEAD_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a relayed connection may carry nothing either way.
+pub const IDLE_TIMEOUT: Duration = Duration::from_secs(300);
 
 fn refusal(reason: Blocked) -> Vec<u8> {
+    let status = match reason {
+        Blocked::Unreachable => "502 Bad Gateway",
+        Blocked::BadRequest => "400 Bad Request",
+        _ => "403 Forbidden",
+    };
     format!(
-        "HTTP/1.1 403 Forbidden\r\nX-Corral-Egress: blocked; reason={}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
+        "HTTP/1.1 {status}\r\nX-Corral-Egress: blocked; reason={}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
         reason.as_str()
     )
     .into_bytes()
 }
 
-/// Serves one connection of a sandbox's proxy: reads its request's head,
-/// decides by `policy` (as it is now, and again whenever it changes: a
-/// connection it no longer allows is closed), connects through `gate`, and
-/// relays. A TLS tunnel's ClientHello must name the host of its CONNECT; a
-/// plain request's Host header must match its URL.
-pub async fn serve_connection<S>(
+/// The answer to a connection refused before its head is read: too many
+/// at once.
+pub fn too_many() -> &'static [u8] {
+    b"HTTP/1.1 429 Too Many Requests\r\nX-Corral-Egress: blocked; reason=too_many_connections\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+}
+
+/// A connection let through, upstream connected, its first bytes sent.
+pub struct Admitted<S> {
+    client: S,
+    upstream: tokio::net::TcpStream,
+    outcome: Outcome,
+}
+
+impl<S> Admitted<S> {
+    pub fn outcome(&self) -> &Outcome {
+        &self.outcome
+    }
+}
+
+/// Reads a connection's request head and decides on it by `policy` as it
+/// is now: a CONNECT's target must be allowed and resolve to addresses the
+/// gate allows (a 403 that says why otherwise), and the tunnel's TLS
+/// ClientHello must name that host (closed after its 200 otherwise) before
+/// anything is sent upstream; a plain request's Host header must match its
+/// URL. `Err`: refused, with why.
+pub async fn admit<S>(
     mut client: S,
-    mut policy: tokio::sync::watch::Receiver<std::sync::Arc<Vec<Rule>>>,
+    policy: &mut tokio::sync::watch::Receiver<std::sync::Arc<Vec<Rule>>>,
     gate: &Gate,
-) -> Outcome
+) -> Result<Admitted<S>, Outcome>
 where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
 {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut out = Outcome {
-        host: String::new(),
-        port: 0,
-        blocked: None,
-        bytes_out: 0,
-        bytes_in: 0,
-    };
+    let mut out = Outcome::new();
     let mut buf = Vec::with_capacity(1024);
     let deadline = tokio::time::Instant::now() + HEAD_TIMEOUT;
     // The head, within its bound and its time.
@@ -475,7 +536,7 @@ where
             Err(_) => {
                 out.blocked = Some(Blocked::BadRequest);
                 let _ = client.write_all(&refusal(Blocked::BadRequest)).await;
-                return out;
+                return Err(out);
             }
         }
         let mut chunk = [0u8; 2048];
@@ -483,13 +544,13 @@ where
             Ok(Ok(n)) if n > 0 => n,
             _ => {
                 out.blocked = Some(Blocked::BadRequest);
-                return out;
+                return Err(out);
             }
         };
         buf.extend_from_slice(&chunk[..n]);
     };
     let rest = buf.split_off(used);
-    let (host, port, first) = match &head {
+    let (host, port, mut first) = match &head {
         Head::Connect { host, port } => (host.clone(), *port, rest),
         Head::Forward {
             method,
@@ -511,7 +572,7 @@ where
             if given.is_some_and(|h| h != wanted && h != host.as_str()) {
                 out.blocked = Some(Blocked::HostMismatch);
                 let _ = client.write_all(&refusal(Blocked::HostMismatch)).await;
-                return out;
+                return Err(out);
             }
             // The request as the server takes it: origin form, the rest of
             // the head as sent (its Host header is the URL's).
@@ -529,31 +590,36 @@ where
     out.host.clone_from(&host);
     out.port = port;
     let current = policy.borrow_and_update().clone();
-    let (mut upstream, _) = match gate.connect(&current, &host, port).await {
-        Ok(c) => c,
+    let addrs = match gate.resolve(&current, &host, port).await {
+        Ok(a) => a,
         Err(reason) => {
             out.blocked = Some(reason);
             let _ = client.write_all(&refusal(reason)).await;
-            return out;
+            return Err(out);
         }
     };
-    let mut first = first;
     if matches!(head, Head::Connect { .. }) {
         if client
             .write_all(b"HTTP/1.1 200 Connection established\r\n\r\n")
             .await
             .is_err()
         {
-            return out;
+            out.blocked = Some(Blocked::BadRequest);
+            return Err(out);
         }
-        // A TLS tunnel names its server: it must be the host asked for.
+        // A TLS tunnel names its server: it must be the host asked for,
+        // before a byte goes upstream.
+        let deadline = tokio::time::Instant::now() + HEAD_TIMEOUT;
         loop {
             match client_hello_sni(&first) {
                 Hello::More if first.len() < MAX_HELLO_BYTES => {
                     let mut chunk = [0u8; 4096];
-                    match tokio::time::timeout(HEAD_TIMEOUT, client.read(&mut chunk)).await {
+                    match tokio::time::timeout_at(deadline, client.read(&mut chunk)).await {
                         Ok(Ok(n)) if n > 0 => first.extend_from_slice(&chunk[..n]),
-                        _ => return out,
+                        _ => {
+                            out.blocked = Some(Blocked::BadRequest);
+                            return Err(out);
+                        }
                     }
                 }
                 Hello::Sni(name) if name == host => break,
@@ -565,64 +631,139 @@ where
                     // No name, another name, or a hello past its bound: the
                     // tunnel is closed (its 200 is sent; TLS then fails).
                     out.blocked = Some(Blocked::SniMismatch);
-                    return out;
+                    return Err(out);
                 }
             }
         }
     }
+    let (mut upstream, _) = match gate.connect_to(&addrs).await {
+        Ok(c) => c,
+        Err(reason) => {
+            out.blocked = Some(reason);
+            if !matches!(head, Head::Connect { .. }) {
+                let _ = client.write_all(&refusal(reason)).await;
+            }
+            return Err(out);
+        }
+    };
     if upstream.write_all(&first).await.is_err() {
-        return out;
+        out.blocked = Some(Blocked::Unreachable);
+        return Err(out);
     }
     out.bytes_out += first.len() as u64;
+    Ok(Admitted {
+        client,
+        upstream,
+        outcome: out,
+    })
+}
+
+/// Relays an admitted connection both ways until either side is done, it
+/// is idle past [`IDLE_TIMEOUT`], or `policy` changes to one that no
+/// longer allows it (then it is closed at once, `cut`).
+pub async fn relay<S>(
+    admitted: Admitted<S>,
+    mut policy: tokio::sync::watch::Receiver<std::sync::Arc<Vec<Rule>>>,
+) -> Outcome
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let Admitted {
+        client,
+        mut upstream,
+        outcome: mut out,
+    } = admitted;
+    let (host, port) = (out.host.clone(), out.port);
     let (mut cr, mut cw) = tokio::io::split(client);
     let (mut ur, mut uw) = upstream.split();
-    let mut up = [0u8; 16 * 1024];
-    let mut down = [0u8; 16 * 1024];
+    let mut up = vec![0u8; 64 * 1024];
+    let mut down = vec![0u8; 64 * 1024];
     loop {
-        tokio::select! {
-            changed = policy.changed() => {
-                if changed.is_err() {
-                    return out;
+        let step = tokio::time::timeout(IDLE_TIMEOUT, async {
+            tokio::select! {
+                changed = policy.changed() => {
+                    if changed.is_err() {
+                        return false;
+                    }
+                    let now = policy.borrow_and_update().clone();
+                    if let Err(reason) = decide(&now, &host, port) {
+                        // No longer allowed: closed at once.
+                        out.blocked = Some(reason);
+                        out.cut = true;
+                        return false;
+                    }
+                    true
                 }
-                let now = policy.borrow_and_update().clone();
-                if let Err(reason) = decide(&now, &host, port) {
-                    // No longer allowed: closed at once.
-                    out.blocked = Some(reason);
-                    return out;
-                }
-            }
-            n = cr.read(&mut up) => match n {
-                Ok(0) | Err(_) => {
-                    let _ = uw.shutdown().await;
-                    // The sandbox is done sending: what is left comes back.
-                    while let Ok(n) = ur.read(&mut down).await {
-                        if n == 0 || cw.write_all(&down[..n]).await.is_err() {
-                            break;
+                n = cr.read(&mut up) => match n {
+                    Ok(0) | Err(_) => {
+                        let _ = uw.shutdown().await;
+                        // The sandbox is done sending: what is left comes
+                        // back, unless the policy cuts it.
+                        loop {
+                            tokio::select! {
+                                changed = policy.changed() => {
+                                    let now = policy.borrow_and_update().clone();
+                                    if changed.is_err() || decide(&now, &host, port).is_err() {
+                                        out.blocked = decide(&now, &host, port).err();
+                                        out.cut = out.blocked.is_some();
+                                        return false;
+                                    }
+                                }
+                                n = ur.read(&mut down) => match n {
+                                    Ok(n) if n > 0 => {
+                                        if cw.write_all(&down[..n]).await.is_err() {
+                                            return false;
+                                        }
+                                        out.bytes_in += n as u64;
+                                    }
+                                    _ => return false,
+                                },
+                            }
+                        }
+                    }
+                    Ok(n) => {
+                        if uw.write_all(&up[..n]).await.is_err() {
+                            return false;
+                        }
+                        out.bytes_out += n as u64;
+                        true
+                    }
+                },
+                n = ur.read(&mut down) => match n {
+                    Ok(0) | Err(_) => {
+                        let _ = cw.shutdown().await;
+                        false
+                    }
+                    Ok(n) => {
+                        if cw.write_all(&down[..n]).await.is_err() {
+                            return false;
                         }
                         out.bytes_in += n as u64;
+                        true
                     }
-                    return out;
-                }
-                Ok(n) => {
-                    if uw.write_all(&up[..n]).await.is_err() {
-                        return out;
-                    }
-                    out.bytes_out += n as u64;
-                }
-            },
-            n = ur.read(&mut down) => match n {
-                Ok(0) | Err(_) => {
-                    let _ = cw.shutdown().await;
-                    return out;
-                }
-                Ok(n) => {
-                    if cw.write_all(&down[..n]).await.is_err() {
-                        return out;
-                    }
-                    out.bytes_in += n as u64;
-                }
-            },
+                },
+            }
+        })
+        .await;
+        if !matches!(step, Ok(true)) {
+            return out;
         }
+    }
+}
+
+/// Serves one connection of a sandbox's proxy: [`admit`], then [`relay`].
+pub async fn serve_connection<S>(
+    client: S,
+    mut policy: tokio::sync::watch::Receiver<std::sync::Arc<Vec<Rule>>>,
+    gate: &Gate,
+) -> Outcome
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
+    match admit(client, &mut policy, gate).await {
+        Ok(a) => relay(a, policy).await,
+        Err(out) => out,
     }
 }
 

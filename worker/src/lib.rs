@@ -15,7 +15,8 @@
 //!   ask, the worker decides);
 //! - [`egress`]: reading what a sandbox's outbound connection asks for (a
 //!   proxy request's head, a TLS server name) and deciding on it by policy,
-//!   with [`dns`], its stub resolver;
+//!   with [`dns`], its stub resolver, and [`proxy`], each sandbox's socket,
+//!   its accept loop and bounds;
 //! - [`admission`]: which connections reach the server (limits, handshake
 //!   timeout); [`budget`]: what their requests may hold while they are read;
 //! - [`metrics`]: Prometheus metrics and the endpoint that serves them;
@@ -36,6 +37,7 @@ pub mod error;
 pub mod initbin;
 pub mod metrics;
 pub mod policy;
+pub mod proxy;
 pub mod sandbox;
 pub mod server;
 pub mod service;

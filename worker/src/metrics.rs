@@ -37,6 +37,9 @@ pub struct WorkerMetrics {
     pub stream_bytes: Counter,
     pub journal_bytes: Gauge,
     pub draining: Gauge,
+    pub egress_connections: Family<Labels, Counter>,
+    pub egress_bytes: Family<Labels, Counter>,
+    pub egress_open: Gauge,
 }
 
 impl Default for WorkerMetrics {
@@ -55,6 +58,9 @@ impl Default for WorkerMetrics {
             stream_bytes: Counter::default(),
             journal_bytes: Gauge::default(),
             draining: Gauge::default(),
+            egress_connections: Family::default(),
+            egress_bytes: Family::default(),
+            egress_open: Gauge::default(),
         };
         registry.register("sandboxes", "Sandboxes held, by state", m.sandboxes.clone());
         registry.register(
@@ -99,6 +105,21 @@ impl Default for WorkerMetrics {
             m.journal_bytes.clone(),
         );
         registry.register("draining", "1 while the worker drains", m.draining.clone());
+        registry.register(
+            "egress_connections",
+            "Connections of sandboxes' egress proxies, by decision (allowed, blocked, closed) and reason",
+            m.egress_connections.clone(),
+        );
+        registry.register(
+            "egress_bytes",
+            "Bytes relayed by sandboxes' egress proxies, by direction (out, in)",
+            m.egress_bytes.clone(),
+        );
+        registry.register(
+            "egress_open_connections",
+            "Egress connections open now",
+            m.egress_open.clone(),
+        );
         Self { registry, ..m }
     }
 }
@@ -120,6 +141,27 @@ impl WorkerMetrics {
         self.operation_seconds
             .get_or_create(&vec![("kind", kind.to_string())])
             .observe(duration.as_secs_f64());
+    }
+
+    /// An egress connection decided (`reason` empty when allowed).
+    pub fn egress_decided(&self, decision: &'static str, reason: &'static str) {
+        self.egress_connections
+            .get_or_create(&vec![
+                ("decision", decision.to_string()),
+                ("reason", reason.to_string()),
+            ])
+            .inc();
+    }
+
+    /// Bytes an egress connection relayed.
+    pub fn egress_relayed(&self, out: u64, inward: u64) {
+        for (dir, n) in [("out", out), ("in", inward)] {
+            if n > 0 {
+                self.egress_bytes
+                    .get_or_create(&vec![("direction", dir.to_string())])
+                    .inc_by(n);
+            }
+        }
     }
 
     /// A create ended with `outcome`.

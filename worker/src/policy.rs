@@ -82,7 +82,45 @@ pub fn permissive() -> SandboxPolicy {
         allow_any_image: true,
         allowed_runtimes: vec!["runsc".into()],
         ceilings: Default::default(),
+        // A plain `docker run` reaches everything; egress by policy, with
+        // the internal ranges always refused, is narrower.
+        allowed_egress: vec![corral_proto::egress::Rule {
+            dest: corral_proto::egress::Dest::Any,
+            port: None,
+        }],
     }
+}
+
+/// Whether every rule of `rules` falls within the worker's
+/// `--allow-egress` bounds.
+pub fn check_egress(
+    policy: &SandboxPolicy,
+    rules: &[corral_proto::egress::Rule],
+) -> Result<(), WorkerError> {
+    for rule in rules {
+        if !policy.allowed_egress.iter().any(|b| b.covers(rule)) {
+            let bounds = if policy.allowed_egress.is_empty() {
+                "this worker gives no sandbox egress".to_string()
+            } else {
+                format!(
+                    "this worker allows egress only within {}",
+                    policy
+                        .allowed_egress
+                        .iter()
+                        .map(ToString::to_string)
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                )
+            };
+            return Err(denied(
+                Some("--allow-egress"),
+                format!(
+                    "egress rule {rule}: {bounds} (its operator allows it with corral-worker --allow-egress {rule})"
+                ),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// Why an operator's policy cannot be used.
@@ -181,6 +219,7 @@ pub fn check(
             "this worker gives no sandbox a network (its operator allows it with corral-worker --allow-network)".into(),
         ));
     }
+    check_egress(policy, &spec.egress)?;
     for cap in &spec.add_capabilities {
         let cap = capability_name(cap);
         if never_granted(&cap) {

@@ -77,6 +77,8 @@ pub struct Env<'a> {
     pub shutdown: &'a CancellationToken,
     pub limits: Limits,
     pub metrics: &'a Arc<crate::metrics::WorkerMetrics>,
+    /// How sandboxes' egress proxies connect and what bounds them.
+    pub egress: &'a Arc<crate::proxy::Settings>,
 }
 
 /// One watcher, as the actor sees it.
@@ -163,6 +165,8 @@ pub struct Shared {
     closed: CancellationToken,
     /// When a client last named this sandbox in a call (or watched it).
     touched: Mutex<std::time::Instant>,
+    /// The egress policy its proxy follows (`None`: it has no proxy).
+    egress: Option<watch::Sender<Arc<Vec<corral_proto::egress::Rule>>>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -320,11 +324,13 @@ type Input = Pin<Box<dyn AsyncWrite + Send>>;
 impl Sandbox {
     /// Starts the actor of a running container. It attaches right away; use
     /// [`wait_ready`](Self::wait_ready) to wait for the supervisor's answer.
+    /// `egress`: the bound socket of its proxy, when its spec has egress.
     pub fn spawn(
         id: SandboxId,
         spec: SandboxSpec,
         container_id: String,
         created_at_unix_ms: i64,
+        egress: Option<tokio::net::UnixListener>,
         env: &Env<'_>,
     ) -> Self {
         let Env {
@@ -333,7 +339,11 @@ impl Sandbox {
             shutdown,
             limits,
             metrics,
+            egress: egress_settings,
         } = env;
+        let policy = egress
+            .as_ref()
+            .map(|_| watch::Sender::new(Arc::new(spec.egress.clone())));
         let (runtime, limits) = (Arc::clone(runtime), *limits);
         let shared = Arc::new(Shared {
             limits,
@@ -346,8 +356,29 @@ impl Sandbox {
             progress: Notify::new(),
             closed: shutdown.child_token(),
             touched: Mutex::new(std::time::Instant::now()),
+            egress: policy,
         });
         let (tx, rx) = mpsc::channel(256);
+        let egress_reports = match (egress, &shared.egress) {
+            (Some(listener), Some(policy)) => {
+                let (reports, rx) = mpsc::channel(256);
+                let span = info_span!("egress", sandbox = %id);
+                tracker.spawn(
+                    crate::proxy::serve(
+                        listener,
+                        policy.subscribe(),
+                        Arc::clone(egress_settings),
+                        reports,
+                        Arc::clone(metrics),
+                        (*tracker).clone(),
+                        shared.closed.clone(),
+                    )
+                    .instrument(span),
+                );
+                Some(rx)
+            }
+            _ => None,
+        };
         let actor = Actor {
             id: id.clone(),
             container: container_id.clone(),
@@ -370,6 +401,8 @@ impl Sandbox {
             stall_check: false,
             inputs: HashMap::new(),
             resets: VecDeque::new(),
+            egress_reports,
+            egress_pending: VecDeque::new(),
         };
         let span = info_span!("sandbox", sandbox = %id, container = %short(&container_id));
         tracker.spawn(actor.run().instrument(span));
@@ -388,9 +421,13 @@ impl Sandbox {
     }
 
     pub fn info(&self) -> SandboxInfo {
+        let mut spec = self.spec.clone();
+        if self.shared.egress.is_some() {
+            spec.egress = self.egress();
+        }
         SandboxInfo {
             id: self.id.clone(),
-            spec: self.spec.clone(),
+            spec,
             state: self.shared.state.borrow().clone(),
             container_id: self.container_id.clone(),
             last_seq: *self.shared.last_seq.borrow(),
@@ -527,6 +564,27 @@ impl Sandbox {
             return Duration::ZERO;
         }
         lock(&self.shared.touched).elapsed()
+    }
+
+    /// Replaces the egress policy of a sandbox that has a proxy: new
+    /// connections follow it, open ones it no longer allows are closed.
+    /// `false`: it has none (it was made without egress).
+    pub fn set_egress(&mut self, rules: Vec<corral_proto::egress::Rule>) -> bool {
+        let Some(policy) = &self.shared.egress else {
+            return false;
+        };
+        self.spec.egress.clone_from(&rules);
+        policy.send_replace(Arc::new(rules));
+        true
+    }
+
+    /// The egress policy it follows now (its spec's, unless replaced).
+    pub fn egress(&self) -> Vec<corral_proto::egress::Rule> {
+        self.shared
+            .egress
+            .as_ref()
+            .map(|p| p.borrow().as_ref().clone())
+            .unwrap_or_default()
     }
 
     /// Stops the actor and every watcher of this sandbox.
@@ -674,6 +732,9 @@ fn violation(ops: &OpTable, last_seq: u64, event: &Event) -> Option<String> {
     if event.seq != last_seq + 1 {
         return Some(format!("event {} after event {last_seq}", event.seq));
     }
+    if matches!(event.kind, EventKind::Egress(_)) && event.operation_id.is_some() {
+        return Some("an egress event of an operation".into());
+    }
     let id = event.operation_id.as_ref()?;
     let Some(op) = ops.ops.get(id) else {
         return Some(format!(
@@ -721,10 +782,28 @@ struct Actor {
     inputs: HashMap<OperationId, InputLink>,
     /// Resets sent to init, answered in order.
     resets: VecDeque<oneshot::Sender<Result<u32>>>,
+    /// Decisions of the sandbox's egress proxy, for init to journal.
+    egress_reports: Option<mpsc::Receiver<corral_proto::event::Egress>>,
+    /// Those not yet sent (no link to init just now), oldest first.
+    egress_pending: VecDeque<corral_proto::event::Egress>,
+}
+
+/// Most egress decisions kept while init cannot be told; past it the
+/// oldest go (the metrics count them all).
+const MAX_EGRESS_PENDING: usize = 1024;
+
+async fn next_report(
+    rx: &mut Option<mpsc::Receiver<corral_proto::event::Egress>>,
+) -> Option<corral_proto::event::Egress> {
+    match rx {
+        Some(rx) => rx.recv().await,
+        None => std::future::pending().await,
+    }
 }
 
 enum Wake {
     Command(Option<Command>),
+    Egress(Option<corral_proto::event::Egress>),
     Output(Option<Result<LogOutput, bollard::errors::Error>>),
     Progress,
     Closed,
@@ -741,6 +820,7 @@ impl Actor {
                 cmd = self.rx.recv() => Wake::Command(cmd),
                 item = next_output(&mut self.output) => Wake::Output(item),
                 () = self.shared.progress.notified() => Wake::Progress,
+                e = next_report(&mut self.egress_reports) => Wake::Egress(e),
                 () = tokio::time::sleep(Duration::from_millis(250)), if self.stall_check => Wake::Progress,
             };
             match wake {
@@ -760,6 +840,21 @@ impl Actor {
                     self.detach();
                 }
                 Wake::Progress => self.grant().await,
+                Wake::Egress(None) => self.egress_reports = None,
+                Wake::Egress(Some(e)) => {
+                    if self.egress_pending.len() >= MAX_EGRESS_PENDING {
+                        self.egress_pending.pop_front();
+                    }
+                    self.egress_pending.push_back(e);
+                }
+            }
+            while self.welcomed
+                && let Some(e) = self.egress_pending.pop_front()
+            {
+                if !self.send(InitRequest::Egress(e.clone())).await {
+                    self.egress_pending.push_front(e);
+                    break;
+                }
             }
         }
         debug!("sandbox actor stopped");

@@ -63,6 +63,19 @@ impl pb::worker_server::Worker for WorkerService {
         Ok(Response::new(self.worker.get_sandbox(&id)?.into()))
     }
 
+    async fn set_sandbox_egress(
+        &self,
+        req: Request<pb::SetSandboxEgressRequest>,
+    ) -> Result<Response<pb::Sandbox>, Status> {
+        let req = req.into_inner();
+        let id = sandbox_id(req.id)?;
+        let rules = corral_proto::egress::parse_rules(&req.rules, false)
+            .map_err(crate::error::WorkerError::from)?;
+        Ok(Response::new(
+            self.worker.set_sandbox_egress(&id, rules).await?.into(),
+        ))
+    }
+
     async fn list_sandboxes(
         &self,
         _req: Request<pb::ListSandboxesRequest>,

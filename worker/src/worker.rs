@@ -56,6 +56,8 @@ pub struct WorkerConfig {
     /// The uids sandboxes' commands run as (`None`: the default for the
     /// engine, see [`crate::uids`]).
     pub sandbox_uids: Option<crate::uids::UidRange>,
+    /// How sandboxes' egress proxies connect, and their bounds.
+    pub egress: crate::proxy::Settings,
 }
 
 impl WorkerConfig {
@@ -76,6 +78,7 @@ impl WorkerConfig {
             drain: false,
             drain_deadline: DEFAULT_DRAIN_DEADLINE,
             sandbox_uids: None,
+            egress: crate::proxy::Settings::default(),
         }
     }
 }
@@ -144,6 +147,7 @@ struct Inner {
     removed: Mutex<Removed>,
     tracker: TaskTracker,
     shutdown: CancellationToken,
+    egress: Arc<crate::proxy::Settings>,
 }
 
 /// The reasons of the last [`Removed::KEPT`] removals.
@@ -240,6 +244,7 @@ impl Worker {
                 removed: Mutex::new(Removed::default()),
                 tracker: TaskTracker::new(),
                 shutdown: CancellationToken::new(),
+                egress: Arc::new(config.egress),
             }),
         };
         worker.reconcile().await?;
@@ -286,11 +291,20 @@ impl Worker {
             match (records.get(&sid), SandboxId::new(sid.clone())) {
                 (Some(record), Ok(id)) if running => {
                     info!(sandbox = %id, "re-adopting running sandbox");
+                    // Its proxy's socket again, where its mount sees it.
+                    let egress = match self.egress_socket(&id, &record.spec) {
+                        Ok(e) => e,
+                        Err(e) => {
+                            warn!(sandbox = %id, error = %e, "no egress socket for an adopted sandbox");
+                            None
+                        }
+                    };
                     let sandbox = Sandbox::spawn(
                         id.clone(),
                         record.spec.clone(),
                         cid,
                         record.created_at_unix_ms,
+                        egress,
                         &self.env(),
                     );
                     lock(&inner.sandboxes).insert(id.clone(), sandbox);
@@ -304,6 +318,9 @@ impl Worker {
                     };
                     info!(sandbox = %sid, container = %cid, why, "removing container");
                     inner.runtime.remove_container(&cid).await?;
+                    if let Ok(id) = SandboxId::new(sid.clone()) {
+                        crate::proxy::remove(&self.egress_dir(&id));
+                    }
                 }
             }
         }
@@ -318,6 +335,7 @@ impl Worker {
             if let Ok(id) = SandboxId::new(sid.clone()) {
                 warn!(sandbox = %id, "sandbox record without a running container, dropped");
                 inner.state.remove(&id)?;
+                crate::proxy::remove(&self.egress_dir(&id));
             }
         }
         Ok(())
@@ -466,7 +484,56 @@ impl Worker {
             shutdown: &self.inner.shutdown,
             limits: self.inner.sandbox_limits,
             metrics: &self.inner.metrics,
+            egress: &self.inner.egress,
         }
+    }
+
+    fn egress_dir(&self, id: &SandboxId) -> std::path::PathBuf {
+        crate::proxy::socket_dir(self.inner.state.root(), id)
+    }
+
+    /// The bound socket of a sandbox's egress proxy, if its spec has egress.
+    fn egress_socket(
+        &self,
+        id: &SandboxId,
+        spec: &SandboxSpec,
+    ) -> Result<Option<tokio::net::UnixListener>> {
+        if spec.egress.is_empty() {
+            return Ok(None);
+        }
+        let dir = self.egress_dir(id);
+        crate::proxy::bind(&dir)
+            .map(Some)
+            .map_err(|e| WorkerError::state(&dir, e))
+    }
+
+    /// Replaces a sandbox's egress policy (bounded as at create): new
+    /// connections follow it at once, open ones it no longer allows are
+    /// closed. The record keeps it, so a restart does too.
+    pub async fn set_sandbox_egress(
+        &self,
+        id: &SandboxId,
+        rules: Vec<corral_proto::egress::Rule>,
+    ) -> Result<SandboxInfo> {
+        let mut asked = self.sandbox(id)?.spec.clone();
+        asked.egress.clone_from(&rules);
+        asked.validate()?;
+        crate::policy::check_egress(&self.inner.policy, &rules)?;
+        let id_lock = self.id_lock(id);
+        let _guard = id_lock.lock().await;
+        let mut sandbox = self.sandbox(id)?;
+        if !sandbox.set_egress(rules) {
+            return Err(WorkerError::Invalid(corral_proto::ProtocolError::invalid(
+                "egress",
+                "this sandbox was made without egress, so it has no proxy: make it with egress rules (an empty list later blocks everything)",
+            )));
+        }
+        let mut record = StateDir::new_record(id, &sandbox.spec);
+        record.created_at_unix_ms = sandbox.created_at_unix_ms;
+        self.inner.state.save(&record)?;
+        lock(&self.inner.sandboxes).insert(id.clone(), sandbox.clone());
+        info!(sandbox = %id, rules = sandbox.spec.egress.len(), "egress policy replaced");
+        Ok(self.info_of(&sandbox))
     }
 
     fn id_lock(&self, id: &SandboxId) -> Arc<tokio::sync::Mutex<()>> {
@@ -567,10 +634,29 @@ impl Worker {
         };
         let record = StateDir::new_record(&id, &spec);
         self.inner.state.save(&record)?;
-        let container = match self.inner.runtime.create(&id, &spec).await {
+        let forget = |this: &Self| {
+            let _ = this.inner.state.remove(&id);
+            crate::proxy::remove(&this.egress_dir(&id));
+        };
+        // The proxy's socket is there before the container mounts its
+        // directory.
+        let egress = match self.egress_socket(&id, &spec) {
+            Ok(e) => e,
+            Err(e) => {
+                forget(self);
+                return Err(e);
+            }
+        };
+        let egress_dir = egress.as_ref().map(|_| self.egress_dir(&id));
+        let container = match self
+            .inner
+            .runtime
+            .create(&id, &spec, egress_dir.as_deref())
+            .await
+        {
             Ok(c) => c,
             Err(e) => {
-                let _ = self.inner.state.remove(&id);
+                forget(self);
                 return Err(e);
             }
         };
@@ -579,12 +665,13 @@ impl Worker {
             spec,
             container.clone(),
             record.created_at_unix_ms,
+            egress,
             &self.env(),
         );
         if let Err(e) = sandbox.wait_ready(READY_TIMEOUT).await {
             sandbox.close();
             let _ = self.inner.runtime.remove_container(&container).await;
-            let _ = self.inner.state.remove(&id);
+            forget(self);
             return Err(e);
         }
         info!(sandbox = %id, container = %container, "sandbox ready");
@@ -636,6 +723,7 @@ impl Worker {
             .remove_container(&sandbox.container_id)
             .await?;
         self.inner.state.remove(id)?;
+        crate::proxy::remove(&self.egress_dir(id));
         lock(&self.inner.id_locks).remove(id);
         info!(sandbox = %id, "sandbox destroyed");
         Ok(true)

@@ -379,6 +379,23 @@ impl WorkerClient {
             .try_into()?)
     }
 
+    /// Replaces the egress policy of a sandbox made with one.
+    pub async fn set_sandbox_egress(
+        &self,
+        id: &SandboxId,
+        rules: &[corral_proto::egress::Rule],
+    ) -> Result<SandboxInfo, ClientError> {
+        let req = pb::SetSandboxEgressRequest {
+            id: id.to_string(),
+            rules: rules.iter().map(ToString::to_string).collect(),
+        };
+        Ok(self
+            .rpc(self.inner.clone().set_sandbox_egress(req))
+            .await?
+            .into_inner()
+            .try_into()?)
+    }
+
     pub async fn list_sandboxes(&self) -> Result<Vec<SandboxInfo>, ClientError> {
         let resp = self
             .rpc(

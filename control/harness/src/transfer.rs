@@ -381,7 +381,7 @@ async fn stdout_of<W: WorkerApi>(
                     "events {from}..={to} of the output were dropped by the worker's journal"
                 )));
             }
-            EventKind::Started { .. } => {}
+            EventKind::Started { .. } | EventKind::Egress(_) => {}
         }
     }
 }

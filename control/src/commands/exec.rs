@@ -64,6 +64,8 @@ async fn exec_command(conn: &ConnArgs, args: ExecArgs) -> Result<u8, Error> {
         idle_timeout: args.idle_timeout,
         worker_lost_after: conn.worker_lost_after,
         made_for_it: false,
+        egress: corral_proto::egress::parse_rules(&args.egress, false)
+            .map_err(|e| Error::Invalid(format!("--egress: {e}")))?,
     };
     // Several workers: the sandbox is found among them, or a new one is
     // placed.

@@ -163,8 +163,11 @@ async fn sandbox_command(conn: &ConnArgs, cmd: SandboxCommand) -> Result<(), Err
             runtime,
             idle_timeout,
             ttl,
+            egress,
         } => {
             let id = id.as_deref().map(sandbox_id).transpose()?;
+            let egress = corral_proto::egress::parse_rules(&egress, false)
+                .map_err(|e| Error::Invalid(format!("--egress: {e}")))?;
             if let Some(c) = cpus
                 && !(c > 0.0 && c <= 1024.0)
             {
@@ -190,6 +193,7 @@ async fn sandbox_command(conn: &ConnArgs, cmd: SandboxCommand) -> Result<(), Err
                 ttl_ms: ttl.map(|d| d.as_millis().max(1) as u64),
                 memory_includes_files,
                 labels: label.into_iter().collect(),
+                egress,
             };
             spec.validate().map_err(|e| Error::Invalid(e.to_string()))?;
             let sb = match &conn {
@@ -389,6 +393,22 @@ async fn sandbox_command(conn: &ConnArgs, cmd: SandboxCommand) -> Result<(), Err
             let id = sandbox_id(&id)?;
             let killed = conn.for_sandbox(&id).await?.reset_sandbox(&id).await?;
             writeln!(stdout, "killed {killed} processes")?;
+        }
+        SandboxCommand::Egress { id, rules } => {
+            let id = sandbox_id(&id)?;
+            let rules = corral_proto::egress::parse_rules(&rules, false)
+                .map_err(|e| Error::Invalid(e.to_string()))?;
+            let sb = conn
+                .for_sandbox(&id)
+                .await?
+                .set_sandbox_egress(&id, &rules)
+                .await?;
+            if sb.spec.egress.is_empty() {
+                writeln!(stdout, "{id}: no egress allowed")?;
+            } else {
+                let list: Vec<String> = sb.spec.egress.iter().map(ToString::to_string).collect();
+                writeln!(stdout, "{id}: egress {}", list.join(" "))?;
+            }
         }
     }
     Ok(())

@@ -20,6 +20,9 @@
 //!   process of its own run as the sandbox's user;
 //! - [`users`]: the sandbox user's `passwd` and `group` entries, for the
 //!   uid the worker chose;
+//! - [`relay`]: the egress proxy address on the sandbox's loopback, each
+//!   connection carried to the worker's socket for this sandbox (a process
+//!   of its own, started and restarted by the supervisor);
 //! - [`syscalls`]: the seccomp filters it applies to itself and all it
 //!   starts (io_uring, AF_VSOCK), on top of the engine's profile.
 //!
@@ -36,6 +39,7 @@ pub mod fileops;
 pub mod journal;
 pub mod keeper;
 pub mod procs;
+pub mod relay;
 pub mod supervisor;
 pub mod syscalls;
 pub mod users;

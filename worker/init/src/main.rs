@@ -79,6 +79,22 @@ fn main() -> ExitCode {
         }
         return ExitCode::SUCCESS;
     }
+    // `--egress-relay`: the sandbox's egress relay, started by the
+    // supervisor with the bound listener as descriptor 3.
+    if args.first().map(String::as_str) == Some("--egress-relay") {
+        let _ = nix::sys::prctl::set_dumpable(false);
+        // SAFETY: descriptor 3 is the listener the supervisor passed, owned
+        // by nothing else in this process.
+        #[allow(unsafe_code)]
+        let listener = unsafe {
+            <std::net::TcpListener as std::os::fd::FromRawFd>::from_raw_fd(3)
+        };
+        let socket = std::path::Path::new(corral_init::relay::SOCKET_DIR)
+            .join(corral_init::relay::SOCKET_NAME);
+        let e = corral_init::relay::serve(listener, &socket);
+        eprintln!("corral-init: egress relay: {e}");
+        return ExitCode::from(1);
+    }
     // Closed before anything runs, for the supervisor and all it starts.
     if let Err(e) = corral_init::syscalls::restrict() {
         eprintln!("corral-init: {e}");
@@ -87,15 +103,24 @@ fn main() -> ExitCode {
     // `--roots WORKSPACE TMP [--finished-budget BYTES]` runs outside a
     // sandbox (the supervisor's own tests).
     let mut config = corral_init::supervisor::Config::default();
-    // `--command-uid UID`: the supervisor runs as root, commands as UID.
-    if let [flag, uid] = args.as_slice()
-        && flag == "--command-uid"
-    {
-        match uid.parse() {
-            Ok(uid) => config.command_uid = Some(uid),
-            Err(e) => {
-                eprintln!("corral-init: --command-uid {uid}: {e}");
-                return ExitCode::from(2);
+    // `--command-uid UID`: the supervisor runs as root, commands as UID;
+    // `--egress`: the sandbox has egress (its worker's socket is mounted).
+    if args.first().map(String::as_str) != Some("--roots") {
+        let mut rest = args.iter();
+        while let Some(flag) = rest.next() {
+            match flag.as_str() {
+                "--command-uid" => match rest.next().map(|u| u.parse()) {
+                    Some(Ok(uid)) => config.command_uid = Some(uid),
+                    _ => {
+                        eprintln!("corral-init: --command-uid needs a user id");
+                        return ExitCode::from(2);
+                    }
+                },
+                "--egress" => config.egress = true,
+                other => {
+                    eprintln!("corral-init: unknown argument {other:?}");
+                    return ExitCode::from(2);
+                }
             }
         }
     }

@@ -80,6 +80,9 @@ pub struct Config {
     pub command_uid: Option<u32>,
     /// This binary, run (as the command user) for archives in and out.
     pub helper: Option<PathBuf>,
+    /// Serve the egress proxy on the sandbox's loopback (see
+    /// [`crate::relay`]): the worker mounted its socket.
+    pub egress: bool,
 }
 
 impl Default for Config {
@@ -92,6 +95,7 @@ impl Default for Config {
             finished_budget_bytes: MAX_FINISHED_BYTES,
             command_uid: None,
             helper: std::env::current_exe().ok(),
+            egress: false,
         }
     }
 }
@@ -295,6 +299,79 @@ pub struct Supervisor {
     orphans: Vec<Pipe>,
     /// Commands started so far: the next one's tag.
     launched: u64,
+    /// The egress relay, when the sandbox has egress.
+    relay: Option<Relay>,
+}
+
+/// The egress relay process and the listening socket it serves: bound by
+/// the supervisor, so the port stays the relay's across restarts.
+struct Relay {
+    listener: std::net::TcpListener,
+    pid: Option<i32>,
+    /// When to start it again after it died (not at once: a relay that
+    /// dies at start must not spin).
+    restart_at: Option<Instant>,
+}
+
+/// How long a dead relay waits before it is started again.
+const RELAY_RESTART: Duration = Duration::from_millis(100);
+
+impl Relay {
+    fn bind() -> io::Result<Self> {
+        Ok(Self {
+            listener: std::net::TcpListener::bind(crate::relay::PROXY_ADDR)?,
+            pid: None,
+            restart_at: Some(Instant::now()),
+        })
+    }
+
+    /// Starts the relay process if it is due: this binary with
+    /// `--egress-relay`, the listener as its descriptor 3, stdout not the
+    /// worker's channel.
+    #[allow(unsafe_code)]
+    fn start_if_due(&mut self, helper: Option<&Path>, now: Instant) {
+        if self.pid.is_some() || self.restart_at.is_none_or(|t| now < t) {
+            return;
+        }
+        let Some(helper) = helper else { return };
+        let fd = self.listener.as_raw_fd();
+        let mut cmd = Command::new(helper);
+        cmd.arg("--egress-relay")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit());
+        // SAFETY: runs in the forked child before exec; the supervisor is
+        // single-threaded, and dup2 is async-signal-safe. The copy on fd 3
+        // is not close-on-exec: the relay gets the listener, nothing else.
+        unsafe {
+            cmd.pre_exec(move || {
+                if libc::dup2(fd, 3) < 0 {
+                    return Err(io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        match cmd.spawn() {
+            Ok(child) => {
+                self.pid = Some(child.id() as i32);
+                self.restart_at = None;
+            }
+            Err(e) => {
+                eprintln!("corral-init: starting the egress relay: {e}");
+                self.restart_at = Some(now + RELAY_RESTART);
+            }
+        }
+    }
+
+    /// The relay `pid` ended: started again soon.
+    fn reaped(&mut self, pid: i32, now: Instant) -> bool {
+        if self.pid != Some(pid) {
+            return false;
+        }
+        self.pid = None;
+        self.restart_at = Some(now + RELAY_RESTART);
+        true
+    }
 }
 
 /// Most orphaned pipes kept draining; past it the oldest are closed.
@@ -346,7 +423,18 @@ pub fn run(config: Config) -> Result<i32, InitError> {
         shutdown: false,
         orphans: Vec::new(),
         launched: 0,
+        relay: None,
     };
+    if sup.config.egress {
+        // Bound before any command runs: none can take the port.
+        match Relay::bind() {
+            Ok(r) => sup.relay = Some(r),
+            Err(e) => eprintln!(
+                "corral-init: binding the egress proxy on {}: {e}",
+                crate::relay::PROXY_ADDR
+            ),
+        }
+    }
     sup.main_loop();
     Ok(0)
 }
@@ -591,6 +679,9 @@ impl Supervisor {
         while !self.shutdown {
             let now = Instant::now();
             self.reap();
+            if let Some(relay) = self.relay.as_mut() {
+                relay.start_if_due(self.config.helper.as_deref(), now);
+            }
             self.enforce_deadlines(now);
             self.pump_inputs();
             self.stream_files(&mut buf);
@@ -700,6 +791,9 @@ impl Supervisor {
             for t in candidates.into_iter().flatten() {
                 next = Some(next.map_or(t, |n| n.min(t)));
             }
+        }
+        if let Some(t) = self.relay.as_ref().and_then(|r| r.restart_at) {
+            next = Some(next.map_or(t, |n| n.min(t)));
         }
         match next {
             None => PollTimeout::NONE,
@@ -846,6 +940,10 @@ impl Supervisor {
             InitRequest::Reset => {
                 let killed = self.reset();
                 self.send(InitMessage::ResetDone { killed });
+            }
+            InitRequest::Egress(e) => {
+                let event = self.journal.push(None, EventKind::Egress(e));
+                self.send(InitMessage::Event(event));
             }
         }
     }
@@ -1574,6 +1672,12 @@ impl Supervisor {
                 Ok(WaitStatus::StillAlive) | Err(_) => return,
                 Ok(status) => {
                     let Some(pid) = status.pid() else { continue };
+                    if let Some(relay) = self.relay.as_mut()
+                        && relay.reaped(pid.as_raw(), Instant::now())
+                    {
+                        eprintln!("corral-init: the egress relay ended ({status:?}); starting it again");
+                        continue;
+                    }
                     let Some(id) = self.pids.remove(&pid.as_raw()) else {
                         continue;
                     };

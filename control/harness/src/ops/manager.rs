@@ -413,7 +413,8 @@ impl<W: WorkerApi> Actor<W> {
                     }
                     EventKind::Started { .. }
                     | EventKind::Gap { .. }
-                    | EventKind::SandboxLost { .. } => {}
+                    | EventKind::SandboxLost { .. }
+                    | EventKind::Egress(_) => {}
                 }
             }
         }

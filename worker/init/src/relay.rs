@@ -1,0 +1,291 @@
+//! The sandbox's egress relay: an HTTP proxy address on the sandbox's
+//! loopback (`127.0.0.1:3128`, named in `HTTP_PROXY` and `HTTPS_PROXY`)
+//! whose every connection is carried, byte for byte, to the worker over the
+//! Unix socket the worker mounted for this sandbox alone. The relay reads
+//! nothing of what it carries: the worker parses the request, decides by
+//! the sandbox's policy and connects. A sandbox has no other interface than
+//! loopback, so this is its only way out, and the worker knows the sandbox
+//! by the socket, not by anything the sandbox says.
+//!
+//! It runs as a process of its own (`corral-init --egress-relay`), started
+//! by the supervisor with the listening socket already bound (so no command
+//! can take the port first) and started again if it dies. One thread, one
+//! poll loop, bounded: at most [`MAX_CONNECTIONS`] connections, each with
+//! two buffers of [`BUF_BYTES`].
+
+use std::io::{self, Read, Write};
+use std::net::{Shutdown, TcpListener, TcpStream};
+use std::os::fd::AsFd;
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+
+use nix::errno::Errno;
+use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
+
+/// Where the proxy listens in the sandbox.
+pub const PROXY_ADDR: &str = "127.0.0.1:3128";
+/// The directory the worker mounts (read-only) into a sandbox with egress.
+pub const SOCKET_DIR: &str = "/run/corral-egress";
+/// The worker's socket in [`SOCKET_DIR`].
+pub const SOCKET_NAME: &str = "proxy.sock";
+/// Most connections relayed at once; more wait in the listen queue.
+pub const MAX_CONNECTIONS: usize = 256;
+/// Each direction's buffer.
+pub const BUF_BYTES: usize = 32 * 1024;
+
+/// The answer when the worker's socket takes no connection (the worker is
+/// restarting, say): a proxy's own refusal, which clients report.
+const UNAVAILABLE: &[u8] = b"HTTP/1.1 503 Service Unavailable\r\nX-Corral-Egress: blocked; reason=unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n";
+
+/// Bytes read from one side, not yet written to the other.
+struct Half {
+    buf: Box<[u8]>,
+    start: usize,
+    end: usize,
+    /// The reading side said EOF (or failed).
+    eof: bool,
+    /// The EOF was passed on (the other side shut for writing).
+    closed: bool,
+}
+
+impl Half {
+    fn new() -> Self {
+        Self {
+            buf: vec![0u8; BUF_BYTES].into_boxed_slice(),
+            start: 0,
+            end: 0,
+            eof: false,
+            closed: false,
+        }
+    }
+    fn pending(&self) -> bool {
+        self.start < self.end
+    }
+    fn wants_read(&self) -> bool {
+        !self.eof && self.end < self.buf.len()
+    }
+    /// Reads what `from` has into the buffer.
+    fn fill(&mut self, from: &mut impl Read) {
+        if self.end == self.buf.len() && self.start == self.end {
+            self.start = 0;
+            self.end = 0;
+        }
+        while self.wants_read() {
+            match from.read(&mut self.buf[self.end..]) {
+                Ok(0) => self.eof = true,
+                Ok(n) => self.end += n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(_) => self.eof = true,
+            }
+        }
+    }
+    /// Writes what is buffered to `to`; false when `to` failed.
+    fn drain(&mut self, to: &mut impl Write) -> bool {
+        while self.pending() {
+            match to.write(&self.buf[self.start..self.end]) {
+                Ok(0) => return false,
+                Ok(n) => self.start += n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return true,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(_) => return false,
+            }
+        }
+        self.start = 0;
+        self.end = 0;
+        true
+    }
+}
+
+struct Conn {
+    tcp: TcpStream,
+    unix: UnixStream,
+    /// Sandbox to worker.
+    up: Half,
+    /// Worker to sandbox.
+    down: Half,
+}
+
+impl Conn {
+    /// Moves what can move; false when the connection is over.
+    fn step(&mut self) -> bool {
+        self.up.fill(&mut self.tcp);
+        self.down.fill(&mut self.unix);
+        if !self.up.drain(&mut self.unix) || !self.down.drain(&mut self.tcp) {
+            return false;
+        }
+        for (half, to) in [
+            (&mut self.up, Endpoint::Unix(&self.unix)),
+            (&mut self.down, Endpoint::Tcp(&self.tcp)),
+        ] {
+            if half.eof && !half.pending() && !half.closed {
+                half.closed = true;
+                to.shutdown_write();
+            }
+        }
+        !(self.up.closed && self.down.closed)
+    }
+}
+
+enum Endpoint<'a> {
+    Unix(&'a UnixStream),
+    Tcp(&'a TcpStream),
+}
+
+impl Endpoint<'_> {
+    fn shutdown_write(&self) {
+        let _ = match self {
+            Self::Unix(s) => s.shutdown(Shutdown::Write),
+            Self::Tcp(s) => s.shutdown(Shutdown::Write),
+        };
+    }
+}
+
+/// A connection to the worker's socket, without waiting: a full queue is
+/// a refusal, never a stall of every other connection.
+fn connect_worker(path: &Path) -> io::Result<UnixStream> {
+    use nix::sys::socket::{AddressFamily, SockFlag, SockType, UnixAddr, connect, socket};
+    let fd = socket(
+        AddressFamily::Unix,
+        SockType::Stream,
+        SockFlag::SOCK_NONBLOCK | SockFlag::SOCK_CLOEXEC,
+        None,
+    )?;
+    let addr = UnixAddr::new(path)?;
+    connect(std::os::fd::AsRawFd::as_raw_fd(&fd), &addr)?;
+    Ok(UnixStream::from(fd))
+}
+
+/// Serves `listener` until it fails (it never returns otherwise).
+pub fn serve(listener: TcpListener, socket: &Path) -> io::Error {
+    if let Err(e) = listener.set_nonblocking(true) {
+        return e;
+    }
+    let mut conns: Vec<Conn> = Vec::new();
+    loop {
+        let accepting = conns.len() < MAX_CONNECTIONS;
+        let mut fds = Vec::with_capacity(1 + 2 * conns.len());
+        if accepting {
+            fds.push(PollFd::new(listener.as_fd(), PollFlags::POLLIN));
+        }
+        for c in &conns {
+            let mut tcp = PollFlags::empty();
+            let mut unix = PollFlags::empty();
+            if c.up.wants_read() {
+                tcp |= PollFlags::POLLIN;
+            }
+            if c.down.pending() {
+                tcp |= PollFlags::POLLOUT;
+            }
+            if c.down.wants_read() {
+                unix |= PollFlags::POLLIN;
+            }
+            if c.up.pending() {
+                unix |= PollFlags::POLLOUT;
+            }
+            fds.push(PollFd::new(c.tcp.as_fd(), tcp));
+            fds.push(PollFd::new(c.unix.as_fd(), unix));
+        }
+        match poll(&mut fds, PollTimeout::NONE) {
+            Ok(_) | Err(Errno::EINTR) => {}
+            Err(e) => return e.into(),
+        }
+        let ready: Vec<bool> = fds
+            .iter()
+            .map(|f| f.revents().is_some_and(|r| !r.is_empty()))
+            .collect();
+        drop(fds);
+        let mut ready = ready.into_iter();
+        if accepting && ready.next() == Some(true) {
+            while conns.len() < MAX_CONNECTIONS {
+                let tcp = match listener.accept() {
+                    Ok((tcp, _)) => tcp,
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                    // A connection that went away before it was taken, or
+                    // out of descriptors: try again on the next wake.
+                    Err(_) => break,
+                };
+                match connect_worker(socket) {
+                    Ok(unix) if tcp.set_nonblocking(true).is_ok() => conns.push(Conn {
+                        tcp,
+                        unix,
+                        up: Half::new(),
+                        down: Half::new(),
+                    }),
+                    _ => {
+                        let mut tcp = tcp;
+                        let _ = tcp.write(UNAVAILABLE);
+                    }
+                }
+            }
+        }
+        // Each connection readied (or not) moves what it can.
+        let mut i = 0;
+        let woke: Vec<bool> = (0..conns.len())
+            .map(|_| {
+                let a = ready.next().unwrap_or(false);
+                let b = ready.next().unwrap_or(false);
+                a || b
+            })
+            .collect();
+        conns.retain_mut(|c| {
+            let keep = if woke.get(i).copied().unwrap_or(true) {
+                c.step()
+            } else {
+                true
+            };
+            i += 1;
+            keep
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::net::UnixListener;
+
+    #[test]
+    fn bytes_go_both_ways_whole_and_eof_is_passed_on() {
+        let dir = tempfile::tempdir().unwrap();
+        let sock = dir.path().join("proxy.sock");
+        let worker = UnixListener::bind(&sock).unwrap();
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let path = sock.clone();
+        std::thread::spawn(move || serve(listener, &path));
+        // The worker's side echoes, upper-cased, until EOF, then says bye.
+        let echo = std::thread::spawn(move || {
+            let (mut s, _) = worker.accept().unwrap();
+            let mut all = Vec::new();
+            s.read_to_end(&mut all).unwrap();
+            s.write_all(&all.to_ascii_uppercase()).unwrap();
+            s.write_all(b"BYE").unwrap();
+            all.len()
+        });
+        let mut c = TcpStream::connect(addr).unwrap();
+        let big: Vec<u8> = (0..5 * BUF_BYTES).map(|i| b'a' + (i % 26) as u8).collect();
+        c.write_all(&big).unwrap();
+        c.shutdown(Shutdown::Write).unwrap();
+        let mut back = Vec::new();
+        c.read_to_end(&mut back).unwrap();
+        assert_eq!(echo.join().unwrap(), big.len());
+        assert_eq!(&back[..big.len()], &big.to_ascii_uppercase()[..]);
+        assert_eq!(&back[big.len()..], b"BYE");
+    }
+
+    #[test]
+    fn no_worker_is_a_clear_refusal() {
+        let dir = tempfile::tempdir().unwrap();
+        let sock = dir.path().join("absent.sock");
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        std::thread::spawn(move || serve(listener, &sock));
+        let mut c = TcpStream::connect(addr).unwrap();
+        let mut back = String::new();
+        c.read_to_string(&mut back).unwrap();
+        assert!(back.starts_with("HTTP/1.1 503"), "{back}");
+        assert!(back.contains("reason=unavailable"), "{back}");
+    }
+}

@@ -1,0 +1,210 @@
+//! The worker's end of a sandbox's egress proxy: a Unix socket of the
+//! sandbox's own, in a directory mounted (read-only) into that sandbox
+//! alone, so a connection on it is the sandbox's whatever it says. The
+//! sandbox's relay (`corral_init::relay`) carries each connection of its
+//! loopback proxy here; this decides it by the sandbox's policy (see
+//! [`crate::egress`]), connects and relays, bounded per sandbox, and
+//! reports every decision.
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use corral_proto::egress::Rule;
+use corral_proto::event::{Egress, EgressDecision};
+use corral_proto::SandboxId;
+use tokio::net::UnixListener;
+use tokio::sync::{Semaphore, mpsc, watch};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tracing::{debug, warn};
+
+use crate::egress::{Blocked, Gate, admit, relay, too_many};
+use crate::metrics::WorkerMetrics;
+
+/// The socket's name in its directory (as `corral_init::relay` expects).
+pub const SOCKET_NAME: &str = "proxy.sock";
+/// Where the directory is mounted in the sandbox.
+pub const SANDBOX_DIR: &str = "/run/corral-egress";
+/// The proxy's address in the sandbox, as its environment names it.
+pub const PROXY_URL: &str = "http://127.0.0.1:3128";
+/// Connections one sandbox may have open through its proxy by default.
+pub const DEFAULT_MAX_CONNECTIONS: usize = 128;
+
+/// The worker's egress settings, shared by every sandbox's proxy.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    pub gate: Gate,
+    /// Connections one sandbox may have open at once; more are refused
+    /// (429, `too_many_connections`) without reading them.
+    pub max_connections: usize,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Self {
+            gate: Gate {
+                connect_timeout: Duration::from_secs(10),
+                ..Gate::default()
+            },
+            max_connections: DEFAULT_MAX_CONNECTIONS,
+        }
+    }
+}
+
+/// A sandbox's socket directory under the worker's state directory.
+pub fn socket_dir(state_root: &Path, id: &SandboxId) -> PathBuf {
+    state_root.join("egress").join(id.as_str())
+}
+
+/// Makes `dir` and binds its socket anew (a stale one from an earlier run
+/// is replaced). The directory is 0755 and the socket 0666: what reaches it
+/// is the mount in one sandbox; on the host it sits in the private state
+/// directory.
+pub fn bind(dir: &Path) -> std::io::Result<UnixListener> {
+    std::fs::create_dir_all(dir)?;
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755))?;
+    let path = dir.join(SOCKET_NAME);
+    match std::fs::remove_file(&path) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
+        _ => {}
+    }
+    // A Unix socket's path has at most 107 bytes; a state directory may be
+    // deeper. Bound through the directory's descriptor, the path is short.
+    let listener = if path.as_os_str().len() < 100 {
+        UnixListener::bind(&path)?
+    } else {
+        let d = std::fs::File::open(dir)?;
+        let short = format!(
+            "/proc/self/fd/{}/{SOCKET_NAME}",
+            std::os::fd::AsRawFd::as_raw_fd(&d)
+        );
+        UnixListener::bind(short)?
+    };
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o666))?;
+    Ok(listener)
+}
+
+/// Removes a sandbox's socket directory (nothing if it has none).
+pub fn remove(dir: &Path) {
+    match std::fs::remove_dir_all(dir) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+            warn!(dir = %dir.display(), error = %e, "removing an egress socket directory");
+        }
+        _ => {}
+    }
+}
+
+/// What the proxy tells its sandbox: each decision, as an event.
+pub type Reports = mpsc::Sender<Egress>;
+
+/// Serves a sandbox's socket until `closed`: each connection is admitted
+/// or refused, relayed, and reported (to `reports`, and the metrics). At
+/// most `settings.max_connections` at once; a task per connection, owned
+/// by `tracker`, ended by `closed` too.
+pub async fn serve(
+    listener: UnixListener,
+    policy: watch::Receiver<Arc<Vec<Rule>>>,
+    settings: Arc<Settings>,
+    reports: Reports,
+    metrics: Arc<WorkerMetrics>,
+    tracker: TaskTracker,
+    closed: CancellationToken,
+) {
+    let slots = Arc::new(Semaphore::new(settings.max_connections));
+    loop {
+        let accepted = tokio::select! {
+            () = closed.cancelled() => return,
+            a = listener.accept() => a,
+        };
+        let stream = match accepted {
+            Ok((s, _)) => s,
+            Err(e) => {
+                // Out of descriptors, say: the next try may do.
+                warn!(error = %e, "egress accept failed");
+                tokio::select! {
+                    () = closed.cancelled() => return,
+                    () = tokio::time::sleep(Duration::from_millis(50)) => continue,
+                }
+            }
+        };
+        let Ok(slot) = Arc::clone(&slots).try_acquire_owned() else {
+            metrics.egress_decided("blocked", "too_many_connections");
+            // Said without waiting on the sandbox: it may not be reading.
+            let _ = stream.try_write(too_many());
+            continue;
+        };
+        let (policy, settings, reports, metrics, closed) = (
+            policy.clone(),
+            Arc::clone(&settings),
+            reports.clone(),
+            Arc::clone(&metrics),
+            closed.clone(),
+        );
+        tracker.spawn(async move {
+            let _slot = slot;
+            tokio::select! {
+                () = closed.cancelled() => {}
+                () = one(stream, policy, &settings, &reports, &metrics) => {}
+            }
+        });
+    }
+}
+
+async fn one(
+    stream: tokio::net::UnixStream,
+    mut policy: watch::Receiver<Arc<Vec<Rule>>>,
+    settings: &Settings,
+    reports: &Reports,
+    metrics: &WorkerMetrics,
+) {
+    let report = |host: &str, port: u16, decision: EgressDecision, reason: Option<Blocked>| {
+        let reason = reason.map_or("", Blocked::as_str);
+        metrics.egress_decided(decision.as_str(), reason);
+        debug!(host, port, decision = decision.as_str(), reason, "egress");
+        Egress {
+            host: host.to_string(),
+            port,
+            decision,
+            reason: reason.to_string(),
+        }
+    };
+    match admit(stream, &mut policy, &settings.gate).await {
+        Err(out) => {
+            let e = report(&out.host, out.port, EgressDecision::Blocked, out.blocked);
+            let _ = reports.send(e).await;
+        }
+        Ok(admitted) => {
+            let (host, port) = (admitted.outcome().host.clone(), admitted.outcome().port);
+            let e = report(&host, port, EgressDecision::Allowed, None);
+            let _ = reports.send(e).await;
+            let out = {
+                let _open = Open::new(&metrics.egress_open);
+                relay(admitted, policy).await
+            };
+            metrics.egress_relayed(out.bytes_out, out.bytes_in);
+            if out.cut {
+                let e = report(&host, port, EgressDecision::Closed, out.blocked);
+                let _ = reports.send(e).await;
+            }
+        }
+    }
+}
+
+/// One open connection on the gauge, for as long as it lives (a cancelled
+/// relay counts down too).
+struct Open<'a>(&'a prometheus_client::metrics::gauge::Gauge);
+
+impl<'a> Open<'a> {
+    fn new(g: &'a prometheus_client::metrics::gauge::Gauge) -> Self {
+        g.inc();
+        Self(g)
+    }
+}
+
+impl Drop for Open<'_> {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
+}
