@@ -13,7 +13,7 @@ set -euo pipefail
 tag=${1:-corral-debian:latest}
 suite=${CORRAL_DEBIAN_SUITE:-bookworm}
 mirror=${CORRAL_DEBIAN_MIRROR:-http://deb.debian.org/debian}
-packages=python3,python3-venv,git,ca-certificates,procps,findutils,less,gcc,libc6-dev,make,bash
+packages=python3,python3-venv,git,curl,ca-certificates,procps,findutils,less,gcc,libc6-dev,make,bash
 
 if ! command -v mmdebstrap >/dev/null; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then

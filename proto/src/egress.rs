@@ -3,8 +3,8 @@
 //!
 //! A rule is `DOMAIN[:PORT]`, `*.DOMAIN[:PORT]` (any depth below DOMAIN,
 //! never DOMAIN itself), `CIDR[:PORT]` (`[CIDR]:PORT` for IPv6) or, on a
-//! worker's bound only, `*` (any public destination). A rule without a port
-//! means 80 and 443. Names are compared lower-case without a trailing dot;
+//! worker's bound only, `*` (any public destination, any port; `*:PORT`
+//! on that port). A rule without a port means 80 and 443. Names are compared lower-case without a trailing dot;
 //! an IP address matches CIDR rules only, never a name.
 
 use std::net::IpAddr;
@@ -214,6 +214,10 @@ impl Rule {
     /// Whether everything `asked` allows, this rule allows too: how a
     /// worker bounds what a client asks for.
     pub fn covers(&self, asked: &Rule) -> bool {
+        // `*` alone is any public destination, on any port.
+        if self.dest == Dest::Any && self.port.is_none() {
+            return true;
+        }
         let ports = match (self.port, asked.port) {
             (None, None) => true,
             (None, Some(p)) => DEFAULT_PORTS.contains(&p),
@@ -488,7 +492,8 @@ mod tests {
     fn a_bound_covers_only_what_is_within_it() {
         let cases = [
             ("*", "pypi.org", true),
-            ("*", "*.github.com:22", false),
+            ("*", "*.github.com:22", true),
+            ("*:443", "*.github.com:22", false),
             ("*:22", "*.github.com:22", true),
             ("*", "10.0.0.0/8", true),
             ("pypi.org", "pypi.org", true),

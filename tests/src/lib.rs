@@ -8,6 +8,7 @@
 //! other's sandboxes, and each harness removes its containers when dropped,
 //! even after a failed assertion.
 
+pub mod egress;
 pub mod fake;
 pub mod model;
 pub mod run;

@@ -164,61 +164,80 @@ pub async fn resolve(
     Ok(all)
 }
 
-#[cfg(test)]
-pub mod tests {
-    use super::*;
+/// A DNS server of a test's own on loopback, for the tests of egress (this
+/// crate's and the end-to-end suite's): answers each name with what its
+/// table gives. Not for anything but tests: it answers A and AAAA only.
+pub mod testing {
+    use std::net::{IpAddr, SocketAddr};
 
-    /// A DNS server of a test's own on loopback: answers each name with the
-    /// addresses `answer` gives (called again for every query).
+    /// Serves on a fresh loopback port: each name is answered with the
+    /// addresses `answer` gives (called again for every query, so a test
+    /// can change its answers between two lookups).
     pub async fn serve(
         answer: impl Fn(&str, u16) -> Vec<IpAddr> + Send + 'static,
-    ) -> (SocketAddr, tokio::task::JoinHandle<()>) {
-        let sock = tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap();
-        let addr = sock.local_addr().unwrap();
+    ) -> std::io::Result<(SocketAddr, tokio::task::JoinHandle<()>)> {
+        let sock = tokio::net::UdpSocket::bind("127.0.0.1:0").await?;
+        let addr = sock.local_addr()?;
         let task = tokio::spawn(async move {
             let mut buf = vec![0u8; 512];
             loop {
                 let Ok((n, from)) = sock.recv_from(&mut buf).await else {
                     return;
                 };
-                let q = &buf[..n];
-                let mut at = 12;
-                let mut labels = Vec::new();
-                while q[at] != 0 {
-                    let l = q[at] as usize;
-                    labels.push(String::from_utf8_lossy(&q[at + 1..at + 1 + l]).into_owned());
-                    at += 1 + l;
+                if let Some(r) = reply(&buf[..n], &answer) {
+                    let _ = sock.send_to(&r, from).await;
                 }
-                let qtype = u16::from_be_bytes([q[at + 1], q[at + 2]]);
-                let question = &q[12..at + 5];
-                let ips: Vec<IpAddr> = answer(&labels.join("."), qtype)
-                    .into_iter()
-                    .filter(|ip| (qtype == 1) == ip.is_ipv4())
-                    .collect();
-                let mut r = q[..2].to_vec();
-                r.extend_from_slice(&[0x81, 0x80, 0, 1]);
-                r.extend_from_slice(&(ips.len() as u16).to_be_bytes());
-                r.extend_from_slice(&[0, 0, 0, 0]);
-                r.extend_from_slice(question);
-                for ip in ips {
-                    r.extend_from_slice(&[0xc0, 12]);
-                    r.extend_from_slice(&qtype.to_be_bytes());
-                    r.extend_from_slice(&[0, 1, 0, 0, 0, 30]);
-                    match ip {
-                        IpAddr::V4(a) => {
-                            r.extend_from_slice(&[0, 4]);
-                            r.extend_from_slice(&a.octets());
-                        }
-                        IpAddr::V6(a) => {
-                            r.extend_from_slice(&[0, 16]);
-                            r.extend_from_slice(&a.octets());
-                        }
-                    }
-                }
-                let _ = sock.send_to(&r, from).await;
             }
         });
-        (addr, task)
+        Ok((addr, task))
+    }
+
+    fn reply(q: &[u8], answer: &impl Fn(&str, u16) -> Vec<IpAddr>) -> Option<Vec<u8>> {
+        let mut at = 12;
+        let mut labels = Vec::new();
+        while *q.get(at)? != 0 {
+            let l = *q.get(at)? as usize;
+            labels.push(String::from_utf8_lossy(q.get(at + 1..at + 1 + l)?).into_owned());
+            at += 1 + l;
+        }
+        let qtype = u16::from_be_bytes([*q.get(at + 1)?, *q.get(at + 2)?]);
+        let question = q.get(12..at + 5)?;
+        let ips: Vec<IpAddr> = answer(&labels.join("."), qtype)
+            .into_iter()
+            .filter(|ip| (qtype == 1) == ip.is_ipv4())
+            .collect();
+        let mut r = q.get(..2)?.to_vec();
+        r.extend_from_slice(&[0x81, 0x80, 0, 1]);
+        r.extend_from_slice(&(ips.len() as u16).to_be_bytes());
+        r.extend_from_slice(&[0, 0, 0, 0]);
+        r.extend_from_slice(question);
+        for ip in ips {
+            r.extend_from_slice(&[0xc0, 12]);
+            r.extend_from_slice(&qtype.to_be_bytes());
+            r.extend_from_slice(&[0, 1, 0, 0, 0, 30]);
+            match ip {
+                IpAddr::V4(a) => {
+                    r.extend_from_slice(&[0, 4]);
+                    r.extend_from_slice(&a.octets());
+                }
+                IpAddr::V6(a) => {
+                    r.extend_from_slice(&[0, 16]);
+                    r.extend_from_slice(&a.octets());
+                }
+            }
+        }
+        Some(r)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    async fn serve(
+        answer: impl Fn(&str, u16) -> Vec<IpAddr> + Send + 'static,
+    ) -> (SocketAddr, tokio::task::JoinHandle<()>) {
+        testing::serve(answer).await.unwrap()
     }
 
     #[tokio::test]

@@ -928,7 +928,7 @@ mod tests {
         let counter = asked.clone();
         // rebind.test answers an exempt address first, then the metadata
         // address; meta.test is the metadata address at once.
-        let (dns, task) = crate::dns::tests::serve(move |name, qtype| match (name, qtype) {
+        let (dns, task) = crate::dns::testing::serve(move |name, qtype| match (name, qtype) {
             ("rebind.test", 1) => {
                 if counter.fetch_add(1, Ordering::SeqCst) == 0 {
                     vec!["127.0.0.9".parse().unwrap()]
@@ -940,7 +940,8 @@ mod tests {
             ("many.test", 1) => vec!["10.0.0.1".parse().unwrap(), "127.0.0.9".parse().unwrap()],
             _ => vec![],
         })
-        .await;
+        .await
+        .unwrap();
         let mut g = gate(&["127.0.0.9/32"], vec![]);
         g.resolver = Some(dns);
         let policy = rules(&[

@@ -5,6 +5,7 @@ mod cluster;
 mod contract;
 mod copy;
 mod docker_loss;
+mod egress;
 mod endpoints;
 mod fleet;
 mod gvisor;

@@ -28,7 +28,8 @@ pub const PROXY_ADDR: &str = "127.0.0.1:3128";
 pub const SOCKET_DIR: &str = "/run/corral-egress";
 /// The worker's socket in [`SOCKET_DIR`].
 pub const SOCKET_NAME: &str = "proxy.sock";
-/// Most connections relayed at once; more wait in the listen queue.
+/// Most connections relayed at once; more are answered at once with a
+/// refusal (never left to hang in the listen queue).
 pub const MAX_CONNECTIONS: usize = 256;
 /// Each direction's buffer.
 pub const BUF_BYTES: usize = 32 * 1024;
@@ -36,6 +37,8 @@ pub const BUF_BYTES: usize = 32 * 1024;
 /// The answer when the worker's socket takes no connection (the worker is
 /// restarting, say): a proxy's own refusal, which clients report.
 const UNAVAILABLE: &[u8] = b"HTTP/1.1 503 Service Unavailable\r\nX-Corral-Egress: blocked; reason=unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n";
+/// The answer past [`MAX_CONNECTIONS`].
+const TOO_MANY: &[u8] = b"HTTP/1.1 429 Too Many Requests\r\nX-Corral-Egress: blocked; reason=too_many_connections\r\nContent-Length: 0\r\nConnection: close\r\n\r\n";
 
 /// Bytes read from one side, not yet written to the other.
 struct Half {
@@ -97,6 +100,11 @@ impl Half {
     }
 }
 
+/// Most bytes a client may go on sending after the worker stopped
+/// reading (an answer to a refused request is on its way back), read and
+/// dropped so that its socket is not reset before the answer is read.
+const MAX_DISCARD: usize = 4 << 20;
+
 struct Conn {
     tcp: TcpStream,
     unix: UnixStream,
@@ -104,40 +112,50 @@ struct Conn {
     up: Half,
     /// Worker to sandbox.
     down: Half,
+    /// The worker stopped reading: what the sandbox sends is dropped.
+    up_dead: bool,
+    discarded: usize,
 }
 
 impl Conn {
+    fn new(tcp: TcpStream, unix: UnixStream) -> Self {
+        Self {
+            tcp,
+            unix,
+            up: Half::new(),
+            down: Half::new(),
+            up_dead: false,
+            discarded: 0,
+        }
+    }
+
     /// Moves what can move; false when the connection is over.
     fn step(&mut self) -> bool {
         self.up.fill(&mut self.tcp);
         self.down.fill(&mut self.unix);
-        if !self.up.drain(&mut self.unix) || !self.down.drain(&mut self.tcp) {
+        if self.up_dead || !self.up.drain(&mut self.unix) {
+            self.up_dead = true;
+            self.discarded += self.up.end - self.up.start;
+            self.up.start = 0;
+            self.up.end = 0;
+        }
+        if !self.down.drain(&mut self.tcp) {
             return false;
         }
-        for (half, to) in [
-            (&mut self.up, Endpoint::Unix(&self.unix)),
-            (&mut self.down, Endpoint::Tcp(&self.tcp)),
-        ] {
-            if half.eof && !half.pending() && !half.closed {
-                half.closed = true;
-                to.shutdown_write();
-            }
+        if self.up.eof && !self.up.pending() && !self.up.closed && !self.up_dead {
+            self.up.closed = true;
+            let _ = self.unix.shutdown(Shutdown::Write);
+        }
+        if self.down.eof && !self.down.pending() && !self.down.closed {
+            self.down.closed = true;
+            let _ = self.tcp.shutdown(Shutdown::Write);
+        }
+        if self.up_dead {
+            // Over once the answer is out and the sandbox stopped sending
+            // (or sent more than it may).
+            return !(self.down.closed && (self.up.eof || self.discarded > MAX_DISCARD));
         }
         !(self.up.closed && self.down.closed)
-    }
-}
-
-enum Endpoint<'a> {
-    Unix(&'a UnixStream),
-    Tcp(&'a TcpStream),
-}
-
-impl Endpoint<'_> {
-    fn shutdown_write(&self) {
-        let _ = match self {
-            Self::Unix(s) => s.shutdown(Shutdown::Write),
-            Self::Tcp(s) => s.shutdown(Shutdown::Write),
-        };
     }
 }
 
@@ -163,11 +181,8 @@ pub fn serve(listener: TcpListener, socket: &Path) -> io::Error {
     }
     let mut conns: Vec<Conn> = Vec::new();
     loop {
-        let accepting = conns.len() < MAX_CONNECTIONS;
         let mut fds = Vec::with_capacity(1 + 2 * conns.len());
-        if accepting {
-            fds.push(PollFd::new(listener.as_fd(), PollFlags::POLLIN));
-        }
+        fds.push(PollFd::new(listener.as_fd(), PollFlags::POLLIN));
         for c in &conns {
             let mut tcp = PollFlags::empty();
             let mut unix = PollFlags::empty();
@@ -196,23 +211,31 @@ pub fn serve(listener: TcpListener, socket: &Path) -> io::Error {
             .collect();
         drop(fds);
         let mut ready = ready.into_iter();
-        if accepting && ready.next() == Some(true) {
-            while conns.len() < MAX_CONNECTIONS {
+        if ready.next() == Some(true) {
+            loop {
                 let tcp = match listener.accept() {
                     Ok((tcp, _)) => tcp,
                     Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
                     Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                     // A connection that went away before it was taken, or
-                    // out of descriptors: try again on the next wake.
-                    Err(_) => break,
+                    // out of descriptors: a moment's rest (the listener
+                    // stays readable), then the next wake tries again.
+                    Err(_) => {
+                        std::thread::sleep(std::time::Duration::from_millis(10));
+                        break;
+                    }
                 };
+                if conns.len() >= MAX_CONNECTIONS {
+                    // Said without waiting: the socket's buffer takes it.
+                    let mut tcp = tcp;
+                    let _ = tcp.set_nonblocking(true);
+                    let _ = tcp.write(TOO_MANY);
+                    continue;
+                }
                 match connect_worker(socket) {
-                    Ok(unix) if tcp.set_nonblocking(true).is_ok() => conns.push(Conn {
-                        tcp,
-                        unix,
-                        up: Half::new(),
-                        down: Half::new(),
-                    }),
+                    Ok(unix) if tcp.set_nonblocking(true).is_ok() => {
+                        conns.push(Conn::new(tcp, unix));
+                    }
                     _ => {
                         let mut tcp = tcp;
                         let _ = tcp.write(UNAVAILABLE);
@@ -273,6 +296,58 @@ mod tests {
         assert_eq!(echo.join().unwrap(), big.len());
         assert_eq!(&back[..big.len()], &big.to_ascii_uppercase()[..]);
         assert_eq!(&back[big.len()..], b"BYE");
+    }
+
+    #[test]
+    fn past_its_bound_a_connection_is_refused_at_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let sock = dir.path().join("proxy.sock");
+        let worker = UnixListener::bind(&sock).unwrap();
+        // The worker's side takes every connection and holds it.
+        let held = std::thread::spawn(move || {
+            let mut all = Vec::new();
+            for _ in 0..MAX_CONNECTIONS {
+                all.push(worker.accept().unwrap().0);
+            }
+            all
+        });
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        std::thread::spawn(move || serve(listener, &sock));
+        let open: Vec<TcpStream> = (0..MAX_CONNECTIONS)
+            .map(|_| TcpStream::connect(addr).unwrap())
+            .collect();
+        let _held = held.join().unwrap();
+        let mut over = TcpStream::connect(addr).unwrap();
+        let mut back = String::new();
+        over.read_to_string(&mut back).unwrap();
+        assert!(back.starts_with("HTTP/1.1 429"), "{back}");
+        assert!(back.contains("reason=too_many_connections"), "{back}");
+        drop(open);
+    }
+
+    #[test]
+    fn an_answer_to_a_request_the_worker_stopped_reading_still_arrives() {
+        let dir = tempfile::tempdir().unwrap();
+        let sock = dir.path().join("proxy.sock");
+        let worker = UnixListener::bind(&sock).unwrap();
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        std::thread::spawn(move || serve(listener, &sock));
+        // The worker reads a little, refuses, and goes.
+        std::thread::spawn(move || {
+            let (mut s, _) = worker.accept().unwrap();
+            let mut head = [0u8; 1024];
+            s.read_exact(&mut head).unwrap();
+            s.write_all(b"HTTP/1.1 400 Bad Request\r\n\r\n").unwrap();
+        });
+        let mut c = TcpStream::connect(addr).unwrap();
+        let big = vec![b'a'; 1 << 20];
+        c.write_all(&big).unwrap();
+        c.shutdown(Shutdown::Write).unwrap();
+        let mut back = String::new();
+        c.read_to_string(&mut back).unwrap();
+        assert_eq!(back, "HTTP/1.1 400 Bad Request\r\n\r\n");
     }
 
     #[test]

@@ -1,0 +1,706 @@
+//! Egress by policy, end to end: a real worker (its flags), real sandboxes
+//! of the Debian image with network none, real clients in them (python3,
+//! git, curl), upstream servers on 127.0.0.2 with a test CA, and names
+//! served by a DNS server of the test's own. Nothing leaves loopback: the
+//! internal and metadata addresses are refused before any connection.
+
+use std::net::IpAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use corral_e2e::egress::{Pki, Upstream, pki};
+use corral_e2e::{WorkerProcess, binary, free_port, run_shell, unique_id};
+use corral_harness::client::WorkerClient;
+use corral_proto::egress::Rule;
+use corral_proto::event::EgressDecision;
+use corral_proto::reason::Reason;
+use corral_proto::{EventKind, OperationSpec, SandboxId, SandboxSpec, WriteFileSpec};
+use futures_util::StreamExt;
+
+use super::fleet::{sample, scrape};
+
+/// Where the upstream servers listen (exempted with
+/// --egress-allow-internal, as an operator exempts a package mirror).
+const UPSTREAM_IP: &str = "127.0.0.2";
+
+/// The probe: speaks to the sandbox's proxy directly, so each answer's
+/// status and `X-Corral-Egress` header can be read, and for a tunnel that
+/// is let through, says whether TLS with `SNI` got through.
+const PROBE: &str = r#"
+import socket, ssl, sys
+def ask(head, sni=None):
+    s = socket.create_connection(("127.0.0.1", 3128), timeout=30)
+    s.sendall(head.encode())
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = s.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+    lines = data.split(b"\r\n")
+    status = lines[0].split(b" ")[1].decode() if b" " in lines[0] else "none"
+    egress = "-"
+    for l in lines:
+        if l.lower().startswith(b"x-corral-egress:"):
+            egress = l.split(b":", 1)[1].strip().decode()
+    tls = "-"
+    if sni is not None and status == "200":
+        ctx = ssl.create_default_context(cafile="/workspace/ca.pem")
+        ctx.check_hostname = False
+        try:
+            t = ctx.wrap_socket(s, server_hostname=sni)
+            t.sendall(b"GET /hello HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            tls = "ok" if b"hello from upstream" in t.recv(4096) + t.recv(4096) else "no-greeting"
+        except (ssl.SSLError, OSError) as e:
+            tls = "closed"
+    print(f"status={status} egress={egress} tls={tls}")
+kind = sys.argv[1]
+if kind == "connect":
+    ask(f"CONNECT {sys.argv[2]} HTTP/1.1\r\nHost: {sys.argv[2]}\r\n\r\n", sys.argv[3] if len(sys.argv) > 3 else None)
+elif kind == "get":
+    ask(f"GET {sys.argv[2]} HTTP/1.1\r\nHost: {sys.argv[3]}\r\nConnection: close\r\n\r\n")
+elif kind == "raw":
+    ask(sys.argv[2].encode().decode("unicode_escape"))
+"#;
+
+/// A worker with egress, the DNS server and upstreams it reaches.
+struct Net {
+    worker: WorkerProcess,
+    client: WorkerClient,
+    metrics_port: u16,
+    up: Upstream,
+    pki: Pki,
+    args: Vec<String>,
+    _dns: tokio::task::JoinHandle<()>,
+    _dirs: (tempfile::TempDir, tempfile::TempDir),
+}
+
+impl Drop for Net {
+    fn drop(&mut self) {
+        self.worker.kill9();
+        corral_e2e::remove_containers_of(&self.worker.worker_id);
+    }
+}
+
+/// Names the test's DNS server answers: `pkg.test`, `other.test`,
+/// `sub.test` the upstream; `internal.test` an RFC 1918 address;
+/// `meta.test` the metadata address; `rebind.test` the upstream at first,
+/// then the metadata address.
+async fn start() -> Result<Net> {
+    let lookups = Arc::new(AtomicUsize::new(0));
+    let counter = Arc::clone(&lookups);
+    let (dns, dns_task) = corral_worker::dns::testing::serve(move |name, qtype| {
+        let ip = |s: &str| vec![s.parse::<IpAddr>().unwrap()];
+        match (name, qtype) {
+            ("pkg.test" | "other.test" | "sub.test", 1) => ip(UPSTREAM_IP),
+            ("internal.test", 1) => ip("10.20.30.40"),
+            ("meta.test", 1) => ip("169.254.169.254"),
+            ("rebind.test", 1) => {
+                if counter.fetch_add(1, Ordering::SeqCst) == 0 {
+                    ip(UPSTREAM_IP)
+                } else {
+                    ip("169.254.169.254")
+                }
+            }
+            _ => vec![],
+        }
+    })
+    .await?;
+    let files = tempfile::tempdir()?;
+    git_repo(files.path())?;
+    let pki = pki(&["pkg.test", "other.test"])?;
+    let up = Upstream::start(UPSTREAM_IP, files.path(), &pki).await?;
+    let state = tempfile::tempdir()?;
+    let metrics_port = free_port()?;
+    let args = vec![
+        "--allow-image".to_string(),
+        "corral-debian:latest".into(),
+        "--allow-egress".into(),
+        "*".into(),
+        "--egress-allow-internal".into(),
+        "127.0.0.0/8".into(),
+        "--egress-resolver".into(),
+        dns.to_string(),
+        "--metrics-listen".into(),
+        format!("127.0.0.1:{metrics_port}"),
+    ];
+    let worker = spawn(state.path(), &unique_id("eg"), free_port()?, &args)?;
+    let client = worker.client().await?;
+    Ok(Net {
+        worker,
+        client,
+        metrics_port,
+        up,
+        pki,
+        args,
+        _dns: dns_task,
+        _dirs: (files, state),
+    })
+}
+
+fn spawn(state: &std::path::Path, id: &str, port: u16, args: &[String]) -> Result<WorkerProcess> {
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    WorkerProcess::spawn(state, id, port, &[], &args)
+}
+
+/// A bare repository served over git's dumb HTTP: `repo.git` with one
+/// commit holding `README`.
+fn git_repo(root: &std::path::Path) -> Result<()> {
+    let work = root.join("work");
+    std::fs::create_dir(&work)?;
+    std::fs::write(work.join("README"), "served through the worker\n")?;
+    let git = |dir: &std::path::Path, args: &[&str]| -> Result<()> {
+        let out = std::process::Command::new("git")
+            .arg("-C")
+            .arg(dir)
+            .args(args)
+            .env("GIT_CONFIG_NOSYSTEM", "1")
+            .env("HOME", root)
+            .env("GIT_AUTHOR_NAME", "t")
+            .env("GIT_AUTHOR_EMAIL", "t@t")
+            .env("GIT_COMMITTER_NAME", "t")
+            .env("GIT_COMMITTER_EMAIL", "t@t")
+            .output()?;
+        if !out.status.success() {
+            bail!("git {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        }
+        Ok(())
+    };
+    git(&work, &["init", "-q"])?;
+    git(&work, &["add", "README"])?;
+    git(&work, &["commit", "-qm", "one"])?;
+    git(
+        root,
+        &["clone", "-q", "--bare", "work", "repo.git"],
+    )?;
+    git(&root.join("repo.git"), &["update-server-info"])?;
+    Ok(())
+}
+
+impl Net {
+    /// SIGKILL, and the same worker again (state, id, port, flags).
+    async fn restart(&mut self) -> Result<()> {
+        self.worker.kill9();
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let (state, id, port) = (
+            self.worker.state_dir.clone(),
+            self.worker.worker_id.clone(),
+            self.worker.port,
+        );
+        let fresh = spawn(&state, &id, port, &self.args)?;
+        // The old one's drop removes the worker's containers: forgotten,
+        // its process is gone already.
+        std::mem::forget(std::mem::replace(&mut self.worker, fresh));
+        self.client = self.worker.client().await?;
+        Ok(())
+    }
+
+    fn rules(&self, rules: &[String]) -> Vec<Rule> {
+        corral_proto::egress::parse_rules(rules, false).unwrap()
+    }
+
+    /// A Debian sandbox with `rules`, the CA and the probe in its workspace.
+    async fn sandbox(&self, rules: &[String]) -> Result<SandboxId> {
+        let id = SandboxId::new(unique_id("sb"))?;
+        let spec = SandboxSpec {
+            image: Some("corral-debian:latest".into()),
+            egress: self.rules(rules),
+            env: [
+                ("SSL_CERT_FILE", "/workspace/ca.pem"),
+                ("GIT_SSL_CAINFO", "/workspace/ca.pem"),
+                ("CURL_CA_BUNDLE", "/workspace/ca.pem"),
+            ]
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect(),
+            ..SandboxSpec::default()
+        };
+        self.client.create_sandbox(Some(&id), spec).await?;
+        self.write(&id, "/workspace/ca.pem", self.pki.ca_pem.as_bytes())
+            .await?;
+        self.write(&id, "/workspace/probe.py", PROBE.as_bytes())
+            .await?;
+        Ok(id)
+    }
+
+    async fn write(&self, sb: &SandboxId, path: &str, data: &[u8]) -> Result<()> {
+        let spec = OperationSpec::WriteFile(WriteFileSpec::new(
+            path,
+            bytes::Bytes::copy_from_slice(data),
+        ));
+        let op = corral_proto::OperationId::random();
+        let after = self.client.get_sandbox(sb).await?.last_seq;
+        self.client.submit(sb, &op, spec).await?;
+        let (_, r) = corral_e2e::collect(&self.client, sb, &op, after).await?;
+        if !r.outcome.is_success() {
+            bail!("writing {path}: {r:?}");
+        }
+        Ok(())
+    }
+
+    async fn sh(&self, sb: &SandboxId, cmd: &str) -> Result<String> {
+        run_shell(&self.client, sb, cmd).await
+    }
+
+    /// The probe's line for these arguments.
+    async fn probe(&self, sb: &SandboxId, args: &str) -> Result<String> {
+        Ok(self
+            .sh(sb, &format!("python3 /workspace/probe.py {args} 2>&1"))
+            .await?
+            .trim()
+            .to_string())
+    }
+
+    /// Every egress event of the sandbox so far: (host, port, decision,
+    /// reason).
+    async fn egress_events(&self, sb: &SandboxId) -> Result<Vec<(String, u16, EgressDecision, String)>> {
+        let last = self.client.get_sandbox(sb).await?.last_seq;
+        let mut stream = self.client.watch(sb, 0, None).await?;
+        let mut out = Vec::new();
+        while let Some(e) = tokio::time::timeout(Duration::from_secs(10), stream.next())
+            .await
+            .context("events")?
+        {
+            let e = e?;
+            if let EventKind::Egress(g) = &e.kind {
+                out.push((g.host.clone(), g.port, g.decision, g.reason.clone()));
+            }
+            if e.seq >= last {
+                break;
+            }
+        }
+        Ok(out)
+    }
+
+    async fn metric(&self, decision: &str, reason: &str) -> Result<f64> {
+        let text = scrape(self.metrics_port).await?;
+        Ok(sample(
+            &text,
+            &format!("corral_egress_connections_total{{decision=\"{decision}\",reason=\"{reason}\"}}"),
+        )
+        .unwrap_or(0.0))
+    }
+}
+
+#[tokio::test]
+async fn allowed_names_are_reached_over_http_and_https_by_python_git_and_curl() -> Result<()> {
+    let net = start().await?;
+    let (p, s) = (net.up.http.port(), net.up.https.port());
+    let sb = net
+        .sandbox(&[format!("pkg.test:{p}"), format!("pkg.test:{s}")])
+        .await?;
+    let py = |url: String| {
+        format!(
+            "python3 -c 'import urllib.request; print(urllib.request.urlopen(\"{url}\").read().decode().strip())' 2>&1"
+        )
+    };
+    assert_eq!(
+        net.sh(&sb, &py(format!("http://pkg.test:{p}/hello"))).await?.trim(),
+        "hello from upstream"
+    );
+    assert_eq!(
+        net.sh(&sb, &py(format!("https://pkg.test:{s}/hello"))).await?.trim(),
+        "hello from upstream"
+    );
+    for url in [
+        format!("http://pkg.test:{p}/hello"),
+        format!("https://pkg.test:{s}/hello"),
+    ] {
+        assert_eq!(
+            net.sh(&sb, &format!("curl -sS {url} 2>&1")).await?.trim(),
+            "hello from upstream",
+            "{url}"
+        );
+    }
+    for (n, url) in [
+        format!("http://pkg.test:{p}/repo.git"),
+        format!("https://pkg.test:{s}/repo.git"),
+    ]
+    .iter()
+    .enumerate()
+    {
+        let out = net
+            .sh(&sb, &format!("git clone -q {url} /workspace/c{n} 2>&1 && cat /workspace/c{n}/README"))
+            .await?;
+        assert_eq!(out.trim(), "served through the worker", "{url}: {out}");
+    }
+    // Each went through the worker, and says so.
+    let events = net.egress_events(&sb).await?;
+    assert!(
+        events
+            .iter()
+            .any(|(h, port, d, _)| h == "pkg.test" && *port == s && *d == EgressDecision::Allowed),
+        "{events:?}"
+    );
+    assert!(net.metric("allowed", "").await? >= 6.0);
+    Ok(())
+}
+
+#[tokio::test]
+async fn everything_else_is_refused_with_its_reason_in_the_answer_the_event_and_the_metric()
+-> Result<()> {
+    let net = start().await?;
+    let (p, s) = (net.up.http.port(), net.up.https.port());
+    let grpc = net.worker.port;
+    let m = net.metrics_port;
+    let sb = net
+        .sandbox(&[
+            format!("pkg.test:{p}"),
+            format!("pkg.test:{s}"),
+            format!("*.sub.test:{s}"),
+            format!("internal.test:{p}"),
+            format!("rebind.test:{p}"),
+            format!("meta.test:{p}"),
+            "169.254.169.254/32:80".into(),
+            format!("127.0.0.1/32:{grpc}"),
+            format!("127.0.0.1/32:{m}"),
+            format!("[::1/128]:{p}"),
+        ])
+        .await?;
+    // The tunnel asked for, with the right name, goes through.
+    assert_eq!(
+        net.probe(&sb, &format!("connect pkg.test:{s} pkg.test")).await?,
+        "status=200 egress=- tls=ok"
+    );
+    let refused = [
+        (format!("connect other.test:{s}"), "not_allowed"),
+        (format!("connect pkg.test:{}", s.wrapping_add(1).max(1)), "port"),
+        (format!("connect sub.test:{s}"), "not_allowed"),
+        (format!("connect {UPSTREAM_IP}:{s}"), "not_allowed"),
+        (format!("connect internal.test:{p}"), "internal_address"),
+        (format!("connect meta.test:{p}"), "internal_address"),
+        ("connect 169.254.169.254:80".to_string(), "internal_address"),
+        (format!("connect 127.0.0.1:{grpc}"), "internal_address"),
+        (format!("connect 127.0.0.1:{m}"), "internal_address"),
+        (format!("connect [::1]:{p}"), "internal_address"),
+        (
+            format!("get http://pkg.test:{p}/hello other.test"),
+            "host_mismatch",
+        ),
+    ];
+    for (args, reason) in &refused {
+        assert_eq!(
+            net.probe(&sb, args).await?,
+            format!("status=403 egress=blocked; reason={reason} tls=-"),
+            "{args}"
+        );
+    }
+    // A name whose answer turns internal between two lookups: the second
+    // connection is refused, never made.
+    assert_eq!(
+        net.probe(&sb, &format!("get http://rebind.test:{p}/hello rebind.test:{p}"))
+            .await?,
+        "status=200 egress=- tls=-"
+    );
+    assert_eq!(
+        net.probe(&sb, &format!("get http://rebind.test:{p}/hello rebind.test:{p}"))
+            .await?,
+        "status=403 egress=blocked; reason=internal_address tls=-"
+    );
+    // A tunnel whose TLS names another host: let in, then closed.
+    assert_eq!(
+        net.probe(&sb, &format!("connect pkg.test:{s} other.test")).await?,
+        "status=200 egress=- tls=closed"
+    );
+    // No way around the proxy: no resolver, no route, no proxy variables.
+    let around = net
+        .sh(
+            &sb,
+            &format!(
+                "getent hosts pkg.test >/dev/null && echo resolved; \
+                 python3 -c 'import socket; socket.create_connection((\"192.0.2.1\", 80), timeout=5)' 2>/dev/null && echo raw; \
+                 python3 -c 'import socket; socket.create_connection((\"{UPSTREAM_IP}\", {p}), timeout=5)' 2>/dev/null && echo upstream; \
+                 env -u HTTP_PROXY -u http_proxy -u HTTPS_PROXY -u https_proxy curl -sS -m 5 http://pkg.test:{p}/hello >/dev/null 2>&1 && echo direct; \
+                 python3 -c 'import socket; s=socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.sendto(b\"x\", (\"192.0.2.53\", 53))' 2>/dev/null && echo udp; \
+                 echo done"
+            ),
+        )
+        .await?;
+    assert_eq!(around.trim(), "done", "{around}");
+    // Every refusal is on the sandbox's event stream and in the metrics.
+    let events = net.egress_events(&sb).await?;
+    for reason in [
+        "not_allowed",
+        "port",
+        "internal_address",
+        "host_mismatch",
+        "sni_mismatch",
+    ] {
+        assert!(
+            events
+                .iter()
+                .any(|(_, _, d, r)| *d == EgressDecision::Blocked && r == reason),
+            "{reason}: {events:?}"
+        );
+        assert!(net.metric("blocked", reason).await? >= 1.0, "{reason}");
+    }
+    assert!(
+        events.iter().any(|(h, port, d, r)| h == "meta.test"
+            && *port == p
+            && *d == EgressDecision::Blocked
+            && r == "internal_address"),
+        "{events:?}"
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_name_nobody_resolves_is_refused_as_such() -> Result<()> {
+    let net = start().await?;
+    let p = net.up.http.port();
+    let sb = net.sandbox(&[format!("gone.test:{p}")]).await?;
+    assert_eq!(
+        net.probe(&sb, &format!("connect gone.test:{p}")).await?,
+        "status=403 egress=blocked; reason=resolve_failed tls=-"
+    );
+    assert!(net.metric("blocked", "resolve_failed").await? >= 1.0);
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_replaced_policy_applies_at_once_and_cuts_what_it_no_longer_allows() -> Result<()> {
+    let mut net = start().await?;
+    let (p, s) = (net.up.http.port(), net.up.https.port());
+    let sb = net.sandbox(&[format!("pkg.test:{p}")]).await?;
+    // A download that never ends, in the background.
+    let op = corral_proto::OperationId::random();
+    let mut shell = corral_proto::ShellSpec::new(format!(
+        "curl -sS http://pkg.test:{p}/stream > /dev/null; echo \"curl ended $?\""
+    ));
+    shell.timeout_ms = Some(120_000);
+    let after = net.client.get_sandbox(&sb).await?.last_seq;
+    net.client
+        .submit(&sb, &op, OperationSpec::Shell(shell))
+        .await?;
+    // Under way: the sandbox reports the connection allowed.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !net
+        .egress_events(&sb)
+        .await?
+        .iter()
+        .any(|e| e.2 == EgressDecision::Allowed)
+    {
+        if Instant::now() > deadline {
+            bail!("the download never started");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    // Replaced by the CLI: only the HTTPS port now.
+    let asked = Instant::now();
+    let out = tokio::process::Command::new(binary("corral")?)
+        .args(["--worker", &net.worker.url, "sandbox", "egress", sb.as_str()])
+        .arg(format!("pkg.test:{s}"))
+        .env("CORRAL_TOKEN_FILE", net.worker.token_file())
+        .env_remove("CORRAL_WORKER")
+        .output()
+        .await?;
+    let answered = Instant::now();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        format!("{sb}: egress pkg.test:{s}")
+    );
+    let cut = tokio::time::timeout(Duration::from_secs(10), net.up.cuts.recv())
+        .await
+        .context("the download was never cut")?
+        .context("no cut")?;
+    // Measured from the answer of the call (the CLI's start-up is not the
+    // worker's doing); the server sees the cut on its next write.
+    let after_answer = cut.saturating_duration_since(answered);
+    eprintln!(
+        "cut {:?} after the call was answered ({:?} after it was asked)",
+        after_answer,
+        cut.saturating_duration_since(asked)
+    );
+    assert!(
+        after_answer < Duration::from_millis(100),
+        "cut {after_answer:?} after the policy changed"
+    );
+    let (_, r) = corral_e2e::collect(&net.client, &sb, &op, after).await?;
+    assert!(r.outcome.is_success(), "{r:?}");
+    // New connections follow the new policy at once.
+    assert_eq!(
+        net.probe(&sb, &format!("connect pkg.test:{p}")).await?,
+        "status=403 egress=blocked; reason=port tls=-"
+    );
+    assert_eq!(
+        net.probe(&sb, &format!("connect pkg.test:{s} pkg.test")).await?,
+        "status=200 egress=- tls=ok"
+    );
+    let events = net.egress_events(&sb).await?;
+    assert!(
+        events
+            .iter()
+            .any(|(h, port, d, r)| h == "pkg.test" && *port == p && *d == EgressDecision::Closed && r == "port"),
+        "{events:?}"
+    );
+    assert!(net.metric("closed", "port").await? >= 1.0);
+    // A worker killed and started again keeps the new policy and serves
+    // it on the same socket path.
+    net.restart().await?;
+    assert_eq!(
+        net.probe(&sb, &format!("connect pkg.test:{s} pkg.test")).await?,
+        "status=200 egress=- tls=ok"
+    );
+    assert_eq!(
+        net.probe(&sb, &format!("connect pkg.test:{p}")).await?,
+        "status=403 egress=blocked; reason=port tls=-"
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn what_the_worker_does_not_allow_is_refused_naming_the_flag() -> Result<()> {
+    let state = tempfile::tempdir()?;
+    let worker = WorkerProcess::spawn(
+        state.path(),
+        &unique_id("eg"),
+        free_port()?,
+        &[],
+        &["--allow-egress", "*.pypi.org,files.pythonhosted.org"],
+    )?;
+    let client = worker.client().await?;
+    let ask = |rules: &[&str]| SandboxSpec {
+        egress: corral_proto::egress::parse_rules(rules, false).unwrap(),
+        ..SandboxSpec::default()
+    };
+    for rules in [&["pypi.org"][..], &["github.com"], &["*.pypi.org:22"]] {
+        let e = client
+            .create_sandbox(None, ask(rules))
+            .await
+            .expect_err("beyond the bound");
+        assert_eq!(e.reason(), Some(Reason::PolicyDenied), "{e}");
+        assert_eq!(e.flag().as_deref(), Some("--allow-egress"), "{e}");
+        assert!(e.to_string().contains("--allow-egress"), "{e}");
+    }
+    // Within it: made, and shown with its rules.
+    let sb = client
+        .create_sandbox(None, ask(&["files.pypi.org", "files.pythonhosted.org:443"]))
+        .await?;
+    assert_eq!(sb.spec.egress.len(), 2);
+    // A replacement is bounded as a create is.
+    let e = client
+        .set_sandbox_egress(&sb.id, &corral_proto::egress::parse_rules(&["evil.test"], false)?)
+        .await
+        .expect_err("beyond the bound");
+    assert_eq!(e.flag().as_deref(), Some("--allow-egress"), "{e}");
+    // A sandbox made without egress has no proxy to change.
+    let plain = client.create_sandbox(None, SandboxSpec::default()).await?;
+    let e = client
+        .set_sandbox_egress(&plain.id, &[])
+        .await
+        .expect_err("no proxy");
+    assert_eq!(e.reason(), Some(Reason::InvalidArgument), "{e}");
+    // Egress is for a sandbox without a network; `*` is a worker's word.
+    let mut bridged = ask(&["files.pypi.org"]);
+    bridged.network = corral_proto::NetworkMode::Bridge;
+    assert!(client.create_sandbox(None, bridged).await.is_err());
+    let raw = corral_proto::pb::SandboxSpec {
+        egress: vec!["*".into()],
+        ..Default::default()
+    };
+    assert!(corral_proto::SandboxSpec::try_from(raw).is_err());
+    for sb in client.list_sandboxes().await? {
+        client.destroy_sandbox(&sb.id).await?;
+    }
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_hostile_sandbox_harms_neither_the_worker_nor_its_neighbour() -> Result<()> {
+    let net = start().await?;
+    let p = net.up.http.port();
+    let hostile = net.sandbox(&[format!("pkg.test:{p}")]).await?;
+    let neighbour = net.sandbox(&[format!("pkg.test:{p}")]).await?;
+    // A thousand connections at once, held open; a CONNECT line that never
+    // ends; a megabyte of headers.
+    let flood = format!(
+        r#"
+import socket, time
+slow = socket.create_connection(("127.0.0.1", 3128), timeout=30)
+slow.sendall(b"CONNECT pkg.te")
+big = socket.create_connection(("127.0.0.1", 3128), timeout=30)
+try:
+    big.sendall(b"GET http://pkg.test:{p}/hello HTTP/1.1\r\n" + b"X-A: " + b"a" * (1 << 20) + b"\r\n\r\n")
+except OSError:
+    pass
+answer = b""
+try:
+    while b"\r\n\r\n" not in answer:
+        chunk = big.recv(4096)
+        if not chunk:
+            break
+        answer += chunk
+except OSError:
+    pass
+held = []
+for i in range(1000):
+    try:
+        s = socket.create_connection(("127.0.0.1", 3128), timeout=5)
+        held.append(s)
+    except OSError as e:
+        pass
+print("held", len(held))
+print("big", answer.split(b"\r\n")[0].decode(), [l.decode() for l in answer.split(b"\r\n") if l.lower().startswith(b"x-corral-egress")])
+open("/workspace/flood-ready", "w").close()
+import os
+for _ in range(600):
+    if os.path.exists("/workspace/flood-stop"):
+        break
+    time.sleep(0.1)
+"#
+    );
+    net.write(&hostile, "/workspace/flood.py", flood.as_bytes())
+        .await?;
+    let op = corral_proto::OperationId::random();
+    let after = net.client.get_sandbox(&hostile).await?.last_seq;
+    net.client
+        .submit(
+            &hostile,
+            &op,
+            OperationSpec::Shell(corral_proto::ShellSpec::new("python3 /workspace/flood.py")),
+        )
+        .await?;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while net.sh(&hostile, "test -e /workspace/flood-ready && echo y").await?.trim() != "y" {
+        if Instant::now() > deadline {
+            bail!("the flood never got going");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // While the flood holds its connections: the neighbour reaches its
+    // host, the worker answers, the hostile sandbox's own commands run.
+    let hello = net
+        .sh(&neighbour, &format!("curl -sS -m 10 http://pkg.test:{p}/hello 2>&1"))
+        .await?;
+    assert_eq!(hello.trim(), "hello from upstream");
+    assert_eq!(net.sh(&hostile, "echo alive").await?.trim(), "alive");
+    net.client.list_sandboxes().await?;
+    net.sh(&hostile, "touch /workspace/flood-stop").await?;
+    let (events, r) = corral_e2e::collect(&net.client, &hostile, &op, after).await?;
+    assert!(r.outcome.is_success(), "{r:?}");
+    let out = String::from_utf8_lossy(&corral_e2e::stdout_of(&events)).into_owned();
+    assert!(out.contains("held 1000"), "{out}");
+    assert!(
+        out.contains("big HTTP/1.1 400 Bad Request ['X-Corral-Egress: blocked; reason=bad_request']"),
+        "{out}"
+    );
+    // The bound refused what was over it, and said so.
+    assert!(net.metric("blocked", "too_many_connections").await? >= 1.0);
+    assert!(net.metric("blocked", "bad_request").await? >= 1.0);
+    // Once the flood is gone, the hostile sandbox is served again.
+    assert_eq!(
+        net.sh(&hostile, &format!("curl -sS -m 10 http://pkg.test:{p}/hello 2>&1"))
+            .await?
+            .trim(),
+        "hello from upstream"
+    );
+    Ok(())
+}
