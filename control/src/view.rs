@@ -222,6 +222,18 @@ impl TerminalView {
                 writeln!(err, "{}", result_line(tool, status, *exit_code, took, text))?;
             }
             Event::Heartbeat { .. } => writeln!(err, "♥ heartbeat sent to the model")?,
+            // Refusals are news; what was allowed is in --json.
+            Event::Egress {
+                host,
+                port,
+                decision,
+                reason,
+            } if decision != "allowed" => writeln!(
+                err,
+                "⛔ egress {decision}: {}:{port} ({reason})",
+                printable(host)
+            )?,
+            Event::Egress { .. } => {}
             Event::ModelFailed { error, .. } => {
                 writeln!(err, "model failed: {}", printable(error))?
             }

@@ -35,8 +35,10 @@ pub fn pki(names: &[&str]) -> Result<Pki> {
     let key = KeyPair::generate()?;
     let mut leaf = CertificateParams::new(names.iter().map(|n| n.to_string()).collect::<Vec<_>>())?;
     leaf.distinguished_name = DistinguishedName::new();
-    leaf.distinguished_name
-        .push(DnType::CommonName, names.first().copied().unwrap_or("upstream"));
+    leaf.distinguished_name.push(
+        DnType::CommonName,
+        names.first().copied().unwrap_or("upstream"),
+    );
     let cert = leaf.signed_by(&key, &ca)?;
     Ok(Pki {
         ca_pem: ca.pem(),
@@ -68,9 +70,8 @@ impl Upstream {
         let _ = tokio_rustls::rustls::crypto::ring::default_provider().install_default();
         use tokio_rustls::rustls::pki_types::pem::PemObject;
         use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer};
-        let certs = vec![
-            CertificateDer::from_pem_slice(pki.cert_pem.as_bytes()).context("certificate")?,
-        ];
+        let certs =
+            vec![CertificateDer::from_pem_slice(pki.cert_pem.as_bytes()).context("certificate")?];
         let key = PrivateKeyDer::from_pem_slice(pki.key_pem.as_bytes()).context("key")?;
         let config = tokio_rustls::rustls::ServerConfig::builder()
             .with_no_client_auth()
@@ -107,7 +108,11 @@ impl Upstream {
     }
 }
 
-async fn serve<S: AsyncRead + AsyncWrite + Unpin>(mut s: S, root: &Path, cuts: &mpsc::Sender<Instant>) {
+async fn serve<S: AsyncRead + AsyncWrite + Unpin>(
+    mut s: S,
+    root: &Path,
+    cuts: &mpsc::Sender<Instant>,
+) {
     let mut buf = Vec::new();
     let mut chunk = [0u8; 4096];
     while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
@@ -132,7 +137,10 @@ async fn serve<S: AsyncRead + AsyncWrite + Unpin>(mut s: S, root: &Path, cuts: &
         let body = b"hello from upstream\n";
         let _ = s.write_all(reply("200 OK", body.len()).as_bytes()).await;
         let _ = s.write_all(body).await;
-    } else if let Some(n) = path.strip_prefix("/bytes/").and_then(|n| n.parse::<usize>().ok()) {
+    } else if let Some(n) = path
+        .strip_prefix("/bytes/")
+        .and_then(|n| n.parse::<usize>().ok())
+    {
         let _ = s.write_all(reply("200 OK", n).as_bytes()).await;
         let block = vec![b'x'; 256 * 1024];
         let mut left = n;

@@ -49,6 +49,7 @@ pub fn session_config(model: &str, sandbox: SandboxId) -> corral_harness::agent:
         worker_id: None,
         on_sandbox_lost: Default::default(),
         generation: 0,
+        egress: Vec::new(),
     }
 }
 

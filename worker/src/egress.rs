@@ -497,6 +497,45 @@ pub fn too_many() -> &'static [u8] {
     b"HTTP/1.1 429 Too Many Requests\r\nX-Corral-Egress: blocked; reason=too_many_connections\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
 }
 
+/// A connection refused: why, and the answer it is owed (a 403 that says
+/// why; nothing for a tunnel already let in, or a client that sent no
+/// whole head), given by [`Refused::answer`] once the refusal is reported.
+pub struct Refused<S> {
+    pub outcome: Outcome,
+    client: S,
+    answer: bool,
+}
+
+impl<S: tokio::io::AsyncWrite + Unpin> Refused<S> {
+    fn answered(client: S, outcome: Outcome) -> Self {
+        Self {
+            outcome,
+            client,
+            answer: true,
+        }
+    }
+
+    fn closed(client: S, outcome: Outcome) -> Self {
+        Self {
+            outcome,
+            client,
+            answer: false,
+        }
+    }
+
+    /// Says why to the client (when it is owed an answer), and closes.
+    pub async fn answer(mut self) -> Outcome {
+        use tokio::io::AsyncWriteExt;
+        if self.answer
+            && let Some(reason) = self.outcome.blocked
+        {
+            let _ = self.client.write_all(&refusal(reason)).await;
+            let _ = self.client.shutdown().await;
+        }
+        self.outcome
+    }
+}
+
 /// A connection let through, upstream connected, its first bytes sent.
 pub struct Admitted<S> {
     client: S,
@@ -520,7 +559,7 @@ pub async fn admit<S>(
     mut client: S,
     policy: &mut tokio::sync::watch::Receiver<std::sync::Arc<Vec<Rule>>>,
     gate: &Gate,
-) -> Result<Admitted<S>, Outcome>
+) -> Result<Admitted<S>, Refused<S>>
 where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
 {
@@ -535,8 +574,7 @@ where
             Ok(None) => {}
             Err(_) => {
                 out.blocked = Some(Blocked::BadRequest);
-                let _ = client.write_all(&refusal(Blocked::BadRequest)).await;
-                return Err(out);
+                return Err(Refused::answered(client, out));
             }
         }
         let mut chunk = [0u8; 2048];
@@ -544,7 +582,7 @@ where
             Ok(Ok(n)) if n > 0 => n,
             _ => {
                 out.blocked = Some(Blocked::BadRequest);
-                return Err(out);
+                return Err(Refused::closed(client, out));
             }
         };
         buf.extend_from_slice(&chunk[..n]);
@@ -571,8 +609,7 @@ where
             out.port = *port;
             if given.is_some_and(|h| h != wanted && h != host.as_str()) {
                 out.blocked = Some(Blocked::HostMismatch);
-                let _ = client.write_all(&refusal(Blocked::HostMismatch)).await;
-                return Err(out);
+                return Err(Refused::answered(client, out));
             }
             // The request as the server takes it: origin form, the rest of
             // the head as sent (its Host header is the URL's).
@@ -594,8 +631,7 @@ where
         Ok(a) => a,
         Err(reason) => {
             out.blocked = Some(reason);
-            let _ = client.write_all(&refusal(reason)).await;
-            return Err(out);
+            return Err(Refused::answered(client, out));
         }
     };
     if matches!(head, Head::Connect { .. }) {
@@ -605,7 +641,7 @@ where
             .is_err()
         {
             out.blocked = Some(Blocked::BadRequest);
-            return Err(out);
+            return Err(Refused::closed(client, out));
         }
         // A TLS tunnel names its server: it must be the host asked for,
         // before a byte goes upstream.
@@ -618,7 +654,7 @@ where
                         Ok(Ok(n)) if n > 0 => first.extend_from_slice(&chunk[..n]),
                         _ => {
                             out.blocked = Some(Blocked::BadRequest);
-                            return Err(out);
+                            return Err(Refused::closed(client, out));
                         }
                     }
                 }
@@ -631,7 +667,7 @@ where
                     // No name, another name, or a hello past its bound: the
                     // tunnel is closed (its 200 is sent; TLS then fails).
                     out.blocked = Some(Blocked::SniMismatch);
-                    return Err(out);
+                    return Err(Refused::closed(client, out));
                 }
             }
         }
@@ -640,15 +676,17 @@ where
         Ok(c) => c,
         Err(reason) => {
             out.blocked = Some(reason);
-            if !matches!(head, Head::Connect { .. }) {
-                let _ = client.write_all(&refusal(reason)).await;
-            }
-            return Err(out);
+            // A tunnel has its 200 already: it is closed.
+            return Err(if matches!(head, Head::Connect { .. }) {
+                Refused::closed(client, out)
+            } else {
+                Refused::answered(client, out)
+            });
         }
     };
     if upstream.write_all(&first).await.is_err() {
         out.blocked = Some(Blocked::Unreachable);
-        return Err(out);
+        return Err(Refused::closed(client, out));
     }
     out.bytes_out += first.len() as u64;
     Ok(Admitted {
@@ -763,7 +801,7 @@ where
 {
     match admit(client, &mut policy, gate).await {
         Ok(a) => relay(a, policy).await,
-        Err(out) => out,
+        Err(refused) => refused.answer().await,
     }
 }
 
@@ -1133,6 +1171,8 @@ mod tests {
         let (o, back) = exchange(&req, p.clone()).await;
         assert_eq!(o.blocked, Some(Blocked::SniMismatch));
         assert!(!String::from_utf8_lossy(&back).contains("server hello"));
+        // Decided before any connection: the server never heard of it.
+        assert!(got.try_recv().is_err());
         // No name at all.
         let mut req = format!("CONNECT localhost:{port} HTTP/1.1\r\n\r\n").into_bytes();
         req.extend_from_slice(&hello(&[]));

@@ -11,9 +11,9 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
+use corral_proto::SandboxId;
 use corral_proto::egress::Rule;
 use corral_proto::event::{Egress, EgressDecision};
-use corral_proto::SandboxId;
 use tokio::net::UnixListener;
 use tokio::sync::{Semaphore, mpsc, watch};
 use tokio_util::sync::CancellationToken;
@@ -171,9 +171,13 @@ async fn one(
         }
     };
     match admit(stream, &mut policy, &settings.gate).await {
-        Err(out) => {
+        Err(refused) => {
+            // Reported before the client hears of it: the sandbox's event
+            // comes before whatever its command does next.
+            let out = &refused.outcome;
             let e = report(&out.host, out.port, EgressDecision::Blocked, out.blocked);
             let _ = reports.send(e).await;
+            refused.answer().await;
         }
         Ok(admitted) => {
             let (host, port) = (admitted.outcome().host.clone(), admitted.outcome().port);

@@ -53,6 +53,7 @@ fn config(turns: u64) -> SessionConfig {
         worker_id: None,
         on_sandbox_lost: Default::default(),
         generation: 0,
+        egress: Vec::new(),
     }
 }
 

@@ -139,6 +139,19 @@ pub struct SessionRequest {
     pub on_sandbox_lost: Option<OnSandboxLost>,
     #[serde(default)]
     pub limits: Limits,
+    /// The sandbox's network: `{"egress": ["pypi.org", ...]}`.
+    #[serde(default)]
+    pub network: Option<NetworkRequest>,
+}
+
+/// What a new session's sandbox may reach.
+#[derive(Debug, Default, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct NetworkRequest {
+    /// Egress rules (see `corral sandbox create --egress`), within the
+    /// worker's `--allow-egress`.
+    #[serde(default)]
+    pub egress: Vec<String>,
 }
 
 #[derive(Debug, Clone, Deserialize, PartialEq)]
@@ -376,6 +389,8 @@ impl Sessions {
         }
         let config = new_config(&opts, id, endpoint, &skills);
         check_tool_choice(&config)?;
+        corral_proto::egress::parse_rules(&config.egress, false)
+            .map_err(|e| SessionError::Invalid(format!("network.egress: {e}")))?;
         if self.exists(id)? {
             return Err(LogError::AlreadyExists(id.into()).into());
         }
@@ -943,6 +958,13 @@ fn sandbox_spec(config: &SessionConfig) -> SandboxSpec {
     SandboxSpec {
         image: config.image.clone(),
         idle_timeout_ms: Some(SANDBOX_IDLE_TIMEOUT.as_millis() as u64),
+        // Checked when the session was made; a rule this build cannot read
+        // (a log from elsewhere) is left out: narrower, never wider.
+        egress: config
+            .egress
+            .iter()
+            .filter_map(|r| r.parse().ok())
+            .collect(),
         ..SandboxSpec::default()
     }
 }
@@ -1001,6 +1023,11 @@ fn new_config(opts: &RunOptions, id: &str, endpoint: Endpoint, skills: &[Skill])
             .or(req.on_sandbox_lost)
             .unwrap_or_default(),
         generation: 0,
+        egress: req
+            .network
+            .as_ref()
+            .map(|n| n.egress.clone())
+            .unwrap_or_default(),
     }
 }
 
@@ -1128,6 +1155,7 @@ async fn launch<W: WorkerApi>(
         .unwrap_or(crate::follow::DEFAULT_PATIENCE);
     let (manager, mut updates) = Manager::start_with(worker, config.sandbox_id.clone(), patience);
     let mut lost = manager.lost();
+    let mut egress = manager.egress();
     if let Err(e) = upload(&manager, &mut updates, files).await {
         manager.shutdown().await;
         return Err(e);
@@ -1178,6 +1206,20 @@ async fn launch<W: WorkerApi>(
                         _ => break run.await,
                     }
                 }
+                e = egress.recv() => match (e, inbox.upgrade()) {
+                    (Ok(e), Some(tx)) => {
+                        tokio::select! {
+                            summary = &mut run => break summary,
+                            _ = tx.send(crate::agent::Inbox::Egress(e)) => {}
+                        }
+                    }
+                    (Err(tokio::sync::broadcast::error::RecvError::Lagged(n)), _) => {
+                        tracing::warn!(missed = n, "egress decisions were not recorded (too many at once)");
+                    }
+                    // The manager is gone, or the run's inbox: the run
+                    // ends on its own.
+                    _ => break run.await,
+                },
             }
         };
         // The coordinator is gone: its manager stops (operations keep

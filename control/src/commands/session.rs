@@ -323,6 +323,14 @@ fn describe(rec: &Record) -> String {
             "{sandbox_id} (generation {generation}) on {}",
             worker.as_deref().unwrap_or("the local worker")
         ),
+        Record::Egress {
+            host,
+            port,
+            decision,
+            reason,
+        } => format!("{decision} {host}:{port} {reason}")
+            .trim_end()
+            .to_string(),
         Record::Finished { ending } => format!("{ending:?}"),
     };
     format!("{:<13} {detail}", rec.kind())

@@ -92,7 +92,7 @@ async fn start() -> Result<Net> {
     let lookups = Arc::new(AtomicUsize::new(0));
     let counter = Arc::clone(&lookups);
     let (dns, dns_task) = corral_worker::dns::testing::serve(move |name, qtype| {
-        let ip = |s: &str| vec![s.parse::<IpAddr>().unwrap()];
+        let ip = |s: &str| s.parse::<IpAddr>().into_iter().collect::<Vec<_>>();
         match (name, qtype) {
             ("pkg.test" | "other.test" | "sub.test", 1) => ip(UPSTREAM_IP),
             ("internal.test", 1) => ip("10.20.30.40"),
@@ -171,10 +171,7 @@ fn git_repo(root: &std::path::Path) -> Result<()> {
     git(&work, &["init", "-q"])?;
     git(&work, &["add", "README"])?;
     git(&work, &["commit", "-qm", "one"])?;
-    git(
-        root,
-        &["clone", "-q", "--bare", "work", "repo.git"],
-    )?;
+    git(root, &["clone", "-q", "--bare", "work", "repo.git"])?;
     git(&root.join("repo.git"), &["update-server-info"])?;
     Ok(())
 }
@@ -197,8 +194,8 @@ impl Net {
         Ok(())
     }
 
-    fn rules(&self, rules: &[String]) -> Vec<Rule> {
-        corral_proto::egress::parse_rules(rules, false).unwrap()
+    fn rules(&self, rules: &[String]) -> Result<Vec<Rule>> {
+        Ok(corral_proto::egress::parse_rules(rules, false)?)
     }
 
     /// A Debian sandbox with `rules`, the CA and the probe in its workspace.
@@ -206,7 +203,7 @@ impl Net {
         let id = SandboxId::new(unique_id("sb"))?;
         let spec = SandboxSpec {
             image: Some("corral-debian:latest".into()),
-            egress: self.rules(rules),
+            egress: self.rules(rules)?,
             env: [
                 ("SSL_CERT_FILE", "/workspace/ca.pem"),
                 ("GIT_SSL_CAINFO", "/workspace/ca.pem"),
@@ -255,7 +252,10 @@ impl Net {
 
     /// Every egress event of the sandbox so far: (host, port, decision,
     /// reason).
-    async fn egress_events(&self, sb: &SandboxId) -> Result<Vec<(String, u16, EgressDecision, String)>> {
+    async fn egress_events(
+        &self,
+        sb: &SandboxId,
+    ) -> Result<Vec<(String, u16, EgressDecision, String)>> {
         let last = self.client.get_sandbox(sb).await?.last_seq;
         let mut stream = self.client.watch(sb, 0, None).await?;
         let mut out = Vec::new();
@@ -278,7 +278,9 @@ impl Net {
         let text = scrape(self.metrics_port).await?;
         Ok(sample(
             &text,
-            &format!("corral_egress_connections_total{{decision=\"{decision}\",reason=\"{reason}\"}}"),
+            &format!(
+                "corral_egress_connections_total{{decision=\"{decision}\",reason=\"{reason}\"}}"
+            ),
         )
         .unwrap_or(0.0))
     }
@@ -297,11 +299,15 @@ async fn allowed_names_are_reached_over_http_and_https_by_python_git_and_curl() 
         )
     };
     assert_eq!(
-        net.sh(&sb, &py(format!("http://pkg.test:{p}/hello"))).await?.trim(),
+        net.sh(&sb, &py(format!("http://pkg.test:{p}/hello")))
+            .await?
+            .trim(),
         "hello from upstream"
     );
     assert_eq!(
-        net.sh(&sb, &py(format!("https://pkg.test:{s}/hello"))).await?.trim(),
+        net.sh(&sb, &py(format!("https://pkg.test:{s}/hello")))
+            .await?
+            .trim(),
         "hello from upstream"
     );
     for url in [
@@ -322,7 +328,10 @@ async fn allowed_names_are_reached_over_http_and_https_by_python_git_and_curl() 
     .enumerate()
     {
         let out = net
-            .sh(&sb, &format!("git clone -q {url} /workspace/c{n} 2>&1 && cat /workspace/c{n}/README"))
+            .sh(
+                &sb,
+                &format!("git clone -q {url} /workspace/c{n} 2>&1 && cat /workspace/c{n}/README"),
+            )
             .await?;
         assert_eq!(out.trim(), "served through the worker", "{url}: {out}");
     }
@@ -361,12 +370,16 @@ async fn everything_else_is_refused_with_its_reason_in_the_answer_the_event_and_
         .await?;
     // The tunnel asked for, with the right name, goes through.
     assert_eq!(
-        net.probe(&sb, &format!("connect pkg.test:{s} pkg.test")).await?,
+        net.probe(&sb, &format!("connect pkg.test:{s} pkg.test"))
+            .await?,
         "status=200 egress=- tls=ok"
     );
     let refused = [
         (format!("connect other.test:{s}"), "not_allowed"),
-        (format!("connect pkg.test:{}", s.wrapping_add(1).max(1)), "port"),
+        (
+            format!("connect pkg.test:{}", s.wrapping_add(1).max(1)),
+            "port",
+        ),
         (format!("connect sub.test:{s}"), "not_allowed"),
         (format!("connect {UPSTREAM_IP}:{s}"), "not_allowed"),
         (format!("connect internal.test:{p}"), "internal_address"),
@@ -390,18 +403,25 @@ async fn everything_else_is_refused_with_its_reason_in_the_answer_the_event_and_
     // A name whose answer turns internal between two lookups: the second
     // connection is refused, never made.
     assert_eq!(
-        net.probe(&sb, &format!("get http://rebind.test:{p}/hello rebind.test:{p}"))
-            .await?,
+        net.probe(
+            &sb,
+            &format!("get http://rebind.test:{p}/hello rebind.test:{p}")
+        )
+        .await?,
         "status=200 egress=- tls=-"
     );
     assert_eq!(
-        net.probe(&sb, &format!("get http://rebind.test:{p}/hello rebind.test:{p}"))
-            .await?,
+        net.probe(
+            &sb,
+            &format!("get http://rebind.test:{p}/hello rebind.test:{p}")
+        )
+        .await?,
         "status=403 egress=blocked; reason=internal_address tls=-"
     );
     // A tunnel whose TLS names another host: let in, then closed.
     assert_eq!(
-        net.probe(&sb, &format!("connect pkg.test:{s} other.test")).await?,
+        net.probe(&sb, &format!("connect pkg.test:{s} other.test"))
+            .await?,
         "status=200 egress=- tls=closed"
     );
     // No way around the proxy: no resolver, no route, no proxy variables.
@@ -491,7 +511,13 @@ async fn a_replaced_policy_applies_at_once_and_cuts_what_it_no_longer_allows() -
     // Replaced by the CLI: only the HTTPS port now.
     let asked = Instant::now();
     let out = tokio::process::Command::new(binary("corral")?)
-        .args(["--worker", &net.worker.url, "sandbox", "egress", sb.as_str()])
+        .args([
+            "--worker",
+            &net.worker.url,
+            "sandbox",
+            "egress",
+            sb.as_str(),
+        ])
         .arg(format!("pkg.test:{s}"))
         .env("CORRAL_TOKEN_FILE", net.worker.token_file())
         .env_remove("CORRAL_WORKER")
@@ -531,14 +557,16 @@ async fn a_replaced_policy_applies_at_once_and_cuts_what_it_no_longer_allows() -
         "status=403 egress=blocked; reason=port tls=-"
     );
     assert_eq!(
-        net.probe(&sb, &format!("connect pkg.test:{s} pkg.test")).await?,
+        net.probe(&sb, &format!("connect pkg.test:{s} pkg.test"))
+            .await?,
         "status=200 egress=- tls=ok"
     );
     let events = net.egress_events(&sb).await?;
     assert!(
-        events
-            .iter()
-            .any(|(h, port, d, r)| h == "pkg.test" && *port == p && *d == EgressDecision::Closed && r == "port"),
+        events.iter().any(|(h, port, d, r)| h == "pkg.test"
+            && *port == p
+            && *d == EgressDecision::Closed
+            && r == "port"),
         "{events:?}"
     );
     assert!(net.metric("closed", "port").await? >= 1.0);
@@ -546,7 +574,8 @@ async fn a_replaced_policy_applies_at_once_and_cuts_what_it_no_longer_allows() -
     // it on the same socket path.
     net.restart().await?;
     assert_eq!(
-        net.probe(&sb, &format!("connect pkg.test:{s} pkg.test")).await?,
+        net.probe(&sb, &format!("connect pkg.test:{s} pkg.test"))
+            .await?,
         "status=200 egress=- tls=ok"
     );
     assert_eq!(
@@ -587,7 +616,10 @@ async fn what_the_worker_does_not_allow_is_refused_naming_the_flag() -> Result<(
     assert_eq!(sb.spec.egress.len(), 2);
     // A replacement is bounded as a create is.
     let e = client
-        .set_sandbox_egress(&sb.id, &corral_proto::egress::parse_rules(&["evil.test"], false)?)
+        .set_sandbox_egress(
+            &sb.id,
+            &corral_proto::egress::parse_rules(&["evil.test"], false)?,
+        )
         .await
         .expect_err("beyond the bound");
     assert_eq!(e.flag().as_deref(), Some("--allow-egress"), "{e}");
@@ -669,7 +701,12 @@ for _ in range(600):
         )
         .await?;
     let deadline = Instant::now() + Duration::from_secs(60);
-    while net.sh(&hostile, "test -e /workspace/flood-ready && echo y").await?.trim() != "y" {
+    while net
+        .sh(&hostile, "test -e /workspace/flood-ready && echo y")
+        .await?
+        .trim()
+        != "y"
+    {
         if Instant::now() > deadline {
             bail!("the flood never got going");
         }
@@ -678,7 +715,10 @@ for _ in range(600):
     // While the flood holds its connections: the neighbour reaches its
     // host, the worker answers, the hostile sandbox's own commands run.
     let hello = net
-        .sh(&neighbour, &format!("curl -sS -m 10 http://pkg.test:{p}/hello 2>&1"))
+        .sh(
+            &neighbour,
+            &format!("curl -sS -m 10 http://pkg.test:{p}/hello 2>&1"),
+        )
         .await?;
     assert_eq!(hello.trim(), "hello from upstream");
     assert_eq!(net.sh(&hostile, "echo alive").await?.trim(), "alive");
@@ -689,7 +729,9 @@ for _ in range(600):
     let out = String::from_utf8_lossy(&corral_e2e::stdout_of(&events)).into_owned();
     assert!(out.contains("held 1000"), "{out}");
     assert!(
-        out.contains("big HTTP/1.1 400 Bad Request ['X-Corral-Egress: blocked; reason=bad_request']"),
+        out.contains(
+            "big HTTP/1.1 400 Bad Request ['X-Corral-Egress: blocked; reason=bad_request']"
+        ),
         "{out}"
     );
     // The bound refused what was over it, and said so.
@@ -697,10 +739,110 @@ for _ in range(600):
     assert!(net.metric("blocked", "bad_request").await? >= 1.0);
     // Once the flood is gone, the hostile sandbox is served again.
     assert_eq!(
-        net.sh(&hostile, &format!("curl -sS -m 10 http://pkg.test:{p}/hello 2>&1"))
-            .await?
-            .trim(),
+        net.sh(
+            &hostile,
+            &format!("curl -sS -m 10 http://pkg.test:{p}/hello 2>&1")
+        )
+        .await?
+        .trim(),
         "hello from upstream"
     );
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_run_reaches_what_its_request_names_and_records_each_decision() -> Result<()> {
+    use corral_e2e::model::{ModelServer, responses};
+    use corral_harness::agent::Record;
+    use corral_harness::session::log::SessionLog;
+    let net = start().await?;
+    let p = net.up.http.port();
+    let command = format!(
+        "curl -sS http://pkg.test:{p}/hello; curl -sS -o /dev/null -w 'other %{{http_code}}' http://other.test:{p}/hello"
+    );
+    let args = serde_json::json!({ "command": command }).to_string();
+    let model = ModelServer::start(vec![
+        responses::calls(&[("c1", "Bash", &args)]),
+        responses::text("done"),
+    ])
+    .await;
+    let sessions = tempfile::tempdir()?;
+    let req = sessions.path().join("req.json");
+    std::fs::write(
+        &req,
+        serde_json::json!({
+            "prompt": "fetch the greeting",
+            "network": {"egress": [format!("pkg.test:{p}")]}
+        })
+        .to_string(),
+    )?;
+    let token = net.worker.token_file();
+    let run = corral_e2e::run::corral_run_env(
+        &model,
+        &net.worker.url,
+        sessions.path(),
+        &["--session", "net", "--request", req.to_str().unwrap()],
+        &[
+            ("CORRAL_TOKEN_FILE", token.to_str().unwrap()),
+            ("CORRAL_IMAGE", "corral-debian:latest"),
+        ],
+    )
+    .await?;
+    assert_eq!(run.code, 0, "{}", run.stderr);
+    let result = &run.of_type("tool_result")[0]["text"];
+    let text = result.as_str().unwrap_or_default();
+    assert!(text.contains("hello from upstream"), "{text}");
+    assert!(text.contains("other 403"), "{text}");
+    // Each decision is in the JSON events...
+    let egress = run.of_type("egress");
+    assert!(
+        egress
+            .iter()
+            .any(|e| e["host"] == "pkg.test" && e["decision"] == "allowed"),
+        "{egress:?}"
+    );
+    assert!(
+        egress.iter().any(|e| e["host"] == "other.test"
+            && e["decision"] == "blocked"
+            && e["reason"] == "not_allowed"),
+        "{egress:?}"
+    );
+    // ... and in the session's log.
+    let records: Vec<Record> = SessionLog::<Record>::records(sessions.path(), "net")?
+        .map(|r| r.map(|(_, r)| r))
+        .collect::<Result<_, _>>()?;
+    assert!(
+        records.iter().any(
+            |r| matches!(r, Record::Egress { host, decision, reason, .. }
+            if host == "other.test" && decision == "blocked" && reason == "not_allowed")
+        ),
+        "{records:?}"
+    );
+    // The model was told what it can reach.
+    let first = &model.received()[0].body;
+    let bash = first["tools"]
+        .as_array()
+        .and_then(|t| t.iter().find(|t| t["name"] == "Bash"))
+        .context("no Bash tool")?;
+    let description = bash["description"].as_str().unwrap_or_default();
+    assert!(
+        description.contains(&format!("pkg.test:{p}")),
+        "{description}"
+    );
+    // A rule the worker does not allow, or `*`, is refused before any run.
+    std::fs::write(
+        &req,
+        serde_json::json!({"prompt": "x", "network": {"egress": ["*"]}}).to_string(),
+    )?;
+    let run = corral_e2e::run::corral_run_env(
+        &model,
+        &net.worker.url,
+        sessions.path(),
+        &["--request", req.to_str().unwrap()],
+        &[("CORRAL_TOKEN_FILE", token.to_str().unwrap())],
+    )
+    .await?;
+    assert_eq!(run.code, 2, "{}", run.stderr);
+    assert!(run.stderr.contains("network.egress"), "{}", run.stderr);
     Ok(())
 }

@@ -86,9 +86,7 @@ fn main() -> ExitCode {
         // SAFETY: descriptor 3 is the listener the supervisor passed, owned
         // by nothing else in this process.
         #[allow(unsafe_code)]
-        let listener = unsafe {
-            <std::net::TcpListener as std::os::fd::FromRawFd>::from_raw_fd(3)
-        };
+        let listener = unsafe { <std::net::TcpListener as std::os::fd::FromRawFd>::from_raw_fd(3) };
         let socket = std::path::Path::new(corral_init::relay::SOCKET_DIR)
             .join(corral_init::relay::SOCKET_NAME);
         let e = corral_init::relay::serve(listener, &socket);

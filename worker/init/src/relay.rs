@@ -276,8 +276,7 @@ mod tests {
         let worker = UnixListener::bind(&sock).unwrap();
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = listener.local_addr().unwrap();
-        let path = sock.clone();
-        std::thread::spawn(move || serve(listener, &path));
+        std::thread::spawn(move || serve(listener, &sock));
         // The worker's side echoes, upper-cased, until EOF, then says bye.
         let echo = std::thread::spawn(move || {
             let (mut s, _) = worker.accept().unwrap();

@@ -1675,7 +1675,9 @@ impl Supervisor {
                     if let Some(relay) = self.relay.as_mut()
                         && relay.reaped(pid.as_raw(), Instant::now())
                     {
-                        eprintln!("corral-init: the egress relay ended ({status:?}); starting it again");
+                        eprintln!(
+                            "corral-init: the egress relay ended ({status:?}); starting it again"
+                        );
                         continue;
                     }
                     let Some(id) = self.pids.remove(&pid.as_raw()) else {

@@ -37,6 +37,8 @@ pub enum Inbox {
     Stop(StopMode),
     /// The session's sandbox is lost, for this reason: the run fails.
     SandboxLost(String),
+    /// The sandbox's egress proxy decided on a connection.
+    Egress(corral_proto::event::Egress),
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -276,6 +278,7 @@ impl<M: OperationManager + 'static> Coordinator<M> {
                     Some(Inbox::Input { input_id, text }) => self.core.input(&input_id, &text),
                     Some(Inbox::Stop(mode)) => self.core.stop(mode, StopCause::Requested),
                     Some(Inbox::SandboxLost(reason)) => self.core.sandbox_lost(&reason),
+                    Some(Inbox::Egress(e)) => self.core.egress(&e),
                     None => {
                         inbox_open = false;
                         self.core.stop(StopMode::WhenIdle, StopCause::Requested)

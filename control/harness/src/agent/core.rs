@@ -352,6 +352,24 @@ impl Core {
         })
     }
 
+    /// The sandbox's egress proxy decided on a connection: recorded and
+    /// told.
+    pub fn egress(&mut self, e: &corral_proto::event::Egress) -> Result<(), CoreError> {
+        self.record(Record::Egress {
+            host: e.host.clone(),
+            port: e.port,
+            decision: e.decision.as_str().into(),
+            reason: e.reason.clone(),
+        })?;
+        self.emit(Event::Egress {
+            host: e.host.clone(),
+            port: e.port,
+            decision: e.decision.as_str().into(),
+            reason: e.reason.clone(),
+        });
+        Ok(())
+    }
+
     pub fn stop(&mut self, mode: StopMode, cause: StopCause) -> Result<(), CoreError> {
         if self.state.stop.is_some_and(|(m, _)| m == StopMode::Hard) {
             return Ok(());

@@ -33,6 +33,7 @@ fn config() -> SessionConfig {
         worker_id: None,
         on_sandbox_lost: Default::default(),
         generation: 0,
+        egress: Vec::new(),
     }
 }
 

@@ -123,6 +123,16 @@ pub enum Event {
     Heartbeat {
         text: String,
     },
+    /// The sandbox's egress proxy decided on a connection: allowed,
+    /// blocked (with `reason`: not_allowed, internal_address, ...), or
+    /// closed (cut by a policy change).
+    Egress {
+        host: String,
+        port: u16,
+        decision: String,
+        #[serde(skip_serializing_if = "String::is_empty")]
+        reason: String,
+    },
     ModelFailed {
         turn: u64,
         error: String,

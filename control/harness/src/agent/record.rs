@@ -63,6 +63,11 @@ pub struct SessionConfig {
     /// replacement after a loss.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub generation: u64,
+    /// The sandbox's egress rules (every generation's): what its commands
+    /// may reach through the worker's proxy, and what the Bash tool tells
+    /// the model it can reach. Empty: no network at all.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub egress: Vec<String>,
 }
 
 fn is_zero(n: &u64) -> bool {
@@ -96,9 +101,10 @@ impl SessionConfig {
             self.skills.iter().map(SkillDef::to_skill).collect(),
         );
         // The session's default bound of a command's output.
-        r.register(Box::new(crate::tools::bash::Bash::with_default_output(
-            self.budget.max_tool_result_chars as u64,
-        )));
+        let mut bash =
+            crate::tools::bash::Bash::with_default_output(self.budget.max_tool_result_chars as u64);
+        bash.egress.clone_from(&self.egress);
+        r.register(Box::new(bash));
         if let Some(allowed) = &self.tools {
             r.retain(allowed);
         }
@@ -354,6 +360,16 @@ pub enum Record {
         generation: u64,
         text: String,
     },
+    /// The sandbox's egress proxy decided on a connection (see
+    /// worker.proto's `SandboxEvent.Egress`).
+    Egress {
+        host: String,
+        port: u16,
+        /// allowed | blocked | closed
+        decision: String,
+        #[serde(default, skip_serializing_if = "String::is_empty")]
+        reason: String,
+    },
     /// A run ended.
     Finished {
         ending: Ending,
@@ -380,6 +396,7 @@ impl Record {
             Record::Stop { .. } => "stop",
             Record::SandboxLost { .. } => "sandbox_lost",
             Record::Placed { .. } => "placed",
+            Record::Egress { .. } => "egress",
             Record::Finished { .. } => "finished",
         }
     }

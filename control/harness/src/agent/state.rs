@@ -484,6 +484,9 @@ impl State {
                     self.has_new = true;
                 }
             }
+            // What the sandbox reached (or was refused) changes nothing
+            // the model is given.
+            Record::Egress { .. } => {}
             Record::Finished { ending } => {
                 self.last_end = Some(*ending);
                 if *ending == super::record::Ending::Done

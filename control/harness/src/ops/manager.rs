@@ -28,6 +28,8 @@ use crate::worker_api::{ApiError, WorkerApi};
 pub const PROGRESS_INTERVAL: Duration = Duration::from_millis(250);
 /// Updates waiting for the consumer; past it the manager waits too.
 const UPDATES_CAPACITY: usize = 1024;
+/// Egress decisions kept for a listener that is behind.
+const EGRESS_CAPACITY: usize = 256;
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ManagerError {
@@ -57,6 +59,7 @@ enum Command {
 pub struct Manager<W: WorkerApi> {
     tx: mpsc::Sender<Command>,
     lost: tokio::sync::watch::Receiver<Option<String>>,
+    egress: tokio::sync::broadcast::Sender<corral_proto::event::Egress>,
     stop: CancellationToken,
     task: tokio::task::JoinHandle<()>,
     _worker: std::marker::PhantomData<fn() -> W>,
@@ -84,6 +87,9 @@ impl<W: WorkerApi> Manager<W> {
     ) -> (Self, mpsc::Receiver<Operation>) {
         let (tx, rx) = mpsc::channel(64);
         let (lost_tx, lost) = tokio::sync::watch::channel(None);
+        // The newest decisions, for whoever listens (a slow listener
+        // misses the oldest; the worker's metrics count them all).
+        let (egress, _) = tokio::sync::broadcast::channel(EGRESS_CAPACITY);
         let (updates, updates_rx) = mpsc::channel(UPDATES_CAPACITY);
         let stop = CancellationToken::new();
         let actor = Actor {
@@ -98,6 +104,7 @@ impl<W: WorkerApi> Manager<W> {
             follower: None,
             patience,
             lost: lost_tx,
+            egress: egress.clone(),
         };
         let task = tokio::spawn(
             actor
@@ -108,6 +115,7 @@ impl<W: WorkerApi> Manager<W> {
             Self {
                 tx,
                 lost,
+                egress,
                 stop,
                 task,
                 _worker: std::marker::PhantomData,
@@ -120,6 +128,11 @@ impl<W: WorkerApi> Manager<W> {
     /// patience, or the worker says so); `None` until then.
     pub fn lost(&self) -> tokio::sync::watch::Receiver<Option<String>> {
         self.lost.clone()
+    }
+
+    /// The sandbox's egress decisions from now on.
+    pub fn egress(&self) -> tokio::sync::broadcast::Receiver<corral_proto::event::Egress> {
+        self.egress.subscribe()
     }
 
     /// Stops the actor (operations keep running on the worker): at once when it is idle, and within
@@ -180,6 +193,7 @@ struct Actor<W: WorkerApi> {
     patience: Duration,
     /// Set once the sandbox is lost.
     lost: tokio::sync::watch::Sender<Option<String>>,
+    egress: tokio::sync::broadcast::Sender<corral_proto::event::Egress>,
 }
 
 enum Wake {
@@ -394,6 +408,9 @@ impl<W: WorkerApi> Actor<W> {
             EventKind::SandboxLost { reason } => {
                 self.fail_all(&format!("sandbox lost: {reason}"), true)
                     .await;
+            }
+            EventKind::Egress(e) => {
+                let _ = self.egress.send(e);
             }
             kind => {
                 let Some(id) = event.operation_id else { return };

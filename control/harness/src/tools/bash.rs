@@ -21,12 +21,17 @@ pub const MAX_TIMEOUT_SECS: u64 = 24 * 3600;
 pub struct Bash {
     /// `max_output_length` when the model gives none.
     pub default_max_output: u64,
+    /// The sandbox's egress rules: named in the description, so the model
+    /// knows what it can reach (nothing is said when there are none, as
+    /// sessions recorded before egress existed were told nothing).
+    pub egress: Vec<String>,
 }
 
 impl Default for Bash {
     fn default() -> Self {
         Self {
             default_max_output: DEFAULT_MAX_OUTPUT,
+            egress: Vec::new(),
         }
     }
 }
@@ -36,7 +41,27 @@ impl Bash {
     pub fn with_default_output(bytes: u64) -> Self {
         Self {
             default_max_output: bytes.clamp(1, MAX_OUTPUT),
+            egress: Vec::new(),
         }
+    }
+
+    fn description(&self) -> String {
+        let mut d = String::from(
+            "Run a bash command in the sandbox's workspace, non-interactively (stdin is closed). \
+Returns stdout, then stderr, then the exit code if it is not 0. Long output keeps its head and tail. \
+The command's child processes are killed when it exits, so `cmd &` does not outlive the call: \
+to keep a server running, run it in the foreground as a call of its own (calls run concurrently, \
+and you are told what is still running). The command is killed, with everything it started, after timeout_seconds.",
+        );
+        if !self.egress.is_empty() {
+            d.push_str(&format!(
+                " Network: only through the HTTP proxy named in HTTP_PROXY and HTTPS_PROXY (pip, git, curl and most tools use it), \
+to these destinations only (no port: 80 and 443): {}. Anything else is refused with 403 and an X-Corral-Egress header saying why; \
+there is no DNS in the sandbox, so a tool that ignores the proxy reaches nothing.",
+                self.egress.join(", ")
+            ));
+        }
+        d
     }
 }
 
@@ -54,12 +79,7 @@ impl Translator for Bash {
     fn tool(&self) -> Tool {
         Tool {
             name: "Bash".into(),
-            description: "Run a bash command in the sandbox's workspace, non-interactively (stdin is closed). \
-Returns stdout, then stderr, then the exit code if it is not 0. Long output keeps its head and tail. \
-The command's child processes are killed when it exits, so `cmd &` does not outlive the call: \
-to keep a server running, run it in the foreground as a call of its own (calls run concurrently, \
-and you are told what is still running). The command is killed, with everything it started, after timeout_seconds."
-                .into(),
+            description: self.description(),
             parameters: serde_json::json!({
                 "type": "object",
                 "properties": {
