@@ -482,6 +482,7 @@ class AsyncSandbox:
         runtime: str | None = None,
         workspace_size: int | str | None = None,
         network: str | None = None,
+        egress: Sequence[str] | None = None,
         root: bool = False,
         writable_rootfs: bool = False,
         capabilities: Sequence[str] | None = None,
@@ -496,7 +497,10 @@ class AsyncSandbox:
         or ``dns:///NAME:PORT``; default ``CORRAL_WORKER``, else the local
         worker), placed on the freest of several. ``ttl`` and
         ``idle_timeout`` are seconds; ``memory`` bytes or a size (``2g``).
-        ``network="bridge"``, ``root`` (commands as uid 0),
+        ``egress`` names what the sandbox may reach through its worker's
+        proxy (``["pypi.org", "*.pythonhosted.org", "github.com:22"]``; it
+        keeps no network of its own), within the worker's
+        ``--allow-egress``. ``network="bridge"``, ``root`` (commands as uid 0),
         ``writable_rootfs`` and ``capabilities`` (``CAP_SETUID``, ...) loosen
         the hardened defaults, as far as the
         worker's policy allows (else :class:`PolicyDenied` naming its flag)."""
@@ -516,6 +520,7 @@ class AsyncSandbox:
             idle_timeout_ms=_ms(idle_timeout, "idle_timeout"),
             runtime=runtime or "",
             network=_network(network),
+            egress=list(egress or ()),
             run_as_root=root,
             writable_rootfs=writable_rootfs,
             add_capabilities=list(capabilities or ()),
@@ -665,6 +670,17 @@ class AsyncSandbox:
             "ResetSandbox", pb.ResetSandboxRequest(id=self.id), pb.ResetSandboxResponse
         )
         return r.killed
+
+    async def set_egress(self, rules: Sequence[str]) -> SandboxInfo:
+        """Replaces the egress policy of a sandbox made with ``egress``: new
+        connections follow it at once, open ones it no longer allows are
+        closed. An empty list allows nothing."""
+        s = await self._ask(
+            "SetSandboxEgress",
+            pb.SetSandboxEgressRequest(id=self.id, rules=list(rules)),
+            pb.Sandbox,
+        )
+        return sandbox_info_of(s, self.worker.url)
 
     async def stats(self) -> SandboxStats:
         return stats_of(

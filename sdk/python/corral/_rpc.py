@@ -90,6 +90,7 @@ class Worker:
             ("WriteInput", pb.WriteInputResponse),
             ("ResizeTerminal", pb.ResizeTerminalResponse),
             ("ResetSandbox", pb.ResetSandboxResponse),
+            ("SetSandboxEgress", pb.Sandbox),
         ]
         for name, resp in calls:
             self._unary[name] = ch.unary_unary(

@@ -198,6 +198,7 @@ class Sandbox:
         runtime: str | None = None,
         workspace_size: int | str | None = None,
         network: str | None = None,
+        egress: Sequence[str] | None = None,
         root: bool = False,
         writable_rootfs: bool = False,
         capabilities: Sequence[str] | None = None,
@@ -224,6 +225,7 @@ class Sandbox:
                     runtime=runtime,
                     workspace_size=workspace_size,
                     network=network,
+                    egress=egress,
                     root=root,
                     writable_rootfs=writable_rootfs,
                     capabilities=capabilities,
@@ -319,6 +321,10 @@ class Sandbox:
 
     def reset(self) -> int:
         return _run(self._sb.reset())
+
+    def set_egress(self, rules: Sequence[str]) -> SandboxInfo:
+        """See :meth:`corral.AsyncSandbox.set_egress`."""
+        return _run(self._sb.set_egress(rules))
 
     def stats(self) -> SandboxStats:
         return _run(self._sb.stats())

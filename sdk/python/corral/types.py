@@ -135,6 +135,8 @@ class SandboxInfo:
     ttl_s: float | None
     idle_timeout_s: float | None
     last_seq: int
+    #: The egress rules it follows now (empty: no way out).
+    egress: tuple[str, ...] = ()
 
 
 def sandbox_info_of(s: pb.Sandbox, worker: str) -> SandboxInfo:
@@ -164,6 +166,7 @@ def sandbox_info_of(s: pb.Sandbox, worker: str) -> SandboxInfo:
         ttl_s=spec.ttl_ms / 1000.0 if spec.ttl_ms else None,
         idle_timeout_s=spec.idle_timeout_ms / 1000.0 if spec.idle_timeout_ms else None,
         last_seq=s.last_seq,
+        egress=tuple(spec.egress),
     )
 
 

@@ -65,7 +65,7 @@ OUTPUT_STREAM_STDOUT: OutputStream
 OUTPUT_STREAM_STDERR: OutputStream
 
 class SandboxSpec(_message.Message):
-    __slots__ = ("image", "network", "memory_bytes", "cpu_millis", "pids_limit", "workspace_bytes", "tmp_bytes", "run_as_root", "writable_rootfs", "add_capabilities", "env", "runtime", "idle_timeout_ms", "ttl_ms", "memory_includes_files", "labels")
+    __slots__ = ("image", "network", "memory_bytes", "cpu_millis", "pids_limit", "workspace_bytes", "tmp_bytes", "run_as_root", "writable_rootfs", "add_capabilities", "env", "runtime", "idle_timeout_ms", "ttl_ms", "memory_includes_files", "labels", "egress")
     class EnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -96,6 +96,7 @@ class SandboxSpec(_message.Message):
     TTL_MS_FIELD_NUMBER: _ClassVar[int]
     MEMORY_INCLUDES_FILES_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
+    EGRESS_FIELD_NUMBER: _ClassVar[int]
     image: str
     network: NetworkMode
     memory_bytes: int
@@ -112,7 +113,8 @@ class SandboxSpec(_message.Message):
     ttl_ms: int
     memory_includes_files: bool
     labels: _containers.ScalarMap[str, str]
-    def __init__(self, image: _Optional[str] = ..., network: _Optional[_Union[NetworkMode, str]] = ..., memory_bytes: _Optional[int] = ..., cpu_millis: _Optional[int] = ..., pids_limit: _Optional[int] = ..., workspace_bytes: _Optional[int] = ..., tmp_bytes: _Optional[int] = ..., run_as_root: _Optional[bool] = ..., writable_rootfs: _Optional[bool] = ..., add_capabilities: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., runtime: _Optional[str] = ..., idle_timeout_ms: _Optional[int] = ..., ttl_ms: _Optional[int] = ..., memory_includes_files: _Optional[bool] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    egress: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, image: _Optional[str] = ..., network: _Optional[_Union[NetworkMode, str]] = ..., memory_bytes: _Optional[int] = ..., cpu_millis: _Optional[int] = ..., pids_limit: _Optional[int] = ..., workspace_bytes: _Optional[int] = ..., tmp_bytes: _Optional[int] = ..., run_as_root: _Optional[bool] = ..., writable_rootfs: _Optional[bool] = ..., add_capabilities: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., runtime: _Optional[str] = ..., idle_timeout_ms: _Optional[int] = ..., ttl_ms: _Optional[int] = ..., memory_includes_files: _Optional[bool] = ..., labels: _Optional[_Mapping[str, str]] = ..., egress: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Sandbox(_message.Message):
     __slots__ = ("id", "spec", "state", "container_id", "last_seq", "running_operations", "lost_reason", "created_at_unix_ms", "last_used_unix_ms", "worker_id", "image")
@@ -153,6 +155,14 @@ class GetSandboxRequest(_message.Message):
     ID_FIELD_NUMBER: _ClassVar[int]
     id: str
     def __init__(self, id: _Optional[str] = ...) -> None: ...
+
+class SetSandboxEgressRequest(_message.Message):
+    __slots__ = ("id", "rules")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    RULES_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    rules: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, id: _Optional[str] = ..., rules: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ListSandboxesRequest(_message.Message):
     __slots__ = ()
@@ -520,7 +530,7 @@ class WatchSandboxRequest(_message.Message):
     def __init__(self, sandbox_id: _Optional[str] = ..., after_seq: _Optional[int] = ..., operation_id: _Optional[str] = ...) -> None: ...
 
 class SandboxEvent(_message.Message):
-    __slots__ = ("seq", "operation_id", "started", "output", "finished", "gap", "sandbox_lost")
+    __slots__ = ("seq", "operation_id", "started", "output", "finished", "gap", "sandbox_lost", "egress")
     class Started(_message.Message):
         __slots__ = ("pid",)
         PID_FIELD_NUMBER: _ClassVar[int]
@@ -550,6 +560,17 @@ class SandboxEvent(_message.Message):
         REASON_FIELD_NUMBER: _ClassVar[int]
         reason: str
         def __init__(self, reason: _Optional[str] = ...) -> None: ...
+    class Egress(_message.Message):
+        __slots__ = ("host", "port", "decision", "reason")
+        HOST_FIELD_NUMBER: _ClassVar[int]
+        PORT_FIELD_NUMBER: _ClassVar[int]
+        DECISION_FIELD_NUMBER: _ClassVar[int]
+        REASON_FIELD_NUMBER: _ClassVar[int]
+        host: str
+        port: int
+        decision: str
+        reason: str
+        def __init__(self, host: _Optional[str] = ..., port: _Optional[int] = ..., decision: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
     SEQ_FIELD_NUMBER: _ClassVar[int]
     OPERATION_ID_FIELD_NUMBER: _ClassVar[int]
     STARTED_FIELD_NUMBER: _ClassVar[int]
@@ -557,6 +578,7 @@ class SandboxEvent(_message.Message):
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     GAP_FIELD_NUMBER: _ClassVar[int]
     SANDBOX_LOST_FIELD_NUMBER: _ClassVar[int]
+    EGRESS_FIELD_NUMBER: _ClassVar[int]
     seq: int
     operation_id: str
     started: SandboxEvent.Started
@@ -564,7 +586,8 @@ class SandboxEvent(_message.Message):
     finished: SandboxEvent.Finished
     gap: SandboxEvent.Gap
     sandbox_lost: SandboxEvent.SandboxLost
-    def __init__(self, seq: _Optional[int] = ..., operation_id: _Optional[str] = ..., started: _Optional[_Union[SandboxEvent.Started, _Mapping]] = ..., output: _Optional[_Union[SandboxEvent.Output, _Mapping]] = ..., finished: _Optional[_Union[SandboxEvent.Finished, _Mapping]] = ..., gap: _Optional[_Union[SandboxEvent.Gap, _Mapping]] = ..., sandbox_lost: _Optional[_Union[SandboxEvent.SandboxLost, _Mapping]] = ...) -> None: ...
+    egress: SandboxEvent.Egress
+    def __init__(self, seq: _Optional[int] = ..., operation_id: _Optional[str] = ..., started: _Optional[_Union[SandboxEvent.Started, _Mapping]] = ..., output: _Optional[_Union[SandboxEvent.Output, _Mapping]] = ..., finished: _Optional[_Union[SandboxEvent.Finished, _Mapping]] = ..., gap: _Optional[_Union[SandboxEvent.Gap, _Mapping]] = ..., sandbox_lost: _Optional[_Union[SandboxEvent.SandboxLost, _Mapping]] = ..., egress: _Optional[_Union[SandboxEvent.Egress, _Mapping]] = ...) -> None: ...
 
 class GetWorkerInfoRequest(_message.Message):
     __slots__ = ()
@@ -629,7 +652,7 @@ class DrainRequest(_message.Message):
     def __init__(self, drain: _Optional[bool] = ...) -> None: ...
 
 class SandboxPolicy(_message.Message):
-    __slots__ = ("allow_root", "allow_writable_rootfs", "allow_network", "allowed_capabilities", "allowed_images", "allow_any_image", "allowed_runtimes", "max_memory_bytes", "max_cpu_millis", "max_pids", "max_workspace_bytes", "max_tmp_bytes")
+    __slots__ = ("allow_root", "allow_writable_rootfs", "allow_network", "allowed_capabilities", "allowed_images", "allow_any_image", "allowed_runtimes", "max_memory_bytes", "max_cpu_millis", "max_pids", "max_workspace_bytes", "max_tmp_bytes", "allowed_egress")
     ALLOW_ROOT_FIELD_NUMBER: _ClassVar[int]
     ALLOW_WRITABLE_ROOTFS_FIELD_NUMBER: _ClassVar[int]
     ALLOW_NETWORK_FIELD_NUMBER: _ClassVar[int]
@@ -642,6 +665,7 @@ class SandboxPolicy(_message.Message):
     MAX_PIDS_FIELD_NUMBER: _ClassVar[int]
     MAX_WORKSPACE_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_TMP_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ALLOWED_EGRESS_FIELD_NUMBER: _ClassVar[int]
     allow_root: bool
     allow_writable_rootfs: bool
     allow_network: bool
@@ -654,4 +678,5 @@ class SandboxPolicy(_message.Message):
     max_pids: int
     max_workspace_bytes: int
     max_tmp_bytes: int
-    def __init__(self, allow_root: _Optional[bool] = ..., allow_writable_rootfs: _Optional[bool] = ..., allow_network: _Optional[bool] = ..., allowed_capabilities: _Optional[_Iterable[str]] = ..., allowed_images: _Optional[_Iterable[str]] = ..., allow_any_image: _Optional[bool] = ..., allowed_runtimes: _Optional[_Iterable[str]] = ..., max_memory_bytes: _Optional[int] = ..., max_cpu_millis: _Optional[int] = ..., max_pids: _Optional[int] = ..., max_workspace_bytes: _Optional[int] = ..., max_tmp_bytes: _Optional[int] = ...) -> None: ...
+    allowed_egress: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, allow_root: _Optional[bool] = ..., allow_writable_rootfs: _Optional[bool] = ..., allow_network: _Optional[bool] = ..., allowed_capabilities: _Optional[_Iterable[str]] = ..., allowed_images: _Optional[_Iterable[str]] = ..., allow_any_image: _Optional[bool] = ..., allowed_runtimes: _Optional[_Iterable[str]] = ..., max_memory_bytes: _Optional[int] = ..., max_cpu_millis: _Optional[int] = ..., max_pids: _Optional[int] = ..., max_workspace_bytes: _Optional[int] = ..., max_tmp_bytes: _Optional[int] = ..., allowed_egress: _Optional[_Iterable[str]] = ...) -> None: ...
