@@ -347,6 +347,9 @@ pub struct Gate {
     /// The worker's own listening sockets (gRPC, metrics): never reached,
     /// exempt or not.
     pub own: Vec<SocketAddr>,
+    /// The worker's host's own addresses (its interfaces'): refused as
+    /// internal ones are, public or not, unless a range exempts them.
+    pub own_ips: Vec<IpAddr>,
     /// How long one connection attempt (or lookup) may take.
     pub connect_timeout: Duration,
     /// The resolver names are asked of (`--egress-resolver`); `None`: the
@@ -365,7 +368,12 @@ impl Gate {
         if own {
             return Err(Blocked::InternalAddress);
         }
-        if internal_range(ip).is_some() && !self.allow_internal.iter().any(|c| c.contains(ip)) {
+        let internal = internal_range(ip).is_some()
+            || self
+                .own_ips
+                .iter()
+                .any(|o| corral_proto::egress::canonical(*o) == ip);
+        if internal && !self.allow_internal.iter().any(|c| c.contains(ip)) {
             return Err(Blocked::InternalAddress);
         }
         Ok(())
@@ -790,6 +798,181 @@ where
     }
 }
 
+/// [`relay`] for a connection that came on a Unix socket: the same
+/// promises (cut at once by a policy that no longer allows it, closed when
+/// idle, each side's end passed on), with the bytes spliced from socket to
+/// socket through a pipe a direction, never copied through the worker.
+pub async fn relay_spliced(
+    admitted: Admitted<tokio::net::UnixStream>,
+    mut policy: tokio::sync::watch::Receiver<std::sync::Arc<Vec<Rule>>>,
+) -> Outcome {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    let Admitted {
+        client,
+        upstream,
+        outcome: mut out,
+    } = admitted;
+    let (host, port) = (out.host.clone(), out.port);
+    let (Ok(p_up), Ok(p_down)) = (SplicePipe::new(), SplicePipe::new()) else {
+        return out;
+    };
+    let (sent, got) = (AtomicU64::new(0), AtomicU64::new(0));
+    let up = async {
+        let r = splice_all(&client, &upstream, &p_up, &sent).await;
+        // The sandbox is done sending: the server hears of it.
+        let _ = nix::sys::socket::shutdown(
+            std::os::fd::AsRawFd::as_raw_fd(&upstream),
+            nix::sys::socket::Shutdown::Write,
+        );
+        r
+    };
+    let down = async {
+        let r = splice_all(&upstream, &client, &p_down, &got).await;
+        let _ = nix::sys::socket::shutdown(
+            std::os::fd::AsRawFd::as_raw_fd(&client),
+            nix::sys::socket::Shutdown::Write,
+        );
+        r
+    };
+    tokio::pin!(up, down);
+    let mut up_done = false;
+    let mut seen = 0u64;
+    let mut idle = tokio::time::interval(IDLE_TIMEOUT / 4);
+    idle.reset();
+    let mut quiet_since = tokio::time::Instant::now();
+    loop {
+        tokio::select! {
+            changed = policy.changed() => {
+                if changed.is_err() {
+                    break;
+                }
+                let now = policy.borrow_and_update().clone();
+                if let Err(reason) = decide(&now, &host, port) {
+                    out.blocked = Some(reason);
+                    out.cut = true;
+                    break;
+                }
+            }
+            r = &mut up, if !up_done => {
+                up_done = true;
+                if r.is_err() {
+                    break;
+                }
+            }
+            _ = &mut down => break,
+            _ = idle.tick() => {
+                let moved = sent.load(Ordering::Relaxed) + got.load(Ordering::Relaxed);
+                if moved != seen {
+                    seen = moved;
+                    quiet_since = tokio::time::Instant::now();
+                } else if quiet_since.elapsed() >= IDLE_TIMEOUT {
+                    break;
+                }
+            }
+        }
+    }
+    out.bytes_out += sent.load(Ordering::Relaxed);
+    out.bytes_in += got.load(Ordering::Relaxed);
+    out
+}
+
+/// A pipe for splicing, both ends non-blocking.
+struct SplicePipe {
+    r: std::os::fd::OwnedFd,
+    w: std::os::fd::OwnedFd,
+}
+
+impl SplicePipe {
+    fn new() -> std::io::Result<Self> {
+        let (r, w) =
+            nix::unistd::pipe2(nix::fcntl::OFlag::O_NONBLOCK | nix::fcntl::OFlag::O_CLOEXEC)?;
+        Ok(Self { r, w })
+    }
+}
+
+/// A socket tokio watches, spliced from or to.
+trait Spliced: std::os::fd::AsFd {
+    fn ready(
+        &self,
+        interest: tokio::io::Interest,
+    ) -> impl std::future::Future<Output = std::io::Result<tokio::io::Ready>>;
+    fn attempt<R>(
+        &self,
+        interest: tokio::io::Interest,
+        f: impl FnOnce() -> std::io::Result<R>,
+    ) -> std::io::Result<R>;
+}
+
+impl Spliced for tokio::net::TcpStream {
+    fn ready(
+        &self,
+        interest: tokio::io::Interest,
+    ) -> impl std::future::Future<Output = std::io::Result<tokio::io::Ready>> {
+        tokio::net::TcpStream::ready(self, interest)
+    }
+    fn attempt<R>(
+        &self,
+        interest: tokio::io::Interest,
+        f: impl FnOnce() -> std::io::Result<R>,
+    ) -> std::io::Result<R> {
+        self.try_io(interest, f)
+    }
+}
+
+impl Spliced for tokio::net::UnixStream {
+    fn ready(
+        &self,
+        interest: tokio::io::Interest,
+    ) -> impl std::future::Future<Output = std::io::Result<tokio::io::Ready>> {
+        tokio::net::UnixStream::ready(self, interest)
+    }
+    fn attempt<R>(
+        &self,
+        interest: tokio::io::Interest,
+        f: impl FnOnce() -> std::io::Result<R>,
+    ) -> std::io::Result<R> {
+        self.try_io(interest, f)
+    }
+}
+
+/// Moves everything `from` sends to `to` through `pipe`, counting it in
+/// `moved`, until `from` ends (`Ok`) or either side fails.
+async fn splice_all(
+    from: &impl Spliced,
+    to: &impl Spliced,
+    pipe: &SplicePipe,
+    moved: &std::sync::atomic::AtomicU64,
+) -> std::io::Result<()> {
+    use nix::fcntl::{SpliceFFlags, splice};
+    use tokio::io::Interest;
+    let flags = SpliceFFlags::SPLICE_F_NONBLOCK | SpliceFFlags::SPLICE_F_MOVE;
+    const CHUNK: usize = 1 << 20;
+    loop {
+        from.ready(Interest::READABLE).await?;
+        let n = match from.attempt(Interest::READABLE, || {
+            splice(from.as_fd(), None, &pipe.w, None, CHUNK, flags).map_err(std::io::Error::from)
+        }) {
+            Ok(0) => return Ok(()),
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+            Err(e) => return Err(e),
+        };
+        let mut left = n;
+        while left > 0 {
+            to.ready(Interest::WRITABLE).await?;
+            match to.attempt(Interest::WRITABLE, || {
+                splice(&pipe.r, None, to.as_fd(), None, left, flags).map_err(std::io::Error::from)
+            }) {
+                Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
+                Ok(m) => left -= m,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                Err(e) => return Err(e),
+            }
+        }
+        moved.fetch_add(n as u64, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
 /// Serves one connection of a sandbox's proxy: [`admit`], then [`relay`].
 pub async fn serve_connection<S>(
     client: S,
@@ -952,9 +1135,34 @@ mod tests {
         Gate {
             allow_internal: allow.iter().map(|c| c.parse().unwrap()).collect(),
             own,
+            own_ips: Vec::new(),
             connect_timeout: Duration::from_secs(5),
             resolver: None,
         }
+    }
+
+    #[test]
+    fn the_hosts_own_addresses_are_refused_public_or_not() {
+        let mut g = gate(&[], vec![]);
+        g.own_ips = vec![
+            "203.0.113.7".parse().unwrap(),
+            "2001:db8::7".parse().unwrap(),
+        ];
+        for a in [
+            "203.0.113.7:22",
+            "[2001:db8::7]:443",
+            "[::ffff:203.0.113.7]:80",
+        ] {
+            assert_eq!(
+                g.check(a.parse().unwrap()),
+                Err(Blocked::InternalAddress),
+                "{a}"
+            );
+        }
+        assert_eq!(g.check("203.0.113.8:22".parse().unwrap()), Ok(()));
+        // An operator's exemption covers them (never the worker's ports).
+        g.allow_internal = vec!["203.0.113.0/24".parse().unwrap()];
+        assert_eq!(g.check("203.0.113.7:22".parse().unwrap()), Ok(()));
     }
 
     #[tokio::test]
@@ -1238,6 +1446,83 @@ mod tests {
             .expect("closed")
             .unwrap();
         assert_eq!(o.blocked, Some(Blocked::NotAllowed));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_tunnel_idle_past_its_timeout_is_closed() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let (port, _got) = upstream(b"").await;
+        let (_tx, p) = policy(&[&format!("localhost:{port}")]);
+        let g = gate(&["127.0.0.0/8"], vec![]);
+        let (mut sandbox, proxy) = tokio::io::duplex(1 << 16);
+        let started = tokio::time::Instant::now();
+        let serving = tokio::spawn(async move { serve_connection(proxy, p, &g).await });
+        sandbox
+            .write_all(format!("CONNECT localhost:{port} HTTP/1.1\r\n\r\nSSH-2.0-x\r\n").as_bytes())
+            .await
+            .unwrap();
+        let mut ok = [0u8; 39];
+        sandbox.read_exact(&mut ok).await.unwrap();
+        // Nothing either way from here: closed at the idle timeout.
+        let o = serving.await.unwrap();
+        assert_eq!(o.blocked, None);
+        assert!(started.elapsed() >= IDLE_TIMEOUT, "{:?}", started.elapsed());
+    }
+
+    /// A connection on a real Unix socket, admitted, relayed by splicing.
+    async fn spliced(
+        port: u16,
+        p: tokio::sync::watch::Receiver<std::sync::Arc<Vec<Rule>>>,
+    ) -> (tokio::net::UnixStream, tokio::task::JoinHandle<Outcome>) {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let (mut sandbox, proxy) = tokio::net::UnixStream::pair().unwrap();
+        let serving = tokio::spawn(async move {
+            let g = gate(&["127.0.0.0/8"], vec![]);
+            let mut p = p;
+            match admit(proxy, &mut p, &g).await {
+                Ok(a) => relay_spliced(a, p).await,
+                Err(r) => r.answer().await,
+            }
+        });
+        sandbox
+            .write_all(format!("CONNECT localhost:{port} HTTP/1.1\r\n\r\nSSH-2.0-x\r\n").as_bytes())
+            .await
+            .unwrap();
+        let mut ok = [0u8; 39];
+        sandbox.read_exact(&mut ok).await.unwrap();
+        assert_eq!(&ok[..], b"HTTP/1.1 200 Connection established\r\n\r\n");
+        (sandbox, serving)
+    }
+
+    #[tokio::test]
+    async fn a_spliced_relay_carries_both_ways_and_a_policy_cuts_it() {
+        use tokio::io::AsyncReadExt;
+        let (port, mut got) = upstream(b"server hello").await;
+        let (tx, p) = policy(&[&format!("localhost:{port}")]);
+        let (mut sandbox, serving) = spliced(port, p).await;
+        let mut back = [0u8; 12];
+        sandbox.read_exact(&mut back).await.unwrap();
+        assert_eq!(&back, b"server hello");
+        assert_eq!(got.recv().await.unwrap(), b"SSH-2.0-x\r\n");
+        tx.send(std::sync::Arc::new(rules(&["pypi.org"]))).unwrap();
+        let o = tokio::time::timeout(Duration::from_secs(5), serving)
+            .await
+            .expect("cut")
+            .unwrap();
+        assert!(o.cut, "{o:?}");
+        assert_eq!(o.blocked, Some(Blocked::NotAllowed));
+        assert_eq!((o.bytes_out, o.bytes_in), (11, 12));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_spliced_relay_idle_past_its_timeout_is_closed() {
+        let (port, _got) = upstream(b"").await;
+        let (_tx, p) = policy(&[&format!("localhost:{port}")]);
+        let started = tokio::time::Instant::now();
+        let (_sandbox, serving) = spliced(port, p).await;
+        let o = serving.await.unwrap();
+        assert!(!o.cut && o.blocked.is_none(), "{o:?}");
+        assert!(started.elapsed() >= IDLE_TIMEOUT, "{:?}", started.elapsed());
     }
 
     #[tokio::test(start_paused = true)]

@@ -20,7 +20,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{debug, warn};
 
-use crate::egress::{Blocked, Gate, admit, relay, too_many};
+use crate::egress::{Blocked, Gate, admit, relay_spliced, too_many};
 use crate::metrics::WorkerMetrics;
 
 /// The socket's name in its directory (as `corral_init::relay` expects).
@@ -42,15 +42,36 @@ pub struct Settings {
 }
 
 impl Default for Settings {
+    /// This host's addresses refused, ten seconds to connect, the default
+    /// bound; no exemption, no own port (the caller adds them).
     fn default() -> Self {
         Self {
             gate: Gate {
                 connect_timeout: Duration::from_secs(10),
+                own_ips: host_addresses(),
                 ..Gate::default()
             },
             max_connections: DEFAULT_MAX_CONNECTIONS,
         }
     }
+}
+
+/// The addresses of this host's interfaces (none if they cannot be read).
+pub fn host_addresses() -> Vec<std::net::IpAddr> {
+    let Ok(addrs) = nix::ifaddrs::getifaddrs() else {
+        return Vec::new();
+    };
+    let mut out: Vec<std::net::IpAddr> = addrs
+        .filter_map(|a| a.address)
+        .filter_map(|a| {
+            a.as_sockaddr_in()
+                .map(|v4| std::net::IpAddr::V4(v4.ip()))
+                .or_else(|| a.as_sockaddr_in6().map(|v6| std::net::IpAddr::V6(v6.ip())))
+        })
+        .collect();
+    out.sort();
+    out.dedup();
+    out
 }
 
 /// A sandbox's socket directory under the worker's state directory.
@@ -185,7 +206,7 @@ async fn one(
             let _ = reports.send(e).await;
             let out = {
                 let _open = Open::new(&metrics.egress_open);
-                relay(admitted, policy).await
+                relay_spliced(admitted, policy).await
             };
             metrics.egress_relayed(out.bytes_out, out.bytes_in);
             if out.cut {

@@ -344,6 +344,22 @@ async fn allowed_names_are_reached_over_http_and_https_by_python_git_and_curl() 
         "{events:?}"
     );
     assert!(net.metric("allowed", "").await? >= 6.0);
+    // A reset kills every process but the supervisor, the relay too: it is
+    // started again on the port the supervisor kept.
+    net.client.reset_sandbox(&sb).await?;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let out = net
+            .sh(&sb, &format!("curl -sS http://pkg.test:{p}/hello 2>&1"))
+            .await?;
+        if out.trim() == "hello from upstream" {
+            break;
+        }
+        if Instant::now() > deadline {
+            bail!("no egress after a reset: {out}");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     Ok(())
 }
 

@@ -13,13 +13,14 @@
 //! poll loop, bounded: at most [`MAX_CONNECTIONS`] connections, each with
 //! two buffers of [`BUF_BYTES`].
 
-use std::io::{self, Read, Write};
+use std::io::{self, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
-use std::os::fd::AsFd;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
 
 use nix::errno::Errno;
+use nix::fcntl::{OFlag, SpliceFFlags, splice};
 use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
 
 /// Where the proxy listens in the sandbox.
@@ -31,8 +32,8 @@ pub const SOCKET_NAME: &str = "proxy.sock";
 /// Most connections relayed at once; more are answered at once with a
 /// refusal (never left to hang in the listen queue).
 pub const MAX_CONNECTIONS: usize = 256;
-/// Each direction's buffer.
-pub const BUF_BYTES: usize = 32 * 1024;
+/// Each direction's pipe, when its size cannot be read.
+pub const BUF_BYTES: usize = 64 * 1024;
 
 /// The answer when the worker's socket takes no connection (the worker is
 /// restarting, say): a proxy's own refusal, which clients report.
@@ -40,63 +41,96 @@ const UNAVAILABLE: &[u8] = b"HTTP/1.1 503 Service Unavailable\r\nX-Corral-Egress
 /// The answer past [`MAX_CONNECTIONS`].
 const TOO_MANY: &[u8] = b"HTTP/1.1 429 Too Many Requests\r\nX-Corral-Egress: blocked; reason=too_many_connections\r\nContent-Length: 0\r\nConnection: close\r\n\r\n";
 
-/// Bytes read from one side, not yet written to the other.
+/// Bytes read from one side, not yet written to the other: a pipe, so
+/// that they move from socket to socket inside the kernel (`splice`),
+/// never copied through this process.
 struct Half {
-    buf: Box<[u8]>,
-    start: usize,
-    end: usize,
+    r: OwnedFd,
+    w: OwnedFd,
+    /// Bytes in the pipe.
+    held: usize,
+    cap: usize,
     /// The reading side said EOF (or failed).
     eof: bool,
     /// The EOF was passed on (the other side shut for writing).
     closed: bool,
 }
 
+fn splice_flags() -> SpliceFFlags {
+    SpliceFFlags::SPLICE_F_NONBLOCK | SpliceFFlags::SPLICE_F_MOVE
+}
+
 impl Half {
-    fn new() -> Self {
-        Self {
-            buf: vec![0u8; BUF_BYTES].into_boxed_slice(),
-            start: 0,
-            end: 0,
+    fn new() -> io::Result<Self> {
+        let (r, w) = nix::unistd::pipe2(OFlag::O_NONBLOCK | OFlag::O_CLOEXEC)?;
+        let cap = nix::fcntl::fcntl(&w, nix::fcntl::FcntlArg::F_GETPIPE_SZ)
+            .ok()
+            .and_then(|n| usize::try_from(n).ok())
+            .unwrap_or(BUF_BYTES);
+        Ok(Self {
+            r,
+            w,
+            held: 0,
+            cap,
             eof: false,
             closed: false,
-        }
+        })
     }
     fn pending(&self) -> bool {
-        self.start < self.end
+        self.held > 0
     }
     fn wants_read(&self) -> bool {
-        !self.eof && self.end < self.buf.len()
+        !self.eof && self.held < self.cap
     }
-    /// Reads what `from` has into the buffer.
-    fn fill(&mut self, from: &mut impl Read) {
-        if self.end == self.buf.len() && self.start == self.end {
-            self.start = 0;
-            self.end = 0;
-        }
+    /// Moves what `from` has into the pipe.
+    fn fill(&mut self, from: BorrowedFd<'_>) {
         while self.wants_read() {
-            match from.read(&mut self.buf[self.end..]) {
+            match splice(
+                from,
+                None,
+                &self.w,
+                None,
+                self.cap - self.held,
+                splice_flags(),
+            ) {
                 Ok(0) => self.eof = true,
-                Ok(n) => self.end += n,
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Ok(n) => self.held += n,
+                // Nothing to read (or, with small packets, no slot left in
+                // the pipe: the next drain makes room).
+                Err(Errno::EAGAIN) => return,
+                Err(Errno::EINTR) => {}
                 Err(_) => self.eof = true,
             }
         }
     }
-    /// Writes what is buffered to `to`; false when `to` failed.
-    fn drain(&mut self, to: &mut impl Write) -> bool {
+    /// Moves what the pipe holds to `to`; false when `to` failed.
+    fn drain(&mut self, to: BorrowedFd<'_>) -> bool {
         while self.pending() {
-            match to.write(&self.buf[self.start..self.end]) {
+            match splice(&self.r, None, to, None, self.held, splice_flags()) {
                 Ok(0) => return false,
-                Ok(n) => self.start += n,
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return true,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Ok(n) => self.held -= n,
+                Err(Errno::EAGAIN) => return true,
+                Err(Errno::EINTR) => {}
                 Err(_) => return false,
             }
         }
-        self.start = 0;
-        self.end = 0;
         true
+    }
+    /// Drops what the pipe holds; how many bytes that was.
+    fn discard(&mut self) -> usize {
+        let mut scratch = [0u8; 16 * 1024];
+        let mut dropped = 0;
+        while self.held > 0 {
+            match nix::unistd::read(&self.r, &mut scratch) {
+                Ok(0) | Err(_) => break,
+                Ok(n) => {
+                    self.held -= n.min(self.held);
+                    dropped += n;
+                }
+            }
+        }
+        self.held = 0;
+        dropped
     }
 }
 
@@ -118,12 +152,12 @@ struct Conn {
 }
 
 impl Conn {
-    fn new(tcp: TcpStream, unix: UnixStream) -> Self {
+    fn new(tcp: TcpStream, unix: UnixStream, up: Half, down: Half) -> Self {
         Self {
             tcp,
             unix,
-            up: Half::new(),
-            down: Half::new(),
+            up,
+            down,
             up_dead: false,
             discarded: 0,
         }
@@ -131,15 +165,13 @@ impl Conn {
 
     /// Moves what can move; false when the connection is over.
     fn step(&mut self) -> bool {
-        self.up.fill(&mut self.tcp);
-        self.down.fill(&mut self.unix);
-        if self.up_dead || !self.up.drain(&mut self.unix) {
+        self.up.fill(self.tcp.as_fd());
+        self.down.fill(self.unix.as_fd());
+        if self.up_dead || !self.up.drain(self.unix.as_fd()) {
             self.up_dead = true;
-            self.discarded += self.up.end - self.up.start;
-            self.up.start = 0;
-            self.up.end = 0;
+            self.discarded += self.up.discard();
         }
-        if !self.down.drain(&mut self.tcp) {
+        if !self.down.drain(self.tcp.as_fd()) {
             return false;
         }
         if self.up.eof && !self.up.pending() && !self.up.closed && !self.up_dead {
@@ -232,9 +264,11 @@ pub fn serve(listener: TcpListener, socket: &Path) -> io::Error {
                     let _ = tcp.write(TOO_MANY);
                     continue;
                 }
-                match connect_worker(socket) {
-                    Ok(unix) if tcp.set_nonblocking(true).is_ok() => {
-                        conns.push(Conn::new(tcp, unix));
+                // Pipes first: out of descriptors, the client is told so.
+                let halves = Half::new().and_then(|up| Ok((up, Half::new()?)));
+                match (halves, connect_worker(socket)) {
+                    (Ok((up, down)), Ok(unix)) if tcp.set_nonblocking(true).is_ok() => {
+                        conns.push(Conn::new(tcp, unix, up, down));
                     }
                     _ => {
                         let mut tcp = tcp;
@@ -267,6 +301,7 @@ pub fn serve(listener: TcpListener, socket: &Path) -> io::Error {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::io::Read;
     use std::os::unix::net::UnixListener;
 
     #[test]
