@@ -178,13 +178,13 @@ async fn main() -> Result<()> {
     println!("|---|---|---|---|");
     let row = |what: &str, d: &[f64], p: &[f64]| {
         println!(
-            "| {what} p50 | {:.3} ms | {:.3} ms | +{:.3} ms |",
+            "| {what} p50 | {:.3} ms | {:.3} ms | {:+.3} ms |",
             ms(median(d.to_vec())),
             ms(median(p.to_vec())),
             ms(median(p.to_vec()) - median(d.to_vec()))
         );
         println!(
-            "| {what} p99 | {:.3} ms | {:.3} ms | +{:.3} ms |",
+            "| {what} p99 | {:.3} ms | {:.3} ms | {:+.3} ms |",
             ms(p99(d.to_vec())),
             ms(p99(p.to_vec())),
             ms(p99(p.to_vec()) - p99(d.to_vec()))

@@ -876,6 +876,9 @@ pub async fn relay_spliced(
     out
 }
 
+/// The size asked of a splicing pipe.
+const PIPE_BYTES: i32 = 1 << 20;
+
 /// A pipe for splicing, both ends non-blocking.
 struct SplicePipe {
     r: std::os::fd::OwnedFd,
@@ -886,6 +889,9 @@ impl SplicePipe {
     fn new() -> std::io::Result<Self> {
         let (r, w) =
             nix::unistd::pipe2(nix::fcntl::OFlag::O_NONBLOCK | nix::fcntl::OFlag::O_CLOEXEC)?;
+        // Larger than the default 64 KiB: fewer, bigger moves (a pipe that
+        // cannot grow works as it is).
+        let _ = nix::fcntl::fcntl(&w, nix::fcntl::FcntlArg::F_SETPIPE_SZ(PIPE_BYTES));
         Ok(Self { r, w })
     }
 }

@@ -32,6 +32,8 @@ pub const SOCKET_NAME: &str = "proxy.sock";
 /// Most connections relayed at once; more are answered at once with a
 /// refusal (never left to hang in the listen queue).
 pub const MAX_CONNECTIONS: usize = 256;
+/// The size asked of each direction's pipe.
+const PIPE_BYTES: i32 = 256 * 1024;
 /// Each direction's pipe, when its size cannot be read.
 pub const BUF_BYTES: usize = 64 * 1024;
 
@@ -63,6 +65,9 @@ fn splice_flags() -> SpliceFFlags {
 impl Half {
     fn new() -> io::Result<Self> {
         let (r, w) = nix::unistd::pipe2(OFlag::O_NONBLOCK | OFlag::O_CLOEXEC)?;
+        // Larger than the default where the kernel lets this user: fewer,
+        // bigger moves.
+        let _ = nix::fcntl::fcntl(&w, nix::fcntl::FcntlArg::F_SETPIPE_SZ(PIPE_BYTES));
         let cap = nix::fcntl::fcntl(&w, nix::fcntl::FcntlArg::F_GETPIPE_SZ)
             .ok()
             .and_then(|n| usize::try_from(n).ok())
