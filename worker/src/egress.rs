@@ -909,37 +909,27 @@ trait Spliced: std::os::fd::AsFd {
     ) -> std::io::Result<R>;
 }
 
-impl Spliced for tokio::net::TcpStream {
-    fn ready(
-        &self,
-        interest: tokio::io::Interest,
-    ) -> impl std::future::Future<Output = std::io::Result<tokio::io::Ready>> {
-        tokio::net::TcpStream::ready(self, interest)
-    }
-    fn attempt<R>(
-        &self,
-        interest: tokio::io::Interest,
-        f: impl FnOnce() -> std::io::Result<R>,
-    ) -> std::io::Result<R> {
-        self.try_io(interest, f)
-    }
+macro_rules! spliced {
+    ($($t:ty),*) => {$(
+        impl Spliced for $t {
+            fn ready(
+                &self,
+                interest: tokio::io::Interest,
+            ) -> impl std::future::Future<Output = std::io::Result<tokio::io::Ready>> {
+                <$t>::ready(self, interest)
+            }
+            fn attempt<R>(
+                &self,
+                interest: tokio::io::Interest,
+                f: impl FnOnce() -> std::io::Result<R>,
+            ) -> std::io::Result<R> {
+                self.try_io(interest, f)
+            }
+        }
+    )*};
 }
 
-impl Spliced for tokio::net::UnixStream {
-    fn ready(
-        &self,
-        interest: tokio::io::Interest,
-    ) -> impl std::future::Future<Output = std::io::Result<tokio::io::Ready>> {
-        tokio::net::UnixStream::ready(self, interest)
-    }
-    fn attempt<R>(
-        &self,
-        interest: tokio::io::Interest,
-        f: impl FnOnce() -> std::io::Result<R>,
-    ) -> std::io::Result<R> {
-        self.try_io(interest, f)
-    }
-}
+spliced!(tokio::net::TcpStream, tokio::net::UnixStream);
 
 /// Moves everything `from` sends to `to` through `pipe`, counting it in
 /// `moved`, until `from` ends (`Ok`) or either side fails.

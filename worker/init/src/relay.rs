@@ -309,14 +309,22 @@ mod tests {
     use std::io::Read;
     use std::os::unix::net::UnixListener;
 
-    #[test]
-    fn bytes_go_both_ways_whole_and_eof_is_passed_on() {
+    /// A relay on a loopback port, serving the worker's socket of a
+    /// temporary directory: the directory, the worker's listener, the
+    /// relay's address.
+    fn relaying() -> (tempfile::TempDir, UnixListener, std::net::SocketAddr) {
         let dir = tempfile::tempdir().unwrap();
         let sock = dir.path().join("proxy.sock");
         let worker = UnixListener::bind(&sock).unwrap();
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = listener.local_addr().unwrap();
         std::thread::spawn(move || serve(listener, &sock));
+        (dir, worker, addr)
+    }
+
+    #[test]
+    fn bytes_go_both_ways_whole_and_eof_is_passed_on() {
+        let (_dir, worker, addr) = relaying();
         // The worker's side echoes, upper-cased, until EOF, then says bye.
         let echo = std::thread::spawn(move || {
             let (mut s, _) = worker.accept().unwrap();
@@ -367,12 +375,7 @@ mod tests {
 
     #[test]
     fn an_answer_to_a_request_the_worker_stopped_reading_still_arrives() {
-        let dir = tempfile::tempdir().unwrap();
-        let sock = dir.path().join("proxy.sock");
-        let worker = UnixListener::bind(&sock).unwrap();
-        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-        let addr = listener.local_addr().unwrap();
-        std::thread::spawn(move || serve(listener, &sock));
+        let (_dir, worker, addr) = relaying();
         // The worker reads a little, refuses, and goes.
         std::thread::spawn(move || {
             let (mut s, _) = worker.accept().unwrap();
