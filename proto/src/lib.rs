@@ -35,7 +35,9 @@ pub use event::{Event, EventKind, OutputStream};
 pub use ids::{OperationId, SandboxId};
 pub use reason::Reason;
 pub use result::{Captured, FileErrorKind, OperationResult, Outcome};
-pub use sandbox::{Ceilings, SandboxInfo, SandboxPolicy, SandboxState, SandboxStats, WorkerInfo};
+pub use sandbox::{
+    Ceilings, PoolInfo, SandboxInfo, SandboxPolicy, SandboxState, SandboxStats, WorkerInfo,
+};
 pub use spec::{
     ArchiveSpec, NetworkMode, OperationSpec, ReadFileSpec, SandboxSpec, ShellSpec, TerminalSize,
     WriteFileSpec,

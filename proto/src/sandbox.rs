@@ -46,6 +46,20 @@ pub struct WorkerInfo {
     pub default_image: String,
     /// The OCI runtime of a sandbox that names none (`None`: the engine's).
     pub default_runtime: Option<String>,
+    /// Its warm pools.
+    pub pools: Vec<PoolInfo>,
+}
+
+/// A warm pool as its worker shows it (see `PoolInfo` in worker.proto).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PoolInfo {
+    pub template: String,
+    pub image: String,
+    pub size: u32,
+    pub ready: u32,
+    pub claims: u64,
+    pub misses: u64,
+    pub last_refill_ms: u64,
 }
 
 /// What a worker lets a sandbox be: its operator's choice, never a
@@ -212,6 +226,19 @@ impl From<WorkerInfo> for pb::WorkerInfo {
             drain_deadline_ms: i.drain_deadline_ms,
             default_image: i.default_image,
             default_runtime: i.default_runtime.unwrap_or_default(),
+            pools: i
+                .pools
+                .into_iter()
+                .map(|p| pb::PoolInfo {
+                    template: p.template,
+                    image: p.image,
+                    size: p.size,
+                    ready: p.ready,
+                    claims: p.claims,
+                    misses: p.misses,
+                    last_refill_ms: p.last_refill_ms,
+                })
+                .collect(),
         }
     }
 }
@@ -230,6 +257,19 @@ impl From<pb::WorkerInfo> for WorkerInfo {
             drain_deadline_ms: i.drain_deadline_ms,
             default_image: i.default_image,
             default_runtime: Some(i.default_runtime).filter(|r| !r.is_empty()),
+            pools: i
+                .pools
+                .into_iter()
+                .map(|p| PoolInfo {
+                    template: p.template,
+                    image: p.image,
+                    size: p.size,
+                    ready: p.ready,
+                    claims: p.claims,
+                    misses: p.misses,
+                    last_refill_ms: p.last_refill_ms,
+                })
+                .collect(),
         }
     }
 }

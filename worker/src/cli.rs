@@ -129,6 +129,14 @@ pub struct WorkerArgs {
     /// default: the system's resolver.
     #[arg(long, env = "CORRAL_EGRESS_RESOLVER")]
     pub egress_resolver: Option<SocketAddr>,
+    /// A warm pool (repeatable): IMAGE=N[,memory=SIZE][,cpus=N][,pids=N]
+    /// [,runtime=NAME] keeps N sandboxes of that template started and
+    /// idle; a create that matches it takes one at once (its id, env,
+    /// labels and lifetimes applied then). Members take slots of
+    /// --max-sandboxes, and give them up to a create that finds the worker
+    /// full.
+    #[arg(long = "pool", env = "CORRAL_POOL", value_parser = |s: &str| s.parse::<crate::pool::Template>())]
+    pub pools: Vec<crate::pool::Template>,
     /// Most egress connections one sandbox has open at once.
     #[arg(long, env = "CORRAL_EGRESS_MAX_CONNECTIONS", default_value_t = crate::proxy::DEFAULT_MAX_CONNECTIONS)]
     pub egress_max_connections: usize,
@@ -505,6 +513,7 @@ impl WorkerArgs {
             max_watchers: self.max_watchers,
             sandbox_uids: self.sandbox_uids,
             egress: self.egress()?,
+            pools: self.pools.clone(),
         })
     }
 

@@ -13,6 +13,8 @@
 //!   and no other sandbox holds;
 //! - [`policy`]: what a sandbox may be, as the operator allows it (clients
 //!   ask, the worker decides);
+//! - [`pool`]: warm pools, sandboxes of a template made ahead of time and
+//!   each handed to one matching create;
 //! - [`egress`]: reading what a sandbox's outbound connection asks for (a
 //!   proxy request's head, a TLS server name) and deciding on it by policy,
 //!   with [`dns`], its stub resolver, and [`proxy`], each sandbox's socket,
@@ -37,6 +39,7 @@ pub mod error;
 pub mod initbin;
 pub mod metrics;
 pub mod policy;
+pub mod pool;
 pub mod proxy;
 pub mod sandbox;
 pub mod server;

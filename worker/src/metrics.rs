@@ -40,6 +40,8 @@ pub struct WorkerMetrics {
     pub egress_connections: Family<Labels, Counter>,
     pub egress_bytes: Family<Labels, Counter>,
     pub egress_open: Gauge,
+    pub pool_ready: Family<Labels, Gauge>,
+    pub pool_claims: Family<Labels, Counter>,
 }
 
 impl Default for WorkerMetrics {
@@ -61,6 +63,8 @@ impl Default for WorkerMetrics {
             egress_connections: Family::default(),
             egress_bytes: Family::default(),
             egress_open: Gauge::default(),
+            pool_ready: Family::default(),
+            pool_claims: Family::default(),
         };
         registry.register("sandboxes", "Sandboxes held, by state", m.sandboxes.clone());
         registry.register(
@@ -116,6 +120,16 @@ impl Default for WorkerMetrics {
             m.egress_bytes.clone(),
         );
         registry.register(
+            "pool_ready",
+            "Warm pool members ready to be claimed, by template",
+            m.pool_ready.clone(),
+        );
+        registry.register(
+            "pool_claims",
+            "Creates that matched a pool's template, by template and result (claimed, missed: none was ready)",
+            m.pool_claims.clone(),
+        );
+        registry.register(
             "egress_open_connections",
             "Egress connections open now",
             m.egress_open.clone(),
@@ -162,6 +176,25 @@ impl WorkerMetrics {
                     .inc_by(n);
             }
         }
+    }
+
+    /// A create matched pool `template`: it took a member or found none.
+    pub fn pool_claimed(&self, template: &str, claimed: bool, ready: usize) {
+        let result = if claimed { "claimed" } else { "missed" };
+        self.pool_claims
+            .get_or_create(&vec![
+                ("template", template.to_string()),
+                ("result", result.to_string()),
+            ])
+            .inc();
+        self.pool_ready(template, ready);
+    }
+
+    /// Pool `template` has `ready` members ready.
+    pub fn pool_ready(&self, template: &str, ready: usize) {
+        self.pool_ready
+            .get_or_create(&vec![("template", template.to_string())])
+            .set(ready as i64);
     }
 
     /// A create ended with `outcome`.

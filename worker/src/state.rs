@@ -27,6 +27,10 @@ pub struct SandboxRecord {
     pub id: String,
     pub spec: SandboxSpec,
     pub created_at_unix_ms: i64,
+    /// Its container, when that was made under another id (a pool's
+    /// member, claimed): the container's label names the member.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub container_id: Option<String>,
 }
 
 const RECORD_VERSION: u32 = 1;
@@ -173,6 +177,7 @@ impl StateDir {
             id: id.to_string(),
             spec: spec.clone(),
             created_at_unix_ms: now_unix_ms(),
+            container_id: None,
         }
     }
 }

@@ -58,6 +58,8 @@ pub struct WorkerConfig {
     pub sandbox_uids: Option<crate::uids::UidRange>,
     /// How sandboxes' egress proxies connect, and their bounds.
     pub egress: crate::proxy::Settings,
+    /// Warm pools (`--pool`).
+    pub pools: Vec<crate::pool::Template>,
 }
 
 impl WorkerConfig {
@@ -79,6 +81,7 @@ impl WorkerConfig {
             drain_deadline: DEFAULT_DRAIN_DEADLINE,
             sandbox_uids: None,
             egress: crate::proxy::Settings::default(),
+            pools: Vec::new(),
         }
     }
 }
@@ -148,6 +151,11 @@ struct Inner {
     tracker: TaskTracker,
     shutdown: CancellationToken,
     egress: Arc<crate::proxy::Settings>,
+    /// The sandbox defaults (what a spec that names nothing gets).
+    defaults: Defaults,
+    /// Warm pools, and the wake of their filler.
+    pools: Mutex<Vec<crate::pool::Pool>>,
+    pool_wake: tokio::sync::Notify,
 }
 
 /// The reasons of the last [`Removed::KEPT`] removals.
@@ -203,6 +211,26 @@ impl Worker {
         let default_runtime = config.defaults.runtime.clone();
         let init = InitBinary::locate(config.init_binary.as_deref())?;
         let docker = docker::connect(config.docker_host.as_deref()).await?;
+        let defaults = config.defaults.clone();
+        for t in &config.pools {
+            let spec = t.spec();
+            spec.validate()
+                .map_err(|e| WorkerError::Config(format!("--pool {t}: {e}")))?;
+            crate::policy::check(
+                &config.policy,
+                &spec,
+                &defaults.image,
+                defaults.runtime.as_deref(),
+            )
+            .map_err(|e| WorkerError::Config(format!("--pool {t}: {e}")))?;
+        }
+        let pool_size: u32 = config.pools.iter().map(|t| t.size).sum();
+        if pool_size >= config.max_sandboxes {
+            return Err(WorkerError::Config(format!(
+                "--pool: {pool_size} members would take every one of --max-sandboxes {} slots",
+                config.max_sandboxes
+            )));
+        }
         let runtime = DockerRuntime::new(docker, worker_id.clone(), init, config.defaults)
             .with_state_dir(&config.state_dir);
         let uids = match config.sandbox_uids {
@@ -245,6 +273,15 @@ impl Worker {
                 tracker: TaskTracker::new(),
                 shutdown: CancellationToken::new(),
                 egress: Arc::new(config.egress),
+                defaults,
+                pools: Mutex::new(
+                    config
+                        .pools
+                        .into_iter()
+                        .map(crate::pool::Pool::new)
+                        .collect(),
+                ),
+                pool_wake: tokio::sync::Notify::new(),
             }),
         };
         worker.reconcile().await?;
@@ -267,6 +304,13 @@ impl Worker {
             .inner
             .tracker
             .spawn(async move { reaper.reap_idle_forever().await });
+        if !lock(&worker.inner.pools).is_empty() {
+            let filler = worker.clone();
+            worker
+                .inner
+                .tracker
+                .spawn(async move { filler.fill_pools_forever().await });
+        }
         info!(worker_id, state_dir = %config.state_dir.display(), "worker started");
         Ok(worker)
     }
@@ -283,10 +327,19 @@ impl Worker {
             .into_iter()
             .map(|r| (r.id.clone(), r))
             .collect();
+        let by_container: HashMap<String, String> = records
+            .values()
+            .filter_map(|r| r.container_id.clone().map(|c| (c, r.id.clone())))
+            .collect();
         let mut adopted = std::collections::HashSet::new();
         for c in inner.runtime.list_owned().await? {
             let Some(cid) = c.id.clone() else { continue };
-            let sid = docker::sandbox_label(&c);
+            // A claimed pool member's record names its container; its
+            // label, the member it was.
+            let sid = by_container
+                .get(&cid)
+                .cloned()
+                .unwrap_or_else(|| docker::sandbox_label(&c));
             let running = c.state == Some(bollard::models::ContainerSummaryStateEnum::RUNNING);
             match (records.get(&sid), SandboxId::new(sid.clone())) {
                 (Some(record), Ok(id)) if running => {
@@ -457,16 +510,16 @@ impl Worker {
         // record written before it was created, so a create racing with the
         // sweep is never mistaken for an orphan.
         let containers = self.inner.runtime.list_owned().await?;
-        let records: std::collections::HashSet<String> = self
-            .inner
-            .state
-            .load_all()?
-            .into_iter()
-            .map(|r| r.id)
-            .collect();
+        let all = self.inner.state.load_all()?;
+        let claimed: std::collections::HashSet<String> =
+            all.iter().filter_map(|r| r.container_id.clone()).collect();
+        let records: std::collections::HashSet<String> = all.into_iter().map(|r| r.id).collect();
         for c in containers {
             let sid = docker::sandbox_label(&c);
-            if records.contains(&sid) {
+            if records.contains(&sid)
+                || c.id.as_ref().is_some_and(|cid| claimed.contains(cid))
+                || lock(&self.inner.pools).iter().any(|p| p.holds(&sid))
+            {
                 continue;
             }
             if let Some(cid) = c.id {
@@ -618,20 +671,38 @@ impl Worker {
         if self.inner.drain.borrow().is_some() {
             return Err(WorkerError::Draining);
         }
+        // A warm member of a pool whose template this matches, if one is
+        // ready.
+        if let Some(made) = self.claim(&id, &spec).await? {
+            return Ok((made, true));
+        }
         // A slot is taken before the container is made (creates run
         // concurrently, and each takes seconds). A lost sandbox (its
         // container killed or removed behind the worker's back) holds
-        // none; the next sweep removes it.
-        let _slot = {
+        // none; the next sweep removes it. Pool members hold one each,
+        // and give it up to a create that finds the worker full.
+        let (_slot, evicted) = {
             let sandboxes = lock(&self.inner.sandboxes);
             let mut creating = lock(&self.inner.creating);
-            let count = sandboxes.values().filter(|s| !s.is_lost()).count() + *creating;
+            let mut pools = lock(&self.inner.pools);
+            // Members still being made do not count here: one that is
+            // done when the worker has no room for it is removed.
+            let held: usize = pools.iter().map(|p| p.ready.len()).sum();
+            let count = sandboxes.values().filter(|s| !s.is_lost()).count() + *creating + held;
+            let mut evicted = None;
             if count >= self.inner.max_sandboxes as usize {
-                return Err(WorkerError::AtCapacity(self.inner.max_sandboxes));
+                evicted = pools.iter_mut().find_map(|p| p.ready.pop_front());
+                if evicted.is_none() {
+                    return Err(WorkerError::AtCapacity(self.inner.max_sandboxes));
+                }
             }
             *creating += 1;
-            Slot(&self.inner.creating)
+            (Slot(&self.inner.creating), evicted)
         };
+        if let Some(m) = evicted {
+            info!(member = %m.id, "a pool member gives its slot to a create");
+            self.discard_member(m).await;
+        }
         let record = StateDir::new_record(&id, &spec);
         self.inner.state.save(&record)?;
         let forget = |this: &Self| {
@@ -677,6 +748,216 @@ impl Worker {
         info!(sandbox = %id, container = %container, "sandbox ready");
         lock(&self.inner.sandboxes).insert(id, sandbox.clone());
         Ok((self.info_of(&sandbox), true))
+    }
+
+    /// A pool's ready member made into sandbox `id` with `spec`, if a pool
+    /// matches and has one (`None`: made cold). The member's container,
+    /// started and answering, gets the sandbox's record and a new actor;
+    /// its commands get the spec's environment from the worker.
+    async fn claim(&self, id: &SandboxId, spec: &SandboxSpec) -> Result<Option<SandboxInfo>> {
+        let (member, dead) = {
+            let mut pools = lock(&self.inner.pools);
+            let Some(pool) = pools
+                .iter_mut()
+                .find(|p| p.template.matches(spec, &self.inner.defaults))
+            else {
+                return Ok(None);
+            };
+            let mut dead = Vec::new();
+            let mut found = None;
+            while let Some(m) = pool.ready.pop_front() {
+                if m.sandbox.is_lost() {
+                    dead.push(m);
+                } else {
+                    found = Some(m);
+                    break;
+                }
+            }
+            match &found {
+                Some(_) => pool.claims += 1,
+                None => pool.misses += 1,
+            }
+            let label = pool.template.to_string();
+            self.inner
+                .metrics
+                .pool_claimed(&label, found.is_some(), pool.ready.len());
+            (found, dead)
+        };
+        // Its slot, from the pool's to this sandbox's, held until it is
+        // among the sandboxes.
+        let slot = member.as_ref().map(|_| {
+            *lock(&self.inner.creating) += 1;
+            Slot(&self.inner.creating)
+        });
+        for m in dead {
+            self.discard_member(m).await;
+        }
+        self.inner.pool_wake.notify_one();
+        let Some(member) = member else {
+            return Ok(None);
+        };
+        let container = member.sandbox.container_id.clone();
+        member.sandbox.close();
+        let mut record = StateDir::new_record(id, spec);
+        record.container_id = Some(container.clone());
+        if let Err(e) = self.inner.state.save(&record) {
+            let _ = self.inner.runtime.remove_container(&container).await;
+            return Err(e);
+        }
+        let sandbox = Sandbox::spawn(
+            id.clone(),
+            spec.clone(),
+            container.clone(),
+            record.created_at_unix_ms,
+            None,
+            &self.env(),
+        );
+        if let Err(e) = sandbox.wait_ready(READY_TIMEOUT).await {
+            warn!(sandbox = %id, member = %member.id, error = %e, "a claimed member did not answer; made cold instead");
+            sandbox.close();
+            let _ = self.inner.runtime.remove_container(&container).await;
+            let _ = self.inner.state.remove(id);
+            return Ok(None);
+        }
+        info!(sandbox = %id, member = %member.id, container = %container, "sandbox ready, from a pool");
+        lock(&self.inner.sandboxes).insert(id.clone(), sandbox.clone());
+        drop(slot);
+        Ok(Some(self.info_of(&sandbox)))
+    }
+
+    /// Removes a pool member (dead, evicted, or the pools emptied).
+    async fn discard_member(&self, m: crate::pool::Member) {
+        m.sandbox.close();
+        if let Err(e) = self
+            .inner
+            .runtime
+            .remove_container(&m.sandbox.container_id)
+            .await
+        {
+            warn!(member = %m.id, error = %e, "could not remove a pool member");
+        }
+    }
+
+    /// Keeps every pool at its size, as capacity allows: members that died
+    /// are removed, new ones made one at a time (woken by claims, else
+    /// every two seconds), never while draining or stopping.
+    async fn fill_pools_forever(&self) {
+        loop {
+            self.fill_pools().await;
+            tokio::select! {
+                () = self.inner.shutdown.cancelled() => return,
+                () = self.inner.pool_wake.notified() => {}
+                () = tokio::time::sleep(Duration::from_secs(2)) => {}
+            }
+        }
+    }
+
+    async fn fill_pools(&self) {
+        let dead: Vec<crate::pool::Member> = {
+            let mut pools = lock(&self.inner.pools);
+            let mut dead = Vec::new();
+            for p in pools.iter_mut() {
+                let (gone, alive): (Vec<_>, Vec<_>) =
+                    p.ready.drain(..).partition(|m| m.sandbox.is_lost());
+                p.ready = alive.into();
+                dead.extend(gone);
+            }
+            dead
+        };
+        for m in dead {
+            warn!(member = %m.id, "a pool member died; it is replaced");
+            self.discard_member(m).await;
+        }
+        loop {
+            if self.inner.shutdown.is_cancelled() || self.inner.drain.borrow().is_some() {
+                return;
+            }
+            // The next member: of the pool that lacks the most, if the
+            // worker has a slot for it.
+            let next = {
+                let sandboxes = lock(&self.inner.sandboxes);
+                let creating = lock(&self.inner.creating);
+                let mut pools = lock(&self.inner.pools);
+                let held: usize = pools.iter().map(crate::pool::Pool::held).sum();
+                let count = sandboxes.values().filter(|s| !s.is_lost()).count() + *creating + held;
+                if count >= self.inner.max_sandboxes as usize {
+                    None
+                } else {
+                    pools
+                        .iter_mut()
+                        .enumerate()
+                        .filter(|(_, p)| p.held() < p.template.size as usize)
+                        .max_by_key(|(_, p)| p.template.size as usize - p.held())
+                        .map(|(i, p)| {
+                            let id = crate::pool::member_id();
+                            p.filling.push(id.clone());
+                            (i, id, p.template.spec())
+                        })
+                }
+            };
+            let Some((i, id, spec)) = next else { return };
+            let started = std::time::Instant::now();
+            let made = self.make_member(&id, spec).await;
+            let unwanted = {
+                let sandboxes = lock(&self.inner.sandboxes);
+                let creating = lock(&self.inner.creating);
+                let mut pools = lock(&self.inner.pools);
+                pools[i].filling.retain(|f| f != &id);
+                let held: usize = pools.iter().map(crate::pool::Pool::held).sum();
+                let count = sandboxes.values().filter(|s| !s.is_lost()).count() + *creating + held;
+                let pool = &mut pools[i];
+                match made {
+                    // Made while creates filled the worker: no room.
+                    Ok(sandbox) if count >= self.inner.max_sandboxes as usize => {
+                        Some(crate::pool::Member { id, sandbox })
+                    }
+                    Ok(sandbox) => {
+                        pool.last_refill = Some(started.elapsed());
+                        pool.ready.push_back(crate::pool::Member { id, sandbox });
+                        let label = pool.template.to_string();
+                        self.inner.metrics.pool_ready(&label, pool.ready.len());
+                        None
+                    }
+                    Err(e) => {
+                        warn!(member = %id, error = %e, "could not make a pool member; trying again later");
+                        return;
+                    }
+                }
+            };
+            if let Some(m) = unwanted {
+                self.discard_member(m).await;
+                return;
+            }
+        }
+    }
+
+    async fn make_member(&self, id: &SandboxId, spec: SandboxSpec) -> Result<Sandbox> {
+        let container = self.inner.runtime.create(id, &spec, None).await?;
+        let sandbox = Sandbox::spawn(
+            id.clone(),
+            spec,
+            container.clone(),
+            crate::state::now_unix_ms(),
+            None,
+            &self.env(),
+        );
+        if let Err(e) = sandbox.wait_ready(READY_TIMEOUT).await {
+            sandbox.close();
+            let _ = self.inner.runtime.remove_container(&container).await;
+            return Err(e);
+        }
+        Ok(sandbox)
+    }
+
+    /// Removes every pool member (a drain, a shutdown that removes all).
+    async fn empty_pools(&self) {
+        let members: Vec<crate::pool::Member> = lock(&self.inner.pools)
+            .iter_mut()
+            .flat_map(|p| p.ready.drain(..).collect::<Vec<_>>())
+            .collect();
+        for m in members {
+            self.discard_member(m).await;
+        }
     }
 
     /// A sandbox as clients see it: with its worker and its image.
@@ -736,7 +1017,20 @@ impl Worker {
         spec: OperationSpec,
     ) -> Result<OperationRecord> {
         spec.validate()?;
-        self.sandbox(sandbox)?.submit(id, spec).await
+        let sb = self.sandbox(sandbox)?;
+        // The sandbox's environment, under the command's own: the
+        // container has it already, unless the sandbox was a pool's
+        // member, made before anyone asked for it.
+        let spec = match spec {
+            OperationSpec::Shell(mut s) => {
+                for (k, v) in &sb.spec.env {
+                    s.env.entry(k.clone()).or_insert_with(|| v.clone());
+                }
+                OperationSpec::Shell(s)
+            }
+            other => other,
+        };
+        sb.submit(id, spec).await
     }
 
     /// What the sandbox uses now (about a second: see `GetSandboxStats`).
@@ -859,6 +1153,7 @@ impl Worker {
             drain_deadline_ms: drain.map_or(0, |ms| u64::try_from(ms).unwrap_or(0)),
             default_image: self.inner.default_image.clone(),
             default_runtime: self.inner.default_runtime.clone(),
+            pools: lock(&self.inner.pools).iter().map(Into::into).collect(),
         }
     }
 
@@ -879,12 +1174,22 @@ impl Worker {
             self.inner.state.set_drain_deadline(next)?;
             self.inner.drain.send_replace(next);
             match next {
-                Some(deadline) => info!(
-                    sandboxes = lock(&self.inner.sandboxes).len(),
-                    deadline_ms = deadline,
-                    "draining: no new sandboxes; the ones here are served until they end or the deadline passes"
-                ),
-                None => info!("drain ended: taking new sandboxes again"),
+                Some(deadline) => {
+                    info!(
+                        sandboxes = lock(&self.inner.sandboxes).len(),
+                        deadline_ms = deadline,
+                        "draining: no new sandboxes; the ones here are served until they end or the deadline passes"
+                    );
+                    // Nobody will claim the pools' members now.
+                    let w = self.clone();
+                    self.inner
+                        .tracker
+                        .spawn(async move { w.empty_pools().await });
+                }
+                None => {
+                    info!("drain ended: taking new sandboxes again");
+                    self.inner.pool_wake.notify_one();
+                }
             }
         }
         Ok(self.info())
@@ -950,6 +1255,8 @@ impl Worker {
     /// gRPC server can drain). Sandboxes keep running: the next start of a
     /// worker on this state directory re-adopts them.
     pub async fn shutdown(&self) {
+        // Pool members stay, as sandboxes do: having no record, they are
+        // removed (and made anew) by the next start.
         self.inner.shutdown.cancel();
         self.inner.tracker.close();
         if tokio::time::timeout(Duration::from_secs(5), self.inner.tracker.wait())
@@ -962,6 +1269,7 @@ impl Worker {
 
     /// Destroys every sandbox, then shuts down (the embedded worker's exit).
     pub async fn destroy_all_and_shutdown(&self) {
+        self.empty_pools().await;
         let ids: Vec<SandboxId> = lock(&self.inner.sandboxes).keys().cloned().collect();
         for id in ids {
             if let Err(e) = self.remove_sandbox(&id, "its worker shut down").await {

@@ -140,7 +140,24 @@ fn lines(info: &WorkerInfo) -> Vec<(&'static str, String)> {
         ),
         ("allows", allows(&info.policy)),
         ("at most", ceilings(&info.policy.ceilings)),
+        ("pools", pools_text(&info.pools)),
     ]
+}
+
+fn pools_text(pools: &[corral_proto::PoolInfo]) -> String {
+    if pools.is_empty() {
+        return "none".into();
+    }
+    pools
+        .iter()
+        .map(|p| {
+            format!(
+                "{} ({} of {} ready; {} claimed, {} missed; last made in {} ms)",
+                p.template, p.ready, p.size, p.claims, p.misses, p.last_refill_ms
+            )
+        })
+        .collect::<Vec<_>>()
+        .join("; ")
 }
 
 /// What a sandbox may ask for beyond the hardened default, as the flags
@@ -166,6 +183,10 @@ fn allows(p: &corral_proto::SandboxPolicy) -> String {
     }
     if !p.allowed_runtimes.is_empty() {
         parts.push(format!("runtimes {}", p.allowed_runtimes.join(",")));
+    }
+    if !p.allowed_egress.is_empty() {
+        let rules: Vec<String> = p.allowed_egress.iter().map(ToString::to_string).collect();
+        parts.push(format!("egress within {}", rules.join(",")));
     }
     if parts.is_empty() {
         "nothing beyond the default (its image and Corral's own)".into()
@@ -195,6 +216,7 @@ fn policy_json(p: &corral_proto::SandboxPolicy) -> serde_json::Value {
         "allowed_images": p.allowed_images,
         "allow_any_image": p.allow_any_image,
         "allowed_runtimes": p.allowed_runtimes,
+        "allowed_egress": p.allowed_egress.iter().map(ToString::to_string).collect::<Vec<_>>(),
         "ceilings": {
             "memory_bytes": p.ceilings.memory_bytes,
             "cpu_millis": p.ceilings.cpu_millis,
@@ -218,6 +240,15 @@ fn to_json(info: &WorkerInfo) -> serde_json::Value {
         "default_image": info.default_image,
         "default_runtime": info.default_runtime,
         "policy": policy_json(&info.policy),
+        "pools": info.pools.iter().map(|p| serde_json::json!({
+            "template": p.template,
+            "image": p.image,
+            "size": p.size,
+            "ready": p.ready,
+            "claims": p.claims,
+            "misses": p.misses,
+            "last_refill_ms": p.last_refill_ms,
+        })).collect::<Vec<_>>(),
     })
 }
 

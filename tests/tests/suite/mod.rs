@@ -15,6 +15,7 @@ mod llama;
 mod llm;
 mod managers;
 mod ordering;
+mod pools;
 mod processes;
 mod resilience;
 mod restart;

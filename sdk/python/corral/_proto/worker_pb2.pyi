@@ -620,7 +620,7 @@ class SandboxStats(_message.Message):
     def __init__(self, sandbox_id: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., memory_limit_bytes: _Optional[int] = ..., files_bytes: _Optional[int] = ..., cpu_percent: _Optional[float] = ..., cpu_total_ns: _Optional[int] = ..., pids: _Optional[int] = ..., pids_limit: _Optional[int] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "version", "max_sandboxes", "sandboxes", "running_operations", "docker_version", "policy", "draining", "drain_deadline_ms", "default_image", "default_runtime")
+    __slots__ = ("worker_id", "version", "max_sandboxes", "sandboxes", "running_operations", "docker_version", "policy", "draining", "drain_deadline_ms", "default_image", "default_runtime", "pools")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MAX_SANDBOXES_FIELD_NUMBER: _ClassVar[int]
@@ -632,6 +632,7 @@ class WorkerInfo(_message.Message):
     DRAIN_DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_IMAGE_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_RUNTIME_FIELD_NUMBER: _ClassVar[int]
+    POOLS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     version: str
     max_sandboxes: int
@@ -643,7 +644,26 @@ class WorkerInfo(_message.Message):
     drain_deadline_ms: int
     default_image: str
     default_runtime: str
-    def __init__(self, worker_id: _Optional[str] = ..., version: _Optional[str] = ..., max_sandboxes: _Optional[int] = ..., sandboxes: _Optional[int] = ..., running_operations: _Optional[int] = ..., docker_version: _Optional[str] = ..., policy: _Optional[_Union[SandboxPolicy, _Mapping]] = ..., draining: _Optional[bool] = ..., drain_deadline_ms: _Optional[int] = ..., default_image: _Optional[str] = ..., default_runtime: _Optional[str] = ...) -> None: ...
+    pools: _containers.RepeatedCompositeFieldContainer[PoolInfo]
+    def __init__(self, worker_id: _Optional[str] = ..., version: _Optional[str] = ..., max_sandboxes: _Optional[int] = ..., sandboxes: _Optional[int] = ..., running_operations: _Optional[int] = ..., docker_version: _Optional[str] = ..., policy: _Optional[_Union[SandboxPolicy, _Mapping]] = ..., draining: _Optional[bool] = ..., drain_deadline_ms: _Optional[int] = ..., default_image: _Optional[str] = ..., default_runtime: _Optional[str] = ..., pools: _Optional[_Iterable[_Union[PoolInfo, _Mapping]]] = ...) -> None: ...
+
+class PoolInfo(_message.Message):
+    __slots__ = ("template", "image", "size", "ready", "claims", "misses", "last_refill_ms")
+    TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
+    CLAIMS_FIELD_NUMBER: _ClassVar[int]
+    MISSES_FIELD_NUMBER: _ClassVar[int]
+    LAST_REFILL_MS_FIELD_NUMBER: _ClassVar[int]
+    template: str
+    image: str
+    size: int
+    ready: int
+    claims: int
+    misses: int
+    last_refill_ms: int
+    def __init__(self, template: _Optional[str] = ..., image: _Optional[str] = ..., size: _Optional[int] = ..., ready: _Optional[int] = ..., claims: _Optional[int] = ..., misses: _Optional[int] = ..., last_refill_ms: _Optional[int] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ("drain",)

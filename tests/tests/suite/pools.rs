@@ -1,0 +1,294 @@
+//! Warm pools on a real worker (its `--pool` flag) and a real engine: a
+//! claim is a started sandbox with what was asked of it applied; no member
+//! is handed out twice or keeps anything of an earlier tenant; members that
+//! die are replaced; capacity holds; a restart leaves nothing behind.
+
+use std::collections::HashSet;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use corral_e2e::{WorkerProcess, free_port, run_shell, unique_id};
+use corral_harness::client::WorkerClient;
+use corral_proto::{SandboxId, SandboxSpec};
+
+fn spawn(state: &std::path::Path, id: &str, port: u16, args: &[&str]) -> Result<WorkerProcess> {
+    WorkerProcess::spawn(state, id, port, &[], args)
+}
+
+/// Waits until the worker's first pool has `ready` members.
+async fn ready(client: &WorkerClient, ready: u32) -> Result<corral_proto::PoolInfo> {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let info = client.worker_info().await?;
+        let pool = info.pools.first().cloned().context("no pool")?;
+        if pool.ready >= ready {
+            return Ok(pool);
+        }
+        if Instant::now() > deadline {
+            bail!("the pool never had {ready} ready: {pool:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// The containers of this worker that are pool members (by their names).
+fn members(worker_id: &str) -> Result<Vec<String>> {
+    let out = std::process::Command::new("docker")
+        .args([
+            "ps",
+            "-a",
+            "--filter",
+            &format!("label=corral.worker={worker_id}"),
+            "--format",
+            "{{.ID}} {{.Names}}",
+        ])
+        .output()?;
+    Ok(String::from_utf8(out.stdout)?
+        .lines()
+        .filter(|l| l.contains("-pool-"))
+        .filter_map(|l| l.split(' ').next().map(String::from))
+        .collect())
+}
+
+#[tokio::test]
+async fn a_claim_is_a_started_sandbox_with_what_was_asked_and_nothing_of_a_tenant_before()
+-> Result<()> {
+    let state = tempfile::tempdir()?;
+    let worker = spawn(
+        state.path(),
+        &unique_id("pl"),
+        free_port()?,
+        &["--pool", "corral-sandbox:latest=2"],
+    )?;
+    let client = worker.client().await?;
+    let before = ready(&client, 2).await?;
+    assert_eq!((before.size, before.claims), (2, 0));
+    // Members are not the user's sandboxes.
+    assert!(client.list_sandboxes().await?.is_empty());
+    let id = SandboxId::new(unique_id("sb"))?;
+    let spec = SandboxSpec {
+        env: [("GREETING".to_string(), "from the claim".to_string())].into(),
+        labels: [("team".to_string(), "pools".to_string())].into(),
+        ttl_ms: Some(3_600_000),
+        idle_timeout_ms: Some(600_000),
+        ..SandboxSpec::default()
+    };
+    let made = client.create_sandbox(Some(&id), spec.clone()).await?;
+    assert_eq!(made.id, id);
+    assert_eq!(made.spec.labels, spec.labels);
+    assert_eq!(made.spec.ttl_ms, Some(3_600_000));
+    // Its commands have its environment, its user and its workspace.
+    let out = run_shell(
+        &client,
+        &id,
+        "echo \"$GREETING\"; id -u; pwd; ls -A /workspace | wc -l",
+    )
+    .await?;
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(lines[0], "from the claim", "{out}");
+    assert_ne!(lines[1], "0");
+    assert_eq!(lines[2], "/workspace");
+    assert_eq!(lines[3], "0", "a fresh workspace: {out}");
+    let after = client.worker_info().await?;
+    assert_eq!(after.pools[0].claims, 1);
+    assert_eq!(
+        client
+            .list_sandboxes()
+            .await?
+            .iter()
+            .map(|s| s.id.clone())
+            .collect::<Vec<_>>(),
+        vec![id.clone()]
+    );
+    // The same create again is the same sandbox, not another claim.
+    client.create_sandbox(Some(&id), spec).await?;
+    assert_eq!(client.worker_info().await?.pools[0].claims, 1);
+    // The pool is made whole again.
+    ready(&client, 2).await?;
+    client.destroy_sandbox(&id).await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn two_hundred_claims_in_a_row_never_share_a_member() -> Result<()> {
+    let state = tempfile::tempdir()?;
+    let worker = spawn(
+        state.path(),
+        &unique_id("pl"),
+        free_port()?,
+        &["--pool", "corral-sandbox:latest=4"],
+    )?;
+    let client = worker.client().await?;
+    ready(&client, 4).await?;
+    let mut containers = HashSet::new();
+    for i in 0..200 {
+        let sb = client.create_sandbox(None, SandboxSpec::default()).await?;
+        assert!(
+            containers.insert(sb.container_id.clone()),
+            "claim {i} got container {} again",
+            sb.container_id
+        );
+        // Whatever a tenant leaves, the next one never sees.
+        let out = run_shell(
+            &client,
+            &sb.id,
+            "ls /workspace/left-behind 2>/dev/null; touch /workspace/left-behind /tmp/left-behind; echo ok",
+        )
+        .await?;
+        assert_eq!(out.trim(), "ok", "claim {i}: {out}");
+        client.destroy_sandbox(&sb.id).await?;
+    }
+    let pool = client.worker_info().await?.pools[0].clone();
+    assert_eq!(pool.claims + pool.misses, 200, "{pool:?}");
+    assert!(pool.claims >= 4, "{pool:?}");
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_member_killed_from_outside_is_replaced_and_never_handed_out() -> Result<()> {
+    let state = tempfile::tempdir()?;
+    let wid = unique_id("pl");
+    let worker = spawn(
+        state.path(),
+        &wid,
+        free_port()?,
+        &["--pool", "corral-sandbox:latest=2"],
+    )?;
+    let client = worker.client().await?;
+    ready(&client, 2).await?;
+    let first = members(&wid)?;
+    assert_eq!(first.len(), 2, "{first:?}");
+    for c in &first {
+        let killed = std::process::Command::new("docker")
+            .args(["kill", c])
+            .output()?;
+        assert!(killed.status.success());
+    }
+    // Both are replaced by new ones; the dead are gone.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let now = members(&wid)?;
+        if now.len() == 2 && now.iter().all(|c| !first.contains(c)) {
+            break;
+        }
+        if Instant::now() > deadline {
+            bail!("members not replaced: {now:?} (killed {first:?})");
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    ready(&client, 2).await?;
+    let sb = client.create_sandbox(None, SandboxSpec::default()).await?;
+    assert!(
+        !first
+            .iter()
+            .any(|c| sb.container_id.starts_with(c.as_str()))
+    );
+    assert_eq!(
+        run_shell(&client, &sb.id, "echo alive").await?.trim(),
+        "alive"
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_full_worker_with_a_pool_refuses_as_before_and_a_miss_is_made_cold() -> Result<()> {
+    let state = tempfile::tempdir()?;
+    let worker = spawn(
+        state.path(),
+        &unique_id("pl"),
+        free_port()?,
+        &["--max-sandboxes", "3", "--pool", "corral-sandbox:latest=1"],
+    )?;
+    let client = worker.client().await?;
+    ready(&client, 1).await?;
+    // A claim, then at once another create of the template: none is ready
+    // yet, so it is made cold (and counted as a miss).
+    let a = client.create_sandbox(None, SandboxSpec::default()).await?;
+    let b = client.create_sandbox(None, SandboxSpec::default()).await?;
+    let pool = client.worker_info().await?.pools[0].clone();
+    assert_eq!(pool.claims + pool.misses, 2, "{pool:?}");
+    assert_eq!(run_shell(&client, &b.id, "echo cold").await?.trim(), "cold");
+    // A create that matches no template is made cold too.
+    let c = client
+        .create_sandbox(
+            None,
+            SandboxSpec {
+                pids_limit: Some(64),
+                ..SandboxSpec::default()
+            },
+        )
+        .await?;
+    // Three sandboxes: the worker is full, its pool's slot given up.
+    let e = client
+        .create_sandbox(None, SandboxSpec::default())
+        .await
+        .expect_err("full");
+    assert!(e.is_refusal(), "{e}");
+    for sb in [&a, &b, &c] {
+        client.destroy_sandbox(&sb.id).await?;
+    }
+    // Room again: the pool fills.
+    ready(&client, 1).await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_restarted_worker_keeps_its_claims_and_leaves_no_member_behind() -> Result<()> {
+    let state = tempfile::tempdir()?;
+    let (wid, port) = (unique_id("pl"), free_port()?);
+    let args = ["--pool", "corral-sandbox:latest=2"];
+    let mut worker = spawn(state.path(), &wid, port, &args)?;
+    let client = worker.client().await?;
+    ready(&client, 2).await?;
+    let sb = client
+        .create_sandbox(
+            None,
+            SandboxSpec {
+                env: [("KEPT".to_string(), "yes".to_string())].into(),
+                ..SandboxSpec::default()
+            },
+        )
+        .await?;
+    ready(&client, 2).await?;
+    let before: Vec<String> = members(&wid)?
+        .into_iter()
+        .filter(|c| !sb.container_id.starts_with(c.as_str()))
+        .collect();
+    worker.kill9();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let again = spawn(state.path(), &wid, port, &args)?;
+    std::mem::forget(std::mem::replace(&mut worker, again));
+    let client = worker.client().await?;
+    // The claimed sandbox is adopted, its environment still given.
+    let listed: Vec<SandboxId> = client
+        .list_sandboxes()
+        .await?
+        .into_iter()
+        .map(|s| s.id)
+        .collect();
+    assert_eq!(listed, vec![sb.id.clone()]);
+    assert_eq!(
+        run_shell(&client, &sb.id, "echo $KEPT").await?.trim(),
+        "yes"
+    );
+    // The old members are removed, new ones made (the claimed sandbox's
+    // container keeps the name it was made with).
+    ready(&client, 2).await?;
+    let claimed = |c: &String| sb.container_id.starts_with(c.as_str());
+    let now: Vec<String> = members(&wid)?.into_iter().filter(|c| !claimed(c)).collect();
+    assert_eq!(now.len(), 2, "{now:?}");
+    assert!(
+        now.iter().all(|c| !before.contains(c)),
+        "{before:?} {now:?}"
+    );
+    // A stop (SIGTERM) ends at once, pool or not. Blocking: off the
+    // runtime, whose connections must see the goodbye.
+    let code = tokio::task::spawn_blocking(move || {
+        let mut w = worker;
+        w.terminate(Duration::from_secs(30))
+    })
+    .await??;
+    assert_eq!(code, Some(0));
+    corral_e2e::remove_containers_of(&wid);
+    Ok(())
+}

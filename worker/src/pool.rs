@@ -1,0 +1,294 @@
+//! Warm pools: sandboxes of a template, made and started ahead of time
+//! (hardened, their supervisor up and answering), each handed out once to a
+//! create that matches the template. What is per sandbox is applied at the
+//! claim: its id, record and lifetimes (the worker's), its labels, and its
+//! environment (given to each of its commands by the worker). A member is
+//! used once: nothing of an earlier tenant can be in it.
+//!
+//! The pool state is the worker's (one lock, short sections); the members'
+//! containers carry the worker's labels but no record, so a worker that
+//! starts again removes them (they are made again), and its sweep leaves
+//! alone the ones its pools hold.
+
+use std::collections::VecDeque;
+use std::str::FromStr;
+use std::time::Duration;
+
+use corral_proto::{NetworkMode, SandboxId, SandboxSpec};
+
+use crate::docker::Defaults;
+use crate::sandbox::Sandbox;
+
+/// One `--pool IMAGE=N[,memory=SIZE][,cpus=N][,pids=N][,runtime=NAME]`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Template {
+    pub image: String,
+    pub size: u32,
+    pub memory_bytes: Option<u64>,
+    pub cpu_millis: Option<u32>,
+    pub pids_limit: Option<u32>,
+    pub runtime: Option<String>,
+}
+
+/// Most members one template may keep.
+pub const MAX_POOL_SIZE: u32 = 1024;
+
+impl FromStr for Template {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let bad = |why: String| {
+            format!("--pool {s:?}: {why} (IMAGE=N[,memory=SIZE][,cpus=N][,pids=N][,runtime=NAME])")
+        };
+        let mut parts = s.split(',');
+        let head = parts.next().unwrap_or("");
+        let (image, size) = head.rsplit_once('=').ok_or_else(|| bad("no size".into()))?;
+        if image.is_empty() {
+            return Err(bad("no image".into()));
+        }
+        let size: u32 = size
+            .parse()
+            .map_err(|_| bad(format!("{size:?} is not a number of sandboxes")))?;
+        if size == 0 || size > MAX_POOL_SIZE {
+            return Err(bad(format!("a size of 1-{MAX_POOL_SIZE}")));
+        }
+        let mut t = Template {
+            image: image.to_string(),
+            size,
+            memory_bytes: None,
+            cpu_millis: None,
+            pids_limit: None,
+            runtime: None,
+        };
+        for p in parts {
+            let (k, v) = p
+                .split_once('=')
+                .ok_or_else(|| bad(format!("{p:?} is not KEY=VALUE")))?;
+            match k {
+                "memory" => t.memory_bytes = Some(crate::cli::parse_size(v).map_err(bad)?),
+                "cpus" => {
+                    let c: f64 = v
+                        .parse()
+                        .ok()
+                        .filter(|c: &f64| c.is_finite() && *c > 0.0)
+                        .ok_or_else(|| bad(format!("cpus {v:?}")))?;
+                    t.cpu_millis = Some((c * 1000.0).round() as u32);
+                }
+                "pids" => {
+                    t.pids_limit = Some(
+                        v.parse()
+                            .ok()
+                            .filter(|n| *n >= 8)
+                            .ok_or_else(|| bad(format!("pids {v:?} (at least 8)")))?,
+                    )
+                }
+                "runtime" if !v.is_empty() => t.runtime = Some(v.to_string()),
+                other => return Err(bad(format!("unknown key {other:?}"))),
+            }
+        }
+        Ok(t)
+    }
+}
+
+impl std::fmt::Display for Template {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}={}", self.image, self.size)?;
+        if let Some(m) = self.memory_bytes {
+            write!(f, ",memory={m}")?;
+        }
+        if let Some(c) = self.cpu_millis {
+            write!(f, ",cpus={}", f64::from(c) / 1000.0)?;
+        }
+        if let Some(p) = self.pids_limit {
+            write!(f, ",pids={p}")?;
+        }
+        if let Some(r) = &self.runtime {
+            write!(f, ",runtime={r}")?;
+        }
+        Ok(())
+    }
+}
+
+impl Template {
+    /// The spec its members are made with.
+    pub fn spec(&self) -> SandboxSpec {
+        SandboxSpec {
+            image: Some(self.image.clone()),
+            memory_bytes: self.memory_bytes,
+            cpu_millis: self.cpu_millis,
+            pids_limit: self.pids_limit,
+            runtime: self.runtime.clone(),
+            ..SandboxSpec::default()
+        }
+    }
+
+    /// Whether a member can be what `spec` asks for: the same image,
+    /// limits and runtime (each as the worker resolves it), and nothing
+    /// that is fixed when a container is made (root, a writable root,
+    /// capabilities, a network, egress, other tmpfs sizes).
+    pub fn matches(&self, spec: &SandboxSpec, d: &Defaults) -> bool {
+        let plain = spec.network == NetworkMode::None
+            && spec.egress.is_empty()
+            && !spec.run_as_root
+            && !spec.writable_rootfs
+            && spec.add_capabilities.is_empty()
+            && !spec.memory_includes_files
+            && spec.workspace_bytes.unwrap_or(d.workspace_bytes) == d.workspace_bytes
+            && spec.tmp_bytes.unwrap_or(d.tmp_bytes) == d.tmp_bytes;
+        plain
+            && spec.image.as_deref().unwrap_or(&d.image) == self.image
+            && spec.memory_bytes.unwrap_or(d.memory_bytes)
+                == self.memory_bytes.unwrap_or(d.memory_bytes)
+            && spec.cpu_millis.unwrap_or(d.cpu_millis) == self.cpu_millis.unwrap_or(d.cpu_millis)
+            && spec.pids_limit.unwrap_or(d.pids_limit) == self.pids_limit.unwrap_or(d.pids_limit)
+            && spec.runtime.as_ref().or(d.runtime.as_ref())
+                == self.runtime.as_ref().or(d.runtime.as_ref())
+    }
+}
+
+/// A started, ready member, and the actor that watches it (so one that
+/// dies is seen and replaced).
+pub struct Member {
+    pub id: SandboxId,
+    pub sandbox: Sandbox,
+}
+
+/// One template's members and counts.
+pub struct Pool {
+    pub template: Template,
+    pub ready: VecDeque<Member>,
+    /// Ids of members being made (their containers exist or are about to).
+    pub filling: Vec<SandboxId>,
+    pub claims: u64,
+    pub misses: u64,
+    /// How long the last member took to make, start and answer.
+    pub last_refill: Option<Duration>,
+}
+
+impl Pool {
+    pub fn new(template: Template) -> Self {
+        Self {
+            template,
+            ready: VecDeque::new(),
+            filling: Vec::new(),
+            claims: 0,
+            misses: 0,
+            last_refill: None,
+        }
+    }
+
+    /// Members held (ready and being made): each takes a slot.
+    pub fn held(&self) -> usize {
+        self.ready.len() + self.filling.len()
+    }
+
+    /// Whether `id` is one of this pool's members.
+    pub fn holds(&self, id: &str) -> bool {
+        self.ready.iter().any(|m| m.id.as_str() == id)
+            || self.filling.iter().any(|f| f.as_str() == id)
+    }
+}
+
+/// A member's id: the pool's prefix, then a random part.
+pub fn member_id() -> SandboxId {
+    let raw = SandboxId::random();
+    SandboxId::new(format!("pool-{raw}")).unwrap_or(raw)
+}
+
+impl From<&Pool> for corral_proto::PoolInfo {
+    fn from(p: &Pool) -> Self {
+        Self {
+            template: p.template.to_string(),
+            image: p.template.image.clone(),
+            size: p.template.size,
+            ready: p.ready.len() as u32,
+            claims: p.claims,
+            misses: p.misses,
+            last_refill_ms: p.last_refill.map_or(0, |d| d.as_millis() as u64),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn templates_parse_print_and_refuse_what_they_cannot_be() {
+        let t: Template = "corral-debian:latest=4,memory=512m,cpus=0.5,pids=64,runtime=runsc"
+            .parse()
+            .unwrap();
+        assert_eq!(t.image, "corral-debian:latest");
+        assert_eq!(t.size, 4);
+        assert_eq!(t.memory_bytes, Some(512 << 20));
+        assert_eq!(t.cpu_millis, Some(500));
+        assert_eq!(t.pids_limit, Some(64));
+        assert_eq!(t.runtime.as_deref(), Some("runsc"));
+        assert_eq!(
+            t.to_string(),
+            "corral-debian:latest=4,memory=536870912,cpus=0.5,pids=64,runtime=runsc"
+        );
+        let plain: Template = "corral-sandbox:latest=2".parse().unwrap();
+        assert_eq!(plain.spec().image.as_deref(), Some("corral-sandbox:latest"));
+        for bad in [
+            "x",
+            "=3",
+            "x=0",
+            "x=99999",
+            "x=two",
+            "x=1,memory=lots",
+            "x=1,cpus=-1",
+            "x=1,pids=2",
+            "x=1,gpu=1",
+            "x=1,memory",
+        ] {
+            let e = bad.parse::<Template>().expect_err(bad);
+            assert!(e.contains("--pool"), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn a_template_matches_what_its_members_can_be_and_nothing_else() {
+        let d = Defaults::default();
+        let t: Template = "corral-debian:latest=1,memory=512m".parse().unwrap();
+        let asks = |f: &dyn Fn(&mut SandboxSpec)| {
+            let mut s = SandboxSpec {
+                image: Some("corral-debian:latest".into()),
+                memory_bytes: Some(512 << 20),
+                ..SandboxSpec::default()
+            };
+            f(&mut s);
+            t.matches(&s, &d)
+        };
+        assert!(asks(&|_| {}));
+        // What a claim gives per sandbox does not matter.
+        assert!(asks(&|s| {
+            s.env.insert("A".into(), "1".into());
+            s.labels.insert("team".into(), "x".into());
+            s.ttl_ms = Some(1000);
+            s.idle_timeout_ms = Some(1000);
+        }));
+        // The defaults, said or not, are the same.
+        assert!(asks(&|s| s.cpu_millis = Some(d.cpu_millis)));
+        assert!(asks(&|s| s.workspace_bytes = Some(d.workspace_bytes)));
+        // What is fixed when a container is made does.
+        for differs in [
+            &(|s: &mut SandboxSpec| s.image = Some("other:latest".into()))
+                as &dyn Fn(&mut SandboxSpec),
+            &|s| s.image = None,
+            &|s| s.memory_bytes = None,
+            &|s| s.cpu_millis = Some(2000),
+            &|s| s.pids_limit = Some(64),
+            &|s| s.runtime = Some("runsc".into()),
+            &|s| s.run_as_root = true,
+            &|s| s.writable_rootfs = true,
+            &|s| s.add_capabilities = vec!["CAP_CHOWN".into()],
+            &|s| s.network = NetworkMode::Bridge,
+            &|s| s.egress = corral_proto::egress::parse_rules(&["pypi.org"], false).unwrap(),
+            &|s| s.workspace_bytes = Some(2 << 30),
+            &|s| s.tmp_bytes = Some(1 << 20),
+            &|s| s.memory_includes_files = true,
+        ] {
+            assert!(!asks(differs));
+        }
+    }
+}
