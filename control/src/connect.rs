@@ -266,15 +266,22 @@ pub async fn connect_to(conn: &ConnArgs, url: Option<&str>) -> Result<WorkerClie
     }
 }
 
-/// Places something new (a session, a sandbox) on one of `urls` and makes
-/// it there with `create`: see [`corral_harness::placement`].
-pub async fn place<T, E, F, Fut>(conn: &ConnArgs, urls: &[String], create: F) -> Result<T, E>
+/// Places something new (a session, a sandbox of `image`; `None`: the
+/// worker's default) on one of `urls` and makes it there with `create`: see
+/// [`corral_harness::placement`]. A worker with a warm member of the image
+/// ready is preferred.
+pub async fn place<T, E, F, Fut>(
+    conn: &ConnArgs,
+    urls: &[String],
+    image: Option<&str>,
+    create: F,
+) -> Result<T, E>
 where
     E: std::fmt::Display + From<ConnectError>,
     F: FnMut(String, WorkerClient) -> Fut,
     Fut: std::future::Future<Output = Result<T, Attempt<E>>>,
 {
-    let placer = Placer::new(credentials(conn, urls)?);
+    let placer = Placer::new(credentials(conn, urls)?).preferring_warm(image);
     match placer.place(urls, create).await {
         Ok(placed) => {
             tracing::debug!(worker = %placed.url, probes = placed.probes, attempts = placed.attempts, "placed");

@@ -218,12 +218,17 @@ pub struct Placer {
     pub probe_timeout: Duration,
     pub probe_all_up_to: usize,
     pub attempts: usize,
+    /// The image of what is placed (`Some("")`: the worker's default), when
+    /// known: a worker whose warm pool of that image has a member ready is
+    /// preferred to any without (its create is a claim, not a cold start).
+    pub warm_image: Option<String>,
 }
 
 /// A probed worker that could take a sandbox.
 struct Candidate {
     url: String,
     client: WorkerClient,
+    warm: bool,
     free: u32,
     running: u32,
 }
@@ -235,7 +240,27 @@ impl Placer {
             probe_timeout: PROBE_TIMEOUT,
             probe_all_up_to: PROBE_ALL_UP_TO,
             attempts: ATTEMPTS,
+            warm_image: None,
         }
+    }
+
+    /// Prefers workers with a ready pool member of `image` (`None`: the
+    /// worker's default image).
+    pub fn preferring_warm(mut self, image: Option<&str>) -> Self {
+        self.warm_image = Some(image.unwrap_or_default().to_string());
+        self
+    }
+
+    fn is_warm(&self, info: &WorkerInfo) -> bool {
+        let Some(image) = &self.warm_image else {
+            return false;
+        };
+        let image = if image.is_empty() {
+            &info.default_image
+        } else {
+            image
+        };
+        info.pools.iter().any(|p| p.ready > 0 && &p.image == image)
     }
 
     /// Asks `url` how full it is, within the probe timeout.
@@ -341,13 +366,18 @@ impl Placer {
                     cutoff =
                         Some(tokio::time::Instant::now() + started.elapsed().max(STRAGGLER_GRACE));
                 }
+                let warm = self.is_warm(&info);
                 let better = best.as_ref().is_none_or(|b| {
-                    free > b.free || (free == b.free && info.running_operations < b.running)
+                    (warm && !b.warm)
+                        || (warm == b.warm
+                            && (free > b.free
+                                || (free == b.free && info.running_operations < b.running)))
                 });
                 if better {
                     best = Some(Candidate {
                         url,
                         client,
+                        warm,
                         free,
                         running: info.running_operations,
                     });

@@ -292,3 +292,56 @@ async fn a_restarted_worker_keeps_its_claims_and_leaves_no_member_behind() -> Re
     corral_e2e::remove_containers_of(&wid);
     Ok(())
 }
+
+#[tokio::test]
+async fn placement_prefers_a_worker_with_a_warm_member() -> Result<()> {
+    // One token for both workers, so the CLI can reach either.
+    let dir = tempfile::tempdir()?;
+    let token = dir.path().join("token");
+    std::fs::write(&token, "a-shared-token-of-the-test\n")?;
+    std::fs::set_permissions(&token, std::os::unix::fs::PermissionsExt::from_mode(0o600))?;
+    let t = token.to_str().context("token path")?;
+    let (s1, s2) = (tempfile::tempdir()?, tempfile::tempdir()?);
+    // The cold worker has more room; the warm one has a pool.
+    let cold = spawn(
+        s1.path(),
+        &unique_id("cold"),
+        free_port()?,
+        &["--max-sandboxes", "64", "--token-file", t],
+    )?;
+    let warm = spawn(
+        s2.path(),
+        &unique_id("warm"),
+        free_port()?,
+        &[
+            "--max-sandboxes",
+            "8",
+            "--pool",
+            "corral-sandbox:latest=4",
+            "--token-file",
+            t,
+        ],
+    )?;
+    let wc = WorkerClient::connect(&warm.url, Some("a-shared-token-of-the-test")).await?;
+    let workers = format!("{},{}", cold.url, warm.url);
+    for _ in 0..3 {
+        ready(&wc, 1).await?;
+        let out = tokio::process::Command::new(corral_e2e::binary("corral")?)
+            .args(["--worker", &workers, "sandbox", "create"])
+            .env_remove("CORRAL_WORKER")
+            .env("CORRAL_TOKEN_FILE", &token)
+            .output()
+            .await?;
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    // All three went to the warm worker, as claims.
+    assert_eq!(wc.list_sandboxes().await?.len(), 3);
+    assert_eq!(wc.worker_info().await?.pools[0].claims, 3);
+    let cc = WorkerClient::connect(&cold.url, Some("a-shared-token-of-the-test")).await?;
+    assert!(cc.list_sandboxes().await?.is_empty());
+    Ok(())
+}
