@@ -74,6 +74,8 @@ reasons! {
     NotApplicable = "not_applicable",
     /// Input past the end of what the operation has taken.
     InputGap = "input_gap",
+    /// A fork's copy of its parent failed; the children it made are gone.
+    ForkFailed = "fork_failed",
     /// The Docker engine refused the request (a 4xx): asking again will not help.
     DockerRefused = "docker_refused",
     /// The Docker engine did not answer, or failed: try again later.

@@ -194,6 +194,11 @@ impl DockerRuntime {
         self
     }
 
+    /// The supervisor binary on this host (also the fork's copy helper).
+    pub fn init_path(&self) -> &std::path::Path {
+        &self.init.path
+    }
+
     pub fn worker_id(&self) -> &str {
         &self.worker_id
     }
@@ -598,6 +603,42 @@ impl DockerRuntime {
         }
     }
 
+    /// The container's first process as the host sees it, and what a fork
+    /// needs to know of it.
+    pub async fn process(&self, container: &str) -> Result<ContainerProcess> {
+        let info = self.docker.inspect_container(container, None).await?;
+        let state = info.state.unwrap_or_default();
+        let pid = state
+            .pid
+            .and_then(|p| u32::try_from(p).ok())
+            .filter(|p| *p > 0);
+        let uid = info
+            .config
+            .as_ref()
+            .and_then(|c| c.labels.as_ref())
+            .and_then(|l| l.get(LABEL_UID))
+            .and_then(|u| u.parse().ok())
+            .unwrap_or(0);
+        let host = info.host_config.unwrap_or_default();
+        Ok(ContainerProcess {
+            pid: pid.filter(|_| state.running.unwrap_or(false)),
+            paused: state.paused.unwrap_or(false),
+            uid,
+            runtime: host.runtime.unwrap_or_default(),
+            writable_rootfs: !host.readonly_rootfs.unwrap_or(false),
+        })
+    }
+
+    /// Freezes every process of the container (the cgroup freezer).
+    pub async fn pause(&self, container: &str) -> Result<()> {
+        Ok(self.docker.pause_container(container).await?)
+    }
+
+    /// Thaws what [`Self::pause`] froze.
+    pub async fn unpause(&self, container: &str) -> Result<()> {
+        Ok(self.docker.unpause_container(container).await?)
+    }
+
     /// What the container uses now: memory (less the page cache that can
     /// be dropped, as `docker stats` counts it), CPU over one sampling
     /// interval of the engine, processes.
@@ -771,6 +812,21 @@ impl DockerRuntime {
             .and_then(|v| v.version)
             .unwrap_or_default()
     }
+}
+
+/// A container's first process and how it runs (see
+/// [`DockerRuntime::process`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ContainerProcess {
+    /// Its pid in the host's (the engine's) PID namespace; `None` when it
+    /// does not run.
+    pub pid: Option<u32>,
+    pub paused: bool,
+    /// The sandbox user's uid (0 for a sandbox whose commands run as root).
+    pub uid: u32,
+    /// The OCI runtime ("" for the engine's default).
+    pub runtime: String,
+    pub writable_rootfs: bool,
 }
 
 /// What a container uses (see [`DockerRuntime::stats`]).

@@ -65,6 +65,9 @@ pub enum WorkerError {
     /// Input past the end of what the operation has taken.
     #[error("{0}")]
     InputGap(String),
+    /// A fork's copy failed (the children it made are removed).
+    #[error("fork: {0}")]
+    Fork(String),
     /// The link to the sandbox's supervisor is down for now: ask again.
     #[error("sandbox {0}: its supervisor is not reachable right now; try again")]
     Detached(String),
@@ -99,6 +102,7 @@ impl WorkerError {
             WorkerError::NoSuchImage(_) => (Code::FailedPrecondition, Reason::NoSuchImage),
             WorkerError::NotApplicable(_) => (Code::FailedPrecondition, Reason::NotApplicable),
             WorkerError::InputGap(_) => (Code::OutOfRange, Reason::InputGap),
+            WorkerError::Fork(_) => (Code::FailedPrecondition, Reason::ForkFailed),
             // The engine refused what was asked: asking again cannot help.
             WorkerError::Docker(bollard::errors::Error::DockerResponseServerError {
                 status_code,

@@ -15,6 +15,8 @@
 //!   ask, the worker decides);
 //! - [`pool`]: warm pools, sandboxes of a template made ahead of time and
 //!   each handed to one matching create;
+//! - [`fork`]: live forks, children given a copy of a frozen parent's
+//!   writable trees;
 //! - [`egress`]: reading what a sandbox's outbound connection asks for (a
 //!   proxy request's head, a TLS server name) and deciding on it by policy,
 //!   with [`dns`], its stub resolver, and [`proxy`], each sandbox's socket,
@@ -36,6 +38,7 @@ pub mod dns;
 pub mod docker;
 pub mod egress;
 pub mod error;
+pub mod fork;
 pub mod initbin;
 pub mod metrics;
 pub mod policy;

@@ -42,6 +42,8 @@ pub struct WorkerMetrics {
     pub egress_open: Gauge,
     pub pool_ready: Family<Labels, Gauge>,
     pub pool_claims: Family<Labels, Counter>,
+    pub forks: Family<Labels, Counter>,
+    pub fork_frozen_seconds: Histogram,
 }
 
 impl Default for WorkerMetrics {
@@ -65,6 +67,8 @@ impl Default for WorkerMetrics {
             egress_open: Gauge::default(),
             pool_ready: Family::default(),
             pool_claims: Family::default(),
+            forks: Family::default(),
+            fork_frozen_seconds: latency_histogram(),
         };
         registry.register("sandboxes", "Sandboxes held, by state", m.sandboxes.clone());
         registry.register(
@@ -128,6 +132,16 @@ impl Default for WorkerMetrics {
             "pool_claims",
             "Creates that matched a pool's template, by template and result (claimed, missed: none was ready)",
             m.pool_claims.clone(),
+        );
+        registry.register(
+            "forks",
+            "Sandbox forks, by outcome (forked, refused, failed)",
+            m.forks.clone(),
+        );
+        registry.register(
+            "fork_frozen_seconds",
+            "How long a fork kept its parent frozen",
+            m.fork_frozen_seconds.clone(),
         );
         registry.register(
             "egress_open_connections",
@@ -195,6 +209,13 @@ impl WorkerMetrics {
         self.pool_ready
             .get_or_create(&vec![("template", template.to_string())])
             .set(ready as i64);
+    }
+
+    /// A fork ended with `outcome`.
+    pub fn fork(&self, outcome: &'static str) {
+        self.forks
+            .get_or_create(&vec![("outcome", outcome.to_string())])
+            .inc();
     }
 
     /// A create ended with `outcome`.

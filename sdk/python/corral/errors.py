@@ -155,6 +155,7 @@ _BY_REASON: dict[str, type[CorralError]] = {
     "no_such_image": InvalidArgument,
     "not_applicable": InvalidArgument,
     "input_gap": InvalidArgument,
+    "fork_failed": InvalidArgument,
     "docker_refused": InvalidArgument,
     "docker_unavailable": WorkerUnavailable,
     "supervisor_unresponsive": WorkerUnavailable,

@@ -23,6 +23,8 @@
 //! - [`relay`]: the egress proxy address on the sandbox's loopback, each
 //!   connection carried to the worker's socket for this sandbox (a process
 //!   of its own, started and restarted by the supervisor);
+//! - [`treecopy`]: a fork's copy of one sandbox's writable trees into
+//!   another, run by the worker on the host as a process of its own;
 //! - [`syscalls`]: the seccomp filters it applies to itself and all it
 //!   starts (io_uring, AF_VSOCK), on top of the engine's profile.
 //!
@@ -42,6 +44,7 @@ pub mod procs;
 pub mod relay;
 pub mod supervisor;
 pub mod syscalls;
+pub mod treecopy;
 pub mod users;
 
 /// Version reported in the init's Welcome frame.

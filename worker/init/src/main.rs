@@ -72,6 +72,39 @@ fn main() -> ExitCode {
             }
         };
     }
+    // `--copy-tree FROM_PID TO_PID USER_FROM:USER_TO PATH...`: a fork's
+    // copy, run by the worker on the host (never in a sandbox). Prints
+    // `copied ENTRIES BYTES LEFT_OUT`, then a `note:` line each.
+    if let [flag, from, to, user, paths @ ..] = args.as_slice()
+        && flag == "--copy-tree"
+    {
+        // Gone with the worker that started it.
+        let _ = nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGKILL);
+        let parsed = (
+            from.parse::<u32>(),
+            to.parse::<u32>(),
+            user.split_once(':')
+                .map(|(a, b)| (a.parse::<u32>(), b.parse::<u32>())),
+        );
+        let (Ok(from), Ok(to), Some((Ok(a), Ok(b)))) = parsed else {
+            eprintln!("corral-init: --copy-tree FROM_PID TO_PID USER_FROM:USER_TO PATH...");
+            return ExitCode::from(2);
+        };
+        let user = (a != b).then_some((a, b));
+        return match corral_init::treecopy::run(from, to, user, paths) {
+            Ok(done) => {
+                println!("copied {} {} {}", done.entries, done.bytes, done.left_out);
+                for n in done.notes {
+                    println!("note: {n}");
+                }
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("{e}");
+                ExitCode::from(1)
+            }
+        };
+    }
     // `--check-restrictions`: what a program in this sandbox meets.
     if args.first().map(String::as_str) == Some("--check-restrictions") {
         for line in corral_init::syscalls::check() {
