@@ -499,6 +499,23 @@ pub enum SandboxCommand {
         /// The whole new policy.
         rules: Vec<String>,
     },
+    /// Fork a running sandbox: new sandboxes with its limits, policy and
+    /// a copy of its /workspace and /tmp as they were at one instant (the
+    /// parent frozen only for the first copy; its commands go on). Prints
+    /// the children's ids, one a line. runc sandboxes only.
+    Fork {
+        id: String,
+        /// How many children (1 to 100).
+        #[arg(long, short = 'n', default_value_t = 1)]
+        count: u32,
+        /// The children's ids (repeatable; default: random ones).
+        #[arg(long = "child-id", value_name = "ID")]
+        child_ids: Vec<String>,
+        /// One JSON object: the children, the time the parent was frozen
+        /// and what was copied.
+        #[arg(long)]
+        json: bool,
+    },
     /// List sandboxes: id, state, image, age, idle time, running
     /// commands, worker and container.
     Ls {

@@ -128,6 +128,12 @@ impl pb::worker_server::Worker for FakeWorker {
     ) -> Result<Response<pb::Sandbox>, Status> {
         no()
     }
+    async fn fork_sandbox(
+        &self,
+        _: Request<pb::ForkSandboxRequest>,
+    ) -> Result<Response<pb::ForkSandboxResponse>, Status> {
+        no()
+    }
     async fn get_sandbox_stats(
         &self,
         _: Request<pb::GetSandboxStatsRequest>,

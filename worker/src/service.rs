@@ -31,6 +31,10 @@ fn sandbox_id(s: String) -> Result<SandboxId, Status> {
     Ok(SandboxId::new(s)?)
 }
 
+fn invalid(field: &'static str, why: String) -> Status {
+    crate::error::WorkerError::Invalid(corral_proto::ProtocolError::invalid(field, why)).into()
+}
+
 fn operation_id(s: String) -> Result<OperationId, Status> {
     Ok(OperationId::new(s)?)
 }
@@ -74,6 +78,43 @@ impl pb::worker_server::Worker for WorkerService {
         Ok(Response::new(
             self.worker.set_sandbox_egress(&id, rules).await?.into(),
         ))
+    }
+
+    async fn fork_sandbox(
+        &self,
+        req: Request<pb::ForkSandboxRequest>,
+    ) -> Result<Response<pb::ForkSandboxResponse>, Status> {
+        let req = req.into_inner();
+        let id = sandbox_id(req.id)?;
+        let ids = if req.child_ids.is_empty() {
+            let n = usize::try_from(req.count).unwrap_or(usize::MAX);
+            if n == 0 || n > crate::fork::MAX_CHILDREN {
+                return Err(invalid(
+                    "count",
+                    format!("a fork makes 1 to {} children", crate::fork::MAX_CHILDREN),
+                ));
+            }
+            (0..n).map(|_| SandboxId::random()).collect()
+        } else if req.count != 0 && req.count as usize != req.child_ids.len() {
+            return Err(invalid(
+                "count",
+                "differs from the number of child_ids (give one or the other)".into(),
+            ));
+        } else {
+            req.child_ids
+                .into_iter()
+                .map(sandbox_id)
+                .collect::<Result<Vec<_>, _>>()?
+        };
+        let f = self.worker.fork_sandbox(&id, ids).await?;
+        Ok(Response::new(pb::ForkSandboxResponse {
+            children: f.children.into_iter().map(Into::into).collect(),
+            frozen_us: u64::try_from(f.frozen.as_micros()).unwrap_or(u64::MAX),
+            copied_entries: f.copied.entries,
+            copied_bytes: f.copied.bytes,
+            left_out: f.copied.left_out,
+            notes: f.copied.notes,
+        }))
     }
 
     async fn list_sandboxes(

@@ -31,6 +31,11 @@ pub struct SandboxRecord {
     /// member, claimed): the container's label names the member.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub container_id: Option<String>,
+    /// The sandbox a fork is filling this one from, until the fork is
+    /// done: a worker that finds it set after a restart removes the
+    /// sandbox (its copy did not finish).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub forking_from: Option<String>,
 }
 
 const RECORD_VERSION: u32 = 1;
@@ -146,6 +151,14 @@ impl StateDir {
         }
     }
 
+    /// The record of sandbox `id`, if it has a readable one.
+    pub fn load(&self, id: &SandboxId) -> Option<SandboxRecord> {
+        let b = fs::read(self.record_path(id.as_str())).ok()?;
+        serde_json::from_slice::<SandboxRecord>(&b)
+            .ok()
+            .filter(|r| r.version == RECORD_VERSION)
+    }
+
     /// Every readable record; unreadable ones are reported and skipped.
     pub fn load_all(&self) -> Result<Vec<SandboxRecord>> {
         let dir = self.root.join("sandboxes");
@@ -178,6 +191,7 @@ impl StateDir {
             spec: spec.clone(),
             created_at_unix_ms: now_unix_ms(),
             container_id: None,
+            forking_from: None,
         }
     }
 }

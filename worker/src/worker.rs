@@ -340,9 +340,21 @@ impl Worker {
                 .get(&cid)
                 .cloned()
                 .unwrap_or_else(|| docker::sandbox_label(&c));
-            let running = c.state == Some(bollard::models::ContainerSummaryStateEnum::RUNNING);
-            match (records.get(&sid), SandboxId::new(sid.clone())) {
-                (Some(record), Ok(id)) if running => {
+            use bollard::models::ContainerSummaryStateEnum as State;
+            let mut running = c.state == Some(State::RUNNING);
+            let record = records.get(&sid);
+            // A fork's parent, frozen when the worker went away.
+            if c.state == Some(State::PAUSED) && record.is_some_and(|r| r.forking_from.is_none()) {
+                match inner.runtime.unpause(&cid).await {
+                    Ok(()) => {
+                        info!(sandbox = %sid, "thawed a sandbox a fork had frozen");
+                        running = true;
+                    }
+                    Err(e) => warn!(sandbox = %sid, error = %e, "could not thaw a paused sandbox"),
+                }
+            }
+            match (record, SandboxId::new(sid.clone())) {
+                (Some(record), Ok(id)) if running && record.forking_from.is_none() => {
                     info!(sandbox = %id, "re-adopting running sandbox");
                     // Its proxy's socket again, where its mount sees it.
                     let egress = match self.egress_socket(&id, &record.spec) {
@@ -364,7 +376,9 @@ impl Worker {
                     adopted.insert(sid);
                 }
                 (record, _) => {
-                    let why = if record.is_some() {
+                    let why = if record.is_some_and(|r| r.forking_from.is_some()) {
+                        "a fork's child whose copy did not finish"
+                    } else if record.is_some() {
                         "stopped while the worker was away"
                     } else {
                         "no worker record"
@@ -689,7 +703,22 @@ impl Worker {
             undo(children).await;
             return Err(e);
         }
-        let copied = self.fork_copy(&parent, &children).await;
+        // A worker that restarts before the copy is done removes them.
+        let mark = |from: Option<&SandboxId>| -> Result<()> {
+            for c in &children {
+                let Ok(id) = SandboxId::new(c.id.clone()) else { continue };
+                if let Some(mut r) = self.inner.state.load(&id) {
+                    r.forking_from = from.map(ToString::to_string);
+                    self.inner.state.save(&r)?;
+                }
+            }
+            Ok(())
+        };
+        let copied = match mark(Some(parent_id)) {
+            Ok(()) => self.fork_copy(&parent, &children).await,
+            Err(e) => Err(e),
+        }
+        .and_then(|done| mark(None).map(|()| done));
         match copied {
             Ok((frozen, copied)) => {
                 info!(

@@ -202,6 +202,20 @@ async fn mismatch(url: &str) -> Option<String> {
 }
 
 /// A connection to one worker.
+/// What a fork made (see [`WorkerClient::fork_sandbox`]).
+#[derive(Debug, Clone)]
+pub struct Forked {
+    pub children: Vec<SandboxInfo>,
+    /// How long the parent was frozen.
+    pub frozen: std::time::Duration,
+    /// What each child was given.
+    pub copied_entries: u64,
+    pub copied_bytes: u64,
+    /// Entries left out (sockets, device nodes), with notes on some.
+    pub left_out: u64,
+    pub notes: Vec<String>,
+}
+
 #[derive(Clone)]
 pub struct WorkerClient {
     url: String,
@@ -394,6 +408,38 @@ impl WorkerClient {
             .await?
             .into_inner()
             .try_into()?)
+    }
+
+    /// Forks sandbox `id` into the children `child_ids` (new ids), or into
+    /// `count` children with ids the worker picks when `child_ids` is
+    /// empty.
+    pub async fn fork_sandbox(
+        &self,
+        id: &SandboxId,
+        child_ids: &[SandboxId],
+        count: u32,
+    ) -> Result<Forked, ClientError> {
+        let req = pb::ForkSandboxRequest {
+            id: id.to_string(),
+            child_ids: child_ids.iter().map(ToString::to_string).collect(),
+            count,
+        };
+        let r = self
+            .rpc(self.inner.clone().fork_sandbox(req))
+            .await?
+            .into_inner();
+        Ok(Forked {
+            children: r
+                .children
+                .into_iter()
+                .map(TryInto::try_into)
+                .collect::<Result<_, _>>()?,
+            frozen: std::time::Duration::from_micros(r.frozen_us),
+            copied_entries: r.copied_entries,
+            copied_bytes: r.copied_bytes,
+            left_out: r.left_out,
+            notes: r.notes,
+        })
     }
 
     pub async fn list_sandboxes(&self) -> Result<Vec<SandboxInfo>, ClientError> {

@@ -394,6 +394,43 @@ async fn sandbox_command(conn: &ConnArgs, cmd: SandboxCommand) -> Result<(), Err
             let killed = conn.for_sandbox(&id).await?.reset_sandbox(&id).await?;
             writeln!(stdout, "killed {killed} processes")?;
         }
+        SandboxCommand::Fork {
+            id,
+            count,
+            child_ids,
+            json,
+        } => {
+            let id = sandbox_id(&id)?;
+            let child_ids = child_ids
+                .iter()
+                .map(|c| sandbox_id(c))
+                .collect::<Result<Vec<_>, _>>()?;
+            let count = if child_ids.is_empty() { count } else { 0 };
+            let f = conn
+                .for_sandbox(&id)
+                .await?
+                .fork_sandbox(&id, &child_ids, count)
+                .await?;
+            if json {
+                let v = serde_json::json!({
+                    "parent": id.to_string(),
+                    "children": f.children.iter().map(to_json).collect::<Vec<_>>(),
+                    "frozen_ms": f.frozen.as_secs_f64() * 1000.0,
+                    "copied_entries": f.copied_entries,
+                    "copied_bytes": f.copied_bytes,
+                    "left_out": f.left_out,
+                    "notes": f.notes,
+                });
+                writeln!(stdout, "{v}")?;
+            } else {
+                for c in &f.children {
+                    writeln!(stdout, "{}", c.id)?;
+                }
+                for n in &f.notes {
+                    tracing::warn!(note = %n, "left out of the fork");
+                }
+            }
+        }
         SandboxCommand::Egress { id, rules } => {
             let id = sandbox_id(&id)?;
             let rules = corral_proto::egress::parse_rules(&rules, false)
