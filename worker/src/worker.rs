@@ -595,7 +595,12 @@ impl Worker {
                 "this sandbox was made without egress, so it has no proxy: make it with egress rules (an empty list later blocks everything)",
             )));
         }
-        let mut record = StateDir::new_record(id, &sandbox.spec);
+        let mut record = self
+            .inner
+            .state
+            .load(id)
+            .unwrap_or_else(|| StateDir::new_record(id, &sandbox.spec));
+        record.spec = sandbox.spec.clone();
         record.created_at_unix_ms = sandbox.created_at_unix_ms;
         self.inner.state.save(&record)?;
         lock(&self.inner.sandboxes).insert(id.clone(), sandbox.clone());
@@ -671,10 +676,9 @@ impl Worker {
         }
         // The children, before the parent is frozen: made (or claimed from
         // a pool) at once.
-        let made = futures_util::future::join_all(
-            ids.iter()
-                .map(|id| self.create_sandbox_inner(Some(id.clone()), parent.spec.clone())),
-        )
+        let made = futures_util::future::join_all(ids.iter().map(|id| {
+            self.create_sandbox_inner(Some(id.clone()), parent.spec.clone(), Some(parent_id))
+        }))
         .await;
         let mut children = Vec::new();
         let mut failed = None;
@@ -703,22 +707,24 @@ impl Worker {
             undo(children).await;
             return Err(e);
         }
-        // A worker that restarts before the copy is done removes them.
-        let mark = |from: Option<&SandboxId>| -> Result<()> {
+        // Their records name the parent until the copy is done: a worker
+        // that restarts before then removes them.
+        let done = || -> Result<()> {
             for c in &children {
-                let Ok(id) = SandboxId::new(c.id.clone()) else { continue };
+                let Ok(id) = SandboxId::new(c.id.clone()) else {
+                    continue;
+                };
                 if let Some(mut r) = self.inner.state.load(&id) {
-                    r.forking_from = from.map(ToString::to_string);
+                    r.forking_from = None;
                     self.inner.state.save(&r)?;
                 }
             }
             Ok(())
         };
-        let copied = match mark(Some(parent_id)) {
-            Ok(()) => self.fork_copy(&parent, &children).await,
-            Err(e) => Err(e),
-        }
-        .and_then(|done| mark(None).map(|()| done));
+        let copied = self
+            .fork_copy(&parent, &children)
+            .await
+            .and_then(|c| done().map(|()| c));
         match copied {
             Ok((frozen, copied)) => {
                 info!(
@@ -817,7 +823,7 @@ impl Worker {
         spec: SandboxSpec,
     ) -> Result<SandboxInfo> {
         let started = std::time::Instant::now();
-        let made = self.create_sandbox_inner(id, spec).await;
+        let made = self.create_sandbox_inner(id, spec, None).await;
         let m = &self.inner.metrics;
         match &made {
             Ok((_, true)) => {
@@ -837,10 +843,13 @@ impl Worker {
     }
 
     /// [`Self::create_sandbox`], and whether a new one was made.
+    /// A create; `forking_from` is the parent of a fork's child (kept in
+    /// its record until the fork is done).
     async fn create_sandbox_inner(
         &self,
         id: Option<SandboxId>,
         spec: SandboxSpec,
+        forking_from: Option<&SandboxId>,
     ) -> Result<(SandboxInfo, bool)> {
         spec.validate()?;
         crate::policy::check(
@@ -871,7 +880,7 @@ impl Worker {
         }
         // A warm member of a pool whose template this matches, if one is
         // ready.
-        if let Some(made) = self.claim(&id, &spec).await? {
+        if let Some(made) = self.claim(&id, &spec, forking_from).await? {
             return Ok((made, true));
         }
         // A slot is taken before the container is made (creates run
@@ -901,7 +910,8 @@ impl Worker {
             info!(member = %m.id, "a pool member gives its slot to a create");
             self.discard_member(m).await;
         }
-        let record = StateDir::new_record(&id, &spec);
+        let mut record = StateDir::new_record(&id, &spec);
+        record.forking_from = forking_from.map(ToString::to_string);
         self.inner.state.save(&record)?;
         let forget = |this: &Self| {
             let _ = this.inner.state.remove(&id);
@@ -952,7 +962,12 @@ impl Worker {
     /// matches and has one (`None`: made cold). The member's container,
     /// started and answering, gets the sandbox's record and a new actor;
     /// its commands get the spec's environment from the worker.
-    async fn claim(&self, id: &SandboxId, spec: &SandboxSpec) -> Result<Option<SandboxInfo>> {
+    async fn claim(
+        &self,
+        id: &SandboxId,
+        spec: &SandboxSpec,
+        forking_from: Option<&SandboxId>,
+    ) -> Result<Option<SandboxInfo>> {
         let (member, dead) = {
             let mut pools = lock(&self.inner.pools);
             let Some(pool) = pools
@@ -998,6 +1013,7 @@ impl Worker {
         member.sandbox.close();
         let mut record = StateDir::new_record(id, spec);
         record.container_id = Some(container.clone());
+        record.forking_from = forking_from.map(ToString::to_string);
         if let Err(e) = self.inner.state.save(&record) {
             let _ = self.inner.runtime.remove_container(&container).await;
             return Err(e);

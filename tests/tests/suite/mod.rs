@@ -8,6 +8,7 @@ mod docker_loss;
 mod egress;
 mod endpoints;
 mod fleet;
+mod fork;
 mod gvisor;
 mod hardening;
 mod limits;
