@@ -390,7 +390,9 @@ print("planted")
         Reason::InvalidArgument,
     );
     check(
-        client.fork_sandbox(&parent, &[parent.clone()], 0).await,
+        client
+            .fork_sandbox(&parent, std::slice::from_ref(&parent), 0)
+            .await,
         Reason::InvalidArgument,
     );
     // A child whose id is taken: refused, and that sandbox is untouched.
