@@ -635,8 +635,12 @@ impl Sessions {
 
     /// Forks `parent` into `child` (see [`fork`]) and gives the child its
     /// sandbox now, on `worker` (the parent's), with a copy of the parent's
-    /// workspace as it is. A parent whose sandbox is gone leaves the child
-    /// an empty one (`Ok(false)`). If the copy fails, the fork is undone.
+    /// workspace as it is: a live fork of the parent's sandbox (its
+    /// /workspace and /tmp at one instant, made on the worker's host) when
+    /// the worker can make one, else the workspace copied through this
+    /// process, or restored from a suspended parent's saved copy. A parent
+    /// whose sandbox is gone leaves the child an empty one (`Ok(false)`).
+    /// If the copy fails, the fork is undone.
     pub async fn fork_with_workspace<W: WorkerApi>(
         &self,
         parent: &str,
@@ -655,11 +659,28 @@ impl Sessions {
         };
         let saved = self.saved_workspace(parent);
         let live = match worker.get_sandbox(&from.sandbox_id).await {
-            Ok(_) => true,
-            Err(ApiError::NotFound(_)) => false,
+            Ok(info) => Some(info),
+            Err(ApiError::NotFound(_)) => None,
             // Not knowing is not "gone": no fork with an empty workspace.
             Err(e) => return Err(undo(sandbox_error(&from.sandbox_id, e))),
         };
+        // A live parent whose child is to be like it: the worker forks it,
+        // its /workspace and /tmp at one instant, on its own host.
+        if let Some(info) = &live
+            && info.spec == sandbox_spec(&to)
+        {
+            match worker.fork_sandbox(&from.sandbox_id, &to.sandbox_id).await {
+                Ok(Some(frozen)) => {
+                    tracing::info!(sandbox = %to.sandbox_id, parent = %from.sandbox_id, frozen_ms = frozen.as_secs_f64() * 1000.0, "the parent's sandbox forked");
+                    return Ok(true);
+                }
+                Ok(None) => {
+                    tracing::debug!(sandbox = %from.sandbox_id, "the worker cannot fork this sandbox; copying its workspace")
+                }
+                Err(e) => return Err(undo(sandbox_error(&to.sandbox_id, e))),
+            }
+        }
+        let live = live.is_some();
         if !live && !saved.exists() {
             tracing::warn!(sandbox = %from.sandbox_id, "the parent's sandbox is gone; the fork starts with an empty workspace");
             return Ok(false);

@@ -109,6 +109,16 @@ pub trait WorkerApi: Clone + Send + Sync + 'static {
         id: &OperationId,
         size: corral_proto::TerminalSize,
     ) -> impl Future<Output = Result<(), ApiError>> + Send;
+    /// Forks sandbox `parent` into a new sandbox `child` with its spec and
+    /// a copy of its writable trees at one instant; how long the parent
+    /// was frozen. `None`: this worker cannot fork that sandbox (gVisor, a
+    /// writable root, a worker without the host's view or too old to
+    /// know the call), so the caller copies another way.
+    fn fork_sandbox(
+        &self,
+        parent: &SandboxId,
+        child: &SandboxId,
+    ) -> impl Future<Output = Result<Option<std::time::Duration>, ApiError>> + Send;
 }
 
 fn local(e: WorkerError) -> ApiError {
@@ -211,6 +221,18 @@ impl WorkerApi for Worker {
         Worker::resize_terminal(self, sandbox, id.clone(), size)
             .await
             .map_err(local)
+    }
+
+    async fn fork_sandbox(
+        &self,
+        parent: &SandboxId,
+        child: &SandboxId,
+    ) -> Result<Option<std::time::Duration>, ApiError> {
+        match Worker::fork_sandbox(self, parent, vec![child.clone()]).await {
+            Ok(f) => Ok(Some(f.frozen)),
+            Err(WorkerError::NotApplicable(_)) => Ok(None),
+            Err(e) => Err(local(e)),
+        }
     }
 }
 
@@ -317,5 +339,18 @@ impl WorkerApi for WorkerClient {
         WorkerClient::resize_terminal(self, sandbox, id, size)
             .await
             .map_err(remote)
+    }
+
+    async fn fork_sandbox(
+        &self,
+        parent: &SandboxId,
+        child: &SandboxId,
+    ) -> Result<Option<std::time::Duration>, ApiError> {
+        match WorkerClient::fork_sandbox(self, parent, std::slice::from_ref(child), 0).await {
+            Ok(f) => Ok(Some(f.frozen)),
+            Err(e) if e.reason() == Some(corral_proto::reason::Reason::NotApplicable) => Ok(None),
+            Err(ClientError::Status(s)) if s.code() == tonic::Code::Unimplemented => Ok(None),
+            Err(e) => Err(remote(e)),
+        }
     }
 }

@@ -11,7 +11,7 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use corral_e2e::model::{ModelServer, chat, responses, status};
 use corral_e2e::run::{command, corral_run, corral_run_env};
-use corral_e2e::{Harness, binary};
+use corral_e2e::{Harness, binary, run_shell};
 use corral_harness::agent::{Ending, Inbox, Record, StopMode, replay};
 use corral_harness::llm::Api;
 use corral_harness::llm::conform::CallIds;
@@ -1485,7 +1485,17 @@ async fn a_workspace_goes_in_once_comes_back_out_and_is_copied_into_a_fork() -> 
     assert!(err.contains("git is not in this sandbox's image"), "{err}");
     assert!(!patch.exists(), "no half patch is left");
 
-    // A fork starts with the parent's files, in a sandbox of its own.
+    // A fork starts with the parent's files, in a sandbox of its own: a
+    // live fork of the parent's sandbox (its /tmp comes too, which a copy
+    // of the workspace would not bring).
+    let parents = h.client.list_sandboxes().await?;
+    assert_eq!(parents.len(), 1, "{parents:?}");
+    run_shell(
+        &h.client,
+        &parents[0].id,
+        "echo from-the-parent > /tmp/marker",
+    )
+    .await?;
     let fork = session_cmd(
         &h.url,
         sessions.path(),
@@ -1504,6 +1514,17 @@ async fn a_workspace_goes_in_once_comes_back_out_and_is_copied_into_a_fork() -> 
             .find(|l| l.split_whitespace().next() == Some(id))
             .and_then(|l| l.split_whitespace().nth(3).map(str::to_string))
     };
+    let child = h
+        .client
+        .list_sandboxes()
+        .await?
+        .into_iter()
+        .find(|s| s.id != parents[0].id)
+        .context("the fork made no sandbox")?;
+    assert_eq!(
+        run_shell(&h.client, &child.id, "cat /tmp/marker").await?,
+        "from-the-parent\n"
+    );
     let listed = session_cmd(&h.url, sessions.path(), &["session", "ls"], None).await?;
     let listed = String::from_utf8_lossy(&listed.stdout).into_owned();
     assert_eq!(
