@@ -617,7 +617,16 @@ impl Worker {
         parent: &SandboxId,
         ids: Vec<SandboxId>,
     ) -> Result<crate::fork::Forked> {
-        let forked = self.fork_inner(parent, ids).await;
+        // The worker's own task: a client that goes away mid-fork must not
+        // leave the parent frozen or the children half-made.
+        let this = self.clone();
+        let parent_id = parent.clone();
+        let forked = self
+            .inner
+            .tracker
+            .spawn(async move { this.fork_inner(&parent_id, ids).await })
+            .await
+            .unwrap_or_else(|e| Err(WorkerError::Fork(format!("the fork's task failed: {e}"))));
         let m = &self.inner.metrics;
         match &forked {
             Ok(f) => {
@@ -842,9 +851,9 @@ impl Worker {
         made.map(|(info, _)| info)
     }
 
-    /// [`Self::create_sandbox`], and whether a new one was made.
-    /// A create; `forking_from` is the parent of a fork's child (kept in
-    /// its record until the fork is done).
+    /// [`Self::create_sandbox`], and whether a new one was made;
+    /// `forking_from` is the parent of a fork's child (kept in its record
+    /// until the fork is done).
     async fn create_sandbox_inner(
         &self,
         id: Option<SandboxId>,

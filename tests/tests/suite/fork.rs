@@ -505,3 +505,60 @@ async fn a_worker_killed_mid_fork_thaws_the_parent_and_removes_the_half_made_chi
     client.destroy_sandbox(&parent).await?;
     Ok(())
 }
+
+#[tokio::test]
+async fn a_client_that_goes_away_mid_fork_leaves_the_parent_thawed_and_the_children_whole()
+-> Result<()> {
+    let state = tempfile::tempdir()?;
+    let worker = WorkerProcess::spawn(state.path(), &unique_id("fk"), free_port()?, &[], &[])?;
+    let client = worker.client().await?;
+    let parent = SandboxId::new(unique_id("parent"))?;
+    let info = client.create_sandbox(Some(&parent), spec()).await?;
+    run_shell(
+        &client,
+        &parent,
+        "for i in 1 2 3 4; do head -c 100M /dev/urandom > /workspace/big$i; done; sha256sum /workspace/big* > /tmp/sums",
+    )
+    .await?;
+    let forking = {
+        let client = client.clone();
+        let parent = parent.clone();
+        tokio::spawn(async move { client.fork_sandbox(&parent, &[], 2).await })
+    };
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !paused(&info.container_id) {
+        ensure!(Instant::now() < deadline, "the parent was never frozen");
+        ensure!(
+            !forking.is_finished(),
+            "the fork ended before it was seen frozen"
+        );
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    // The call is dropped: its stream is reset.
+    forking.abort();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let children = loop {
+        let all = client.list_sandboxes().await?;
+        if all.len() == 3 && !paused(&info.container_id) {
+            // Done when no child's record names the parent any more.
+            let records = std::fs::read_dir(state.path().join("sandboxes"))?
+                .map(|e| std::fs::read_to_string(e?.path()).map_err(anyhow::Error::from))
+                .collect::<Result<Vec<_>>>()?;
+            if records.iter().all(|r| !r.contains("forking_from")) {
+                break all;
+            }
+        }
+        ensure!(
+            Instant::now() < deadline,
+            "the fork never finished: {all:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    for c in children.iter().filter(|c| c.id != parent) {
+        let out = run_shell(&client, &c.id, "sha256sum -c /tmp/sums | grep -c OK").await?;
+        assert_eq!(out, "4\n", "child {} is whole", c.id);
+        client.destroy_sandbox(&c.id).await?;
+    }
+    client.destroy_sandbox(&parent).await?;
+    Ok(())
+}
