@@ -58,6 +58,22 @@ pub fn unforkable(p: &ContainerProcess) -> Option<String> {
     None
 }
 
+/// Why this worker cannot reach a sandbox's processes, if it cannot: the
+/// engine's pid of the container must be a process here, in that
+/// container's cgroup (a worker in a pod of its own, without the host's
+/// PID namespace, sees other processes or none under that number).
+pub fn out_of_sight(p: &ContainerProcess, container_id: &str) -> Option<String> {
+    let pid = p.pid?;
+    let cgroup = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap_or_default();
+    if cgroup.contains(container_id) {
+        None
+    } else {
+        Some(format!(
+            "this worker does not see the engine's processes (process {pid} here is not the sandbox's): a fork needs the host's PID namespace (hostPID) and its cgroup filesystem"
+        ))
+    }
+}
+
 /// Copies the trees of `from` into `to` with the helper at `helper`.
 pub async fn copy(helper: &Path, from: &ContainerProcess, to: &ContainerProcess) -> Result<Copied> {
     let (Some(from_pid), Some(to_pid)) = (from.pid, to.pid) else {
@@ -134,5 +150,21 @@ mod tests {
         };
         assert!(unforkable(&p).unwrap().contains("writable root"));
         assert!(unforkable(&ContainerProcess::default()).is_none());
+    }
+
+    #[test]
+    fn a_pid_that_is_not_the_containers_here_is_out_of_sight() {
+        let me = ContainerProcess {
+            pid: Some(std::process::id()),
+            ..Default::default()
+        };
+        let why = out_of_sight(&me, "0123456789abcdef").unwrap();
+        assert!(why.contains("hostPID"), "{why}");
+        // This process's own cgroup path names it.
+        let own = std::fs::read_to_string("/proc/self/cgroup").unwrap();
+        let last = own.lines().next().unwrap().rsplit(':').next().unwrap();
+        if last.len() > 1 {
+            assert!(out_of_sight(&me, last).is_none());
+        }
     }
 }

@@ -672,7 +672,9 @@ impl Worker {
         }
         let runtime = &self.inner.runtime;
         let of_parent = runtime.process(&parent.container_id).await?;
-        if let Some(why) = fork::unforkable(&of_parent) {
+        if let Some(why) = fork::unforkable(&of_parent)
+            .or_else(|| fork::out_of_sight(&of_parent, &parent.container_id))
+        {
             return Err(WorkerError::NotApplicable(why));
         }
         for id in &ids {
