@@ -3,7 +3,8 @@
 //! forked into 1 and into 8 children (the `ForkSandbox` call that `corral
 //! sandbox fork` makes), against `corral cp` of its /workspace out to the
 //! client's disk, then new sandboxes made and the tree copied into each
-//! (all at once for 8). Both include making the children. The fork's
+//! (all at once for 8; the tree lands in `/workspace/ws`). Both include
+//! making the children. The fork's
 //! figure of how long the parent was frozen is the worker's.
 //!
 //! Run: `cargo bench -p corral-e2e --bench fork` after `deploy/build.sh`
@@ -56,11 +57,11 @@ fn ms(d: Duration) -> String {
 
 /// What the children hold, checked against the parent's: a digest of
 /// every file's path and contents.
-async fn digest(h: &Harness, id: &SandboxId) -> Result<String> {
+async fn digest(h: &Harness, id: &SandboxId, dir: &str) -> Result<String> {
     run_shell(
         &h.client,
         id,
-        "cd /workspace && find . -type f | sort | xargs sha256sum | sha256sum",
+        &format!("cd {dir} && find . -type f | sort | xargs sha256sum | sha256sum"),
     )
     .await
 }
@@ -90,7 +91,7 @@ async fn by_hand(h: &Harness, parent: &SandboxId, n: usize) -> Result<(Duration,
         .map(|id| {
             Command::new(&corral)
                 .args(["--worker", &h.url, "cp", "--quiet"])
-                .arg(format!("{}/.", out.display()))
+                .arg(&out)
                 .arg(format!("{id}:/workspace/"))
                 .spawn()
         })
@@ -112,7 +113,7 @@ async fn main() -> Result<()> {
     )
     .await?;
     ensure!(out.contains("populated"), "{out}");
-    let want = digest(&h, &parent).await?;
+    let want = digest(&h, &parent, "/workspace").await?;
 
     let mut rows = Vec::new();
     for n in [1usize, 8] {
@@ -124,15 +125,20 @@ async fn main() -> Result<()> {
             frozen.push(f.frozen);
             ensure!(f.copied_bytes > 100 << 20, "{f:?}");
             for c in &f.children {
-                ensure!(digest(&h, &c.id).await? == want, "a child differs");
+                ensure!(
+                    digest(&h, &c.id, "/workspace").await? == want,
+                    "a child differs"
+                );
                 h.client.destroy_sandbox(&c.id).await?;
             }
             let (took, ids) = by_hand(&h, &parent, n).await?;
             hand.push(took);
             for id in &ids {
-                let got = digest(&h, id).await?;
+                // The tree lands as /workspace/ws.
+                let got = digest(&h, id, "/workspace/ws").await?;
                 if got != want {
-                    bail!("a copy by hand differs");
+                    let ls = run_shell(&h.client, id, "ls -la /workspace | head").await?;
+                    bail!("a copy by hand differs: {ls}");
                 }
                 h.client.destroy_sandbox(id).await?;
             }
