@@ -140,6 +140,10 @@ pub struct WorkerArgs {
     /// Most egress connections one sandbox has open at once.
     #[arg(long, env = "CORRAL_EGRESS_MAX_CONNECTIONS", default_value_t = crate::proxy::DEFAULT_MAX_CONNECTIONS)]
     pub egress_max_connections: usize,
+    /// Most bytes a second one sandbox's egress moves each way, across
+    /// all its connections (e.g. 10m); default: no bound.
+    #[arg(long, env = "CORRAL_EGRESS_MAX_BYTES_PER_SECOND", value_parser = parse_rate)]
+    pub egress_max_bytes_per_second: Option<u64>,
     /// OCI runtime of sandboxes that name none (default: the engine's).
     #[arg(long, env = "CORRAL_RUNTIME")]
     pub runtime: Option<String>,
@@ -544,7 +548,16 @@ impl WorkerArgs {
                 ..defaults.gate
             },
             max_connections: self.egress_max_connections,
+            max_bytes_per_second: self.egress_max_bytes_per_second,
         })
+    }
+}
+
+/// A rate in bytes a second, as a size (`10m`); at least one byte.
+fn parse_rate(s: &str) -> Result<u64, String> {
+    match parse_size(s)? {
+        0 => Err("at least 1 byte a second".into()),
+        n => Ok(n),
     }
 }
 

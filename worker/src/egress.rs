@@ -29,6 +29,8 @@ pub enum Blocked {
     BadRequest,
     /// Allowed, but no address of it answered.
     Unreachable,
+    /// Over the sandbox's bound of open connections (not read at all).
+    TooManyConnections,
 }
 
 impl Blocked {
@@ -42,6 +44,7 @@ impl Blocked {
             Blocked::ResolveFailed => "resolve_failed",
             Blocked::BadRequest => "bad_request",
             Blocked::Unreachable => "unreachable",
+            Blocked::TooManyConnections => "too_many_connections",
         }
     }
 }
@@ -490,6 +493,7 @@ fn refusal(reason: Blocked) -> Vec<u8> {
     let status = match reason {
         Blocked::Unreachable => "502 Bad Gateway",
         Blocked::BadRequest => "400 Bad Request",
+        Blocked::TooManyConnections => "429 Too Many Requests",
         _ => "403 Forbidden",
     };
     format!(
@@ -667,6 +671,10 @@ where
                     }
                 }
                 Hello::Sni(name) if name == host => break,
+                // An address, allowed by a CIDR rule: TLS names no address
+                // (RFC 6066), so a hello without a name goes on to the
+                // address decided on; one that names a host is refused.
+                Hello::NoSni if host.parse::<IpAddr>().is_ok() => break,
                 // Another protocol (ssh, say) to the host allowed. A
                 // handshake record that does not parse is no way around
                 // the name check.
@@ -805,6 +813,7 @@ where
 pub async fn relay_spliced(
     admitted: Admitted<tokio::net::UnixStream>,
     mut policy: tokio::sync::watch::Receiver<std::sync::Arc<Vec<Rule>>>,
+    meters: &Meters,
 ) -> Outcome {
     use std::sync::atomic::{AtomicU64, Ordering};
     let Admitted {
@@ -818,7 +827,7 @@ pub async fn relay_spliced(
     };
     let (sent, got) = (AtomicU64::new(0), AtomicU64::new(0));
     let up = async {
-        let r = splice_all(&client, &upstream, &p_up, &sent).await;
+        let r = splice_all(&client, &upstream, &p_up, &sent, &meters.out).await;
         // The sandbox is done sending: the server hears of it.
         let _ = nix::sys::socket::shutdown(
             std::os::fd::AsRawFd::as_raw_fd(&upstream),
@@ -827,7 +836,7 @@ pub async fn relay_spliced(
         r
     };
     let down = async {
-        let r = splice_all(&upstream, &client, &p_down, &got).await;
+        let r = splice_all(&upstream, &client, &p_down, &got, &meters.inward).await;
         let _ = nix::sys::socket::shutdown(
             std::os::fd::AsRawFd::as_raw_fd(&client),
             nix::sys::socket::Shutdown::Write,
@@ -931,13 +940,48 @@ macro_rules! spliced {
 
 spliced!(tokio::net::TcpStream, tokio::net::UnixStream);
 
+/// What one direction of a sandbox's egress is counted in, and bound by.
+#[derive(Debug, Clone, Default)]
+pub struct Meter {
+    /// Bytes moved, as they move (`corral_egress_bytes_total`).
+    pub bytes: prometheus_client::metrics::counter::Counter,
+    /// The sandbox's rate in this direction, shared by its connections.
+    pub rate: Option<std::sync::Arc<crate::rate::Rate>>,
+}
+
+impl Meter {
+    /// Up to `want` bytes may move now (waits for the rate).
+    async fn allow(&self, want: usize) -> usize {
+        match &self.rate {
+            Some(rate) => rate.take(want).await,
+            None => want,
+        }
+    }
+
+    fn moved(&self, allowed: usize, moved: usize) {
+        if let Some(rate) = &self.rate {
+            rate.give_back(allowed.saturating_sub(moved));
+        }
+        self.bytes.inc_by(moved as u64);
+    }
+}
+
+/// Both directions of a sandbox's egress: out (to servers), in.
+#[derive(Debug, Clone, Default)]
+pub struct Meters {
+    pub out: Meter,
+    pub inward: Meter,
+}
+
 /// Moves everything `from` sends to `to` through `pipe`, counting it in
-/// `moved`, until `from` ends (`Ok`) or either side fails.
+/// `moved` and `meter` and at most at `meter`'s rate, until `from` ends
+/// (`Ok`) or either side fails.
 async fn splice_all(
     from: &impl Spliced,
     to: &impl Spliced,
     pipe: &SplicePipe,
     moved: &std::sync::atomic::AtomicU64,
+    meter: &Meter,
 ) -> std::io::Result<()> {
     use nix::fcntl::{SpliceFFlags, splice};
     use tokio::io::Interest;
@@ -945,14 +989,24 @@ async fn splice_all(
     const CHUNK: usize = 1 << 20;
     loop {
         from.ready(Interest::READABLE).await?;
+        let allowed = meter.allow(CHUNK).await;
         let n = match from.attempt(Interest::READABLE, || {
-            splice(from.as_fd(), None, &pipe.w, None, CHUNK, flags).map_err(std::io::Error::from)
+            splice(from.as_fd(), None, &pipe.w, None, allowed, flags).map_err(std::io::Error::from)
         }) {
-            Ok(0) => return Ok(()),
+            Ok(0) => {
+                meter.moved(allowed, 0);
+                return Ok(());
+            }
             Ok(n) => n,
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
-            Err(e) => return Err(e),
+            Err(e) => {
+                meter.moved(allowed, 0);
+                if e.kind() == std::io::ErrorKind::WouldBlock {
+                    continue;
+                }
+                return Err(e);
+            }
         };
+        meter.moved(allowed, n);
         let mut left = n;
         while left > 0 {
             to.ready(Interest::WRITABLE).await?;
@@ -1393,6 +1447,26 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_tls_tunnel_to_an_allowed_address_needs_no_name_and_takes_none_other() {
+        let (port, mut got) = upstream(b"server hello").await;
+        let (_tx, p) = policy(&[&format!("127.0.0.1/32:{port}")]);
+        let connect = format!("CONNECT 127.0.0.1:{port} HTTP/1.1\r\n\r\n").into_bytes();
+        // A client names no address in its hello (RFC 6066).
+        let mut req = connect.clone();
+        req.extend_from_slice(&hello(&[]));
+        let (o, back) = exchange(&req, p.clone()).await;
+        assert_eq!(o.blocked, None, "{o:?}");
+        assert!(String::from_utf8_lossy(&back).ends_with("server hello"));
+        assert_eq!(got.recv().await.unwrap(), hello(&[]));
+        // A hello that names a host is refused: the rule is for the address.
+        let mut req = connect;
+        req.extend_from_slice(&hello(&["pypi.org"]));
+        let (o, _) = exchange(&req, p).await;
+        assert_eq!(o.blocked, Some(Blocked::SniMismatch));
+        assert!(got.try_recv().is_err());
+    }
+
+    #[tokio::test]
     async fn a_plain_request_is_forwarded_in_origin_form_if_its_host_matches() {
         let (port, mut got) = upstream(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok").await;
         let (_tx, p) = policy(&[&format!("localhost:{port}")]);
@@ -1469,6 +1543,7 @@ mod tests {
     async fn spliced(
         port: u16,
         p: tokio::sync::watch::Receiver<std::sync::Arc<Vec<Rule>>>,
+        meters: Meters,
     ) -> (tokio::net::UnixStream, tokio::task::JoinHandle<Outcome>) {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
         let (mut sandbox, proxy) = tokio::net::UnixStream::pair().unwrap();
@@ -1476,7 +1551,7 @@ mod tests {
             let g = gate(&["127.0.0.0/8"], vec![]);
             let mut p = p;
             match admit(proxy, &mut p, &g).await {
-                Ok(a) => relay_spliced(a, p).await,
+                Ok(a) => relay_spliced(a, p, &meters).await,
                 Err(r) => r.answer().await,
             }
         });
@@ -1495,10 +1570,13 @@ mod tests {
         use tokio::io::AsyncReadExt;
         let (port, mut got) = upstream(b"server hello").await;
         let (tx, p) = policy(&[&format!("localhost:{port}")]);
-        let (mut sandbox, serving) = spliced(port, p).await;
+        let meters = Meters::default();
+        let (mut sandbox, serving) = spliced(port, p, meters.clone()).await;
         let mut back = [0u8; 12];
         sandbox.read_exact(&mut back).await.unwrap();
         assert_eq!(&back, b"server hello");
+        // Counted as it moves, not when the connection ends.
+        assert_eq!(meters.inward.bytes.get(), 12);
         assert_eq!(got.recv().await.unwrap(), b"SSH-2.0-x\r\n");
         tx.send(std::sync::Arc::new(rules(&["pypi.org"]))).unwrap();
         let o = tokio::time::timeout(Duration::from_secs(5), serving)
@@ -1515,7 +1593,7 @@ mod tests {
         let (port, _got) = upstream(b"").await;
         let (_tx, p) = policy(&[&format!("localhost:{port}")]);
         let started = tokio::time::Instant::now();
-        let (_sandbox, serving) = spliced(port, p).await;
+        let (_sandbox, serving) = spliced(port, p, Meters::default()).await;
         let o = serving.await.unwrap();
         assert!(!o.cut && o.blocked.is_none(), "{o:?}");
         assert!(started.elapsed() >= IDLE_TIMEOUT, "{:?}", started.elapsed());

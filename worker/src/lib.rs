@@ -19,8 +19,9 @@
 //!   writable trees;
 //! - [`egress`]: reading what a sandbox's outbound connection asks for (a
 //!   proxy request's head, a TLS server name) and deciding on it by policy,
-//!   with [`dns`], its stub resolver, and [`proxy`], each sandbox's socket,
-//!   its accept loop and bounds;
+//!   with [`dns`], its stub resolver, [`proxy`], each sandbox's socket,
+//!   its accept loop and bounds, and [`rate`], the byte rate its
+//!   connections share;
 //! - [`admission`]: which connections reach the server (limits, handshake
 //!   timeout); [`budget`]: what their requests may hold while they are read;
 //! - [`metrics`]: Prometheus metrics and the endpoint that serves them;
@@ -44,6 +45,7 @@ pub mod metrics;
 pub mod policy;
 pub mod pool;
 pub mod proxy;
+pub mod rate;
 pub mod sandbox;
 pub mod server;
 pub mod service;

@@ -20,7 +20,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{debug, warn};
 
-use crate::egress::{Blocked, Gate, admit, relay_spliced, too_many};
+use crate::egress::{Blocked, Gate, Meter, Meters, admit, relay_spliced, too_many};
 use crate::metrics::WorkerMetrics;
 
 /// The socket's name in its directory (as `corral_init::relay` expects).
@@ -39,6 +39,9 @@ pub struct Settings {
     /// Connections one sandbox may have open at once; more are refused
     /// (429, `too_many_connections`) without reading them.
     pub max_connections: usize,
+    /// Bytes a second one sandbox's egress may move each way, across its
+    /// connections (`--egress-max-bytes-per-second`); `None`: no bound.
+    pub max_bytes_per_second: Option<u64>,
 }
 
 impl Default for Settings {
@@ -52,6 +55,7 @@ impl Default for Settings {
                 ..Gate::default()
             },
             max_connections: DEFAULT_MAX_CONNECTIONS,
+            max_bytes_per_second: None,
         }
     }
 }
@@ -79,13 +83,17 @@ pub fn socket_dir(state_root: &Path, id: &SandboxId) -> PathBuf {
     state_root.join("egress").join(id.as_str())
 }
 
-/// Makes `dir` and binds its socket anew (a stale one from an earlier run
-/// is replaced). The directory is 0755 and the socket 0666: what reaches it
-/// is the mount in one sandbox; on the host it sits in the private state
-/// directory.
-pub fn bind(dir: &Path) -> std::io::Result<UnixListener> {
+/// Makes a sandbox's socket directory, 0755: what reaches it is the mount
+/// in one sandbox; on the host it sits in the private state directory.
+pub fn make_dir(dir: &Path) -> std::io::Result<()> {
     std::fs::create_dir_all(dir)?;
-    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755))?;
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755))
+}
+
+/// Makes `dir` and binds its socket anew (a stale one from an earlier run
+/// is replaced), 0666 (see [`make_dir`]).
+pub fn bind(dir: &Path) -> std::io::Result<UnixListener> {
+    make_dir(dir)?;
     let path = dir.join(SOCKET_NAME);
     match std::fs::remove_file(&path) {
         Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
@@ -134,6 +142,20 @@ pub async fn serve(
     closed: CancellationToken,
 ) {
     let slots = Arc::new(Semaphore::new(settings.max_connections));
+    // One rate a direction for all of this sandbox's connections.
+    let meter = |direction: &str| Meter {
+        bytes: metrics
+            .egress_bytes
+            .get_or_create(&vec![("direction", direction.to_string())])
+            .clone(),
+        rate: settings
+            .max_bytes_per_second
+            .map(|n| Arc::new(crate::rate::Rate::new(n))),
+    };
+    let meters = Arc::new(Meters {
+        out: meter("out"),
+        inward: meter("in"),
+    });
     loop {
         let accepted = tokio::select! {
             () = closed.cancelled() => return,
@@ -151,23 +173,33 @@ pub async fn serve(
             }
         };
         let Ok(slot) = Arc::clone(&slots).try_acquire_owned() else {
-            metrics.egress_decided("blocked", "too_many_connections");
+            let reason = Blocked::TooManyConnections.as_str();
+            metrics.egress_decided(EgressDecision::Blocked.as_str(), reason);
             // Said without waiting on the sandbox: it may not be reading.
+            // Its head is not read, so the event names no host; a flood
+            // that fills the event queue is not waited for either.
             let _ = stream.try_write(too_many());
+            let _ = reports.try_send(Egress {
+                host: String::new(),
+                port: 0,
+                decision: EgressDecision::Blocked,
+                reason: reason.to_string(),
+            });
             continue;
         };
-        let (policy, settings, reports, metrics, closed) = (
+        let (policy, settings, reports, metrics, meters, closed) = (
             policy.clone(),
             Arc::clone(&settings),
             reports.clone(),
             Arc::clone(&metrics),
+            Arc::clone(&meters),
             closed.clone(),
         );
         tracker.spawn(async move {
             let _slot = slot;
             tokio::select! {
                 () = closed.cancelled() => {}
-                () = one(stream, policy, &settings, &reports, &metrics) => {}
+                () = one(stream, policy, &settings, &reports, &metrics, &meters) => {}
             }
         });
     }
@@ -179,6 +211,7 @@ async fn one(
     settings: &Settings,
     reports: &Reports,
     metrics: &WorkerMetrics,
+    meters: &Meters,
 ) {
     let report = |host: &str, port: u16, decision: EgressDecision, reason: Option<Blocked>| {
         let reason = reason.map_or("", Blocked::as_str);
@@ -204,11 +237,12 @@ async fn one(
             let (host, port) = (admitted.outcome().host.clone(), admitted.outcome().port);
             let e = report(&host, port, EgressDecision::Allowed, None);
             let _ = reports.send(e).await;
+            // The request's head, sent upstream as it was admitted.
+            meters.out.bytes.inc_by(admitted.outcome().bytes_out);
             let out = {
                 let _open = Open::new(&metrics.egress_open);
-                relay_spliced(admitted, policy).await
+                relay_spliced(admitted, policy, meters).await
             };
-            metrics.egress_relayed(out.bytes_out, out.bytes_in);
             if out.cut {
                 let e = report(&host, port, EgressDecision::Closed, out.blocked);
                 let _ = reports.send(e).await;
