@@ -266,14 +266,14 @@ pub async fn connect_to(conn: &ConnArgs, url: Option<&str>) -> Result<WorkerClie
     }
 }
 
-/// Places something new (a session, a sandbox of `image`; `None`: the
-/// worker's default) on one of `urls` and makes it there with `create`: see
-/// [`corral_harness::placement`]. A worker with a warm member of the image
-/// ready is preferred.
+/// Places something new (a session's sandbox, a sandbox, made as `spec`
+/// asks) on one of `urls` and makes it there with `create`: see
+/// [`corral_harness::placement`]. A worker with a warm member ready that
+/// the create would take is preferred.
 pub async fn place<T, E, F, Fut>(
     conn: &ConnArgs,
     urls: &[String],
-    image: Option<&str>,
+    spec: &corral_proto::SandboxSpec,
     create: F,
 ) -> Result<T, E>
 where
@@ -281,7 +281,7 @@ where
     F: FnMut(String, WorkerClient) -> Fut,
     Fut: std::future::Future<Output = Result<T, Attempt<E>>>,
 {
-    let placer = Placer::new(credentials(conn, urls)?).preferring_warm(image);
+    let placer = Placer::new(credentials(conn, urls)?).preferring_warm(spec);
     match placer.place(urls, create).await {
         Ok(placed) => {
             tracing::debug!(worker = %placed.url, probes = placed.probes, attempts = placed.attempts, "placed");

@@ -43,6 +43,9 @@ pub enum InitRequest {
     Reset,
     /// A decision on an egress connection, to journal as an event.
     Egress(crate::event::Egress),
+    /// Serve the egress proxy (as `--egress` does at start); nothing if it
+    /// runs already.
+    StartRelay,
 }
 
 /// A signal number a client may send: 1-31 (SIGHUP .. SIGSYS).
@@ -231,6 +234,7 @@ impl From<InitRequest> for pb::InitRequest {
             InitRequest::Egress(e) => Kind::Egress(p::Egress {
                 egress: Some(e.into()),
             }),
+            InitRequest::StartRelay => Kind::StartRelay(p::StartRelay {}),
         };
         Self { kind: Some(kind) }
     }
@@ -274,6 +278,7 @@ impl TryFrom<pb::InitRequest> for InitRequest {
                     .ok_or(ProtocolError::Missing("egress"))?
                     .try_into()?,
             ),
+            Kind::StartRelay(_) => Self::StartRelay,
         })
     }
 }

@@ -60,6 +60,33 @@ pub struct PoolInfo {
     pub claims: u64,
     pub misses: u64,
     pub last_refill_ms: u64,
+    /// The template's own limits and runtime (`None`: the worker's default).
+    pub memory_bytes: Option<u64>,
+    pub cpu_millis: Option<u32>,
+    pub pids_limit: Option<u32>,
+    pub runtime: Option<String>,
+}
+
+impl PoolInfo {
+    /// Whether a create of `spec` would take a member of this pool
+    /// (`default_image`: the worker's), as far as a client can tell: the
+    /// same image, limits and runtime, each given as the template gives
+    /// it, and nothing fixed when a container is made. A spec that names a
+    /// worker's default the template leaves unset is taken for another.
+    pub fn fits(&self, spec: &crate::SandboxSpec, default_image: &str) -> bool {
+        spec.network == crate::NetworkMode::None
+            && !spec.run_as_root
+            && !spec.writable_rootfs
+            && spec.add_capabilities.is_empty()
+            && !spec.memory_includes_files
+            && spec.workspace_bytes.is_none()
+            && spec.tmp_bytes.is_none()
+            && spec.image.as_deref().unwrap_or(default_image) == self.image
+            && spec.memory_bytes == self.memory_bytes
+            && spec.cpu_millis == self.cpu_millis
+            && spec.pids_limit == self.pids_limit
+            && spec.runtime == self.runtime
+    }
 }
 
 /// What a worker lets a sandbox be: its operator's choice, never a
@@ -237,6 +264,10 @@ impl From<WorkerInfo> for pb::WorkerInfo {
                     claims: p.claims,
                     misses: p.misses,
                     last_refill_ms: p.last_refill_ms,
+                    memory_bytes: p.memory_bytes,
+                    cpu_millis: p.cpu_millis,
+                    pids_limit: p.pids_limit,
+                    runtime: p.runtime,
                 })
                 .collect(),
         }
@@ -268,6 +299,10 @@ impl From<pb::WorkerInfo> for WorkerInfo {
                     claims: p.claims,
                     misses: p.misses,
                     last_refill_ms: p.last_refill_ms,
+                    memory_bytes: p.memory_bytes,
+                    cpu_millis: p.cpu_millis,
+                    pids_limit: p.pids_limit,
+                    runtime: p.runtime.filter(|r| !r.is_empty()),
                 })
                 .collect(),
         }
@@ -316,5 +351,65 @@ impl TryFrom<pb::SandboxStats> for SandboxStats {
             pids: s.pids,
             pids_limit: s.pids_limit,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_pool_fits_a_create_of_its_image_limits_and_runtime_only() {
+        let pool = PoolInfo {
+            template: "corral-debian:latest=4,memory=1g".into(),
+            image: "corral-debian:latest".into(),
+            size: 4,
+            ready: 4,
+            claims: 0,
+            misses: 0,
+            last_refill_ms: 0,
+            memory_bytes: Some(1 << 30),
+            cpu_millis: None,
+            pids_limit: None,
+            runtime: None,
+        };
+        let spec = crate::SandboxSpec {
+            image: Some("corral-debian:latest".into()),
+            memory_bytes: Some(1 << 30),
+            egress: crate::egress::parse_rules(&["pypi.org"], false).unwrap(),
+            ..crate::SandboxSpec::default()
+        };
+        assert!(pool.fits(&spec, "corral-sandbox:latest"));
+        // The image as the worker's default.
+        let default = crate::SandboxSpec {
+            image: None,
+            ..spec.clone()
+        };
+        assert!(pool.fits(&default, "corral-debian:latest"));
+        assert!(!pool.fits(&default, "corral-sandbox:latest"));
+        for other in [
+            crate::SandboxSpec {
+                memory_bytes: None,
+                ..spec.clone()
+            },
+            crate::SandboxSpec {
+                pids_limit: Some(64),
+                ..spec.clone()
+            },
+            crate::SandboxSpec {
+                runtime: Some("runsc".into()),
+                ..spec.clone()
+            },
+            crate::SandboxSpec {
+                run_as_root: true,
+                ..spec.clone()
+            },
+            crate::SandboxSpec {
+                tmp_bytes: Some(1 << 20),
+                ..spec
+            },
+        ] {
+            assert!(!pool.fits(&other, "corral-sandbox:latest"), "{other:?}");
+        }
     }
 }

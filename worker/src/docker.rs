@@ -336,7 +336,9 @@ impl DockerRuntime {
     /// The container configuration of a sandbox whose commands run as
     /// `uid` (0 when it asked for root): every default hardened.
     /// `egress_dir`: the host directory of its egress proxy's socket,
-    /// mounted read-only (the sandbox keeps network none).
+    /// mounted read-only (the sandbox keeps network none); the proxy is
+    /// served from the start if the spec has egress rules (a pool's member
+    /// gets the directory only, and its proxy when a claim asks for it).
     pub fn container_body(
         &self,
         id: &SandboxId,
@@ -386,19 +388,13 @@ impl DockerRuntime {
                 env.push(format!("{key}={value}"));
             }
         }
-        if egress_dir.is_some() {
-            // The proxy on the sandbox's loopback; loopback itself direct.
-            let url = crate::proxy::PROXY_URL;
-            for key in ["HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy"] {
-                if !spec.env.contains_key(key) {
-                    env.push(format!("{key}={url}"));
-                }
-            }
-            for key in ["NO_PROXY", "no_proxy"] {
-                if !spec.env.contains_key(key) {
-                    env.push(format!("{key}=localhost,127.0.0.1,::1"));
-                }
-            }
+        let egress = egress_dir.is_some() && !spec.egress.is_empty();
+        if egress {
+            env.extend(
+                crate::proxy::proxy_env()
+                    .filter(|(k, _)| !spec.env.contains_key(*k))
+                    .map(|(k, v)| format!("{k}={v}")),
+            );
         }
         env.extend(spec.env.iter().map(|(k, v)| format!("{k}={v}")));
         let mut mounts = vec![Mount {
@@ -422,7 +418,7 @@ impl DockerRuntime {
         } else {
             vec!["--command-uid".into(), uid.to_string()]
         };
-        if egress_dir.is_some() {
+        if egress {
             cmd.push("--egress".into());
         }
         let mut labels = HashMap::from([

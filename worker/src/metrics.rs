@@ -40,8 +40,10 @@ pub struct WorkerMetrics {
     pub egress_connections: Family<Labels, Counter>,
     pub egress_bytes: Family<Labels, Counter>,
     pub egress_open: Gauge,
+    pub pool_size: Family<Labels, Gauge>,
     pub pool_ready: Family<Labels, Gauge>,
     pub pool_claims: Family<Labels, Counter>,
+    pub pool_refill_seconds: Family<Labels, Histogram, fn() -> Histogram>,
     pub forks: Family<Labels, Counter>,
     pub fork_frozen_seconds: Histogram,
 }
@@ -65,8 +67,12 @@ impl Default for WorkerMetrics {
             egress_connections: Family::default(),
             egress_bytes: Family::default(),
             egress_open: Gauge::default(),
+            pool_size: Family::default(),
             pool_ready: Family::default(),
             pool_claims: Family::default(),
+            pool_refill_seconds: Family::new_with_constructor(
+                latency_histogram as fn() -> Histogram,
+            ),
             forks: Family::default(),
             fork_frozen_seconds: latency_histogram(),
         };
@@ -122,6 +128,16 @@ impl Default for WorkerMetrics {
             "egress_bytes",
             "Bytes relayed by sandboxes' egress proxies, by direction (out, in)",
             m.egress_bytes.clone(),
+        );
+        registry.register(
+            "pool_size",
+            "Members each warm pool keeps, by template",
+            m.pool_size.clone(),
+        );
+        registry.register(
+            "pool_refill_seconds",
+            "Time to make a pool member and have it answer, by template",
+            m.pool_refill_seconds.clone(),
         );
         registry.register(
             "pool_ready",
@@ -193,7 +209,7 @@ impl WorkerMetrics {
     }
 
     /// A create matched pool `template`: it took a member or found none.
-    pub fn pool_claimed(&self, template: &str, claimed: bool, ready: usize) {
+    pub fn pool_claimed(&self, template: &str, claimed: bool) {
         let result = if claimed { "claimed" } else { "missed" };
         self.pool_claims
             .get_or_create(&vec![
@@ -201,14 +217,21 @@ impl WorkerMetrics {
                 ("result", result.to_string()),
             ])
             .inc();
-        self.pool_ready(template, ready);
     }
 
-    /// Pool `template` has `ready` members ready.
-    pub fn pool_ready(&self, template: &str, ready: usize) {
-        self.pool_ready
+    /// A member of pool `template` was made and answered in `took`.
+    pub fn pool_refilled(&self, template: &str, took: Duration) {
+        self.pool_refill_seconds
             .get_or_create(&vec![("template", template.to_string())])
-            .set(ready as i64);
+            .observe(took.as_secs_f64());
+    }
+
+    /// Pool `template` keeps `size` members, `ready` of them ready now (set
+    /// when scraped).
+    pub fn pool_state(&self, template: &str, size: u32, ready: usize) {
+        let labels = vec![("template", template.to_string())];
+        self.pool_size.get_or_create(&labels).set(i64::from(size));
+        self.pool_ready.get_or_create(&labels).set(ready as i64);
     }
 
     /// A fork ended with `outcome`.

@@ -124,10 +124,10 @@ impl Template {
     /// Whether a member can be what `spec` asks for: the same image,
     /// limits and runtime (each as the worker resolves it), and nothing
     /// that is fixed when a container is made (root, a writable root,
-    /// capabilities, a network, egress, other tmpfs sizes).
+    /// capabilities, a network, other tmpfs sizes). Egress is not: every
+    /// member has its proxy's directory mounted, served once claimed.
     pub fn matches(&self, spec: &SandboxSpec, d: &Defaults) -> bool {
         let plain = spec.network == NetworkMode::None
-            && spec.egress.is_empty()
             && !spec.run_as_root
             && !spec.writable_rootfs
             && spec.add_capabilities.is_empty()
@@ -204,6 +204,10 @@ impl From<&Pool> for corral_proto::PoolInfo {
             claims: p.claims,
             misses: p.misses,
             last_refill_ms: p.last_refill.map_or(0, |d| d.as_millis() as u64),
+            memory_bytes: p.template.memory_bytes,
+            cpu_millis: p.template.cpu_millis,
+            pids_limit: p.template.pids_limit,
+            runtime: p.template.runtime.clone(),
         }
     }
 }
@@ -270,6 +274,9 @@ mod tests {
         // The defaults, said or not, are the same.
         assert!(asks(&|s| s.cpu_millis = Some(d.cpu_millis)));
         assert!(asks(&|s| s.workspace_bytes = Some(d.workspace_bytes)));
+        assert!(asks(&|s| s.egress =
+            corral_proto::egress::parse_rules(&["pypi.org"], false)
+                .unwrap()));
         // What is fixed when a container is made does.
         for differs in [
             &(|s: &mut SandboxSpec| s.image = Some("other:latest".into()))
@@ -283,7 +290,6 @@ mod tests {
             &|s| s.writable_rootfs = true,
             &|s| s.add_capabilities = vec!["CAP_CHOWN".into()],
             &|s| s.network = NetworkMode::Bridge,
-            &|s| s.egress = corral_proto::egress::parse_rules(&["pypi.org"], false).unwrap(),
             &|s| s.workspace_bytes = Some(2 << 30),
             &|s| s.tmp_bytes = Some(1 << 20),
             &|s| s.memory_includes_files = true,

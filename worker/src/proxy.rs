@@ -29,6 +29,19 @@ pub const SOCKET_NAME: &str = "proxy.sock";
 pub const SANDBOX_DIR: &str = "/run/corral-egress";
 /// The proxy's address in the sandbox, as its environment names it.
 pub const PROXY_URL: &str = "http://127.0.0.1:3128";
+/// The environment that names the proxy to a sandbox's commands (loopback
+/// itself not through it).
+pub fn proxy_env() -> impl Iterator<Item = (&'static str, &'static str)> {
+    ["HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy"]
+        .into_iter()
+        .map(|k| (k, PROXY_URL))
+        .chain(
+            ["NO_PROXY", "no_proxy"]
+                .into_iter()
+                .map(|k| (k, "localhost,127.0.0.1,::1")),
+        )
+}
+
 /// Connections one sandbox may have open through its proxy by default.
 pub const DEFAULT_MAX_CONNECTIONS: usize = 128;
 

@@ -578,6 +578,12 @@ impl Sandbox {
         true
     }
 
+    /// Whether it has an egress proxy (made with egress rules; an empty
+    /// policy set later still has one, blocking everything).
+    pub fn has_egress(&self) -> bool {
+        self.shared.egress.is_some()
+    }
+
     /// The egress policy it follows now (its spec's, unless replaced).
     pub fn egress(&self) -> Vec<corral_proto::egress::Rule> {
         self.shared
@@ -1376,6 +1382,12 @@ impl Actor {
                 .collect()
         };
         self.welcomed = true;
+        // A sandbox with egress has its relay before any command: a pool's
+        // member, made without one, is given it now (the supervisor keeps
+        // the one it has).
+        if self.shared.egress.is_some() {
+            self.send(InitRequest::StartRelay).await;
+        }
         for (operation_id, spec) in unsent {
             self.send(InitRequest::Run { operation_id, spec }).await;
         }

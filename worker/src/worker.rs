@@ -1002,9 +1002,7 @@ impl Worker {
                 None => pool.misses += 1,
             }
             let label = pool.template.to_string();
-            self.inner
-                .metrics
-                .pool_claimed(&label, found.is_some(), pool.ready.len());
+            self.inner.metrics.pool_claimed(&label, found.is_some());
             (found, dead)
         };
         // Its slot, from the pool's to this sandbox's, held until it is
@@ -1025,23 +1023,43 @@ impl Worker {
         let mut record = StateDir::new_record(id, spec);
         record.container_id = Some(container.clone());
         record.forking_from = forking_from.map(ToString::to_string);
-        if let Err(e) = self.inner.state.save(&record) {
-            let _ = self.inner.runtime.remove_container(&container).await;
-            return Err(e);
-        }
+        let forget = |this: &Self| {
+            let _ = this.inner.state.remove(id);
+            crate::proxy::remove(&this.egress_dir(id));
+        };
+        // The member's socket directory, mounted when it was made, becomes
+        // the sandbox's (a rename on the host: the mount follows the
+        // directory), and its proxy's socket is bound there if the spec
+        // has egress; the sandbox's actor then has the supervisor serve it.
+        let egress = self.inner.state.save(&record).and_then(|()| {
+            let dir = self.egress_dir(id);
+            crate::proxy::remove(&dir);
+            std::fs::rename(self.egress_dir(&member.id), &dir)
+                .map_err(|e| WorkerError::state(&dir, e))?;
+            self.egress_socket(id, spec)
+        });
+        let egress = match egress {
+            Ok(e) => e,
+            Err(e) => {
+                let _ = self.inner.runtime.remove_container(&container).await;
+                crate::proxy::remove(&self.egress_dir(&member.id));
+                forget(self);
+                return Err(e);
+            }
+        };
         let sandbox = Sandbox::spawn(
             id.clone(),
             spec.clone(),
             container.clone(),
             record.created_at_unix_ms,
-            None,
+            egress,
             &self.env(),
         );
         if let Err(e) = sandbox.wait_ready(READY_TIMEOUT).await {
             warn!(sandbox = %id, member = %member.id, error = %e, "a claimed member did not answer; made cold instead");
             sandbox.close();
             let _ = self.inner.runtime.remove_container(&container).await;
-            let _ = self.inner.state.remove(id);
+            forget(self);
             return Ok(None);
         }
         info!(sandbox = %id, member = %member.id, container = %container, "sandbox ready, from a pool");
@@ -1061,6 +1079,7 @@ impl Worker {
         {
             warn!(member = %m.id, error = %e, "could not remove a pool member");
         }
+        crate::proxy::remove(&self.egress_dir(&m.id));
     }
 
     /// Keeps every pool at its size, as capacity allows: members that died
@@ -1139,8 +1158,9 @@ impl Worker {
                     Ok(sandbox) => {
                         pool.last_refill = Some(started.elapsed());
                         pool.ready.push_back(crate::pool::Member { id, sandbox });
-                        let label = pool.template.to_string();
-                        self.inner.metrics.pool_ready(&label, pool.ready.len());
+                        self.inner
+                            .metrics
+                            .pool_refilled(&pool.template.to_string(), started.elapsed());
                         None
                     }
                     Err(e) => {
@@ -1157,7 +1177,20 @@ impl Worker {
     }
 
     async fn make_member(&self, id: &SandboxId, spec: SandboxSpec) -> Result<Sandbox> {
-        let container = self.inner.runtime.create(id, &spec, None).await?;
+        // A socket directory mounted from the start, empty: a claim that
+        // asks for egress binds its proxy's socket there.
+        let dir = self.egress_dir(id);
+        let made = match crate::proxy::make_dir(&dir) {
+            Ok(()) => self.inner.runtime.create(id, &spec, Some(&dir)).await,
+            Err(e) => Err(WorkerError::state(&dir, e)),
+        };
+        let container = match made {
+            Ok(c) => c,
+            Err(e) => {
+                crate::proxy::remove(&dir);
+                return Err(e);
+            }
+        };
         let sandbox = Sandbox::spawn(
             id.clone(),
             spec,
@@ -1169,6 +1202,7 @@ impl Worker {
         if let Err(e) = sandbox.wait_ready(READY_TIMEOUT).await {
             sandbox.close();
             let _ = self.inner.runtime.remove_container(&container).await;
+            crate::proxy::remove(&dir);
             return Err(e);
         }
         Ok(sandbox)
@@ -1243,13 +1277,18 @@ impl Worker {
     ) -> Result<OperationRecord> {
         spec.validate()?;
         let sb = self.sandbox(sandbox)?;
-        // The sandbox's environment, under the command's own: the
-        // container has it already, unless the sandbox was a pool's
-        // member, made before anyone asked for it.
+        // The sandbox's environment, under the command's own, and its
+        // proxy's under that: the container has them already, unless the
+        // sandbox was a pool's member, made before anyone asked for it.
         let spec = match spec {
             OperationSpec::Shell(mut s) => {
                 for (k, v) in &sb.spec.env {
                     s.env.entry(k.clone()).or_insert_with(|| v.clone());
+                }
+                if sb.has_egress() {
+                    for (k, v) in crate::proxy::proxy_env() {
+                        s.env.entry(k.to_string()).or_insert_with(|| v.to_string());
+                    }
                 }
                 OperationSpec::Shell(s)
             }
@@ -1448,6 +1487,9 @@ impl Worker {
                 .set(n);
         }
         m.capacity.set(i64::from(self.inner.max_sandboxes));
+        for p in lock(&self.inner.pools).iter() {
+            m.pool_state(&p.template.to_string(), p.template.size, p.ready.len());
+        }
         m.running_operations.set(running);
         m.watchers.set(watchers);
         m.journal_bytes.set(journal);

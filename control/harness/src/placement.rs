@@ -218,10 +218,10 @@ pub struct Placer {
     pub probe_timeout: Duration,
     pub probe_all_up_to: usize,
     pub attempts: usize,
-    /// The image of what is placed (`Some("")`: the worker's default), when
-    /// known: a worker whose warm pool of that image has a member ready is
-    /// preferred to any without (its create is a claim, not a cold start).
-    pub warm_image: Option<String>,
+    /// The sandbox placed, when known: a worker with a warm pool member
+    /// ready that its create would take is preferred to any without (its
+    /// create is a claim, not a cold start).
+    pub warm: Option<corral_proto::SandboxSpec>,
 }
 
 /// A probed worker that could take a sandbox.
@@ -240,27 +240,24 @@ impl Placer {
             probe_timeout: PROBE_TIMEOUT,
             probe_all_up_to: PROBE_ALL_UP_TO,
             attempts: ATTEMPTS,
-            warm_image: None,
+            warm: None,
         }
     }
 
-    /// Prefers workers with a ready pool member of `image` (`None`: the
-    /// worker's default image).
-    pub fn preferring_warm(mut self, image: Option<&str>) -> Self {
-        self.warm_image = Some(image.unwrap_or_default().to_string());
+    /// Prefers workers with a ready pool member a create of `spec` would
+    /// take (see [`corral_proto::PoolInfo::fits`]).
+    pub fn preferring_warm(mut self, spec: &corral_proto::SandboxSpec) -> Self {
+        self.warm = Some(spec.clone());
         self
     }
 
     fn is_warm(&self, info: &WorkerInfo) -> bool {
-        let Some(image) = &self.warm_image else {
+        let Some(spec) = &self.warm else {
             return false;
         };
-        let image = if image.is_empty() {
-            &info.default_image
-        } else {
-            image
-        };
-        info.pools.iter().any(|p| p.ready > 0 && &p.image == image)
+        info.pools
+            .iter()
+            .any(|p| p.ready > 0 && p.fits(spec, &info.default_image))
     }
 
     /// Asks `url` how full it is, within the probe timeout.

@@ -975,7 +975,8 @@ fn overrides_of(opts: &RunOptions) -> Overrides {
     }
 }
 
-fn sandbox_spec(config: &SessionConfig) -> SandboxSpec {
+/// The sandbox a session's config asks for (each generation's).
+pub fn sandbox_spec(config: &SessionConfig) -> SandboxSpec {
     SandboxSpec {
         image: config.image.clone(),
         idle_timeout_ms: Some(SANDBOX_IDLE_TIMEOUT.as_millis() as u64),

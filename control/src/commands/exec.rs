@@ -76,7 +76,7 @@ async fn exec_command(conn: &ConnArgs, args: ExecArgs) -> Result<u8, Error> {
         (None, _) => {
             let id = SandboxId::random();
             let spec = req.sandbox_spec();
-            let client = place(conn, &urls, req.image.as_deref(), |_, client| {
+            let client = place(conn, &urls, &spec, |_, client| {
                 let (id, spec) = (id.clone(), spec.clone());
                 async move {
                     match client.create_sandbox(Some(&id), spec).await {

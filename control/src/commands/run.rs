@@ -288,8 +288,8 @@ async fn run(conn: &ConnArgs, args: &RunArgs, json: bool) -> Result<u8, Error> {
         let new = store.prepare(&id, opts)?;
         if urls.len() > 1 {
             let store = &store;
-            let image = new.config().image.clone();
-            place(conn, &urls, image.as_deref(), |url, client| {
+            let spec = corral_harness::sessions::sandbox_spec(new.config());
+            place(conn, &urls, &spec, |url, client| {
                 let new = new.clone().placed_on(Some(url));
                 async move {
                     match store.start(new, client.clone()).await {
@@ -425,22 +425,18 @@ async fn resume_elsewhere(
 ) -> Result<(SessionHandle, WorkerClient), Error> {
     let urls = &worker_urls(conn).await?;
     if urls.len() > 1 {
-        return place(
-            conn,
-            urls,
-            opts.image.as_deref(),
-            |url, client| async move {
-                let stored = store.open(id).map_err(|e| Attempt::Failed(e.into()))?;
-                match store
-                    .resume_elsewhere(stored, client.clone(), Some(url), reason, opts.clone())
-                    .await
-                {
-                    Ok(handle) => Ok((handle, client)),
-                    Err(e @ SessionError::Refused { .. }) => Err(Attempt::Refused(e.to_string())),
-                    Err(e) => Err(Attempt::Failed(Error::from(e))),
-                }
-            },
-        )
+        let spec = corral_harness::sessions::sandbox_spec(&store.config_of(id)?);
+        return place(conn, urls, &spec, |url, client| async move {
+            let stored = store.open(id).map_err(|e| Attempt::Failed(e.into()))?;
+            match store
+                .resume_elsewhere(stored, client.clone(), Some(url), reason, opts.clone())
+                .await
+            {
+                Ok(handle) => Ok((handle, client)),
+                Err(e @ SessionError::Refused { .. }) => Err(Attempt::Refused(e.to_string())),
+                Err(e) => Err(Attempt::Failed(Error::from(e))),
+            }
+        })
         .await;
     }
     let url = urls.first().cloned();

@@ -202,7 +202,7 @@ async fn sandbox_command(conn: &ConnArgs, cmd: SandboxCommand) -> Result<(), Err
                     // An id of its own, so a create repeated elsewhere
                     // never makes two.
                     let id = id.unwrap_or_else(SandboxId::random);
-                    place(c, urls, spec.image.as_deref(), |_, client| {
+                    place(c, urls, &spec, |_, client| {
                         let (id, spec) = (id.clone(), spec.clone());
                         async move {
                             match client.create_sandbox(Some(&id), spec).await {

@@ -65,6 +65,14 @@ elif kind == "raw":
     ask(sys.argv[2].encode().decode("unicode_escape"))
 "#;
 
+/// A GET of `http://HOST:PORT/hello` through the proxy `$HTTP_PROXY`
+/// names, by bash's /dev/tcp: the answer, head and body.
+const GET_SH: &str = r#"proxy=${HTTP_PROXY#http://}
+exec 3<>"/dev/tcp/${proxy%:*}/${proxy##*:}" || exit 1
+printf 'GET http://%s/hello HTTP/1.1\r\nHost: %s\r\nConnection: close\r\n\r\n' "$1" "$1" >&3
+cat <&3
+"#;
+
 /// A worker with egress, the DNS server and upstreams it reaches.
 struct Net {
     worker: WorkerProcess,
@@ -89,6 +97,11 @@ impl Drop for Net {
 /// `meta.test` the metadata address; `rebind.test` the upstream at first,
 /// then the metadata address.
 async fn start() -> Result<Net> {
+    start_with(&[]).await
+}
+
+/// [`start`], the worker given `extra` flags too.
+async fn start_with(extra: &[&str]) -> Result<Net> {
     let lookups = Arc::new(AtomicUsize::new(0));
     let counter = Arc::clone(&lookups);
     let (dns, dns_task) = corral_worker::dns::testing::serve(move |name, qtype| {
@@ -114,7 +127,7 @@ async fn start() -> Result<Net> {
     let up = Upstream::start(UPSTREAM_IP, files.path(), &pki).await?;
     let state = tempfile::tempdir()?;
     let metrics_port = free_port()?;
-    let args = vec![
+    let mut args = vec![
         "--allow-image".to_string(),
         "corral-debian:latest".into(),
         "--allow-egress".into(),
@@ -126,6 +139,7 @@ async fn start() -> Result<Net> {
         "--metrics-listen".into(),
         format!("127.0.0.1:{metrics_port}"),
     ];
+    args.extend(extra.iter().map(|a| a.to_string()));
     let worker = spawn(state.path(), &unique_id("eg"), free_port()?, &args)?;
     let client = worker.client().await?;
     Ok(Net {
@@ -390,31 +404,97 @@ async fn everything_else_is_refused_with_its_reason_in_the_answer_the_event_and_
             .await?,
         "status=200 egress=- tls=ok"
     );
-    let refused = [
-        (format!("connect other.test:{s}"), "not_allowed"),
+    // Each refusal: its reason in the 403, an event naming its host and
+    // port, and one more in the metric of its reason.
+    let refused: Vec<(String, &str, &str, u16)> = vec![
+        (
+            format!("connect other.test:{s}"),
+            "not_allowed",
+            "other.test",
+            s,
+        ),
         (
             format!("connect pkg.test:{}", s.wrapping_add(1).max(1)),
             "port",
+            "pkg.test",
+            s.wrapping_add(1).max(1),
         ),
-        (format!("connect sub.test:{s}"), "not_allowed"),
-        (format!("connect {UPSTREAM_IP}:{s}"), "not_allowed"),
-        (format!("connect internal.test:{p}"), "internal_address"),
-        (format!("connect meta.test:{p}"), "internal_address"),
-        ("connect 169.254.169.254:80".to_string(), "internal_address"),
-        (format!("connect 127.0.0.1:{grpc}"), "internal_address"),
-        (format!("connect 127.0.0.1:{m}"), "internal_address"),
-        (format!("connect [::1]:{p}"), "internal_address"),
+        (
+            format!("connect sub.test:{s}"),
+            "not_allowed",
+            "sub.test",
+            s,
+        ),
+        (
+            format!("connect {UPSTREAM_IP}:{s}"),
+            "not_allowed",
+            UPSTREAM_IP,
+            s,
+        ),
+        (
+            format!("connect internal.test:{p}"),
+            "internal_address",
+            "internal.test",
+            p,
+        ),
+        (
+            format!("connect meta.test:{p}"),
+            "internal_address",
+            "meta.test",
+            p,
+        ),
+        (
+            "connect 169.254.169.254:80".to_string(),
+            "internal_address",
+            "169.254.169.254",
+            80,
+        ),
+        (
+            format!("connect 127.0.0.1:{grpc}"),
+            "internal_address",
+            "127.0.0.1",
+            grpc,
+        ),
+        (
+            format!("connect 127.0.0.1:{m}"),
+            "internal_address",
+            "127.0.0.1",
+            m,
+        ),
+        (format!("connect [::1]:{p}"), "internal_address", "::1", p),
         (
             format!("get http://pkg.test:{p}/hello other.test"),
             "host_mismatch",
+            "pkg.test",
+            p,
         ),
     ];
-    for (args, reason) in &refused {
+    let mut seen = 0;
+    for (args, reason, host, port) in &refused {
+        let before = net.metric("blocked", reason).await?;
         assert_eq!(
             net.probe(&sb, args).await?,
             format!("status=403 egress=blocked; reason={reason} tls=-"),
             "{args}"
         );
+        assert_eq!(net.metric("blocked", reason).await?, before + 1.0, "{args}");
+        let events = net.egress_events(&sb).await?;
+        let new: Vec<_> = events
+            .iter()
+            .filter(|(_, _, d, _)| *d == EgressDecision::Blocked)
+            .skip(seen)
+            .collect();
+        assert_eq!(
+            new,
+            [&(
+                host.to_string(),
+                *port,
+                EgressDecision::Blocked,
+                reason.to_string()
+            )],
+            "{args}"
+        );
+        seen += 1;
     }
     // A name whose answer turns internal between two lookups: the second
     // connection is refused, never made.
@@ -426,6 +506,7 @@ async fn everything_else_is_refused_with_its_reason_in_the_answer_the_event_and_
         .await?,
         "status=200 egress=- tls=-"
     );
+    let before = net.metric("blocked", "internal_address").await?;
     assert_eq!(
         net.probe(
             &sb,
@@ -434,11 +515,30 @@ async fn everything_else_is_refused_with_its_reason_in_the_answer_the_event_and_
         .await?,
         "status=403 egress=blocked; reason=internal_address tls=-"
     );
+    assert_eq!(
+        net.metric("blocked", "internal_address").await?,
+        before + 1.0
+    );
     // A tunnel whose TLS names another host: let in, then closed.
     assert_eq!(
         net.probe(&sb, &format!("connect pkg.test:{s} other.test"))
             .await?,
         "status=200 egress=- tls=closed"
+    );
+    assert_eq!(net.metric("blocked", "sni_mismatch").await?, 1.0);
+    let events = net.egress_events(&sb).await?;
+    let blocked: Vec<_> = events
+        .iter()
+        .filter(|(_, _, d, _)| *d == EgressDecision::Blocked)
+        .skip(seen)
+        .map(|(h, port, _, r)| (h.as_str(), *port, r.as_str()))
+        .collect();
+    assert_eq!(
+        blocked,
+        [
+            ("rebind.test", p, "internal_address"),
+            ("pkg.test", s, "sni_mismatch")
+        ]
     );
     // No way around the proxy: no resolver, no route, no proxy variables.
     let around = net
@@ -455,30 +555,155 @@ async fn everything_else_is_refused_with_its_reason_in_the_answer_the_event_and_
         )
         .await?;
     assert_eq!(around.trim(), "done", "{around}");
-    // Every refusal is on the sandbox's event stream and in the metrics.
-    let events = net.egress_events(&sb).await?;
-    for reason in [
-        "not_allowed",
-        "port",
-        "internal_address",
-        "host_mismatch",
-        "sni_mismatch",
-    ] {
-        assert!(
-            events
-                .iter()
-                .any(|(_, _, d, r)| *d == EgressDecision::Blocked && r == reason),
-            "{reason}: {events:?}"
-        );
-        assert!(net.metric("blocked", reason).await? >= 1.0, "{reason}");
-    }
+    // Nothing the sandbox did around the proxy reached it.
+    let after = net.egress_events(&sb).await?;
+    assert_eq!(after.len(), events.len(), "{after:?}");
+    Ok(())
+}
+
+#[tokio::test]
+async fn an_address_range_is_reached_over_https_and_a_rate_bounds_what_moves() -> Result<()> {
+    let net = start_with(&["--egress-max-bytes-per-second", "1m"]).await?;
+    let (p, s) = (net.up.http.port(), net.up.https.port());
+    let sb = net
+        .sandbox(&[
+            format!("{UPSTREAM_IP}/32:{s}"),
+            format!("{UPSTREAM_IP}/32:{p}"),
+        ])
+        .await?;
+    // TLS names no address: a range's HTTPS goes through without a name
+    // (the certificate is for names, so curl is told not to check it).
+    assert_eq!(
+        net.sh(
+            &sb,
+            &format!("curl -sS -k https://{UPSTREAM_IP}:{s}/hello 2>&1")
+        )
+        .await?
+        .trim(),
+        "hello from upstream"
+    );
+    // 3 MiB at 1 MiB a second, after a second's burst: two seconds at
+    // least, however fast loopback is.
+    let out = net
+        .sh(
+            &sb,
+            &format!(
+                "curl -sS -o /dev/null -w '%{{size_download}} %{{time_total}}' http://{UPSTREAM_IP}:{p}/bytes/3145728 2>&1"
+            ),
+        )
+        .await?;
+    let (size, secs) = out
+        .trim()
+        .split_once(' ')
+        .with_context(|| format!("curl said {out:?}"))?;
+    assert_eq!(size, "3145728", "{out}");
+    let secs: f64 = secs.parse()?;
+    assert!(secs >= 1.8, "3 MiB at 1 MiB/s in {secs} s");
+    // Counted as it moved.
+    let text = scrape(net.metrics_port).await?;
+    let inward = sample(&text, "corral_egress_bytes_total{direction=\"in\"}").unwrap_or(0.0);
+    assert!(inward >= 3145728.0, "{inward}");
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_pool_member_claimed_with_rules_is_served_them_at_once_and_so_are_its_forks() -> Result<()>
+{
+    let net = start_with(&["--pool", "corral-sandbox:latest=3"]).await?;
+    let p = net.up.http.port();
+    let ready = |n: u32| {
+        let client = net.client.clone();
+        async move {
+            let deadline = Instant::now() + Duration::from_secs(60);
+            loop {
+                let pool = client.worker_info().await?.pools[0].clone();
+                if pool.ready >= n {
+                    return Ok::<_, anyhow::Error>(pool);
+                }
+                if Instant::now() > deadline {
+                    bail!("the pool never filled: {pool:?}");
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    };
+    ready(3).await?;
+    let spec = SandboxSpec {
+        egress: net.rules(&[format!("pkg.test:{p}")])?,
+        ..SandboxSpec::default()
+    };
+    let sb = net.client.create_sandbox(None, spec).await?;
+    // A claim, not a cold create.
+    let pool = net.client.worker_info().await?.pools[0].clone();
+    assert_eq!((pool.claims, pool.misses), (1, 0), "{pool:?}");
+    // A request to the proxy its environment names, by bash's /dev/tcp
+    // (the image's wget wants a resolver); nothing else is reached.
+    let get = |host: &str| format!("bash /workspace/get.sh {host}:{p}");
+    net.write(&sb.id, "/workspace/get.sh", GET_SH.as_bytes())
+        .await?;
+    let out = net.sh(&sb.id, &get("pkg.test")).await?;
     assert!(
-        events.iter().any(|(h, port, d, r)| h == "meta.test"
-            && *port == p
-            && *d == EgressDecision::Blocked
-            && r == "internal_address"),
+        out.starts_with("HTTP/1.1 200") && out.ends_with("hello from upstream\n"),
+        "{out}"
+    );
+    let out = net.sh(&sb.id, &get("other.test")).await?;
+    assert!(
+        out.starts_with("HTTP/1.1 403") && out.contains("reason=not_allowed"),
+        "{out}"
+    );
+    let events = net.egress_events(&sb.id).await?;
+    assert!(
+        events.contains(&(
+            "other.test".into(),
+            p,
+            EgressDecision::Blocked,
+            "not_allowed".into()
+        )),
         "{events:?}"
     );
+    // A member claimed without rules has no proxy at all.
+    ready(2).await?;
+    let plain = net
+        .client
+        .create_sandbox(None, SandboxSpec::default())
+        .await?;
+    net.write(&plain.id, "/workspace/get.sh", GET_SH.as_bytes())
+        .await?;
+    let out = net
+        .sh(
+            &plain.id,
+            &format!("HTTP_PROXY=http://127.0.0.1:3128 bash /workspace/get.sh pkg.test:{p} 2>&1; echo \"[$HTTP_PROXY]\""),
+        )
+        .await?;
+    assert!(
+        out.contains("Connection refused") && out.ends_with("[]\n"),
+        "{out}"
+    );
+    // A fork of the sandbox with rules: its children come from the pool
+    // and are served the parent's rules.
+    ready(3).await?;
+    let forked = net.client.fork_sandbox(&sb.id, &[], 2).await?;
+    let pool = net.client.worker_info().await?.pools[0].clone();
+    assert_eq!((pool.claims, pool.misses), (4, 0), "{pool:?}");
+    for child in &forked.children {
+        let out = net.sh(&child.id, &get("pkg.test")).await?;
+        assert!(out.ends_with("hello from upstream\n"), "{out}");
+    }
+    // Each is removed with its socket directory.
+    for id in [&sb.id, &plain.id]
+        .into_iter()
+        .chain(forked.children.iter().map(|c| &c.id))
+    {
+        net.client.destroy_sandbox(id).await?;
+        assert!(
+            !net.worker
+                .state_dir
+                .join("egress")
+                .join(id.as_str())
+                .exists(),
+            "{id}"
+        );
+    }
     Ok(())
 }
 
@@ -491,7 +716,16 @@ async fn a_name_nobody_resolves_is_refused_as_such() -> Result<()> {
         net.probe(&sb, &format!("connect gone.test:{p}")).await?,
         "status=403 egress=blocked; reason=resolve_failed tls=-"
     );
-    assert!(net.metric("blocked", "resolve_failed").await? >= 1.0);
+    assert_eq!(net.metric("blocked", "resolve_failed").await?, 1.0);
+    assert_eq!(
+        net.egress_events(&sb).await?,
+        [(
+            "gone.test".to_string(),
+            p,
+            EgressDecision::Blocked,
+            "resolve_failed".to_string()
+        )]
+    );
     Ok(())
 }
 
@@ -639,6 +873,89 @@ async fn what_the_worker_does_not_allow_is_refused_naming_the_flag() -> Result<(
         .await
         .expect_err("beyond the bound");
     assert_eq!(e.flag().as_deref(), Some("--allow-egress"), "{e}");
+    // The command line asks the same, and says which flag would allow it.
+    let corral = |args: &[&str]| {
+        std::process::Command::new(binary("corral").unwrap())
+            .args(["--worker", &worker.url])
+            .args(args)
+            .env("CORRAL_TOKEN_FILE", worker.token_file())
+            .env_remove("CORRAL_WORKER")
+            .output()
+    };
+    for args in [
+        &["sandbox", "create", "--egress", "github.com"][..],
+        &[
+            "exec",
+            "--egress",
+            "files.pypi.org",
+            "--egress",
+            "github.com",
+            "--",
+            "true",
+        ],
+    ] {
+        let out = corral(args)?;
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?}");
+        assert!(stderr.contains("--allow-egress"), "{args:?}: {stderr}");
+    }
+    let out = corral(&[
+        "exec",
+        "--egress",
+        "files.pypi.org",
+        "--",
+        "sh",
+        "-c",
+        "echo $HTTPS_PROXY $http_proxy",
+    ])?;
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        "http://127.0.0.1:3128 http://127.0.0.1:3128"
+    );
+    // So does a run whose request asks for more than the worker allows,
+    // before any model is asked.
+    let sessions = tempfile::tempdir()?;
+    let req = sessions.path().join("req.json");
+    std::fs::write(
+        &req,
+        serde_json::json!({"prompt": "x", "network": {"egress": ["github.com"]}}).to_string(),
+    )?;
+    let out = corral(&[
+        "run",
+        "--json",
+        "--base-url",
+        "http://127.0.0.1:9/v1",
+        "--image",
+        "corral-sandbox:latest",
+        "--sessions-dir",
+        sessions.path().to_str().unwrap(),
+        "--request",
+        req.to_str().unwrap(),
+    ])?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("--allow-egress"), "{stderr}");
+    let out = corral(&["sandbox", "create", "--egress", "files.pypi.org:443"])?;
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let made = SandboxId::new(String::from_utf8_lossy(&out.stdout).trim())?;
+    let rules: Vec<String> = client
+        .get_sandbox(&made)
+        .await?
+        .spec
+        .egress
+        .iter()
+        .map(ToString::to_string)
+        .collect();
+    assert_eq!(rules, ["files.pypi.org:443"]);
     // A sandbox made without egress has no proxy to change.
     let plain = client.create_sandbox(None, SandboxSpec::default()).await?;
     let e = client
@@ -688,14 +1005,30 @@ try:
         answer += chunk
 except OSError:
     pass
-held = []
+# A thousand connects started at once, then waited for together.
+import selectors
+sel = selectors.DefaultSelector()
+pending = []
 for i in range(1000):
-    try:
-        s = socket.create_connection(("127.0.0.1", 3128), timeout=5)
-        held.append(s)
-    except OSError as e:
-        pass
+    s = socket.socket()
+    s.setblocking(False)
+    s.connect_ex(("127.0.0.1", 3128))
+    sel.register(s, selectors.EVENT_WRITE)
+    pending.append(s)
+held = []
+deadline = time.time() + 30
+while len(held) < 1000 and time.time() < deadline:
+    for key, _ in sel.select(timeout=1):
+        sel.unregister(key.fileobj)
+        if key.fileobj.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == 0:
+            held.append(key.fileobj)
 print("held", len(held))
+# The CONNECT line that never ended is closed by its deadline, unanswered.
+slow.settimeout(20)
+try:
+    print("slow", slow.recv(100))
+except OSError as e:
+    print("slow", type(e).__name__)
 print("big", answer.split(b"\r\n")[0].decode(), [l.decode() for l in answer.split(b"\r\n") if l.lower().startswith(b"x-corral-egress")])
 open("/workspace/flood-ready", "w").close()
 import os
@@ -750,8 +1083,18 @@ for _ in range(600):
         ),
         "{out}"
     );
-    // The bound refused what was over it, and said so.
+    assert!(out.contains("slow b''"), "{out}");
+    // The bound refused what was over it, and said so: in the metric and
+    // on the sandbox's event stream.
     assert!(net.metric("blocked", "too_many_connections").await? >= 1.0);
+    let events = net.egress_events(&hostile).await?;
+    assert!(
+        events
+            .iter()
+            .any(|(_, _, d, r)| *d == EgressDecision::Blocked && r == "too_many_connections"),
+        "{:?}",
+        &events[..events.len().min(5)]
+    );
     assert!(net.metric("blocked", "bad_request").await? >= 1.0);
     // Once the flood is gone, the hostile sandbox is served again.
     assert_eq!(

@@ -562,3 +562,100 @@ async fn a_client_that_goes_away_mid_fork_leaves_the_parent_thawed_and_the_child
     client.destroy_sandbox(&parent).await?;
     Ok(())
 }
+
+#[tokio::test]
+async fn the_command_line_forks_into_pool_members_and_prints_each_child() -> Result<()> {
+    let state = tempfile::tempdir()?;
+    let worker = WorkerProcess::spawn(
+        state.path(),
+        &unique_id("fk"),
+        free_port()?,
+        &[],
+        &["--pool", "corral-sandbox:latest=3"],
+    )?;
+    let client = worker.client().await?;
+    // The pool is full before the parent claims a member, and again after.
+    let pool_ready = |n: u32| {
+        let client = client.clone();
+        async move {
+            let deadline = Instant::now() + Duration::from_secs(60);
+            loop {
+                let pool = client.worker_info().await?.pools[0].clone();
+                if pool.ready >= n {
+                    return Ok::<_, anyhow::Error>(pool);
+                }
+                ensure!(Instant::now() < deadline, "the pool never filled: {pool:?}");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    };
+    pool_ready(3).await?;
+    let parent = client.create_sandbox(None, SandboxSpec::default()).await?;
+    run_shell(
+        &client,
+        &parent.id,
+        "mkdir -p /workspace/d && echo from-the-parent > /workspace/d/f && ln -s d/f /workspace/l && chmod 0750 /workspace/d",
+    )
+    .await?;
+    pool_ready(3).await?;
+    let corral = |args: &[&str]| {
+        std::process::Command::new(corral_e2e::binary("corral").unwrap())
+            .args(["--worker", &worker.url])
+            .args(args)
+            .env("CORRAL_TOKEN_FILE", worker.token_file())
+            .env_remove("CORRAL_WORKER")
+            .output()
+    };
+    let out = corral(&["sandbox", "fork", parent.id.as_str(), "--count", "2"])?;
+    ensure!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stdout = String::from_utf8(out.stdout)?;
+    let children: Vec<SandboxId> = stdout
+        .lines()
+        .map(|l| SandboxId::new(l.trim()))
+        .collect::<Result<_, _>>()?;
+    assert_eq!(children.len(), 2, "{stdout}");
+    // Both children were pool members (claims: the parent and the two).
+    let pool = client.worker_info().await?.pools[0].clone();
+    assert_eq!((pool.claims, pool.misses), (3, 0), "{pool:?}");
+    for child in &children {
+        assert_ne!(child, &parent.id);
+        let out = run_shell(
+            &client,
+            child,
+            "cat /workspace/l; stat -c %a /workspace/d; readlink /workspace/l",
+        )
+        .await?;
+        assert_eq!(out, "from-the-parent\n750\nd/f\n", "{child}");
+    }
+    // Each child is its own: a write in one is not in the other or the
+    // parent.
+    run_shell(&client, &children[0], "echo mine > /workspace/d/f").await?;
+    for other in [&children[1], &parent.id] {
+        assert_eq!(
+            run_shell(&client, other, "cat /workspace/d/f").await?,
+            "from-the-parent\n"
+        );
+    }
+    // --json names the children too.
+    let out = corral(&["sandbox", "fork", parent.id.as_str(), "--json"])?;
+    ensure!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+    assert_eq!(json["parent"], parent.id.as_str(), "{json}");
+    assert_eq!(json["children"].as_array().map(Vec::len), Some(1), "{json}");
+    assert!(
+        json["frozen_ms"].as_f64().is_some_and(|ms| ms > 0.0),
+        "{json}"
+    );
+    for sb in client.list_sandboxes().await? {
+        client.destroy_sandbox(&sb.id).await?;
+    }
+    Ok(())
+}

@@ -427,13 +427,7 @@ pub fn run(config: Config) -> Result<i32, InitError> {
     };
     if sup.config.egress {
         // Bound before any command runs: none can take the port.
-        match Relay::bind() {
-            Ok(r) => sup.relay = Some(r),
-            Err(e) => eprintln!(
-                "corral-init: binding the egress proxy on {}: {e}",
-                crate::relay::PROXY_ADDR
-            ),
-        }
+        sup.start_relay();
     }
     sup.main_loop();
     Ok(0)
@@ -945,6 +939,24 @@ impl Supervisor {
                 let event = self.journal.push(None, EventKind::Egress(e));
                 self.send(InitMessage::Event(event));
             }
+            // A pool member claimed with egress: its first command comes
+            // after this, so none can take the port first either.
+            InitRequest::StartRelay => self.start_relay(),
+        }
+    }
+
+    /// Binds the egress proxy's port, for the relay the loop starts (and
+    /// starts again if it dies); nothing if it is bound already.
+    fn start_relay(&mut self) {
+        if self.relay.is_some() {
+            return;
+        }
+        match Relay::bind() {
+            Ok(r) => self.relay = Some(r),
+            Err(e) => eprintln!(
+                "corral-init: binding the egress proxy on {}: {e}",
+                crate::relay::PROXY_ADDR
+            ),
         }
     }
 

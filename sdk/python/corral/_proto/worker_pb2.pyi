@@ -164,6 +164,32 @@ class SetSandboxEgressRequest(_message.Message):
     rules: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, id: _Optional[str] = ..., rules: _Optional[_Iterable[str]] = ...) -> None: ...
 
+class ForkSandboxRequest(_message.Message):
+    __slots__ = ("id", "child_ids", "count")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    CHILD_IDS_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    child_ids: _containers.RepeatedScalarFieldContainer[str]
+    count: int
+    def __init__(self, id: _Optional[str] = ..., child_ids: _Optional[_Iterable[str]] = ..., count: _Optional[int] = ...) -> None: ...
+
+class ForkSandboxResponse(_message.Message):
+    __slots__ = ("children", "frozen_us", "copied_entries", "copied_bytes", "left_out", "notes")
+    CHILDREN_FIELD_NUMBER: _ClassVar[int]
+    FROZEN_US_FIELD_NUMBER: _ClassVar[int]
+    COPIED_ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    COPIED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LEFT_OUT_FIELD_NUMBER: _ClassVar[int]
+    NOTES_FIELD_NUMBER: _ClassVar[int]
+    children: _containers.RepeatedCompositeFieldContainer[Sandbox]
+    frozen_us: int
+    copied_entries: int
+    copied_bytes: int
+    left_out: int
+    notes: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, children: _Optional[_Iterable[_Union[Sandbox, _Mapping]]] = ..., frozen_us: _Optional[int] = ..., copied_entries: _Optional[int] = ..., copied_bytes: _Optional[int] = ..., left_out: _Optional[int] = ..., notes: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class ListSandboxesRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
@@ -648,7 +674,7 @@ class WorkerInfo(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., version: _Optional[str] = ..., max_sandboxes: _Optional[int] = ..., sandboxes: _Optional[int] = ..., running_operations: _Optional[int] = ..., docker_version: _Optional[str] = ..., policy: _Optional[_Union[SandboxPolicy, _Mapping]] = ..., draining: _Optional[bool] = ..., drain_deadline_ms: _Optional[int] = ..., default_image: _Optional[str] = ..., default_runtime: _Optional[str] = ..., pools: _Optional[_Iterable[_Union[PoolInfo, _Mapping]]] = ...) -> None: ...
 
 class PoolInfo(_message.Message):
-    __slots__ = ("template", "image", "size", "ready", "claims", "misses", "last_refill_ms")
+    __slots__ = ("template", "image", "size", "ready", "claims", "misses", "last_refill_ms", "memory_bytes", "cpu_millis", "pids_limit", "runtime")
     TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     IMAGE_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -656,6 +682,10 @@ class PoolInfo(_message.Message):
     CLAIMS_FIELD_NUMBER: _ClassVar[int]
     MISSES_FIELD_NUMBER: _ClassVar[int]
     LAST_REFILL_MS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CPU_MILLIS_FIELD_NUMBER: _ClassVar[int]
+    PIDS_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    RUNTIME_FIELD_NUMBER: _ClassVar[int]
     template: str
     image: str
     size: int
@@ -663,7 +693,11 @@ class PoolInfo(_message.Message):
     claims: int
     misses: int
     last_refill_ms: int
-    def __init__(self, template: _Optional[str] = ..., image: _Optional[str] = ..., size: _Optional[int] = ..., ready: _Optional[int] = ..., claims: _Optional[int] = ..., misses: _Optional[int] = ..., last_refill_ms: _Optional[int] = ...) -> None: ...
+    memory_bytes: int
+    cpu_millis: int
+    pids_limit: int
+    runtime: str
+    def __init__(self, template: _Optional[str] = ..., image: _Optional[str] = ..., size: _Optional[int] = ..., ready: _Optional[int] = ..., claims: _Optional[int] = ..., misses: _Optional[int] = ..., last_refill_ms: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., cpu_millis: _Optional[int] = ..., pids_limit: _Optional[int] = ..., runtime: _Optional[str] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ("drain",)
