@@ -499,6 +499,14 @@ pub enum SandboxCommand {
         /// The whole new policy.
         rules: Vec<String>,
     },
+    /// Checkpoint a gVisor sandbox (runtime runsc): its processes and
+    /// memory are saved on its worker's engine and it stops, holding no
+    /// slot, until `sandbox restore`. The engine needs its experimental
+    /// features on.
+    Checkpoint { id: String },
+    /// Start a checkpointed sandbox again: its processes go on where they
+    /// stood, its memory as it was.
+    Restore { id: String },
     /// Fork a running sandbox: new sandboxes with its limits, policy and
     /// a copy of its /workspace and /tmp as they were at one instant (the
     /// parent frozen only for the first copy; its commands go on). Prints

@@ -67,6 +67,9 @@ reasons! {
     TooLarge = "too_large",
     /// The sandbox's container is gone or broken: its work cannot go on.
     SandboxLost = "sandbox_lost",
+    /// The sandbox is checkpointed (its processes and memory saved, nothing
+    /// running): restore it first.
+    SandboxCheckpointed = "sandbox_checkpointed",
     /// The image is not on the worker's Docker engine.
     NoSuchImage = "no_such_image",
     /// The request does not fit the operation (input to one that takes

@@ -9,6 +9,9 @@ pub enum SandboxState {
     Ready,
     /// The container or its supervisor is gone, for the reason given.
     Lost(String),
+    /// Its processes and memory are saved (gVisor) and its container is
+    /// stopped, until it is restored.
+    Checkpointed,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -193,6 +196,7 @@ impl From<SandboxInfo> for pb::Sandbox {
             SandboxState::Starting => (pb::SandboxState::Starting, String::new()),
             SandboxState::Ready => (pb::SandboxState::Ready, String::new()),
             SandboxState::Lost(r) => (pb::SandboxState::Lost, r),
+            SandboxState::Checkpointed => (pb::SandboxState::Checkpointed, String::new()),
         };
         Self {
             id: s.id.into(),
@@ -217,6 +221,7 @@ impl TryFrom<pb::Sandbox> for SandboxInfo {
             Ok(pb::SandboxState::Starting) => SandboxState::Starting,
             Ok(pb::SandboxState::Ready) => SandboxState::Ready,
             Ok(pb::SandboxState::Lost) => SandboxState::Lost(s.lost_reason),
+            Ok(pb::SandboxState::Checkpointed) => SandboxState::Checkpointed,
             _ => {
                 return Err(ProtocolError::invalid(
                     "state",

@@ -134,6 +134,18 @@ impl pb::worker_server::Worker for FakeWorker {
     ) -> Result<Response<pb::ForkSandboxResponse>, Status> {
         no()
     }
+    async fn checkpoint_sandbox(
+        &self,
+        _: Request<pb::CheckpointSandboxRequest>,
+    ) -> Result<Response<pb::Sandbox>, Status> {
+        no()
+    }
+    async fn restore_sandbox(
+        &self,
+        _: Request<pb::RestoreSandboxRequest>,
+    ) -> Result<Response<pb::Sandbox>, Status> {
+        no()
+    }
     async fn get_sandbox_stats(
         &self,
         _: Request<pb::GetSandboxStatsRequest>,

@@ -23,6 +23,9 @@ use crate::error::{Result, WorkerError};
 use crate::initbin::InitBinary;
 use crate::uids::{LABEL_UID, UidRange};
 
+/// The name of a sandbox's checkpoint on the engine (one a container).
+pub const CHECKPOINT: &str = "corral";
+
 pub const LABEL_MANAGED: &str = "corral.managed";
 pub const LABEL_WORKER: &str = "corral.worker";
 pub const LABEL_SANDBOX: &str = "corral.sandbox";
@@ -633,6 +636,56 @@ impl DockerRuntime {
     /// Thaws what [`Self::pause`] froze.
     pub async fn unpause(&self, container: &str) -> Result<()> {
         Ok(self.docker.unpause_container(container).await?)
+    }
+
+    /// Saves a running container's processes and memory as checkpoint
+    /// [`CHECKPOINT`] (an earlier one of that name is replaced) and stops
+    /// it. Only the engine's experimental mode has checkpoints: without it
+    /// this refuses, saying so, before anything is done.
+    pub async fn checkpoint(&self, container: &str) -> Result<()> {
+        let info = self.docker.info().await?;
+        if info.experimental_build != Some(true) {
+            return Err(WorkerError::NotApplicable(
+                "the Docker engine's experimental features are off, and checkpoints are one of them: set \"experimental\": true in its daemon.json and restart it".into(),
+            ));
+        }
+        let _ = self
+            .docker
+            .delete_checkpoint(container, CHECKPOINT, None)
+            .await;
+        let opts = bollard::container::CreateCheckpointOptions {
+            checkpoint_id: CHECKPOINT.into(),
+            checkpoint_dir: None,
+            exit: true,
+        };
+        Ok(self.docker.create_checkpoint(container, opts).await?)
+    }
+
+    /// Starts a container [`Self::checkpoint`] stopped, from its
+    /// checkpoint (its processes and memory back as they were), then
+    /// deletes the checkpoint.
+    pub async fn restore(&self, container: &str) -> Result<()> {
+        // Bollard's start has no checkpoint option: a client of the same
+        // engine whose starts name the checkpoint, for this one call.
+        let from_checkpoint = self.docker.clone().with_request_modifier(|mut req| {
+            if req.method() == "POST" && req.uri().path().ends_with("/start") {
+                let uri = req.uri().to_string();
+                let sep = if uri.contains('?') { '&' } else { '?' };
+                if let Ok(with) = format!("{uri}{sep}checkpoint={CHECKPOINT}").parse() {
+                    *req.uri_mut() = with;
+                }
+            }
+            req
+        });
+        from_checkpoint.start_container(container, None).await?;
+        if let Err(e) = self
+            .docker
+            .delete_checkpoint(container, CHECKPOINT, None)
+            .await
+        {
+            tracing::warn!(container, error = %e, "a restored sandbox's checkpoint stays on the engine");
+        }
+        Ok(())
     }
 
     /// What the container uses now: memory (less the page cache that can

@@ -24,6 +24,10 @@ pub enum WorkerError {
     #[error("sandbox {id} is lost: {reason}")]
     SandboxLost { id: String, reason: String },
     #[error(
+        "sandbox {0} is checkpointed (its processes and memory are saved; nothing runs): restore it first"
+    )]
+    Checkpointed(String),
+    #[error(
         "image {0:?} is not present on the Docker engine (build it with deploy/images/build.sh, or build-debian.sh for corral-debian, or pull it)"
     )]
     NoSuchImage(String),
@@ -99,6 +103,7 @@ impl WorkerError {
             WorkerError::TooManyWatchers(_) => (Code::ResourceExhausted, Reason::TooManyWatchers),
             WorkerError::NoFreeUid { .. } => (Code::ResourceExhausted, Reason::NoFreeUid),
             WorkerError::SandboxLost { .. } => (Code::FailedPrecondition, Reason::SandboxLost),
+            WorkerError::Checkpointed(_) => (Code::FailedPrecondition, Reason::SandboxCheckpointed),
             WorkerError::NoSuchImage(_) => (Code::FailedPrecondition, Reason::NoSuchImage),
             WorkerError::NotApplicable(_) => (Code::FailedPrecondition, Reason::NotApplicable),
             WorkerError::InputGap(_) => (Code::OutOfRange, Reason::InputGap),

@@ -454,7 +454,9 @@ impl Sandbox {
                             reason,
                         });
                     }
-                    SandboxState::Starting => {}
+                    // An actor's sandbox is never in that state (the
+                    // worker keeps checkpointed ones apart).
+                    SandboxState::Starting | SandboxState::Checkpointed => {}
                 }
                 if rx.changed().await.is_err() {
                     return Err(WorkerError::ShuttingDown);

@@ -80,6 +80,26 @@ impl pb::worker_server::Worker for WorkerService {
         ))
     }
 
+    async fn checkpoint_sandbox(
+        &self,
+        req: Request<pb::CheckpointSandboxRequest>,
+    ) -> Result<Response<pb::Sandbox>, Status> {
+        let id = sandbox_id(req.into_inner().id)?;
+        Ok(Response::new(
+            self.worker.checkpoint_sandbox(&id).await?.into(),
+        ))
+    }
+
+    async fn restore_sandbox(
+        &self,
+        req: Request<pb::RestoreSandboxRequest>,
+    ) -> Result<Response<pb::Sandbox>, Status> {
+        let id = sandbox_id(req.into_inner().id)?;
+        Ok(Response::new(
+            self.worker.restore_sandbox(&id).await?.into(),
+        ))
+    }
+
     async fn fork_sandbox(
         &self,
         req: Request<pb::ForkSandboxRequest>,

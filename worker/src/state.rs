@@ -36,6 +36,11 @@ pub struct SandboxRecord {
     /// sandbox (its copy did not finish).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub forking_from: Option<String>,
+    /// Checkpointed: its container is stopped with its processes and
+    /// memory saved on the engine, until it is restored (a restarted
+    /// worker keeps it so, rather than removing a stopped container).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub checkpointed: bool,
 }
 
 const RECORD_VERSION: u32 = 1;
@@ -192,6 +197,7 @@ impl StateDir {
             created_at_unix_ms: now_unix_ms(),
             container_id: None,
             forking_from: None,
+            checkpointed: false,
         }
     }
 }

@@ -153,6 +153,9 @@ struct Inner {
     egress: Arc<crate::proxy::Settings>,
     /// The sandbox defaults (what a spec that names nothing gets).
     defaults: Defaults,
+    /// Checkpointed sandboxes (see [`Worker::checkpoint_sandbox`]): as
+    /// they were when saved, their containers stopped; no slot held.
+    checkpointed: Mutex<HashMap<SandboxId, SandboxInfo>>,
     /// Warm pools, and the wake of their filler.
     pools: Mutex<Vec<crate::pool::Pool>>,
     pool_wake: tokio::sync::Notify,
@@ -274,6 +277,7 @@ impl Worker {
                 shutdown: CancellationToken::new(),
                 egress: Arc::new(config.egress),
                 defaults,
+                checkpointed: Mutex::new(HashMap::new()),
                 pools: Mutex::new(
                     config
                         .pools
@@ -356,23 +360,35 @@ impl Worker {
             match (record, SandboxId::new(sid.clone())) {
                 (Some(record), Ok(id)) if running && record.forking_from.is_none() => {
                     info!(sandbox = %id, "re-adopting running sandbox");
-                    // Its proxy's socket again, where its mount sees it.
-                    let egress = match self.egress_socket(&id, &record.spec) {
-                        Ok(e) => e,
-                        Err(e) => {
-                            warn!(sandbox = %id, error = %e, "no egress socket for an adopted sandbox");
-                            None
-                        }
+                    if record.checkpointed {
+                        // Restored by a worker that stopped before saying so.
+                        let mut r = record.clone();
+                        r.checkpointed = false;
+                        inner.state.save(&r)?;
+                    }
+                    self.reattach(&id, record.spec.clone(), cid, record.created_at_unix_ms);
+                    adopted.insert(sid);
+                }
+                (Some(record), Ok(id)) if record.checkpointed && record.forking_from.is_none() => {
+                    info!(sandbox = %id, "keeping a checkpointed sandbox");
+                    let image = record
+                        .spec
+                        .image
+                        .clone()
+                        .unwrap_or_else(|| inner.default_image.clone());
+                    let info = SandboxInfo {
+                        id: id.clone(),
+                        spec: record.spec.clone(),
+                        state: SandboxState::Checkpointed,
+                        container_id: cid,
+                        last_seq: 0,
+                        running_operations: 0,
+                        created_at_unix_ms: record.created_at_unix_ms,
+                        last_used_unix_ms: 0,
+                        worker_id: self.id().to_string(),
+                        image,
                     };
-                    let sandbox = Sandbox::spawn(
-                        id.clone(),
-                        record.spec.clone(),
-                        cid,
-                        record.created_at_unix_ms,
-                        egress,
-                        &self.env(),
-                    );
-                    lock(&inner.sandboxes).insert(id.clone(), sandbox);
+                    lock(&inner.checkpointed).insert(id, info);
                     adopted.insert(sid);
                 }
                 (record, _) => {
@@ -815,6 +831,9 @@ impl Worker {
     fn sandbox(&self, id: &SandboxId) -> Result<Sandbox> {
         let found = lock(&self.inner.sandboxes).get(id).cloned();
         let Some(sandbox) = found else {
+            if lock(&self.inner.checkpointed).contains_key(id) {
+                return Err(WorkerError::Checkpointed(id.to_string()));
+            }
             return Err(match lock(&self.inner.removed).why.get(id) {
                 Some(why) => WorkerError::Removed {
                     id: id.to_string(),
@@ -1219,6 +1238,139 @@ impl Worker {
         }
     }
 
+    /// A new actor for sandbox `id` in its running container `container`
+    /// (re-adopted, restored, or kept after a checkpoint failed), its
+    /// proxy's socket bound again where its mount sees it; it attaches and
+    /// replays the supervisor's journal, as after a worker restart.
+    fn reattach(
+        &self,
+        id: &SandboxId,
+        spec: SandboxSpec,
+        container: String,
+        created_at_unix_ms: i64,
+    ) -> Sandbox {
+        let egress = match self.egress_socket(id, &spec) {
+            Ok(e) => e,
+            Err(e) => {
+                warn!(sandbox = %id, error = %e, "no egress socket for an adopted sandbox");
+                None
+            }
+        };
+        let sandbox = Sandbox::spawn(
+            id.clone(),
+            spec,
+            container,
+            created_at_unix_ms,
+            egress,
+            &self.env(),
+        );
+        lock(&self.inner.sandboxes).insert(id.clone(), sandbox.clone());
+        sandbox
+    }
+
+    /// Checkpoints a gVisor sandbox: its processes and memory (its files in
+    /// gVisor's memory among them) are saved on the engine and its
+    /// container stops. Until [`Self::restore_sandbox`] it runs nothing and
+    /// holds no slot, no idle timeout or lifetime removes it, clients see
+    /// it `checkpointed`, and calls that need it running are refused so.
+    /// Only runsc sandboxes (runc would need CRIU), on an engine with its
+    /// experimental features on. Checkpointing one that is already is
+    /// answered as it is.
+    pub async fn checkpoint_sandbox(&self, id: &SandboxId) -> Result<SandboxInfo> {
+        let id_lock = self.id_lock(id);
+        let _guard = id_lock.lock().await;
+        let sandbox = match self.sandbox(id) {
+            Err(WorkerError::Checkpointed(_)) => return self.get_sandbox(id),
+            found => found?,
+        };
+        let mut info = self.info_of(&sandbox);
+        if let SandboxState::Lost(reason) = info.state {
+            return Err(WorkerError::SandboxLost {
+                id: id.to_string(),
+                reason,
+            });
+        }
+        let runtime = sandbox
+            .spec
+            .runtime
+            .clone()
+            .or_else(|| self.inner.defaults.runtime.clone());
+        if runtime.as_deref() != Some("runsc") {
+            return Err(WorkerError::NotApplicable(format!(
+                "sandbox {id} runs under {}: only gVisor sandboxes (runtime runsc) are checkpointed with their memory (runc would need CRIU)",
+                runtime.as_deref().unwrap_or("the engine's default runtime")
+            )));
+        }
+        // Its actor lets go first: the container's stop is no loss.
+        sandbox.close();
+        if let Err(e) = self.inner.runtime.checkpoint(&sandbox.container_id).await {
+            warn!(sandbox = %id, error = %e, "checkpoint failed; the sandbox goes on");
+            let again = self.reattach(
+                id,
+                sandbox.spec.clone(),
+                sandbox.container_id.clone(),
+                sandbox.created_at_unix_ms,
+            );
+            let _ = again.wait_ready(READY_TIMEOUT).await;
+            return Err(e);
+        }
+        info.state = SandboxState::Checkpointed;
+        lock(&self.inner.sandboxes).remove(id);
+        lock(&self.inner.checkpointed).insert(id.clone(), info.clone());
+        let mut record = self
+            .inner
+            .state
+            .load(id)
+            .unwrap_or_else(|| StateDir::new_record(id, &sandbox.spec));
+        record.spec = sandbox.spec.clone();
+        record.checkpointed = true;
+        self.inner.state.save(&record)?;
+        info!(sandbox = %id, "sandbox checkpointed");
+        Ok(info)
+    }
+
+    /// Starts a checkpointed sandbox from its checkpoint: its processes go
+    /// on where they stood, its memory as it was; its operations' events
+    /// are replayed from its supervisor's journal. It takes a slot again
+    /// (refused at capacity or while draining, and then stays
+    /// checkpointed). Restoring one that runs is answered as it is.
+    pub async fn restore_sandbox(&self, id: &SandboxId) -> Result<SandboxInfo> {
+        let id_lock = self.id_lock(id);
+        let _guard = id_lock.lock().await;
+        let Some(info) = lock(&self.inner.checkpointed).get(id).cloned() else {
+            return Ok(self.info_of(&self.sandbox(id)?));
+        };
+        if self.inner.drain.borrow().is_some() {
+            return Err(WorkerError::Draining);
+        }
+        let _slot = {
+            let sandboxes = lock(&self.inner.sandboxes);
+            let mut creating = lock(&self.inner.creating);
+            let held: usize = lock(&self.inner.pools).iter().map(|p| p.ready.len()).sum();
+            let count = sandboxes.values().filter(|s| !s.is_lost()).count() + *creating + held;
+            if count >= self.inner.max_sandboxes as usize {
+                return Err(WorkerError::AtCapacity(self.inner.max_sandboxes));
+            }
+            *creating += 1;
+            Slot(&self.inner.creating)
+        };
+        self.inner.runtime.restore(&info.container_id).await?;
+        lock(&self.inner.checkpointed).remove(id);
+        if let Some(mut record) = self.inner.state.load(id) {
+            record.checkpointed = false;
+            self.inner.state.save(&record)?;
+        }
+        let sandbox = self.reattach(
+            id,
+            info.spec.clone(),
+            info.container_id.clone(),
+            info.created_at_unix_ms,
+        );
+        sandbox.wait_ready(READY_TIMEOUT).await?;
+        info!(sandbox = %id, "sandbox restored");
+        Ok(self.info_of(&sandbox))
+    }
+
     /// A sandbox as clients see it: with its worker and its image.
     fn info_of(&self, sandbox: &Sandbox) -> SandboxInfo {
         let mut info = sandbox.info();
@@ -1232,12 +1384,19 @@ impl Worker {
     }
 
     pub fn get_sandbox(&self, id: &SandboxId) -> Result<SandboxInfo> {
-        Ok(self.info_of(&self.sandbox(id)?))
+        match self.sandbox(id) {
+            Err(WorkerError::Checkpointed(_)) => lock(&self.inner.checkpointed)
+                .get(id)
+                .cloned()
+                .ok_or_else(|| WorkerError::UnknownSandbox(id.to_string())),
+            found => Ok(self.info_of(&found?)),
+        }
     }
 
     pub fn list_sandboxes(&self) -> Vec<SandboxInfo> {
         let sandboxes: Vec<Sandbox> = lock(&self.inner.sandboxes).values().cloned().collect();
         let mut all: Vec<SandboxInfo> = sandboxes.iter().map(|s| self.info_of(s)).collect();
+        all.extend(lock(&self.inner.checkpointed).values().cloned());
         all.sort_by(|a, b| (a.created_at_unix_ms, &a.id).cmp(&(b.created_at_unix_ms, &b.id)));
         all
     }
@@ -1253,15 +1412,20 @@ impl Worker {
     async fn remove_sandbox(&self, id: &SandboxId, why: &'static str) -> Result<bool> {
         let id_lock = self.id_lock(id);
         let _guard = id_lock.lock().await;
-        let Some(sandbox) = lock(&self.inner.sandboxes).remove(id) else {
-            return Ok(false);
+        let removed = lock(&self.inner.sandboxes).remove(id);
+        let container = match removed {
+            Some(sandbox) => {
+                sandbox.close();
+                sandbox.container_id
+            }
+            // Its checkpoint goes with its container.
+            None => match lock(&self.inner.checkpointed).remove(id) {
+                Some(info) => info.container_id,
+                None => return Ok(false),
+            },
         };
         lock(&self.inner.removed).note(id.clone(), why);
-        sandbox.close();
-        self.inner
-            .runtime
-            .remove_container(&sandbox.container_id)
-            .await?;
+        self.inner.runtime.remove_container(&container).await?;
         self.inner.state.remove(id)?;
         crate::proxy::remove(&self.egress_dir(id));
         lock(&self.inner.id_locks).remove(id);
@@ -1464,7 +1628,7 @@ impl Worker {
         let m = &self.inner.metrics;
         let sandboxes: Vec<Sandbox> = lock(&self.inner.sandboxes).values().cloned().collect();
         let mut by_state: std::collections::BTreeMap<&'static str, i64> =
-            ["starting", "ready", "lost"]
+            ["starting", "ready", "lost", "checkpointed"]
                 .into_iter()
                 .map(|s| (s, 0))
                 .collect();
@@ -1475,12 +1639,14 @@ impl Worker {
                 SandboxState::Starting => "starting",
                 SandboxState::Ready => "ready",
                 SandboxState::Lost(_) => "lost",
+                SandboxState::Checkpointed => "checkpointed",
             };
             *by_state.entry(state).or_default() += 1;
             running += i64::from(info.running_operations);
             watchers += s.watchers() as i64;
             journal += s.journal_bytes() as i64;
         }
+        *by_state.entry("checkpointed").or_default() = lock(&self.inner.checkpointed).len() as i64;
         for (state, n) in by_state {
             m.sandboxes
                 .get_or_create(&vec![("state", state.to_string())])

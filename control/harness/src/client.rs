@@ -410,6 +410,27 @@ impl WorkerClient {
             .try_into()?)
     }
 
+    /// Checkpoints a gVisor sandbox: its processes and memory saved, its
+    /// container stopped, until [`Self::restore_sandbox`].
+    pub async fn checkpoint_sandbox(&self, id: &SandboxId) -> Result<SandboxInfo, ClientError> {
+        let req = pb::CheckpointSandboxRequest { id: id.to_string() };
+        Ok(self
+            .rpc(self.inner.clone().checkpoint_sandbox(req))
+            .await?
+            .into_inner()
+            .try_into()?)
+    }
+
+    /// Starts a checkpointed sandbox again from its checkpoint.
+    pub async fn restore_sandbox(&self, id: &SandboxId) -> Result<SandboxInfo, ClientError> {
+        let req = pb::RestoreSandboxRequest { id: id.to_string() };
+        Ok(self
+            .rpc(self.inner.clone().restore_sandbox(req))
+            .await?
+            .into_inner()
+            .try_into()?)
+    }
+
     /// Forks sandbox `id` into the children `child_ids` (new ids), or into
     /// `count` children with ids the worker picks when `child_ids` is
     /// empty.

@@ -431,6 +431,16 @@ async fn sandbox_command(conn: &ConnArgs, cmd: SandboxCommand) -> Result<(), Err
                 }
             }
         }
+        SandboxCommand::Checkpoint { id } => {
+            let id = sandbox_id(&id)?;
+            let sb = conn.for_sandbox(&id).await?.checkpoint_sandbox(&id).await?;
+            writeln!(stdout, "{}: {}", sb.id, state_name(&sb.state))?;
+        }
+        SandboxCommand::Restore { id } => {
+            let id = sandbox_id(&id)?;
+            let sb = conn.for_sandbox(&id).await?.restore_sandbox(&id).await?;
+            writeln!(stdout, "{}: {}", sb.id, state_name(&sb.state))?;
+        }
         SandboxCommand::Egress { id, rules } => {
             let id = sandbox_id(&id)?;
             let rules = corral_proto::egress::parse_rules(&rules, false)
@@ -470,6 +480,7 @@ fn state_name(s: &SandboxState) -> &'static str {
         SandboxState::Ready => "ready",
         SandboxState::Starting => "starting",
         SandboxState::Lost(_) => "lost",
+        SandboxState::Checkpointed => "checkpointed",
     }
 }
 

@@ -682,6 +682,22 @@ class AsyncSandbox:
         )
         return sandbox_info_of(s, self.worker.url)
 
+    async def checkpoint(self) -> SandboxInfo:
+        """Saves a gVisor sandbox's processes and memory on its worker and
+        stops it (``checkpointed``: it runs nothing, and calls that need it
+        running raise :class:`corral.SandboxCheckpointed`) until
+        :meth:`restore`. ``runtime="runsc"`` sandboxes only."""
+        s = await self._ask(
+            "CheckpointSandbox", pb.CheckpointSandboxRequest(id=self.id), pb.Sandbox
+        )
+        return sandbox_info_of(s, self.worker.url)
+
+    async def restore(self) -> SandboxInfo:
+        """Starts a checkpointed sandbox again: its processes go on where
+        they stood, its memory as it was."""
+        s = await self._ask("RestoreSandbox", pb.RestoreSandboxRequest(id=self.id), pb.Sandbox)
+        return sandbox_info_of(s, self.worker.url)
+
     async def stats(self) -> SandboxStats:
         return stats_of(
             await self._ask(

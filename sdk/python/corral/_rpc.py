@@ -91,6 +91,8 @@ class Worker:
             ("ResizeTerminal", pb.ResizeTerminalResponse),
             ("ResetSandbox", pb.ResetSandboxResponse),
             ("SetSandboxEgress", pb.Sandbox),
+            ("CheckpointSandbox", pb.Sandbox),
+            ("RestoreSandbox", pb.Sandbox),
         ]
         for name, resp in calls:
             self._unary[name] = ch.unary_unary(

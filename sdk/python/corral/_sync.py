@@ -326,6 +326,14 @@ class Sandbox:
         """See :meth:`corral.AsyncSandbox.set_egress`."""
         return _run(self._sb.set_egress(rules))
 
+    def checkpoint(self) -> SandboxInfo:
+        """See :meth:`corral.AsyncSandbox.checkpoint`."""
+        return _run(self._sb.checkpoint())
+
+    def restore(self) -> SandboxInfo:
+        """See :meth:`corral.AsyncSandbox.restore`."""
+        return _run(self._sb.restore())
+
     def stats(self) -> SandboxStats:
         return _run(self._sb.stats())
 

@@ -92,6 +92,13 @@ class SandboxLost(CorralError):
     default_code = "FAILED_PRECONDITION"
 
 
+class SandboxCheckpointed(CorralError):
+    """The sandbox is checkpointed (its processes and memory saved; nothing
+    runs): restore it first."""
+
+    default_code = "FAILED_PRECONDITION"
+
+
 class ResourceExhausted(CorralError):
     """A limit was reached: the worker is full (``at_capacity``), too many
     watchers, no free sandbox uid, a message too large."""
@@ -152,6 +159,7 @@ _BY_REASON: dict[str, type[CorralError]] = {
     "no_free_uid": ResourceExhausted,
     "too_large": ResourceExhausted,
     "sandbox_lost": SandboxLost,
+    "sandbox_checkpointed": SandboxCheckpointed,
     "no_such_image": InvalidArgument,
     "not_applicable": InvalidArgument,
     "input_gap": InvalidArgument,

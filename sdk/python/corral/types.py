@@ -110,6 +110,9 @@ class SandboxState(str, enum.Enum):
     STARTING = "starting"
     READY = "ready"
     LOST = "lost"
+    #: Its processes and memory are saved (gVisor); it runs nothing until
+    #: restored.
+    CHECKPOINTED = "checkpointed"
     UNKNOWN = "unknown"
 
 
@@ -144,6 +147,7 @@ def sandbox_info_of(s: pb.Sandbox, worker: str) -> SandboxInfo:
         pb.SANDBOX_STATE_STARTING: SandboxState.STARTING,
         pb.SANDBOX_STATE_READY: SandboxState.READY,
         pb.SANDBOX_STATE_LOST: SandboxState.LOST,
+        pb.SANDBOX_STATE_CHECKPOINTED: SandboxState.CHECKPOINTED,
     }
     spec = s.spec
     return SandboxInfo(

@@ -1,5 +1,6 @@
 mod agent;
 mod bad_input;
+mod checkpoint;
 mod cli;
 mod cluster;
 mod contract;

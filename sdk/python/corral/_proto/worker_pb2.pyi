@@ -19,6 +19,7 @@ class SandboxState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SANDBOX_STATE_STARTING: _ClassVar[SandboxState]
     SANDBOX_STATE_READY: _ClassVar[SandboxState]
     SANDBOX_STATE_LOST: _ClassVar[SandboxState]
+    SANDBOX_STATE_CHECKPOINTED: _ClassVar[SandboxState]
 
 class OperationStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -49,6 +50,7 @@ SANDBOX_STATE_UNSPECIFIED: SandboxState
 SANDBOX_STATE_STARTING: SandboxState
 SANDBOX_STATE_READY: SandboxState
 SANDBOX_STATE_LOST: SandboxState
+SANDBOX_STATE_CHECKPOINTED: SandboxState
 OPERATION_STATUS_UNSPECIFIED: OperationStatus
 OPERATION_STATUS_RUNNING: OperationStatus
 OPERATION_STATUS_FINISHED: OperationStatus
@@ -163,6 +165,18 @@ class SetSandboxEgressRequest(_message.Message):
     id: str
     rules: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, id: _Optional[str] = ..., rules: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class CheckpointSandboxRequest(_message.Message):
+    __slots__ = ("id",)
+    ID_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    def __init__(self, id: _Optional[str] = ...) -> None: ...
+
+class RestoreSandboxRequest(_message.Message):
+    __slots__ = ("id",)
+    ID_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    def __init__(self, id: _Optional[str] = ...) -> None: ...
 
 class ForkSandboxRequest(_message.Message):
     __slots__ = ("id", "child_ids", "count")
