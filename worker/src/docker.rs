@@ -638,17 +638,22 @@ impl DockerRuntime {
         Ok(self.docker.unpause_container(container).await?)
     }
 
-    /// Saves a running container's processes and memory as checkpoint
-    /// [`CHECKPOINT`] (an earlier one of that name is replaced) and stops
-    /// it. Only the engine's experimental mode has checkpoints: without it
-    /// this refuses, saying so, before anything is done.
-    pub async fn checkpoint(&self, container: &str) -> Result<()> {
+    /// Whether the engine makes checkpoints: only in its experimental mode
+    /// (a refusal that says so otherwise).
+    pub async fn checkpoints_supported(&self) -> Result<()> {
         let info = self.docker.info().await?;
         if info.experimental_build != Some(true) {
             return Err(WorkerError::NotApplicable(
                 "the Docker engine's experimental features are off, and checkpoints are one of them: set \"experimental\": true in its daemon.json and restart it".into(),
             ));
         }
+        Ok(())
+    }
+
+    /// Saves a running container's processes and memory as checkpoint
+    /// [`CHECKPOINT`] (an earlier one of that name is replaced) and stops
+    /// it (see [`Self::checkpoints_supported`]).
+    pub async fn checkpoint(&self, container: &str) -> Result<()> {
         let _ = self
             .docker
             .delete_checkpoint(container, CHECKPOINT, None)
@@ -658,7 +663,20 @@ impl DockerRuntime {
             checkpoint_dir: None,
             exit: true,
         };
-        Ok(self.docker.create_checkpoint(container, opts).await?)
+        self.docker.create_checkpoint(container, opts).await?;
+        // The engine answers before it has seen the container stop: a start
+        // until then would be taken for one of a running container (and
+        // answered "not modified") while it goes on stopping.
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        while self.running(container).await? == Some(true) {
+            if tokio::time::Instant::now() > deadline {
+                return Err(WorkerError::NotApplicable(format!(
+                    "container {container} still runs 30 s after its checkpoint"
+                )));
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        Ok(())
     }
 
     /// Starts a container [`Self::checkpoint`] stopped, from its
@@ -678,6 +696,12 @@ impl DockerRuntime {
             req
         });
         from_checkpoint.start_container(container, None).await?;
+        if self.running(container).await? != Some(true) {
+            return Err(WorkerError::SandboxLost {
+                id: container.to_string(),
+                reason: self.exit_reason(container).await,
+            });
+        }
         if let Err(e) = self
             .docker
             .delete_checkpoint(container, CHECKPOINT, None)

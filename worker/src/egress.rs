@@ -958,6 +958,18 @@ impl Meter {
         }
     }
 
+    /// Counts `n` bytes that moved already (a request's head, sent when
+    /// it was admitted), and waits until the rate has them.
+    pub async fn charge(&self, n: u64) {
+        if let Some(rate) = &self.rate {
+            let mut left = usize::try_from(n).unwrap_or(usize::MAX);
+            while left > 0 {
+                left -= rate.take(left).await;
+            }
+        }
+        self.bytes.inc_by(n);
+    }
+
     fn moved(&self, allowed: usize, moved: usize) {
         if let Some(rate) = &self.rate {
             rate.give_back(allowed.saturating_sub(moved));

@@ -128,9 +128,30 @@ pub fn bind(dir: &Path) -> std::io::Result<UnixListener> {
     Ok(listener)
 }
 
-/// Removes a sandbox's socket directory (nothing if it has none).
+/// Makes `dir` (a sandbox's socket directory) name the directory of the
+/// pool member it was claimed from, beside it (see [`socket_dir`]).
+pub fn link_dir(dir: &Path, member: &SandboxId) -> std::io::Result<()> {
+    std::os::unix::fs::symlink(member.as_str(), dir)
+}
+
+/// Removes a sandbox's socket directory (nothing if it has none), and the
+/// member's directory it names if it is a link made by [`link_dir`].
 pub fn remove(dir: &Path) {
-    match std::fs::remove_dir_all(dir) {
+    let removed = match std::fs::read_link(dir) {
+        Ok(target) => {
+            // Only a sibling's name, as link_dir makes it.
+            let sibling = target
+                .file_name()
+                .filter(|n| target.as_os_str() == *n)
+                .and_then(|n| dir.parent().map(|p| p.join(n)));
+            if let Some(real) = sibling {
+                remove(&real);
+            }
+            std::fs::remove_file(dir)
+        }
+        Err(_) => std::fs::remove_dir_all(dir),
+    };
+    match removed {
         Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
             warn!(dir = %dir.display(), error = %e, "removing an egress socket directory");
         }
@@ -251,7 +272,7 @@ async fn one(
             let e = report(&host, port, EgressDecision::Allowed, None);
             let _ = reports.send(e).await;
             // The request's head, sent upstream as it was admitted.
-            meters.out.bytes.inc_by(admitted.outcome().bytes_out);
+            meters.out.charge(admitted.outcome().bytes_out).await;
             let out = {
                 let _open = Open::new(&metrics.egress_open);
                 relay_spliced(admitted, policy, meters).await
@@ -278,5 +299,34 @@ impl<'a> Open<'a> {
 impl Drop for Open<'_> {
     fn drop(&mut self) {
         self.0.dec();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_claimed_members_directory_is_the_sandboxs_and_goes_with_it() {
+        let root = tempfile::tempdir().unwrap();
+        let member = SandboxId::new("m-pool-1").unwrap();
+        let sandbox = SandboxId::new("s1").unwrap();
+        let (m, s) = (
+            socket_dir(root.path(), &member),
+            socket_dir(root.path(), &sandbox),
+        );
+        make_dir(&m).unwrap();
+        link_dir(&s, &member).unwrap();
+        // Bound under the sandbox's name, the socket is in the member's
+        // directory (the one a container mounted).
+        let _listener = bind(&s).unwrap();
+        assert!(m.join(SOCKET_NAME).exists());
+        remove(&s);
+        assert!(!s.exists() && !m.exists());
+        // A plain directory goes as before; nothing there is nothing done.
+        make_dir(&s).unwrap();
+        remove(&s);
+        assert!(!s.exists());
+        remove(&s);
     }
 }

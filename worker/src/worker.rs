@@ -455,18 +455,44 @@ impl Worker {
         if idle_limit.is_some_and(|limit| s.idle_for() >= limit) {
             return Some("no client used it within its idle timeout");
         }
+        self.past_lifetime(&s.spec, s.created_at_unix_ms(), now_ms)
+    }
+
+    /// Why a sandbox of `spec` made at `created_ms` is to be removed now
+    /// for its age, if it is: it lived past its lifetime (its own, else the
+    /// worker's; the shorter wins). Checkpointed sandboxes too.
+    fn past_lifetime(
+        &self,
+        spec: &SandboxSpec,
+        created_ms: i64,
+        now_ms: i64,
+    ) -> Option<&'static str> {
         let lifetime = match (
-            s.spec.ttl_ms.map(Duration::from_millis),
+            spec.ttl_ms.map(Duration::from_millis),
             self.inner.max_lifetime,
         ) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
         };
-        let age =
-            Duration::from_millis(u64::try_from(now_ms - s.created_at_unix_ms()).unwrap_or(0));
+        let age = Duration::from_millis(u64::try_from(now_ms - created_ms).unwrap_or(0));
         lifetime
             .is_some_and(|l| age >= l)
             .then_some("it lived past its lifetime")
+    }
+
+    /// Why checkpointed sandbox `id` is to be removed now, if it is.
+    fn checkpoint_expired(
+        &self,
+        id: &SandboxId,
+        now_ms: i64,
+        drained: bool,
+    ) -> Option<&'static str> {
+        let checkpointed = lock(&self.inner.checkpointed);
+        let info = checkpointed.get(id)?;
+        if drained {
+            return Some("the drain deadline passed");
+        }
+        self.past_lifetime(&info.spec, info.created_at_unix_ms, now_ms)
     }
 
     async fn reap_idle_forever(&self) {
@@ -482,7 +508,7 @@ impl Worker {
                 .drain
                 .borrow()
                 .is_some_and(|deadline| now >= deadline);
-            let expired: Vec<(SandboxId, &'static str)> = lock(&self.inner.sandboxes)
+            let mut expired: Vec<(SandboxId, &'static str)> = lock(&self.inner.sandboxes)
                 .iter()
                 .filter_map(|(id, s)| {
                     let why = if drained {
@@ -493,12 +519,19 @@ impl Worker {
                     why.map(|why| (id.clone(), why))
                 })
                 .collect();
+            let checkpointed: Vec<SandboxId> =
+                lock(&self.inner.checkpointed).keys().cloned().collect();
+            expired.extend(checkpointed.into_iter().filter_map(|id| {
+                let why = self.checkpoint_expired(&id, now, drained)?;
+                Some((id, why))
+            }));
             for (id, why) in expired {
                 // Looked at again: a client may have come since.
                 let still = drained
                     || lock(&self.inner.sandboxes)
                         .get(&id)
-                        .is_some_and(|s| self.expired(s, now).is_some());
+                        .is_some_and(|s| self.expired(s, now).is_some())
+                    || self.checkpoint_expired(&id, now, false).is_some();
                 if !still {
                     continue;
                 }
@@ -694,7 +727,10 @@ impl Worker {
             return Err(WorkerError::NotApplicable(why));
         }
         for id in &ids {
-            if self.sandbox(id).is_ok() {
+            if !matches!(
+                self.sandbox(id),
+                Err(WorkerError::UnknownSandbox(_) | WorkerError::Removed { .. })
+            ) {
                 return Err(WorkerError::Conflict {
                     what: "sandbox",
                     id: id.to_string(),
@@ -894,9 +930,18 @@ impl Worker {
         let id = id.unwrap_or_else(SandboxId::random);
         let id_lock = self.id_lock(&id);
         let _guard = id_lock.lock().await;
-        if let Ok(existing) = self.sandbox(&id) {
-            return if existing.spec == spec {
-                Ok((existing.info(), false))
+        // A checkpointed sandbox holds its id as a running one does.
+        let existing = match self.sandbox(&id) {
+            Ok(sb) => Some((sb.spec.clone(), sb.info())),
+            Err(WorkerError::Checkpointed(_)) => self
+                .get_sandbox(&id)
+                .ok()
+                .map(|info| (info.spec.clone(), info)),
+            Err(_) => None,
+        };
+        if let Some((existing, info)) = existing {
+            return if existing == spec {
+                Ok((info, false))
             } else {
                 Err(WorkerError::Conflict {
                     what: "sandbox",
@@ -1046,15 +1091,16 @@ impl Worker {
             let _ = this.inner.state.remove(id);
             crate::proxy::remove(&this.egress_dir(id));
         };
-        // The member's socket directory, mounted when it was made, becomes
-        // the sandbox's (a rename on the host: the mount follows the
-        // directory), and its proxy's socket is bound there if the spec
-        // has egress; the sandbox's actor then has the supervisor serve it.
+        // The member's socket directory, mounted when it was made, is the
+        // sandbox's under its id too (a link: the container's mount names
+        // the member's, which must stay for the engine to start it again
+        // from a checkpoint), and its proxy's socket is bound there if the
+        // spec has egress; the sandbox's actor then has the supervisor
+        // serve it.
         let egress = self.inner.state.save(&record).and_then(|()| {
             let dir = self.egress_dir(id);
             crate::proxy::remove(&dir);
-            std::fs::rename(self.egress_dir(&member.id), &dir)
-                .map_err(|e| WorkerError::state(&dir, e))?;
+            crate::proxy::link_dir(&dir, &member.id).map_err(|e| WorkerError::state(&dir, e))?;
             self.egress_socket(id, spec)
         });
         let egress = match egress {
@@ -1271,12 +1317,18 @@ impl Worker {
     /// Checkpoints a gVisor sandbox: its processes and memory (its files in
     /// gVisor's memory among them) are saved on the engine and its
     /// container stops. Until [`Self::restore_sandbox`] it runs nothing and
-    /// holds no slot, no idle timeout or lifetime removes it, clients see
-    /// it `checkpointed`, and calls that need it running are refused so.
+    /// holds no slot and no idle timeout removes it (its lifetime, counted
+    /// from its creation, and a drain's deadline do), clients see it
+    /// `checkpointed`, and calls that need it running are refused so.
     /// Only runsc sandboxes (runc would need CRIU), on an engine with its
     /// experimental features on. Checkpointing one that is already is
     /// answered as it is.
     pub async fn checkpoint_sandbox(&self, id: &SandboxId) -> Result<SandboxInfo> {
+        // Known first: no lock is kept for an id nobody has.
+        let known = self.get_sandbox(id)?;
+        if known.state == SandboxState::Checkpointed {
+            return Ok(known);
+        }
         let id_lock = self.id_lock(id);
         let _guard = id_lock.lock().await;
         let sandbox = match self.sandbox(id) {
@@ -1301,10 +1353,31 @@ impl Worker {
                 runtime.as_deref().unwrap_or("the engine's default runtime")
             )));
         }
-        // Its actor lets go first: the container's stop is no loss.
+        // Nothing changes for a refusal.
+        self.inner.runtime.checkpoints_supported().await?;
+        // Recorded first: a worker that dies mid-checkpoint keeps what the
+        // engine saved (one that finds it running clears the mark).
+        let mut record = self
+            .inner
+            .state
+            .load(id)
+            .unwrap_or_else(|| StateDir::new_record(id, &sandbox.spec));
+        record.spec = sandbox.spec.clone();
+        record.checkpointed = true;
+        self.inner.state.save(&record)?;
+        // Set apart before its actor lets go (so the container's stop is
+        // no loss): calls meanwhile are told it is checkpointed.
+        info.state = SandboxState::Checkpointed;
+        lock(&self.inner.sandboxes).remove(id);
+        lock(&self.inner.checkpointed).insert(id.clone(), info.clone());
         sandbox.close();
         if let Err(e) = self.inner.runtime.checkpoint(&sandbox.container_id).await {
             warn!(sandbox = %id, error = %e, "checkpoint failed; the sandbox goes on");
+            lock(&self.inner.checkpointed).remove(id);
+            record.checkpointed = false;
+            if let Err(e) = self.inner.state.save(&record) {
+                warn!(sandbox = %id, error = %e, "could not clear a checkpoint's mark");
+            }
             let again = self.reattach(
                 id,
                 sandbox.spec.clone(),
@@ -1314,17 +1387,6 @@ impl Worker {
             let _ = again.wait_ready(READY_TIMEOUT).await;
             return Err(e);
         }
-        info.state = SandboxState::Checkpointed;
-        lock(&self.inner.sandboxes).remove(id);
-        lock(&self.inner.checkpointed).insert(id.clone(), info.clone());
-        let mut record = self
-            .inner
-            .state
-            .load(id)
-            .unwrap_or_else(|| StateDir::new_record(id, &sandbox.spec));
-        record.spec = sandbox.spec.clone();
-        record.checkpointed = true;
-        self.inner.state.save(&record)?;
         info!(sandbox = %id, "sandbox checkpointed");
         Ok(info)
     }
@@ -1335,15 +1397,19 @@ impl Worker {
     /// (refused at capacity or while draining, and then stays
     /// checkpointed). Restoring one that runs is answered as it is.
     pub async fn restore_sandbox(&self, id: &SandboxId) -> Result<SandboxInfo> {
+        let known = self.get_sandbox(id)?;
+        if known.state != SandboxState::Checkpointed {
+            return Ok(known);
+        }
         let id_lock = self.id_lock(id);
         let _guard = id_lock.lock().await;
         let Some(info) = lock(&self.inner.checkpointed).get(id).cloned() else {
-            return Ok(self.info_of(&self.sandbox(id)?));
+            return self.get_sandbox(id);
         };
         if self.inner.drain.borrow().is_some() {
             return Err(WorkerError::Draining);
         }
-        let _slot = {
+        let slot = {
             let sandboxes = lock(&self.inner.sandboxes);
             let mut creating = lock(&self.inner.creating);
             let held: usize = lock(&self.inner.pools).iter().map(|p| p.ready.len()).sum();
@@ -1355,10 +1421,13 @@ impl Worker {
             Slot(&self.inner.creating)
         };
         self.inner.runtime.restore(&info.container_id).await?;
+        // Running again: whatever else fails, it is among the sandboxes.
         lock(&self.inner.checkpointed).remove(id);
         if let Some(mut record) = self.inner.state.load(id) {
             record.checkpointed = false;
-            self.inner.state.save(&record)?;
+            if let Err(e) = self.inner.state.save(&record) {
+                warn!(sandbox = %id, error = %e, "could not clear a restored sandbox's checkpoint mark");
+            }
         }
         let sandbox = self.reattach(
             id,
@@ -1366,6 +1435,7 @@ impl Worker {
             info.container_id.clone(),
             info.created_at_unix_ms,
         );
+        drop(slot);
         sandbox.wait_ready(READY_TIMEOUT).await?;
         info!(sandbox = %id, "sandbox restored");
         Ok(self.info_of(&sandbox))
@@ -1703,7 +1773,8 @@ impl Worker {
     /// Destroys every sandbox, then shuts down (the embedded worker's exit).
     pub async fn destroy_all_and_shutdown(&self) {
         self.empty_pools().await;
-        let ids: Vec<SandboxId> = lock(&self.inner.sandboxes).keys().cloned().collect();
+        let mut ids: Vec<SandboxId> = lock(&self.inner.sandboxes).keys().cloned().collect();
+        ids.extend(lock(&self.inner.checkpointed).keys().cloned());
         for id in ids {
             if let Err(e) = self.remove_sandbox(&id, "its worker shut down").await {
                 warn!(sandbox = %id, error = %e, "could not destroy sandbox");

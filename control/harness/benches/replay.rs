@@ -104,6 +104,7 @@ fn turn_records(turn: u64) -> [Record; 5] {
                 status: OpStatus::Completed,
                 result: Some(result),
                 failure: None,
+                lost: false,
             },
         },
         Record::Result {

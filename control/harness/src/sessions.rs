@@ -1347,6 +1347,7 @@ fn fork(dir: &Path, parent: &str, child: &str, turn: Option<u64>) -> Result<(), 
                         status: crate::ops::OpStatus::Canceled,
                         result: None,
                         failure: Some("interrupted by fork".into()),
+                        lost: false,
                     },
                 });
             }

@@ -174,3 +174,94 @@ async fn what_cannot_be_checkpointed_is_refused_with_its_reason() -> Result<()> 
     corral_e2e::remove_containers_of(&wid);
     Ok(())
 }
+
+#[tokio::test]
+async fn a_pooled_sandbox_is_restored_its_id_stays_taken_and_its_lifetime_still_runs() -> Result<()>
+{
+    let state = tempfile::tempdir()?;
+    let wid = unique_id("ck");
+    let mut worker = WorkerProcess::spawn(
+        state.path(),
+        &wid,
+        free_port()?,
+        &[],
+        &[
+            "--allow-runtime",
+            "runsc",
+            "--pool",
+            "corral-sandbox:latest=1,runtime=runsc",
+        ],
+    )?;
+    let client = worker.client().await?;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while client.worker_info().await?.pools[0].ready < 1 {
+        ensure!(Instant::now() < deadline, "the pool never filled");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let id = corral_proto::SandboxId::new(unique_id("sb"))?;
+    let spec = SandboxSpec {
+        runtime: Some("runsc".into()),
+        ttl_ms: Some(12_000),
+        ..SandboxSpec::default()
+    };
+    client.create_sandbox(Some(&id), spec.clone()).await?;
+    assert_eq!(client.worker_info().await?.pools[0].claims, 1);
+    run_shell(&client, &id, "echo in-memory > /tmp/f").await?;
+    client.checkpoint_sandbox(&id).await?;
+    // Its id is taken while it is checkpointed: the same create answers
+    // it, another is a conflict, and no fork child may take it.
+    let same = client.create_sandbox(Some(&id), spec.clone()).await?;
+    assert_eq!(same.state, SandboxState::Checkpointed);
+    let e = client
+        .create_sandbox(Some(&id), SandboxSpec::default())
+        .await
+        .expect_err("taken");
+    assert_eq!(e.reason(), Some(Reason::Conflict), "{e}");
+    // A claimed member's container is started again from its checkpoint
+    // with the mounts it was made with.
+    assert_eq!(
+        client.restore_sandbox(&id).await?.state,
+        SandboxState::Ready
+    );
+    assert_eq!(run_shell(&client, &id, "cat /tmp/f").await?, "in-memory\n");
+    // Checkpointed again, it is still removed when its lifetime is over.
+    client.checkpoint_sandbox(&id).await?;
+    let deadline = Instant::now() + Duration::from_secs(40);
+    loop {
+        match client.get_sandbox(&id).await {
+            Err(e) if e.reason() == Some(Reason::SandboxRemoved) => break,
+            other => {
+                if Instant::now() > deadline {
+                    bail!("a checkpointed sandbox outlived its TTL: {other:?}");
+                }
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        }
+    }
+    // Nothing of it is left once its removal is done: no container (with
+    // its checkpoint), no socket directory.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let left = std::process::Command::new("docker")
+            .args([
+                "ps",
+                "-aq",
+                "--filter",
+                &format!("label=corral.sandbox={id}"),
+            ])
+            .output()?;
+        let dir = state.path().join("egress").join(id.as_str());
+        if String::from_utf8_lossy(&left.stdout).trim().is_empty() && !dir.exists() {
+            break;
+        }
+        ensure!(
+            Instant::now() < deadline,
+            "left behind: {left:?}, {}",
+            dir.display()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    worker.kill9();
+    corral_e2e::remove_containers_of(&wid);
+    Ok(())
+}

@@ -144,6 +144,29 @@ async fn a_claim_is_a_started_sandbox_with_what_was_asked_and_nothing_of_a_tenan
     // The pool is made whole again.
     ready(&client, 2).await?;
     client.destroy_sandbox(&id).await?;
+    // A claim's lifetime is its own: one with a short TTL is removed by it.
+    let short = client
+        .create_sandbox(
+            None,
+            SandboxSpec {
+                ttl_ms: Some(1500),
+                ..SandboxSpec::default()
+            },
+        )
+        .await?;
+    assert_eq!(client.worker_info().await?.pools[0].claims, 2);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        match client.get_sandbox(&short.id).await {
+            Err(e) if e.reason() == Some(corral_proto::reason::Reason::SandboxRemoved) => break,
+            other => {
+                if Instant::now() > deadline {
+                    bail!("a claim outlived its TTL: {other:?}");
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
     Ok(())
 }
 
@@ -397,5 +420,54 @@ async fn placement_prefers_a_worker_with_a_warm_member() -> Result<()> {
     );
     assert_eq!(cc.list_sandboxes().await?.len(), 1);
     assert_eq!(wc.worker_info().await?.pools[0].claims, 3);
+    Ok(())
+}
+
+/// A session's sandbox is a claim when a pool fits it: the session's
+/// skills are copied into it, and its commands run there.
+#[tokio::test]
+async fn a_sessions_sandbox_is_a_claim_with_its_skills_in_it() -> Result<()> {
+    use corral_e2e::model::{ModelServer, responses};
+    let template: corral_worker::pool::Template = "corral-sandbox:latest=1"
+        .parse()
+        .map_err(anyhow::Error::msg)?;
+    let h = corral_e2e::Harness::start_with(|c| c.pools = vec![template]).await?;
+    ready(&h.client, 1).await?;
+    let sessions = tempfile::tempdir()?;
+    let skills = tempfile::tempdir()?;
+    std::fs::create_dir_all(skills.path().join("greet"))?;
+    std::fs::write(
+        skills.path().join("greet/SKILL.md"),
+        "---\nname: greet\ndescription: Greets.\n---\nSay hello.\n",
+    )?;
+    let model = ModelServer::start(vec![
+        responses::calls(&[(
+            "b",
+            "Bash",
+            r#"{"command": "cat /workspace/.corral/skills/greet/SKILL.md | tail -1; echo $HOME"}"#,
+        )]),
+        responses::text("done"),
+    ])
+    .await;
+    let run = corral_e2e::run::corral_run(
+        &model,
+        &h.url,
+        sessions.path(),
+        &[
+            "--image",
+            "corral-sandbox:latest",
+            "--skills",
+            skills.path().to_str().context("path")?,
+            "Greet.",
+        ],
+    )
+    .await?;
+    assert_eq!(run.code, 0, "{}", run.stderr);
+    let result = &run.of_type("tool_result")[0]["text"];
+    let text = result.as_str().unwrap_or_default();
+    assert!(text.contains("Say hello.\n/workspace"), "{text}");
+    let pool = h.client.worker_info().await?.pools[0].clone();
+    assert_eq!((pool.claims, pool.misses), (1, 0), "{pool:?}");
+    h.stop().await;
     Ok(())
 }

@@ -258,7 +258,7 @@ impl Core {
                 continue;
             };
             let mut op = Operation::new(id, st.spec.clone());
-            op.fail(
+            op.fail_lost(
                 "the sandbox was lost while this ran; it may or may not have finished, and it was not run again",
             );
             self.operation(op)?;
@@ -648,6 +648,7 @@ impl Core {
                 status: op.status,
                 result: op.result,
                 failure: op.failure,
+                lost: op.lost,
             },
         })?;
         let done = self
@@ -854,13 +855,7 @@ impl Ended {
             let status = match (op.status, op.result.as_ref().map(|r| &r.outcome)) {
                 (OpStatus::Canceled, _) | (_, Some(Outcome::Canceled)) => "canceled",
                 (_, Some(Outcome::SandboxLost { .. })) => "lost",
-                (OpStatus::Failed, _)
-                    if op.failure.as_deref().is_some_and(|f| {
-                        f.starts_with("sandbox ") || f.starts_with("the sandbox was lost")
-                    }) =>
-                {
-                    "lost"
-                }
+                (OpStatus::Failed, _) if op.lost => "lost",
                 (OpStatus::Failed, _) => "failed",
                 (_, Some(Outcome::TimedOut)) => "timed_out",
                 (_, Some(o)) if !o.is_success() => "failed",

@@ -591,6 +591,7 @@ fn resume_translates_calls_that_were_never_translated_and_gives_lost_results() {
                     status: OpStatus::Completed,
                     result: Some(OperationResult::with_outcome(Outcome::Exited { code: 3 })),
                     failure: None,
+                    lost: false,
                 },
             },
         ] {
@@ -1048,4 +1049,25 @@ fn the_cache_key_is_a_fixed_length_digest_of_the_session_id() {
     assert_eq!(key.len(), super::cache_key("a").len());
     assert_ne!(super::cache_key("a"), super::cache_key("b"));
     assert_eq!(super::cache_key("a"), super::cache_key("a"));
+}
+
+#[test]
+fn a_call_is_lost_by_how_its_operation_failed_never_by_the_words() {
+    use crate::tools::CallOutcome;
+    let spec = corral_proto::OperationSpec::Shell(corral_proto::ShellSpec::new("true"));
+    let ended = |f: &dyn Fn(&mut Operation)| {
+        let mut op = Operation::new(OperationId::random(), spec.clone());
+        f(&mut op);
+        Ended::of(&CallOutcome::Submit, &[op]).status
+    };
+    // Whatever the words, a loss is a loss...
+    assert_eq!(ended(&|o| o.fail_lost("worker w1 went away")), "lost");
+    assert_eq!(ended(&|o| o.fail_lost("")), "lost");
+    // ... and words that read like one are not.
+    assert_eq!(ended(&|o| o.fail("sandbox s1 was lost")), "failed");
+    assert_eq!(ended(&|o| o.fail("the sandbox was lost")), "failed");
+    let lost = OperationResult::with_outcome(Outcome::SandboxLost {
+        reason: "gone".into(),
+    });
+    assert_eq!(ended(&|o| o.finish(lost.clone())), "lost");
 }

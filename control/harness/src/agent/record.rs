@@ -203,6 +203,9 @@ pub struct OpSnapshot {
     pub result: Option<OperationResult>,
     #[serde(default)]
     pub failure: Option<String>,
+    /// Failed because its sandbox was lost (absent: not).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub lost: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

@@ -178,6 +178,7 @@ impl State {
                     op.status = end.status;
                     op.result = end.result.clone();
                     op.failure = end.failure.clone();
+                    op.lost = end.lost;
                 } else {
                     op.status = OpStatus::Awaiting;
                 }

@@ -330,7 +330,11 @@ impl<W: WorkerApi> Actor<W> {
         let ids: Vec<OperationId> = self.ops.keys().cloned().collect();
         for id in ids {
             if let Some(mut op) = self.ops.remove(&id) {
-                op.fail(reason.to_string());
+                if lost {
+                    op.fail_lost(reason);
+                } else {
+                    op.fail(reason);
+                }
                 self.publish(op).await;
             }
         }

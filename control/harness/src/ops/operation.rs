@@ -72,6 +72,9 @@ pub struct Operation {
     pub result: Option<OperationResult>,
     /// Why it failed, when it did.
     pub failure: Option<String>,
+    /// It failed because its sandbox was lost (or its worker stayed out of
+    /// reach past the deadline): it may or may not have run to its end.
+    pub lost: bool,
 }
 
 impl Operation {
@@ -84,6 +87,7 @@ impl Operation {
             progress: Progress::default(),
             result: None,
             failure: None,
+            lost: false,
         }
     }
 
@@ -96,6 +100,7 @@ impl Operation {
             Outcome::Canceled => OpStatus::Canceled,
             Outcome::SandboxLost { .. } | Outcome::SpawnFailed { .. } => {
                 self.failure = Some(result.outcome.to_string());
+                self.lost = matches!(result.outcome, Outcome::SandboxLost { .. });
                 OpStatus::Failed
             }
             Outcome::Exited { .. }
@@ -111,6 +116,14 @@ impl Operation {
         if !self.status.is_terminal() {
             self.status = OpStatus::Failed;
             self.failure = Some(reason.into());
+        }
+    }
+
+    /// [`Self::fail`], because its sandbox was lost.
+    pub fn fail_lost(&mut self, reason: impl Into<String>) {
+        if !self.status.is_terminal() {
+            self.fail(reason);
+            self.lost = true;
         }
     }
 }
