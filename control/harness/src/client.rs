@@ -80,12 +80,13 @@ impl ClientError {
             Self::Connect { .. } => true,
             Self::Status(s) => {
                 // ABORTED: the worker dropped a watch that fell behind.
-                // INTERNAL with no reason but a cause: the transport's own
-                // (an h2 stream reset), never the worker's.
+                // INTERNAL or CANCELLED with no reason but a cause: the
+                // transport's own (an h2 stream reset, a connection that
+                // closed under a call), never the worker's.
                 matches!(
                     s.code(),
                     tonic::Code::Unavailable | tonic::Code::Unknown | tonic::Code::Aborted
-                ) || (s.code() == tonic::Code::Internal
+                ) || (matches!(s.code(), tonic::Code::Internal | tonic::Code::Cancelled)
                     && corral_proto::reason::of(s).is_none()
                     && std::error::Error::source(s).is_some())
             }
@@ -760,4 +761,34 @@ pub enum DownloadPart {
     Data(bytes::Bytes),
     /// The operation, finished: the archive is whole if it exited 0.
     Finished(Box<OperationRecord>),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn made_by_transport(mut s: Status) -> ClientError {
+        s.set_source(std::sync::Arc::new(std::io::Error::other(
+            "connection closed",
+        )));
+        ClientError::Status(s)
+    }
+
+    #[test]
+    fn what_the_transport_breaks_is_tried_again_and_what_a_worker_says_is_not() {
+        // A call the connection dropped, or an h2 reset: no reason, a cause.
+        assert!(made_by_transport(Status::cancelled("operation was canceled")).is_transient());
+        assert!(made_by_transport(Status::internal("h2 protocol error")).is_transient());
+        assert!(ClientError::Status(Status::unavailable("restarting")).is_transient());
+        // The same codes without a cause, or with a worker's reason, are
+        // answers.
+        assert!(!ClientError::Status(Status::cancelled("x")).is_transient());
+        let said = corral_proto::reason::status(
+            tonic::Code::Internal,
+            Reason::Internal,
+            None,
+            "state directory",
+        );
+        assert!(!made_by_transport(said).is_transient());
+    }
 }

@@ -432,10 +432,7 @@ impl Sessions {
             config.budget.context_window_tokens = window;
         }
         let (sandbox, spec) = (config.sandbox_id.clone(), sandbox_spec(&config));
-        let made = worker
-            .create_sandbox(&sandbox, &spec)
-            .await
-            .map_err(|e| sandbox_error(&sandbox, e))?;
+        let made = create(&worker, &sandbox, &spec).await?;
         // Its address may change (a restarted pod); its id does not.
         config.worker_id = Some(made.worker_id).filter(|w| !w.is_empty());
         // The workspace first: a session is recorded only once its files
@@ -508,10 +505,7 @@ impl Sessions {
         if !existed {
             // Made again, with today's spec (a sandbox that exists keeps
             // the one it was made with).
-            worker
-                .create_sandbox(&sandbox, &sandbox_spec(&config))
-                .await
-                .map_err(|e| sandbox_error(&sandbox, e))?;
+            create(&worker, &sandbox, &sandbox_spec(&config)).await?;
             let saved = self.saved_workspace(core.session_id());
             if saved.exists() {
                 // Suspended: its files come back; nothing ran meanwhile.
@@ -546,10 +540,7 @@ impl Sessions {
         let config = config.ok_or_else(|| crate::agent::CoreError::NoStart(log.id().into()))?;
         let generation = config.generation + 1;
         let sandbox = next_generation(&config.sandbox_id, generation);
-        let made = worker
-            .create_sandbox(&sandbox, &sandbox_spec(&config))
-            .await
-            .map_err(|e| sandbox_error(&sandbox, e))?;
+        let made = create(&worker, &sandbox, &sandbox_spec(&config)).await?;
         // A suspended session lost nothing with its worker: its files come
         // along into the new sandbox.
         let saved = self.saved_workspace(log.id());
@@ -685,10 +676,7 @@ impl Sessions {
             tracing::warn!(sandbox = %from.sandbox_id, "the parent's sandbox is gone; the fork starts with an empty workspace");
             return Ok(false);
         }
-        let made = worker
-            .create_sandbox(&to.sandbox_id, &sandbox_spec(&to))
-            .await
-            .map_err(|e| sandbox_error(&to.sandbox_id, e));
+        let made = create(&worker, &to.sandbox_id, &sandbox_spec(&to)).await;
         if let Err(e) = made {
             return Err(undo(e));
         }
@@ -735,10 +723,7 @@ impl Sessions {
             .clone()
             .unwrap_or_else(|| config.sandbox_id.clone());
         if temporary.is_some() {
-            worker
-                .create_sandbox(&sandbox, &sandbox_spec(&config))
-                .await
-                .map_err(|e| sandbox_error(&sandbox, e))?;
+            create(&worker, &sandbox, &sandbox_spec(&config)).await?;
             if let Err(e) =
                 crate::transfer::restore_contents(&worker, &sandbox, &saved, WORKSPACE).await
             {
@@ -893,6 +878,29 @@ fn next_generation(current: &SandboxId, generation: u64) -> SandboxId {
     let suffix = format!("-g{generation}");
     let base: String = first.chars().take(64 - suffix.len()).collect();
     SandboxId::new(format!("{base}{suffix}")).unwrap_or_else(|_| SandboxId::random())
+}
+
+/// How long a sandbox's create is tried again after transient failures
+/// (a connection that broke, a worker that blinked): creates are
+/// idempotent by id. Past it, a caller with other workers places elsewhere.
+const CREATE_PATIENCE: Duration = Duration::from_secs(5);
+
+/// Creates `sandbox` on `worker`, tried again as [`CREATE_PATIENCE`] says.
+async fn create<W: WorkerApi>(
+    worker: &W,
+    sandbox: &SandboxId,
+    spec: &SandboxSpec,
+) -> Result<corral_proto::SandboxInfo, SessionError> {
+    crate::follow::retry(worker, CREATE_PATIENCE, || {
+        worker.create_sandbox(sandbox, spec)
+    })
+    .await
+    .map_err(|e| match e {
+        crate::follow::FollowError::Refused(e) => sandbox_error(sandbox, e),
+        crate::follow::FollowError::GaveUp { last, .. } => {
+            sandbox_error(sandbox, ApiError::Transient(last))
+        }
+    })
 }
 
 fn sandbox_error(sandbox: &SandboxId, e: ApiError) -> SessionError {
