@@ -1,31 +1,27 @@
-//! Which worker a command talks to, and how: `--worker` (a list of
-//! addresses and DNS names), the token and TLS settings, the local worker
-//! when none is given, the placement of what is new and the worker that
-//! has a given sandbox.
+//! How the command line reaches its workers: `--worker` (a list of
+//! addresses and DNS names), the token and TLS settings and the local
+//! worker, made into the harness's [`Fleet`], which answers which worker
+//! (placement, the worker of a sandbox, a session's worker found again).
+//! What is the command line's own stays here: where its token is found,
+//! and to whom it may be sent.
 
-use corral_harness::client::{ClientError, ClientTls, Credentials, WorkerClient, source_chain};
-use corral_harness::placement::{self, Attempt, Entry, PlaceError, Placer};
+use std::sync::Arc;
+
+use corral_harness::client::WorkerClient;
+use corral_harness::client::{ClientTls, Credentials};
+use corral_harness::fleet::{Fleet, FleetError};
+use corral_harness::placement::{self, Attempt, Entry};
 use corral_proto::SandboxId;
 
 use crate::cli::ConnArgs;
 
-#[derive(Debug, thiserror::Error)]
-pub enum ConnectError {
-    #[error(transparent)]
-    Client(#[from] ClientError),
-    #[error(transparent)]
-    Local(#[from] crate::local::LocalError),
-    #[error(transparent)]
-    Config(#[from] corral_worker::cli::ConfigError),
-    #[error(transparent)]
-    Discovery(#[from] placement::DiscoveryError),
-    /// The flags do not fit together.
-    #[error("{0}")]
-    Usage(String),
-    #[error("{0}")]
-    Invalid(String),
-    #[error("no worker can take it: {0}")]
-    NoWorker(String),
+/// How reaching a worker failed (the harness's [`FleetError`]).
+pub type ConnectError = FleetError;
+
+pub use corral_harness::fleet::ASK_TIMEOUT;
+
+fn setup(e: impl std::error::Error + Send + Sync + 'static) -> ConnectError {
+    FleetError::Setup(Box::new(e))
 }
 
 fn read(path: &std::path::Path, what: &str) -> Result<Vec<u8>, ConnectError> {
@@ -57,9 +53,6 @@ fn client_tls(conn: &ConnArgs) -> Result<Option<ClientTls>, ConnectError> {
     )
 }
 
-/// How long a worker asked about a sandbox or its id may take.
-pub const ASK_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
-
 /// The entries of `--worker` (a comma-separated list of addresses and
 /// `dns:///NAME:PORT` names).
 fn entries(conn: &ConnArgs) -> Result<Vec<Entry>, ConnectError> {
@@ -68,11 +61,34 @@ fn entries(conn: &ConnArgs) -> Result<Vec<Entry>, ConnectError> {
     )?)
 }
 
+/// The workers of `--worker` as the harness's [`Fleet`]: DNS names give
+/// https addresses when TLS options are given; the local worker when none
+/// is named; a session's worker waited for `--worker-lost-after`.
+pub fn fleet(conn: &ConnArgs) -> Result<Fleet, ConnectError> {
+    let tls = conn.tls_ca.is_some() || conn.tls_cert.is_some();
+    let for_creds = conn.clone();
+    let for_local = conn.clone();
+    Ok(Fleet::new(
+        entries(conn)?,
+        tls,
+        Arc::new(move |urls: &[String]| credentials(&for_creds, urls)),
+    )
+    .with_local(Arc::new(move || {
+        let state = crate::local::state_dir(for_local.state_dir.as_deref());
+        let docker_host = for_local.docker_host.clone();
+        Box::pin(async move {
+            crate::local::connect(&state, docker_host.as_deref())
+                .await
+                .map_err(setup)
+        })
+    }))
+    .with_patience(conn.worker_lost_after))
+}
+
 /// The workers of `--worker`, each with a scheme; a DNS name gives one
 /// worker per address it resolves to (https when TLS options are given).
 pub async fn worker_urls(conn: &ConnArgs) -> Result<Vec<String>, ConnectError> {
-    let tls = conn.tls_ca.is_some() || conn.tls_cert.is_some();
-    Ok(placement::resolve(&entries(conn)?, tls).await?)
+    fleet(conn)?.urls().await
 }
 
 /// Whether `url` names this machine (a worker this user may have started).
@@ -206,10 +222,13 @@ fn credentials(conn: &ConnArgs, urls: &[String]) -> Result<Credentials, ConnectE
         entries.iter().all(|e| matches!(e, Entry::Url(_))) && urls.iter().all(|u| is_loopback(u));
     let (token, token_owner) = match conn.token_file.as_deref() {
         Some(path) => (
-            Some(corral_worker::cli::read_token(path)?),
+            Some(corral_worker::cli::read_token(path).map_err(setup)?),
             std::fs::metadata(path).ok().map(|m| m.uid()),
         ),
-        None if local && own.exists() => (Some(corral_worker::cli::read_token(&own)?), None),
+        None if local && own.exists() => (
+            Some(corral_worker::cli::read_token(&own).map_err(setup)?),
+            None,
+        ),
         None => (None, None),
     };
     if token.is_some() {
@@ -240,36 +259,18 @@ fn credentials(conn: &ConnArgs, urls: &[String]) -> Result<Credentials, ConnectE
     Ok(Credentials { token, tls })
 }
 
-/// Connects to the one worker of `--worker`, or embeds one.
+/// Connects to the one worker of `--worker`, or the local one.
 pub async fn connect(conn: &ConnArgs) -> Result<WorkerClient, ConnectError> {
-    let urls = worker_urls(conn).await?;
-    if urls.len() > 1 {
-        return Err(ConnectError::Usage(
-            "several workers are for corral run, exec and sandbox create (they place what they make); give this command one --worker".into(),
-        ));
-    }
-    connect_to(conn, urls.first().map(String::as_str)).await
+    fleet(conn)?.connect_one().await
 }
 
 /// Connects to `url`, or to the local worker when there is none.
 pub async fn connect_to(conn: &ConnArgs, url: Option<&str>) -> Result<WorkerClient, ConnectError> {
-    match url {
-        Some(url) => {
-            let creds = credentials(conn, &[url.to_string()])?;
-            Ok(WorkerClient::connect_with(url, &creds).await?)
-        }
-        None => {
-            let state = crate::local::state_dir(conn.state_dir.as_deref());
-            let client = crate::local::connect(&state, conn.docker_host.as_deref()).await?;
-            Ok(client)
-        }
-    }
+    fleet(conn)?.connect(url).await
 }
 
-/// Places something new (a session's sandbox, a sandbox, made as `spec`
-/// asks) on one of `urls` and makes it there with `create`: see
-/// [`corral_harness::placement`]. A worker with a warm member ready that
-/// the create would take is preferred.
+/// Places something new, made as `spec` asks, on one of `urls` (see
+/// [`Fleet::place`]).
 pub async fn place<T, E, F, Fut>(
     conn: &ConnArgs,
     urls: &[String],
@@ -281,98 +282,27 @@ where
     F: FnMut(String, WorkerClient) -> Fut,
     Fut: std::future::Future<Output = Result<T, Attempt<E>>>,
 {
-    let placer = Placer::new(credentials(conn, urls)?).preferring_warm(spec);
-    match placer.place(urls, create).await {
-        Ok(placed) => {
-            tracing::debug!(worker = %placed.url, probes = placed.probes, attempts = placed.attempts, "placed");
-            Ok(placed.value)
-        }
-        Err(PlaceError::NoWorker(why)) => Err(ConnectError::NoWorker(why).into()),
-        Err(PlaceError::Failed(e)) => Err(e),
-    }
+    fleet(conn)?.place(urls, spec, create).await
 }
 
-/// A client to the worker a session was placed on: at its recorded address
-/// if the worker there is still the one it was (`worker_id`), else the
-/// worker of `--worker` with that id (a restarted pod has a new address);
-/// the local worker when none was recorded.
+/// The worker something was placed on, found again by its id (see
+/// [`Fleet::connect_recorded`]).
 pub async fn connect_recorded(
     conn: &ConnArgs,
     urls: &[String],
     url: Option<&str>,
     worker_id: Option<&str>,
 ) -> Result<WorkerClient, ConnectError> {
-    let (Some(url), Some(id)) = (url, worker_id) else {
-        return connect_to(conn, url).await;
-    };
-    let there = async {
-        let client = connect_to(conn, Some(url)).await.ok()?;
-        let info = client.worker_info().await.ok()?;
-        (info.worker_id == id).then_some(client)
-    };
-    if let Ok(Some(client)) = tokio::time::timeout(ASK_TIMEOUT, there).await {
-        return Ok(client);
-    }
-    let creds = credentials(conn, urls)?;
-    let asked = urls.iter().filter(|u| u.as_str() != url).map(|u| {
-        let creds = creds.clone();
-        let asked = async move {
-            let client = WorkerClient::connect_with(u, &creds).await.ok()?;
-            let info = client.worker_info().await.ok()?;
-            (info.worker_id == id).then_some((u.clone(), client))
-        };
-        async move {
-            tokio::time::timeout(ASK_TIMEOUT, asked)
-                .await
-                .ok()
-                .flatten()
-        }
-    });
-    let found = futures_util::future::join_all(asked).await;
-    if let Some((now, client)) = found.into_iter().flatten().next() {
-        tracing::info!(worker = id, was = url, now = %now, "the session's worker has a new address");
-        return Ok(client);
-    }
-    connect_to(conn, Some(url)).await
+    fleet(conn)?.connect_recorded(urls, url, worker_id).await
 }
 
-/// A client to the worker of `--worker` that has `sandbox` (each is asked
-/// when there are several), or the local worker.
+/// A client to the worker of `--worker` that has `sandbox` (see
+/// [`Fleet::find`]).
 pub async fn connect_for(
     conn: &ConnArgs,
     sandbox: &SandboxId,
 ) -> Result<WorkerClient, ConnectError> {
-    let urls = worker_urls(conn).await?;
-    if urls.len() <= 1 {
-        return connect_to(conn, urls.first().map(String::as_str)).await;
-    }
-    let creds = credentials(conn, &urls)?;
-    let asked = urls.iter().map(|url| {
-        let creds = creds.clone();
-        let asked = async move {
-            let client = WorkerClient::connect_with(url, &creds).await?;
-            client.get_sandbox(sandbox).await.map(|_| client)
-        };
-        async move { tokio::time::timeout(ASK_TIMEOUT, asked).await }
-    });
-    let answers = futures_util::future::join_all(asked).await;
-    let mut why = Vec::new();
-    for (url, answer) in urls.iter().zip(answers) {
-        match answer {
-            Ok(Ok(client)) => return Ok(client),
-            Ok(Err(ClientError::Status(s))) if s.code() == tonic::Code::NotFound => {}
-            Ok(Err(e)) => why.push(format!("{url}: {}", source_chain(&e))),
-            Err(_) => why.push(format!(
-                "{url}: no answer within {} s",
-                ASK_TIMEOUT.as_secs()
-            )),
-        }
-    }
-    let mut msg = format!("no worker of --worker has sandbox {sandbox}");
-    if !why.is_empty() {
-        msg.push_str(&format!(" (not asked: {})", why.join("; ")));
-    }
-    Err(ConnectError::Invalid(msg))
+    fleet(conn)?.find(sandbox).await
 }
 
 #[cfg(test)]

@@ -18,13 +18,16 @@
 //!   a cursor across reconnects);
 //! - [`transfer`]: trees in and out of a sandbox as tar streams;
 //! - [`placement`]: workers found by list or DNS, and where a new sandbox
-//!   goes among them; [`metrics`]: the control plane's metrics.
+//!   goes among them; [`fleet`]: a caller's workers, the one place that
+//!   answers which worker (place, find a sandbox's, find a session's again
+//!   by its id); [`metrics`]: the control plane's metrics.
 //!
 //! It runs no operation itself: workers do.
 
 pub mod agent;
 pub mod client;
 pub mod context;
+pub mod fleet;
 pub mod follow;
 pub mod llm;
 pub mod metrics;

@@ -251,7 +251,9 @@ async fn run(conn: &ConnArgs, args: &RunArgs, json: bool) -> Result<u8, Error> {
         let reached = if moves {
             // Given the same patience as a run: a worker that restarts is
             // waited for, one that is gone is not.
-            reach(conn, &urls, worker.as_deref(), worker_id.as_deref()).await
+            crate::connect::fleet(conn)?
+                .reach(&urls, worker.as_deref(), worker_id.as_deref())
+                .await
         } else {
             connect_recorded(conn, &urls, worker.as_deref(), worker_id.as_deref()).await
         };
@@ -262,7 +264,7 @@ async fn run(conn: &ConnArgs, args: &RunArgs, json: bool) -> Result<u8, Error> {
             ),
             // Suspended, it holds nothing on its worker: whatever its
             // policy, it goes on elsewhere with its files.
-            Err(e) if unreachable(&e) && store.saved_workspace(&id).exists() => {
+            Err(e) if e.is_unreachable() && store.saved_workspace(&id).exists() => {
                 drop(stored);
                 let reason = format!(
                     "its worker {} does not answer: {e}",
@@ -271,7 +273,7 @@ async fn run(conn: &ConnArgs, args: &RunArgs, json: bool) -> Result<u8, Error> {
                 tracing::warn!(%reason, "the suspended session goes on on another worker");
                 resume_elsewhere(conn, &store, &id, &reason, &opts).await?
             }
-            Err(e) if moves && unreachable(&e) => {
+            Err(e) if moves && e.is_unreachable() => {
                 drop(stored);
                 let reason = format!(
                     "sandbox lost: worker {} unreachable for {}s ({e})",
@@ -385,33 +387,6 @@ fn lost(summary: &Summary, store: &Sessions, id: &str) -> Option<String> {
     let reason = summary.sandbox_lost.clone()?;
     let config = store.config_of(id).ok()?;
     (config.on_sandbox_lost == OnSandboxLost::NewSandbox).then_some(reason)
-}
-
-/// Whether connecting failed because nobody answered.
-fn unreachable(e: &ConnectError) -> bool {
-    matches!(e, ConnectError::Client(c) if c.is_transient())
-}
-
-/// [`connect_recorded`], tried again while the worker does not answer, for
-/// up to `--worker-lost-after`.
-async fn reach(
-    conn: &ConnArgs,
-    urls: &[String],
-    url: Option<&str>,
-    worker_id: Option<&str>,
-) -> Result<WorkerClient, ConnectError> {
-    let deadline = tokio::time::Instant::now() + conn.worker_lost_after;
-    let mut pause = Duration::from_millis(200);
-    loop {
-        match connect_recorded(conn, urls, url, worker_id).await {
-            Err(e) if unreachable(&e) && tokio::time::Instant::now() + pause < deadline => {
-                tracing::info!(error = %e, "the session's worker does not answer; trying again");
-                tokio::time::sleep(pause).await;
-                pause = (pause * 2).min(Duration::from_secs(5));
-            }
-            other => return other,
-        }
-    }
 }
 
 /// Resumes session `id` in a fresh sandbox: placed among the workers of

@@ -75,9 +75,10 @@ async fn session_command(conn: &ConnArgs, cmd: &SessionCommand) -> Result<(), Er
             let worker = match stored.config() {
                 // The worker it was placed on: recorded, or (none recorded)
                 // the local one, whatever `--worker` says now.
-                Some(config) if !*keep_sandbox => {
-                    Some(connect_to(conn, config.worker.as_deref()).await?)
-                }
+                Some(config) if !*keep_sandbox => Some(
+                    session_worker(conn, config.worker.as_deref(), config.worker_id.as_deref())
+                        .await?,
+                ),
                 // Kept, or never started (no sandbox was recorded).
                 _ => None,
             };
@@ -168,8 +169,9 @@ async fn session_command(conn: &ConnArgs, cmd: &SessionCommand) -> Result<(), Er
             let store = super::run::sessions(sessions_dir.as_deref());
             // The child's sandbox is made now, on the parent's worker, with
             // a copy of the parent's workspace.
-            let worker = parent_worker(&store, id)?;
-            let worker = connect_to(conn, worker.as_deref()).await?;
+            let config = store.config_of(id)?;
+            let worker =
+                session_worker(conn, config.worker.as_deref(), config.worker_id.as_deref()).await?;
             store.fork_with_workspace(id, new_id, *turn, worker).await?;
             writeln!(out, "{new_id}")?;
         }
@@ -181,8 +183,9 @@ async fn session_command(conn: &ConnArgs, cmd: &SessionCommand) -> Result<(), Er
             sessions_dir,
         } => {
             let store = super::run::sessions(sessions_dir.as_deref());
-            let worker = parent_worker(&store, id)?;
-            let worker = connect_to(conn, worker.as_deref()).await?;
+            let config = store.config_of(id)?;
+            let worker =
+                session_worker(conn, config.worker.as_deref(), config.worker_id.as_deref()).await?;
             // The patch may go to stdout (`-`), written from another thread.
             drop(out);
             if *diff {
@@ -337,9 +340,15 @@ fn describe(rec: &Record) -> String {
 }
 
 /// The worker a stored session was placed on (`None`: the local one).
-fn parent_worker(
-    store: &corral_harness::sessions::Sessions,
-    id: &str,
-) -> Result<Option<String>, Error> {
-    Ok(store.config_of(id)?.worker)
+/// The worker a session was placed on (recorded, or the local one when
+/// none was), found again by its id among `--worker`'s if its address
+/// changed, as `corral run` finds it.
+async fn session_worker(
+    conn: &ConnArgs,
+    url: Option<&str>,
+    worker_id: Option<&str>,
+) -> Result<corral_harness::client::WorkerClient, Error> {
+    let fleet = crate::connect::fleet(conn)?;
+    let urls = fleet.urls().await?;
+    Ok(fleet.connect_recorded(&urls, url, worker_id).await?)
 }
