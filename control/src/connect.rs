@@ -285,17 +285,6 @@ where
     fleet(conn)?.place(urls, spec, create).await
 }
 
-/// The worker something was placed on, found again by its id (see
-/// [`Fleet::connect_recorded`]).
-pub async fn connect_recorded(
-    conn: &ConnArgs,
-    urls: &[String],
-    url: Option<&str>,
-    worker_id: Option<&str>,
-) -> Result<WorkerClient, ConnectError> {
-    fleet(conn)?.connect_recorded(urls, url, worker_id).await
-}
-
 /// A client to the worker of `--worker` that has `sandbox` (see
 /// [`Fleet::find`]).
 pub async fn connect_for(

@@ -1,8 +1,9 @@
 //! corral-harness: Corral's agent harness, as a library.
 //!
 //! It owns everything a session is made of, and one front door to it
-//! ([`sessions`]: start, resume, fork, remove, list); the `corral` binary
-//! is a thin command line over it. Its parts:
+//! ([`sessions`]: start, resume, fork, remove, list; [`runner`]: a
+//! session's run on a [`fleet`] of workers, across its sandboxes, to its
+//! end); the `corral` binary is a thin command line over it. Its parts:
 //!
 //! - [`agent`]: the coordinator (an event loop per session) around an
 //!   I/O-free core whose records are the only way a session changes;
@@ -33,6 +34,7 @@ pub mod llm;
 pub mod metrics;
 pub mod ops;
 pub mod placement;
+pub mod runner;
 pub mod session;
 pub mod sessions;
 pub mod tools;

@@ -110,6 +110,12 @@ pub enum SessionError {
     /// aborted).
     #[error("the session task failed: {0}")]
     Task(String),
+    /// Which worker: none could be reached, placed on, or found.
+    #[error(transparent)]
+    Fleet(#[from] crate::fleet::FleetError),
+    /// The session's run is over: it takes no more inputs.
+    #[error("session {0} is not running")]
+    Gone(String),
 }
 
 /// A run's request: what `corral run --request` reads as JSON.

@@ -10,21 +10,18 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use corral_harness::agent::events::{Event, RunResult, to_json_line};
-use corral_harness::agent::{CoreError, Ending, Inbox, OnSandboxLost, StopMode, Summary};
-use corral_harness::client::WorkerClient;
+use corral_harness::agent::{Ending, Inbox, OnSandboxLost, StopMode};
 use corral_harness::llm::Api;
+use corral_harness::runner::{Run, RunEnd, RunOutcome};
 use corral_harness::session::LogError;
 use corral_harness::sessions::{
-    RunOptions, STOP_PATIENCE, SessionError, SessionHandle, SessionRequest, Sessions, parse_request,
+    RunOptions, STOP_PATIENCE, SessionError, SessionRequest, Sessions, parse_request,
 };
 use corral_harness::transfer::Unpacking;
 use futures_util::StreamExt;
 
-use corral_harness::placement::Attempt;
-
 use crate::cli::{ApiKind, ConnArgs, LostPolicy, RunArgs};
-
-use crate::connect::{ConnectError, connect_recorded, connect_to, place, worker_urls};
+use crate::connect::ConnectError;
 use crate::view::View;
 
 pub const EXIT_DONE: u8 = 0;
@@ -52,6 +49,7 @@ impl Error {
             | Error::Connect(ConnectError::Usage(_))
             | Error::Session(
                 S::Invalid(_)
+                | S::Fleet(ConnectError::Usage(_))
                 | S::NoSuchTurn { .. }
                 | S::Log(
                     LogError::BadId(_)
@@ -205,160 +203,40 @@ async fn run(conn: &ConnArgs, args: &RunArgs, json: bool) -> Result<u8, Error> {
             LostPolicy::NewSandbox => OnSandboxLost::NewSandbox,
         }),
     };
-    let again = opts.clone();
-    // A session stays on the worker it was placed on; a new one is placed
-    // among the workers of --worker.
-    let urls = worker_urls(conn).await?;
-    let (handle, connection) = if store.exists(&id)? {
-        let stored = store.open(&id)?;
-        if stored.recovery().torn_bytes > 0 {
-            tracing::warn!(
-                session = %id,
-                bytes = stored.recovery().torn_bytes,
-                "the session log ended in a torn record (a crash mid-write); it was cut off"
-            );
-        }
-        let Some(config) = stored.config() else {
-            return Err(SessionError::Core(CoreError::NoStart(id)).into());
-        };
-        // Recorded, or (none recorded) the local worker.
-        let worker = config.worker.clone();
-        if !urls.is_empty() && worker.as_ref().is_none_or(|w| !urls.contains(w)) {
-            tracing::warn!(
-                worker = worker.as_deref().unwrap_or("the local worker"),
-                "the session stays on the worker it was placed on"
-            );
-        }
-        if args.workspace.is_some() {
-            tracing::warn!("--workspace applies to new sessions; this one keeps its files");
-        }
-        // What a resume cannot change (the model, endpoint, turn limit,
-        // tool choice, window, answer bound and reasoning effort it can).
-        if let Some(image) = &args.image
-            && config.image.as_deref() != Some(image.as_str())
-        {
-            tracing::warn!(
-                image = %image,
-                keeps = config.image.as_deref().unwrap_or("the worker's default"),
-                "--image applies to new sessions; this one keeps its image"
-            );
-        }
-        if args.system_prompt.is_some() {
-            tracing::warn!("--system-prompt applies to new sessions; this one keeps its prompt");
-        }
-        let worker_id = config.worker_id.clone();
-        let moves = config.on_sandbox_lost == OnSandboxLost::NewSandbox;
-        let reached = if moves {
-            // Given the same patience as a run: a worker that restarts is
-            // waited for, one that is gone is not.
-            crate::connect::fleet(conn)?
-                .reach(&urls, worker.as_deref(), worker_id.as_deref())
-                .await
-        } else {
-            connect_recorded(conn, &urls, worker.as_deref(), worker_id.as_deref()).await
-        };
-        match reached {
-            Ok(connection) => (
-                store.resume(stored, connection.clone(), opts).await?,
-                connection,
-            ),
-            // Suspended, it holds nothing on its worker: whatever its
-            // policy, it goes on elsewhere with its files.
-            Err(e) if e.is_unreachable() && store.saved_workspace(&id).exists() => {
-                drop(stored);
-                let reason = format!(
-                    "its worker {} does not answer: {e}",
-                    worker.as_deref().unwrap_or("in this process")
-                );
-                tracing::warn!(%reason, "the suspended session goes on on another worker");
-                resume_elsewhere(conn, &store, &id, &reason, &opts).await?
-            }
-            Err(e) if moves && e.is_unreachable() => {
-                drop(stored);
-                let reason = format!(
-                    "sandbox lost: worker {} unreachable for {}s ({e})",
-                    worker.as_deref().unwrap_or("in this process"),
-                    conn.worker_lost_after.as_secs()
-                );
-                tracing::warn!(%reason, "the session's worker is gone; it goes on in a fresh sandbox");
-                resume_elsewhere(conn, &store, &id, &reason, &opts).await?
-            }
-            Err(e) => return Err(e.into()),
-        }
-    } else {
-        // Checked before any worker is asked.
-        let new = store.prepare(&id, opts)?;
-        if urls.len() > 1 {
-            let store = &store;
-            let spec = corral_harness::sessions::sandbox_spec(new.config());
-            place(conn, &urls, &spec, |url, client| {
-                let new = new.clone().placed_on(Some(url));
-                async move {
-                    match store.start(new, client.clone()).await {
-                        Ok(handle) => Ok((handle, client)),
-                        Err(e @ SessionError::Refused { .. }) => {
-                            Err(Attempt::Refused(e.to_string()))
-                        }
-                        Err(e) => Err(Attempt::Failed(Error::from(e))),
-                    }
-                }
-            })
-            .await?
-        } else {
-            let worker = urls.first().cloned();
-            let connection = connect_to(conn, worker.as_deref()).await?;
-            (
-                store
-                    .start(new.placed_on(worker), connection.clone())
-                    .await?,
-                connection,
-            )
-        }
-    };
-    let mut view = View::new(json);
-    let mut summary = watch(handle, &mut view, args.inputs_from_stdin, None).await?;
-    let mut connection = connection;
-    // A session that asked for it goes on in a fresh sandbox when its
-    // sandbox is lost, placed anew (the lost worker does not answer): the
-    // same run, shown as one, its turn limit counting on.
-    let limit = match again.request.limits.max_turns {
-        Some(n) => n,
-        None => store.config_of(&id)?.max_turns,
-    };
-    let mut used = summary.run_turns;
-    let mut replaced = 0;
-    while let Some(reason) = lost(&summary, &store, &id)
-        && replaced < MAX_REPLACEMENTS
-    {
-        replaced += 1;
-        let mut rest = again.clone();
-        rest.request.limits.max_turns = Some(limit.saturating_sub(used));
-        let (handle, now) = resume_elsewhere(conn, &store, &id, &reason, &rest).await?;
-        connection = now;
-        summary = watch(handle, &mut view, args.inputs_from_stdin, Some(&reason)).await?;
-        used += summary.run_turns;
-        summary.run_turns = used;
+    if store.exists(&id)? {
+        warn_unchanged(&store, &id, args);
     }
+    let end = RunEnd {
+        export: args.export.as_ref().map(|dest| {
+            (
+                dest.clone(),
+                args.out.apply(Unpacking::contents_from_sandbox()),
+            )
+        }),
+        keep_sandbox: args.keep_sandbox,
+    };
+    // A session stays on the worker it was placed on; a new one is placed
+    // among the workers of --worker; a lost one goes on elsewhere if it
+    // asked to (see corral_harness::runner).
+    let fleet = crate::connect::fleet(conn)?;
+    let run = corral_harness::runner::run(&store, &fleet, &id, opts, end).await?;
+    let mut view = View::new(json);
+    let outcome = watch(run, &mut view, args.inputs_from_stdin).await?;
+    let summary = outcome.summary;
     let (status, mut code) = match summary.ending {
         Ending::Done => ("done", EXIT_DONE),
         Ending::Failed => ("failed", EXIT_FAILED),
         Ending::Interrupted => ("interrupted", EXIT_INTERRUPTED),
     };
-    // However the run ended, what it made is brought back.
-    if let Some(dest) = &args.export {
-        let rules = args.out.apply(Unpacking::contents_from_sandbox());
-        match store.export(&id, connection.clone(), dest, rules).await {
-            Ok(moved) => super::left_out(&moved),
-            Err(e) => {
-                super::report(&e);
-                if code == EXIT_DONE {
-                    code = super::EXIT_CORRAL_ERROR;
-                }
+    match outcome.exported {
+        Some(Ok(moved)) => super::left_out(&moved),
+        Some(Err(e)) => {
+            super::report(&e);
+            if code == EXIT_DONE {
+                code = super::EXIT_CORRAL_ERROR;
             }
         }
-    }
-    if !args.keep_sandbox {
-        suspend(&store, &id, connection).await;
+        None => {}
     }
     view.show(&Event::Result(RunResult {
         status,
@@ -378,63 +256,26 @@ async fn run(conn: &ConnArgs, args: &RunArgs, json: bool) -> Result<u8, Error> {
     Ok(code)
 }
 
-/// Fresh sandboxes one run may take after losses.
-const MAX_REPLACEMENTS: usize = 3;
-
-/// Why the run's sandbox was lost, when the run failed for it and its
-/// session asked to go on in a fresh sandbox.
-fn lost(summary: &Summary, store: &Sessions, id: &str) -> Option<String> {
-    let reason = summary.sandbox_lost.clone()?;
-    let config = store.config_of(id).ok()?;
-    (config.on_sandbox_lost == OnSandboxLost::NewSandbox).then_some(reason)
-}
-
-/// Resumes session `id` in a fresh sandbox: placed among the workers of
-/// `--worker`, looked up again (or on the one worker, or the local one).
-async fn resume_elsewhere(
-    conn: &ConnArgs,
-    store: &Sessions,
-    id: &str,
-    reason: &str,
-    opts: &RunOptions,
-) -> Result<(SessionHandle, WorkerClient), Error> {
-    let urls = &worker_urls(conn).await?;
-    if urls.len() > 1 {
-        let spec = corral_harness::sessions::sandbox_spec(&store.config_of(id)?);
-        return place(conn, urls, &spec, |url, client| async move {
-            let stored = store.open(id).map_err(|e| Attempt::Failed(e.into()))?;
-            match store
-                .resume_elsewhere(stored, client.clone(), Some(url), reason, opts.clone())
-                .await
-            {
-                Ok(handle) => Ok((handle, client)),
-                Err(e @ SessionError::Refused { .. }) => Err(Attempt::Refused(e.to_string())),
-                Err(e) => Err(Attempt::Failed(Error::from(e))),
-            }
-        })
-        .await;
-    }
-    let url = urls.first().cloned();
-    let client = connect_to(conn, url.as_deref()).await?;
-    let stored = store.open(id)?;
-    let handle = store
-        .resume_elsewhere(stored, client.clone(), url, reason, opts.clone())
-        .await?;
-    Ok((handle, client))
-}
-
-/// Suspends the session once its run is over (see `Sessions::suspend`).
-/// Not done, the sandbox keeps running, which loses nothing: said, not
-/// failed.
-async fn suspend<W: corral_harness::worker_api::WorkerApi>(store: &Sessions, id: &str, worker: W) {
-    let suspended = match store.open(id) {
-        Ok(stored) => store.suspend(&stored, worker).await,
-        // Another run has it now.
-        Err(SessionError::Log(LogError::Locked(_))) => return,
-        Err(e) => Err(e),
+/// What a resume does not change, said (the model, endpoint, turn limit,
+/// tool choice, window, answer bound and reasoning effort it can).
+fn warn_unchanged(store: &Sessions, id: &str, args: &RunArgs) {
+    let Ok(config) = store.config_of(id) else {
+        return;
     };
-    if let Err(e) = suspended {
-        tracing::warn!(session = id, error = %e, "the session's sandbox stays (it could not be suspended)");
+    if args.workspace.is_some() {
+        tracing::warn!("--workspace applies to new sessions; this one keeps its files");
+    }
+    if let Some(image) = &args.image
+        && config.image.as_deref() != Some(image.as_str())
+    {
+        tracing::warn!(
+            image = %image,
+            keeps = config.image.as_deref().unwrap_or("the worker's default"),
+            "--image applies to new sessions; this one keeps its image"
+        );
+    }
+    if args.system_prompt.is_some() {
+        tracing::warn!("--system-prompt applies to new sessions; this one keeps its prompt");
     }
 }
 
@@ -460,60 +301,18 @@ async fn deadline(at: &mut Option<std::pin::Pin<Box<tokio::time::Sleep>>>) {
     }
 }
 
-/// A replacement's start, shown as what it is.
-fn replaced(e: Event, replacing: Option<&str>) -> Event {
-    match (e, replacing) {
-        (
-            Event::SessionStarted {
-                session_id,
-                sandbox_id,
-                worker,
-                ..
-            },
-            Some(reason),
-        ) => Event::SandboxReplaced {
-            session_id,
-            sandbox_id,
-            worker,
-            reason: reason.to_string(),
-        },
-        (e, _) => e,
-    }
-}
-
-fn left_unfinished(error: String) -> Summary {
-    Summary {
-        ending: Ending::Interrupted,
-        final_text: String::new(),
-        error: Some(error),
-        sandbox_lost: None,
-        turns: 0,
-        run_turns: 0,
-        tool_calls: 0,
-        usage: Default::default(),
-    }
-}
-
-/// Shows the session's events until it ends. A stop signal asks the
-/// session to stop; it is left after [`STOP_PATIENCE`] or a second signal.
-/// `replacing`: the run goes on in a fresh sandbox for this reason, so its
-/// start is shown as the sandbox's replacement, not as a new run.
-async fn watch(
-    handle: SessionHandle,
-    view: &mut View,
-    from_stdin: bool,
-    replacing: Option<&str>,
-) -> Result<Summary, Error> {
+/// Shows the run's events until it ends. A stop signal asks the session
+/// to stop; it is left after [`STOP_PATIENCE`] or a second signal (the run
+/// still ends as asked: export, suspend).
+async fn watch(run: Run, view: &mut View, from_stdin: bool) -> Result<RunOutcome, Error> {
     use tokio::io::AsyncBufReadExt;
-    let SessionHandle {
-        inputs,
-        mut events,
-        task,
-        ..
-    } = handle;
-    // Owned here: if showing an event fails (stdout closed), the session
-    // task is aborted with this handle; the log lets a rerun resume.
-    let mut task = tokio_util::task::AbortOnDropHandle::new(task);
+    let mut run = run;
+    // Owned here: if showing an event fails (stdout closed), the run is
+    // aborted with this handle; the log lets a rerun resume.
+    let mut task = tokio_util::task::AbortOnDropHandle::new(std::mem::replace(
+        &mut run.task,
+        tokio::spawn(std::future::pending()),
+    ));
     let mut interrupts = 0;
     let mut give_up: Option<std::pin::Pin<Box<tokio::time::Sleep>>> = None;
     let mut stop_signals = std::pin::pin!(crate::signals::stop_signals());
@@ -522,49 +321,51 @@ async fn watch(
     let mut tick = tokio::time::interval(Duration::from_secs(5));
     tick.tick().await;
     let mut closed_told = false;
-    let summary = loop {
+    let outcome = loop {
         // The reader of the JSON stream went away: stop as on SIGTERM
         // (the run is stopped, suspended and recorded), once.
         if view.is_closed() && !closed_told {
             closed_told = true;
             interrupts += 1;
             give_up = Some(Box::pin(tokio::time::sleep(STOP_PATIENCE)));
-            let _ = inputs.try_send(Inbox::Stop(StopMode::Hard));
+            let _ = run.inputs.try_send(Inbox::Stop(StopMode::Hard));
         }
         tokio::select! {
             biased;
-            Some(e) = events.recv() => view.show(&replaced(e, replacing))?,
+            Some(e) = run.events.recv() => view.show(&e)?,
             res = &mut task => {
-                // Drain what the loop said before it ended.
-                while let Ok(e) = events.try_recv() {
-                    view.show(&replaced(e, replacing))?;
+                // Drain what the run said before it ended.
+                while let Ok(e) = run.events.try_recv() {
+                    view.show(&e)?;
                 }
                 break res.map_err(|e| SessionError::Task(e.to_string()))??;
             }
             () = deadline(&mut give_up) => {
-                task.abort();
-                return Ok(left_unfinished(format!(
+                give_up = None;
+                run.leave(format!(
                     "stopped: its calls did not end within {} s; left without them (the log lets a rerun resume)",
                     STOP_PATIENCE.as_secs()
-                )));
+                ));
             }
             Some(_) = stop_signals.next() => {
                 interrupts += 1;
                 if interrupts > 1 {
-                    task.abort();
-                    return Ok(left_unfinished(
-                        "interrupted twice: left without waiting for operations to stop".into(),
-                    ));
+                    give_up = None;
+                    run.leave("interrupted twice: left without waiting for operations to stop".into());
+                    continue;
                 }
                 give_up = Some(Box::pin(tokio::time::sleep(STOP_PATIENCE)));
                 // The inbox is bounded: a session too busy to take the stop
                 // at once still gets left at the deadline.
-                let _ = inputs.try_send(Inbox::Stop(StopMode::Hard));
+                let _ = run.inputs.try_send(Inbox::Stop(StopMode::Hard));
             }
             line = next_input(&mut stdin_lines) => match line {
                 Ok(Some(text)) if !text.trim().is_empty() => {
                     let input = Inbox::Input { input_id: uuid::Uuid::new_v4().to_string(), text };
-                    let _ = inputs.send(input).await;
+                    if let Err(e) = run.send(input).await {
+                        tracing::warn!(error = %e, "an input was not taken");
+                        stdin_lines = None;
+                    }
                 }
                 Ok(Some(_)) => {}
                 Ok(None) => stdin_lines = None,
@@ -581,5 +382,5 @@ async fn watch(
             }
         }
     };
-    Ok(summary)
+    Ok(outcome)
 }
