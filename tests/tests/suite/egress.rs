@@ -288,6 +288,29 @@ impl Net {
         Ok(out)
     }
 
+    /// The sandbox's `blocked` egress events, once there are at least
+    /// `n` (an event travels through the supervisor's journal, so it may
+    /// land just after the command that caused it ends).
+    async fn blocked_events(
+        &self,
+        sb: &SandboxId,
+        n: usize,
+    ) -> Result<Vec<(String, u16, EgressDecision, String)>> {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let blocked: Vec<_> = self
+                .egress_events(sb)
+                .await?
+                .into_iter()
+                .filter(|(_, _, d, _)| *d == EgressDecision::Blocked)
+                .collect();
+            if blocked.len() >= n || Instant::now() > deadline {
+                return Ok(blocked);
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     async fn metric(&self, decision: &str, reason: &str) -> Result<f64> {
         let text = scrape(self.metrics_port).await?;
         Ok(sample(
@@ -478,12 +501,8 @@ async fn everything_else_is_refused_with_its_reason_in_the_answer_the_event_and_
             "{args}"
         );
         assert_eq!(net.metric("blocked", reason).await?, before + 1.0, "{args}");
-        let events = net.egress_events(&sb).await?;
-        let new: Vec<_> = events
-            .iter()
-            .filter(|(_, _, d, _)| *d == EgressDecision::Blocked)
-            .skip(seen)
-            .collect();
+        let events = net.blocked_events(&sb, seen + 1).await?;
+        let new: Vec<_> = events.iter().skip(seen).collect();
         assert_eq!(
             new,
             [&(
@@ -526,13 +545,13 @@ async fn everything_else_is_refused_with_its_reason_in_the_answer_the_event_and_
         "status=200 egress=- tls=closed"
     );
     assert_eq!(net.metric("blocked", "sni_mismatch").await?, 1.0);
-    let events = net.egress_events(&sb).await?;
-    let blocked: Vec<_> = events
+    let blocked_now = net.blocked_events(&sb, seen + 2).await?;
+    let blocked: Vec<_> = blocked_now
         .iter()
-        .filter(|(_, _, d, _)| *d == EgressDecision::Blocked)
         .skip(seen)
         .map(|(h, port, _, r)| (h.as_str(), *port, r.as_str()))
         .collect();
+    let events = net.egress_events(&sb).await?;
     assert_eq!(
         blocked,
         [
@@ -651,7 +670,7 @@ async fn a_pool_member_claimed_with_rules_is_served_them_at_once_and_so_are_its_
         out.starts_with("HTTP/1.1 403") && out.contains("reason=not_allowed"),
         "{out}"
     );
-    let events = net.egress_events(&sb.id).await?;
+    let events = net.blocked_events(&sb.id, 1).await?;
     assert!(
         events.contains(&(
             "other.test".into(),
@@ -718,7 +737,7 @@ async fn a_name_nobody_resolves_is_refused_as_such() -> Result<()> {
     );
     assert_eq!(net.metric("blocked", "resolve_failed").await?, 1.0);
     assert_eq!(
-        net.egress_events(&sb).await?,
+        net.blocked_events(&sb, 1).await?,
         [(
             "gone.test".to_string(),
             p,
