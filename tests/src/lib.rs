@@ -6,10 +6,15 @@
 //! and `corral` binaries in separate processes. Every worker gets its own id
 //! and state directory, so tests run in parallel without touching each
 //! other's sandboxes, and each harness removes its containers when dropped,
-//! even after a failed assertion.
+//! even after a failed assertion. Two fakes serve what a real part cannot
+//! in a test's time: `fake`, a gRPC worker that only answers how full it
+//! is (placement against a thousand workers), and `fake_api`, a scripted
+//! worker behind the harness's `WorkerApi` for waiting logic with paused
+//! time (deadlines of a minute in milliseconds).
 
 pub mod egress;
 pub mod fake;
+pub mod fake_api;
 pub mod model;
 pub mod run;
 pub mod strict;

@@ -17,6 +17,7 @@ mod llama;
 mod llm;
 mod managers;
 mod ordering;
+mod paused;
 mod pools;
 mod processes;
 mod resilience;
