@@ -10,7 +10,7 @@
 //! manager, and the wiring of manager, model client and coordinator.
 //!
 //! The caller picks the worker (any [`WorkerApi`]) and shows the events
-//! (or lets [`crate::runner`] pick it on a fleet). Its rooms: [`request`]
+//! (or lets [`crate::runner`] pick it on a fleet). Its rooms: `request`
 //! (what a caller asks), `launch` (how a session is made and set going),
 //! `workspace` (its files: suspend, export, diff, a fork's copy) and
 //! `fork` (a log forked at a turn boundary).

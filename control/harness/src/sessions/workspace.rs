@@ -42,13 +42,13 @@ impl Sessions {
         }
     }
 
-    /// Forks `parent` into `child` at a turn boundary (see [`fork`]); the
+    /// Forks `parent` into `child` at a turn boundary (see `fork`); the
     /// child gets a new sandbox when it first runs, empty.
     pub fn fork(&self, parent: &str, child: &str, turn: Option<u64>) -> Result<(), SessionError> {
         fork(&self.dir, parent, child, turn)
     }
 
-    /// Forks `parent` into `child` (see [`fork`]) and gives the child its
+    /// Forks `parent` into `child` (see `fork`) and gives the child its
     /// sandbox now, on `worker` (the parent's), with a copy of the parent's
     /// workspace as it is: a live fork of the parent's sandbox (its
     /// /workspace and /tmp at one instant, made on the worker's host) when
