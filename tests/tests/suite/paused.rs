@@ -102,13 +102,24 @@ async fn a_follower_gives_up_after_its_patience_and_not_before() -> Result<()> {
 }
 
 #[tokio::test(start_paused = true)]
-async fn an_operation_added_during_an_outage_runs_once_when_the_worker_is_back() -> Result<()> {
+async fn an_operation_added_during_an_outage_runs_once_and_holds_nothing_up() -> Result<()> {
     let fake = FakeApi::new();
     let sb = sandbox(&fake).await?;
     let (manager, mut updates) = Manager::start_with(fake.clone(), sb.clone(), PATIENCE);
-    // Down for 20 s: the add is tried again until then (an add answers
-    // once its submit is through, or given up at the deadline).
+    let running = Operation::new(OperationId::random(), shell("sleep 1000"));
+    let running_id = running.id.clone();
+    manager.add(running).await?;
+    until(&mut updates, &running_id, &[OpStatus::Awaiting]).await?;
+    // Down for 20 s. An add is taken at once and submitted when the worker
+    // answers; a cancel meanwhile is not held up behind it.
     fake.go_down();
+    let op = Operation::new(OperationId::random(), shell("make"));
+    let id = op.id.clone();
+    let started = Instant::now();
+    manager.add(op.clone()).await?;
+    // Added again (a resumed session does): ignored.
+    manager.add(op).await?;
+    until(&mut updates, &id, &[OpStatus::Ready]).await?;
     let back = fake.clone();
     let seen = tokio::spawn(async move {
         tokio::time::sleep(Duration::from_secs(20)).await;
@@ -116,15 +127,29 @@ async fn an_operation_added_during_an_outage_runs_once_when_the_worker_is_back()
         back.come_back();
         before
     });
-    let op = Operation::new(OperationId::random(), shell("make"));
-    let id = op.id.clone();
-    let started = Instant::now();
-    manager.add(op.clone()).await?;
-    assert!(started.elapsed() >= Duration::from_secs(20));
-    assert!(seen.await?.is_empty(), "nothing ran while it was down");
-    // Added again (a resumed session does): ignored.
-    manager.add(op).await?;
-    until(&mut updates, &id, &[OpStatus::Awaiting]).await?;
+    manager.cancel(&running_id, "stop").await.ok();
+    until(&mut updates, &running_id, &[OpStatus::Canceling]).await?;
+    assert!(
+        started.elapsed() < Duration::from_secs(1),
+        "{:?}",
+        started.elapsed()
+    );
+    assert_eq!(
+        seen.await?,
+        std::slice::from_ref(&running_id),
+        "nothing new ran while it was down"
+    );
+    // Back: the new one is submitted and the old one canceled, in either
+    // order.
+    let (mut awaiting, mut canceled) = (false, false);
+    while !(awaiting && canceled) {
+        let op = updates
+            .recv()
+            .await
+            .ok_or_else(|| anyhow::anyhow!("the manager went away"))?;
+        awaiting |= op.id == id && op.status == OpStatus::Awaiting;
+        canceled |= op.id == running_id && op.status == OpStatus::Canceled;
+    }
     fake.output(&sb, &id, "built");
     fake.exit(&sb, &id, 0);
     let done = until(&mut updates, &id, &[OpStatus::Completed]).await?;
@@ -132,8 +157,38 @@ async fn an_operation_added_during_an_outage_runs_once_when_the_worker_is_back()
         done.result.map(|r| r.outcome),
         Some(corral_proto::Outcome::Exited { code: 0 })
     );
-    assert_eq!(fake.started(), std::slice::from_ref(&id));
+    assert_eq!(fake.started(), [running_id, id.clone()]);
     assert_eq!(fake.submits(&id), 1, "tried while down, sent once");
+    Ok(())
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_cancel_while_its_submit_is_under_way_stops_it_once_submitted() -> Result<()> {
+    let fake = FakeApi::new();
+    let sb = sandbox(&fake).await?;
+    let (manager, mut updates) = Manager::start_with(fake.clone(), sb.clone(), PATIENCE);
+    // Following the sandbox first (a manager takes commands once it is).
+    let first = Operation::new(OperationId::random(), shell("true"));
+    let first_id = first.id.clone();
+    manager.add(first).await?;
+    until(&mut updates, &first_id, &[OpStatus::Awaiting]).await?;
+    fake.go_down();
+    let op = Operation::new(OperationId::random(), shell("sleep 1000"));
+    let id = op.id.clone();
+    manager.add(op).await?;
+    manager.cancel(&id, "changed my mind").await?;
+    until(&mut updates, &id, &[OpStatus::Canceling]).await?;
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    fake.come_back();
+    // Submitted once the worker answers, then canceled there.
+    let ended = until(
+        &mut updates,
+        &id,
+        &[OpStatus::Canceled, OpStatus::Completed],
+    )
+    .await?;
+    assert_eq!(ended.status, OpStatus::Canceled, "{ended:?}");
+    assert_eq!(fake.submits(&id), 1);
     Ok(())
 }
 

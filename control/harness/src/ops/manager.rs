@@ -105,6 +105,9 @@ impl<W: WorkerApi> Manager<W> {
             patience,
             lost: lost_tx,
             egress: egress.clone(),
+            submits: tokio::task::JoinSet::new(),
+            cancel_after_submit: HashSet::new(),
+            cancels: tokio::task::JoinSet::new(),
         };
         let task = tokio::spawn(
             actor
@@ -193,11 +196,20 @@ struct Actor<W: WorkerApi> {
     patience: Duration,
     /// Set once the sandbox is lost.
     lost: tokio::sync::watch::Sender<Option<String>>,
+    /// Submits under way (retried while the worker does not answer): the
+    /// loop goes on meanwhile, taking events, adds and cancels.
+    submits: tokio::task::JoinSet<(OperationId, Result<OperationRecord, CallError>)>,
+    /// Operations asked to stop while their submit was under way.
+    cancel_after_submit: HashSet<OperationId>,
+    /// Cancels under way on the worker (retried while it does not
+    /// answer): the loop goes on meanwhile.
+    cancels: tokio::task::JoinSet<()>,
     egress: tokio::sync::broadcast::Sender<corral_proto::event::Egress>,
 }
 
 enum Wake {
     Command(Option<Command>),
+    Submitted(OperationId, Box<Result<OperationRecord, CallError>>),
     Event(Result<corral_proto::Event, FollowError>),
     Tick,
     Stop,
@@ -251,6 +263,8 @@ impl<W: WorkerApi> Actor<W> {
             let wake = tokio::select! {
                 () = self.stop.cancelled() => Wake::Stop,
                 cmd = self.rx.recv() => Wake::Command(cmd),
+                Some(Ok((id, r))) = self.submits.join_next(), if !self.submits.is_empty() => Wake::Submitted(id, Box::new(r)),
+                Some(_) = self.cancels.join_next(), if !self.cancels.is_empty() => continue,
                 ev = next_event(&mut self.follower) => Wake::Event(ev),
                 _ = tick.tick(), if !self.dirty.is_empty() => Wake::Tick,
             };
@@ -264,6 +278,7 @@ impl<W: WorkerApi> Actor<W> {
                     self.cancel(&id, &reason).await;
                     let _ = reply.send(());
                 }
+                Wake::Submitted(id, r) => self.submitted(id, *r).await,
                 Wake::Event(Ok(event)) => self.on_event(event).await,
                 Wake::Event(Err(e)) => {
                     warn!(error = %e, "cannot follow the sandbox");
@@ -348,20 +363,58 @@ impl<W: WorkerApi> Actor<W> {
         let _ = self.updates.send(op).await;
     }
 
+    /// Takes `op` (published `ready`) and submits it as a task of its own,
+    /// retried while the worker does not answer: the loop goes on. Its
+    /// events are taken from now on, so none is missed however the submit's
+    /// answer and the events interleave.
     async fn add(&mut self, mut op: Operation) {
         if !self.seen.insert(op.id.clone()) {
             debug!(operation = %op.id, "already added; ignored");
             return;
         }
         op.status = OpStatus::Ready;
+        self.ops.insert(op.id.clone(), op.clone());
         self.publish(op.clone()).await;
-        let (worker, sandbox) = (&self.worker, &self.sandbox);
-        let submitted = call(worker, self.patience, &self.stop, || {
-            worker.submit(sandbox, &op.id, &op.spec)
-        })
-        .await;
-        match submitted {
-            Ok(record) => self.track(op, record).await,
+        let (worker, sandbox, stop, patience) = (
+            self.worker.clone(),
+            self.sandbox.clone(),
+            self.stop.clone(),
+            self.patience,
+        );
+        self.submits.spawn(async move {
+            let submitted = call(&worker, patience, &stop, || {
+                worker.submit(&sandbox, &op.id, &op.spec)
+            })
+            .await;
+            (op.id, submitted)
+        });
+    }
+
+    /// A submit's answer: the operation runs (unless its events ended it
+    /// first), was over already (a resumed session), or could not start.
+    async fn submitted(&mut self, id: OperationId, r: Result<OperationRecord, CallError>) {
+        let canceled = self.cancel_after_submit.remove(&id);
+        let Some(mut op) = self.ops.remove(&id) else {
+            // Ended meanwhile: by its events, or its sandbox's loss.
+            return;
+        };
+        match r {
+            Ok(record) => {
+                if let Some(result) = record.result {
+                    // Known to the worker and already over.
+                    op.finish(result);
+                    self.publish(op).await;
+                    return;
+                }
+                if op.status == OpStatus::Ready {
+                    op.status = OpStatus::Awaiting;
+                    self.publish(op.clone()).await;
+                }
+                self.ops.insert(id.clone(), op);
+                if canceled {
+                    self.cancel_on_worker(&id).await;
+                }
+            }
             Err(e) => {
                 op.fail(e.to_string());
                 self.publish(op).await;
@@ -373,18 +426,6 @@ impl<W: WorkerApi> Actor<W> {
         }
     }
 
-    async fn track(&mut self, mut op: Operation, record: OperationRecord) {
-        if let Some(result) = record.result {
-            // Known to the worker and already over (a resumed session).
-            op.finish(result);
-            self.publish(op).await;
-            return;
-        }
-        op.status = OpStatus::Awaiting;
-        self.ops.insert(op.id.clone(), op.clone());
-        self.publish(op).await;
-    }
-
     async fn cancel(&mut self, id: &OperationId, reason: &str) {
         let Some(op) = self.ops.get_mut(id) else {
             return;
@@ -393,17 +434,33 @@ impl<W: WorkerApi> Actor<W> {
             return;
         }
         debug!(operation = %id, reason, "canceling");
+        let submitting = op.status == OpStatus::Ready;
         op.status = OpStatus::Canceling;
         let snapshot = op.clone();
         self.publish(snapshot).await;
-        let (worker, sandbox) = (&self.worker, &self.sandbox);
-        if let Err(e) = call(worker, self.patience, &self.stop, || {
-            worker.cancel(sandbox, id)
-        })
-        .await
-        {
-            warn!(operation = %id, error = %e, "cancel failed");
+        if submitting {
+            // Asked of the worker once it has the operation.
+            self.cancel_after_submit.insert(id.clone());
+            return;
         }
+        self.cancel_on_worker(id).await;
+    }
+
+    /// Asks the worker to stop `id`, as a task of its own (retried while
+    /// the worker does not answer); the operation's end comes as an event.
+    async fn cancel_on_worker(&mut self, id: &OperationId) {
+        let (worker, sandbox, stop, patience, id) = (
+            self.worker.clone(),
+            self.sandbox.clone(),
+            self.stop.clone(),
+            self.patience,
+            id.clone(),
+        );
+        self.cancels.spawn(async move {
+            if let Err(e) = call(&worker, patience, &stop, || worker.cancel(&sandbox, &id)).await {
+                warn!(operation = %id, error = %e, "cancel failed");
+            }
+        });
     }
 
     async fn on_event(&mut self, event: corral_proto::Event) {
