@@ -264,9 +264,18 @@ impl Driver {
         let mut handle = first;
         let mut replacing: Option<String> = None;
         let (mut used, mut replaced) = (0, 0);
+        // The caller dropped its handle without leaving: the run goes on
+        // to its end (a oneshot is not asked again once it answered).
+        let mut caller_gone = false;
         let summary = loop {
             let ended = self
-                .carry(handle, replacing.as_deref(), &mut inbox, &mut left)
+                .carry(
+                    handle,
+                    replacing.as_deref(),
+                    &mut inbox,
+                    &mut left,
+                    &mut caller_gone,
+                )
                 .await?;
             let mut summary = match ended {
                 Generation::Ended(s) => s,
@@ -314,6 +323,7 @@ impl Driver {
         replacing: Option<&str>,
         inbox: &mut mpsc::Receiver<Inbox>,
         left: &mut oneshot::Receiver<String>,
+        caller_gone: &mut bool,
     ) -> Result<Generation, SessionError> {
         let SessionHandle {
             inputs,
@@ -327,7 +337,6 @@ impl Driver {
         // Inputs not yet taken by the session (its inbox is bounded; the
         // run never blocks on it while events wait).
         let mut pending = std::collections::VecDeque::new();
-        let mut caller_left = false;
         loop {
             tokio::select! {
                 biased;
@@ -340,9 +349,9 @@ impl Driver {
                     let summary = res.map_err(|e| SessionError::Task(e.to_string()))??;
                     return Ok(Generation::Ended(summary));
                 }
-                why = &mut *left, if !caller_left => match why {
+                why = &mut *left, if !*caller_gone => match why {
                     Ok(why) => return Ok(Generation::Left(why)),
-                    Err(_) => caller_left = true,
+                    Err(_) => *caller_gone = true,
                 },
                 permit = inputs.reserve(), if !pending.is_empty() => {
                     if let (Ok(permit), Some(input)) = (permit, pending.pop_front()) {
