@@ -16,6 +16,9 @@ deploy/images/build-debian.sh
 deploy/images/runtime.sh
 deploy/validate.sh
 cargo build --locked --workspace --bins
+# The harness without the worker library (a caller that reaches workers
+# over gRPC only) builds too.
+cargo check --locked -p corral-harness --no-default-features
 # The tests against a real llama.cpp server need its build (about 10
 # minutes the first time): deploy/test-llama.sh runs them.
 cargo nextest run --locked --workspace -E 'not test(real_llama)' "$@"

@@ -13,8 +13,9 @@
 //! - [`session`]: the durable, append-only session log;
 //! - [`ops`]: operation managers (one actor per sandbox);
 //! - [`worker_api`]: the worker's calls as one trait, implemented by the
-//!   worker library in this process and by [`client`], the typed gRPC
-//!   client;
+//!   worker library in this process (`local_api`, feature `local`, on by
+//!   default: without it the harness links no worker) and by [`client`],
+//!   the typed gRPC client;
 //! - [`follow`]: the one way to wait for operations (events followed from
 //!   a cursor across reconnects);
 //! - [`transfer`]: trees in and out of a sandbox as tar streams;
@@ -31,6 +32,8 @@ pub mod context;
 pub mod fleet;
 pub mod follow;
 pub mod llm;
+#[cfg(feature = "local")]
+pub mod local_api;
 pub mod metrics;
 pub mod ops;
 pub mod placement;

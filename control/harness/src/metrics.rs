@@ -4,11 +4,20 @@
 
 use std::sync::LazyLock;
 
-use corral_worker::metrics::{Labels, latency_histogram};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
+
+/// Label sets: `(name, value)` pairs.
+type Labels = Vec<(&'static str, String)>;
+
+/// Seconds, from 1 ms to about 9 min.
+fn latency_histogram() -> Histogram {
+    Histogram::new(prometheus_client::metrics::histogram::exponential_buckets(
+        0.001, 2.0, 20,
+    ))
+}
 
 pub struct ControlMetrics {
     registry: Registry,
@@ -56,7 +65,10 @@ impl ControlMetrics {
 
     /// The text exposition.
     pub fn render(&self) -> String {
-        corral_worker::metrics::render(&self.registry)
+        let mut out = String::new();
+        // Writing into a String cannot fail.
+        let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
+        out
     }
 }
 

@@ -564,7 +564,7 @@ pub async fn save_contents<W: WorkerApi>(
     let tmp = file.with_extension("tar.partial");
     // The sandbox's files, beside the session's log: its owner's only.
     let mut out = tokio::fs::File::from_std(
-        corral_worker::state::private_file()
+        crate::session::log::private_file()
             .write(true)
             .create(true)
             .truncate(true)

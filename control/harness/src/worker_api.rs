@@ -1,7 +1,8 @@
 //! The worker's API as the harness uses it: one trait over the sandbox and
 //! operation calls, implemented by the worker library in this process
-//! ([`corral_worker::Worker`]) and by the gRPC client ([`WorkerClient`],
-//! one connection that re-establishes itself). Everything above it — the
+//! (`corral_worker::Worker`, feature `local`: see `local_api`) and by the
+//! gRPC client ([`WorkerClient`], one connection that re-establishes
+//! itself). Everything above it — the
 //! operation managers, the waiter, the session front door — is written
 //! once against the trait.
 
@@ -11,9 +12,7 @@ use std::pin::Pin;
 use bytes::Bytes;
 use corral_proto::init::OperationRecord;
 use corral_proto::{Event, OperationId, OperationSpec, SandboxId, SandboxInfo, SandboxSpec};
-use corral_worker::{Worker, WorkerError};
 use futures_util::{Stream, StreamExt};
-use tokio_stream::wrappers::ReceiverStream;
 
 use crate::client::{ClientError, WorkerClient, source_chain};
 
@@ -119,121 +118,6 @@ pub trait WorkerApi: Clone + Send + Sync + 'static {
         parent: &SandboxId,
         child: &SandboxId,
     ) -> impl Future<Output = Result<Option<std::time::Duration>, ApiError>> + Send;
-}
-
-fn local(e: WorkerError) -> ApiError {
-    let text = e.to_string();
-    match e {
-        WorkerError::UnknownSandbox(_)
-        | WorkerError::Removed { .. }
-        | WorkerError::UnknownOperation(_) => ApiError::NotFound(text),
-        WorkerError::AtCapacity(_) | WorkerError::Draining => ApiError::Refused(text),
-        WorkerError::Docker(_)
-        | WorkerError::InitUnresponsive { .. }
-        | WorkerError::Detached(_)
-        | WorkerError::ShuttingDown => ApiError::Transient(text),
-        _ => ApiError::Rejected(text),
-    }
-}
-
-impl WorkerApi for Worker {
-    fn describe(&self) -> String {
-        "the worker in this process".into()
-    }
-
-    fn name(&self) -> String {
-        format!("worker {} (in this process)", self.id())
-    }
-
-    async fn create_sandbox(
-        &self,
-        id: &SandboxId,
-        spec: &SandboxSpec,
-    ) -> Result<SandboxInfo, ApiError> {
-        Worker::create_sandbox(self, Some(id.clone()), spec.clone())
-            .await
-            .map_err(local)
-    }
-
-    async fn get_sandbox(&self, id: &SandboxId) -> Result<SandboxInfo, ApiError> {
-        Worker::get_sandbox(self, id).map_err(local)
-    }
-
-    async fn destroy_sandbox(&self, id: &SandboxId) -> Result<bool, ApiError> {
-        Worker::destroy_sandbox(self, id).await.map_err(local)
-    }
-
-    async fn submit(
-        &self,
-        sandbox: &SandboxId,
-        id: &OperationId,
-        spec: &OperationSpec,
-    ) -> Result<OperationRecord, ApiError> {
-        Worker::submit(self, sandbox, id.clone(), spec.clone())
-            .await
-            .map_err(local)
-    }
-
-    async fn cancel(&self, sandbox: &SandboxId, id: &OperationId) -> Result<bool, ApiError> {
-        Worker::cancel(self, sandbox, id).await.map_err(local)
-    }
-
-    async fn operation(
-        &self,
-        sandbox: &SandboxId,
-        id: &OperationId,
-    ) -> Result<OperationRecord, ApiError> {
-        Worker::operation(self, sandbox, id).map_err(local)
-    }
-
-    async fn watch(
-        &self,
-        sandbox: &SandboxId,
-        after_seq: u64,
-        only: Option<&OperationId>,
-    ) -> Result<Events, ApiError> {
-        let rx = Worker::watch(self, sandbox, after_seq, only.cloned())
-            .map_err(local)?
-            .events;
-        Ok(Box::pin(ReceiverStream::new(rx).map(Ok)))
-    }
-
-    async fn write_input(
-        &self,
-        sandbox: &SandboxId,
-        id: &OperationId,
-        offset: u64,
-        data: Bytes,
-        eof: bool,
-    ) -> Result<(u64, bool), ApiError> {
-        let r = Worker::write_input(self, sandbox, id.clone(), offset, data, eof)
-            .await
-            .map_err(local)?;
-        Ok((r.input_bytes, r.closed))
-    }
-
-    async fn resize_terminal(
-        &self,
-        sandbox: &SandboxId,
-        id: &OperationId,
-        size: corral_proto::TerminalSize,
-    ) -> Result<(), ApiError> {
-        Worker::resize_terminal(self, sandbox, id.clone(), size)
-            .await
-            .map_err(local)
-    }
-
-    async fn fork_sandbox(
-        &self,
-        parent: &SandboxId,
-        child: &SandboxId,
-    ) -> Result<Option<std::time::Duration>, ApiError> {
-        match Worker::fork_sandbox(self, parent, vec![child.clone()]).await {
-            Ok(f) => Ok(Some(f.frozen)),
-            Err(WorkerError::NotApplicable(_)) => Ok(None),
-            Err(e) => Err(local(e)),
-        }
-    }
 }
 
 fn remote(e: ClientError) -> ApiError {

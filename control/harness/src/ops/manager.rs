@@ -66,6 +66,7 @@ pub struct Manager<W: WorkerApi> {
 }
 
 /// Runs operations through the worker library in this process.
+#[cfg(feature = "local")]
 pub type LocalManager = Manager<corral_worker::Worker>;
 /// Runs operations on a worker over gRPC, following its events from a
 /// cursor across lost connections and worker restarts.

@@ -13,5 +13,7 @@
 pub mod manager;
 pub mod operation;
 
-pub use manager::{LocalManager, Manager, ManagerError, OperationManager, RemoteManager};
+#[cfg(feature = "local")]
+pub use manager::LocalManager;
+pub use manager::{Manager, ManagerError, OperationManager, RemoteManager};
 pub use operation::{OpStatus, Operation, Progress};

@@ -173,9 +173,9 @@ impl<R: Serialize + DeserializeOwned> SessionLog<R> {
         forked_from: Option<ForkOrigin>,
     ) -> Result<Self, LogError> {
         check_id(id)?;
-        corral_worker::state::private_dir(dir).map_err(io(dir))?;
+        private_dir(dir).map_err(io(dir))?;
         let path = path_of(dir, id);
-        let file = corral_worker::state::private_file()
+        let file = private_file()
             .write(true)
             .read(true)
             .create_new(true)
@@ -471,6 +471,26 @@ fn scan<R: DeserializeOwned>(
         }
     }
     Ok((header, reader.last, good))
+}
+
+/// Makes `dir` (and what is missing above it) readable by its owner
+/// only: 0700, the leaf made so even when it existed (as a worker makes
+/// its state directory).
+pub(crate) fn private_dir(dir: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)?;
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
+}
+
+/// Options that create a file readable by its owner only (0600).
+pub(crate) fn private_file() -> std::fs::OpenOptions {
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut o = std::fs::OpenOptions::new();
+    o.mode(0o600);
+    o
 }
 
 #[cfg(test)]
