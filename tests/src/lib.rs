@@ -68,27 +68,43 @@ pub fn unique_id(prefix: &str) -> String {
 /// Removes every container of a worker id (through the docker CLI, so it
 /// works from `Drop`, outside any async runtime).
 pub fn remove_containers_of(worker_id: &str) {
-    let out = Command::new("docker")
-        .args([
-            "ps",
-            "-aq",
-            "--filter",
-            &format!("label=corral.worker={worker_id}"),
-        ])
-        .output();
-    let Ok(out) = out else { return };
-    let ids: Vec<String> = String::from_utf8_lossy(&out.stdout)
-        .split_whitespace()
-        .map(String::from)
-        .collect();
-    if !ids.is_empty() {
-        let _ = Command::new("docker")
-            .arg("rm")
-            .arg("-f")
-            .args(&ids)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .status();
+    let list = || -> Vec<String> {
+        let out = Command::new("docker")
+            .args([
+                "ps",
+                "-aq",
+                "--filter",
+                &format!("label=corral.worker={worker_id}"),
+            ])
+            .output();
+        let Ok(out) = out else { return Vec::new() };
+        String::from_utf8_lossy(&out.stdout)
+            .split_whitespace()
+            .map(String::from)
+            .collect()
+    };
+    // A create the worker sent just before it was stopped (a pool's
+    // refill, say) may still land: looked for until none is found twice in
+    // a row.
+    let mut quiet = 0;
+    for _ in 0..20 {
+        let ids = list();
+        if ids.is_empty() {
+            quiet += 1;
+            if quiet >= 2 {
+                return;
+            }
+        } else {
+            quiet = 0;
+            let _ = Command::new("docker")
+                .arg("rm")
+                .arg("-f")
+                .args(&ids)
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status();
+        }
+        std::thread::sleep(std::time::Duration::from_millis(250));
     }
 }
 
