@@ -958,33 +958,7 @@ impl Worker {
         if let Some(made) = self.claim(&id, &spec, forking_from).await? {
             return Ok((made, true));
         }
-        // A slot is taken before the container is made (creates run
-        // concurrently, and each takes seconds). A lost sandbox (its
-        // container killed or removed behind the worker's back) holds
-        // none; the next sweep removes it. Pool members hold one each,
-        // and give it up to a create that finds the worker full.
-        let (_slot, evicted) = {
-            let sandboxes = lock(&self.inner.sandboxes);
-            let mut creating = lock(&self.inner.creating);
-            let mut pools = lock(&self.inner.pools);
-            // Members still being made do not count here: one that is
-            // done when the worker has no room for it is removed.
-            let held: usize = pools.iter().map(|p| p.ready.len()).sum();
-            let count = sandboxes.values().filter(|s| !s.is_lost()).count() + *creating + held;
-            let mut evicted = None;
-            if count >= self.inner.max_sandboxes as usize {
-                evicted = pools.iter_mut().find_map(|p| p.ready.pop_front());
-                if evicted.is_none() {
-                    return Err(WorkerError::AtCapacity(self.inner.max_sandboxes));
-                }
-            }
-            *creating += 1;
-            (Slot(&self.inner.creating), evicted)
-        };
-        if let Some(m) = evicted {
-            info!(member = %m.id, "a pool member gives its slot to a create");
-            self.discard_member(m).await;
-        }
+        let _slot = self.take_slot().await?;
         let mut record = StateDir::new_record(&id, &spec);
         record.forking_from = forking_from.map(ToString::to_string);
         self.inner.state.save(&record)?;
@@ -1031,6 +1005,39 @@ impl Worker {
         info!(sandbox = %id, container = %container, "sandbox ready");
         lock(&self.inner.sandboxes).insert(id, sandbox.clone());
         Ok((self.info_of(&sandbox), true))
+    }
+
+    /// A slot for a sandbox about to run (a create, a restore), taken
+    /// before its container is made or started: creates run concurrently,
+    /// and each takes seconds. A lost sandbox (its container killed or
+    /// removed behind the worker's back) holds none; the next sweep removes
+    /// it. Pool members hold one each, and give it up to a sandbox that
+    /// finds the worker full. Held until the sandbox is among the
+    /// sandboxes (it holds its slot there).
+    async fn take_slot(&self) -> Result<Slot<'_>> {
+        let (slot, evicted) = {
+            let sandboxes = lock(&self.inner.sandboxes);
+            let mut creating = lock(&self.inner.creating);
+            let mut pools = lock(&self.inner.pools);
+            // Members still being made do not count here: one that is
+            // done when the worker has no room for it is removed.
+            let held: usize = pools.iter().map(|p| p.ready.len()).sum();
+            let count = sandboxes.values().filter(|s| !s.is_lost()).count() + *creating + held;
+            let mut evicted = None;
+            if count >= self.inner.max_sandboxes as usize {
+                evicted = pools.iter_mut().find_map(|p| p.ready.pop_front());
+                if evicted.is_none() {
+                    return Err(WorkerError::AtCapacity(self.inner.max_sandboxes));
+                }
+            }
+            *creating += 1;
+            (Slot(&self.inner.creating), evicted)
+        };
+        if let Some(m) = evicted {
+            info!(member = %m.id, "a pool member gives its slot");
+            self.discard_member(m).await;
+        }
+        Ok(slot)
     }
 
     /// A pool's ready member made into sandbox `id` with `spec`, if a pool
@@ -1409,17 +1416,7 @@ impl Worker {
         if self.inner.drain.borrow().is_some() {
             return Err(WorkerError::Draining);
         }
-        let slot = {
-            let sandboxes = lock(&self.inner.sandboxes);
-            let mut creating = lock(&self.inner.creating);
-            let held: usize = lock(&self.inner.pools).iter().map(|p| p.ready.len()).sum();
-            let count = sandboxes.values().filter(|s| !s.is_lost()).count() + *creating + held;
-            if count >= self.inner.max_sandboxes as usize {
-                return Err(WorkerError::AtCapacity(self.inner.max_sandboxes));
-            }
-            *creating += 1;
-            Slot(&self.inner.creating)
-        };
+        let slot = self.take_slot().await?;
         self.inner.runtime.restore(&info.container_id).await?;
         // Running again: whatever else fails, it is among the sandboxes.
         lock(&self.inner.checkpointed).remove(id);
