@@ -5,7 +5,11 @@
 use std::path::PathBuf;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let protos = ["corral/v1/worker.proto", "corral/v1/init.proto"];
+    let protos = [
+        "corral/v1/worker.proto",
+        "corral/v1/init.proto",
+        "corral/v1/control.proto",
+    ];
     for proto in protos {
         println!("cargo:rerun-if-changed={proto}");
     }

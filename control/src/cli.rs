@@ -105,6 +105,11 @@ pub enum Command {
     Cp(CpArgs),
     /// Run an agent: a model drives tools in a sandbox until the task is done.
     Run(Box<RunArgs>),
+    /// Serve the control plane: host many sessions at once for clients
+    /// over gRPC (`corral.v1.Control`; `corral run --control` is one),
+    /// running them on the workers of --worker. Sessions outlive their
+    /// clients and the service's restarts.
+    Serve(Box<ServeArgs>),
     /// Inspect and fork agent sessions.
     #[command(subcommand)]
     Session(SessionCommand),
@@ -218,7 +223,8 @@ pub struct RunArgs {
     /// Session id: a new one is created, an existing one resumed.
     #[arg(long, env = "CORRAL_SESSION")]
     pub session: Option<String>,
-    /// Where sessions are kept (default: $XDG_STATE_HOME/corral/sessions).
+    /// Where sessions are kept (default: $XDG_STATE_HOME/corral/sessions;
+    /// with --control, the service's).
     #[arg(long, env = "CORRAL_SESSIONS_DIR")]
     pub sessions_dir: Option<PathBuf>,
     /// Tell the model what is still running after this long without a turn
@@ -272,6 +278,72 @@ pub struct RunArgs {
     #[arg(long, env = "CORRAL_JSON")]
     pub json: bool,
     /// How long completions of one turn's calls are batched (e.g. 1s).
+    #[arg(long, env = "CORRAL_GRACE", default_value = "1s", value_parser = humantime::parse_duration, hide = true)]
+    pub grace: Duration,
+    /// Run the session on the control plane service at this address
+    /// (`corral serve`; http://HOST:PORT or https://...), shown here as a
+    /// local run is. The service's workers and sessions directory apply.
+    #[arg(long, env = "CORRAL_CONTROL", value_name = "URL")]
+    pub control: Option<String>,
+    /// File holding the service's bearer token.
+    #[arg(long, env = "CORRAL_CONTROL_TOKEN_FILE", requires = "control")]
+    pub control_token_file: Option<PathBuf>,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct ServeArgs {
+    /// Address to serve on.
+    #[arg(long, env = "CORRAL_SERVE_LISTEN", default_value = "127.0.0.1:7070")]
+    pub listen: std::net::SocketAddr,
+    /// The service's own state: its token (unless --serve-token-file) and
+    /// the marks of the sessions it hosts (default:
+    /// $XDG_STATE_HOME/corral/control).
+    #[arg(long, env = "CORRAL_SERVE_STATE_DIR")]
+    pub serve_state_dir: Option<PathBuf>,
+    /// File holding the bearer token clients must present (at least 16
+    /// characters, readable by its owner only). Default: `token` in the
+    /// state directory, made on first start.
+    #[arg(long, env = "CORRAL_SERVE_TOKEN_FILE")]
+    pub serve_token_file: Option<PathBuf>,
+    /// Serve TLS with this certificate (PEM).
+    #[arg(long, env = "CORRAL_SERVE_TLS_CERT", requires = "serve_tls_key")]
+    pub serve_tls_cert: Option<PathBuf>,
+    /// Key (PEM) of --serve-tls-cert.
+    #[arg(long, env = "CORRAL_SERVE_TLS_KEY", requires = "serve_tls_cert")]
+    pub serve_tls_key: Option<PathBuf>,
+    /// Require client certificates signed by this CA (mutual TLS).
+    #[arg(long, env = "CORRAL_SERVE_TLS_CLIENT_CA", requires = "serve_tls_cert")]
+    pub serve_tls_client_ca: Option<PathBuf>,
+    /// Most sessions hosted at once; a start past it is refused
+    /// (RESOURCE_EXHAUSTED, reason at_capacity).
+    #[arg(long, env = "CORRAL_MAX_SESSIONS", default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..))]
+    pub max_sessions: u64,
+    /// Where sessions are kept (default: $XDG_STATE_HOME/corral/sessions).
+    #[arg(long, env = "CORRAL_SESSIONS_DIR")]
+    pub sessions_dir: Option<PathBuf>,
+    /// Model name of sessions whose request names none.
+    #[arg(long, env = "CORRAL_MODEL")]
+    pub model: Option<String>,
+    /// Model endpoint of sessions whose start names none.
+    #[arg(long, env = "CORRAL_BASE_URL")]
+    pub base_url: Option<String>,
+    /// Wire protocol of that endpoint.
+    #[arg(long, env = "CORRAL_API", value_enum)]
+    pub api: Option<ApiKind>,
+    /// File holding the API key of sessions whose start gives none
+    /// (default: the OPENAI_API_KEY variable).
+    #[arg(long, env = "CORRAL_API_KEY_FILE")]
+    pub api_key_file: Option<PathBuf>,
+    /// Image of new sessions' sandboxes whose start names none.
+    #[arg(long, env = "CORRAL_IMAGE")]
+    pub image: Option<String>,
+    /// Heartbeat of sessions whose start says none (0 disables).
+    #[arg(long, env = "CORRAL_HEARTBEAT", default_value = "10m", value_parser = parse_heartbeat)]
+    pub heartbeat: Duration,
+    /// What new sessions do when their sandbox is lost, unless their start
+    /// or request says.
+    #[arg(long, env = "CORRAL_ON_SANDBOX_LOST", value_enum)]
+    pub on_sandbox_lost: Option<LostPolicy>,
     #[arg(long, env = "CORRAL_GRACE", default_value = "1s", value_parser = humantime::parse_duration, hide = true)]
     pub grace: Duration,
 }

@@ -7,7 +7,9 @@
 //! ([`local`]), `corral exec`'s engine ([`exec`]: live output, input and
 //! terminals, resumed from a cursor across worker restarts), the views of
 //! `corral run` ([`view`]), the terminal ([`terminal`]) and the stop
-//! signals ([`signals`]). It does not run operations itself: that is the
+//! signals ([`signals`]), and `corral serve`, the control plane as a
+//! service ([`serve`]: the sessions it hosts, their events, its gRPC
+//! service). It does not run operations itself: that is the
 //! worker's job.
 
 mod cli;
@@ -15,6 +17,7 @@ mod commands;
 mod connect;
 mod exec;
 mod local;
+mod serve;
 mod signals;
 mod terminal;
 mod view;
@@ -29,7 +32,7 @@ fn main() -> ExitCode {
         Ok(cli) => cli,
         Err(code) => return code,
     };
-    let level = if matches!(cli.command, Command::LocalWorker { .. }) {
+    let level = if matches!(cli.command, Command::LocalWorker { .. } | Command::Serve(_)) {
         "info"
     } else {
         "warn"

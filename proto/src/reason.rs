@@ -96,6 +96,13 @@ reasons! {
     Incomplete = "incomplete",
     /// The worker itself failed (its state directory, its configuration).
     Internal = "internal",
+    /// The control plane knows no session of that id.
+    SessionNotFound = "session_not_found",
+    /// The session's run is hosted now: what was asked needs it stopped
+    /// (or, for an input, running).
+    SessionRunning = "session_running",
+    /// The session is not running: it takes no input or stop.
+    SessionNotRunning = "session_not_running",
 }
 
 impl std::fmt::Display for Reason {

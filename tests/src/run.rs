@@ -110,7 +110,8 @@ pub async fn corral_run_default_image(
     finish(cmd).await
 }
 
-async fn finish(mut cmd: tokio::process::Command) -> Result<Run> {
+/// Runs a prepared `corral run` command to its end (two minutes at most).
+pub async fn finish(mut cmd: tokio::process::Command) -> Result<Run> {
     let out = tokio::time::timeout(Duration::from_secs(120), cmd.output())
         .await
         .context("corral run did not finish")??;

@@ -312,6 +312,25 @@ fn read_pem(path: &Path) -> Result<Vec<u8>, ConfigError> {
     Ok(data)
 }
 
+/// A server's TLS configuration from its certificate and key (PEM files),
+/// requiring client certificates signed by `client_ca` when given (mutual
+/// TLS); `None` without a certificate.
+pub fn server_tls(
+    cert: Option<&Path>,
+    key: Option<&Path>,
+    client_ca: Option<&Path>,
+) -> Result<Option<tonic::transport::ServerTlsConfig>, ConfigError> {
+    let (Some(cert), Some(key)) = (cert, key) else {
+        return Ok(None);
+    };
+    let identity = tonic::transport::Identity::from_pem(read_pem(cert)?, read_pem(key)?);
+    let mut tls = tonic::transport::ServerTlsConfig::new().identity(identity);
+    if let Some(ca) = client_ca {
+        tls = tls.client_ca_root(tonic::transport::Certificate::from_pem(read_pem(ca)?));
+    }
+    Ok(Some(tls))
+}
+
 /// The shortest token accepted.
 pub const MIN_TOKEN_CHARS: usize = 16;
 
@@ -481,15 +500,11 @@ impl WorkerArgs {
 
     /// The TLS configuration, when --tls-cert is given.
     pub fn tls(&self) -> Result<Option<tonic::transport::ServerTlsConfig>, ConfigError> {
-        let (Some(cert), Some(key)) = (&self.tls_cert, &self.tls_key) else {
-            return Ok(None);
-        };
-        let identity = tonic::transport::Identity::from_pem(read_pem(cert)?, read_pem(key)?);
-        let mut tls = tonic::transport::ServerTlsConfig::new().identity(identity);
-        if let Some(ca) = &self.tls_client_ca {
-            tls = tls.client_ca_root(tonic::transport::Certificate::from_pem(read_pem(ca)?));
-        }
-        Ok(Some(tls))
+        server_tls(
+            self.tls_cert.as_deref(),
+            self.tls_key.as_deref(),
+            self.tls_client_ca.as_deref(),
+        )
     }
 
     pub fn worker_config(&self) -> Result<WorkerConfig, ConfigError> {

@@ -223,6 +223,72 @@ pub struct WorkerClient {
     inner: PbClient<tonic::service::interceptor::InterceptedService<Channel, Auth>>,
 }
 
+/// A gRPC channel to `url` (`http://host:port`, or `https://` with the
+/// TLS of `creds`), failing fast if nobody answers: the one way Corral's
+/// clients connect (to workers, and to a control plane service).
+pub async fn channel(url: &str, creds: &Credentials) -> Result<Channel, ClientError> {
+    let bad = |reason: String| ClientError::BadAddress {
+        url: url.to_string(),
+        reason,
+    };
+    let mut endpoint = Endpoint::from_shared(url.to_string())
+        .map_err(|e| bad(e.to_string()))?
+        .connect_timeout(Duration::from_secs(5))
+        .tcp_nodelay(true)
+        .http2_keep_alive_interval(KEEPALIVE)
+        .keep_alive_timeout(KEEPALIVE)
+        .keep_alive_while_idle(true);
+    if url.starts_with("https://") {
+        let tls = creds.tls.clone().unwrap_or_default();
+        let mut cfg = ClientTlsConfig::new();
+        cfg = match tls.ca_pem {
+            Some(ca) => cfg.ca_certificate(Certificate::from_pem(ca)),
+            None => cfg.with_native_roots(),
+        };
+        if let Some((cert, key)) = tls.identity {
+            cfg = cfg.identity(Identity::from_pem(cert, key));
+        }
+        if let Some(name) = tls.domain {
+            cfg = cfg.domain_name(name);
+        }
+        endpoint = endpoint
+            .tls_config(cfg)
+            .map_err(|e| bad(source_chain(&e)))?;
+    } else if creds.tls.is_some() {
+        return Err(bad("TLS options need an https:// address".into()));
+    }
+    match endpoint.connect().await {
+        Ok(c) => Ok(c),
+        Err(e) => {
+            // A listener that speaks the other protocol says so, not
+            // "h2 protocol error" or "InvalidContentType".
+            let reason = match mismatch(url).await {
+                Some(why) => why,
+                None => source_chain(&e),
+            };
+            Err(ClientError::Connect {
+                url: url.to_string(),
+                reason,
+            })
+        }
+    }
+}
+
+impl Auth {
+    /// Presents `token` (as `authorization: Bearer TOKEN`) on every call.
+    pub fn bearer(url: &str, token: Option<&str>) -> Result<Self, ClientError> {
+        match token {
+            Some(t) => Ok(Auth(Some(format!("Bearer {t}").parse().map_err(|_| {
+                ClientError::BadAddress {
+                    url: url.to_string(),
+                    reason: "the token is not valid header text".into(),
+                }
+            })?))),
+            None => Ok(Auth(None)),
+        }
+    }
+}
+
 pub type EventStream = std::pin::Pin<Box<dyn Stream<Item = Result<Event, ClientError>> + Send>>;
 
 impl WorkerClient {
@@ -234,54 +300,10 @@ impl WorkerClient {
     /// Connects with a token and, for `https://` addresses, TLS.
     pub async fn connect_with(url: &str, creds: &Credentials) -> Result<Self, ClientError> {
         let token = creds.token.as_deref();
-        let bad = |reason: String| ClientError::BadAddress {
-            url: url.to_string(),
-            reason,
-        };
         if let Some(path) = url.strip_prefix("unix://") {
             return Self::connect_unix(url, std::path::PathBuf::from(path), token).await;
         }
-        let mut endpoint = Endpoint::from_shared(url.to_string())
-            .map_err(|e| bad(e.to_string()))?
-            .connect_timeout(Duration::from_secs(5))
-            .tcp_nodelay(true)
-            .http2_keep_alive_interval(KEEPALIVE)
-            .keep_alive_timeout(KEEPALIVE)
-            .keep_alive_while_idle(true);
-        if url.starts_with("https://") {
-            let tls = creds.tls.clone().unwrap_or_default();
-            let mut cfg = ClientTlsConfig::new();
-            cfg = match tls.ca_pem {
-                Some(ca) => cfg.ca_certificate(Certificate::from_pem(ca)),
-                None => cfg.with_native_roots(),
-            };
-            if let Some((cert, key)) = tls.identity {
-                cfg = cfg.identity(Identity::from_pem(cert, key));
-            }
-            if let Some(name) = tls.domain {
-                cfg = cfg.domain_name(name);
-            }
-            endpoint = endpoint
-                .tls_config(cfg)
-                .map_err(|e| bad(source_chain(&e)))?;
-        } else if creds.tls.is_some() {
-            return Err(bad("TLS options need an https:// address".into()));
-        }
-        let channel = match endpoint.connect().await {
-            Ok(c) => c,
-            Err(e) => {
-                // A listener that speaks the other protocol says so, not
-                // "h2 protocol error" or "InvalidContentType".
-                let reason = match mismatch(url).await {
-                    Some(why) => why,
-                    None => source_chain(&e),
-                };
-                return Err(ClientError::Connect {
-                    url: url.to_string(),
-                    reason,
-                });
-            }
-        };
+        let channel = channel(url, creds).await?;
         Self::over(url, channel, token)
     }
 

@@ -22,13 +22,16 @@
 //! - [`placement`]: workers found by list or DNS, and where a new sandbox
 //!   goes among them; [`fleet`]: a caller's workers, the one place that
 //!   answers which worker (place, find a sandbox's, find a session's again
-//!   by its id); [`metrics`]: the control plane's metrics.
+//!   by its id); [`metrics`]: the control plane's metrics;
+//! - [`control`]: the client of a control plane service (`corral serve`),
+//!   which hosts sessions through this same front door.
 //!
 //! It runs no operation itself: workers do.
 
 pub mod agent;
 pub mod client;
 pub mod context;
+pub mod control;
 pub mod fleet;
 pub mod follow;
 pub mod llm;

@@ -12,7 +12,7 @@ use std::path::PathBuf;
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 
-use crate::agent::events::Event;
+use crate::agent::events::{Event, RunResult};
 use crate::agent::record::OnSandboxLost;
 use crate::agent::{CoreError, Ending, Inbox, Summary};
 use crate::client::WorkerClient;
@@ -40,6 +40,34 @@ pub struct RunEnd {
 pub struct RunOutcome {
     pub summary: Summary,
     pub exported: Option<Result<Moved, SessionError>>,
+}
+
+impl RunOutcome {
+    /// The last event of the run, as `corral run` shows it: how it ended
+    /// (`duration`: the run's, as its host measured it).
+    pub fn result_event(&self, session_id: &str, duration: std::time::Duration) -> Event {
+        let summary = &self.summary;
+        Event::Result(RunResult {
+            status: ending_word(summary.ending),
+            session_id: session_id.to_string(),
+            final_text: summary.final_text.clone(),
+            error: summary.error.clone(),
+            turns: summary.turns,
+            run_turns: summary.run_turns,
+            tool_calls: summary.tool_calls,
+            usage: summary.usage,
+            duration_ms: duration.as_millis() as u64,
+        })
+    }
+}
+
+/// done | failed | interrupted
+pub fn ending_word(ending: Ending) -> &'static str {
+    match ending {
+        Ending::Done => "done",
+        Ending::Failed => "failed",
+        Ending::Interrupted => "interrupted",
+    }
 }
 
 /// A running session, across its sandboxes.

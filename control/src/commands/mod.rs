@@ -5,12 +5,16 @@ mod cp;
 mod exec;
 mod local_worker;
 mod ops;
+mod remote;
 mod run;
 mod sandbox;
+mod serve;
 mod session;
 mod worker;
 
 use crate::cli::{Cli, Command};
+
+pub use run::{DEFAULT_IMAGE, key_from, sessions};
 
 /// Corral's own failures (as `docker run` uses 125).
 pub const EXIT_CORRAL_ERROR: u8 = 125;
@@ -58,6 +62,7 @@ async fn dispatch(cli: Cli) -> u8 {
         }
         Command::Logs { sandbox, follow } => ops::logs(&cli.conn, &sandbox, follow).await,
         Command::Run(args) => run::main(&cli.conn, &args).await,
+        Command::Serve(args) => serve::main(&cli.conn, &args).await,
         Command::Session(cmd) => session::main(&cli.conn, &cmd).await,
         Command::Worker(cmd) => worker::main(&cli.conn, &cmd).await,
         Command::LocalWorker { idle } => local_worker::main(&cli.conn, idle).await,

@@ -9,7 +9,7 @@ use std::io::{IsTerminal, Read, Write};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use corral_harness::agent::events::{Event, RunResult, to_json_line};
+use corral_harness::agent::events::{Event, to_json_line};
 use corral_harness::agent::{Ending, Inbox, OnSandboxLost, StopMode};
 use corral_harness::llm::Api;
 use corral_harness::runner::{Run, RunEnd, RunOutcome};
@@ -29,7 +29,7 @@ pub const EXIT_FAILED: u8 = 1;
 pub const EXIT_INTERRUPTED: u8 = 130;
 
 #[derive(Debug, thiserror::Error)]
-enum Error {
+pub(super) enum Error {
     /// Exit code 2.
     #[error("{0}")]
     Usage(String),
@@ -65,23 +65,36 @@ impl Error {
 
 pub async fn main(conn: &ConnArgs, args: &RunArgs) -> u8 {
     let json = args.json || !std::io::stdout().is_terminal();
+    if let Some(url) = &args.control {
+        return match super::remote::run(conn, args, url, json).await {
+            Ok(code) => code,
+            Err(e) => {
+                failed(&e, json);
+                e.exit_code()
+            }
+        };
+    }
     match run(conn, args, json).await {
         Ok(code) => code,
         Err(e) => {
-            super::report(&e);
-            if json {
-                // A JSON reader learns why the run failed from its own
-                // stream too.
-                let line = to_json_line(&Event::Error {
-                    message: corral_harness::client::source_chain(&e),
-                });
-                let mut stdout = std::io::stdout().lock();
-                let _ = stdout
-                    .write_all(line.as_bytes())
-                    .and_then(|()| stdout.flush());
-            }
+            failed(&e, json);
             e.exit_code()
         }
+    }
+}
+
+/// Says why the run failed: on stderr, and to a JSON reader in its own
+/// stream too.
+fn failed(e: &dyn std::error::Error, json: bool) {
+    super::report(e);
+    if json {
+        let line = to_json_line(&Event::Error {
+            message: corral_harness::client::source_chain(e),
+        });
+        let mut stdout = std::io::stdout().lock();
+        let _ = stdout
+            .write_all(line.as_bytes())
+            .and_then(|()| stdout.flush());
     }
 }
 
@@ -96,7 +109,7 @@ pub fn sessions(flag: Option<&Path>) -> Sessions {
 }
 
 /// `--request` (a file, or `-` for stdin), with the flags over it.
-fn load_request(args: &RunArgs) -> Result<SessionRequest, Error> {
+pub(super) fn load_request(args: &RunArgs) -> Result<SessionRequest, Error> {
     let usage = |m: String| Error::Usage(m);
     let mut req = match args.request.as_deref() {
         None => SessionRequest::default(),
@@ -154,15 +167,20 @@ fn load_request(args: &RunArgs) -> Result<SessionRequest, Error> {
 }
 
 fn api_key(args: &RunArgs) -> Result<Option<String>, Error> {
-    if let Some(path) = &args.api_key_file {
+    key_from(args.api_key_file.as_deref()).map_err(Error::Usage)
+}
+
+/// The API key in `file` (`--api-key-file`), else in OPENAI_API_KEY.
+pub fn key_from(file: Option<&Path>) -> Result<Option<String>, String> {
+    if let Some(path) = file {
         let key = std::fs::read_to_string(path)
-            .map_err(|e| Error::Usage(format!("--api-key-file {}: {e}", path.display())))?;
+            .map_err(|e| format!("--api-key-file {}: {e}", path.display()))?;
         let key = key.trim().to_string();
         if key.is_empty() {
-            return Err(Error::Usage(format!(
+            return Err(format!(
                 "--api-key-file {}: the file is empty",
                 path.display()
-            )));
+            ));
         }
         return Ok(Some(key));
     }
@@ -222,12 +240,10 @@ async fn run(conn: &ConnArgs, args: &RunArgs, json: bool) -> Result<u8, Error> {
     let run = corral_harness::runner::run(&store, &fleet, &id, opts, end).await?;
     let mut view = View::new(json);
     let outcome = watch(run, &mut view, args.inputs_from_stdin).await?;
-    let summary = outcome.summary;
-    let (status, mut code) = match summary.ending {
-        Ending::Done => ("done", EXIT_DONE),
-        Ending::Failed => ("failed", EXIT_FAILED),
-        Ending::Interrupted => ("interrupted", EXIT_INTERRUPTED),
-    };
+    let (mut code, result) = (
+        exit_code_of(outcome.summary.ending),
+        outcome.result_event(&id, started.elapsed()),
+    );
     match outcome.exported {
         Some(Ok(moved)) => super::left_out(&moved),
         Some(Err(e)) => {
@@ -238,22 +254,21 @@ async fn run(conn: &ConnArgs, args: &RunArgs, json: bool) -> Result<u8, Error> {
         }
         None => {}
     }
-    view.show(&Event::Result(RunResult {
-        status,
-        session_id: id,
-        final_text: summary.final_text,
-        error: summary.error,
-        turns: summary.turns,
-        run_turns: summary.run_turns,
-        tool_calls: summary.tool_calls,
-        usage: summary.usage,
-        duration_ms: started.elapsed().as_millis() as u64,
-    }))?;
+    view.show(&result)?;
     if view.is_closed() {
         // As a shell reports a command killed by SIGPIPE, and quietly.
         return Ok(141);
     }
     Ok(code)
+}
+
+/// The exit code of a run that ended so.
+pub fn exit_code_of(ending: Ending) -> u8 {
+    match ending {
+        Ending::Done => EXIT_DONE,
+        Ending::Failed => EXIT_FAILED,
+        Ending::Interrupted => EXIT_INTERRUPTED,
+    }
 }
 
 /// What a resume does not change, said (the model, endpoint, turn limit,

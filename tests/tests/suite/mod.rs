@@ -23,6 +23,7 @@ mod processes;
 mod resilience;
 mod restart;
 mod roundtrip;
+mod serve;
 mod service;
 mod sessions;
 mod tls;

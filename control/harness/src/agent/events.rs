@@ -3,7 +3,7 @@
 //! Fields are snake_case; new fields may be added within a version, and
 //! nothing is removed or renamed without a new version.
 
-use serde::Serialize;
+use serde::{Deserialize, Deserializer, Serialize};
 
 use crate::context::ChangeKind;
 use crate::llm::{StopReason, Usage};
@@ -11,9 +11,10 @@ use crate::llm::{StopReason, Usage};
 /// Version of the event stream.
 pub const EVENTS_VERSION: u32 = 1;
 
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Change {
     /// omitted | truncated | compacted
+    #[serde(deserialize_with = "known")]
     pub kind: &'static str,
     pub source: String,
     pub reason: String,
@@ -33,7 +34,7 @@ impl From<&crate::context::Change> for Change {
     }
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum Event {
     /// The run began (`resumed`: the session existed).
@@ -103,6 +104,7 @@ pub enum Event {
         /// How the call ended: ok | failed (a non-zero exit, a timeout, a
         /// file error...) | canceled | lost (its sandbox or worker) |
         /// refused (never ran: malformed arguments, an unknown tool).
+        #[serde(deserialize_with = "known")]
         status: &'static str,
         /// The exit code of its command, when one exited.
         #[serde(skip_serializing_if = "Option::is_none")]
@@ -130,7 +132,7 @@ pub enum Event {
         host: String,
         port: u16,
         decision: String,
-        #[serde(skip_serializing_if = "String::is_empty")]
+        #[serde(default, skip_serializing_if = "String::is_empty")]
         reason: String,
     },
     ModelFailed {
@@ -147,9 +149,10 @@ pub enum Event {
     },
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RunResult {
     /// done | failed | interrupted
+    #[serde(deserialize_with = "known")]
     pub status: &'static str,
     pub session_id: String,
     pub final_text: String,
@@ -163,6 +166,50 @@ pub struct RunResult {
     pub usage: Usage,
     /// This run's.
     pub duration_ms: u64,
+}
+
+/// Every word a `&'static str` field of an event may hold.
+const WORDS: &[&str] = &[
+    "omitted",
+    "truncated",
+    "compacted",
+    "ok",
+    "failed",
+    "canceled",
+    "lost",
+    "refused",
+    "done",
+    "interrupted",
+];
+
+/// One of [`WORDS`], read back.
+fn known<'de, D: Deserializer<'de>>(d: D) -> Result<&'static str, D::Error> {
+    let s = String::deserialize(d)?;
+    WORDS
+        .iter()
+        .find(|w| **w == s)
+        .copied()
+        .ok_or_else(|| serde::de::Error::unknown_variant(&s, WORDS))
+}
+
+/// An event read back from a line of `--json` output (a served session's
+/// events, say). Its version must be this build's.
+pub fn from_json_line(line: &str) -> Result<Event, String> {
+    let mut value: serde_json::Value =
+        serde_json::from_str(line.trim_end()).map_err(|e| e.to_string())?;
+    let v = value
+        .as_object_mut()
+        .and_then(|o| o.remove("v"))
+        .and_then(|v| v.as_u64());
+    if v != Some(u64::from(EVENTS_VERSION)) {
+        return Err(format!(
+            "events of version {} (this build reads {EVENTS_VERSION})",
+            v.map_or("none".to_string(), |v| v.to_string())
+        ));
+    }
+    // Its words are `&'static str`s: read as from a `'static` source (the
+    // value is owned, so any lifetime is its).
+    <Event as Deserialize<'static>>::deserialize(value).map_err(|e| e.to_string())
 }
 
 /// One event as a line of `--json` output.
@@ -211,6 +258,53 @@ fn escape_terminal_controls(s: String) -> String {
 #[cfg(test)]
 mod terminal_tests {
     use super::*;
+
+    #[test]
+    fn every_event_reads_back_as_it_was_written() {
+        let events = [
+            Event::ToolResult {
+                call_id: "c1".into(),
+                tool: "Bash".into(),
+                text: "hi".into(),
+                images: 0,
+                status: "lost",
+                exit_code: None,
+                duration_ms: Some(3),
+            },
+            Event::TurnStarted {
+                turn: 2,
+                estimated_tokens: 9,
+                changes: vec![Change {
+                    kind: "compacted",
+                    source: "s".into(),
+                    reason: "r".into(),
+                }],
+            },
+            Event::Egress {
+                host: "h".into(),
+                port: 443,
+                decision: "allowed".into(),
+                reason: String::new(),
+            },
+            Event::Result(RunResult {
+                status: "interrupted",
+                session_id: "s".into(),
+                final_text: String::new(),
+                error: Some("e".into()),
+                turns: 1,
+                run_turns: 1,
+                tool_calls: 0,
+                usage: Default::default(),
+                duration_ms: 5,
+            }),
+        ];
+        for e in events {
+            assert_eq!(from_json_line(&to_json_line(&e)).unwrap(), e);
+        }
+        let bad = r#"{"v":1,"type":"tool_result","call_id":"c","tool":"t","text":"","images":0,"status":"weird"}"#;
+        assert!(from_json_line(bad).unwrap_err().contains("weird"));
+        assert!(from_json_line(r#"{"v":2,"type":"heartbeat","text":""}"#).is_err());
+    }
 
     #[test]
     fn json_lines_carry_no_raw_terminal_control() {

@@ -486,7 +486,7 @@ pub(crate) fn private_dir(dir: &Path) -> std::io::Result<()> {
 }
 
 /// Options that create a file readable by its owner only (0600).
-pub(crate) fn private_file() -> std::fs::OpenOptions {
+pub fn private_file() -> std::fs::OpenOptions {
     use std::os::unix::fs::OpenOptionsExt;
     let mut o = std::fs::OpenOptions::new();
     o.mode(0o600);

@@ -20,7 +20,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use corral_proto::{OperationId, OperationSpec, SandboxId, SandboxSpec, WriteFileSpec};
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
@@ -486,6 +486,7 @@ impl Sessions {
             }
         }
         let _ = std::fs::remove_file(self.saved_workspace(stored.id()));
+        let _ = std::fs::remove_file(self.events_path(stored.id()));
         let path = crate::session::log::path_of(&self.dir, stored.id());
         std::fs::remove_file(&path).map_err(|source| LogError::Io {
             path: path.display().to_string(),

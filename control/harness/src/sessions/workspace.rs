@@ -4,6 +4,13 @@
 use super::*;
 
 impl Sessions {
+    /// Where a service that hosts the session (`corral serve`) keeps the
+    /// JSON events of its runs: beside its log (not a `.jsonl`, so not
+    /// listed as a session).
+    pub fn events_path(&self, id: &str) -> PathBuf {
+        self.dir.join(format!("{id}.events"))
+    }
+
     /// Where a suspended session's workspace is kept: beside its log.
     pub fn saved_workspace(&self, id: &str) -> PathBuf {
         self.dir.join(format!("{id}.workspace.tar"))

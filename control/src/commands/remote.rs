@@ -1,0 +1,333 @@
+//! `corral run --control URL`: the session runs on a control plane service
+//! (`corral serve`) and is shown here exactly as a local run is: the same
+//! views, the same events, the same exit codes. Stdin lines become inputs,
+//! the first stop signal stops the session, a second leaves it; a service
+//! that restarts meanwhile is waited for and watched again from the last
+//! event seen. The session itself does not depend on this process: it goes
+//! on if this process goes.
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use corral_harness::agent::events::{Event, from_json_line};
+use corral_harness::client::{ClientTls, Credentials};
+use corral_harness::control::{ControlClient, ControlError, DEFAULT_RECONNECT_PATIENCE};
+use corral_harness::transfer::Unpacking;
+use corral_proto::pb;
+use futures_util::StreamExt;
+
+use super::run::{EXIT_FAILED, exit_code_of};
+use crate::cli::{ConnArgs, LostPolicy, RunArgs};
+use crate::view::View;
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("{0}")]
+    Usage(String),
+    #[error(transparent)]
+    Control(#[from] ControlError),
+    #[error("the service sent an event this build cannot read: {0}")]
+    Event(String),
+    #[error("the service stayed unreachable for {} s: {error}", .patience.as_secs())]
+    Lost {
+        patience: Duration,
+        error: ControlError,
+    },
+    #[error("export: {0}")]
+    Export(String),
+    #[error("writing output: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+impl Error {
+    pub fn exit_code(&self) -> u8 {
+        match self {
+            Error::Usage(_) => super::EXIT_USAGE,
+            Error::Control(e) if e.reason() == Some(corral_proto::Reason::InvalidArgument) => {
+                super::EXIT_USAGE
+            }
+            Error::Control(e) if e.reason() == Some(corral_proto::Reason::SessionNotFound) => {
+                super::EXIT_USAGE
+            }
+            _ => EXIT_FAILED,
+        }
+    }
+}
+
+/// What cannot go with --control: paths of this machine the service
+/// cannot read.
+fn refuse_local_paths(args: &RunArgs) -> Result<(), Error> {
+    let local = [
+        ("--workspace", args.workspace.is_some()),
+        ("--skills", args.skills.is_some()),
+    ];
+    for (flag, given) in local {
+        if given {
+            return Err(Error::Usage(format!(
+                "{flag} names this machine's files; with --control the service's apply"
+            )));
+        }
+    }
+    Ok(())
+}
+
+fn credentials(conn: &ConnArgs, args: &RunArgs) -> Result<Credentials, Error> {
+    let token = match &args.control_token_file {
+        Some(path) => {
+            Some(corral_worker::cli::read_token(path).map_err(|e| Error::Usage(e.to_string()))?)
+        }
+        None => None,
+    };
+    let tls = match &conn.tls_ca {
+        Some(ca) => Some(ClientTls {
+            ca_pem: Some(
+                std::fs::read(ca)
+                    .map_err(|e| Error::Usage(format!("--tls-ca {}: {e}", ca.display())))?,
+            ),
+            ..ClientTls::default()
+        }),
+        None => None,
+    };
+    Ok(Credentials { token, tls })
+}
+
+/// The run's settings as its flags say (the service's defaults for what
+/// they do not).
+fn settings(args: &RunArgs, api_key: Option<String>) -> pb::RunSettings {
+    pb::RunSettings {
+        base_url: args.base_url.clone(),
+        api: args.api.map(|a| {
+            match a {
+                crate::cli::ApiKind::Responses => "responses",
+                crate::cli::ApiKind::Chat => "chat",
+            }
+            .to_string()
+        }),
+        api_key,
+        image: args.image.clone(),
+        reasoning_effort: args.reasoning_effort.clone(),
+        heartbeat_ms: Some(args.heartbeat.as_millis() as u64),
+        keep_sandbox: args.keep_sandbox,
+        on_sandbox_lost: args.on_sandbox_lost.map(|p| {
+            match p {
+                LostPolicy::Fail => "fail",
+                LostPolicy::NewSandbox => "new_sandbox",
+            }
+            .to_string()
+        }),
+        grace_ms: Some(args.grace.as_millis() as u64),
+    }
+}
+
+pub async fn run(conn: &ConnArgs, args: &RunArgs, url: &str, json: bool) -> Result<u8, Error> {
+    refuse_local_paths(args)?;
+    let request = super::run::load_request(args).map_err(|e| Error::Usage(e.to_string()))?;
+    let api_key = super::run::key_from(args.api_key_file.as_deref()).map_err(Error::Usage)?;
+    let creds = credentials(conn, args)?;
+    let client = ControlClient::connect(url, &creds).await?;
+    let request_json = if request == Default::default() {
+        String::new()
+    } else {
+        serde_json::to_string(&request).map_err(|e| Error::Usage(e.to_string()))?
+    };
+    let started = client
+        .start(pb::StartSessionRequest {
+            session_id: args.session.clone().unwrap_or_default(),
+            request_json,
+            settings: Some(settings(args, api_key)),
+        })
+        .await?;
+    let id = started.session_id;
+    let mut view = View::new(json);
+    let mut code = watch(
+        &client,
+        &id,
+        started.events_before,
+        &mut view,
+        args.inputs_from_stdin,
+    )
+    .await?;
+    if let Some(dest) = &args.export {
+        let rules = args.out.apply(Unpacking::contents_from_sandbox());
+        if let Err(e) = export(&client, &id, dest, rules).await {
+            super::report(&e);
+            if code == super::run::EXIT_DONE {
+                code = super::EXIT_CORRAL_ERROR;
+            }
+        }
+    }
+    if view.is_closed() {
+        return Ok(141);
+    }
+    Ok(code)
+}
+
+type StdinLines = tokio::io::Lines<tokio::io::BufReader<tokio::io::Stdin>>;
+
+async fn next_input(lines: &mut Option<StdinLines>) -> std::io::Result<Option<String>> {
+    match lines {
+        Some(l) => l.next_line().await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Shows the session's events from `after` until its run's last event;
+/// returns the exit code that event means.
+async fn watch(
+    client: &ControlClient,
+    id: &str,
+    after: u64,
+    view: &mut View,
+    from_stdin: bool,
+) -> Result<u8, Error> {
+    use tokio::io::AsyncBufReadExt;
+    let mut last = after;
+    let mut stop_signals = std::pin::pin!(crate::signals::stop_signals());
+    let mut stops = 0;
+    let mut stdin_lines: Option<StdinLines> =
+        from_stdin.then(|| tokio::io::BufReader::new(tokio::io::stdin()).lines());
+    let mut tick = tokio::time::interval(Duration::from_secs(5));
+    tick.tick().await;
+    // Since when the service has not answered (None: it answers).
+    let mut unreachable_since: Option<Instant> = None;
+    let mut stream = None;
+    loop {
+        if view.is_closed() && stops == 0 {
+            // The JSON reader went away: stop as on SIGTERM, once.
+            stops = 1;
+            let _ = client.stop(id, false).await;
+        }
+        let events = match &mut stream {
+            Some(s) => s,
+            None => match client.watch(id, last).await {
+                Ok(s) => {
+                    unreachable_since = None;
+                    stream.insert(s)
+                }
+                Err(e) if e.is_transient() => {
+                    wait_or_give_up(&mut unreachable_since, e).await?;
+                    continue;
+                }
+                Err(e) => return Err(e.into()),
+            },
+        };
+        tokio::select! {
+            biased;
+            next = events.next() => match next {
+                Some(Ok((seq, line))) => {
+                    last = seq;
+                    let event = from_json_line(&line).map_err(Error::Event)?;
+                    view.show(&event)?;
+                    match &event {
+                        Event::Result(r) => {
+                            return Ok(match r.status {
+                                "done" => exit_code_of(corral_harness::agent::Ending::Done),
+                                "interrupted" => {
+                                    exit_code_of(corral_harness::agent::Ending::Interrupted)
+                                }
+                                _ => EXIT_FAILED,
+                            });
+                        }
+                        Event::Error { .. } => return Ok(EXIT_FAILED),
+                        _ => {}
+                    }
+                }
+                Some(Err(e)) if e.is_transient() => {
+                    stream = None;
+                    wait_or_give_up(&mut unreachable_since, e).await?;
+                }
+                Some(Err(e)) => return Err(e.into()),
+                // Ended without its last event: the run is not hosted now
+                // (the service left it, to resume it at its next start).
+                None => {
+                    stream = None;
+                    let e = ControlError::Status(tonic::Status::unavailable(
+                        "the session's events ended before its run did",
+                    ));
+                    wait_or_give_up(&mut unreachable_since, e).await?;
+                }
+            },
+            Some(_) = stop_signals.next() => {
+                stops += 1;
+                if let Err(e) = client.stop(id, stops > 1).await {
+                    tracing::warn!(error = %e, "the stop was not taken");
+                }
+            }
+            line = next_input(&mut stdin_lines) => match line {
+                Ok(Some(text)) if !text.trim().is_empty() => {
+                    if let Err(e) = client.send_input(id, &text).await {
+                        tracing::warn!(error = %e, "an input was not taken");
+                        stdin_lines = None;
+                    }
+                }
+                Ok(Some(_)) => {}
+                Ok(None) => stdin_lines = None,
+                Err(e) => {
+                    tracing::warn!(error = %e, "stdin cannot be read; no more inputs from it");
+                    stdin_lines = None;
+                }
+            },
+            _ = tick.tick() => {
+                if let View::Terminal(t) = view {
+                    t.tick()?;
+                }
+                view.check_reader();
+            }
+        }
+    }
+}
+
+/// Waits a little before asking a service that did not answer again, or
+/// gives up once it has not answered for [`DEFAULT_RECONNECT_PATIENCE`].
+async fn wait_or_give_up(since: &mut Option<Instant>, e: ControlError) -> Result<(), Error> {
+    let first = *since.get_or_insert_with(Instant::now);
+    if first.elapsed() >= DEFAULT_RECONNECT_PATIENCE {
+        return Err(Error::Lost {
+            patience: DEFAULT_RECONNECT_PATIENCE,
+            error: e,
+        });
+    }
+    tracing::debug!(error = %e, "watching again shortly");
+    tokio::time::sleep(Duration::from_millis(250)).await;
+    Ok(())
+}
+
+/// Brings the session's /workspace into `dest` through the service, by
+/// `rules` (what comes is the sandbox's, so hostile).
+async fn export(
+    client: &ControlClient,
+    id: &str,
+    dest: &Path,
+    rules: Unpacking,
+) -> Result<(), Error> {
+    use tokio::io::AsyncWriteExt;
+    let err = |e: String| Error::Export(e);
+    std::fs::create_dir_all(dest).map_err(|e| err(format!("{}: {e}", dest.display())))?;
+    // Whole on this machine before it is unpacked: a cut stream never
+    // leaves half a tree.
+    let tar = std::env::temp_dir().join(format!("corral-export-{}.tar", uuid::Uuid::new_v4()));
+    let fetched = async {
+        let mut file = tokio::fs::File::from_std(
+            corral_harness::session::log::private_file()
+                .write(true)
+                .create_new(true)
+                .open(&tar)
+                .map_err(|e| err(format!("{}: {e}", tar.display())))?,
+        );
+        let mut chunks = client.export(id).await?;
+        while let Some(chunk) = chunks.next().await {
+            file.write_all(&chunk?)
+                .await
+                .map_err(|e| err(e.to_string()))?;
+        }
+        file.flush().await.map_err(|e| err(e.to_string()))?;
+        corral_harness::transfer::unpack_saved(&tar, dest, rules)
+            .await
+            .map_err(|e| err(e.to_string()))
+    }
+    .await;
+    let _ = std::fs::remove_file(&tar);
+    let moved = fetched?;
+    super::left_out(&moved);
+    Ok(())
+}

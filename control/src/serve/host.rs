@@ -1,0 +1,773 @@
+//! The sessions `corral serve` hosts: each one's run (through the
+//! harness's [`runner`]), its events written to its [`Journal`], its
+//! inputs and stops, and the mark that brings it back after a restart of
+//! the service.
+//!
+//! One [`Host`] owns the table of hosted sessions (a session is in it from
+//! the moment its start is accepted until its run has ended and its last
+//! event is written); each run is driven by a task of the host's tracker,
+//! which owns the run's handle and journal. A stopped service aborts those
+//! tasks without ending their runs: their sessions keep their sandboxes,
+//! operations and marks, and the next start of the service resumes them
+//! from their logs.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use corral_harness::agent::events::{Event, to_json_line};
+use corral_harness::agent::{Inbox, OnSandboxLost, Settings as AgentSettings, StopMode};
+use corral_harness::fleet::Fleet;
+use corral_harness::llm::Api;
+use corral_harness::runner::{self, Run, RunEnd};
+use corral_harness::session::LogError;
+use corral_harness::sessions::{RunOptions, SessionError, SessionRequest, Sessions, parse_request};
+use serde::{Deserialize, Serialize};
+use tokio::sync::{mpsc, watch};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use super::journal::{Journal, Mark};
+
+/// What a session's run takes when its start does not say.
+#[derive(Debug, Clone)]
+pub struct Defaults {
+    pub model: Option<String>,
+    pub base_url: Option<String>,
+    pub api: Option<Api>,
+    pub api_key: Option<String>,
+    pub image: String,
+    pub heartbeat: Option<Duration>,
+    pub grace: Duration,
+    pub worker_lost_after: Duration,
+    pub on_sandbox_lost: Option<OnSandboxLost>,
+}
+
+/// How one session is run, as its start asked (kept in its mark, so a
+/// restarted service runs it the same way).
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Settings {
+    pub base_url: Option<String>,
+    pub api: Option<String>,
+    /// Kept in the mark (a file only the service's user reads), never
+    /// sent back or logged.
+    pub api_key: Option<String>,
+    pub image: Option<String>,
+    pub reasoning_effort: Option<String>,
+    pub heartbeat_ms: Option<u64>,
+    pub grace_ms: Option<u64>,
+    #[serde(default)]
+    pub keep_sandbox: bool,
+    pub on_sandbox_lost: Option<String>,
+}
+
+impl Settings {
+    pub fn from_pb(s: corral_proto::pb::RunSettings) -> Self {
+        Self {
+            base_url: s.base_url,
+            api: s.api,
+            api_key: s.api_key,
+            image: s.image,
+            reasoning_effort: s.reasoning_effort,
+            heartbeat_ms: s.heartbeat_ms,
+            grace_ms: s.grace_ms,
+            keep_sandbox: s.keep_sandbox,
+            on_sandbox_lost: s.on_sandbox_lost,
+        }
+    }
+
+    /// The run's options: these settings over `defaults`, checked.
+    fn options(
+        &self,
+        request: SessionRequest,
+        defaults: &Defaults,
+    ) -> Result<RunOptions, HostError> {
+        let bad = |m: String| HostError::Invalid(m);
+        let api = match self.api.as_deref() {
+            None => defaults.api,
+            Some("responses") => Some(Api::Responses),
+            Some("chat") => Some(Api::Chat),
+            Some(other) => return Err(bad(format!("api {other:?}: responses or chat"))),
+        };
+        let on_sandbox_lost = match self.on_sandbox_lost.as_deref() {
+            None => defaults.on_sandbox_lost,
+            Some("fail") => Some(OnSandboxLost::Fail),
+            Some("new_sandbox") => Some(OnSandboxLost::NewSandbox),
+            Some(other) => {
+                return Err(bad(format!(
+                    "on_sandbox_lost {other:?}: fail or new_sandbox"
+                )));
+            }
+        };
+        if let Some(r) = &self.reasoning_effort
+            && !["low", "medium", "high"].contains(&r.as_str())
+        {
+            return Err(bad(format!("reasoning_effort {r:?}: low, medium or high")));
+        }
+        let mut request = request;
+        if request.model.is_none() {
+            request.model = defaults.model.clone();
+        }
+        let heartbeat = match self.heartbeat_ms {
+            Some(0) => None,
+            Some(ms) => Some(Duration::from_millis(ms)),
+            None => defaults.heartbeat,
+        };
+        Ok(RunOptions {
+            request,
+            reasoning_effort: self.reasoning_effort.clone(),
+            image: Some(self.image.clone().unwrap_or_else(|| defaults.image.clone())),
+            base_url: self.base_url.clone().or_else(|| defaults.base_url.clone()),
+            api,
+            api_key: self.api_key.clone().or_else(|| defaults.api_key.clone()),
+            // Paths of the service's machine: not for its clients to name.
+            skills: None,
+            workspace: None,
+            settings: AgentSettings {
+                heartbeat,
+                grace: self.grace_ms.map_or(defaults.grace, Duration::from_millis),
+            },
+            until_idle: true,
+            worker_lost_after: Some(defaults.worker_lost_after),
+            on_sandbox_lost,
+        })
+    }
+}
+
+/// Why the host refused or failed.
+#[derive(Debug, thiserror::Error)]
+pub enum HostError {
+    #[error("{0}")]
+    Invalid(String),
+    #[error("no session {0}")]
+    NotFound(String),
+    #[error("session {0} is running on this service")]
+    Running(String),
+    #[error("session {0} is not running")]
+    NotRunning(String),
+    #[error("the service hosts {max} sessions already (--max-sessions)")]
+    Full { max: usize },
+    #[error("the service is shutting down")]
+    ShuttingDown,
+    #[error(transparent)]
+    Session(#[from] SessionError),
+    #[error("{what}: {source}")]
+    Io {
+        what: String,
+        source: std::io::Error,
+    },
+}
+
+impl From<LogError> for HostError {
+    fn from(e: LogError) -> Self {
+        HostError::Session(e.into())
+    }
+}
+
+/// A hosted session: where its inputs and stops go, how far its journal
+/// is written.
+#[derive(Clone)]
+struct Hosted {
+    inputs: mpsc::Sender<Inbox>,
+    leave: mpsc::Sender<String>,
+    mark: watch::Receiver<Mark>,
+}
+
+enum Slot {
+    /// Accepted, being placed or resumed: watchers wait for its run.
+    Starting(watch::Receiver<Mark>),
+    Running(Hosted),
+}
+
+/// What a start answers.
+pub struct Started {
+    pub id: String,
+    pub resumed: bool,
+    pub events_before: u64,
+}
+
+/// A session as listed.
+pub struct Listed {
+    pub id: String,
+    pub running: bool,
+    pub model: String,
+    pub sandbox_id: String,
+    pub worker: String,
+    pub turns: u64,
+    pub events: u64,
+}
+
+/// The sessions the service hosts.
+#[derive(Clone)]
+pub struct Host {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    store: Sessions,
+    fleet: Fleet,
+    defaults: Defaults,
+    max_sessions: usize,
+    /// A mark (`ID.json`: the settings) for each session whose run is
+    /// not over: resumed when the service starts.
+    marks: PathBuf,
+    slots: Mutex<HashMap<String, Slot>>,
+    tasks: TaskTracker,
+    stop: CancellationToken,
+}
+
+/// A slot taken for a start, with the session's journal; given back
+/// unless the run begins.
+struct Reservation {
+    host: Host,
+    id: String,
+    journal: Option<Journal>,
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        if let Some(journal) = self.journal.take() {
+            self.host.slots().remove(&self.id);
+            // Watchers that waited for the run read what there is, and end.
+            journal.close();
+        }
+    }
+}
+
+/// Sessions to resume, their slots taken (see [`Host::reserve_marked`]).
+pub struct Marked(Vec<(String, Settings, Reservation)>);
+
+impl Host {
+    pub fn new(
+        store: Sessions,
+        fleet: Fleet,
+        defaults: Defaults,
+        max_sessions: usize,
+        state_dir: &Path,
+    ) -> Result<Self, HostError> {
+        let marks = state_dir.join("running");
+        for dir in [store.dir(), marks.as_path()] {
+            private_dir(dir).map_err(|source| HostError::Io {
+                what: dir.display().to_string(),
+                source,
+            })?;
+        }
+        Ok(Self {
+            inner: Arc::new(Inner {
+                store,
+                fleet,
+                defaults,
+                max_sessions,
+                marks,
+                slots: Mutex::new(HashMap::new()),
+                tasks: TaskTracker::new(),
+                stop: CancellationToken::new(),
+            }),
+        })
+    }
+
+    fn slots(&self) -> std::sync::MutexGuard<'_, HashMap<String, Slot>> {
+        // A panic elsewhere with the lock held leaves the table as it was:
+        // every change to it is one insert or remove.
+        self.inner
+            .slots
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn mark_path(&self, id: &str) -> PathBuf {
+        self.inner.marks.join(format!("{id}.json"))
+    }
+
+    /// Takes the slots of every session whose run was not over when the
+    /// service stopped (its mark is still there), before anyone may ask
+    /// about them: a watcher that comes first waits for the resumed run.
+    pub fn reserve_marked(&self) -> Marked {
+        let Ok(rd) = std::fs::read_dir(&self.inner.marks) else {
+            return Marked(Vec::new());
+        };
+        let mut ids: Vec<String> = rd
+            .filter_map(Result::ok)
+            .filter_map(|e| {
+                e.file_name()
+                    .to_str()
+                    .and_then(|n| n.strip_suffix(".json"))
+                    .map(str::to_string)
+            })
+            .collect();
+        ids.sort();
+        let mut marked = Vec::new();
+        for id in ids {
+            let settings = match std::fs::read(self.mark_path(&id))
+                .map_err(|e| e.to_string())
+                .and_then(|b| serde_json::from_slice::<Settings>(&b).map_err(|e| e.to_string()))
+            {
+                Ok(s) => s,
+                Err(e) => {
+                    tracing::warn!(session = %id, error = %e, "the mark of a hosted session cannot be read; it is not resumed");
+                    continue;
+                }
+            };
+            if !matches!(self.inner.store.exists(&id), Ok(true)) {
+                // Its start never recorded it: nothing to resume.
+                let _ = std::fs::remove_file(self.mark_path(&id));
+                continue;
+            }
+            match self.reserve(&id) {
+                Ok(r) => marked.push((id, settings, r)),
+                Err(e) => {
+                    tracing::warn!(session = %id, error = %e, "a session hosted before the restart is not resumed now; the next start tries again");
+                }
+            }
+        }
+        Marked(marked)
+    }
+
+    /// Resumes the sessions of [`Self::reserve_marked`], each as its start
+    /// asked. One that cannot be resumed is said and its mark left for the
+    /// next start.
+    pub async fn resume_marked(&self, marked: Marked) {
+        let mut resuming = tokio::task::JoinSet::new();
+        for (id, settings, reservation) in marked.0 {
+            let host = self.clone();
+            resuming.spawn(async move {
+                let r = match settings.options(SessionRequest::default(), &host.inner.defaults) {
+                    Ok(opts) => {
+                        host.begin(id.clone(), opts, settings, reservation, true)
+                            .await
+                    }
+                    Err(e) => Err(e),
+                };
+                (id, r)
+            });
+        }
+        while let Some(done) = resuming.join_next().await {
+            match done {
+                Ok((id, Ok(_))) => {
+                    tracing::info!(session = %id, "a session hosted before the restart is resumed")
+                }
+                Ok((id, Err(e))) => {
+                    tracing::warn!(session = %id, error = %corral_harness::client::source_chain(&e), "a session hosted before the restart could not be resumed; the next start tries again")
+                }
+                Err(e) => tracing::warn!(error = %e, "resuming a session panicked"),
+            }
+        }
+    }
+
+    /// Starts session `id` (a new one: `request` must give it something
+    /// to do) or resumes it (`request` may bring a new input).
+    pub async fn start(
+        &self,
+        id: Option<String>,
+        request: Option<SessionRequest>,
+        settings: Settings,
+    ) -> Result<Started, HostError> {
+        if self.inner.stop.is_cancelled() {
+            return Err(HostError::ShuttingDown);
+        }
+        let id = id.unwrap_or_else(Sessions::new_id);
+        corral_harness::session::log::check_id(&id)?;
+        let opts = settings.options(request.unwrap_or_default(), &self.inner.defaults)?;
+        let reservation = self.reserve(&id)?;
+        self.begin(id, opts, settings, reservation, false).await
+    }
+
+    /// Launches a reserved start in a task of its own (a caller that goes
+    /// away mid-start does not cut a placement or a resume in half), and
+    /// waits for it.
+    async fn begin(
+        &self,
+        id: String,
+        opts: RunOptions,
+        settings: Settings,
+        reservation: Reservation,
+        keep_mark_on_failure: bool,
+    ) -> Result<Started, HostError> {
+        let host = self.clone();
+        let launched = self.inner.tasks.spawn(async move {
+            host.launch(id, opts, settings, reservation, keep_mark_on_failure)
+                .await
+        });
+        launched.await.map_err(|e| HostError::Io {
+            what: "starting the session".into(),
+            source: std::io::Error::other(e.to_string()),
+        })?
+    }
+
+    /// Takes session `id`'s slot (within --max-sessions) and opens its
+    /// journal, so watchers may wait for its run.
+    fn reserve(&self, id: &str) -> Result<Reservation, HostError> {
+        let mut slots = self.slots();
+        if slots.contains_key(id) {
+            return Err(HostError::Running(id.to_string()));
+        }
+        if slots.len() >= self.inner.max_sessions {
+            return Err(HostError::Full {
+                max: self.inner.max_sessions,
+            });
+        }
+        let path = self.inner.store.events_path(id);
+        let journal = Journal::open(&path).map_err(|source| HostError::Io {
+            what: path.display().to_string(),
+            source,
+        })?;
+        slots.insert(id.to_string(), Slot::Starting(journal.watch()));
+        Ok(Reservation {
+            host: self.clone(),
+            id: id.to_string(),
+            journal: Some(journal),
+        })
+    }
+
+    async fn launch(
+        self,
+        id: String,
+        opts: RunOptions,
+        settings: Settings,
+        mut reservation: Reservation,
+        keep_mark_on_failure: bool,
+    ) -> Result<Started, HostError> {
+        let store = &self.inner.store;
+        let resumed = store.exists(&id)?;
+        // Marked first: a service killed from here on resumes the run.
+        let mark = self.mark_path(&id);
+        write_private(&mark, &serde_json::to_vec(&settings).unwrap_or_default()).map_err(
+            |source| HostError::Io {
+                what: mark.display().to_string(),
+                source,
+            },
+        )?;
+        let end = RunEnd {
+            export: None,
+            keep_sandbox: settings.keep_sandbox,
+        };
+        let run = match runner::run(store, &self.inner.fleet, &id, opts, end).await {
+            Ok(run) => run,
+            Err(e) => {
+                // A run that never began leaves nothing to resume (a new
+                // session left nothing behind; an old one stays as it was),
+                // unless it is one the service hosted before it stopped:
+                // the next start tries it again.
+                if !keep_mark_on_failure {
+                    let _ = std::fs::remove_file(&mark);
+                }
+                return Err(e.into());
+            }
+        };
+        let Some(journal) = reservation.journal.take() else {
+            return Err(HostError::Invalid("the start was reserved twice".into()));
+        };
+        let events_before = journal.count();
+        let (leave, left) = mpsc::channel(1);
+        self.slots().insert(
+            id.clone(),
+            Slot::Running(Hosted {
+                inputs: run.inputs.clone(),
+                leave,
+                mark: journal.watch(),
+            }),
+        );
+        let host = self.clone();
+        self.inner
+            .tasks
+            .spawn(async move { host.drive(run, journal, left).await });
+        Ok(Started {
+            id,
+            resumed,
+            events_before,
+        })
+    }
+
+    /// Carries one run's events to its journal until it ends, and ends it:
+    /// its result written, its mark and slot taken away.
+    async fn drive(self, mut run: Run, mut journal: Journal, mut left: mpsc::Receiver<String>) {
+        let started = Instant::now();
+        let id = run.id.clone();
+        let ended = loop {
+            tokio::select! {
+                biased;
+                Some(e) = run.events.recv() => write(&mut journal, &e),
+                res = &mut run.task => {
+                    while let Ok(e) = run.events.try_recv() {
+                        write(&mut journal, &e);
+                    }
+                    break res;
+                }
+                Some(why) = left.recv() => run.leave(why),
+                () = self.inner.stop.cancelled() => {
+                    // As if killed: the run's operations go on on their
+                    // worker, its log and mark stay, and the next start
+                    // of the service resumes it.
+                    run.task.abort();
+                    self.slots().remove(&id);
+                    return;
+                }
+            }
+        };
+        let last = match ended {
+            Ok(Ok(outcome)) => outcome.result_event(&id, started.elapsed()),
+            Ok(Err(e)) => Event::Error {
+                message: corral_harness::client::source_chain(&e),
+            },
+            Err(e) => Event::Error {
+                message: format!("the session's run failed: {e}"),
+            },
+        };
+        write(&mut journal, &last);
+        let _ = std::fs::remove_file(self.mark_path(&id));
+        // Out of the table before watchers are told: a start right after
+        // the last event finds the session free.
+        self.slots().remove(&id);
+        journal.close();
+    }
+
+    fn running(&self, id: &str) -> Result<Hosted, HostError> {
+        match self.slots().get(id) {
+            Some(Slot::Running(h)) => Ok(h.clone()),
+            Some(Slot::Starting(_)) => Err(HostError::NotRunning(id.to_string())),
+            None => {
+                if self.inner.store.exists(id)? {
+                    Err(HostError::NotRunning(id.to_string()))
+                } else {
+                    Err(HostError::NotFound(id.to_string()))
+                }
+            }
+        }
+    }
+
+    /// A new input for a running session.
+    pub async fn send(&self, id: &str, input_id: String, text: String) -> Result<(), HostError> {
+        corral_harness::session::log::check_id(id)?;
+        if text.trim().is_empty() {
+            return Err(HostError::Invalid("the input is empty".into()));
+        }
+        let hosted = self.running(id)?;
+        hosted
+            .inputs
+            .send(Inbox::Input { input_id, text })
+            .await
+            .map_err(|_| HostError::NotRunning(id.to_string()))
+    }
+
+    /// Stops a running session (or, `leave`, gives up on its calls).
+    pub async fn stop(&self, id: &str, leave: bool) -> Result<(), HostError> {
+        corral_harness::session::log::check_id(id)?;
+        let hosted = self.running(id)?;
+        if leave {
+            let _ = hosted
+                .leave
+                .try_send("left by a client without waiting for its calls".into());
+            return Ok(());
+        }
+        hosted
+            .inputs
+            .send(Inbox::Stop(StopMode::Hard))
+            .await
+            .map_err(|_| HostError::NotRunning(id.to_string()))
+    }
+
+    /// Where a watcher of session `id` reads: its journal, and how far it
+    /// is written when its run is hosted.
+    pub fn watch(&self, id: &str) -> Result<(PathBuf, Option<watch::Receiver<Mark>>), HostError> {
+        corral_harness::session::log::check_id(id)?;
+        let path = self.inner.store.events_path(id);
+        let mark = match self.slots().get(id) {
+            Some(Slot::Running(h)) => Some(h.mark.clone()),
+            Some(Slot::Starting(mark)) => Some(mark.clone()),
+            None => None,
+        };
+        if mark.is_none() && !path.exists() && !self.inner.store.exists(id)? {
+            return Err(HostError::NotFound(id.to_string()));
+        }
+        Ok((path, mark))
+    }
+
+    pub fn list(&self) -> Result<Vec<Listed>, HostError> {
+        let mut out = Vec::new();
+        for listed in self.inner.store.list()? {
+            let running = matches!(self.slots().get(&listed.id), Some(Slot::Running(_)));
+            let events = super::journal::count_lines(&self.inner.store.events_path(&listed.id));
+            let (model, sandbox_id, worker, turns) = match &listed.state {
+                Ok(s) => match &s.config {
+                    Some(c) => (
+                        c.model.clone(),
+                        c.sandbox_id.to_string(),
+                        c.worker.clone().unwrap_or_default(),
+                        s.turns(),
+                    ),
+                    None => Default::default(),
+                },
+                Err(_) => Default::default(),
+            };
+            out.push(Listed {
+                id: listed.id,
+                running,
+                model,
+                sandbox_id,
+                worker,
+                turns,
+                events,
+            });
+        }
+        Ok(out)
+    }
+
+    /// The worker a stored session was placed on.
+    async fn worker_of(&self, id: &str) -> Result<corral_harness::client::WorkerClient, HostError> {
+        let config = self.inner.store.config_of(id)?;
+        let fleet = &self.inner.fleet;
+        let urls = fleet.urls().await.map_err(SessionError::from)?;
+        Ok(fleet
+            .connect_recorded(&urls, config.worker.as_deref(), config.worker_id.as_deref())
+            .await
+            .map_err(SessionError::from)?)
+    }
+
+    /// Copies session `id` up to `turn` into `new_id`, its files too.
+    pub async fn fork(&self, id: &str, new_id: &str, turn: Option<u64>) -> Result<(), HostError> {
+        corral_harness::session::log::check_id(id)?;
+        corral_harness::session::log::check_id(new_id)?;
+        if !self.inner.store.exists(id)? {
+            return Err(HostError::NotFound(id.to_string()));
+        }
+        // The child's name is taken while it is made.
+        let reservation = self.reserve(new_id)?;
+        let worker = self.worker_of(id).await?;
+        let forked = self
+            .inner
+            .store
+            .fork_with_workspace(id, new_id, turn, worker)
+            .await;
+        drop(reservation);
+        forked?;
+        Ok(())
+    }
+
+    /// Removes a session that is not running, and its sandbox (unless
+    /// `keep_sandbox`).
+    pub async fn remove(&self, id: &str, keep_sandbox: bool) -> Result<(), HostError> {
+        corral_harness::session::log::check_id(id)?;
+        if !self.inner.store.exists(id)? {
+            return Err(HostError::NotFound(id.to_string()));
+        }
+        let reservation = self.reserve(id)?;
+        let stored = self.inner.store.open(id)?;
+        let worker = match (keep_sandbox, stored.config().is_some()) {
+            (false, true) => Some(self.worker_of(id).await?),
+            _ => None,
+        };
+        self.inner.store.remove(stored, worker).await?;
+        let _ = std::fs::remove_file(self.mark_path(id));
+        drop(reservation);
+        Ok(())
+    }
+
+    /// Sends `out` the session's /workspace as a tar stream of its
+    /// contents: from its sandbox, or from where it was saved when the
+    /// session is suspended.
+    pub async fn export(&self, id: &str, out: mpsc::Sender<bytes::Bytes>) -> Result<(), HostError> {
+        corral_harness::session::log::check_id(id)?;
+        if !self.inner.store.exists(id)? {
+            return Err(HostError::NotFound(id.to_string()));
+        }
+        let saved = self.inner.store.saved_workspace(id);
+        if saved.exists() {
+            return send_file(&saved, out).await;
+        }
+        let config = self.inner.store.config_of(id)?;
+        let worker = self.worker_of(id).await?;
+        corral_harness::transfer::get(
+            &worker,
+            &config.sandbox_id,
+            corral_proto::ArchiveSpec::contents_of(corral_proto::limits::WORKSPACE_DIR),
+            out,
+            |_| {},
+        )
+        .await
+        .map_err(|e| {
+            HostError::Session(SessionError::Sandbox {
+                sandbox: config.sandbox_id.clone(),
+                error: e.to_string(),
+            })
+        })?;
+        Ok(())
+    }
+
+    /// Stops hosting: every run's task is aborted (its session resumes at
+    /// the next start), and new starts are refused. Returns once they are
+    /// all gone.
+    pub async fn shut_down(&self) {
+        self.inner.stop.cancel();
+        self.inner.tasks.close();
+        self.inner.tasks.wait().await;
+    }
+
+    /// Resolves once the service is stopping.
+    pub fn stopping(&self) -> tokio_util::sync::WaitForCancellationFuture<'_> {
+        self.inner.stop.cancelled()
+    }
+}
+
+/// Writes one event to the journal; a journal that cannot be written is
+/// said (the run goes on: its log holds what happened).
+fn write(journal: &mut Journal, e: &Event) {
+    if let Err(err) = journal.append(&to_json_line(e)) {
+        tracing::error!(path = %journal.path().display(), error = %err, "a session event could not be written");
+    }
+}
+
+async fn send_file(path: &Path, out: mpsc::Sender<bytes::Bytes>) -> Result<(), HostError> {
+    use tokio::io::AsyncReadExt;
+    let io = |source| HostError::Io {
+        what: path.display().to_string(),
+        source,
+    };
+    let mut file = tokio::fs::File::open(path).await.map_err(io)?;
+    loop {
+        let mut buf = bytes::BytesMut::with_capacity(256 * 1024);
+        let n = file.read_buf(&mut buf).await.map_err(io)?;
+        if n == 0 {
+            return Ok(());
+        }
+        if out.send(buf.freeze()).await.is_err() {
+            return Ok(());
+        }
+    }
+}
+
+/// A directory only its owner reads, made if missing.
+fn private_dir(dir: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::DirBuilderExt;
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+}
+
+/// Writes `bytes` to `path` (mode 0600), whole or not at all.
+fn write_private(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let tmp = path.with_extension("json.partial");
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(&tmp)?;
+    f.write_all(bytes)?;
+    f.sync_all()?;
+    std::fs::rename(&tmp, path)
+}
+
+/// The request of a start: empty for a resume, else the `--request` JSON.
+pub fn request_of(json: &str) -> Result<Option<SessionRequest>, HostError> {
+    if json.trim().is_empty() {
+        return Ok(None);
+    }
+    parse_request(json)
+        .map(Some)
+        .map_err(|e| HostError::Invalid(format!("request: {e}")))
+}

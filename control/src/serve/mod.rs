@@ -1,0 +1,161 @@
+//! `corral serve`: the control plane as a long-running service. It hosts
+//! many sessions at once ([`host`]), keeps each one's events where a
+//! watcher can read them from any point ([`journal`]), and serves them
+//! over gRPC ([`service`]: `corral.v1.Control`, behind the same bearer
+//! token or mutual TLS as a worker, with gRPC health checking open to
+//! anyone). Sessions run on the workers of `--worker` (or the local one),
+//! through the harness's runner, as `corral run` runs them.
+
+pub mod host;
+pub mod journal;
+pub mod service;
+
+use std::io::Write;
+use std::path::PathBuf;
+
+use corral_proto::limits::MAX_REQUEST_BYTES;
+use corral_proto::pb::control_server::ControlServer;
+use corral_worker::server::TokenAuth;
+
+use crate::cli::{ApiKind, ConnArgs, LostPolicy, ServeArgs};
+use host::{Defaults, Host, HostError};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error("{0}")]
+    Usage(String),
+    #[error(transparent)]
+    Config(#[from] corral_worker::cli::ConfigError),
+    #[error(transparent)]
+    Connect(#[from] crate::connect::ConnectError),
+    #[error(transparent)]
+    Host(#[from] HostError),
+    #[error("listening on {addr}: {source}")]
+    Bind {
+        addr: std::net::SocketAddr,
+        source: std::io::Error,
+    },
+    #[error("gRPC server: {0}")]
+    Transport(#[from] tonic::transport::Error),
+}
+
+impl ServeError {
+    pub fn is_usage(&self) -> bool {
+        matches!(
+            self,
+            ServeError::Usage(_)
+                | ServeError::Config(_)
+                | ServeError::Connect(crate::connect::ConnectError::Usage(_))
+        )
+    }
+}
+
+fn state_dir(args: &ServeArgs) -> PathBuf {
+    args.serve_state_dir
+        .clone()
+        .unwrap_or_else(|| corral_worker::cli::default_state_dir("control"))
+}
+
+/// Serves until SIGINT, SIGTERM or SIGHUP. The sessions it hosts are
+/// left as a crash would leave them (their operations go on on their
+/// workers) and resumed at the next start.
+pub async fn serve(conn: &ConnArgs, args: &ServeArgs) -> Result<(), ServeError> {
+    let state = state_dir(args);
+    std::fs::create_dir_all(&state)
+        .map_err(|e| ServeError::Usage(format!("--serve-state-dir {}: {e}", state.display())))?;
+    let token_path = args
+        .serve_token_file
+        .clone()
+        .unwrap_or_else(|| state.join("token"));
+    let token = match &args.serve_token_file {
+        Some(path) => corral_worker::cli::read_token(path)?,
+        None => corral_worker::cli::token_or_new(&token_path)?,
+    };
+    let tls = corral_worker::cli::server_tls(
+        args.serve_tls_cert.as_deref(),
+        args.serve_tls_key.as_deref(),
+        args.serve_tls_client_ca.as_deref(),
+    )?;
+    let defaults = Defaults {
+        model: args.model.clone(),
+        base_url: args.base_url.clone(),
+        api: args.api.map(|a| match a {
+            ApiKind::Responses => corral_harness::llm::Api::Responses,
+            ApiKind::Chat => corral_harness::llm::Api::Chat,
+        }),
+        api_key: crate::commands::key_from(args.api_key_file.as_deref())
+            .map_err(ServeError::Usage)?,
+        image: args
+            .image
+            .clone()
+            .unwrap_or_else(|| crate::commands::DEFAULT_IMAGE.to_string()),
+        heartbeat: (!args.heartbeat.is_zero()).then_some(args.heartbeat),
+        grace: args.grace,
+        worker_lost_after: conn.worker_lost_after,
+        on_sandbox_lost: args.on_sandbox_lost.map(|p| match p {
+            LostPolicy::Fail => corral_harness::agent::OnSandboxLost::Fail,
+            LostPolicy::NewSandbox => corral_harness::agent::OnSandboxLost::NewSandbox,
+        }),
+    };
+    let store = crate::commands::sessions(args.sessions_dir.as_deref());
+    let fleet = crate::connect::fleet(conn)?;
+    let max = usize::try_from(args.max_sessions).unwrap_or(usize::MAX);
+    let host = Host::new(store, fleet, defaults, max, &state)?;
+    let listener = tokio::net::TcpListener::bind(args.listen)
+        .await
+        .map_err(|source| ServeError::Bind {
+            addr: args.listen,
+            source,
+        })?;
+    let addr = listener.local_addr().map_err(|source| ServeError::Bind {
+        addr: args.listen,
+        source,
+    })?;
+    // The signal handlers are in place before anyone is told the address.
+    let stop = crate::signals::stop_signal();
+
+    let (health_reporter, health) = tonic_health::server::health_reporter();
+    health_reporter
+        .set_serving::<ControlServer<service::ControlService>>()
+        .await;
+    let auth = TokenAuth::new(Some(token));
+    let control = ControlServer::new(service::ControlService::new(host.clone()))
+        .max_decoding_message_size(MAX_REQUEST_BYTES);
+    let control =
+        tonic::service::interceptor::InterceptedService::new(control, move |req| auth.check(req));
+    let mut builder = tonic::transport::Server::builder()
+        .http2_keepalive_interval(Some(std::time::Duration::from_secs(30)))
+        .http2_keepalive_timeout(Some(std::time::Duration::from_secs(20)));
+    if let Some(tls) = tls {
+        builder = builder.tls_config(tls)?;
+    }
+    let router = builder.add_service(health).add_service(control);
+    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+    // Sessions it hosted when it last stopped are taken before anyone may
+    // ask about them (a watcher waits for their runs), then go on.
+    let marked = host.reserve_marked();
+    // One line for whoever started it; a closed stdout is no failure.
+    let _ = writeln!(
+        std::io::stdout(),
+        "corral serve listening on {addr} (clients present the token in {})",
+        token_path.display()
+    );
+    let _ = std::io::stdout().flush();
+    let resuming = tokio::spawn({
+        let host = host.clone();
+        async move { host.resume_marked(marked).await }
+    });
+    let shutdown = {
+        let host = host.clone();
+        async move {
+            stop.await;
+            tracing::info!("stopping: the hosted sessions resume at the next start");
+            host.shut_down().await;
+        }
+    };
+    let served = router
+        .serve_with_incoming_shutdown(incoming, shutdown)
+        .await;
+    resuming.abort();
+    Ok(served?)
+}

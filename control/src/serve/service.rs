@@ -1,0 +1,273 @@
+//! `corral.v1.Control` over a [`Host`]: requests checked and turned into
+//! the host's calls, its errors into statuses that carry a machine-readable
+//! reason (and, for a limit, the flag that sets it).
+
+use std::pin::Pin;
+
+use corral_harness::session::LogError;
+use corral_harness::sessions::SessionError;
+use corral_proto::Reason;
+use corral_proto::pb;
+use futures_util::Stream;
+use tokio::sync::mpsc;
+use tonic::{Code, Request, Response, Status};
+
+use super::host::{Host, HostError, Settings, request_of};
+
+/// Events queued for one watcher (it reads the journal as fast as it
+/// takes them).
+const WATCH_QUEUE: usize = 64;
+/// Export chunks queued for one caller.
+const EXPORT_QUEUE: usize = 8;
+
+pub struct ControlService {
+    host: Host,
+}
+
+impl ControlService {
+    pub fn new(host: Host) -> Self {
+        Self { host }
+    }
+}
+
+fn status(code: Code, reason: Reason, message: String) -> Status {
+    corral_proto::reason::status(code, reason, None, message)
+}
+
+impl From<HostError> for Status {
+    fn from(e: HostError) -> Self {
+        let text = corral_harness::client::source_chain(&e);
+        match &e {
+            HostError::Invalid(_) => status(Code::InvalidArgument, Reason::InvalidArgument, text),
+            HostError::NotFound(_) => status(Code::NotFound, Reason::SessionNotFound, text),
+            HostError::Running(_) => status(Code::FailedPrecondition, Reason::SessionRunning, text),
+            HostError::NotRunning(_) => {
+                status(Code::FailedPrecondition, Reason::SessionNotRunning, text)
+            }
+            HostError::Full { .. } => corral_proto::reason::status(
+                Code::ResourceExhausted,
+                Reason::AtCapacity,
+                Some("--max-sessions"),
+                text,
+            ),
+            HostError::ShuttingDown => status(Code::Unavailable, Reason::ShuttingDown, text),
+            HostError::Io { .. } => status(Code::Internal, Reason::Internal, text),
+            HostError::Session(s) => session_status(s, text),
+        }
+    }
+}
+
+fn session_status(e: &SessionError, text: String) -> Status {
+    use SessionError as S;
+    match e {
+        S::Invalid(_) | S::NoSuchTurn { .. } | S::Model(_) | S::Upload { .. } => {
+            status(Code::InvalidArgument, Reason::InvalidArgument, text)
+        }
+        S::Log(log) => match log {
+            LogError::BadId(_) | LogError::BadForkPoint { .. } => {
+                status(Code::InvalidArgument, Reason::InvalidArgument, text)
+            }
+            LogError::NotFound(_) => status(Code::NotFound, Reason::SessionNotFound, text),
+            LogError::AlreadyExists(_) => status(Code::AlreadyExists, Reason::Conflict, text),
+            // Another process holds its log (a `corral run` of its own).
+            LogError::Locked(_) => status(Code::FailedPrecondition, Reason::SessionRunning, text),
+            _ => status(Code::Internal, Reason::Internal, text),
+        },
+        S::Gone(_) => status(Code::FailedPrecondition, Reason::SessionNotRunning, text),
+        // The workers' own refusal, passed on with its reason.
+        S::Fleet(f) => match f {
+            corral_harness::fleet::FleetError::Client(c) => {
+                let reason = c.reason().unwrap_or(Reason::Internal);
+                let code = match c {
+                    corral_harness::client::ClientError::Status(s) => s.code(),
+                    _ => Code::Unavailable,
+                };
+                corral_proto::reason::status(code, reason, c.flag().as_deref(), text)
+            }
+            corral_harness::fleet::FleetError::Usage(_)
+            | corral_harness::fleet::FleetError::Invalid(_) => {
+                status(Code::InvalidArgument, Reason::InvalidArgument, text)
+            }
+            _ => status(Code::Unavailable, Reason::AtCapacity, text),
+        },
+        S::Refused { .. } => status(Code::Unavailable, Reason::AtCapacity, text),
+        S::Sandbox { .. } | S::Core(_) | S::Task(_) => {
+            status(Code::Internal, Reason::Internal, text)
+        }
+    }
+}
+
+type Events = Pin<Box<dyn Stream<Item = Result<pb::SessionEvent, Status>> + Send>>;
+type Chunks = Pin<Box<dyn Stream<Item = Result<pb::ExportChunk, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl pb::control_server::Control for ControlService {
+    async fn start_session(
+        &self,
+        req: Request<pb::StartSessionRequest>,
+    ) -> Result<Response<pb::StartSessionResponse>, Status> {
+        let req = req.into_inner();
+        let request = request_of(&req.request_json)?;
+        let id = (!req.session_id.is_empty()).then_some(req.session_id);
+        let settings = Settings::from_pb(req.settings.unwrap_or_default());
+        let started = self.host.start(id, request, settings).await?;
+        Ok(Response::new(pb::StartSessionResponse {
+            session_id: started.id,
+            resumed: started.resumed,
+            events_before: started.events_before,
+        }))
+    }
+
+    async fn send_input(
+        &self,
+        req: Request<pb::SendInputRequest>,
+    ) -> Result<Response<pb::SendInputResponse>, Status> {
+        let req = req.into_inner();
+        let input_id = if req.input_id.is_empty() {
+            uuid::Uuid::new_v4().to_string()
+        } else {
+            req.input_id
+        };
+        self.host
+            .send(&req.session_id, input_id.clone(), req.text)
+            .await?;
+        Ok(Response::new(pb::SendInputResponse { input_id }))
+    }
+
+    type WatchSessionStream = Events;
+
+    async fn watch_session(
+        &self,
+        req: Request<pb::WatchSessionRequest>,
+    ) -> Result<Response<Events>, Status> {
+        let req = req.into_inner();
+        let (path, mark) = self.host.watch(&req.session_id)?;
+        let (tx, rx) = mpsc::channel(WATCH_QUEUE);
+        let host = self.host.clone();
+        tokio::spawn(async move {
+            let sending = tx.clone();
+            let reading = super::journal::read(&path, req.after, mark, move |seq, json| {
+                let tx = sending.clone();
+                async move { tx.send(Ok(pb::SessionEvent { seq, json })).await.is_ok() }
+            });
+            tokio::select! {
+                r = reading => {
+                    if let Err(super::journal::ReadError::Io { path, source }) = r {
+                        let _ = tx
+                            .send(Err(status(
+                                Code::Internal,
+                                Reason::Internal,
+                                format!("reading {path}: {source}"),
+                            )))
+                            .await;
+                    }
+                }
+                // The service stops: the stream ends without a result, and
+                // the watcher asks again after its last event.
+                () = host.stopping() => {
+                    let _ = tx
+                        .send(Err(status(
+                            Code::Unavailable,
+                            Reason::ShuttingDown,
+                            "the service is restarting: watch again after the last event".into(),
+                        )))
+                        .await;
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(
+            tokio_stream::wrappers::ReceiverStream::new(rx),
+        )))
+    }
+
+    async fn stop_session(
+        &self,
+        req: Request<pb::StopSessionRequest>,
+    ) -> Result<Response<pb::StopSessionResponse>, Status> {
+        let req = req.into_inner();
+        self.host.stop(&req.session_id, req.leave).await?;
+        Ok(Response::new(pb::StopSessionResponse {}))
+    }
+
+    async fn list_sessions(
+        &self,
+        _req: Request<pb::ListSessionsRequest>,
+    ) -> Result<Response<pb::ListSessionsResponse>, Status> {
+        let host = self.host.clone();
+        let listed = tokio::task::spawn_blocking(move || host.list())
+            .await
+            .map_err(|e| Status::internal(e.to_string()))??;
+        Ok(Response::new(pb::ListSessionsResponse {
+            sessions: listed
+                .into_iter()
+                .map(|l| pb::SessionInfo {
+                    session_id: l.id,
+                    running: l.running,
+                    model: l.model,
+                    sandbox_id: l.sandbox_id,
+                    worker: l.worker,
+                    turns: l.turns,
+                    events: l.events,
+                })
+                .collect(),
+        }))
+    }
+
+    async fn fork_session(
+        &self,
+        req: Request<pb::ForkSessionRequest>,
+    ) -> Result<Response<pb::ForkSessionResponse>, Status> {
+        let req = req.into_inner();
+        self.host
+            .fork(&req.session_id, &req.new_session_id, req.turn)
+            .await?;
+        Ok(Response::new(pb::ForkSessionResponse {
+            session_id: req.new_session_id,
+        }))
+    }
+
+    type ExportSessionStream = Chunks;
+
+    async fn export_session(
+        &self,
+        req: Request<pb::ExportSessionRequest>,
+    ) -> Result<Response<Chunks>, Status> {
+        let id = req.into_inner().session_id;
+        // Refused before the stream begins when there is nothing to export.
+        self.host.watch(&id)?;
+        let (bytes_tx, mut bytes_rx) = mpsc::channel::<bytes::Bytes>(EXPORT_QUEUE);
+        let (tx, rx) = mpsc::channel(EXPORT_QUEUE);
+        let host = self.host.clone();
+        tokio::spawn(async move {
+            let exporting = host.export(&id, bytes_tx);
+            let forwarding = async {
+                while let Some(data) = bytes_rx.recv().await {
+                    if tx.send(Ok(pb::ExportChunk { data })).await.is_err() {
+                        return;
+                    }
+                }
+            };
+            let (exported, ()) = tokio::join!(exporting, forwarding);
+            // A cut stream never passes for a whole archive.
+            if let Err(e) = exported {
+                let mut s = Status::from(e);
+                if s.code() == Code::Ok {
+                    s = Status::internal(s.message().to_string());
+                }
+                let _ = tx.send(Err(s)).await;
+            }
+        });
+        Ok(Response::new(Box::pin(
+            tokio_stream::wrappers::ReceiverStream::new(rx),
+        )))
+    }
+
+    async fn remove_session(
+        &self,
+        req: Request<pb::RemoveSessionRequest>,
+    ) -> Result<Response<pb::RemoveSessionResponse>, Status> {
+        let req = req.into_inner();
+        self.host.remove(&req.session_id, req.keep_sandbox).await?;
+        Ok(Response::new(pb::RemoveSessionResponse {}))
+    }
+}

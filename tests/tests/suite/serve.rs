@@ -1,0 +1,493 @@
+//! `corral serve`, the control plane as a service: real workers in their
+//! own processes, the strict scripted model server, the service in its own
+//! process, and clients over gRPC (the harness's `ControlClient`, and
+//! `corral run --control`).
+
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail, ensure};
+use corral_e2e::model::{ModelServer, Received, Reply, responses};
+use corral_e2e::{WorkerProcess, binary, free_port, unique_id};
+use corral_harness::client::{Credentials, WorkerClient};
+use corral_harness::control::ControlClient;
+use corral_proto::{Reason, pb};
+use futures_util::StreamExt;
+use serde_json::{Value, json};
+
+const TOKEN: &str = "serve-test-token-0123456789abcdef";
+
+/// The model: the command the session's first message names, as a Bash
+/// call, then, once its result is in, "Done.".
+fn respond(req: &Received) -> Reply {
+    if req.text().contains("function_call_output") {
+        return responses::text("Done.");
+    }
+    let command = req.body["input"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|i| i["role"] == "user")
+        .find_map(|i| i["content"].as_str())
+        .unwrap_or("echo nothing asked")
+        .to_string();
+    responses::calls(&[("c1", "Bash", &json!({ "command": command }).to_string())])
+}
+
+/// Workers (their token shared), a model, and `corral serve` over them.
+struct Setup {
+    workers: Vec<WorkerProcess>,
+    _states: Vec<tempfile::TempDir>,
+    token: PathBuf,
+    model: ModelServer,
+    sessions: tempfile::TempDir,
+    serve_state: tempfile::TempDir,
+    dir: tempfile::TempDir,
+    serve: Option<std::process::Child>,
+    port: u16,
+    max_sessions: u32,
+}
+
+impl Setup {
+    async fn start(workers: usize, max_sessions: u32) -> Result<Self> {
+        let dir = tempfile::tempdir()?;
+        let token = dir.path().join("worker-token");
+        std::fs::write(&token, format!("{TOKEN}\n"))?;
+        std::fs::set_permissions(&token, std::os::unix::fs::PermissionsExt::from_mode(0o600))?;
+        let mut s = Self {
+            workers: Vec::new(),
+            _states: Vec::new(),
+            token,
+            model: ModelServer::responding(respond).await,
+            sessions: tempfile::tempdir()?,
+            serve_state: tempfile::tempdir()?,
+            dir,
+            serve: None,
+            port: free_port()?,
+            max_sessions,
+        };
+        let run = unique_id("sv");
+        for i in 0..workers {
+            let state = tempfile::tempdir()?;
+            let w = WorkerProcess::spawn(
+                state.path(),
+                &format!("{run}-w{i}"),
+                free_port()?,
+                &[("CORRAL_LOG", "warn")],
+                &[
+                    "--max-sandboxes",
+                    "40",
+                    "--token-file",
+                    s.token.to_str().context("token path")?,
+                ],
+            )?;
+            s._states.push(state);
+            s.workers.push(w);
+        }
+        s.start_service()?;
+        Ok(s)
+    }
+
+    fn worker_list(&self) -> String {
+        self.workers
+            .iter()
+            .map(|w| w.url.clone())
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
+    fn url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+
+    /// Starts `corral serve` (again, on the same port and state).
+    fn start_service(&mut self) -> Result<()> {
+        let mut cmd = std::process::Command::new(binary("corral")?);
+        cmd.env_clear()
+            .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+            .env("HOME", self.dir.path())
+            .env("OPENAI_API_KEY", "sk-test")
+            .env("CORRAL_LOG", "warn")
+            .args(["--worker", &self.worker_list(), "--token-file"])
+            .arg(&self.token)
+            .args(["serve", "--listen", &format!("127.0.0.1:{}", self.port)])
+            .arg("--serve-state-dir")
+            .arg(self.serve_state.path())
+            .arg("--sessions-dir")
+            .arg(self.sessions.path())
+            .args([
+                "--base-url",
+                &self.model.url,
+                "--image",
+                "corral-sandbox:latest",
+            ])
+            .args(["--max-sessions", &self.max_sessions.to_string()])
+            .args(["--heartbeat", "0"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit());
+        let mut child = cmd.spawn()?;
+        let stdout = child.stdout.take().context("no stdout")?;
+        let mut line = String::new();
+        std::io::BufRead::read_line(&mut std::io::BufReader::new(stdout), &mut line)?;
+        if !line.contains("listening on") {
+            let _ = child.kill();
+            bail!("corral serve did not start: {line:?}");
+        }
+        self.serve = Some(child);
+        Ok(())
+    }
+
+    fn kill_service(&mut self) {
+        if let Some(mut c) = self.serve.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    fn service_token(&self) -> PathBuf {
+        self.serve_state.path().join("token")
+    }
+
+    async fn client(&self) -> Result<ControlClient> {
+        let token = corral_worker::cli::read_token(&self.service_token())?;
+        Ok(ControlClient::connect(&self.url(), &Credentials::token(Some(&token))).await?)
+    }
+
+    async fn worker(&self, url: &str) -> Result<WorkerClient> {
+        Ok(WorkerClient::connect(url, Some(TOKEN)).await?)
+    }
+}
+
+impl Drop for Setup {
+    fn drop(&mut self) {
+        self.kill_service();
+    }
+}
+
+fn request(command: &str) -> pb::StartSessionRequest {
+    pb::StartSessionRequest {
+        session_id: unique_id("s-"),
+        request_json: json!({ "prompt": command }).to_string(),
+        settings: Some(pb::RunSettings {
+            keep_sandbox: true,
+            ..Default::default()
+        }),
+    }
+}
+
+/// Every event of a session after `after`, to its run's last one.
+async fn events(client: &ControlClient, id: &str, after: u64) -> Result<Vec<(u64, Value)>> {
+    let mut stream = client.watch(id, after).await?;
+    let mut out = Vec::new();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(180);
+    while let Some(item) = tokio::time::timeout_at(deadline, stream.next())
+        .await
+        .context("the session's events did not end")?
+    {
+        let (seq, line) = item?;
+        out.push((seq, serde_json::from_str::<Value>(&line)?));
+    }
+    Ok(out)
+}
+
+fn types(events: &[(u64, Value)]) -> Vec<String> {
+    events
+        .iter()
+        .map(|(_, e)| e["type"].as_str().unwrap_or("?").to_string())
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn fifty_sessions_at_once_over_two_workers_each_watched_and_listed() -> Result<()> {
+    let setup = Setup::start(2, 64).await?;
+    let client = setup.client().await?;
+    let mut starting = tokio::task::JoinSet::new();
+    for i in 0..50 {
+        let client = client.clone();
+        starting.spawn(async move {
+            let r = client.start(request(&format!("echo hello-{i}"))).await;
+            (i, r)
+        });
+    }
+    let mut ids = Vec::new();
+    while let Some(done) = starting.join_next().await {
+        let (i, started) = done?;
+        let started = started.with_context(|| format!("session {i}"))?;
+        ensure!(!started.resumed && started.events_before == 0);
+        ids.push((i, started.session_id));
+    }
+    let mut watching = tokio::task::JoinSet::new();
+    for (i, id) in ids.clone() {
+        let client = client.clone();
+        watching.spawn(async move { (i, id.clone(), events(&client, &id, 0).await) });
+    }
+    while let Some(done) = watching.join_next().await {
+        let (i, id, events) = done?;
+        let events = events?;
+        let t = types(&events);
+        ensure!(
+            t.first().map(String::as_str) == Some("session_started"),
+            "{id}: {t:?}"
+        );
+        ensure!(
+            t.last().map(String::as_str) == Some("result"),
+            "{id}: {t:?}"
+        );
+        let (_, result) = events.last().context("no events")?;
+        ensure!(result["status"] == "done", "{id}: {result}");
+        let output = events
+            .iter()
+            .find(|(_, e)| e["type"] == "tool_result")
+            .map(|(_, e)| e["text"].as_str().unwrap_or_default().to_string())
+            .context("no tool result")?;
+        ensure!(output.contains(&format!("hello-{i}")), "{id}: {output}");
+        // Numbered from 1, one after another.
+        ensure!(events.iter().map(|(n, _)| *n).eq(1..=events.len() as u64));
+    }
+    // A watcher that joins once it is all over still gets every event,
+    // from any point.
+    let (_, id) = &ids[0];
+    let all = events(&client, id, 0).await?;
+    let tail = events(&client, id, 2).await?;
+    ensure!(tail.len() + 2 == all.len() && tail[0].0 == 3);
+
+    let listed = client.list().await?;
+    ensure!(listed.len() == 50, "{} listed", listed.len());
+    ensure!(
+        listed
+            .iter()
+            .all(|s| !s.running && s.events > 0 && s.turns == 2)
+    );
+    let per_worker: std::collections::BTreeMap<&str, usize> =
+        listed.iter().fold(Default::default(), |mut m, s| {
+            *m.entry(s.worker.as_str()).or_default() += 1;
+            m
+        });
+    ensure!(
+        per_worker.len() == 2 && per_worker.values().all(|n| *n >= 10),
+        "placed over both workers: {per_worker:?}"
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_late_watcher_sees_it_all_a_full_service_refuses_and_strangers_are_turned_away()
+-> Result<()> {
+    let setup = Setup::start(1, 1).await?;
+    let client = setup.client().await?;
+    let first = client.start(request("echo one; sleep 3; echo two")).await?;
+    let id = first.session_id;
+
+    // At its bound, a start is refused, saying which flag sets it.
+    let refused = client
+        .start(request("echo never"))
+        .await
+        .err()
+        .context("a second session was started past --max-sessions 1")?;
+    ensure!(refused.reason() == Some(Reason::AtCapacity), "{refused}");
+    ensure!(
+        refused.flag().as_deref() == Some("--max-sessions"),
+        "{refused}"
+    );
+    // The running one cannot be started twice, or removed.
+    let twice = client
+        .start(pb::StartSessionRequest {
+            session_id: id.clone(),
+            ..request("echo again")
+        })
+        .await
+        .err()
+        .context("a running session was started again")?;
+    ensure!(twice.reason() == Some(Reason::SessionRunning), "{twice}");
+    let rm = client
+        .remove(&id, false)
+        .await
+        .err()
+        .context("removed while running")?;
+    ensure!(rm.reason() == Some(Reason::SessionRunning), "{rm}");
+
+    // A watcher joining while the call runs gets everything from the start.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let seen = events(&client, &id, 0).await?;
+    let t = types(&seen);
+    ensure!(
+        t[0] == "session_started" && t.last().map(String::as_str) == Some("result"),
+        "{t:?}"
+    );
+    ensure!(t.contains(&"tool_call".to_string()) && t.contains(&"tool_result".to_string()));
+
+    // Unknown sessions, inputs to a session that ended.
+    let unknown = client
+        .watch("s-nosuchsession", 0)
+        .await
+        .err()
+        .context("watched nothing")?;
+    ensure!(
+        unknown.reason() == Some(Reason::SessionNotFound),
+        "{unknown}"
+    );
+    let ended = client
+        .send_input(&id, "more")
+        .await
+        .err()
+        .context("input to an ended run")?;
+    ensure!(ended.reason() == Some(Reason::SessionNotRunning), "{ended}");
+
+    // Without the token, or with another one: refused.
+    for token in [None, Some("not-the-token-but-long-enough")] {
+        let stranger = ControlClient::connect(&setup.url(), &Credentials::token(token)).await?;
+        let e = stranger
+            .list()
+            .await
+            .err()
+            .context("a stranger listed sessions")?;
+        ensure!(e.reason() == Some(Reason::Unauthenticated), "{e}");
+    }
+
+    // Over now: removed, with its sandbox.
+    client.remove(&id, false).await?;
+    ensure!(client.list().await?.is_empty());
+    let worker = setup.worker(&setup.workers[0].url).await?;
+    let sandboxes = worker.list_sandboxes().await?;
+    ensure!(sandboxes.is_empty(), "{sandboxes:?}");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_service_killed_mid_session_resumes_every_session_and_runs_no_call_twice() -> Result<()> {
+    let mut setup = Setup::start(1, 8).await?;
+    let client = setup.client().await?;
+    let command = "echo ran >> /workspace/count; sleep 5; echo finished";
+    let mut ids = Vec::new();
+    for _ in 0..3 {
+        ids.push(client.start(request(command)).await?.session_id);
+    }
+    // Each one's call has started.
+    for id in &ids {
+        let mut stream = client.watch(id, 0).await?;
+        loop {
+            let (_, line) = tokio::time::timeout(Duration::from_secs(60), stream.next())
+                .await?
+                .context("ended before its call")??;
+            if line.contains("\"type\":\"tool_call\"") {
+                break;
+            }
+        }
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    setup.kill_service();
+    setup.start_service()?;
+    let client = setup.client().await?;
+    let worker = setup.worker(&setup.workers[0].url.clone()).await?;
+    for id in &ids {
+        let seen = events(&client, id, 0).await?;
+        let t = types(&seen);
+        ensure!(
+            t.last().map(String::as_str) == Some("result"),
+            "{id}: {t:?}"
+        );
+        let (_, result) = seen.last().context("no events")?;
+        ensure!(result["status"] == "done", "{id}: {result}");
+        // One answer for the one call, whichever run gave it.
+        let results: Vec<_> = seen
+            .iter()
+            .filter(|(_, e)| e["type"] == "tool_result")
+            .collect();
+        ensure!(results.len() == 1, "{id}: {t:?}");
+        ensure!(
+            results[0].1["text"]
+                .as_str()
+                .unwrap_or_default()
+                .contains("finished"),
+            "{id}: {}",
+            results[0].1
+        );
+        ensure!(
+            seen.iter()
+                .filter(|(_, e)| e["type"] == "session_started")
+                .count()
+                == 2,
+            "started, then resumed after the restart: {t:?}"
+        );
+        // The command ran once.
+        let listed = client.list().await?;
+        let info = listed
+            .iter()
+            .find(|s| &s.session_id == id)
+            .context("not listed")?;
+        let sandbox = corral_proto::SandboxId::new(info.sandbox_id.clone())?;
+        let count = corral_e2e::run_shell(&worker, &sandbox, "cat /workspace/count").await?;
+        ensure!(count == "ran\n", "{id}: the call ran {count:?}");
+    }
+    Ok(())
+}
+
+/// The events of a run with what differs between two runs of the same
+/// script taken out (ids, times).
+fn comparable(events: &[Value]) -> Vec<Value> {
+    events
+        .iter()
+        .map(|e| {
+            let mut e = e.clone();
+            if let Some(o) = e.as_object_mut() {
+                for k in ["session_id", "sandbox_id", "worker", "duration_ms"] {
+                    o.remove(k);
+                }
+            }
+            e
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn corral_run_through_the_service_shows_what_a_local_run_shows() -> Result<()> {
+    let setup = Setup::start(1, 4).await?;
+    let prompt = "echo same-output";
+    let local = corral_e2e::run::corral_run_env(
+        &setup.model,
+        &setup.workers[0].url,
+        setup.sessions.path(),
+        &[prompt],
+        &[("CORRAL_TOKEN_FILE", setup.token.to_str().context("path")?)],
+    )
+    .await?;
+    ensure!(local.code == 0, "{}", local.stderr);
+
+    let out_dir = tempfile::tempdir()?;
+    let export = out_dir.path().join("exported");
+    let mut cmd = corral_e2e::run::command(&setup.model, "", setup.sessions.path(), &[prompt]);
+    cmd.arg("--control")
+        .arg(setup.url())
+        .arg("--control-token-file")
+        .arg(setup.service_token())
+        .arg("--export")
+        .arg(&export);
+    let remote = corral_e2e::run::finish(cmd).await?;
+    ensure!(remote.code == 0, "{}", remote.stderr);
+    ensure!(
+        comparable(&local.events) == comparable(&remote.events),
+        "local:\n{:#?}\nthrough the service:\n{:#?}",
+        local.events,
+        remote.events
+    );
+    ensure!(export.is_dir(), "the workspace was exported");
+
+    // Without the service's token: refused, and said so.
+    let mut cmd = corral_e2e::run::command(&setup.model, "", setup.sessions.path(), &[prompt]);
+    cmd.arg("--control").arg(setup.url());
+    let refused = corral_e2e::run::finish(cmd).await?;
+    ensure!(refused.code == 1, "{}", refused.stderr);
+    ensure!(
+        refused.stderr.contains("--control-token-file"),
+        "{}",
+        refused.stderr
+    );
+    ensure!(
+        refused.events.last().is_some_and(|e| e["type"] == "error"),
+        "a JSON reader is told too: {:?}",
+        refused.events
+    );
+    Ok(())
+}
