@@ -130,23 +130,32 @@ pub async fn run(conn: &ConnArgs, args: &RunArgs, url: &str, json: bool) -> Resu
     } else {
         serde_json::to_string(&request).map_err(|e| Error::Usage(e.to_string()))?
     };
-    let started = client
+    let start = client
         .start(pb::StartSessionRequest {
             session_id: args.session.clone().unwrap_or_default(),
             request_json,
             settings: Some(settings(args, api_key)),
         })
-        .await?;
-    let id = started.session_id;
+        .await;
+    let (id, after) = match (start, &args.session) {
+        (Ok(started), _) => (started.session_id, started.events_before),
+        // Running there already (started by another client, or by this
+        // one before it went away): its prompt, if any, goes in as an
+        // input, and its run is watched from its start.
+        (Err(e), Some(id)) if e.reason() == Some(corral_proto::Reason::SessionRunning) => {
+            if let Some(prompt) = &request.prompt {
+                client.send_input(id, prompt).await?;
+            }
+            let listed = client.list().await?;
+            let Some(info) = listed.iter().find(|s| &s.session_id == id && s.running) else {
+                return Err(e.into());
+            };
+            (id.clone(), info.run_events_after)
+        }
+        (Err(e), _) => return Err(e.into()),
+    };
     let mut view = View::new(json);
-    let mut code = watch(
-        &client,
-        &id,
-        started.events_before,
-        &mut view,
-        args.inputs_from_stdin,
-    )
-    .await?;
+    let mut code = watch(&client, &id, after, &mut view, args.inputs_from_stdin).await?;
     if let Some(dest) = &args.export {
         let rules = args.out.apply(Unpacking::contents_from_sandbox());
         if let Err(e) = export(&client, &id, dest, rules).await {

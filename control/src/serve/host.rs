@@ -173,6 +173,8 @@ struct Hosted {
     inputs: mpsc::Sender<Inbox>,
     leave: mpsc::Sender<String>,
     mark: watch::Receiver<Mark>,
+    /// The last event before this run.
+    events_before: u64,
 }
 
 enum Slot {
@@ -197,6 +199,8 @@ pub struct Listed {
     pub worker: String,
     pub turns: u64,
     pub events: u64,
+    /// Running: the last event before its current run.
+    pub run_events_after: u64,
 }
 
 /// The sessions the service hosts.
@@ -467,6 +471,7 @@ impl Host {
                 inputs: run.inputs.clone(),
                 leave,
                 mark: journal.watch(),
+                events_before,
             }),
         );
         let host = self.clone();
@@ -587,7 +592,12 @@ impl Host {
     pub fn list(&self) -> Result<Vec<Listed>, HostError> {
         let mut out = Vec::new();
         for listed in self.inner.store.list()? {
-            let running = matches!(self.slots().get(&listed.id), Some(Slot::Running(_)));
+            let run = match self.slots().get(&listed.id) {
+                Some(Slot::Running(h)) => Some(h.events_before),
+                // Its run has not written yet.
+                Some(Slot::Starting(mark)) => Some(mark.borrow().count),
+                None => None,
+            };
             let events = super::journal::count_lines(&self.inner.store.events_path(&listed.id));
             let (model, sandbox_id, worker, turns) = match &listed.state {
                 Ok(s) => match &s.config {
@@ -603,7 +613,8 @@ impl Host {
             };
             out.push(Listed {
                 id: listed.id,
-                running,
+                running: run.is_some(),
+                run_events_after: run.unwrap_or(0),
                 model,
                 sandbox_id,
                 worker,

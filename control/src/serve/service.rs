@@ -208,6 +208,7 @@ impl pb::control_server::Control for ControlService {
                     worker: l.worker,
                     turns: l.turns,
                     events: l.events,
+                    run_events_after: l.run_events_after,
                 })
                 .collect(),
         }))

@@ -277,7 +277,11 @@ async fn a_late_watcher_sees_it_all_a_full_service_refuses_and_strangers_are_tur
 -> Result<()> {
     let setup = Setup::start(1, 1).await?;
     let client = setup.client().await?;
-    let first = client.start(request("echo one; sleep 3; echo two")).await?;
+    let first = client
+        .start(request(
+            "echo one | tee /workspace/one.txt; sleep 3; echo two",
+        ))
+        .await?;
     let id = first.session_id;
 
     // At its bound, a start is refused, saying which flag sets it.
@@ -346,9 +350,54 @@ async fn a_late_watcher_sees_it_all_a_full_service_refuses_and_strangers_are_tur
         ensure!(e.reason() == Some(Reason::Unauthenticated), "{e}");
     }
 
-    // Over now: removed, with its sandbox.
+    // Its files come out as a tar stream of /workspace's contents.
+    let mut tar = Vec::new();
+    let mut chunks = client.export(&id).await?;
+    while let Some(chunk) = chunks.next().await {
+        tar.extend_from_slice(&chunk?);
+    }
+    let mut archive = tar::Archive::new(&tar[..]);
+    let mut names = Vec::new();
+    for entry in archive.entries()? {
+        let mut entry = entry?;
+        let name = entry.path()?.display().to_string();
+        if name.ends_with("one.txt") {
+            let mut text = String::new();
+            std::io::Read::read_to_string(&mut entry, &mut text)?;
+            ensure!(text == "one\n", "{text:?}");
+        }
+        names.push(name);
+    }
+    ensure!(
+        names.iter().any(|n| n.ends_with("one.txt")),
+        "{names:?} after {:?}",
+        seen.iter()
+            .filter(|(_, e)| e["type"] == "tool_result" || e["type"] == "tool_call")
+            .collect::<Vec<_>>()
+    );
+
+    // A fork is a session of its own, its files copied.
+    let child = unique_id("s-");
+    client.fork(&id, &child, None).await?;
+    let listed = client.list().await?;
+    ensure!(listed.len() == 2 && listed.iter().any(|s| s.session_id == child));
+    let e = client
+        .fork(&id, &child, None)
+        .await
+        .err()
+        .context("forked twice")?;
+    ensure!(e.reason() == Some(Reason::Conflict), "{e}");
+
+    // Over now: removed, with their sandboxes.
     client.remove(&id, false).await?;
+    client.remove(&child, false).await?;
     ensure!(client.list().await?.is_empty());
+    let gone = client
+        .remove(&id, false)
+        .await
+        .err()
+        .context("removed twice")?;
+    ensure!(gone.reason() == Some(Reason::SessionNotFound), "{gone}");
     let worker = setup.worker(&setup.workers[0].url).await?;
     let sandboxes = worker.list_sandboxes().await?;
     ensure!(sandboxes.is_empty(), "{sandboxes:?}");
@@ -424,6 +473,71 @@ async fn a_service_killed_mid_session_resumes_every_session_and_runs_no_call_twi
     Ok(())
 }
 
+/// `corral run --control` of session `id` on the setup's service.
+fn control_run(setup: &Setup, id: &str, args: &[&str]) -> tokio::process::Command {
+    let mut cmd = corral_e2e::run::command(&setup.model, "", setup.sessions.path(), args);
+    cmd.arg("--control")
+        .arg(setup.url())
+        .arg("--control-token-file")
+        .arg(setup.service_token())
+        .args(["--session", id]);
+    cmd
+}
+
+#[tokio::test]
+async fn a_client_that_goes_and_comes_back_watches_its_session_across_a_service_restart()
+-> Result<()> {
+    let mut setup = Setup::start(1, 4).await?;
+    let id = unique_id("s-");
+    // The first client goes away while the call runs.
+    let mut first = control_run(&setup, &id, &["sleep 4; echo fin"]).spawn()?;
+    let client = setup.client().await?;
+    let mut stream = loop {
+        match client.watch(&id, 0).await {
+            Ok(s) => break s,
+            Err(e) if e.reason() == Some(Reason::SessionNotFound) => {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(e) => return Err(e.into()),
+        }
+    };
+    while let Some(item) = stream.next().await {
+        if item?.1.contains("\"type\":\"tool_call\"") {
+            break;
+        }
+    }
+    first.kill().await?;
+    // The service stops cleanly (watchers are let go), and comes back.
+    let pid = nix::unistd::Pid::from_raw(setup.serve.as_ref().context("no service")?.id() as i32);
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM)?;
+    let mut child = setup.serve.take().context("no service")?;
+    let deadline = std::time::Instant::now() + Duration::from_secs(15);
+    let status = loop {
+        if let Some(status) = child.try_wait()? {
+            break status;
+        }
+        ensure!(
+            std::time::Instant::now() < deadline,
+            "corral serve did not stop on SIGTERM"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    ensure!(status.success(), "{status}");
+    setup.start_service()?;
+    // The second client finds it running again and watches it to its end.
+    let second = corral_e2e::run::finish(control_run(&setup, &id, &[])).await?;
+    ensure!(second.code == 0, "{}", second.stderr);
+    let result = second.result();
+    ensure!(result["status"] == "done", "{result}");
+    let output = second
+        .of_type("tool_result")
+        .first()
+        .map(|e| e["text"].to_string())
+        .context("no tool result")?;
+    ensure!(output.contains("fin"), "{output}");
+    Ok(())
+}
+
 /// The events of a run with what differs between two runs of the same
 /// script taken out (ids, times).
 fn comparable(events: &[Value]) -> Vec<Value> {
@@ -444,7 +558,7 @@ fn comparable(events: &[Value]) -> Vec<Value> {
 #[tokio::test]
 async fn corral_run_through_the_service_shows_what_a_local_run_shows() -> Result<()> {
     let setup = Setup::start(1, 4).await?;
-    let prompt = "echo same-output";
+    let prompt = "echo same-output | tee /workspace/out.txt";
     let local = corral_e2e::run::corral_run_env(
         &setup.model,
         &setup.workers[0].url,
@@ -472,7 +586,10 @@ async fn corral_run_through_the_service_shows_what_a_local_run_shows() -> Result
         local.events,
         remote.events
     );
-    ensure!(export.is_dir(), "the workspace was exported");
+    ensure!(
+        std::fs::read_to_string(export.join("out.txt"))? == "same-output\n",
+        "the workspace was exported"
+    );
 
     // Without the service's token: refused, and said so.
     let mut cmd = corral_e2e::run::command(&setup.model, "", setup.sessions.path(), &[prompt]);
