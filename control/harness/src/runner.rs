@@ -22,6 +22,9 @@ use crate::session::LogError;
 use crate::sessions::{RunOptions, SessionError, SessionHandle, Sessions, sandbox_spec};
 use crate::transfer::{Moved, Unpacking};
 
+/// Inputs a run holds for its session beyond the session's own inbox.
+const PENDING_INPUTS: usize = 64;
+
 /// Fresh sandboxes one run may take after losses.
 pub const MAX_REPLACEMENTS: usize = 3;
 
@@ -386,7 +389,8 @@ impl Driver {
                         permit.send(input);
                     }
                 }
-                Some(input) = inbox.recv() => pending.push_back(input),
+                // Bounded: past this many, the caller's sends wait.
+                Some(input) = inbox.recv(), if pending.len() < PENDING_INPUTS => pending.push_back(input),
             }
         }
     }

@@ -33,6 +33,10 @@ pub enum Error {
         patience: Duration,
         error: ControlError,
     },
+    #[error(
+        "session {0} is not running on the service (its run ended without its last event; `corral run --control URL --session {0}` resumes it)"
+    )]
+    NotHosted(String),
     #[error("export: {0}")]
     Export(String),
     #[error("writing output: {0}")]
@@ -78,16 +82,23 @@ fn credentials(conn: &ConnArgs, args: &RunArgs) -> Result<Credentials, Error> {
         }
         None => None,
     };
-    let tls = match &conn.tls_ca {
-        Some(ca) => Some(ClientTls {
-            ca_pem: Some(
-                std::fs::read(ca)
-                    .map_err(|e| Error::Usage(format!("--tls-ca {}: {e}", ca.display())))?,
-            ),
-            ..ClientTls::default()
-        }),
+    let read = |flag: &str, path: &Path| {
+        std::fs::read(path).map_err(|e| Error::Usage(format!("{flag} {}: {e}", path.display())))
+    };
+    let ca_pem = match &conn.tls_ca {
+        Some(ca) => Some(read("--tls-ca", ca)?),
         None => None,
     };
+    // For a service that asks for client certificates (mutual TLS).
+    let identity = match (&conn.tls_cert, &conn.tls_key) {
+        (Some(cert), Some(key)) => Some((read("--tls-cert", cert)?, read("--tls-key", key)?)),
+        _ => None,
+    };
+    let tls = (ca_pem.is_some() || identity.is_some()).then(|| ClientTls {
+        ca_pem,
+        identity,
+        domain: conn.tls_server_name.clone(),
+    });
     Ok(Credentials { token, tls })
 }
 
@@ -142,16 +153,10 @@ pub async fn run(conn: &ConnArgs, args: &RunArgs, url: &str, json: bool) -> Resu
         // Running there already (started by another client, or by this
         // one before it went away): its prompt, if any, goes in as an
         // input, and its run is watched from its start.
-        (Err(e), Some(id)) if e.reason() == Some(corral_proto::Reason::SessionRunning) => {
-            if let Some(prompt) = &request.prompt {
-                client.send_input(id, prompt).await?;
-            }
-            let listed = client.list().await?;
-            let Some(info) = listed.iter().find(|s| &s.session_id == id && s.running) else {
-                return Err(e.into());
-            };
-            (id.clone(), info.run_events_after)
-        }
+        (Err(e), Some(id)) if e.reason() == Some(corral_proto::Reason::SessionRunning) => (
+            id.clone(),
+            attach(&client, id, request.prompt.as_deref()).await?,
+        ),
         (Err(e), _) => return Err(e.into()),
     };
     let mut view = View::new(json);
@@ -169,6 +174,37 @@ pub async fn run(conn: &ConnArgs, args: &RunArgs, url: &str, json: bool) -> Resu
         return Ok(141);
     }
     Ok(code)
+}
+
+/// Joins a session the service runs already: its prompt, if any, goes in
+/// as an input, and its run is watched from its start (the number of the
+/// event before it is returned). A run still starting (resumed after the
+/// service's restart, say) is waited for.
+async fn attach(client: &ControlClient, id: &str, prompt: Option<&str>) -> Result<u64, Error> {
+    let since = Instant::now();
+    loop {
+        let sent = match prompt {
+            Some(p) => client.send_input(id, p).await.map(|_| ()),
+            None => Ok(()),
+        };
+        let not_yet = match sent {
+            Ok(()) => {
+                let listed = client.list().await?;
+                match listed.iter().find(|s| s.session_id == id && s.running) {
+                    Some(info) => return Ok(info.run_events_after),
+                    None => ControlError::Status(tonic::Status::failed_precondition(format!(
+                        "session {id} is not running"
+                    ))),
+                }
+            }
+            Err(e) if e.reason() == Some(corral_proto::Reason::SessionNotRunning) => e,
+            Err(e) => return Err(e.into()),
+        };
+        if since.elapsed() >= DEFAULT_RECONNECT_PATIENCE {
+            return Err(not_yet.into());
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
 }
 
 type StdinLines = tokio::io::Lines<tokio::io::BufReader<tokio::io::Stdin>>;
@@ -209,10 +245,7 @@ async fn watch(
         let events = match &mut stream {
             Some(s) => s,
             None => match client.watch(id, last).await {
-                Ok(s) => {
-                    unreachable_since = None;
-                    stream.insert(s)
-                }
+                Ok(s) => stream.insert(s),
                 Err(e) if e.is_transient() => {
                     wait_or_give_up(&mut unreachable_since, e).await?;
                     continue;
@@ -224,6 +257,9 @@ async fn watch(
             biased;
             next = events.next() => match next {
                 Some(Ok((seq, line))) => {
+                    // The service answers (a stream that ends at once does
+                    // not count).
+                    unreachable_since = None;
                     last = seq;
                     let event = from_json_line(&line).map_err(Error::Event)?;
                     view.show(&event)?;
@@ -250,6 +286,11 @@ async fn watch(
                 // (the service left it, to resume it at its next start).
                 None => {
                     stream = None;
+                    // Not hosted there (any more): its run will not end
+                    // while watched.
+                    if !client.list().await?.iter().any(|s| s.session_id == id && s.running) {
+                        return Err(Error::NotHosted(id.to_string()));
+                    }
                     let e = ControlError::Status(tonic::Status::unavailable(
                         "the session's events ended before its run did",
                     ));

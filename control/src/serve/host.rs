@@ -17,6 +17,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use corral_harness::agent::events::{Event, to_json_line};
+use corral_harness::agent::record::Endpoint;
 use corral_harness::agent::{Inbox, OnSandboxLost, Settings as AgentSettings, StopMode};
 use corral_harness::fleet::Fleet;
 use corral_harness::llm::Api;
@@ -30,8 +31,11 @@ use tokio_util::task::TaskTracker;
 
 use super::journal::{Journal, Mark};
 
+/// The longest input a client may send a running session.
+pub const MAX_INPUT_BYTES: usize = 256 * 1024;
+
 /// What a session's run takes when its start does not say.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct Defaults {
     pub model: Option<String>,
     pub base_url: Option<String>,
@@ -46,7 +50,7 @@ pub struct Defaults {
 
 /// How one session is run, as its start asked (kept in its mark, so a
 /// restarted service runs it the same way).
-#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[derive(Clone, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Settings {
     pub base_url: Option<String>,
@@ -61,6 +65,30 @@ pub struct Settings {
     #[serde(default)]
     pub keep_sandbox: bool,
     pub on_sandbox_lost: Option<String>,
+}
+
+// Keys are never shown, not even in a debug line.
+impl std::fmt::Debug for Defaults {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Defaults")
+            .field("model", &self.model)
+            .field("base_url", &self.base_url)
+            .field("api_key", &self.api_key.as_ref().map(|_| "(hidden)"))
+            .field("image", &self.image)
+            .finish_non_exhaustive()
+    }
+}
+
+impl std::fmt::Debug for Settings {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Settings")
+            .field("base_url", &self.base_url)
+            .field("api", &self.api)
+            .field("api_key", &self.api_key.as_ref().map(|_| "(hidden)"))
+            .field("image", &self.image)
+            .field("keep_sandbox", &self.keep_sandbox)
+            .finish_non_exhaustive()
+    }
 }
 
 impl Settings {
@@ -79,10 +107,13 @@ impl Settings {
     }
 
     /// The run's options: these settings over `defaults`, checked.
+    /// `recorded`: the endpoint of an existing session (which it keeps
+    /// unless these settings name another).
     fn options(
         &self,
         request: SessionRequest,
         defaults: &Defaults,
+        recorded: Option<&Endpoint>,
     ) -> Result<RunOptions, HostError> {
         let bad = |m: String| HostError::Invalid(m);
         let api = match self.api.as_deref() {
@@ -115,13 +146,28 @@ impl Settings {
             Some(ms) => Some(Duration::from_millis(ms)),
             None => defaults.heartbeat,
         };
+        // A new session gets the service's endpoint unless it names one; an
+        // existing one keeps its own.
+        let base_url = match recorded {
+            Some(_) => self.base_url.clone(),
+            None => self.base_url.clone().or_else(|| defaults.base_url.clone()),
+        };
+        // The service's key goes to the service's endpoint only: a client
+        // that names another endpoint brings its own key.
+        let effective = Endpoint::merge(recorded, base_url.clone(), api);
+        let default_endpoint = Endpoint::merge(None, defaults.base_url.clone(), None);
+        let api_key = match &self.api_key {
+            Some(k) => Some(k.clone()),
+            None if effective.base_url == default_endpoint.base_url => defaults.api_key.clone(),
+            None => None,
+        };
         Ok(RunOptions {
             request,
             reasoning_effort: self.reasoning_effort.clone(),
             image: Some(self.image.clone().unwrap_or_else(|| defaults.image.clone())),
-            base_url: self.base_url.clone().or_else(|| defaults.base_url.clone()),
+            base_url,
             api,
-            api_key: self.api_key.clone().or_else(|| defaults.api_key.clone()),
+            api_key,
             // Paths of the service's machine: not for its clients to name.
             skills: None,
             workspace: None,
@@ -227,14 +273,19 @@ struct Inner {
 struct Reservation {
     host: Host,
     id: String,
+    /// The session's journal, for a start.
     journal: Option<Journal>,
+    armed: bool,
 }
 
 impl Drop for Reservation {
     fn drop(&mut self) {
-        if let Some(journal) = self.journal.take() {
+        if self.armed {
             self.host.slots().remove(&self.id);
-            // Watchers that waited for the run read what there is, and end.
+        }
+        // Watchers that waited for a run that did not begin read what
+        // there is, and end.
+        if let Some(journal) = self.journal.take() {
             journal.close();
         }
     }
@@ -319,7 +370,13 @@ impl Host {
                 let _ = std::fs::remove_file(self.mark_path(&id));
                 continue;
             }
-            match self.reserve(&id) {
+            if super::journal::ends_a_run(&self.inner.store.events_path(&id)) {
+                // Its run ended (its last event written) just before the
+                // service stopped: nothing to resume.
+                let _ = std::fs::remove_file(self.mark_path(&id));
+                continue;
+            }
+            match self.reserve(&id, true) {
                 Ok(r) => marked.push((id, settings, r)),
                 Err(e) => {
                     tracing::warn!(session = %id, error = %e, "a session hosted before the restart is not resumed now; the next start tries again");
@@ -337,7 +394,10 @@ impl Host {
         for (id, settings, reservation) in marked.0 {
             let host = self.clone();
             resuming.spawn(async move {
-                let r = match settings.options(SessionRequest::default(), &host.inner.defaults) {
+                let recorded = host.recorded_endpoint(&id);
+                let r = match recorded.and_then(|e| {
+                    settings.options(SessionRequest::default(), &host.inner.defaults, e.as_ref())
+                }) {
                     Ok(opts) => {
                         host.begin(id.clone(), opts, settings, reservation, true)
                             .await
@@ -373,9 +433,21 @@ impl Host {
         }
         let id = id.unwrap_or_else(Sessions::new_id);
         corral_harness::session::log::check_id(&id)?;
-        let opts = settings.options(request.unwrap_or_default(), &self.inner.defaults)?;
-        let reservation = self.reserve(&id)?;
+        let opts = settings.options(
+            request.unwrap_or_default(),
+            &self.inner.defaults,
+            self.recorded_endpoint(&id)?.as_ref(),
+        )?;
+        let reservation = self.reserve(&id, true)?;
         self.begin(id, opts, settings, reservation, false).await
+    }
+
+    /// The endpoint session `id` has now, if it exists.
+    fn recorded_endpoint(&self, id: &str) -> Result<Option<Endpoint>, HostError> {
+        if !self.inner.store.exists(id)? {
+            return Ok(None);
+        }
+        Ok(self.inner.store.config_of(id)?.endpoint)
     }
 
     /// Launches a reserved start in a task of its own (a caller that goes
@@ -400,28 +472,51 @@ impl Host {
         })?
     }
 
-    /// Takes session `id`'s slot (within --max-sessions) and opens its
-    /// journal, so watchers may wait for its run.
-    fn reserve(&self, id: &str) -> Result<Reservation, HostError> {
+    /// Takes session `id`'s slot (within --max-sessions), with its journal
+    /// opened for a start (`journal`), so watchers may wait for its run.
+    fn reserve(&self, id: &str, journal: bool) -> Result<Reservation, HostError> {
+        let check = |slots: &HashMap<String, Slot>| {
+            if slots.contains_key(id) {
+                return Err(HostError::Running(id.to_string()));
+            }
+            if slots.len() >= self.inner.max_sessions {
+                return Err(HostError::Full {
+                    max: self.inner.max_sessions,
+                });
+            }
+            Ok(())
+        };
+        check(&self.slots())?;
+        // Read outside the table's lock (a long journal takes a while).
+        let journal = match journal {
+            true => {
+                let path = self.inner.store.events_path(id);
+                Some(Journal::open(&path).map_err(|source| HostError::Io {
+                    what: path.display().to_string(),
+                    source,
+                })?)
+            }
+            false => None,
+        };
+        let mark = match &journal {
+            Some(j) => j.watch(),
+            // Nothing to watch: a fork's child or a removal.
+            None => {
+                watch::channel(Mark {
+                    count: 0,
+                    open: false,
+                })
+                .1
+            }
+        };
         let mut slots = self.slots();
-        if slots.contains_key(id) {
-            return Err(HostError::Running(id.to_string()));
-        }
-        if slots.len() >= self.inner.max_sessions {
-            return Err(HostError::Full {
-                max: self.inner.max_sessions,
-            });
-        }
-        let path = self.inner.store.events_path(id);
-        let journal = Journal::open(&path).map_err(|source| HostError::Io {
-            what: path.display().to_string(),
-            source,
-        })?;
-        slots.insert(id.to_string(), Slot::Starting(journal.watch()));
+        check(&slots)?;
+        slots.insert(id.to_string(), Slot::Starting(mark));
         Ok(Reservation {
             host: self.clone(),
             id: id.to_string(),
-            journal: Some(journal),
+            journal,
+            armed: true,
         })
     }
 
@@ -437,6 +532,7 @@ impl Host {
         let resumed = store.exists(&id)?;
         // Marked first: a service killed from here on resumes the run.
         let mark = self.mark_path(&id);
+        let keep_mark_on_failure = keep_mark_on_failure || mark.exists();
         write_private(&mark, &serde_json::to_vec(&settings).unwrap_or_default()).map_err(
             |source| HostError::Io {
                 what: mark.display().to_string(),
@@ -461,7 +557,7 @@ impl Host {
             }
         };
         let Some(journal) = reservation.journal.take() else {
-            return Err(HostError::Invalid("the start was reserved twice".into()));
+            return Err(HostError::Invalid("a start without its journal".into()));
         };
         let events_before = journal.count();
         let (leave, left) = mpsc::channel(1);
@@ -474,6 +570,7 @@ impl Host {
                 events_before,
             }),
         );
+        reservation.armed = false;
         let host = self.clone();
         self.inner
             .tasks
@@ -547,6 +644,12 @@ impl Host {
         corral_harness::session::log::check_id(id)?;
         if text.trim().is_empty() {
             return Err(HostError::Invalid("the input is empty".into()));
+        }
+        if text.len() > MAX_INPUT_BYTES {
+            return Err(HostError::Invalid(format!(
+                "the input is {} bytes; at most {MAX_INPUT_BYTES}",
+                text.len()
+            )));
         }
         let hosted = self.running(id)?;
         hosted
@@ -644,7 +747,7 @@ impl Host {
             return Err(HostError::NotFound(id.to_string()));
         }
         // The child's name is taken while it is made.
-        let reservation = self.reserve(new_id)?;
+        let reservation = self.reserve(new_id, false)?;
         let worker = self.worker_of(id).await?;
         let forked = self
             .inner
@@ -663,7 +766,7 @@ impl Host {
         if !self.inner.store.exists(id)? {
             return Err(HostError::NotFound(id.to_string()));
         }
-        let reservation = self.reserve(id)?;
+        let reservation = self.reserve(id, false)?;
         let stored = self.inner.store.open(id)?;
         let worker = match (keep_sandbox, stored.config().is_some()) {
             (false, true) => Some(self.worker_of(id).await?),

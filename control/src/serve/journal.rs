@@ -29,6 +29,8 @@ pub struct Journal {
     file: std::fs::File,
     path: PathBuf,
     count: u64,
+    /// Bytes of whole lines.
+    len: u64,
     mark: watch::Sender<Mark>,
 }
 
@@ -56,11 +58,13 @@ impl Journal {
             tracing::warn!(path = %path.display(), bytes = len - whole, "the session's events ended in a torn line; it is cut off");
             file.set_len(whole as u64)?;
         }
+        let len = whole.map_or(0, |(w, _)| w as u64);
         let (mark, _) = watch::channel(Mark { count, open: true });
         Ok(Self {
             file,
             path: path.to_path_buf(),
             count,
+            len,
             mark,
         })
     }
@@ -82,7 +86,13 @@ impl Journal {
     /// not hold the runtime up.)
     pub fn append(&mut self, line: &str) -> std::io::Result<u64> {
         debug_assert!(line.ends_with('\n') && !line[..line.len() - 1].contains('\n'));
-        self.file.write_all(line.as_bytes())?;
+        if let Err(e) = self.file.write_all(line.as_bytes()) {
+            // Part of it may be there (a full disk): cut back to the last
+            // whole line, so the next one starts on a line of its own.
+            let _ = self.file.set_len(self.len);
+            return Err(e);
+        }
+        self.len += line.len() as u64;
         self.count += 1;
         self.mark.send_replace(Mark {
             count: self.count,
@@ -116,6 +126,20 @@ pub enum ReadError {
     /// The watcher's receiver is gone.
     #[error("the watcher left")]
     Left,
+}
+
+/// Whether the journal at `path` ends with a run's last event (its result,
+/// or the error that ended it).
+pub fn ends_a_run(path: &Path) -> bool {
+    let Ok(bytes) = std::fs::read(path) else {
+        return false;
+    };
+    let text = String::from_utf8_lossy(&bytes);
+    let Some(last) = text.lines().last() else {
+        return false;
+    };
+    serde_json::from_str::<serde_json::Value>(last)
+        .is_ok_and(|v| v["type"] == "result" || v["type"] == "error")
 }
 
 /// Whole lines in a journal file (a torn last one not counted).

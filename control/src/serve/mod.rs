@@ -50,6 +50,9 @@ impl ServeError {
     }
 }
 
+/// How long open streams may hold a stopping service up.
+const SHUTDOWN_PATIENCE: std::time::Duration = std::time::Duration::from_secs(5);
+
 fn state_dir(args: &ServeArgs) -> PathBuf {
     args.serve_state_dir
         .clone()
@@ -118,12 +121,16 @@ pub async fn serve(conn: &ConnArgs, args: &ServeArgs) -> Result<(), ServeError> 
     health_reporter
         .set_serving::<ControlServer<service::ControlService>>()
         .await;
+    health_reporter
+        .set_service_status("", tonic_health::ServingStatus::Serving)
+        .await;
     let auth = TokenAuth::new(Some(token));
     let control = ControlServer::new(service::ControlService::new(host.clone()))
         .max_decoding_message_size(MAX_REQUEST_BYTES);
     let control =
         tonic::service::interceptor::InterceptedService::new(control, move |req| auth.check(req));
     let mut builder = tonic::transport::Server::builder()
+        .max_concurrent_streams(corral_worker::server::MAX_STREAMS_PER_CONNECTION)
         .http2_keepalive_interval(Some(std::time::Duration::from_secs(30)))
         .http2_keepalive_timeout(Some(std::time::Duration::from_secs(20)));
     if let Some(tls) = tls {
@@ -145,17 +152,39 @@ pub async fn serve(conn: &ConnArgs, args: &ServeArgs) -> Result<(), ServeError> 
         let host = host.clone();
         async move { host.resume_marked(marked).await }
     });
+    let stopped = tokio_util::sync::CancellationToken::new();
     let shutdown = {
         let host = host.clone();
+        let stopped = stopped.clone();
         async move {
             stop.await;
             tracing::info!("stopping: the hosted sessions resume at the next start");
+            health_reporter
+                .set_not_serving::<ControlServer<service::ControlService>>()
+                .await;
+            health_reporter
+                .set_service_status("", tonic_health::ServingStatus::NotServing)
+                .await;
             host.shut_down().await;
+            stopped.cancel();
         }
     };
-    let served = router
-        .serve_with_incoming_shutdown(incoming, shutdown)
-        .await;
+    let served = router.serve_with_incoming_shutdown(incoming, shutdown);
+    // Streams its clients keep open (a health watch, say) hold a graceful
+    // stop up for this long at most.
+    let served = tokio::select! {
+        r = served => r,
+        () = async {
+            stopped.cancelled().await;
+            tokio::time::sleep(SHUTDOWN_PATIENCE).await;
+        } => {
+            tracing::warn!(
+                "streams still open {} s after the stop; left",
+                SHUTDOWN_PATIENCE.as_secs()
+            );
+            Ok(())
+        }
+    };
     resuming.abort();
     Ok(served?)
 }

@@ -151,6 +151,8 @@ impl pb::control_server::Control for ControlService {
                 async move { tx.send(Ok(pb::SessionEvent { seq, json })).await.is_ok() }
             });
             tokio::select! {
+                // The watcher left: its task ends now, not at the next event.
+                () = tx.closed() => {}
                 r = reading => {
                     if let Err(super::journal::ReadError::Io { path, source }) = r {
                         let _ = tx
@@ -165,13 +167,13 @@ impl pb::control_server::Control for ControlService {
                 // The service stops: the stream ends without a result, and
                 // the watcher asks again after its last event.
                 () = host.stopping() => {
-                    let _ = tx
-                        .send(Err(status(
-                            Code::Unavailable,
-                            Reason::ShuttingDown,
-                            "the service is restarting: watch again after the last event".into(),
-                        )))
-                        .await;
+                    // Not waited for: a watcher that stopped reading does
+                    // not hold the service up.
+                    let _ = tx.try_send(Err(status(
+                        Code::Unavailable,
+                        Reason::ShuttingDown,
+                        "the service is restarting: watch again after the last event".into(),
+                    )));
                 }
             }
         });
@@ -241,9 +243,12 @@ impl pb::control_server::Control for ControlService {
         let host = self.host.clone();
         tokio::spawn(async move {
             let exporting = host.export(&id, bytes_tx);
-            let forwarding = async {
+            let sending = tx.clone();
+            // Owns the receiver: a caller that leaves drops it, and the
+            // export stops (its archive operation canceled) at once.
+            let forwarding = async move {
                 while let Some(data) = bytes_rx.recv().await {
-                    if tx.send(Ok(pb::ExportChunk { data })).await.is_err() {
+                    if sending.send(Ok(pb::ExportChunk { data })).await.is_err() {
                         return;
                     }
                 }

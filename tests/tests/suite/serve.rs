@@ -473,6 +473,67 @@ async fn a_service_killed_mid_session_resumes_every_session_and_runs_no_call_twi
     Ok(())
 }
 
+#[tokio::test]
+async fn the_services_key_goes_to_the_services_endpoint_only() -> Result<()> {
+    let setup = Setup::start(1, 4).await?;
+    let client = setup.client().await?;
+    let elsewhere = ModelServer::responding(respond).await;
+    // A client that names another endpoint, without a key: none is sent.
+    let mut req = request("echo away");
+    req.settings = Some(pb::RunSettings {
+        base_url: Some(elsewhere.url.clone()),
+        keep_sandbox: true,
+        ..Default::default()
+    });
+    let id = client.start(req).await?.session_id;
+    let seen = events(&client, &id, 0).await?;
+    ensure!(
+        seen.last().is_some_and(|(_, e)| e["status"] == "done"),
+        "{seen:?}"
+    );
+    // Resumed without naming the endpoint: it keeps its own, still
+    // without the service's key.
+    let again = client
+        .start(pb::StartSessionRequest {
+            session_id: id.clone(),
+            request_json: json!({ "prompt": "echo again" }).to_string(),
+            settings: None,
+        })
+        .await?;
+    events(&client, &id, again.events_before).await?;
+    let asked = elsewhere.received();
+    ensure!(asked.len() >= 3, "{} requests", asked.len());
+    ensure!(
+        asked.iter().all(|r| r.authorization.is_none()),
+        "the service's key went elsewhere: {:?}",
+        asked.iter().map(|r| &r.authorization).collect::<Vec<_>>()
+    );
+    ensure!(setup.model.received().is_empty());
+    // With its own key, that key.
+    let mut req = request("echo own");
+    req.settings = Some(pb::RunSettings {
+        base_url: Some(elsewhere.url.clone()),
+        api_key: Some("sk-client-own".into()),
+        keep_sandbox: true,
+        ..Default::default()
+    });
+    let id = client.start(req).await?.session_id;
+    events(&client, &id, 0).await?;
+    let last = elsewhere.received().pop().context("no request")?;
+    ensure!(last.authorization.as_deref() == Some("Bearer sk-client-own"));
+    // The service's own endpoint gets the service's key.
+    let id = client.start(request("echo home")).await?.session_id;
+    events(&client, &id, 0).await?;
+    let home = setup.model.received();
+    ensure!(
+        !home.is_empty()
+            && home
+                .iter()
+                .all(|r| r.authorization.as_deref() == Some("Bearer sk-test"))
+    );
+    Ok(())
+}
+
 /// `corral run --control` of session `id` on the setup's service.
 fn control_run(setup: &Setup, id: &str, args: &[&str]) -> tokio::process::Command {
     let mut cmd = corral_e2e::run::command(&setup.model, "", setup.sessions.path(), args);

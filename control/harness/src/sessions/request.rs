@@ -105,7 +105,7 @@ pub fn parse_request(text: &str) -> Result<SessionRequest, String> {
 }
 
 /// How a session is run, besides its request.
-#[derive(Debug, Clone, Default)]
+#[derive(Clone, Default)]
 pub struct RunOptions {
     pub request: SessionRequest,
     /// `reasoning_effort` as given by the caller (over the request's).
@@ -131,4 +131,24 @@ pub struct RunOptions {
     /// What a new session's runs do when its sandbox is lost (over the
     /// request's).
     pub on_sandbox_lost: Option<OnSandboxLost>,
+}
+
+// The key is never shown, not even in a debug line.
+impl std::fmt::Debug for RunOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RunOptions")
+            .field("request", &self.request)
+            .field("reasoning_effort", &self.reasoning_effort)
+            .field("image", &self.image)
+            .field("base_url", &self.base_url)
+            .field("api", &self.api)
+            .field("api_key", &self.api_key.as_ref().map(|_| "(hidden)"))
+            .field("skills", &self.skills)
+            .field("workspace", &self.workspace)
+            .field("settings", &self.settings)
+            .field("until_idle", &self.until_idle)
+            .field("worker_lost_after", &self.worker_lost_after)
+            .field("on_sandbox_lost", &self.on_sandbox_lost)
+            .finish()
+    }
 }
