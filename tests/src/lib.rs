@@ -17,6 +17,7 @@ pub mod fake;
 pub mod fake_api;
 pub mod model;
 pub mod run;
+pub mod serve;
 pub mod strict;
 
 use std::path::{Path, PathBuf};

@@ -3,168 +3,17 @@
 //! process, and clients over gRPC (the harness's `ControlClient`, and
 //! `corral run --control`).
 
-use std::path::PathBuf;
-use std::process::Stdio;
 use std::time::Duration;
 
-use anyhow::{Context, Result, bail, ensure};
-use corral_e2e::model::{ModelServer, Received, Reply, responses};
-use corral_e2e::{WorkerProcess, binary, free_port, unique_id};
-use corral_harness::client::{Credentials, WorkerClient};
+use anyhow::{Context, Result, ensure};
+use corral_e2e::model::ModelServer;
+use corral_e2e::serve::{Setup, respond};
+use corral_e2e::unique_id;
+use corral_harness::client::Credentials;
 use corral_harness::control::ControlClient;
 use corral_proto::{Reason, pb};
 use futures_util::StreamExt;
 use serde_json::{Value, json};
-
-const TOKEN: &str = "serve-test-token-0123456789abcdef";
-
-/// The model: the command the session's first message names, as a Bash
-/// call, then, once its result is in, "Done.".
-fn respond(req: &Received) -> Reply {
-    if req.text().contains("function_call_output") {
-        return responses::text("Done.");
-    }
-    let command = req.body["input"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .filter(|i| i["role"] == "user")
-        .find_map(|i| i["content"].as_str())
-        .unwrap_or("echo nothing asked")
-        .to_string();
-    responses::calls(&[("c1", "Bash", &json!({ "command": command }).to_string())])
-}
-
-/// Workers (their token shared), a model, and `corral serve` over them.
-struct Setup {
-    workers: Vec<WorkerProcess>,
-    _states: Vec<tempfile::TempDir>,
-    token: PathBuf,
-    model: ModelServer,
-    sessions: tempfile::TempDir,
-    serve_state: tempfile::TempDir,
-    dir: tempfile::TempDir,
-    serve: Option<std::process::Child>,
-    port: u16,
-    max_sessions: u32,
-}
-
-impl Setup {
-    async fn start(workers: usize, max_sessions: u32) -> Result<Self> {
-        let dir = tempfile::tempdir()?;
-        let token = dir.path().join("worker-token");
-        std::fs::write(&token, format!("{TOKEN}\n"))?;
-        std::fs::set_permissions(&token, std::os::unix::fs::PermissionsExt::from_mode(0o600))?;
-        let mut s = Self {
-            workers: Vec::new(),
-            _states: Vec::new(),
-            token,
-            model: ModelServer::responding(respond).await,
-            sessions: tempfile::tempdir()?,
-            serve_state: tempfile::tempdir()?,
-            dir,
-            serve: None,
-            port: free_port()?,
-            max_sessions,
-        };
-        let run = unique_id("sv");
-        for i in 0..workers {
-            let state = tempfile::tempdir()?;
-            let w = WorkerProcess::spawn(
-                state.path(),
-                &format!("{run}-w{i}"),
-                free_port()?,
-                &[("CORRAL_LOG", "warn")],
-                &[
-                    "--max-sandboxes",
-                    "40",
-                    "--token-file",
-                    s.token.to_str().context("token path")?,
-                ],
-            )?;
-            s._states.push(state);
-            s.workers.push(w);
-        }
-        s.start_service()?;
-        Ok(s)
-    }
-
-    fn worker_list(&self) -> String {
-        self.workers
-            .iter()
-            .map(|w| w.url.clone())
-            .collect::<Vec<_>>()
-            .join(",")
-    }
-
-    fn url(&self) -> String {
-        format!("http://127.0.0.1:{}", self.port)
-    }
-
-    /// Starts `corral serve` (again, on the same port and state).
-    fn start_service(&mut self) -> Result<()> {
-        let mut cmd = std::process::Command::new(binary("corral")?);
-        cmd.env_clear()
-            .env("PATH", std::env::var_os("PATH").unwrap_or_default())
-            .env("HOME", self.dir.path())
-            .env("OPENAI_API_KEY", "sk-test")
-            .env("CORRAL_LOG", "warn")
-            .args(["--worker", &self.worker_list(), "--token-file"])
-            .arg(&self.token)
-            .args(["serve", "--listen", &format!("127.0.0.1:{}", self.port)])
-            .arg("--serve-state-dir")
-            .arg(self.serve_state.path())
-            .arg("--sessions-dir")
-            .arg(self.sessions.path())
-            .args([
-                "--base-url",
-                &self.model.url,
-                "--image",
-                "corral-sandbox:latest",
-            ])
-            .args(["--max-sessions", &self.max_sessions.to_string()])
-            .args(["--heartbeat", "0"])
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit());
-        let mut child = cmd.spawn()?;
-        let stdout = child.stdout.take().context("no stdout")?;
-        let mut line = String::new();
-        std::io::BufRead::read_line(&mut std::io::BufReader::new(stdout), &mut line)?;
-        if !line.contains("listening on") {
-            let _ = child.kill();
-            bail!("corral serve did not start: {line:?}");
-        }
-        self.serve = Some(child);
-        Ok(())
-    }
-
-    fn kill_service(&mut self) {
-        if let Some(mut c) = self.serve.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-
-    fn service_token(&self) -> PathBuf {
-        self.serve_state.path().join("token")
-    }
-
-    async fn client(&self) -> Result<ControlClient> {
-        let token = corral_worker::cli::read_token(&self.service_token())?;
-        Ok(ControlClient::connect(&self.url(), &Credentials::token(Some(&token))).await?)
-    }
-
-    async fn worker(&self, url: &str) -> Result<WorkerClient> {
-        Ok(WorkerClient::connect(url, Some(TOKEN)).await?)
-    }
-}
-
-impl Drop for Setup {
-    fn drop(&mut self) {
-        self.kill_service();
-    }
-}
 
 fn request(command: &str) -> pb::StartSessionRequest {
     pb::StartSessionRequest {

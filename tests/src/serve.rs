@@ -1,0 +1,176 @@
+//! `corral serve` in its own process, over workers in theirs (their token
+//! shared), with the scripted model server: what the service's tests and
+//! its benchmark run against.
+
+use std::path::PathBuf;
+use std::process::Stdio;
+
+use anyhow::{Context, Result, bail};
+use corral_harness::client::{Credentials, WorkerClient};
+use corral_harness::control::ControlClient;
+use serde_json::json;
+
+use crate::model::{ModelServer, Received, Reply, responses};
+use crate::{WorkerProcess, binary, free_port, unique_id};
+
+pub const TOKEN: &str = "serve-test-token-0123456789abcdef";
+
+/// The model: the command the session's first message names, as a Bash
+/// call, then, once its result is in, "Done.".
+pub fn respond(req: &Received) -> Reply {
+    if req.text().contains("function_call_output") {
+        return responses::text("Done.");
+    }
+    let command = req.body["input"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|i| i["role"] == "user")
+        .find_map(|i| i["content"].as_str())
+        .unwrap_or("echo nothing asked")
+        .to_string();
+    responses::calls(&[("c1", "Bash", &json!({ "command": command }).to_string())])
+}
+
+/// Workers (their token shared), a model, and `corral serve` over them.
+pub struct Setup {
+    pub workers: Vec<WorkerProcess>,
+    _states: Vec<tempfile::TempDir>,
+    pub token: PathBuf,
+    pub model: ModelServer,
+    pub sessions: tempfile::TempDir,
+    serve_state: tempfile::TempDir,
+    dir: tempfile::TempDir,
+    pub serve: Option<std::process::Child>,
+    pub port: u16,
+    max_sessions: u32,
+}
+
+impl Setup {
+    /// `workers` workers and a service hosting up to `max_sessions`, with
+    /// a model that answers as [`respond`] does.
+    pub async fn start(workers: usize, max_sessions: u32) -> Result<Self> {
+        Self::start_with(
+            workers,
+            max_sessions,
+            ModelServer::responding(respond).await,
+        )
+        .await
+    }
+
+    /// As [`Self::start`], with `model`.
+    pub async fn start_with(workers: usize, max_sessions: u32, model: ModelServer) -> Result<Self> {
+        let dir = tempfile::tempdir()?;
+        let token = dir.path().join("worker-token");
+        std::fs::write(&token, format!("{TOKEN}\n"))?;
+        std::fs::set_permissions(&token, std::os::unix::fs::PermissionsExt::from_mode(0o600))?;
+        let mut s = Self {
+            workers: Vec::new(),
+            _states: Vec::new(),
+            token,
+            model,
+            sessions: tempfile::tempdir()?,
+            serve_state: tempfile::tempdir()?,
+            dir,
+            serve: None,
+            port: free_port()?,
+            max_sessions,
+        };
+        let run = unique_id("sv");
+        for i in 0..workers {
+            let state = tempfile::tempdir()?;
+            let w = WorkerProcess::spawn(
+                state.path(),
+                &format!("{run}-w{i}"),
+                free_port()?,
+                &[("CORRAL_LOG", "warn")],
+                &[
+                    "--max-sandboxes",
+                    "40",
+                    "--token-file",
+                    s.token.to_str().context("token path")?,
+                ],
+            )?;
+            s._states.push(state);
+            s.workers.push(w);
+        }
+        s.start_service()?;
+        Ok(s)
+    }
+
+    pub fn worker_list(&self) -> String {
+        self.workers
+            .iter()
+            .map(|w| w.url.clone())
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+
+    /// Starts `corral serve` (again, on the same port and state).
+    pub fn start_service(&mut self) -> Result<()> {
+        let mut cmd = std::process::Command::new(binary("corral")?);
+        cmd.env_clear()
+            .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+            .env("HOME", self.dir.path())
+            .env("OPENAI_API_KEY", "sk-test")
+            .env("CORRAL_LOG", "warn")
+            .args(["--worker", &self.worker_list(), "--token-file"])
+            .arg(&self.token)
+            .args(["serve", "--listen", &format!("127.0.0.1:{}", self.port)])
+            .arg("--serve-state-dir")
+            .arg(self.serve_state.path())
+            .arg("--sessions-dir")
+            .arg(self.sessions.path())
+            .args([
+                "--base-url",
+                &self.model.url,
+                "--image",
+                "corral-sandbox:latest",
+            ])
+            .args(["--max-sessions", &self.max_sessions.to_string()])
+            .args(["--heartbeat", "0"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit());
+        let mut child = cmd.spawn()?;
+        let stdout = child.stdout.take().context("no stdout")?;
+        let mut line = String::new();
+        std::io::BufRead::read_line(&mut std::io::BufReader::new(stdout), &mut line)?;
+        if !line.contains("listening on") {
+            let _ = child.kill();
+            bail!("corral serve did not start: {line:?}");
+        }
+        self.serve = Some(child);
+        Ok(())
+    }
+
+    pub fn kill_service(&mut self) {
+        if let Some(mut c) = self.serve.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    pub fn service_token(&self) -> PathBuf {
+        self.serve_state.path().join("token")
+    }
+
+    pub async fn client(&self) -> Result<ControlClient> {
+        let token = corral_worker::cli::read_token(&self.service_token())?;
+        Ok(ControlClient::connect(&self.url(), &Credentials::token(Some(&token))).await?)
+    }
+
+    pub async fn worker(&self, url: &str) -> Result<WorkerClient> {
+        Ok(WorkerClient::connect(url, Some(TOKEN)).await?)
+    }
+}
+
+impl Drop for Setup {
+    fn drop(&mut self) {
+        self.kill_service();
+    }
+}
