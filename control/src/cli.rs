@@ -346,6 +346,10 @@ pub struct ServeArgs {
     pub on_sandbox_lost: Option<LostPolicy>,
     #[arg(long, env = "CORRAL_GRACE", default_value = "1s", value_parser = humantime::parse_duration, hide = true)]
     pub grace: Duration,
+    /// Every error status carries one fixed text instead of its own: for
+    /// tests that show clients decide by the status's reason alone.
+    #[arg(long, env = "CORRAL_WITHHOLD_ERROR_TEXT", hide = true)]
+    pub withhold_error_text: bool,
 }
 
 #[derive(Debug, Subcommand)]

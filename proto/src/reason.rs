@@ -111,6 +111,22 @@ impl std::fmt::Display for Reason {
     }
 }
 
+/// Whether statuses carry a fixed text instead of their own (see
+/// [`withhold_text`]).
+static WITHHELD: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// The text every status of this process carries once [`withhold_text`]
+/// is on.
+pub const WITHHELD_TEXT: &str = "(the text of this error is withheld)";
+
+/// From now on, every status this process makes carries
+/// [`WITHHELD_TEXT`] instead of its own text: its reason and flag alone say
+/// what happened. For tests that show a client decides by reason, never by
+/// text (`corral-worker --withhold-error-text`).
+pub fn withhold_text() {
+    WITHHELD.store(true, std::sync::atomic::Ordering::Relaxed);
+}
+
 /// A status of `code` carrying `reason` (and the flag of a policy refusal).
 #[cfg(feature = "grpc")]
 pub fn status(
@@ -128,6 +144,9 @@ pub fn status(
         && let Ok(v) = flag.parse()
     {
         md.insert(FLAG_KEY, v);
+    }
+    if WITHHELD.load(std::sync::atomic::Ordering::Relaxed) {
+        return tonic::Status::with_metadata(code, WITHHELD_TEXT, md);
     }
     tonic::Status::with_metadata(code, message, md)
 }

@@ -85,6 +85,7 @@ impl Setup {
                 free_port()?,
                 &[("CORRAL_LOG", "warn")],
                 &[
+                    "--withhold-error-text",
                     "--max-sandboxes",
                     "40",
                     "--token-file",
@@ -133,6 +134,8 @@ impl Setup {
             ])
             .args(["--max-sessions", &self.max_sessions.to_string()])
             .args(["--heartbeat", "0"])
+            // Its clients go by reasons alone (so do the workers' below).
+            .arg("--withhold-error-text")
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit());

@@ -16,6 +16,10 @@ use crate::worker::WorkerConfig;
     about = "Runs Corral operations in hardened Docker sandboxes, served over gRPC"
 )]
 pub struct WorkerArgs {
+    /// Every error status carries one fixed text instead of its own: for
+    /// tests that show clients decide by the status's reason alone.
+    #[arg(long, env = "CORRAL_WITHHOLD_ERROR_TEXT", hide = true)]
+    pub withhold_error_text: bool,
     /// Address to serve gRPC on.
     #[arg(long, env = "CORRAL_LISTEN", default_value = "127.0.0.1:7070")]
     pub listen: SocketAddr,

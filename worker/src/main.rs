@@ -16,6 +16,9 @@ fn main() -> ExitCode {
         Err(code) => return code,
     };
     corral_worker::cli::init_logging("info", args.log_format);
+    if args.withhold_error_text {
+        corral_proto::reason::withhold_text();
+    }
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(rt) => rt,
         Err(e) => {

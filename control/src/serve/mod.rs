@@ -63,6 +63,9 @@ fn state_dir(args: &ServeArgs) -> PathBuf {
 /// left as a crash would leave them (their operations go on on their
 /// workers) and resumed at the next start.
 pub async fn serve(conn: &ConnArgs, args: &ServeArgs) -> Result<(), ServeError> {
+    if args.withhold_error_text {
+        corral_proto::reason::withhold_text();
+    }
     let state = state_dir(args);
     std::fs::create_dir_all(&state)
         .map_err(|e| ServeError::Usage(format!("--serve-state-dir {}: {e}", state.display())))?;

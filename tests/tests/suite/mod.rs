@@ -20,6 +20,7 @@ mod ordering;
 mod paused;
 mod pools;
 mod processes;
+mod reasons;
 mod resilience;
 mod restart;
 mod roundtrip;
