@@ -6,7 +6,8 @@
 //! - events per second: a session whose one turn makes 40 quick tool calls
 //!   (about 130 events), from start to its result event in the client's
 //!   hands (`corral run --json` read line by line; `WatchSession` read by
-//!   the harness's client).
+//!   the harness's client), results not batched (a grace of 0) on either
+//!   side.
 //!
 //! Run: `cargo bench -p corral-e2e --bench serve` after `deploy/build.sh`.
 //! Prints Markdown.
@@ -80,8 +81,10 @@ async fn local(
         setup.sessions.path(),
         &[prompt],
     );
+    // No batching of results: the events come as fast as they can.
     cmd.env("CORRAL_TOKEN_FILE", &setup.token)
-        .env("CORRAL_HEARTBEAT", "0");
+        .env("CORRAL_HEARTBEAT", "0")
+        .env("CORRAL_GRACE", "0s");
     let started = Instant::now();
     let mut child = cmd.spawn()?;
     let stdout = child.stdout.take().context("no stdout")?;
@@ -94,7 +97,12 @@ async fn local(
         }
     }
     let ended = started.elapsed();
-    ensure!(child.wait().await?.success(), "corral run failed");
+    let out = child.wait_with_output().await?;
+    ensure!(
+        out.status.success(),
+        "corral run failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let first = firsts
         .lock()
         .ok()
@@ -117,6 +125,7 @@ async fn served(
             request_json: json!({ "prompt": prompt }).to_string(),
             settings: Some(pb::RunSettings {
                 keep_sandbox: true,
+                grace_ms: Some(0),
                 ..Default::default()
             }),
         })
@@ -142,8 +151,13 @@ async fn served(
 #[tokio::main]
 async fn main() -> Result<()> {
     let firsts: Firsts = Arc::default();
-    let setup =
-        Setup::start_with(1, 8, ModelServer::responding(model(firsts.clone())).await).await?;
+    let setup = Setup::start_with(
+        1,
+        8,
+        ModelServer::responding(model(firsts.clone())).await,
+        false,
+    )
+    .await?;
     // Warm both paths (images, the first connections).
     local(&setup, &firsts, &format!("text {}", unique_id("w"))).await?;
     served(&setup, &firsts, &format!("text {}", unique_id("w"))).await?;
@@ -160,6 +174,11 @@ async fn main() -> Result<()> {
         l_rate.push(n as f64 / t.as_secs_f64());
         let (_, n, t) = served(&setup, &firsts, &format!("calls {}", unique_id("s"))).await?;
         s_rate.push(n as f64 / t.as_secs_f64());
+        // Sandboxes are kept (not timed): the round's are removed.
+        let worker = setup.worker(&setup.workers[0].url).await?;
+        for sb in worker.list_sandboxes().await? {
+            worker.destroy_sandbox(&sb.id).await?;
+        }
     }
     let (lf, sf) = (median(l_first), median(s_first));
     let (lr, sr) = (median(l_rate), median(s_rate));

@@ -44,6 +44,7 @@ pub struct Setup {
     pub serve: Option<std::process::Child>,
     pub port: u16,
     max_sessions: u32,
+    withhold: bool,
 }
 
 impl Setup {
@@ -54,12 +55,19 @@ impl Setup {
             workers,
             max_sessions,
             ModelServer::responding(respond).await,
+            true,
         )
         .await
     }
 
-    /// As [`Self::start`], with `model`.
-    pub async fn start_with(workers: usize, max_sessions: u32, model: ModelServer) -> Result<Self> {
+    /// As [`Self::start`], with `model`; `withhold`: the workers and the
+    /// service give every error one fixed text (clients go by reasons).
+    pub async fn start_with(
+        workers: usize,
+        max_sessions: u32,
+        model: ModelServer,
+        withhold: bool,
+    ) -> Result<Self> {
         let dir = tempfile::tempdir()?;
         let token = dir.path().join("worker-token");
         std::fs::write(&token, format!("{TOKEN}\n"))?;
@@ -75,6 +83,7 @@ impl Setup {
             serve: None,
             port: free_port()?,
             max_sessions,
+            withhold,
         };
         let run = unique_id("sv");
         for i in 0..workers {
@@ -85,7 +94,11 @@ impl Setup {
                 free_port()?,
                 &[("CORRAL_LOG", "warn")],
                 &[
-                    "--withhold-error-text",
+                    if withhold {
+                        "--withhold-error-text"
+                    } else {
+                        "--log-format=json"
+                    },
                     "--max-sandboxes",
                     "40",
                     "--token-file",
@@ -134,8 +147,8 @@ impl Setup {
             ])
             .args(["--max-sessions", &self.max_sessions.to_string()])
             .args(["--heartbeat", "0"])
-            // Its clients go by reasons alone (so do the workers' below).
-            .arg("--withhold-error-text")
+            // Its clients go by reasons alone (so do the workers').
+            .args(self.withhold.then_some("--withhold-error-text"))
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit());
