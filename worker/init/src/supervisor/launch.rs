@@ -1,0 +1,462 @@
+//! Starting an operation: its process (a shell command, or this binary as
+//! an archive helper) in a session and process group of its own, as the
+//! command user, with its pipes or terminal.
+
+use super::*;
+
+/// What the process of an operation runs: a shell command, or this binary
+/// as an archive helper.
+pub(super) struct Launch<'a> {
+    pub(super) program: PathBuf,
+    pub(super) args: Vec<OsString>,
+    pub(super) workdir: Option<&'a str>,
+    pub(super) env: Option<&'a std::collections::BTreeMap<String, String>>,
+    pub(super) stdin: bool,
+    pub(super) terminal: Option<TerminalSize>,
+    pub(super) timeout: Duration,
+    /// Bytes of stdout and stderr the result keeps.
+    pub(super) limits: [u64; 2],
+    pub(super) keep_background: bool,
+    /// Whether the program switches to the command user itself (an
+    /// archive helper, told `--as UID`: it starts as the supervisor's user
+    /// and makes itself not dumpable first, so no command of the sandbox
+    /// can trace it from its first instruction on any runtime), or is
+    /// switched before exec (a command).
+    pub(super) switches_itself: bool,
+}
+
+impl<'a> Launch<'a> {
+    fn shell(shell: PathBuf, spec: &'a ShellSpec) -> Self {
+        Self {
+            program: shell,
+            args: vec!["-c".into(), spec.command.clone().into()],
+            workdir: spec.workdir.as_deref(),
+            env: Some(&spec.env),
+            stdin: spec.stdin,
+            terminal: spec.terminal,
+            timeout: spec.timeout(),
+            limits: [spec.output_limit(); 2],
+            keep_background: spec.keep_background,
+            switches_itself: false,
+        }
+    }
+}
+
+pub(super) fn find_shell(use_bash: bool) -> Result<PathBuf, String> {
+    if !use_bash {
+        let sh = PathBuf::from("/bin/sh");
+        return if sh.exists() {
+            Ok(sh)
+        } else {
+            Err("/bin/sh is not present in this image".into())
+        };
+    }
+    ["/bin/bash", "/usr/bin/bash", "/usr/local/bin/bash"]
+        .iter()
+        .map(PathBuf::from)
+        .find(|p| p.exists())
+        .ok_or_else(|| "bash is not installed in this image".into())
+}
+
+/// Sets a terminal's window size (the kernel tells its foreground
+/// process group with SIGWINCH).
+#[allow(unsafe_code)]
+pub(super) fn set_window_size(fd: &impl AsRawFd, size: TerminalSize) {
+    let ws = libc::winsize {
+        ws_row: size.rows,
+        ws_col: size.cols,
+        ws_xpixel: 0,
+        ws_ypixel: 0,
+    };
+    // SAFETY: TIOCSWINSZ reads one winsize from the pointer, which lives
+    // for the call.
+    unsafe {
+        libc::ioctl(fd.as_raw_fd(), libc::TIOCSWINSZ, &ws);
+    }
+}
+
+/// `struct sigaction` as the kernel takes it (x86_64, aarch64).
+#[repr(C)]
+pub(super) struct KernelSigaction {
+    pub(super) handler: libc::sighandler_t,
+    pub(super) flags: libc::c_ulong,
+    pub(super) restorer: usize,
+    pub(super) mask: u64,
+}
+
+/// In the forked child, before exec, as the keeper to be: a session of
+/// the operation's own, on its terminal if it has one (the command, forked
+/// from it, is in both).
+///
+/// Only async-signal-safe calls: setsid, ioctl.
+#[allow(unsafe_code)]
+pub(super) fn session_setup(terminal: bool) -> io::Result<()> {
+    // SAFETY: plain libc calls; no allocation, no lock.
+    unsafe {
+        if libc::setsid() < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        if terminal && libc::ioctl(0, libc::TIOCSCTTY, 0) < 0 {
+            return Err(io::Error::last_os_error());
+        }
+    }
+    Ok(())
+}
+
+/// In the command's process, before exec: it starts as on a fresh
+/// machine, with no signal blocked and every disposition the default (the
+/// supervisor's signalfd mask, the keeper's and ignored signals must not
+/// leak), as the command user with its operation's tag (`procs::tag`)
+/// as its one supplementary group.
+///
+/// Only async-signal-safe calls: sigprocmask, rt_sigaction, setgroups,
+/// setgid, setuid.
+#[allow(unsafe_code)]
+pub(super) fn command_setup(uid: Option<u32>, tag: Option<u32>) -> io::Result<()> {
+    // SAFETY: plain libc calls on values owned here; no allocation, no lock.
+    unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        libc::sigprocmask(libc::SIG_SETMASK, &set, std::ptr::null_mut());
+        // The raw system call: glibc's signal() refuses the real-time
+        // signals it keeps for itself, and an ignored one is inherited.
+        let default = KernelSigaction {
+            handler: libc::SIG_DFL,
+            flags: 0,
+            restorer: 0,
+            mask: 0,
+        };
+        for sig in 1..=64 {
+            if sig != libc::SIGKILL && sig != libc::SIGSTOP {
+                libc::syscall(
+                    libc::SYS_rt_sigaction,
+                    sig,
+                    &default as *const KernelSigaction,
+                    std::ptr::null_mut::<KernelSigaction>(),
+                    8usize,
+                );
+            }
+        }
+        if let Some(uid) = uid {
+            // The operation's tag as the one supplementary group; where
+            // the engine maps too few gids into the sandbox (a user
+            // namespace), none, and the keeper alone holds the operation.
+            let groups = tag.map_or(0, |t| t as libc::gid_t);
+            if (tag.is_none() || libc::setgroups(1, &groups) < 0)
+                && libc::setgroups(0, std::ptr::null()) < 0
+            {
+                return Err(io::Error::last_os_error());
+            }
+            if libc::setgid(uid) < 0 || libc::setuid(uid) < 0 {
+                return Err(io::Error::last_os_error());
+            }
+        }
+    }
+    Ok(())
+}
+
+impl Supervisor {
+    pub(super) fn start(&mut self, id: OperationId, spec: OperationSpec) {
+        let started = Instant::now();
+        let mut op = Op {
+            spec: spec.without_data(),
+            data_digest: spec_digest(&spec),
+            first_seq: 0,
+            running: None,
+            file: None,
+            result: None,
+        };
+        let immediate = match &spec {
+            OperationSpec::Shell(_)
+            | OperationSpec::PutArchive(_)
+            | OperationSpec::GetArchive(_) => None,
+            OperationSpec::ReadFile(r) if r.stream => {
+                let _as = AsCommandUser::new(self.config.command_uid);
+                match fileops::open_read(&self.config.roots, r) {
+                    Ok((file, size)) => {
+                        op.file = Some(FileTask::Read {
+                            file,
+                            left: (r.limit > 0).then_some(r.limit),
+                            sent: 0,
+                            size,
+                            started,
+                        });
+                        None
+                    }
+                    Err(refusal) => Some(refusal.into()),
+                }
+            }
+            OperationSpec::ReadFile(r) => {
+                let _as = AsCommandUser::new(self.config.command_uid);
+                Some(fileops::read_file(&self.config.roots, r))
+            }
+            OperationSpec::WriteFile(w) if w.stream => {
+                let _as = AsCommandUser::new(self.config.command_uid);
+                let opened = FileWriter::open(&self.config.roots, w, self.config.command_uid)
+                    .and_then(|mut writer| match writer.write(&w.data) {
+                        Ok(()) => Ok(writer),
+                        Err(refusal) => {
+                            writer.abort();
+                            Err(refusal)
+                        }
+                    });
+                match opened {
+                    Ok(writer) => {
+                        op.file = Some(FileTask::Write {
+                            writer: Box::new(writer),
+                            input: Input {
+                                ack_due: true,
+                                ..Input::default()
+                            },
+                            started,
+                        });
+                        None
+                    }
+                    Err(refusal) => Some(refusal.into()),
+                }
+            }
+            OperationSpec::WriteFile(w) => {
+                let _as = AsCommandUser::new(self.config.command_uid);
+                Some(fileops::write_file_as(
+                    &self.config.roots,
+                    w,
+                    self.config.command_uid,
+                ))
+            }
+        };
+        self.ops.insert(id.clone(), op);
+        if let Some(mut result) = immediate {
+            result.duration_ms = started.elapsed().as_millis() as u64;
+            self.complete(&id, result);
+            return;
+        }
+        let launch = match &spec {
+            OperationSpec::Shell(shell) => {
+                find_shell(shell.use_bash).map(|sh| Launch::shell(sh, shell))
+            }
+            OperationSpec::PutArchive(a) => self.archive_helper("--put-archive", &a.path),
+            OperationSpec::GetArchive(a) if a.contents => {
+                self.archive_helper("--get-contents", &a.path)
+            }
+            OperationSpec::GetArchive(a) => self.archive_helper("--get-archive", &a.path),
+            OperationSpec::ReadFile(_) | OperationSpec::WriteFile(_) => return,
+        };
+        match launch.and_then(|launch| self.spawn(&launch)) {
+            Ok((pid, run)) => {
+                self.pids.insert(pid.as_raw(), id.clone());
+                let seq = self.emit(
+                    &id,
+                    EventKind::Started {
+                        pid: pid.as_raw() as u32,
+                    },
+                );
+                if let Some(op) = self.ops.get_mut(&id) {
+                    op.first_seq = seq;
+                    op.running = Some(run);
+                }
+            }
+            Err(reason) => self.complete(
+                &id,
+                OperationResult::with_outcome(Outcome::SpawnFailed { reason }),
+            ),
+        }
+    }
+
+    /// This binary run as an archive helper (`--put-archive PATH` or
+    /// `--get-archive PATH`) with the roots: its stdout carries nothing but
+    /// the archive, so none of it is kept in the result.
+    pub(super) fn archive_helper(&self, flag: &str, path: &str) -> Result<Launch<'static>, String> {
+        let helper = self
+            .config
+            .helper
+            .clone()
+            .ok_or("the supervisor cannot find its own binary")?;
+        let mut args: Vec<OsString> = vec![flag.into(), path.into()];
+        if let Some(uid) = self.config.command_uid {
+            args.extend(["--as".into(), uid.to_string().into()]);
+        }
+        args.push("--roots".into());
+        args.push(self.config.roots.workspace.clone().into_os_string());
+        for other in &self.config.roots.others {
+            args.push(other.clone().into_os_string());
+        }
+        let get = flag != "--put-archive";
+        Ok(Launch {
+            program: helper,
+            args,
+            workdir: None,
+            env: None,
+            stdin: !get,
+            terminal: None,
+            timeout: Duration::from_millis(corral_proto::limits::MAX_TIMEOUT_MS),
+            limits: [
+                if get {
+                    0
+                } else {
+                    corral_proto::limits::DEFAULT_OUTPUT_LIMIT_BYTES
+                },
+                corral_proto::limits::DEFAULT_OUTPUT_LIMIT_BYTES,
+            ],
+            keep_background: false,
+            switches_itself: true,
+        })
+    }
+
+    #[allow(unsafe_code)]
+    pub(super) fn spawn(&mut self, spec: &Launch<'_>) -> Result<(Pid, Box<Running>), String> {
+        let shell = &spec.program;
+        let workdir = match &spec.workdir {
+            Some(w) => self.config.roots.workspace.join(w),
+            None => self.config.roots.workspace.clone(),
+        };
+        if !workdir.is_dir() {
+            return Err(format!(
+                "working directory {}: no such directory",
+                workdir.display()
+            ));
+        }
+        let mut cmd = Command::new(shell);
+        cmd.args(&spec.args)
+            .env_clear()
+            .envs(self.base_env.iter().map(|(k, v)| (k, v)));
+        // The pseudo-terminal: the command's stdin, stdout and stderr; the
+        // master side stays here for output, input and window sizes.
+        let mut master: Option<File> = None;
+        if let Some(size) = spec.terminal {
+            let ws = nix::pty::Winsize {
+                ws_row: size.rows,
+                ws_col: size.cols,
+                ws_xpixel: 0,
+                ws_ypixel: 0,
+            };
+            let pty = nix::pty::openpty(Some(&ws), None).map_err(|e| format!("openpty: {e}"))?;
+            let slave = File::from(pty.slave);
+            if let Some(uid) = self.config.command_uid {
+                // The command's own terminal: it may change its modes.
+                let _ = nix::unistd::fchown(
+                    &slave,
+                    Some(nix::unistd::Uid::from_raw(uid)),
+                    Some(nix::unistd::Gid::from_raw(uid)),
+                );
+            }
+            let dup = |f: &File| f.try_clone().map_err(|e| format!("terminal: {e}"));
+            cmd.stdin(Stdio::from(dup(&slave)?))
+                .stdout(Stdio::from(dup(&slave)?))
+                .stderr(Stdio::from(slave))
+                .env("TERM", "xterm-256color");
+            master = Some(File::from(pty.master));
+        } else {
+            cmd.stdin(if spec.stdin {
+                Stdio::piped()
+            } else {
+                Stdio::null()
+            })
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        }
+        if let Some(env) = spec.env {
+            cmd.envs(env);
+        }
+        cmd.current_dir(&workdir);
+        let terminal = master.is_some();
+        let uid = self.config.command_uid.filter(|_| !spec.switches_itself);
+        let tag = uid.map(|_| procs::tag(self.launched));
+        self.launched += 1;
+        let keep_background = spec.keep_background;
+        // SAFETY: runs in the forked child before exec. The supervisor is
+        // single-threaded, so no lock (allocator included) can be held by
+        // another thread at the fork. The child becomes the operation's
+        // keeper (see `keeper`), which forks the command and never returns
+        // here; the command switches to its user, and makes itself, not
+        // PID 1, the first choice of the OOM killer (a process that changed
+        // user is not dumpable, and its proc files are not its own until it
+        // is again).
+        unsafe {
+            cmd.pre_exec(move || {
+                session_setup(terminal)?;
+                crate::keeper::fork(keep_background)?;
+                command_setup(uid, tag)?;
+                let _ = nix::sys::prctl::set_dumpable(true);
+                let _ = std::fs::write("/proc/self/oom_score_adj", b"1000");
+                Ok(())
+            });
+        }
+        let oom_kills_at_start = oom_kills();
+        let mut child = cmd.spawn().map_err(|e| match e.raw_os_error() {
+            Some(libc_eagain) if libc_eagain == Errno::EAGAIN as i32 => {
+                format!("{e} (the sandbox's process limit is reached)")
+            }
+            _ => format!("{}: {e}", shell.display()),
+        })?;
+        // The child holds the terminal's slave side now; ours are closed
+        // with `cmd`.
+        drop(cmd);
+        let pid = Pid::from_raw(child.id() as i32);
+        let (pipes, stdin, input) = match master {
+            Some(master) => {
+                let clones = master
+                    .try_clone()
+                    .and_then(|a| Ok((a, master.try_clone()?)));
+                let (input_fd, out) = match clones {
+                    Ok(c) => c,
+                    Err(e) => {
+                        // Not tracked, so not left running.
+                        let _ = child.kill();
+                        let _ = child.wait();
+                        return Err(format!("terminal: {e}"));
+                    }
+                };
+                (
+                    [Some(Pipe(out)), None],
+                    Some(input_fd),
+                    Some(Input::default()),
+                )
+            }
+            None => {
+                let stdout = child
+                    .stdout
+                    .take()
+                    .map(|p| Pipe(File::from(OwnedFd::from(p))));
+                let stderr = child
+                    .stderr
+                    .take()
+                    .map(|p| Pipe(File::from(OwnedFd::from(p))));
+                let stdin = child.stdin.take().map(|p| File::from(OwnedFd::from(p)));
+                let input = stdin.as_ref().map(|_| Input::default());
+                ([stdout, stderr], stdin, input)
+            }
+        };
+        for p in pipes.iter().flatten() {
+            let _ = set_nonblocking(p.fd());
+            let _ = fcntl(p.fd(), FcntlArg::F_SETPIPE_SZ(PIPE_BYTES));
+        }
+        if let Some(fd) = &stdin {
+            let _ = set_nonblocking(fd.as_fd());
+        }
+        let terminal = match (&spec.terminal, &stdin) {
+            (Some(_), Some(fd)) => fd.try_clone().ok(),
+            _ => None,
+        };
+        let started = Instant::now();
+        Ok((
+            pid,
+            Box::new(Running {
+                pgid: pid,
+                tag,
+                started,
+                deadline: started + spec.timeout,
+                ending: None,
+                kill_at: None,
+                keep_background: spec.keep_background,
+                pipes,
+                captures: [HeadTail::new(spec.limits[0]), HeadTail::new(spec.limits[1])],
+                exit: None,
+                linger_until: None,
+                oom_kills_at_start,
+                stdin,
+                input,
+                terminal,
+            }),
+        ))
+    }
+}
