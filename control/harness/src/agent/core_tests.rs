@@ -1071,3 +1071,51 @@ fn a_call_is_lost_by_how_its_operation_failed_never_by_the_words() {
     });
     assert_eq!(ended(&|o| o.finish(lost.clone())), "lost");
 }
+
+#[test]
+fn the_settings_alone_come_out_as_a_full_replay_leaves_them() {
+    use crate::agent::record::Endpoint;
+    use crate::llm::Api;
+    let records = vec![
+        Record::Start { config: config() },
+        Record::Resume {
+            at_unix_ms: 1,
+            max_turns: Some(3),
+            model: Some("m2".into()),
+            endpoint: Some(Endpoint {
+                base_url: "http://127.0.0.1:9/v1".into(),
+                api: Api::Chat,
+            }),
+            tool_choice: None,
+            context_window_tokens: Some(64_000),
+            max_output_tokens: Some(2_000),
+            reasoning_effort: Some("high".into()),
+        },
+        Record::Placed {
+            worker: Some("http://127.0.0.1:7070".into()),
+            worker_id: Some("w2".into()),
+            sandbox_id: SandboxId::new("sb-g1").unwrap(),
+            generation: 1,
+            text: "moved".into(),
+        },
+        Record::Shrink {
+            turn: 4,
+            context_window_tokens: 16_000,
+            error: "too long".into(),
+        },
+        Record::Forked {
+            parent: "p".into(),
+            sandbox_id: SandboxId::new("sb-child").unwrap(),
+        },
+    ];
+    let mut state = State::new();
+    let mut alone = None;
+    for (i, rec) in records.iter().enumerate() {
+        state.apply(rec);
+        crate::agent::state::apply_to_config(&mut alone, rec);
+        assert_eq!(alone, state.config, "after record {i}");
+    }
+    let c = alone.unwrap();
+    assert_eq!((c.model.as_str(), c.sandbox_id.as_str()), ("m2", "sb-child"));
+    assert_eq!(c.budget.context_window_tokens, 16_000);
+}

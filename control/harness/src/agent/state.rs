@@ -92,6 +92,85 @@ pub struct State {
     pub run_max_turns: Option<u64>,
 }
 
+/// How `record` changes a session's settings: what [`State::apply`] does
+/// to its `config`, without the rest of the replay (the context, the
+/// calls), for a caller that wants the settings alone.
+pub fn apply_to_config(config: &mut Option<SessionConfig>, record: &Record) {
+    match record {
+        Record::Start { config: c } => *config = Some(c.clone()),
+        Record::Resume {
+            model,
+            endpoint,
+            tool_choice,
+            context_window_tokens,
+            max_output_tokens,
+            reasoning_effort,
+            ..
+        } => {
+            if let Some(c) = config {
+                if let Some(m) = model {
+                    c.model = m.clone();
+                }
+                if let Some(e) = endpoint {
+                    c.endpoint = Some(e.clone());
+                }
+                if let Some(t) = tool_choice {
+                    c.tool_choice = Some(t.clone());
+                }
+                if let Some(r) = reasoning_effort {
+                    c.reasoning_effort = Some(r.clone());
+                }
+                if let Some(m) = max_output_tokens {
+                    c.max_output_tokens = Some(*m);
+                    c.budget.reserve_output_tokens = u64::from(*m);
+                }
+                if let Some(w) = context_window_tokens {
+                    c.budget.context_window_tokens = *w;
+                }
+            }
+        }
+        Record::Forked { sandbox_id, .. } => {
+            if let Some(c) = config {
+                c.sandbox_id = sandbox_id.clone();
+            }
+        }
+        Record::Placed {
+            worker,
+            worker_id,
+            sandbox_id,
+            generation,
+            ..
+        } => {
+            if let Some(c) = config {
+                c.worker = worker.clone();
+                c.worker_id = worker_id.clone();
+                c.sandbox_id = sandbox_id.clone();
+                c.generation = *generation;
+            }
+        }
+        Record::Shrink {
+            context_window_tokens,
+            ..
+        } => {
+            if let Some(c) = config {
+                c.budget = shrunk(c.budget, *context_window_tokens);
+            }
+        }
+        _ => {}
+    }
+}
+
+/// The budget after a request was found too long for a window of
+/// `context_window_tokens`.
+fn shrunk(mut budget: Budget, context_window_tokens: u64) -> Budget {
+    budget.context_window_tokens = context_window_tokens;
+    // One result may take at most about a quarter of the room left for the
+    // request (four characters a token).
+    let room = context_window_tokens.saturating_sub(budget.reserve());
+    budget.max_tool_result_chars = budget.max_tool_result_chars.min(room.max(1_000) as usize);
+    budget
+}
+
 impl State {
     /// An empty session.
     pub fn new() -> Self {
@@ -392,13 +471,7 @@ impl State {
                 if self.in_flight == Some(*turn) {
                     self.in_flight = None;
                 }
-                let mut budget = self.context.budget();
-                budget.context_window_tokens = *context_window_tokens;
-                // One result may take at most about a quarter of the room
-                // left for the request (four characters a token).
-                let room = context_window_tokens.saturating_sub(budget.reserve());
-                budget.max_tool_result_chars =
-                    budget.max_tool_result_chars.min(room.max(1_000) as usize);
+                let budget = shrunk(self.context.budget(), *context_window_tokens);
                 self.context.set_budget(budget);
                 if let Some(c) = &mut self.config {
                     c.budget = budget;

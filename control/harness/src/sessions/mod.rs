@@ -463,12 +463,16 @@ impl Sessions {
         launch(core, worker, opts, Vec::new(), true).await
     }
 
-    /// How a stored session was started, read without taking its lock (it
-    /// may be running).
+    /// A stored session's settings as they are now (its start, and what
+    /// its resumes, moves and shrinks changed), read without taking its lock
+    /// (it may be running): its records are read, but nothing is replayed
+    /// but their settings.
     pub fn config_of(&self, id: &str) -> Result<SessionConfig, SessionError> {
-        crate::agent::replay(&self.dir, id)?
-            .config
-            .ok_or_else(|| crate::agent::CoreError::NoStart(id.into()).into())
+        let mut config = None;
+        for rec in SessionLog::<Record>::records(&self.dir, id)? {
+            crate::agent::state::apply_to_config(&mut config, &rec?.1);
+        }
+        config.ok_or_else(|| crate::agent::CoreError::NoStart(id.into()).into())
     }
 
     /// Removes a stored session: its sandbox from `worker` (the one it was
