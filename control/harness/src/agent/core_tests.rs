@@ -1076,7 +1076,7 @@ fn a_call_is_lost_by_how_its_operation_failed_never_by_the_words() {
 fn the_settings_alone_come_out_as_a_full_replay_leaves_them() {
     use crate::agent::record::Endpoint;
     use crate::llm::Api;
-    let records = vec![
+    let records = [
         Record::Start { config: config() },
         Record::Resume {
             at_unix_ms: 1,
