@@ -379,15 +379,21 @@ pub enum SessionCommand {
         sessions_dir: Option<PathBuf>,
     },
     /// Copy a session's /workspace into a local directory (made if
-    /// missing), from the worker it was placed on.
+    /// missing), from the worker it was placed on; or, with --atif, write
+    /// the session as a trajectory.
     Export {
         id: String,
-        /// A directory, or with --diff the patch file.
+        /// A directory, or with --diff the patch file, or with --atif the
+        /// trajectory's file (`-`: stdout).
         dest: PathBuf,
         /// Only the changes, as a patch for `git apply` (the workspace must
         /// be a git repository): against its HEAD, new files included.
-        #[arg(long)]
+        #[arg(long, conflicts_with = "atif")]
         diff: bool,
+        /// The session as a trajectory in ATIF (Harbor's Agent Trajectory
+        /// Interchange Format), from its log alone: no worker is asked.
+        #[arg(long)]
+        atif: bool,
         #[command(flatten)]
         out: OutArgs,
         #[arg(long, env = "CORRAL_SESSIONS_DIR")]

@@ -110,6 +110,35 @@ pub async fn corral_run_default_image(
     finish(cmd).await
 }
 
+/// Where the trajectories of the sessions the suite runs are kept:
+/// `atif/` beside the binaries (the Python SDK's tests validate each one
+/// against Harbor's ATIF models).
+pub fn trajectories_dir() -> std::path::PathBuf {
+    corral()
+        .parent()
+        .map_or_else(|| std::path::PathBuf::from("atif"), |d| d.join("atif"))
+}
+
+/// Exports session `id` of `sessions` as ATIF into [`trajectories_dir`],
+/// as a user would (`corral session export --atif`).
+pub async fn keep_trajectory(sessions: &Path, id: &str) -> Result<()> {
+    let dir = trajectories_dir();
+    std::fs::create_dir_all(&dir)?;
+    let out = tokio::process::Command::new(corral())
+        .args(["session", "export", "--atif", "--sessions-dir"])
+        .arg(sessions)
+        .arg(id)
+        .arg(dir.join(format!("{id}.atif.json")))
+        .output()
+        .await?;
+    anyhow::ensure!(
+        out.status.success(),
+        "corral session export --atif {id}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(())
+}
+
 /// Runs a prepared `corral run` command to its end (two minutes at most).
 pub async fn finish(mut cmd: tokio::process::Command) -> Result<Run> {
     let out = tokio::time::timeout(Duration::from_secs(120), cmd.output())
@@ -122,6 +151,20 @@ pub async fn finish(mut cmd: tokio::process::Command) -> Result<Run> {
         .collect::<Result<Vec<_>>>()?;
     for e in &events {
         assert_eq!(e["v"], 1, "every event is versioned: {e}");
+    }
+    let sessions = cmd
+        .as_std()
+        .get_envs()
+        .find(|(k, _)| *k == "CORRAL_SESSIONS_DIR")
+        .and_then(|(_, v)| v.map(std::path::PathBuf::from));
+    if let (Some(sessions), Some(id)) = (
+        sessions,
+        events
+            .last()
+            .filter(|e| e["type"] == "result")
+            .and_then(|e| e["session_id"].as_str()),
+    ) {
+        keep_trajectory(&sessions, id).await?;
     }
     Ok(Run {
         code: out.status.code().unwrap_or(-1),

@@ -23,12 +23,14 @@
 //!   goes among them; [`fleet`]: a caller's workers, the one place that
 //!   answers which worker (place, find a sandbox's, find a session's again
 //!   by its id); [`metrics`]: the control plane's metrics;
+//! - [`atif`]: a session as a trajectory in Harbor's ATIF;
 //! - [`control`]: the client of a control plane service (`corral serve`),
 //!   which hosts sessions through this same front door.
 //!
 //! It runs no operation itself: workers do.
 
 pub mod agent;
+pub mod atif;
 pub mod client;
 pub mod context;
 pub mod control;

@@ -178,9 +178,28 @@ async fn session_command(conn: &ConnArgs, cmd: &SessionCommand) -> Result<(), Er
         SessionCommand::Export {
             id,
             dest,
+            atif: true,
+            sessions_dir,
+            ..
+        } => {
+            let store = super::run::sessions(sessions_dir.as_deref());
+            let trajectory = corral_harness::atif::trajectory(&store, id)?;
+            let mut text = serde_json::to_string_pretty(&trajectory)
+                .map_err(|e| std::io::Error::other(e.to_string()))?;
+            text.push('\n');
+            if dest.as_os_str() == "-" {
+                out.write_all(text.as_bytes())?;
+            } else {
+                std::fs::write(dest, text)?;
+            }
+        }
+        SessionCommand::Export {
+            id,
+            dest,
             diff,
             out: limits,
             sessions_dir,
+            ..
         } => {
             let store = super::run::sessions(sessions_dir.as_deref());
             let config = store.config_of(id)?;

@@ -1,4 +1,5 @@
 mod agent;
+mod atif;
 mod bad_input;
 mod checkpoint;
 mod cli;

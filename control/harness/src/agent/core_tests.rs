@@ -1116,6 +1116,9 @@ fn the_settings_alone_come_out_as_a_full_replay_leaves_them() {
         assert_eq!(alone, state.config, "after record {i}");
     }
     let c = alone.unwrap();
-    assert_eq!((c.model.as_str(), c.sandbox_id.as_str()), ("m2", "sb-child"));
+    assert_eq!(
+        (c.model.as_str(), c.sandbox_id.as_str()),
+        ("m2", "sb-child")
+    );
     assert_eq!(c.budget.context_window_tokens, 16_000);
 }
