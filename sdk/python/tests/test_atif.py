@@ -36,7 +36,8 @@ def test_every_session_the_suite_recorded_is_a_valid_atif_trajectory() -> None:
     assert have.returncode == 0, f"{IMAGE} is missing: run sdk/python/tests/harbor/build-image.sh"
     files = sorted(ATIF.glob("*.atif.json"))
     assert len(files) >= 20, (
-        f"{len(files)} trajectories in {ATIF}: the Rust suite writes them (deploy/test.sh runs it first)"
+        f"{len(files)} trajectories in {ATIF}: the Rust suite writes them "
+        "(deploy/test.sh runs it first)"
     )
     run = subprocess.run(
         [
