@@ -21,6 +21,9 @@ cargo build --locked --workspace --bins
 cargo check --locked -p corral-harness --no-default-features
 # The tests against a real llama.cpp server need its build (about 10
 # minutes the first time): deploy/test-llama.sh runs them.
+# Each session the suite runs through `corral run` leaves its trajectory in
+# target/debug/atif (the SDK's tests validate them): this run's only.
+rm -rf target/debug/atif
 cargo nextest run --locked --workspace -E 'not test(real_llama)' "$@"
 # The Python SDK (sdk/python): ruff, mypy --strict and pytest against real
 # workers, in a venv of its own.
