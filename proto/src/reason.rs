@@ -103,6 +103,9 @@ reasons! {
     SessionRunning = "session_running",
     /// The session is not running: it takes no input or stop.
     SessionNotRunning = "session_not_running",
+    /// No worker could take it: each refused or did not answer in time
+    /// (try again later, or add workers).
+    NoWorker = "no_worker",
 }
 
 impl std::fmt::Display for Reason {

@@ -289,6 +289,57 @@ impl Auth {
     }
 }
 
+/// Connections kept by address, for a caller that talks to the same
+/// workers again and again (`corral serve`): one HTTP/2 connection per
+/// worker, shared by every call, instead of a connection (and its
+/// handshakes) per session. A kept connection reconnects by itself when
+/// its worker comes back.
+#[derive(Clone, Default)]
+pub struct ClientCache {
+    kept: std::sync::Arc<std::sync::Mutex<std::collections::HashMap<String, WorkerClient>>>,
+}
+
+impl std::fmt::Debug for ClientCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClientCache")
+            .field("workers", &self.kept().len())
+            .finish()
+    }
+}
+
+impl ClientCache {
+    fn kept(&self) -> std::sync::MutexGuard<'_, std::collections::HashMap<String, WorkerClient>> {
+        self.kept
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// The connection to `url`, made (with `creds`) if there is none yet.
+    pub async fn connect(
+        &self,
+        url: &str,
+        creds: &Credentials,
+    ) -> Result<WorkerClient, ClientError> {
+        if let Some(c) = self.kept().get(url) {
+            return Ok(c.clone());
+        }
+        let made = WorkerClient::connect_with(url, creds).await?;
+        Ok(self.kept().entry(url.to_string()).or_insert(made).clone())
+    }
+}
+
+/// Connects to `url`, through `cache` when there is one.
+pub async fn connect_via(
+    cache: Option<&ClientCache>,
+    url: &str,
+    creds: &Credentials,
+) -> Result<WorkerClient, ClientError> {
+    match cache {
+        Some(c) => c.connect(url, creds).await,
+        None => WorkerClient::connect_with(url, creds).await,
+    }
+}
+
 pub type EventStream = std::pin::Pin<Box<dyn Stream<Item = Result<Event, ClientError>> + Send>>;
 
 impl WorkerClient {

@@ -75,6 +75,8 @@ pub struct Fleet {
     local: Option<Arc<LocalWorker>>,
     /// How long a session's worker that does not answer is waited for.
     patience: Duration,
+    /// Connections kept across calls, when the caller keeps them.
+    cache: Option<crate::client::ClientCache>,
 }
 
 impl Fleet {
@@ -87,7 +89,16 @@ impl Fleet {
             credentials,
             local: None,
             patience: Duration::from_secs(60),
+            cache: None,
         }
+    }
+
+    /// Keeps one connection per worker across calls (see
+    /// [`crate::client::ClientCache`]): for a caller that lives long and
+    /// places many sessions.
+    pub fn keeping_connections(mut self) -> Self {
+        self.cache = Some(crate::client::ClientCache::default());
+        self
     }
 
     /// The worker used when no entry is given.
@@ -123,7 +134,7 @@ impl Fleet {
         match url {
             Some(url) => {
                 let creds = self.credentials(&[url.to_string()])?;
-                Ok(WorkerClient::connect_with(url, &creds).await?)
+                Ok(crate::client::connect_via(self.cache.as_ref(), url, &creds).await?)
             }
             None => match &self.local {
                 Some(local) => local().await,
@@ -159,7 +170,8 @@ impl Fleet {
         F: FnMut(String, WorkerClient) -> Fut,
         Fut: Future<Output = Result<T, Attempt<E>>>,
     {
-        let placer = Placer::new(self.credentials(urls)?).preferring_warm(spec);
+        let mut placer = Placer::new(self.credentials(urls)?).preferring_warm(spec);
+        placer.cache = self.cache.clone();
         match placer.place(urls, create).await {
             Ok(placed) => {
                 tracing::debug!(worker = %placed.url, probes = placed.probes, attempts = placed.attempts, "placed");
@@ -195,7 +207,9 @@ impl Fleet {
         let asked = urls.iter().filter(|u| u.as_str() != url).map(|u| {
             let creds = creds.clone();
             let asked = async move {
-                let client = WorkerClient::connect_with(u, &creds).await.ok()?;
+                let client = crate::client::connect_via(self.cache.as_ref(), u, &creds)
+                    .await
+                    .ok()?;
                 let info = client.worker_info().await.ok()?;
                 (info.worker_id == id).then_some((u.clone(), client))
             };
@@ -247,7 +261,7 @@ impl Fleet {
         let asked = urls.iter().map(|url| {
             let creds = creds.clone();
             let asked = async move {
-                let client = WorkerClient::connect_with(url, &creds).await?;
+                let client = crate::client::connect_via(self.cache.as_ref(), url, &creds).await?;
                 client.get_sandbox(sandbox).await.map(|_| client)
             };
             async move { tokio::time::timeout(ASK_TIMEOUT, asked).await }

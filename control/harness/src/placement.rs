@@ -222,6 +222,8 @@ pub struct Placer {
     /// ready that its create would take is preferred to any without (its
     /// create is a claim, not a cold start).
     pub warm: Option<corral_proto::SandboxSpec>,
+    /// Connections kept across placements (see [`ClientCache`]).
+    pub cache: Option<crate::client::ClientCache>,
 }
 
 /// A probed worker that could take a sandbox.
@@ -241,6 +243,7 @@ impl Placer {
             probe_all_up_to: PROBE_ALL_UP_TO,
             attempts: ATTEMPTS,
             warm: None,
+            cache: None,
         }
     }
 
@@ -264,7 +267,7 @@ impl Placer {
     async fn probe(&self, url: &str) -> Result<(WorkerClient, WorkerInfo), String> {
         let started = Instant::now();
         let asked = tokio::time::timeout(self.probe_timeout, async {
-            let client = WorkerClient::connect_with(url, &self.creds).await?;
+            let client = crate::client::connect_via(self.cache.as_ref(), url, &self.creds).await?;
             let info = client.worker_info().await?;
             Ok::<_, ClientError>((client, info))
         })

@@ -104,7 +104,8 @@ pub async fn serve(conn: &ConnArgs, args: &ServeArgs) -> Result<(), ServeError> 
         }),
     };
     let store = crate::commands::sessions(args.sessions_dir.as_deref());
-    let fleet = crate::connect::fleet(conn)?;
+    // A long-lived caller: one connection per worker, kept.
+    let fleet = crate::connect::fleet(conn)?.keeping_connections();
     let max = usize::try_from(args.max_sessions).unwrap_or(usize::MAX);
     let host = Host::new(store, fleet, defaults, max, &state)?;
     let listener = tokio::net::TcpListener::bind(args.listen)

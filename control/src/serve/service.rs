@@ -88,7 +88,14 @@ fn session_status(e: &SessionError, text: String) -> Status {
             | corral_harness::fleet::FleetError::Invalid(_) => {
                 status(Code::InvalidArgument, Reason::InvalidArgument, text)
             }
-            _ => status(Code::Unavailable, Reason::AtCapacity, text),
+            corral_harness::fleet::FleetError::NoWorker(_)
+            | corral_harness::fleet::FleetError::Discovery(_) => {
+                status(Code::Unavailable, Reason::NoWorker, text)
+            }
+            corral_harness::fleet::FleetError::NoLocal
+            | corral_harness::fleet::FleetError::Setup(_) => {
+                status(Code::Internal, Reason::Internal, text)
+            }
         },
         S::Refused { .. } => status(Code::Unavailable, Reason::AtCapacity, text),
         S::Sandbox { .. } | S::Core(_) | S::Task(_) => {

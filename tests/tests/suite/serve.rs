@@ -63,7 +63,13 @@ async fn fifty_sessions_at_once_over_two_workers_each_watched_and_listed() -> Re
     let mut ids = Vec::new();
     while let Some(done) = starting.join_next().await {
         let (i, started) = done?;
-        let started = started.with_context(|| format!("session {i}"))?;
+        let started = started.map_err(|e| {
+            anyhow::anyhow!(
+                "session {i}: {e} (reason {:?}, flag {:?})",
+                e.reason(),
+                e.flag()
+            )
+        })?;
         ensure!(!started.resumed && started.events_before == 0);
         ids.push((i, started.session_id));
     }
