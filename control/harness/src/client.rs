@@ -296,8 +296,12 @@ impl Auth {
 /// its worker comes back.
 #[derive(Clone, Default)]
 pub struct ClientCache {
-    kept: std::sync::Arc<std::sync::Mutex<std::collections::HashMap<String, WorkerClient>>>,
+    kept: std::sync::Arc<std::sync::Mutex<std::collections::HashMap<String, Slot>>>,
 }
+
+/// One worker's connection, made once however many callers ask for it at
+/// the same time.
+type Slot = std::sync::Arc<tokio::sync::OnceCell<WorkerClient>>;
 
 impl std::fmt::Debug for ClientCache {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -308,23 +312,24 @@ impl std::fmt::Debug for ClientCache {
 }
 
 impl ClientCache {
-    fn kept(&self) -> std::sync::MutexGuard<'_, std::collections::HashMap<String, WorkerClient>> {
+    fn kept(&self) -> std::sync::MutexGuard<'_, std::collections::HashMap<String, Slot>> {
         self.kept
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// The connection to `url`, made (with `creds`) if there is none yet.
+    /// The connection to `url`, made (with `creds`) if there is none yet:
+    /// callers that ask at once wait for the one connection being made (a
+    /// failed one is tried again by the next caller).
     pub async fn connect(
         &self,
         url: &str,
         creds: &Credentials,
     ) -> Result<WorkerClient, ClientError> {
-        if let Some(c) = self.kept().get(url) {
-            return Ok(c.clone());
-        }
-        let made = WorkerClient::connect_with(url, creds).await?;
-        Ok(self.kept().entry(url.to_string()).or_insert(made).clone())
+        let slot = self.kept().entry(url.to_string()).or_default().clone();
+        slot.get_or_try_init(|| WorkerClient::connect_with(url, creds))
+            .await
+            .cloned()
     }
 }
 

@@ -77,6 +77,7 @@ pub struct Fleet {
     patience: Duration,
     /// Connections kept across calls, when the caller keeps them.
     cache: Option<crate::client::ClientCache>,
+    probe_timeout: Option<Duration>,
 }
 
 impl Fleet {
@@ -90,6 +91,7 @@ impl Fleet {
             local: None,
             patience: Duration::from_secs(60),
             cache: None,
+            probe_timeout: None,
         }
     }
 
@@ -98,6 +100,14 @@ impl Fleet {
     /// places many sessions.
     pub fn keeping_connections(mut self) -> Self {
         self.cache = Some(crate::client::ClientCache::default());
+        self
+    }
+
+    /// How long a worker asked how full it is may take to answer before
+    /// placement goes on without it (default
+    /// [`crate::placement::PROBE_TIMEOUT`]).
+    pub fn with_probe_timeout(mut self, timeout: Duration) -> Self {
+        self.probe_timeout = Some(timeout);
         self
     }
 
@@ -172,6 +182,9 @@ impl Fleet {
     {
         let mut placer = Placer::new(self.credentials(urls)?).preferring_warm(spec);
         placer.cache = self.cache.clone();
+        if let Some(t) = self.probe_timeout {
+            placer.probe_timeout = t;
+        }
         match placer.place(urls, create).await {
             Ok(placed) => {
                 tracing::debug!(worker = %placed.url, probes = placed.probes, attempts = placed.attempts, "placed");

@@ -50,6 +50,9 @@ impl ServeError {
     }
 }
 
+/// How long a worker may take to say how full it is, for the service.
+const SERVE_PROBE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// How long open streams may hold a stopping service up.
 const SHUTDOWN_PATIENCE: std::time::Duration = std::time::Duration::from_secs(5);
 
@@ -104,8 +107,11 @@ pub async fn serve(conn: &ConnArgs, args: &ServeArgs) -> Result<(), ServeError> 
         }),
     };
     let store = crate::commands::sessions(args.sessions_dir.as_deref());
-    // A long-lived caller: one connection per worker, kept.
-    let fleet = crate::connect::fleet(conn)?.keeping_connections();
+    // A long-lived caller: one connection per worker, kept; and a worker
+    // busy with many starts at once is given time to say how full it is.
+    let fleet = crate::connect::fleet(conn)?
+        .keeping_connections()
+        .with_probe_timeout(SERVE_PROBE_TIMEOUT);
     let max = usize::try_from(args.max_sessions).unwrap_or(usize::MAX);
     let host = Host::new(store, fleet, defaults, max, &state)?;
     let listener = tokio::net::TcpListener::bind(args.listen)
