@@ -228,9 +228,10 @@ pub struct RunArgs {
     #[arg(long, env = "CORRAL_SESSIONS_DIR")]
     pub sessions_dir: Option<PathBuf>,
     /// Tell the model what is still running after this long without a turn
-    /// (e.g. 10m, 30s; 0 disables).
-    #[arg(long, env = "CORRAL_HEARTBEAT", default_value = "10m", value_parser = parse_heartbeat)]
-    pub heartbeat: Duration,
+    /// (e.g. 10m, 30s; 0 disables). Default 10m (with --control, the
+    /// service's).
+    #[arg(long, env = "CORRAL_HEARTBEAT", value_parser = parse_heartbeat)]
+    pub heartbeat: Option<Duration>,
     /// Most model requests in one run.
     #[arg(long, env = "CORRAL_MAX_TURNS")]
     pub max_turns: Option<u64>,
@@ -277,9 +278,10 @@ pub struct RunArgs {
     /// not a terminal).
     #[arg(long, env = "CORRAL_JSON")]
     pub json: bool,
-    /// How long completions of one turn's calls are batched (e.g. 1s).
-    #[arg(long, env = "CORRAL_GRACE", default_value = "1s", value_parser = humantime::parse_duration, hide = true)]
-    pub grace: Duration,
+    /// How long completions of one turn's calls are batched (e.g. 1s;
+    /// default 1s, with --control the service's).
+    #[arg(long, env = "CORRAL_GRACE", value_parser = humantime::parse_duration, hide = true)]
+    pub grace: Option<Duration>,
     /// Run the session on the control plane service at this address
     /// (`corral serve`; http://HOST:PORT or https://...), shown here as a
     /// local run is. The service's workers and sessions directory apply.

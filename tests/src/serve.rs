@@ -56,17 +56,20 @@ impl Setup {
             max_sessions,
             ModelServer::responding(respond).await,
             true,
+            0,
         )
         .await
     }
 
     /// As [`Self::start`], with `model`; `withhold`: the workers and the
-    /// service give every error one fixed text (clients go by reasons).
+    /// service give every error one fixed text (clients go by reasons);
+    /// `pool`: each worker keeps that many warm `corral-sandbox` members.
     pub async fn start_with(
         workers: usize,
         max_sessions: u32,
         model: ModelServer,
         withhold: bool,
+        pool: u32,
     ) -> Result<Self> {
         let dir = tempfile::tempdir()?;
         let token = dir.path().join("worker-token");
@@ -86,6 +89,15 @@ impl Setup {
             withhold,
         };
         let run = unique_id("sv");
+        let pool_arg = format!("corral-sandbox:latest={pool}");
+        let token = s.token.to_str().context("token path")?.to_string();
+        let mut args = vec!["--max-sandboxes", "40", "--token-file", token.as_str()];
+        if withhold {
+            args.push("--withhold-error-text");
+        }
+        if pool > 0 {
+            args.extend(["--pool", pool_arg.as_str()]);
+        }
         for i in 0..workers {
             let state = tempfile::tempdir()?;
             let w = WorkerProcess::spawn(
@@ -93,17 +105,7 @@ impl Setup {
                 &format!("{run}-w{i}"),
                 free_port()?,
                 &[("CORRAL_LOG", "warn")],
-                &[
-                    if withhold {
-                        "--withhold-error-text"
-                    } else {
-                        "--log-format=json"
-                    },
-                    "--max-sandboxes",
-                    "40",
-                    "--token-file",
-                    s.token.to_str().context("token path")?,
-                ],
+                &args,
             )?;
             s._states.push(state);
             s.workers.push(w);
@@ -178,6 +180,27 @@ impl Setup {
     pub async fn client(&self) -> Result<ControlClient> {
         let token = corral_worker::cli::read_token(&self.service_token())?;
         Ok(ControlClient::connect(&self.url(), &Credentials::token(Some(&token))).await?)
+    }
+
+    /// Waits (two minutes at most) until every worker's pool has `n`
+    /// members ready.
+    pub async fn pools_ready(&self, n: u32) -> Result<()> {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+        for w in &self.workers {
+            let client = self.worker(&w.url).await?;
+            loop {
+                let info = client.worker_info().await?;
+                if info.pools.iter().any(|p| p.ready >= n) {
+                    break;
+                }
+                anyhow::ensure!(
+                    std::time::Instant::now() < deadline,
+                    "the pools never filled"
+                );
+                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+            }
+        }
+        Ok(())
     }
 
     pub async fn worker(&self, url: &str) -> Result<WorkerClient> {

@@ -117,7 +117,8 @@ fn settings(args: &RunArgs, api_key: Option<String>) -> pb::RunSettings {
         api_key,
         image: args.image.clone(),
         reasoning_effort: args.reasoning_effort.clone(),
-        heartbeat_ms: Some(args.heartbeat.as_millis() as u64),
+        // Only as given: otherwise the service's own.
+        heartbeat_ms: args.heartbeat.map(|h| h.as_millis() as u64),
         keep_sandbox: args.keep_sandbox,
         on_sandbox_lost: args.on_sandbox_lost.map(|p| {
             match p {
@@ -126,7 +127,7 @@ fn settings(args: &RunArgs, api_key: Option<String>) -> pb::RunSettings {
             }
             .to_string()
         }),
-        grace_ms: Some(args.grace.as_millis() as u64),
+        grace_ms: args.grace.map(|g| g.as_millis() as u64),
     }
 }
 

@@ -211,8 +211,14 @@ async fn run(conn: &ConnArgs, args: &RunArgs, json: bool) -> Result<u8, Error> {
         skills: args.skills.clone(),
         workspace: args.workspace.clone(),
         settings: corral_harness::agent::Settings {
-            heartbeat: (!args.heartbeat.is_zero()).then_some(args.heartbeat),
-            grace: args.grace,
+            heartbeat: match args.heartbeat {
+                Some(h) if h.is_zero() => None,
+                Some(h) => Some(h),
+                None => Some(corral_harness::agent::coordinator::DEFAULT_HEARTBEAT),
+            },
+            grace: args
+                .grace
+                .unwrap_or(corral_harness::agent::coordinator::DEFAULT_GRACE),
         },
         until_idle: true,
         worker_lost_after: Some(conn.worker_lost_after),

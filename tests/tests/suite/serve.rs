@@ -50,7 +50,18 @@ fn types(events: &[(u64, Value)]) -> Vec<String> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn fifty_sessions_at_once_over_two_workers_each_watched_and_listed() -> Result<()> {
-    let setup = Setup::start(2, 64).await?;
+    // Pooled workers, as a service that starts sessions by the dozen has
+    // (cold creates of 50 containers at once on two busy cores take longer
+    // than a start's patience).
+    let setup = Setup::start_with(
+        2,
+        64,
+        ModelServer::responding(corral_e2e::serve::respond).await,
+        true,
+        25,
+    )
+    .await?;
+    setup.pools_ready(25).await?;
     let client = setup.client().await?;
     let mut starting = tokio::task::JoinSet::new();
     for i in 0..50 {
