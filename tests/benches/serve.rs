@@ -156,6 +156,7 @@ async fn main() -> Result<()> {
         8,
         ModelServer::responding(model(firsts.clone())).await,
         false,
+        0,
     )
     .await?;
     // Warm both paths (images, the first connections).
