@@ -142,13 +142,26 @@ pub async fn run(conn: &ConnArgs, args: &RunArgs, url: &str, json: bool) -> Resu
     } else {
         serde_json::to_string(&request).map_err(|e| Error::Usage(e.to_string()))?
     };
-    let start = client
-        .start(pb::StartSessionRequest {
-            session_id: args.session.clone().unwrap_or_default(),
-            request_json,
-            settings: Some(settings(args, api_key)),
-        })
-        .await;
+    let req = pb::StartSessionRequest {
+        session_id: args.session.clone().unwrap_or_default(),
+        request_json,
+        settings: Some(settings(args, api_key)),
+    };
+    // A service with no worker free just now, or restarting, is asked
+    // again for a while: that is what those refusals ask of a client.
+    let since = Instant::now();
+    let start = loop {
+        match client.start(req.clone()).await {
+            Err(e)
+                if (e.reason() == Some(corral_proto::Reason::NoWorker) || e.is_transient())
+                    && since.elapsed() < DEFAULT_RECONNECT_PATIENCE =>
+            {
+                tracing::debug!(error = %e, "starting again shortly");
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+            r => break r,
+        }
+    };
     let (id, after) = match (start, &args.session) {
         (Ok(started), _) => (started.session_id, started.events_before),
         // Running there already (started by another client, or by this
