@@ -16,7 +16,7 @@ use crate::{WorkerProcess, binary, free_port, unique_id};
 pub const TOKEN: &str = "serve-test-token-0123456789abcdef";
 
 /// The model: the command the session's first message names, as a Bash
-/// call, then, once its result is in, "Done.".
+/// call, then, once its result is in, "Done." (also the cluster check's).
 pub fn respond(req: &Received) -> Reply {
     if req.text().contains("function_call_output") {
         return responses::text("Done.");

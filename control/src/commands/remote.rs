@@ -16,7 +16,7 @@ use corral_harness::transfer::Unpacking;
 use corral_proto::pb;
 use futures_util::StreamExt;
 
-use super::run::{EXIT_FAILED, exit_code_of};
+use super::run::{EXIT_FAILED, Line, StdinLines, exit_code_of, input_of, next_input};
 use crate::cli::{ConnArgs, LostPolicy, RunArgs};
 use crate::view::View;
 
@@ -221,15 +221,6 @@ async fn attach(client: &ControlClient, id: &str, prompt: Option<&str>) -> Resul
     }
 }
 
-type StdinLines = tokio::io::Lines<tokio::io::BufReader<tokio::io::Stdin>>;
-
-async fn next_input(lines: &mut Option<StdinLines>) -> std::io::Result<Option<String>> {
-    match lines {
-        Some(l) => l.next_line().await,
-        None => std::future::pending().await,
-    }
-}
-
 /// Shows the session's events from `after` until its run's last event;
 /// returns the exit code that event means.
 async fn watch(
@@ -317,19 +308,15 @@ async fn watch(
                     tracing::warn!(error = %e, "the stop was not taken");
                 }
             }
-            line = next_input(&mut stdin_lines) => match line {
-                Ok(Some(text)) if !text.trim().is_empty() => {
+            line = next_input(&mut stdin_lines) => match input_of(line) {
+                Line::Input(text) => {
                     if let Err(e) = client.send_input(id, &text).await {
                         tracing::warn!(error = %e, "an input was not taken");
                         stdin_lines = None;
                     }
                 }
-                Ok(Some(_)) => {}
-                Ok(None) => stdin_lines = None,
-                Err(e) => {
-                    tracing::warn!(error = %e, "stdin cannot be read; no more inputs from it");
-                    stdin_lines = None;
-                }
+                Line::Blank => {}
+                Line::End => stdin_lines = None,
             },
             _ = tick.tick() => {
                 if let View::Terminal(t) = view {

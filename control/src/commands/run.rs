@@ -304,13 +304,33 @@ fn warn_unchanged(store: &Sessions, id: &str, args: &RunArgs) {
 /// Debian with python3, git and a C toolchain (deploy/images/build-debian.sh).
 pub const DEFAULT_IMAGE: &str = "corral-debian:latest";
 
-type StdinLines = tokio::io::Lines<tokio::io::BufReader<tokio::io::Stdin>>;
+pub(super) type StdinLines = tokio::io::Lines<tokio::io::BufReader<tokio::io::Stdin>>;
 
 /// The next line of stdin, when it is read for inputs.
-async fn next_input(lines: &mut Option<StdinLines>) -> std::io::Result<Option<String>> {
+pub(super) async fn next_input(lines: &mut Option<StdinLines>) -> std::io::Result<Option<String>> {
     match lines {
         Some(l) => l.next_line().await,
         None => std::future::pending().await,
+    }
+}
+
+/// What a line read from stdin is to a run.
+pub(super) enum Line {
+    Input(String),
+    Blank,
+    /// No more inputs from stdin (its end, or it cannot be read: said).
+    End,
+}
+
+pub(super) fn input_of(line: std::io::Result<Option<String>>) -> Line {
+    match line {
+        Ok(Some(text)) if !text.trim().is_empty() => Line::Input(text),
+        Ok(Some(_)) => Line::Blank,
+        Ok(None) => Line::End,
+        Err(e) => {
+            tracing::warn!(error = %e, "stdin cannot be read; no more inputs from it");
+            Line::End
+        }
     }
 }
 
@@ -380,20 +400,16 @@ async fn watch(run: Run, view: &mut View, from_stdin: bool) -> Result<RunOutcome
                 // at once still gets left at the deadline.
                 let _ = run.inputs.try_send(Inbox::Stop(StopMode::Hard));
             }
-            line = next_input(&mut stdin_lines) => match line {
-                Ok(Some(text)) if !text.trim().is_empty() => {
+            line = next_input(&mut stdin_lines) => match input_of(line) {
+                Line::Input(text) => {
                     let input = Inbox::Input { input_id: uuid::Uuid::new_v4().to_string(), text };
                     if let Err(e) = run.send(input).await {
                         tracing::warn!(error = %e, "an input was not taken");
                         stdin_lines = None;
                     }
                 }
-                Ok(Some(_)) => {}
-                Ok(None) => stdin_lines = None,
-                Err(e) => {
-                    tracing::warn!(error = %e, "stdin cannot be read; no more inputs from it");
-                    stdin_lines = None;
-                }
+                Line::Blank => {}
+                Line::End => stdin_lines = None,
             },
             _ = tick.tick() => {
                 if let View::Terminal(t) = view {

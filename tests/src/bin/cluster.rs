@@ -20,10 +20,11 @@ use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
-use corral_e2e::model::{ModelServer, Received, Reply, responses};
+use corral_e2e::model::ModelServer;
+use corral_e2e::serve::respond;
 use corral_e2e::{WorkerProcess, binary, unique_id};
 use corral_harness::client::WorkerClient;
-use serde_json::{Value, json};
+use serde_json::Value;
 use tokio::io::AsyncBufReadExt;
 
 const HOSTS: [&str; 3] = ["127.0.1.1", "127.0.1.2", "127.0.1.3"];
@@ -40,24 +41,6 @@ struct Cluster {
     model: ModelServer,
     sessions: tempfile::TempDir,
     _dir: tempfile::TempDir,
-}
-
-/// The model: a tool call (the command the session's first message asks
-/// for), then, once a result is in, a final answer.
-fn respond(req: &Received) -> Reply {
-    let text = req.text();
-    if text.contains("function_call_output") {
-        return responses::text("Done.");
-    }
-    let command = req.body["input"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .filter(|i| i["role"] == "user")
-        .find_map(|i| i["content"].as_str())
-        .unwrap_or("echo nothing asked")
-        .to_string();
-    responses::calls(&[("c1", "Bash", &json!({ "command": command }).to_string())])
 }
 
 impl Cluster {
