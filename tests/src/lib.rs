@@ -286,6 +286,21 @@ pub fn free_port() -> Result<u16> {
         .port())
 }
 
+/// Starts `cmd` (its stdout piped) and waits for its first line, which
+/// must say it is `listening on` its address; killed if it says anything
+/// else.
+pub fn spawn_listening(cmd: &mut Command, what: &str) -> Result<Child> {
+    let mut child = cmd.spawn()?;
+    let stdout = child.stdout.take().context("no stdout")?;
+    let mut line = String::new();
+    std::io::BufRead::read_line(&mut std::io::BufReader::new(stdout), &mut line)?;
+    if !line.contains("listening on") {
+        let _ = child.kill();
+        bail!("{what} did not start: {line:?}");
+    }
+    Ok(child)
+}
+
 /// A `corral-worker` in its own process.
 pub struct WorkerProcess {
     pub child: Child,
@@ -327,14 +342,7 @@ impl WorkerProcess {
             .envs(extra.iter().copied())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit());
-        let mut child = cmd.spawn()?;
-        let stdout = child.stdout.take().context("no stdout")?;
-        let mut line = String::new();
-        std::io::BufRead::read_line(&mut std::io::BufReader::new(stdout), &mut line)?;
-        if !line.contains("listening on") {
-            let _ = child.kill();
-            bail!("worker did not start: {line:?}");
-        }
+        let child = spawn_listening(&mut cmd, "worker")?;
         Ok(Self {
             child,
             port,

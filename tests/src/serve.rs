@@ -5,7 +5,7 @@
 use std::path::PathBuf;
 use std::process::Stdio;
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result};
 use corral_harness::client::{Credentials, WorkerClient};
 use corral_harness::control::ControlClient;
 use serde_json::json;
@@ -154,15 +154,7 @@ impl Setup {
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit());
-        let mut child = cmd.spawn()?;
-        let stdout = child.stdout.take().context("no stdout")?;
-        let mut line = String::new();
-        std::io::BufRead::read_line(&mut std::io::BufReader::new(stdout), &mut line)?;
-        if !line.contains("listening on") {
-            let _ = child.kill();
-            bail!("corral serve did not start: {line:?}");
-        }
-        self.serve = Some(child);
+        self.serve = Some(crate::spawn_listening(&mut cmd, "corral serve")?);
         Ok(())
     }
 
