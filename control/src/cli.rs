@@ -329,6 +329,19 @@ pub struct ServeArgs {
     /// Model endpoint of sessions whose start names none.
     #[arg(long, env = "CORRAL_BASE_URL")]
     pub base_url: Option<String>,
+    /// Another model endpoint clients may name (repeatable):
+    /// SCHEME://HOST[:PORT][/PATH] (no port: any; the path a prefix), or
+    /// `*` for any. None by default: sessions use the service's endpoint,
+    /// and a start naming another is refused (PERMISSION_DENIED, reason
+    /// policy_denied, flag --allow-base-url): the service makes requests
+    /// to what its clients name.
+    #[arg(
+        long = "allow-base-url",
+        env = "CORRAL_ALLOW_BASE_URL",
+        value_delimiter = ',',
+        value_name = "URL"
+    )]
+    pub allow_base_url: Vec<crate::serve::host::EndpointRule>,
     /// Wire protocol of that endpoint.
     #[arg(long, env = "CORRAL_API", value_enum)]
     pub api: Option<ApiKind>,

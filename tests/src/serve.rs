@@ -149,6 +149,8 @@ impl Setup {
             ])
             .args(["--max-sessions", &self.max_sessions.to_string()])
             .args(["--heartbeat", "0"])
+            // Clients may name model servers on loopback (the tests' own).
+            .args(["--allow-base-url", "http://127.0.0.1"])
             // Its clients go by reasons alone (so do the workers').
             .args(self.withhold.then_some("--withhold-error-text"))
             .stdin(Stdio::null())

@@ -46,6 +46,78 @@ pub struct Defaults {
     pub grace: Duration,
     pub worker_lost_after: Duration,
     pub on_sandbox_lost: Option<OnSandboxLost>,
+    /// Model endpoints a session may use besides the service's own
+    /// (`--allow-base-url`).
+    pub allowed_endpoints: Vec<EndpointRule>,
+}
+
+/// A model endpoint clients may name (`--allow-base-url`): `*` (any), or
+/// `SCHEME://HOST[:PORT][/PATH]`, matched on the parsed address (a rule
+/// without a port allows any port; its path is a prefix).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum EndpointRule {
+    Any,
+    Url {
+        scheme: String,
+        host: String,
+        port: Option<u16>,
+        path: String,
+    },
+}
+
+impl std::str::FromStr for EndpointRule {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        if s.trim() == "*" {
+            return Ok(Self::Any);
+        }
+        let url = reqwest::Url::parse(s.trim()).map_err(|e| format!("{s:?}: {e}"))?;
+        if !matches!(url.scheme(), "http" | "https") || url.host_str().is_none() {
+            return Err(format!("{s:?}: an http:// or https:// address, or *"));
+        }
+        if !url.username().is_empty() || url.password().is_some() {
+            return Err(format!("{s:?}: no user or password in a rule"));
+        }
+        Ok(Self::Url {
+            scheme: url.scheme().to_string(),
+            host: url.host_str().unwrap_or_default().to_ascii_lowercase(),
+            port: url.port(),
+            path: url.path().trim_end_matches('/').to_string(),
+        })
+    }
+}
+
+impl EndpointRule {
+    /// Whether `base_url` is one this rule allows. An address with a user
+    /// or password in it is never allowed (`http://allowed@elsewhere/`).
+    pub fn allows(&self, base_url: &str) -> bool {
+        let Ok(url) = reqwest::Url::parse(base_url) else {
+            return false;
+        };
+        if !url.username().is_empty() || url.password().is_some() {
+            return false;
+        }
+        match self {
+            Self::Any => true,
+            Self::Url {
+                scheme,
+                host,
+                port,
+                path,
+            } => {
+                let within = |p: &str| {
+                    p == path.as_str()
+                        || path.is_empty()
+                        || p.strip_prefix(path.as_str())
+                            .is_some_and(|r| r.starts_with('/'))
+                };
+                url.scheme() == scheme
+                    && url.host_str().map(str::to_ascii_lowercase).as_deref() == Some(host.as_str())
+                    && port.is_none_or(|p| url.port_or_known_default() == Some(p))
+                    && within(url.path().trim_end_matches('/'))
+            }
+        }
+    }
 }
 
 /// How one session is run, as its start asked (kept in its mark, so a
@@ -156,6 +228,17 @@ impl Settings {
         // that names another endpoint brings its own key.
         let effective = Endpoint::merge(recorded, base_url.clone(), api);
         let default_endpoint = Endpoint::merge(None, defaults.base_url.clone(), None);
+        // A client names only what the operator allows (a resumed session
+        // that names none is held to the same: its endpoint came from a
+        // client).
+        if effective.base_url != default_endpoint.base_url
+            && !defaults
+                .allowed_endpoints
+                .iter()
+                .any(|r| r.allows(&effective.base_url))
+        {
+            return Err(HostError::EndpointDenied(effective.base_url.clone()));
+        }
         let api_key = match &self.api_key {
             Some(k) => Some(k.clone()),
             None if effective.base_url == default_endpoint.base_url => defaults.api_key.clone(),
@@ -197,6 +280,8 @@ pub enum HostError {
     Full { max: usize },
     #[error("the service is shutting down")]
     ShuttingDown,
+    #[error("model endpoint {0}: not the service's, nor one it allows (--allow-base-url)")]
+    EndpointDenied(String),
     #[error(transparent)]
     Session(#[from] SessionError),
     #[error("{what}: {source}")]
@@ -884,4 +969,31 @@ pub fn request_of(json: &str) -> Result<Option<SessionRequest>, HostError> {
     parse_request(json)
         .map(Some)
         .map_err(|e| HostError::Invalid(format!("request: {e}")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::EndpointRule;
+
+    #[test]
+    fn endpoint_rules_match_the_parsed_address_not_its_text() {
+        let loopback: EndpointRule = "http://127.0.0.1".parse().unwrap();
+        assert!(loopback.allows("http://127.0.0.1:8080/v1"));
+        assert!(!loopback.allows("http://127.0.0.1:8080@10.0.0.1/v1"));
+        assert!(!loopback.allows("http://127.0.0.10:8080/v1"));
+        assert!(!loopback.allows("https://127.0.0.1:8080/v1"));
+        let one: EndpointRule = "https://api.example.com:8443/v1".parse().unwrap();
+        assert!(one.allows("https://API.example.com:8443/v1"));
+        assert!(one.allows("https://api.example.com:8443/v1/"));
+        assert!(!one.allows("https://api.example.com:443/v1"));
+        assert!(!one.allows("https://api.example.com:8443/v10"));
+        assert!(!one.allows("https://api.example.com.evil.net:8443/v1"));
+        assert!(
+            "*".parse::<EndpointRule>()
+                .unwrap()
+                .allows("http://10.0.0.1/v1")
+        );
+        assert!("ftp://x".parse::<EndpointRule>().is_err());
+        assert!("http://u:p@x".parse::<EndpointRule>().is_err());
+    }
 }

@@ -105,6 +105,7 @@ pub async fn serve(conn: &ConnArgs, args: &ServeArgs) -> Result<(), ServeError> 
             LostPolicy::Fail => corral_harness::agent::OnSandboxLost::Fail,
             LostPolicy::NewSandbox => corral_harness::agent::OnSandboxLost::NewSandbox,
         }),
+        allowed_endpoints: args.allow_base_url.clone(),
     };
     let store = crate::commands::sessions(args.sessions_dir.as_deref());
     // A long-lived caller: one connection per worker, kept; and a worker

@@ -51,6 +51,12 @@ impl From<HostError> for Status {
                 text,
             ),
             HostError::ShuttingDown => status(Code::Unavailable, Reason::ShuttingDown, text),
+            HostError::EndpointDenied(_) => corral_proto::reason::status(
+                Code::PermissionDenied,
+                Reason::PolicyDenied,
+                Some("--allow-base-url"),
+                text,
+            ),
             HostError::Io { .. } => status(Code::Internal, Reason::Internal, text),
             HostError::Session(s) => session_status(s, text),
         }

@@ -354,7 +354,8 @@ async fn a_service_killed_mid_session_resumes_every_session_and_runs_no_call_twi
 }
 
 #[tokio::test]
-async fn the_services_key_goes_to_the_services_endpoint_only() -> Result<()> {
+async fn the_services_key_goes_to_its_own_endpoint_only_and_clients_name_only_allowed_ones()
+-> Result<()> {
     let setup = Setup::start(1, 4).await?;
     let client = setup.client().await?;
     let elsewhere = ModelServer::responding(respond).await;
@@ -411,6 +412,22 @@ async fn the_services_key_goes_to_the_services_endpoint_only() -> Result<()> {
                 .iter()
                 .all(|r| r.authorization.as_deref() == Some("Bearer sk-test"))
     );
+    // An endpoint the operator did not allow is refused before anything is
+    // sent to it, however its address is dressed up.
+    for denied in ["http://10.0.0.1:1/v1", "http://127.0.0.1:1@10.0.0.1/v1"] {
+        let mut req = request("echo never");
+        req.settings = Some(pb::RunSettings {
+            base_url: Some(denied.into()),
+            ..Default::default()
+        });
+        let e = client
+            .start(req)
+            .await
+            .err()
+            .context("a denied endpoint was used")?;
+        ensure!(e.reason() == Some(Reason::PolicyDenied), "{e}");
+        ensure!(e.flag().as_deref() == Some("--allow-base-url"), "{e}");
+    }
     Ok(())
 }
 
