@@ -237,7 +237,7 @@ impl Settings {
                 .iter()
                 .any(|r| r.allows(&effective.base_url))
         {
-            return Err(HostError::EndpointDenied(effective.base_url.clone()));
+            return Err(HostError::EndpointDenied(effective.base_url));
         }
         let api_key = match &self.api_key {
             Some(k) => Some(k.clone()),
