@@ -23,6 +23,10 @@ use crate::error::{Result, WorkerError};
 use crate::initbin::InitBinary;
 use crate::uids::{LABEL_UID, UidRange};
 
+/// Starts from a checkpoint tried again after the engine's spurious
+/// "already exists" (see [`DockerRuntime::restore`]).
+const RESTORE_TRIES: u32 = 5;
+
 /// The name of a sandbox's checkpoint on the engine (one a container).
 pub const CHECKPOINT: &str = "corral";
 
@@ -695,7 +699,28 @@ impl DockerRuntime {
             }
             req
         });
-        from_checkpoint.start_container(container, None).await?;
+        // The engine sometimes refuses a start from a checkpoint whose
+        // content its containerd holds already (moby/moby#42900: "commit
+        // failed: content ... already exists"), and takes it a moment
+        // later: asked again, a few times. The engine says this in words
+        // only, so its words are read here, at its edge.
+        let mut tries = 0;
+        loop {
+            match from_checkpoint.start_container(container, None).await {
+                Err(bollard::errors::Error::DockerResponseServerError {
+                    status_code: 500,
+                    message,
+                }) if message.contains("already exists") && tries < RESTORE_TRIES => {
+                    tries += 1;
+                    tracing::warn!(container, %message, "the engine refused the restore (moby#42900); asking again");
+                    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+                }
+                r => {
+                    r?;
+                    break;
+                }
+            }
+        }
         if self.running(container).await? != Some(true) {
             return Err(WorkerError::SandboxLost {
                 id: container.to_string(),
