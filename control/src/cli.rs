@@ -383,6 +383,26 @@ pub enum SessionCommand {
         #[arg(long)]
         json: bool,
     },
+    /// Show a session on a time axis: its model requests, each tool call
+    /// (queued, running, placeholder shown, late result, exit status) in
+    /// lanes of calls that overlap, inputs, heartbeats, steering, stops,
+    /// the fork point, suspended gaps, replaced sandboxes and blocked
+    /// egress; then every step with its detail. From its log alone.
+    Timeline {
+        id: String,
+        #[arg(long, env = "CORRAL_SESSIONS_DIR")]
+        sessions_dir: Option<PathBuf>,
+        /// The same data as JSON.
+        #[arg(long, conflicts_with = "html")]
+        json: bool,
+        /// Write one self-contained HTML page of the timeline here (it
+        /// fetches nothing; click a step for its detail).
+        #[arg(long, value_name = "FILE")]
+        html: Option<PathBuf>,
+        /// Columns of the terminal view (default: the terminal's, else 120).
+        #[arg(long, value_parser = clap::value_parser!(u16).range(40..))]
+        width: Option<u16>,
+    },
     /// Copy a session up to a turn into a new one (with a sandbox of its own).
     Fork {
         id: String,

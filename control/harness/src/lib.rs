@@ -45,6 +45,7 @@ pub mod placement;
 pub mod runner;
 pub mod session;
 pub mod sessions;
+pub mod timeline;
 pub mod tools;
 pub mod transfer;
 pub mod worker_api;

@@ -160,6 +160,32 @@ async fn session_command(conn: &ConnArgs, cmd: &SessionCommand) -> Result<(), Er
                 }
             }
         }
+        SessionCommand::Timeline {
+            id,
+            sessions_dir,
+            json,
+            html,
+            width,
+        } => {
+            use corral_harness::timeline;
+            let store = super::run::sessions(sessions_dir.as_deref());
+            let t = timeline::of_session(&store, id)?;
+            if *json {
+                let text = serde_json::to_string_pretty(&t)
+                    .map_err(|e| std::io::Error::other(e.to_string()))?;
+                writeln!(out, "{text}")?;
+            } else if let Some(path) = html {
+                std::fs::write(path, timeline::html::render(&t))?;
+            } else {
+                let width = width.map(usize::from).unwrap_or_else(|| {
+                    crate::terminal::window_size(&std::io::stdout())
+                        .map(|s| usize::from(s.cols))
+                        .filter(|&c| c >= 40)
+                        .unwrap_or(120)
+                });
+                out.write_all(timeline::text::render(&t, width).as_bytes())?;
+            }
+        }
         SessionCommand::Fork {
             id,
             new_id,

@@ -28,5 +28,6 @@ mod roundtrip;
 mod serve;
 mod service;
 mod sessions;
+mod timeline;
 mod tls;
 mod way_out;

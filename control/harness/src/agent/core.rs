@@ -128,7 +128,7 @@ impl Core {
         let current = config.endpoint.as_ref();
         let endpoint = super::record::Endpoint::merge(current, overrides.base_url, overrides.api);
         core.record(Record::Resume {
-            at_unix_ms: now_ms(),
+            at_unix_ms: core.log.now(),
             max_turns: overrides.max_turns,
             model: overrides.model.filter(|m| *m != config.model),
             endpoint: (Some(&endpoint) != current).then_some(endpoint),
@@ -162,6 +162,12 @@ impl Core {
 
     pub fn session_id(&self) -> &str {
         self.log.id()
+    }
+
+    /// Reads the times of the records appended from now on from `clock`
+    /// (a test's fixed clock; the system's by default).
+    pub fn set_clock(&mut self, clock: crate::session::Clock) {
+        self.log.set_clock(clock);
     }
 
     /// Effects queued since the last call.
@@ -227,7 +233,7 @@ impl Core {
         if !again.is_empty() {
             self.effects.push(Effect::Add(again));
         }
-        self.translate_pending(now_ms())?;
+        self.translate_pending(self.log.now())?;
         let finished: Vec<String> = self
             .state
             .unanswered_calls()
@@ -457,7 +463,7 @@ impl Core {
                     stop: response.stop,
                     usage: response.usage,
                 });
-                self.translate_pending(now_ms())?;
+                self.translate_pending(self.log.now())?;
             }
         }
         self.settle()
@@ -599,7 +605,7 @@ impl Core {
             {
                 self.effects.push(Effect::Cancel(vec![op.id.clone()]));
             }
-            let now = now_ms();
+            let now = self.log.now();
             let due = self
                 .progress_told
                 .get(&op.id)

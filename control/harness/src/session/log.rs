@@ -1,11 +1,15 @@
 //! An append-only, versioned JSONL log with one writer.
 //!
 //! Line 1 is a header naming the format and its version; every other line is
-//! one record `{"seq": N, "record": ...}` with `seq` counting up from 1.
+//! one record `{"seq": N, "at": MS, "record": ...}` with `seq` counting up from 1.
 //! Every append is written whole and fsynced before it returns. A crash can
 //! leave a torn last line (bytes after the last newline); opening the log
 //! cuts it off, and says so. Any other damage, and any version this code
 //! does not know, is an explicit error: nothing is skipped silently.
+//!
+//! Each record line also carries `at`, the Unix time in milliseconds its
+//! record was appended (a record copied by a fork keeps its own), read by
+//! the session's timeline; lines written before it existed have none.
 //!
 //! One process writes a session at a time (an exclusive `flock` on the log,
 //! held while it is open), and creating or forking never replaces an
@@ -76,6 +80,7 @@ pub struct ForkOrigin {
 #[derive(Serialize)]
 struct LineOut<'a, R> {
     seq: u64,
+    at: i64,
     record: &'a R,
 }
 
@@ -83,7 +88,50 @@ struct LineOut<'a, R> {
 #[serde(deny_unknown_fields)]
 struct LineIn<R> {
     seq: u64,
+    #[serde(default)]
+    at: Option<i64>,
     record: R,
+}
+
+/// Where a log reads the time it stamps on each record (Unix
+/// milliseconds): the system's clock, or a test's.
+#[derive(Clone)]
+pub struct Clock(std::sync::Arc<dyn Fn() -> i64 + Send + Sync>);
+
+impl Clock {
+    pub fn system() -> Self {
+        Self(std::sync::Arc::new(now_ms))
+    }
+
+    /// A clock that reads `f`.
+    pub fn from_fn(f: impl Fn() -> i64 + Send + Sync + 'static) -> Self {
+        Self(std::sync::Arc::new(f))
+    }
+
+    pub fn now(&self) -> i64 {
+        (self.0)()
+    }
+}
+
+impl Default for Clock {
+    fn default() -> Self {
+        Self::system()
+    }
+}
+
+impl std::fmt::Debug for Clock {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Clock")
+    }
+}
+
+/// A record as a log holds it: its seq, when it was appended (none in
+/// lines written before times were), the record.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Timed<R> {
+    pub seq: u64,
+    pub at_unix_ms: Option<i64>,
+    pub record: R,
 }
 
 /// What opening a log had to repair.
@@ -101,6 +149,7 @@ pub struct SessionLog<R> {
     file: Flock<File>,
     header: Header,
     last_seq: u64,
+    clock: Clock,
     _records: PhantomData<fn() -> R>,
 }
 
@@ -164,13 +213,19 @@ fn lock(file: File, id: &str) -> Result<Flock<File>, LogError> {
 impl<R: Serialize + DeserializeOwned> SessionLog<R> {
     /// Creates a new session; fails if one with this id exists.
     pub fn create(dir: &Path, id: &str) -> Result<Self, LogError> {
-        Self::create_with(dir, id, None)
+        Self::create_with(dir, id, None, Clock::system())
+    }
+
+    /// [`SessionLog::create`], its times read from `clock`.
+    pub fn create_clocked(dir: &Path, id: &str, clock: Clock) -> Result<Self, LogError> {
+        Self::create_with(dir, id, None, clock)
     }
 
     fn create_with(
         dir: &Path,
         id: &str,
         forked_from: Option<ForkOrigin>,
+        clock: Clock,
     ) -> Result<Self, LogError> {
         check_id(id)?;
         private_dir(dir).map_err(io(dir))?;
@@ -189,7 +244,7 @@ impl<R: Serialize + DeserializeOwned> SessionLog<R> {
             format: FORMAT_NAME.into(),
             version: FORMAT_VERSION,
             session_id: id.into(),
-            created_at_unix_ms: now_ms(),
+            created_at_unix_ms: clock.now(),
             forked_from,
         };
         let mut line = serde_json::to_vec(&header).map_err(|e| LogError::Encode(e.to_string()))?;
@@ -204,6 +259,7 @@ impl<R: Serialize + DeserializeOwned> SessionLog<R> {
             file,
             header,
             last_seq: 0,
+            clock,
             _records: PhantomData,
         })
     }
@@ -242,6 +298,7 @@ impl<R: Serialize + DeserializeOwned> SessionLog<R> {
                 file,
                 header,
                 last_seq,
+                clock: Clock::system(),
                 _records: PhantomData,
             },
             Recovery { torn_bytes },
@@ -260,10 +317,25 @@ impl<R: Serialize + DeserializeOwned> SessionLog<R> {
         self.last_seq
     }
 
+    /// The time by this log's clock.
+    pub fn now(&self) -> i64 {
+        self.clock.now()
+    }
+
+    /// Reads the times of the records appended from now on from `clock`.
+    pub fn set_clock(&mut self, clock: Clock) {
+        self.clock = clock;
+    }
+
     /// Appends one record durably; returns its seq.
     pub fn append(&mut self, record: &R) -> Result<u64, LogError> {
+        let at = self.clock.now();
+        self.append_at(record, at)
+    }
+
+    fn append_at(&mut self, record: &R, at: i64) -> Result<u64, LogError> {
         let seq = self.last_seq + 1;
-        let mut line = serde_json::to_vec(&LineOut { seq, record })
+        let mut line = serde_json::to_vec(&LineOut { seq, at, record })
             .map_err(|e| LogError::Encode(e.to_string()))?;
         line.push(b'\n');
         self.file
@@ -307,11 +379,24 @@ impl<R: Serialize + DeserializeOwned> SessionLog<R> {
         upto_seq: u64,
         then: &[R],
     ) -> Result<Self, LogError> {
+        Self::fork_clocked(dir, parent, child, upto_seq, then, Clock::system())
+    }
+
+    /// [`SessionLog::fork`], its times read from `clock` (the copied
+    /// records keep the parent's).
+    pub fn fork_clocked(
+        dir: &Path,
+        parent: &str,
+        child: &str,
+        upto_seq: u64,
+        then: &[R],
+        clock: Clock,
+    ) -> Result<Self, LogError> {
         let (path, mut file) = open_existing(dir, parent, false)?;
-        let mut copied: Vec<R> = Vec::new();
-        let (_, last, _) = scan::<R>(&mut file, parent, &path, |seq, rec| {
+        let mut copied: Vec<(R, Option<i64>)> = Vec::new();
+        let (_, last, _) = scan_timed::<R>(&mut file, parent, &path, |seq, at, rec| {
             if seq <= upto_seq {
-                copied.push(rec);
+                copied.push((rec, at));
             }
             seq < upto_seq
         })?;
@@ -329,8 +414,13 @@ impl<R: Serialize + DeserializeOwned> SessionLog<R> {
                 session_id: parent.into(),
                 upto_seq,
             }),
+            clock,
         )?;
-        for r in copied.iter().chain(then) {
+        let now = log.clock.now();
+        for (r, at) in &copied {
+            log.append_at(r, at.unwrap_or(now))?;
+        }
+        for r in then {
             log.append(r)?;
         }
         Ok(log)
@@ -349,17 +439,41 @@ impl<R> Records<R> {
     pub fn header(&self) -> &Header {
         &self.header
     }
+
+    /// The same records with the times they were appended.
+    pub fn timed(self) -> TimedRecords<R> {
+        TimedRecords(self)
+    }
 }
 
-impl<R: DeserializeOwned> Iterator for Records<R> {
-    type Item = Result<(u64, R), LogError>;
+/// The records of a log with their times (see [`Records::timed`]).
+pub struct TimedRecords<R>(Records<R>);
+
+impl<R> TimedRecords<R> {
+    pub fn header(&self) -> &Header {
+        &self.0.header
+    }
+}
+
+impl<R: DeserializeOwned> Iterator for TimedRecords<R> {
+    type Item = Result<Timed<R>, LogError>;
 
     fn next(&mut self) -> Option<Self::Item> {
+        self.0.next_timed()
+    }
+}
+
+impl<R: DeserializeOwned> Records<R> {
+    fn next_timed(&mut self) -> Option<Result<Timed<R>, LogError>> {
         if self.done {
             return None;
         }
         match self.reader.record::<R>() {
-            Ok(Some((seq, rec, _))) => Some(Ok((seq, rec))),
+            Ok(Some((line, _))) => Some(Ok(Timed {
+                seq: line.seq,
+                at_unix_ms: line.at,
+                record: line.record,
+            })),
             Ok(None) => {
                 self.done = true;
                 None
@@ -369,6 +483,14 @@ impl<R: DeserializeOwned> Iterator for Records<R> {
                 Some(Err(e))
             }
         }
+    }
+}
+
+impl<R: DeserializeOwned> Iterator for Records<R> {
+    type Item = Result<(u64, R), LogError>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        self.next_timed().map(|r| r.map(|t| (t.seq, t.record)))
     }
 }
 
@@ -424,7 +546,7 @@ impl Reader {
 
     /// The next complete record and its length in bytes; `None` at the
     /// end of the file or at a torn last line (not part of the log).
-    fn record<R: DeserializeOwned>(&mut self) -> Result<Option<(u64, R, u64)>, LogError> {
+    fn record<R: DeserializeOwned>(&mut self) -> Result<Option<(LineIn<R>, u64)>, LogError> {
         self.buf.clear();
         let n = self
             .lines
@@ -440,7 +562,7 @@ impl Reader {
             return Err(self.corrupt(format!("seq {} follows {}", line.seq, self.last)));
         }
         self.last = line.seq;
-        Ok(Some((line.seq, line.record, n as u64)))
+        Ok(Some((line, n as u64)))
     }
 }
 
@@ -453,6 +575,16 @@ fn scan<R: DeserializeOwned>(
     path: &Path,
     mut each: impl FnMut(u64, R) -> bool,
 ) -> Result<(Header, u64, u64), LogError> {
+    scan_timed(file, id, path, |seq, _, rec| each(seq, rec))
+}
+
+/// [`scan`], with each record's time.
+fn scan_timed<R: DeserializeOwned>(
+    file: &mut File,
+    id: &str,
+    path: &Path,
+    mut each: impl FnMut(u64, Option<i64>, R) -> bool,
+) -> Result<(Header, u64, u64), LogError> {
     file.seek(SeekFrom::Start(0)).map_err(io(path))?;
     let clone = file.try_clone().map_err(io(path))?;
     let mut reader = Reader {
@@ -464,9 +596,9 @@ fn scan<R: DeserializeOwned>(
         last: 0,
     };
     let (header, mut good) = reader.header()?;
-    while let Some((seq, rec, n)) = reader.record::<R>()? {
+    while let Some((line, n)) = reader.record::<R>()? {
         good += n;
-        if !each(seq, rec) {
+        if !each(line.seq, line.at, line.record) {
             break;
         }
     }
@@ -668,5 +800,41 @@ mod tests {
         // The parent is untouched and still being written.
         log.append(&rec("e")).unwrap();
         assert_eq!(all(dir.path(), "p").len(), 5);
+    }
+
+    #[test]
+    fn each_record_keeps_its_time_and_a_fork_keeps_the_parents() {
+        use std::sync::Arc;
+        use std::sync::atomic::{AtomicI64, Ordering};
+        let dir = tempfile::tempdir().unwrap();
+        let now = Arc::new(AtomicI64::new(1_000));
+        let at = Arc::clone(&now);
+        let clock = Clock::from_fn(move || at.load(Ordering::SeqCst));
+        let mut log = SessionLog::<Rec>::create_clocked(dir.path(), "p", clock.clone()).unwrap();
+        assert_eq!(log.header().created_at_unix_ms, 1_000);
+        log.append(&rec("a")).unwrap();
+        now.store(2_000, Ordering::SeqCst);
+        log.append(&rec("b")).unwrap();
+        now.store(9_000, Ordering::SeqCst);
+        SessionLog::<Rec>::fork_clocked(dir.path(), "p", "c", 2, &[rec("own")], clock).unwrap();
+        let times = |id: &str| -> Vec<(u64, Option<i64>)> {
+            SessionLog::<Rec>::records(dir.path(), id)
+                .unwrap()
+                .timed()
+                .map(|r| r.map(|t| (t.seq, t.at_unix_ms)).unwrap())
+                .collect()
+        };
+        assert_eq!(times("p"), [(1, Some(1_000)), (2, Some(2_000))]);
+        assert_eq!(
+            times("c"),
+            [(1, Some(1_000)), (2, Some(2_000)), (3, Some(9_000))]
+        );
+        // A line written before lines had times is read without one.
+        let mut f = OpenOptions::new()
+            .append(true)
+            .open(path_of(dir.path(), "p"))
+            .unwrap();
+        f.write_all(b"{\"seq\":3,\"record\":{\"text\":\"old\"}}\n").unwrap();
+        assert_eq!(times("p")[2], (3, None));
     }
 }

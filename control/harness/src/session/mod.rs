@@ -2,4 +2,4 @@
 
 pub mod log;
 
-pub use log::{LogError, Records, Recovery, SessionLog};
+pub use log::{Clock, LogError, Records, Recovery, SessionLog, Timed, TimedRecords};

@@ -14,6 +14,7 @@ pub(super) fn fork(
     parent: &str,
     child: &str,
     turn: Option<u64>,
+    clock: crate::session::Clock,
 ) -> Result<(), SessionError> {
     let mut upto = 0;
     let mut state = crate::agent::State::new();
@@ -66,7 +67,7 @@ pub(super) fn fork(
     // A request in flight at the fork point is sent again when the child
     // resumes (its Resume record says so).
     then.push(Record::Resume {
-        at_unix_ms: now_ms(),
+        at_unix_ms: clock.now(),
         max_turns: None,
         model: None,
         endpoint: None,
@@ -75,6 +76,6 @@ pub(super) fn fork(
         max_output_tokens: None,
         reasoning_effort: None,
     });
-    SessionLog::<Record>::fork(dir, parent, child, upto, &then)?;
+    SessionLog::<Record>::fork_clocked(dir, parent, child, upto, &then, clock)?;
     Ok(())
 }

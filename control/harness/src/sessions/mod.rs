@@ -24,7 +24,6 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
-use crate::agent::core::now_ms;
 use crate::agent::events::Event;
 use crate::agent::record::{Endpoint, OnSandboxLost, Overrides, SkillDef};
 use crate::agent::{
@@ -181,6 +180,12 @@ pub struct Stored {
 }
 
 impl Stored {
+    /// Its log (locked, for appending) and its state as the log left it:
+    /// what [`crate::agent::Core::resume`] takes.
+    pub fn into_parts(self) -> (SessionLog<Record>, State) {
+        (self.log, self.state)
+    }
+
     pub fn id(&self) -> &str {
         self.log.id()
     }
@@ -212,11 +217,22 @@ pub struct Listed {
 #[derive(Debug, Clone)]
 pub struct Sessions {
     dir: PathBuf,
+    clock: crate::session::Clock,
 }
 
 impl Sessions {
     pub fn new(dir: impl Into<PathBuf>) -> Self {
-        Self { dir: dir.into() }
+        Self {
+            dir: dir.into(),
+            clock: crate::session::Clock::system(),
+        }
+    }
+
+    /// The same sessions, their records timed by `clock` (a test's fixed
+    /// clock; the system's by default).
+    pub fn with_clock(mut self, clock: crate::session::Clock) -> Self {
+        self.clock = clock;
+        self
     }
 
     pub fn dir(&self) -> &Path {
@@ -238,8 +254,9 @@ impl Sessions {
     /// once (a torn last record is cut off; see [`Stored::recovery`]).
     pub fn open(&self, id: &str) -> Result<Stored, SessionError> {
         let mut state = State::new();
-        let (log, recovery) =
+        let (mut log, recovery) =
             SessionLog::<Record>::open_with(&self.dir, id, |_, rec| state.apply(&rec))?;
+        log.set_clock(self.clock.clone());
         let config = state.config.clone();
         Ok(Stored {
             log,
@@ -339,7 +356,7 @@ impl Sessions {
                 });
             }
         }
-        let made = SessionLog::<Record>::create(&self.dir, &id)
+        let made = SessionLog::<Record>::create_clocked(&self.dir, &id, self.clock.clone())
             .map_err(SessionError::from)
             .and_then(|log| {
                 Core::create(log, config.clone()).map_err(|e| {

@@ -52,7 +52,7 @@ impl Sessions {
     /// Forks `parent` into `child` at a turn boundary (see `fork`); the
     /// child gets a new sandbox when it first runs, empty.
     pub fn fork(&self, parent: &str, child: &str, turn: Option<u64>) -> Result<(), SessionError> {
-        fork(&self.dir, parent, child, turn)
+        fork(&self.dir, parent, child, turn, self.clock.clone())
     }
 
     /// Forks `parent` into `child` (see `fork`) and gives the child its
@@ -70,7 +70,7 @@ impl Sessions {
         turn: Option<u64>,
         worker: W,
     ) -> Result<bool, SessionError> {
-        fork(&self.dir, parent, child, turn)?;
+        fork(&self.dir, parent, child, turn, self.clock.clone())?;
         let undo = |e: SessionError| {
             let _ = std::fs::remove_file(crate::session::log::path_of(&self.dir, child));
             e
