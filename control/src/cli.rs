@@ -262,6 +262,11 @@ pub struct RunArgs {
     /// request's `on_sandbox_lost`).
     #[arg(long, env = "CORRAL_ON_SANDBOX_LOST", value_enum)]
     pub on_sandbox_lost: Option<LostPolicy>,
+    /// Export traces (OpenTelemetry, OTLP over gRPC, GenAI conventions) to
+    /// this collector, e.g. http://127.0.0.1:4317: a trace per session run,
+    /// joined with the worker's operation spans. Off by default.
+    #[arg(long, env = "OTEL_EXPORTER_OTLP_ENDPOINT", value_name = "URL")]
+    pub otlp_endpoint: Option<String>,
     /// Reasoning effort for models that take one (Responses API): low,
     /// medium or high (new sessions only).
     #[arg(long, env = "CORRAL_REASONING_EFFORT", value_parser = ["low", "medium", "high"])]
@@ -359,6 +364,11 @@ pub struct ServeArgs {
     /// or request says.
     #[arg(long, env = "CORRAL_ON_SANDBOX_LOST", value_enum)]
     pub on_sandbox_lost: Option<LostPolicy>,
+    /// Export traces (OpenTelemetry, OTLP over gRPC, GenAI conventions) to
+    /// this collector, e.g. http://127.0.0.1:4317: a trace per session run,
+    /// joined with the worker's operation spans. Off by default.
+    #[arg(long, env = "OTEL_EXPORTER_OTLP_ENDPOINT", value_name = "URL")]
+    pub otlp_endpoint: Option<String>,
     #[arg(long, env = "CORRAL_GRACE", default_value = "1s", value_parser = humantime::parse_duration, hide = true)]
     pub grace: Duration,
     /// Every error status carries one fixed text instead of its own: for

@@ -16,6 +16,7 @@ pub mod egress;
 pub mod fake;
 pub mod fake_api;
 pub mod model;
+pub mod otlp;
 pub mod run;
 pub mod serve;
 pub mod strict;

@@ -197,6 +197,11 @@ pub struct WorkerArgs {
     /// survives restarts until the Drain call ends it.
     #[arg(long, env = "CORRAL_DRAIN")]
     pub drain: bool,
+    /// Export a span for each operation submitted with a W3C traceparent
+    /// (OpenTelemetry, OTLP over gRPC) to this collector, e.g.
+    /// http://127.0.0.1:4317. Off by default.
+    #[arg(long, env = "OTEL_EXPORTER_OTLP_ENDPOINT", value_name = "URL")]
+    pub otlp_endpoint: Option<String>,
     /// How long a drain serves the sandboxes it found before removing what
     /// is left.
     #[arg(long, env = "CORRAL_DRAIN_DEADLINE", default_value = "1h", value_parser = humantime::parse_duration)]
@@ -537,6 +542,7 @@ impl WorkerArgs {
             sandbox_uids: self.sandbox_uids,
             egress: self.egress()?,
             pools: self.pools.clone(),
+            otlp_endpoint: self.otlp_endpoint.clone(),
         })
     }
 

@@ -25,6 +25,8 @@
 //! - [`admission`]: which connections reach the server (limits, handshake
 //!   timeout); [`budget`]: what their requests may hold while they are read;
 //! - [`metrics`]: Prometheus metrics and the endpoint that serves them;
+//!   [`telemetry`]: operations' spans (OpenTelemetry, OTLP), under the
+//!   trace context their submit carried;
 //! - [`state`]: the worker's durable records (sandboxes, id, drain); [`initbin`]: the supervisor
 //!   binary; [`service`] and [`server`]: the gRPC edge (auth, health,
 //!   reflection), the only place generated types are touched.
@@ -50,6 +52,7 @@ pub mod sandbox;
 pub mod server;
 pub mod service;
 pub mod state;
+pub mod telemetry;
 pub mod uids;
 pub mod worker;
 

@@ -163,6 +163,14 @@ impl pb::worker_server::Worker for WorkerService {
         &self,
         req: Request<pb::SubmitOperationRequest>,
     ) -> Result<Response<pb::Operation>, Status> {
+        // The caller's trace context (W3C), when it traces: bounded, and
+        // checked before anything is kept of it.
+        let traceparent = req
+            .metadata()
+            .get("traceparent")
+            .and_then(|v| v.to_str().ok())
+            .filter(|v| v.len() <= 64)
+            .map(str::to_string);
         let req = req.into_inner();
         let sid = sandbox_id(req.sandbox_id)?;
         let oid = operation_id(req.operation_id)?;
@@ -170,7 +178,10 @@ impl pb::worker_server::Worker for WorkerService {
             req.spec
                 .ok_or(corral_proto::ProtocolError::Missing("spec"))?,
         )?;
-        let record = self.worker.submit(&sid, oid, spec).await?;
+        let record = self
+            .worker
+            .submit_traced(&sid, oid, spec, traceparent)
+            .await?;
         Ok(Response::new(record.to_pb(&sid)))
     }
 

@@ -60,6 +60,8 @@ pub struct WorkerConfig {
     pub egress: crate::proxy::Settings,
     /// Warm pools (`--pool`).
     pub pools: Vec<crate::pool::Template>,
+    /// Export operations' spans to this OTLP/gRPC collector.
+    pub otlp_endpoint: Option<String>,
 }
 
 impl WorkerConfig {
@@ -82,6 +84,7 @@ impl WorkerConfig {
             sandbox_uids: None,
             egress: crate::proxy::Settings::default(),
             pools: Vec::new(),
+            otlp_endpoint: None,
         }
     }
 }
@@ -145,6 +148,8 @@ struct Inner {
     drain: tokio::sync::watch::Sender<Option<i64>>,
     drain_deadline: Duration,
     metrics: Arc<crate::metrics::WorkerMetrics>,
+    /// Operations' spans, when exported.
+    traces: Option<Arc<crate::telemetry::OpTraces>>,
     /// Why sandboxes removed lately were removed, so that their clients
     /// (a watch of one, a call naming one) are told, not only "unknown".
     removed: Mutex<Removed>,
@@ -253,6 +258,13 @@ impl Worker {
         let docker_version = runtime.version().await;
         let state_drain = state.drain_deadline();
         runtime.prune_old_init_volumes().await;
+        let traces = match &config.otlp_endpoint {
+            Some(e) => Some(Arc::new(
+                crate::telemetry::OpTraces::otlp(e, &config.state_dir)
+                    .map_err(|e| WorkerError::Config(format!("--otlp-endpoint: {e}")))?,
+            )),
+            None => None,
+        };
         let worker = Self {
             inner: Arc::new(Inner {
                 runtime,
@@ -272,6 +284,7 @@ impl Worker {
                 drain: tokio::sync::watch::Sender::new(state_drain),
                 drain_deadline: config.drain_deadline,
                 metrics: Arc::new(crate::metrics::WorkerMetrics::default()),
+                traces,
                 removed: Mutex::new(Removed::default()),
                 tracker: TaskTracker::new(),
                 shutdown: CancellationToken::new(),
@@ -601,6 +614,7 @@ impl Worker {
             limits: self.inner.sandbox_limits,
             metrics: &self.inner.metrics,
             egress: &self.inner.egress,
+            traces: self.inner.traces.as_ref(),
         }
     }
 
@@ -1495,6 +1509,9 @@ impl Worker {
         self.inner.runtime.remove_container(&container).await?;
         self.inner.state.remove(id)?;
         crate::proxy::remove(&self.egress_dir(id));
+        if let Some(t) = &self.inner.traces {
+            t.forget_sandbox(id);
+        }
         lock(&self.inner.id_locks).remove(id);
         info!(sandbox = %id, "sandbox destroyed");
         Ok(true)
@@ -1505,6 +1522,18 @@ impl Worker {
         sandbox: &SandboxId,
         id: OperationId,
         spec: OperationSpec,
+    ) -> Result<OperationRecord> {
+        self.submit_traced(sandbox, id, spec, None).await
+    }
+
+    /// [`Self::submit`], under the W3C trace context `traceparent`: with
+    /// `--otlp-endpoint`, the operation's span is made there.
+    pub async fn submit_traced(
+        &self,
+        sandbox: &SandboxId,
+        id: OperationId,
+        spec: OperationSpec,
+        traceparent: Option<String>,
     ) -> Result<OperationRecord> {
         spec.validate()?;
         let sb = self.sandbox(sandbox)?;
@@ -1525,7 +1554,7 @@ impl Worker {
             }
             other => other,
         };
-        sb.submit(id, spec).await
+        sb.submit(id, spec, traceparent).await
     }
 
     /// What the sandbox uses now (about a second: see `GetSandboxStats`).
@@ -1764,6 +1793,11 @@ impl Worker {
             .is_err()
         {
             warn!("some sandbox tasks did not stop within 5 s");
+        }
+        // The operations' spans made so far go out (the exporter's
+        // connection is driven by the runtime meanwhile).
+        if let Some(t) = self.inner.traces.clone() {
+            let _ = tokio::task::spawn_blocking(move || t.shutdown()).await;
         }
     }
 

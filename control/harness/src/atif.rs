@@ -32,12 +32,19 @@ pub const SCHEMA_VERSION: &str = "ATIF-v1.7";
 
 /// Session `id` of `store` as an ATIF trajectory.
 pub fn trajectory(store: &Sessions, id: &str) -> Result<Value, SessionError> {
-    let mut records = Vec::new();
-    for rec in store.records(id)? {
-        records.push(rec?.1);
+    let (mut records, mut times) = (Vec::new(), Vec::new());
+    for rec in store.records(id)?.timed() {
+        let rec = rec?;
+        records.push(rec.record);
+        times.push(rec.at_unix_ms);
     }
     let forks = forks_of(store, id);
-    Ok(build(id, &records, forks.first().map(String::as_str)))
+    Ok(build_timed(
+        id,
+        &records,
+        &times,
+        forks.first().map(String::as_str),
+    ))
 }
 
 /// Sessions forked from `parent`, by id.
@@ -66,6 +73,17 @@ fn forks_of(store: &Sessions, parent: &str) -> Vec<String> {
 /// The trajectory of the records of session `id`; `fork`: a session
 /// forked from it.
 pub fn build(id: &str, records: &[Record], fork: Option<&str>) -> Value {
+    build_timed(id, records, &[], fork)
+}
+
+/// [`build`], each step stamped (`timestamp`, ISO 8601 UTC) with the time
+/// its record was written, where `times` has it.
+pub fn build_timed(
+    id: &str,
+    records: &[Record],
+    times: &[Option<i64>],
+    fork: Option<&str>,
+) -> Value {
     // Each call's final result, by call id.
     let mut results: HashMap<&str, &[ToolOutput]> = HashMap::new();
     for r in records {
@@ -178,6 +196,9 @@ pub fn build(id: &str, records: &[Record], fork: Option<&str>) -> Value {
         };
         if let Some(mut step) = step {
             step["step_id"] = json!(steps.len() + 1);
+            if let Some(Some(at)) = times.get(i) {
+                step["timestamp"] = json!(iso8601(*at));
+            }
             if copied {
                 step["is_copied_context"] = json!(true);
             }
@@ -317,4 +338,9 @@ fn stop_cause(c: &StopCause) -> &'static str {
         StopCause::Requested => "asked to stop",
         StopCause::TurnLimit => "the turn limit was reached",
     }
+}
+
+/// `2026-12-05T09:00:00.000Z`.
+fn iso8601(unix_ms: i64) -> String {
+    crate::timeline::text::utc(unix_ms).replacen(' ', "T", 1) + "Z"
 }

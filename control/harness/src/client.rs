@@ -574,11 +574,26 @@ impl WorkerClient {
         id: &OperationId,
         spec: OperationSpec,
     ) -> Result<OperationRecord, ClientError> {
-        let req = pb::SubmitOperationRequest {
+        self.submit_traced(sandbox, id, spec, None).await
+    }
+
+    /// [`Self::submit`], the request carrying `traceparent` (W3C trace
+    /// context) in its metadata.
+    pub async fn submit_traced(
+        &self,
+        sandbox: &SandboxId,
+        id: &OperationId,
+        spec: OperationSpec,
+        traceparent: Option<&str>,
+    ) -> Result<OperationRecord, ClientError> {
+        let mut req = tonic::Request::new(pb::SubmitOperationRequest {
             sandbox_id: sandbox.to_string(),
             operation_id: id.to_string(),
             spec: Some(spec.into()),
-        };
+        });
+        if let Some(v) = traceparent.and_then(|t| t.parse().ok()) {
+            req.metadata_mut().insert("traceparent", v);
+        }
         let op = self
             .rpc(self.inner.clone().submit_operation(req))
             .await?

@@ -23,7 +23,9 @@
 //!   goes among them; [`fleet`]: a caller's workers, the one place that
 //!   answers which worker (place, find a sandbox's, find a session's again
 //!   by its id); [`metrics`]: the control plane's metrics;
-//! - [`atif`]: a session as a trajectory in Harbor's ATIF;
+//! - [`atif`]: a session as a trajectory in Harbor's ATIF; [`timeline`]:
+//!   a session on a time axis (data, terminal view, HTML page);
+//!   [`telemetry`]: a run's traces (OpenTelemetry, OTLP);
 //! - [`control`]: the client of a control plane service (`corral serve`),
 //!   which hosts sessions through this same front door.
 //!
@@ -45,6 +47,7 @@ pub mod placement;
 pub mod runner;
 pub mod session;
 pub mod sessions;
+pub mod telemetry;
 pub mod timeline;
 pub mod tools;
 pub mod transfer;

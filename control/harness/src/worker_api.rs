@@ -72,6 +72,18 @@ pub trait WorkerApi: Clone + Send + Sync + 'static {
         id: &OperationId,
         spec: &OperationSpec,
     ) -> impl Future<Output = Result<OperationRecord, ApiError>> + Send;
+    /// [`Self::submit`] with the W3C `traceparent` of the span the
+    /// operation runs under (a worker that traces makes its span there).
+    fn submit_traced(
+        &self,
+        sandbox: &SandboxId,
+        id: &OperationId,
+        spec: &OperationSpec,
+        traceparent: Option<&str>,
+    ) -> impl Future<Output = Result<OperationRecord, ApiError>> + Send {
+        let _ = traceparent;
+        self.submit(sandbox, id, spec)
+    }
     /// Asks a running operation to stop; false when it was not running.
     fn cancel(
         &self,
@@ -169,6 +181,18 @@ impl WorkerApi for WorkerClient {
         spec: &OperationSpec,
     ) -> Result<OperationRecord, ApiError> {
         WorkerClient::submit(self, sandbox, id, spec.clone())
+            .await
+            .map_err(remote)
+    }
+
+    async fn submit_traced(
+        &self,
+        sandbox: &SandboxId,
+        id: &OperationId,
+        spec: &OperationSpec,
+        traceparent: Option<&str>,
+    ) -> Result<OperationRecord, ApiError> {
+        WorkerClient::submit_traced(self, sandbox, id, spec.clone(), traceparent)
             .await
             .map_err(remote)
     }

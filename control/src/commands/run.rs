@@ -201,6 +201,15 @@ async fn run(conn: &ConnArgs, args: &RunArgs, json: bool) -> Result<u8, Error> {
     let request = load_request(args)?;
     let store = sessions(args.sessions_dir.as_deref());
     let id = args.session.clone().unwrap_or_else(Sessions::new_id);
+    let telemetry = match &args.otlp_endpoint {
+        Some(e) => Some(
+            corral_harness::telemetry::Telemetry::otlp(e, "corral")
+                .map_err(|e| Error::Usage(format!("--otlp-endpoint: {e}")))?,
+        ),
+        None => None,
+    };
+    // Whatever the run's end, its spans go out before the command ends.
+    let _flush = corral_harness::telemetry::FlushOnDrop(telemetry.clone());
     let opts = RunOptions {
         request,
         reasoning_effort: args.reasoning_effort.clone(),
@@ -226,6 +235,7 @@ async fn run(conn: &ConnArgs, args: &RunArgs, json: bool) -> Result<u8, Error> {
             LostPolicy::Fail => OnSandboxLost::Fail,
             LostPolicy::NewSandbox => OnSandboxLost::NewSandbox,
         }),
+        telemetry,
     };
     if store.exists(&id)? {
         warn_unchanged(&store, &id, args);

@@ -49,6 +49,8 @@ pub struct Defaults {
     /// Model endpoints a session may use besides the service's own
     /// (`--allow-base-url`).
     pub allowed_endpoints: Vec<EndpointRule>,
+    /// Traces of the hosted runs, when exported.
+    pub telemetry: Option<corral_harness::telemetry::Telemetry>,
 }
 
 /// A model endpoint clients may name (`--allow-base-url`): `*` (any), or
@@ -261,6 +263,7 @@ impl Settings {
             until_idle: true,
             worker_lost_after: Some(defaults.worker_lost_after),
             on_sandbox_lost,
+            telemetry: defaults.telemetry.clone(),
         })
     }
 }

@@ -106,7 +106,16 @@ pub async fn serve(conn: &ConnArgs, args: &ServeArgs) -> Result<(), ServeError> 
             LostPolicy::NewSandbox => corral_harness::agent::OnSandboxLost::NewSandbox,
         }),
         allowed_endpoints: args.allow_base_url.clone(),
+        telemetry: match &args.otlp_endpoint {
+            Some(e) => Some(
+                corral_harness::telemetry::Telemetry::otlp(e, "corral-serve")
+                    .map_err(|e| ServeError::Usage(format!("--otlp-endpoint: {e}")))?,
+            ),
+            None => None,
+        },
     };
+    // The hosted runs' spans go out before the service ends.
+    let _flush = corral_harness::telemetry::FlushOnDrop(defaults.telemetry.clone());
     let store = crate::commands::sessions(args.sessions_dir.as_deref());
     // A long-lived caller: one connection per worker, kept; and a worker
     // busy with many starts at once is given time to say how full it is.

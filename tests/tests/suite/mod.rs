@@ -18,6 +18,7 @@ mod llama;
 mod llm;
 mod managers;
 mod ordering;
+mod otel;
 mod paused;
 mod pools;
 mod processes;

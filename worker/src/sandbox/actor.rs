@@ -13,6 +13,8 @@ pub(super) struct Actor {
     pub(super) container: String,
     pub(super) runtime: Arc<DockerRuntime>,
     pub(super) metrics: Arc<crate::metrics::WorkerMetrics>,
+    /// Operations' spans, when exported.
+    pub(super) traces: Option<Arc<crate::telemetry::OpTraces>>,
     pub(super) shared: Arc<Shared>,
     pub(super) rx: mpsc::Receiver<Command>,
     pub(super) output: Option<Output>,
@@ -215,8 +217,13 @@ impl Actor {
 
     async fn handle(&mut self, cmd: Command) {
         match cmd {
-            Command::Submit { id, spec, reply } => {
-                let result = self.submit(id, spec).await;
+            Command::Submit {
+                id,
+                spec,
+                traceparent,
+                reply,
+            } => {
+                let result = self.submit(id, spec, traceparent).await;
                 let _ = reply.send(result);
             }
             Command::Cancel { id, reply } => {
@@ -435,7 +442,12 @@ impl Actor {
         self.pump_input(&id).await;
     }
 
-    async fn submit(&mut self, id: OperationId, spec: OperationSpec) -> Result<OperationRecord> {
+    async fn submit(
+        &mut self,
+        id: OperationId,
+        spec: OperationSpec,
+        traceparent: Option<String>,
+    ) -> Result<OperationRecord> {
         if let SandboxState::Lost(reason) = &*self.shared.state.borrow() {
             return Err(WorkerError::SandboxLost {
                 id: self.id.to_string(),
@@ -467,6 +479,9 @@ impl Actor {
             record
         };
         info!(operation = %id, kind = spec.kind(), "operation submitted");
+        if let (Some(traces), Some(parent)) = (&self.traces, &traceparent) {
+            traces.submitted(&self.id, &id, spec.kind(), parent);
+        }
         // Before the supervisor's welcome the run is sent with the others
         // init does not know yet (see `on_welcome`).
         if self.welcomed {
@@ -668,6 +683,13 @@ impl Actor {
             let mut ops = lock(&self.shared.ops);
             if let Some(id) = &event.operation_id {
                 match &event.kind {
+                    EventKind::Output { .. } => {
+                        if let Some(traces) = &self.traces
+                            && seq > self.live_after
+                        {
+                            traces.output(id);
+                        }
+                    }
                     EventKind::Started { .. } => {
                         if let Some(r) = ops.ops.get_mut(id)
                             && r.first_seq == 0
@@ -692,6 +714,9 @@ impl Actor {
                             );
                         }
                         ops.finish(id, (**result).clone());
+                        if let Some(traces) = &self.traces {
+                            traces.finished(&self.id, id, result);
+                        }
                         if let Some(mut link) = self.inputs.remove(id) {
                             link.close_all();
                         }
@@ -760,6 +785,9 @@ impl Actor {
                 reason: reason.clone(),
             });
             lock(&self.shared.ops).finish(&id, result.clone());
+            if let Some(traces) = &self.traces {
+                traces.finished(&self.id, &id, &result);
+            }
             journal.push(Some(id), EventKind::Finished(Box::new(result)));
         }
         journal.push(

@@ -86,6 +86,8 @@ pub struct Env<'a> {
     pub metrics: &'a Arc<crate::metrics::WorkerMetrics>,
     /// How sandboxes' egress proxies connect and what bounds them.
     pub egress: &'a Arc<crate::proxy::Settings>,
+    /// Operations' spans, when exported.
+    pub traces: Option<&'a Arc<crate::telemetry::OpTraces>>,
 }
 
 /// One watcher, as the actor sees it.
@@ -232,6 +234,8 @@ enum Command {
     Submit {
         id: OperationId,
         spec: OperationSpec,
+        /// The W3C trace context it was submitted with.
+        traceparent: Option<String>,
         reply: oneshot::Sender<Result<OperationRecord>>,
     },
     Cancel {
@@ -347,6 +351,7 @@ impl Sandbox {
             limits,
             metrics,
             egress: egress_settings,
+            traces,
         } = env;
         let policy = egress
             .as_ref()
@@ -410,6 +415,7 @@ impl Sandbox {
             resets: VecDeque::new(),
             egress_reports,
             egress_pending: VecDeque::new(),
+            traces: traces.cloned(),
         };
         let span = info_span!("sandbox", sandbox = %id, container = %short(&container_id));
         tracker.spawn(actor.run().instrument(span));
@@ -479,10 +485,20 @@ impl Sandbox {
         })
     }
 
-    pub async fn submit(&self, id: OperationId, spec: OperationSpec) -> Result<OperationRecord> {
+    pub async fn submit(
+        &self,
+        id: OperationId,
+        spec: OperationSpec,
+        traceparent: Option<String>,
+    ) -> Result<OperationRecord> {
         let (reply, rx) = oneshot::channel();
         self.tx
-            .send(Command::Submit { id, spec, reply })
+            .send(Command::Submit {
+                id,
+                spec,
+                traceparent,
+                reply,
+            })
             .await
             .map_err(|_| WorkerError::ShuttingDown)?;
         rx.await.map_err(|_| WorkerError::ShuttingDown)?

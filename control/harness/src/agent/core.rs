@@ -60,6 +60,19 @@ pub struct Core {
     /// When each running operation's progress was last told (ms).
     progress_told: HashMap<OperationId, i64>,
     effects: Vec<Effect>,
+    observer: Option<Box<dyn RecordObserver>>,
+}
+
+/// Told of every record a core appends, as it is appended (at the time
+/// the log stamped on it): see [`crate::telemetry::SessionTrace`].
+pub trait RecordObserver: Send {
+    fn on_record(&mut self, at_unix_ms: i64, record: &Record);
+}
+
+impl RecordObserver for crate::telemetry::SessionTrace {
+    fn on_record(&mut self, at_unix_ms: i64, record: &Record) {
+        crate::telemetry::SessionTrace::on_record(self, at_unix_ms, record);
+    }
 }
 
 /// Least time between two `tool_progress` events of one operation.
@@ -86,6 +99,7 @@ impl Core {
             progress: HashMap::new(),
             progress_told: HashMap::new(),
             effects: Vec::new(),
+            observer: None,
         };
         core.record(Record::Start { config })?;
         Ok(core)
@@ -124,6 +138,7 @@ impl Core {
             progress: HashMap::new(),
             progress_told: HashMap::new(),
             effects: Vec::new(),
+            observer: None,
         };
         let current = config.endpoint.as_ref();
         let endpoint = super::record::Endpoint::merge(current, overrides.base_url, overrides.api);
@@ -192,7 +207,20 @@ impl Core {
     fn record(&mut self, rec: Record) -> Result<(), CoreError> {
         self.log.append(&rec)?;
         self.state.apply(&rec);
+        if let Some(o) = &mut self.observer {
+            o.on_record(self.log.last_at(), &rec);
+        }
         Ok(())
+    }
+
+    /// The time by the session log's clock (Unix milliseconds).
+    pub fn now(&self) -> i64 {
+        self.log.now()
+    }
+
+    /// Tells `observer` of every record appended from now on.
+    pub fn set_observer(&mut self, observer: Box<dyn RecordObserver>) {
+        self.observer = Some(observer);
     }
 
     fn emit(&mut self, e: Event) {

@@ -86,6 +86,17 @@ impl<W: WorkerApi> Manager<W> {
         sandbox: SandboxId,
         patience: Duration,
     ) -> (Self, mpsc::Receiver<Operation>) {
+        Self::start_traced(worker, sandbox, patience, None)
+    }
+
+    /// [`Self::start_with`], each operation submitted with the trace
+    /// context `contexts` has for it (see [`crate::telemetry`]).
+    pub fn start_traced(
+        worker: W,
+        sandbox: SandboxId,
+        patience: Duration,
+        contexts: Option<crate::telemetry::TraceContexts>,
+    ) -> (Self, mpsc::Receiver<Operation>) {
         let (tx, rx) = mpsc::channel(64);
         let (lost_tx, lost) = tokio::sync::watch::channel(None);
         // The newest decisions, for whoever listens (a slow listener
@@ -109,6 +120,7 @@ impl<W: WorkerApi> Manager<W> {
             submits: tokio::task::JoinSet::new(),
             cancel_after_submit: HashSet::new(),
             cancels: tokio::task::JoinSet::new(),
+            contexts,
         };
         let task = tokio::spawn(
             actor
@@ -205,6 +217,8 @@ struct Actor<W: WorkerApi> {
     /// Cancels under way on the worker (retried while it does not
     /// answer): the loop goes on meanwhile.
     cancels: tokio::task::JoinSet<()>,
+    /// Where each operation's trace context is (none: not traced).
+    contexts: Option<crate::telemetry::TraceContexts>,
     egress: tokio::sync::broadcast::Sender<corral_proto::event::Egress>,
 }
 
@@ -382,9 +396,10 @@ impl<W: WorkerApi> Actor<W> {
             self.stop.clone(),
             self.patience,
         );
+        let traceparent = self.contexts.as_ref().and_then(|c| c.get(&op.id));
         self.submits.spawn(async move {
             let submitted = call(&worker, patience, &stop, || {
-                worker.submit(&sandbox, &op.id, &op.spec)
+                worker.submit_traced(&sandbox, &op.id, &op.spec, traceparent.as_deref())
             })
             .await;
             (op.id, submitted)

@@ -150,6 +150,8 @@ pub struct SessionLog<R> {
     header: Header,
     last_seq: u64,
     clock: Clock,
+    /// The time of the last record appended by this process.
+    last_at: i64,
     _records: PhantomData<fn() -> R>,
 }
 
@@ -260,6 +262,7 @@ impl<R: Serialize + DeserializeOwned> SessionLog<R> {
             header,
             last_seq: 0,
             clock,
+            last_at: 0,
             _records: PhantomData,
         })
     }
@@ -299,6 +302,7 @@ impl<R: Serialize + DeserializeOwned> SessionLog<R> {
                 header,
                 last_seq,
                 clock: Clock::system(),
+                last_at: 0,
                 _records: PhantomData,
             },
             Recovery { torn_bytes },
@@ -322,6 +326,11 @@ impl<R: Serialize + DeserializeOwned> SessionLog<R> {
         self.clock.now()
     }
 
+    /// The time stamped on the last record this process appended.
+    pub fn last_at(&self) -> i64 {
+        self.last_at
+    }
+
     /// Reads the times of the records appended from now on from `clock`.
     pub fn set_clock(&mut self, clock: Clock) {
         self.clock = clock;
@@ -343,6 +352,7 @@ impl<R: Serialize + DeserializeOwned> SessionLog<R> {
             .and_then(|()| self.file.sync_data())
             .map_err(io(&self.path))?;
         self.last_seq = seq;
+        self.last_at = at;
         Ok(seq)
     }
 
@@ -834,7 +844,8 @@ mod tests {
             .append(true)
             .open(path_of(dir.path(), "p"))
             .unwrap();
-        f.write_all(b"{\"seq\":3,\"record\":{\"text\":\"old\"}}\n").unwrap();
+        f.write_all(b"{\"seq\":3,\"record\":{\"text\":\"old\"}}\n")
+            .unwrap();
         assert_eq!(times("p")[2], (3, None));
     }
 }

@@ -325,7 +325,22 @@ pub(super) async fn launch<W: WorkerApi>(
     let patience = opts
         .worker_lost_after
         .unwrap_or(crate::follow::DEFAULT_PATIENCE);
-    let (manager, mut updates) = Manager::start_with(worker, config.sandbox_id.clone(), patience);
+    // The run's trace, made from its records from here on.
+    let contexts = opts.telemetry.as_ref().map(|t| {
+        let trace = crate::telemetry::SessionTrace::start(
+            t,
+            core.session_id(),
+            &config.model,
+            config.sandbox_id.as_str(),
+            config.worker.as_deref(),
+            core.now(),
+        );
+        let contexts = trace.contexts();
+        core.set_observer(Box::new(trace));
+        contexts
+    });
+    let (manager, mut updates) =
+        Manager::start_traced(worker, config.sandbox_id.clone(), patience, contexts);
     let mut lost = manager.lost();
     let mut egress = manager.egress();
     if let Err(e) = upload(&manager, &mut updates, files).await {

@@ -131,6 +131,8 @@ pub struct RunOptions {
     /// What a new session's runs do when its sandbox is lost (over the
     /// request's).
     pub on_sandbox_lost: Option<OnSandboxLost>,
+    /// Traces of the run, when the caller exports them.
+    pub telemetry: Option<crate::telemetry::Telemetry>,
 }
 
 // The key is never shown, not even in a debug line.
@@ -149,6 +151,7 @@ impl std::fmt::Debug for RunOptions {
             .field("until_idle", &self.until_idle)
             .field("worker_lost_after", &self.worker_lost_after)
             .field("on_sandbox_lost", &self.on_sandbox_lost)
+            .field("telemetry", &self.telemetry.is_some())
             .finish()
     }
 }

@@ -1,0 +1,192 @@
+//! Traces on against off, in one run, over the same image and model
+//! server: two workers, one started with `--otlp-endpoint` (exporting to a
+//! real OTLP receiver of the bench's own), one without.
+//! - operations per second at P8: eight clients each submit `true` and
+//!   wait for its end, one after the other, in one sandbox; every submit
+//!   carries a `traceparent` (the traced worker keeps it and makes a span
+//!   when the operation ends; the other ignores it);
+//! - a session's events per second: `corral run --json` of a session whose
+//!   one turn makes 40 quick calls, with `--otlp-endpoint` on the traced
+//!   side (the run's spans too), from start to its result event.
+//!
+//! Rounds alternate between the sides. Run: `cargo bench -p corral-e2e
+//! --bench tracing` after `deploy/build.sh`. Prints Markdown.
+
+// A report printer: printing is its job.
+#![allow(clippy::print_stdout)]
+
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, ensure};
+use corral_e2e::model::{ModelServer, Received, Reply, responses};
+use corral_e2e::otlp::Receiver;
+use corral_e2e::{WorkerProcess, free_port, unique_id};
+use corral_harness::client::WorkerClient;
+use corral_proto::{EventKind, OperationId, OperationSpec, SandboxId, SandboxSpec, ShellSpec};
+use futures_util::StreamExt;
+use serde_json::json;
+
+const ROUNDS: usize = 4;
+const CLIENTS: usize = 8;
+const OPS_PER_CLIENT: usize = 40;
+const CALLS: usize = 40;
+
+fn model(req: &Received) -> Reply {
+    if req.text().contains("function_call_output") {
+        return responses::text("Done.");
+    }
+    let calls: Vec<(String, String)> = (0..CALLS)
+        .map(|i| (format!("c{i}"), json!({ "command": "true" }).to_string()))
+        .collect();
+    let list: Vec<(&str, &str, &str)> = calls
+        .iter()
+        .map(|(id, args)| (id.as_str(), "Bash", args.as_str()))
+        .collect();
+    responses::calls(&list)
+}
+
+/// A fresh W3C trace context.
+fn traceparent() -> String {
+    let t = uuid::Uuid::new_v4().simple().to_string();
+    let s = &uuid::Uuid::new_v4().simple().to_string()[..16];
+    format!("00-{t}-{s}-01")
+}
+
+/// One client's operations, each submitted then waited for.
+async fn client_ops(client: WorkerClient, sb: SandboxId) -> Result<()> {
+    for _ in 0..OPS_PER_CLIENT {
+        let op = OperationId::random();
+        let cursor = client.get_sandbox(&sb).await?.last_seq;
+        let mut stream = client.watch(&sb, cursor, Some(&op)).await?;
+        client
+            .submit_traced(
+                &sb,
+                &op,
+                OperationSpec::Shell(ShellSpec::new("true")),
+                Some(&traceparent()),
+            )
+            .await?;
+        loop {
+            let e = stream.next().await.context("stream ended")??;
+            if let EventKind::Finished(r) = e.kind {
+                ensure!(r.outcome.is_success(), "{:?}", r.outcome);
+                break;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Operations per second at P8 on `worker`'s sandbox `sb`.
+async fn ops_per_second(worker: &WorkerProcess, sb: &SandboxId) -> Result<f64> {
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for _ in 0..CLIENTS {
+        let client = worker.client().await?;
+        tasks.push(tokio::spawn(client_ops(client, sb.clone())));
+    }
+    for t in tasks {
+        t.await??;
+    }
+    Ok((CLIENTS * OPS_PER_CLIENT) as f64 / started.elapsed().as_secs_f64())
+}
+
+/// A session's events per second on `worker` (traced with `otlp`).
+async fn events_per_second(
+    model: &ModelServer,
+    worker: &WorkerProcess,
+    otlp: Option<&str>,
+) -> Result<f64> {
+    let sessions = tempfile::tempdir()?;
+    let id = unique_id("trb-");
+    let mut args = vec!["--session", id.as_str()];
+    if let Some(e) = otlp {
+        args.extend(["--otlp-endpoint", e]);
+    }
+    args.push("calls");
+    let mut cmd = corral_e2e::run::command(model, &worker.url, sessions.path(), &args);
+    cmd.env("CORRAL_TOKEN_FILE", worker.token_file())
+        .env("CORRAL_GRACE", "0s");
+    let started = Instant::now();
+    let run = corral_e2e::run::finish(cmd).await?;
+    let took = started.elapsed();
+    ensure!(run.result()["status"] == "done", "{}", run.stderr);
+    Ok(run.events.len() as f64 / took.as_secs_f64())
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+#[tokio::main]
+async fn main() -> Result<()> {
+    let receiver = Receiver::default();
+    let endpoint = receiver.serve().await?;
+    let (plain_state, traced_state) = (tempfile::tempdir()?, tempfile::tempdir()?);
+    let plain = WorkerProcess::spawn(
+        plain_state.path(),
+        &unique_id("trb-off"),
+        free_port()?,
+        &[],
+        &[],
+    )?;
+    let traced = WorkerProcess::spawn(
+        traced_state.path(),
+        &unique_id("trb-on"),
+        free_port()?,
+        &[],
+        &["--otlp-endpoint", &endpoint],
+    )?;
+    let mut sandboxes = Vec::new();
+    for w in [&plain, &traced] {
+        let sb = SandboxId::random();
+        let spec = SandboxSpec {
+            image: Some("corral-sandbox:latest".into()),
+            ..SandboxSpec::default()
+        };
+        w.client().await?.create_sandbox(Some(&sb), spec).await?;
+        sandboxes.push(sb);
+    }
+    let model = ModelServer::responding(model).await;
+    // Warm both sides once.
+    ops_per_second(&plain, &sandboxes[0]).await?;
+    ops_per_second(&traced, &sandboxes[1]).await?;
+    let (mut ops_off, mut ops_on, mut ev_off, mut ev_on) = (vec![], vec![], vec![], vec![]);
+    for _ in 0..ROUNDS {
+        ops_off.push(ops_per_second(&plain, &sandboxes[0]).await?);
+        ops_on.push(ops_per_second(&traced, &sandboxes[1]).await?);
+        ev_off.push(events_per_second(&model, &plain, None).await?);
+        ev_on.push(events_per_second(&model, &traced, Some(&endpoint)).await?);
+    }
+    // The spans did arrive (the bench measured real exports).
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let spans = receiver.spans();
+    let ops = spans
+        .iter()
+        .filter(|s| s.service == "corral-worker")
+        .count();
+    let runs = spans
+        .iter()
+        .filter(|s| s.name == "invoke_agent corral")
+        .count();
+    ensure!(ops > 0 && runs > 0, "no spans arrived");
+    let (ops_off, ops_on) = (median(ops_off), median(ops_on));
+    let (ev_off, ev_on) = (median(ev_off), median(ev_on));
+    println!(
+        "| measure (median of {ROUNDS}) | tracing off | tracing on | on / off |\n|---|---|---|---|"
+    );
+    println!(
+        "| operations per second, P8 (`true`) | {ops_off:.0} | {ops_on:.0} | {:.2}x |",
+        ops_on / ops_off
+    );
+    println!(
+        "| a session's events per second (40 calls) | {ev_off:.0} | {ev_on:.0} | {:.2}x |",
+        ev_on / ev_off
+    );
+    println!("\n{ops} operation spans and {runs} run spans received.");
+    for (w, sb) in [(&plain, &sandboxes[0]), (&traced, &sandboxes[1])] {
+        let _ = w.client().await?.destroy_sandbox(sb).await;
+    }
+    Ok(())
+}

@@ -1,0 +1,192 @@
+//! Traces: `corral run` and a worker both export to a real OTLP/gRPC
+//! receiver of the test's own (the collector's trace service, served by
+//! tonic on loopback). One session with a tool call whose worker is
+//! SIGKILLed and started again while the call runs: the run's
+//! `invoke_agent` span, its `chat` spans with token counts, the call's
+//! `execute_tool` span and, under it, the worker's span of the operation
+//! (made by the worker that saw it end) all arrive in one trace.
+
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail, ensure};
+use corral_e2e::model::{ModelServer, Received, Reply, responses};
+use corral_e2e::otlp::{Got, Receiver};
+use corral_e2e::{WorkerProcess, free_port, unique_id};
+use serde_json::json;
+
+/// One slow call, then the answer.
+fn respond(req: &Received) -> Reply {
+    if req.text().contains("function_call_output") {
+        return responses::text("Done.");
+    }
+    responses::calls(&[(
+        "c1",
+        "Bash",
+        &json!({"command": "sleep 4; echo traced"}).to_string(),
+    )])
+}
+
+/// Waits for a pending trace parent in the worker's state directory: the
+/// traced operation was submitted and has not ended.
+async fn pending_parent(state: &std::path::Path) -> Result<()> {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let dir = state.join("traces");
+        let found = std::fs::read_dir(&dir)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|d| std::fs::read_dir(d.path()).ok())
+            .flatten()
+            .flatten()
+            .any(|f| f.path().extension().is_some_and(|e| e == "json"));
+        if found {
+            return Ok(());
+        }
+        if tokio::time::Instant::now() > deadline {
+            bail!("no traced operation was submitted");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test]
+async fn a_run_and_its_workers_operation_make_one_trace_across_a_worker_restart() -> Result<()> {
+    let receiver = Receiver::default();
+    let endpoint = receiver.serve().await?;
+    let state = tempfile::tempdir()?;
+    let worker_id = unique_id("otel");
+    let port = free_port()?;
+    let worker_args = ["--otlp-endpoint", endpoint.as_str()];
+    let mut worker = WorkerProcess::spawn(state.path(), &worker_id, port, &[], &worker_args)?;
+    let model = ModelServer::responding(respond).await;
+    let sessions = tempfile::tempdir()?;
+    let token = worker.token_file();
+    let id = unique_id("otel-");
+    let mut cmd = corral_e2e::run::command(
+        &model,
+        &worker.url,
+        sessions.path(),
+        &["--session", &id, "--otlp-endpoint", &endpoint, "Run it."],
+    );
+    cmd.env("CORRAL_TOKEN_FILE", &token);
+    let run = tokio::spawn(corral_e2e::run::finish(cmd));
+    // The call runs: the worker goes, without warning, and comes back.
+    pending_parent(state.path()).await?;
+    worker.kill9();
+    let worker = WorkerProcess::spawn(state.path(), &worker_id, port, &[], &worker_args)?;
+    let run = run.await??;
+    ensure!(run.result()["status"] == "done", "{}", run.stderr);
+
+    // Everything arrives within a few batches.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    let spans = loop {
+        let spans = receiver.spans();
+        let op = spans.iter().any(|s| s.service == "corral-worker");
+        let run_span = spans.iter().any(|s| s.name == "invoke_agent corral");
+        if op && run_span {
+            break spans;
+        }
+        if tokio::time::Instant::now() > deadline {
+            bail!("spans missing: {spans:#?}");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let one = |name: &str| -> Result<&Got> {
+        let all: Vec<&Got> = spans.iter().filter(|s| s.name == name).collect();
+        ensure!(
+            all.len() == 1,
+            "{} spans named {name}: {spans:#?}",
+            all.len()
+        );
+        Ok(all[0])
+    };
+    let root = one("invoke_agent corral")?;
+    ensure!(
+        root.service == "corral" && root.parent.is_empty(),
+        "{root:?}"
+    );
+    ensure!(root.attrs["gen_ai.operation.name"] == "invoke_agent");
+    ensure!(root.attrs["gen_ai.conversation.id"] == id, "{root:?}");
+    ensure!(root.attrs["corral.ending"] == "done", "{root:?}");
+    ensure!(root.events.iter().any(|e| e == "input"), "{root:?}");
+    let chats: Vec<&Got> = spans
+        .iter()
+        .filter(|s| s.name.starts_with("chat "))
+        .collect();
+    ensure!(chats.len() == 2, "{chats:#?}");
+    for c in &chats {
+        ensure!(
+            c.parent == root.span_id && c.trace_id == root.trace_id,
+            "{c:?}"
+        );
+        ensure!(c.attrs["gen_ai.operation.name"] == "chat");
+        ensure!(c.attrs.contains_key("gen_ai.request.model"), "{c:?}");
+        ensure!(
+            c.attrs["gen_ai.usage.input_tokens"].parse::<u64>()? > 0,
+            "{c:?}"
+        );
+        ensure!(c.attrs.contains_key("gen_ai.usage.output_tokens"), "{c:?}");
+    }
+    let tool = one("execute_tool Bash")?;
+    ensure!(
+        tool.parent == root.span_id && tool.trace_id == root.trace_id,
+        "{tool:?}"
+    );
+    ensure!(tool.attrs["gen_ai.tool.name"] == "Bash" && tool.attrs["gen_ai.tool.call.id"] == "c1");
+    ensure!(
+        tool.events.iter().any(|e| e == "operation_ended"),
+        "{tool:?}"
+    );
+    // The worker's span of the operation, under the call's, in the same
+    // trace: made by the second worker process, from what the first kept.
+    let op = one("operation shell")?;
+    ensure!(op.service == "corral-worker", "{op:?}");
+    ensure!(
+        op.trace_id == root.trace_id && op.parent == tool.span_id,
+        "not under the call: {op:?} / {tool:?}"
+    );
+    ensure!(op.attrs["process.exit.code"] == "0", "{op:?}");
+    ensure!(op.attrs["corral.operation.end_cause"] == "exited", "{op:?}");
+    for e in ["queued", "started"] {
+        ensure!(op.events.iter().any(|x| x == e), "no {e}: {op:?}");
+    }
+    // Nothing waits in the state directory any more.
+    let left: Vec<_> = std::fs::read_dir(state.path().join("traces"))?
+        .flatten()
+        .filter_map(|d| std::fs::read_dir(d.path()).ok())
+        .flatten()
+        .flatten()
+        .collect();
+    ensure!(left.is_empty(), "{left:?}");
+    drop(worker);
+    Ok(())
+}
+
+/// Without an endpoint nothing is exported and nothing is kept: the
+/// default.
+#[tokio::test]
+async fn a_worker_without_an_endpoint_keeps_no_trace_parents() -> Result<()> {
+    let state = tempfile::tempdir()?;
+    let worker = WorkerProcess::spawn(state.path(), &unique_id("notr"), free_port()?, &[], &[])?;
+    let client = worker.client().await?;
+    let sandbox = corral_proto::SandboxId::random();
+    let spec = corral_proto::SandboxSpec {
+        image: Some("corral-sandbox:latest".into()),
+        ..corral_proto::SandboxSpec::default()
+    };
+    client.create_sandbox(Some(&sandbox), spec).await?;
+    let op = corral_proto::OperationId::random();
+    client
+        .submit_traced(
+            &sandbox,
+            &op,
+            corral_proto::OperationSpec::Shell(corral_proto::ShellSpec::new("true")),
+            Some("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"),
+        )
+        .await
+        .context("a traced submit to a worker that does not trace")?;
+    ensure!(!state.path().join("traces").exists());
+    client.destroy_sandbox(&sandbox).await?;
+    Ok(())
+}

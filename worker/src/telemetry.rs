@@ -1,0 +1,257 @@
+//! Spans of operations, for a worker started with `--otlp-endpoint`
+//! (OpenTelemetry, OTLP over gRPC, a batch exporter).
+//!
+//! An operation submitted with a W3C `traceparent` in its request's
+//! metadata gets a span under that parent (the control plane's
+//! `execute_tool` span): from its submit to its end, with events for when
+//! it was queued, started and first printed, and its exit code and end
+//! cause. The parent and the submit time are written to the worker's state
+//! directory when the operation is submitted, and the span is made when it
+//! ends, so an operation that outlives a restart of the worker still gets
+//! its span, from the worker that sees it end.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use corral_proto::{OperationId, OperationResult, Outcome, SandboxId};
+use opentelemetry::trace::{
+    Span as _, SpanContext, SpanId, SpanKind, Status, TraceContextExt, TraceFlags, TraceId,
+    TraceState, Tracer as _, TracerProvider as _,
+};
+use opentelemetry::{Context, KeyValue};
+use opentelemetry_otlp::WithExportConfig;
+use opentelemetry_sdk::trace::{SdkTracer, SdkTracerProvider};
+use serde::{Deserialize, Serialize};
+
+/// Operations' spans, and where their parents wait for their ends.
+pub struct OpTraces {
+    provider: SdkTracerProvider,
+    tracer: SdkTracer,
+    dir: PathBuf,
+    /// When each traced operation running now first printed.
+    first_output: Mutex<HashMap<OperationId, SystemTime>>,
+}
+
+/// What is kept of a traced operation until it ends.
+#[derive(Serialize, Deserialize)]
+struct Pending {
+    traceparent: String,
+    submitted_unix_ms: i64,
+    kind: String,
+}
+
+impl OpTraces {
+    /// Exports to the OTLP/gRPC collector at `endpoint`; keeps pending
+    /// parents under `state_dir/traces`. Inside a Tokio runtime.
+    pub fn otlp(endpoint: &str, state_dir: &Path) -> Result<Self, String> {
+        let exporter = opentelemetry_otlp::SpanExporter::builder()
+            .with_tonic()
+            .with_endpoint(endpoint)
+            .with_timeout(Duration::from_secs(5))
+            .build()
+            .map_err(|e| format!("the OTLP exporter for {endpoint}: {e}"))?;
+        // Batches go out every second (and at shutdown).
+        let batches = opentelemetry_sdk::trace::BatchSpanProcessor::builder(exporter)
+            .with_batch_config(
+                opentelemetry_sdk::trace::BatchConfigBuilder::default()
+                    .with_scheduled_delay(Duration::from_secs(1))
+                    .build(),
+            )
+            .build();
+        let provider = SdkTracerProvider::builder()
+            .with_span_processor(batches)
+            .with_resource(
+                opentelemetry_sdk::Resource::builder()
+                    .with_service_name("corral-worker")
+                    .build(),
+            )
+            .build();
+        let tracer = provider.tracer("corral-worker");
+        let dir = state_dir.join("traces");
+        std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+        Ok(Self {
+            provider,
+            tracer,
+            dir,
+            first_output: Mutex::new(HashMap::new()),
+        })
+    }
+
+    fn path(&self, sandbox: &SandboxId, op: &OperationId) -> PathBuf {
+        self.dir
+            .join(sandbox.as_str())
+            .join(format!("{}.json", op.as_str()))
+    }
+
+    /// Operation `op` of `sandbox` was submitted under `traceparent` (kept
+    /// only when it names a valid parent).
+    pub fn submitted(&self, sandbox: &SandboxId, op: &OperationId, kind: &str, traceparent: &str) {
+        if parse_traceparent(traceparent).is_none() {
+            tracing::debug!(operation = %op, "an invalid traceparent, ignored");
+            return;
+        }
+        let pending = Pending {
+            traceparent: traceparent.to_string(),
+            submitted_unix_ms: unix_ms(SystemTime::now()),
+            kind: kind.to_string(),
+        };
+        let path = self.path(sandbox, op);
+        let written = path
+            .parent()
+            .map_or(Ok(()), std::fs::create_dir_all)
+            .and_then(|()| {
+                std::fs::write(
+                    &path,
+                    serde_json::to_vec(&pending).map_err(std::io::Error::other)?,
+                )
+            });
+        if let Err(e) = written {
+            tracing::warn!(operation = %op, error = %e, "the operation's trace parent was not kept");
+        }
+    }
+
+    /// Operation `op` printed (its first output is what counts).
+    pub fn output(&self, op: &OperationId) {
+        let mut first = self.first_output.lock().unwrap_or_else(|e| e.into_inner());
+        first.entry(op.clone()).or_insert_with(SystemTime::now);
+    }
+
+    /// Operation `op` of `sandbox` ended with `result`: its span, if it
+    /// was traced.
+    pub fn finished(&self, sandbox: &SandboxId, op: &OperationId, result: &OperationResult) {
+        let first_output = self
+            .first_output
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(op);
+        let path = self.path(sandbox, op);
+        let Ok(bytes) = std::fs::read(&path) else {
+            return;
+        };
+        let _ = std::fs::remove_file(&path);
+        let Ok(pending) = serde_json::from_slice::<Pending>(&bytes) else {
+            return;
+        };
+        let Some(parent) = parse_traceparent(&pending.traceparent) else {
+            return;
+        };
+        let now = SystemTime::now();
+        let submitted = UNIX_EPOCH + Duration::from_millis(pending.submitted_unix_ms.max(0) as u64);
+        let started = now
+            .checked_sub(Duration::from_millis(result.duration_ms))
+            .unwrap_or(submitted)
+            .max(submitted);
+        let (cause, error) = end_cause(&result.outcome);
+        let mut span = self
+            .tracer
+            .span_builder(format!("operation {}", pending.kind))
+            .with_kind(SpanKind::Internal)
+            .with_start_time(submitted)
+            .with_attributes(vec![
+                KeyValue::new("corral.sandbox.id", sandbox.to_string()),
+                KeyValue::new("corral.operation.id", op.to_string()),
+                KeyValue::new("corral.operation.kind", pending.kind),
+                KeyValue::new("corral.operation.end_cause", cause),
+                KeyValue::new("process.exit.code", i64::from(result.outcome.exit_status())),
+                KeyValue::new("corral.operation.duration_ms", result.duration_ms as i64),
+            ])
+            .start_with_context(
+                &self.tracer,
+                &Context::new().with_remote_span_context(parent),
+            );
+        span.add_event_with_timestamp("queued", submitted, vec![]);
+        span.add_event_with_timestamp("started", started, vec![]);
+        if let Some(t) = first_output {
+            span.add_event_with_timestamp("first_output", t, vec![]);
+        }
+        if error {
+            span.set_status(Status::error(result.outcome.to_string()));
+        }
+        span.end_with_timestamp(now);
+    }
+
+    /// Sandbox `id` is gone: what waited for its operations goes too.
+    pub fn forget_sandbox(&self, id: &SandboxId) {
+        let _ = std::fs::remove_dir_all(self.dir.join(id.as_str()));
+    }
+
+    /// Sends what is buffered (blocking).
+    pub fn shutdown(&self) {
+        if let Err(e) = self.provider.shutdown() {
+            tracing::warn!(error = %e, "traces not all exported");
+        }
+    }
+}
+
+/// How an operation ended, as a word, and whether that is an error.
+fn end_cause(o: &Outcome) -> (&'static str, bool) {
+    match o {
+        Outcome::Exited { code } => ("exited", *code != 0),
+        Outcome::Signaled { .. } => ("signaled", true),
+        Outcome::TimedOut => ("timed_out", true),
+        Outcome::OutOfMemory => ("out_of_memory", true),
+        Outcome::Canceled => ("canceled", false),
+        Outcome::SandboxLost { .. } => ("sandbox_lost", true),
+        Outcome::SpawnFailed { .. } => ("spawn_failed", true),
+        Outcome::FileError { .. } => ("file_error", true),
+    }
+}
+
+fn unix_ms(t: SystemTime) -> i64 {
+    t.duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or_default()
+}
+
+/// The span context a W3C `traceparent` names (version 00; anything else
+/// is none).
+pub fn parse_traceparent(s: &str) -> Option<SpanContext> {
+    let mut parts = s.trim().split('-');
+    let (v, t, p, f) = (parts.next()?, parts.next()?, parts.next()?, parts.next()?);
+    if v != "00" || parts.next().is_some() || t.len() != 32 || p.len() != 16 || f.len() != 2 {
+        return None;
+    }
+    let trace = TraceId::from_hex(t).ok()?;
+    let span = SpanId::from_hex(p).ok()?;
+    let flags = u8::from_str_radix(f, 16).ok()?;
+    if trace == TraceId::INVALID || span == SpanId::INVALID {
+        return None;
+    }
+    Some(SpanContext::new(
+        trace,
+        span,
+        TraceFlags::new(flags),
+        true,
+        TraceState::default(),
+    ))
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_well_formed_parents_are_taken() {
+        let good = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+        let cx = parse_traceparent(good).unwrap();
+        assert_eq!(
+            format!("{:032x}", cx.trace_id()),
+            "4bf92f3577b34da6a3ce929d0e0e4736"
+        );
+        for bad in [
+            "",
+            "01-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+            "00-00000000000000000000000000000000-00f067aa0ba902b7-01",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-0000000000000000-01",
+            "00-4bf92f3577b34da6a3ce929d0e0e473-00f067aa0ba902b7-01",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-x",
+            "00-zzf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-0g",
+        ] {
+            assert!(parse_traceparent(bad).is_none(), "{bad:?}");
+        }
+    }
+}
