@@ -7,9 +7,12 @@
 //!   when the operation ends; the other ignores it);
 //! - a session's events per second: `corral run --json` of a session whose
 //!   one turn makes 40 quick calls, with `--otlp-endpoint` on the traced
-//!   side (the run's spans too), from start to its result event.
+//!   side (the run's spans too), from the process's start to its result
+//!   event read (results not batched: a grace of 0).
 //!
-//! Rounds alternate between the sides. Run: `cargo bench -p corral-e2e
+//! Rounds alternate which side goes first; the tracing worker is also
+//! measured with submits that carry no trace context (the same process
+//! and sandbox, its spans off). Run: `cargo bench -p corral-e2e
 //! --bench tracing` after `deploy/build.sh`. Prints Markdown.
 
 // A report printer: printing is its job.
@@ -25,8 +28,9 @@ use corral_harness::client::WorkerClient;
 use corral_proto::{EventKind, OperationId, OperationSpec, SandboxId, SandboxSpec, ShellSpec};
 use futures_util::StreamExt;
 use serde_json::json;
+use tokio::io::AsyncBufReadExt;
 
-const ROUNDS: usize = 4;
+const ROUNDS: usize = 10;
 const CLIENTS: usize = 8;
 const OPS_PER_CLIENT: usize = 40;
 const CALLS: usize = 40;
@@ -52,8 +56,9 @@ fn traceparent() -> String {
     format!("00-{t}-{s}-01")
 }
 
-/// One client's operations, each submitted then waited for.
-async fn client_ops(client: WorkerClient, sb: SandboxId) -> Result<()> {
+/// One client's operations, each submitted (with a trace context when
+/// `traced`) then waited for.
+async fn client_ops(client: WorkerClient, sb: SandboxId, traced: bool) -> Result<()> {
     for _ in 0..OPS_PER_CLIENT {
         let op = OperationId::random();
         let cursor = client.get_sandbox(&sb).await?.last_seq;
@@ -63,7 +68,7 @@ async fn client_ops(client: WorkerClient, sb: SandboxId) -> Result<()> {
                 &sb,
                 &op,
                 OperationSpec::Shell(ShellSpec::new("true")),
-                Some(&traceparent()),
+                traced.then(traceparent).as_deref(),
             )
             .await?;
         loop {
@@ -78,12 +83,15 @@ async fn client_ops(client: WorkerClient, sb: SandboxId) -> Result<()> {
 }
 
 /// Operations per second at P8 on `worker`'s sandbox `sb`.
-async fn ops_per_second(worker: &WorkerProcess, sb: &SandboxId) -> Result<f64> {
+async fn ops_per_second(worker: &WorkerProcess, sb: &SandboxId, traced: bool) -> Result<f64> {
+    let mut clients = Vec::new();
+    for _ in 0..CLIENTS {
+        clients.push(worker.client().await?);
+    }
     let started = Instant::now();
     let mut tasks = Vec::new();
-    for _ in 0..CLIENTS {
-        let client = worker.client().await?;
-        tasks.push(tokio::spawn(client_ops(client, sb.clone())));
+    for client in clients {
+        tasks.push(tokio::spawn(client_ops(client, sb.clone(), traced)));
     }
     for t in tasks {
         t.await??;
@@ -106,12 +114,31 @@ async fn events_per_second(
     args.push("calls");
     let mut cmd = corral_e2e::run::command(model, &worker.url, sessions.path(), &args);
     cmd.env("CORRAL_TOKEN_FILE", worker.token_file())
+        .env("CORRAL_HEARTBEAT", "0")
         .env("CORRAL_GRACE", "0s");
+    // To the result event in the reader's hands (what is exported after it,
+    // at the process's exit, is not the session's time).
     let started = Instant::now();
-    let run = corral_e2e::run::finish(cmd).await?;
+    let mut child = cmd.spawn()?;
+    let stdout = child.stdout.take().context("no stdout")?;
+    let mut lines = tokio::io::BufReader::new(stdout).lines();
+    let mut events = 0;
+    let mut done = false;
+    while let Some(line) = lines.next_line().await? {
+        events += 1;
+        if line.contains("\"type\":\"result\"") {
+            done = line.contains("\"status\":\"done\"");
+            break;
+        }
+    }
     let took = started.elapsed();
-    ensure!(run.result()["status"] == "done", "{}", run.stderr);
-    Ok(run.events.len() as f64 / took.as_secs_f64())
+    let out = child.wait_with_output().await?;
+    ensure!(
+        done && out.status.success(),
+        "corral run failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(events as f64 / took.as_secs_f64())
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -150,14 +177,23 @@ async fn main() -> Result<()> {
     }
     let model = ModelServer::responding(model).await;
     // Warm both sides once.
-    ops_per_second(&plain, &sandboxes[0]).await?;
-    ops_per_second(&traced, &sandboxes[1]).await?;
-    let (mut ops_off, mut ops_on, mut ev_off, mut ev_on) = (vec![], vec![], vec![], vec![]);
-    for _ in 0..ROUNDS {
-        ops_off.push(ops_per_second(&plain, &sandboxes[0]).await?);
-        ops_on.push(ops_per_second(&traced, &sandboxes[1]).await?);
-        ev_off.push(events_per_second(&model, &plain, None).await?);
-        ev_on.push(events_per_second(&model, &traced, Some(&endpoint)).await?);
+    ops_per_second(&plain, &sandboxes[0], true).await?;
+    ops_per_second(&traced, &sandboxes[1], true).await?;
+    let (mut ops_off, mut ops_on, mut ops_same, mut ev_off, mut ev_on) =
+        (vec![], vec![], vec![], vec![], vec![]);
+    for round in 0..ROUNDS {
+        // Each side goes first every other round.
+        let first = round % 2 == 0;
+        for side in [first, !first] {
+            if side {
+                ops_on.push(ops_per_second(&traced, &sandboxes[1], true).await?);
+                ops_same.push(ops_per_second(&traced, &sandboxes[1], false).await?);
+                ev_on.push(events_per_second(&model, &traced, Some(&endpoint)).await?);
+            } else {
+                ops_off.push(ops_per_second(&plain, &sandboxes[0], true).await?);
+                ev_off.push(events_per_second(&model, &plain, None).await?);
+            }
+        }
     }
     // The spans did arrive (the bench measured real exports).
     tokio::time::sleep(Duration::from_secs(2)).await;
@@ -171,7 +207,7 @@ async fn main() -> Result<()> {
         .filter(|s| s.name == "invoke_agent corral")
         .count();
     ensure!(ops > 0 && runs > 0, "no spans arrived");
-    let (ops_off, ops_on) = (median(ops_off), median(ops_on));
+    let (ops_off, ops_on, ops_same) = (median(ops_off), median(ops_on), median(ops_same));
     let (ev_off, ev_on) = (median(ev_off), median(ev_on));
     println!(
         "| measure (median of {ROUNDS}) | tracing off | tracing on | on / off |\n|---|---|---|---|"
@@ -179,6 +215,10 @@ async fn main() -> Result<()> {
     println!(
         "| operations per second, P8 (`true`) | {ops_off:.0} | {ops_on:.0} | {:.2}x |",
         ops_on / ops_off
+    );
+    println!(
+        "| operations per second, P8, on the tracing worker: no traceparent / with | {ops_same:.0} | {ops_on:.0} | {:.2}x |",
+        ops_on / ops_same
     );
     println!(
         "| a session's events per second (40 calls) | {ev_off:.0} | {ev_on:.0} | {:.2}x |",
