@@ -113,10 +113,38 @@ pub async fn run(
     store: &Sessions,
     fleet: &Fleet,
     id: &str,
-    opts: RunOptions,
+    mut opts: RunOptions,
     end: RunEnd,
 ) -> Result<Run, SessionError> {
+    // The run's trace spans its sandbox's making and its end too.
+    let trace = opts
+        .telemetry
+        .as_ref()
+        .map(|t| crate::telemetry::RunTrace::start(t, id));
+    opts.trace = trace.clone();
+    let suspended = store.saved_workspace(id).exists();
+    let existed = store.exists(id)?;
     let (handle, worker) = begin(store, fleet, id, &opts).await?;
+    if let Some(t) = &trace {
+        let (sandbox, at) = (
+            handle.config.sandbox_id.to_string(),
+            worker.url().to_string(),
+        );
+        let what = match (existed, suspended) {
+            (false, _) => "sandbox_created",
+            (true, true) => "sandbox_resumed",
+            (true, false) => "session_resumed",
+        };
+        t.with(|t| {
+            t.note(
+                what,
+                vec![
+                    opentelemetry::KeyValue::new("corral.sandbox.id", sandbox),
+                    opentelemetry::KeyValue::new("corral.worker", at),
+                ],
+            )
+        });
+    }
     let (inputs, inbox) = mpsc::channel(64);
     let (events_tx, events) = mpsc::channel(256);
     let (leave, left) = oneshot::channel();
@@ -127,6 +155,7 @@ pub async fn run(
         opts,
         end,
         events: events_tx,
+        trace,
     };
     let task = tokio::spawn(driver.drive(handle, worker, inbox, left));
     Ok(Run {
@@ -271,6 +300,7 @@ struct Driver {
     opts: RunOptions,
     end: RunEnd,
     events: mpsc::Sender<Event>,
+    trace: Option<crate::telemetry::RunTrace>,
 }
 
 /// How one sandbox generation's run ended.
@@ -340,8 +370,19 @@ impl Driver {
             ),
             None => None,
         };
+        if let (Some(t), Some(e)) = (&self.trace, &exported) {
+            t.with(|t| {
+                t.note(
+                    "exported",
+                    vec![opentelemetry::KeyValue::new("corral.exported", e.is_ok())],
+                )
+            });
+        }
         if !self.end.keep_sandbox {
             self.suspend(worker).await;
+        }
+        if let Some(t) = &self.trace {
+            t.end();
         }
         Ok(RunOutcome { summary, exported })
     }
@@ -435,6 +476,17 @@ impl Driver {
             Err(SessionError::Log(LogError::Locked(_))) => return,
             Err(e) => Err(e),
         };
+        if let Some(t) = &self.trace {
+            t.with(|t| {
+                t.note(
+                    "sandbox_suspended",
+                    vec![opentelemetry::KeyValue::new(
+                        "corral.suspended",
+                        suspended.is_ok(),
+                    )],
+                )
+            });
+        }
         if let Err(e) = suspended {
             tracing::warn!(session = %self.id, error = %e, "the session's sandbox stays (it could not be suspended)");
         }

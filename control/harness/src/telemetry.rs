@@ -126,30 +126,6 @@ pub fn traceparent(cx: &SpanContext) -> String {
     )
 }
 
-/// The span context a `traceparent` names (version 00 only; anything
-/// malformed is no context at all).
-pub fn parse_traceparent(s: &str) -> Option<SpanContext> {
-    use opentelemetry::trace::{SpanId, TraceFlags, TraceId, TraceState};
-    let mut parts = s.trim().split('-');
-    let (v, t, p, f) = (parts.next()?, parts.next()?, parts.next()?, parts.next()?);
-    if v != "00" || parts.next().is_some() || t.len() != 32 || p.len() != 16 || f.len() != 2 {
-        return None;
-    }
-    let trace = TraceId::from_hex(t).ok()?;
-    let span = SpanId::from_hex(p).ok()?;
-    let flags = u8::from_str_radix(f, 16).ok()?;
-    if trace == TraceId::INVALID || span == SpanId::INVALID {
-        return None;
-    }
-    Some(SpanContext::new(
-        trace,
-        span,
-        TraceFlags::new(flags),
-        true,
-        TraceState::default(),
-    ))
-}
-
 /// A context whose parent is `parent`.
 fn under(parent: &SpanContext) -> Context {
     Context::new().with_remote_span_context(parent.clone())
@@ -197,6 +173,10 @@ pub struct SessionTrace {
     tools: HashMap<String, (Span, Vec<OperationId>)>,
     contexts: TraceContexts,
     ended: bool,
+    /// The run's `Finished` record ends its span (else its owner does,
+    /// once what follows the run is done: see [`RunTrace`]).
+    ends_on_finish: bool,
+    ending: Option<&'static str>,
 }
 
 impl SessionTrace {
@@ -238,6 +218,29 @@ impl SessionTrace {
             tools: HashMap::new(),
             contexts: TraceContexts::default(),
             ended: false,
+            ends_on_finish: true,
+            ending: None,
+        }
+    }
+
+    /// The model of the run, once it is known (a resumed session's).
+    pub fn set_model(&mut self, model: &str) {
+        self.model = model.to_string();
+        self.run
+            .set_attribute(KeyValue::new("gen_ai.request.model", model.to_string()));
+    }
+
+    /// An attribute of the run's span.
+    pub fn set_attribute(&mut self, key: &'static str, value: String) {
+        self.run.set_attribute(KeyValue::new(key, value));
+    }
+
+    /// Something that happened to the run (its sandbox made, suspended,
+    /// its files exported...), now.
+    pub fn note(&mut self, name: &'static str, attrs: Vec<KeyValue>) {
+        if !self.ended {
+            self.run
+                .add_event_with_timestamp(name, SystemTime::now(), attrs);
         }
     }
 
@@ -486,7 +489,14 @@ impl SessionTrace {
             Record::Resume { .. } => self.event("resume", at, vec![]),
             Record::Finished { ending } => {
                 let word = crate::runner::ending_word(*ending);
-                self.finish(at, word);
+                if self.ends_on_finish {
+                    self.finish(at, word);
+                } else {
+                    // The run's span goes on until its owner ends it.
+                    self.ending = Some(word);
+                    self.end_open_chats(at, "canceled");
+                    self.event("finished", at, vec![KeyValue::new("corral.ending", word)]);
+                }
             }
             Record::Start { .. } | Record::History { .. } | Record::Forked { .. } => {}
         }
@@ -521,6 +531,44 @@ impl Drop for SessionTrace {
     fn drop(&mut self) {
         // A run left before its end (its process asked to go): its span
         // still goes out.
-        self.finish(SystemTime::now(), "left");
+        let ending = self.ending.unwrap_or("left");
+        self.finish(SystemTime::now(), ending);
+    }
+}
+
+/// A run's trace shared by its runner (which makes, resumes, suspends and
+/// exports its sandbox) and its session's core (which appends its
+/// records): the run's span lasts from the runner's start to its end.
+#[derive(Clone)]
+pub struct RunTrace(Arc<Mutex<SessionTrace>>);
+
+impl RunTrace {
+    /// A run of session `session_id` starts now.
+    pub fn start(telemetry: &Telemetry, session_id: &str) -> Self {
+        let now = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_millis() as i64)
+            .unwrap_or_default();
+        let mut t = SessionTrace::start(telemetry, session_id, "", "", None, now);
+        t.ends_on_finish = false;
+        Self(Arc::new(Mutex::new(t)))
+    }
+
+    pub fn with<T>(&self, f: impl FnOnce(&mut SessionTrace) -> T) -> T {
+        f(&mut self.0.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    /// Ends the run's span now (once; dropping the last handle does too).
+    pub fn end(&self) {
+        self.with(|t| {
+            let ending = t.ending.unwrap_or("left");
+            t.finish(SystemTime::now(), ending);
+        });
+    }
+}
+
+impl crate::agent::core::RecordObserver for RunTrace {
+    fn on_record(&mut self, at_unix_ms: i64, record: &Record) {
+        self.with(|t| t.on_record(at_unix_ms, record));
     }
 }

@@ -236,6 +236,7 @@ async fn run(conn: &ConnArgs, args: &RunArgs, json: bool) -> Result<u8, Error> {
             LostPolicy::NewSandbox => OnSandboxLost::NewSandbox,
         }),
         telemetry,
+        trace: None,
     };
     if store.exists(&id)? {
         warn_unchanged(&store, &id, args);

@@ -264,6 +264,7 @@ impl Settings {
             worker_lost_after: Some(defaults.worker_lost_after),
             on_sandbox_lost,
             telemetry: defaults.telemetry.clone(),
+            trace: None,
         })
     }
 }

@@ -69,7 +69,9 @@ async fn a_run_and_its_workers_operation_make_one_trace_across_a_worker_restart(
         sessions.path(),
         &["--session", &id, "--otlp-endpoint", &endpoint, "Run it."],
     );
-    cmd.env("CORRAL_TOKEN_FILE", &token);
+    // The sandbox is suspended at the run's end, and resumed by the next.
+    cmd.env("CORRAL_TOKEN_FILE", &token)
+        .env("CORRAL_KEEP_SANDBOX", "false");
     let run = tokio::spawn(corral_e2e::run::finish(cmd));
     // The call runs: the worker goes, without warning, and comes back.
     pending_parent(state.path()).await?;
@@ -109,7 +111,9 @@ async fn a_run_and_its_workers_operation_make_one_trace_across_a_worker_restart(
     ensure!(root.attrs["gen_ai.operation.name"] == "invoke_agent");
     ensure!(root.attrs["gen_ai.conversation.id"] == id, "{root:?}");
     ensure!(root.attrs["corral.ending"] == "done", "{root:?}");
-    ensure!(root.events.iter().any(|e| e == "input"), "{root:?}");
+    for e in ["sandbox_created", "input", "finished", "sandbox_suspended"] {
+        ensure!(root.events.iter().any(|x| x == e), "no {e}: {root:?}");
+    }
     let chats: Vec<&Got> = spans
         .iter()
         .filter(|s| s.name.starts_with("chat "))
@@ -159,6 +163,37 @@ async fn a_run_and_its_workers_operation_make_one_trace_across_a_worker_restart(
         .flatten()
         .collect();
     ensure!(left.is_empty(), "{left:?}");
+
+    // The next run of the session resumes its suspended sandbox: a trace of
+    // its own, which says so.
+    let mut cmd = corral_e2e::run::command(
+        &model,
+        &worker.url,
+        sessions.path(),
+        &["--session", &id, "--otlp-endpoint", &endpoint, "Again."],
+    );
+    cmd.env("CORRAL_TOKEN_FILE", &token)
+        .env("CORRAL_KEEP_SANDBOX", "false");
+    let again = corral_e2e::run::finish(cmd).await?;
+    ensure!(again.result()["status"] == "done", "{}", again.stderr);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    let second = loop {
+        let spans = receiver.spans();
+        if let Some(s) = spans
+            .iter()
+            .find(|s| s.name == "invoke_agent corral" && s.trace_id != root.trace_id)
+        {
+            break s.clone();
+        }
+        if tokio::time::Instant::now() > deadline {
+            bail!("no span of the second run: {spans:#?}");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    ensure!(second.attrs["gen_ai.conversation.id"] == id, "{second:?}");
+    for e in ["sandbox_resumed", "sandbox_suspended"] {
+        ensure!(second.events.iter().any(|x| x == e), "no {e}: {second:?}");
+    }
     drop(worker);
     Ok(())
 }

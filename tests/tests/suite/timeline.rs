@@ -47,26 +47,10 @@ impl Fixed {
 }
 
 fn config() -> Result<SessionConfig> {
-    Ok(SessionConfig {
-        model: "m".into(),
-        system_prompt: "be brief".into(),
-        tools: None,
-        sandbox_id: SandboxId::new("sb-golden")?,
-        image: None,
-        budget: Default::default(),
-        max_output_tokens: None,
-        reasoning_effort: None,
-        max_turns: 20,
-        skills: Vec::new(),
-        worker: None,
-        endpoint: None,
-        tool_choice: None,
-        workspace: None,
-        worker_id: None,
-        on_sandbox_lost: Default::default(),
-        generation: 0,
-        egress: Vec::new(),
-    })
+    let mut c = corral_e2e::session_config("m", SandboxId::new("sb-golden")?);
+    c.system_prompt = "be brief".into();
+    c.max_turns = 20;
+    Ok(c)
 }
 
 fn usage(input: u64, cached: u64, output: u64) -> Usage {

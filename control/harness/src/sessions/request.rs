@@ -133,6 +133,9 @@ pub struct RunOptions {
     pub on_sandbox_lost: Option<OnSandboxLost>,
     /// Traces of the run, when the caller exports them.
     pub telemetry: Option<crate::telemetry::Telemetry>,
+    /// The run's trace, when its runner made one (see
+    /// [`crate::runner::run`]); else a run with `telemetry` makes its own.
+    pub trace: Option<crate::telemetry::RunTrace>,
 }
 
 // The key is never shown, not even in a debug line.
@@ -152,6 +155,7 @@ impl std::fmt::Debug for RunOptions {
             .field("worker_lost_after", &self.worker_lost_after)
             .field("on_sandbox_lost", &self.on_sandbox_lost)
             .field("telemetry", &self.telemetry.is_some())
+            .field("trace", &self.trace.is_some())
             .finish()
     }
 }

@@ -252,3 +252,41 @@ h1 { font-size: 15px; font-weight: 600; margin: 0 0 12px; }
 </body>
 </html>
 "##;
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn what_a_session_holds_cannot_leave_the_pages_data() {
+        let t = crate::timeline::build(
+            "s",
+            0,
+            None,
+            &[(
+                1,
+                Some(5),
+                crate::agent::Record::Input {
+                    input_id: "i".into(),
+                    text: "</script><img src=x onerror=alert(1)><!-- & \u{2028}".into(),
+                },
+            )],
+        );
+        let page = render(&t);
+        let start = page
+            .find(r#"<script type="application/json" id="data">"#)
+            .unwrap();
+        let data = &page[start..];
+        let data = &data[data.find('>').unwrap() + 1..data.find("</script>").unwrap()];
+        assert!(!data.contains('<') && !data.contains('>') && !data.contains('&'));
+        // And it reads back as it was.
+        let v: serde_json::Value = serde_json::from_str(data).unwrap();
+        assert!(
+            v["timeline"]["marks"][0]["text"]
+                .as_str()
+                .unwrap()
+                .starts_with("</script><img")
+        );
+    }
+}

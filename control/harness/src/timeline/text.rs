@@ -222,7 +222,7 @@ fn steps(t: &Timeline) -> Vec<String> {
             ));
         }
         if !r.calls.is_empty() {
-            line.push_str(&format!(" · calls {}", r.calls.join(", ")));
+            line.push_str(&format!(" · calls {}", one_line(&r.calls.join(", "))));
         }
         let mut lines = vec![line];
         if !r.text.is_empty() {
@@ -234,8 +234,8 @@ fn steps(t: &Timeline) -> Vec<String> {
         let mut line = format!(
             "{}  {:<18}{} (lane {})",
             at(c.queued_ms),
-            format!("call {}", c.call_id),
-            c.tool,
+            format!("call {}", one_line(&c.call_id)),
+            one_line(&c.tool),
             c.lane + 1
         );
         if c.inherited {
@@ -299,8 +299,27 @@ fn steps(t: &Timeline) -> Vec<String> {
     items.into_iter().flat_map(|(_, _, l)| l).collect()
 }
 
+/// `s` on one line, with nothing a terminal would act on: control
+/// characters (escape sequences among them), line separators and the
+/// bidirectional controls that reorder what is shown come out as `\u{..}`.
+/// What a model, a command or a sandbox wrote is shown, never obeyed.
 fn one_line(s: &str) -> String {
-    s.split_whitespace().collect::<Vec<_>>().join(" ")
+    let mut out = String::with_capacity(s.len());
+    for word in s.split_whitespace() {
+        if !out.is_empty() {
+            out.push(' ');
+        }
+        for c in word.chars() {
+            let acts = c.is_control()
+                || matches!(c, '\u{2028}' | '\u{2029}' | '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}');
+            if acts {
+                out.push_str(&c.escape_unicode().to_string());
+            } else {
+                out.push(c);
+            }
+        }
+    }
+    out
 }
 
 /// `line` cut into lines of at most `width` columns at spaces (its
@@ -508,5 +527,30 @@ impl Axis {
                 let a = (p.2.floor() as usize).min(self.cells - 1);
                 (a, (a + GAP_CELLS - 1).min(self.cells - 1))
             })
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn what_a_session_holds_is_shown_never_obeyed() {
+        let hostile = "ok\x1b]0;owned\x07 \x1b[2J\u{202e}txt\r\nnext";
+        let shown = one_line(hostile);
+        assert!(!shown.chars().any(|c| c.is_control()), "{shown:?}");
+        assert!(!shown.contains('\u{202e}'), "{shown:?}");
+        assert!(shown.contains("\\u{1b}]0;owned"), "{shown:?}");
+    }
+
+    #[test]
+    fn times_and_dates_read_as_people_write_them() {
+        assert_eq!(utc(1_796_461_200_000), "2026-12-05 09:00:00.000");
+        assert_eq!(utc(0), "1970-01-01 00:00:00.000");
+        assert_eq!(utc(951_782_400_123), "2000-02-29 00:00:00.123");
+        assert_eq!(long(1_234), "1.234s");
+        assert_eq!(long(125_000), "2m05.000s");
+        assert_eq!(long(3_723_000), "1h02m03s");
     }
 }
