@@ -48,6 +48,7 @@ impl pb::worker_server::Worker for WorkerService {
         &self,
         req: Request<pb::CreateSandboxRequest>,
     ) -> Result<Response<pb::Sandbox>, Status> {
+        let traceparent = traceparent_of(&req);
         let req = req.into_inner();
         let id = if req.id.is_empty() {
             None
@@ -55,7 +56,10 @@ impl pb::worker_server::Worker for WorkerService {
             Some(sandbox_id(req.id)?)
         };
         let spec = SandboxSpec::try_from(req.spec.unwrap_or_default())?;
-        let info = self.worker.create_sandbox(id, spec).await?;
+        let info = self
+            .worker
+            .create_sandbox_traced(id, spec, traceparent)
+            .await?;
         Ok(Response::new(info.into()))
     }
 
@@ -163,14 +167,7 @@ impl pb::worker_server::Worker for WorkerService {
         &self,
         req: Request<pb::SubmitOperationRequest>,
     ) -> Result<Response<pb::Operation>, Status> {
-        // The caller's trace context (W3C), when it traces: bounded, and
-        // checked before anything is kept of it.
-        let traceparent = req
-            .metadata()
-            .get("traceparent")
-            .and_then(|v| v.to_str().ok())
-            .filter(|v| v.len() <= 64)
-            .map(str::to_string);
+        let traceparent = traceparent_of(&req);
         let req = req.into_inner();
         let sid = sandbox_id(req.sandbox_id)?;
         let oid = operation_id(req.operation_id)?;
@@ -569,4 +566,14 @@ fn list_page(
         }
     }
     Ok((page, String::new()))
+}
+
+/// The caller's W3C trace context, when it traces: bounded here, and
+/// checked before anything is kept of it (see [`crate::telemetry`]).
+fn traceparent_of<T>(req: &Request<T>) -> Option<String> {
+    req.metadata()
+        .get("traceparent")
+        .and_then(|v| v.to_str().ok())
+        .filter(|v| v.len() <= 64)
+        .map(str::to_string)
 }

@@ -172,6 +172,40 @@ impl OpTraces {
         span.end_with_timestamp(now);
     }
 
+    /// A span of a sandbox's `what` (create...) from `began` to now, under
+    /// `traceparent`: `how` it went (created, claimed from a warm pool,
+    /// existing, failed).
+    pub fn sandbox_span(
+        &self,
+        traceparent: &str,
+        what: &'static str,
+        began: SystemTime,
+        how: &'static str,
+        sandbox: Option<&str>,
+    ) {
+        let Some(parent) = parse_traceparent(traceparent) else {
+            return;
+        };
+        let mut attrs = vec![KeyValue::new("corral.sandbox.outcome", how)];
+        if let Some(s) = sandbox {
+            attrs.push(KeyValue::new("corral.sandbox.id", s.to_string()));
+        }
+        let mut span = self
+            .tracer
+            .span_builder(format!("sandbox {what}"))
+            .with_kind(SpanKind::Server)
+            .with_start_time(began)
+            .with_attributes(attrs)
+            .start_with_context(
+                &self.tracer,
+                &Context::new().with_remote_span_context(parent),
+            );
+        if how == "failed" {
+            span.set_status(Status::error("the sandbox could not be made"));
+        }
+        span.end_with_timestamp(SystemTime::now());
+    }
+
     /// Sandbox `id` is gone: what waited for its operations goes too.
     pub fn forget_sandbox(&self, id: &SandboxId) {
         let _ = std::fs::remove_dir_all(self.dir.join(id.as_str()));

@@ -203,6 +203,17 @@ impl Drop for Slot<'_> {
     }
 }
 
+/// How a create was answered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Made {
+    /// A new sandbox, its container made.
+    Created,
+    /// A warm pool's member, taken.
+    Claimed,
+    /// The sandbox was there already (a create is idempotent by id).
+    Existing,
+}
+
 impl Worker {
     /// Connects to Docker, takes the state directory, finds the supervisor
     /// binary, then reconciles: re-adopts running sandboxes it has records
@@ -761,8 +772,8 @@ impl Worker {
         let mut failed = None;
         for (id, m) in ids.iter().zip(made) {
             match m {
-                Ok((info, true)) => children.push(info),
-                Ok((_, false)) => {
+                Ok((info, Made::Created | Made::Claimed)) => children.push(info),
+                Ok((_, Made::Existing)) => {
                     failed.get_or_insert(WorkerError::Conflict {
                         what: "sandbox",
                         id: id.to_string(),
@@ -902,16 +913,39 @@ impl Worker {
         id: Option<SandboxId>,
         spec: SandboxSpec,
     ) -> Result<SandboxInfo> {
+        self.create_sandbox_traced(id, spec, None).await
+    }
+
+    /// [`Self::create_sandbox`] under the W3C trace context
+    /// `traceparent`: with `--otlp-endpoint`, a span of the create (made,
+    /// claimed from a pool, or there already) is made there.
+    pub async fn create_sandbox_traced(
+        &self,
+        id: Option<SandboxId>,
+        spec: SandboxSpec,
+        traceparent: Option<String>,
+    ) -> Result<SandboxInfo> {
         let started = std::time::Instant::now();
+        let began = std::time::SystemTime::now();
         let made = self.create_sandbox_inner(id, spec, None).await;
+        if let (Some(t), Some(parent)) = (&self.inner.traces, &traceparent) {
+            let how = match &made {
+                Ok((_, Made::Created)) => "created",
+                Ok((_, Made::Claimed)) => "claimed",
+                Ok((_, Made::Existing)) => "existing",
+                Err(_) => "failed",
+            };
+            let sandbox = made.as_ref().ok().map(|(info, _)| info.id.to_string());
+            t.sandbox_span(parent, "create", began, how, sandbox.as_deref());
+        }
         let m = &self.inner.metrics;
         match &made {
-            Ok((_, true)) => {
+            Ok((_, Made::Created | Made::Claimed)) => {
                 m.sandbox_create("created");
                 m.sandbox_create_seconds
                     .observe(started.elapsed().as_secs_f64());
             }
-            Ok((_, false)) => {}
+            Ok((_, Made::Existing)) => {}
             Err(WorkerError::AtCapacity(_)) => m.sandbox_create("at_capacity"),
             Err(WorkerError::Draining) => m.sandbox_create("draining"),
             Err(
@@ -930,7 +964,7 @@ impl Worker {
         id: Option<SandboxId>,
         spec: SandboxSpec,
         forking_from: Option<&SandboxId>,
-    ) -> Result<(SandboxInfo, bool)> {
+    ) -> Result<(SandboxInfo, Made)> {
         spec.validate()?;
         crate::policy::check(
             &self.inner.policy,
@@ -955,7 +989,7 @@ impl Worker {
         };
         if let Some((existing, info)) = existing {
             return if existing == spec {
-                Ok((info, false))
+                Ok((info, Made::Existing))
             } else {
                 Err(WorkerError::Conflict {
                     what: "sandbox",
@@ -970,7 +1004,7 @@ impl Worker {
         // A warm member of a pool whose template this matches, if one is
         // ready.
         if let Some(made) = self.claim(&id, &spec, forking_from).await? {
-            return Ok((made, true));
+            return Ok((made, Made::Claimed));
         }
         let _slot = self.take_slot().await?;
         let mut record = StateDir::new_record(&id, &spec);
@@ -1018,7 +1052,7 @@ impl Worker {
         }
         info!(sandbox = %id, container = %container, "sandbox ready");
         lock(&self.inner.sandboxes).insert(id, sandbox.clone());
-        Ok((self.info_of(&sandbox), true))
+        Ok((self.info_of(&sandbox), Made::Created))
     }
 
     /// A slot for a sandbox about to run (a create, a restore), taken

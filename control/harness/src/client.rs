@@ -452,10 +452,24 @@ impl WorkerClient {
         id: Option<&SandboxId>,
         spec: SandboxSpec,
     ) -> Result<SandboxInfo, ClientError> {
-        let req = pb::CreateSandboxRequest {
+        self.create_sandbox_traced(id, spec, None).await
+    }
+
+    /// [`Self::create_sandbox`], the request carrying `traceparent` (W3C
+    /// trace context) in its metadata.
+    pub async fn create_sandbox_traced(
+        &self,
+        id: Option<&SandboxId>,
+        spec: SandboxSpec,
+        traceparent: Option<&str>,
+    ) -> Result<SandboxInfo, ClientError> {
+        let mut req = tonic::Request::new(pb::CreateSandboxRequest {
             id: id.map(ToString::to_string).unwrap_or_default(),
             spec: Some(spec.into()),
-        };
+        });
+        if let Some(v) = traceparent.and_then(|t| t.parse().ok()) {
+            req.metadata_mut().insert("traceparent", v);
+        }
         Ok(self
             .rpc(self.inner.clone().create_sandbox(req))
             .await?

@@ -558,6 +558,11 @@ impl RunTrace {
         f(&mut self.0.lock().unwrap_or_else(|e| e.into_inner()))
     }
 
+    /// The `traceparent` of the run's span.
+    pub fn traceparent(&self) -> String {
+        self.with(|t| t.traceparent())
+    }
+
     /// Ends the run's span now (once; dropping the last handle does too).
     pub fn end(&self) {
         self.with(|t| {

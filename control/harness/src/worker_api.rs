@@ -57,6 +57,17 @@ pub trait WorkerApi: Clone + Send + Sync + 'static {
         id: &SandboxId,
         spec: &SandboxSpec,
     ) -> impl Future<Output = Result<SandboxInfo, ApiError>> + Send;
+    /// [`Self::create_sandbox`] under the W3C trace context
+    /// `traceparent` (a worker that traces makes its span there).
+    fn create_sandbox_traced(
+        &self,
+        id: &SandboxId,
+        spec: &SandboxSpec,
+        traceparent: Option<&str>,
+    ) -> impl Future<Output = Result<SandboxInfo, ApiError>> + Send {
+        let _ = traceparent;
+        self.create_sandbox(id, spec)
+    }
     fn get_sandbox(
         &self,
         id: &SandboxId,
@@ -160,6 +171,17 @@ impl WorkerApi for WorkerClient {
         spec: &SandboxSpec,
     ) -> Result<SandboxInfo, ApiError> {
         WorkerClient::create_sandbox(self, Some(id), spec.clone())
+            .await
+            .map_err(remote)
+    }
+
+    async fn create_sandbox_traced(
+        &self,
+        id: &SandboxId,
+        spec: &SandboxSpec,
+        traceparent: Option<&str>,
+    ) -> Result<SandboxInfo, ApiError> {
+        WorkerClient::create_sandbox_traced(self, Some(id), spec.clone(), traceparent)
             .await
             .map_err(remote)
     }

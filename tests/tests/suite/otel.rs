@@ -26,6 +26,25 @@ fn respond(req: &Received) -> Reply {
     )])
 }
 
+/// Waits for `worker`'s pool to hold a ready member.
+async fn pool_ready(worker: &WorkerProcess) -> Result<()> {
+    let client = worker.client().await?;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
+    while !client
+        .worker_info()
+        .await?
+        .pools
+        .iter()
+        .any(|p| p.ready >= 1)
+    {
+        if tokio::time::Instant::now() > deadline {
+            bail!("the pool never filled");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    Ok(())
+}
+
 /// Waits for a pending trace parent in the worker's state directory: the
 /// traced operation was submitted and has not ended.
 async fn pending_parent(state: &std::path::Path) -> Result<()> {
@@ -57,8 +76,15 @@ async fn a_run_and_its_workers_operation_make_one_trace_across_a_worker_restart(
     let state = tempfile::tempdir()?;
     let worker_id = unique_id("otel");
     let port = free_port()?;
-    let worker_args = ["--otlp-endpoint", endpoint.as_str()];
+    // A warm pool: the session's sandbox is claimed from it.
+    let worker_args = [
+        "--otlp-endpoint",
+        endpoint.as_str(),
+        "--pool",
+        "corral-sandbox:latest=1",
+    ];
     let mut worker = WorkerProcess::spawn(state.path(), &worker_id, port, &[], &worker_args)?;
+    pool_ready(&worker).await?;
     let model = ModelServer::responding(respond).await;
     let sessions = tempfile::tempdir()?;
     let token = worker.token_file();
@@ -73,8 +99,18 @@ async fn a_run_and_its_workers_operation_make_one_trace_across_a_worker_restart(
     cmd.env("CORRAL_TOKEN_FILE", &token)
         .env("CORRAL_KEEP_SANDBOX", "false");
     let run = tokio::spawn(corral_e2e::run::finish(cmd));
-    // The call runs: the worker goes, without warning, and comes back.
+    // The call runs: the worker goes, without warning, and comes back (once
+    // its span of the sandbox's create has left: spans in a batch not yet
+    // sent die with a killed process, unlike operations', which are made
+    // from what the worker keeps).
     pending_parent(state.path()).await?;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while !receiver.spans().iter().any(|s| s.name == "sandbox create") {
+        if tokio::time::Instant::now() > deadline {
+            bail!("no span of the sandbox's create: {:#?}", receiver.spans());
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     worker.kill9();
     let worker = WorkerProcess::spawn(state.path(), &worker_id, port, &[], &worker_args)?;
     let run = run.await??;
@@ -84,7 +120,7 @@ async fn a_run_and_its_workers_operation_make_one_trace_across_a_worker_restart(
     let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
     let spans = loop {
         let spans = receiver.spans();
-        let op = spans.iter().any(|s| s.service == "corral-worker");
+        let op = spans.iter().any(|s| s.name.starts_with("operation "));
         let run_span = spans.iter().any(|s| s.name == "invoke_agent corral");
         if op && run_span {
             break spans;
@@ -132,6 +168,19 @@ async fn a_run_and_its_workers_operation_make_one_trace_across_a_worker_restart(
         );
         ensure!(c.attrs.contains_key("gen_ai.usage.output_tokens"), "{c:?}");
     }
+    // The worker's span of the sandbox's making: claimed from its pool.
+    let created = spans
+        .iter()
+        .find(|s| s.name == "sandbox create" && s.trace_id == root.trace_id)
+        .context("no span of the sandbox's create")?;
+    ensure!(
+        created.service == "corral-worker" && created.parent == root.span_id,
+        "{created:?}"
+    );
+    ensure!(
+        created.attrs["corral.sandbox.outcome"] == "claimed",
+        "{created:?}"
+    );
     let tool = one("execute_tool Bash")?;
     ensure!(
         tool.parent == root.span_id && tool.trace_id == root.trace_id,

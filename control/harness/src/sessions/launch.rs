@@ -27,9 +27,11 @@ pub(super) async fn create<W: WorkerApi>(
     worker: &W,
     sandbox: &SandboxId,
     spec: &SandboxSpec,
+    trace: Option<&crate::telemetry::RunTrace>,
 ) -> Result<corral_proto::SandboxInfo, SessionError> {
+    let traceparent = trace.map(crate::telemetry::RunTrace::traceparent);
     crate::follow::retry(worker, CREATE_PATIENCE, || {
-        worker.create_sandbox(sandbox, spec)
+        worker.create_sandbox_traced(sandbox, spec, traceparent.as_deref())
     })
     .await
     .map_err(|e| match e {

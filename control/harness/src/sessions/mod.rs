@@ -340,7 +340,7 @@ impl Sessions {
             config.budget.context_window_tokens = window;
         }
         let (sandbox, spec) = (config.sandbox_id.clone(), sandbox_spec(&config));
-        let made = create(&worker, &sandbox, &spec).await?;
+        let made = create(&worker, &sandbox, &spec, opts.trace.as_ref()).await?;
         // Its address may change (a restarted pod); its id does not.
         config.worker_id = Some(made.worker_id).filter(|w| !w.is_empty());
         // The workspace first: a session is recorded only once its files
@@ -413,7 +413,13 @@ impl Sessions {
         if !existed {
             // Made again, with today's spec (a sandbox that exists keeps
             // the one it was made with).
-            create(&worker, &sandbox, &sandbox_spec(&config)).await?;
+            create(
+                &worker,
+                &sandbox,
+                &sandbox_spec(&config),
+                opts.trace.as_ref(),
+            )
+            .await?;
             let saved = self.saved_workspace(core.session_id());
             if saved.exists() {
                 // Suspended: its files come back; nothing ran meanwhile.
@@ -448,7 +454,13 @@ impl Sessions {
         let config = config.ok_or_else(|| crate::agent::CoreError::NoStart(log.id().into()))?;
         let generation = config.generation + 1;
         let sandbox = next_generation(&config.sandbox_id, generation);
-        let made = create(&worker, &sandbox, &sandbox_spec(&config)).await?;
+        let made = create(
+            &worker,
+            &sandbox,
+            &sandbox_spec(&config),
+            opts.trace.as_ref(),
+        )
+        .await?;
         // A suspended session lost nothing with its worker: its files come
         // along into the new sandbox.
         let saved = self.saved_workspace(log.id());

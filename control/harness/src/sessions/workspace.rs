@@ -107,7 +107,7 @@ impl Sessions {
             tracing::warn!(sandbox = %from.sandbox_id, "the parent's sandbox is gone; the fork starts with an empty workspace");
             return Ok(false);
         }
-        let made = create(&worker, &to.sandbox_id, &sandbox_spec(&to)).await;
+        let made = create(&worker, &to.sandbox_id, &sandbox_spec(&to), None).await;
         if let Err(e) = made {
             return Err(undo(e));
         }
@@ -154,7 +154,7 @@ impl Sessions {
             .clone()
             .unwrap_or_else(|| config.sandbox_id.clone());
         if temporary.is_some() {
-            create(&worker, &sandbox, &sandbox_spec(&config)).await?;
+            create(&worker, &sandbox, &sandbox_spec(&config), None).await?;
             if let Err(e) =
                 crate::transfer::restore_contents(&worker, &sandbox, &saved, WORKSPACE).await
             {
