@@ -422,6 +422,10 @@ pub enum SessionCommand {
         turn: Option<u64>,
         #[arg(long, env = "CORRAL_SESSIONS_DIR")]
         sessions_dir: Option<PathBuf>,
+        /// Export a trace of the fork (OpenTelemetry, OTLP over gRPC) to
+        /// this collector.
+        #[arg(long, env = "OTEL_EXPORTER_OTLP_ENDPOINT", value_name = "URL")]
+        otlp_endpoint: Option<String>,
     },
     /// Copy a session's /workspace into a local directory (made if
     /// missing), from the worker it was placed on; or, with --atif, write

@@ -536,6 +536,49 @@ impl Drop for SessionTrace {
     }
 }
 
+/// The trace of a session's fork (no run: a trace of its own), its
+/// moments as events: the parent's sandbox forked live, or its workspace
+/// copied or restored. Ended when dropped.
+pub struct ForkTrace {
+    span: Span,
+}
+
+impl ForkTrace {
+    pub fn start(telemetry: &Telemetry, parent: &str, child: &str, turn: Option<u64>) -> Self {
+        let tracer = telemetry.tracer();
+        let mut attrs = vec![
+            KeyValue::new("gen_ai.conversation.id", child.to_string()),
+            KeyValue::new("corral.forked_from", parent.to_string()),
+        ];
+        if let Some(t) = turn {
+            attrs.push(KeyValue::new("corral.fork.turn", t as i64));
+        }
+        let span = tracer
+            .span_builder("fork_session corral")
+            .with_kind(SpanKind::Internal)
+            .with_attributes(attrs)
+            .start_with_context(tracer, &Context::new());
+        Self { span }
+    }
+
+    /// Something that happened to the fork, now.
+    pub fn note(&mut self, name: &'static str, attrs: Vec<KeyValue>) {
+        self.span
+            .add_event_with_timestamp(name, SystemTime::now(), attrs);
+    }
+
+    /// The fork failed with `error`.
+    pub fn failed(&mut self, error: &str) {
+        self.span.set_status(Status::error(error.to_string()));
+    }
+}
+
+impl Drop for ForkTrace {
+    fn drop(&mut self) {
+        self.span.end();
+    }
+}
+
 /// A run's trace shared by its runner (which makes, resumes, suspends and
 /// exports its sandbox) and its session's core (which appends its
 /// records): the run's span lasts from the runner's start to its end.

@@ -191,14 +191,25 @@ async fn session_command(conn: &ConnArgs, cmd: &SessionCommand) -> Result<(), Er
             new_id,
             turn,
             sessions_dir,
+            otlp_endpoint,
         } => {
+            let telemetry = match otlp_endpoint {
+                Some(e) => Some(
+                    corral_harness::telemetry::Telemetry::otlp(e, "corral")
+                        .map_err(|e| std::io::Error::other(format!("--otlp-endpoint: {e}")))?,
+                ),
+                None => None,
+            };
+            let _flush = corral_harness::telemetry::FlushOnDrop(telemetry.clone());
             let store = super::run::sessions(sessions_dir.as_deref());
             // The child's sandbox is made now, on the parent's worker, with
             // a copy of the parent's workspace.
             let config = store.config_of(id)?;
             let worker =
                 session_worker(conn, config.worker.as_deref(), config.worker_id.as_deref()).await?;
-            store.fork_with_workspace(id, new_id, *turn, worker).await?;
+            store
+                .fork_with_workspace(id, new_id, *turn, worker, telemetry.as_ref())
+                .await?;
             writeln!(out, "{new_id}")?;
         }
         SessionCommand::Export {

@@ -841,7 +841,13 @@ impl Host {
         let forked = self
             .inner
             .store
-            .fork_with_workspace(id, new_id, turn, worker)
+            .fork_with_workspace(
+                id,
+                new_id,
+                turn,
+                worker,
+                self.inner.defaults.telemetry.as_ref(),
+            )
             .await;
         drop(reservation);
         forked?;

@@ -243,6 +243,44 @@ async fn a_run_and_its_workers_operation_make_one_trace_across_a_worker_restart(
     for e in ["sandbox_resumed", "sandbox_suspended"] {
         ensure!(second.events.iter().any(|x| x == e), "no {e}: {second:?}");
     }
+
+    // A fork is a trace of its own: the suspended parent's saved files go
+    // into the child's new sandbox.
+    let child = unique_id("otel-child-");
+    let fork = tokio::process::Command::new(corral_e2e::binary("corral")?)
+        .args(["--worker", &worker.url, "--token-file"])
+        .arg(&token)
+        .args(["session", "fork", "--sessions-dir"])
+        .arg(sessions.path())
+        .args([&id, &child, "--otlp-endpoint", &endpoint])
+        .output()
+        .await?;
+    ensure!(
+        fork.status.success(),
+        "{}",
+        String::from_utf8_lossy(&fork.stderr)
+    );
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    let forked = loop {
+        if let Some(s) = receiver
+            .spans()
+            .into_iter()
+            .find(|s| s.name == "fork_session corral")
+        {
+            break s;
+        }
+        if tokio::time::Instant::now() > deadline {
+            bail!("no span of the fork");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    ensure!(
+        forked.attrs["corral.forked_from"] == id && forked.attrs["gen_ai.conversation.id"] == child,
+        "{forked:?}"
+    );
+    for e in ["log_forked", "workspace_restored"] {
+        ensure!(forked.events.iter().any(|x| x == e), "no {e}: {forked:?}");
+    }
     drop(worker);
     Ok(())
 }

@@ -69,8 +69,34 @@ impl Sessions {
         child: &str,
         turn: Option<u64>,
         worker: W,
+        telemetry: Option<&crate::telemetry::Telemetry>,
     ) -> Result<bool, SessionError> {
+        let mut trace =
+            telemetry.map(|t| crate::telemetry::ForkTrace::start(t, parent, child, turn));
+        let forked = self
+            .fork_copying(parent, child, turn, worker, trace.as_mut())
+            .await;
+        if let (Some(t), Err(e)) = (&mut trace, &forked) {
+            t.failed(&e.to_string());
+        }
+        forked
+    }
+
+    async fn fork_copying<W: WorkerApi>(
+        &self,
+        parent: &str,
+        child: &str,
+        turn: Option<u64>,
+        worker: W,
+        mut trace: Option<&mut crate::telemetry::ForkTrace>,
+    ) -> Result<bool, SessionError> {
+        let mut note = |name: &'static str, attrs: Vec<opentelemetry::KeyValue>| {
+            if let Some(t) = trace.as_mut() {
+                t.note(name, attrs);
+            }
+        };
         fork(&self.dir, parent, child, turn, self.clock.clone())?;
+        note("log_forked", vec![]);
         let undo = |e: SessionError| {
             let _ = std::fs::remove_file(crate::session::log::path_of(&self.dir, child));
             e
@@ -94,6 +120,19 @@ impl Sessions {
             match worker.fork_sandbox(&from.sandbox_id, &to.sandbox_id).await {
                 Ok(Some(frozen)) => {
                     tracing::info!(sandbox = %to.sandbox_id, parent = %from.sandbox_id, frozen_ms = frozen.as_secs_f64() * 1000.0, "the parent's sandbox forked");
+                    note(
+                        "sandbox_forked",
+                        vec![
+                            opentelemetry::KeyValue::new(
+                                "corral.sandbox.id",
+                                to.sandbox_id.to_string(),
+                            ),
+                            opentelemetry::KeyValue::new(
+                                "corral.fork.frozen_ms",
+                                frozen.as_millis() as i64,
+                            ),
+                        ],
+                    );
                     return Ok(true);
                 }
                 Ok(None) => {
@@ -105,6 +144,7 @@ impl Sessions {
         let live = live.is_some();
         if !live && !saved.exists() {
             tracing::warn!(sandbox = %from.sandbox_id, "the parent's sandbox is gone; the fork starts with an empty workspace");
+            note("empty_workspace", vec![]);
             return Ok(false);
         }
         let made = create(&worker, &to.sandbox_id, &sandbox_spec(&to), None).await;
@@ -128,6 +168,17 @@ impl Sessions {
                 error: e.to_string(),
             }));
         }
+        note(
+            if live {
+                "workspace_copied"
+            } else {
+                "workspace_restored"
+            },
+            vec![opentelemetry::KeyValue::new(
+                "corral.sandbox.id",
+                to.sandbox_id.to_string(),
+            )],
+        );
         Ok(true)
     }
 
