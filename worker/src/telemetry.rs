@@ -25,13 +25,47 @@ use opentelemetry_otlp::WithExportConfig;
 use opentelemetry_sdk::trace::{SdkTracer, SdkTracerProvider};
 use serde::{Deserialize, Serialize};
 
-/// Operations' spans, and where their parents wait for their ends.
+/// Operations' spans, and where their parents wait for their ends. The
+/// work (files, spans) is done by a thread of its own, in the order it
+/// was asked for: a sandbox's actor only hands it over.
 pub struct OpTraces {
     provider: SdkTracerProvider,
     tracer: SdkTracer,
+    jobs: Mutex<Option<std::sync::mpsc::SyncSender<Job>>>,
+    thread: Mutex<Option<std::thread::JoinHandle<()>>>,
+}
+
+/// What the tracing thread is asked to do (each with when it happened).
+enum Job {
+    Submitted {
+        sandbox: SandboxId,
+        op: OperationId,
+        kind: &'static str,
+        traceparent: String,
+        at: SystemTime,
+    },
+    Output {
+        op: OperationId,
+        at: SystemTime,
+    },
+    Finished {
+        sandbox: SandboxId,
+        op: OperationId,
+        result: Box<OperationResult>,
+        at: SystemTime,
+    },
+    Forget(SandboxId),
+}
+
+/// Jobs waiting at most; past it, the asker does its job itself.
+const JOBS: usize = 4096;
+
+/// The tracing thread's own state.
+struct Writer {
+    tracer: SdkTracer,
     dir: PathBuf,
     /// When each traced operation running now first printed.
-    first_output: Mutex<HashMap<OperationId, SystemTime>>,
+    first_output: HashMap<OperationId, SystemTime>,
 }
 
 /// What is kept of a traced operation until it ends.
@@ -71,105 +105,82 @@ impl OpTraces {
         let tracer = provider.tracer("corral-worker");
         let dir = state_dir.join("traces");
         std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+        let (tx, rx) = std::sync::mpsc::sync_channel::<Job>(JOBS);
+        let mut writer = Writer {
+            tracer: tracer.clone(),
+            dir,
+            first_output: HashMap::new(),
+        };
+        let thread = std::thread::Builder::new()
+            .name("corral-traces".into())
+            .spawn(move || {
+                // Until every sender is gone (see `shutdown`).
+                while let Ok(job) = rx.recv() {
+                    writer.run(job);
+                }
+            })
+            .map_err(|e| format!("the tracing thread: {e}"))?;
         Ok(Self {
             provider,
             tracer,
-            dir,
-            first_output: Mutex::new(HashMap::new()),
+            jobs: Mutex::new(Some(tx)),
+            thread: Mutex::new(Some(thread)),
         })
     }
 
-    fn path(&self, sandbox: &SandboxId, op: &OperationId) -> PathBuf {
-        self.dir
-            .join(sandbox.as_str())
-            .join(format!("{}.json", op.as_str()))
+    fn send(&self, job: Job) {
+        let jobs = self.jobs.lock().unwrap_or_else(|e| e.into_inner());
+        match jobs.as_ref().map(|tx| tx.try_send(job)) {
+            Some(Ok(())) | None => {}
+            Some(Err(std::sync::mpsc::TrySendError::Full(job))) => {
+                // Far behind: the asker waits its turn (order is kept).
+                if let Some(tx) = jobs.as_ref() {
+                    let _ = tx.send(job);
+                }
+            }
+            Some(Err(std::sync::mpsc::TrySendError::Disconnected(_))) => {}
+        }
     }
 
     /// Operation `op` of `sandbox` was submitted under `traceparent` (kept
     /// only when it names a valid parent).
-    pub fn submitted(&self, sandbox: &SandboxId, op: &OperationId, kind: &str, traceparent: &str) {
+    pub fn submitted(
+        &self,
+        sandbox: &SandboxId,
+        op: &OperationId,
+        kind: &'static str,
+        traceparent: &str,
+    ) {
         if parse_traceparent(traceparent).is_none() {
             tracing::debug!(operation = %op, "an invalid traceparent, ignored");
             return;
         }
-        let pending = Pending {
+        self.send(Job::Submitted {
+            sandbox: sandbox.clone(),
+            op: op.clone(),
+            kind,
             traceparent: traceparent.to_string(),
-            submitted_unix_ms: unix_ms(SystemTime::now()),
-            kind: kind.to_string(),
-        };
-        let path = self.path(sandbox, op);
-        let written = path
-            .parent()
-            .map_or(Ok(()), std::fs::create_dir_all)
-            .and_then(|()| {
-                std::fs::write(
-                    &path,
-                    serde_json::to_vec(&pending).map_err(std::io::Error::other)?,
-                )
-            });
-        if let Err(e) = written {
-            tracing::warn!(operation = %op, error = %e, "the operation's trace parent was not kept");
-        }
+            at: SystemTime::now(),
+        });
     }
 
     /// Operation `op` printed (its first output is what counts).
     pub fn output(&self, op: &OperationId) {
-        let mut first = self.first_output.lock().unwrap_or_else(|e| e.into_inner());
-        first.entry(op.clone()).or_insert_with(SystemTime::now);
+        self.send(Job::Output {
+            op: op.clone(),
+            at: SystemTime::now(),
+        });
     }
 
     /// Operation `op` of `sandbox` ended with `result`: its span, if it
     /// was traced.
     pub fn finished(&self, sandbox: &SandboxId, op: &OperationId, result: &OperationResult) {
-        let first_output = self
-            .first_output
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(op);
-        let path = self.path(sandbox, op);
-        let Ok(bytes) = std::fs::read(&path) else {
-            return;
-        };
-        let _ = std::fs::remove_file(&path);
-        let Ok(pending) = serde_json::from_slice::<Pending>(&bytes) else {
-            return;
-        };
-        let Some(parent) = parse_traceparent(&pending.traceparent) else {
-            return;
-        };
-        let now = SystemTime::now();
-        let submitted = UNIX_EPOCH + Duration::from_millis(pending.submitted_unix_ms.max(0) as u64);
-        let started = now
-            .checked_sub(Duration::from_millis(result.duration_ms))
-            .unwrap_or(submitted)
-            .max(submitted);
-        let (cause, error) = end_cause(&result.outcome);
-        let mut span = self
-            .tracer
-            .span_builder(format!("operation {}", pending.kind))
-            .with_kind(SpanKind::Internal)
-            .with_start_time(submitted)
-            .with_attributes(vec![
-                KeyValue::new("corral.sandbox.id", sandbox.to_string()),
-                KeyValue::new("corral.operation.id", op.to_string()),
-                KeyValue::new("corral.operation.kind", pending.kind),
-                KeyValue::new("corral.operation.end_cause", cause),
-                KeyValue::new("process.exit.code", i64::from(result.outcome.exit_status())),
-                KeyValue::new("corral.operation.duration_ms", result.duration_ms as i64),
-            ])
-            .start_with_context(
-                &self.tracer,
-                &Context::new().with_remote_span_context(parent),
-            );
-        span.add_event_with_timestamp("queued", submitted, vec![]);
-        span.add_event_with_timestamp("started", started, vec![]);
-        if let Some(t) = first_output {
-            span.add_event_with_timestamp("first_output", t, vec![]);
-        }
-        if error {
-            span.set_status(Status::error(result.outcome.to_string()));
-        }
-        span.end_with_timestamp(now);
+        self.send(Job::Finished {
+            sandbox: sandbox.clone(),
+            op: op.clone(),
+            result: Box::new(result.clone()),
+            at: SystemTime::now(),
+        });
     }
 
     /// A span of a sandbox's `what` (create...) from `began` to now, under
@@ -208,14 +219,131 @@ impl OpTraces {
 
     /// Sandbox `id` is gone: what waited for its operations goes too.
     pub fn forget_sandbox(&self, id: &SandboxId) {
-        let _ = std::fs::remove_dir_all(self.dir.join(id.as_str()));
+        self.send(Job::Forget(id.clone()));
     }
 
-    /// Sends what is buffered (blocking).
+    /// Does what is asked so far, then sends what is buffered (blocking).
     pub fn shutdown(&self) {
+        self.jobs.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(t) = self.thread.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            let _ = t.join();
+        }
         if let Err(e) = self.provider.shutdown() {
             tracing::warn!(error = %e, "traces not all exported");
         }
+    }
+}
+
+impl Writer {
+    fn path(&self, sandbox: &SandboxId, op: &OperationId) -> PathBuf {
+        self.dir
+            .join(sandbox.as_str())
+            .join(format!("{}.json", op.as_str()))
+    }
+
+    fn run(&mut self, job: Job) {
+        match job {
+            Job::Submitted {
+                sandbox,
+                op,
+                kind,
+                traceparent,
+                at,
+            } => self.submitted(&sandbox, &op, kind, traceparent, at),
+            Job::Output { op, at } => {
+                self.first_output.entry(op).or_insert(at);
+            }
+            Job::Finished {
+                sandbox,
+                op,
+                result,
+                at,
+            } => self.finished(&sandbox, &op, &result, at),
+            Job::Forget(id) => {
+                let _ = std::fs::remove_dir_all(self.dir.join(id.as_str()));
+            }
+        }
+    }
+
+    fn submitted(
+        &self,
+        sandbox: &SandboxId,
+        op: &OperationId,
+        kind: &str,
+        traceparent: String,
+        at: SystemTime,
+    ) {
+        let pending = Pending {
+            traceparent,
+            submitted_unix_ms: unix_ms(at),
+            kind: kind.to_string(),
+        };
+        let path = self.path(sandbox, op);
+        let written = path
+            .parent()
+            .map_or(Ok(()), std::fs::create_dir_all)
+            .and_then(|()| {
+                std::fs::write(
+                    &path,
+                    serde_json::to_vec(&pending).map_err(std::io::Error::other)?,
+                )
+            });
+        if let Err(e) = written {
+            tracing::warn!(operation = %op, error = %e, "the operation's trace parent was not kept");
+        }
+    }
+
+    fn finished(
+        &mut self,
+        sandbox: &SandboxId,
+        op: &OperationId,
+        result: &OperationResult,
+        now: SystemTime,
+    ) {
+        let first_output = self.first_output.remove(op);
+        let path = self.path(sandbox, op);
+        let Ok(bytes) = std::fs::read(&path) else {
+            return;
+        };
+        let _ = std::fs::remove_file(&path);
+        let Ok(pending) = serde_json::from_slice::<Pending>(&bytes) else {
+            return;
+        };
+        let Some(parent) = parse_traceparent(&pending.traceparent) else {
+            return;
+        };
+        let submitted = UNIX_EPOCH + Duration::from_millis(pending.submitted_unix_ms.max(0) as u64);
+        let started = now
+            .checked_sub(Duration::from_millis(result.duration_ms))
+            .unwrap_or(submitted)
+            .max(submitted);
+        let (cause, error) = end_cause(&result.outcome);
+        let mut span = self
+            .tracer
+            .span_builder(format!("operation {}", pending.kind))
+            .with_kind(SpanKind::Internal)
+            .with_start_time(submitted)
+            .with_attributes(vec![
+                KeyValue::new("corral.sandbox.id", sandbox.to_string()),
+                KeyValue::new("corral.operation.id", op.to_string()),
+                KeyValue::new("corral.operation.kind", pending.kind),
+                KeyValue::new("corral.operation.end_cause", cause),
+                KeyValue::new("process.exit.code", i64::from(result.outcome.exit_status())),
+                KeyValue::new("corral.operation.duration_ms", result.duration_ms as i64),
+            ])
+            .start_with_context(
+                &self.tracer,
+                &Context::new().with_remote_span_context(parent),
+            );
+        span.add_event_with_timestamp("queued", submitted, vec![]);
+        span.add_event_with_timestamp("started", started, vec![]);
+        if let Some(t) = first_output {
+            span.add_event_with_timestamp("first_output", t, vec![]);
+        }
+        if error {
+            span.set_status(Status::error(result.outcome.to_string()));
+        }
+        span.end_with_timestamp(now);
     }
 }
 
