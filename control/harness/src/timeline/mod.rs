@@ -594,3 +594,57 @@ fn excerpt(text: &str) -> String {
     }
     out
 }
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    fn call(id: &str, at: i64) -> Record {
+        Record::Call {
+            call_id: id.into(),
+            tool: "Bash".into(),
+            arguments: "{}".into(),
+            turn: 1,
+            at_unix_ms: at,
+            outcome: CallOutcome::Error {
+                text: "refused".into(),
+            },
+            operations: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn a_log_written_before_records_had_times_still_draws() {
+        // No line time at all: a record takes its own time, else the one
+        // before it; time never runs backwards.
+        let records = vec![
+            (1, None, Record::Turn { turn: 1 }),
+            (2, None, call("a", 10_000)),
+            (3, None, Record::Heartbeat { text: "h".into() }),
+            (4, None, call("b", 9_000)),
+            (5, Some(12_500), Record::Heartbeat { text: "h2".into() }),
+        ];
+        let t = build("old", 1_000, None, &records);
+        assert_eq!(t.start_unix_ms, 10_000);
+        assert_eq!(t.calls[0].queued_ms, 0);
+        assert_eq!(
+            t.calls[1].queued_ms, 0,
+            "an earlier own time does not go back"
+        );
+        assert_eq!(t.marks[0].at_ms, 0);
+        assert_eq!(t.end_ms, 2_500);
+        assert_eq!(t.requests[0].outcome, "unfinished");
+        let drawn = text::render(&t, 80);
+        assert!(drawn.contains("session old"), "{drawn}");
+    }
+
+    #[test]
+    fn an_empty_log_draws_an_empty_axis() {
+        let t = build("empty", 5_000, None, &[]);
+        assert_eq!((t.start_unix_ms, t.end_ms, t.lanes), (5_000, 0, 0));
+        let drawn = text::render(&t, 40);
+        assert!(drawn.contains("0 requests"), "{drawn}");
+        assert!(html::render(&t).contains("Timeline of session empty"));
+    }
+}
