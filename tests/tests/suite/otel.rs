@@ -22,7 +22,7 @@ fn respond(req: &Received) -> Reply {
     responses::calls(&[(
         "c1",
         "Bash",
-        &json!({"command": "sleep 4; echo traced"}).to_string(),
+        &json!({"command": "sleep 8; echo traced"}).to_string(),
     )])
 }
 
@@ -45,21 +45,24 @@ async fn pool_ready(worker: &WorkerProcess) -> Result<()> {
     Ok(())
 }
 
-/// Waits for a pending trace parent in the worker's state directory: the
+/// Whether the worker keeps a trace parent in its state directory: a
 /// traced operation was submitted and has not ended.
+fn pending(state: &std::path::Path) -> bool {
+    std::fs::read_dir(state.join("traces"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|d| std::fs::read_dir(d.path()).ok())
+        .flatten()
+        .flatten()
+        .any(|f| f.path().extension().is_some_and(|e| e == "json"))
+}
+
+/// Waits until [`pending`].
 async fn pending_parent(state: &std::path::Path) -> Result<()> {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
     loop {
-        let dir = state.join("traces");
-        let found = std::fs::read_dir(&dir)
-            .into_iter()
-            .flatten()
-            .flatten()
-            .filter_map(|d| std::fs::read_dir(d.path()).ok())
-            .flatten()
-            .flatten()
-            .any(|f| f.path().extension().is_some_and(|e| e == "json"));
-        if found {
+        if pending(state) {
             return Ok(());
         }
         if tokio::time::Instant::now() > deadline {
@@ -99,10 +102,10 @@ async fn a_run_and_its_workers_operation_make_one_trace_across_a_worker_restart(
     cmd.env("CORRAL_TOKEN_FILE", &token)
         .env("CORRAL_KEEP_SANDBOX", "false");
     let run = tokio::spawn(corral_e2e::run::finish(cmd));
-    // The call runs: the worker goes, without warning, and comes back (once
-    // its span of the sandbox's create has left: spans in a batch not yet
-    // sent die with a killed process, unlike operations', which are made
-    // from what the worker keeps).
+    // The call runs (8 s, time enough under load): the worker goes, without
+    // warning, and comes back, once its span of the sandbox's create has
+    // left (spans in a batch not yet sent die with a killed process, unlike
+    // operations', which are made from what the worker keeps).
     pending_parent(state.path()).await?;
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     while !receiver.spans().iter().any(|s| s.name == "sandbox create") {
@@ -111,6 +114,10 @@ async fn a_run_and_its_workers_operation_make_one_trace_across_a_worker_restart(
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+    ensure!(
+        pending(state.path()),
+        "the call ended before the worker could be killed under it"
+    );
     worker.kill9();
     let worker = WorkerProcess::spawn(state.path(), &worker_id, port, &[], &worker_args)?;
     let run = run.await??;
