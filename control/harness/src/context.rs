@@ -347,7 +347,7 @@ impl ContextBuilder {
     /// A tool result (staged). `running` stores the placeholder instead of
     /// `output`. A final result replaces a staged placeholder of the same
     /// call in place; a placeholder already sent stays, and the result is
-    /// appended, to be sent as a user message (see [`late_result_text`]).
+    /// appended, to be sent as a user message.
     pub fn add_tool_result(&mut self, call_id: &str, output: Vec<ToolOutput>, running: bool) {
         let is_placeholder_of = |e: &Entry| {
             e.placeholder

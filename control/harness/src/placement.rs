@@ -222,7 +222,7 @@ pub struct Placer {
     /// ready that its create would take is preferred to any without (its
     /// create is a claim, not a cold start).
     pub warm: Option<corral_proto::SandboxSpec>,
-    /// Connections kept across placements (see [`ClientCache`]).
+    /// Connections kept across placements (see [`crate::client::ClientCache`]).
     pub cache: Option<crate::client::ClientCache>,
 }
 

@@ -1,14 +1,15 @@
 //! Traces of session runs, in OpenTelemetry's GenAI conventions, exported
 //! over OTLP/gRPC by a batch exporter; off unless an endpoint is named.
 //!
-//! One trace per run of a session: an `invoke_agent` span
-//! (`gen_ai.conversation.id` = the session's id) from the run's start to
-//! its end; under it a `chat` span per model request (model, token counts,
+//! One trace per run of a session ([`RunTrace`]): an `invoke_agent` span
+//! (`gen_ai.conversation.id` = the session's id) from the runner's start
+//! (before its sandbox is made or resumed) to its end (after the export
+//! and the suspension); under it a `chat` span per model request (model, token counts,
 //! how it ended) and an `execute_tool` span per tool call, from the call to
 //! its result. Inputs, heartbeats, stops, lost and replaced sandboxes and
 //! egress decisions are events of the run's span. A call's operations are
 //! submitted with the W3C `traceparent` of its `execute_tool` span (see
-//! [`SessionTrace::traceparent`]), and the worker makes each operation's
+//! [`TraceContexts`]), and the worker makes each operation's
 //! span under it, so one trace holds both sides.
 //!
 //! The spans are made from the session's records as they are appended
@@ -173,52 +174,37 @@ pub struct SessionTrace {
     tools: HashMap<String, (Span, Vec<OperationId>)>,
     contexts: TraceContexts,
     ended: bool,
-    /// The run's `Finished` record ends its span (else its owner does,
-    /// once what follows the run is done: see [`RunTrace`]).
-    ends_on_finish: bool,
+    /// How the run ended, once its `Finished` record says (its span ends
+    /// later, once what follows the run is done: see [`RunTrace`]).
     ending: Option<&'static str>,
 }
 
 impl SessionTrace {
-    /// The run of session `session_id` (model `model`) starts now, at
-    /// `at_unix_ms`.
-    pub fn start(
-        telemetry: &Telemetry,
-        session_id: &str,
-        model: &str,
-        sandbox: &str,
-        worker: Option<&str>,
-        at_unix_ms: i64,
-    ) -> Self {
+    /// A run of session `session_id` starts now (its model and sandbox
+    /// are set once known).
+    fn start(telemetry: &Telemetry, session_id: &str) -> Self {
         let tracer = telemetry.tracer().clone();
-        let mut attrs = vec![
+        let attrs = vec![
             KeyValue::new("gen_ai.operation.name", "invoke_agent"),
             KeyValue::new("gen_ai.agent.name", "corral"),
             KeyValue::new("gen_ai.conversation.id", session_id.to_string()),
-            KeyValue::new("gen_ai.request.model", model.to_string()),
-            KeyValue::new("corral.sandbox.id", sandbox.to_string()),
         ];
-        if let Some(w) = worker {
-            attrs.push(KeyValue::new("corral.worker", w.to_string()));
-        }
         let run = tracer
             .span_builder("invoke_agent corral")
             .with_kind(SpanKind::Internal)
-            .with_start_time(time_of(at_unix_ms))
             .with_attributes(attrs)
             // A run is a trace of its own.
             .start_with_context(&tracer, &Context::new());
         let run_cx = run.span_context().clone();
         Self {
             tracer,
-            model: model.to_string(),
+            model: String::new(),
             run,
             run_cx,
             chats: HashMap::new(),
             tools: HashMap::new(),
             contexts: TraceContexts::default(),
             ended: false,
-            ends_on_finish: true,
             ending: None,
         }
     }
@@ -488,15 +474,11 @@ impl SessionTrace {
             ),
             Record::Resume { .. } => self.event("resume", at, vec![]),
             Record::Finished { ending } => {
+                // The run's span goes on until its owner ends it.
                 let word = crate::runner::ending_word(*ending);
-                if self.ends_on_finish {
-                    self.finish(at, word);
-                } else {
-                    // The run's span goes on until its owner ends it.
-                    self.ending = Some(word);
-                    self.end_open_chats(at, "canceled");
-                    self.event("finished", at, vec![KeyValue::new("corral.ending", word)]);
-                }
+                self.ending = Some(word);
+                self.end_open_chats(at, "canceled");
+                self.event("finished", at, vec![KeyValue::new("corral.ending", word)]);
             }
             Record::Start { .. } | Record::History { .. } | Record::Forked { .. } => {}
         }
@@ -588,13 +570,9 @@ pub struct RunTrace(Arc<Mutex<SessionTrace>>);
 impl RunTrace {
     /// A run of session `session_id` starts now.
     pub fn start(telemetry: &Telemetry, session_id: &str) -> Self {
-        let now = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map(|d| d.as_millis() as i64)
-            .unwrap_or_default();
-        let mut t = SessionTrace::start(telemetry, session_id, "", "", None, now);
-        t.ends_on_finish = false;
-        Self(Arc::new(Mutex::new(t)))
+        Self(Arc::new(Mutex::new(SessionTrace::start(
+            telemetry, session_id,
+        ))))
     }
 
     pub fn with<T>(&self, f: impl FnOnce(&mut SessionTrace) -> T) -> T {

@@ -64,15 +64,9 @@ pub struct Core {
 }
 
 /// Told of every record a core appends, as it is appended (at the time
-/// the log stamped on it): see [`crate::telemetry::SessionTrace`].
+/// the log stamped on it): see [`crate::telemetry::RunTrace`].
 pub trait RecordObserver: Send {
     fn on_record(&mut self, at_unix_ms: i64, record: &Record);
-}
-
-impl RecordObserver for crate::telemetry::SessionTrace {
-    fn on_record(&mut self, at_unix_ms: i64, record: &Record) {
-        crate::telemetry::SessionTrace::on_record(self, at_unix_ms, record);
-    }
 }
 
 /// Least time between two `tool_progress` events of one operation.
@@ -211,11 +205,6 @@ impl Core {
             o.on_record(self.log.last_at(), &rec);
         }
         Ok(())
-    }
-
-    /// The time by the session log's clock (Unix milliseconds).
-    pub fn now(&self) -> i64 {
-        self.log.now()
     }
 
     /// Tells `observer` of every record appended from now on.

@@ -328,35 +328,25 @@ pub(super) async fn launch<W: WorkerApi>(
         .worker_lost_after
         .unwrap_or(crate::follow::DEFAULT_PATIENCE);
     // The run's trace, made from its records from here on: its runner's,
-    // or one of its own.
-    let contexts = match (&opts.trace, &opts.telemetry) {
-        (Some(run), _) => {
-            let contexts = run.with(|t| {
-                t.set_model(&config.model);
-                t.set_attribute("corral.sandbox.id", config.sandbox_id.to_string());
-                if let Some(w) = &config.worker {
-                    t.set_attribute("corral.worker", w.clone());
-                }
-                t.contexts()
-            });
-            core.set_observer(Box::new(run.clone()));
-            Some(contexts)
-        }
-        (None, Some(t)) => {
-            let trace = crate::telemetry::SessionTrace::start(
-                t,
-                core.session_id(),
-                &config.model,
-                config.sandbox_id.as_str(),
-                config.worker.as_deref(),
-                core.now(),
-            );
-            let contexts = trace.contexts();
-            core.set_observer(Box::new(trace));
-            Some(contexts)
-        }
-        (None, None) => None,
-    };
+    // or (a caller that starts the session itself) one of its own, ended
+    // with the run.
+    let trace = opts.trace.clone().or_else(|| {
+        opts.telemetry
+            .as_ref()
+            .map(|t| crate::telemetry::RunTrace::start(t, core.session_id()))
+    });
+    let contexts = trace.map(|run| {
+        let contexts = run.with(|t| {
+            t.set_model(&config.model);
+            t.set_attribute("corral.sandbox.id", config.sandbox_id.to_string());
+            if let Some(w) = &config.worker {
+                t.set_attribute("corral.worker", w.clone());
+            }
+            t.contexts()
+        });
+        core.set_observer(Box::new(run));
+        contexts
+    });
     let (manager, mut updates) =
         Manager::start_traced(worker, config.sandbox_id.clone(), patience, contexts);
     let mut lost = manager.lost();
