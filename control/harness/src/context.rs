@@ -161,7 +161,8 @@ pub struct ContextBuilder {
     budget: Budget,
 }
 
-fn xml_escape(s: &str) -> String {
+/// `s` safe as XML or HTML text or attribute value.
+pub(crate) fn xml_escape(s: &str) -> String {
     let mut out = String::with_capacity(s.len());
     for c in s.chars() {
         match c {

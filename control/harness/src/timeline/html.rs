@@ -34,25 +34,10 @@ pub fn render(t: &Timeline) -> String {
         .replace('<', "\\u003c")
         .replace('>', "\\u003e")
         .replace('&', "\\u0026");
-    let title = escape(&headline(t));
+    let title = crate::context::xml_escape(&headline(t));
     PAGE.replace("{{TITLE}}", &title)
-        .replace("{{SESSION}}", &escape(&t.session_id))
+        .replace("{{SESSION}}", &crate::context::xml_escape(&t.session_id))
         .replace("{{DATA}}", &data)
-}
-
-fn escape(s: &str) -> String {
-    let mut out = String::with_capacity(s.len());
-    for c in s.chars() {
-        match c {
-            '<' => out.push_str("&lt;"),
-            '>' => out.push_str("&gt;"),
-            '&' => out.push_str("&amp;"),
-            '"' => out.push_str("&quot;"),
-            '\'' => out.push_str("&#39;"),
-            c => out.push(c),
-        }
-    }
-    out
 }
 
 const PAGE: &str = r##"<!DOCTYPE html>
