@@ -142,18 +142,18 @@ impl OpTraces {
         }
     }
 
-    /// Operation `op` of `sandbox` was submitted under `traceparent` (kept
-    /// only when it names a valid parent).
+    /// Operation `op` of `sandbox` was submitted under `traceparent`:
+    /// kept, and true, when it names a valid parent.
     pub fn submitted(
         &self,
         sandbox: &SandboxId,
         op: &OperationId,
         kind: &'static str,
         traceparent: &str,
-    ) {
+    ) -> bool {
         if parse_traceparent(traceparent).is_none() {
             tracing::debug!(operation = %op, "an invalid traceparent, ignored");
-            return;
+            return false;
         }
         self.send(Job::Submitted {
             sandbox: sandbox.clone(),
@@ -162,6 +162,7 @@ impl OpTraces {
             traceparent: traceparent.to_string(),
             at: SystemTime::now(),
         });
+        true
     }
 
     /// Operation `op` printed (its first output is what counts).

@@ -288,6 +288,52 @@ async fn a_run_and_its_workers_operation_make_one_trace_across_a_worker_restart(
     for e in ["log_forked", "workspace_restored"] {
         ensure!(forked.events.iter().any(|x| x == e), "no {e}: {forked:?}");
     }
+
+    // An operation submitted (by any client) under a trace context gets
+    // its span there, with when it first printed.
+    let client = worker.client().await?;
+    let sandbox = corral_proto::SandboxId::random();
+    let spec = corral_proto::SandboxSpec {
+        image: Some("corral-sandbox:latest".into()),
+        ..corral_proto::SandboxSpec::default()
+    };
+    client.create_sandbox(Some(&sandbox), spec).await?;
+    let op = corral_proto::OperationId::random();
+    let parent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+    client
+        .submit_traced(
+            &sandbox,
+            &op,
+            corral_proto::OperationSpec::Shell(corral_proto::ShellSpec::new(
+                "echo first; sleep 1; exit 3",
+            )),
+            Some(parent),
+        )
+        .await?;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    let span = loop {
+        if let Some(s) = receiver
+            .spans()
+            .into_iter()
+            .find(|s| s.attrs.get("corral.operation.id") == Some(&op.to_string()))
+        {
+            break s;
+        }
+        if tokio::time::Instant::now() > deadline {
+            bail!("no span of the directly submitted operation");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    ensure!(
+        span.parent == [0x00, 0xf0, 0x67, 0xaa, 0x0b, 0xa9, 0x02, 0xb7]
+            && span.trace_id.first() == Some(&0x4b),
+        "{span:?}"
+    );
+    ensure!(span.attrs["process.exit.code"] == "3", "{span:?}");
+    for e in ["queued", "started", "first_output"] {
+        ensure!(span.events.iter().any(|x| x == e), "no {e}: {span:?}");
+    }
+    client.destroy_sandbox(&sandbox).await?;
     drop(worker);
     Ok(())
 }

@@ -15,6 +15,9 @@ pub(super) struct Actor {
     pub(super) metrics: Arc<crate::metrics::WorkerMetrics>,
     /// Operations' spans, when exported.
     pub(super) traces: Option<Arc<crate::telemetry::OpTraces>>,
+    /// Operations submitted here under a trace context, not yet ended:
+    /// only their output is told to `traces`.
+    pub(super) traced: std::collections::HashSet<OperationId>,
     pub(super) shared: Arc<Shared>,
     pub(super) rx: mpsc::Receiver<Command>,
     pub(super) output: Option<Output>,
@@ -479,8 +482,10 @@ impl Actor {
             record
         };
         info!(operation = %id, kind = spec.kind(), "operation submitted");
-        if let (Some(traces), Some(parent)) = (&self.traces, &traceparent) {
-            traces.submitted(&self.id, &id, spec.kind(), parent);
+        if let (Some(traces), Some(parent)) = (&self.traces, &traceparent)
+            && traces.submitted(&self.id, &id, spec.kind(), parent)
+        {
+            self.traced.insert(id.clone());
         }
         // Before the supervisor's welcome the run is sent with the others
         // init does not know yet (see `on_welcome`).
@@ -686,6 +691,7 @@ impl Actor {
                     EventKind::Output { .. } => {
                         if let Some(traces) = &self.traces
                             && seq > self.live_after
+                            && self.traced.contains(id)
                         {
                             traces.output(id);
                         }
@@ -714,7 +720,10 @@ impl Actor {
                             );
                         }
                         ops.finish(id, (**result).clone());
+                        // Also for an operation submitted before a restart:
+                        // what the worker kept says whether it was traced.
                         if let Some(traces) = &self.traces {
+                            self.traced.remove(id);
                             traces.finished(&self.id, id, result);
                         }
                         if let Some(mut link) = self.inputs.remove(id) {
@@ -786,6 +795,7 @@ impl Actor {
             });
             lock(&self.shared.ops).finish(&id, result.clone());
             if let Some(traces) = &self.traces {
+                self.traced.remove(&id);
                 traces.finished(&self.id, &id, &result);
             }
             journal.push(Some(id), EventKind::Finished(Box::new(result)));

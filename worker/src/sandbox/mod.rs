@@ -416,6 +416,7 @@ impl Sandbox {
             egress_reports,
             egress_pending: VecDeque::new(),
             traces: traces.cloned(),
+            traced: std::collections::HashSet::new(),
         };
         let span = info_span!("sandbox", sandbox = %id, container = %short(&container_id));
         tracker.spawn(actor.run().instrument(span));
