@@ -39,7 +39,7 @@ pub fn trajectory(store: &Sessions, id: &str) -> Result<Value, SessionError> {
         times.push(rec.at_unix_ms);
     }
     let forks = forks_of(store, id);
-    Ok(build_timed(
+    Ok(build(
         id,
         &records,
         &times,
@@ -70,20 +70,10 @@ fn forks_of(store: &Sessions, parent: &str) -> Vec<String> {
     forks
 }
 
-/// The trajectory of the records of session `id`; `fork`: a session
-/// forked from it.
-pub fn build(id: &str, records: &[Record], fork: Option<&str>) -> Value {
-    build_timed(id, records, &[], fork)
-}
-
-/// [`build`], each step stamped (`timestamp`, ISO 8601 UTC) with the time
-/// its record was written, where `times` has it.
-pub fn build_timed(
-    id: &str,
-    records: &[Record],
-    times: &[Option<i64>],
-    fork: Option<&str>,
-) -> Value {
+/// The trajectory of the records of session `id`, each step stamped
+/// (`timestamp`, ISO 8601 UTC) with the time its record was written where
+/// `times` has it; `fork`: a session forked from it.
+pub fn build(id: &str, records: &[Record], times: &[Option<i64>], fork: Option<&str>) -> Value {
     // Each call's final result, by call id.
     let mut results: HashMap<&str, &[ToolOutput]> = HashMap::new();
     for r in records {
