@@ -38,7 +38,15 @@ fn main() -> ExitCode {
         "warn"
     };
     corral_worker::cli::init_logging(level, cli.log_format);
-    let runtime = match tokio::runtime::Runtime::new() {
+    // The service runs many sessions whose logs are appended (and synced)
+    // from their tasks: threads enough that a slow disk never keeps its
+    // connections' HTTP/2 pings unanswered.
+    let mut builder = tokio::runtime::Builder::new_multi_thread();
+    if matches!(cli.command, Command::Serve(_)) {
+        let cores = std::thread::available_parallelism().map_or(2, usize::from);
+        builder.worker_threads((cores * 4).max(8));
+    }
+    let runtime = match builder.enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("corral: cannot start the async runtime: {e}");
