@@ -806,15 +806,17 @@ where
     }
 }
 
-/// [`relay`] for a connection that came on a Unix socket: the same
-/// promises (cut at once by a policy that no longer allows it, closed when
-/// idle, each side's end passed on), with the bytes spliced from socket to
-/// socket through a pipe a direction, never copied through the worker.
-pub async fn relay_spliced(
-    admitted: Admitted<tokio::net::UnixStream>,
+/// [`relay`] for a client that is a socket (the sandbox's own, handed
+/// over, or the relay's Unix socket): the same promises (cut at once by a
+/// policy that no longer allows it, closed when idle, each side's end
+/// passed on), with the bytes spliced from socket to socket through a pipe
+/// a direction, never copied through the worker.
+pub async fn relay_spliced<S: Spliced>(
+    admitted: Admitted<S>,
     mut policy: tokio::sync::watch::Receiver<std::sync::Arc<Vec<Rule>>>,
     meters: &Meters,
 ) -> Outcome {
+    use std::os::fd::AsFd as _;
     use std::sync::atomic::{AtomicU64, Ordering};
     let Admitted {
         client,
@@ -838,7 +840,7 @@ pub async fn relay_spliced(
     let down = async {
         let r = splice_all(&upstream, &client, &p_down, &got, &meters.inward).await;
         let _ = nix::sys::socket::shutdown(
-            std::os::fd::AsRawFd::as_raw_fd(&client),
+            std::os::fd::AsRawFd::as_raw_fd(&client.as_fd()),
             nix::sys::socket::Shutdown::Write,
         );
         r
@@ -880,6 +882,14 @@ pub async fn relay_spliced(
             }
         }
     }
+    // Both ends closed for both directions, whoever else holds them (a
+    // socket handed over from a sandbox may have copies there).
+    for fd in [client.as_fd(), upstream.as_fd()] {
+        let _ = nix::sys::socket::shutdown(
+            std::os::fd::AsRawFd::as_raw_fd(&fd),
+            nix::sys::socket::Shutdown::Both,
+        );
+    }
     out.bytes_out += sent.load(Ordering::Relaxed);
     out.bytes_in += got.load(Ordering::Relaxed);
     out
@@ -906,7 +916,7 @@ impl SplicePipe {
 }
 
 /// A socket tokio watches, spliced from or to.
-trait Spliced: std::os::fd::AsFd {
+pub trait Spliced: std::os::fd::AsFd {
     fn ready(
         &self,
         interest: tokio::io::Interest,

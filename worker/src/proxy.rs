@@ -1,10 +1,12 @@
 //! The worker's end of a sandbox's egress proxy: a Unix socket of the
 //! sandbox's own, in a directory mounted (read-only) into that sandbox
 //! alone, so a connection on it is the sandbox's whatever it says. The
-//! sandbox's relay (`corral_init::relay`) carries each connection of its
-//! loopback proxy here; this decides it by the sandbox's policy (see
-//! [`crate::egress`]), connects and relays, bounded per sandbox, and
-//! reports every decision.
+//! sandbox's relay (`corral_init::relay`) hands each connection of its
+//! loopback proxy here (the sandbox's socket itself, passed with
+//! `SCM_RIGHTS`, checked to be a connected TCP socket before anything is
+//! done with it), or carries its bytes where it cannot; this decides it by
+//! the sandbox's policy (see [`crate::egress`]), connects and relays,
+//! bounded per sandbox, and reports every decision.
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
@@ -20,7 +22,11 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{debug, warn};
 
-use crate::egress::{Blocked, Gate, Meter, Meters, admit, relay_spliced, too_many};
+use corral_init::relay::{HANDED, RELAYED};
+
+use crate::egress::{
+    Blocked, Gate, HEAD_TIMEOUT, Meter, Meters, Spliced, admit, relay_spliced, too_many,
+};
 use crate::metrics::WorkerMetrics;
 
 /// The socket's name in its directory (as `corral_init::relay` expects).
@@ -211,8 +217,16 @@ pub async fn serve(
             metrics.egress_decided(EgressDecision::Blocked.as_str(), reason);
             // Said without waiting on the sandbox: it may not be reading.
             // Its head is not read, so the event names no host; a flood
-            // that fills the event queue is not waited for either.
-            let _ = stream.try_write(too_many());
+            // that fills the event queue is not waited for either. A
+            // connection handed over (if it is here yet) hears it itself.
+            match receive_handed(&stream) {
+                Ok(Some(tcp)) => {
+                    let _ = tcp.try_write(too_many());
+                }
+                _ => {
+                    let _ = stream.try_write(too_many());
+                }
+            }
             let _ = reports.try_send(Egress {
                 host: String::new(),
                 port: 0,
@@ -233,20 +247,153 @@ pub async fn serve(
             let _slot = slot;
             tokio::select! {
                 () = closed.cancelled() => {}
-                () = one(stream, policy, &settings, &reports, &metrics, &meters) => {}
+                () = async {
+                    match take(stream).await {
+                        Some(Brought::Handed(tcp)) => one(tcp, policy, &settings, &reports, &metrics, &meters).await,
+                        Some(Brought::Carried(unix)) => one(unix, policy, &settings, &reports, &metrics, &meters).await,
+                        None => {}
+                    }
+                } => {}
             }
         });
     }
 }
 
-async fn one(
-    stream: tokio::net::UnixStream,
+/// What a connection on a sandbox's socket brings.
+enum Brought {
+    /// The sandbox's own connection, handed over by its relay.
+    Handed(tokio::net::TcpStream),
+    /// The relay's socket, the connection's bytes on it.
+    Carried(tokio::net::UnixStream),
+}
+
+/// Reads what `stream` brings: a connection handed over ([`HANDED`] and a
+/// descriptor), or carried ([`RELAYED`], or the request itself from a
+/// relay of an older build). `None`: nothing usable came within
+/// [`HEAD_TIMEOUT`] (the socket closed, a descriptor that is not a
+/// connected TCP socket, more than one), and nothing is answered.
+async fn take(stream: tokio::net::UnixStream) -> Option<Brought> {
+    let first = tokio::time::timeout(HEAD_TIMEOUT, async {
+        loop {
+            stream.readable().await.ok()?;
+            let mut b = [0u8; 1];
+            match stream.try_io(tokio::io::Interest::READABLE, || {
+                nix::sys::socket::recv(
+                    std::os::fd::AsRawFd::as_raw_fd(&stream),
+                    &mut b,
+                    nix::sys::socket::MsgFlags::MSG_PEEK | nix::sys::socket::MsgFlags::MSG_DONTWAIT,
+                )
+                .map_err(std::io::Error::from)
+            }) {
+                Ok(0) => return None,
+                Ok(_) => return Some(b[0]),
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                Err(_) => return None,
+            }
+        }
+    })
+    .await
+    .ok()??;
+    match first {
+        HANDED => match receive_handed(&stream) {
+            Ok(Some(tcp)) => Some(Brought::Handed(tcp)),
+            Ok(None) => None,
+            Err(e) => {
+                warn!(error = %e, "a sandbox handed its egress proxy something other than a connection");
+                None
+            }
+        },
+        RELAYED => {
+            let mut b = [0u8; 1];
+            stream.try_read(&mut b).ok()?;
+            Some(Brought::Carried(stream))
+        }
+        _ => Some(Brought::Carried(stream)),
+    }
+}
+
+/// The connection handed over on `stream`, if its message is there: one
+/// byte and exactly one descriptor, a connected TCP socket (not listening),
+/// made non-blocking. `Ok(None)`: nothing there yet, or not a handing.
+#[allow(unsafe_code)]
+fn receive_handed(
+    stream: &tokio::net::UnixStream,
+) -> std::io::Result<Option<tokio::net::TcpStream>> {
+    use nix::sys::socket::{
+        AddressFamily, ControlMessageOwned, MsgFlags, SockType, SockaddrLike, SockaddrStorage,
+        getpeername, getsockname, getsockopt, recvmsg, sockopt,
+    };
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+    let mut b = [0u8; 1];
+    let peeked = nix::sys::socket::recv(
+        stream.as_raw_fd(),
+        &mut b,
+        MsgFlags::MSG_PEEK | MsgFlags::MSG_DONTWAIT,
+    );
+    if !matches!(peeked, Ok(1)) || b[0] != HANDED {
+        return Ok(None);
+    }
+    let mut iov = [std::io::IoSliceMut::new(&mut b)];
+    let mut space = nix::cmsg_space!([RawFd; 1]);
+    let msg = recvmsg::<()>(
+        stream.as_raw_fd(),
+        &mut iov,
+        Some(&mut space),
+        MsgFlags::MSG_CMSG_CLOEXEC | MsgFlags::MSG_DONTWAIT,
+    )?;
+    let truncated = msg.flags.contains(MsgFlags::MSG_CTRUNC);
+    let mut fds: Vec<OwnedFd> = Vec::new();
+    for c in msg.cmsgs()? {
+        if let ControlMessageOwned::ScmRights(raw) = c {
+            // SAFETY: the kernel just installed these descriptors in this
+            // process for this message; nothing else owns them.
+            fds.extend(
+                raw.into_iter()
+                    .map(|fd| unsafe { OwnedFd::from_raw_fd(fd) }),
+            );
+        }
+    }
+    let bad = |what: &str| {
+        Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            what.to_string(),
+        ))
+    };
+    if truncated || fds.len() != 1 {
+        return bad("not exactly one descriptor");
+    }
+    let Some(fd) = fds.pop() else {
+        return bad("no descriptor");
+    };
+    let st = nix::sys::stat::fstat(&fd)?;
+    if st.st_mode & nix::libc::S_IFMT != nix::libc::S_IFSOCK
+        || getsockopt(&fd, sockopt::SockType)? != SockType::Stream
+        || getsockopt(&fd, sockopt::AcceptConn)?
+    {
+        return bad("not a stream socket");
+    }
+    let inet =
+        |a: SockaddrStorage| matches!(a.family(), Some(AddressFamily::Inet | AddressFamily::Inet6));
+    if !inet(getsockname::<SockaddrStorage>(fd.as_raw_fd())?)
+        || !inet(getpeername::<SockaddrStorage>(fd.as_raw_fd())?)
+    {
+        return bad("not a connected TCP socket");
+    }
+    let tcp = std::net::TcpStream::from(fd);
+    tcp.set_nonblocking(true)?;
+    tokio::net::TcpStream::from_std(tcp).map(Some)
+}
+
+async fn one<S>(
+    stream: S,
     mut policy: watch::Receiver<Arc<Vec<Rule>>>,
     settings: &Settings,
     reports: &Reports,
     metrics: &WorkerMetrics,
     meters: &Meters,
-) {
+) where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Spliced,
+{
     let report = |host: &str, port: u16, decision: EgressDecision, reason: Option<Blocked>| {
         let reason = reason.map_or("", Blocked::as_str);
         metrics.egress_decided(decision.as_str(), reason);
@@ -305,6 +452,93 @@ impl Drop for Open<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::fd::{AsRawFd, RawFd};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    /// A sandbox's side sends `first` with `fds`; what the worker's side
+    /// takes of it.
+    async fn brought(first: &[u8], fds: &[RawFd]) -> Option<Brought> {
+        use nix::sys::socket::{ControlMessage, MsgFlags, sendmsg};
+        let (sandbox, worker) = tokio::net::UnixStream::pair().unwrap();
+        let cmsgs: Vec<ControlMessage> = if fds.is_empty() {
+            Vec::new()
+        } else {
+            vec![ControlMessage::ScmRights(fds)]
+        };
+        if !first.is_empty() {
+            sendmsg::<()>(
+                sandbox.as_raw_fd(),
+                &[std::io::IoSlice::new(first)],
+                &cmsgs,
+                MsgFlags::empty(),
+                None,
+            )
+            .unwrap();
+        }
+        drop(sandbox);
+        take(worker).await
+    }
+
+    #[tokio::test]
+    async fn a_handed_connection_is_taken_and_anything_else_handed_is_refused() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut client = std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (server, _) = listener.accept().unwrap();
+        // The sandbox's socket: taken, and what its client sent is on it.
+        std::io::Write::write_all(&mut client, b"GET / HTTP/1.1").unwrap();
+        let Some(Brought::Handed(mut tcp)) = brought(&[HANDED], &[server.as_raw_fd()]).await
+        else {
+            panic!("a connected TCP socket was not taken");
+        };
+        let mut got = [0u8; 14];
+        tcp.read_exact(&mut got).await.unwrap();
+        assert_eq!(&got, b"GET / HTTP/1.1");
+        tcp.write_all(b"ok").await.unwrap();
+        let mut back = [0u8; 2];
+        std::io::Read::read_exact(&mut client, &mut back).unwrap();
+        assert_eq!(&back, b"ok");
+        // Not a connection: a pipe, a listening socket, a Unix socket, two
+        // sockets at once, the byte without a descriptor.
+        let (pr, _pw) = nix::unistd::pipe().unwrap();
+        let (u1, _u2) = std::os::unix::net::UnixStream::pair().unwrap();
+        for (what, fds) in [
+            ("a pipe", vec![pr.as_raw_fd()]),
+            ("a listening socket", vec![listener.as_raw_fd()]),
+            ("a Unix socket", vec![u1.as_raw_fd()]),
+            ("two sockets", vec![server.as_raw_fd(), server.as_raw_fd()]),
+            ("nothing", vec![]),
+        ] {
+            assert!(brought(&[HANDED], &fds).await.is_none(), "{what} was taken");
+        }
+        // A socket from the sandbox, unconnected.
+        let lone = nix::sys::socket::socket(
+            nix::sys::socket::AddressFamily::Inet,
+            nix::sys::socket::SockType::Stream,
+            nix::sys::socket::SockFlag::empty(),
+            None,
+        )
+        .unwrap();
+        assert!(brought(&[HANDED], &[lone.as_raw_fd()]).await.is_none());
+    }
+
+    #[tokio::test]
+    async fn a_carried_connection_starts_after_its_mark_or_at_once_from_an_older_relay() {
+        let Some(Brought::Carried(mut s)) = brought(&[RELAYED, b'G', b'E', b'T'], &[]).await else {
+            panic!("not carried");
+        };
+        let mut rest = Vec::new();
+        s.read_to_end(&mut rest).await.unwrap();
+        assert_eq!(rest, b"GET");
+        // An older relay: the request's first byte is the first byte.
+        let Some(Brought::Carried(mut s)) = brought(b"CONNECT", &[]).await else {
+            panic!("not carried");
+        };
+        let mut rest = Vec::new();
+        s.read_to_end(&mut rest).await.unwrap();
+        assert_eq!(rest, b"CONNECT");
+        // Closed before a byte: nothing.
+        assert!(brought(b"", &[]).await.is_none());
+    }
 
     #[tokio::test]
     async fn a_claimed_members_directory_is_the_sandboxs_and_goes_with_it() {

@@ -1,17 +1,27 @@
 //! The sandbox's egress relay: an HTTP proxy address on the sandbox's
 //! loopback (`127.0.0.1:3128`, named in `HTTP_PROXY` and `HTTPS_PROXY`)
-//! whose every connection is carried, byte for byte, to the worker over the
-//! Unix socket the worker mounted for this sandbox alone. The relay reads
-//! nothing of what it carries: the worker parses the request, decides by
-//! the sandbox's policy and connects. A sandbox has no other interface than
+//! whose every connection goes to the worker over the Unix socket the
+//! worker mounted for this sandbox alone. The relay reads nothing of what
+//! a connection carries: the worker parses the request, decides by the
+//! sandbox's policy and connects. A sandbox has no other interface than
 //! loopback, so this is its only way out, and the worker knows the sandbox
 //! by the socket, not by anything the sandbox says.
+//!
+//! Each accepted connection is *handed* to the worker: one byte,
+//! [`HANDED`], with the connection's descriptor attached (`SCM_RIGHTS`),
+//! and the relay keeps nothing, so the bytes go between the sandbox's
+//! socket and the upstream one in the worker alone (one proxy hop, not
+//! two). Where descriptors cannot cross (gVisor's own network stack has no
+//! host descriptor to give), the relay says [`RELAYED`] and carries the
+//! connection byte for byte itself. Only the sandbox's socket crosses,
+//! never the other way: a host socket in a sandbox could be disconnected
+//! and connected anywhere.
 //!
 //! It runs as a process of its own (`corral-init --egress-relay`), started
 //! by the supervisor with the listening socket already bound (so no command
 //! can take the port first) and started again if it dies. One thread, one
-//! poll loop, bounded: at most [`MAX_CONNECTIONS`] connections, each with
-//! two buffers of [`BUF_BYTES`].
+//! poll loop, bounded: at most [`MAX_CONNECTIONS`] relayed connections,
+//! each with two pipes of [`BUF_BYTES`] or more.
 
 use std::io::{self, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
@@ -29,6 +39,13 @@ pub const PROXY_ADDR: &str = "127.0.0.1:3128";
 pub const SOCKET_DIR: &str = "/run/corral-egress";
 /// The worker's socket in [`SOCKET_DIR`].
 pub const SOCKET_NAME: &str = "proxy.sock";
+/// The first byte on the worker's socket when the connection's descriptor
+/// comes with it.
+pub const HANDED: u8 = 0;
+/// The first byte on the worker's socket when the relay carries the
+/// connection's bytes after it. (A relay of an older build sends neither:
+/// its first byte is the request's, never a control character.)
+pub const RELAYED: u8 = 1;
 /// Most connections relayed at once; more are answered at once with a
 /// refusal (never left to hang in the listen queue).
 pub const MAX_CONNECTIONS: usize = 256;
@@ -211,8 +228,34 @@ fn connect_worker(path: &Path) -> io::Result<UnixStream> {
     Ok(UnixStream::from(fd))
 }
 
+/// Hands `tcp` to the worker over `unix`: [`HANDED`] with the descriptor.
+fn hand_over(unix: &UnixStream, tcp: &TcpStream) -> io::Result<()> {
+    use nix::sys::socket::{ControlMessage, MsgFlags, sendmsg};
+    let fds = [std::os::fd::AsRawFd::as_raw_fd(tcp)];
+    let iov = [io::IoSlice::new(&[HANDED])];
+    let sent = sendmsg::<()>(
+        std::os::fd::AsRawFd::as_raw_fd(unix),
+        &iov,
+        &[ControlMessage::ScmRights(&fds)],
+        MsgFlags::MSG_NOSIGNAL,
+        None,
+    )?;
+    if sent == 1 {
+        Ok(())
+    } else {
+        Err(io::ErrorKind::WriteZero.into())
+    }
+}
+
 /// Serves `listener` until it fails (it never returns otherwise).
 pub fn serve(listener: TcpListener, socket: &Path) -> io::Error {
+    serve_with(listener, socket, true)
+}
+
+/// [`serve`], handing connections over while `hand` holds (and while the
+/// kernel takes them: the first refusal makes this relay carry every
+/// connection after it).
+fn serve_with(listener: TcpListener, socket: &Path, mut hand: bool) -> io::Error {
     if let Err(e) = listener.set_nonblocking(true) {
         return e;
     }
@@ -262,21 +305,48 @@ pub fn serve(listener: TcpListener, socket: &Path) -> io::Error {
                         break;
                     }
                 };
+                let mut tcp = tcp;
+                if hand {
+                    let Ok(unix) = connect_worker(socket) else {
+                        let _ = tcp.set_nonblocking(true);
+                        let _ = tcp.write(UNAVAILABLE);
+                        continue;
+                    };
+                    match hand_over(&unix, &tcp) {
+                        // The worker has it; this process keeps nothing.
+                        Ok(()) => continue,
+                        // Out of memory for a moment: this one is carried.
+                        Err(e)
+                            if matches!(
+                                e.raw_os_error(),
+                                Some(libc::ENOBUFS | libc::ENOMEM | libc::EAGAIN | libc::EINTR)
+                            ) => {}
+                        Err(e) => {
+                            eprintln!(
+                                "corral-init: the egress relay cannot hand connections to the worker ({e}); it carries them itself"
+                            );
+                            hand = false;
+                        }
+                    }
+                }
                 if conns.len() >= MAX_CONNECTIONS {
                     // Said without waiting: the socket's buffer takes it.
-                    let mut tcp = tcp;
                     let _ = tcp.set_nonblocking(true);
                     let _ = tcp.write(TOO_MANY);
                     continue;
                 }
                 // Pipes first: out of descriptors, the client is told so.
                 let halves = Half::new().and_then(|up| Ok((up, Half::new()?)));
-                match (halves, connect_worker(socket)) {
+                let unix = connect_worker(socket).and_then(|mut u| {
+                    // A fresh socket's buffer takes one byte.
+                    u.write_all(&[RELAYED])?;
+                    Ok(u)
+                });
+                match (halves, unix) {
                     (Ok((up, down)), Ok(unix)) if tcp.set_nonblocking(true).is_ok() => {
                         conns.push(Conn::new(tcp, unix, up, down));
                     }
                     _ => {
-                        let mut tcp = tcp;
                         let _ = tcp.write(UNAVAILABLE);
                     }
                 }
@@ -310,24 +380,84 @@ mod tests {
     use std::os::unix::net::UnixListener;
 
     /// A relay on a loopback port, serving the worker's socket of a
-    /// temporary directory: the directory, the worker's listener, the
-    /// relay's address.
-    fn relaying() -> (tempfile::TempDir, UnixListener, std::net::SocketAddr) {
+    /// temporary directory, handing connections over or carrying them:
+    /// the directory, the worker's listener, the relay's address.
+    fn relaying(hand: bool) -> (tempfile::TempDir, UnixListener, std::net::SocketAddr) {
         let dir = tempfile::tempdir().unwrap();
         let sock = dir.path().join("proxy.sock");
         let worker = UnixListener::bind(&sock).unwrap();
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = listener.local_addr().unwrap();
-        std::thread::spawn(move || serve(listener, &sock));
+        std::thread::spawn(move || serve_with(listener, &sock, hand));
         (dir, worker, addr)
+    }
+
+    /// The worker's side of a carried connection: its first byte says so.
+    fn carried(worker: &UnixListener) -> UnixStream {
+        let (mut s, _) = worker.accept().unwrap();
+        let mut first = [0u8; 1];
+        s.read_exact(&mut first).unwrap();
+        assert_eq!(first[0], RELAYED);
+        s
+    }
+
+    /// The worker's side of a handed connection: one byte, one descriptor.
+    #[allow(unsafe_code)]
+    fn handed(worker: &UnixListener) -> TcpStream {
+        use nix::sys::socket::{ControlMessageOwned, MsgFlags, recvmsg};
+        use std::os::fd::{AsRawFd, FromRawFd, RawFd};
+        let (s, _) = worker.accept().unwrap();
+        let mut b = [9u8; 1];
+        let mut iov = [io::IoSliceMut::new(&mut b)];
+        let mut space = nix::cmsg_space!([RawFd; 1]);
+        let msg =
+            recvmsg::<()>(s.as_raw_fd(), &mut iov, Some(&mut space), MsgFlags::empty()).unwrap();
+        let fds: Vec<RawFd> = msg
+            .cmsgs()
+            .unwrap()
+            .flat_map(|c| match c {
+                ControlMessageOwned::ScmRights(fds) => fds,
+                _ => Vec::new(),
+            })
+            .collect();
+        assert_eq!(fds.len(), 1);
+        assert_eq!(b[0], HANDED);
+        // SAFETY: installed in this process by the recvmsg above.
+        let tcp = unsafe { TcpStream::from_raw_fd(fds[0]) };
+        tcp.set_nonblocking(false).unwrap();
+        tcp
+    }
+
+    #[test]
+    fn a_connection_is_handed_over_and_the_relay_keeps_nothing_of_it() {
+        let (_dir, worker, addr) = relaying(true);
+        let mut c = TcpStream::connect(addr).unwrap();
+        c.write_all(b"CONNECT x:443 HTTP/1.1\r\n\r\n").unwrap();
+        let mut s = handed(&worker);
+        // The sandbox's own socket: what the client sent is on it.
+        let mut head = [0u8; 26];
+        s.read_exact(&mut head).unwrap();
+        assert_eq!(&head, b"CONNECT x:443 HTTP/1.1\r\n\r\n");
+        s.write_all(b"hello").unwrap();
+        // Dropped here without a shutdown: the client sees its end only
+        // if no other copy of the socket is open (the relay kept none).
+        drop(s);
+        c.set_read_timeout(Some(std::time::Duration::from_secs(10)))
+            .unwrap();
+        let mut back = Vec::new();
+        c.read_to_end(&mut back).unwrap();
+        assert_eq!(back, b"hello");
+        // The next connection is handed over too.
+        let _c2 = TcpStream::connect(addr).unwrap();
+        let _s2 = handed(&worker);
     }
 
     #[test]
     fn bytes_go_both_ways_whole_and_eof_is_passed_on() {
-        let (_dir, worker, addr) = relaying();
+        let (_dir, worker, addr) = relaying(false);
         // The worker's side echoes, upper-cased, until EOF, then says bye.
         let echo = std::thread::spawn(move || {
-            let (mut s, _) = worker.accept().unwrap();
+            let mut s = carried(&worker);
             let mut all = Vec::new();
             s.read_to_end(&mut all).unwrap();
             s.write_all(&all.to_ascii_uppercase()).unwrap();
@@ -354,13 +484,13 @@ mod tests {
         let held = std::thread::spawn(move || {
             let mut all = Vec::new();
             for _ in 0..MAX_CONNECTIONS {
-                all.push(worker.accept().unwrap().0);
+                all.push(carried(&worker));
             }
             all
         });
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = listener.local_addr().unwrap();
-        std::thread::spawn(move || serve(listener, &sock));
+        std::thread::spawn(move || serve_with(listener, &sock, false));
         let open: Vec<TcpStream> = (0..MAX_CONNECTIONS)
             .map(|_| TcpStream::connect(addr).unwrap())
             .collect();
@@ -375,10 +505,10 @@ mod tests {
 
     #[test]
     fn an_answer_to_a_request_the_worker_stopped_reading_still_arrives() {
-        let (_dir, worker, addr) = relaying();
+        let (_dir, worker, addr) = relaying(false);
         // The worker reads a little, refuses, and goes.
         std::thread::spawn(move || {
-            let (mut s, _) = worker.accept().unwrap();
+            let mut s = carried(&worker);
             let mut head = [0u8; 1024];
             s.read_exact(&mut head).unwrap();
             s.write_all(b"HTTP/1.1 400 Bad Request\r\n\r\n").unwrap();
@@ -394,15 +524,17 @@ mod tests {
 
     #[test]
     fn no_worker_is_a_clear_refusal() {
-        let dir = tempfile::tempdir().unwrap();
-        let sock = dir.path().join("absent.sock");
-        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-        let addr = listener.local_addr().unwrap();
-        std::thread::spawn(move || serve(listener, &sock));
-        let mut c = TcpStream::connect(addr).unwrap();
-        let mut back = String::new();
-        c.read_to_string(&mut back).unwrap();
-        assert!(back.starts_with("HTTP/1.1 503"), "{back}");
-        assert!(back.contains("reason=unavailable"), "{back}");
+        for hand in [true, false] {
+            let dir = tempfile::tempdir().unwrap();
+            let sock = dir.path().join("absent.sock");
+            let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+            let addr = listener.local_addr().unwrap();
+            std::thread::spawn(move || serve_with(listener, &sock, hand));
+            let mut c = TcpStream::connect(addr).unwrap();
+            let mut back = String::new();
+            c.read_to_string(&mut back).unwrap();
+            assert!(back.starts_with("HTTP/1.1 503"), "{back}");
+            assert!(back.contains("reason=unavailable"), "{back}");
+        }
     }
 }
