@@ -1003,11 +1003,32 @@ async fn a_hostile_sandbox_harms_neither_the_worker_nor_its_neighbour() -> Resul
     let p = net.up.http.port();
     let hostile = net.sandbox(&[format!("pkg.test:{p}")]).await?;
     let neighbour = net.sandbox(&[format!("pkg.test:{p}")]).await?;
-    // A thousand connections at once, held open; a CONNECT line that never
+    // Things handed to the worker's socket that are not connections; a
+    // thousand connections at once, held open; a CONNECT line that never
     // ends; a megabyte of headers.
     let flood = format!(
         r#"
-import socket, time
+import os, socket, time
+# Straight to the worker's socket, things handed over that are not a
+# connection: a pipe, a listening socket, fifty descriptors, none.
+def hand(fds):
+    u = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    u.connect("/run/corral-egress/proxy.sock")
+    socket.send_fds(u, [b"\0"], fds)
+    return u
+r, w = os.pipe()
+lst = socket.socket()
+lst.bind(("127.0.0.1", 0))
+lst.listen()
+zero = os.open("/dev/zero", os.O_RDONLY)
+kept = [hand([r]), hand([lst.fileno()]), hand([zero] * 50), hand([])]
+# A connection of its own handed over: the policy still decides.
+a = socket.create_connection(lst.getsockname(), timeout=30)
+b, _ = lst.accept()
+kept.append(hand([b.fileno()]))
+b.close()
+a.sendall(b"GET http://elsewhere.test/ HTTP/1.1\r\nHost: elsewhere.test\r\n\r\n")
+print("handed", a.recv(4096).split(b"\r\n")[0].decode())
 slow = socket.create_connection(("127.0.0.1", 3128), timeout=30)
 slow.sendall(b"CONNECT pkg.te")
 big = socket.create_connection(("127.0.0.1", 3128), timeout=30)
@@ -1103,6 +1124,7 @@ for _ in range(600):
         "{out}"
     );
     assert!(out.contains("slow b''"), "{out}");
+    assert!(out.contains("handed HTTP/1.1 403"), "{out}");
     // The bound refused what was over it, and said so: in the metric and
     // on the sandbox's event stream.
     assert!(net.metric("blocked", "too_many_connections").await? >= 1.0);
