@@ -486,8 +486,7 @@ mod tests {
         let (server, _) = listener.accept().unwrap();
         // The sandbox's socket: taken, and what its client sent is on it.
         std::io::Write::write_all(&mut client, b"GET / HTTP/1.1").unwrap();
-        let Some(Brought::Handed(mut tcp)) = brought(&[HANDED], &[server.as_raw_fd()]).await
-        else {
+        let Some(Brought::Handed(mut tcp)) = brought(&[HANDED], &[server.as_raw_fd()]).await else {
             panic!("a connected TCP socket was not taken");
         };
         let mut got = [0u8; 14];
