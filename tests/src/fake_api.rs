@@ -8,12 +8,16 @@
 //! another spec is a conflict), an unknown sandbox is `NotFound`, a lost
 //! sandbox refuses new operations. The test drives it: output, ends,
 //! outages (every call and open stream fails as a broken connection), a
-//! lost sandbox.
+//! lost sandbox. [`FakeFleet`] puts several behind the session runner's
+//! `Workers`, each known by its address.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
+use corral_harness::client::ClientError;
+use corral_harness::fleet::{FleetError, Workers};
+use corral_harness::placement::Attempt;
 use corral_harness::worker_api::{ApiError, Events, WorkerApi};
 use corral_proto::init::OperationRecord;
 use corral_proto::{
@@ -44,6 +48,8 @@ struct State {
 /// A fake worker. Cheap to clone: clones share it.
 #[derive(Clone)]
 pub struct FakeApi {
+    /// Its address, as a fleet names it.
+    address: Arc<str>,
     state: Arc<Mutex<State>>,
     /// Each new event, and each outage (as `None`), to open watches.
     live: broadcast::Sender<Option<(SandboxId, Event)>>,
@@ -65,10 +71,28 @@ fn unreachable() -> ApiError {
 
 impl FakeApi {
     pub fn new() -> Self {
+        Self::at("fake")
+    }
+
+    /// A fake worker at `address` (one of a [`FakeFleet`]).
+    pub fn at(address: &str) -> Self {
         Self {
+            address: address.into(),
             state: Arc::default(),
             live: broadcast::channel(4096).0,
         }
+    }
+
+    /// Whether it is down (see [`Self::go_down`]).
+    pub fn is_down(&self) -> bool {
+        lock(&self.state).down
+    }
+
+    /// The sandboxes it has.
+    pub fn sandboxes(&self) -> Vec<SandboxId> {
+        let mut all: Vec<SandboxId> = lock(&self.state).sandboxes.keys().cloned().collect();
+        all.sort_by(|a, b| a.as_str().cmp(b.as_str()));
+        all
     }
 
     /// Calls fail as a refused connection, and open streams break, until
@@ -175,7 +199,7 @@ impl FakeApi {
         );
     }
 
-    fn info(id: &SandboxId, sb: &FakeSandbox) -> SandboxInfo {
+    fn info(&self, id: &SandboxId, sb: &FakeSandbox) -> SandboxInfo {
         SandboxInfo {
             id: id.clone(),
             spec: sb.spec.clone(),
@@ -188,7 +212,7 @@ impl FakeApi {
             running_operations: sb.ops.values().filter(|r| r.result.is_none()).count() as u32,
             created_at_unix_ms: 0,
             last_used_unix_ms: 0,
-            worker_id: "fake".into(),
+            worker_id: self.address.to_string(),
             image: "fake".into(),
         }
     }
@@ -204,11 +228,15 @@ impl FakeApi {
 
 impl WorkerApi for FakeApi {
     fn describe(&self) -> String {
-        "the fake worker".into()
+        format!("the fake worker {}", self.address)
     }
 
     fn name(&self) -> String {
-        "worker fake".into()
+        format!("worker {}", self.address)
+    }
+
+    fn address(&self) -> String {
+        self.address.to_string()
     }
 
     async fn create_sandbox(
@@ -229,14 +257,14 @@ impl WorkerApi for FakeApi {
                 "sandbox {id} already exists with a different spec"
             )));
         }
-        Ok(Self::info(id, sb))
+        Ok(self.info(id, sb))
     }
 
     async fn get_sandbox(&self, id: &SandboxId) -> Result<SandboxInfo, ApiError> {
         let st = self.up()?;
         st.sandboxes
             .get(id)
-            .map(|sb| Self::info(id, sb))
+            .map(|sb| self.info(id, sb))
             .ok_or_else(|| ApiError::NotFound(format!("unknown sandbox {id}")))
     }
 
@@ -419,4 +447,117 @@ where
     futures_util::stream::unfold((rx, guard), |(mut rx, guard)| async move {
         rx.recv().await.map(|e| (e, (rx, guard)))
     })
+}
+
+/// Fake workers behind the runner's [`Workers`]: each named by its
+/// address, placed on in order (a worker that is down or refuses is passed
+/// over, as placement does), found again by its id (its address). Its
+/// patience for a session's worker is the real one's logic
+/// ([`Workers::reach`]) over these.
+#[derive(Clone)]
+pub struct FakeFleet {
+    workers: Arc<Vec<FakeApi>>,
+    patience: std::time::Duration,
+}
+
+impl FakeFleet {
+    /// Workers at `addresses`, in placement order; 60 s of patience.
+    pub fn new(addresses: &[&str]) -> Self {
+        Self {
+            workers: Arc::new(addresses.iter().map(|a| FakeApi::at(a)).collect()),
+            patience: std::time::Duration::from_secs(60),
+        }
+    }
+
+    pub fn with_patience(mut self, patience: std::time::Duration) -> Self {
+        self.patience = patience;
+        self
+    }
+
+    /// The worker at `address`.
+    pub fn worker(&self, address: &str) -> &FakeApi {
+        self.workers
+            .iter()
+            .find(|w| &*w.address == address)
+            .unwrap_or_else(|| panic!("no fake worker {address}"))
+    }
+
+    fn reachable(&self, url: &str) -> Result<FakeApi, FleetError> {
+        let down = || {
+            FleetError::Client(ClientError::Connect {
+                url: url.to_string(),
+                reason: "connection refused".into(),
+            })
+        };
+        let w = self
+            .workers
+            .iter()
+            .find(|w| &*w.address == url)
+            .ok_or_else(down)?;
+        if w.is_down() {
+            return Err(down());
+        }
+        Ok(w.clone())
+    }
+}
+
+impl Workers for FakeFleet {
+    type Api = FakeApi;
+
+    async fn urls(&self) -> Result<Vec<String>, FleetError> {
+        Ok(self.workers.iter().map(|w| w.address.to_string()).collect())
+    }
+
+    async fn connect(&self, url: Option<&str>) -> Result<FakeApi, FleetError> {
+        match url {
+            Some(url) => self.reachable(url),
+            None => Err(FleetError::NoLocal),
+        }
+    }
+
+    fn place<T, E, F, Fut>(
+        &self,
+        urls: &[String],
+        _spec: &SandboxSpec,
+        mut create: F,
+    ) -> impl std::future::Future<Output = Result<T, E>> + Send
+    where
+        T: Send,
+        E: std::fmt::Display + From<FleetError> + Send,
+        F: FnMut(String, FakeApi) -> Fut + Send,
+        Fut: std::future::Future<Output = Result<T, Attempt<E>>> + Send,
+    {
+        let urls = urls.to_vec();
+        let this = self.clone();
+        async move {
+            let mut why = Vec::new();
+            for url in urls {
+                let Ok(api) = this.reachable(&url) else {
+                    why.push(format!("{url}: down"));
+                    continue;
+                };
+                match create(url.clone(), api).await {
+                    Ok(v) => return Ok(v),
+                    Err(Attempt::Refused(r)) => why.push(format!("{url}: {r}")),
+                    Err(Attempt::Failed(e)) => return Err(e),
+                }
+            }
+            Err(FleetError::NoWorker(why.join("; ")).into())
+        }
+    }
+
+    async fn connect_recorded(
+        &self,
+        urls: &[String],
+        url: Option<&str>,
+        worker_id: Option<&str>,
+    ) -> Result<FakeApi, FleetError> {
+        // A fake worker's id is its address: found where it was, or not.
+        let _ = (urls, worker_id);
+        self.connect(url).await
+    }
+
+    fn patience(&self) -> std::time::Duration {
+        self.patience
+    }
 }

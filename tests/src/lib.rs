@@ -15,6 +15,7 @@
 pub mod egress;
 pub mod fake;
 pub mod fake_api;
+pub mod fake_model;
 pub mod model;
 pub mod otlp;
 pub mod run;

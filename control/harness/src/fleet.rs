@@ -22,6 +22,7 @@ use corral_proto::{SandboxId, SandboxSpec};
 
 use crate::client::{ClientError, Credentials, WorkerClient, source_chain};
 use crate::placement::{self, Attempt, DiscoveryError, Entry, PlaceError, Placer};
+use crate::worker_api::WorkerApi;
 
 /// An error of the caller's own making, kept whole (its credentials, its
 /// local worker).
@@ -64,6 +65,76 @@ pub type LocalWorker = dyn Fn() -> Pin<Box<dyn Future<Output = Result<WorkerClie
 
 /// How long a worker asked about a sandbox or its id may take.
 pub const ASK_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Where a session's runs go (see [`crate::runner`]): the workers named,
+/// a new sandbox placed among them, a session's worker found again. A
+/// [`Fleet`] over gRPC in every product; a test's scripted workers with
+/// paused time.
+pub trait Workers: Clone + Send + Sync + 'static {
+    /// A connection to one worker.
+    type Api: WorkerApi;
+
+    /// The workers' addresses (see [`Fleet::urls`]).
+    fn urls(&self) -> impl Future<Output = Result<Vec<String>, FleetError>> + Send;
+
+    /// The worker at `url`, or the local one (see [`Fleet::connect`]).
+    fn connect(
+        &self,
+        url: Option<&str>,
+    ) -> impl Future<Output = Result<Self::Api, FleetError>> + Send;
+
+    /// Places something new on one of `urls` (see [`Fleet::place`]).
+    fn place<T, E, F, Fut>(
+        &self,
+        urls: &[String],
+        spec: &SandboxSpec,
+        create: F,
+    ) -> impl Future<Output = Result<T, E>> + Send
+    where
+        T: Send,
+        E: std::fmt::Display + From<FleetError> + Send,
+        F: FnMut(String, Self::Api) -> Fut + Send,
+        Fut: Future<Output = Result<T, Attempt<E>>> + Send;
+
+    /// The worker something was placed on, found again (see
+    /// [`Fleet::connect_recorded`]).
+    fn connect_recorded(
+        &self,
+        urls: &[String],
+        url: Option<&str>,
+        worker_id: Option<&str>,
+    ) -> impl Future<Output = Result<Self::Api, FleetError>> + Send;
+
+    /// How long [`Self::reach`] waits for a worker that does not answer.
+    fn patience(&self) -> Duration;
+
+    /// [`Self::connect_recorded`], tried again while the worker does not
+    /// answer, for up to [`Self::patience`]: pauses from 200 ms, doubling
+    /// to 5 s, none begun that would end past the deadline.
+    fn reach(
+        &self,
+        urls: &[String],
+        url: Option<&str>,
+        worker_id: Option<&str>,
+    ) -> impl Future<Output = Result<Self::Api, FleetError>> + Send {
+        async move {
+            let deadline = tokio::time::Instant::now() + self.patience();
+            let mut pause = Duration::from_millis(200);
+            loop {
+                match self.connect_recorded(urls, url, worker_id).await {
+                    Err(e)
+                        if e.is_unreachable() && tokio::time::Instant::now() + pause < deadline =>
+                    {
+                        tracing::info!(error = %e, "the worker does not answer; trying again");
+                        tokio::time::sleep(pause).await;
+                        pause = (pause * 2).min(Duration::from_secs(5));
+                    }
+                    other => return other,
+                }
+            }
+        }
+    }
+}
 
 /// A caller's workers. Cheap to clone.
 #[derive(Clone)]
@@ -241,28 +312,6 @@ impl Fleet {
         self.connect(Some(url)).await
     }
 
-    /// [`Self::connect_recorded`], tried again while the worker does not
-    /// answer, for up to the fleet's patience.
-    pub async fn reach(
-        &self,
-        urls: &[String],
-        url: Option<&str>,
-        worker_id: Option<&str>,
-    ) -> Result<WorkerClient, FleetError> {
-        let deadline = tokio::time::Instant::now() + self.patience;
-        let mut pause = Duration::from_millis(200);
-        loop {
-            match self.connect_recorded(urls, url, worker_id).await {
-                Err(e) if e.is_unreachable() && tokio::time::Instant::now() + pause < deadline => {
-                    tracing::info!(error = %e, "the worker does not answer; trying again");
-                    tokio::time::sleep(pause).await;
-                    pause = (pause * 2).min(Duration::from_secs(5));
-                }
-                other => return other,
-            }
-        }
-    }
-
     /// A client to the worker that has `sandbox` (each is asked when there
     /// are several), or the one worker, or the local one.
     pub async fn find(&self, sandbox: &SandboxId) -> Result<WorkerClient, FleetError> {
@@ -297,6 +346,46 @@ impl Fleet {
             msg.push_str(&format!(" (not asked: {})", why.join("; ")));
         }
         Err(FleetError::Invalid(msg))
+    }
+}
+
+impl Workers for Fleet {
+    type Api = WorkerClient;
+
+    async fn urls(&self) -> Result<Vec<String>, FleetError> {
+        Fleet::urls(self).await
+    }
+
+    async fn connect(&self, url: Option<&str>) -> Result<WorkerClient, FleetError> {
+        Fleet::connect(self, url).await
+    }
+
+    fn place<T, E, F, Fut>(
+        &self,
+        urls: &[String],
+        spec: &SandboxSpec,
+        create: F,
+    ) -> impl Future<Output = Result<T, E>> + Send
+    where
+        T: Send,
+        E: std::fmt::Display + From<FleetError> + Send,
+        F: FnMut(String, WorkerClient) -> Fut + Send,
+        Fut: Future<Output = Result<T, Attempt<E>>> + Send,
+    {
+        Fleet::place(self, urls, spec, create)
+    }
+
+    async fn connect_recorded(
+        &self,
+        urls: &[String],
+        url: Option<&str>,
+        worker_id: Option<&str>,
+    ) -> Result<WorkerClient, FleetError> {
+        Fleet::connect_recorded(self, urls, url, worker_id).await
+    }
+
+    fn patience(&self) -> Duration {
+        self.patience
     }
 }
 

@@ -34,6 +34,10 @@ impl WorkerApi for Worker {
         format!("worker {} (in this process)", self.id())
     }
 
+    fn address(&self) -> String {
+        self.id().to_string()
+    }
+
     async fn create_sandbox(
         &self,
         id: &SandboxId,

@@ -15,12 +15,12 @@ use tokio::task::JoinHandle;
 use crate::agent::events::{Event, RunResult};
 use crate::agent::record::OnSandboxLost;
 use crate::agent::{CoreError, Ending, Inbox, Summary};
-use crate::client::WorkerClient;
-use crate::fleet::Fleet;
+use crate::fleet::Workers;
 use crate::placement::Attempt;
 use crate::session::LogError;
 use crate::sessions::{RunOptions, SessionError, SessionHandle, Sessions, sandbox_spec};
 use crate::transfer::{Moved, Unpacking};
+use crate::worker_api::WorkerApi;
 
 /// Inputs a run holds for its session beyond the session's own inbox.
 const PENDING_INPUTS: usize = 64;
@@ -109,9 +109,9 @@ impl Run {
 /// the worker it was placed on), and runs it to its end, then ends it as
 /// `end` says. What cannot start is an error here; what happens after, in
 /// the run's events and outcome.
-pub async fn run(
+pub async fn run<F: Workers>(
     store: &Sessions,
-    fleet: &Fleet,
+    fleet: &F,
     id: &str,
     mut opts: RunOptions,
     end: RunEnd,
@@ -126,10 +126,7 @@ pub async fn run(
     let existed = store.exists(id)?;
     let (handle, worker) = begin(store, fleet, id, &opts).await?;
     if let Some(t) = &trace {
-        let (sandbox, at) = (
-            handle.config.sandbox_id.to_string(),
-            worker.url().to_string(),
-        );
+        let (sandbox, at) = (handle.config.sandbox_id.to_string(), worker.address());
         let what = match (existed, suspended) {
             (false, _) => "sandbox_created",
             (true, true) => "sandbox_resumed",
@@ -169,12 +166,12 @@ pub async fn run(
 
 /// The run's first sandbox: the session resumed where it was placed, or
 /// placed and started.
-async fn begin(
+async fn begin<F: Workers>(
     store: &Sessions,
-    fleet: &Fleet,
+    fleet: &F,
     id: &str,
     opts: &RunOptions,
-) -> Result<(SessionHandle, WorkerClient), SessionError> {
+) -> Result<(SessionHandle, F::Api), SessionError> {
     let urls = fleet.urls().await?;
     if !store.exists(id)? {
         // Checked before any worker is asked.
@@ -183,7 +180,9 @@ async fn begin(
             let spec = sandbox_spec(new.config());
             return fleet
                 .place(&urls, &spec, |url, client| {
-                    let new = new.clone().placed_on(Some(url));
+                    // Owned: a placement's attempts borrow nothing (the
+                    // future stays `Send` however the caller spawns it).
+                    let (store, new) = (store.clone(), new.clone().placed_on(Some(url)));
                     async move {
                         match store.start(new, client.clone()).await {
                             Ok(handle) => Ok((handle, client)),
@@ -258,26 +257,36 @@ async fn begin(
 
 /// Resumes session `id` in a fresh sandbox, placed among the fleet's
 /// workers (or on the one worker, or the local one).
-async fn elsewhere(
+async fn elsewhere<F: Workers>(
     store: &Sessions,
-    fleet: &Fleet,
+    fleet: &F,
     id: &str,
     reason: &str,
     opts: &RunOptions,
-) -> Result<(SessionHandle, WorkerClient), SessionError> {
+) -> Result<(SessionHandle, F::Api), SessionError> {
     let urls = fleet.urls().await?;
     if urls.len() > 1 {
         let spec = sandbox_spec(&store.config_of(id)?);
         return fleet
-            .place(&urls, &spec, |url, client| async move {
-                let stored = store.open(id).map_err(Attempt::Failed)?;
-                match store
-                    .resume_elsewhere(stored, client.clone(), Some(url), reason, opts.clone())
-                    .await
-                {
-                    Ok(handle) => Ok((handle, client)),
-                    Err(e @ SessionError::Refused { .. }) => Err(Attempt::Refused(e.to_string())),
-                    Err(e) => Err(Attempt::Failed(e)),
+            .place(&urls, &spec, |url, client| {
+                let (store, id, reason, opts) = (
+                    store.clone(),
+                    id.to_string(),
+                    reason.to_string(),
+                    opts.clone(),
+                );
+                async move {
+                    let stored = store.open(&id).map_err(Attempt::Failed)?;
+                    match store
+                        .resume_elsewhere(stored, client.clone(), Some(url), &reason, opts)
+                        .await
+                    {
+                        Ok(handle) => Ok((handle, client)),
+                        Err(e @ SessionError::Refused { .. }) => {
+                            Err(Attempt::Refused(e.to_string()))
+                        }
+                        Err(e) => Err(Attempt::Failed(e)),
+                    }
                 }
             })
             .await;
@@ -293,9 +302,9 @@ async fn elsewhere(
 
 /// The run's own task: it carries inputs in and events out across the
 /// session's sandboxes, and ends the run.
-struct Driver {
+struct Driver<F: Workers> {
     store: Sessions,
-    fleet: Fleet,
+    fleet: F,
     id: String,
     opts: RunOptions,
     end: RunEnd,
@@ -310,11 +319,11 @@ enum Generation {
     Left(String),
 }
 
-impl Driver {
+impl<F: Workers> Driver<F> {
     async fn drive(
         self,
         first: SessionHandle,
-        mut worker: WorkerClient,
+        mut worker: F::Api,
         mut inbox: mpsc::Receiver<Inbox>,
         mut left: oneshot::Receiver<String>,
     ) -> Result<RunOutcome, SessionError> {
@@ -469,7 +478,7 @@ impl Driver {
 
     /// Suspends the session (see [`Sessions::suspend`]). Not done, the
     /// sandbox keeps running, which loses nothing: said, not failed.
-    async fn suspend(&self, worker: WorkerClient) {
+    async fn suspend(&self, worker: F::Api) {
         let suspended = match self.store.open(&self.id) {
             Ok(stored) => self.store.suspend(&stored, worker).await,
             // Another run has it now.

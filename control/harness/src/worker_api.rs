@@ -51,6 +51,8 @@ pub trait WorkerApi: Clone + Send + Sync + 'static {
     fn describe(&self) -> String;
     /// The worker in a line of the form `worker W ...`: its address.
     fn name(&self) -> String;
+    /// Its address (a URL), or, for a worker in this process, its id.
+    fn address(&self) -> String;
     /// Creates the sandbox, or returns it when it exists with this spec.
     fn create_sandbox(
         &self,
@@ -163,6 +165,10 @@ impl WorkerApi for WorkerClient {
 
     fn name(&self) -> String {
         format!("worker {}", self.url())
+    }
+
+    fn address(&self) -> String {
+        self.url().to_string()
     }
 
     async fn create_sandbox(

@@ -26,6 +26,7 @@ mod reasons;
 mod resilience;
 mod restart;
 mod roundtrip;
+mod runner;
 mod serve;
 mod service;
 mod sessions;

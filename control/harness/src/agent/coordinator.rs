@@ -16,7 +16,7 @@ use tracing::{Instrument, debug, info_span, warn};
 use super::core::{Core, CoreError, Effect, Ending, now_ms};
 use super::events::Event;
 use super::record::{StopCause, StopMode};
-use crate::llm::{LlmClient, LlmError, Response, StreamDelta};
+use crate::llm::{LlmError, Model, Response, StreamDelta};
 use crate::ops::{Operation, OperationManager};
 
 /// How long completions of one turn's calls are batched.
@@ -111,7 +111,7 @@ pub struct Coordinator<M: OperationManager + 'static> {
     core: Core,
     manager: Arc<M>,
     updates: mpsc::Receiver<Operation>,
-    llm: Arc<LlmClient>,
+    llm: Arc<dyn Model>,
     inbox: mpsc::Receiver<Inbox>,
     events: mpsc::Sender<Event>,
     settings: Settings,
@@ -152,7 +152,7 @@ impl<M: OperationManager + 'static> Coordinator<M> {
         core: Core,
         manager: Arc<M>,
         updates: mpsc::Receiver<Operation>,
-        llm: Arc<LlmClient>,
+        llm: Arc<dyn Model>,
         events: mpsc::Sender<Event>,
         settings: Settings,
     ) -> (Self, mpsc::Sender<Inbox>) {

@@ -68,6 +68,39 @@ pub struct LlmClient {
     config: LlmConfig,
 }
 
+/// What answers a session's requests: a model server over HTTP
+/// ([`LlmClient`]), or a test's own script (driven with paused time, where
+/// no socket may wait).
+pub trait Model: Send + Sync {
+    /// The complete response to `req` (see [`LlmClient::respond`]).
+    fn respond<'a>(
+        &'a self,
+        req: &'a Request,
+        deltas: Option<&'a mpsc::Sender<StreamDelta>>,
+        cancel: &'a CancellationToken,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<Response, LlmError>> + Send + 'a>>;
+}
+
+impl Model for LlmClient {
+    fn respond<'a>(
+        &'a self,
+        req: &'a Request,
+        deltas: Option<&'a mpsc::Sender<StreamDelta>>,
+        cancel: &'a CancellationToken,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<Response, LlmError>> + Send + 'a>>
+    {
+        Box::pin(LlmClient::respond(self, req, deltas, cancel))
+    }
+}
+
+/// Makes the model a session's requests go to, from its endpoint.
+pub type MakeModel = dyn Fn(LlmConfig) -> Result<std::sync::Arc<dyn Model>, LlmError> + Send + Sync;
+
+/// The model of an endpoint: its server, over HTTP.
+pub fn http_model(config: LlmConfig) -> Result<std::sync::Arc<dyn Model>, LlmError> {
+    Ok(std::sync::Arc::new(LlmClient::new(config)?))
+}
+
 enum Interp {
     Responses(responses::StreamState),
     Chat(Box<chat::StreamState>),

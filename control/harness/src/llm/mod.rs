@@ -21,7 +21,7 @@ pub mod responses;
 pub mod retry;
 pub mod sse;
 
-pub use client::{Api, LlmClient, LlmConfig};
+pub use client::{Api, LlmClient, LlmConfig, MakeModel, Model, http_model};
 pub use model::{
     Item, LlmError, Request, Response, Role, StopReason, StreamDelta, Tool, ToolChoice, ToolOutput,
     Usage,

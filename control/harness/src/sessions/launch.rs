@@ -318,12 +318,13 @@ pub(super) async fn launch<W: WorkerApi>(
     opts: RunOptions,
     files: Vec<(String, Vec<u8>)>,
     resumed: bool,
+    models: &crate::llm::MakeModel,
 ) -> Result<SessionHandle, SessionError> {
     let config = core.config().clone();
     let endpoint = Endpoint::merge(config.endpoint.as_ref(), None, None);
     let mut llm_config = LlmConfig::new(endpoint.base_url, endpoint.api);
     llm_config.api_key = opts.api_key.clone();
-    let llm = Arc::new(LlmClient::new(llm_config).map_err(|e| SessionError::Model(e.to_string()))?);
+    let llm = models(llm_config).map_err(|e| SessionError::Model(e.to_string()))?;
     let patience = opts
         .worker_lost_after
         .unwrap_or(crate::follow::DEFAULT_PATIENCE);

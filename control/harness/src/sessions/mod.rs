@@ -30,7 +30,7 @@ use crate::agent::{
     Coordinator, Core, Inbox, Record, SessionConfig, Settings, State, StopCause, StopMode, Summary,
 };
 use crate::context::Budget;
-use crate::llm::{Api, LlmClient, LlmConfig, Role, ToolChoice};
+use crate::llm::{Api, LlmConfig, Role, ToolChoice};
 use crate::ops::{Manager, OpStatus, Operation, OperationManager};
 use crate::session::{LogError, Records, Recovery, SessionLog};
 use crate::tools::skills::{SANDBOX_SKILLS_DIR, Skill};
@@ -214,10 +214,20 @@ pub struct Listed {
 }
 
 /// Sessions kept in one directory.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct Sessions {
     dir: PathBuf,
     clock: crate::session::Clock,
+    models: Arc<crate::llm::MakeModel>,
+}
+
+impl std::fmt::Debug for Sessions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Sessions")
+            .field("dir", &self.dir)
+            .field("clock", &self.clock)
+            .finish_non_exhaustive()
+    }
 }
 
 impl Sessions {
@@ -225,6 +235,7 @@ impl Sessions {
         Self {
             dir: dir.into(),
             clock: crate::session::Clock::system(),
+            models: Arc::new(crate::llm::http_model),
         }
     }
 
@@ -232,6 +243,14 @@ impl Sessions {
     /// clock; the system's by default).
     pub fn with_clock(mut self, clock: crate::session::Clock) -> Self {
         self.clock = clock;
+        self
+    }
+
+    /// The same sessions, their requests answered by what `models` makes
+    /// of each session's endpoint (a test's scripted model; by default the
+    /// endpoint's server, over HTTP).
+    pub fn with_models(mut self, models: Arc<crate::llm::MakeModel>) -> Self {
+        self.models = models;
         self
     }
 
@@ -372,7 +391,7 @@ impl Sessions {
                 return Err(e);
             }
         };
-        launch(core, worker, opts, files, false).await
+        launch(core, worker, opts, files, false, &*self.models).await
     }
 
     /// Resumes a stored session on `worker` (the one it was placed on):
@@ -431,7 +450,7 @@ impl Sessions {
             }
             core.sandbox_replaced()?;
         }
-        launch(core, worker, opts, Vec::new(), true).await
+        launch(core, worker, opts, Vec::new(), true, &*self.models).await
     }
 
     /// Resumes a stored session whose sandbox was lost in a fresh sandbox
@@ -489,7 +508,7 @@ impl Sessions {
             let _ = std::fs::remove_file(&saved);
         }
         tracing::warn!(sandbox = %sandbox, generation, %reason, "the session goes on in a fresh sandbox");
-        launch(core, worker, opts, Vec::new(), true).await
+        launch(core, worker, opts, Vec::new(), true, &*self.models).await
     }
 
     /// A stored session's settings as they are now (its start, and what
