@@ -18,8 +18,9 @@ use bytes::Bytes;
 use corral_harness::client::ClientError;
 use corral_harness::fleet::{FleetError, Workers};
 use corral_harness::placement::Attempt;
-use corral_harness::worker_api::{ApiError, Events, WorkerApi};
+use corral_harness::worker_api::{ApiError, Events, Why, WorkerApi};
 use corral_proto::init::OperationRecord;
+use corral_proto::reason::Reason;
 use corral_proto::{
     Event, EventKind, OperationId, OperationResult, OperationSpec, Outcome, OutputStream,
     SandboxId, SandboxInfo, SandboxSpec, SandboxState,
@@ -253,9 +254,10 @@ impl WorkerApi for FakeApi {
                 ..FakeSandbox::default()
             });
         if &sb.spec != spec {
-            return Err(ApiError::Rejected(format!(
-                "sandbox {id} already exists with a different spec"
-            )));
+            return Err(ApiError::Rejected(
+                format!("sandbox {id} already exists with a different spec"),
+                Some(Why::new(Reason::Conflict)),
+            ));
         }
         Ok(self.info(id, sb))
     }
@@ -285,17 +287,19 @@ impl WorkerApi for FakeApi {
                 return Err(ApiError::NotFound(format!("unknown sandbox {sandbox}")));
             };
             if let Some(reason) = &sb.lost {
-                return Err(ApiError::Rejected(format!(
-                    "sandbox {sandbox} is lost: {reason}"
-                )));
+                return Err(ApiError::Rejected(
+                    format!("sandbox {sandbox} is lost: {reason}"),
+                    Some(Why::new(Reason::SandboxLost)),
+                ));
             }
             if let Some(existing) = sb.ops.get(id) {
                 return if &existing.spec == spec {
                     Ok(existing.clone())
                 } else {
-                    Err(ApiError::Rejected(format!(
-                        "operation {id} already exists with a different spec"
-                    )))
+                    Err(ApiError::Rejected(
+                        format!("operation {id} already exists with a different spec"),
+                        Some(Why::new(Reason::Conflict)),
+                    ))
                 };
             }
             let record = OperationRecord {
@@ -411,7 +415,10 @@ impl WorkerApi for FakeApi {
         _: Bytes,
         _: bool,
     ) -> Result<(u64, bool), ApiError> {
-        Err(ApiError::Rejected("the fake worker takes no input".into()))
+        Err(ApiError::Rejected(
+            "the fake worker takes no input".into(),
+            None,
+        ))
     }
 
     async fn resize_terminal(
@@ -422,6 +429,7 @@ impl WorkerApi for FakeApi {
     ) -> Result<(), ApiError> {
         Err(ApiError::Rejected(
             "the fake worker has no terminals".into(),
+            None,
         ))
     }
 

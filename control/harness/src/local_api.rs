@@ -8,20 +8,27 @@ use corral_worker::{Worker, WorkerError};
 use futures_util::StreamExt;
 use tokio_stream::wrappers::ReceiverStream;
 
-use crate::worker_api::{ApiError, Events, WorkerApi};
+use crate::worker_api::{ApiError, Events, Why, WorkerApi};
 
 fn local(e: WorkerError) -> ApiError {
     let text = e.to_string();
+    let why = Why {
+        reason: e.code_and_reason().1,
+        flag: match &e {
+            WorkerError::Denied { flag, .. } => flag.map(String::from),
+            _ => None,
+        },
+    };
     match e {
         WorkerError::UnknownSandbox(_)
         | WorkerError::Removed { .. }
         | WorkerError::UnknownOperation(_) => ApiError::NotFound(text),
-        WorkerError::AtCapacity(_) | WorkerError::Draining => ApiError::Refused(text),
+        WorkerError::AtCapacity(_) | WorkerError::Draining => ApiError::Refused(text, why),
         WorkerError::Docker(_)
         | WorkerError::InitUnresponsive { .. }
         | WorkerError::Detached(_)
         | WorkerError::ShuttingDown => ApiError::Transient(text),
-        _ => ApiError::Rejected(text),
+        _ => ApiError::Rejected(text, Some(why)),
     }
 }
 

@@ -11,6 +11,7 @@ use std::pin::Pin;
 
 use bytes::Bytes;
 use corral_proto::init::OperationRecord;
+use corral_proto::reason::Reason;
 use corral_proto::{Event, OperationId, OperationSpec, SandboxId, SandboxInfo, SandboxSpec};
 use futures_util::{Stream, StreamExt};
 
@@ -18,6 +19,21 @@ use crate::client::{ClientError, WorkerClient, source_chain};
 
 /// A sandbox's events, as they come.
 pub type Events = Pin<Box<dyn Stream<Item = Result<Event, ApiError>> + Send>>;
+
+/// A worker's machine-readable reason for refusing a call, with the flag
+/// of its policy that would allow it (for `policy_denied`): read off the
+/// error, never off its text.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Why {
+    pub reason: Reason,
+    pub flag: Option<String>,
+}
+
+impl Why {
+    pub fn new(reason: Reason) -> Self {
+        Self { reason, flag: None }
+    }
+}
 
 /// How a worker call failed, as far as a caller must tell apart.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -28,13 +44,14 @@ pub enum ApiError {
     /// No such sandbox or operation.
     #[error("{0}")]
     NotFound(String),
-    /// Will not succeed however often it is tried.
+    /// Will not succeed however often it is tried; why, when the worker
+    /// said.
     #[error("{0}")]
-    Rejected(String),
+    Rejected(String, Option<Why>),
     /// This worker takes no new sandbox (at capacity, or draining):
     /// another one may.
     #[error("{0}")]
-    Refused(String),
+    Refused(String, Why),
 }
 
 impl ApiError {
@@ -147,14 +164,18 @@ pub trait WorkerApi: Clone + Send + Sync + 'static {
 
 fn remote(e: ClientError) -> ApiError {
     let text = source_chain(&e);
+    let why = e.reason().map(|reason| Why {
+        reason,
+        flag: e.flag(),
+    });
     if e.is_refusal() {
-        ApiError::Refused(text)
+        ApiError::Refused(text, why.unwrap_or(Why::new(Reason::AtCapacity)))
     } else if e.is_transient() {
         ApiError::Transient(text)
     } else if matches!(&e, ClientError::Status(s) if s.code() == tonic::Code::NotFound) {
         ApiError::NotFound(text)
     } else {
-        ApiError::Rejected(text)
+        ApiError::Rejected(text, why)
     }
 }
 

@@ -899,6 +899,7 @@ impl Host {
             HostError::Session(SessionError::Sandbox {
                 sandbox: config.sandbox_id.clone(),
                 error: e.to_string(),
+                why: None,
             })
         })?;
         Ok(())

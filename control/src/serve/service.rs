@@ -30,6 +30,27 @@ impl ControlService {
     }
 }
 
+/// The status code a worker's reason is passed on with.
+fn code_of(reason: Reason) -> Code {
+    use Reason as R;
+    match reason {
+        R::InvalidArgument | R::TooLarge => Code::InvalidArgument,
+        R::Unauthenticated => Code::Unauthenticated,
+        R::PolicyDenied => Code::PermissionDenied,
+        R::SandboxNotFound | R::SandboxRemoved | R::OperationNotFound => Code::NotFound,
+        R::Conflict => Code::AlreadyExists,
+        R::AtCapacity | R::TooManyWatchers | R::NoFreeUid => Code::ResourceExhausted,
+        R::Draining
+        | R::ShuttingDown
+        | R::DockerUnavailable
+        | R::SupervisorDetached
+        | R::SupervisorUnresponsive
+        | R::NoWorker => Code::Unavailable,
+        R::Internal => Code::Internal,
+        _ => Code::FailedPrecondition,
+    }
+}
+
 fn status(code: Code, reason: Reason, message: String) -> Status {
     corral_proto::reason::status(code, reason, None, message)
 }
@@ -103,8 +124,14 @@ fn session_status(e: &SessionError, text: String) -> Status {
                 status(Code::Internal, Reason::Internal, text)
             }
         },
-        S::Refused { .. } => status(Code::Unavailable, Reason::AtCapacity, text),
-        S::Sandbox { .. } | S::Core(_) | S::Task(_) => {
+        // The worker's own reason, as it gave it (never read off its text).
+        S::Refused { why, .. } => {
+            corral_proto::reason::status(Code::Unavailable, why.reason, why.flag.as_deref(), text)
+        }
+        S::Sandbox { why: Some(why), .. } => {
+            corral_proto::reason::status(code_of(why.reason), why.reason, why.flag.as_deref(), text)
+        }
+        S::Sandbox { why: None, .. } | S::Core(_) | S::Task(_) => {
             status(Code::Internal, Reason::Internal, text)
         }
     }

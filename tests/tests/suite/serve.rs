@@ -566,3 +566,34 @@ async fn corral_run_through_the_service_shows_what_a_local_run_shows() -> Result
     );
     Ok(())
 }
+
+/// A worker's refusal of a session's sandbox reaches the service's client
+/// as the worker gave it: its reason and the flag that would allow it
+/// (every text withheld, so nothing but the reason can say it).
+#[tokio::test]
+async fn a_workers_refusal_reaches_the_client_with_its_reason_and_flag() -> Result<()> {
+    let setup = Setup::start(1, 4).await?;
+    let client = setup.client().await?;
+    let mut req = request("echo never");
+    if let Some(s) = req.settings.as_mut() {
+        s.image = Some("registry.invalid/not-allowed:1".into());
+    }
+    let e = client
+        .start(req)
+        .await
+        .err()
+        .context("an image the worker does not allow was used")?;
+    ensure!(e.reason() == Some(Reason::PolicyDenied), "{e}");
+    ensure!(e.flag().as_deref() == Some("--allow-image"), "{e}");
+    let mut req = request("echo never");
+    req.request_json =
+        json!({ "prompt": "echo never", "network": { "egress": ["pkg.test"] } }).to_string();
+    let e = client
+        .start(req)
+        .await
+        .err()
+        .context("egress the worker does not allow was given")?;
+    ensure!(e.reason() == Some(Reason::PolicyDenied), "{e}");
+    ensure!(e.flag().as_deref() == Some("--allow-egress"), "{e}");
+    Ok(())
+}

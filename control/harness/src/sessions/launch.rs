@@ -45,13 +45,25 @@ pub(super) async fn create<W: WorkerApi>(
 pub(super) fn sandbox_error(sandbox: &SandboxId, e: ApiError) -> SessionError {
     match e {
         // Full, draining, or not answering: another worker may do.
-        ApiError::Refused(error) | ApiError::Transient(error) => SessionError::Refused {
+        ApiError::Refused(error, why) => SessionError::Refused {
             sandbox: sandbox.clone(),
             error,
+            why,
         },
-        e => SessionError::Sandbox {
+        ApiError::Transient(error) => SessionError::Refused {
             sandbox: sandbox.clone(),
-            error: e.to_string(),
+            error,
+            why: Why::new(Reason::NoWorker),
+        },
+        ApiError::Rejected(error, why) => SessionError::Sandbox {
+            sandbox: sandbox.clone(),
+            error,
+            why,
+        },
+        ApiError::NotFound(error) => SessionError::Sandbox {
+            sandbox: sandbox.clone(),
+            error,
+            why: Some(Why::new(Reason::SandboxNotFound)),
         },
     }
 }

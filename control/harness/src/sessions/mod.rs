@@ -34,7 +34,8 @@ use crate::llm::{Api, LlmConfig, Role, ToolChoice};
 use crate::ops::{Manager, OpStatus, Operation, OperationManager};
 use crate::session::{LogError, Records, Recovery, SessionLog};
 use crate::tools::skills::{SANDBOX_SKILLS_DIR, Skill};
-use crate::worker_api::{ApiError, WorkerApi};
+use crate::worker_api::{ApiError, Why, WorkerApi};
+use corral_proto::reason::Reason;
 
 mod fork;
 mod launch;
@@ -107,13 +108,23 @@ pub enum SessionError {
     /// What was asked cannot be done as asked (the caller's mistake).
     #[error("{0}")]
     Invalid(String),
-    /// The session's sandbox could not be made, found or removed.
+    /// The session's sandbox could not be made, found or removed (`why`:
+    /// the worker's reason, when it gave one).
     #[error("sandbox {sandbox}: {error}")]
-    Sandbox { sandbox: SandboxId, error: String },
-    /// The worker takes no new sandbox (at capacity, draining, or not
-    /// answering): another worker may.
+    Sandbox {
+        sandbox: SandboxId,
+        error: String,
+        why: Option<Why>,
+    },
+    /// The worker takes no new sandbox (`why`: at capacity or draining, as
+    /// it said; `no_worker`: it did not answer in time): another worker
+    /// may.
     #[error("sandbox {sandbox}: {error}")]
-    Refused { sandbox: SandboxId, error: String },
+    Refused {
+        sandbox: SandboxId,
+        error: String,
+        why: Why,
+    },
     /// The model client could not be set up.
     #[error("model client: {0}")]
     Model(String),

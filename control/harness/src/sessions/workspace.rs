@@ -42,6 +42,7 @@ impl Sessions {
             .map_err(|e| SessionError::Sandbox {
                 sandbox: sandbox.clone(),
                 error: format!("saving its workspace: {e}"),
+                why: None,
             })?;
         match worker.destroy_sandbox(sandbox).await {
             Ok(_) | Err(ApiError::NotFound(_)) => Ok(Some(moved.bytes)),
@@ -247,6 +248,7 @@ impl Sessions {
             SessionError::Sandbox {
                 sandbox,
                 error: e.to_string(),
+                why: None,
             }
         })
     }
@@ -285,6 +287,7 @@ impl Sessions {
         .map_err(|e| SessionError::Sandbox {
             sandbox: config.sandbox_id.clone(),
             error: e.to_string(),
+            why: None,
         })
     }
 }
