@@ -437,6 +437,82 @@ impl<R: Serialize + DeserializeOwned> SessionLog<R> {
     }
 }
 
+/// Where a reading of a log stopped (see [`SessionLog::fold_on`]): which
+/// file it was (its header, device and inode), the bytes of whole records
+/// read, the last seq.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Mark {
+    header: Header,
+    dev: u64,
+    ino: u64,
+    /// The file's birth time, where the file system keeps one.
+    born: Option<std::time::SystemTime>,
+    bytes: u64,
+    seq: u64,
+}
+
+impl<R: DeserializeOwned> SessionLog<R> {
+    /// Folds the records of session `id` into a state: those after
+    /// `cached`'s mark into its state, when that mark is of this log as it
+    /// is now (the same file, not shorter); else every record into
+    /// `init()`'s (a log removed and made again, or never read). Returns
+    /// the state and where this reading stopped, to be passed again: a
+    /// log is read once however often it is asked about. A torn last line
+    /// is not read (it is read once whole).
+    pub fn fold_on<S>(
+        dir: &Path,
+        id: &str,
+        cached: Option<(Mark, S)>,
+        init: impl FnOnce() -> S,
+        mut each: impl FnMut(&mut S, u64, R),
+    ) -> Result<(Mark, S), LogError> {
+        use std::os::unix::fs::MetadataExt;
+        let (path, mut file) = open_existing(dir, id, false)?;
+        let meta = file.metadata().map_err(io(&path))?;
+        let clone = file.try_clone().map_err(io(&path))?;
+        file.seek(SeekFrom::Start(0)).map_err(io(&path))?;
+        let mut reader = Reader {
+            lines: BufReader::new(clone),
+            id: id.into(),
+            path: path.clone(),
+            buf: Vec::new(),
+            line_no: 0,
+            last: 0,
+        };
+        let (header, header_bytes) = reader.header()?;
+        let (mut state, mut bytes) = match cached {
+            Some((m, state))
+                if m.header == header
+                    && m.dev == meta.dev()
+                    && m.ino == meta.ino()
+                    && m.born == meta.created().ok()
+                    && m.bytes <= meta.len() =>
+            {
+                reader
+                    .lines
+                    .seek(SeekFrom::Start(m.bytes))
+                    .map_err(io(&path))?;
+                reader.last = m.seq;
+                (state, m.bytes)
+            }
+            _ => (init(), header_bytes),
+        };
+        while let Some((line, n)) = reader.record::<R>()? {
+            bytes += n;
+            each(&mut state, line.seq, line.record);
+        }
+        let mark = Mark {
+            header,
+            dev: meta.dev(),
+            ino: meta.ino(),
+            born: meta.created().ok(),
+            bytes,
+            seq: reader.last,
+        };
+        Ok((mark, state))
+    }
+}
+
 /// The records of a log, one at a time (see [`SessionLog::records`]).
 pub struct Records<R> {
     reader: Reader,
@@ -697,6 +773,46 @@ mod tests {
             SessionLog::<Rec>::open_with(dir.path(), "s1", |seq, r| seen.push((seq, r))).unwrap();
         assert_eq!(seen, records);
         assert_eq!(log.last_seq(), 6);
+    }
+
+    #[test]
+    fn a_fold_reads_each_record_once_and_a_log_made_again_from_its_start() {
+        let dir = tempfile::tempdir().unwrap();
+        let fixed = Clock::from_fn(|| 1_000);
+        let mut log = SessionLog::<Rec>::create_clocked(dir.path(), "s1", fixed.clone()).unwrap();
+        log.append(&rec("a")).unwrap();
+        log.append(&rec("b")).unwrap();
+        // The state: every text read, in order.
+        let fold = |cached| {
+            SessionLog::<Rec>::fold_on(dir.path(), "s1", cached, Vec::new, |seen, seq, r| {
+                seen.push((seq, r.text))
+            })
+            .unwrap()
+        };
+        let (mark, seen) = fold(None);
+        assert_eq!(seen, vec![(1, "a".into()), (2, "b".into())]);
+        // Nothing new: nothing read.
+        let (mark, seen) = fold(Some((mark, Vec::new())));
+        assert!(seen.is_empty());
+        // A record and a torn line: the record is read, the torn line not
+        // until it is whole.
+        log.append(&rec("c")).unwrap();
+        let path = path_of(dir.path(), "s1");
+        let mut f = OpenOptions::new().append(true).open(&path).unwrap();
+        f.write_all(br#"{"seq":4,"at":1000,"record":{"te"#).unwrap();
+        let (mark, seen) = fold(Some((mark, Vec::new())));
+        assert_eq!(seen, vec![(3, "c".into())]);
+        f.write_all(b"xt\":\"d\"}}\n").unwrap();
+        let (mark, seen) = fold(Some((mark, Vec::new())));
+        assert_eq!(seen, vec![(4, "d".into())]);
+        // Removed and made again under the same id (at the same instant):
+        // read from its start, whatever was cached.
+        drop((log, f));
+        fs::remove_file(&path).unwrap();
+        let mut log = SessionLog::<Rec>::create_clocked(dir.path(), "s1", fixed).unwrap();
+        log.append(&rec("new")).unwrap();
+        let (_, seen) = fold(Some((mark, vec![(9, "stale".into())])));
+        assert_eq!(seen, vec![(1, "new".into())]);
     }
 
     #[test]

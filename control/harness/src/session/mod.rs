@@ -2,4 +2,4 @@
 
 pub mod log;
 
-pub use log::{Clock, LogError, Records, Recovery, SessionLog, Timed, TimedRecords};
+pub use log::{Clock, LogError, Mark, Records, Recovery, SessionLog, Timed, TimedRecords};

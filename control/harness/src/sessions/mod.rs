@@ -224,12 +224,18 @@ pub struct Listed {
     pub state: Result<State, SessionError>,
 }
 
+/// Each session's configuration as far as its log was read (see
+/// [`Sessions::config_of`]).
+type Configs =
+    std::collections::HashMap<String, (crate::session::log::Mark, Option<SessionConfig>)>;
+
 /// Sessions kept in one directory.
 #[derive(Clone)]
 pub struct Sessions {
     dir: PathBuf,
     clock: crate::session::Clock,
     models: Arc<crate::llm::MakeModel>,
+    configs: Arc<std::sync::Mutex<Configs>>,
 }
 
 impl std::fmt::Debug for Sessions {
@@ -247,6 +253,7 @@ impl Sessions {
             dir: dir.into(),
             clock: crate::session::Clock::system(),
             models: Arc::new(crate::llm::http_model),
+            configs: Arc::default(),
         }
     }
 
@@ -527,10 +534,22 @@ impl Sessions {
     /// (it may be running): its records are read, but nothing is replayed
     /// but their settings.
     pub fn config_of(&self, id: &str) -> Result<SessionConfig, SessionError> {
-        let mut config = None;
-        for rec in SessionLog::<Record>::records(&self.dir, id)? {
-            crate::agent::state::apply_to_config(&mut config, &rec?.1);
-        }
+        // Read from where the last question about it stopped: a session's
+        // log is read once by this store, however often it is asked.
+        let configs = || {
+            self.configs
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+        };
+        let cached = configs().get(id).cloned();
+        let (mark, config) = SessionLog::<Record>::fold_on(
+            &self.dir,
+            id,
+            cached,
+            || None,
+            |config, _, rec| crate::agent::state::apply_to_config(config, &rec),
+        )?;
+        configs().insert(id.to_string(), (mark, config.clone()));
         config.ok_or_else(|| crate::agent::CoreError::NoStart(id.into()).into())
     }
 
@@ -548,6 +567,10 @@ impl Sessions {
                 Err(e) => return Err(sandbox_error(sandbox, e)),
             }
         }
+        self.configs
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .remove(stored.id());
         let _ = std::fs::remove_file(self.saved_workspace(stored.id()));
         let _ = std::fs::remove_file(self.events_path(stored.id()));
         let path = crate::session::log::path_of(&self.dir, stored.id());

@@ -126,11 +126,8 @@ impl Translator for Bash {
                 .unwrap_or(self.default_max_output)
                 .min(corral_proto::limits::MAX_OUTPUT_LIMIT_BYTES),
         );
-        let spec = OperationSpec::Shell(spec);
-        match spec.validate() {
-            Ok(()) => CallStatus::Submit(vec![spec]),
-            Err(e) => CallStatus::Error(format!("Error: {e}")),
-        }
+        // Checked as the worker checks it by the registry, once.
+        CallStatus::Submit(vec![OperationSpec::Shell(spec)])
     }
 
     fn render(&self, ops: &[Operation]) -> Vec<ToolOutput> {
@@ -246,11 +243,13 @@ mod tests {
             Bash::default().translate(r#"{"command":"x","timeout_seconds":0}"#),
             CallStatus::Error(_)
         ));
+        // Checked as the worker checks it, once, by the registry.
+        let registry = super::super::Registry::standard();
         assert!(
-            matches!(Bash::default().translate(r#"{"command":""}"#), CallStatus::Error(e) if e == "Error: invalid `command`: empty command")
+            matches!(registry.translate("Bash", r#"{"command":""}"#), CallStatus::Error(e) if e == "Error: invalid arguments for Bash: invalid `command`: empty command")
         );
         assert!(
-            matches!(Bash::default().translate(r#"{"command":"a\u0000b"}"#), CallStatus::Error(e) if e.contains("NUL"))
+            matches!(registry.translate("Bash", r#"{"command":"a\u0000b"}"#), CallStatus::Error(e) if e.contains("NUL"))
         );
         assert!(matches!(
             Bash::default().translate(r#"{"command":"x","timeout_seconds":"5"}"#),
