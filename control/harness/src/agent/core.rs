@@ -586,10 +586,11 @@ impl Core {
         if call.shown == Shown::Final {
             return Ok(());
         }
-        let ops = self.state.operations_of(call);
+        let ops = self.state.views_of(call);
         let output = self.registry.render(&call.tool, &call.outcome, &ops);
         let tool = call.tool.clone();
         let ended = Ended::of(&call.outcome, &ops);
+        drop(ops);
         self.emit(Event::ToolResult {
             call_id: call_id.into(),
             tool,
@@ -852,7 +853,7 @@ pub struct Ended {
 impl Ended {
     /// From the call's outcome and its operations (in order): the worst of
     /// them sets the status; the last command that exited, the exit code.
-    pub fn of(outcome: &CallOutcome, ops: &[Operation]) -> Self {
+    pub fn of(outcome: &CallOutcome, ops: &[crate::ops::OpView<'_>]) -> Self {
         use corral_proto::Outcome;
         let mut ended = Self {
             status: "ok",
@@ -875,7 +876,7 @@ impl Ended {
             _ => 4,
         };
         for op in ops {
-            let status = match (op.status, op.result.as_ref().map(|r| &r.outcome)) {
+            let status = match (op.status, op.result.map(|r| &r.outcome)) {
                 (OpStatus::Canceled, _) | (_, Some(Outcome::Canceled)) => "canceled",
                 (_, Some(Outcome::SandboxLost { .. })) => "lost",
                 (OpStatus::Failed, _) if op.lost => "lost",
@@ -887,7 +888,7 @@ impl Ended {
             if rank(status) > rank(ended.status) {
                 ended.status = status;
             }
-            if let Some(r) = &op.result {
+            if let Some(r) = op.result {
                 if let Outcome::Exited { code } = r.outcome {
                     ended.exit_code = Some(code);
                 }

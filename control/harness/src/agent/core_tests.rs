@@ -1058,7 +1058,7 @@ fn a_call_is_lost_by_how_its_operation_failed_never_by_the_words() {
     let ended = |f: &dyn Fn(&mut Operation)| {
         let mut op = Operation::new(OperationId::random(), spec.clone());
         f(&mut op);
-        Ended::of(&CallOutcome::Submit, &[op]).status
+        Ended::of(&CallOutcome::Submit, &[op.view()]).status
     };
     // Whatever the words, a loss is a loss...
     assert_eq!(ended(&|o| o.fail_lost("worker w1 went away")), "lost");

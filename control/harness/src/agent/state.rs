@@ -11,7 +11,7 @@ use corral_proto::{OperationId, OperationSpec};
 use super::record::{CallOutcome, OpSnapshot, Record, SessionConfig, StopCause, StopMode};
 use crate::context::{Budget, ContextBuilder, SkillInfo};
 use crate::llm::{Item, Response, StopReason, Usage};
-use crate::ops::{OpStatus, Operation};
+use crate::ops::{OpStatus, OpView};
 
 /// What the model is shown of a call.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -245,23 +245,29 @@ impl State {
             .all(|o| self.ops.get(o).is_none_or(|st| st.end.is_some()))
     }
 
-    /// The operations of a call as operation values (terminal ones with
-    /// their result), for rendering.
-    pub fn operations_of(&self, call: &CallState) -> Vec<Operation> {
+    /// The operations of a call as recorded (terminal ones with their
+    /// result; the rest awaiting), borrowed for rendering.
+    pub fn views_of(&self, call: &CallState) -> Vec<OpView<'_>> {
         call.ops
             .iter()
             .filter_map(|id| {
                 let st = self.ops.get(id)?;
-                let mut op = Operation::new(id.clone(), st.spec.clone());
-                if let Some(end) = &st.end {
-                    op.status = end.status;
-                    op.result = end.result.clone();
-                    op.failure = end.failure.clone();
-                    op.lost = end.lost;
-                } else {
-                    op.status = OpStatus::Awaiting;
-                }
-                Some(op)
+                Some(match &st.end {
+                    Some(end) => OpView {
+                        spec: &st.spec,
+                        status: end.status,
+                        result: end.result.as_ref(),
+                        failure: end.failure.as_deref(),
+                        lost: end.lost,
+                    },
+                    None => OpView {
+                        spec: &st.spec,
+                        status: OpStatus::Awaiting,
+                        result: None,
+                        failure: None,
+                        lost: false,
+                    },
+                })
             })
             .collect()
     }

@@ -16,4 +16,4 @@ pub mod operation;
 #[cfg(feature = "local")]
 pub use manager::LocalManager;
 pub use manager::{Manager, ManagerError, OperationManager, RemoteManager};
-pub use operation::{OpStatus, Operation, Progress};
+pub use operation::{OpStatus, OpView, Operation, Progress};

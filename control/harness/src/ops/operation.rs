@@ -77,7 +77,31 @@ pub struct Operation {
     pub lost: bool,
 }
 
+/// One operation of a tool call as its result is rendered from (see
+/// `crate::tools::Translator::render`): borrowed from what the session
+/// recorded, or from an [`Operation`] ([`Operation::view`]), never rebuilt.
+#[derive(Debug, Clone, Copy)]
+pub struct OpView<'a> {
+    pub spec: &'a OperationSpec,
+    pub status: OpStatus,
+    pub result: Option<&'a OperationResult>,
+    pub failure: Option<&'a str>,
+    /// It failed because its sandbox was lost.
+    pub lost: bool,
+}
+
 impl Operation {
+    /// This operation as a result is rendered from.
+    pub fn view(&self) -> OpView<'_> {
+        OpView {
+            spec: &self.spec,
+            status: self.status,
+            result: self.result.as_ref(),
+            failure: self.failure.as_deref(),
+            lost: self.lost,
+        }
+    }
+
     pub fn new(id: OperationId, spec: OperationSpec) -> Self {
         Self {
             id,

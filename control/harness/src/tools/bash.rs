@@ -6,7 +6,7 @@ use serde::Deserialize;
 
 use super::{CallStatus, Translator, parse_args, text};
 use crate::llm::{Tool, ToolOutput};
-use crate::ops::{OpStatus, Operation};
+use crate::ops::{OpStatus, OpView};
 
 /// Default and largest `max_output_length`, in bytes kept per stream.
 pub const DEFAULT_MAX_OUTPUT: u64 = 40_000;
@@ -130,7 +130,7 @@ impl Translator for Bash {
         CallStatus::Submit(vec![OperationSpec::Shell(spec)])
     }
 
-    fn render(&self, ops: &[Operation]) -> Vec<ToolOutput> {
+    fn render(&self, ops: &[OpView<'_>]) -> Vec<ToolOutput> {
         let Some(op) = ops.first() else {
             return text("Error: the command was not started");
         };
@@ -140,10 +140,10 @@ impl Translator for Bash {
             }
             OpStatus::Failed => text(format!(
                 "Error: {}",
-                op.failure.as_deref().unwrap_or("the command failed")
+                op.failure.unwrap_or("the command failed")
             )),
             OpStatus::Canceled | OpStatus::Completed => {
-                let Some(r) = &op.result else {
+                let Some(r) = op.result else {
                     return text("Error: the command was canceled before it started");
                 };
                 let mut parts = Vec::new();
@@ -183,6 +183,7 @@ impl Translator for Bash {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ops::Operation;
     use bytes::Bytes;
     use corral_proto::{Captured, OperationId, OperationResult};
 
@@ -207,7 +208,7 @@ mod tests {
     }
 
     fn rendered(op: &Operation) -> String {
-        match &Bash::default().render(std::slice::from_ref(op))[0] {
+        match &Bash::default().render(&[op.view()])[0] {
             ToolOutput::Text { text } => text.to_string(),
             ToolOutput::Image { .. } => panic!("image"),
         }

@@ -8,7 +8,7 @@ use serde::Deserialize;
 
 use super::{CallStatus, Translator, parse_args, text};
 use crate::llm::{Tool, ToolOutput};
-use crate::ops::{OpStatus, Operation};
+use crate::ops::{OpStatus, OpView};
 
 /// Default bytes a ReadFile returns.
 pub const DEFAULT_READ_LIMIT: u64 = 256 * 1024;
@@ -20,12 +20,12 @@ fn check(spec: OperationSpec) -> CallStatus {
 }
 
 /// What an unfinished or failed file operation says.
-pub(crate) fn not_done(op: &Operation) -> Option<Vec<ToolOutput>> {
+pub(crate) fn not_done(op: &OpView<'_>) -> Option<Vec<ToolOutput>> {
     match op.status {
         OpStatus::Ready | OpStatus::Awaiting | OpStatus::Canceling => Some(text("Still running.")),
         OpStatus::Failed => Some(text(format!(
             "Error: {}",
-            op.failure.as_deref().unwrap_or("the operation failed")
+            op.failure.unwrap_or("the operation failed")
         ))),
         OpStatus::Canceled => Some(text("Canceled.")),
         OpStatus::Completed => match op.result.as_ref().map(|r| &r.outcome) {
@@ -85,14 +85,14 @@ under the workspace or /tmp). Long files are read in pieces: pass offset to cont
         }))
     }
 
-    fn render(&self, ops: &[Operation]) -> Vec<ToolOutput> {
+    fn render(&self, ops: &[OpView<'_>]) -> Vec<ToolOutput> {
         let Some(op) = ops.first() else {
             return text("Error: not started");
         };
         if let Some(t) = not_done(op) {
             return t;
         }
-        let (Some(r), OperationSpec::ReadFile(spec)) = (&op.result, &op.spec) else {
+        let (Some(r), OperationSpec::ReadFile(spec)) = (op.result, op.spec) else {
             return text("Error: no result");
         };
         let data: &Bytes = &r.file_data;
@@ -172,14 +172,14 @@ created). The path is relative to the workspace, or absolute under the workspace
         }))
     }
 
-    fn render(&self, ops: &[Operation]) -> Vec<ToolOutput> {
+    fn render(&self, ops: &[OpView<'_>]) -> Vec<ToolOutput> {
         let Some(op) = ops.first() else {
             return text("Error: not started");
         };
         if let Some(t) = not_done(op) {
             return t;
         }
-        match (&op.result, &op.spec) {
+        match (op.result, op.spec) {
             (Some(r), OperationSpec::WriteFile(spec)) => {
                 text(format!("Wrote {} bytes to {}.", r.bytes_written, spec.path))
             }
@@ -191,6 +191,7 @@ created). The path is relative to the workspace, or absolute under the workspace
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ops::Operation;
     use corral_proto::{FileErrorKind, OperationId, OperationResult};
 
     fn read_result(spec: &str, data: &'static [u8], size: u64) -> Vec<ToolOutput> {
@@ -202,7 +203,7 @@ mod tests {
         r.file_data = Bytes::from_static(data);
         r.file_size = size;
         op.finish(r);
-        ReadFile.render(&[op])
+        ReadFile.render(&[op.view()])
     }
 
     #[test]
@@ -250,7 +251,7 @@ mod tests {
             message: "/etc/x: outside the workspace and /tmp".into(),
         }));
         assert_eq!(
-            WriteFile.render(&[op]),
+            WriteFile.render(&[op.view()]),
             text("Error: /etc/x: outside the workspace and /tmp")
         );
     }

@@ -1,8 +1,9 @@
-//! Tool translators: pure and synchronous. A translator checks a call's
+//! Tool translators: pure and synchronous. A translator reads a call's
 //! arguments and turns them into operation specs, or into an error that goes
-//! back to the model as the call's result (the run goes on). Later it turns
-//! the finished operations into the result the model reads. No I/O here:
-//! operations do the work, elsewhere.
+//! back to the model as the call's result (the run goes on); the registry
+//! checks the specs once, as the worker will. Later the translator turns the
+//! finished operations, as the session recorded them ([`OpView`]), into the
+//! result the model reads. No I/O here: operations do the work, elsewhere.
 
 pub mod bash;
 pub mod files;
@@ -16,7 +17,7 @@ use corral_proto::OperationSpec;
 use serde::de::DeserializeOwned;
 
 use crate::llm::{Tool, ToolOutput};
-use crate::ops::Operation;
+use crate::ops::OpView;
 
 /// What became of a tool call.
 #[derive(Debug, Clone, PartialEq)]
@@ -47,8 +48,9 @@ pub trait Translator: Send + Sync {
     fn tool(&self) -> Tool;
     /// Arguments (raw JSON from the model) to operations.
     fn translate(&self, arguments: &str) -> CallStatus;
-    /// The model-facing result of the call's operations (in order).
-    fn render(&self, ops: &[Operation]) -> Vec<ToolOutput>;
+    /// The model-facing result of the call's operations (in order), as
+    /// the session recorded them.
+    fn render(&self, ops: &[OpView<'_>]) -> Vec<ToolOutput>;
 }
 
 /// The largest tool-call arguments a session keeps and runs (256 KiB:
@@ -169,7 +171,7 @@ impl Registry {
     }
 
     /// The result of a call: its error, or its operations rendered.
-    pub fn render(&self, name: &str, outcome: &CallOutcome, ops: &[Operation]) -> Vec<ToolOutput> {
+    pub fn render(&self, name: &str, outcome: &CallOutcome, ops: &[OpView<'_>]) -> Vec<ToolOutput> {
         match (outcome, self.tools.get(name)) {
             (CallOutcome::Error { text: e }, _) => text(e.as_str()),
             (CallOutcome::Done { output }, _) => output.clone(),

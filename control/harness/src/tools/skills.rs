@@ -11,7 +11,7 @@ use serde::Deserialize;
 use super::{CallStatus, Translator, parse_args, text};
 use crate::context::SkillInfo;
 use crate::llm::{Tool, ToolOutput};
-use crate::ops::Operation;
+use crate::ops::OpView;
 
 /// Where skill folders live inside a sandbox.
 pub const SANDBOX_SKILLS_DIR: &str = "/workspace/.corral/skills";
@@ -161,7 +161,7 @@ impl Translator for SkillUse {
         }
     }
 
-    fn render(&self, _ops: &[Operation]) -> Vec<ToolOutput> {
+    fn render(&self, _ops: &[OpView<'_>]) -> Vec<ToolOutput> {
         text("Error: SkillUse runs no operation")
     }
 }

@@ -14,7 +14,7 @@ use serde::Deserialize;
 
 use super::{CallStatus, Translator, parse_args, text};
 use crate::llm::{Tool, ToolOutput};
-use crate::ops::Operation;
+use crate::ops::OpView;
 
 #[derive(Debug, Clone, Copy)]
 pub struct ViewImage {
@@ -186,14 +186,14 @@ are scaled down to fit; the result says by how much."
         CallStatus::Submit(vec![spec])
     }
 
-    fn render(&self, ops: &[Operation]) -> Vec<ToolOutput> {
+    fn render(&self, ops: &[OpView<'_>]) -> Vec<ToolOutput> {
         let Some(op) = ops.first() else {
             return text("Error: not started");
         };
         if let Some(t) = super::files::not_done(op) {
             return t;
         }
-        let (Some(r), OperationSpec::ReadFile(spec)) = (&op.result, &op.spec) else {
+        let (Some(r), OperationSpec::ReadFile(spec)) = (op.result, op.spec) else {
             return text("Error: no result");
         };
         if r.file_size > self.max_source_bytes || (r.file_data.len() as u64) < r.file_size {
