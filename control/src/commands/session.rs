@@ -118,8 +118,8 @@ async fn session_command(conn: &ConnArgs, cmd: &SessionCommand) -> Result<(), Er
                 "{:<24} {:>5} {:>6} {:<10} LAST",
                 "ID", "TURNS", "CALLS", "STATE"
             )?;
-            for corral_harness::sessions::Listed { id, state } in store.list()? {
-                match state {
+            for corral_harness::sessions::Listed { id, brief } in store.list()? {
+                match brief {
                     Ok(s) => {
                         let state = match s.last_end {
                             _ if s.fresh_fork => "forked",
@@ -134,8 +134,8 @@ async fn session_command(conn: &ConnArgs, cmd: &SessionCommand) -> Result<(), Er
                             out,
                             "{:<24} {:>5} {:>6} {:<10} {}",
                             id,
-                            s.turns(),
-                            s.tool_calls(),
+                            s.turns,
+                            s.tool_calls,
                             state,
                             one_line(&s.final_text, 60)
                         )?;

@@ -791,13 +791,13 @@ impl Host {
                 None => None,
             };
             let events = super::journal::count_lines(&self.inner.store.events_path(&listed.id));
-            let (model, sandbox_id, worker, turns) = match &listed.state {
+            let (model, sandbox_id, worker, turns) = match &listed.brief {
                 Ok(s) => match &s.config {
                     Some(c) => (
                         c.model.clone(),
                         c.sandbox_id.to_string(),
                         c.worker.clone().unwrap_or_default(),
-                        s.turns(),
+                        s.turns,
                     ),
                     None => Default::default(),
                 },

@@ -97,11 +97,14 @@ async fn a_session_starts_runs_its_calls_and_is_listed() -> Result<()> {
 
     let listed = store.list()?;
     assert_eq!(listed.len(), 1);
-    let state = listed[0]
-        .state
+    let brief = listed[0]
+        .brief
         .as_ref()
         .map_err(|e| anyhow::anyhow!("{e}"))?;
-    assert_eq!(state.last_end, Some(Ending::Done));
+    assert_eq!(brief.last_end, Some(Ending::Done));
+    // What a listing shows is what the whole state says.
+    let state = corral_harness::agent::replay(store.dir(), "s1")?;
+    assert_eq!(*brief, corral_harness::agent::Brief::of(&state));
     let first = store.records("s1")?.next().transpose()?;
     assert!(matches!(first, Some((1, Record::Start { .. }))));
     // Starting it again is refused: it exists.

@@ -61,6 +61,10 @@ pub struct Core {
     progress_told: HashMap<OperationId, i64>,
     effects: Vec<Effect>,
     observer: Option<Box<dyn RecordObserver>>,
+    /// In tests: a listing's brief, folded beside the state from every
+    /// record, checked to agree with it after each.
+    #[cfg(test)]
+    brief: super::state::Brief,
 }
 
 /// Told of every record a core appends, as it is appended (at the time
@@ -94,6 +98,8 @@ impl Core {
             progress_told: HashMap::new(),
             effects: Vec::new(),
             observer: None,
+            #[cfg(test)]
+            brief: super::state::Brief::default(),
         };
         core.record(Record::Start { config })?;
         Ok(core)
@@ -124,6 +130,8 @@ impl Core {
             return Err(CoreError::NoStart(log.id().into()));
         };
         let registry = config.registry();
+        #[cfg(test)]
+        let brief = super::state::Brief::of(&state);
         let mut core = Self {
             log,
             state,
@@ -133,6 +141,8 @@ impl Core {
             progress_told: HashMap::new(),
             effects: Vec::new(),
             observer: None,
+            #[cfg(test)]
+            brief,
         };
         let current = config.endpoint.as_ref();
         let endpoint = super::record::Endpoint::merge(current, overrides.base_url, overrides.api);
@@ -201,6 +211,15 @@ impl Core {
     fn record(&mut self, rec: Record) -> Result<(), CoreError> {
         self.log.append(&rec)?;
         self.state.apply(&rec);
+        #[cfg(test)]
+        {
+            self.brief.apply(&rec);
+            assert_eq!(
+                self.brief,
+                super::state::Brief::of(&self.state),
+                "a listing's brief and the state disagree after {rec:?}"
+            );
+        }
         if let Some(o) = &mut self.observer {
             o.on_record(self.log.last_at(), &rec);
         }

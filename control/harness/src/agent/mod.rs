@@ -22,4 +22,4 @@ pub use self::core::{Core, CoreError, Effect, replay};
 pub use coordinator::{Coordinator, Inbox, Settings, Summary};
 pub use events::{Event, RunResult};
 pub use record::{Ending, OnSandboxLost, Record, SessionConfig, StopCause, StopMode};
-pub use state::State;
+pub use state::{Brief, State};

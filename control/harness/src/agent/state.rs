@@ -160,6 +160,71 @@ pub fn apply_to_config(config: &mut Option<SessionConfig>, record: &Record) {
     }
 }
 
+/// What a listing shows of a session: its settings and the few figures
+/// [`State`] keeps about its runs, folded from its records as `State`
+/// folds them ([`Brief::apply`]), in a few bytes however long its log.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Brief {
+    pub config: Option<SessionConfig>,
+    /// As [`State::turns`].
+    pub turns: u64,
+    /// As [`State::tool_calls`].
+    pub tool_calls: u64,
+    pub last_end: Option<super::record::Ending>,
+    pub fresh_fork: bool,
+    pub final_text: String,
+    in_flight: Option<u64>,
+}
+
+impl Brief {
+    /// Applies one record (see [`State::apply`]).
+    pub fn apply(&mut self, record: &Record) {
+        apply_to_config(&mut self.config, record);
+        match record {
+            Record::Resume { .. } => {
+                self.last_end = None;
+                self.in_flight = None;
+            }
+            Record::Forked { .. } => self.fresh_fork = true,
+            Record::Input { .. } => {
+                self.fresh_fork = false;
+                self.in_flight = None;
+            }
+            Record::Turn { turn } => {
+                self.fresh_fork = false;
+                self.turns = *turn;
+                self.in_flight = Some(*turn);
+            }
+            Record::Response { turn, response } if self.in_flight == Some(*turn) => {
+                self.in_flight = None;
+                self.final_text = response.text();
+            }
+            Record::ModelFailure { turn, .. } | Record::Shrink { turn, .. }
+                if self.in_flight == Some(*turn) =>
+            {
+                self.in_flight = None;
+            }
+            Record::Call { .. } => self.tool_calls += 1,
+            Record::Stop { mode, .. } if *mode == StopMode::Hard => self.in_flight = None,
+            Record::Finished { ending } => self.last_end = Some(*ending),
+            _ => {}
+        }
+    }
+
+    /// The same figures of a whole state.
+    pub fn of(state: &State) -> Self {
+        Self {
+            config: state.config.clone(),
+            turns: state.turns(),
+            tool_calls: state.tool_calls(),
+            last_end: state.last_end,
+            fresh_fork: state.fresh_fork,
+            final_text: state.final_text.clone(),
+            in_flight: state.in_flight,
+        }
+    }
+}
+
 /// The budget after a request was found too long for a window of
 /// `context_window_tokens`.
 fn shrunk(mut budget: Budget, context_window_tokens: u64) -> Budget {

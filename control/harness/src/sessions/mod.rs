@@ -220,14 +220,13 @@ impl Stored {
 #[derive(Debug)]
 pub struct Listed {
     pub id: String,
-    /// Its state, or why its log cannot be read.
-    pub state: Result<State, SessionError>,
+    /// What a listing shows of it, or why its log cannot be read.
+    pub brief: Result<crate::agent::Brief, SessionError>,
 }
 
-/// Each session's configuration as far as its log was read (see
-/// [`Sessions::config_of`]).
-type Configs =
-    std::collections::HashMap<String, (crate::session::log::Mark, Option<SessionConfig>)>;
+/// Each session's brief as far as its log was read (see
+/// [`Sessions::brief_of`]).
+type Briefs = std::collections::HashMap<String, (crate::session::log::Mark, crate::agent::Brief)>;
 
 /// Sessions kept in one directory.
 #[derive(Clone)]
@@ -235,7 +234,7 @@ pub struct Sessions {
     dir: PathBuf,
     clock: crate::session::Clock,
     models: Arc<crate::llm::MakeModel>,
-    configs: Arc<std::sync::Mutex<Configs>>,
+    briefs: Arc<std::sync::Mutex<Briefs>>,
 }
 
 impl std::fmt::Debug for Sessions {
@@ -253,7 +252,7 @@ impl Sessions {
             dir: dir.into(),
             clock: crate::session::Clock::system(),
             models: Arc::new(crate::llm::http_model),
-            configs: Arc::default(),
+            briefs: Arc::default(),
         }
     }
 
@@ -534,23 +533,30 @@ impl Sessions {
     /// (it may be running): its records are read, but nothing is replayed
     /// but their settings.
     pub fn config_of(&self, id: &str) -> Result<SessionConfig, SessionError> {
-        // Read from where the last question about it stopped: a session's
-        // log is read once by this store, however often it is asked.
-        let configs = || {
-            self.configs
+        self.brief_of(id)?
+            .config
+            .ok_or_else(|| crate::agent::CoreError::NoStart(id.into()).into())
+    }
+
+    /// What a listing shows of session `id` (see [`crate::agent::Brief`]),
+    /// read from where the last question about it stopped: a session's
+    /// log is read once by this store, however often it is asked.
+    pub fn brief_of(&self, id: &str) -> Result<crate::agent::Brief, SessionError> {
+        let briefs = || {
+            self.briefs
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner)
         };
-        let cached = configs().get(id).cloned();
-        let (mark, config) = SessionLog::<Record>::fold_on(
+        let cached = briefs().get(id).cloned();
+        let (mark, brief) = SessionLog::<Record>::fold_on(
             &self.dir,
             id,
             cached,
-            || None,
-            |config, _, rec| crate::agent::state::apply_to_config(config, &rec),
+            crate::agent::Brief::default,
+            |brief, _, rec| brief.apply(&rec),
         )?;
-        configs().insert(id.to_string(), (mark, config.clone()));
-        config.ok_or_else(|| crate::agent::CoreError::NoStart(id.into()).into())
+        briefs().insert(id.to_string(), (mark, brief.clone()));
+        Ok(brief)
     }
 
     /// Removes a stored session: its sandbox from `worker` (the one it was
@@ -567,7 +573,7 @@ impl Sessions {
                 Err(e) => return Err(sandbox_error(sandbox, e)),
             }
         }
-        self.configs
+        self.briefs
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .remove(stored.id());
@@ -607,8 +613,8 @@ impl Sessions {
         Ok(ids
             .into_iter()
             .map(|id| {
-                let state = crate::agent::replay(&self.dir, &id).map_err(SessionError::from);
-                Listed { id, state }
+                let brief = self.brief_of(&id);
+                Listed { id, brief }
             })
             .collect())
     }
