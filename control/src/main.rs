@@ -38,9 +38,10 @@ fn main() -> ExitCode {
         "warn"
     };
     corral_worker::cli::init_logging(level, cli.log_format);
-    // The service runs many sessions whose logs are appended (and synced)
-    // from their tasks: threads enough that a slow disk never keeps its
-    // connections' HTTP/2 pings unanswered.
+    // The service runs many sessions whose logs are appended and synced
+    // from their tasks (each sync hands its thread's other tasks over
+    // first: see the session log): threads enough besides that a slow disk
+    // never keeps its connections' HTTP/2 pings unanswered.
     let mut builder = tokio::runtime::Builder::new_multi_thread();
     if matches!(cli.command, Command::Serve(_)) {
         let cores = std::thread::available_parallelism().map_or(2, usize::from);

@@ -347,9 +347,8 @@ impl<R: Serialize + DeserializeOwned> SessionLog<R> {
         let mut line = serde_json::to_vec(&LineOut { seq, at, record })
             .map_err(|e| LogError::Encode(e.to_string()))?;
         line.push(b'\n');
-        self.file
-            .write_all(&line)
-            .and_then(|()| self.file.sync_data())
+        let file = &mut self.file;
+        off_the_runtime(|| file.write_all(&line).and_then(|()| file.sync_data()))
             .map_err(io(&self.path))?;
         self.last_seq = seq;
         self.last_at = at;
@@ -510,6 +509,21 @@ impl<R: DeserializeOwned> SessionLog<R> {
             seq: reader.last,
         };
         Ok((mark, state))
+    }
+}
+
+/// Runs `f`, which waits on the disk (an append and its sync), so that it
+/// holds up no other task: on a multi-threaded tokio runtime the thread
+/// hands its other tasks over first (`block_in_place`); anywhere else it
+/// just runs. A service hosting many sessions would otherwise have its
+/// runtime's threads all waiting on syncs while its clients' connections
+/// go unanswered.
+fn off_the_runtime<T>(f: impl FnOnce() -> T) -> T {
+    match tokio::runtime::Handle::try_current() {
+        Ok(h) if h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
+            tokio::task::block_in_place(f)
+        }
+        _ => f(),
     }
 }
 
