@@ -5,10 +5,12 @@
 //! metadata gets a span under that parent (the control plane's
 //! `execute_tool` span): from its submit to its end, with events for when
 //! it was queued, started and first printed, and its exit code and end
-//! cause. The parent and the submit time are written to the worker's state
-//! directory when the operation is submitted, and the span is made when it
-//! ends, so an operation that outlives a restart of the worker still gets
-//! its span, from the worker that sees it end.
+//! cause. The parent and the submit time are kept in memory and appended
+//! to one journal in the worker's state directory (`traces/pending.jsonl`:
+//! a line when a traced operation is submitted, one when it ends, no file
+//! per operation) and the span is made when it ends, so an operation that
+//! outlives a restart of the worker still gets its span, from the worker
+//! that sees it end (it reads the journal at its start).
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -63,17 +65,123 @@ const JOBS: usize = 4096;
 /// The tracing thread's own state.
 struct Writer {
     tracer: SdkTracer,
-    dir: PathBuf,
+    /// The traced operations that have not ended, by id.
+    pending: HashMap<(SandboxId, OperationId), Pending>,
+    /// Where they are journaled.
+    journal: Journal,
     /// When each traced operation running now first printed.
     first_output: HashMap<OperationId, SystemTime>,
 }
 
 /// What is kept of a traced operation until it ends.
-#[derive(Serialize, Deserialize)]
+#[derive(Clone, Serialize, Deserialize)]
 struct Pending {
+    sandbox: SandboxId,
     traceparent: String,
     submitted_unix_ms: i64,
     kind: String,
+}
+
+/// A line of the journal.
+#[derive(Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+enum Line {
+    Submitted { op: OperationId, pending: Pending },
+    Ended { sandbox: SandboxId, op: OperationId },
+    Forgot { sandbox: SandboxId },
+}
+
+/// The journal of pending parents: appended to (no sync: it must outlive
+/// the worker's process, not the host), rewritten with what is pending
+/// when it has grown well past that.
+struct Journal {
+    path: PathBuf,
+    file: Option<std::fs::File>,
+    /// Lines in the file.
+    lines: usize,
+}
+
+/// Lines past which the journal is rewritten (if it is mostly ended
+/// operations).
+const JOURNAL_LINES: usize = 4096;
+
+impl Journal {
+    /// Opens `dir/pending.jsonl` and reads what is pending in it (a torn
+    /// last line, or one that is not understood, is passed over), then
+    /// rewrites it with that alone.
+    fn open(dir: &Path) -> (Self, HashMap<(SandboxId, OperationId), Pending>) {
+        let path = dir.join("pending.jsonl");
+        let mut pending = HashMap::new();
+        if let Ok(text) = std::fs::read_to_string(&path) {
+            for line in text.lines() {
+                match serde_json::from_str::<Line>(line) {
+                    Ok(Line::Submitted { op, pending: p }) => {
+                        pending.insert((p.sandbox.clone(), op), p);
+                    }
+                    Ok(Line::Ended { sandbox, op }) => {
+                        pending.remove(&(sandbox, op));
+                    }
+                    Ok(Line::Forgot { sandbox }) => pending.retain(|_, p| p.sandbox != sandbox),
+                    Err(_) => {}
+                }
+            }
+        }
+        let mut journal = Self {
+            path,
+            file: None,
+            lines: 0,
+        };
+        journal.rewrite(&pending);
+        (journal, pending)
+    }
+
+    fn append(&mut self, line: &Line) {
+        use std::io::Write;
+        let Some(file) = self.file.as_mut() else {
+            return;
+        };
+        let mut bytes = serde_json::to_vec(line).unwrap_or_default();
+        bytes.push(b'\n');
+        match file.write_all(&bytes) {
+            Ok(()) => self.lines += 1,
+            Err(e) => tracing::warn!(error = %e, "the trace journal was not written"),
+        }
+    }
+
+    /// Makes the file hold `pending` alone (a new file, renamed over the
+    /// old one).
+    fn rewrite(&mut self, pending: &HashMap<(SandboxId, OperationId), Pending>) {
+        use std::io::Write;
+        let tmp = self.path.with_extension("jsonl.tmp");
+        let written = (|| {
+            let mut f = std::fs::File::create(&tmp)?;
+            let mut bytes = Vec::new();
+            for ((_, op), p) in pending {
+                serde_json::to_writer(
+                    &mut bytes,
+                    &Line::Submitted {
+                        op: op.clone(),
+                        pending: p.clone(),
+                    },
+                )
+                .map_err(std::io::Error::other)?;
+                bytes.push(b'\n');
+            }
+            f.write_all(&bytes)?;
+            std::fs::rename(&tmp, &self.path)?;
+            std::fs::OpenOptions::new().append(true).open(&self.path)
+        })();
+        match written {
+            Ok(f) => {
+                self.file = Some(f);
+                self.lines = pending.len();
+            }
+            Err(e) => {
+                tracing::warn!(path = %self.path.display(), error = %e, "the trace journal cannot be written; parents are kept in memory only");
+                self.file = None;
+            }
+        }
+    }
 }
 
 impl OpTraces {
@@ -105,10 +213,12 @@ impl OpTraces {
         let tracer = provider.tracer("corral-worker");
         let dir = state_dir.join("traces");
         std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+        let (journal, pending) = Journal::open(&dir);
         let (tx, rx) = std::sync::mpsc::sync_channel::<Job>(JOBS);
         let mut writer = Writer {
             tracer: tracer.clone(),
-            dir,
+            pending,
+            journal,
             first_output: HashMap::new(),
         };
         let thread = std::thread::Builder::new()
@@ -236,10 +346,11 @@ impl OpTraces {
 }
 
 impl Writer {
-    fn path(&self, sandbox: &SandboxId, op: &OperationId) -> PathBuf {
-        self.dir
-            .join(sandbox.as_str())
-            .join(format!("{}.json", op.as_str()))
+    /// Rewrites the journal once it is mostly ended operations.
+    fn compact(&mut self) {
+        if self.journal.lines > JOURNAL_LINES && self.journal.lines > 4 * self.pending.len() {
+            self.journal.rewrite(&self.pending);
+        }
     }
 
     fn run(&mut self, job: Job) {
@@ -261,13 +372,18 @@ impl Writer {
                 at,
             } => self.finished(&sandbox, &op, &result, at),
             Job::Forget(id) => {
-                let _ = std::fs::remove_dir_all(self.dir.join(id.as_str()));
+                let before = self.pending.len();
+                self.pending.retain(|_, p| p.sandbox != id);
+                if self.pending.len() != before {
+                    self.journal.append(&Line::Forgot { sandbox: id });
+                    self.compact();
+                }
             }
         }
     }
 
     fn submitted(
-        &self,
+        &mut self,
         sandbox: &SandboxId,
         op: &OperationId,
         kind: &str,
@@ -275,23 +391,16 @@ impl Writer {
         at: SystemTime,
     ) {
         let pending = Pending {
+            sandbox: sandbox.clone(),
             traceparent,
             submitted_unix_ms: unix_ms(at),
             kind: kind.to_string(),
         };
-        let path = self.path(sandbox, op);
-        let written = path
-            .parent()
-            .map_or(Ok(()), std::fs::create_dir_all)
-            .and_then(|()| {
-                std::fs::write(
-                    &path,
-                    serde_json::to_vec(&pending).map_err(std::io::Error::other)?,
-                )
-            });
-        if let Err(e) = written {
-            tracing::warn!(operation = %op, error = %e, "the operation's trace parent was not kept");
-        }
+        self.journal.append(&Line::Submitted {
+            op: op.clone(),
+            pending: pending.clone(),
+        });
+        self.pending.insert((sandbox.clone(), op.clone()), pending);
     }
 
     fn finished(
@@ -302,14 +411,14 @@ impl Writer {
         now: SystemTime,
     ) {
         let first_output = self.first_output.remove(op);
-        let path = self.path(sandbox, op);
-        let Ok(bytes) = std::fs::read(&path) else {
+        let Some(pending) = self.pending.remove(&(sandbox.clone(), op.clone())) else {
             return;
         };
-        let _ = std::fs::remove_file(&path);
-        let Ok(pending) = serde_json::from_slice::<Pending>(&bytes) else {
-            return;
-        };
+        self.journal.append(&Line::Ended {
+            sandbox: sandbox.clone(),
+            op: op.clone(),
+        });
+        self.compact();
         let Some(parent) = parse_traceparent(&pending.traceparent) else {
             return;
         };
@@ -395,6 +504,54 @@ pub fn parse_traceparent(s: &str) -> Option<SpanContext> {
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+
+    fn parent(sandbox: &str) -> Pending {
+        Pending {
+            sandbox: SandboxId::new(sandbox).unwrap(),
+            traceparent: "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01".into(),
+            submitted_unix_ms: 1,
+            kind: "shell".into(),
+        }
+    }
+
+    #[test]
+    fn the_journal_keeps_what_has_not_ended_across_a_restart_and_shrinks_to_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let (mut j, none) = Journal::open(dir.path());
+        assert!(none.is_empty());
+        let op = |n: u32| OperationId::new(format!("op-{n}")).unwrap();
+        for (n, sb) in [(1, "a"), (2, "a"), (3, "b"), (4, "c")] {
+            j.append(&Line::Submitted {
+                op: op(n),
+                pending: parent(sb),
+            });
+        }
+        j.append(&Line::Ended {
+            sandbox: SandboxId::new("a").unwrap(),
+            op: op(1),
+        });
+        j.append(&Line::Forgot {
+            sandbox: SandboxId::new("b").unwrap(),
+        });
+        // The process dies in the middle of a line.
+        {
+            use std::io::Write;
+            j.file
+                .as_mut()
+                .unwrap()
+                .write_all(br#"{"ended":{"sa"#)
+                .unwrap();
+        }
+        drop(j);
+        let (j, kept) = Journal::open(dir.path());
+        let mut ids: Vec<String> = kept.keys().map(|(_, o)| o.to_string()).collect();
+        ids.sort();
+        assert_eq!(ids, ["op-2", "op-4"]);
+        // Rewritten with those alone.
+        assert_eq!(j.lines, 2);
+        let text = std::fs::read_to_string(dir.path().join("pending.jsonl")).unwrap();
+        assert_eq!(text.lines().count(), 2);
+    }
 
     #[test]
     fn only_well_formed_parents_are_taken() {

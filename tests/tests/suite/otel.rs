@@ -45,17 +45,32 @@ async fn pool_ready(worker: &WorkerProcess) -> Result<()> {
     Ok(())
 }
 
-/// Whether the worker keeps a trace parent in its state directory: a
-/// traced operation was submitted and has not ended.
+/// The trace parents the worker's journal in its state directory keeps:
+/// traced operations submitted that have not ended (sandbox, operation).
+fn kept(state: &std::path::Path) -> Vec<(String, String)> {
+    let text =
+        std::fs::read_to_string(state.join("traces").join("pending.jsonl")).unwrap_or_default();
+    let mut kept: Vec<(String, String)> = Vec::new();
+    for line in text.lines() {
+        let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else {
+            continue;
+        };
+        let s = |v: &serde_json::Value| v.as_str().unwrap_or_default().to_string();
+        if let Some(x) = v.get("submitted") {
+            kept.push((s(&x["pending"]["sandbox"]), s(&x["op"])));
+        } else if let Some(x) = v.get("ended") {
+            kept.retain(|k| *k != (s(&x["sandbox"]), s(&x["op"])));
+        } else if let Some(x) = v.get("forgot") {
+            kept.retain(|k| k.0 != s(&x["sandbox"]));
+        }
+    }
+    kept
+}
+
+/// Whether the worker keeps a trace parent: a traced operation was
+/// submitted and has not ended.
 fn pending(state: &std::path::Path) -> bool {
-    std::fs::read_dir(state.join("traces"))
-        .into_iter()
-        .flatten()
-        .flatten()
-        .filter_map(|d| std::fs::read_dir(d.path()).ok())
-        .flatten()
-        .flatten()
-        .any(|f| f.path().extension().is_some_and(|e| e == "json"))
+    !kept(state).is_empty()
 }
 
 /// Waits until [`pending`].
@@ -212,12 +227,7 @@ async fn a_run_and_its_workers_operation_make_one_trace_across_a_worker_restart(
         ensure!(op.events.iter().any(|x| x == e), "no {e}: {op:?}");
     }
     // Nothing waits in the state directory any more.
-    let left: Vec<_> = std::fs::read_dir(state.path().join("traces"))?
-        .flatten()
-        .filter_map(|d| std::fs::read_dir(d.path()).ok())
-        .flatten()
-        .flatten()
-        .collect();
+    let left = kept(state.path());
     ensure!(left.is_empty(), "{left:?}");
 
     // The next run of the session resumes its suspended sandbox: a trace of
