@@ -133,10 +133,11 @@ async fn a_sandbox_lost_mid_call_goes_on_in_a_fresh_one_and_its_call_runs_once()
         format!("{:?}", last.input).contains("the host went away"),
         "{last:?}"
     );
-    // The run's turns counted across its sandboxes (one begun in the lost
-    // one may have been cut short by the loss).
+    // No request went out for the lost call in the lost sandbox: two in
+    // all, the run's turns counted across its sandboxes.
     let s = &outcome.summary;
-    ensure!(s.run_turns == s.turns && s.run_turns >= 2, "{s:?}");
+    ensure!(s.run_turns == 2 && s.turns == 2, "{s:?}");
+    ensure!(model.requests().len() == 2);
     // The run is over: its inbox says so.
     ensure!(matches!(
         run.send(Inbox::Stop(StopMode::Hard)).await,
@@ -367,5 +368,7 @@ async fn a_run_takes_at_most_its_bound_of_fresh_sandboxes() -> Result<()> {
         "{events:?}"
     );
     ensure!(w1.sandboxes().len() + w2.sandboxes().len() == MAX_REPLACEMENTS + 1);
+    // One request in each sandbox, none after a loss.
+    ensure!(model.requests().len() == MAX_REPLACEMENTS + 1);
     Ok(())
 }

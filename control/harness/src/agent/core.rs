@@ -303,7 +303,7 @@ impl Core {
             op.fail_lost(
                 "the sandbox was lost while this ran; it may or may not have finished, and it was not run again",
             );
-            self.operation(op)?;
+            self.operation_of(op, false)?;
         }
         Ok(())
     }
@@ -626,8 +626,15 @@ impl Core {
         })
     }
 
-    /// An operation snapshot from the manager.
+    /// An operation snapshot from the manager (of the sandbox the session
+    /// runs in now).
     pub fn operation(&mut self, op: Operation) -> Result<(), CoreError> {
+        self.operation_of(op, true)
+    }
+
+    /// An operation's snapshot; `live`: from the sandbox the session runs
+    /// in now (not one answered as lost after its sandbox was replaced).
+    fn operation_of(&mut self, op: Operation, live: bool) -> Result<(), CoreError> {
         let Some(st) = self.state.ops.get(&op.id) else {
             return Ok(());
         };
@@ -685,6 +692,21 @@ impl Core {
         let call_id = st.call_id.clone();
         self.progress.remove(&op.id);
         self.progress_told.remove(&op.id);
+        // Ended by the loss of the sandbox the session runs in (the worker
+        // says so before it says the sandbox is lost): the run is over once
+        // the call has its result, before any new request goes out for it.
+        let lost = match op.result.as_ref().map(|r| &r.outcome) {
+            _ if !live => None,
+            Some(corral_proto::Outcome::SandboxLost { reason }) => {
+                Some(format!("sandbox lost: {reason}"))
+            }
+            _ if op.lost => Some(
+                op.failure
+                    .clone()
+                    .unwrap_or_else(|| "sandbox lost".to_string()),
+            ),
+            _ => None,
+        };
         self.record(Record::Operation {
             snapshot: OpSnapshot {
                 id: op.id.clone(),
@@ -701,6 +723,9 @@ impl Core {
             .is_some_and(|c| self.state.ops_over(c));
         if done {
             self.give_result(&call_id)?;
+        }
+        if let Some(reason) = lost {
+            self.sandbox_lost(&reason)?;
         }
         self.settle()
     }
