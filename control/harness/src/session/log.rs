@@ -190,7 +190,7 @@ fn now_ms() -> i64 {
 }
 
 fn sync_dir(dir: &Path) -> Result<(), LogError> {
-    File::open(dir).and_then(|d| d.sync_all()).map_err(io(dir))
+    durably(|| File::open(dir).and_then(|d| d.sync_all())).map_err(io(dir))
 }
 
 /// Opens session `id`'s log (for writing too, with `write`).
@@ -251,9 +251,7 @@ impl<R: Serialize + DeserializeOwned> SessionLog<R> {
         };
         let mut line = serde_json::to_vec(&header).map_err(|e| LogError::Encode(e.to_string()))?;
         line.push(b'\n');
-        file.write_all(&line)
-            .and_then(|()| file.sync_all())
-            .map_err(io(&path))?;
+        durably(|| file.write_all(&line).and_then(|()| file.sync_all())).map_err(io(&path))?;
         sync_dir(dir)?;
         Ok(Self {
             id: id.into(),
@@ -289,9 +287,7 @@ impl<R: Serialize + DeserializeOwned> SessionLog<R> {
         let total = file.metadata().map_err(io(&path))?.len();
         let torn_bytes = total - good_len;
         if torn_bytes > 0 {
-            file.set_len(good_len)
-                .and_then(|()| file.sync_all())
-                .map_err(io(&path))?;
+            durably(|| file.set_len(good_len).and_then(|()| file.sync_all())).map_err(io(&path))?;
         }
         file.seek(SeekFrom::End(0)).map_err(io(&path))?;
         Ok((
@@ -348,7 +344,7 @@ impl<R: Serialize + DeserializeOwned> SessionLog<R> {
             .map_err(|e| LogError::Encode(e.to_string()))?;
         line.push(b'\n');
         let file = &mut self.file;
-        off_the_runtime(|| file.write_all(&line).and_then(|()| file.sync_data()))
+        durably(|| file.write_all(&line).and_then(|()| file.sync_data()))
             .map_err(io(&self.path))?;
         self.last_seq = seq;
         self.last_at = at;
@@ -512,13 +508,13 @@ impl<R: DeserializeOwned> SessionLog<R> {
     }
 }
 
-/// Runs `f`, which waits on the disk (an append and its sync), so that it
+/// Runs `f`, which waits on the disk (a write and its sync), so that it
 /// holds up no other task: on a multi-threaded tokio runtime the thread
 /// hands its other tasks over first (`block_in_place`); anywhere else it
 /// just runs. A service hosting many sessions would otherwise have its
 /// runtime's threads all waiting on syncs while its clients' connections
 /// go unanswered.
-fn off_the_runtime<T>(f: impl FnOnce() -> T) -> T {
+pub fn durably<T>(f: impl FnOnce() -> T) -> T {
     match tokio::runtime::Handle::try_current() {
         Ok(h) if h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
             tokio::task::block_in_place(f)
