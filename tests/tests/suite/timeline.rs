@@ -17,7 +17,7 @@ use anyhow::{Context, Result, bail, ensure};
 use bytes::Bytes;
 use corral_harness::agent::record::Overrides;
 use corral_harness::agent::{Core, Effect, Ending, Record, SessionConfig, StopCause, StopMode};
-use corral_harness::llm::{Item, Response, Role, StopReason, Usage};
+use corral_harness::llm::{Response, Usage};
 use corral_harness::ops::Operation;
 use corral_harness::session::{Clock, SessionLog};
 use corral_harness::sessions::Sessions;
@@ -64,31 +64,15 @@ fn usage(input: u64, cached: u64, output: u64) -> Usage {
 
 fn text(t: &str, u: Usage) -> Response {
     Response {
-        id: None,
-        stop: StopReason::Complete,
-        output: vec![Item::Message {
-            role: Role::Assistant,
-            text: t.into(),
-            provider_id: None,
-        }],
         usage: u,
+        ..corral_e2e::fake_model::text(t)
     }
 }
 
 fn calls(list: &[(&str, &str)], u: Usage) -> Response {
     Response {
-        id: None,
-        stop: StopReason::Complete,
-        output: list
-            .iter()
-            .map(|(id, cmd)| Item::ToolCall {
-                call_id: (*id).into(),
-                name: "Bash".into(),
-                arguments: serde_json::json!({ "command": cmd }).to_string().into(),
-                provider_id: None,
-            })
-            .collect(),
         usage: u,
+        ..corral_e2e::fake_model::bash_calls(list)
     }
 }
 
