@@ -1122,3 +1122,26 @@ fn the_settings_alone_come_out_as_a_full_replay_leaves_them() {
     );
     assert_eq!(c.budget.context_window_tokens, 16_000);
 }
+
+#[test]
+fn a_call_id_a_model_repeats_is_counted_alike_in_the_state_and_the_listing() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut core = new_core(dir.path(), "s");
+    core.input("i1", "go").unwrap();
+    fx(&mut core);
+    // Two calls under one id in one answer (a model's mistake): each is a
+    // call of its own, and the listing's brief counts what the state
+    // counts (the core checks the two agree after every record).
+    core.model_done(
+        1,
+        Ok(calls(&[
+            ("c1", "Bash", &bash("true")),
+            ("c1", "Bash", &bash("false")),
+        ])),
+    )
+    .unwrap();
+    assert_eq!(core.state().tool_calls(), 2);
+    let listed = crate::agent::Brief::of(core.state());
+    assert_eq!(listed.tool_calls, 2);
+    assert_replays(dir.path(), &core);
+}

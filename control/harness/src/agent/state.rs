@@ -174,6 +174,9 @@ pub struct Brief {
     pub fresh_fork: bool,
     pub final_text: String,
     in_flight: Option<u64>,
+    /// The calls counted (a call id is counted once, as `State` keys its
+    /// calls by id).
+    calls: std::collections::HashSet<String>,
 }
 
 impl Brief {
@@ -204,7 +207,9 @@ impl Brief {
             {
                 self.in_flight = None;
             }
-            Record::Call { .. } => self.tool_calls += 1,
+            Record::Call { call_id, .. } if self.calls.insert(call_id.clone()) => {
+                self.tool_calls += 1;
+            }
             Record::Stop { mode, .. } if *mode == StopMode::Hard => self.in_flight = None,
             Record::Finished { ending } => self.last_end = Some(*ending),
             _ => {}
@@ -221,6 +226,7 @@ impl Brief {
             fresh_fork: state.fresh_fork,
             final_text: state.final_text.clone(),
             in_flight: state.in_flight,
+            calls: state.calls.keys().cloned().collect(),
         }
     }
 }
