@@ -6,7 +6,7 @@
 //! ([`Fleet::place`]), finding the worker that has a sandbox
 //! ([`Fleet::find`]), and finding a session's worker again after its
 //! address changed ([`Fleet::connect_recorded`], with patience
-//! [`Fleet::reach`]).
+//! [`Workers::reach`]).
 //!
 //! What is the caller's own stays the caller's: how it finds its token and
 //! checks who listens on a loopback port (a function from the resolved

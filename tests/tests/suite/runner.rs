@@ -53,16 +53,16 @@ fn keep() -> RunEnd {
     }
 }
 
-/// The operations `w` started, once there are `n`.
-async fn started(w: &FakeApi, n: usize) -> Result<Vec<OperationId>> {
+/// The operations the workers `ws` started, once there are `n`.
+async fn started(ws: &[&FakeApi], n: usize) -> Result<Vec<OperationId>> {
     for _ in 0..10_000 {
-        let ops = w.started();
+        let ops: Vec<OperationId> = ws.iter().flat_map(|w| w.started()).collect();
         if ops.len() >= n {
             return Ok(ops);
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    bail!("{} operations never started on {:?}", n, w.sandboxes())
+    bail!("{n} operations never started")
 }
 
 /// Every event of the run and how it ended.
@@ -107,7 +107,7 @@ async fn a_sandbox_lost_mid_call_goes_on_in_a_fresh_one_and_its_call_runs_once()
     )
     .await?;
     let (w1, w2) = (fleet.worker("w1"), fleet.worker("w2"));
-    let ops = started(w1, 1).await?;
+    let ops = started(&[w1], 1).await?;
     let lost = w1.sandboxes();
     w1.lose(&lost[0], "the host went away");
     let (events, outcome, run) = finish(run).await?;
@@ -163,7 +163,7 @@ async fn a_worker_down_less_than_the_patience_is_waited_for_and_one_down_longer_
         keep(),
     )
     .await?;
-    let ops = started(w1, 1).await?;
+    let ops = started(&[w1], 1).await?;
     w1.go_down();
     tokio::time::sleep(Duration::from_secs(30)).await;
     w1.come_back();
@@ -196,7 +196,7 @@ async fn a_worker_down_less_than_the_patience_is_waited_for_and_one_down_longer_
         keep(),
     )
     .await?;
-    started(w1, 2).await?;
+    started(&[w1], 2).await?;
     let down_at = tokio::time::Instant::now();
     w1.go_down();
     let (events, outcome, _) = finish(run).await?;
@@ -340,12 +340,7 @@ async fn a_run_takes_at_most_its_bound_of_fresh_sandboxes() -> Result<()> {
     let mut lost = Vec::new();
     for n in 1..=MAX_REPLACEMENTS + 1 {
         // Each sandbox is lost as soon as its call runs.
-        for _ in 0..10_000 {
-            if w1.started().len() + w2.started().len() >= n {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        started(&[w1, w2], n).await?;
         let (w, live) = [w1, w2]
             .into_iter()
             .flat_map(|w| w.sandboxes().into_iter().map(move |s| (w, s)))
