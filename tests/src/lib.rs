@@ -281,8 +281,27 @@ pub fn binary(name: &str) -> Result<PathBuf> {
     )
 }
 
-/// A free loopback port (bound then released).
+/// A free loopback port (bound then released), outside the ephemeral range.
 pub fn free_port() -> Result<u16> {
+    // Below the kernel's ephemeral range: a port the kernel hands out (as
+    // `:0` would) is also the local end of other tests' outgoing
+    // connections, so between this check and the bind by the process it
+    // is for, one of them could take it. A port here is taken only by an
+    // explicit bind, and it is drawn at random among thousands.
+    const FROM: u16 = 20_000;
+    let below = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(32_768);
+    if below > FROM + 1_000 {
+        for _ in 0..200 {
+            let draw = (uuid::Uuid::new_v4().as_u128() % u128::from(below - FROM)) as u16;
+            let port = FROM + draw;
+            if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+                return Ok(port);
+            }
+        }
+    }
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?
         .local_addr()?
         .port())
