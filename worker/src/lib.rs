@@ -26,7 +26,8 @@
 //!   timeout); [`budget`]: what their requests may hold while they are read;
 //! - [`metrics`]: Prometheus metrics and the endpoint that serves them;
 //!   [`telemetry`]: operations' spans (OpenTelemetry, OTLP), under the
-//!   trace context their submit carried;
+//!   trace context their submit carried; [`stall`]: a warning when the
+//!   process's runtime falls behind (also used by `corral serve`);
 //! - [`state`]: the worker's durable records (sandboxes, id, drain); [`initbin`]: the supervisor
 //!   binary; [`service`] and [`server`]: the gRPC edge (auth, health,
 //!   reflection), the only place generated types are touched.
@@ -51,6 +52,7 @@ pub mod rate;
 pub mod sandbox;
 pub mod server;
 pub mod service;
+pub mod stall;
 pub mod state;
 pub mod telemetry;
 pub mod uids;

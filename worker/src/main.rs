@@ -96,6 +96,7 @@ async fn run(args: WorkerArgs) -> anyhow::Result<()> {
         args.token_path().display()
     );
     let stop = tokio_util::sync::CancellationToken::new();
+    let stalls = tokio::spawn(corral_worker::stall::watch("corral-worker", stop.clone()));
     let metrics = metrics.map(|listener| {
         if let Ok(addr) = listener.local_addr() {
             tracing::info!(%addr, "serving metrics at /metrics and readiness at /readyz");
@@ -131,6 +132,7 @@ async fn run(args: WorkerArgs) -> anyhow::Result<()> {
     )
     .await;
     stop.cancel();
+    let _ = stalls.await;
     if let Some(task) = metrics {
         match task.await {
             Ok(Err(e)) => tracing::warn!(error = %e, "the metrics endpoint failed"),

@@ -15,10 +15,14 @@ use tonic::service::Interceptor;
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
 use tonic::{Request, Status};
 
-/// HTTP/2 pings on every connection, idle or not: a worker whose host or
-/// network is gone is noticed within two of these, well inside the
-/// deadline after which its sandboxes are taken for lost.
+/// HTTP/2 pings on every connection, idle or not, one every
+/// `KEEPALIVE`; a ping unanswered for `KEEPALIVE_TIMEOUT` ends the
+/// connection. A worker whose host or network is gone is noticed within
+/// 30 s, well inside the deadline after which its sandboxes are taken for
+/// lost; a host busy enough to leave a ping unanswered for a few seconds
+/// (dozens of sandboxes starting on two cores) does not lose its calls.
 pub const KEEPALIVE: Duration = Duration::from_secs(10);
+pub const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(20);
 
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
@@ -42,11 +46,11 @@ impl From<Status> for ClientError {
 
 fn describe(s: &Status) -> String {
     use tonic::Code;
-    let msg = s.message();
+    let msg = status_text(s);
     match s.code() {
         Code::Unauthenticated => format!("the worker refused the call: {msg} (pass --token-file)"),
         Code::Unavailable => format!("worker unavailable: {msg}"),
-        _ => msg.to_string(),
+        _ => msg,
     }
 }
 
@@ -236,7 +240,7 @@ pub async fn channel(url: &str, creds: &Credentials) -> Result<Channel, ClientEr
         .connect_timeout(Duration::from_secs(5))
         .tcp_nodelay(true)
         .http2_keep_alive_interval(KEEPALIVE)
-        .keep_alive_timeout(KEEPALIVE)
+        .keep_alive_timeout(KEEPALIVE_TIMEOUT)
         .keep_alive_while_idle(true);
     if url.starts_with("https://") {
         let tls = creds.tls.clone().unwrap_or_default();
@@ -373,7 +377,7 @@ impl WorkerClient {
         let endpoint = Endpoint::from_static("http://local.worker")
             .connect_timeout(Duration::from_secs(5))
             .http2_keep_alive_interval(KEEPALIVE)
-            .keep_alive_timeout(KEEPALIVE)
+            .keep_alive_timeout(KEEPALIVE_TIMEOUT)
             .keep_alive_while_idle(true);
         let channel = endpoint
             .connect_with_connector(tower::service_fn(move |_: tonic::transport::Uri| {
@@ -847,6 +851,23 @@ impl WorkerClient {
 }
 
 /// An error with its causes, on one line.
+/// A status's message with what caused it on this side, when the
+/// transport made it ("http2 error: keep-alive timed out", not "http2
+/// error").
+pub fn status_text(s: &Status) -> String {
+    let mut text = s.message().to_string();
+    let mut cur = std::error::Error::source(s);
+    while let Some(c) = cur {
+        let more = c.to_string();
+        if !text.contains(&more) {
+            text.push_str(": ");
+            text.push_str(&more);
+        }
+        cur = c.source();
+    }
+    text
+}
+
 pub fn source_chain(e: &dyn std::error::Error) -> String {
     let mut s = e.to_string();
     let mut cur = e.source();
@@ -879,6 +900,18 @@ mod tests {
             "connection closed",
         )));
         ClientError::Status(s)
+    }
+
+    #[test]
+    fn a_status_the_transport_made_says_what_caused_it() {
+        let e = made_by_transport(Status::unavailable("http2 error"));
+        assert_eq!(
+            e.to_string(),
+            "worker unavailable: http2 error: connection closed"
+        );
+        // A worker's own status has no cause on this side.
+        let said = ClientError::Status(Status::unavailable("draining"));
+        assert_eq!(said.to_string(), "worker unavailable: draining");
     }
 
     #[test]

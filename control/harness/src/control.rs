@@ -32,13 +32,13 @@ impl From<Status> for ControlError {
 }
 
 fn describe(s: &Status) -> String {
-    let msg = s.message();
+    let msg = crate::client::status_text(s);
     match s.code() {
         tonic::Code::Unauthenticated => {
             format!("the control plane refused the call: {msg} (pass --control-token-file)")
         }
         tonic::Code::Unavailable => format!("control plane unavailable: {msg}"),
-        _ => msg.to_string(),
+        _ => msg,
     }
 }
 

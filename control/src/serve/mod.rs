@@ -173,6 +173,7 @@ pub async fn serve(conn: &ConnArgs, args: &ServeArgs) -> Result<(), ServeError> 
         async move { host.resume_marked(marked).await }
     });
     let stopped = tokio_util::sync::CancellationToken::new();
+    let stalls = tokio::spawn(corral_worker::stall::watch("corral serve", stopped.clone()));
     let shutdown = {
         let host = host.clone();
         let stopped = stopped.clone();
@@ -206,5 +207,7 @@ pub async fn serve(conn: &ConnArgs, args: &ServeArgs) -> Result<(), ServeError> 
         }
     };
     resuming.abort();
+    stopped.cancel();
+    let _ = stalls.await;
     Ok(served?)
 }
