@@ -43,6 +43,13 @@ pub struct ConnArgs {
     /// notices a dead connection within about 30 s).
     #[arg(long, global = true, env = "CORRAL_WORKER_LOST_AFTER", default_value = "60s", value_parser = humantime::parse_duration)]
     pub worker_lost_after: Duration,
+    /// Placement asks every worker (up to 8; two of many) how full it is,
+    /// and waits for the others' answers at least this long once one
+    /// could take the sandbox (or as long again as that first answer
+    /// took, if longer); a worker slower than that is left out of this
+    /// choice. Raise it for workers far away or hosts under heavy load.
+    #[arg(long, global = true, env = "CORRAL_PLACEMENT_GRACE", default_value = "20ms", value_parser = humantime::parse_duration)]
+    pub placement_grace: Duration,
     /// File holding the worker's bearer token.
     #[arg(long, global = true, env = "CORRAL_TOKEN_FILE")]
     pub token_file: Option<PathBuf>,

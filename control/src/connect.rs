@@ -82,7 +82,8 @@ pub fn fleet(conn: &ConnArgs) -> Result<Fleet, ConnectError> {
                 .map_err(setup)
         })
     }))
-    .with_patience(conn.worker_lost_after))
+    .with_patience(conn.worker_lost_after)
+    .with_placement_grace(conn.placement_grace))
 }
 
 /// The workers of `--worker`, each with a scheme; a DNS name gives one

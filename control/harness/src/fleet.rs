@@ -149,6 +149,7 @@ pub struct Fleet {
     /// Connections kept across calls, when the caller keeps them.
     cache: Option<crate::client::ClientCache>,
     probe_timeout: Option<Duration>,
+    grace: Duration,
 }
 
 impl Fleet {
@@ -163,6 +164,7 @@ impl Fleet {
             patience: Duration::from_secs(60),
             cache: None,
             probe_timeout: None,
+            grace: crate::placement::STRAGGLER_GRACE,
         }
     }
 
@@ -179,6 +181,14 @@ impl Fleet {
     /// [`crate::placement::PROBE_TIMEOUT`]).
     pub fn with_probe_timeout(mut self, timeout: Duration) -> Self {
         self.probe_timeout = Some(timeout);
+        self
+    }
+
+    /// Least time placement waits for the other workers' answers once one
+    /// could take the sandbox (default
+    /// [`crate::placement::STRAGGLER_GRACE`]).
+    pub fn with_placement_grace(mut self, grace: Duration) -> Self {
+        self.grace = grace;
         self
     }
 
@@ -253,6 +263,7 @@ impl Fleet {
     {
         let mut placer = Placer::new(self.credentials(urls)?).preferring_warm(spec);
         placer.cache = self.cache.clone();
+        placer.grace = self.grace;
         if let Some(t) = self.probe_timeout {
             placer.probe_timeout = t;
         }

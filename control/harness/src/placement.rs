@@ -32,7 +32,8 @@ pub const PROBE_ALL_UP_TO: usize = 8;
 /// Workers a placement's create is tried on (probe rounds that find none
 /// able to take it: up to three times as many).
 pub const ATTEMPTS: usize = 3;
-/// Least time the other probes get once one worker could take the sandbox.
+/// Least time the other probes get once one worker could take the sandbox
+/// (the default of [`Placer::grace`]).
 pub const STRAGGLER_GRACE: Duration = Duration::from_millis(20);
 
 #[derive(Debug, thiserror::Error)]
@@ -218,6 +219,9 @@ pub struct Placer {
     pub probe_timeout: Duration,
     pub probe_all_up_to: usize,
     pub attempts: usize,
+    /// Least time the other probes get once one worker could take the
+    /// sandbox ([`STRAGGLER_GRACE`] by default).
+    pub grace: Duration,
     /// The sandbox placed, when known: a worker with a warm pool member
     /// ready that its create would take is preferred to any without (its
     /// create is a claim, not a cold start).
@@ -242,6 +246,7 @@ impl Placer {
             probe_timeout: PROBE_TIMEOUT,
             probe_all_up_to: PROBE_ALL_UP_TO,
             attempts: ATTEMPTS,
+            grace: STRAGGLER_GRACE,
             warm: None,
             cache: None,
         }
@@ -323,7 +328,7 @@ impl Placer {
             probes += asked.len();
             // Answers as they come; once one could take the sandbox, the
             // others get as long again as it took (at least
-            // [`STRAGGLER_GRACE`]): a slow or silent worker costs a
+            // [`Self::grace`]): a slow or silent worker costs a
             // placement little, not the probe timeout.
             let started = tokio::time::Instant::now();
             let mut pending: futures_util::stream::FuturesUnordered<_> = asked
@@ -363,8 +368,7 @@ impl Placer {
                     continue;
                 }
                 if cutoff.is_none() {
-                    cutoff =
-                        Some(tokio::time::Instant::now() + started.elapsed().max(STRAGGLER_GRACE));
+                    cutoff = Some(tokio::time::Instant::now() + started.elapsed().max(self.grace));
                 }
                 let warm = self.is_warm(&info);
                 let better = best.as_ref().is_none_or(|b| {

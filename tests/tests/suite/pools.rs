@@ -385,10 +385,14 @@ async fn placement_prefers_a_worker_with_a_warm_member() -> Result<()> {
     )?;
     let wc = WorkerClient::connect(&warm.url, Some("a-shared-token-of-the-test")).await?;
     let workers = format!("{},{}", cold.url, warm.url);
+    // Placement chooses among the answers it has: on two cores busy with
+    // the rest of the suite, one worker's answer can come more than the
+    // default grace after the other's, so the test waits for both.
+    let both = "--placement-grace=5s";
     for _ in 0..3 {
         ready(&wc, 1).await?;
         let out = tokio::process::Command::new(corral_e2e::binary("corral")?)
-            .args(["--worker", &workers, "sandbox", "create"])
+            .args(["--worker", &workers, both, "sandbox", "create"])
             .env_remove("CORRAL_WORKER")
             .env("CORRAL_TOKEN_FILE", &token)
             .output()
@@ -408,7 +412,9 @@ async fn placement_prefers_a_worker_with_a_warm_member() -> Result<()> {
     // drawn to it: it goes where there is more room.
     ready(&wc, 1).await?;
     let out = tokio::process::Command::new(corral_e2e::binary("corral")?)
-        .args(["--worker", &workers, "sandbox", "create", "--pids", "64"])
+        .args([
+            "--worker", &workers, both, "sandbox", "create", "--pids", "64",
+        ])
         .env_remove("CORRAL_WORKER")
         .env("CORRAL_TOKEN_FILE", &token)
         .output()
