@@ -4,7 +4,11 @@
 //! - operations per second at P8: eight clients each submit `true` and
 //!   wait for its end, one after the other, in one sandbox; every submit
 //!   carries a `traceparent` (the traced worker keeps it and makes a span
-//!   when the operation ends; the other ignores it);
+//!   when the operation ends; the other ignores it); timed over 160 each
+//!   after 64 each unmeasured, so a window starts in its side's steady
+//!   state (spans are exported in batches a second apart: the batch made
+//!   before a window goes out inside it, as the window's own last goes out
+//!   after it);
 //! - a session's events per second: `corral run --json` of a session whose
 //!   one turn makes 40 quick calls, with `--otlp-endpoint` on the traced
 //!   side (the run's spans too), from the process's start to its result
@@ -32,7 +36,13 @@ use tokio::io::AsyncBufReadExt;
 
 const ROUNDS: usize = 10;
 const CLIENTS: usize = 8;
-const OPS_PER_CLIENT: usize = 40;
+/// Operations each client runs before the window opens: more than a
+/// batch interval's worth, so the window starts in the steady state of
+/// its side (the spans before it being exported inside it, as its own
+/// are after it).
+const WARM_PER_CLIENT: usize = 64;
+/// Operations each client runs in the measured window.
+const OPS_PER_CLIENT: usize = 160;
 const CALLS: usize = 40;
 
 fn model(req: &Received) -> Reply {
@@ -57,9 +67,18 @@ fn traceparent() -> String {
 }
 
 /// One client's operations, each submitted (with a trace context when
-/// `traced`) then waited for.
-async fn client_ops(client: WorkerClient, sb: SandboxId, traced: bool) -> Result<()> {
-    for _ in 0..OPS_PER_CLIENT {
+/// `traced`) then waited for: `WARM_PER_CLIENT`, then (once every client
+/// is there) `OPS_PER_CLIENT`.
+async fn client_ops(
+    client: WorkerClient,
+    sb: SandboxId,
+    traced: bool,
+    window: std::sync::Arc<tokio::sync::Barrier>,
+) -> Result<()> {
+    for i in 0..WARM_PER_CLIENT + OPS_PER_CLIENT {
+        if i == WARM_PER_CLIENT {
+            window.wait().await;
+        }
         let op = OperationId::random();
         let cursor = client.get_sandbox(&sb).await?.last_seq;
         let mut stream = client.watch(&sb, cursor, Some(&op)).await?;
@@ -88,11 +107,18 @@ async fn ops_per_second(worker: &WorkerProcess, sb: &SandboxId, traced: bool) ->
     for _ in 0..CLIENTS {
         clients.push(worker.client().await?);
     }
-    let started = Instant::now();
+    let window = std::sync::Arc::new(tokio::sync::Barrier::new(CLIENTS + 1));
     let mut tasks = Vec::new();
     for client in clients {
-        tasks.push(tokio::spawn(client_ops(client, sb.clone(), traced)));
+        tasks.push(tokio::spawn(client_ops(
+            client,
+            sb.clone(),
+            traced,
+            window.clone(),
+        )));
     }
+    window.wait().await;
+    let started = Instant::now();
     for t in tasks {
         t.await??;
     }
@@ -151,18 +177,21 @@ async fn main() -> Result<()> {
     let receiver = Receiver::default();
     let endpoint = receiver.serve().await?;
     let (plain_state, traced_state) = (tempfile::tempdir()?, tempfile::tempdir()?);
+    // Both log warnings only (a line per operation on a terminal is a
+    // cost of its own, the same on both sides).
+    let quiet = [("CORRAL_LOG", "warn")];
     let plain = WorkerProcess::spawn(
         plain_state.path(),
         &unique_id("trb-off"),
         free_port()?,
-        &[],
+        &quiet,
         &[],
     )?;
     let traced = WorkerProcess::spawn(
         traced_state.path(),
         &unique_id("trb-on"),
         free_port()?,
-        &[],
+        &quiet,
         &["--otlp-endpoint", &endpoint],
     )?;
     let mut sandboxes = Vec::new();

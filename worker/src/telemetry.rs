@@ -12,7 +12,7 @@
 //! outlives a restart of the worker still gets its span, from the worker
 //! that sees it end (it reads the journal at its start).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -35,6 +35,10 @@ pub struct OpTraces {
     tracer: SdkTracer,
     jobs: Mutex<Option<std::sync::mpsc::SyncSender<Job>>>,
     thread: Mutex<Option<std::thread::JoinHandle<()>>>,
+    /// Traced operations not ended yet, by sandbox (those the journal had
+    /// pending at start too): an actor made for a sandbox (at a start, a
+    /// resume) knows which of its operations' ends to report.
+    open: Mutex<HashMap<SandboxId, HashSet<OperationId>>>,
 }
 
 /// What the tracing thread is asked to do (each with when it happened).
@@ -53,7 +57,8 @@ enum Job {
     Finished {
         sandbox: SandboxId,
         op: OperationId,
-        result: Box<OperationResult>,
+        outcome: Outcome,
+        duration_ms: u64,
         at: SystemTime,
     },
     Forget(SandboxId),
@@ -214,6 +219,10 @@ impl OpTraces {
         let dir = state_dir.join("traces");
         std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
         let (journal, pending) = Journal::open(&dir);
+        let mut open: HashMap<SandboxId, HashSet<OperationId>> = HashMap::new();
+        for (sandbox, op) in pending.keys() {
+            open.entry(sandbox.clone()).or_default().insert(op.clone());
+        }
         let (tx, rx) = std::sync::mpsc::sync_channel::<Job>(JOBS);
         let mut writer = Writer {
             tracer: tracer.clone(),
@@ -235,6 +244,7 @@ impl OpTraces {
             tracer,
             jobs: Mutex::new(Some(tx)),
             thread: Mutex::new(Some(thread)),
+            open: Mutex::new(open),
         })
     }
 
@@ -265,6 +275,10 @@ impl OpTraces {
             tracing::debug!(operation = %op, "an invalid traceparent, ignored");
             return false;
         }
+        self.open_ops()
+            .entry(sandbox.clone())
+            .or_default()
+            .insert(op.clone());
         self.send(Job::Submitted {
             sandbox: sandbox.clone(),
             op: op.clone(),
@@ -275,6 +289,16 @@ impl OpTraces {
         true
     }
 
+    fn open_ops(&self) -> std::sync::MutexGuard<'_, HashMap<SandboxId, HashSet<OperationId>>> {
+        self.open.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The traced operations of `sandbox` not ended yet (some submitted
+    /// before a restart): an actor made for it reports their ends.
+    pub fn open_of(&self, sandbox: &SandboxId) -> HashSet<OperationId> {
+        self.open_ops().get(sandbox).cloned().unwrap_or_default()
+    }
+
     /// Operation `op` printed (its first output is what counts).
     pub fn output(&self, op: &OperationId) {
         self.send(Job::Output {
@@ -283,13 +307,23 @@ impl OpTraces {
         });
     }
 
-    /// Operation `op` of `sandbox` ended with `result`: its span, if it
-    /// was traced.
+    /// Traced operation `op` of `sandbox` ended with `result`: its span
+    /// (how it ended and how long it ran; its output stays out).
     pub fn finished(&self, sandbox: &SandboxId, op: &OperationId, result: &OperationResult) {
+        {
+            let mut open = self.open_ops();
+            if let Some(ops) = open.get_mut(sandbox) {
+                ops.remove(op);
+                if ops.is_empty() {
+                    open.remove(sandbox);
+                }
+            }
+        }
         self.send(Job::Finished {
             sandbox: sandbox.clone(),
             op: op.clone(),
-            result: Box::new(result.clone()),
+            outcome: result.outcome.clone(),
+            duration_ms: result.duration_ms,
             at: SystemTime::now(),
         });
     }
@@ -330,6 +364,7 @@ impl OpTraces {
 
     /// Sandbox `id` is gone: what waited for its operations goes too.
     pub fn forget_sandbox(&self, id: &SandboxId) {
+        self.open_ops().remove(id);
         self.send(Job::Forget(id.clone()));
     }
 
@@ -368,9 +403,10 @@ impl Writer {
             Job::Finished {
                 sandbox,
                 op,
-                result,
+                outcome,
+                duration_ms,
                 at,
-            } => self.finished(&sandbox, &op, &result, at),
+            } => self.finished(&sandbox, &op, &outcome, duration_ms, at),
             Job::Forget(id) => {
                 let before = self.pending.len();
                 self.pending.retain(|_, p| p.sandbox != id);
@@ -407,7 +443,8 @@ impl Writer {
         &mut self,
         sandbox: &SandboxId,
         op: &OperationId,
-        result: &OperationResult,
+        outcome: &Outcome,
+        duration_ms: u64,
         now: SystemTime,
     ) {
         let first_output = self.first_output.remove(op);
@@ -424,10 +461,10 @@ impl Writer {
         };
         let submitted = UNIX_EPOCH + Duration::from_millis(pending.submitted_unix_ms.max(0) as u64);
         let started = now
-            .checked_sub(Duration::from_millis(result.duration_ms))
+            .checked_sub(Duration::from_millis(duration_ms))
             .unwrap_or(submitted)
             .max(submitted);
-        let (cause, error) = end_cause(&result.outcome);
+        let (cause, error) = end_cause(outcome);
         let mut span = self
             .tracer
             .span_builder(format!("operation {}", pending.kind))
@@ -438,8 +475,8 @@ impl Writer {
                 KeyValue::new("corral.operation.id", op.to_string()),
                 KeyValue::new("corral.operation.kind", pending.kind),
                 KeyValue::new("corral.operation.end_cause", cause),
-                KeyValue::new("process.exit.code", i64::from(result.outcome.exit_status())),
-                KeyValue::new("corral.operation.duration_ms", result.duration_ms as i64),
+                KeyValue::new("process.exit.code", i64::from(outcome.exit_status())),
+                KeyValue::new("corral.operation.duration_ms", duration_ms as i64),
             ])
             .start_with_context(
                 &self.tracer,
@@ -451,7 +488,7 @@ impl Writer {
             span.add_event_with_timestamp("first_output", t, vec![]);
         }
         if error {
-            span.set_status(Status::error(result.outcome.to_string()));
+            span.set_status(Status::error(outcome.to_string()));
         }
         span.end_with_timestamp(now);
     }

@@ -15,9 +15,10 @@ pub(super) struct Actor {
     pub(super) metrics: Arc<crate::metrics::WorkerMetrics>,
     /// Operations' spans, when exported.
     pub(super) traces: Option<Arc<crate::telemetry::OpTraces>>,
-    /// Operations submitted here under a trace context, not yet ended:
-    /// only their output is told to `traces`.
-    pub(super) traced: std::collections::HashSet<OperationId>,
+    /// Operations submitted under a trace context, not yet ended, each
+    /// with whether its first output was told to `traces` (only theirs
+    /// is, once; only their ends are).
+    pub(super) traced: HashMap<OperationId, bool>,
     pub(super) shared: Arc<Shared>,
     pub(super) rx: mpsc::Receiver<Command>,
     pub(super) output: Option<Output>,
@@ -485,7 +486,7 @@ impl Actor {
         if let (Some(traces), Some(parent)) = (&self.traces, &traceparent)
             && traces.submitted(&self.id, &id, spec.kind(), parent)
         {
-            self.traced.insert(id.clone());
+            self.traced.insert(id.clone(), false);
         }
         // Before the supervisor's welcome the run is sent with the others
         // init does not know yet (see `on_welcome`).
@@ -691,8 +692,10 @@ impl Actor {
                     EventKind::Output { .. } => {
                         if let Some(traces) = &self.traces
                             && seq > self.live_after
-                            && self.traced.contains(id)
+                            && let Some(told) = self.traced.get_mut(id)
+                            && !*told
                         {
+                            *told = true;
                             traces.output(id);
                         }
                     }
@@ -720,10 +723,11 @@ impl Actor {
                             );
                         }
                         ops.finish(id, (**result).clone());
-                        // Also for an operation submitted before a restart:
-                        // what the worker kept says whether it was traced.
-                        if let Some(traces) = &self.traces {
-                            self.traced.remove(id);
+                        // Also for an operation submitted before a restart
+                        // (the actor starts with those the worker kept).
+                        if let Some(traces) = &self.traces
+                            && self.traced.remove(id).is_some()
+                        {
                             traces.finished(&self.id, id, result);
                         }
                         if let Some(mut link) = self.inputs.remove(id) {
@@ -794,8 +798,9 @@ impl Actor {
                 reason: reason.clone(),
             });
             lock(&self.shared.ops).finish(&id, result.clone());
-            if let Some(traces) = &self.traces {
-                self.traced.remove(&id);
+            if let Some(traces) = &self.traces
+                && self.traced.remove(&id).is_some()
+            {
                 traces.finished(&self.id, &id, &result);
             }
             journal.push(Some(id), EventKind::Finished(Box::new(result)));

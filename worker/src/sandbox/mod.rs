@@ -415,8 +415,10 @@ impl Sandbox {
             resets: VecDeque::new(),
             egress_reports,
             egress_pending: VecDeque::new(),
+            traced: traces
+                .map(|t| t.open_of(&id).into_iter().map(|op| (op, false)).collect())
+                .unwrap_or_default(),
             traces: traces.cloned(),
-            traced: std::collections::HashSet::new(),
         };
         let span = info_span!("sandbox", sandbox = %id, container = %short(&container_id));
         tracker.spawn(actor.run().instrument(span));
