@@ -14,9 +14,13 @@
 //!   side (the run's spans too), from the process's start to its result
 //!   event read (results not batched: a grace of 0).
 //!
-//! Rounds alternate which side goes first; the tracing worker is also
-//! measured with submits that carry no trace context (the same process
-//! and sandbox, its spans off). Run: `cargo bench -p corral-e2e
+//! The sides take turns going first; the tracing worker is also measured
+//! with submits that carry no trace context (the same process, its spans
+//! off), and a second worker without tracing is measured as the first is
+//! (calibration: two sides that differ in nothing). Each series has a
+//! sandbox of its own, so all have run as many operations at each round
+//! (an operation costs more in a sandbox that has run many: see
+//! docs/performance.md). Run: `cargo bench -p corral-e2e
 //! --bench tracing` after `deploy/build.sh`. Prints Markdown.
 
 // A report printer: printing is its job.
@@ -176,13 +180,27 @@ fn median(mut v: Vec<f64>) -> f64 {
 async fn main() -> Result<()> {
     let receiver = Receiver::default();
     let endpoint = receiver.serve().await?;
-    let (plain_state, traced_state) = (tempfile::tempdir()?, tempfile::tempdir()?);
+    let (plain_state, traced_state, twin_state) = (
+        tempfile::tempdir()?,
+        tempfile::tempdir()?,
+        tempfile::tempdir()?,
+    );
     // Both log warnings only (a line per operation on a terminal is a
     // cost of its own, the same on both sides).
     let quiet = [("CORRAL_LOG", "warn")];
     let plain = WorkerProcess::spawn(
         plain_state.path(),
         &unique_id("trb-off"),
+        free_port()?,
+        &quiet,
+        &[],
+    )?;
+    // A second worker without tracing, measured as the other side is: the
+    // ratio of two sides that differ in nothing is what the bench can
+    // tell apart on this machine.
+    let twin = WorkerProcess::spawn(
+        twin_state.path(),
+        &unique_id("trb-off2"),
         free_port()?,
         &quiet,
         &[],
@@ -194,8 +212,12 @@ async fn main() -> Result<()> {
         &quiet,
         &["--otlp-endpoint", &endpoint],
     )?;
+    // A sandbox per measured series (off; on; on the tracing worker
+    // without a traceparent): an operation costs more the more the
+    // sandbox has run (its supervisor's memory grows with its journal, and
+    // each launch forks it), so every series' sandbox has run as many.
     let mut sandboxes = Vec::new();
-    for w in [&plain, &traced] {
+    for w in [&plain, &traced, &traced, &twin] {
         let sb = SandboxId::random();
         let spec = SandboxSpec {
             image: Some("corral-sandbox:latest".into()),
@@ -208,19 +230,28 @@ async fn main() -> Result<()> {
     // Warm both sides once.
     ops_per_second(&plain, &sandboxes[0], true).await?;
     ops_per_second(&traced, &sandboxes[1], true).await?;
+    ops_per_second(&traced, &sandboxes[2], false).await?;
+    ops_per_second(&twin, &sandboxes[3], true).await?;
     let (mut ops_off, mut ops_on, mut ops_same, mut ev_off, mut ev_on) =
         (vec![], vec![], vec![], vec![], vec![]);
+    let (mut ops_twin, mut ev_twin) = (vec![], vec![]);
     for round in 0..ROUNDS {
-        // Each side goes first every other round.
-        let first = round % 2 == 0;
-        for side in [first, !first] {
-            if side {
-                ops_on.push(ops_per_second(&traced, &sandboxes[1], true).await?);
-                ops_same.push(ops_per_second(&traced, &sandboxes[1], false).await?);
-                ev_on.push(events_per_second(&model, &traced, Some(&endpoint)).await?);
-            } else {
-                ops_off.push(ops_per_second(&plain, &sandboxes[0], true).await?);
-                ev_off.push(events_per_second(&model, &plain, None).await?);
+        // The sides take turns going first.
+        for k in 0..3 {
+            match (round + k) % 3 {
+                0 => {
+                    ops_on.push(ops_per_second(&traced, &sandboxes[1], true).await?);
+                    ops_same.push(ops_per_second(&traced, &sandboxes[2], false).await?);
+                    ev_on.push(events_per_second(&model, &traced, Some(&endpoint)).await?);
+                }
+                1 => {
+                    ops_off.push(ops_per_second(&plain, &sandboxes[0], true).await?);
+                    ev_off.push(events_per_second(&model, &plain, None).await?);
+                }
+                _ => {
+                    ops_twin.push(ops_per_second(&twin, &sandboxes[3], true).await?);
+                    ev_twin.push(events_per_second(&model, &twin, None).await?);
+                }
             }
         }
     }
@@ -238,6 +269,7 @@ async fn main() -> Result<()> {
     ensure!(ops > 0 && runs > 0, "no spans arrived");
     let (ops_off, ops_on, ops_same) = (median(ops_off), median(ops_on), median(ops_same));
     let (ev_off, ev_on) = (median(ev_off), median(ev_on));
+    let (ops_twin, ev_twin) = (median(ops_twin), median(ev_twin));
     println!(
         "| measure (median of {ROUNDS}) | tracing off | tracing on | on / off |\n|---|---|---|---|"
     );
@@ -253,8 +285,21 @@ async fn main() -> Result<()> {
         "| a session's events per second (40 calls) | {ev_off:.0} | {ev_on:.0} | {:.2}x |",
         ev_on / ev_off
     );
+    println!(
+        "| calibration: operations per second, P8, two workers without tracing | {ops_off:.0} | {ops_twin:.0} | {:.2}x |",
+        ops_twin / ops_off
+    );
+    println!(
+        "| calibration: a session's events per second, two workers without tracing | {ev_off:.0} | {ev_twin:.0} | {:.2}x |",
+        ev_twin / ev_off
+    );
     println!("\n{ops} operation spans and {runs} run spans received.");
-    for (w, sb) in [(&plain, &sandboxes[0]), (&traced, &sandboxes[1])] {
+    for (w, sb) in [
+        (&plain, &sandboxes[0]),
+        (&traced, &sandboxes[1]),
+        (&traced, &sandboxes[2]),
+        (&twin, &sandboxes[3]),
+    ] {
         let _ = w.client().await?.destroy_sandbox(sb).await;
     }
     Ok(())

@@ -102,8 +102,11 @@ enum Line {
 struct Journal {
     path: PathBuf,
     file: Option<std::fs::File>,
-    /// Lines in the file.
+    /// Lines in the file, and in `buf`.
     lines: usize,
+    /// Lines appended since the last [`Journal::flush`]: the tracing
+    /// thread writes once for all the jobs it found waiting.
+    buf: Vec<u8>,
 }
 
 /// Lines past which the journal is rewritten (if it is mostly ended
@@ -135,28 +138,43 @@ impl Journal {
             path,
             file: None,
             lines: 0,
+            buf: Vec::new(),
         };
         journal.rewrite(&pending);
         (journal, pending)
     }
 
+    /// Adds `line`, written at the next [`Journal::flush`].
     fn append(&mut self, line: &Line) {
-        use std::io::Write;
-        let Some(file) = self.file.as_mut() else {
+        if self.file.is_none() {
             return;
-        };
-        let mut bytes = serde_json::to_vec(line).unwrap_or_default();
-        bytes.push(b'\n');
-        match file.write_all(&bytes) {
-            Ok(()) => self.lines += 1,
-            Err(e) => tracing::warn!(error = %e, "the trace journal was not written"),
         }
+        if serde_json::to_writer(&mut self.buf, line).is_ok() {
+            self.buf.push(b'\n');
+            self.lines += 1;
+        }
+    }
+
+    /// Writes what was appended since the last flush.
+    fn flush(&mut self) {
+        use std::io::Write;
+        if self.buf.is_empty() {
+            return;
+        }
+        if let Some(file) = self.file.as_mut()
+            && let Err(e) = file.write_all(&self.buf)
+        {
+            tracing::warn!(error = %e, "the trace journal was not written");
+        }
+        self.buf.clear();
     }
 
     /// Makes the file hold `pending` alone (a new file, renamed over the
     /// old one).
     fn rewrite(&mut self, pending: &HashMap<(SandboxId, OperationId), Pending>) {
         use std::io::Write;
+        // What is buffered is in `pending` already.
+        self.buf.clear();
         let tmp = self.path.with_extension("jsonl.tmp");
         let written = (|| {
             let mut f = std::fs::File::create(&tmp)?;
@@ -233,9 +251,14 @@ impl OpTraces {
         let thread = std::thread::Builder::new()
             .name("corral-traces".into())
             .spawn(move || {
-                // Until every sender is gone (see `shutdown`).
+                // Until every sender is gone (see `shutdown`); the journal
+                // is written once for the jobs found waiting.
                 while let Ok(job) = rx.recv() {
                     writer.run(job);
+                    while let Ok(job) = rx.try_recv() {
+                        writer.run(job);
+                    }
+                    writer.journal.flush();
                 }
             })
             .map_err(|e| format!("the tracing thread: {e}"))?;
@@ -570,6 +593,11 @@ mod tests {
         j.append(&Line::Forgot {
             sandbox: SandboxId::new("b").unwrap(),
         });
+        // Written only when flushed (once for the jobs found waiting).
+        let path = dir.path().join("pending.jsonl");
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), "");
+        j.flush();
+        assert_eq!(std::fs::read_to_string(&path).unwrap().lines().count(), 6);
         // The process dies in the middle of a line.
         {
             use std::io::Write;
