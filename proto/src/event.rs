@@ -116,21 +116,35 @@ impl Event {
         }
     }
 
-    /// Rough memory footprint, for journal budgets.
+    /// About what the event takes in memory, for journal budgets: the
+    /// event as stored, its operation id's and its result's allocations
+    /// (each counted with an allocator's overhead) and what it carries. An
+    /// event with nothing to carry still counts what it takes, so a
+    /// journal of many small events stays within its budget too.
     pub fn weight(&self) -> usize {
-        64 + match &self.kind {
-            EventKind::Output { data, .. } => data.len(),
-            EventKind::Finished(r) => {
-                r.stdout.head.len()
-                    + r.stdout.tail.len()
-                    + r.stderr.head.len()
-                    + r.stderr.tail.len()
-                    + r.file_data.len()
+        /// What an allocator adds to each allocation, about.
+        const ALLOC: usize = 16;
+        let id = self
+            .operation_id
+            .as_ref()
+            .map_or(0, |id| id.as_str().len() + ALLOC);
+        std::mem::size_of::<Self>()
+            + id
+            + match &self.kind {
+                EventKind::Output { data, .. } => data.len(),
+                EventKind::Finished(r) => {
+                    std::mem::size_of::<OperationResult>()
+                        + ALLOC
+                        + r.stdout.head.len()
+                        + r.stdout.tail.len()
+                        + r.stderr.head.len()
+                        + r.stderr.tail.len()
+                        + r.file_data.len()
+                }
+                EventKind::SandboxLost { reason } => reason.len(),
+                EventKind::Egress(e) => e.host.len() + e.reason.len(),
+                EventKind::Started { .. } | EventKind::Gap { .. } => 0,
             }
-            EventKind::SandboxLost { reason } => reason.len(),
-            EventKind::Egress(e) => e.host.len() + e.reason.len(),
-            EventKind::Started { .. } | EventKind::Gap { .. } => 0,
-        }
     }
 }
 

@@ -179,6 +179,35 @@ mod tests {
     }
 
     #[test]
+    fn small_events_count_what_they_take_so_the_budget_bounds_memory() {
+        use corral_proto::{OperationResult, Outcome};
+        let budget = 1 << 20;
+        let mut j = Journal::new(budget, DEFAULT_MAX_EVENTS);
+        // The events of a command that prints nothing, many times over.
+        for _ in 0..20_000 {
+            let op = Some(OperationId::random());
+            j.push(op.clone(), EventKind::Started { pid: 1 });
+            j.push(
+                op,
+                EventKind::Finished(Box::new(OperationResult::with_outcome(Outcome::Exited {
+                    code: 0,
+                }))),
+            );
+        }
+        // What the kept events take: each stored, its id, a result each
+        // second one.
+        let per_pair =
+            2 * (std::mem::size_of::<Event>() + 36) + std::mem::size_of::<OperationResult>();
+        let kept = j.events.len();
+        assert!(kept < 40_000, "nothing was evicted");
+        assert!(
+            kept / 2 * per_pair <= budget,
+            "{kept} events kept take about {} bytes, over the budget of {budget}",
+            kept / 2 * per_pair
+        );
+    }
+
+    #[test]
     fn mirrored_inserts_ignore_duplicates() {
         let mut a = Journal::default();
         let mut b = Journal::default();
