@@ -850,13 +850,21 @@ impl WorkerClient {
     }
 }
 
-/// An error with its causes, on one line.
 /// A status's message with what caused it on this side, when the
 /// transport made it ("http2 error: keep-alive timed out", not "http2
 /// error").
 pub fn status_text(s: &Status) -> String {
-    let mut text = s.message().to_string();
-    let mut cur = std::error::Error::source(s);
+    with_causes(s.message().to_string(), std::error::Error::source(s))
+}
+
+/// An error with its causes, on one line.
+pub fn source_chain(e: &dyn std::error::Error) -> String {
+    with_causes(e.to_string(), e.source())
+}
+
+/// `text`, then each cause from `first` on that it does not say already.
+fn with_causes(mut text: String, first: Option<&(dyn std::error::Error + 'static)>) -> String {
+    let mut cur = first;
     while let Some(c) = cur {
         let more = c.to_string();
         if !text.contains(&more) {
@@ -866,20 +874,6 @@ pub fn status_text(s: &Status) -> String {
         cur = c.source();
     }
     text
-}
-
-pub fn source_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(c) = cur {
-        let text = c.to_string();
-        if !s.contains(&text) {
-            s.push_str(": ");
-            s.push_str(&text);
-        }
-        cur = c.source();
-    }
-    s
 }
 
 /// A piece of a [`WorkerClient::download`].
