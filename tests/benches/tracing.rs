@@ -214,8 +214,8 @@ async fn main() -> Result<()> {
     )?;
     // A sandbox per measured series (off; on; on the tracing worker
     // without a traceparent): an operation costs more the more the
-    // sandbox has run (its supervisor's memory grows with its journal, and
-    // each launch forks it), so every series' sandbox has run as many.
+    // sandbox has run (see docs/performance.md), so every series' sandbox
+    // has run as many.
     let mut sandboxes = Vec::new();
     for w in [&plain, &traced, &traced, &twin] {
         let sb = SandboxId::random();
