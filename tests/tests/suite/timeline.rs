@@ -503,11 +503,15 @@ fn browser_own(line: &str) -> bool {
 }
 
 /// A proxy that answers nothing: it writes down the first line of every
-/// request and closes.
+/// request and closes. A connection that sends nothing (Chromium opens
+/// some to its proxy ahead of any request, and closes them unused when it
+/// exits) asks for nothing, and is not written down.
 struct Tripwire {
     addr: std::net::SocketAddr,
     seen: Arc<std::sync::Mutex<Vec<String>>>,
     stop: Arc<std::sync::atomic::AtomicBool>,
+    /// Connections accepted and not read yet.
+    open: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 impl Tripwire {
@@ -517,32 +521,61 @@ impl Tripwire {
         listener.set_nonblocking(true)?;
         let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
         let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let (s, st) = (Arc::clone(&seen), Arc::clone(&stop));
+        let open = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let (s, st, o) = (Arc::clone(&seen), Arc::clone(&stop), Arc::clone(&open));
         std::thread::spawn(move || {
             use std::io::Read;
             while !st.load(Ordering::SeqCst) {
                 match listener.accept() {
+                    // Each read on its own thread: one idle connection
+                    // holds no other up.
                     Ok((mut c, _)) => {
-                        let _ = c.set_nonblocking(false);
-                        let _ = c.set_read_timeout(Some(std::time::Duration::from_secs(2)));
-                        let mut buf = [0u8; 512];
-                        let n = c.read(&mut buf).unwrap_or(0);
-                        let text = String::from_utf8_lossy(&buf[..n]);
-                        let line = text.lines().next().unwrap_or("").to_string();
-                        s.lock().unwrap_or_else(|e| e.into_inner()).push(line);
+                        o.fetch_add(1, Ordering::SeqCst);
+                        let (s, o) = (Arc::clone(&s), Arc::clone(&o));
+                        std::thread::spawn(move || {
+                            let _ = c.set_nonblocking(false);
+                            let _ = c.set_read_timeout(Some(std::time::Duration::from_secs(2)));
+                            let mut buf = [0u8; 512];
+                            let n = c.read(&mut buf).unwrap_or(0);
+                            if n > 0 {
+                                let text = String::from_utf8_lossy(&buf[..n]);
+                                let line = text.lines().next().unwrap_or("").to_string();
+                                s.lock().unwrap_or_else(|e| e.into_inner()).push(line);
+                            }
+                            o.fetch_sub(1, Ordering::SeqCst);
+                        });
                     }
                     Err(_) => std::thread::sleep(std::time::Duration::from_millis(10)),
                 }
             }
         });
-        Ok(Self { addr, seen, stop })
+        Ok(Self {
+            addr,
+            seen,
+            stop,
+            open,
+        })
     }
 
+    /// What was asked, once every connection accepted so far has been
+    /// read (3 s at most).
     fn seen(&self) -> Vec<String> {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(3);
+        while self.open.load(Ordering::SeqCst) > 0 && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        self.recorded()
+    }
+
+    /// What was asked so far.
+    fn recorded(&self) -> Vec<String> {
         self.seen.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
+    /// Forgets what was asked, once every connection so far is read (so
+    /// none of them is written down after).
     fn clear(&self) {
+        let _ = self.seen();
         self.seen.lock().unwrap_or_else(|e| e.into_inner()).clear();
     }
 
@@ -550,7 +583,7 @@ impl Tripwire {
     fn wait_for(&self, host: &str) -> bool {
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
         while std::time::Instant::now() < deadline {
-            if self.seen().iter().any(|l| l.contains(host)) {
+            if self.recorded().iter().any(|l| l.contains(host)) {
                 return true;
             }
             std::thread::sleep(std::time::Duration::from_millis(20));
