@@ -17,7 +17,10 @@
 //! The sides take turns going first; the tracing worker is also measured
 //! with submits that carry no trace context (the same process, its spans
 //! off), and a second worker without tracing is measured as the first is
-//! (calibration: two sides that differ in nothing). Each series has a
+//! (calibration: two sides that differ in nothing). Besides rates, each
+//! window counts CPU time: the worker's threads', the control plane's
+//! (sessions) and the whole machine's, per operation or event, which the
+//! machine's noise moves less than throughput. Each series has a
 //! sandbox of its own, so all have run as many operations at each round
 //! (an operation costs more in a sandbox that has run many: see
 //! docs/performance.md). Run: `cargo bench -p corral-e2e
@@ -105,8 +108,90 @@ async fn client_ops(
     Ok(())
 }
 
-/// Operations per second at P8 on `worker`'s sandbox `sb`.
-async fn ops_per_second(worker: &WorkerProcess, sb: &SandboxId, traced: bool) -> Result<f64> {
+/// What one measured stretch took: its count (operations, or a session's
+/// events), its wall time, and the CPU time, in nanoseconds, of the
+/// worker, of the control plane's process (sessions only) and of the whole
+/// machine.
+#[derive(Debug, Clone, Copy, Default)]
+struct Window {
+    count: usize,
+    secs: f64,
+    worker: u64,
+    control: u64,
+    machine: u64,
+}
+
+impl Window {
+    fn rate(&self) -> f64 {
+        self.count as f64 / self.secs
+    }
+}
+
+/// The CPU time each thread of a process has used, in nanoseconds (the
+/// first field of `/proc/PID/task/TID/schedstat`): finer than the clock
+/// ticks of `/proc/PID/stat`, which a session's quarter of a second on the
+/// worker barely moves.
+fn threads_ns(pid: u32) -> Result<std::collections::HashMap<u32, u64>> {
+    let mut out = std::collections::HashMap::new();
+    for task in std::fs::read_dir(format!("/proc/{pid}/task"))? {
+        let task = task?;
+        let Ok(tid) = task.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        // A thread that ended meanwhile is skipped.
+        if let Ok(s) = std::fs::read_to_string(task.path().join("schedstat"))
+            && let Some(ns) = s.split_whitespace().next().and_then(|v| v.parse().ok())
+        {
+            out.insert(tid, ns);
+        }
+    }
+    Ok(out)
+}
+
+/// The CPU time a process's threads used since `before` (threads started
+/// meanwhile from zero; one that both started and ended meanwhile is not
+/// seen: the worker's threads live as long as it does).
+fn threads_ns_since(pid: u32, before: &std::collections::HashMap<u32, u64>) -> Result<u64> {
+    Ok(threads_ns(pid)?
+        .iter()
+        .map(|(tid, ns)| ns.saturating_sub(before.get(tid).copied().unwrap_or(0)))
+        .sum())
+}
+
+/// The busy CPU time of the whole machine (every CPU, idle and I/O wait
+/// left out), in nanoseconds (counted in clock ticks).
+fn machine_ns() -> Result<u64> {
+    let stat = std::fs::read_to_string("/proc/stat")?;
+    let line = stat.lines().next().context("/proc/stat")?;
+    let v: Vec<u64> = line
+        .split_whitespace()
+        .skip(1)
+        .take(8)
+        .map(str::parse)
+        .collect::<Result<_, _>>()?;
+    let hz = nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK)
+        .ok()
+        .flatten()
+        .unwrap_or(100) as u64;
+    Ok((v.iter().sum::<u64>() - v[3] - v[4]) * (1_000_000_000 / hz))
+}
+
+/// The CPU time of the children this process has waited for, in
+/// nanoseconds.
+fn children_ns() -> u64 {
+    let ru = nix::sys::resource::getrusage(nix::sys::resource::UsageWho::RUSAGE_CHILDREN);
+    ru.map(|r| {
+        let t = |v: nix::sys::time::TimeVal| {
+            v.tv_sec() as u64 * 1_000_000_000 + v.tv_usec() as u64 * 1000
+        };
+        t(r.user_time()) + t(r.system_time())
+    })
+    .unwrap_or(0)
+}
+
+/// Operations at P8 on `worker`'s sandbox `sb`: their rate and what they
+/// cost in CPU.
+async fn ops_window(worker: &WorkerProcess, sb: &SandboxId, traced: bool) -> Result<Window> {
     let mut clients = Vec::new();
     for _ in 0..CLIENTS {
         clients.push(worker.client().await?);
@@ -122,19 +207,28 @@ async fn ops_per_second(worker: &WorkerProcess, sb: &SandboxId, traced: bool) ->
         )));
     }
     window.wait().await;
+    let pid = worker.child.id();
+    let (w0, m0) = (threads_ns(pid)?, machine_ns()?);
     let started = Instant::now();
     for t in tasks {
         t.await??;
     }
-    Ok((CLIENTS * OPS_PER_CLIENT) as f64 / started.elapsed().as_secs_f64())
+    Ok(Window {
+        count: CLIENTS * OPS_PER_CLIENT,
+        secs: started.elapsed().as_secs_f64(),
+        worker: threads_ns_since(pid, &w0)?,
+        control: 0,
+        machine: machine_ns()? - m0,
+    })
 }
 
-/// A session's events per second on `worker` (traced with `otlp`).
-async fn events_per_second(
+/// A session's events on `worker` (traced with `otlp`): their rate and
+/// what the session cost in CPU.
+async fn session_window(
     model: &ModelServer,
     worker: &WorkerProcess,
     otlp: Option<&str>,
-) -> Result<f64> {
+) -> Result<Window> {
     let sessions = tempfile::tempdir()?;
     let id = unique_id("trb-");
     let mut args = vec!["--session", id.as_str()];
@@ -148,6 +242,8 @@ async fn events_per_second(
         .env("CORRAL_GRACE", "0s");
     // To the result event in the reader's hands (what is exported after it,
     // at the process's exit, is not the session's time).
+    let (w0, m0) = (threads_ns(worker.child.id())?, machine_ns()?);
+    let c0 = children_ns();
     let started = Instant::now();
     let mut child = cmd.spawn()?;
     let stdout = child.stdout.take().context("no stdout")?;
@@ -162,13 +258,47 @@ async fn events_per_second(
         }
     }
     let took = started.elapsed();
+    let (worker_ns, machine) = (
+        threads_ns_since(worker.child.id(), &w0)?,
+        machine_ns()? - m0,
+    );
     let out = child.wait_with_output().await?;
+    // Its whole life, the exporter's last flush at exit included (the
+    // one child this process waits for meanwhile).
+    let control = children_ns() - c0;
     ensure!(
         done && out.status.success(),
         "corral run failed: {}",
         String::from_utf8_lossy(&out.stderr)
     );
-    Ok(events as f64 / took.as_secs_f64())
+    Ok(Window {
+        count: events,
+        secs: took.as_secs_f64(),
+        worker: worker_ns,
+        control,
+        machine,
+    })
+}
+
+/// A row of the CPU table: what it counts, the off, on and calibration
+/// windows, and which time.
+type CpuRow<'a> = (
+    &'a str,
+    &'a [Window],
+    &'a [Window],
+    &'a [Window],
+    fn(&Window) -> u64,
+);
+
+fn rates(w: &[Window]) -> Vec<f64> {
+    w.iter().map(Window::rate).collect()
+}
+
+/// Microseconds of `field`'s CPU time per counted thing, over windows.
+fn per(w: &[Window], field: fn(&Window) -> u64) -> f64 {
+    let ns: u64 = w.iter().map(field).sum();
+    let count: usize = w.iter().map(|w| w.count).sum();
+    ns as f64 / 1000.0 / count as f64
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -228,10 +358,10 @@ async fn main() -> Result<()> {
     }
     let model = ModelServer::responding(model).await;
     // Warm both sides once.
-    ops_per_second(&plain, &sandboxes[0], true).await?;
-    ops_per_second(&traced, &sandboxes[1], true).await?;
-    ops_per_second(&traced, &sandboxes[2], false).await?;
-    ops_per_second(&twin, &sandboxes[3], true).await?;
+    ops_window(&plain, &sandboxes[0], true).await?;
+    ops_window(&traced, &sandboxes[1], true).await?;
+    ops_window(&traced, &sandboxes[2], false).await?;
+    ops_window(&twin, &sandboxes[3], true).await?;
     let (mut ops_off, mut ops_on, mut ops_same, mut ev_off, mut ev_on) =
         (vec![], vec![], vec![], vec![], vec![]);
     let (mut ops_twin, mut ev_twin) = (vec![], vec![]);
@@ -240,17 +370,17 @@ async fn main() -> Result<()> {
         for k in 0..3 {
             match (round + k) % 3 {
                 0 => {
-                    ops_on.push(ops_per_second(&traced, &sandboxes[1], true).await?);
-                    ops_same.push(ops_per_second(&traced, &sandboxes[2], false).await?);
-                    ev_on.push(events_per_second(&model, &traced, Some(&endpoint)).await?);
+                    ops_on.push(ops_window(&traced, &sandboxes[1], true).await?);
+                    ops_same.push(ops_window(&traced, &sandboxes[2], false).await?);
+                    ev_on.push(session_window(&model, &traced, Some(&endpoint)).await?);
                 }
                 1 => {
-                    ops_off.push(ops_per_second(&plain, &sandboxes[0], true).await?);
-                    ev_off.push(events_per_second(&model, &plain, None).await?);
+                    ops_off.push(ops_window(&plain, &sandboxes[0], true).await?);
+                    ev_off.push(session_window(&model, &plain, None).await?);
                 }
                 _ => {
-                    ops_twin.push(ops_per_second(&twin, &sandboxes[3], true).await?);
-                    ev_twin.push(events_per_second(&model, &twin, None).await?);
+                    ops_twin.push(ops_window(&twin, &sandboxes[3], true).await?);
+                    ev_twin.push(session_window(&model, &twin, None).await?);
                 }
             }
         }
@@ -267,32 +397,99 @@ async fn main() -> Result<()> {
         .filter(|s| s.name == "invoke_agent corral")
         .count();
     ensure!(ops > 0 && runs > 0, "no spans arrived");
-    let (ops_off, ops_on, ops_same) = (median(ops_off), median(ops_on), median(ops_same));
-    let (ev_off, ev_on) = (median(ev_off), median(ev_on));
-    let (ops_twin, ev_twin) = (median(ops_twin), median(ev_twin));
+    // A round's two sides ran minutes apart at most, so the ratio within
+    // a round is the one the machine's drift moves least: its median is
+    // the figure, its spread what the machine allows.
     println!(
-        "| measure (median of {ROUNDS}) | tracing off | tracing on | on / off |\n|---|---|---|---|"
+        "| rate (median of {ROUNDS} rounds) | tracing off | tracing on | on / off (median of the rounds' ratios) | lowest, highest |\n|---|---|---|---|---|"
     );
+    let rows: [(&str, &[Window], &[Window]); 5] = [
+        ("operations per second, P8 (`true`)", &ops_off, &ops_on),
+        (
+            "operations per second, P8, on the tracing worker: no traceparent / with",
+            &ops_same,
+            &ops_on,
+        ),
+        ("a session's events per second (40 calls)", &ev_off, &ev_on),
+        (
+            "calibration: operations per second, two workers without tracing",
+            &ops_off,
+            &ops_twin,
+        ),
+        (
+            "calibration: a session's events per second, two workers without tracing",
+            &ev_off,
+            &ev_twin,
+        ),
+    ];
+    for (what, off, on) in rows {
+        let (a, b) = (median(rates(off)), median(rates(on)));
+        let mut r: Vec<f64> = off
+            .iter()
+            .zip(on)
+            .map(|(x, y)| y.rate() / x.rate())
+            .collect();
+        r.sort_by(f64::total_cmp);
+        println!(
+            "| {what} | {a:.0} | {b:.0} | {:.2}x | {:.2}x, {:.2}x |",
+            r[r.len() / 2],
+            r[0],
+            r[r.len() - 1]
+        );
+    }
+    // What tracing costs in CPU, summed over every round: the work that
+    // differs between the sides is the worker's (and the control plane's
+    // in a session); the sandbox's is the same.
     println!(
-        "| operations per second, P8 (`true`) | {ops_off:.0} | {ops_on:.0} | {:.2}x |",
-        ops_on / ops_off
+        "\n| CPU time, microseconds (all {ROUNDS} rounds) | tracing off | tracing on | on - off | calibration: off 2 - off |\n|---|---|---|---|---|"
     );
-    println!(
-        "| operations per second, P8, on the tracing worker: no traceparent / with | {ops_same:.0} | {ops_on:.0} | {:.2}x |",
-        ops_on / ops_same
-    );
-    println!(
-        "| a session's events per second (40 calls) | {ev_off:.0} | {ev_on:.0} | {:.2}x |",
-        ev_on / ev_off
-    );
-    println!(
-        "| calibration: operations per second, P8, two workers without tracing | {ops_off:.0} | {ops_twin:.0} | {:.2}x |",
-        ops_twin / ops_off
-    );
-    println!(
-        "| calibration: a session's events per second, two workers without tracing | {ev_off:.0} | {ev_twin:.0} | {:.2}x |",
-        ev_twin / ev_off
-    );
+    let cpu: [CpuRow; 5] = [
+        (
+            "the worker, per operation",
+            &ops_off,
+            &ops_on,
+            &ops_twin,
+            |w| w.worker,
+        ),
+        (
+            "the machine, per operation",
+            &ops_off,
+            &ops_on,
+            &ops_twin,
+            |w| w.machine,
+        ),
+        (
+            "the worker, per session event",
+            &ev_off,
+            &ev_on,
+            &ev_twin,
+            |w| w.worker,
+        ),
+        (
+            "the control plane (`corral run`), per session event",
+            &ev_off,
+            &ev_on,
+            &ev_twin,
+            |w| w.control,
+        ),
+        (
+            "the machine, per session event",
+            &ev_off,
+            &ev_on,
+            &ev_twin,
+            |w| w.machine,
+        ),
+    ];
+    for (what, off, on, twin, field) in cpu {
+        let (a, b, c) = (per(off, field), per(on, field), per(twin, field));
+        println!(
+            "| {what} | {a:.0} | {b:.0} | {:+.0} ({:+.1}%) | {:+.0} ({:+.1}%) |",
+            b - a,
+            (b - a) / a * 100.0,
+            c - a,
+            (c - a) / a * 100.0
+        );
+    }
     println!("\n{ops} operation spans and {runs} run spans received.");
     for (w, sb) in [
         (&plain, &sandboxes[0]),
