@@ -276,7 +276,7 @@ fn the_terminal_view_shows_each_step_in_its_lane() -> Result<()> {
         "input",
         "steer",
         "heartbeat",
-        "stop",
+        "end_when_idle",
         "end",
         "resume",
         "egress_blocked",

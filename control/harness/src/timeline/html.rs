@@ -208,6 +208,10 @@ h1 { font-size: 15px; font-weight: 600; margin: 0 0 12px; }
   // Moments that fall together are set side by side.
   let lastX = -1, beside = 0;
   for (const m of t.marks) {
+    const fields = { at: "+" + dur(m.at_ms), text: m.text };
+    // Ending once idle interrupts nothing: a step, not a mark.
+    const what = m.kind.replace(/_/g, " ");
+    if (!letters[m.kind]) { steps.push([m.at_ms, m.seq, what, m.text, null, what, fields]); continue; }
     const d = document.createElement("div");
     d.className = "mark " + m.kind; d.dataset.kind = m.kind;
     const x = frac(m.at_ms);
@@ -215,12 +219,11 @@ h1 { font-size: 15px; font-weight: 600; margin: 0 0 12px; }
     lastX = x;
     d.style.left = pct(x);
     if (beside) d.style.marginLeft = (beside * 13 - 6) + "px"; d.textContent = letters[m.kind] || "?"; d.title = m.kind + ": " + m.text;
-    const fields = { at: "+" + dur(m.at_ms), text: m.text };
     d.addEventListener("click", function (e) { e.stopPropagation(); show(d, m.kind, fields); });
     moments.appendChild(d);
-    steps.push([m.at_ms, m.seq, m.kind, m.text, d, m.kind, fields]);
+    steps.push([m.at_ms, m.seq, what, m.text, d, what, fields]);
   }
-  for (const g of t.gaps) steps.push([g.from_ms, 0, "suspended", "for " + dur(g.to_ms - g.from_ms), null, "suspended", { from: "+" + dur(g.from_ms), to: "+" + dur(g.to_ms) }]);
+  for (const g of t.gaps) { const what = g.kind.replace(/_/g, " "); steps.push([g.from_ms, 0, what, "for " + dur(g.to_ms - g.from_ms), null, what, { from: "+" + dur(g.from_ms), to: "+" + dur(g.to_ms) }]); }
   steps.sort(function (a, b) { return a[0] - b[0] || a[1] - b[1]; });
   const table = document.getElementById("steps");
   for (const [ms, , what, text, el, title, fields] of steps) {

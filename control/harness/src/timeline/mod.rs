@@ -159,8 +159,9 @@ impl ToolCall {
 pub struct Mark {
     pub at_ms: i64,
     pub seq: u64,
-    /// input | steer | heartbeat | stop | fork | resume | sandbox_lost |
-    /// sandbox_replaced | egress_blocked | context_shrunk | end
+    /// input | steer | heartbeat | stop | end_when_idle (listed, not
+    /// drawn) | fork | resume | sandbox_lost | sandbox_replaced |
+    /// egress_blocked | context_shrunk | end
     pub kind: &'static str,
     pub text: String,
 }
@@ -502,18 +503,20 @@ impl Builder {
                 }
             }
             Record::Stop { mode, cause } => {
-                let how = match mode {
-                    StopMode::WhenIdle => "when idle",
-                    StopMode::Hard => "now",
-                };
                 let why = match cause {
                     StopCause::Requested => "asked",
                     StopCause::TurnLimit => "the turn limit",
                 };
-                if *mode == StopMode::Hard {
-                    self.cancel_in_flight(t);
-                }
-                self.mark(t, seq, "stop", format!("stop {how} ({why})"));
+                // Ending once idle interrupts nothing (`corral run` asks it
+                // of every run before its work starts): a step, not a stop.
+                let (kind, what) = match mode {
+                    StopMode::Hard => {
+                        self.cancel_in_flight(t);
+                        ("stop", "stop now")
+                    }
+                    StopMode::WhenIdle => ("end_when_idle", "end when idle"),
+                };
+                self.mark(t, seq, kind, format!("{what} ({why})"));
             }
             Record::SandboxLost { reason } => {
                 self.cancel_in_flight(t);
@@ -637,6 +640,44 @@ mod tests {
         assert_eq!(t.requests[0].outcome, "unfinished");
         let drawn = text::render(&t, 80);
         assert!(drawn.contains("session old"), "{drawn}");
+    }
+
+    #[test]
+    fn only_a_stop_that_interrupts_is_drawn_as_one() {
+        // `corral run` asks every run to end once idle before its work
+        // starts: listed as a step, never drawn as a stop.
+        let stop = |mode| Record::Stop {
+            mode,
+            cause: StopCause::Requested,
+        };
+        let idle = build(
+            "idle",
+            1_000,
+            None,
+            &[
+                (1, Some(1_000), stop(StopMode::WhenIdle)),
+                (2, Some(2_000), Record::Turn { turn: 1 }),
+            ],
+        );
+        assert_eq!(idle.marks[0].kind, "end_when_idle");
+        let drawn = text::render(&idle, 80);
+        let moments = drawn.lines().find(|l| l.starts_with("moments")).unwrap();
+        assert!(!moments.contains('x'), "{drawn}");
+        assert!(drawn.contains("end when idle (asked)"), "{drawn}");
+        let hard = build(
+            "hard",
+            1_000,
+            None,
+            &[
+                (1, Some(1_000), Record::Turn { turn: 1 }),
+                (2, Some(2_000), stop(StopMode::Hard)),
+            ],
+        );
+        assert_eq!(hard.marks[0].kind, "stop");
+        let drawn = text::render(&hard, 80);
+        let moments = drawn.lines().find(|l| l.starts_with("moments")).unwrap();
+        assert!(moments.contains('x'), "{drawn}");
+        assert!(drawn.contains("stop now (asked)"), "{drawn}");
     }
 
     #[test]

@@ -17,7 +17,7 @@ const STEP_INDENT: usize = 32;
 const GAP_CELLS: usize = 3;
 
 /// What each character of the chart means.
-pub const LEGEND: &str = "model: [==] answered, ! failed, ~ superseded or canceled, > unfinished | calls: . queued, = running, + ok, x failed, P placeholder shown, L late result | moments: i input, s steer, h heartbeat, x stop, f fork, r resume, ! sandbox lost, R sandbox replaced, e egress blocked, c context shrunk, # end, // suspended";
+pub const LEGEND: &str = "model: [==] answered, ! failed, ~ superseded or canceled, > unfinished | calls: . queued, = running, + ok, x failed, P placeholder shown, L late result | moments: i input, s steer, h heartbeat, x stop, f fork, r resume, ! sandbox lost, R sandbox replaced, e egress blocked, c context shrunk, # end, /// suspended";
 
 /// The timeline drawn `width` columns wide (at least 40).
 pub fn render(t: &Timeline, width: usize) -> String {
@@ -115,7 +115,7 @@ pub fn render(t: &Timeline, width: usize) -> String {
     // no neighbour is free, they win.
     marks.sort_by_key(|m| mark_rank(m.kind));
     draw_gaps(&mut moments, &axis, &t.gaps);
-    for m in marks {
+    for m in marks.into_iter().filter(|m| drawn(m.kind)) {
         let c = axis.cell(m.at_ms);
         let free = [c, c + 1, c.wrapping_sub(1), c + 2]
             .into_iter()
@@ -187,6 +187,11 @@ fn mark_rank(kind: &str) -> u8 {
         "input" | "steer" | "egress_blocked" | "context_shrunk" => 1,
         _ => 2,
     }
+}
+
+/// Whether a moment of `kind` gets a mark on the chart (all are steps).
+pub(super) fn drawn(kind: &str) -> bool {
+    kind != "end_when_idle"
 }
 
 fn mark_char(kind: &str) -> char {
@@ -278,7 +283,7 @@ fn steps(t: &Timeline) -> Vec<String> {
             vec![format!(
                 "{}  {:<18}{}",
                 at(m.at_ms),
-                m.kind,
+                m.kind.replace('_', " "),
                 one_line(&m.text)
             )],
         ));
@@ -290,7 +295,7 @@ fn steps(t: &Timeline) -> Vec<String> {
             vec![format!(
                 "{}  {:<18}for {}",
                 at(g.from_ms),
-                g.kind,
+                g.kind.replace('_', " "),
                 long(g.to_ms - g.from_ms)
             )],
         ));
