@@ -40,6 +40,9 @@ pub enum TransferError {
     /// The sandbox's side refused or failed (its own words).
     #[error("in the sandbox: {0}")]
     Sandbox(String),
+    /// The command in the sandbox exited with `code` (its own words).
+    #[error("in the sandbox: {said}")]
+    Exited { code: i32, said: String },
     /// This machine's side failed.
     #[error("{0}")]
     Local(String),
@@ -421,11 +424,15 @@ fn ended(result: &OperationResult, stderr: &[u8]) -> Result<(), TransferError> {
     } else {
         said
     };
-    Err(TransferError::Sandbox(if said.is_empty() {
+    let said = if said.is_empty() {
         result.outcome.to_string()
     } else {
         said
-    }))
+    };
+    Err(match result.outcome {
+        Outcome::Exited { code } => TransferError::Exited { code, said },
+        _ => TransferError::Sandbox(said),
+    })
 }
 
 /// A `Write` that hands full chunks to a channel (blocking when it is

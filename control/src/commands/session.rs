@@ -32,7 +32,7 @@ impl Error {
             _ => None,
         };
         match (self, log) {
-            (Error::Session(SessionError::NoSuchTurn { .. }), _)
+            (Error::Session(SessionError::NoSuchTurn { .. } | SessionError::Invalid(_)), _)
             | (Error::Connect(ConnectError::Usage(_)), _)
             | (
                 _,

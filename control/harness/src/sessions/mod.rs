@@ -60,6 +60,9 @@ const EVENTS_CAPACITY: usize = 1024;
 /// Most bytes of skill files copied into a sandbox.
 const MAX_SKILL_FILES_BYTES: u64 = 32 << 20;
 const MAX_SKILL_FILES: usize = 2_000;
+/// The exit of [`DIFF_COMMAND`] when the workspace cannot give a patch
+/// (no git, or not a repository): the caller's to change, not a failure.
+pub(crate) const NO_DIFF: i32 = 3;
 /// The patch of a git workspace against its HEAD, through an index of its
 /// own (the repository's stays as it is), with nothing of the repository's
 /// configuration run on the way: no fsmonitor, hook, external diff or

@@ -245,10 +245,15 @@ impl Sessions {
             if !to_stdout {
                 let _ = std::fs::remove_file(dest);
             }
-            SessionError::Sandbox {
-                sandbox,
-                error: e.to_string(),
-                why: None,
+            match e {
+                crate::transfer::TransferError::Exited { code, said } if code == NO_DIFF => {
+                    SessionError::Invalid(said)
+                }
+                e => SessionError::Sandbox {
+                    sandbox,
+                    error: e.to_string(),
+                    why: None,
+                },
             }
         })
     }
