@@ -208,6 +208,9 @@ pub fn build(
     let upto = forked_from.as_ref().map(|(_, upto)| *upto);
     let mut now = start;
     let mut fork_at = None;
+    // A fork is made with records of its own after the parent's (its
+    // calls cut, then a resume): they are its making, not a run.
+    let mut forking = upto.is_some();
     for (seq, at, record) in records {
         // Never back in time: an older line without a time, a clock step.
         now = at.or_else(|| own_time(record)).unwrap_or(now).max(now);
@@ -232,7 +235,11 @@ pub fn build(
                 ),
             );
         }
-        b.record(*seq, t, inherited, record);
+        let making_fork = forking && !inherited;
+        if making_fork && matches!(record, Record::Resume { .. }) {
+            forking = false;
+        }
+        b.record(*seq, t, inherited, making_fork, record);
     }
     let end_ms = now - start;
     let mut calls = b.calls;
@@ -318,13 +325,16 @@ impl Builder {
             || self.calls.iter().any(|c| c.status == "running")
     }
 
-    fn record(&mut self, seq: u64, t: i64, inherited: bool, record: &Record) {
+    /// Adds `record` at `t`: `inherited` from a fork's parent, or part of
+    /// `making_fork` (the records that made this session a fork).
+    fn record(&mut self, seq: u64, t: i64, inherited: bool, making_fork: bool, record: &Record) {
         match record {
             Record::Start { .. } | Record::History { .. } | Record::Forked { .. } => {}
             Record::Resume { .. } => {
                 // The session was away between its last record and now
-                // (its last run ended, or its process died).
-                if t > self.last_ms && seq > 2 {
+                // (its last run ended, or its process died); a fork's own
+                // resume is where it starts from, drawn as its fork mark.
+                if t > self.last_ms && seq > 2 && !making_fork {
                     self.gaps.push(Gap {
                         from_ms: self.last_ms,
                         to_ms: t,
@@ -337,7 +347,9 @@ impl Builder {
                     r.outcome = "superseded";
                     r.ended_ms = Some(t);
                 }
-                self.mark(t, seq, "resume", "resumed".into());
+                if !making_fork {
+                    self.mark(t, seq, "resume", "resumed".into());
+                }
             }
             Record::Input { text, .. } => {
                 let kind = if self.busy() { "steer" } else { "input" };
