@@ -72,7 +72,15 @@ async fn dispatch(cli: Cli) -> u8 {
 /// Says why a command failed: one line on stderr.
 #[allow(clippy::print_stderr)]
 fn report(e: &dyn std::error::Error) {
-    eprintln!("corral: {}", corral_harness::client::source_chain(e));
+    eprintln!("{}", report_line(e));
+}
+
+/// The line [`report`] writes. An error may carry a sandbox's or a
+/// worker's own words (a failed copy's stderr, say): their control
+/// characters are shown escaped, never obeyed by the terminal.
+fn report_line(e: &dyn std::error::Error) -> String {
+    let text = corral_harness::client::source_chain(e);
+    format!("corral: {}", crate::view::printable(&text))
 }
 
 /// Says something went wrong that did not stop the command: one line on
@@ -95,5 +103,23 @@ fn left_out(moved: &corral_harness::transfer::Moved) {
     }
     if moved.notes.iter().any(|n| n.contains("git configuration")) {
         eprintln!("corral: (git configuration is left out unless --with-git-config)");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_reported_error_never_reaches_the_terminal_as_escapes() {
+        // As a copy out of a hostile sandbox fails: its stderr in the error.
+        let e = corral_harness::transfer::TransferError::Exited {
+            code: 1,
+            said: "no such file\u{1b}]0;owned\u{7}\u{1b}[2J\u{9b}31m".into(),
+        };
+        let line = super::report_line(&e);
+        assert!(!line.chars().any(|c| c.is_control()), "{line:?}");
+        assert_eq!(
+            line,
+            "corral: in the sandbox: no such file^[]0;owned^G^[[2J\\u{9b}31m"
+        );
     }
 }

@@ -190,7 +190,7 @@ fn mark_rank(kind: &str) -> u8 {
 }
 
 /// Whether a moment of `kind` gets a mark on the chart (all are steps).
-pub(super) fn drawn(kind: &str) -> bool {
+fn drawn(kind: &str) -> bool {
     kind != "end_when_idle"
 }
 
