@@ -252,7 +252,7 @@ async fn run_op<W: WorkerApi>(
             fed = &mut feeding, if !input_done => {
                 input_done = true;
                 if let Err(e) = fed {
-                    let note = format!("corral: input: {e}\n");
+                    let note = format!("corral: input: {}\n", crate::view::printable(&e.to_string()));
                     let _ = err.write_all(note.as_bytes()).await;
                 }
                 continue;

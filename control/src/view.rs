@@ -58,7 +58,7 @@ pub fn printable(s: &str) -> std::borrow::Cow<'_, str> {
 /// The progress line of a running call (its newest output line), with the
 /// running notice when one is due.
 fn progress_text(tool: &str, line: &str, running: Option<&str>) -> String {
-    let mut text = format!("  ⋯ {tool}: {}", one_line(line, 120));
+    let mut text = format!("  ⋯ {}: {}", printable(tool), one_line(line, 120));
     if let Some(r) = running {
         text.push_str(&format!("  (running: {r})"));
     }
@@ -113,7 +113,7 @@ fn result_line(
         "canceled" => "⊘",
         _ => "✗",
     };
-    format!("{mark} {tool}{how}: {}", one_line(text, 160))
+    format!("{mark} {}{how}: {}", printable(tool), one_line(text, 160))
 }
 
 impl TerminalView {
@@ -194,14 +194,21 @@ impl TerminalView {
                 error,
                 replayed,
             } => match error {
-                Some(e) => writeln!(err, "✗ {tool}: {}", one_line(e, 160))?,
+                // The tool's name is the model's: an unknown one is shown
+                // as it came, escaped.
+                Some(e) => writeln!(err, "✗ {}: {}", printable(tool), one_line(e, 160))?,
                 None => {
                     let again = if *replayed {
                         " (from the last run)"
                     } else {
                         ""
                     };
-                    writeln!(err, "▸ {tool}{again} {}", one_line(arguments, 160))?;
+                    writeln!(
+                        err,
+                        "▸ {}{again} {}",
+                        printable(tool),
+                        one_line(arguments, 160)
+                    )?;
                     self.running
                         .push((call_id.clone(), tool.clone(), Instant::now()));
                 }
@@ -230,8 +237,10 @@ impl TerminalView {
                 reason,
             } if decision != "allowed" => writeln!(
                 err,
-                "⛔ egress {decision}: {}:{port} ({reason})",
-                printable(host)
+                "⛔ egress {}: {}:{port} ({})",
+                printable(decision),
+                printable(host),
+                printable(reason)
             )?,
             Event::Egress { .. } => {}
             Event::ModelFailed { error, .. } => {
@@ -375,6 +384,10 @@ mod tests {
         assert!(!one_line(hostile, 200).contains('\x1b'));
         let line = result_line("Bash", "ok", Some(0), None, "\x1b[31mred");
         assert_eq!(line, "✓ Bash: ^[[31mred");
+        // A tool's name is the model's (an unknown one is refused by it).
+        let line = result_line("x\x1b]0;t\x07", "error", None, None, "unknown tool");
+        assert_eq!(line, "✗ x^[]0;t^G (error): unknown tool");
+        assert_eq!(progress_text("\x1b[2J", "a", None), "  ⋯ ^[[2J: a");
     }
 
     #[test]

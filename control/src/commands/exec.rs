@@ -140,7 +140,11 @@ async fn exec_command(conn: &ConnArgs, args: ExecArgs) -> Result<u8, Error> {
             return Ok(137);
         }
         (other, _) => {
-            let line = format!("corral: command {other}\n");
+            // A spawn failure or a lost sandbox in the worker's words.
+            let line = format!(
+                "corral: command {}\n",
+                crate::view::printable(&other.to_string())
+            );
             tokio::io::AsyncWriteExt::write_all(&mut err, line.as_bytes()).await?;
         }
     }

@@ -71,8 +71,7 @@ pub async fn ps(conn: &ConnArgs, sandbox: &str, all: bool) -> u8 {
                 .map(|i| rows.iter().map(|r| r[i].chars().count()).max().unwrap_or(0))
                 .collect();
             for r in &rows {
-                writeln!(
-                    out,
+                let line = format!(
                     "{:<w0$}  {:<w1$}  {:<w2$}  {}",
                     r[0],
                     r[1],
@@ -81,7 +80,10 @@ pub async fn ps(conn: &ConnArgs, sandbox: &str, all: bool) -> u8 {
                     w0 = widths[0],
                     w1 = widths[1],
                     w2 = widths[2]
-                )?;
+                );
+                // An ended operation's state carries the sandbox's or the
+                // worker's words (a spawn failure, a lost sandbox).
+                writeln!(out, "{}", crate::view::printable(&line))?;
             }
             Ok(())
         }

@@ -309,7 +309,14 @@ async fn sandbox_command(conn: &ConnArgs, cmd: SandboxCommand) -> Result<(), Err
                     ),
                     ("spec", spec),
                 ] {
-                    writeln!(stdout, "{:<11} {val}", format!("{k}:"))?;
+                    // The worker's words (image, ids, a lost sandbox's
+                    // reason): shown, never obeyed.
+                    writeln!(
+                        stdout,
+                        "{:<11} {}",
+                        format!("{k}:"),
+                        crate::view::printable(&val)
+                    )?;
                 }
             }
         }
@@ -548,7 +555,7 @@ fn write_table(out: &mut impl Write, rows: &[[String; 8]]) -> std::io::Result<()
                 line.push_str(&format!("{cell:<w$}  ", w = widths[i]));
             }
         }
-        writeln!(out, "{}", line.trim_end())?;
+        writeln!(out, "{}", crate::view::printable(line.trim_end()))?;
     }
     Ok(())
 }

@@ -392,7 +392,10 @@ fn describe(rec: &Record) -> String {
             .to_string(),
         Record::Finished { ending } => format!("{ending:?}"),
     };
-    format!("{:<13} {detail}", rec.kind())
+    // Most of a record is the model's, the sandbox's or a worker's words
+    // (a tool name, a call id, an endpoint's error, a lost sandbox's
+    // reason): shown, never obeyed.
+    format!("{:<13} {}", rec.kind(), crate::view::printable(&detail))
 }
 
 /// The worker a stored session was placed on (`None`: the local one).
@@ -407,4 +410,33 @@ async fn session_worker(
     let fleet = crate::connect::fleet(conn)?;
     let urls = fleet.urls().await?;
     Ok(fleet.connect_recorded(&urls, url, worker_id).await?)
+}
+
+#[cfg(test)]
+mod tests {
+    use corral_harness::agent::Record;
+
+    #[test]
+    fn a_records_line_shows_the_models_and_the_workers_words_escaped() {
+        let hostile = "x\x1b]0;owned\x07\u{9b}31m";
+        for rec in [
+            Record::Call {
+                call_id: hostile.into(),
+                tool: hostile.into(),
+                arguments: "{}".into(),
+                turn: 1,
+                at_unix_ms: 0,
+                outcome: corral_harness::tools::CallOutcome::Error {
+                    text: hostile.into(),
+                },
+                operations: Vec::new(),
+            },
+            Record::SandboxLost {
+                reason: hostile.into(),
+            },
+        ] {
+            let line = super::describe(&rec);
+            assert!(!line.chars().any(|c| c.is_control()), "{line:?}");
+        }
+    }
 }

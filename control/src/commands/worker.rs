@@ -7,6 +7,7 @@ use corral_proto::WorkerInfo;
 
 use crate::cli::{ConnArgs, WorkerCommand};
 use crate::connect::{ConnectError, connect};
+use crate::view::printable;
 
 #[derive(Debug, thiserror::Error)]
 enum Error {
@@ -53,7 +54,9 @@ async fn worker_command(conn: &ConnArgs, cmd: &WorkerCommand) -> Result<(), Erro
         writeln!(out, "{}", to_json(&info))?;
     } else {
         for (k, v) in lines(&info) {
-            writeln!(out, "{:<11} {v}", format!("{k}:"))?;
+            // A worker's own words (its id, versions, images): shown,
+            // never obeyed.
+            writeln!(out, "{:<11} {}", format!("{k}:"), printable(&v))?;
         }
     }
     Ok(())
@@ -90,7 +93,7 @@ async fn info_of_each(conn: &ConnArgs, urls: &[String], json: bool) -> Result<()
                 }
                 writeln!(out, "{:<11} {url}", "address:")?;
                 for (k, v) in lines(&info) {
-                    writeln!(out, "{:<11} {v}", format!("{k}:"))?;
+                    writeln!(out, "{:<11} {}", format!("{k}:"), printable(&v))?;
                 }
             }
             Err(e) => {

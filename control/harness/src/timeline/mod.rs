@@ -655,6 +655,45 @@ mod tests {
     }
 
     #[test]
+    fn a_hostile_sessions_view_holds_no_control_character() {
+        // A tool name, a refusal and a lost sandbox's reason, each the
+        // model's, the sandbox's or a worker's words.
+        let hostile = "x\x1b]0;owned\x07\x1b[2J\u{9b}31m\u{202e}";
+        let records = vec![
+            (1, Some(1_000), Record::Turn { turn: 1 }),
+            (
+                2,
+                Some(1_100),
+                Record::Call {
+                    call_id: "c1".into(),
+                    tool: hostile.into(),
+                    arguments: hostile.into(),
+                    turn: 1,
+                    at_unix_ms: 1_100,
+                    outcome: CallOutcome::Error {
+                        text: hostile.into(),
+                    },
+                    operations: Vec::new(),
+                },
+            ),
+            (
+                3,
+                Some(1_200),
+                Record::SandboxLost {
+                    reason: hostile.into(),
+                },
+            ),
+        ];
+        let drawn = text::render(&build("hostile", 1_000, None, &records), 100);
+        assert!(
+            !drawn
+                .chars()
+                .any(|c| (c.is_control() && c != '\n') || c == '\u{202e}'),
+            "{drawn:?}"
+        );
+    }
+
+    #[test]
     fn only_a_stop_that_interrupts_is_drawn_as_one() {
         // `corral run` asks every run to end once idle before its work
         // starts: listed as a step, never drawn as a stop.

@@ -252,12 +252,14 @@ fn steps(t: &Timeline) -> Vec<String> {
                 line.push_str(&format!(" · ran {}", long(e - s)));
             }
         }
+        // A refusal names the model's tool; a failure carries the
+        // sandbox's or the worker's words.
         line.push_str(&format!(
             " · {}",
             if c.detail.is_empty() {
-                c.status
+                c.status.to_string()
             } else {
-                &c.detail
+                one_line(&c.detail)
             }
         ));
         if let Some(p) = c.placeholder_ms {
