@@ -699,6 +699,10 @@ class AsyncSandbox:
         return sandbox_info_of(s, self.worker.url)
 
     async def stats(self) -> SandboxStats:
+        """Memory, CPU and processes now. The memory limit is the working
+        memory asked for plus the sizes of ``/workspace`` and ``/tmp``
+        (their files count in memory), unless the sandbox was made with
+        one limit for both."""
         return stats_of(
             await self._ask(
                 "GetSandboxStats", pb.GetSandboxStatsRequest(sandbox_id=self.id), pb.SandboxStats

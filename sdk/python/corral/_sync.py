@@ -320,6 +320,7 @@ class Sandbox:
         )
 
     def reset(self) -> int:
+        """See :meth:`corral.AsyncSandbox.reset`."""
         return _run(self._sb.reset())
 
     def set_egress(self, rules: Sequence[str]) -> SandboxInfo:
@@ -335,6 +336,7 @@ class Sandbox:
         return _run(self._sb.restore())
 
     def stats(self) -> SandboxStats:
+        """See :meth:`corral.AsyncSandbox.stats`."""
         return _run(self._sb.stats())
 
     def info(self) -> SandboxInfo:
