@@ -1,8 +1,9 @@
 //! Egress through the worker against going straight to the server, in one
 //! run: the same client (curl) fetches from the same upstream on 127.0.0.2,
 //! once from a sandbox (network none; its loopback proxy, corral-init's
-//! relay, the worker's Unix socket, the worker's decision and connection)
-//! and once on the host, directly.
+//! relay, the worker's Unix socket, the worker's decision and connection;
+//! the worker is the release binary in its own process, as deployed) and
+//! once on the host, directly.
 //!
 //! - time to the first byte of a small answer, over a new connection each
 //!   time (curl's `time_starttransfer`, 200 requests in one curl process):
@@ -21,8 +22,8 @@ use std::process::Command;
 
 use anyhow::{Context, Result, bail};
 use corral_e2e::egress::{Upstream, pki};
-use corral_e2e::{Harness, run_shell};
-use corral_proto::SandboxSpec;
+use corral_e2e::{WorkerProcess, free_port, run_shell, unique_id};
+use corral_proto::{SandboxId, SandboxSpec};
 
 const REQUESTS: usize = 200;
 const BYTES: u64 = 200_000_000;
@@ -97,37 +98,54 @@ async fn main() -> Result<()> {
         _ => Vec::new(),
     })
     .await?;
-    let h = Harness::start_with(move |c| {
-        c.policy.allowed_egress =
-            corral_proto::egress::parse_rules(&["*"], true).unwrap_or_default();
-        c.egress.gate.allow_internal = "127.0.0.2/32".parse().into_iter().collect();
-        c.egress.gate.resolver = Some(dns);
-    })
-    .await?;
-    let sb = h
-        .sandbox_with(SandboxSpec {
-            image: Some("corral-debian:latest".into()),
-            cpu_millis: Some(2000),
-            egress: corral_proto::egress::parse_rules(
-                &[format!("pkg.test:{http}"), format!("pkg.test:{https}")],
-                false,
-            )?,
-            ..SandboxSpec::default()
-        })
+    // The worker as it is deployed: the release binary in its own process
+    // (in the bench's process it would share a runtime with the upstream,
+    // and hand bytes from one to the other on the same thread).
+    let state = tempfile::tempdir()?;
+    let resolver = dns.to_string();
+    let worker = WorkerProcess::spawn(
+        state.path(),
+        &unique_id("egb"),
+        free_port()?,
+        &[("CORRAL_LOG", "warn")],
+        &[
+            "--allow-egress",
+            "*",
+            "--egress-allow-internal",
+            "127.0.0.2/32",
+            "--egress-resolver",
+            &resolver,
+        ],
+    )?;
+    let client = worker.client().await?;
+    let sb = SandboxId::new(unique_id("sb"))?;
+    client
+        .create_sandbox(
+            Some(&sb),
+            SandboxSpec {
+                image: Some("corral-debian:latest".into()),
+                cpu_millis: Some(2000),
+                egress: corral_proto::egress::parse_rules(
+                    &[format!("pkg.test:{http}"), format!("pkg.test:{https}")],
+                    false,
+                )?,
+                ..SandboxSpec::default()
+            },
+        )
         .await?;
     let write = corral_proto::OperationSpec::WriteFile(corral_proto::WriteFileSpec::new(
         "/workspace/ca.pem",
         pki.ca_pem.clone().into_bytes(),
     ));
     let op = corral_proto::OperationId::random();
-    let after = h.client.get_sandbox(&sb).await?.last_seq;
-    h.client.submit(&sb, &op, write).await?;
-    corral_e2e::collect(&h.client, &sb, &op, after).await?;
+    let after = client.get_sandbox(&sb).await?.last_seq;
+    client.submit(&sb, &op, write).await?;
+    corral_e2e::collect(&client, &sb, &op, after).await?;
     let sandbox_curl = |args: Vec<String>| {
-        let (h, sb) = (&h, &sb);
+        let (client, sb) = (&client, &sb);
         async move {
             let cmd = format!("curl {}", quote(&args));
-            run_shell(&h.client, sb, &cmd).await
+            run_shell(client, sb, &cmd).await
         }
     };
 
@@ -206,6 +224,7 @@ async fn main() -> Result<()> {
         mib(p),
         p / d
     );
-    h.stop().await;
+    client.destroy_sandbox(&sb).await?;
+    drop(worker);
     Ok(())
 }
