@@ -132,36 +132,36 @@ pub async fn resolve(
     };
     let sock = tokio::net::UdpSocket::bind(bind).await.map_err(io)?;
     sock.connect(resolver).await.map_err(io)?;
-    let mut all = Vec::new();
-    for qtype in [1u16, 28] {
-        let id = u16::from_be_bytes(
-            uuid::Uuid::new_v4().as_bytes()[..2]
-                .try_into()
-                .unwrap_or([0, 1]),
-        );
-        let q = query(id, name, qtype)?;
-        sock.send(&q).await.map_err(io)?;
-        let mut buf = vec![0u8; MAX_ANSWER];
-        let deadline = tokio::time::Instant::now() + timeout;
-        // Datagrams that are not the answer (another id, noise) are
-        // dropped until the deadline.
-        loop {
-            let n = tokio::time::timeout_at(deadline, sock.recv(&mut buf))
-                .await
-                .map_err(|_| DnsError::Timeout(resolver))?
-                .map_err(io)?;
-            match answers(&buf[..n], &q, resolver) {
-                // Not an answer to this query (noise, another id): dropped.
-                Err(DnsError::Malformed(_)) if n < 2 || buf[..2] != q[..2] => continue,
-                Err(e) => return Err(e),
-                Ok(found) => {
-                    all.extend(found);
-                    break;
-                }
-            }
-        }
+    // Both questions at once, as the system's resolver asks them: the
+    // answers come back in one round trip, in whatever order.
+    let id = uuid::Uuid::new_v4();
+    let id = id.as_bytes();
+    let a_id = u16::from_be_bytes([id[0], id[1]]);
+    // Two ids that differ, so each answer finds its question.
+    let aaaa_id = u16::from_be_bytes([id[2], id[3]]) | 1;
+    let a_id = if a_id == aaaa_id { a_id ^ 1 } else { a_id };
+    let questions = [query(a_id, name, 1)?, query(aaaa_id, name, 28)?];
+    for q in &questions {
+        sock.send(q).await.map_err(io)?;
     }
-    Ok(all)
+    let mut found: [Option<Vec<IpAddr>>; 2] = [None, None];
+    let mut buf = vec![0u8; MAX_ANSWER];
+    let deadline = tokio::time::Instant::now() + timeout;
+    while found.iter().any(Option::is_none) {
+        let n = tokio::time::timeout_at(deadline, sock.recv(&mut buf))
+            .await
+            .map_err(|_| DnsError::Timeout(resolver))?
+            .map_err(io)?;
+        // Datagrams that answer neither open question (another id, noise)
+        // are dropped until the deadline.
+        let Some(i) =
+            (0..2).find(|&i| found[i].is_none() && n >= 2 && buf[..2] == questions[i][..2])
+        else {
+            continue;
+        };
+        found[i] = Some(answers(&buf[..n], &questions[i], resolver)?);
+    }
+    Ok(found.into_iter().flatten().flatten().collect())
 }
 
 /// A DNS server of a test's own on loopback, for the tests of egress (this
@@ -269,6 +269,63 @@ mod tests {
             resolve(quiet, "pypi.test", Duration::from_millis(200)).await,
             Err(DnsError::Timeout(quiet))
         );
+    }
+
+    /// A resolver that answers nothing until it has both questions, then
+    /// noise, then the AAAA answer before the A one.
+    #[tokio::test]
+    async fn both_questions_go_at_once_and_answers_find_theirs_in_any_order() {
+        let server = tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap();
+        let addr = server.local_addr().unwrap();
+        let task = tokio::spawn(async move {
+            let mut asked = Vec::new();
+            let mut buf = [0u8; 512];
+            let mut from = None;
+            while asked.len() < 2 {
+                let (n, f) = server.recv_from(&mut buf).await.unwrap();
+                asked.push(buf[..n].to_vec());
+                from = Some(f);
+            }
+            let from = from.unwrap();
+            let answer = |q: &[u8]| {
+                let mut a = q.to_vec();
+                a[2] = 0x81;
+                a[3] = 0x80;
+                a[7] = 1;
+                let qtype = u16::from_be_bytes([q[q.len() - 4], q[q.len() - 3]]);
+                a.extend_from_slice(&[0xc0, 12]);
+                a.extend_from_slice(&qtype.to_be_bytes());
+                a.extend_from_slice(&[0, 1, 0, 0, 0, 30]);
+                if qtype == 1 {
+                    a.extend_from_slice(&[0, 4, 1, 2, 3, 4]);
+                } else {
+                    a.extend_from_slice(&[0, 16]);
+                    a.extend_from_slice(&"::2".parse::<Ipv6Addr>().unwrap().octets());
+                }
+                a
+            };
+            // An answer with an id neither question has.
+            let mut noise = answer(&asked[0]);
+            let ids: Vec<&[u8]> = asked.iter().map(|q| &q[..2]).collect();
+            let other = (0u16..3)
+                .map(u16::to_be_bytes)
+                .find(|id| !ids.contains(&&id[..]))
+                .unwrap();
+            noise[..2].copy_from_slice(&other);
+            server.send_to(&noise, from).await.unwrap();
+            asked.sort_by_key(|q| std::cmp::Reverse(q[q.len() - 3]));
+            for q in &asked {
+                server.send_to(&answer(q), from).await.unwrap();
+            }
+        });
+        let got = resolve(addr, "both.test", Duration::from_secs(5))
+            .await
+            .unwrap();
+        assert_eq!(
+            got,
+            vec!["1.2.3.4".parse::<IpAddr>().unwrap(), "::2".parse().unwrap()]
+        );
+        task.await.unwrap();
     }
 
     #[test]
