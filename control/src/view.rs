@@ -25,34 +25,89 @@ pub struct TerminalView {
     last_progress: Option<(String, String)>,
 }
 
-/// `s` with its control characters made visible (caret notation, `^[`
-/// for ESC; C1 controls as `\u{9b}`): what models, commands and sandboxes
-/// say reaches the terminal as text, never as escape sequences that move
-/// the cursor, retitle the window, write the clipboard or hide what came
-/// before. New lines and tabs stay.
-pub fn printable(s: &str) -> std::borrow::Cow<'_, str> {
-    let is_control = |c: char| {
-        (c.is_control() && c != '\n' && c != '\t')
-            // Line separators, and the bidirectional controls that make a
-            // terminal show text in another order than it is.
-            || matches!(c, '\u{2028}' | '\u{2029}' | '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}')
-    };
-    if !s.chars().any(is_control) {
-        return std::borrow::Cow::Borrowed(s);
-    }
-    let mut out = String::with_capacity(s.len() + 8);
-    for c in s.chars() {
-        match c {
-            c if !is_control(c) => out.push(c),
-            '\u{7f}' => out.push_str("^?"),
-            c if (c as u32) < 0x20 => {
-                out.push('^');
-                out.push(char::from(c as u8 + 0x40));
-            }
-            c => out.push_str(&format!("\\u{{{:x}}}", c as u32)),
+pub use corral_proto::text::printable;
+
+/// Bytes for a terminal, written through [`printable`] a line at a time
+/// (a sandbox's patch shown on one: `session export --diff -`). A line
+/// longer than [`PrintableWriter::LINE`] goes out in pieces, cut where a
+/// character ends.
+pub struct PrintableWriter<O: Write> {
+    out: O,
+    held: Vec<u8>,
+}
+
+impl<O: Write> PrintableWriter<O> {
+    pub const LINE: usize = 64 * 1024;
+
+    pub fn new(out: O) -> Self {
+        Self {
+            out,
+            held: Vec::new(),
         }
     }
-    std::borrow::Cow::Owned(out)
+
+    /// Writes the held bytes up to `upto`, escaped.
+    fn emit(&mut self, upto: usize) -> std::io::Result<()> {
+        let piece: Vec<u8> = self.held.drain(..upto).collect();
+        self.out
+            .write_all(printable(&String::from_utf8_lossy(&piece)).as_bytes())
+    }
+
+    /// Every whole line held, and a long line's whole characters.
+    fn emit_ready(&mut self) -> std::io::Result<()> {
+        if let Some(last) = self.held.iter().rposition(|&b| b == b'\n') {
+            self.emit(last + 1)?;
+        }
+        if self.held.len() >= Self::LINE {
+            let upto = match std::str::from_utf8(&self.held) {
+                Ok(_) => self.held.len(),
+                // A character cut at the end waits for its rest; bytes
+                // that are no UTF-8 at all go out as replacements.
+                Err(e) if e.error_len().is_none() => e.valid_up_to().max(1),
+                Err(_) => self.held.len(),
+            };
+            self.emit(upto)?;
+        }
+        Ok(())
+    }
+
+    /// Everything held, at the end.
+    pub fn finish(&mut self) -> std::io::Result<()> {
+        self.emit(self.held.len())?;
+        self.out.flush()
+    }
+}
+
+impl<O: Write + Unpin> tokio::io::AsyncWrite for PrintableWriter<O> {
+    fn poll_write(
+        self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        let me = self.get_mut();
+        me.held.extend_from_slice(buf);
+        std::task::Poll::Ready(me.emit_ready().map(|()| buf.len()))
+    }
+
+    fn poll_flush(
+        self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::task::Poll::Ready(self.get_mut().out.flush())
+    }
+
+    fn poll_shutdown(
+        self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::task::Poll::Ready(self.get_mut().finish())
+    }
+}
+
+impl<O: Write> Drop for PrintableWriter<O> {
+    fn drop(&mut self) {
+        let _ = self.finish();
+    }
 }
 
 /// The progress line of a running call (its newest output line), with the
@@ -367,6 +422,41 @@ impl View {
 mod tests {
     use super::*;
     use std::time::Duration;
+
+    #[tokio::test]
+    async fn a_patch_for_a_terminal_is_shown_with_its_controls_visible() {
+        use tokio::io::AsyncWriteExt;
+        let mut shown = Vec::new();
+        {
+            let mut w = PrintableWriter::new(&mut shown);
+            // Pieces cut anywhere, a character split between two writes.
+            let patch = "+ok\n+\u{1b}]0;owned\u{7}title\r\n+caf\u{e9} \u{202e}rtl\n+no newline";
+            for piece in patch.as_bytes().chunks(3) {
+                w.write_all(piece).await.unwrap();
+            }
+            w.shutdown().await.unwrap();
+        }
+        let shown = String::from_utf8(shown).unwrap();
+        assert_eq!(
+            shown,
+            "+ok\n+^[]0;owned^Gtitle^M\n+caf\u{e9} \\u{202e}rtl\n+no newline"
+        );
+        // A line with no end goes out in bounded pieces, whole characters:
+        // a character cut at the bound waits for its rest.
+        const LINE: usize = PrintableWriter::<Vec<u8>>::LINE;
+        let mut shown = Vec::new();
+        {
+            let mut w = PrintableWriter::new(&mut shown);
+            let mut long = "a".repeat(LINE - 1).into_bytes();
+            long.push("\u{e9}".as_bytes()[0]);
+            w.write_all(&long).await.unwrap();
+            assert_eq!(w.held.len(), 1);
+            w.write_all(&["\u{e9}".as_bytes()[1], b'\n']).await.unwrap();
+            assert!(w.held.is_empty());
+        }
+        let shown = String::from_utf8(shown).unwrap();
+        assert_eq!(shown, format!("{}\u{e9}\n", "a".repeat(LINE - 1)));
+    }
 
     #[test]
     fn control_characters_reach_the_terminal_as_text() {

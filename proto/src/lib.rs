@@ -12,7 +12,8 @@
 //! - the hard limits every part enforces ([`limits`]);
 //! - the machine-readable [`reason`] every error status carries;
 //! - [`egress`] rules: what a sandbox's connections may reach, parsed and
-//!   matched, and how a worker's bound covers them.
+//!   matched, and how a worker's bound covers them;
+//! - [`text`]: outside words made safe for a terminal or a log line.
 //!
 //! It owns no behaviour beyond validation: no I/O, no async.
 
@@ -29,6 +30,7 @@ pub mod sandbox;
 #[cfg(feature = "serde")]
 mod serde_bytes_b64;
 pub mod spec;
+pub mod text;
 
 pub use error::ProtocolError;
 pub use event::{Event, EventKind, OutputStream};

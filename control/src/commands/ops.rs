@@ -66,6 +66,10 @@ pub async fn ps(conn: &ConnArgs, sandbox: &str, all: bool) -> u8 {
                             what(&o.spec),
                         ]
                     }))
+                    // An ended operation's state carries the sandbox's or
+                    // the worker's words (a spawn failure, a lost sandbox):
+                    // escaped before the columns are measured.
+                    .map(|r| r.map(|c| crate::view::printable(&c).into_owned()))
                     .collect();
             let widths: Vec<usize> = (0..3)
                 .map(|i| rows.iter().map(|r| r[i].chars().count()).max().unwrap_or(0))
@@ -81,9 +85,7 @@ pub async fn ps(conn: &ConnArgs, sandbox: &str, all: bool) -> u8 {
                     w1 = widths[1],
                     w2 = widths[2]
                 );
-                // An ended operation's state carries the sandbox's or the
-                // worker's words (a spawn failure, a lost sandbox).
-                writeln!(out, "{}", crate::view::printable(&line))?;
+                writeln!(out, "{line}")?;
             }
             Ok(())
         }

@@ -540,6 +540,12 @@ fn to_json(sb: &corral_proto::SandboxInfo) -> serde_json::Value {
 
 /// Rows as aligned columns, two spaces apart (the last one not padded).
 fn write_table(out: &mut impl Write, rows: &[[String; 8]]) -> std::io::Result<()> {
+    // Cells escaped first, so that the columns are measured as shown.
+    let rows: Vec<[String; 8]> = rows
+        .iter()
+        .map(|r| r.clone().map(|c| crate::view::printable(&c).into_owned()))
+        .collect();
+    let rows = rows.as_slice();
     let mut widths = [0usize; 8];
     for row in rows {
         for (w, cell) in widths.iter_mut().zip(row) {
@@ -555,7 +561,7 @@ fn write_table(out: &mut impl Write, rows: &[[String; 8]]) -> std::io::Result<()
                 line.push_str(&format!("{cell:<w$}  ", w = widths[i]));
             }
         }
-        writeln!(out, "{}", crate::view::printable(line.trim_end()))?;
+        writeln!(out, "{}", line.trim_end())?;
     }
     Ok(())
 }
@@ -582,6 +588,18 @@ mod tests {
         let text = String::from_utf8(out).unwrap();
         let lines: Vec<&str> = text.lines().collect();
         assert_eq!(lines[0].find("STATE"), lines[1].find('x'), "{text}");
+        // A hostile cell is shown escaped, and its column still lines up.
+        let mut out = Vec::new();
+        write_table(
+            &mut out,
+            &[row("ID", "STATE"), row("a\x1b[2Jb", "x"), row("plain", "y")],
+        )
+        .unwrap();
+        let text = String::from_utf8(out).unwrap();
+        assert!(!text.contains('\x1b'), "{text}");
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines[0].find("STATE"), lines[1].find('x'), "{text}");
+        assert_eq!(lines[0].find("STATE"), lines[2].find('y'), "{text}");
         assert_eq!(ago(10_000_000, 10_000_000 - 45_000), "45s");
         assert_eq!(ago(100_000_000, 100_000_000 - 3 * 3_600_000), "3h");
         assert_eq!(ago(10_000_000, 0), "?");

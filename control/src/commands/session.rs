@@ -2,7 +2,7 @@
 //! harness's front door. Exit codes: 0, 125 when it fails, 2 for a usage
 //! error (an unknown session or turn, a bad id).
 
-use std::io::Write;
+use std::io::{IsTerminal, Write};
 
 use corral_harness::agent::{Ending, Record};
 use corral_harness::session::LogError;
@@ -245,7 +245,15 @@ async fn session_command(conn: &ConnArgs, cmd: &SessionCommand) -> Result<(), Er
             // The patch may go to stdout (`-`), written from another thread.
             drop(out);
             if *diff {
-                store.export_diff(id, worker, dest).await?;
+                // A patch is the sandbox's words: on a terminal, its control
+                // characters are shown, never obeyed (to a pipe or a file it
+                // goes as it is, for `git apply`).
+                let terminal = dest.as_os_str() == "-" && std::io::stdout().is_terminal();
+                let shown = terminal.then(|| {
+                    Box::new(crate::view::PrintableWriter::new(std::io::stdout()))
+                        as Box<dyn tokio::io::AsyncWrite + Unpin + Send>
+                });
+                store.export_diff_with(id, worker, dest, shown).await?;
             } else {
                 let rules = limits.apply(Unpacking::contents_from_sandbox());
                 let moved = store.export(id, worker, dest, rules).await?;

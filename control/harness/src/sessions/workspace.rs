@@ -194,6 +194,19 @@ impl Sessions {
         worker: W,
         dest: &Path,
     ) -> Result<crate::transfer::Moved, SessionError> {
+        self.export_diff_with(id, worker, dest, None).await
+    }
+
+    /// [`Self::export_diff`], with what `-` writes to (stdout if `None`):
+    /// a terminal's caller passes a writer that makes the patch's control
+    /// characters visible.
+    pub async fn export_diff_with<W: WorkerApi>(
+        &self,
+        id: &str,
+        worker: W,
+        dest: &Path,
+        stdout: Option<Box<dyn tokio::io::AsyncWrite + Unpin + Send>>,
+    ) -> Result<crate::transfer::Moved, SessionError> {
         let config = self.config_of(id)?;
         let saved = self.saved_workspace(id);
         // A suspended session's files are brought up in a sandbox of their
@@ -220,7 +233,7 @@ impl Sessions {
         // `-` is stdout (a patch for a pipe), never a file named `-`.
         let to_stdout = dest.as_os_str() == "-";
         let file: Result<Box<dyn tokio::io::AsyncWrite + Unpin + Send>, _> = if to_stdout {
-            Ok(Box::new(tokio::io::stdout()))
+            Ok(stdout.unwrap_or_else(|| Box::new(tokio::io::stdout())))
         } else {
             tokio::fs::File::create(dest)
                 .await
