@@ -261,8 +261,29 @@ pub fn init_logging(default_level: &str, format: LogFormat) {
             .with_span_list(false)
             .init();
     } else {
-        builder.with_ansi(terminal).init();
+        let fields = log_fields();
+        builder.fmt_fields(fields).with_ansi(terminal).init();
     }
+}
+
+/// How a text log line writes its fields. They can hold a sandbox's words
+/// (a file name, an error it caused, a reason its supervisor gave): shown
+/// with their control characters made visible, the carriage returns,
+/// bidirectional controls and new lines the default format lets through
+/// included, so that no field moves the cursor or fakes a line of its own.
+pub fn log_fields() -> impl for<'w> tracing_subscriber::fmt::FormatFields<'w> + Send + Sync + 'static
+{
+    use tracing_subscriber::field::MakeExt as _;
+    tracing_subscriber::fmt::format::debug_fn(|w, field, value| {
+        let shown = format!("{value:?}");
+        let shown = corral_proto::text::printable(&shown).replace('\n', "\\n");
+        if field.name() == "message" {
+            write!(w, "{shown}")
+        } else {
+            write!(w, "{field}={shown}")
+        }
+    })
+    .delimited(" ")
 }
 
 /// Parses the command line. Help and version print as usual; a usage error
@@ -608,6 +629,45 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_log_line_shows_hostile_fields_escaped_on_one_line() {
+        use std::sync::{Arc, Mutex};
+        #[derive(Clone, Default)]
+        struct Buf(Arc<Mutex<Vec<u8>>>);
+        impl std::io::Write for Buf {
+            fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+                self.0.lock().unwrap().extend_from_slice(b);
+                Ok(b.len())
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        let buf = Buf::default();
+        let out = buf.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .fmt_fields(super::log_fields())
+            .with_ansi(false)
+            .with_writer(move || out.clone())
+            .finish();
+        // A name and an error as a sandbox could make them: a carriage
+        // return that hides the line's start, a reversed run, a fake line.
+        let name = "ok\rEVIL \u{202e}gnp.exe";
+        let error = std::io::Error::other("boom\n2026-01-01 INFO all is well\x1b[2J");
+        tracing::subscriber::with_default(subscriber, || {
+            tracing::warn!(file = name, error = %error, "fork note");
+        });
+        let text = String::from_utf8(buf.0.lock().unwrap().clone()).unwrap();
+        assert_eq!(text.lines().count(), 1, "{text}");
+        assert!(
+            !text.chars().any(|c| c.is_control() && c != '\n'),
+            "{text:?}"
+        );
+        assert!(!text.contains('\u{202e}'), "{text:?}");
+        assert!(text.contains("fork note"), "{text}");
+        assert!(text.contains("error=boom\\n2026"), "{text}");
+    }
+
     use super::*;
 
     #[test]
