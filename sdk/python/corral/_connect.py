@@ -40,6 +40,8 @@ class Endpoint:
     url: str
     token: str | None = field(default=None, repr=False)
     tls: Tls | None = None
+    #: Where the token was read (a refused token names it), if from a file.
+    token_file: str | None = None
 
     @property
     def target(self) -> str:
@@ -311,17 +313,20 @@ async def endpoints(o: Options) -> list[Endpoint] | None:
     if not urls:
         raise WorkerUnavailable(f"{o.worker}: no worker address")
     token: str | None = None
+    token_from: str | None = None
     token_owner: int | None = None
     own = default_state_dir("worker") / "token"
     local = all(e.url for e in entries) and all(is_loopback(u) for u in urls)
     if o.token_file:
         token = read_token(Path(o.token_file))
+        token_from = o.token_file
         try:
             token_owner = Path(o.token_file).stat().st_uid
         except OSError:
             token_owner = None
     elif local and own.exists():
         token = read_token(own)
+        token_from = str(own)
     if token is not None:
         for u in urls:
             if is_loopback(u):
@@ -338,7 +343,13 @@ async def endpoints(o: Options) -> list[Endpoint] | None:
         if u.startswith("https://") and tls is None:
             tls = Tls()
     return [
-        Endpoint(url=u, token=token, tls=tls if u.startswith("https://") else None) for u in urls
+        Endpoint(
+            url=u,
+            token=token,
+            tls=tls if u.startswith("https://") else None,
+            token_file=token_from,
+        )
+        for u in urls
     ]
 
 
@@ -367,7 +378,9 @@ def local_endpoint(state: Path) -> Endpoint | None:
     token_path = state / "token"
     if not sock.exists() or not token_path.exists():
         return None
-    return Endpoint(url=f"unix://{sock}", token=read_token(token_path))
+    return Endpoint(
+        url=f"unix://{sock}", token=read_token(token_path), token_file=str(token_path)
+    )
 
 
 class LocalStarter:

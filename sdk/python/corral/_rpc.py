@@ -17,7 +17,7 @@ import grpc.aio
 
 from corral import _connect
 from corral._proto import worker_pb2 as pb
-from corral.errors import CorralError, WorkerUnavailable, from_rpc_error
+from corral.errors import CorralError, Unauthenticated, WorkerUnavailable, from_rpc_error
 
 #: The worker's own limit on a message, with room: a finished result with
 #: both streams' head and tail fits.
@@ -120,24 +120,42 @@ class Worker:
         try:
             out = await self._unary[name](req, metadata=self._metadata, timeout=timeout)
         except grpc.aio.AioRpcError as e:
-            raise from_rpc_error(e, self.url) from None
+            raise self._error(e) from None
         assert isinstance(out, resp)
         self.answered = True
         return out
 
     def watch(self, req: pb.WatchSandboxRequest) -> AsyncGenerator[pb.SandboxEvent, None]:
-        return _stream(self._watch(req, metadata=self._metadata), self.url)
+        return _stream(self._watch(req, metadata=self._metadata), self._error)
 
     def download(self, req: pb.DownloadRequest) -> AsyncGenerator[pb.DownloadResponse, None]:
-        return _stream(self._download(req, metadata=self._metadata), self.url)
+        return _stream(self._download(req, metadata=self._metadata), self._error)
 
     async def upload(self, reqs: AsyncIterator[pb.UploadRequest]) -> pb.Operation:
         try:
             out = await self._upload(reqs, metadata=self._metadata)
         except grpc.aio.AioRpcError as e:
-            raise from_rpc_error(e, self.url) from None
+            raise self._error(e) from None
         assert isinstance(out, pb.Operation)
         return out
+
+    def _error(self, e: grpc.RpcError) -> CorralError:
+        """The Corral error of a failed call; a refused token says which
+        token was sent, and where it came from."""
+        err = from_rpc_error(e, self.url)
+        if isinstance(err, Unauthenticated):
+            ep = self.endpoint
+            if not ep.token:
+                hint = "no token was sent (give token_file= or CORRAL_TOKEN_FILE)"
+            elif ep.token_file:
+                hint = (
+                    f"the token sent was read from {ep.token_file}; is it this worker's? "
+                    "(give token_file= or CORRAL_TOKEN_FILE)"
+                )
+            else:
+                hint = "the token sent was given directly"
+            err = Unauthenticated(f"{err}: {hint}", code=err.code, reason=err.reason)
+        return err
 
     async def close(self) -> None:
         await self.channel.close()
@@ -149,12 +167,14 @@ def _ser(m: Any) -> bytes:
     return out
 
 
-async def _stream(call: Any, url: str) -> AsyncGenerator[Any, None]:
+async def _stream(
+    call: Any, error: Callable[[grpc.RpcError], CorralError]
+) -> AsyncGenerator[Any, None]:
     try:
         async for m in call:
             yield m
     except grpc.aio.AioRpcError as e:
-        raise from_rpc_error(e, url) from None
+        raise error(e) from None
     finally:
         call.cancel()
 

@@ -57,8 +57,11 @@ def test_a_wrong_token_and_an_open_token_file(worker: Worker, tmp_path: Path) ->
     bad = tmp_path / "bad"
     bad.write_text("x" * 40 + "\n")
     bad.chmod(0o600)
-    with pytest.raises(corral.Unauthenticated):
+    with pytest.raises(corral.Unauthenticated) as e:
         corral.Sandbox.create(worker=worker.url, token_file=str(bad))
+    # Which token was refused, and where it came from.
+    assert e.value.reason == "unauthenticated" and e.value.code == "UNAUTHENTICATED"
+    assert f"read from {bad}" in str(e.value), e.value
     bad.chmod(0o644)
     with pytest.raises(corral.ConfigError):
         corral.Sandbox.create(worker=worker.url, token_file=str(bad))
