@@ -119,15 +119,29 @@ class Conflict(CorralError):
     default_code = "ALREADY_EXISTS"
 
 
-class FileError(CorralError):
-    """A file operation failed in the sandbox; ``kind`` says how
-    (``not_found``, ``permission_denied``, ``is_directory``,
-    ``outside_sandbox_roots``, ``too_large``, ``not_regular``, ``other``)."""
+#: A file failure's kind as the status code a call failing so would carry.
+_FILE_CODES: dict[str, str] = {
+    "not_found": "NOT_FOUND",
+    "permission_denied": "PERMISSION_DENIED",
+    "outside_sandbox_roots": "PERMISSION_DENIED",
+    "is_directory": "FAILED_PRECONDITION",
+    "not_regular": "FAILED_PRECONDITION",
+    "too_large": "RESOURCE_EXHAUSTED",
+}
 
-    default_code = "OK"
+
+class FileError(CorralError):
+    """A file operation failed in the sandbox; ``kind`` (also ``reason``)
+    says how (``not_found``, ``permission_denied``, ``is_directory``,
+    ``outside_sandbox_roots``, ``too_large``, ``not_regular``, ``other``),
+    ``code`` the status code that goes with it (``NOT_FOUND``, ...,
+    ``UNKNOWN`` for ``other``). The call itself succeeded: the failure is
+    the file's, and trying again changes nothing."""
+
+    default_code = "UNKNOWN"
 
     def __init__(self, message: str, *, kind: str) -> None:
-        super().__init__(message, code="OK", reason=kind)
+        super().__init__(message, code=_FILE_CODES.get(kind, "UNKNOWN"), reason=kind)
         self.kind = kind
 
 
@@ -136,7 +150,7 @@ class TransferError(CorralError):
     or what came out broke the rules of what is taken (a name outside the
     tree asked for, too many entries, ...)."""
 
-    default_code = "OK"
+    default_code = "FAILED_PRECONDITION"
 
 
 class ConfigError(CorralError):
@@ -216,7 +230,8 @@ def from_rpc_error(e: grpc.RpcError, where: str | None = None) -> CorralError:
 def is_transient(e: CorralError) -> bool:
     """Worth the same call again after a pause (a worker restarting, a
     dropped watch, a blink of the network), with the same ids."""
-    if e.reason == "draining":
+    if e.reason == "draining" or isinstance(e, (FileError, TransferError)):
+        # A file's failure, or an archive's, is the same the next time.
         return False
     return e.code in ("UNAVAILABLE", "UNKNOWN", "ABORTED") or (
         e.code == "INTERNAL" and e.reason is None

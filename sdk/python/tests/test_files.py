@@ -38,14 +38,15 @@ def test_big_files_go_both_ways_whole(sb: corral.Sandbox) -> None:
 def test_file_errors_are_typed(sb: corral.Sandbox) -> None:
     with pytest.raises(corral.FileError) as e:
         sb.files.read("no-such-file")
-    assert e.value.kind == "not_found"
+    assert e.value.kind == "not_found" and e.value.code == "NOT_FOUND"
+    assert not corral.errors.is_transient(e.value)
     with pytest.raises(corral.FileError) as e:
         sb.files.read("/etc/passwd")
-    assert e.value.kind == "outside_sandbox_roots"
+    assert e.value.kind == "outside_sandbox_roots" and e.value.code == "PERMISSION_DENIED"
     sb.run("mkfifo fifo")
     with pytest.raises(corral.FileError) as e:
         sb.files.read("fifo")
-    assert e.value.kind == "not_regular"
+    assert e.value.kind == "not_regular" and e.value.code == "FAILED_PRECONDITION"
     with pytest.raises(corral.FileError):
         sb.files.list("no-such-dir")
 
