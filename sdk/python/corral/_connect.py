@@ -378,9 +378,7 @@ def local_endpoint(state: Path) -> Endpoint | None:
     token_path = state / "token"
     if not sock.exists() or not token_path.exists():
         return None
-    return Endpoint(
-        url=f"unix://{sock}", token=read_token(token_path), token_file=str(token_path)
-    )
+    return Endpoint(url=f"unix://{sock}", token=read_token(token_path), token_file=str(token_path))
 
 
 class LocalStarter:
