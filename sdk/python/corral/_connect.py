@@ -324,6 +324,14 @@ async def endpoints(o: Options) -> list[Endpoint] | None:
             token_owner = Path(o.token_file).stat().st_uid
         except OSError:
             token_owner = None
+    elif len(urls) == 1 and urls[0].startswith("unix://"):
+        # A worker on a Unix socket keeps its token next to it (the local
+        # worker's state directory): a sandbox's own ``worker`` address
+        # reaches it again.
+        beside = Path(urls[0][len("unix://") :]).parent / "token"
+        if beside.exists():
+            token = read_token(beside)
+            token_from = str(beside)
     elif local and own.exists():
         token = read_token(own)
         token_from = str(own)

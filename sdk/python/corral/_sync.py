@@ -180,6 +180,9 @@ class Sandbox:
 
     @property
     def worker(self) -> str:
+        """The address of the worker the sandbox is on (``unix:///...`` for
+        the local one): what ``Sandbox.connect(id, worker=...)`` takes to
+        reach it again. :meth:`worker_info` says more about it."""
         return self._sb.worker.url
 
     @classmethod

@@ -78,6 +78,9 @@ def test_no_worker_named_means_the_local_worker_corral_starts(tmp_path: Path) ->
         with corral.Sandbox.create() as sb:
             print(sb.run("echo from the local worker").stdout, end="")
             print(sb.worker)
+            # Found again by the address it gave (its token is beside it).
+            again = corral.Sandbox.connect(sb.id, worker=sb.worker)
+            print(again.run("echo found again").stdout, end="")
     """)
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith("CORRAL_") or k == "CORRAL_BIN"}
@@ -87,8 +90,9 @@ def test_no_worker_named_means_the_local_worker_corral_starts(tmp_path: Path) ->
         [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120
     )
     assert out.returncode == 0, out.stderr
-    said, url = out.stdout.splitlines()
+    said, url, again = out.stdout.splitlines()
     assert said == "from the local worker"
+    assert again == "found again"
     sock = tmp_path / "state" / "corral" / "embedded" / "worker.sock"
     assert url == f"unix://{sock}"
     # Left running for the next program (it exits when idle), as with corral.
