@@ -324,14 +324,6 @@ async def endpoints(o: Options) -> list[Endpoint] | None:
             token_owner = Path(o.token_file).stat().st_uid
         except OSError:
             token_owner = None
-    elif len(urls) == 1 and urls[0].startswith("unix://"):
-        # A worker on a Unix socket keeps its token next to it (the local
-        # worker's state directory): a sandbox's own ``worker`` address
-        # reaches it again.
-        beside = Path(urls[0][len("unix://") :]).parent / "token"
-        if beside.exists():
-            token = read_token(beside)
-            token_from = str(beside)
     elif local and own.exists():
         token = read_token(own)
         token_from = str(own)
@@ -350,14 +342,26 @@ async def endpoints(o: Options) -> list[Endpoint] | None:
     for u in urls:
         if u.startswith("https://") and tls is None:
             tls = Tls()
+
+    def credentials(u: str) -> tuple[str | None, str | None]:
+        # A worker on a Unix socket keeps its token beside it (the local
+        # worker's state directory), so a sandbox's own ``worker`` address
+        # reaches it again; a token file named is for every worker.
+        if u.startswith("unix://") and not o.token_file:
+            beside = Path(u[len("unix://") :]).parent / "token"
+            if beside.exists():
+                return read_token(beside), str(beside)
+        return token, token_from
+
     return [
         Endpoint(
             url=u,
-            token=token,
+            token=t,
             tls=tls if u.startswith("https://") else None,
-            token_file=token_from,
+            token_file=source,
         )
         for u in urls
+        for t, source in [credentials(u)]
     ]
 
 

@@ -92,6 +92,40 @@ def _ms(seconds: float | None, what: str) -> int:
     return max(1, round(seconds * 1000)) if seconds > 0 else 0
 
 
+def _strings(values: Sequence[str] | None, what: str) -> list[str]:
+    """A list of strings, as given; a lone string is refused, not split
+    into its characters (``egress="pypi.org"`` means ``["pypi.org"]``, and
+    a policy must never be guessed)."""
+    if values is None:
+        return []
+    if isinstance(values, (str, bytes)):
+        raise InvalidArgument(f"{what}: a list of strings, not one string ({[values]!r}?)")
+    out = list(values)
+    for v in out:
+        if not isinstance(v, str):
+            raise InvalidArgument(f"{what}: {v!r} is not a string")
+    return out
+
+
+def _str_map(values: Mapping[str, str] | None, what: str) -> dict[str, str]:
+    """A mapping of strings to strings, checked here (not by the protobuf
+    runtime's own TypeError)."""
+    out = dict(values or {})
+    for k, v in out.items():
+        if not isinstance(k, str) or not isinstance(v, str):
+            raise InvalidArgument(f"{what}: {k!r}={v!r}: names and values are strings")
+    return out
+
+
+def _positive(v: float | None, what: str, *, whole: bool = False) -> None:
+    if v is None:
+        return
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (whole and not isinstance(v, int)):
+        raise InvalidArgument(f"{what}: {v!r} is not a {'whole ' if whole else ''}number")
+    if v <= 0:
+        raise InvalidArgument(f"{what}: {v} is not positive")
+
+
 def _network(network: str | None) -> pb.NetworkMode:
     modes = {
         None: pb.NETWORK_MODE_UNSPECIFIED,
@@ -504,26 +538,24 @@ class AsyncSandbox:
         ``writable_rootfs`` and ``capabilities`` (``CAP_SETUID``, ...) loosen
         the hardened defaults, as far as the
         worker's policy allows (else :class:`PolicyDenied` naming its flag)."""
-        if cpus is not None and cpus <= 0:
-            raise InvalidArgument(f"cpus: {cpus} is not positive")
-        if pids is not None and pids <= 0:
-            raise InvalidArgument(f"pids: {pids} is not positive")
+        _positive(cpus, "cpus")
+        _positive(pids, "pids", whole=True)
         spec = pb.SandboxSpec(
             image=image or "",
             memory_bytes=parse_size(memory, "memory"),
             cpu_millis=round(cpus * 1000) if cpus else 0,
             pids_limit=pids or 0,
             workspace_bytes=parse_size(workspace_size, "workspace_size"),
-            env=dict(env or {}),
-            labels=dict(labels or {}),
+            env=_str_map(env, "env"),
+            labels=_str_map(labels, "labels"),
             ttl_ms=_ms(ttl, "ttl"),
             idle_timeout_ms=_ms(idle_timeout, "idle_timeout"),
             runtime=runtime or "",
             network=_network(network),
-            egress=list(egress or ()),
+            egress=_strings(egress, "egress"),
             run_as_root=root,
             writable_rootfs=writable_rootfs,
-            add_capabilities=list(capabilities or ()),
+            add_capabilities=_strings(capabilities, "capabilities"),
         )
         ws = await _rpc.workers(
             _connect.Options.from_env(
@@ -596,10 +628,13 @@ class AsyncSandbox:
         fed by ``write_stdin``. ``terminal=(rows, cols)`` runs it on a
         pseudo-terminal: its input is ``write_stdin``'s (Ctrl-C is ``\x03``),
         all its output comes as stdout."""
+        # A timeout of 0 would end the command before it starts: refused,
+        # never read as "none".
+        _positive(timeout, "timeout")
         shell = pb.ShellSpec(
             command=_command(cmd),
             workdir=cwd or "",
-            env=dict(env or {}),
+            env=_str_map(env, "env"),
             # None: the longest the worker takes (24 h), as corral exec
             # asks: no timeout unless one is given.
             timeout_ms=_ms(timeout, "timeout") or MAX_TIMEOUT_MS,
@@ -609,6 +644,8 @@ class AsyncSandbox:
         )
         if terminal is not None:
             rows, cols = terminal
+            _positive(rows, "terminal rows", whole=True)
+            _positive(cols, "terminal columns", whole=True)
             shell.terminal.CopyFrom(pb.TerminalSize(rows=rows, cols=cols))
         return await self._submit(pb.OperationSpec(shell=shell))
 
@@ -677,7 +714,7 @@ class AsyncSandbox:
         closed. An empty list allows nothing."""
         s = await self._ask(
             "SetSandboxEgress",
-            pb.SetSandboxEgressRequest(id=self.id, rules=list(rules)),
+            pb.SetSandboxEgressRequest(id=self.id, rules=_strings(rules, "rules")),
             pb.Sandbox,
         )
         return sandbox_info_of(s, self.worker.url)

@@ -48,8 +48,32 @@ class _Loop:
         if running is loop:
             coro.close()
             raise RuntimeError("a sync Corral call from a Corral callback: use the async face")
-        return asyncio.run_coroutine_threadsafe(coro, loop).result()
+        started, finished = threading.Event(), threading.Event()
 
+        async def call() -> T:
+            started.set()
+            try:
+                return await coro
+            finally:
+                finished.set()
+
+        fut = asyncio.run_coroutine_threadsafe(call(), loop)
+        try:
+            return fut.result()
+        except BaseException:
+            # The caller gave up (Ctrl-C, an exception from a signal
+            # handler): the call goes with it, as on the async face (a
+            # command is killed), and this waits for that to be done before
+            # the caller goes on, or exits. A second Ctrl-C stops waiting.
+            # (A call cancelled before it started has nothing to undo.)
+            if fut.cancel() and started.is_set():
+                finished.wait(timeout=CANCEL_GRACE_S)
+            raise
+
+
+#: How long a sync call given up on waits for its own cleanup (a command
+#: killed in its sandbox).
+CANCEL_GRACE_S = 10.0
 
 _LOOP = _Loop()
 

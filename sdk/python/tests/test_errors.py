@@ -105,3 +105,27 @@ def test_no_worker_there_is_said_soon(tmp_path: Path) -> None:
 def test_seconds_are_numbers(sb: corral.Sandbox) -> None:
     with pytest.raises(corral.InvalidArgument):
         sb.run("true", timeout="2s")  # type: ignore[arg-type]
+
+
+def test_arguments_of_the_wrong_type_are_invalid_arguments(worker: Worker) -> None:
+    # A lone string is never split into one rule a character.
+    with pytest.raises(corral.InvalidArgument, match="not one string"):
+        worker.create(egress="pypi.org")
+    with pytest.raises(corral.InvalidArgument, match="not one string"):
+        worker.create(capabilities="CAP_CHOWN")
+    with pytest.raises(corral.InvalidArgument):
+        worker.create(cpus="2")
+    with pytest.raises(corral.InvalidArgument):
+        worker.create(pids=2.5)
+    with pytest.raises(corral.InvalidArgument):
+        worker.create(env={"A": 1})
+    with worker.create() as sb:
+        # A timeout of 0 is refused, not taken as none.
+        with pytest.raises(corral.InvalidArgument):
+            sb.run("echo zero", timeout=0)
+        with pytest.raises(corral.InvalidArgument):
+            sb.run("echo", env={"A": 1})  # type: ignore[dict-item]
+        with pytest.raises(corral.InvalidArgument):
+            sb.start("echo", terminal=(-1, 5))
+        with pytest.raises(corral.InvalidArgument, match="not one string"):
+            sb.set_egress("example.com")

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import _thread
 import signal
+import threading
 import time
 import tracemalloc
 
@@ -120,5 +122,22 @@ def test_a_callback_that_raises_ends_the_command(sb: corral.Sandbox) -> None:
     # sent at once, and done within moments).
     deadline = time.monotonic() + 10
     while "sleep 30" in sb.run("ps -o args").stdout:
+        assert time.monotonic() < deadline, "the command outlived its call"
+        time.sleep(0.05)
+
+
+def test_ctrl_c_during_a_sync_run_ends_the_command(sb: corral.Sandbox) -> None:
+    # What a user's Ctrl-C does to the main thread, a second into the call.
+    timer = threading.Timer(1.0, _thread.interrupt_main)
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            sb.run("sleep 30; echo never")
+    finally:
+        timer.cancel()
+    # The call waited for its command's kill: none of it runs on.
+    assert "sleep 30" not in sb.run("ps -o args").stdout
+    deadline = time.monotonic() + 10
+    while sb.info().running_operations:
         assert time.monotonic() < deadline, "the command outlived its call"
         time.sleep(0.05)
