@@ -178,9 +178,13 @@ class AsyncProcess:
         self.id = op_id
         self.after = after
         self.seq = after
-        #: Events the worker's journal dropped before they could be read
-        #: (output lost to a reader that came too late).
+        #: Events from this process's start on that the worker's journal
+        #: dropped before they could be read (output lost to a reader that
+        #: came too late; another process's events dropped meanwhile count
+        #: too, as the journal does not say whose they were).
         self.missed = 0
+        #: The sequence number of its first event, once known.
+        self._first_seq = 0
         self._input = 0
         self._result: Result | None = None
         self._raw = pb.OperationResult()
@@ -221,7 +225,23 @@ class AsyncProcess:
                         last = max(last, ev.seq)
                         kind = ev.WhichOneof("kind")
                         if kind == "gap":
-                            self.missed += ev.gap.to_seq - ev.gap.from_seq + 1
+                            # Only what was dropped from its start on can
+                            # be its own.
+                            if not self._first_seq:
+                                self._first_seq = (
+                                    await sb._ask(
+                                        "GetOperation",
+                                        pb.GetOperationRequest(
+                                            sandbox_id=sb.id, operation_id=self.id
+                                        ),
+                                        pb.Operation,
+                                    )
+                                ).first_seq
+                            # Still none: it had no event yet, so none of
+                            # its own was dropped.
+                            lo = max(ev.gap.from_seq, self._first_seq)
+                            if self._first_seq and ev.gap.to_seq >= lo:
+                                self.missed += ev.gap.to_seq - lo + 1
                             continue
                         yield ev
                         if kind == "finished":
@@ -606,8 +626,10 @@ class AsyncSandbox:
     async def _submit(self, spec: pb.OperationSpec) -> AsyncProcess:
         op_id = _new_id()
         req = pb.SubmitOperationRequest(sandbox_id=self.id, operation_id=op_id, spec=spec)
-        await self._ask("SubmitOperation", req, pb.Operation)
-        return AsyncProcess(self, op_id)
+        op = await self._ask("SubmitOperation", req, pb.Operation)
+        p = AsyncProcess(self, op_id)
+        p._first_seq = op.first_seq
+        return p
 
     async def start(
         self,

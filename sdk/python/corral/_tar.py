@@ -4,10 +4,11 @@
 Packing and unpacking run on a thread; the archive moves through a small
 bounded queue in pieces of at most 1 MiB, so memory stays bounded whatever
 the size. What comes out of a sandbox is hostile: one tree, named as the
-path asked for (a file is one file), nothing outside the destination, no
-link leading out of it, no set-id bit, modes no wider than 0755/0644 under
-the local umask, no FIFO or device, no git configuration or hooks, at most
-so many entries and bytes.
+path asked for (a file is one file), nothing outside the destination, links
+made as they are but never followed (one leading out is written, not
+used: a tool run on the tree later may follow it), no set-id bit, modes no
+wider than 0755/0644 under the local umask, no FIFO or device, no git
+configuration or hooks, at most so many entries and bytes.
 """
 
 from __future__ import annotations

@@ -141,3 +141,21 @@ def test_ctrl_c_during_a_sync_run_ends_the_command(sb: corral.Sandbox) -> None:
     while sb.info().running_operations:
         assert time.monotonic() < deadline, "the command outlived its call"
         time.sleep(0.05)
+
+
+def test_what_the_journal_dropped_of_others_is_not_missed_by_a_new_process(
+    sb: corral.Sandbox,
+) -> None:
+    # Enough output to push the first events out of the worker's journal.
+    sb.run("head -c 30000000 /dev/zero")
+    p = sb.start("echo tiny")
+    assert b"".join(p.stdout) == b"tiny\n"
+    assert p.missed == 0
+
+
+def test_a_reader_that_comes_too_late_is_told_what_it_missed(sb: corral.Sandbox) -> None:
+    p = sb.start("head -c 30000000 /dev/zero; echo end")
+    p.wait(timeout=60)
+    got = b"".join(p.stdout)
+    assert got.endswith(b"end\n") and len(got) < 30_000_000
+    assert p.missed > 0
