@@ -160,7 +160,10 @@ def _file_error(r: pb.OperationResult, path: str) -> FileError | None:
     if r.outcome.WhichOneof("kind") != "file_error":
         return None
     kind = pb.FileErrorKind.Name(r.outcome.file_error.kind).removeprefix("FILE_ERROR_KIND_")
-    return FileError(f"{path}: {r.outcome.file_error.message}", kind=kind.lower())
+    said = r.outcome.file_error.message
+    # The worker's words name the path already, most of the time.
+    message = said if said.startswith(path) else f"{path}: {said}"
+    return FileError(message, kind=kind.lower())
 
 
 class AsyncProcess:
@@ -371,6 +374,8 @@ class AsyncProcess:
     async def signal(self, sig: int) -> bool:
         """Sends ``sig`` (``signal.SIGINT``, ...) to its process group: the
         command and what it started; False when it had ended."""
+        if isinstance(sig, bool) or not isinstance(sig, int) or not 0 < sig < 65:
+            raise InvalidArgument(f"signal {sig!r}: a signal number such as signal.SIGINT")
         reply = await self.sandbox._ask(
             "SignalOperation",
             pb.SignalOperationRequest(
@@ -414,8 +419,11 @@ class AsyncFiles:
     async def write(self, path: str, data: bytes | str, mode: int | None = None) -> int:
         """Replaces (or makes) the file; bytes written."""
         raw = data.encode() if isinstance(data, str) else bytes(data)
-        if mode is not None and not 0 <= mode <= 0o7777:
-            raise InvalidArgument(f"mode {mode:o}: not a file mode")
+        if mode is not None and (
+            isinstance(mode, bool) or not isinstance(mode, int) or not 0 < mode <= 0o7777
+        ):
+            # 0 cannot be asked for: it means "the default" on the wire.
+            raise InvalidArgument(f"mode {mode!r}: not a file mode (0o1 to 0o7777)")
         stream = len(raw) > MAX_FILE
         first = raw[:CHUNK] if stream else raw
         spec = pb.OperationSpec(

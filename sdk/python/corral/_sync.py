@@ -101,7 +101,9 @@ def _iterate(make: Callable[[], AsyncIterator[T]]) -> Generator[T, None, None]:
                 return
     finally:
         aclose = getattr(it, "aclose", None)
-        if aclose is not None:
+        # An iterator left open until Python exits has nothing to close:
+        # the loop that would close it is going too.
+        if aclose is not None and not sys.is_finalizing():
             _run(aclose())
 
 

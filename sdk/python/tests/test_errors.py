@@ -129,3 +129,15 @@ def test_arguments_of_the_wrong_type_are_invalid_arguments(worker: Worker) -> No
             sb.start("echo", terminal=(-1, 5))
         with pytest.raises(corral.InvalidArgument, match="not one string"):
             sb.set_egress("example.com")
+        with pytest.raises(corral.InvalidArgument):
+            sb.files.write("a.txt", "x", mode="644")  # type: ignore[arg-type]
+        with pytest.raises(corral.InvalidArgument):
+            sb.files.write("a.txt", "x", mode=0)
+        p = sb.start("sleep 30")
+        with pytest.raises(corral.InvalidArgument):
+            p.signal("INT")  # type: ignore[arg-type]
+        p.kill()
+        # A file's error names its path once.
+        with pytest.raises(corral.FileError) as e:
+            sb.files.read("missing.txt")
+        assert str(e.value).count("missing.txt") == 1, e.value
