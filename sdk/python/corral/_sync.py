@@ -76,6 +76,8 @@ class _Loop:
 CANCEL_GRACE_S = 10.0
 
 _LOOP = _Loop()
+#: Iterators being closed in the loop's thread (held until done).
+_CLOSING: set[asyncio.Task[None]] = set()
 
 
 def _run(coro: Coroutine[Any, Any, T]) -> T:
@@ -104,7 +106,18 @@ def _iterate(make: Callable[[], AsyncIterator[T]]) -> Generator[T, None, None]:
         # An iterator left open until Python exits has nothing to close:
         # the loop that would close it is going too.
         if aclose is not None and not sys.is_finalizing():
-            _run(aclose())
+            try:
+                running = asyncio.get_running_loop()
+            except RuntimeError:
+                running = None
+            if running is not None and running is _LOOP.loop:
+                # Collected in the loop's own thread (a sync iterator left
+                # open, then garbage): closed there, without waiting on it.
+                task = running.create_task(aclose())
+                _CLOSING.add(task)
+                task.add_done_callback(_CLOSING.discard)
+            else:
+                _run(aclose())
 
 
 class Process:

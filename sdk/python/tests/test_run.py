@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import _thread
 import signal
+import sys
 import threading
 import time
 import tracemalloc
@@ -159,3 +160,30 @@ def test_a_reader_that_comes_too_late_is_told_what_it_missed(sb: corral.Sandbox)
     got = b"".join(p.stdout)
     assert got.endswith(b"end\n") and len(got) < 30_000_000
     assert p.missed > 0
+
+
+def test_a_sync_iterator_dropped_in_the_loop_thread_closes_quietly(sb: corral.Sandbox) -> None:
+    from corral import _sync
+
+    p = sb.start("for i in 1 2 3; do echo $i; sleep 0.2; done")
+    held = [p.stdout]
+    assert next(held[0]) == b"1\n"
+    seen: list[object] = []
+    old = sys.unraisablehook
+    sys.unraisablehook = seen.append
+    try:
+        # Its last reference goes in the loop's own thread (as garbage
+        # collected there would): closing it must not wait on that loop.
+        dropped = threading.Event()
+
+        def drop() -> None:
+            held.clear()
+            dropped.set()
+
+        _sync._LOOP.get().call_soon_threadsafe(drop)
+        assert dropped.wait(5)
+        time.sleep(0.3)
+    finally:
+        sys.unraisablehook = old
+    assert not seen, seen
+    assert p.wait(timeout=30).exit_code == 0
