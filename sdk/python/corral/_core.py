@@ -446,13 +446,20 @@ class AsyncFiles:
     async def list(self, path: str = ".") -> list[FileEntry]:
         """The entries of a directory (not . and ..), by name."""
         script = (
-            'cd -- "$1" || exit 3; for f in * .[!.]* ..?*; do '
+            '[ -e "$1" ] || exit 3; [ -d "$1" ] || exit 5; cd -- "$1" 2>/dev/null || exit 6; '
+            "for f in * .[!.]* ..?*; do "
             '[ -e "$f" ] || [ -L "$f" ] || continue; '
             "stat -c '%f %s %Y' -- \"$f\" || exit 4; printf '%s\\0' \"$f\"; done"
         )
         r = await self._sb.run(["sh", "-c", script, "sh", path])
-        if r.exit_code == 3:
-            raise FileError(f"{path}: {r.stderr.strip() or 'no such directory'}", kind="not_found")
+        # Each failure said in its own words, not the shell's.
+        failed = {
+            3: ("no such file or directory", "not_found"),
+            5: ("not a directory", "other"),
+            6: ("permission denied", "permission_denied"),
+        }.get(r.exit_code or 0)
+        if failed is not None:
+            raise FileError(f"{path}: {failed[0]}", kind=failed[1])
         if not r.ok:
             raise FileError(f"{path}: {r.stderr.strip() or r.end_cause.value}", kind="other")
         if r.omitted_bytes:

@@ -47,8 +47,12 @@ def test_file_errors_are_typed(sb: corral.Sandbox) -> None:
     with pytest.raises(corral.FileError) as e:
         sb.files.read("fifo")
     assert e.value.kind == "not_regular" and e.value.code == "FAILED_PRECONDITION"
-    with pytest.raises(corral.FileError):
+    with pytest.raises(corral.FileError) as e:
         sb.files.list("no-such-dir")
+    assert e.value.kind == "not_found" and "sh:" not in str(e.value), e.value
+    sb.files.write("plain.txt", "x")
+    with pytest.raises(corral.FileError, match=r"plain\.txt: not a directory$"):
+        sb.files.list("plain.txt")
 
 
 def test_ten_thousand_files_up_and_down(sb: corral.Sandbox, tmp_path: Path) -> None:
