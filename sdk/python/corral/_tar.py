@@ -378,7 +378,9 @@ class _Pipe:
 
 def _pack(src: Path, pipe: _Pipe) -> None:
     def strip(ti: tarfile.TarInfo) -> tarfile.TarInfo | None:
-        if ti.ischr() or ti.isblk():
+        # Devices and FIFOs hold nothing to copy (a FIFO became an empty
+        # file in the sandbox), as `corral cp` leaves them out.
+        if ti.ischr() or ti.isblk() or ti.isfifo():
             return None
         return ti.replace(mode=ti.mode & 0o1777, deep=False)
 

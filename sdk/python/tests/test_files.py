@@ -112,8 +112,11 @@ def test_upload_drops_set_id_bits_and_keeps_links_in(sb: corral.Sandbox, tmp_pat
     (src / "suid").write_text("x")
     (src / "suid").chmod(0o4755)
     (src / "rel").symlink_to("suid")
+    os.mkfifo(src / "pipe")
     sb.files.upload(src, "/tmp")
     assert sb.run("stat -c %a /tmp/s/suid").stdout.strip() == "755"
     assert sb.run("readlink /tmp/s/rel").stdout.strip() == "suid"
+    # A FIFO holds nothing to copy: left out, never an empty file.
+    assert sb.run("ls /tmp/s").stdout.split() == ["rel", "suid"]
     with pytest.raises(corral.TransferError):
         sb.files.upload(tmp_path / "missing", "/tmp")
