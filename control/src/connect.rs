@@ -208,6 +208,21 @@ fn check_listener(url: &str, token_owner: Option<u32>) -> Result<(), ConnectErro
     }
 }
 
+/// The `token` file beside the socket of workers all on one Unix socket
+/// directory (`unix:///DIR/worker.sock`), if there is one.
+fn token_beside(urls: &[String]) -> Option<std::path::PathBuf> {
+    let mut dirs = urls.iter().map(|u| {
+        u.strip_prefix("unix://")
+            .and_then(|p| std::path::Path::new(p).parent())
+    });
+    let first = dirs.next()??;
+    if !dirs.all(|d| d == Some(first)) {
+        return None;
+    }
+    let token = first.join("token");
+    token.exists().then_some(token)
+}
+
 /// The token for the workers of `--worker`: `--token-file`, else, for
 /// workers all on this machine, the one a worker run by this user made in
 /// its default state directory (never sent anywhere else). A token goes to
@@ -230,7 +245,15 @@ fn credentials(conn: &ConnArgs, urls: &[String]) -> Result<Credentials, ConnectE
             Some(corral_worker::cli::read_token(&own).map_err(setup)?),
             None,
         ),
-        None => (None, None),
+        // A worker on a Unix socket keeps its token beside it (the local
+        // worker's state directory), as the SDK finds it too.
+        None => match token_beside(urls) {
+            Some(path) => (
+                Some(corral_worker::cli::read_token(&path).map_err(setup)?),
+                None,
+            ),
+            None => (None, None),
+        },
     };
     if token.is_some() {
         for url in urls.iter().filter(|u| is_loopback(u)) {
@@ -314,6 +337,26 @@ mod tests {
             proc_net_ip("0100007F", false),
             Some(std::net::Ipv4Addr::LOCALHOST.into())
         );
+    }
+
+    #[test]
+    fn a_unix_sockets_token_is_the_one_beside_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let sock = |d: &std::path::Path| format!("unix://{}", d.join("worker.sock").display());
+        let url = sock(dir.path());
+        assert_eq!(token_beside(std::slice::from_ref(&url)), None);
+        std::fs::write(dir.path().join("token"), "t").unwrap();
+        assert_eq!(
+            token_beside(std::slice::from_ref(&url)),
+            Some(dir.path().join("token"))
+        );
+        // Several sockets of one directory share it; any other address,
+        // or another directory, gets none from here.
+        assert!(token_beside(&[url.clone(), url.clone()]).is_some());
+        let other = tempfile::tempdir().unwrap();
+        assert_eq!(token_beside(&[url.clone(), sock(other.path())]), None);
+        assert_eq!(token_beside(&[url, "http://127.0.0.1:7070".into()]), None);
+        assert_eq!(token_beside(&[]), None);
     }
 
     #[test]
