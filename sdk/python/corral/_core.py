@@ -205,6 +205,7 @@ class AsyncProcess:
             pb.Operation,
         )
         p = cls(sandbox, process_id, after or 0)
+        p._first_seq = op.first_seq
         p._input = op.input_bytes
         if op.status == pb.OPERATION_STATUS_FINISHED:
             p._result = result_of(op.result)
