@@ -120,72 +120,6 @@ fn host_port(url: &str) -> Option<(String, u16)> {
     Some((host.to_string(), port.parse().ok()?))
 }
 
-/// The owners (uids) of the sockets listening on this machine's `port` at
-/// `host` (or at every address), from `/proc/net/tcp` and `tcp6`.
-fn listener_owners(host: &str, port: u16) -> Vec<u32> {
-    let wanted: Vec<std::net::IpAddr> = match host {
-        "localhost" => vec![
-            std::net::Ipv4Addr::LOCALHOST.into(),
-            std::net::Ipv6Addr::LOCALHOST.into(),
-        ],
-        h => h.parse().into_iter().collect(),
-    };
-    let mut owners = Vec::new();
-    for (file, v6) in [("/proc/net/tcp", false), ("/proc/net/tcp6", true)] {
-        let Ok(text) = std::fs::read_to_string(file) else {
-            continue;
-        };
-        for line in text.lines().skip(1) {
-            let f: Vec<&str> = line.split_whitespace().collect();
-            // sl local rem st queues timer retransmits uid ...; 0A: LISTEN.
-            if f.len() < 8 || f[3] != "0A" {
-                continue;
-            }
-            let Some((addr, p)) = f[1].split_once(':') else {
-                continue;
-            };
-            if u16::from_str_radix(p, 16).ok() != Some(port) {
-                continue;
-            }
-            let Some(ip) = proc_net_ip(addr, v6) else {
-                continue;
-            };
-            let v4_mapped = match ip {
-                std::net::IpAddr::V6(a) => a.to_ipv4_mapped().map(std::net::IpAddr::V4),
-                std::net::IpAddr::V4(_) => None,
-            };
-            let at = ip.is_unspecified()
-                || wanted.contains(&ip)
-                || v4_mapped.is_some_and(|m| wanted.contains(&m));
-            if at && let Ok(uid) = f[7].parse() {
-                owners.push(uid);
-            }
-        }
-    }
-    owners
-}
-
-/// An address as `/proc/net/tcp*` writes it: 32-bit words in hex, each in
-/// this machine's byte order.
-fn proc_net_ip(hex: &str, v6: bool) -> Option<std::net::IpAddr> {
-    let words: Option<Vec<[u8; 4]>> = (0..hex.len() / 8)
-        .map(|i| {
-            u32::from_str_radix(hex.get(i * 8..i * 8 + 8)?, 16)
-                .ok()
-                .map(u32::to_ne_bytes)
-        })
-        .collect();
-    let bytes: Vec<u8> = words?.concat();
-    match (v6, bytes.len()) {
-        (false, 4) => Some(std::net::Ipv4Addr::new(bytes[0], bytes[1], bytes[2], bytes[3]).into()),
-        (true, 16) => {
-            let b: [u8; 16] = bytes.try_into().ok()?;
-            Some(std::net::Ipv6Addr::from(b).into())
-        }
-        _ => None,
-    }
-}
-
 /// A token goes to a worker on this machine only if the socket that
 /// listens there belongs to this user, to root, or to the owner of the
 /// token file: a port left free by a stopped worker may have been taken by
@@ -196,7 +130,7 @@ fn check_listener(url: &str, token_owner: Option<u32>) -> Result<(), ConnectErro
         return Ok(());
     };
     let me = nix::unistd::geteuid().as_raw();
-    let strangers: Vec<u32> = listener_owners(&host, port)
+    let strangers: Vec<u32> = crate::listeners::owners(&host, port)
         .into_iter()
         .filter(|uid| *uid != me && *uid != 0 && Some(*uid) != token_owner)
         .collect();
@@ -326,17 +260,9 @@ mod tests {
     fn listeners_are_found_with_their_owners() {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let port = listener.local_addr().unwrap().port();
-        let me = nix::unistd::geteuid().as_raw();
-        assert_eq!(listener_owners("127.0.0.1", port), vec![me]);
-        assert_eq!(listener_owners("localhost", port), vec![me]);
-        assert!(listener_owners("127.0.0.2", port).is_empty());
         let url = format!("http://127.0.0.1:{port}");
         assert!(check_listener(&url, None).is_ok());
         assert_eq!(host_port("https://[::1]:7070"), Some(("::1".into(), 7070)));
-        assert_eq!(
-            proc_net_ip("0100007F", false),
-            Some(std::net::Ipv4Addr::LOCALHOST.into())
-        );
     }
 
     #[test]

@@ -16,6 +16,7 @@ mod cli;
 mod commands;
 mod connect;
 mod exec;
+mod listeners;
 mod local;
 mod serve;
 mod signals;

@@ -4,6 +4,9 @@ and mutual TLS with the options the CLI takes."""
 
 from __future__ import annotations
 
+import ipaddress
+import os
+import socket
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
@@ -13,6 +16,7 @@ import pytest
 from conftest import Worker
 
 import corral
+from corral import _connect
 
 
 def test_a_list_places_on_the_freer_worker_and_finds_sandboxes_where_they_are(
@@ -135,3 +139,24 @@ def test_mutual_tls(
         corral.Sandbox.create(worker=url, **tls)
     with pytest.raises(corral.ConfigError):
         corral.Sandbox.create(worker=url, tls_cert=str(p["client.pem"]), **tls)
+
+
+def test_the_kernel_and_proc_name_the_same_listeners() -> None:
+    """Who listens on a local port (a token goes only to a worker whose socket
+    is this user's): asked of the kernel over netlink, as /proc/net/tcp says."""
+    with socket.socket() as v4, socket.socket() as other:
+        v4.bind(("127.0.0.1", 0))
+        v4.listen()
+        port = v4.getsockname()[1]
+        # A connection to it is not a listener; another port is left out.
+        with socket.create_connection(("127.0.0.1", port)):
+            other.bind(("127.0.0.1", 0))
+            other.listen()
+            found = _connect._diag_listeners(port)
+            assert found == [(ipaddress.IPv4Address("127.0.0.1"), os.geteuid())]
+            assert _connect._proc_listeners(port) == found
+            assert _connect.listener_owners("localhost", port) == [os.geteuid()]
+            assert _connect.listener_owners("127.0.0.2", port) == []
+        free = other.getsockname()[1]
+    assert _connect._diag_listeners(free) == []
+    assert _connect._proc_listeners(free) == []
