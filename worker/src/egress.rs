@@ -553,11 +553,49 @@ pub struct Admitted<S> {
     client: S,
     upstream: tokio::net::TcpStream,
     outcome: Outcome,
+    /// A tunnel whose client had not spoken when it was connected (the
+    /// server speaks first): the relay checks the client's first bytes, as
+    /// [`admit`] does, before any of them goes upstream.
+    hello_pending: bool,
 }
 
 impl<S> Admitted<S> {
     pub fn outcome(&self) -> &Outcome {
         &self.outcome
+    }
+}
+
+/// How long a tunnel's client may stay silent after its 200 before the
+/// tunnel is connected anyway: a client of a protocol whose server speaks
+/// first (SMTP, FTP, MySQL, plain IMAP) waits for the server's greeting,
+/// while a TLS client sends its ClientHello at once. The first bytes such a
+/// client sends later are checked all the same (see [`Admitted`]).
+pub const SERVER_FIRST_WAIT: Duration = Duration::from_millis(50);
+
+/// What a tunnel's first bytes from its client allow.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Verdict {
+    /// Not enough to tell: read more.
+    More,
+    /// Upstream they go.
+    Go,
+    /// No name, another name, or a hello past its bound.
+    Refuse,
+}
+
+/// A TLS tunnel names its server: it must be the `host` asked for.
+fn hello_verdict(first: &[u8], host: &str) -> Verdict {
+    match client_hello_sni(first) {
+        Hello::More if first.len() < MAX_HELLO_BYTES => Verdict::More,
+        Hello::Sni(name) if name == host => Verdict::Go,
+        // An address, allowed by a CIDR rule: TLS names no address
+        // (RFC 6066), so a hello without a name goes on to the address
+        // decided on; one that names a host is refused.
+        Hello::NoSni if host.parse::<IpAddr>().is_ok() => Verdict::Go,
+        // Another protocol (ssh, say) to the host allowed. A handshake
+        // record that does not parse is no way around the name check.
+        Hello::NotTls if first.first() != Some(&22) => Verdict::Go,
+        _ => Verdict::Refuse,
     }
 }
 
@@ -638,6 +676,7 @@ where
     };
     out.host.clone_from(&host);
     out.port = port;
+    let mut hello_pending = false;
     let current = policy.borrow_and_update().clone();
     let addrs = match gate.resolve(&current, &host, port).await {
         Ok(a) => a,
@@ -659,29 +698,33 @@ where
         // before a byte goes upstream.
         let deadline = tokio::time::Instant::now() + HEAD_TIMEOUT;
         loop {
-            match client_hello_sni(&first) {
-                Hello::More if first.len() < MAX_HELLO_BYTES => {
+            match hello_verdict(&first, &host) {
+                Verdict::More => {
+                    // A client silent so far may wait for its server to
+                    // speak: after a short wait the tunnel is connected,
+                    // its first bytes checked by the relay.
+                    let until = if first.is_empty() {
+                        deadline.min(tokio::time::Instant::now() + SERVER_FIRST_WAIT)
+                    } else {
+                        deadline
+                    };
                     let mut chunk = [0u8; 4096];
-                    match tokio::time::timeout_at(deadline, client.read(&mut chunk)).await {
+                    match tokio::time::timeout_at(until, client.read(&mut chunk)).await {
                         Ok(Ok(n)) if n > 0 => first.extend_from_slice(&chunk[..n]),
+                        Err(_) if first.is_empty() => {
+                            hello_pending = true;
+                            break;
+                        }
                         _ => {
                             out.blocked = Some(Blocked::BadRequest);
                             return Err(Refused::closed(client, out));
                         }
                     }
                 }
-                Hello::Sni(name) if name == host => break,
-                // An address, allowed by a CIDR rule: TLS names no address
-                // (RFC 6066), so a hello without a name goes on to the
-                // address decided on; one that names a host is refused.
-                Hello::NoSni if host.parse::<IpAddr>().is_ok() => break,
-                // Another protocol (ssh, say) to the host allowed. A
-                // handshake record that does not parse is no way around
-                // the name check.
-                Hello::NotTls if first.first() != Some(&22) => break,
-                _ => {
-                    // No name, another name, or a hello past its bound: the
-                    // tunnel is closed (its 200 is sent; TLS then fails).
+                Verdict::Go => break,
+                Verdict::Refuse => {
+                    // The tunnel is closed (its 200 is sent; TLS then
+                    // fails).
                     out.blocked = Some(Blocked::SniMismatch);
                     return Err(Refused::closed(client, out));
                 }
@@ -709,6 +752,7 @@ where
         client,
         upstream,
         outcome: out,
+        hello_pending,
     })
 }
 
@@ -727,12 +771,84 @@ where
         client,
         mut upstream,
         outcome: mut out,
+        hello_pending,
     } = admitted;
     let (host, port) = (out.host.clone(), out.port);
     let (mut cr, mut cw) = tokio::io::split(client);
     let (mut ur, mut uw) = upstream.split();
     let mut up = vec![0u8; 64 * 1024];
     let mut down = vec![0u8; 64 * 1024];
+    // A tunnel connected before its client spoke: the server's bytes go to
+    // the client, the client's are held until they pass the check.
+    let mut first = Vec::new();
+    if hello_pending {
+        loop {
+            #[derive(PartialEq)]
+            enum Step {
+                Again,
+                Checked,
+                End,
+            }
+            let step = tokio::time::timeout(IDLE_TIMEOUT, async {
+                tokio::select! {
+                    changed = policy.changed() => {
+                        let now = policy.borrow_and_update().clone();
+                        if changed.is_err() {
+                            return Step::End;
+                        }
+                        if let Err(reason) = decide(&now, &host, port) {
+                            out.blocked = Some(reason);
+                            out.cut = true;
+                            return Step::End;
+                        }
+                        Step::Again
+                    }
+                    n = cr.read(&mut up) => match n {
+                        // Done before a word: the server hears of it below.
+                        Ok(0) if first.is_empty() => Step::Checked,
+                        Ok(n) if n > 0 => {
+                            first.extend_from_slice(&up[..n]);
+                            match hello_verdict(&first, &host) {
+                                Verdict::More => Step::Again,
+                                Verdict::Go => Step::Checked,
+                                Verdict::Refuse => {
+                                    out.blocked = Some(Blocked::SniMismatch);
+                                    out.cut = true;
+                                    Step::End
+                                }
+                            }
+                        }
+                        _ => Step::End,
+                    },
+                    n = ur.read(&mut down) => match n {
+                        Ok(n) if n > 0 => {
+                            if cw.write_all(&down[..n]).await.is_err() {
+                                return Step::End;
+                            }
+                            out.bytes_in += n as u64;
+                            Step::Again
+                        }
+                        _ => {
+                            let _ = cw.shutdown().await;
+                            Step::End
+                        }
+                    },
+                }
+            })
+            .await;
+            match step {
+                Ok(Step::Again) => {}
+                Ok(Step::Checked) => {
+                    if uw.write_all(&first).await.is_err() {
+                        return out;
+                    }
+                    out.bytes_out += first.len() as u64;
+                    break;
+                }
+                Ok(Step::End) | Err(_) => return out,
+            }
+        }
+    }
     loop {
         let step = tokio::time::timeout(IDLE_TIMEOUT, async {
             tokio::select! {
@@ -822,6 +938,7 @@ pub async fn relay_spliced<S: Spliced>(
         client,
         upstream,
         outcome: mut out,
+        hello_pending,
     } = admitted;
     let (host, port) = (out.host.clone(), out.port);
     let (Ok(p_up), Ok(p_down)) = (SplicePipe::new(), SplicePipe::new()) else {
@@ -829,13 +946,22 @@ pub async fn relay_spliced<S: Spliced>(
     };
     let (sent, got) = (AtomicU64::new(0), AtomicU64::new(0));
     let up = async {
+        // A tunnel connected before its client spoke: its first bytes pass
+        // the check before any goes upstream (the server's go to the
+        // client meanwhile, below).
+        if hello_pending {
+            let first = first_words(&client, &host).await?;
+            write_all(&upstream, &first).await.map_err(|_| None)?;
+            meters.out.charge(first.len() as u64).await;
+            sent.fetch_add(first.len() as u64, Ordering::Relaxed);
+        }
         let r = splice_all(&client, &upstream, &p_up, &sent, &meters.out).await;
         // The sandbox is done sending: the server hears of it.
         let _ = nix::sys::socket::shutdown(
             std::os::fd::AsRawFd::as_raw_fd(&upstream),
             nix::sys::socket::Shutdown::Write,
         );
-        r
+        r.map_err(|_| None)
     };
     let down = async {
         let r = splice_all(&upstream, &client, &p_down, &got, &meters.inward).await;
@@ -866,7 +992,11 @@ pub async fn relay_spliced<S: Spliced>(
             }
             r = &mut up, if !up_done => {
                 up_done = true;
-                if r.is_err() {
+                if let Err(blocked) = r {
+                    if blocked.is_some() {
+                        out.blocked = blocked;
+                        out.cut = true;
+                    }
                     break;
                 }
             }
@@ -893,6 +1023,55 @@ pub async fn relay_spliced<S: Spliced>(
     out.bytes_out += sent.load(Ordering::Relaxed);
     out.bytes_in += got.load(Ordering::Relaxed);
     out
+}
+
+/// A pending tunnel's first bytes from its client, once they pass
+/// [`hello_verdict`] (none if it ended before a word). `Err`: refused
+/// (`Some`: why), or the socket failed.
+async fn first_words(client: &impl Spliced, host: &str) -> Result<Vec<u8>, Option<Blocked>> {
+    use tokio::io::Interest;
+    let mut first = Vec::new();
+    let mut chunk = [0u8; 4096];
+    loop {
+        client.ready(Interest::READABLE).await.map_err(|_| None)?;
+        let n = match client.attempt(Interest::READABLE, || {
+            nix::unistd::read(client.as_fd(), &mut chunk).map_err(std::io::Error::from)
+        }) {
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+            Err(_) => return Err(None),
+        };
+        if n == 0 {
+            return if first.is_empty() {
+                Ok(first)
+            } else {
+                Err(Some(Blocked::BadRequest))
+            };
+        }
+        first.extend_from_slice(&chunk[..n]);
+        match hello_verdict(&first, host) {
+            Verdict::More => {}
+            Verdict::Go => return Ok(first),
+            Verdict::Refuse => return Err(Some(Blocked::SniMismatch)),
+        }
+    }
+}
+
+/// Writes all of `bytes` to a socket tokio watches.
+async fn write_all(to: &impl Spliced, mut bytes: &[u8]) -> std::io::Result<()> {
+    use tokio::io::Interest;
+    while !bytes.is_empty() {
+        to.ready(Interest::WRITABLE).await?;
+        match to.attempt(Interest::WRITABLE, || {
+            nix::unistd::write(to.as_fd(), bytes).map_err(std::io::Error::from)
+        }) {
+            Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
+            Ok(n) => bytes = &bytes[n..],
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
 }
 
 /// The size asked of a splicing pipe.
@@ -1619,6 +1798,127 @@ mod tests {
         let o = serving.await.unwrap();
         assert!(!o.cut && o.blocked.is_none(), "{o:?}");
         assert!(started.elapsed() >= IDLE_TIMEOUT, "{:?}", started.elapsed());
+    }
+
+    /// A loopback server that speaks first (as SMTP, FTP and MySQL do),
+    /// then records each read and answers it.
+    async fn greeting_upstream() -> (u16, tokio::sync::mpsc::Receiver<Vec<u8>>) {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = l.local_addr().unwrap().port();
+        let (tx, rx) = tokio::sync::mpsc::channel(8);
+        tokio::spawn(async move {
+            while let Ok((mut s, _)) = l.accept().await {
+                let tx = tx.clone();
+                tokio::spawn(async move {
+                    let _ = s.write_all(b"220 ready\r\n").await;
+                    let mut got = vec![0u8; 65536];
+                    while let Ok(n) = s.read(&mut got).await {
+                        if n == 0 {
+                            break;
+                        }
+                        let _ = tx.send(got[..n].to_vec()).await;
+                        let _ = s.write_all(b"250 ok\r\n").await;
+                    }
+                });
+            }
+        });
+        (port, rx)
+    }
+
+    trait Io: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send {}
+    impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send> Io for T {}
+
+    /// A tunnel to `port` whose client says nothing after its 200: on a
+    /// real Unix socket, relayed by splicing, or in memory, by copying.
+    async fn silent_tunnel(
+        port: u16,
+        p: tokio::sync::watch::Receiver<std::sync::Arc<Vec<Rule>>>,
+        spliced: bool,
+    ) -> (Box<dyn Io>, tokio::task::JoinHandle<Outcome>) {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let (mut sandbox, serving): (Box<dyn Io>, _) = if spliced {
+            let (sandbox, proxy) = tokio::net::UnixStream::pair().unwrap();
+            let serving = tokio::spawn(async move {
+                let g = gate(&["127.0.0.0/8"], vec![]);
+                let mut p = p;
+                match admit(proxy, &mut p, &g).await {
+                    Ok(a) => relay_spliced(a, p, &Meters::default()).await,
+                    Err(r) => r.answer().await,
+                }
+            });
+            (Box::new(sandbox), serving)
+        } else {
+            let (sandbox, proxy) = tokio::io::duplex(1 << 16);
+            let g = gate(&["127.0.0.0/8"], vec![]);
+            let serving = tokio::spawn(async move { serve_connection(proxy, p, &g).await });
+            (Box::new(sandbox), serving)
+        };
+        sandbox
+            .write_all(format!("CONNECT localhost:{port} HTTP/1.1\r\n\r\n").as_bytes())
+            .await
+            .unwrap();
+        let mut ok = [0u8; 39];
+        sandbox.read_exact(&mut ok).await.unwrap();
+        assert_eq!(&ok[..], b"HTTP/1.1 200 Connection established\r\n\r\n");
+        (sandbox, serving)
+    }
+
+    #[tokio::test]
+    async fn a_server_that_speaks_first_is_heard_and_its_client_still_checked() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let within = Duration::from_secs(5);
+        for spliced in [true, false] {
+            let (port, mut got) = greeting_upstream().await;
+            let (_tx, p) = policy(&[&format!("localhost:{port}")]);
+            // The client waits for the server's greeting (it used to wait
+            // for the client's first bytes, until the head timeout).
+            let (mut sandbox, serving) = silent_tunnel(port, p.clone(), spliced).await;
+            let mut greeting = [0u8; 11];
+            tokio::time::timeout(within, sandbox.read_exact(&mut greeting))
+                .await
+                .expect("the greeting comes before the client speaks")
+                .unwrap();
+            assert_eq!(&greeting, b"220 ready\r\n");
+            sandbox.write_all(b"EHLO sandbox\r\n").await.unwrap();
+            assert_eq!(got.recv().await.unwrap(), b"EHLO sandbox\r\n");
+            let mut answer = [0u8; 8];
+            sandbox.read_exact(&mut answer).await.unwrap();
+            assert_eq!(&answer, b"250 ok\r\n");
+            drop(sandbox);
+            let o = tokio::time::timeout(within, serving)
+                .await
+                .unwrap()
+                .unwrap();
+            assert_eq!((o.blocked, o.cut), (None, false), "{o:?}");
+            assert_eq!((o.bytes_out, o.bytes_in), (14, 19), "spliced: {spliced}");
+            // A TLS client that spoke only after the server: its hello
+            // must still name the host asked for, or none of it goes on.
+            let (mut sandbox, serving) = silent_tunnel(port, p.clone(), spliced).await;
+            sandbox.read_exact(&mut greeting).await.unwrap();
+            sandbox.write_all(&hello(&["other.example"])).await.unwrap();
+            let o = tokio::time::timeout(within, serving)
+                .await
+                .unwrap()
+                .unwrap();
+            assert_eq!(
+                (o.blocked, o.cut),
+                (Some(Blocked::SniMismatch), true),
+                "spliced: {spliced}"
+            );
+            assert!(got.try_recv().is_err(), "the server heard nothing");
+            // The name asked for goes through.
+            let (mut sandbox, serving) = silent_tunnel(port, p, spliced).await;
+            sandbox.read_exact(&mut greeting).await.unwrap();
+            sandbox.write_all(&hello(&["localhost"])).await.unwrap();
+            assert_eq!(got.recv().await.unwrap(), hello(&["localhost"]));
+            drop(sandbox);
+            let o = tokio::time::timeout(within, serving)
+                .await
+                .unwrap()
+                .unwrap();
+            assert_eq!(o.blocked, None, "{o:?}");
+        }
     }
 
     #[tokio::test(start_paused = true)]

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result, bail, ensure};
 use corral_e2e::egress::{Pki, Upstream, pki};
 use corral_e2e::{WorkerProcess, binary, free_port, run_shell, unique_id};
 use corral_harness::client::WorkerClient;
@@ -745,6 +745,99 @@ async fn a_name_nobody_resolves_is_refused_as_such() -> Result<()> {
             "resolve_failed".to_string()
         )]
     );
+    Ok(())
+}
+
+/// A mail server on the upstream address: it speaks first (its
+/// greeting), as SMTP, FTP and MySQL servers do, and sends each message it
+/// is given on the channel.
+async fn mail_server() -> Result<(u16, tokio::sync::mpsc::Receiver<String>)> {
+    use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
+    let l = tokio::net::TcpListener::bind((UPSTREAM_IP, 0)).await?;
+    let port = l.local_addr()?.port();
+    let (tx, rx) = tokio::sync::mpsc::channel(4);
+    tokio::spawn(async move {
+        while let Ok((s, _)) = l.accept().await {
+            let tx = tx.clone();
+            tokio::spawn(async move {
+                let (r, mut w) = s.into_split();
+                let mut lines = tokio::io::BufReader::new(r).lines();
+                w.write_all(b"220 mail.test ESMTP\r\n").await?;
+                while let Some(line) = lines.next_line().await? {
+                    let verb = line.get(..4).unwrap_or("").to_ascii_uppercase();
+                    let answer: &[u8] = match verb.as_str() {
+                        "EHLO" | "HELO" => b"250 mail.test\r\n",
+                        "MAIL" | "RCPT" => b"250 ok\r\n",
+                        "DATA" => {
+                            w.write_all(b"354 go on\r\n").await?;
+                            let mut message = String::new();
+                            while let Some(l) = lines.next_line().await? {
+                                if l == "." {
+                                    break;
+                                }
+                                message.push_str(&l);
+                                message.push('\n');
+                            }
+                            let _ = tx.send(message).await;
+                            b"250 queued\r\n"
+                        }
+                        "QUIT" => {
+                            w.write_all(b"221 bye\r\n").await?;
+                            break;
+                        }
+                        _ => b"500 what\r\n",
+                    };
+                    w.write_all(answer).await?;
+                }
+                anyhow::Ok(())
+            });
+        }
+    });
+    Ok((port, rx))
+}
+
+#[tokio::test]
+async fn a_server_that_speaks_first_is_reached_through_a_tunnel() -> Result<()> {
+    let net = start().await?;
+    let (port, mut mail) = mail_server().await?;
+    let sb = net.sandbox(&[format!("{UPSTREAM_IP}/32:{port}")]).await?;
+    net.write(
+        &sb,
+        "/workspace/mail.txt",
+        b"Subject: hello\r\n\r\nsent from the sandbox\r\n",
+    )
+    .await?;
+    // curl tunnels SMTP through the proxy, then waits for the server's
+    // greeting before it says a word: the tunnel must not wait for the
+    // client's first bytes (it did, until the head timeout closed it, 10
+    // s on: curl gives up before that).
+    let out = net
+        .sh(
+            &sb,
+            &format!(
+                "curl -sS --max-time 8 -p -x \"$HTTP_PROXY\" smtp://{UPSTREAM_IP}:{port} \
+                 --mail-from a@sandbox.test --mail-rcpt b@mail.test -T /workspace/mail.txt 2>&1; echo rc=$?"
+            ),
+        )
+        .await?;
+    assert_eq!(out.trim(), "rc=0", "{out}");
+    let message = tokio::time::timeout(Duration::from_secs(10), mail.recv())
+        .await?
+        .context("no message")?;
+    assert!(message.contains("sent from the sandbox"), "{message}");
+    // Allowed when the tunnel was connected (the event may land just after
+    // the command).
+    let allowed = (
+        UPSTREAM_IP.to_string(),
+        port,
+        EgressDecision::Allowed,
+        String::new(),
+    );
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !net.egress_events(&sb).await?.contains(&allowed) {
+        ensure!(Instant::now() < deadline, "no allowed event");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     Ok(())
 }
 
