@@ -20,7 +20,9 @@
 //! (calibration: two sides that differ in nothing). Besides rates, each
 //! window counts CPU time: the worker's threads', the control plane's
 //! (sessions) and the whole machine's, per operation or event, which the
-//! machine's noise moves less than throughput. Each series has a
+//! machine's noise moves less than throughput, and the ratio the machine's
+//! time gives when what tracing adds (the worker's and the control plane's
+//! extra CPU) is added to the side without it. Each series has a
 //! sandbox of its own, so all have run as many operations at each round
 //! (an operation costs more in a sandbox that has run many: see
 //! docs/performance.md). Run: `cargo bench -p corral-e2e
@@ -488,6 +490,31 @@ async fn main() -> Result<()> {
             (b - a) / a * 100.0,
             c - a,
             (c - a) / a * 100.0
+        );
+    }
+    // What tracing costs the machine, from what differs between the
+    // sides: the worker's CPU (and the control plane's, in a session),
+    // measured per process, added to what the side without tracing spent
+    // in all (the sandbox, the engine and the clients do the same work on
+    // both sides, and the machine's total moves by more than the
+    // difference from one window to the next: the calibration row).
+    println!(
+        "\n| by CPU: the machine's time per unit without tracing / with what tracing adds (worker, control plane) | on / off | calibration: off 2 / off |\n|---|---|---|"
+    );
+    let by_cpu = |off: &[Window], on: &[Window]| {
+        let base = per(off, |w| w.machine);
+        let extra = (per(on, |w| w.worker) - per(off, |w| w.worker))
+            + (per(on, |w| w.control) - per(off, |w| w.control));
+        base / (base + extra)
+    };
+    for (what, off, on, twin) in [
+        ("operations per second, P8", &ops_off, &ops_on, &ops_twin),
+        ("a session's events per second", &ev_off, &ev_on, &ev_twin),
+    ] {
+        println!(
+            "| {what} | {:.3}x | {:.3}x |",
+            by_cpu(off, on),
+            by_cpu(off, twin)
         );
     }
     println!("\n{ops} operation spans and {runs} run spans received.");
