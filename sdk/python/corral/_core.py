@@ -36,6 +36,7 @@ from corral.types import (
     OutputChunk,
     Result,
     SandboxInfo,
+    SandboxList,
     SandboxStats,
     WorkerInfo,
     result_of,
@@ -56,6 +57,9 @@ MAX_FILE = 8 << 20
 PROBE_ALL_UP_TO = 8
 PROBE_TIMEOUT_S = 1.0
 ATTEMPTS = 3
+#: How long each of several workers is given to list its sandboxes (the
+#: CLI's wait too).
+ASK_TIMEOUT_S = 5.0
 
 Command = str | Sequence[str]
 OnOutput = Callable[[bytes], Awaitable[None] | None]
@@ -883,17 +887,36 @@ async def list_sandboxes(
     *,
     labels: Mapping[str, str] | None = None,
     token_file: str | None = None,
-) -> list[SandboxInfo]:
-    """Every sandbox of the workers named (or of the local worker); with
-    ``labels``, those that carry all of them."""
+) -> SandboxList:
+    """Every sandbox of the workers named (or of the local worker), oldest
+    first; with ``labels``, those that carry all of them. Of several workers,
+    those that do not answer within a few seconds are left out and named in
+    the list's ``unreachable``; if none answers (or the one named fails), its
+    error is raised."""
     opts = _connect.Options.from_env(worker, token_file=token_file)
     ws = await _rpc.workers(opts)
+
+    async def ask(w: _rpc.Worker) -> pb.ListSandboxesResponse:
+        timeout = None if len(ws) == 1 else ASK_TIMEOUT_S
+        return await w.call(
+            "ListSandboxes", pb.ListSandboxesRequest(), pb.ListSandboxesResponse, timeout
+        )
+
+    answers = await asyncio.gather(*(ask(w) for w in ws), return_exceptions=True)
     out: list[SandboxInfo] = []
-    for w in ws:
-        r = await w.call("ListSandboxes", pb.ListSandboxesRequest(), pb.ListSandboxesResponse)
+    unreachable: dict[str, BaseException] = {}
+    for w, r in zip(ws, answers, strict=True):
+        if isinstance(r, BaseException):
+            if not isinstance(r, Exception):
+                raise r
+            unreachable[w.url] = r
+            continue
         out.extend(
             sandbox_info_of(s, w.url)
             for s in r.sandboxes
             if all(s.spec.labels.get(k) == v for k, v in (labels or {}).items())
         )
-    return out
+    if len(unreachable) == len(ws):
+        raise next(iter(unreachable.values()))
+    out.sort(key=lambda s: (s.created_at_unix_ms, s.id))
+    return SandboxList(out, unreachable)

@@ -12,7 +12,15 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from corral import _core, _rpc, _tar
-from corral.types import FileEntry, OutputChunk, Result, SandboxInfo, SandboxStats, WorkerInfo
+from corral.types import (
+    FileEntry,
+    OutputChunk,
+    Result,
+    SandboxInfo,
+    SandboxList,
+    SandboxStats,
+    WorkerInfo,
+)
 
 T = TypeVar("T")
 
@@ -403,7 +411,10 @@ def list_sandboxes(
     *,
     labels: Mapping[str, str] | None = None,
     token_file: str | None = None,
-) -> list[SandboxInfo]:
-    """Every sandbox of the workers named (or of the local worker); with
-    ``labels``, those that carry all of them."""
+) -> SandboxList:
+    """Every sandbox of the workers named (or of the local worker), oldest
+    first; with ``labels``, those that carry all of them. Of several workers,
+    those that do not answer within a few seconds are left out and named in
+    the list's ``unreachable``; if none answers (or the one named fails), its
+    error is raised."""
     return _run(_core.list_sandboxes(worker, labels=labels, token_file=token_file))

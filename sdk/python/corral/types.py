@@ -142,6 +142,21 @@ class SandboxInfo:
     egress: tuple[str, ...] = ()
 
 
+class SandboxList(list[SandboxInfo]):
+    """The sandboxes listed, oldest first. Of several workers, one that did not
+    answer is left out of the list and named in ``unreachable`` (its address,
+    and why), as ``corral sandbox ls`` warns of it."""
+
+    def __init__(
+        self,
+        items: list[SandboxInfo] | None = None,
+        unreachable: dict[str, BaseException] | None = None,
+    ) -> None:
+        super().__init__(items or [])
+        #: The workers that did not answer: address, and the error.
+        self.unreachable: dict[str, BaseException] = dict(unreachable or {})
+
+
 def sandbox_info_of(s: pb.Sandbox, worker: str) -> SandboxInfo:
     states = {
         pb.SANDBOX_STATE_STARTING: SandboxState.STARTING,

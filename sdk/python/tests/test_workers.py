@@ -46,6 +46,25 @@ def test_a_list_places_on_the_freer_worker_and_finds_sandboxes_where_they_are(
         corral.Sandbox.connect("nowhere", both, token_file=token)
 
 
+def test_a_list_with_a_worker_down_lists_the_others_and_names_it(
+    own_worker: Callable[..., Worker],
+) -> None:
+    a = own_worker()
+    b = own_worker()
+    down = b.url
+    b.stop()
+    token = str(a.token_file)
+    with corral.Sandbox.create(worker=a.url, token_file=token) as sb:
+        listed = corral.list_sandboxes(f"{a.url},{down}", token_file=token)
+        assert [s.id for s in listed] == [sb.id]
+        assert list(listed.unreachable) == [down]
+        assert isinstance(listed.unreachable[down], corral.WorkerUnavailable)
+        assert corral.list_sandboxes(a.url, token_file=token).unreachable == {}
+    # The one worker named: its failure is the call's.
+    with pytest.raises(corral.WorkerUnavailable):
+        corral.list_sandboxes(down, token_file=token)
+
+
 def test_a_dns_name_is_a_worker_per_address(own_worker: Callable[..., Worker]) -> None:
     w = own_worker()
     with corral.Sandbox.create(
