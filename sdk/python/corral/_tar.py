@@ -125,6 +125,8 @@ class Unpacker:
         self.mask = _umask() | 0o022
         self.tree: tuple[str, bool] | None = None
         self.data_bytes = 0
+        #: Entries read, made or left out (bounded).
+        self.read = 0
         self.files: set[tuple[str, ...]] = set()
         self.dirs: list[tuple[tuple[str, ...], int, float]] = []
         self.made: set[tuple[str, ...]] = set()
@@ -205,8 +207,8 @@ class Unpacker:
                 raise TransferError(
                     f"{m.name}: not under {top}, the tree asked for: the archive is refused"
                 )
-        self.moved.entries += 1
-        if self.moved.entries > MAX_ENTRIES:
+        self.read += 1
+        if self.read > MAX_ENTRIES:
             raise TransferError(f"the archive holds more than {MAX_ENTRIES} entries")
         if self.rename is not None:
             parts = (self.rename, *parts[1:])
@@ -217,6 +219,8 @@ class Unpacker:
         if _git_left_out(parts, m.isdir()):
             self._note(f"{shown}: git configuration, left out")
             return
+        # Made (or a failure below ends the download).
+        self.moved.entries += 1
         mode = m.mode & 0o777 & ~self.mask
         dfd = self._walk(parts[:-1], create=True)
         name = parts[-1]

@@ -163,6 +163,8 @@ def test_what_is_left_out_never_comes_back(room: Path) -> None:
     assert on_disk == ["top", "top/.git", "top/.git/HEAD", "top/dev"], on_disk
     assert os.path.islink(dest / "top" / "dev")
     assert moved.left_out == 10, moved.notes
+    # Counted as made: what is on disk, nothing left out.
+    assert moved.entries == 4
     # A link the system cannot make is an error, not a way to get the entry
     # some other way.
     with pytest.raises(corral.TransferError):
