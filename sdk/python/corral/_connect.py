@@ -210,7 +210,10 @@ def _diag_listeners(port: int) -> list[tuple[_Addr, int]]:
     """The TCP sockets listening on ``port``, (address, uid), asked of the
     kernel over NETLINK_SOCK_DIAG (listening sockets only, as ``ss -l`` asks):
     tens of microseconds, where /proc/net/tcp walks every socket of the machine
-    (milliseconds). Raises OSError where netlink is refused."""
+    (milliseconds). Raises OSError where netlink is refused or missing (not
+    Linux)."""
+    if not hasattr(socket, "AF_NETLINK"):
+        raise OSError("no netlink on this system")
     out: list[tuple[_Addr, int]] = []
     for family in (socket.AF_INET, socket.AF_INET6):
         with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, _SOCK_DIAG) as s:

@@ -179,3 +179,16 @@ def test_the_kernel_and_proc_name_the_same_listeners() -> None:
         free = other.getsockname()[1]
     assert _connect._diag_listeners(free) == []
     assert _connect._proc_listeners(free) == []
+
+
+def test_without_netlink_listeners_are_read_from_proc(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A system without netlink (not Linux, or refused) falls back to /proc,
+    never fails the call."""
+    monkeypatch.delattr(socket, "AF_NETLINK")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(OSError):
+            _connect._diag_listeners(port)
+        assert _connect.listener_owners("127.0.0.1", port) == [os.geteuid()]
