@@ -464,7 +464,9 @@ pub struct Outcome {
     pub port: u16,
     /// `None`: allowed.
     pub blocked: Option<Blocked>,
-    /// Allowed, then closed because the policy no longer allows it.
+    /// Allowed, then closed because the policy no longer allows it. (A
+    /// tunnel connected before its client spoke whose first bytes were then
+    /// refused has `blocked` set and `cut` not: it was blocked, late.)
     pub cut: bool,
     pub bytes_out: u64,
     pub bytes_in: u64,
@@ -484,7 +486,8 @@ impl Outcome {
 }
 
 /// How long a sandbox may take to send a request's head, and a tunnel's
-/// first bytes.
+/// TLS ClientHello once its first byte has come (a tunnel whose client
+/// says nothing at first is connected: see [`SERVER_FIRST_WAIT`]).
 pub const HEAD_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long a relayed connection may carry nothing either way.
 pub const IDLE_TIMEOUT: Duration = Duration::from_secs(300);
@@ -743,6 +746,17 @@ where
             });
         }
     };
+    // The policy may have been replaced while the hello or the connection
+    // was awaited: what goes upstream follows the one in force now.
+    let now = policy.borrow_and_update().clone();
+    if let Err(reason) = decide(&now, &host, port) {
+        out.blocked = Some(reason);
+        return Err(if matches!(head, Head::Connect { .. }) {
+            Refused::closed(client, out)
+        } else {
+            Refused::answered(client, out)
+        });
+    }
     if upstream.write_all(&first).await.is_err() {
         out.blocked = Some(Blocked::Unreachable);
         return Err(Refused::closed(client, out));
@@ -781,6 +795,8 @@ where
     // A tunnel connected before its client spoke: the server's bytes go to
     // the client, the client's are held until they pass the check.
     let mut first = Vec::new();
+    // Once a hello has begun, it has the head's time to end.
+    let mut hello_by: Option<tokio::time::Instant> = None;
     if hello_pending {
         loop {
             #[derive(PartialEq)]
@@ -791,6 +807,7 @@ where
             }
             let step = tokio::time::timeout(IDLE_TIMEOUT, async {
                 tokio::select! {
+                    biased;
                     changed = policy.changed() => {
                         let now = policy.borrow_and_update().clone();
                         if changed.is_err() {
@@ -807,19 +824,29 @@ where
                         // Done before a word: the server hears of it below.
                         Ok(0) if first.is_empty() => Step::Checked,
                         Ok(n) if n > 0 => {
+                            if first.is_empty() {
+                                hello_by = Some(tokio::time::Instant::now() + HEAD_TIMEOUT);
+                            }
                             first.extend_from_slice(&up[..n]);
                             match hello_verdict(&first, &host) {
                                 Verdict::More => Step::Again,
                                 Verdict::Go => Step::Checked,
                                 Verdict::Refuse => {
                                     out.blocked = Some(Blocked::SniMismatch);
-                                    out.cut = true;
                                     Step::End
                                 }
                             }
                         }
-                        _ => Step::End,
+                        Ok(_) => {
+                            out.blocked = Some(Blocked::BadRequest);
+                            Step::End
+                        }
+                        Err(_) => Step::End,
                     },
+                    () = until(hello_by) => {
+                        out.blocked = Some(Blocked::BadRequest);
+                        Step::End
+                    }
                     n = ur.read(&mut down) => match n {
                         Ok(n) if n > 0 => {
                             if cw.write_all(&down[..n]).await.is_err() {
@@ -979,6 +1006,8 @@ pub async fn relay_spliced<S: Spliced>(
     let mut quiet_since = tokio::time::Instant::now();
     loop {
         tokio::select! {
+            // A replaced policy is seen before more bytes move.
+            biased;
             changed = policy.changed() => {
                 if changed.is_err() {
                     break;
@@ -993,10 +1022,8 @@ pub async fn relay_spliced<S: Spliced>(
             r = &mut up, if !up_done => {
                 up_done = true;
                 if let Err(blocked) = r {
-                    if blocked.is_some() {
-                        out.blocked = blocked;
-                        out.cut = true;
-                    }
+                    // A hello refused late: blocked (not cut by a policy).
+                    out.blocked = blocked;
                     break;
                 }
             }
@@ -1032,8 +1059,13 @@ async fn first_words(client: &impl Spliced, host: &str) -> Result<Vec<u8>, Optio
     use tokio::io::Interest;
     let mut first = Vec::new();
     let mut chunk = [0u8; 4096];
+    // Once a hello has begun, it has the head's time to end.
+    let mut by: Option<tokio::time::Instant> = None;
     loop {
-        client.ready(Interest::READABLE).await.map_err(|_| None)?;
+        tokio::select! {
+            r = client.ready(Interest::READABLE) => { r.map_err(|_| None)?; }
+            () = until(by) => return Err(Some(Blocked::BadRequest)),
+        }
         let n = match client.attempt(Interest::READABLE, || {
             nix::unistd::read(client.as_fd(), &mut chunk).map_err(std::io::Error::from)
         }) {
@@ -1048,12 +1080,23 @@ async fn first_words(client: &impl Spliced, host: &str) -> Result<Vec<u8>, Optio
                 Err(Some(Blocked::BadRequest))
             };
         }
+        if first.is_empty() {
+            by = Some(tokio::time::Instant::now() + HEAD_TIMEOUT);
+        }
         first.extend_from_slice(&chunk[..n]);
         match hello_verdict(&first, host) {
             Verdict::More => {}
             Verdict::Go => return Ok(first),
             Verdict::Refuse => return Err(Some(Blocked::SniMismatch)),
         }
+    }
+}
+
+/// Waits until `at`, or forever when there is none.
+async fn until(at: Option<tokio::time::Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
     }
 }
 
@@ -1901,9 +1944,10 @@ mod tests {
                 .await
                 .unwrap()
                 .unwrap();
+            // Blocked, late (not cut by a policy): reported as blocked.
             assert_eq!(
                 (o.blocked, o.cut),
-                (Some(Blocked::SniMismatch), true),
+                (Some(Blocked::SniMismatch), false),
                 "spliced: {spliced}"
             );
             assert!(got.try_recv().is_err(), "the server heard nothing");
@@ -1919,6 +1963,59 @@ mod tests {
                 .unwrap();
             assert_eq!(o.blocked, None, "{o:?}");
         }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_hello_begun_after_the_server_spoke_has_the_heads_time_to_end() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        for spliced in [true, false] {
+            let (port, mut got) = greeting_upstream().await;
+            let (_tx, p) = policy(&[&format!("localhost:{port}")]);
+            let (mut sandbox, serving) = silent_tunnel(port, p, spliced).await;
+            let mut greeting = [0u8; 11];
+            sandbox.read_exact(&mut greeting).await.unwrap();
+            // A hello begun, never ended.
+            let started = tokio::time::Instant::now();
+            sandbox
+                .write_all(&hello(&["localhost"])[..3])
+                .await
+                .unwrap();
+            let o = serving.await.unwrap();
+            assert_eq!((o.blocked, o.cut), (Some(Blocked::BadRequest), false));
+            assert!(started.elapsed() >= HEAD_TIMEOUT, "{:?}", started.elapsed());
+            assert!(got.try_recv().is_err(), "the server heard nothing");
+        }
+    }
+
+    #[tokio::test]
+    async fn a_policy_replaced_while_a_hello_is_read_decides_what_goes_upstream() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let (port, mut got) = upstream(b"server hello").await;
+        let (tx, p) = policy(&[&format!("localhost:{port}")]);
+        let g = gate(&["127.0.0.0/8"], vec![]);
+        let (mut sandbox, proxy) = tokio::io::duplex(1 << 16);
+        let serving = tokio::spawn(async move { serve_connection(proxy, p, &g).await });
+        sandbox
+            .write_all(format!("CONNECT localhost:{port} HTTP/1.1\r\n\r\n").as_bytes())
+            .await
+            .unwrap();
+        let mut ok = [0u8; 39];
+        sandbox.read_exact(&mut ok).await.unwrap();
+        // Allowed when the CONNECT was read; no longer when the hello comes.
+        tx.send(std::sync::Arc::new(rules(&["pypi.org"]))).unwrap();
+        sandbox.write_all(&hello(&["localhost"])).await.unwrap();
+        let o = tokio::time::timeout(Duration::from_secs(5), serving)
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(o.blocked, Some(Blocked::NotAllowed), "{o:?}");
+        // The server's first read ends with nothing (it used to get the
+        // hello, before the relay saw the new policy).
+        let first = tokio::time::timeout(Duration::from_secs(5), got.recv())
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(first.is_empty(), "{} bytes went upstream", first.len());
     }
 
     #[tokio::test(start_paused = true)]

@@ -427,6 +427,11 @@ async fn one<S>(
             if out.cut {
                 let e = report(&host, port, EgressDecision::Closed, out.blocked);
                 let _ = reports.send(e).await;
+            } else if out.blocked.is_some() {
+                // A tunnel connected before its client spoke, whose first
+                // bytes were then refused: blocked, as in time.
+                let e = report(&host, port, EgressDecision::Blocked, out.blocked);
+                let _ = reports.send(e).await;
             }
         }
     }
