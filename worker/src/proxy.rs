@@ -379,6 +379,8 @@ fn receive_handed(
     {
         return bad("not a connected TCP socket");
     }
+    // Whatever the sandbox set on it: the worker sends on it unpaced.
+    corral_init::relay::loopback_congestion(&fd);
     let tcp = std::net::TcpStream::from(fd);
     tcp.set_nonblocking(true)?;
     tokio::net::TcpStream::from_std(tcp).map(Some)
@@ -523,6 +525,32 @@ mod tests {
         )
         .unwrap();
         assert!(brought(&[HANDED], &[lone.as_raw_fd()]).await.is_none());
+    }
+
+    /// A socket's congestion control, by name.
+    fn congestion(fd: &impl std::os::fd::AsFd) -> String {
+        let name =
+            nix::sys::socket::getsockopt(fd, nix::sys::socket::sockopt::TcpCongestion).unwrap();
+        name.to_string_lossy().trim_end_matches('\0').to_string()
+    }
+
+    #[tokio::test]
+    async fn a_handed_connection_is_sent_on_unpaced_whatever_the_sandbox_chose() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let _client = std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (server, _) = listener.accept().unwrap();
+        // The sandbox picks a pacing one where it can (BBR), else another.
+        for other in ["bbr", "cubic"] {
+            let name = std::ffi::OsString::from(other);
+            let set = nix::sys::socket::sockopt::TcpCongestion;
+            if nix::sys::socket::setsockopt(&server, set, &name).is_ok() {
+                break;
+            }
+        }
+        let Some(Brought::Handed(tcp)) = brought(&[HANDED], &[server.as_raw_fd()]).await else {
+            panic!("a connected TCP socket was not taken");
+        };
+        assert_eq!(congestion(&tcp), corral_init::relay::LOOPBACK_CONGESTION);
     }
 
     #[tokio::test]

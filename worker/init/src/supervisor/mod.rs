@@ -327,8 +327,10 @@ const RELAY_RESTART: Duration = Duration::from_millis(100);
 
 impl Relay {
     fn bind() -> io::Result<Self> {
+        let listener = std::net::TcpListener::bind(crate::relay::PROXY_ADDR)?;
+        crate::relay::loopback_congestion(&listener);
         Ok(Self {
-            listener: std::net::TcpListener::bind(crate::relay::PROXY_ADDR)?,
+            listener,
             pid: None,
             restart_at: Some(Instant::now()),
         })
