@@ -38,7 +38,7 @@ pub use ids::{OperationId, SandboxId};
 pub use reason::Reason;
 pub use result::{Captured, FileErrorKind, OperationResult, Outcome};
 pub use sandbox::{
-    Ceilings, PoolInfo, SandboxInfo, SandboxPolicy, SandboxState, SandboxStats, WorkerInfo,
+    Ceilings, Limits, PoolInfo, SandboxInfo, SandboxPolicy, SandboxState, SandboxStats, WorkerInfo,
 };
 pub use spec::{
     ArchiveSpec, NetworkMode, OperationSpec, ReadFileSpec, SandboxSpec, ShellSpec, TerminalSize,

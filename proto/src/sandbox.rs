@@ -30,6 +30,16 @@ pub struct SandboxInfo {
     pub worker_id: String,
     /// The image it runs (empty: unknown).
     pub image: String,
+    /// The limits it runs with: the spec's, or the worker's defaults.
+    pub limits: Limits,
+}
+
+/// A sandbox's limits in force (each 0: not known).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Limits {
+    pub memory_bytes: u64,
+    pub cpu_millis: u32,
+    pub pids_limit: u32,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -210,6 +220,9 @@ impl From<SandboxInfo> for pb::Sandbox {
             last_used_unix_ms: s.last_used_unix_ms,
             worker_id: s.worker_id,
             image: s.image,
+            memory_bytes: s.limits.memory_bytes,
+            cpu_millis: s.limits.cpu_millis,
+            pids_limit: s.limits.pids_limit,
         }
     }
 }
@@ -240,6 +253,11 @@ impl TryFrom<pb::Sandbox> for SandboxInfo {
             last_used_unix_ms: s.last_used_unix_ms,
             worker_id: s.worker_id,
             image: s.image,
+            limits: Limits {
+                memory_bytes: s.memory_bytes,
+                cpu_millis: s.cpu_millis,
+                pids_limit: s.pids_limit,
+            },
         })
     }
 }

@@ -215,6 +215,11 @@ impl FakeApi {
             last_used_unix_ms: 0,
             worker_id: self.address.to_string(),
             image: "fake".into(),
+            limits: corral_proto::Limits {
+                memory_bytes: sb.spec.memory_bytes.unwrap_or(1 << 30),
+                cpu_millis: sb.spec.cpu_millis.unwrap_or(1000),
+                pids_limit: sb.spec.pids_limit.unwrap_or(256),
+            },
         }
     }
 

@@ -139,6 +139,8 @@ struct Inner {
     policy: SandboxPolicy,
     default_image: String,
     default_runtime: Option<String>,
+    /// The limits of a sandbox whose spec names none.
+    default_limits: corral_proto::Limits,
     sandbox_limits: crate::sandbox::Limits,
     max_watchers: usize,
     default_idle_timeout: Option<Duration>,
@@ -227,6 +229,11 @@ impl Worker {
             .map_err(|e| WorkerError::Config(format!("worker id {worker_id:?}: {e}")))?;
         crate::policy::check_policy(&config.policy).map_err(WorkerError::Config)?;
         let default_image = config.defaults.image.clone();
+        let default_limits = corral_proto::Limits {
+            memory_bytes: config.defaults.memory_bytes,
+            cpu_millis: config.defaults.cpu_millis,
+            pids_limit: config.defaults.pids_limit,
+        };
         let default_runtime = config.defaults.runtime.clone();
         let init = InitBinary::locate(config.init_binary.as_deref())?;
         let docker = docker::connect(config.docker_host.as_deref()).await?;
@@ -288,6 +295,7 @@ impl Worker {
                 policy: config.policy,
                 default_image,
                 default_runtime,
+                default_limits,
                 sandbox_limits: config.sandbox_limits,
                 max_watchers: config.max_watchers,
                 default_idle_timeout: config.default_idle_timeout,
@@ -411,6 +419,7 @@ impl Worker {
                         last_used_unix_ms: 0,
                         worker_id: self.id().to_string(),
                         image,
+                        limits: limits_of(&record.spec, inner.default_limits),
                     };
                     lock(&inner.checkpointed).insert(id, info);
                     adopted.insert(sid);
@@ -1495,6 +1504,7 @@ impl Worker {
             .image
             .clone()
             .unwrap_or_else(|| self.inner.default_image.clone());
+        info.limits = limits_of(&info.spec, self.inner.default_limits);
         info
     }
 
@@ -1846,5 +1856,14 @@ impl Worker {
             }
         }
         self.shutdown().await;
+    }
+}
+
+/// The limits a sandbox of `spec` runs with: the spec's, else `defaults`.
+fn limits_of(spec: &SandboxSpec, defaults: corral_proto::Limits) -> corral_proto::Limits {
+    corral_proto::Limits {
+        memory_bytes: spec.memory_bytes.unwrap_or(defaults.memory_bytes),
+        cpu_millis: spec.cpu_millis.unwrap_or(defaults.cpu_millis),
+        pids_limit: spec.pids_limit.unwrap_or(defaults.pids_limit),
     }
 }

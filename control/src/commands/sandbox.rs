@@ -294,6 +294,20 @@ async fn sandbox_command(conn: &ConnArgs, cmd: SandboxCommand) -> Result<(), Err
                     ("running", sb.running_operations.to_string()),
                     ("last event", sb.last_seq.to_string()),
                     (
+                        "limits",
+                        if sb.limits == corral_proto::Limits::default() {
+                            "unknown".into()
+                        } else {
+                            format!(
+                                "{:.1} MiB of memory, {} CPU{}, {} processes",
+                                sb.limits.memory_bytes as f64 / f64::from(1u32 << 20),
+                                f64::from(sb.limits.cpu_millis) / 1000.0,
+                                if sb.limits.cpu_millis == 1000 { "" } else { "s" },
+                                sb.limits.pids_limit
+                            )
+                        },
+                    ),
+                    (
                         "usage",
                         usage.as_ref().map_or("unknown".into(), |u| {
                             format!(
@@ -534,6 +548,11 @@ fn to_json(sb: &corral_proto::SandboxInfo) -> serde_json::Value {
         "last_used_unix_ms": sb.last_used_unix_ms,
         "running_operations": sb.running_operations,
         "last_seq": sb.last_seq,
+        "limits": {
+            "memory_bytes": sb.limits.memory_bytes,
+            "cpu_millis": sb.limits.cpu_millis,
+            "pids_limit": sb.limits.pids_limit,
+        },
         "spec": sb.spec,
     })
 }

@@ -131,6 +131,8 @@ class SandboxInfo:
     lost_reason: str | None
     env: dict[str, str]
     labels: dict[str, str]
+    #: The limits it runs with: those it was created with, or else the
+    #: worker's defaults.
     memory_bytes: int
     cpus: float
     pids: int
@@ -178,9 +180,10 @@ def sandbox_info_of(s: pb.Sandbox, worker: str) -> SandboxInfo:
         lost_reason=s.lost_reason or None,
         env=dict(spec.env),
         labels=dict(spec.labels),
-        memory_bytes=spec.memory_bytes,
-        cpus=spec.cpu_millis / 1000.0,
-        pids=spec.pids_limit,
+        # A worker that does not say (0) is taken at the spec's word.
+        memory_bytes=s.memory_bytes or spec.memory_bytes,
+        cpus=(s.cpu_millis or spec.cpu_millis) / 1000.0,
+        pids=s.pids_limit or spec.pids_limit,
         runtime=spec.runtime or None,
         ttl_s=spec.ttl_ms / 1000.0 if spec.ttl_ms else None,
         idle_timeout_s=spec.idle_timeout_ms / 1000.0 if spec.idle_timeout_ms else None,

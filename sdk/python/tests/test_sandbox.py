@@ -55,6 +55,13 @@ def test_create_with_limits_env_and_lifetimes(worker: Worker) -> None:
     assert sb.id not in ids
 
 
+def test_a_sandbox_that_asks_no_limits_says_the_workers(sb: corral.Sandbox) -> None:
+    # Not zeros: the worker's defaults, the ones in force.
+    info = sb.info()
+    assert (info.memory_bytes, info.cpus, info.pids) == (1 << 30, 1.0, 256)
+    assert sb.stats().pids_limit == info.pids
+
+
 def test_reset_kills_everything_but_the_supervisor(sb: corral.Sandbox) -> None:
     p = sb.start("sleep 100", keep_background=True)
     assert sb.reset() >= 1

@@ -408,10 +408,17 @@ async fn sandboxes_are_listed_inspected_removed_and_pruned() -> anyhow::Result<(
         "{one}"
     );
     assert!(one["usage"]["pids"].as_u64() >= Some(1), "{one}");
+    // The limits in force: the worker's defaults, as none were asked.
+    assert_eq!(one["limits"]["pids_limit"], 256, "{one}");
+    assert_eq!(one["limits"]["cpu_millis"], 1000, "{one}");
     let out = sb(&["inspect", &ids[0]]).await?;
     let text = String::from_utf8(out.stdout)?;
     assert!(
         text.contains("worker:") && text.contains("processes"),
+        "{text}"
+    );
+    assert!(
+        text.contains("1024.0 MiB of memory, 1 CPU, 256 processes"),
         "{text}"
     );
 

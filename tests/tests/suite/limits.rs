@@ -368,3 +368,55 @@ async fn memory_is_working_memory_unless_it_includes_the_files() -> anyhow::Resu
     h.stop().await;
     Ok(())
 }
+
+/// A sandbox says the limits it runs with: its spec's, or else the worker's
+/// defaults (not zeros), and they are the ones in force.
+#[tokio::test]
+async fn a_sandbox_says_the_limits_it_runs_with() -> anyhow::Result<()> {
+    let h = Harness::start_with(|c| {
+        c.policy = corral_worker::policy::permissive();
+        c.defaults.memory_bytes = 384 << 20;
+        c.defaults.cpu_millis = 1500;
+        c.defaults.pids_limit = 200;
+    })
+    .await?;
+    let plain = h.sandbox().await?;
+    let info = h.client.get_sandbox(&plain).await?;
+    let want = corral_proto::Limits {
+        memory_bytes: 384 << 20,
+        cpu_millis: 1500,
+        pids_limit: 200,
+    };
+    assert_eq!(info.limits, want);
+    assert_eq!(info.spec.cpu_millis, None, "the spec stays as asked");
+    assert_eq!(h.client.sandbox_stats(&plain).await?.pids_limit, 200);
+    let asked = h
+        .sandbox_with(SandboxSpec {
+            memory_bytes: Some(256 << 20),
+            memory_includes_files: true,
+            cpu_millis: Some(500),
+            pids_limit: Some(64),
+            ..SandboxSpec::default()
+        })
+        .await?;
+    let info = h.client.get_sandbox(&asked).await?;
+    assert_eq!(
+        info.limits,
+        corral_proto::Limits {
+            memory_bytes: 256 << 20,
+            cpu_millis: 500,
+            pids_limit: 64,
+        }
+    );
+    let stats = h.client.sandbox_stats(&asked).await?;
+    assert_eq!(
+        (stats.memory_limit_bytes, stats.pids_limit),
+        (256 << 20, 64)
+    );
+    // Listed the same way.
+    let listed = h.client.list_sandboxes().await?;
+    let of = |id: &SandboxId| listed.iter().find(|s| &s.id == id).map(|s| s.limits);
+    assert_eq!(of(&plain), Some(want));
+    h.stop().await;
+    Ok(())
+}

@@ -453,6 +453,7 @@ impl Sandbox {
                 - i64::try_from(self.idle_for().as_millis()).unwrap_or(i64::MAX),
             worker_id: String::new(),
             image: String::new(),
+            limits: corral_proto::Limits::default(),
         }
     }
 

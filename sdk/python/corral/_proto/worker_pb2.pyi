@@ -119,7 +119,7 @@ class SandboxSpec(_message.Message):
     def __init__(self, image: _Optional[str] = ..., network: _Optional[_Union[NetworkMode, str]] = ..., memory_bytes: _Optional[int] = ..., cpu_millis: _Optional[int] = ..., pids_limit: _Optional[int] = ..., workspace_bytes: _Optional[int] = ..., tmp_bytes: _Optional[int] = ..., run_as_root: _Optional[bool] = ..., writable_rootfs: _Optional[bool] = ..., add_capabilities: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., runtime: _Optional[str] = ..., idle_timeout_ms: _Optional[int] = ..., ttl_ms: _Optional[int] = ..., memory_includes_files: _Optional[bool] = ..., labels: _Optional[_Mapping[str, str]] = ..., egress: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Sandbox(_message.Message):
-    __slots__ = ("id", "spec", "state", "container_id", "last_seq", "running_operations", "lost_reason", "created_at_unix_ms", "last_used_unix_ms", "worker_id", "image")
+    __slots__ = ("id", "spec", "state", "container_id", "last_seq", "running_operations", "lost_reason", "created_at_unix_ms", "last_used_unix_ms", "worker_id", "image", "memory_bytes", "cpu_millis", "pids_limit")
     ID_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -131,6 +131,9 @@ class Sandbox(_message.Message):
     LAST_USED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     IMAGE_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CPU_MILLIS_FIELD_NUMBER: _ClassVar[int]
+    PIDS_LIMIT_FIELD_NUMBER: _ClassVar[int]
     id: str
     spec: SandboxSpec
     state: SandboxState
@@ -142,7 +145,10 @@ class Sandbox(_message.Message):
     last_used_unix_ms: int
     worker_id: str
     image: str
-    def __init__(self, id: _Optional[str] = ..., spec: _Optional[_Union[SandboxSpec, _Mapping]] = ..., state: _Optional[_Union[SandboxState, str]] = ..., container_id: _Optional[str] = ..., last_seq: _Optional[int] = ..., running_operations: _Optional[int] = ..., lost_reason: _Optional[str] = ..., created_at_unix_ms: _Optional[int] = ..., last_used_unix_ms: _Optional[int] = ..., worker_id: _Optional[str] = ..., image: _Optional[str] = ...) -> None: ...
+    memory_bytes: int
+    cpu_millis: int
+    pids_limit: int
+    def __init__(self, id: _Optional[str] = ..., spec: _Optional[_Union[SandboxSpec, _Mapping]] = ..., state: _Optional[_Union[SandboxState, str]] = ..., container_id: _Optional[str] = ..., last_seq: _Optional[int] = ..., running_operations: _Optional[int] = ..., lost_reason: _Optional[str] = ..., created_at_unix_ms: _Optional[int] = ..., last_used_unix_ms: _Optional[int] = ..., worker_id: _Optional[str] = ..., image: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., cpu_millis: _Optional[int] = ..., pids_limit: _Optional[int] = ...) -> None: ...
 
 class CreateSandboxRequest(_message.Message):
     __slots__ = ("id", "spec")
