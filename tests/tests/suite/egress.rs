@@ -214,9 +214,15 @@ impl Net {
 
     /// A Debian sandbox with `rules`, the CA and the probe in its workspace.
     async fn sandbox(&self, rules: &[String]) -> Result<SandboxId> {
+        self.sandbox_in(rules, None).await
+    }
+
+    /// [`Self::sandbox`] under the OCI `runtime` (`None`: the engine's).
+    async fn sandbox_in(&self, rules: &[String], runtime: Option<&str>) -> Result<SandboxId> {
         let id = SandboxId::new(unique_id("sb"))?;
         let spec = SandboxSpec {
             image: Some("corral-debian:latest".into()),
+            runtime: runtime.map(str::to_string),
             egress: self.rules(rules)?,
             env: [
                 ("SSL_CERT_FILE", "/workspace/ca.pem"),
@@ -321,6 +327,62 @@ impl Net {
         )
         .unwrap_or(0.0))
     }
+}
+
+/// Under gVisor a sandbox's socket cannot be handed to the worker (its
+/// network stack is gVisor's own): the relay carries the bytes, and the
+/// worker decides as it does for any sandbox.
+#[tokio::test]
+async fn under_gvisor_the_relay_carries_what_the_policy_allows() -> Result<()> {
+    let net = start_with(&["--allow-runtime", "runsc"]).await?;
+    let (p, s) = (net.up.http.port(), net.up.https.port());
+    let sb = net
+        .sandbox_in(
+            &[format!("pkg.test:{p}"), format!("pkg.test:{s}")],
+            Some("runsc"),
+        )
+        .await?;
+    for url in [
+        format!("http://pkg.test:{p}/hello"),
+        format!("https://pkg.test:{s}/hello"),
+    ] {
+        assert_eq!(
+            net.sh(&sb, &format!("curl -sS {url} 2>&1")).await?.trim(),
+            "hello from upstream",
+            "{url}"
+        );
+    }
+    // 8 MiB, whole, through the carried path.
+    let out = net
+        .sh(
+            &sb,
+            &format!("curl -sS http://pkg.test:{p}/bytes/8388608 | wc -c"),
+        )
+        .await?;
+    assert_eq!(out.trim(), "8388608");
+    // Refused as anywhere: another port, another name.
+    assert_eq!(
+        net.probe(&sb, &format!("connect pkg.test:{s} pkg.test"))
+            .await?,
+        "status=200 egress=- tls=ok"
+    );
+    assert_eq!(
+        net.probe(&sb, &format!("connect pkg.test:{s} other.test"))
+            .await?,
+        "status=200 egress=- tls=closed",
+        "a ClientHello naming another host"
+    );
+    assert_eq!(
+        net.probe(&sb, "connect pkg.test:9").await?,
+        "status=403 egress=blocked; reason=port tls=-"
+    );
+    let out = net.probe(&sb, "connect other.test:443 other.test").await?;
+    assert!(
+        out.starts_with("status=403 egress=blocked; reason=not_allowed"),
+        "{out}"
+    );
+    net.client.destroy_sandbox(&sb).await?;
+    Ok(())
 }
 
 #[tokio::test]
