@@ -628,8 +628,13 @@ pub enum SandboxCommand {
         /// port means 80 and 443. Within the worker's --allow-egress.
         #[arg(long = "egress", value_name = "RULE", conflicts_with = "network")]
         egress: Vec<String>,
+        /// The egress proxy even with no --egress: the sandbox reaches
+        /// nothing until `corral sandbox egress` gives it a policy.
+        #[arg(long, conflicts_with = "network")]
+        egress_proxy: bool,
     },
-    /// Replace a sandbox's egress policy (one made with --egress): new
+    /// Replace a sandbox's egress policy (one made with --egress or
+    /// --egress-proxy): new
     /// connections follow it at once, open ones it no longer allows are
     /// closed. No rule: nothing is allowed.
     Egress {

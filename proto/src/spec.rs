@@ -63,12 +63,15 @@ pub struct SandboxSpec {
     )]
     pub labels: BTreeMap<String, String>,
     /// Egress by policy through the worker's proxy (see worker.proto);
-    /// empty: no proxy, no way out.
+    /// empty: no way out (and no proxy, unless `egress_proxy`).
     #[cfg_attr(
         feature = "serde",
         serde(default, skip_serializing_if = "Vec::is_empty")
     )]
     pub egress: Vec<crate::egress::Rule>,
+    /// The proxy even with no rules, so that a policy can be given later.
+    #[cfg_attr(feature = "serde", serde(default, skip_serializing_if = "is_false"))]
+    pub egress_proxy: bool,
 }
 
 /// A pseudo-terminal's window size.
@@ -330,6 +333,11 @@ fn validate_path(field: &'static str, p: &str) -> Result<(), ProtocolError> {
 }
 
 impl SandboxSpec {
+    /// Whether the sandbox has an egress proxy: rules, or asked for one.
+    pub fn has_egress_proxy(&self) -> bool {
+        self.egress_proxy || !self.egress.is_empty()
+    }
+
     pub fn validate(&self) -> Result<(), ProtocolError> {
         if let Some(r) = &self.runtime
             && (r.is_empty()
@@ -368,7 +376,7 @@ impl SandboxSpec {
             }
         }
         validate_env("env", &self.env)?;
-        if !self.egress.is_empty() {
+        if self.has_egress_proxy() {
             if self.network != NetworkMode::None {
                 return Err(ProtocolError::invalid(
                     "egress",
@@ -536,6 +544,7 @@ impl TryFrom<pb::SandboxSpec> for SandboxSpec {
             memory_includes_files: p.memory_includes_files,
             labels: p.labels.into_iter().collect(),
             egress: crate::egress::parse_rules(&p.egress, false)?,
+            egress_proxy: p.egress_proxy,
         };
         spec.validate()?;
         Ok(spec)
@@ -565,6 +574,7 @@ impl From<SandboxSpec> for pb::SandboxSpec {
             memory_includes_files: s.memory_includes_files,
             labels: s.labels.into_iter().collect(),
             egress: s.egress.iter().map(ToString::to_string).collect(),
+            egress_proxy: s.egress_proxy,
         }
     }
 }

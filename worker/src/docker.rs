@@ -395,7 +395,7 @@ impl DockerRuntime {
                 env.push(format!("{key}={value}"));
             }
         }
-        let egress = egress_dir.is_some() && !spec.egress.is_empty();
+        let egress = egress_dir.is_some() && spec.has_egress_proxy();
         if egress {
             env.extend(
                 crate::proxy::proxy_env()

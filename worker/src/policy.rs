@@ -220,6 +220,13 @@ pub fn check(
         ));
     }
     check_egress(policy, &spec.egress)?;
+    // A proxy that could never let anything through is refused as clearly.
+    if spec.egress_proxy && policy.allowed_egress.is_empty() {
+        return Err(denied(
+            Some("--allow-egress"),
+            "egress proxy: this worker gives no sandbox egress (its operator allows it with corral-worker --allow-egress RULE)".into(),
+        ));
+    }
     for cap in &spec.add_capabilities {
         let cap = capability_name(cap);
         if never_granted(&cap) {
@@ -379,6 +386,13 @@ mod tests {
                     ..spec()
                 },
                 "--allow-runtime runsc",
+            ),
+            (
+                SandboxSpec {
+                    egress_proxy: true,
+                    ..spec()
+                },
+                "--allow-egress",
             ),
         ];
         for (s, flag) in cases {

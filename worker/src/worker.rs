@@ -648,7 +648,7 @@ impl Worker {
         id: &SandboxId,
         spec: &SandboxSpec,
     ) -> Result<Option<tokio::net::UnixListener>> {
-        if spec.egress.is_empty() {
+        if !spec.has_egress_proxy() {
             return Ok(None);
         }
         let dir = self.egress_dir(id);

@@ -164,6 +164,7 @@ async fn sandbox_command(conn: &ConnArgs, cmd: SandboxCommand) -> Result<(), Err
             idle_timeout,
             ttl,
             egress,
+            egress_proxy,
         } => {
             let id = id.as_deref().map(sandbox_id).transpose()?;
             let egress = corral_proto::egress::parse_rules(&egress, false)
@@ -194,6 +195,7 @@ async fn sandbox_command(conn: &ConnArgs, cmd: SandboxCommand) -> Result<(), Err
                 memory_includes_files,
                 labels: label.into_iter().collect(),
                 egress,
+                egress_proxy,
             };
             spec.validate().map_err(|e| Error::Invalid(e.to_string()))?;
             let sb = match &conn {

@@ -574,10 +574,11 @@ class AsyncSandbox:
         ``egress`` names what the sandbox may reach through its worker's
         proxy (``["pypi.org", "*.pythonhosted.org", "github.com:22"]``; it
         keeps no network of its own), within the worker's
-        ``--allow-egress``. ``network="bridge"``, ``root`` (commands as uid 0),
-        ``writable_rootfs`` and ``capabilities`` (``CAP_SETUID``, ...) loosen
-        the hardened defaults, as far as the
-        worker's policy allows (else :class:`PolicyDenied` naming its flag)."""
+        ``--allow-egress``; ``egress=[]`` gives it the proxy with nothing
+        allowed yet (:meth:`set_egress` opens it later). ``network="bridge"``,
+        ``root`` (commands as uid 0), ``writable_rootfs`` and
+        ``capabilities`` (``CAP_SETUID``, ...) loosen the hardened defaults,
+        as far as the worker's policy allows (else :class:`PolicyDenied` naming its flag)."""
         _positive(cpus, "cpus")
         _positive(pids, "pids", whole=True)
         spec = pb.SandboxSpec(
@@ -593,6 +594,8 @@ class AsyncSandbox:
             runtime=runtime or "",
             network=_network(network),
             egress=_strings(egress, "egress"),
+            # An empty list, not None: the proxy, nothing allowed yet.
+            egress_proxy=egress is not None,
             run_as_root=root,
             writable_rootfs=writable_rootfs,
             add_capabilities=_strings(capabilities, "capabilities"),
@@ -751,9 +754,9 @@ class AsyncSandbox:
         return r.killed
 
     async def set_egress(self, rules: Sequence[str]) -> SandboxInfo:
-        """Replaces the egress policy of a sandbox made with ``egress``: new
-        connections follow it at once, open ones it no longer allows are
-        closed. An empty list allows nothing."""
+        """Replaces the egress policy of a sandbox made with ``egress`` (an
+        empty list too): new connections follow it at once, open ones it no
+        longer allows are closed. An empty list allows nothing."""
         s = await self._ask(
             "SetSandboxEgress",
             pb.SetSandboxEgressRequest(id=self.id, rules=_strings(rules, "rules")),

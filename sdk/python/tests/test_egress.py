@@ -67,6 +67,12 @@ def test_a_sandbox_reaches_what_it_names_and_its_policy_changes_live(
         assert _status(sb, f"http://127.0.0.2:{upstream}/") == "403"
         assert sb.set_egress([rule]).egress == (rule,)
         assert _status(sb, f"http://127.0.0.2:{upstream}/") == "200"
+    # egress=[]: the proxy, nothing allowed until a policy is given.
+    with w.create(image="corral-debian:latest", egress=[]) as sb:
+        assert sb.info().egress == ()
+        assert _status(sb, f"http://127.0.0.2:{upstream}/") == "403"
+        sb.set_egress([rule])
+        assert _status(sb, f"http://127.0.0.2:{upstream}/") == "200"
 
 
 def test_what_the_worker_does_not_allow_is_a_policy_refusal(
@@ -81,3 +87,7 @@ def test_what_the_worker_does_not_allow_is_a_policy_refusal(
     # A sandbox made without egress has no proxy to change.
     with w.create() as sb, pytest.raises(corral.InvalidArgument):
         sb.set_egress(["pypi.org"])
+    # A worker that gives no egress refuses even an empty proxy.
+    with pytest.raises(corral.PolicyDenied) as e:
+        own_worker().create(egress=[])
+    assert e.value.flag == "--allow-egress"

@@ -214,15 +214,18 @@ impl Net {
 
     /// A Debian sandbox with `rules`, the CA and the probe in its workspace.
     async fn sandbox(&self, rules: &[String]) -> Result<SandboxId> {
-        self.sandbox_in(rules, None).await
+        self.sandbox_as(rules, |_| {}).await
     }
 
-    /// [`Self::sandbox`] under the OCI `runtime` (`None`: the engine's).
-    async fn sandbox_in(&self, rules: &[String], runtime: Option<&str>) -> Result<SandboxId> {
+    /// [`Self::sandbox`], its spec changed by `tweak` first.
+    async fn sandbox_as(
+        &self,
+        rules: &[String],
+        tweak: impl FnOnce(&mut SandboxSpec),
+    ) -> Result<SandboxId> {
         let id = SandboxId::new(unique_id("sb"))?;
-        let spec = SandboxSpec {
+        let mut spec = SandboxSpec {
             image: Some("corral-debian:latest".into()),
-            runtime: runtime.map(str::to_string),
             egress: self.rules(rules)?,
             env: [
                 ("SSL_CERT_FILE", "/workspace/ca.pem"),
@@ -234,6 +237,7 @@ impl Net {
             .collect(),
             ..SandboxSpec::default()
         };
+        tweak(&mut spec);
         self.client.create_sandbox(Some(&id), spec).await?;
         self.write(&id, "/workspace/ca.pem", self.pki.ca_pem.as_bytes())
             .await?;
@@ -337,10 +341,9 @@ async fn under_gvisor_the_relay_carries_what_the_policy_allows() -> Result<()> {
     let net = start_with(&["--allow-runtime", "runsc"]).await?;
     let (p, s) = (net.up.http.port(), net.up.https.port());
     let sb = net
-        .sandbox_in(
-            &[format!("pkg.test:{p}"), format!("pkg.test:{s}")],
-            Some("runsc"),
-        )
+        .sandbox_as(&[format!("pkg.test:{p}"), format!("pkg.test:{s}")], |s| {
+            s.runtime = Some("runsc".into());
+        })
         .await?;
     for url in [
         format!("http://pkg.test:{p}/hello"),
@@ -382,6 +385,35 @@ async fn under_gvisor_the_relay_carries_what_the_policy_allows() -> Result<()> {
         "{out}"
     );
     net.client.destroy_sandbox(&sb).await?;
+    Ok(())
+}
+
+/// A sandbox made with the proxy and no rule reaches nothing until given a
+/// policy; a policy emptied later keeps the proxy; both across a worker
+/// restart (an emptied one came back without its proxy: 503).
+#[tokio::test]
+async fn a_closed_sandbox_keeps_its_proxy_to_be_opened_later_across_restarts() -> Result<()> {
+    let mut net = start().await?;
+    let s = net.up.https.port();
+    let open = net.rules(&[format!("pkg.test:{s}")])?;
+    let sb = net.sandbox_as(&[], |s| s.egress_proxy = true).await?;
+    let env = net.sh(&sb, "echo $HTTPS_PROXY").await?;
+    assert_eq!(env.trim(), "http://127.0.0.1:3128");
+    let tunnel = format!("connect pkg.test:{s} pkg.test");
+    let blocked = "status=403 egress=blocked; reason=not_allowed tls=-";
+    let opened = "status=200 egress=- tls=ok";
+    assert_eq!(net.probe(&sb, &tunnel).await?, blocked);
+    net.restart().await?;
+    assert_eq!(net.probe(&sb, &tunnel).await?, blocked);
+    net.client.set_sandbox_egress(&sb, &open).await?;
+    assert_eq!(net.probe(&sb, &tunnel).await?, opened);
+    // Emptied, then the worker restarted: still closed, not gone.
+    net.client.set_sandbox_egress(&sb, &[]).await?;
+    assert_eq!(net.probe(&sb, &tunnel).await?, blocked);
+    net.restart().await?;
+    assert_eq!(net.probe(&sb, &tunnel).await?, blocked);
+    net.client.set_sandbox_egress(&sb, &open).await?;
+    assert_eq!(net.probe(&sb, &tunnel).await?, opened);
     Ok(())
 }
 
@@ -1130,6 +1162,22 @@ async fn what_the_worker_does_not_allow_is_refused_naming_the_flag() -> Result<(
         .map(ToString::to_string)
         .collect();
     assert_eq!(rules, ["files.pypi.org:443"]);
+    // --egress-proxy: the proxy, no rule; a policy given later is taken.
+    let out = corral(&["sandbox", "create", "--egress-proxy"])?;
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let closed = SandboxId::new(String::from_utf8_lossy(&out.stdout).trim())?;
+    let info = client.get_sandbox(&closed).await?;
+    assert!(info.spec.egress_proxy && info.spec.egress.is_empty());
+    client
+        .set_sandbox_egress(
+            &closed,
+            &corral_proto::egress::parse_rules(&["files.pypi.org"], false)?,
+        )
+        .await?;
     // A sandbox made without egress has no proxy to change.
     let plain = client.create_sandbox(None, SandboxSpec::default()).await?;
     let e = client

@@ -602,6 +602,8 @@ impl Sandbox {
         let Some(policy) = &self.shared.egress else {
             return false;
         };
+        // An emptied policy keeps the proxy, after a restart too.
+        self.spec.egress_proxy |= rules.is_empty();
         self.spec.egress.clone_from(&rules);
         policy.send_replace(Arc::new(rules));
         true
