@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import os
 import random
 import re
 import shlex
@@ -79,6 +80,8 @@ def parse_size(v: int | str | None, what: str) -> int:
         if v < 0:
             raise InvalidArgument(f"{what}: {v} is negative")
         return v
+    if not isinstance(v, str):
+        raise InvalidArgument(f"{what}: {v!r} is not a size (bytes as an int, or e.g. '512m')")
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)i?b?\s*", v.lower())
     if not m:
         raise InvalidArgument(f"{what}: {v!r} is not a size (e.g. 512m, 2g)")
@@ -141,11 +144,38 @@ def _network(network: str | None) -> pb.NetworkMode:
     return modes[network]
 
 
+def _data(data: object, what: str) -> bytes:
+    """Bytes to send: a str (as UTF-8) or bytes-like. Nothing else: ``bytes(5)``
+    would be five NUL bytes, ``bytes(True)`` one."""
+    if isinstance(data, str):
+        return data.encode()
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        return bytes(data)
+    raise InvalidArgument(f"{what}: bytes or str, not {type(data).__name__}")
+
+
+#: Bytes to send: a str is sent as UTF-8.
+Data = bytes | bytearray | memoryview | str
+
+#: A path in a sandbox: a string, or a path object (``PurePosixPath``).
+SandboxPath = str | os.PathLike[str]
+
+
+def _path(p: object, what: str) -> str:
+    if isinstance(p, os.PathLike):
+        p = os.fspath(p)
+    if not isinstance(p, str):
+        raise InvalidArgument(f"{what}: a path (str), not {type(p).__name__}")
+    return p
+
+
 def _command(cmd: Command) -> str:
     """A string runs as it is under ``sh -c``; a list is an argv, quoted so
     that the shell runs exactly it."""
     if isinstance(cmd, str):
         return cmd
+    if isinstance(cmd, (bytes, bytearray)) or not isinstance(cmd, Sequence):
+        raise InvalidArgument(f"a command is a str or a list of str, not {type(cmd).__name__}")
     args = list(cmd)
     if not args or not all(isinstance(a, str) for a in args):
         raise InvalidArgument("a command list needs at least one string, and only strings")
@@ -340,6 +370,10 @@ class AsyncProcess:
     async def wait(self, timeout: float | None = None) -> Result:
         """Its result once it ends. With ``timeout`` (seconds), TimeoutError
         when it is still running by then (it goes on)."""
+        if timeout is not None and (
+            isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0
+        ):
+            raise InvalidArgument(f"timeout {timeout!r}: seconds, 0 or more")
         if self._result is not None:
             return self._result
         if timeout is None:
@@ -349,10 +383,10 @@ class AsyncProcess:
         except asyncio.TimeoutError:
             raise TimeoutError(f"process {self.id} still runs after {timeout} s") from None
 
-    async def write_stdin(self, data: bytes | str) -> bool:
+    async def write_stdin(self, data: Data) -> bool:
         """Feeds its stdin (started with ``stdin=True``); False when it takes
         no more input (it ended, or its stdin was closed)."""
-        raw = data.encode() if isinstance(data, str) else bytes(data)
+        raw = _data(data, "stdin")
         for i in range(0, max(len(raw), 1), CHUNK):
             piece = raw[i : i + CHUNK]
             if not piece:
@@ -407,8 +441,9 @@ class AsyncFiles:
     def __init__(self, sandbox: AsyncSandbox) -> None:
         self._sb = sandbox
 
-    async def read(self, path: str) -> bytes:
+    async def read(self, path: SandboxPath) -> bytes:
         """The whole file; FileError when there is none, or it is no regular file."""
+        path = _path(path, "path")
         spec = pb.OperationSpec(read_file=pb.ReadFileSpec(path=path, stream=True))
         p = await self._sb._submit(spec)
         parts: list[bytes] = []
@@ -418,12 +453,13 @@ class AsyncFiles:
             raise err
         return b"".join(parts)
 
-    async def read_text(self, path: str, encoding: str = "utf-8") -> str:
+    async def read_text(self, path: SandboxPath, encoding: str = "utf-8") -> str:
         return (await self.read(path)).decode(encoding)
 
-    async def write(self, path: str, data: bytes | str, mode: int | None = None) -> int:
+    async def write(self, path: SandboxPath, data: Data, mode: int | None = None) -> int:
         """Replaces (or makes) the file; bytes written."""
-        raw = data.encode() if isinstance(data, str) else bytes(data)
+        path = _path(path, "path")
+        raw = _data(data, "data")
         if mode is not None and (
             isinstance(mode, bool) or not isinstance(mode, int) or not 0 < mode <= 0o7777
         ):
@@ -448,8 +484,9 @@ class AsyncFiles:
             raise CorralError(f"{path}: the write ended {r.end_cause.value}: {r.reason or ''}")
         return len(raw)
 
-    async def list(self, path: str = ".") -> list[FileEntry]:
+    async def list(self, path: SandboxPath = ".") -> list[FileEntry]:
         """The entries of a directory (not . and ..), by name."""
+        path = _path(path, "path")
         script = (
             '[ -e "$1" ] || exit 3; [ -d "$1" ] || exit 5; cd -- "$1" 2>/dev/null || exit 6; '
             "for f in * .[!.]* ..?*; do "
@@ -501,30 +538,30 @@ class AsyncFiles:
             )
         return sorted(out, key=lambda e: e.name)
 
-    async def upload(self, local: str | Path, remote: str = ".") -> int:
+    async def upload(self, local: str | Path, remote: SandboxPath = ".") -> int:
         """Copies a local file or tree into the sandbox as ``corral cp`` does:
         into ``remote`` when that is a directory, else as ``remote``.
         Archive bytes sent."""
-        return await _tar.upload(self._sb, Path(local), remote)
+        return await _tar.upload(self._sb, Path(local), _path(remote, "remote"))
 
-    async def get_archive(self, remote: str, *, contents: bool = False) -> bytes:
+    async def get_archive(self, remote: SandboxPath, *, contents: bool = False) -> bytes:
         """The sandbox's tar stream of ``remote`` as it made it (its entries
         named ./... with ``contents``). Unpacking it is the caller's: what
         comes out of a sandbox is hostile (:meth:`download` applies the rules)."""
-        return await _tar.get_archive(self._sb, remote, contents)
+        return await _tar.get_archive(self._sb, _path(remote, "remote"), contents)
 
-    async def put_archive(self, remote: str, data: bytes) -> None:
+    async def put_archive(self, remote: SandboxPath, data: bytes) -> None:
         """Unpacks a tar stream into the directory ``remote`` of the sandbox
         (or as ``remote``), by the sandbox's own rules for what comes in."""
-        await _tar.put_archive(self._sb, data, remote)
+        await _tar.put_archive(self._sb, _data(data, "data"), _path(remote, "remote"))
 
-    async def download(self, remote: str, local: str | Path) -> _tar.Moved:
+    async def download(self, remote: SandboxPath, local: str | Path) -> _tar.Moved:
         """Copies a sandbox file or tree here as ``corral cp`` does: into
         ``local`` when that is a directory, else as ``local``. What comes out
         of a sandbox is held to the rules ``corral cp`` keeps (one tree of
         the name asked for, no link out, no set-id bit, no special file, no
         git configuration or hooks)."""
-        return await _tar.download(self._sb, remote, Path(local))
+        return await _tar.download(self._sb, _path(remote, "remote"), Path(local))
 
 
 class AsyncSandbox:
@@ -658,7 +695,7 @@ class AsyncSandbox:
         self,
         cmd: Command,
         *,
-        cwd: str | None = None,
+        cwd: SandboxPath | None = None,
         env: Mapping[str, str] | None = None,
         timeout: float | None = None,
         stdin: bool = False,
@@ -676,9 +713,13 @@ class AsyncSandbox:
         # A timeout of 0 would end the command before it starts: refused,
         # never read as "none".
         _positive(timeout, "timeout")
+        if not isinstance(stdin, bool):
+            raise InvalidArgument(
+                f"stdin {stdin!r}: True opens a pipe for write_stdin (run() takes the bytes)"
+            )
         shell = pb.ShellSpec(
             command=_command(cmd),
-            workdir=cwd or "",
+            workdir=_path(cwd, "cwd") if cwd is not None else "",
             env=_str_map(env, "env"),
             # None: the longest the worker takes (24 h), as corral exec
             # asks: no timeout unless one is given.
@@ -688,6 +729,8 @@ class AsyncSandbox:
             stdin=stdin,
         )
         if terminal is not None:
+            if not isinstance(terminal, (tuple, list)) or len(terminal) != 2:
+                raise InvalidArgument(f"terminal {terminal!r}: (rows, cols)")
             rows, cols = terminal
             _positive(rows, "terminal rows", whole=True)
             _positive(cols, "terminal columns", whole=True)
@@ -698,10 +741,10 @@ class AsyncSandbox:
         self,
         cmd: Command,
         *,
-        cwd: str | None = None,
+        cwd: SandboxPath | None = None,
         env: Mapping[str, str] | None = None,
         timeout: float | None = None,
-        stdin: bytes | str | None = None,
+        stdin: Data | None = None,
         on_stdout: OnOutput | None = None,
         on_stderr: OnOutput | None = None,
         bash: bool = False,
@@ -709,6 +752,12 @@ class AsyncSandbox:
         """Runs a command to its end. A non-zero exit, a signal or a timeout
         is a result, never an exception. ``on_stdout``/``on_stderr`` hear
         every byte as it comes (plain or async functions)."""
+        if isinstance(stdin, bool):
+            raise InvalidArgument(
+                "stdin: the bytes or str to feed it (start(stdin=True) opens a pipe)"
+            )
+        if stdin is not None:
+            stdin = _data(stdin, "stdin")
         p = await self.start(
             cmd, cwd=cwd, env=env, timeout=timeout, stdin=stdin is not None, bash=bash
         )
@@ -724,7 +773,7 @@ class AsyncSandbox:
     async def _run_started(
         self,
         p: AsyncProcess,
-        stdin: bytes | str | None,
+        stdin: Data | None,
         on_stdout: OnOutput | None,
         on_stderr: OnOutput | None,
     ) -> Result:

@@ -166,7 +166,7 @@ class Process:
     def wait(self, timeout: float | None = None) -> Result:
         return _run(self._p.wait(timeout))
 
-    def write_stdin(self, data: bytes | str) -> bool:
+    def write_stdin(self, data: _core.Data) -> bool:
         return _run(self._p.write_stdin(data))
 
     def close_stdin(self) -> None:
@@ -185,28 +185,28 @@ class Files:
     def __init__(self, inner: _core.AsyncFiles) -> None:
         self._f = inner
 
-    def read(self, path: str) -> bytes:
+    def read(self, path: _core.SandboxPath) -> bytes:
         return _run(self._f.read(path))
 
-    def read_text(self, path: str, encoding: str = "utf-8") -> str:
+    def read_text(self, path: _core.SandboxPath, encoding: str = "utf-8") -> str:
         return _run(self._f.read_text(path, encoding))
 
-    def write(self, path: str, data: bytes | str, mode: int | None = None) -> int:
+    def write(self, path: _core.SandboxPath, data: _core.Data, mode: int | None = None) -> int:
         return _run(self._f.write(path, data, mode))
 
-    def list(self, path: str = ".") -> list[FileEntry]:
+    def list(self, path: _core.SandboxPath = ".") -> list[FileEntry]:
         return _run(self._f.list(path))
 
-    def upload(self, local: str | Path, remote: str = ".") -> int:
+    def upload(self, local: str | Path, remote: _core.SandboxPath = ".") -> int:
         return _run(self._f.upload(local, remote))
 
-    def get_archive(self, remote: str, *, contents: bool = False) -> bytes:
+    def get_archive(self, remote: _core.SandboxPath, *, contents: bool = False) -> bytes:
         return _run(self._f.get_archive(remote, contents=contents))
 
-    def put_archive(self, remote: str, data: bytes) -> None:
+    def put_archive(self, remote: _core.SandboxPath, data: bytes) -> None:
         _run(self._f.put_archive(remote, data))
 
-    def download(self, remote: str, local: str | Path) -> _tar.Moved:
+    def download(self, remote: _core.SandboxPath, local: str | Path) -> _tar.Moved:
         return _run(self._f.download(remote, local))
 
 
@@ -319,10 +319,10 @@ class Sandbox:
         self,
         cmd: _core.Command,
         *,
-        cwd: str | None = None,
+        cwd: _core.SandboxPath | None = None,
         env: Mapping[str, str] | None = None,
         timeout: float | None = None,
-        stdin: bytes | str | None = None,
+        stdin: _core.Data | None = None,
         on_stdout: Callable[[bytes], None] | None = None,
         on_stderr: Callable[[bytes], None] | None = None,
         bash: bool = False,
@@ -346,7 +346,7 @@ class Sandbox:
         self,
         cmd: _core.Command,
         *,
-        cwd: str | None = None,
+        cwd: _core.SandboxPath | None = None,
         env: Mapping[str, str] | None = None,
         timeout: float | None = None,
         stdin: bool = False,

@@ -27,6 +27,8 @@ class CorralError(Exception):
     """
 
     default_code: ClassVar[str] = "UNKNOWN"
+    #: The reason of one raised by this client itself, as a worker would say it.
+    default_reason: ClassVar[str | None] = None
 
     def __init__(
         self,
@@ -38,13 +40,14 @@ class CorralError(Exception):
         super().__init__(message)
         self.message = message
         self.code = code or self.default_code
-        self.reason = reason
+        self.reason = reason or self.default_reason
 
 
 class InvalidArgument(CorralError):
     """The request is malformed or out of bounds (a NUL byte, a bad id, ...)."""
 
     default_code = "INVALID_ARGUMENT"
+    default_reason = "invalid_argument"
 
 
 class Unauthenticated(CorralError):

@@ -141,3 +141,44 @@ def test_arguments_of_the_wrong_type_are_invalid_arguments(worker: Worker) -> No
         with pytest.raises(corral.FileError) as e:
             sb.files.read("missing.txt")
         assert str(e.value).count("missing.txt") == 1, e.value
+
+
+def test_values_python_would_turn_into_bytes_are_refused_not_sent(sb: corral.Sandbox) -> None:
+    # bytes(5) is five NUL bytes and bytes(True) one: never written for 5.
+    for data in (5, 10**6, True, [65, 66]):
+        with pytest.raises(corral.InvalidArgument, match="bytes or str") as e:
+            sb.files.write("n.txt", data)  # type: ignore[arg-type]
+        # Told as the worker tells its own.
+        assert (e.value.code, e.value.reason) == ("INVALID_ARGUMENT", "invalid_argument")
+    with pytest.raises(corral.FileError):
+        sb.files.read("n.txt")
+    with pytest.raises(corral.InvalidArgument, match="start\\(stdin=True\\)"):
+        sb.run("cat", stdin=True)  # type: ignore[arg-type]
+    with pytest.raises(corral.InvalidArgument):
+        sb.run("cat", stdin=7)  # type: ignore[arg-type]
+    with pytest.raises(corral.InvalidArgument, match="run\\(\\) takes the bytes"):
+        sb.start("cat", stdin="data")  # type: ignore[arg-type]
+    p = sb.start("cat", stdin=True)
+    with pytest.raises(corral.InvalidArgument):
+        p.write_stdin(3)  # type: ignore[arg-type]
+    with pytest.raises(corral.InvalidArgument):
+        p.wait("1")  # type: ignore[arg-type]
+    with pytest.raises(corral.InvalidArgument):
+        p.wait(-1)
+    p.kill()
+    # A command is a str or a list of str; a size a number or a size string.
+    for cmd in (5, b"echo hi"):
+        with pytest.raises(corral.InvalidArgument, match="a command is a str"):
+            sb.run(cmd)  # type: ignore[arg-type]
+    with pytest.raises(corral.InvalidArgument):
+        sb.start("true", terminal="80x24")  # type: ignore[arg-type]
+    with pytest.raises(corral.InvalidArgument, match="not a size"):
+        corral.Sandbox.create(worker="http://127.0.0.1:1", memory=5e8)  # type: ignore[arg-type]
+    # Bytes-like data is bytes; a path object is a path.
+    from pathlib import PurePosixPath
+
+    assert sb.files.write(PurePosixPath("p.txt"), bytearray(b"ab")) == 2
+    assert sb.files.read(PurePosixPath("/workspace/p.txt")) == b"ab"
+    assert [e.name for e in sb.files.list(PurePosixPath("."))] == ["p.txt"]
+    assert sb.run("pwd", cwd=PurePosixPath("/tmp")).stdout == "/tmp\n"
+    assert sb.run("cat", stdin=memoryview(b"in")).stdout == "in"
