@@ -290,6 +290,13 @@ impl FromStr for Rule {
     fn from_str(raw: &str) -> Result<Self, ProtocolError> {
         let bad = |why: String| ProtocolError::invalid("egress", format!("rule {raw:?}: {why}"));
         let s = raw.trim();
+        // A URL pasted for a host: said as such, not as a bad port.
+        if let Some((scheme, rest)) = s.split_once("://") {
+            let host = rest.split(['/', '?', '#']).next().unwrap_or_default();
+            return Err(bad(format!(
+                "a rule names a host, not a {scheme} URL (e.g. {host:?})"
+            )));
+        }
         // [v6 or v6/len]:port
         let (dest, port) = if let Some(rest) = s.strip_prefix('[') {
             let (inner, after) = rest
@@ -419,6 +426,12 @@ mod tests {
             let e = s.parse::<Rule>().expect_err(s);
             assert!(e.to_string().contains("rule"), "{s}: {e}");
         }
+        let e = "https://pypi.org/simple/".parse::<Rule>().unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("not a https URL (e.g. \"pypi.org\")"),
+            "{e}"
+        );
         assert!(parse_rules(&["*"], false).is_err());
         assert!(parse_rules(&["*"], true).is_ok());
         let many: Vec<String> = (0..=MAX_RULES).map(|i| format!("h{i}.com")).collect();
