@@ -142,6 +142,9 @@ class SandboxInfo:
     last_seq: int
     #: The egress rules it follows now (empty: no way out).
     egress: tuple[str, ...] = ()
+    #: Whether it has the egress proxy (made with ``egress``, an empty list
+    #: too), so that :meth:`~corral.Sandbox.set_egress` can open it.
+    egress_proxy: bool = False
 
 
 class SandboxList(list[SandboxInfo]):
@@ -189,6 +192,7 @@ def sandbox_info_of(s: pb.Sandbox, worker: str) -> SandboxInfo:
         idle_timeout_s=spec.idle_timeout_ms / 1000.0 if spec.idle_timeout_ms else None,
         last_seq=s.last_seq,
         egress=tuple(spec.egress),
+        egress_proxy=spec.egress_proxy or bool(spec.egress),
     )
 
 

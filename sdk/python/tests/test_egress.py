@@ -62,14 +62,15 @@ def test_a_sandbox_reaches_what_it_names_and_its_policy_changes_live(
         # The proxy says why it refuses, in a header.
         r = sb.run(f"curl -sS -D - -o /dev/null http://127.0.0.2:{upstream + 1}/ || true")
         assert "X-Corral-Egress: blocked; reason=port" in r.stdout, r
-        # Replaced: nothing allowed now, at once.
-        assert sb.set_egress([]).egress == ()
+        # Replaced: nothing allowed now, at once (the proxy stays).
+        emptied = sb.set_egress([])
+        assert emptied.egress == () and emptied.egress_proxy
         assert _status(sb, f"http://127.0.0.2:{upstream}/") == "403"
         assert sb.set_egress([rule]).egress == (rule,)
         assert _status(sb, f"http://127.0.0.2:{upstream}/") == "200"
     # egress=[]: the proxy, nothing allowed until a policy is given.
     with w.create(image="corral-debian:latest", egress=[]) as sb:
-        assert sb.info().egress == ()
+        assert sb.info().egress == () and sb.info().egress_proxy
         assert _status(sb, f"http://127.0.0.2:{upstream}/") == "403"
         sb.set_egress([rule])
         assert _status(sb, f"http://127.0.0.2:{upstream}/") == "200"
@@ -85,8 +86,10 @@ def test_what_the_worker_does_not_allow_is_a_policy_refusal(
     with pytest.raises(corral.InvalidArgument):
         w.create(egress=["not a rule"])
     # A sandbox made without egress has no proxy to change.
-    with w.create() as sb, pytest.raises(corral.InvalidArgument):
-        sb.set_egress(["pypi.org"])
+    with w.create() as sb:
+        assert not sb.info().egress_proxy
+        with pytest.raises(corral.InvalidArgument):
+            sb.set_egress(["pypi.org"])
     # A worker that gives no egress refuses even an empty proxy.
     with pytest.raises(corral.PolicyDenied) as e:
         own_worker().create(egress=[])
