@@ -265,6 +265,19 @@ impl Net {
         run_shell(&self.client, sb, cmd).await
     }
 
+    /// curl in the sandbox gets the upstream's /hello over HTTP and HTTPS.
+    async fn curl_hello(&self, sb: &SandboxId) -> Result<()> {
+        let (p, s) = (self.up.http.port(), self.up.https.port());
+        for url in [
+            format!("http://pkg.test:{p}/hello"),
+            format!("https://pkg.test:{s}/hello"),
+        ] {
+            let got = self.sh(sb, &format!("curl -sS {url} 2>&1")).await?;
+            ensure!(got.trim() == "hello from upstream", "{url}: {got}");
+        }
+        Ok(())
+    }
+
     /// The probe's line for these arguments.
     async fn probe(&self, sb: &SandboxId, args: &str) -> Result<String> {
         Ok(self
@@ -345,16 +358,7 @@ async fn under_gvisor_the_relay_carries_what_the_policy_allows() -> Result<()> {
             s.runtime = Some("runsc".into());
         })
         .await?;
-    for url in [
-        format!("http://pkg.test:{p}/hello"),
-        format!("https://pkg.test:{s}/hello"),
-    ] {
-        assert_eq!(
-            net.sh(&sb, &format!("curl -sS {url} 2>&1")).await?.trim(),
-            "hello from upstream",
-            "{url}"
-        );
-    }
+    net.curl_hello(&sb).await?;
     // 8 MiB, whole, through the carried path.
     let out = net
         .sh(
@@ -441,16 +445,7 @@ async fn allowed_names_are_reached_over_http_and_https_by_python_git_and_curl() 
             .trim(),
         "hello from upstream"
     );
-    for url in [
-        format!("http://pkg.test:{p}/hello"),
-        format!("https://pkg.test:{s}/hello"),
-    ] {
-        assert_eq!(
-            net.sh(&sb, &format!("curl -sS {url} 2>&1")).await?.trim(),
-            "hello from upstream",
-            "{url}"
-        );
-    }
+    net.curl_hello(&sb).await?;
     for (n, url) in [
         format!("http://pkg.test:{p}/repo.git"),
         format!("https://pkg.test:{s}/repo.git"),
