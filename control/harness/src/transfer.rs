@@ -195,6 +195,12 @@ async fn download_with<W: WorkerApi>(
         .await
         .map_err(|e| TransferError::Local(format!("unpacking: {e}")))?;
     match (got, unpacked) {
+        (Ok(moved), Ok(done)) if done.archive_bytes != moved.bytes => {
+            Err(TransferError::Local(format!(
+                "unpacking: {} of the {} bytes received were read",
+                done.archive_bytes, moved.bytes
+            )))
+        }
         (Ok(moved), Ok(done)) => {
             let mut notes = moved.notes;
             let left_out = done.left_out + notes.len() as u64;
@@ -368,7 +374,16 @@ async fn stdout_of<W: WorkerApi>(
             }
             EventKind::Output { data, .. } => keep(&mut stderr, &data),
             EventKind::Finished(result) => {
-                return ended(&result, &stderr).map(|()| Moved {
+                ended(&result, &stderr)?;
+                // Every byte the sandbox's side wrote came, or the
+                // transfer failed: never a short one taken for whole.
+                let wrote = result.stdout.total_bytes;
+                if received != wrote {
+                    return Err(TransferError::Sandbox(format!(
+                        "the output came short: {received} of the {wrote} bytes written in the sandbox"
+                    )));
+                }
+                return Ok(Moved {
                     notes: sandbox_notes(&stderr),
                     ..Moved::bytes(received)
                 });

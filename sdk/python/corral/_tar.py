@@ -315,22 +315,52 @@ class Unpacker:
                 os.close(fd)
 
 
+class _Tally:
+    """An archive's input, counted: the bytes read, and how many zero bytes
+    end them (tarfile stops, without a word, where its input ends between
+    two entries, or mid-header)."""
+
+    def __init__(self, inner: IO[bytes]) -> None:
+        self.inner = inner
+        self.total = 0
+        self.zeros = 0
+
+    def read(self, n: int = -1) -> bytes:
+        piece = self.inner.read(n)
+        stripped = piece.rstrip(b"\0")
+        if stripped:
+            self.zeros = len(piece) - len(stripped)
+        else:
+            self.zeros += len(piece)
+        self.total += len(piece)
+        return piece
+
+
 def unpack(fileobj: IO[bytes], base: Path, top: str | None, rename: str | None) -> Moved:
     """What :func:`download` does with the archive it gets, on a thread."""
     moved = Moved()
     u = Unpacker(base, top, rename, moved)
-    with tarfile.open(fileobj=fileobj, mode="r|", tarinfo=_BoundedTarInfo) as tar:
+    tally = _Tally(fileobj)
+    with tarfile.open(fileobj=cast(IO[bytes], tally), mode="r|", tarinfo=_BoundedTarInfo) as tar:
         while (m := tar.next()) is not None:
             u.entry(tar, m)
             # Stream mode keeps every header read: not here.
             cast(Any, tar).members.clear()
-    u.finish()
+        end = tar.offset
     # What follows the archive's end is padding, or someone's junk: bounded.
-    trailing = 0
-    while piece := fileobj.read(CHUNK):
-        trailing += len(piece)
-        if trailing > MAX_TRAILING:
+    while tally.read(CHUNK):
+        if tally.total - end > MAX_TRAILING + 1024:
             raise TransferError("more than 1 MiB after the archive's end: the archive is refused")
+    # Whole only with its two zero blocks, and nothing but zeros after them.
+    after = tally.total - end
+    if after < 1024:
+        raise TransferError(
+            "the archive ends without its end-of-archive blocks: it was cut short, and is refused"
+        )
+    if tally.zeros < after:
+        raise TransferError("the archive has data after its end: it is refused")
+    u.finish()
+    moved.bytes = tally.total
     return moved
 
 
@@ -521,7 +551,16 @@ async def download(sb: AsyncSandbox, remote: str, local: Path) -> Moved:
     if failed is not None:
         raise failed
     moved = result[0]
-    moved.bytes = received
+    wrote = finished.result.stdout.total_bytes
+    if received != wrote:
+        raise TransferError(
+            f"{remote}: the archive came short: {received} of the {wrote} bytes "
+            "written in the sandbox"
+        )
+    if moved.bytes != received:
+        raise TransferError(
+            f"{remote}: unpacking read {moved.bytes} of the {received} bytes received"
+        )
     # What the sandbox's side left out (special files, say), in its words.
     said = result_of(finished.result).stderr
     for line in said.splitlines():

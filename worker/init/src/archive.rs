@@ -35,6 +35,8 @@ pub struct Moved {
     /// `left_out` counts them all).
     pub notes: Vec<String>,
     pub left_out: u64,
+    /// Unpacking: the bytes of archive read, to the end of the stream.
+    pub archive_bytes: u64,
 }
 
 /// Makes this process untraceable by the sandbox's user (not dumpable:
@@ -264,7 +266,7 @@ fn unpack_at(
     rules: &Unpacking,
 ) -> Result<Moved, String> {
     let base = fs::canonicalize(base).map_err(|e| format!("{dest}: {e}"))?;
-    let mut archive = tar::Archive::new(input);
+    let mut archive = tar::Archive::new(Tally::new(input));
     archive.set_preserve_permissions(false);
     archive.set_preserve_mtime(true);
     archive.set_overwrite(true);
@@ -421,6 +423,11 @@ fn unpack_at(
         }
         moved.entries += 1;
     }
+    // The archive is whole only with its end: tar's reader also stops,
+    // without a word, where its input ends between two entries.
+    let mut input = archive.into_inner();
+    input.end_of_archive()?;
+    moved.archive_bytes = input.total;
     for (dir, mode, mtime) in dirs.into_iter().rev() {
         use std::os::unix::fs::PermissionsExt;
         fs::set_permissions(&dir, fs::Permissions::from_mode(mode & 0o777))
@@ -428,6 +435,84 @@ fn unpack_at(
         set_mtime(&dir, mtime);
     }
     Ok(moved)
+}
+
+/// Most zero bytes taken after an archive's two end blocks (tar pads its
+/// output to a whole record: 10 KiB by default, 1 MiB at its largest
+/// blocking factor): more is refused, so that a sender cannot hold the
+/// reader forever.
+const MAX_PADDING: u64 = 1 << 20;
+
+/// An archive's input, counted: the bytes read, and how many zero bytes end
+/// them.
+struct Tally<R> {
+    inner: R,
+    total: u64,
+    zeros: u64,
+}
+
+impl<R: Read> Tally<R> {
+    fn new(inner: R) -> Self {
+        Self {
+            inner,
+            total: 0,
+            zeros: 0,
+        }
+    }
+
+    /// After tar's reader stopped: checks that it stopped at the first of
+    /// the two zero blocks that end an archive, reads the second, and reads
+    /// what follows to the end of the stream (zeros only, a record's
+    /// padding).
+    fn end_of_archive(&mut self) -> Result<(), String> {
+        const CUT: &str =
+            "the archive ends without its end-of-archive blocks: it was cut short, and is refused";
+        let read = |e: io::Error| format!("reading the archive: {e}");
+        if !self.total.is_multiple_of(512) || self.zeros < 512 {
+            return Err(CUT.into());
+        }
+        let mut block = [0u8; 512];
+        match self.read_exact(&mut block) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Err(CUT.into()),
+            Err(e) => return Err(read(e)),
+        }
+        if block.iter().any(|b| *b != 0) {
+            return Err("the archive has an entry after its end block: it is refused".into());
+        }
+        let end = self.total;
+        let mut buf = [0u8; 8192];
+        loop {
+            let n = match self.read(&mut buf) {
+                Ok(0) => return Ok(()),
+                Ok(n) => n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(read(e)),
+            };
+            if buf[..n].iter().any(|b| *b != 0) {
+                return Err("the archive has data after its end: it is refused".into());
+            }
+            if self.total - end > MAX_PADDING {
+                return Err(format!(
+                    "the archive has more than {} of padding after its end: it is refused",
+                    human_bytes(MAX_PADDING)
+                ));
+            }
+        }
+    }
+}
+
+impl<R: Read> Read for Tally<R> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let n = self.inner.read(buf)?;
+        let got = &buf[..n];
+        match got.iter().rposition(|b| *b != 0) {
+            Some(last) => self.zeros = (n - last - 1) as u64,
+            None => self.zeros += n as u64,
+        }
+        self.total += n as u64;
+        Ok(n)
+    }
 }
 
 /// Checks that `name` belongs to the archive's one tree (see
@@ -1096,6 +1181,53 @@ mod tests {
         let err =
             unpack_contents_with(&dir.path().join("y"), "y", tar.as_slice(), &rules).unwrap_err();
         assert!(err.contains("--max-entries"), "{err}");
+    }
+
+    #[test]
+    fn an_archive_cut_between_entries_or_followed_by_more_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let r = roots(dir.path());
+        let src = r.workspace.join("tree");
+        fs::create_dir_all(&src).unwrap();
+        for i in 0..50 {
+            fs::write(src.join(format!("f{i:02}")), b"").unwrap();
+        }
+        let mut tar = Vec::new();
+        get(&r, "tree", &mut tar).unwrap();
+        let fresh = |name: &str| {
+            let out = dir.path().join(name);
+            fs::create_dir_all(&out).unwrap();
+            out
+        };
+        // Whole: every entry, and every byte read.
+        let moved = unpack(&fresh("whole"), "whole", tar.as_slice()).unwrap();
+        assert_eq!(moved.entries, 51);
+        assert_eq!(moved.archive_bytes, tar.len() as u64);
+        // Cut at any header boundary (tar's reader would stop there as if
+        // the archive ended): refused, whatever came before.
+        let end = tar.len() - 1024;
+        for at in [512, end / 2 / 512 * 512, end, end + 512] {
+            let cut = unpack(&fresh(&format!("cut{at}")), "cut", &tar[..at]);
+            let e = cut.unwrap_err();
+            assert!(e.contains("cut short"), "{at}: {e}");
+        }
+        // Padded to a record with zeros: whole.
+        let mut padded = tar.clone();
+        padded.resize(padded.len().next_multiple_of(10240), 0);
+        unpack(&fresh("padded"), "padded", padded.as_slice()).unwrap();
+        // An entry after the end block, or other data after the end.
+        let mut smuggled = tar[..end + 512].to_vec();
+        smuggled.extend_from_slice(&tar[..512]);
+        let e = unpack(&fresh("smuggled"), "s", smuggled.as_slice()).unwrap_err();
+        assert!(e.contains("after its end block"), "{e}");
+        let mut trailing = tar.clone();
+        trailing.extend_from_slice(b"junk");
+        let e = unpack(&fresh("trailing"), "t", trailing.as_slice()).unwrap_err();
+        assert!(e.contains("data after its end"), "{e}");
+        // Endless zeros after the end are not read forever.
+        let endless = io::Read::chain(tar.as_slice(), io::repeat(0));
+        let e = unpack(&fresh("endless"), "e", endless).unwrap_err();
+        assert!(e.contains("padding"), "{e}");
     }
 
     #[test]

@@ -259,6 +259,44 @@ fn output_waits_for_credit() {
     assert_eq!(&r.stdout.head[..], b"0123456789\n");
 }
 
+/// A command that exits with its output still in the pipe, read by a
+/// consumer slower than the linger and overdue times: every byte comes,
+/// however late the credit.
+#[test]
+fn output_left_in_the_pipe_after_the_command_exits_comes_whole_however_late_the_credit() {
+    let mut init = Init::start();
+    attach(&mut init, 0, 4096);
+    // About 600 KB: more than the window, less than the pipe holds, so the
+    // command exits at once with most of it unread.
+    let (_, req) = run("seq 1 100000");
+    init.send(req);
+    let mut got = Vec::new();
+    loop {
+        match init.recv() {
+            InitMessage::Event(e) => match e.kind {
+                EventKind::Output { data, .. } => got.extend_from_slice(&data),
+                EventKind::Finished(_) => panic!("finished before its output was read"),
+                _ => {}
+            },
+            other => panic!("unexpected {other:?}"),
+        }
+        if got.len() == 4096 {
+            break;
+        }
+    }
+    // Past the linger and the overdue time of a background child's pipe.
+    assert!(init.nothing_for(Duration::from_millis(2000)));
+    init.send(InitRequest::Credit { bytes: 1 << 20 });
+    let events = init.until_finished();
+    got.extend(stdout_of(&events));
+    let want: String = (1..=100_000).map(|i| format!("{i}\n")).collect();
+    assert_eq!(got.len(), want.len(), "output lost");
+    assert!(got == want.as_bytes());
+    let r = result_of(&events);
+    assert_eq!(r.outcome, Outcome::Exited { code: 0 });
+    assert_eq!(r.stdout.total_bytes, want.len() as u64);
+}
+
 #[test]
 fn a_reattach_replays_exactly_what_came_after_the_cursor_and_runs_are_idempotent() {
     let mut init = Init::start();

@@ -254,14 +254,14 @@ impl Supervisor {
             // the operation forever: past this, its pipes go regardless.
             let overdue = run.linger_until.is_some_and(|t| now >= t + OVERDUE);
             if lingered && self.credit > 0 {
-                // Whatever is still buffered was read while we had credit;
-                // a pipe with nothing to read now is held by a background
-                // child. Stop waiting for it.
+                // A pipe still held open by a background child, with
+                // nothing in it now (or held past the overdue time): stop
+                // waiting for it. A pipe whose every writer is gone is read
+                // to its end, however long credit takes to come: what is in
+                // it is the command's output.
                 for p in &mut run.pipes {
-                    if p.as_ref().is_some_and(|p| {
-                        let mut fds = [PollFd::new(p.fd(), PollFlags::POLLIN)];
-                        overdue || matches!(poll(&mut fds, PollTimeout::ZERO), Ok(0))
-                    }) && let Some(pipe) = p.take()
+                    if p.as_ref().is_some_and(|p| held_by_another(p, overdue))
+                        && let Some(pipe) = p.take()
                     {
                         orphaned.push(pipe);
                     }
@@ -366,5 +366,24 @@ impl Supervisor {
         if std::process::id() == 1 {
             let _ = nix::sys::signal::kill(Pid::from_raw(-1), Signal::SIGKILL);
         }
+    }
+}
+
+/// Whether a finished command's output pipe is held open by another process
+/// (a background child) that the operation should stop waiting for: nothing
+/// to read now while some writer is alive, or, once `overdue`, any writer
+/// alive. A pipe whose writers are all gone (`POLLHUP`) never is: what is
+/// left in it was written, and is read to the end.
+fn held_by_another(pipe: &Pipe, overdue: bool) -> bool {
+    let mut fds = [PollFd::new(pipe.fd(), PollFlags::POLLIN)];
+    match poll(&mut fds, PollTimeout::ZERO) {
+        Ok(0) => true,
+        Ok(_) => {
+            overdue
+                && !fds[0]
+                    .revents()
+                    .is_some_and(|r| r.contains(PollFlags::POLLHUP))
+        }
+        Err(_) => overdue,
     }
 }
