@@ -92,49 +92,20 @@ pub async fn worker_urls(conn: &ConnArgs) -> Result<Vec<String>, ConnectError> {
     fleet(conn)?.urls().await
 }
 
-/// Whether `url` names this machine (a worker this user may have started).
-fn is_loopback(url: &str) -> bool {
-    let rest = url.split("://").nth(1).unwrap_or(url);
-    let host = rest.split('/').next().unwrap_or("");
-    let host = match host.strip_prefix('[') {
-        Some(v6) => v6.split(']').next().unwrap_or(""),
-        None => host.rsplit_once(':').map_or(host, |(h, _)| h),
-    };
-    host == "localhost"
-        || host
-            .parse::<std::net::IpAddr>()
-            .is_ok_and(|ip| ip.is_loopback())
-}
-
-/// The host (an IP address, or `localhost`) and port of `url`.
-fn host_port(url: &str) -> Option<(String, u16)> {
-    let rest = url.split("://").nth(1).unwrap_or(url);
-    let authority = rest.split('/').next()?;
-    let (host, port) = match authority.strip_prefix('[') {
-        Some(v6) => {
-            let (h, p) = v6.split_once(']')?;
-            (h, p.strip_prefix(':')?)
-        }
-        None => authority.rsplit_once(':')?,
-    };
-    Some((host.to_string(), port.parse().ok()?))
-}
+use corral_harness::client::{host_port, is_loopback};
 
 /// A token goes to a worker on this machine only if the socket that
 /// listens there belongs to this user, to root, or to the owner of the
 /// token file: a port left free by a stopped worker may have been taken by
-/// another local user, who would get the token. (Nothing listening: the
+/// another local user, who would get the token. Said at once here; every
+/// connection is checked again when it is made (the harness's
+/// [`corral_harness::client::connect_checked`]). (Nothing listening: the
 /// connection fails anyway.)
 fn check_listener(url: &str, token_owner: Option<u32>) -> Result<(), ConnectError> {
     let Some((host, port)) = host_port(url) else {
         return Ok(());
     };
-    let me = nix::unistd::geteuid().as_raw();
-    let strangers: Vec<u32> = crate::listeners::owners(&host, port)
-        .into_iter()
-        .filter(|uid| *uid != me && *uid != 0 && Some(*uid) != token_owner)
-        .collect();
-    match strangers.first() {
+    match corral_harness::client::stranger_listening(&host, port, token_owner) {
         None => Ok(()),
         Some(uid) => Err(ConnectError::Invalid(format!(
             "{url}: the socket listening there belongs to uid {uid}, not to you, root or the token's owner: the token is not sent (is the worker running?)"
@@ -214,7 +185,11 @@ fn credentials(conn: &ConnArgs, urls: &[String]) -> Result<Credentials, ConnectE
             .or_else(|| placement::tls_name(&entries));
         tls
     });
-    Ok(Credentials { token, tls })
+    Ok(Credentials {
+        token,
+        tls,
+        token_owner,
+    })
 }
 
 /// Connects to the one worker of `--worker`, or the local one.

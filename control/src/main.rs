@@ -16,7 +16,6 @@ mod cli;
 mod commands;
 mod connect;
 mod exec;
-mod listeners;
 mod local;
 mod serve;
 mod signals;

@@ -130,14 +130,104 @@ pub struct Credentials {
     pub token: Option<String>,
     /// Used for `https://` addresses.
     pub tls: Option<ClientTls>,
+    /// Besides this user and root, whose socket on this machine may get
+    /// the token (the token file's owner): see [`channel`].
+    pub token_owner: Option<u32>,
 }
 
 impl Credentials {
     pub fn token(token: Option<&str>) -> Self {
         Self {
             token: token.map(String::from),
-            tls: None,
+            ..Self::default()
         }
+    }
+}
+
+/// Whether `url` names this machine by a loopback address or `localhost`.
+pub fn is_loopback(url: &str) -> bool {
+    let Some((host, _)) = host_port(url) else {
+        return false;
+    };
+    host == "localhost"
+        || host
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
+}
+
+/// The host (an IP address without brackets, or a name) and port of `url`.
+pub fn host_port(url: &str) -> Option<(String, u16)> {
+    let rest = url.split("://").nth(1).unwrap_or(url);
+    let authority = rest.split('/').next()?;
+    let (host, port) = match authority.strip_prefix('[') {
+        Some(v6) => {
+            let (h, p) = v6.split_once(']')?;
+            (h, p.strip_prefix(':')?)
+        }
+        None => authority.rsplit_once(':')?,
+    };
+    Some((host.to_string(), port.parse().ok()?))
+}
+
+/// Whether a socket on this machine of `uid` may not get a token: `uid` is
+/// neither this user, root, nor `token_owner`.
+fn stranger(uid: u32, token_owner: Option<u32>) -> bool {
+    uid != nix::unistd::geteuid().as_raw() && uid != 0 && Some(uid) != token_owner
+}
+
+/// The owner of a socket listening at `host:port` on this machine that may
+/// not get a token (see [`connect_checked`]), if there is one.
+pub fn stranger_listening(host: &str, port: u16, token_owner: Option<u32>) -> Option<u32> {
+    crate::listeners::owners(host, port)
+        .into_iter()
+        .find(|uid| stranger(*uid, token_owner))
+}
+
+/// Connects to `host:port` on this machine for a caller that will send a
+/// token, and hands the connection over only if the socket at its other
+/// end belongs to this user, root or `token_owner`: checked on this very
+/// connection, so a port a stopped worker left free and another local user
+/// took gets no token, on the first connection or on any reconnect. Where
+/// the kernel cannot say who owns that socket, the listeners on the port
+/// are asked instead.
+pub async fn connect_checked(
+    host: &str,
+    port: u16,
+    token_owner: Option<u32>,
+) -> std::io::Result<tokio::net::TcpStream> {
+    let stream = tokio::net::TcpStream::connect((host, port)).await?;
+    stream.set_nodelay(true)?;
+    let (local, peer) = (stream.local_addr()?, stream.peer_addr()?);
+    let refused = |uid: u32| {
+        std::io::Error::new(
+            std::io::ErrorKind::PermissionDenied,
+            format!(
+                "the socket at {peer} belongs to uid {uid}, not to you, root or the token's owner: the token is not sent (is the worker running?)"
+            ),
+        )
+    };
+    let mut owner = None;
+    for _ in 0..50 {
+        match crate::listeners::peer_owner(local, peer) {
+            Ok(Some(uid)) => {
+                owner = Some(uid);
+                break;
+            }
+            // Still a connection request: accepted in a moment.
+            Ok(None) => tokio::time::sleep(Duration::from_millis(1)).await,
+            Err(e) => {
+                tracing::debug!(error = %e, "sock_diag cannot name the peer; asking for the listeners");
+                break;
+            }
+        }
+    }
+    let uids = match owner {
+        Some(uid) => vec![uid],
+        None => crate::listeners::owners(host, port),
+    };
+    match uids.into_iter().find(|uid| stranger(*uid, token_owner)) {
+        Some(uid) => Err(refused(uid)),
+        None => Ok(stream),
     }
 }
 
@@ -261,7 +351,25 @@ pub async fn channel(url: &str, creds: &Credentials) -> Result<Channel, ClientEr
     } else if creds.tls.is_some() {
         return Err(bad("TLS options need an https:// address".into()));
     }
-    match endpoint.connect().await {
+    // A token goes to a socket on this machine only if its user may have it.
+    let checked = match host_port(url) {
+        Some((host, port)) if creds.token.is_some() && is_loopback(url) => {
+            let owner = creds.token_owner;
+            Some(tower::service_fn(move |_: tonic::transport::Uri| {
+                let host = host.clone();
+                async move {
+                    let stream = connect_checked(&host, port, owner).await?;
+                    Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(stream))
+                }
+            }))
+        }
+        _ => None,
+    };
+    let connected = match checked {
+        Some(connector) => endpoint.connect_with_connector(connector).await,
+        None => endpoint.connect().await,
+    };
+    match connected {
         Ok(c) => Ok(c),
         Err(e) => {
             // A listener that speaks the other protocol says so, not

@@ -17,7 +17,8 @@
 //!   default: without it the harness links no worker) and by [`client`],
 //!   the typed gRPC client;
 //! - [`follow`]: the one way to wait for operations (events followed from
-//!   a cursor across reconnects);
+//!   a cursor across reconnects); [`listeners`]: who owns a socket on this
+//!   machine that a token would go to;
 //! - [`transfer`]: trees in and out of a sandbox as tar streams;
 //! - [`placement`]: workers found by list or DNS, and where a new sandbox
 //!   goes among them; [`fleet`]: a caller's workers, the one place that
@@ -38,6 +39,7 @@ pub mod context;
 pub mod control;
 pub mod fleet;
 pub mod follow;
+pub mod listeners;
 pub mod llm;
 #[cfg(feature = "local")]
 pub mod local_api;

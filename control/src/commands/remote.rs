@@ -76,12 +76,20 @@ fn refuse_local_paths(args: &RunArgs) -> Result<(), Error> {
 }
 
 fn credentials(conn: &ConnArgs, args: &RunArgs) -> Result<Credentials, Error> {
+    use std::os::unix::fs::MetadataExt;
     let token = match &args.control_token_file {
         Some(path) => {
             Some(corral_worker::cli::read_token(path).map_err(|e| Error::Usage(e.to_string()))?)
         }
         None => None,
     };
+    // A service on this machine gets the token only through a socket of
+    // this user, root or the token file's owner, on every connection.
+    let token_owner = args
+        .control_token_file
+        .as_deref()
+        .and_then(|p| std::fs::metadata(p).ok())
+        .map(|m| m.uid());
     let read = |flag: &str, path: &Path| {
         std::fs::read(path).map_err(|e| Error::Usage(format!("{flag} {}: {e}", path.display())))
     };
@@ -99,7 +107,11 @@ fn credentials(conn: &ConnArgs, args: &RunArgs) -> Result<Credentials, Error> {
         identity,
         domain: conn.tls_server_name.clone(),
     });
-    Ok(Credentials { token, tls })
+    Ok(Credentials {
+        token,
+        tls,
+        token_owner,
+    })
 }
 
 /// The run's settings as its flags say (the service's defaults for what

@@ -43,6 +43,15 @@ class Endpoint:
     tls: Tls | None = None
     #: Where the token was read (a refused token names it), if from a file.
     token_file: str | None = None
+    #: Besides this user and root, whose socket on this machine may get the
+    #: token (the token file's owner).
+    token_owner: int | None = None
+
+    @property
+    def guarded(self) -> bool:
+        """Whether its token goes to a TCP socket on this machine, which is
+        checked before every connection (see :func:`check_listener`)."""
+        return bool(self.token) and not self.url.startswith("unix://") and is_loopback(self.url)
 
     @property
     def target(self) -> str:
@@ -303,7 +312,7 @@ def listener_owners(host: str, port: int) -> list[int]:
     return owners
 
 
-def _check_listener(url: str, token_owner: int | None) -> None:
+def check_listener(url: str, token_owner: int | None) -> None:
     """A token goes to a worker on this machine only through a socket owned
     by this user, root, or the token file's owner: a port a stopped worker
     left free may have been taken by another local user."""
@@ -398,7 +407,7 @@ async def endpoints(o: Options) -> list[Endpoint] | None:
     if token is not None:
         for u in urls:
             if is_loopback(u):
-                _check_listener(u, token_owner)
+                check_listener(u, token_owner)
         by_name = any(e.dns for e in entries)
         if by_name and tls is None:
             far = [u for u in urls if u.startswith("http://") and not is_loopback(u)]
@@ -427,6 +436,7 @@ async def endpoints(o: Options) -> list[Endpoint] | None:
             token=t,
             tls=tls if u.startswith("https://") else None,
             token_file=source,
+            token_owner=token_owner,
         )
         for u in urls
         for t, source in [credentials(u)]

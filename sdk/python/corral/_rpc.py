@@ -114,9 +114,22 @@ class Worker:
             response_deserializer=pb.Operation.FromString,
         )
 
+    def _guard(self) -> None:
+        """Before a call that may open a connection: a token goes to a TCP
+        socket on this machine only if it belongs to this user, root or the
+        token file's owner, on the first connection and on every one after
+        (a restarted worker's port may have been taken by another user). A
+        connection already up was checked when it was made."""
+        if not self.endpoint.guarded:
+            return
+        if self.channel.get_state(try_to_connect=False) == grpc.ChannelConnectivity.READY:
+            return
+        _connect.check_listener(self.url, self.endpoint.token_owner)
+
     async def call(
         self, name: str, req: Any, resp: type[Resp], timeout: float | None = None
     ) -> Resp:
+        self._guard()
         try:
             out = await self._unary[name](req, metadata=self._metadata, timeout=timeout)
         except grpc.aio.AioRpcError as e:
@@ -126,12 +139,15 @@ class Worker:
         return out
 
     def watch(self, req: pb.WatchSandboxRequest) -> AsyncGenerator[pb.SandboxEvent, None]:
+        self._guard()
         return _stream(self._watch(req, metadata=self._metadata), self._error)
 
     def download(self, req: pb.DownloadRequest) -> AsyncGenerator[pb.DownloadResponse, None]:
+        self._guard()
         return _stream(self._download(req, metadata=self._metadata), self._error)
 
     async def upload(self, reqs: AsyncIterator[pb.UploadRequest]) -> pb.Operation:
+        self._guard()
         try:
             out = await self._upload(reqs, metadata=self._metadata)
         except grpc.aio.AioRpcError as e:

@@ -192,3 +192,59 @@ def test_without_netlink_listeners_are_read_from_proc(monkeypatch: pytest.Monkey
         with pytest.raises(OSError):
             _connect._diag_listeners(port)
         assert _connect.listener_owners("127.0.0.1", port) == [os.geteuid()]
+
+
+SQUATTER = r"""
+import socket, sys
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("127.0.0.1", int(sys.argv[1]))); s.listen(16)
+print("listening", flush=True)
+s.settimeout(30)
+while True:
+    try:
+        c, _ = s.accept()
+    except OSError:
+        break
+    c.settimeout(2)
+    try:
+        while True:
+            d = c.recv(65536)
+            if not d:
+                break
+            sys.stdout.buffer.write(d); sys.stdout.flush()
+    except OSError:
+        pass
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="runs a listener as the user nobody")
+def test_a_squatter_on_a_restarted_workers_port_gets_no_token(
+    own_worker: Callable[..., Worker],
+) -> None:
+    """The worker stops and another local user takes its port: the SDK's
+    next call (a reconnect) sends that user nothing."""
+    w = own_worker()
+    token = w.token_file.read_text().strip()
+    with corral.Sandbox.create(worker=w.url, token_file=str(w.token_file)) as sb:
+        assert sb.run("true").ok
+        w.stop()
+        # Debian's python: a toolchain under root's home is not nobody's.
+        squatter = subprocess.Popen(
+            ["/usr/bin/python3", "-c", SQUATTER, str(w.port)],
+            user=65534,
+            group=65534,
+            cwd="/",
+            stdout=subprocess.PIPE,
+        )
+        try:
+            assert squatter.stdout is not None
+            assert squatter.stdout.readline() == b"listening\n"
+            with pytest.raises(corral.ConfigError, match="belongs to uid 65534"):
+                sb.run("true")
+        finally:
+            squatter.kill()
+            got, _ = squatter.communicate()
+        assert token.encode() not in got, "the squatter got the token"
+        w.start()
+        assert sb.run("echo back").stdout == "back\n"

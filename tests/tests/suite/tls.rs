@@ -76,6 +76,7 @@ fn creds(ca: &str, identity: Option<&(String, String)>) -> Credentials {
             identity: identity.map(|(c, k)| (c.as_bytes().to_vec(), k.as_bytes().to_vec())),
             domain: None,
         }),
+        ..Credentials::default()
     }
 }
 
@@ -159,8 +160,8 @@ fn tls_options_need_an_https_address() {
         .block_on(WorkerClient::connect_with(
             "http://127.0.0.1:1",
             &Credentials {
-                token: None,
                 tls: Some(ClientTls::default()),
+                ..Credentials::default()
             },
         ))
         .err()

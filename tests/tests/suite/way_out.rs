@@ -11,7 +11,7 @@ use std::path::Path;
 use std::process::Output;
 use std::time::Duration;
 
-use anyhow::{Result, bail};
+use anyhow::{Context as _, Result, bail};
 use corral_e2e::{Harness, binary};
 use corral_proto::{OperationSpec, SandboxId, SandboxSpec, ShellSpec};
 
@@ -295,60 +295,124 @@ async fn the_archive_helper_cannot_be_traced_by_the_sandbox() -> Result<()> {
     Ok(())
 }
 
+/// Another local user (nobody) listening on a port of loopback (0: any),
+/// writing down each connection's bytes, in hex, a line each.
+struct Squatter {
+    child: tokio::process::Child,
+    stdout: tokio::process::ChildStdout,
+    port: u16,
+}
+
+const SQUAT: &str = r#"
+import socket, sys, threading
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("127.0.0.1", int(sys.argv[1]))); s.listen(16)
+print(s.getsockname()[1], flush=True)
+lock = threading.Lock()
+def serve(c):
+    c.settimeout(2)
+    got = b""
+    try:
+        while True:
+            d = c.recv(65536)
+            if not d:
+                break
+            got += d
+    except OSError:
+        pass
+    with lock:
+        print(got.hex(), flush=True)
+s.settimeout(60)
+while True:
+    try:
+        c, _ = s.accept()
+    except OSError:
+        break
+    threading.Thread(target=serve, args=(c,), daemon=True).start()
+"#;
+
+impl Squatter {
+    async fn start(port: u16) -> Result<Self> {
+        use tokio::io::AsyncBufReadExt;
+        if !nix::unistd::geteuid().is_root() {
+            bail!("this test needs root (it runs a listener as the user nobody)");
+        }
+        // Debian's python: a toolchain under root's home is not nobody's
+        // to run.
+        let mut child = tokio::process::Command::new("/usr/bin/python3")
+            .args(["-c", SQUAT, &port.to_string()])
+            .uid(65534)
+            .gid(65534)
+            .current_dir("/")
+            .stdout(std::process::Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()?;
+        let mut stdout = child.stdout.take().expect("piped");
+        let mut first = Vec::new();
+        tokio::io::BufReader::new(&mut stdout)
+            .read_until(b'\n', &mut first)
+            .await?;
+        let port = String::from_utf8_lossy(&first).trim().parse()?;
+        Ok(Self {
+            child,
+            stdout,
+            port,
+        })
+    }
+
+    fn url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+
+    /// What each connection sent, once it is stopped.
+    async fn got(mut self) -> Result<Vec<Vec<u8>>> {
+        // Connections still open have two seconds to say what they got.
+        tokio::time::sleep(Duration::from_millis(2500)).await;
+        self.child.start_kill()?;
+        let mut out = String::new();
+        tokio::io::AsyncReadExt::read_to_string(&mut self.stdout, &mut out).await?;
+        out.lines()
+            .map(|l| {
+                (0..l.len() / 2)
+                    .map(|i| u8::from_str_radix(&l[2 * i..2 * i + 2], 16).map_err(Into::into))
+                    .collect()
+            })
+            .collect()
+    }
+}
+
+/// Whether `bytes` (what a client sent on one connection) hold an HTTP/2
+/// request: a HEADERS frame after the preface, which carries the token
+/// (the whole of it, whatever HPACK made of its bytes). A probe of what the
+/// listener speaks (a cut TLS hello, a bare preface) carries none.
+fn sent_a_request(bytes: &[u8]) -> bool {
+    let Some(mut rest) = bytes.strip_prefix(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".as_slice()) else {
+        return false;
+    };
+    while rest.len() >= 9 {
+        let len = u32::from_be_bytes([0, rest[0], rest[1], rest[2]]) as usize;
+        if rest[3] == 1 {
+            return true;
+        }
+        rest = &rest[(9 + len).min(rest.len())..];
+    }
+    false
+}
+
 /// Another local user takes the port of a stopped worker: `corral` finds
 /// that the socket is not its user's (nor root's) and sends it no token.
 #[tokio::test]
 async fn a_squatter_on_the_workers_port_gets_no_token() -> Result<()> {
-    if !nix::unistd::geteuid().is_root() {
-        bail!("this test needs root (it runs a listener as the user nobody)");
-    }
     let home = tempfile::tempdir()?;
     let state = home.path().join(".local/state/corral/worker");
     std::fs::create_dir_all(&state)?;
     let token = "own-token-of-this-user-0123456789";
     std::fs::write(state.join("token"), token)?;
     std::fs::set_permissions(state.join("token"), std::fs::Permissions::from_mode(0o600))?;
-    // The squatter: nobody, listening where the worker was, writing down
-    // whatever it is sent.
-    let squat = r#"
-import socket, sys
-s = socket.socket(); s.bind(("127.0.0.1", 0)); s.listen(16)
-print(s.getsockname()[1], flush=True)
-s.settimeout(20)
-while True:
-    try:
-        c, _ = s.accept()
-    except OSError:
-        break
-    c.settimeout(2)
-    try:
-        while True:
-            d = c.recv(65536)
-            if not d:
-                break
-            sys.stdout.buffer.write(d); sys.stdout.flush()
-    except OSError:
-        pass
-"#;
-    // Debian's python: a toolchain under root's home is not nobody's to run.
-    let mut squatter = tokio::process::Command::new("/usr/bin/python3")
-        .args(["-c", squat])
-        .uid(65534)
-        .gid(65534)
-        .current_dir("/")
-        .stdout(std::process::Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()?;
-    let mut stdout = squatter.stdout.take().expect("piped");
-    let mut first = String::new();
-    {
-        use tokio::io::AsyncBufReadExt;
-        let mut lines = tokio::io::BufReader::new(&mut stdout);
-        lines.read_line(&mut first).await?;
-    }
-    let url = format!("http://127.0.0.1:{}", first.trim());
+    let squatter = Squatter::start(0).await?;
     let out = tokio::process::Command::new(binary("corral")?)
-        .args(["--worker", &url, "exec", "--", "true"])
+        .args(["--worker", &squatter.url(), "exec", "--", "true"])
         .env("HOME", home.path())
         .env_remove("XDG_STATE_HOME")
         .env_remove("CORRAL_WORKER")
@@ -358,12 +422,75 @@ while True:
     let said = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(125), "{said}");
     assert!(said.contains("belongs to uid 65534"), "{said}");
-    squatter.start_kill()?;
-    let mut got = Vec::new();
-    tokio::io::AsyncReadExt::read_to_end(&mut stdout, &mut got).await?;
+    let got = squatter.got().await?;
     assert!(
-        !String::from_utf8_lossy(&got).contains(token),
+        !got.iter().any(|c| sent_a_request(c)),
         "the squatter got the token"
+    );
+    Ok(())
+}
+
+/// A client connected to its worker, which stops; another local user takes
+/// the port before the client calls again: the reconnect sends that user
+/// nothing (every connection is checked, not only the first).
+#[tokio::test]
+async fn a_squatter_on_a_restarted_workers_port_gets_no_token_on_reconnect() -> Result<()> {
+    use corral_harness::client::{Credentials, WorkerClient};
+    let state = tempfile::tempdir()?;
+    let port = corral_e2e::free_port()?;
+    let wid = corral_e2e::unique_id("squat");
+    let mut worker = corral_e2e::WorkerProcess::spawn(state.path(), &wid, port, &[], &[])?;
+    let token = worker.token();
+    let client = WorkerClient::connect_with(&worker.url, &Credentials::token(Some(&token))).await?;
+    client.list_sandboxes().await?;
+    worker.kill9();
+    let squatter = Squatter::start(port).await?;
+    // A caller waiting for its worker tries again and again.
+    for _ in 0..5 {
+        client
+            .list_sandboxes()
+            .await
+            .err()
+            .context("a call answered by the squatter")?;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let got = squatter.got().await?;
+    assert!(
+        !got.iter().any(|c| sent_a_request(c)),
+        "the squatter got a request with the token: {got:?}"
+    );
+    // The worker back on its port: the same client goes on.
+    let worker = corral_e2e::WorkerProcess::spawn(state.path(), &wid, port, &[], &[])?;
+    client.list_sandboxes().await?;
+    drop(worker);
+    Ok(())
+}
+
+/// `corral run --control URL`: the service's token (which reaches every
+/// session it hosts) goes to no socket of another user.
+#[tokio::test]
+async fn a_squatter_on_the_services_port_gets_no_token() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let token_file = dir.path().join("service-token");
+    std::fs::write(&token_file, "service-token-0123456789abcdef")?;
+    std::fs::set_permissions(&token_file, std::fs::Permissions::from_mode(0o600))?;
+    let squatter = Squatter::start(0).await?;
+    let out = tokio::process::Command::new(binary("corral")?)
+        .args(["run", "--control", &squatter.url(), "--control-token-file"])
+        .arg(&token_file)
+        .arg("say hello")
+        .env("HOME", dir.path())
+        .env_remove("CORRAL_WORKER")
+        .stdin(std::process::Stdio::null())
+        .output()
+        .await?;
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert_ne!(out.status.code(), Some(0), "{said}");
+    assert!(said.contains("belongs to uid 65534"), "{said}");
+    let got = squatter.got().await?;
+    assert!(
+        !got.iter().any(|c| sent_a_request(c)),
+        "the squatter got the service's token: {got:?}"
     );
     Ok(())
 }

@@ -1,14 +1,16 @@
-//! Who owns the TCP sockets listening on a port of this machine: asked of
-//! the kernel over `NETLINK_SOCK_DIAG` (listening sockets only, the way
-//! `ss -l` asks), or read from `/proc/net/tcp` and `tcp6` where netlink is
-//! refused (a sandbox's seccomp profile, gVisor).
+//! Who owns the TCP sockets of this machine that a token may be sent to:
+//! the socket at the other end of a connection made on loopback (asked of
+//! the kernel by its four addresses), and the sockets listening on a port.
+//! Asked over `NETLINK_SOCK_DIAG` (listening sockets only, the way `ss -l`
+//! asks), or read from `/proc/net/tcp` and `tcp6` where netlink is refused
+//! (a sandbox's seccomp profile, gVisor).
 //!
 //! Reading `/proc/net/tcp` walks every socket of the machine, established
 //! ones included: about 8 ms on a quiet 2-core host, more on a busy one,
 //! paid by every command that reaches a worker on loopback. The netlink
 //! dump of listening sockets takes a few tens of microseconds.
 
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::os::fd::AsRawFd as _;
 
 /// A socket listening on this machine: its address, port and owner.
@@ -53,6 +55,102 @@ pub fn owners(host: &str, port: u16) -> Vec<u32> {
         .collect()
 }
 
+/// The owner (uid) of the socket at the other end of a TCP connection on
+/// this machine from `local` to `peer`: for a connection to a listener,
+/// the listener's owner (an accepted socket is its listener's). `Ok(None)`
+/// while the other end is only a connection request (the kernel names no
+/// owner for one; asked again shortly, it is a socket).
+pub fn peer_owner(local: SocketAddr, peer: SocketAddr) -> std::io::Result<Option<u32>> {
+    use nix::sys::socket::{
+        AddressFamily, MsgFlags, NetlinkAddr, SockFlag, SockProtocol, SockType, recv, sendto,
+        socket,
+    };
+    let (family, src, dst) = match (peer.ip(), local.ip()) {
+        (IpAddr::V4(p), IpAddr::V4(l)) => {
+            let (mut s, mut d) = ([0u8; 16], [0u8; 16]);
+            s[..4].copy_from_slice(&p.octets());
+            d[..4].copy_from_slice(&l.octets());
+            (AF_INET, s, d)
+        }
+        (IpAddr::V6(p), IpAddr::V6(l)) => (AF_INET6, p.octets(), l.octets()),
+        _ => return Err(invalid("the two ends of one connection in two families")),
+    };
+    let fd = socket(
+        AddressFamily::Netlink,
+        SockType::Raw,
+        SockFlag::SOCK_CLOEXEC,
+        SockProtocol::NetlinkSockDiag,
+    )?;
+    let timeout = nix::sys::time::TimeVal::new(2, 0);
+    nix::sys::socket::setsockopt(&fd, nix::sys::socket::sockopt::ReceiveTimeout, &timeout)?;
+    let seq: u32 = 2;
+    let mut req = Vec::with_capacity(HEADER + 56);
+    req.extend_from_slice(&((HEADER + 56) as u32).to_ne_bytes());
+    req.extend_from_slice(&SOCK_DIAG_BY_FAMILY.to_ne_bytes());
+    // One socket, named by its id: no dump.
+    req.extend_from_slice(&NLM_F_REQUEST.to_ne_bytes());
+    req.extend_from_slice(&seq.to_ne_bytes());
+    req.extend_from_slice(&0u32.to_ne_bytes());
+    req.extend_from_slice(&[family, 6, 0, 0]);
+    req.extend_from_slice(&u32::MAX.to_ne_bytes());
+    // struct inet_diag_sockid: its source (the peer: the other end's own
+    // address) and destination (us), the interface (any), and no cookie.
+    req.extend_from_slice(&peer.port().to_be_bytes());
+    req.extend_from_slice(&local.port().to_be_bytes());
+    req.extend_from_slice(&src);
+    req.extend_from_slice(&dst);
+    req.extend_from_slice(&0u32.to_ne_bytes());
+    req.extend_from_slice(&u32::MAX.to_ne_bytes());
+    req.extend_from_slice(&u32::MAX.to_ne_bytes());
+    sendto(
+        fd.as_raw_fd(),
+        &req,
+        &NetlinkAddr::new(0, 0),
+        MsgFlags::empty(),
+    )?;
+    let mut buf = vec![0u8; 8 * 1024];
+    let n = recv(fd.as_raw_fd(), &mut buf, MsgFlags::empty())?;
+    if n < HEADER {
+        return Err(invalid("a reply shorter than its header"));
+    }
+    let len = u32::from_ne_bytes(buf[0..4].try_into().unwrap_or_default()) as usize;
+    let kind = u16::from_ne_bytes([buf[4], buf[5]]);
+    if len < HEADER || len > n {
+        return Err(invalid("a message longer than what came"));
+    }
+    if u32::from_ne_bytes(buf[8..12].try_into().unwrap_or_default()) != seq {
+        return Err(invalid("a reply to another request"));
+    }
+    match kind {
+        NLMSG_ERROR => {
+            let code = i32::from_ne_bytes(
+                buf.get(HEADER..HEADER + 4)
+                    .and_then(|b| b.try_into().ok())
+                    .unwrap_or_default(),
+            );
+            Err(std::io::Error::from_raw_os_error(
+                code.saturating_neg().max(1),
+            ))
+        }
+        SOCK_DIAG_BY_FAMILY => {
+            let m = &buf[HEADER..len];
+            if m.len() < MSG_UID_END {
+                return Err(invalid("a socket's message too short"));
+            }
+            // A connection request (SYN_RECV) has no owner yet.
+            if u32::from(m[1]) == TCP_SYN_RECV {
+                return Ok(None);
+            }
+            let found = parse_msg(m).ok_or_else(|| invalid("a socket of another family"))?;
+            if found.port != peer.port() {
+                return Err(invalid("another socket than the one asked for"));
+            }
+            Ok(Some(found.uid))
+        }
+        _ => Err(invalid("an unexpected reply")),
+    }
+}
+
 const AF_INET: u8 = 2;
 const AF_INET6: u8 = 10;
 const SOCK_DIAG_BY_FAMILY: u16 = 20;
@@ -61,6 +159,7 @@ const NLM_F_DUMP: u16 = 0x300;
 const NLMSG_ERROR: u16 = 2;
 const NLMSG_DONE: u16 = 3;
 const TCP_LISTEN: u32 = 10;
+const TCP_SYN_RECV: u32 = 3;
 /// `struct nlmsghdr`.
 const HEADER: usize = 16;
 /// `struct inet_diag_msg`, up to and with `idiag_uid`.
@@ -295,6 +394,35 @@ mod tests {
         drop(other);
         assert!(diag(other_port).unwrap().is_empty());
         assert!(from_proc(other_port).is_empty());
+    }
+
+    #[test]
+    fn the_owner_of_a_connections_other_end_is_its_listeners() {
+        let me = nix::unistd::geteuid().as_raw();
+        for bind in ["127.0.0.1:0", "[::1]:0"] {
+            let Ok(listener) = std::net::TcpListener::bind(bind) else {
+                continue;
+            };
+            let conn = std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+            let (local, peer) = (conn.local_addr().unwrap(), conn.peer_addr().unwrap());
+            // Not yet accepted, then accepted: the same owner.
+            let mut owner = None;
+            for _ in 0..100 {
+                owner = peer_owner(local, peer).expect("sock_diag answers on this machine");
+                if owner.is_some() {
+                    break;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+            assert_eq!(owner, Some(me), "{bind}");
+            let _accepted = listener.accept().unwrap();
+            assert_eq!(peer_owner(local, peer).unwrap(), Some(me));
+            // A connection that is not there: the kernel says so.
+            drop(conn);
+            drop(_accepted);
+            let gone = SocketAddr::new(peer.ip(), 9);
+            assert!(peer_owner(local, gone).is_err());
+        }
     }
 
     #[test]
