@@ -5,22 +5,28 @@
 //! 1. **Handshake.** It is handed to the server only once its client has
 //!    sent the whole HTTP/2 connection preface (or, with TLS, the header
 //!    of its first TLS record) within the handshake timeout; anything else
-//!    is closed. Beyond the limit of pending handshakes new ones are closed
-//!    at once. A connection that sends one byte and waits costs a file
+//!    is closed. A connection that sends one byte and waits costs a file
 //!    descriptor for a few seconds, never a server slot.
 //! 2. **First authenticated call.** A served connection that has not made
 //!    a call the token check let through is *unauthenticated*: at most
-//!    half the served slots and [`Admission::max_unauthenticated_per_peer`]
-//!    per client address (handshakes included) may be, so the other half
-//!    is kept for clients that have the token, and one address cannot take
-//!    every place. It is closed if no authenticated call comes within
-//!    [`Admission::first_call_timeout`]. Once one has, it holds its slot
-//!    until it closes (HTTP/2 pings find dead peers).
+//!    half the served slots may be, so the other half is kept for clients
+//!    that have the token. It is closed if no authenticated call comes
+//!    within [`Admission::first_call_timeout`]. Once one has, it holds its
+//!    slot until it closes (HTTP/2 pings find dead peers).
+//!
+//! Connections not yet authenticated (in either stage) never hold up a new
+//! one: when a limit is reached (handshakes in progress, unauthenticated
+//! ones served, [`Admission::max_unauthenticated_per_peer`] of one
+//! address), the **oldest** of them is shed and the new one takes its
+//! place. A flood of idle connections, however it is topped up, thus loses
+//! its oldest to every real client, which authenticates on its first call
+//! (a few milliseconds) and can no longer be shed. The shed are counted
+//! (`corral_connections_shed`).
 //!
 //! The token check marks the connection through [`AdmittedInfo`], which
 //! the server puts in each request's extensions.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::future::Future;
 use std::io;
 use std::net::IpAddr;
@@ -29,11 +35,13 @@ use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use prometheus_client::metrics::counter::Counter;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 use tokio::task::JoinSet;
 use tokio_stream::wrappers::ReceiverStream;
+use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
 use tonic::transport::server::{Connected, TcpConnectInfo};
 use tracing::debug;
 
@@ -56,7 +64,7 @@ pub struct Admission {
     /// How long a served connection may go without an authenticated call.
     pub first_call_timeout: Duration,
     /// Connections from one address not yet authenticated (handshakes
-    /// included).
+    /// included): past it, that address's oldest is shed.
     pub max_unauthenticated_per_peer: usize,
 }
 
@@ -111,8 +119,8 @@ impl AdmittedInfo {
 
 struct ConnState {
     authenticated: std::sync::atomic::AtomicBool,
-    /// The connection's unauthenticated place, while it has one.
-    ticket: Mutex<Option<Ticket>>,
+    /// The connection's place among the unauthenticated, while it has one.
+    place: Mutex<Option<Place>>,
 }
 
 impl ConnState {
@@ -120,7 +128,7 @@ impl ConnState {
         use std::sync::atomic::Ordering;
         if !self.authenticated.swap(true, Ordering::AcqRel) {
             // Poisoned only if a holder panicked; the place goes either way.
-            let taken = match self.ticket.lock() {
+            let taken = match self.place.lock() {
                 Ok(mut t) => t.take(),
                 Err(p) => p.into_inner().take(),
             };
@@ -134,43 +142,148 @@ impl ConnState {
     }
 }
 
-/// A place among the unauthenticated: one of the global ones, and one of
-/// its address's.
-struct Ticket {
-    _global: OwnedSemaphorePermit,
-    _peer: PeerSlot,
+/// Where an unauthenticated connection is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stage {
+    Handshake,
+    Served,
 }
 
-/// One of an address's places; given back on drop.
-struct PeerSlot {
+struct Waiter {
     ip: IpAddr,
-    peers: Arc<Mutex<HashMap<IpAddr, usize>>>,
+    stage: Stage,
+    shed: CancellationToken,
 }
 
-impl PeerSlot {
-    fn take(peers: &Arc<Mutex<HashMap<IpAddr, usize>>>, ip: IpAddr, max: usize) -> Option<Self> {
-        let mut map = peers.lock().unwrap_or_else(|p| p.into_inner());
-        let n = map.entry(ip).or_insert(0);
-        if *n >= max {
-            return None;
+/// The connections not yet authenticated, in the order they came, with
+/// their counts by address and by stage.
+#[derive(Default)]
+struct Unauthenticated {
+    next: u64,
+    waiting: BTreeMap<u64, Waiter>,
+    by_peer: HashMap<IpAddr, usize>,
+    handshakes: usize,
+    served: usize,
+}
+
+impl Unauthenticated {
+    fn count(&mut self, w: &Waiter, up: bool) {
+        let peer = self.by_peer.entry(w.ip).or_insert(0);
+        let stage = match w.stage {
+            Stage::Handshake => &mut self.handshakes,
+            Stage::Served => &mut self.served,
+        };
+        if up {
+            *peer += 1;
+            *stage += 1;
+        } else {
+            *peer = peer.saturating_sub(1);
+            *stage = stage.saturating_sub(1);
+            if *peer == 0 {
+                self.by_peer.remove(&w.ip);
+            }
         }
-        *n += 1;
-        Some(Self {
-            ip,
-            peers: peers.clone(),
-        })
+    }
+
+    fn remove(&mut self, id: u64) -> Option<Waiter> {
+        let w = self.waiting.remove(&id)?;
+        self.count(&w, false);
+        Some(w)
+    }
+
+    /// Sheds the oldest connection that `which` picks: it is closed, and
+    /// its place is free at once.
+    fn shed_oldest(&mut self, which: impl Fn(&Waiter) -> bool, shed: &Counter) -> bool {
+        let Some(id) = self
+            .waiting
+            .iter()
+            .find_map(|(id, w)| which(w).then_some(*id))
+        else {
+            return false;
+        };
+        if let Some(w) = self.remove(id) {
+            w.shed.cancel();
+            shed.inc();
+        }
+        true
     }
 }
 
-impl Drop for PeerSlot {
-    fn drop(&mut self) {
-        let mut map = self.peers.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(n) = map.get_mut(&self.ip) {
-            *n -= 1;
-            if *n == 0 {
-                map.remove(&self.ip);
-            }
+/// The limits on the unauthenticated and what is shed to keep them.
+#[derive(Clone)]
+struct Places {
+    all: Arc<Mutex<Unauthenticated>>,
+    per_peer: usize,
+    handshakes: usize,
+    served: usize,
+    shed: Counter,
+}
+
+impl Places {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Unauthenticated> {
+        self.all.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A place for a new connection from `ip`, in its handshake: the
+    /// oldest of its address's, or of all handshakes, is shed to make one.
+    fn arrive(&self, ip: IpAddr) -> Place {
+        let mut all = self.lock();
+        if all.by_peer.get(&ip).copied().unwrap_or(0) >= self.per_peer {
+            debug!(%ip, "at this address's limit of unauthenticated connections: its oldest shed");
+            all.shed_oldest(|w| w.ip == ip, &self.shed);
         }
+        if all.handshakes >= self.handshakes {
+            debug!(%ip, "at the limit of handshakes: the oldest shed");
+            all.shed_oldest(|w| w.stage == Stage::Handshake, &self.shed);
+        }
+        let id = all.next;
+        all.next += 1;
+        let w = Waiter {
+            ip,
+            stage: Stage::Handshake,
+            shed: CancellationToken::new(),
+        };
+        all.count(&w, true);
+        let shed = w.shed.clone();
+        all.waiting.insert(id, w);
+        Place {
+            id,
+            places: self.clone(),
+            shed,
+        }
+    }
+}
+
+/// A connection's place among the unauthenticated; given back on drop.
+struct Place {
+    id: u64,
+    places: Places,
+    shed: CancellationToken,
+}
+
+impl Place {
+    /// Handshake done: served, unauthenticated. The oldest served one is
+    /// shed if they are at their limit. `false`: this one was shed
+    /// meanwhile.
+    fn serve(&self) -> bool {
+        let mut all = self.places.lock();
+        let Some(mut w) = all.remove(self.id) else {
+            return false;
+        };
+        if all.served >= self.places.served {
+            debug!("at the limit of unauthenticated connections served: the oldest shed");
+            all.shed_oldest(|w| w.stage == Stage::Served, &self.places.shed);
+        }
+        w.stage = Stage::Served;
+        all.count(&w, true);
+        all.waiting.insert(self.id, w);
+        true
+    }
+}
+
+impl Drop for Place {
+    fn drop(&mut self) {
+        self.places.lock().remove(self.id);
     }
 }
 
@@ -183,6 +296,8 @@ pub struct Admitted {
     at: usize,
     state: Arc<ConnState>,
     deadline: Option<Pin<Box<tokio::time::Sleep>>>,
+    /// Fires if it is shed before its first authenticated call.
+    shed: Option<Pin<Box<WaitForCancellationFutureOwned>>>,
     _permit: OwnedSemaphorePermit,
 }
 
@@ -204,16 +319,27 @@ impl AsyncRead for Admitted {
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
         let this = &mut *self;
-        if let Some(deadline) = this.deadline.as_mut() {
-            if this.state.is_authenticated() {
-                this.deadline = None;
-            } else if deadline.as_mut().poll(cx).is_ready() {
-                debug!("no authenticated call in time; closed");
-                return Poll::Ready(Err(io::Error::new(
-                    io::ErrorKind::TimedOut,
-                    "no authenticated call in time",
-                )));
-            }
+        if this.state.is_authenticated() {
+            this.deadline = None;
+            this.shed = None;
+        }
+        if let Some(deadline) = this.deadline.as_mut()
+            && deadline.as_mut().poll(cx).is_ready()
+        {
+            debug!("no authenticated call in time; closed");
+            return Poll::Ready(Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "no authenticated call in time",
+            )));
+        }
+        if let Some(shed) = this.shed.as_mut()
+            && shed.as_mut().poll(cx).is_ready()
+        {
+            debug!("shed for a newer connection before an authenticated call; closed");
+            return Poll::Ready(Err(io::Error::new(
+                io::ErrorKind::ConnectionAborted,
+                "shed for a newer connection",
+            )));
         }
         if this.at < this.prefix.len() {
             let n = buf.remaining().min(this.prefix.len() - this.at);
@@ -261,16 +387,17 @@ impl AsyncWrite for Admitted {
 
 /// The admitted connections of `listener`, and the accept loop that feeds
 /// them (the caller owns it: abort it when serving ends; it owns the
-/// handshakes in progress).
+/// handshakes in progress). `shed` counts the connections shed.
 pub fn admit(
     listener: TcpListener,
     limits: Admission,
+    shed: Counter,
 ) -> (
     ReceiverStream<io::Result<Admitted>>,
     tokio::task::JoinHandle<()>,
 ) {
     let (tx, rx) = mpsc::channel(64);
-    let task = tokio::spawn(accept_loop(listener, limits, tx));
+    let task = tokio::spawn(accept_loop(listener, limits, shed, tx));
     (ReceiverStream::new(rx), task)
 }
 
@@ -295,12 +422,17 @@ async fn preface(stream: &mut TcpStream) -> io::Result<Option<Vec<u8>>> {
 async fn accept_loop(
     listener: TcpListener,
     limits: Admission,
+    shed: Counter,
     tx: mpsc::Sender<io::Result<Admitted>>,
 ) {
     let served = Arc::new(Semaphore::new(limits.max_connections));
-    let unauthenticated = Arc::new(Semaphore::new((limits.max_connections / 2).max(1)));
-    let peers: Arc<Mutex<HashMap<IpAddr, usize>>> = Arc::default();
-    let pending = Arc::new(Semaphore::new(limits.max_pending));
+    let places = Places {
+        all: Arc::default(),
+        per_peer: limits.max_unauthenticated_per_peer.max(1),
+        handshakes: limits.max_pending.max(1),
+        served: (limits.max_connections / 2).max(1),
+        shed,
+    };
     let mut handshakes = JoinSet::new();
     loop {
         let accepted = tokio::select! {
@@ -317,20 +449,17 @@ async fn accept_loop(
                 continue;
             }
         };
-        let Some(slot) = PeerSlot::take(&peers, peer.ip(), limits.max_unauthenticated_per_peer)
-        else {
-            debug!(%peer, "too many unauthenticated connections from this address; closed");
-            continue;
-        };
-        let Ok(waiting) = pending.clone().try_acquire_owned() else {
-            debug!(%peer, "too many connections waiting for a handshake; closed");
-            continue;
-        };
+        let place = places.arrive(peer.ip());
         let _ = stream.set_nodelay(true);
-        let (served, unauthenticated, tx) = (served.clone(), unauthenticated.clone(), tx.clone());
+        let (served, tx) = (served.clone(), tx.clone());
         handshakes.spawn(async move {
-            let spoke = tokio::time::timeout(limits.handshake_timeout, preface(&mut stream)).await;
-            drop(waiting);
+            let spoke = tokio::select! {
+                spoke = tokio::time::timeout(limits.handshake_timeout, preface(&mut stream)) => spoke,
+                () = place.shed.cancelled() => {
+                    debug!(%peer, "shed in its handshake for a newer connection; closed");
+                    return;
+                }
+            };
             let prefix = match spoke {
                 Ok(Ok(Some(p))) => p,
                 Ok(Ok(None)) => {
@@ -342,20 +471,24 @@ async fn accept_loop(
                     return;
                 }
             };
-            let Ok(global) = unauthenticated.try_acquire_owned() else {
-                debug!(%peer, "at the limit of unauthenticated connections; closed");
+            if !place.serve() {
+                debug!(%peer, "shed for a newer connection; closed");
                 return;
+            }
+            // A slot given back by a connection just shed comes in a
+            // moment; a server full of authenticated connections is full.
+            let permit = tokio::select! {
+                p = tokio::time::timeout(Duration::from_secs(1), served.acquire_owned()) => p,
+                () = place.shed.cancelled() => return,
             };
-            let Ok(permit) = served.try_acquire_owned() else {
+            let Ok(Ok(permit)) = permit else {
                 debug!(%peer, "at the connection limit; closed");
                 return;
             };
+            let shed = Box::pin(place.shed.clone().cancelled_owned());
             let state = Arc::new(ConnState {
                 authenticated: false.into(),
-                ticket: Mutex::new(Some(Ticket {
-                    _global: global,
-                    _peer: slot,
-                })),
+                place: Mutex::new(Some(place)),
             });
             let _ = tx
                 .send(Ok(Admitted {
@@ -364,6 +497,7 @@ async fn accept_loop(
                     at: 0,
                     state,
                     deadline: Some(Box::pin(tokio::time::sleep(limits.first_call_timeout))),
+                    shed: Some(shed),
                     _permit: permit,
                 }))
                 .await;
@@ -389,16 +523,71 @@ mod tests {
         assert_eq!((tiny.max_connections, tiny.max_pending), (16, 16));
     }
 
+    fn places(per_peer: usize, handshakes: usize, served: usize) -> Places {
+        Places {
+            all: Arc::default(),
+            per_peer,
+            handshakes,
+            served,
+            shed: Counter::default(),
+        }
+    }
+
     #[test]
-    fn a_peer_has_its_places_and_gives_them_back() {
-        let peers: Arc<Mutex<HashMap<IpAddr, usize>>> = Arc::default();
+    fn a_new_connection_sheds_the_oldest_of_its_address_and_places_come_back() {
+        let p = places(2, 100, 100);
         let ip: IpAddr = "127.0.0.2".parse().unwrap();
         let other: IpAddr = "127.0.0.3".parse().unwrap();
-        let a = PeerSlot::take(&peers, ip, 2).unwrap();
-        let _b = PeerSlot::take(&peers, ip, 2).unwrap();
-        assert!(PeerSlot::take(&peers, ip, 2).is_none());
-        assert!(PeerSlot::take(&peers, other, 2).is_some());
+        let a = p.arrive(ip);
+        let b = p.arrive(ip);
+        let o = p.arrive(other);
+        // A third from the same address: the oldest of that address goes.
+        let c = p.arrive(ip);
+        assert!(a.shed.is_cancelled());
+        assert!(!b.shed.is_cancelled() && !c.shed.is_cancelled() && !o.shed.is_cancelled());
+        assert_eq!(p.shed.get(), 1);
+        assert_eq!(p.lock().by_peer[&ip], 2);
+        // The shed one's drop gives back nothing twice.
         drop(a);
-        assert!(PeerSlot::take(&peers, ip, 2).is_some());
+        assert_eq!(p.lock().by_peer[&ip], 2);
+        drop(b);
+        drop(c);
+        drop(o);
+        let all = p.lock();
+        assert!(all.by_peer.is_empty() && all.waiting.is_empty());
+        assert_eq!((all.handshakes, all.served), (0, 0));
+    }
+
+    #[test]
+    fn handshakes_and_served_ones_shed_their_own_oldest() {
+        let p = places(100, 2, 1);
+        let ip = |n: u8| IpAddr::from([127, 0, 0, n]);
+        let a = p.arrive(ip(1));
+        let b = p.arrive(ip(2));
+        assert!(a.serve());
+        // At the limit of served unauthenticated: the next one served sheds
+        // the oldest served (not a handshake).
+        let c = p.arrive(ip(3));
+        assert!(b.serve());
+        assert!(a.shed.is_cancelled());
+        assert!(!b.shed.is_cancelled() && !c.shed.is_cancelled());
+        // Handshakes at their limit: the oldest handshake goes.
+        let d = p.arrive(ip(4));
+        let e = p.arrive(ip(5));
+        assert!(c.shed.is_cancelled());
+        assert!(!d.shed.is_cancelled() && !e.shed.is_cancelled() && !b.shed.is_cancelled());
+        // Shed in its handshake: it is not served.
+        assert!(!c.serve());
+        assert_eq!(p.shed.get(), 2);
+        // Authenticated (its place dropped): never shed after.
+        let state = ConnState {
+            authenticated: false.into(),
+            place: Mutex::new(Some(b)),
+        };
+        state.authenticate();
+        assert!(d.serve());
+        assert!(e.serve());
+        assert_eq!(p.shed.get(), 3);
+        assert!(d.shed.is_cancelled());
     }
 }

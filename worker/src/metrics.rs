@@ -46,6 +46,7 @@ pub struct WorkerMetrics {
     pub pool_refill_seconds: Family<Labels, Histogram, fn() -> Histogram>,
     pub forks: Family<Labels, Counter>,
     pub fork_frozen_seconds: Histogram,
+    pub connections_shed: Counter,
 }
 
 impl Default for WorkerMetrics {
@@ -75,6 +76,7 @@ impl Default for WorkerMetrics {
             ),
             forks: Family::default(),
             fork_frozen_seconds: latency_histogram(),
+            connections_shed: Counter::default(),
         };
         registry.register("sandboxes", "Sandboxes held, by state", m.sandboxes.clone());
         registry.register(
@@ -163,6 +165,11 @@ impl Default for WorkerMetrics {
             "egress_open_connections",
             "Egress connections open now",
             m.egress_open.clone(),
+        );
+        registry.register(
+            "connections_shed",
+            "Connections closed before an authenticated call to make room for newer ones",
+            m.connections_shed.clone(),
         );
         Self { registry, ..m }
     }

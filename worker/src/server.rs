@@ -237,7 +237,8 @@ pub async fn serve_with(
     let (router, reporter) = router(worker.clone(), options.token, options.tls, budget).await?;
     // Accepted sockets (with TCP_NODELAY: without it every reply waits on
     // Nagle) reach the server only once their client has spoken.
-    let (incoming, accept) = crate::admission::admit(listener, options.admission);
+    let shed = worker.metrics().connections_shed.clone();
+    let (incoming, accept) = crate::admission::admit(listener, options.admission, shed);
     let served = run(worker, router, reporter, incoming, shutdown).await;
     accept.abort();
     served

@@ -1763,6 +1763,12 @@ impl Worker {
         Ok(self.info())
     }
 
+    /// The worker's metrics, for those who count on its behalf (the
+    /// server's admission of connections).
+    pub fn metrics(&self) -> &crate::metrics::WorkerMetrics {
+        &self.inner.metrics
+    }
+
     /// The metrics' text exposition, with what the worker holds now.
     pub fn metrics_text(&self) -> String {
         let m = &self.inner.metrics;

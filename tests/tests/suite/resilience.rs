@@ -427,3 +427,95 @@ sys.stdin.read()
     drop(holders);
     Ok(())
 }
+
+/// 1,100 connections that never speak, from the clients' own address, kept
+/// topped up for 30 seconds by one unauthenticated process (as any pod
+/// that reaches a worker's port could): a client that runs `corral exec
+/// true` once a second on a new connection is never held up (each run
+/// under 100 ms), and the connections shed for it are counted.
+#[tokio::test]
+async fn idle_connections_kept_topped_up_never_hold_up_a_real_client() -> anyhow::Result<()> {
+    use corral_e2e::{WorkerProcess, binary, free_port, unique_id};
+    use corral_proto::{SandboxId, SandboxSpec};
+    let state = tempfile::tempdir()?;
+    let (port, mport) = (free_port()?, free_port()?);
+    let metrics = format!("127.0.0.1:{mport}");
+    let worker = WorkerProcess::spawn(
+        state.path(),
+        &unique_id("shed"),
+        port,
+        &[],
+        &["--metrics-listen", &metrics],
+    )?;
+    let client = worker.client().await?;
+    let sb = SandboxId::new(unique_id("sb"))?;
+    client
+        .create_sandbox(Some(&sb), SandboxSpec::default())
+        .await?;
+    let stop = tokio_util::sync::CancellationToken::new();
+    let flood = tokio::spawn({
+        let stop = stop.clone();
+        async move {
+            let mut open: Vec<tokio::net::TcpStream> = Vec::new();
+            let mut opened = 0u64;
+            while !stop.is_cancelled() {
+                // Those the worker closed are replaced.
+                open.retain(|s| {
+                    let mut b = [0u8; 1];
+                    matches!(s.try_read(&mut b), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock)
+                });
+                // At most 100 new ones each round (20,000 a second).
+                for _ in 0..1100usize.saturating_sub(open.len()).min(100) {
+                    match connect_from("127.0.0.1", port).await {
+                        Ok(s) => {
+                            open.push(s);
+                            opened += 1;
+                        }
+                        Err(_) => break,
+                    }
+                }
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            opened
+        }
+    });
+    // The flood in place first.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let token_file = worker.token_file();
+    let mut times = Vec::new();
+    for _ in 0..30 {
+        let t = Instant::now();
+        let out = tokio::process::Command::new(binary("corral")?)
+            .args(["--worker", &worker.url, "--token-file"])
+            .arg(&token_file)
+            .args(["exec", "--sandbox", sb.as_str(), "--", "true"])
+            .env_remove("CORRAL_WORKER")
+            .output()
+            .await?;
+        let took = t.elapsed();
+        anyhow::ensure!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        times.push(took);
+        tokio::time::sleep(Duration::from_secs(1).saturating_sub(took)).await;
+    }
+    stop.cancel();
+    let opened = flood.await?;
+    let slowest = times.iter().max().copied().unwrap_or_default();
+    eprintln!(
+        "idle flood ({opened} connections opened): corral exec true, slowest {:.1} ms",
+        slowest.as_secs_f64() * 1e3
+    );
+    assert!(
+        slowest < Duration::from_millis(100),
+        "held up by idle connections: {times:?}"
+    );
+    let scraped = super::fleet::scrape(mport).await?;
+    let shed = super::fleet::sample(&scraped, "corral_connections_shed_total")
+        .ok_or_else(|| anyhow::anyhow!("no corral_connections_shed_total in {scraped}"))?;
+    assert!(shed >= 1.0, "nothing was shed");
+    client.destroy_sandbox(&sb).await?;
+    Ok(())
+}
