@@ -155,7 +155,17 @@ pub fn internal_range(ip: IpAddr) -> Option<&'static str> {
         ("fc00::/7", "unique local (IPv6 ULA)"),
         ("fe80::/10", "link-local"),
         ("ff00::/8", "multicast"),
+        ("::/96", "IPv4-compatible (an IPv4 address inside)"),
+        (
+            "::ffff:0:0:0/96",
+            "IPv4-translated (an IPv4 address inside)",
+        ),
         ("64:ff9b::/96", "NAT64 (an IPv4 address inside)"),
+        (
+            "64:ff9b:1::/48",
+            "NAT64, local use (an IPv4 address inside)",
+        ),
+        ("100::/64", "discard-only"),
         ("2002::/16", "6to4 (an IPv4 address inside)"),
     ];
     let ip = canonical(ip);
@@ -493,6 +503,13 @@ mod tests {
             "::ffff:127.0.0.1",
             "::ffff:169.254.169.254",
             "64:ff9b::a9fe:a9fe",
+            // IPv4-compatible, IPv4-translated and NAT64 local-use forms of
+            // the metadata address and of loopback.
+            "::169.254.169.254",
+            "::127.0.0.1",
+            "::ffff:0:a9fe:a9fe",
+            "64:ff9b:1::a9fe:a9fe",
+            "100::1",
         ] {
             assert!(internal_range(ip.parse().unwrap()).is_some(), "{ip}");
         }

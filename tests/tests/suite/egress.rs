@@ -1444,3 +1444,178 @@ async fn a_run_reaches_what_its_request_names_and_records_each_decision() -> Res
     assert!(run.stderr.contains("network.egress"), "{}", run.stderr);
     Ok(())
 }
+
+/// A keep-alive front end on the upstream's address: it answers every
+/// request of a connection with the Host it was sent and its path, as a
+/// shared front end routes by Host. Its port.
+async fn front_end() -> Result<u16> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind((UPSTREAM_IP, 0)).await?;
+    let port = listener.local_addr()?.port();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                let mut chunk = [0u8; 4096];
+                loop {
+                    let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") else {
+                        match s.read(&mut chunk).await {
+                            Ok(n) if n > 0 && buf.len() < 65536 => {
+                                buf.extend_from_slice(&chunk[..n]);
+                                continue;
+                            }
+                            _ => return,
+                        }
+                    };
+                    let head = String::from_utf8_lossy(&buf[..end]).into_owned();
+                    let header = |name: &str| {
+                        head.lines()
+                            .filter_map(|l| l.split_once(':'))
+                            .find(|(n, _)| n.eq_ignore_ascii_case(name))
+                            .map(|(_, v)| v.trim().to_string())
+                    };
+                    let host = header("host").unwrap_or_default();
+                    let len: usize = header("content-length")
+                        .and_then(|v| v.parse().ok())
+                        .unwrap_or(0);
+                    let path = head.split(' ').nth(1).unwrap_or("").to_string();
+                    let mut rest = buf.split_off(end + 4);
+                    while rest.len() < len {
+                        match s.read(&mut chunk).await {
+                            Ok(n) if n > 0 => rest.extend_from_slice(&chunk[..n]),
+                            _ => return,
+                        }
+                    }
+                    buf = rest.split_off(len);
+                    let body = format!("host={host} path={path}\n");
+                    let reply = format!(
+                        "HTTP/1.1 200 OK\r\nContent-Length: {}\r\n\r\n{body}",
+                        body.len()
+                    );
+                    if s.write_all(reply.as_bytes()).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    Ok(port)
+}
+
+/// What a proxied connection of the sandbox gets back for `raw`, its parts
+/// (between lines `---`) sent one at a time, each once the answers to the
+/// one before have come (read until the proxy closes, or is quiet for a
+/// second).
+const RAW: &str = r#"
+import os, socket, sys
+proxy = os.environ["http_proxy"].split("//")[1].rstrip("/")
+host, port = proxy.rsplit(":", 1)
+s = socket.create_connection((host, int(port)))
+s.settimeout(1)
+out = b""
+for part in sys.stdin.buffer.read().split(b"\n---\n"):
+    try:
+        s.sendall(part.replace(b"\n", b"\r\n"))
+    except OSError:
+        break
+    try:
+        while True:
+            d = s.recv(65536)
+            if not d:
+                break
+            out += d
+    except OSError:
+        pass
+sys.stdout.write(out.decode("latin-1"))
+"#;
+
+/// Every request a plain-HTTP connection carries is checked, not only its
+/// first: a pipelined or keep-alive request for another host, a request
+/// smuggled by ambiguous framing, and plain HTTP inside a CONNECT tunnel
+/// naming another host never reach the allowed server, while keep-alive to
+/// the allowed host goes on working.
+#[tokio::test]
+async fn every_request_of_a_plain_http_connection_is_checked() -> Result<()> {
+    let net = start().await?;
+    let fe = front_end().await?;
+    let sb = net.sandbox(&[format!("pkg.test:{fe}")]).await?;
+    net.write(&sb, "/workspace/raw.py", RAW.as_bytes()).await?;
+    let send = |raw: String| {
+        let net = &net;
+        let sb = sb.clone();
+        async move {
+            let cmd = format!("printf '%s' '{raw}' | python3 /workspace/raw.py");
+            net.sh(&sb, &cmd).await
+        }
+    };
+    let ok = |what: &str| format!("host=pkg.test:{fe} path={what}");
+    let req = |url: &str, host: &str| format!("GET {url} HTTP/1.1\nHost: {host}:{fe}\n\n");
+    let (a, b) = (
+        format!("http://pkg.test:{fe}/a"),
+        format!("http://pkg.test:{fe}/b"),
+    );
+    // Keep-alive to the allowed host: every answer comes, pipelined or not.
+    let got = send(format!("{}{}", req(&a, "pkg.test"), req(&b, "pkg.test"))).await?;
+    ensure!(got.contains(&ok("/a")) && got.contains(&ok("/b")), "{got}");
+    let got = send(format!(
+        "{}\n---\n{}",
+        req(&a, "pkg.test"),
+        req(&b, "pkg.test")
+    ))
+    .await?;
+    ensure!(got.contains(&ok("/a")) && got.contains(&ok("/b")), "{got}");
+    // A second request for another host, or the allowed URL with another
+    // Host (fronting), pipelined or after the first answer: never sent.
+    let other = format!("http://other.test:{fe}/b");
+    for second in [req(&other, "other.test"), req(&b, "other.test")] {
+        let got = send(format!("{}{second}", req(&a, "pkg.test"))).await?;
+        ensure!(!got.contains("host=other.test"), "{got}");
+        ensure!(got.contains("reason=host_mismatch"), "{got}");
+        let got = send(format!("{}\n---\n{second}", req(&a, "pkg.test"))).await?;
+        ensure!(got.contains(&ok("/a")), "{got}");
+        ensure!(!got.contains("host=other.test"), "{got}");
+    }
+    // A request smuggled in a body by Content-Length against chunked.
+    let got = send(format!(
+        "POST {a} HTTP/1.1\nHost: pkg.test:{fe}\nContent-Length: 48\nTransfer-Encoding: chunked\n\n0\n\nGET /b HTTP/1.1\nHost: other.test:{fe}\n\n"
+    ))
+    .await?;
+    ensure!(got.contains("reason=bad_request"), "{got}");
+    ensure!(!got.contains("host="), "{got}");
+    // Plain HTTP in a tunnel: the tunnel's host only, request after request.
+    let connect = format!("CONNECT pkg.test:{fe} HTTP/1.1\nHost: pkg.test:{fe}\n\n");
+    let got = send(format!(
+        "{connect}\n---\n{}{}",
+        req("/a", "pkg.test"),
+        req("/b", "pkg.test")
+    ))
+    .await?;
+    ensure!(got.contains(&ok("/a")) && got.contains(&ok("/b")), "{got}");
+    let got = send(format!("{connect}\n---\n{}", req("/a", "other.test"))).await?;
+    ensure!(!got.contains("host="), "{got}");
+    let got = send(format!(
+        "{connect}\n---\n{}\n---\n{}",
+        req("/a", "pkg.test"),
+        req("/b", "other.test")
+    ))
+    .await?;
+    ensure!(
+        got.contains(&ok("/a")) && !got.contains("host=other.test"),
+        "{got}"
+    );
+    // Each refusal is an egress event that says why.
+    let events = net.egress_events(&sb).await?;
+    ensure!(
+        events
+            .iter()
+            .any(|(_, _, d, r)| *d == EgressDecision::Blocked && r == "host_mismatch"),
+        "{events:?}"
+    );
+    ensure!(
+        events
+            .iter()
+            .any(|(_, _, d, r)| *d == EgressDecision::Blocked && r == "bad_request"),
+        "{events:?}"
+    );
+    Ok(())
+}

@@ -9,6 +9,8 @@ use std::time::Duration;
 
 use corral_proto::egress::{Cidr, Rule, internal_range, normalize_name};
 
+pub mod http;
+
 /// Most bytes of a proxy request's head (request line and headers).
 pub const MAX_HEAD_BYTES: usize = 16 * 1024;
 /// Most header lines of a proxy request.
@@ -104,9 +106,32 @@ pub fn host_port(authority: &str, default: Option<u16>) -> Result<(String, u16),
     Ok((host, port))
 }
 
-/// The head of a proxy request in `buf`, and its length in bytes; `None`
-/// while it is not whole yet (and under [`MAX_HEAD_BYTES`]).
-pub fn parse_head(buf: &[u8]) -> Result<Option<(Head, usize)>, BadHead> {
+/// A request's head as it was sent: its request line and header lines,
+/// checked for form but not yet judged.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Message<'a> {
+    pub method: &'a str,
+    pub target: &'a str,
+    pub version: &'a str,
+    /// Names as sent, values trimmed.
+    pub headers: Vec<(&'a str, &'a str)>,
+    /// The head's length in bytes, its blank line included.
+    pub len: usize,
+}
+
+impl Message<'_> {
+    /// The values of the headers named `name` (any case).
+    pub fn values<'b>(&'b self, name: &'b str) -> impl Iterator<Item = &'b str> + 'b {
+        self.headers
+            .iter()
+            .filter(move |(n, _)| n.eq_ignore_ascii_case(name))
+            .map(|(_, v)| *v)
+    }
+}
+
+/// The head of a request in `buf`; `None` while it is not whole yet (and
+/// under [`MAX_HEAD_BYTES`]).
+pub fn parse_message(buf: &[u8]) -> Result<Option<Message<'_>>, BadHead> {
     let Some(end) = find(buf, b"\r\n\r\n") else {
         if buf.len() > MAX_HEAD_BYTES {
             return Err(BadHead(format!("a head over {MAX_HEAD_BYTES} bytes")));
@@ -131,11 +156,12 @@ pub fn parse_head(buf: &[u8]) -> Result<Option<(Head, usize)>, BadHead> {
     if !method.bytes().all(|b| b.is_ascii_uppercase()) {
         return Err(BadHead(format!("method {method:?}")));
     }
-    let mut host_header = None;
-    let mut count = 0;
+    if target.bytes().any(|b| b.is_ascii_control()) {
+        return Err(BadHead("a control character in the target".into()));
+    }
+    let mut headers = Vec::new();
     for line in lines {
-        count += 1;
-        if count > MAX_HEADERS {
+        if headers.len() >= MAX_HEADERS {
             return Err(BadHead(format!("more than {MAX_HEADERS} headers")));
         }
         let (name, value) = line
@@ -151,35 +177,40 @@ pub fn parse_head(buf: &[u8]) -> Result<Option<(Head, usize)>, BadHead> {
         if value.bytes().any(|b| b.is_ascii_control() && b != b'\t') {
             return Err(BadHead(format!("a control character in header {name}")));
         }
-        if name.eq_ignore_ascii_case("host") {
-            if host_header.is_some() {
-                return Err(BadHead("two Host headers".into()));
-            }
-            host_header = Some(value.trim().to_ascii_lowercase());
-        }
+        headers.push((name, value.trim_matches([' ', '\t'])));
     }
+    Ok(Some(Message {
+        method,
+        target,
+        version,
+        headers,
+        len,
+    }))
+}
+
+/// The `Host` header of `m`, lower-case, if it has one; two are refused.
+pub fn host_header(m: &Message<'_>) -> Result<Option<String>, BadHead> {
+    let mut hosts = m.values("host");
+    let first = hosts.next().map(str::to_ascii_lowercase);
+    if hosts.next().is_some() {
+        return Err(BadHead("two Host headers".into()));
+    }
+    Ok(first)
+}
+
+/// The head of a proxy request in `buf`, and its length in bytes; `None`
+/// while it is not whole yet (and under [`MAX_HEAD_BYTES`]).
+pub fn parse_head(buf: &[u8]) -> Result<Option<(Head, usize)>, BadHead> {
+    let Some(m) = parse_message(buf)? else {
+        return Ok(None);
+    };
+    let host_header = host_header(&m)?;
+    let (method, target, len) = (m.method, m.target, m.len);
     let head = if method == "CONNECT" {
         let (host, port) = host_port(target, None)?;
         Head::Connect { host, port }
     } else {
-        let rest = target.strip_prefix("http://").ok_or_else(|| {
-            BadHead(format!(
-                "target {target:?}: only http:// URLs (https goes by CONNECT)"
-            ))
-        })?;
-        let (authority, path) = match rest.find(['/', '?']) {
-            Some(i) => (&rest[..i], &rest[i..]),
-            None => (rest, "/"),
-        };
-        if authority.contains('@') {
-            return Err(BadHead("credentials in the URL".into()));
-        }
-        let (host, port) = host_port(authority, Some(80))?;
-        let path = if path.starts_with('?') {
-            format!("/{path}")
-        } else {
-            path.to_string()
-        };
+        let (host, port, path) = absolute_target(target)?;
         Head::Forward {
             method: method.to_string(),
             host,
@@ -189,6 +220,29 @@ pub fn parse_head(buf: &[u8]) -> Result<Option<(Head, usize)>, BadHead> {
         }
     };
     Ok(Some((head, len)))
+}
+
+/// The host, port and origin-form path of an absolute `http://` target.
+pub fn absolute_target(target: &str) -> Result<(String, u16, String), BadHead> {
+    let rest = target.strip_prefix("http://").ok_or_else(|| {
+        BadHead(format!(
+            "target {target:?}: only http:// URLs (https goes by CONNECT)"
+        ))
+    })?;
+    let (authority, path) = match rest.find(['/', '?']) {
+        Some(i) => (&rest[..i], &rest[i..]),
+        None => (rest, "/"),
+    };
+    if authority.contains('@') {
+        return Err(BadHead("credentials in the URL".into()));
+    }
+    let (host, port) = host_port(authority, Some(80))?;
+    let path = if path.starts_with('?') {
+        format!("/{path}")
+    } else {
+        path.to_string()
+    };
+    Ok((host, port, path))
 }
 
 fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
@@ -560,6 +614,9 @@ pub struct Admitted<S> {
     /// server speaks first): the relay checks the client's first bytes, as
     /// [`admit`] does, before any of them goes upstream.
     hello_pending: bool,
+    /// A connection that carries plain HTTP: each of its requests is
+    /// checked before it goes upstream.
+    http: Option<http::Guard>,
 }
 
 impl<S> Admitted<S> {
@@ -582,12 +639,44 @@ enum Verdict {
     More,
     /// Upstream they go.
     Go,
+    /// Plain HTTP: upstream through an [`http::Guard`].
+    Http,
     /// No name, another name, or a hello past its bound.
     Refuse,
 }
 
-/// A TLS tunnel names its server: it must be the `host` asked for.
+/// Whether a tunnel's first bytes are an HTTP request's line: `None`
+/// while that line is not whole.
+fn http_request_line(first: &[u8]) -> Option<bool> {
+    if !first.first()?.is_ascii_uppercase() {
+        return Some(false);
+    }
+    let Some(end) = first.windows(2).position(|w| w == b"\r\n") else {
+        return (first.len() >= MAX_HEAD_BYTES).then_some(false);
+    };
+    let line = &first[..end];
+    let mut parts = line.split(|b| *b == b' ');
+    let http = match (parts.next(), parts.next(), parts.next(), parts.next()) {
+        (Some(method), Some(target), Some(version), None) => {
+            method.iter().all(u8::is_ascii_uppercase)
+                && !target.is_empty()
+                && (version == b"HTTP/1.1" || version == b"HTTP/1.0")
+        }
+        _ => false,
+    };
+    Some(http)
+}
+
+/// A TLS tunnel names its server: it must be the `host` asked for. A
+/// tunnel that speaks plain HTTP has each request checked.
 fn hello_verdict(first: &[u8], host: &str) -> Verdict {
+    if first.first().is_some_and(|b| *b != 22) {
+        match http_request_line(first) {
+            Some(true) => return Verdict::Http,
+            None => return Verdict::More,
+            Some(false) => {}
+        }
+    }
     match client_hello_sni(first) {
         Hello::More if first.len() < MAX_HELLO_BYTES => Verdict::More,
         Hello::Sni(name) if name == host => Verdict::Go,
@@ -641,39 +730,22 @@ where
         buf.extend_from_slice(&chunk[..n]);
     };
     let rest = buf.split_off(used);
+    let mut guard = None;
     let (host, port, mut first) = match &head {
         Head::Connect { host, port } => (host.clone(), *port, rest),
-        Head::Forward {
-            method,
-            host,
-            port,
-            path,
-            host_header,
-        } => {
-            let wanted = if *port == 80 {
-                host.clone()
-            } else {
-                format!("{host}:{port}")
-            };
-            let given = host_header
-                .as_deref()
-                .map(|h| h.strip_suffix(":80").unwrap_or(h));
+        Head::Forward { host, port, .. } => {
             out.host.clone_from(host);
             out.port = *port;
-            if given.is_some_and(|h| h != wanted && h != host.as_str()) {
-                out.blocked = Some(Blocked::HostMismatch);
+            // Every request of the connection, this one first, checked
+            // and sent on in origin form.
+            let mut g = http::Guard::new(http::Mode::Proxy, host, *port);
+            let mut forwarded = Vec::new();
+            buf.extend_from_slice(&rest);
+            if let Err(reason) = g.feed(&buf, &mut forwarded) {
+                out.blocked = Some(reason);
                 return Err(Refused::answered(client, out));
             }
-            // The request as the server takes it: origin form, the rest of
-            // the head as sent (its Host header is the URL's).
-            let head_text = String::from_utf8_lossy(&buf[..used]).into_owned();
-            let after_line = head_text.split_once("\r\n").map_or("\r\n", |(_, r)| r);
-            let mut forwarded = format!("{method} {path} HTTP/1.1\r\n").into_bytes();
-            if host_header.is_none() {
-                forwarded.extend_from_slice(format!("Host: {wanted}\r\n").as_bytes());
-            }
-            forwarded.extend_from_slice(after_line.as_bytes());
-            forwarded.extend_from_slice(&rest);
+            guard = Some(g);
             (host.clone(), *port, forwarded)
         }
     };
@@ -725,6 +797,19 @@ where
                     }
                 }
                 Verdict::Go => break,
+                Verdict::Http => {
+                    // Plain HTTP in the tunnel: each request must name the
+                    // tunnel's host.
+                    let mut g = http::Guard::new(http::Mode::Tunnel, &host, port);
+                    let mut passed = Vec::new();
+                    if let Err(reason) = g.feed(&first, &mut passed) {
+                        out.blocked = Some(reason);
+                        return Err(Refused::closed(client, out));
+                    }
+                    first = passed;
+                    guard = Some(g);
+                    break;
+                }
                 Verdict::Refuse => {
                     // The tunnel is closed (its 200 is sent; TLS then
                     // fails).
@@ -767,15 +852,20 @@ where
         upstream,
         outcome: out,
         hello_pending,
+        http: guard,
     })
 }
 
 /// Relays an admitted connection both ways until either side is done, it
 /// is idle past [`IDLE_TIMEOUT`], or `policy` changes to one that no
-/// longer allows it (then it is closed at once, `cut`).
+/// longer allows it (then it is closed at once, `cut`), copying through
+/// this process: what needs its bytes read (a tunnel whose client had not
+/// spoken when it was connected, plain HTTP checked a request at a time).
+/// Counted and bound by `meters`.
 pub async fn relay<S>(
     admitted: Admitted<S>,
     mut policy: tokio::sync::watch::Receiver<std::sync::Arc<Vec<Rule>>>,
+    meters: &Meters,
 ) -> Outcome
 where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
@@ -786,6 +876,7 @@ where
         mut upstream,
         outcome: mut out,
         hello_pending,
+        http: mut guard,
     } = admitted;
     let (host, port) = (out.host.clone(), out.port);
     let (mut cr, mut cw) = tokio::io::split(client);
@@ -831,6 +922,10 @@ where
                             match hello_verdict(&first, &host) {
                                 Verdict::More => Step::Again,
                                 Verdict::Go => Step::Checked,
+                                Verdict::Http => {
+                                    guard = Some(http::Guard::new(http::Mode::Tunnel, &host, port));
+                                    Step::Checked
+                                }
                                 Verdict::Refuse => {
                                     out.blocked = Some(Blocked::SniMismatch);
                                     Step::End
@@ -849,6 +944,7 @@ where
                     }
                     n = ur.read(&mut down) => match n {
                         Ok(n) if n > 0 => {
+                            meters.inward.charge(n as u64).await;
                             if cw.write_all(&down[..n]).await.is_err() {
                                 return Step::End;
                             }
@@ -866,17 +962,39 @@ where
             match step {
                 Ok(Step::Again) => {}
                 Ok(Step::Checked) => {
-                    if uw.write_all(&first).await.is_err() {
+                    let passed = match guard.as_mut() {
+                        Some(g) => {
+                            let mut passed = Vec::new();
+                            if let Err(reason) = g.feed(&first, &mut passed) {
+                                out.blocked = Some(reason);
+                                return out;
+                            }
+                            passed
+                        }
+                        None => std::mem::take(&mut first),
+                    };
+                    meters.out.charge(passed.len() as u64).await;
+                    if uw.write_all(&passed).await.is_err() {
                         return out;
                     }
-                    out.bytes_out += first.len() as u64;
+                    out.bytes_out += passed.len() as u64;
                     break;
                 }
                 Ok(Step::End) | Err(_) => return out,
             }
         }
     }
+    // An upgrade's answer, read so far, while it is awaited.
+    let mut answer: Option<Vec<u8>> = None;
+    let mut refused = false;
+    let mut passed = Vec::new();
     loop {
+        // While an Upgrade request waits for its answer, nothing more of
+        // the client's is read.
+        let holding = guard.as_ref().is_some_and(http::Guard::awaiting_upgrade);
+        if holding && answer.is_none() && !refused {
+            answer = Some(Vec::new());
+        }
         let step = tokio::time::timeout(IDLE_TIMEOUT, async {
             tokio::select! {
                 changed = policy.changed() => {
@@ -892,7 +1010,7 @@ where
                     }
                     true
                 }
-                n = cr.read(&mut up) => match n {
+                n = cr.read(&mut up), if !holding => match n {
                     Ok(0) | Err(_) => {
                         let _ = uw.shutdown().await;
                         // The sandbox is done sending: what is left comes
@@ -909,6 +1027,7 @@ where
                                 }
                                 n = ur.read(&mut down) => match n {
                                     Ok(n) if n > 0 => {
+                                        meters.inward.charge(n as u64).await;
                                         if cw.write_all(&down[..n]).await.is_err() {
                                             return false;
                                         }
@@ -920,10 +1039,23 @@ where
                         }
                     }
                     Ok(n) => {
-                        if uw.write_all(&up[..n]).await.is_err() {
+                        let bytes = match guard.as_mut() {
+                            Some(g) => {
+                                passed.clear();
+                                if let Err(reason) = g.feed(&up[..n], &mut passed) {
+                                    // A request refused: nothing of it goes.
+                                    out.blocked = Some(reason);
+                                    return false;
+                                }
+                                &passed[..]
+                            }
+                            None => &up[..n],
+                        };
+                        meters.out.charge(bytes.len() as u64).await;
+                        if uw.write_all(bytes).await.is_err() {
                             return false;
                         }
-                        out.bytes_out += n as u64;
+                        out.bytes_out += bytes.len() as u64;
                         true
                     }
                 },
@@ -933,6 +1065,21 @@ where
                         false
                     }
                     Ok(n) => {
+                        if let (Some(g), Some(seen)) = (guard.as_mut(), answer.as_mut()) {
+                            seen.extend_from_slice(&down[..n]);
+                            match g.answered(seen) {
+                                // Upgraded: the rest is the new protocol's.
+                                Some(true) => answer = None,
+                                // Refused: the client hears the answer and
+                                // sends nothing more upstream.
+                                Some(false) => {
+                                    answer = None;
+                                    refused = true;
+                                }
+                                None => {}
+                            }
+                        }
+                        meters.inward.charge(n as u64).await;
                         if cw.write_all(&down[..n]).await.is_err() {
                             return false;
                         }
@@ -954,18 +1101,26 @@ where
 /// policy that no longer allows it, closed when idle, each side's end
 /// passed on), with the bytes spliced from socket to socket through a pipe
 /// a direction, never copied through the worker.
-pub async fn relay_spliced<S: Spliced>(
+pub async fn relay_spliced<S>(
     admitted: Admitted<S>,
     mut policy: tokio::sync::watch::Receiver<std::sync::Arc<Vec<Rule>>>,
     meters: &Meters,
-) -> Outcome {
+) -> Outcome
+where
+    S: Spliced + tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
     use std::os::fd::AsFd as _;
     use std::sync::atomic::{AtomicU64, Ordering};
+    // What must be read on its way (a tunnel whose client had not spoken,
+    // plain HTTP) is copied.
+    if admitted.hello_pending || admitted.http.is_some() {
+        return relay(admitted, policy, meters).await;
+    }
     let Admitted {
         client,
         upstream,
         outcome: mut out,
-        hello_pending,
+        ..
     } = admitted;
     let (host, port) = (out.host.clone(), out.port);
     let (Ok(p_up), Ok(p_down)) = (SplicePipe::new(), SplicePipe::new()) else {
@@ -973,15 +1128,6 @@ pub async fn relay_spliced<S: Spliced>(
     };
     let (sent, got) = (AtomicU64::new(0), AtomicU64::new(0));
     let up = async {
-        // A tunnel connected before its client spoke: its first bytes pass
-        // the check before any goes upstream (the server's go to the
-        // client meanwhile, below).
-        if hello_pending {
-            let first = first_words(&client, &host).await?;
-            write_all(&upstream, &first).await.map_err(|_| None)?;
-            meters.out.charge(first.len() as u64).await;
-            sent.fetch_add(first.len() as u64, Ordering::Relaxed);
-        }
         let r = splice_all(&client, &upstream, &p_up, &sent, &meters.out).await;
         // The sandbox is done sending: the server hears of it.
         let _ = nix::sys::socket::shutdown(
@@ -1052,69 +1198,12 @@ pub async fn relay_spliced<S: Spliced>(
     out
 }
 
-/// A pending tunnel's first bytes from its client, once they pass
-/// [`hello_verdict`] (none if it ended before a word). `Err`: refused
-/// (`Some`: why), or the socket failed.
-async fn first_words(client: &impl Spliced, host: &str) -> Result<Vec<u8>, Option<Blocked>> {
-    use tokio::io::Interest;
-    let mut first = Vec::new();
-    let mut chunk = [0u8; 4096];
-    // Once a hello has begun, it has the head's time to end.
-    let mut by: Option<tokio::time::Instant> = None;
-    loop {
-        tokio::select! {
-            r = client.ready(Interest::READABLE) => { r.map_err(|_| None)?; }
-            () = until(by) => return Err(Some(Blocked::BadRequest)),
-        }
-        let n = match client.attempt(Interest::READABLE, || {
-            nix::unistd::read(client.as_fd(), &mut chunk).map_err(std::io::Error::from)
-        }) {
-            Ok(n) => n,
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
-            Err(_) => return Err(None),
-        };
-        if n == 0 {
-            return if first.is_empty() {
-                Ok(first)
-            } else {
-                Err(Some(Blocked::BadRequest))
-            };
-        }
-        if first.is_empty() {
-            by = Some(tokio::time::Instant::now() + HEAD_TIMEOUT);
-        }
-        first.extend_from_slice(&chunk[..n]);
-        match hello_verdict(&first, host) {
-            Verdict::More => {}
-            Verdict::Go => return Ok(first),
-            Verdict::Refuse => return Err(Some(Blocked::SniMismatch)),
-        }
-    }
-}
-
 /// Waits until `at`, or forever when there is none.
 async fn until(at: Option<tokio::time::Instant>) {
     match at {
         Some(at) => tokio::time::sleep_until(at).await,
         None => std::future::pending().await,
     }
-}
-
-/// Writes all of `bytes` to a socket tokio watches.
-async fn write_all(to: &impl Spliced, mut bytes: &[u8]) -> std::io::Result<()> {
-    use tokio::io::Interest;
-    while !bytes.is_empty() {
-        to.ready(Interest::WRITABLE).await?;
-        match to.attempt(Interest::WRITABLE, || {
-            nix::unistd::write(to.as_fd(), bytes).map_err(std::io::Error::from)
-        }) {
-            Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
-            Ok(n) => bytes = &bytes[n..],
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(())
 }
 
 /// The size asked of a splicing pipe.
@@ -1277,7 +1366,7 @@ where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
 {
     match admit(client, &mut policy, gate).await {
-        Ok(a) => relay(a, policy).await,
+        Ok(a) => relay(a, policy, &Meters::default()).await,
         Err(refused) => refused.answer().await,
     }
 }
@@ -1708,6 +1797,24 @@ mod tests {
         let (o, _) = exchange(&req, p).await;
         assert_eq!(o.blocked, Some(Blocked::SniMismatch));
         assert!(got.try_recv().is_err());
+    }
+
+    #[tokio::test]
+    async fn a_bracketed_address_is_refused_as_internal_not_as_another_host() {
+        let (_tx, p) = policy(&["::/0"]);
+        for req in [
+            "GET http://[::1]/ HTTP/1.1\r\nHost: [::1]\r\n\r\n",
+            "GET http://[::1]:443/ HTTP/1.1\r\nHost: [::1]:443\r\n\r\n",
+            "GET http://[::169.254.169.254]/ HTTP/1.1\r\nHost: [::169.254.169.254]\r\n\r\n",
+            "GET http://[64:ff9b:1::a9fe:a9fe]/ HTTP/1.1\r\n\r\n",
+        ] {
+            let (o, back) = exchange(req.as_bytes(), p.clone()).await;
+            assert_eq!(o.blocked, Some(Blocked::InternalAddress), "{req}: {o:?}");
+            assert!(
+                String::from_utf8_lossy(&back).contains("reason=internal_address"),
+                "{req}"
+            );
+        }
     }
 
     #[tokio::test]
