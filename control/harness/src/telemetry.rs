@@ -118,6 +118,25 @@ impl Drop for FlushOnDrop {
 }
 
 /// `00-TRACE-SPAN-FLAGS` of a span.
+/// Most bytes of a span's attribute or status text: values from a model,
+/// a sandbox or a server are cut there, so that no span outgrows what a
+/// collector takes (4 MiB a batch, by default).
+pub const MAX_ATTRIBUTE_BYTES: usize = 4096;
+
+/// `value`, cut to [`MAX_ATTRIBUTE_BYTES`] at a character's boundary (with
+/// a mark that it was).
+pub fn capped(value: impl AsRef<str>) -> String {
+    let value = value.as_ref();
+    if value.len() <= MAX_ATTRIBUTE_BYTES {
+        return value.to_string();
+    }
+    let mut end = MAX_ATTRIBUTE_BYTES;
+    while !value.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}... ({} bytes)", &value[..end], value.len())
+}
+
 pub fn traceparent(cx: &SpanContext) -> String {
     format!(
         "00-{:032x}-{:016x}-{:02x}",
@@ -296,7 +315,7 @@ impl SessionTrace {
                         u.cached_input_tokens as i64,
                     ));
                     if let Some(id) = &response.id {
-                        span.set_attribute(KeyValue::new("gen_ai.response.id", id.clone()));
+                        span.set_attribute(KeyValue::new("gen_ai.response.id", capped(id)));
                     }
                     let calls = response
                         .output
@@ -316,7 +335,7 @@ impl SessionTrace {
                         "error.type",
                         code.clone().unwrap_or_else(|| "model_failure".into()),
                     ));
-                    span.set_status(Status::error(error.clone()));
+                    span.set_status(Status::error(capped(error)));
                 }
                 self.end_chat(*turn, at, "failed");
             }
@@ -334,8 +353,8 @@ impl SessionTrace {
                     .with_start_time(at)
                     .with_attributes(vec![
                         KeyValue::new("gen_ai.operation.name", "execute_tool"),
-                        KeyValue::new("gen_ai.tool.name", tool.clone()),
-                        KeyValue::new("gen_ai.tool.call.id", call_id.clone()),
+                        KeyValue::new("gen_ai.tool.name", capped(tool)),
+                        KeyValue::new("gen_ai.tool.call.id", capped(call_id)),
                         KeyValue::new("gen_ai.tool.type", "function"),
                     ])
                     .start_with_context(&self.tracer, &under(&self.run_cx));
@@ -351,7 +370,7 @@ impl SessionTrace {
                     }
                     CallOutcome::Error { text } => {
                         span.set_attribute(KeyValue::new("error.type", "refused"));
-                        span.set_status(Status::error(text.clone()));
+                        span.set_status(Status::error(capped(text)));
                         span.end_with_timestamp(at);
                     }
                     CallOutcome::Done { .. } => span.end_with_timestamp(at),
@@ -397,7 +416,7 @@ impl SessionTrace {
                     "input",
                     at,
                     vec![
-                        KeyValue::new("corral.input.id", input_id.clone()),
+                        KeyValue::new("corral.input.id", capped(input_id)),
                         KeyValue::new("corral.input.steering", steering),
                     ],
                 );
@@ -429,7 +448,7 @@ impl SessionTrace {
                 self.event(
                     "sandbox_lost",
                     at,
-                    vec![KeyValue::new("corral.reason", reason.clone())],
+                    vec![KeyValue::new("corral.reason", capped(reason))],
                 );
             }
             Record::Placed {
@@ -455,10 +474,10 @@ impl SessionTrace {
                 "egress",
                 at,
                 vec![
-                    KeyValue::new("server.address", host.clone()),
+                    KeyValue::new("server.address", capped(host)),
                     KeyValue::new("server.port", i64::from(*port)),
                     KeyValue::new("corral.egress.decision", decision.clone()),
-                    KeyValue::new("corral.egress.reason", reason.clone()),
+                    KeyValue::new("corral.egress.reason", capped(reason)),
                 ],
             ),
             Record::Shrink {
@@ -551,7 +570,7 @@ impl ForkTrace {
 
     /// The fork failed with `error`.
     pub fn failed(&mut self, error: &str) {
-        self.span.set_status(Status::error(error.to_string()));
+        self.span.set_status(Status::error(capped(error)));
     }
 }
 
@@ -596,5 +615,20 @@ impl RunTrace {
 impl crate::agent::core::RecordObserver for RunTrace {
     fn on_record(&mut self, at_unix_ms: i64, record: &Record) {
         self.with(|t| t.on_record(at_unix_ms, record));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn attribute_values_are_capped_at_a_character_boundary() {
+        assert_eq!(capped("short"), "short");
+        let long = "é".repeat(3000);
+        let c = capped(&long);
+        assert!(c.len() < MAX_ATTRIBUTE_BYTES + 32, "{}", c.len());
+        assert!(c.ends_with("... (6000 bytes)"), "{c}");
+        assert!(c.starts_with("éé"));
     }
 }

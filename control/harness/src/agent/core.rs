@@ -861,15 +861,22 @@ pub fn cache_key(session_id: &str) -> String {
     )
 }
 
-/// Tool-call arguments over [`crate::tools::MAX_TOOL_ARGUMENT_BYTES`] replaced, before
-/// the response is recorded, by a placeholder the registry answers with an
+/// Tool-call arguments over [`crate::tools::MAX_TOOL_ARGUMENT_BYTES`], and
+/// names over [`crate::tools::MAX_TOOL_NAME_BYTES`], replaced, before the
+/// response is recorded, by placeholders the registry answers with an
 /// error: never run, and never sent back to the model.
 fn bound_arguments(mut response: Response) -> Response {
     for item in &mut response.output {
-        if let Item::ToolCall { arguments, .. } = item
-            && arguments.len() > crate::tools::MAX_TOOL_ARGUMENT_BYTES
+        if let Item::ToolCall {
+            name, arguments, ..
+        } = item
         {
-            *arguments = crate::tools::omitted_arguments(arguments.len()).into();
+            if arguments.len() > crate::tools::MAX_TOOL_ARGUMENT_BYTES {
+                *arguments = crate::tools::omitted_arguments(arguments.len()).into();
+            }
+            if name.len() > crate::tools::MAX_TOOL_NAME_BYTES {
+                *name = crate::tools::omitted_name(name.len()).into();
+            }
         }
     }
     response

@@ -342,6 +342,40 @@ fn malformed_arguments_and_unknown_tools_answer_at_once_and_the_run_goes_on() {
 }
 
 #[test]
+fn an_over_long_tool_name_is_answered_as_an_error_and_kept_out_of_the_context() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut core = new_core(dir.path(), "s");
+    core.input("i", "go").unwrap();
+    fx(&mut core);
+    let long = "N".repeat(3_000_000);
+    core.model_done(
+        1,
+        Ok(calls(&[
+            ("long", long.as_str(), &bash("true")),
+            ("ok", "Bash", &bash("true")),
+        ])),
+    )
+    .unwrap();
+    let f = fx(&mut core);
+    // Nothing of the misnamed call runs; the other one does.
+    assert_eq!(f.adds.len(), 1);
+    let results = result_texts(&f.sends[0].1);
+    assert!(
+        results[0].1.contains("was 3000000 bytes") && results[0].1.contains("nothing was run"),
+        "{results:?}"
+    );
+    // Neither the next request nor the log carries the name.
+    let sent = serde_json::to_string(&f.sends[0].1.input).unwrap();
+    assert!(sent.len() < 64 * 1024, "{} bytes sent back", sent.len());
+    let logged: usize = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().metadata().unwrap().len() as usize)
+        .sum();
+    assert!(logged < 1 << 20, "{logged} bytes logged");
+    assert_replays(dir.path(), &core);
+}
+
+#[test]
 fn an_oversized_argument_is_answered_as_an_error_and_kept_out_of_the_context() {
     let dir = tempfile::tempdir().unwrap();
     let mut core = new_core(dir.path(), "s");

@@ -59,6 +59,27 @@ pub trait Translator: Send + Sync {
 /// [`omitted_arguments`], so one call cannot fill every later request.
 pub const MAX_TOOL_ARGUMENT_BYTES: usize = 256 * 1024;
 
+/// The longest tool name a session keeps (providers allow 64 characters):
+/// a longer one is answered with an error and replaced in the conversation
+/// by [`omitted_name`], so that no later request, log record or trace
+/// carries it.
+pub const MAX_TOOL_NAME_BYTES: usize = 128;
+
+/// The start of the placeholder that stands for an omitted tool name.
+const OMITTED_NAME: &str = "corral_tool_name_omitted_";
+
+/// What stands in the conversation for a tool name of `bytes` bytes that
+/// was over [`MAX_TOOL_NAME_BYTES`] (itself a valid tool name).
+pub fn omitted_name(bytes: usize) -> String {
+    format!("{OMITTED_NAME}{bytes}")
+}
+
+/// The size of the name `name` stands for, if it is the placeholder of
+/// [`omitted_name`].
+fn omitted_name_size(name: &str) -> Option<u64> {
+    name.strip_prefix(OMITTED_NAME)?.parse().ok()
+}
+
 /// The key of the placeholder that stands for omitted arguments.
 const OMITTED_KEY: &str = "corral_arguments_omitted_bytes";
 
@@ -148,6 +169,13 @@ impl Registry {
     /// command, an empty command, a path too long...) are refused here, at
     /// once, with the worker's own words.
     pub fn translate(&self, name: &str, arguments: &str) -> CallStatus {
+        if let Some(bytes) = omitted_name_size(name) {
+            return CallStatus::Error(format!(
+                "Error: the name of this tool call was {bytes} bytes, over the limit of \
+                 {MAX_TOOL_NAME_BYTES}: no tool has such a name, nothing was run, and it was \
+                 left out of the conversation. Call one of the tools offered, by its name."
+            ));
+        }
         if let Some(bytes) = omitted_size(arguments) {
             return CallStatus::Error(format!(
                 "Error: the arguments of this {name} call were {bytes} bytes, over the limit of \
