@@ -54,6 +54,8 @@ CHUNK = 1 << 20
 MAX_TIMEOUT_MS = 24 * 60 * 60 * 1000
 #: Largest write sent whole, in one operation.
 MAX_FILE = 8 << 20
+#: Most bytes ``files.read`` takes into memory unless told otherwise.
+MAX_READ = 64 << 20
 #: Workers probed before a placement; beyond, two at random.
 PROBE_ALL_UP_TO = 8
 PROBE_TIMEOUT_S = 1.0
@@ -435,26 +437,101 @@ class AsyncProcess:
         return reply.canceling
 
 
+def _parse_listing(path: str, data: bytes) -> list[FileEntry]:
+    """The entries a listing of ``path`` wrote (a line of mode, size and time,
+    then the name and a NUL, each): made in the sandbox, so taken only in the
+    form asked for, and a name is one component of a path, nothing more."""
+    out: list[FileEntry] = []
+    base = path.rstrip("/") or "/"
+    while data:
+        line, _, data = data.partition(b"\n")
+        name, _, data = data.partition(b"\0")
+        # Made by commands in the sandbox: taken only in the form asked.
+        try:
+            raw_mode, size, mtime = line.split()
+            mode, size_n, mtime_f = int(raw_mode, 16), int(size), float(mtime)
+        except ValueError:
+            raise FileError(
+                f"{path}: a listing line {line[:80]!r} is malformed", kind="other"
+            ) from None
+        kind = {
+            0o040000: EntryType.DIRECTORY,
+            0o100000: EntryType.FILE,
+            0o120000: EntryType.SYMLINK,
+        }.get(mode & 0o170000, EntryType.OTHER)
+        n = name.decode("utf-8", "surrogateescape")
+        # A name is one component: anything else is a forged listing (a
+        # process in the sandbox can change what the shell writes).
+        if n in ("", ".", "..") or "/" in n:
+            raise FileError(
+                f"{path}: the listing names {n[:80]!r}, which no directory holds: "
+                "a forged listing, refused",
+                kind="other",
+            )
+        out.append(
+            FileEntry(
+                name=n,
+                path=f"{base}/{n}" if base != "/" else f"/{n}",
+                type=kind,
+                mode=mode & 0o7777,
+                size=size_n,
+                mtime=mtime_f,
+            )
+        )
+    return sorted(out, key=lambda e: e.name)
+
+
+class _TooLarge(Exception):
+    """A file read over its bound (stops following it)."""
+
+
 class AsyncFiles:
     """A sandbox's files (paths relative to /workspace, or under /tmp)."""
 
     def __init__(self, sandbox: AsyncSandbox) -> None:
         self._sb = sandbox
 
-    async def read(self, path: SandboxPath) -> bytes:
-        """The whole file; FileError when there is none, or it is no regular file."""
+    async def read(self, path: SandboxPath, *, max_bytes: int | None = MAX_READ) -> bytes:
+        """The whole file; FileError when there is none, or it is no regular file.
+        A file over ``max_bytes`` (64 MiB unless given; None: no bound) is
+        not read into memory: ResourceExhausted (use :meth:`download`)."""
         path = _path(path, "path")
+        if max_bytes is not None and (
+            isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0
+        ):
+            raise InvalidArgument(f"max_bytes {max_bytes!r}: not a number of bytes")
         spec = pb.OperationSpec(read_file=pb.ReadFileSpec(path=path, stream=True))
         p = await self._sb._submit(spec)
         parts: list[bytes] = []
-        await p._follow(on_stdout=parts.append)
+        got = 0
+
+        def take(piece: bytes) -> None:
+            nonlocal got
+            got += len(piece)
+            if max_bytes is not None and got > max_bytes:
+                raise _TooLarge
+            parts.append(piece)
+
+        try:
+            await p._follow(on_stdout=take)
+        except _TooLarge:
+            parts.clear()
+            with contextlib.suppress(CorralError):
+                await p.kill()
+            raise ResourceExhausted(
+                f"{path}: larger than max_bytes={max_bytes}; give a larger max_bytes, "
+                "or download it",
+                reason="file_too_large",
+            ) from None
         err = _file_error(p._raw, path)
         if err is not None:
             raise err
         return b"".join(parts)
 
-    async def read_text(self, path: SandboxPath, encoding: str = "utf-8") -> str:
-        return (await self.read(path)).decode(encoding)
+    async def read_text(
+        self, path: SandboxPath, encoding: str = "utf-8", *, max_bytes: int | None = MAX_READ
+    ) -> str:
+        return (await self.read(path, max_bytes=max_bytes)).decode(encoding)
 
     async def write(self, path: SandboxPath, data: Data, mode: int | None = None) -> int:
         """Replaces (or makes) the file; bytes written."""
@@ -506,37 +583,7 @@ class AsyncFiles:
             raise FileError(f"{path}: {r.stderr.strip() or r.end_cause.value}", kind="other")
         if r.omitted_bytes:
             raise ResourceExhausted(f"{path}: the listing is over the worker's output limit")
-        out: list[FileEntry] = []
-        data = r.stdout_bytes
-        base = path.rstrip("/") or "/"
-        while data:
-            line, _, data = data.partition(b"\n")
-            name, _, data = data.partition(b"\0")
-            # Made by commands in the sandbox: taken only in the form asked.
-            try:
-                raw_mode, size, mtime = line.split()
-                mode, size_n, mtime_f = int(raw_mode, 16), int(size), float(mtime)
-            except ValueError:
-                raise FileError(
-                    f"{path}: a listing line {line[:80]!r} is malformed", kind="other"
-                ) from None
-            kind = {
-                0o040000: EntryType.DIRECTORY,
-                0o100000: EntryType.FILE,
-                0o120000: EntryType.SYMLINK,
-            }.get(mode & 0o170000, EntryType.OTHER)
-            n = name.decode("utf-8", "surrogateescape")
-            out.append(
-                FileEntry(
-                    name=n,
-                    path=f"{base}/{n}" if base != "/" else f"/{n}",
-                    type=kind,
-                    mode=mode & 0o7777,
-                    size=size_n,
-                    mtime=mtime_f,
-                )
-            )
-        return sorted(out, key=lambda e: e.name)
+        return _parse_listing(path, r.stdout_bytes)
 
     async def upload(self, local: str | Path, remote: SandboxPath = ".") -> int:
         """Copies a local file or tree into the sandbox as ``corral cp`` does:

@@ -185,11 +185,17 @@ class Files:
     def __init__(self, inner: _core.AsyncFiles) -> None:
         self._f = inner
 
-    def read(self, path: _core.SandboxPath) -> bytes:
-        return _run(self._f.read(path))
+    def read(self, path: _core.SandboxPath, *, max_bytes: int | None = _core.MAX_READ) -> bytes:
+        return _run(self._f.read(path, max_bytes=max_bytes))
 
-    def read_text(self, path: _core.SandboxPath, encoding: str = "utf-8") -> str:
-        return _run(self._f.read_text(path, encoding))
+    def read_text(
+        self,
+        path: _core.SandboxPath,
+        encoding: str = "utf-8",
+        *,
+        max_bytes: int | None = _core.MAX_READ,
+    ) -> str:
+        return _run(self._f.read_text(path, encoding, max_bytes=max_bytes))
 
     def write(self, path: _core.SandboxPath, data: _core.Data, mode: int | None = None) -> int:
         return _run(self._f.write(path, data, mode))

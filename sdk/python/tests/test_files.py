@@ -120,3 +120,33 @@ def test_upload_drops_set_id_bits_and_keeps_links_in(sb: corral.Sandbox, tmp_pat
     assert sb.run("ls /tmp/s").stdout.split() == ["rel", "suid"]
     with pytest.raises(corral.TransferError):
         sb.files.upload(tmp_path / "missing", "/tmp")
+
+
+def test_a_read_is_bounded_and_a_file_over_it_is_a_typed_error(sb: corral.Sandbox) -> None:
+    sb.run("head -c 3000000 /dev/zero > three-mb; truncate -s 2G sparse")
+    assert len(sb.files.read("three-mb")) == 3_000_000
+    with pytest.raises(corral.ResourceExhausted) as e:
+        sb.files.read("three-mb", max_bytes=1 << 20)
+    assert e.value.reason == "file_too_large" and "max_bytes=1048576" in str(e.value)
+    # A sparse file of 2 GiB, at the default bound: refused, not taken into memory.
+    with pytest.raises(corral.ResourceExhausted):
+        sb.files.read("sparse")
+    with pytest.raises(corral.ResourceExhausted):
+        sb.files.read_text("three-mb", max_bytes=10)
+    assert len(sb.files.read("three-mb", max_bytes=None)) == 3_000_000
+    with pytest.raises(corral.InvalidArgument):
+        sb.files.read("three-mb", max_bytes=-1)
+    # The sandbox goes on (the read was stopped, nothing left running).
+    assert sb.run("echo fine").stdout == "fine\n"
+
+
+def test_a_listing_naming_more_than_one_component_is_refused_as_forged() -> None:
+    from corral._core import _parse_listing
+
+    good = b"81a4 5 1700000000\nnotes.txt\x00"
+    assert [e.name for e in _parse_listing("d", good)] == ["notes.txt"]
+    # What a process tracing the listing's shell could make it write.
+    for forged in ["../../../../tmp/x", "a/b", "..", ".", ""]:
+        data = good + b"81a4 5 1700000000\n" + forged.encode() + b"\x00"
+        with pytest.raises(corral.FileError, match="forged listing"):
+            _parse_listing("d", data)
