@@ -101,7 +101,15 @@ pub enum ExecError {
     Invalid(String),
     #[error("{0}")]
     Output(#[from] std::io::Error),
+    /// A stop signal (its number) came before the command started.
+    #[error("stopped by signal {0} before the command started")]
+    Stopped(i32),
 }
+
+/// How long a command stopped before it started waits for what it had asked
+/// of its worker to be taken back (a sandbox made for it, an operation
+/// submitted): a worker waiting for its engine may never answer.
+const UNDO_WAIT: Duration = Duration::from_secs(3);
 
 /// Quotes `argv` for `/bin/sh -c` so each word arrives as it was given.
 pub fn shell_join(argv: &[String]) -> String {
@@ -129,7 +137,7 @@ pub async fn exec<W: WorkerApi>(
     req: ExecRequest,
     out: &mut (impl AsyncWrite + Unpin),
     err: &mut (impl AsyncWrite + Unpin),
-    controls: Controls,
+    mut controls: Controls,
 ) -> Result<Ended, ExecError> {
     if req.argv.is_empty() {
         return Err(ExecError::Invalid(
@@ -162,10 +170,18 @@ pub async fn exec<W: WorkerApi>(
         None => {
             let id = SandboxId::random();
             let sb_spec = req.sandbox_spec();
-            follow::retry(&worker, req.worker_lost_after, || {
-                worker.create_sandbox(&id, &sb_spec)
-            })
-            .await?;
+            // A stop signal while the sandbox is made (its worker may wait
+            // for its engine) ends this at once; the sandbox goes if it came.
+            let made = tokio::select! {
+                made = follow::retry(&worker, req.worker_lost_after, || {
+                    worker.create_sandbox(&id, &sb_spec)
+                }) => made.map(drop).map_err(ExecError::from),
+                sig = &mut controls.stop => Err(ExecError::Stopped(sig)),
+            };
+            if let Err(ExecError::Stopped(_)) = &made {
+                let _ = tokio::time::timeout(UNDO_WAIT, worker.destroy_sandbox(&id)).await;
+            }
+            made?;
             (id, true)
         }
     };
@@ -193,18 +209,28 @@ async fn run_op<W: WorkerApi>(
     patience: Duration,
 ) -> Result<Ended, ExecError> {
     let op = OperationId::random();
-    // Followed before it is submitted: everything of this operation comes
-    // after the sandbox's current seq, and an open watcher holds the
-    // sandbox's output for this reader rather than let the journal drop it.
-    let mut events =
-        Follower::from_now(worker.clone(), sandbox.clone(), Some(op.clone()), patience).await?;
-    follow::retry(worker, patience, || worker.submit(sandbox, &op, &spec)).await?;
-
     let Controls {
         mut stop,
         input,
         resize,
     } = controls;
+    // Followed before it is submitted: everything of this operation comes
+    // after the sandbox's current seq, and an open watcher holds the
+    // sandbox's output for this reader rather than let the journal drop it.
+    // A stop signal before it is submitted ends this at once.
+    let started = async {
+        let events =
+            Follower::from_now(worker.clone(), sandbox.clone(), Some(op.clone()), patience).await?;
+        follow::retry(worker, patience, || worker.submit(sandbox, &op, &spec)).await?;
+        Ok::<_, ExecError>(events)
+    };
+    let mut events = tokio::select! {
+        started = started => started?,
+        sig = &mut stop => {
+            let _ = tokio::time::timeout(UNDO_WAIT, worker.cancel(sandbox, &op)).await;
+            return Err(ExecError::Stopped(sig));
+        }
+    };
     let feed_op = op.clone();
     let mut feeding = std::pin::pin!(async move {
         match input {

@@ -24,6 +24,13 @@ enum Error {
 pub async fn main(conn: &ConnArgs, args: ExecArgs) -> u8 {
     match exec_command(conn, args).await {
         Ok(code) => code,
+        Err(Error::Exec(ExecError::Stopped(sig))) => {
+            super::warn(&format!(
+                "stopped by {} before the command started",
+                signal_name(sig)
+            ));
+            128u8.saturating_add(sig as u8)
+        }
         Err(e) => {
             super::report(&e);
             match e {
@@ -34,7 +41,21 @@ pub async fn main(conn: &ConnArgs, args: ExecArgs) -> u8 {
     }
 }
 
+/// A stop signal's name, as `corral exec` reports it.
+fn signal_name(sig: i32) -> &'static str {
+    match sig {
+        1 => "SIGHUP",
+        2 => "SIGINT",
+        15 => "SIGTERM",
+        _ => "a signal",
+    }
+}
+
 async fn exec_command(conn: &ConnArgs, args: ExecArgs) -> Result<u8, Error> {
+    // The stop signals are caught from the start: one that comes while a
+    // worker or its engine is awaited ends this, and a second ends it from
+    // any state.
+    let mut stop = Box::pin(crate::signals::stop_signal());
     // As `docker exec -it`: keys cannot come from a pipe or a file (a
     // terminal's end of input is a key, which a file never sends).
     if args.tty && args.interactive && !std::io::IsTerminal::is_terminal(&std::io::stdin()) {
@@ -69,32 +90,43 @@ async fn exec_command(conn: &ConnArgs, args: ExecArgs) -> Result<u8, Error> {
     };
     // Several workers: the sandbox is found among them, or a new one is
     // placed.
-    let urls = worker_urls(conn).await?;
-    let client = match (&req.sandbox, urls.len()) {
-        (_, 0 | 1) => connect(conn).await?,
-        (Some(id), _) => connect_for(conn, id).await?,
-        (None, _) => {
-            let id = SandboxId::random();
-            let spec = req.sandbox_spec();
-            let client = place(conn, &urls, &spec, |_, client| {
-                let (id, spec) = (id.clone(), spec.clone());
-                async move {
-                    match client.create_sandbox(Some(&id), spec).await {
-                        Ok(_) => Ok(client),
-                        Err(e) if e.is_refusal() || e.is_transient() => {
-                            Err(Attempt::Refused(e.to_string()))
+    let mut made = None;
+    let reached = async {
+        let urls = worker_urls(conn).await?;
+        let client = match (&req.sandbox, urls.len()) {
+            (_, 0 | 1) => connect(conn).await?,
+            (Some(id), _) => connect_for(conn, id).await?,
+            (None, _) => {
+                let id = SandboxId::random();
+                let spec = req.sandbox_spec();
+                let client = place(conn, &urls, &spec, |_, client| {
+                    let (id, spec) = (id.clone(), spec.clone());
+                    async move {
+                        match client.create_sandbox(Some(&id), spec).await {
+                            Ok(_) => Ok(client),
+                            Err(e) if e.is_refusal() || e.is_transient() => {
+                                Err(Attempt::Refused(e.to_string()))
+                            }
+                            Err(e) => Err(Attempt::Failed(Error::Connect(e.into()))),
                         }
-                        Err(e) => Err(Attempt::Failed(Error::Connect(e.into()))),
                     }
-                }
-            })
-            .await?;
-            req.sandbox = Some(id);
-            req.made_for_it = true;
-            client
-        }
+                })
+                .await?;
+                made = Some(id);
+                client
+            }
+        };
+        Ok::<_, Error>(client)
     };
-    let mut controls = exec::Controls::stop_on(crate::signals::stop_signal());
+    let client = tokio::select! {
+        client = reached => client?,
+        sig = &mut stop => return Err(Error::Exec(ExecError::Stopped(sig))),
+    };
+    if let Some(id) = made {
+        req.sandbox = Some(id);
+        req.made_for_it = true;
+    }
+    let mut controls = exec::Controls::stop_on(stop);
     if args.interactive {
         controls.input = Some(Box::pin(tokio::io::stdin()));
     }
@@ -121,12 +153,7 @@ async fn exec_command(conn: &ConnArgs, args: ExecArgs) -> Result<u8, Error> {
     match (outcome, ended.stopped_by) {
         (Outcome::Exited { .. } | Outcome::Signaled { .. }, _) => {}
         (Outcome::Canceled, Some(sig)) => {
-            let name = match sig {
-                1 => "SIGHUP",
-                2 => "SIGINT",
-                15 => "SIGTERM",
-                _ => "a signal",
-            };
+            let name = signal_name(sig);
             let line = format!("corral: command canceled ({name})\n");
             tokio::io::AsyncWriteExt::write_all(&mut err, line.as_bytes()).await?;
             return Ok(128 + sig as u8);

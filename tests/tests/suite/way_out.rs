@@ -569,6 +569,62 @@ async fn a_second_sigterm_ends_exec_during_a_docker_outage() -> Result<()> {
     Ok(())
 }
 
+/// `corral exec` started while its worker's Docker engine is away waits
+/// for the sandbox it makes; a SIGTERM (or SIGINT, SIGHUP) then ends it at
+/// once, saying so, as one during its command would.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exec_started_during_a_docker_outage_ends_on_a_signal() -> Result<()> {
+    use tokio::net::UnixListener;
+    let dir = tempfile::tempdir()?;
+    let sock = dir.path().join("docker.sock");
+    let listener = UnixListener::bind(&sock)?;
+    let proxy = tokio::spawn(async move {
+        let mut conns = tokio::task::JoinSet::new();
+        while let Ok((mut client, _)) = listener.accept().await {
+            conns.spawn(async move {
+                if let Ok(mut docker) =
+                    tokio::net::UnixStream::connect("/var/run/docker.sock").await
+                {
+                    let _ = tokio::io::copy_bidirectional(&mut client, &mut docker).await;
+                }
+            });
+        }
+    });
+    let host = format!("unix://{}", sock.display());
+    let h = Harness::start_with(|c| c.docker_host = Some(host.clone())).await?;
+    // The engine goes away before the command is asked for.
+    proxy.abort();
+    let _ = proxy.await;
+    let _ = std::fs::remove_file(&sock);
+    for (signal, code) in [
+        (nix::sys::signal::Signal::SIGTERM, 143),
+        (nix::sys::signal::Signal::SIGINT, 130),
+        (nix::sys::signal::Signal::SIGHUP, 129),
+    ] {
+        let mut exec = tokio::process::Command::new(binary("corral")?)
+            .args(["--worker", &h.url, "exec", "--", "true"])
+            .env_remove("CORRAL_WORKER")
+            .stderr(std::process::Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()?;
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        assert!(exec.try_wait()?.is_none(), "exec did not wait for the engine");
+        let pid = nix::unistd::Pid::from_raw(exec.id().expect("running") as i32);
+        nix::sys::signal::kill(pid, signal)?;
+        let status = tokio::time::timeout(Duration::from_secs(6), exec.wait())
+            .await
+            .map_err(|_| anyhow::anyhow!("corral exec still runs 6 s after {signal}"))??;
+        let mut err = String::new();
+        if let Some(mut e) = exec.stderr.take() {
+            tokio::io::AsyncReadExt::read_to_string(&mut e, &mut err).await?;
+        }
+        assert_eq!(status.code(), Some(code), "{signal}: {err}");
+        assert!(err.contains("before the command started"), "{err}");
+    }
+    drop(h);
+    Ok(())
+}
+
 /// A Download whose client stops reading is dropped by the worker (it may
 /// not hold the sandbox's output back); the stream then ends with an
 /// error, never as if the archive were whole.
