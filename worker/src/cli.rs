@@ -157,9 +157,11 @@ pub struct WorkerArgs {
     /// Most CPUs a sandbox may ask for (default: this host's).
     #[arg(long, env = "CORRAL_MAX_CPUS")]
     pub max_cpus: Option<f64>,
-    /// Most processes a sandbox may ask for.
-    #[arg(long, env = "CORRAL_MAX_PIDS", default_value_t = 4096)]
-    pub max_pids: u32,
+    /// Most processes a sandbox may ask for (default: 4096, or less where
+    /// --max-sandboxes of them would take more than three quarters of the
+    /// host's pid_max).
+    #[arg(long, env = "CORRAL_MAX_PIDS")]
+    pub max_pids: Option<u32>,
     /// Largest /workspace a sandbox may ask for (it counts as memory).
     #[arg(long, env = "CORRAL_MAX_WORKSPACE", default_value = "16g", value_parser = parse_size)]
     pub max_workspace: u64,
@@ -519,7 +521,9 @@ impl WorkerArgs {
                         .map_or(1, std::num::NonZeroUsize::get)
                         .saturating_mul(1000) as u32,
                 },
-                pids: self.max_pids,
+                pids: self.max_pids.unwrap_or_else(|| {
+                    default_max_pids(read_pid_max(), self.max_sandboxes)
+                }),
                 workspace_bytes: self.max_workspace,
                 tmp_bytes: self.max_tmp,
             },
@@ -538,6 +542,18 @@ impl WorkerArgs {
     }
 
     pub fn worker_config(&self) -> Result<WorkerConfig, ConfigError> {
+        let policy = self.policy()?;
+        let pids_ceiling = policy.ceilings.pids;
+        let pid_max = read_pid_max();
+        if u64::from(pids_ceiling) * u64::from(self.max_sandboxes) > u64::from(pid_max) {
+            tracing::warn!(
+                max_pids = pids_ceiling,
+                max_sandboxes = self.max_sandboxes,
+                pid_max,
+                "--max-sandboxes sandboxes at --max-pids processes each would take more than this host's pid_max: a sandbox's fork bomb at its bound could leave the host without pids"
+            );
+        }
+        let defaults = Defaults::default();
         Ok(WorkerConfig {
             state_dir: self.state_dir(),
             worker_id: self.worker_id.clone(),
@@ -552,9 +568,11 @@ impl WorkerArgs {
             defaults: Defaults {
                 image: self.default_image.clone(),
                 runtime: self.runtime.clone(),
-                ..Defaults::default()
+                // The default within the ceiling.
+                pids_limit: defaults.pids_limit.min(pids_ceiling),
+                ..defaults
             },
-            policy: self.policy()?,
+            policy,
             sandbox_limits: crate::sandbox::Limits {
                 watch_stall: self.watch_stall,
                 max_watchers: self.max_watchers_per_sandbox,
@@ -627,8 +645,38 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
     Ok((n * mult as f64) as u64)
 }
 
+/// The host's `kernel.pid_max` (32,768 where it cannot be read: Linux's
+/// default on small hosts).
+pub fn read_pid_max() -> u32 {
+    std::fs::read_to_string("/proc/sys/kernel/pid_max")
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(32_768)
+}
+
+/// The most processes a sandbox may ask for when the operator names no
+/// bound: 4096, or less where `sandboxes` sandboxes at that bound would
+/// take more than three quarters of the host's `pid_max` (the rest is the
+/// host's and the worker's). Never below 64.
+pub fn default_max_pids(pid_max: u32, sandboxes: u32) -> u32 {
+    let share = u64::from(pid_max) * 3 / 4 / u64::from(sandboxes.max(1));
+    u32::try_from(share).unwrap_or(u32::MAX).clamp(64, 4096)
+}
+
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn the_default_pid_ceiling_leaves_the_host_a_quarter_of_its_pids() {
+        // This host's default pid_max, 64 sandboxes: 384 each.
+        assert_eq!(default_max_pids(32_768, 64), 384);
+        assert!(u64::from(default_max_pids(32_768, 64)) * 64 <= 32_768 * 3 / 4);
+        // A large pid_max: the usual 4096; many sandboxes: never below 64.
+        assert_eq!(default_max_pids(4_194_304, 64), 4096);
+        assert_eq!(default_max_pids(32_768, 10_000), 64);
+        assert_eq!(default_max_pids(32_768, 0), 4096);
+    }
+
     #[test]
     fn a_log_line_shows_hostile_fields_escaped_on_one_line() {
         use std::sync::{Arc, Mutex};
