@@ -72,15 +72,36 @@ pub fn url(state: &Path) -> String {
     format!("unix://{}", state.join(SOCKET).display())
 }
 
+/// Makes the local worker's state directory (and what is missing above
+/// it) its owner's only, and tightens what an older version left open: the
+/// directory, Corral's own directory above it (`.../corral`), and the files
+/// in it (a log, a lock) become 0700 and 0600.
+fn private_state(state: &Path) -> Result<(), LocalError> {
+    use std::os::unix::fs::PermissionsExt;
+    corral_worker::state::private_dir(state).map_err(io("creating", state))?;
+    if let Some(parent) = state
+        .parent()
+        .filter(|p| p.file_name() == Some("corral".as_ref()))
+    {
+        let _ = std::fs::set_permissions(parent, std::fs::Permissions::from_mode(0o700));
+    }
+    for name in ["worker.log", "start.lock", "token"] {
+        let path = state.join(name);
+        if let Ok(meta) = std::fs::symlink_metadata(&path)
+            && meta.is_file()
+            && meta.permissions().mode() & 0o077 != 0
+        {
+            let _ = std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600));
+        }
+    }
+    Ok(())
+}
+
 /// A connection to the local worker of `state`, started first if none
 /// answers. Starts are serialized by a lock file, so commands started
 /// together share one worker.
 pub async fn connect(state: &Path, docker_host: Option<&str>) -> Result<WorkerClient, LocalError> {
-    std::fs::create_dir_all(state).map_err(io("creating", state))?;
-    {
-        use std::os::unix::fs::PermissionsExt;
-        let _ = std::fs::set_permissions(state, std::fs::Permissions::from_mode(0o700));
-    }
+    private_state(state)?;
     let token_path = state.join("token");
     let token = corral_worker::cli::token_or_new(&token_path)?;
     let creds = Credentials::token(Some(&token));
@@ -89,7 +110,7 @@ pub async fn connect(state: &Path, docker_host: Option<&str>) -> Result<WorkerCl
         return Ok(client);
     }
     let lock_path = state.join("start.lock");
-    let lock_file = std::fs::OpenOptions::new()
+    let lock_file = corral_worker::state::private_file()
         .create(true)
         .truncate(false)
         .write(true)
@@ -159,7 +180,7 @@ fn start_process(
 ) -> Result<std::process::Child, LocalError> {
     use std::os::unix::process::CommandExt;
     let exe = std::env::current_exe().map_err(io("finding", Path::new("corral")))?;
-    let log_file = std::fs::OpenOptions::new()
+    let log_file = corral_worker::state::private_file()
         .create(true)
         .append(true)
         .open(log)

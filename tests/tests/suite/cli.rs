@@ -181,10 +181,28 @@ async fn errors_are_one_clear_line() -> anyhow::Result<()> {
 
 #[tokio::test]
 async fn the_embedded_worker_runs_and_cleans_up() -> anyhow::Result<()> {
-    let state = tempfile::tempdir()?;
-    let s = state.path().to_string_lossy().to_string();
+    use std::os::unix::fs::PermissionsExt;
+    let home = tempfile::tempdir()?;
+    // Left open by an older version: Corral's directory, the worker's, its
+    // log and lock. Made its owner's only at the next start.
+    let corral_dir = home.path().join("corral");
+    let state = corral_dir.join("embedded");
+    std::fs::create_dir_all(&state)?;
+    let mode = |p: &std::path::Path| std::fs::metadata(p).map(|m| m.permissions().mode() & 0o777);
+    for (p, m) in [
+        (corral_dir.clone(), 0o755),
+        (state.clone(), 0o755),
+        (state.join("worker.log"), 0o644),
+        (state.join("start.lock"), 0o644),
+    ] {
+        if m == 0o644 {
+            std::fs::write(&p, "")?;
+        }
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(m))?;
+    }
+    let s = state.to_string_lossy().to_string();
     let worker_id = unique_id("emb");
-    std::fs::write(state.path().join("worker-id"), &worker_id)?;
+    std::fs::write(state.join("worker-id"), &worker_id)?;
     let out = corral(&[
         "--state-dir",
         &s,
@@ -202,6 +220,11 @@ async fn the_embedded_worker_runs_and_cleans_up() -> anyhow::Result<()> {
         String::from_utf8_lossy(&out.stderr)
     );
     assert_eq!(out.status.code(), Some(4));
+    assert_eq!(mode(&corral_dir)?, 0o700);
+    assert_eq!(mode(&state)?, 0o700);
+    for f in ["worker.log", "start.lock", "token"] {
+        assert_eq!(mode(&state.join(f))?, 0o600, "{f}");
+    }
 
     // A sandbox outlives the process that created it, and a later one adopts it.
     let out = corral(&[
