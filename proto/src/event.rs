@@ -40,6 +40,8 @@ pub struct Egress {
     pub decision: EgressDecision,
     /// Why, unless allowed (`not_allowed`, `internal_address`, ...).
     pub reason: String,
+    /// Decisions made before this one that no event told.
+    pub unreported: u32,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -79,6 +81,7 @@ impl From<Egress> for pb::sandbox_event::Egress {
             port: u32::from(e.port),
             decision: e.decision.as_str().into(),
             reason: e.reason,
+            unreported: e.unreported,
         }
     }
 }
@@ -95,6 +98,7 @@ impl TryFrom<pb::sandbox_event::Egress> for Egress {
                 .map_err(|_| ProtocolError::invalid("egress.port", "not a port"))?,
             decision: EgressDecision::parse(&e.decision)?,
             reason: e.reason,
+            unreported: e.unreported,
         })
     }
 }

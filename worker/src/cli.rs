@@ -521,9 +521,9 @@ impl WorkerArgs {
                         .map_or(1, std::num::NonZeroUsize::get)
                         .saturating_mul(1000) as u32,
                 },
-                pids: self.max_pids.unwrap_or_else(|| {
-                    default_max_pids(read_pid_max(), self.max_sandboxes)
-                }),
+                pids: self
+                    .max_pids
+                    .unwrap_or_else(|| default_max_pids(read_pid_max(), self.max_sandboxes)),
                 workspace_bytes: self.max_workspace,
                 tmp_bytes: self.max_tmp,
             },

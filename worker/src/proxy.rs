@@ -165,8 +165,50 @@ pub fn remove(dir: &Path) {
     }
 }
 
-/// What the proxy tells its sandbox: each decision, as an event.
-pub type Reports = mpsc::Sender<Egress>;
+/// What the proxy tells its sandbox: each decision, as an event. One that
+/// finds the queue full (a flood of refused connections) is counted, and
+/// the count goes with the next one told: a gap is said, never silent.
+#[derive(Clone)]
+pub struct Reports {
+    tx: mpsc::Sender<Egress>,
+    unreported: Arc<std::sync::atomic::AtomicU32>,
+}
+
+impl Reports {
+    pub fn new(tx: mpsc::Sender<Egress>) -> Self {
+        Self {
+            tx,
+            unreported: Arc::default(),
+        }
+    }
+
+    fn take_unreported(&self) -> u32 {
+        self.unreported.swap(0, std::sync::atomic::Ordering::AcqRel)
+    }
+
+    /// Tells `e`, waiting for room.
+    pub async fn send(&self, mut e: Egress) {
+        e.unreported = self.take_unreported();
+        let _ = self.tx.send(e).await;
+    }
+
+    /// Tells `e` if there is room now; counts it otherwise.
+    pub fn try_send(&self, mut e: Egress) {
+        let before = self.take_unreported();
+        e.unreported = before;
+        if self.tx.try_send(e).is_err() {
+            self.unreported.fetch_add(
+                before.saturating_add(1),
+                std::sync::atomic::Ordering::AcqRel,
+            );
+        }
+    }
+
+    /// Decisions not told yet.
+    pub fn unreported(&self) -> u32 {
+        self.unreported.load(std::sync::atomic::Ordering::Acquire)
+    }
+}
 
 /// Serves a sandbox's socket until `closed`: each connection is admitted
 /// or refused, relayed, and reported (to `reports`, and the metrics). At
@@ -227,11 +269,12 @@ pub async fn serve(
                     let _ = stream.try_write(too_many());
                 }
             }
-            let _ = reports.try_send(Egress {
+            reports.try_send(Egress {
                 host: String::new(),
                 port: 0,
                 decision: EgressDecision::Blocked,
                 reason: reason.to_string(),
+                unreported: 0,
             });
             continue;
         };
@@ -405,6 +448,7 @@ async fn one<S>(
             port,
             decision,
             reason: reason.to_string(),
+            unreported: 0,
         }
     };
     match admit(stream, &mut policy, &settings.gate).await {
@@ -413,13 +457,13 @@ async fn one<S>(
             // comes before whatever its command does next.
             let out = &refused.outcome;
             let e = report(&out.host, out.port, EgressDecision::Blocked, out.blocked);
-            let _ = reports.send(e).await;
+            reports.send(e).await;
             refused.answer().await;
         }
         Ok(admitted) => {
             let (host, port) = (admitted.outcome().host.clone(), admitted.outcome().port);
             let e = report(&host, port, EgressDecision::Allowed, None);
-            let _ = reports.send(e).await;
+            reports.send(e).await;
             // The request's head, sent upstream as it was admitted.
             meters.out.charge(admitted.outcome().bytes_out).await;
             let out = {
@@ -428,12 +472,12 @@ async fn one<S>(
             };
             if out.cut {
                 let e = report(&host, port, EgressDecision::Closed, out.blocked);
-                let _ = reports.send(e).await;
+                reports.send(e).await;
             } else if out.blocked.is_some() {
                 // A tunnel connected before its client spoke, whose first
                 // bytes were then refused: blocked, as in time.
                 let e = report(&host, port, EgressDecision::Blocked, out.blocked);
-                let _ = reports.send(e).await;
+                reports.send(e).await;
             }
         }
     }
@@ -459,6 +503,35 @@ impl Drop for Open<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn decision(host: &str) -> Egress {
+        Egress {
+            host: host.into(),
+            port: 80,
+            decision: EgressDecision::Blocked,
+            reason: "not_allowed".into(),
+            unreported: 0,
+        }
+    }
+
+    #[tokio::test]
+    async fn decisions_that_find_the_queue_full_are_counted_and_told_with_the_next() {
+        let (tx, mut rx) = mpsc::channel(1);
+        let reports = Reports::new(tx);
+        reports.try_send(decision("a"));
+        // Full: these two are counted, not told.
+        reports.try_send(decision("b"));
+        reports.try_send(decision("c"));
+        assert_eq!(reports.unreported(), 2);
+        assert_eq!(rx.recv().await.unwrap().unreported, 0);
+        // The next one told carries the gap, once.
+        reports.send(decision("d")).await;
+        let told = rx.recv().await.unwrap();
+        assert_eq!((told.host.as_str(), told.unreported), ("d", 2));
+        reports.try_send(decision("e"));
+        assert_eq!(rx.recv().await.unwrap().unreported, 0);
+        assert_eq!(reports.unreported(), 0);
+    }
     use std::os::fd::{AsRawFd, RawFd};
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 

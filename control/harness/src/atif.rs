@@ -168,16 +168,33 @@ pub fn build(id: &str, records: &[Record], times: &[Option<i64>], fork: Option<&
             Record::SandboxLost { reason } => Some(json!({
                 "source": "system", "message": format!("sandbox lost: {reason}"),
                 "extra": {"kind": "sandbox_lost"}})),
+            Record::EgressUnrecorded { count } => Some(json!({
+                "source": "system",
+                "message": format!("{count} egress decisions came too fast to be recorded"),
+                "extra": {"kind": "egress_unrecorded", "count": count}})),
             Record::Egress {
                 host,
                 port,
                 decision,
                 reason,
-            } if decision != "allowed" => Some(json!({
-                "source": "system",
-                "message": format!("egress to {host}:{port} {decision} ({reason})"),
-                "extra": {"kind": "egress", "host": host, "port": port,
-                          "decision": decision, "reason": reason}})),
+                unreported,
+            } if decision != "allowed" || *unreported > 0 => {
+                let mut message = format!("egress to {host}:{port} {decision}");
+                if !reason.is_empty() {
+                    message.push_str(&format!(" ({reason})"));
+                }
+                if *unreported > 0 {
+                    message.push_str(&format!(
+                        "; {unreported} decisions before it were not told by the worker"
+                    ));
+                }
+                Some(json!({
+                    "source": "system",
+                    "message": message,
+                    "extra": {"kind": "egress", "host": host, "port": port,
+                              "decision": decision, "reason": reason,
+                              "unreported": unreported}}))
+            }
             Record::Finished { ending: e } => {
                 ending = Some(*e);
                 None

@@ -470,15 +470,29 @@ impl SessionTrace {
                 port,
                 decision,
                 reason,
-            } => self.event(
-                "egress",
-                at,
-                vec![
+                unreported,
+            } => {
+                let mut attrs = vec![
                     KeyValue::new("server.address", capped(host)),
                     KeyValue::new("server.port", i64::from(*port)),
                     KeyValue::new("corral.egress.decision", decision.clone()),
                     KeyValue::new("corral.egress.reason", capped(reason)),
-                ],
+                ];
+                if *unreported > 0 {
+                    attrs.push(KeyValue::new(
+                        "corral.egress.unreported",
+                        i64::try_from(*unreported).unwrap_or(i64::MAX),
+                    ));
+                }
+                self.event("egress", at, attrs)
+            }
+            Record::EgressUnrecorded { count } => self.event(
+                "egress_unrecorded",
+                at,
+                vec![KeyValue::new(
+                    "corral.egress.unrecorded",
+                    i64::try_from(*count).unwrap_or(i64::MAX),
+                )],
             ),
             Record::Shrink {
                 context_window_tokens,

@@ -608,7 +608,10 @@ async fn exec_started_during_a_docker_outage_ends_on_a_signal() -> Result<()> {
             .kill_on_drop(true)
             .spawn()?;
         tokio::time::sleep(Duration::from_secs(2)).await;
-        assert!(exec.try_wait()?.is_none(), "exec did not wait for the engine");
+        assert!(
+            exec.try_wait()?.is_none(),
+            "exec did not wait for the engine"
+        );
         let pid = nix::unistd::Pid::from_raw(exec.id().expect("running") as i32);
         nix::sys::signal::kill(pid, signal)?;
         let status = tokio::time::timeout(Duration::from_secs(6), exec.wait())

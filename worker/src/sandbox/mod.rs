@@ -380,7 +380,7 @@ impl Sandbox {
                         listener,
                         policy.subscribe(),
                         Arc::clone(egress_settings),
-                        reports,
+                        crate::proxy::Reports::new(reports),
                         Arc::clone(metrics),
                         (*tracker).clone(),
                         shared.closed.clone(),

@@ -39,6 +39,8 @@ pub enum Inbox {
     SandboxLost(String),
     /// The sandbox's egress proxy decided on a connection.
     Egress(corral_proto::event::Egress),
+    /// This many egress decisions came faster than the run took them.
+    EgressUnrecorded(u64),
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -279,6 +281,7 @@ impl<M: OperationManager + 'static> Coordinator<M> {
                     Some(Inbox::Stop(mode)) => self.core.stop(mode, StopCause::Requested),
                     Some(Inbox::SandboxLost(reason)) => self.core.sandbox_lost(&reason),
                     Some(Inbox::Egress(e)) => self.core.egress(&e),
+                    Some(Inbox::EgressUnrecorded(n)) => self.core.egress_unrecorded(n),
                     None => {
                         inbox_open = false;
                         self.core.stop(StopMode::WhenIdle, StopCause::Requested)

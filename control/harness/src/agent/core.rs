@@ -396,12 +396,19 @@ impl Core {
 
     /// The sandbox's egress proxy decided on a connection: recorded and
     /// told.
+    /// Egress decisions the worker told that came faster than the run
+    /// took them: the gap is recorded.
+    pub fn egress_unrecorded(&mut self, count: u64) -> Result<(), CoreError> {
+        self.record(Record::EgressUnrecorded { count })
+    }
+
     pub fn egress(&mut self, e: &corral_proto::event::Egress) -> Result<(), CoreError> {
         self.record(Record::Egress {
             host: e.host.clone(),
             port: e.port,
             decision: e.decision.as_str().into(),
             reason: e.reason.clone(),
+            unreported: u64::from(e.unreported),
         })?;
         self.emit(Event::Egress {
             host: e.host.clone(),

@@ -1179,3 +1179,35 @@ fn a_call_id_a_model_repeats_is_counted_alike_in_the_state_and_the_listing() {
     assert_eq!(listed.tool_calls, 2);
     assert_replays(dir.path(), &core);
 }
+
+#[test]
+fn egress_decisions_not_told_or_not_taken_are_recorded_as_a_gap() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut core = new_core(dir.path(), "s");
+    core.input("i", "go").unwrap();
+    fx(&mut core);
+    core.egress(&corral_proto::event::Egress {
+        host: "pypi.org".into(),
+        port: 443,
+        decision: corral_proto::event::EgressDecision::Blocked,
+        reason: "too_many_connections".into(),
+        unreported: 40,
+    })
+    .unwrap();
+    core.egress_unrecorded(7).unwrap();
+    let log = std::fs::read_to_string(
+        std::fs::read_dir(dir.path())
+            .unwrap()
+            .next()
+            .unwrap()
+            .unwrap()
+            .path(),
+    )
+    .unwrap();
+    assert!(log.contains("\"unreported\":40"), "{log}");
+    assert!(
+        log.contains("egress_unrecorded") && log.contains("\"count\":7"),
+        "{log}"
+    );
+    assert_replays(dir.path(), &core);
+}

@@ -372,6 +372,15 @@ pub enum Record {
         decision: String,
         #[serde(default, skip_serializing_if = "String::is_empty")]
         reason: String,
+        /// Decisions made before this one that the worker could not tell
+        /// (a flood of refused connections).
+        #[serde(default, skip_serializing_if = "is_zero")]
+        unreported: u64,
+    },
+    /// Egress decisions told by the worker that this process could not
+    /// record (they came faster than the run took them): the gap, said.
+    EgressUnrecorded {
+        count: u64,
     },
     /// A run ended.
     Finished {
@@ -400,6 +409,7 @@ impl Record {
             Record::SandboxLost { .. } => "sandbox_lost",
             Record::Placed { .. } => "placed",
             Record::Egress { .. } => "egress",
+            Record::EgressUnrecorded { .. } => "egress_unrecorded",
             Record::Finished { .. } => "finished",
         }
     }

@@ -637,7 +637,7 @@ impl State {
             }
             // What the sandbox reached (or was refused) changes nothing
             // the model is given.
-            Record::Egress { .. } => {}
+            Record::Egress { .. } | Record::EgressUnrecorded { .. } => {}
             Record::Finished { ending } => {
                 self.last_end = Some(*ending);
                 if *ending == super::record::Ending::Done

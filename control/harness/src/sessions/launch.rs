@@ -421,8 +421,12 @@ pub(super) async fn launch<W: WorkerApi>(
                             _ = tx.send(crate::agent::Inbox::Egress(e)) => {}
                         }
                     }
-                    (Err(tokio::sync::broadcast::error::RecvError::Lagged(n)), _) => {
+                    (Err(tokio::sync::broadcast::error::RecvError::Lagged(n)), Some(tx)) => {
                         tracing::warn!(missed = n, "egress decisions were not recorded (too many at once)");
+                        tokio::select! {
+                            summary = &mut run => break summary,
+                            _ = tx.send(crate::agent::Inbox::EgressUnrecorded(n)) => {}
+                        }
                     }
                     // The manager is gone, or the run's inbox: the run
                     // ends on its own.

@@ -550,7 +550,16 @@ impl Builder {
                 port,
                 decision,
                 reason,
+                unreported,
             } => {
+                if *unreported > 0 {
+                    self.mark(
+                        t,
+                        seq,
+                        "egress_unrecorded",
+                        format!("{unreported} egress decisions before this one were not told"),
+                    );
+                }
                 if decision == "blocked" {
                     self.mark(
                         t,
@@ -560,6 +569,12 @@ impl Builder {
                     );
                 }
             }
+            Record::EgressUnrecorded { count } => self.mark(
+                t,
+                seq,
+                "egress_unrecorded",
+                format!("{count} egress decisions came too fast to be recorded"),
+            ),
             Record::Finished { ending } => {
                 let word = crate::runner::ending_word(*ending);
                 self.ending = Some(word.to_string());

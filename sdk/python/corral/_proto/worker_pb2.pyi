@@ -609,16 +609,18 @@ class SandboxEvent(_message.Message):
         reason: str
         def __init__(self, reason: _Optional[str] = ...) -> None: ...
     class Egress(_message.Message):
-        __slots__ = ("host", "port", "decision", "reason")
+        __slots__ = ("host", "port", "decision", "reason", "unreported")
         HOST_FIELD_NUMBER: _ClassVar[int]
         PORT_FIELD_NUMBER: _ClassVar[int]
         DECISION_FIELD_NUMBER: _ClassVar[int]
         REASON_FIELD_NUMBER: _ClassVar[int]
+        UNREPORTED_FIELD_NUMBER: _ClassVar[int]
         host: str
         port: int
         decision: str
         reason: str
-        def __init__(self, host: _Optional[str] = ..., port: _Optional[int] = ..., decision: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+        unreported: int
+        def __init__(self, host: _Optional[str] = ..., port: _Optional[int] = ..., decision: _Optional[str] = ..., reason: _Optional[str] = ..., unreported: _Optional[int] = ...) -> None: ...
     SEQ_FIELD_NUMBER: _ClassVar[int]
     OPERATION_ID_FIELD_NUMBER: _ClassVar[int]
     STARTED_FIELD_NUMBER: _ClassVar[int]
