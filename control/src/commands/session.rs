@@ -395,9 +395,17 @@ fn describe(rec: &Record) -> String {
             port,
             decision,
             reason,
-        } => format!("{decision} {host}:{port} {reason}")
-            .trim_end()
-            .to_string(),
+            unreported,
+        } => {
+            let line = format!("{decision} {host}:{port} {reason}");
+            match unreported {
+                0 => line.trim_end().to_string(),
+                n => format!("{} ({n} decisions before it not told)", line.trim_end()),
+            }
+        }
+        Record::EgressUnrecorded { count } => {
+            format!("{count} decisions came too fast to be recorded")
+        }
         Record::Finished { ending } => format!("{ending:?}"),
     };
     // Most of a record is the model's, the sandbox's or a worker's words

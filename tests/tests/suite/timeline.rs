@@ -175,6 +175,7 @@ fn record(dir: &Path) -> Result<()> {
             port: 443,
             decision: EgressDecision::Blocked,
             reason: "not_allowed".into(),
+            unreported: 0,
         })?;
         clock.at(3_601_300);
         core.operation(ended(&ops[0], 56, 400, ""))?;

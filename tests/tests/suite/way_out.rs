@@ -348,7 +348,7 @@ impl Squatter {
             .stdout(std::process::Stdio::piped())
             .kill_on_drop(true)
             .spawn()?;
-        let mut stdout = child.stdout.take().expect("piped");
+        let mut stdout = child.stdout.take().context("piped")?;
         let mut first = Vec::new();
         tokio::io::BufReader::new(&mut stdout)
             .read_until(b'\n', &mut first)
