@@ -45,6 +45,8 @@ pub struct Setup {
     pub port: u16,
     max_sessions: u32,
     withhold: bool,
+    /// More flags for `corral serve`, at its next start.
+    pub service_args: Vec<String>,
 }
 
 impl Setup {
@@ -87,6 +89,7 @@ impl Setup {
             port: free_port()?,
             max_sessions,
             withhold,
+            service_args: Vec::new(),
         };
         let run = unique_id("sv");
         let pool_arg = format!("corral-sandbox:latest={pool}");
@@ -153,6 +156,7 @@ impl Setup {
             .args(["--allow-base-url", "http://127.0.0.1"])
             // Its clients go by reasons alone (so do the workers').
             .args(self.withhold.then_some("--withhold-error-text"))
+            .args(&self.service_args)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit());

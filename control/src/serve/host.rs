@@ -17,7 +17,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use corral_harness::agent::events::{Event, to_json_line};
-use corral_harness::agent::record::Endpoint;
+use corral_harness::agent::record::{Endpoint, SessionConfig};
 use corral_harness::agent::{Inbox, OnSandboxLost, Settings as AgentSettings, StopMode};
 use corral_harness::fleet::Fleet;
 use corral_harness::llm::Api;
@@ -181,16 +181,21 @@ impl Settings {
     }
 
     /// The run's options: these settings over `defaults`, checked.
-    /// `recorded`: the endpoint of an existing session (which it keeps
-    /// unless these settings name another).
+    /// `recorded`: the config of an existing session, which keeps what it
+    /// was started with (model, endpoint, API) unless these settings or
+    /// the request name another: the service's defaults are for new
+    /// sessions only.
     fn options(
         &self,
         request: SessionRequest,
         defaults: &Defaults,
-        recorded: Option<&Endpoint>,
+        recorded: Option<&SessionConfig>,
     ) -> Result<RunOptions, HostError> {
         let bad = |m: String| HostError::Invalid(m);
+        let existing = recorded.is_some();
+        let recorded = recorded.and_then(|c| c.endpoint.as_ref());
         let api = match self.api.as_deref() {
+            None if existing => None,
             None => defaults.api,
             Some("responses") => Some(Api::Responses),
             Some("chat") => Some(Api::Chat),
@@ -212,7 +217,7 @@ impl Settings {
             return Err(bad(format!("reasoning_effort {r:?}: low, medium or high")));
         }
         let mut request = request;
-        if request.model.is_none() {
+        if request.model.is_none() && !existing {
             request.model = defaults.model.clone();
         }
         let heartbeat = match self.heartbeat_ms {
@@ -483,9 +488,9 @@ impl Host {
         for (id, settings, reservation) in marked.0 {
             let host = self.clone();
             resuming.spawn(async move {
-                let recorded = host.recorded_endpoint(&id);
-                let r = match recorded.and_then(|e| {
-                    settings.options(SessionRequest::default(), &host.inner.defaults, e.as_ref())
+                let recorded = host.recorded(&id);
+                let r = match recorded.and_then(|c| {
+                    settings.options(SessionRequest::default(), &host.inner.defaults, c.as_ref())
                 }) {
                     Ok(opts) => {
                         host.begin(id.clone(), opts, settings, reservation, true)
@@ -525,18 +530,18 @@ impl Host {
         let opts = settings.options(
             request.unwrap_or_default(),
             &self.inner.defaults,
-            self.recorded_endpoint(&id)?.as_ref(),
+            self.recorded(&id)?.as_ref(),
         )?;
         let reservation = self.reserve(&id, true)?;
         self.begin(id, opts, settings, reservation, false).await
     }
 
-    /// The endpoint session `id` has now, if it exists.
-    fn recorded_endpoint(&self, id: &str) -> Result<Option<Endpoint>, HostError> {
+    /// The config session `id` has now, if it exists.
+    fn recorded(&self, id: &str) -> Result<Option<SessionConfig>, HostError> {
         if !self.inner.store.exists(id)? {
             return Ok(None);
         }
-        Ok(self.inner.store.config_of(id)?.endpoint)
+        Ok(Some(self.inner.store.config_of(id)?))
     }
 
     /// Launches a reserved start in a task of its own (a caller that goes

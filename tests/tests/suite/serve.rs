@@ -353,6 +353,74 @@ async fn a_service_killed_mid_session_resumes_every_session_and_runs_no_call_twi
     Ok(())
 }
 
+/// A session started with its own endpoint, model and API keeps them
+/// across a service killed mid-run: every request after the restart names
+/// the model it was started with, at its endpoint, in its API, never the
+/// service's defaults.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_keeps_its_model_endpoint_and_api_across_a_service_restart() -> Result<()> {
+    let mut setup = Setup::start(1, 4).await?;
+    // The service's own defaults: another model, another API.
+    setup.kill_service();
+    setup.service_args = ["--model", "local", "--api", "chat"]
+        .map(String::from)
+        .to_vec();
+    setup.start_service()?;
+    let client = setup.client().await?;
+    let elsewhere = ModelServer::responding(respond).await;
+    let id = unique_id("s-");
+    client
+        .start(pb::StartSessionRequest {
+            session_id: id.clone(),
+            request_json: json!({
+                "prompt": "echo ran >> /workspace/count; sleep 5; echo finished",
+                "model": "scripted",
+            })
+            .to_string(),
+            settings: Some(pb::RunSettings {
+                base_url: Some(elsewhere.url.clone()),
+                api: Some("responses".into()),
+                keep_sandbox: true,
+                ..Default::default()
+            }),
+        })
+        .await?;
+    let mut stream = client.watch(&id, 0).await?;
+    loop {
+        let (_, line) = tokio::time::timeout(Duration::from_secs(60), stream.next())
+            .await?
+            .context("ended before its call")??;
+        if line.contains("\"type\":\"tool_call\"") {
+            break;
+        }
+    }
+    let before = elsewhere.received().len();
+    setup.kill_service();
+    setup.start_service()?;
+    let client = setup.client().await?;
+    let seen = events(&client, &id, 0).await?;
+    ensure!(
+        seen.last().is_some_and(|(_, e)| e["status"] == "done"),
+        "{seen:?}"
+    );
+    let asked = elsewhere.received();
+    ensure!(asked.len() > before, "no request after the restart");
+    for r in &asked {
+        ensure!(
+            r.body["model"] == "scripted",
+            "a request named {}",
+            r.body["model"]
+        );
+        // The Responses API's body, not Chat Completions'.
+        ensure!(r.body.get("input").is_some(), "{}", r.body);
+    }
+    ensure!(
+        setup.model.received().is_empty(),
+        "the service's own endpoint was asked"
+    );
+    Ok(())
+}
+
 #[tokio::test]
 async fn the_services_key_goes_to_its_own_endpoint_only_and_clients_name_only_allowed_ones()
 -> Result<()> {
