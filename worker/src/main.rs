@@ -79,8 +79,7 @@ async fn run(args: WorkerArgs) -> anyhow::Result<()> {
     let token = args.token()?;
     let tls = args.tls()?;
     let config = args.worker_config()?;
-    let listener = tokio::net::TcpListener::bind(args.listen)
-        .await
+    let listener = corral_worker::server::listen(args.listen)
         .with_context(|| format!("cannot listen on {}", args.listen))?;
     let metrics = match args.metrics_listen {
         Some(addr) => Some(metrics::bind(addr).await?),

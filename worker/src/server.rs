@@ -222,6 +222,24 @@ async fn router(
     ))
 }
 
+/// Connections the kernel queues for a listener before it accepts them
+/// (capped by the host's `net.core.somaxconn`): enough that a flood of
+/// connections from elsewhere is shed by the admission (oldest idle one
+/// first), not by the kernel dropping a real client's handshake.
+pub const LISTEN_BACKLOG: u32 = 4096;
+
+/// A TCP listener on `addr` with [`LISTEN_BACKLOG`].
+pub fn listen(addr: std::net::SocketAddr) -> std::io::Result<TcpListener> {
+    let socket = if addr.is_ipv4() {
+        tokio::net::TcpSocket::new_v4()?
+    } else {
+        tokio::net::TcpSocket::new_v6()?
+    };
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr)?;
+    socket.listen(LISTEN_BACKLOG)
+}
+
 /// [`serve`] with TLS options.
 pub async fn serve_with(
     worker: Worker,

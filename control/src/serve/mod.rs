@@ -124,9 +124,8 @@ pub async fn serve(conn: &ConnArgs, args: &ServeArgs) -> Result<(), ServeError> 
         .with_probe_timeout(SERVE_PROBE_TIMEOUT);
     let max = usize::try_from(args.max_sessions).unwrap_or(usize::MAX);
     let host = Host::new(store, fleet, defaults, max, &state)?;
-    let listener = tokio::net::TcpListener::bind(args.listen)
-        .await
-        .map_err(|source| ServeError::Bind {
+    let listener =
+        corral_worker::server::listen(args.listen).map_err(|source| ServeError::Bind {
             addr: args.listen,
             source,
         })?;

@@ -213,10 +213,18 @@ impl Target {
                 path
             }
             Mode::Tunnel => {
-                if let Ok((host, port, _)) = absolute_target(m.target)
-                    && (host != self.host || port != self.port)
-                {
-                    return Err(Blocked::HostMismatch);
+                // Origin form, `*` (OPTIONS), or an absolute URL of the
+                // tunnel's host: a server routes by an absolute target
+                // before its Host header, so one that does not parse as
+                // the tunnel's is refused.
+                let origin =
+                    m.target.starts_with('/') || (m.target == "*" && m.method == "OPTIONS");
+                if !origin {
+                    let (host, port, _) =
+                        absolute_target(m.target).map_err(|_| Blocked::HostMismatch)?;
+                    if host != self.host || port != self.port {
+                        return Err(Blocked::HostMismatch);
+                    }
                 }
                 match named.as_deref() {
                     Some(h) if wanted_port(h) => {}
@@ -490,6 +498,30 @@ mod tests {
             ),
             Err(Blocked::HostMismatch)
         );
+    }
+
+    #[test]
+    fn a_tunnels_absolute_target_must_parse_as_its_own_host() {
+        for target in [
+            "http://x@evil.test/",
+            "https://evil.test/",
+            "HTTP://evil.test/",
+            "http://evil.test:0/",
+            "http://evil.test/",
+            "evil.test:80",
+        ] {
+            let mut g = Guard::new(Mode::Tunnel, "pkg.test", 80);
+            let req = format!("GET {target} HTTP/1.1\r\nHost: pkg.test\r\n\r\n");
+            assert_eq!(
+                passed(&mut g, req.as_bytes()),
+                Err(Blocked::HostMismatch),
+                "{target}"
+            );
+        }
+        let mut g = Guard::new(Mode::Tunnel, "pkg.test", 80);
+        let ok = b"GET http://pkg.test/a HTTP/1.1\r\nHost: pkg.test\r\n\r\nOPTIONS * HTTP/1.1\r\nHost: pkg.test\r\n\r\n";
+        assert!(passed(&mut g, ok).is_ok());
+        assert_eq!(g.requests(), 2);
     }
 
     #[test]

@@ -132,6 +132,17 @@ impl Message<'_> {
 /// The head of a request in `buf`; `None` while it is not whole yet (and
 /// under [`MAX_HEAD_BYTES`]).
 pub fn parse_message(buf: &[u8]) -> Result<Option<Message<'_>>, BadHead> {
+    // A line ends in CRLF only: a bare LF (which some servers take for a
+    // line end, others not) is no way to hide a line. Only the head is
+    // looked at: what follows it is a body's, or a tunnel's.
+    let head = find(buf, b"\r\n\r\n").map_or(buf, |end| &buf[..end + 4]);
+    if head
+        .iter()
+        .enumerate()
+        .any(|(i, b)| *b == b'\n' && (i == 0 || head[i - 1] != b'\r'))
+    {
+        return Err(BadHead("a bare LF".into()));
+    }
     let Some(end) = find(buf, b"\r\n\r\n") else {
         if buf.len() > MAX_HEAD_BYTES {
             return Err(BadHead(format!("a head over {MAX_HEAD_BYTES} bytes")));
@@ -645,25 +656,38 @@ enum Verdict {
     Refuse,
 }
 
-/// Whether a tunnel's first bytes are an HTTP request's line: `None`
-/// while that line is not whole.
+/// Whether a tunnel's first bytes may be read as HTTP by a server, as
+/// leniently as servers read: empty lines before the request line, bare LF
+/// line ends, any case, any whitespace between parts. A line that ends in
+/// an `HTTP/` version (any case) is HTTP; so is text that has no line end
+/// yet past the head's bound. Then the [`http::Guard`] reads it, strictly,
+/// and refuses what is not a well-formed request. `None` while the first
+/// line is not whole; `Some(false)`: another protocol (a binary one, or a
+/// first line that is no request: SSH's, an SMTP client's).
 fn http_request_line(first: &[u8]) -> Option<bool> {
-    if !first.first()?.is_ascii_uppercase() {
+    let start = first.iter().position(|b| !matches!(b, b'\r' | b'\n'))?;
+    let rest = &first[start..];
+    let text = |b: &u8| b.is_ascii_graphic() || matches!(b, b' ' | b'\t' | b'\r');
+    let Some(end) = rest.iter().position(|b| *b == b'\n') else {
+        // A binary protocol shows itself early; text without a line end
+        // goes to the guard past the bound (which refuses it).
+        if !rest.iter().all(text) {
+            return Some(false);
+        }
+        return (rest.len() >= MAX_HEAD_BYTES).then_some(true);
+    };
+    let line = &rest[..end];
+    if !line.iter().all(text) {
         return Some(false);
     }
-    let Some(end) = first.windows(2).position(|w| w == b"\r\n") else {
-        return (first.len() >= MAX_HEAD_BYTES).then_some(false);
-    };
-    let line = &first[..end];
-    let mut parts = line.split(|b| *b == b' ');
-    let http = match (parts.next(), parts.next(), parts.next(), parts.next()) {
-        (Some(method), Some(target), Some(version), None) => {
-            method.iter().all(u8::is_ascii_uppercase)
-                && !target.is_empty()
-                && (version == b"HTTP/1.1" || version == b"HTTP/1.0")
-        }
-        _ => false,
-    };
+    let words: Vec<&[u8]> = line
+        .split(|b| b.is_ascii_whitespace())
+        .filter(|w| !w.is_empty())
+        .collect();
+    let http = words.len() >= 2
+        && words
+            .last()
+            .is_some_and(|v| v.len() >= 5 && v[..5].eq_ignore_ascii_case(b"HTTP/"));
     Some(http)
 }
 
@@ -1075,6 +1099,10 @@ where
                                 Some(false) => {
                                     answer = None;
                                     refused = true;
+                                    // The server hears that nothing more
+                                    // comes; its answer is passed on, then
+                                    // the connection ends.
+                                    let _ = uw.shutdown().await;
                                 }
                                 None => {}
                             }
@@ -1797,6 +1825,48 @@ mod tests {
         let (o, _) = exchange(&req, p).await;
         assert_eq!(o.blocked, Some(Blocked::SniMismatch));
         assert!(got.try_recv().is_err());
+    }
+
+    #[test]
+    fn whatever_a_server_could_read_as_http_in_a_tunnel_goes_to_the_guard() {
+        for first in [
+            &b"GET / HTTP/1.1\r\nHost: evil.test\r\n\r\n"[..],
+            b"\r\nGET / HTTP/1.1\r\nHost: evil.test\r\n\r\n",
+            b"get / http/1.1\r\nHost: evil.test\r\n\r\n",
+            b"GET / HTTP/1.1\nHost: evil.test\nX: \r\n\n",
+            b"GET\t/\tHTTP/1.1\r\n\r\n",
+            b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n",
+        ] {
+            assert_eq!(
+                hello_verdict(first, "pkg.test"),
+                Verdict::Http,
+                "{:?}",
+                String::from_utf8_lossy(first)
+            );
+            // And the guard takes none of the odd ones.
+            let mut g = http::Guard::new(http::Mode::Tunnel, "pkg.test", 80);
+            let mut out = Vec::new();
+            let fed = g.feed(first, &mut out);
+            if first.starts_with(b"GET / HTTP/1.1\r\n") {
+                assert_eq!(fed, Err(Blocked::HostMismatch));
+            } else {
+                assert!(fed.is_err() || out.is_empty(), "{fed:?} {out:?}");
+            }
+        }
+        // Text without a line end yet: wait; past the bound: the guard's.
+        assert_eq!(hello_verdict(b"GET / HTT", "pkg.test"), Verdict::More);
+        let long = vec![b'A'; MAX_HEAD_BYTES + 1];
+        assert_eq!(hello_verdict(&long, "pkg.test"), Verdict::Http);
+        // Other protocols whose clients speak first go on as they are.
+        assert_eq!(
+            hello_verdict(b"SSH-2.0-OpenSSH_9.2p1 Debian-2\r\n", "pkg.test"),
+            Verdict::Go
+        );
+        assert_eq!(
+            hello_verdict(b"\x00\x00\x00\x08\x04\xd2\x16\x2f", "pkg.test"),
+            Verdict::Go
+        );
+        assert_eq!(hello_verdict(b"EHLO me\r\n", "pkg.test"), Verdict::Go);
     }
 
     #[tokio::test]
