@@ -221,6 +221,12 @@ def _diag_listeners(port: int) -> list[tuple[_Addr, int]]:
     tens of microseconds, where /proc/net/tcp walks every socket of the machine
     (milliseconds). Raises OSError where netlink is refused or missing (not
     Linux)."""
+    return _diag_sockets(port, 1 << 10)
+
+
+def _diag_sockets(port: int, states: int) -> list[tuple[_Addr, int]]:
+    """The TCP sockets of local port ``port`` in ``states`` (a mask of TCP
+    states: 1 << 10 listening, 1 << 1 established), (address, uid)."""
     if not hasattr(socket, "AF_NETLINK"):
         raise OSError("no netlink on this system")
     out: list[tuple[_Addr, int]] = []
@@ -229,7 +235,7 @@ def _diag_listeners(port: int) -> list[tuple[_Addr, int]]:
             s.settimeout(2.0)
             # inet_diag_req_v2: family, TCP, no extensions, states = LISTEN;
             # its socket id names the source port (network order), the rest 0.
-            req = struct.pack("=BBBBI", family, socket.IPPROTO_TCP, 0, 0, 1 << 10)
+            req = struct.pack("=BBBBI", family, socket.IPPROTO_TCP, 0, 0, states)
             req += struct.pack("!H", port) + bytes(46)
             s.send(struct.pack("=IHHII", 16 + len(req), _BY_FAMILY, 0x301, 1, 0) + req)
             done, seen = False, 0
@@ -291,25 +297,57 @@ def _proc_listeners(port: int) -> list[tuple[_Addr, int]]:
     return out
 
 
-def listener_owners(host: str, port: int) -> list[int]:
-    """The uids owning sockets that listen on ``port`` at ``host`` (or at every
-    address): asked of the kernel over netlink, else read from /proc."""
+def _at(host: str, found: list[tuple[_Addr, int]]) -> list[int]:
+    """The uids of the sockets of ``found`` at ``host`` (an address, or
+    ``localhost``), or at every address."""
     wanted: list[_Addr] = []
     if host == "localhost":
         wanted = [ipaddress.ip_address("127.0.0.1"), ipaddress.ip_address("::1")]
     else:
         with contextlib.suppress(ValueError):
             wanted = [ipaddress.ip_address(host)]
-    try:
-        found = _diag_listeners(port)
-    except OSError:
-        found = _proc_listeners(port)
     owners = []
     for ip, uid in found:
         mapped = ip.ipv4_mapped if isinstance(ip, ipaddress.IPv6Address) else None
         if ip.is_unspecified or ip in wanted or (mapped is not None and mapped in wanted):
             owners.append(uid)
     return owners
+
+
+def listener_owners(host: str, port: int) -> list[int]:
+    """The uids owning sockets that listen on ``port`` at ``host`` (or at every
+    address): asked of the kernel over netlink, else read from /proc."""
+    try:
+        found = _diag_listeners(port)
+    except OSError:
+        found = _proc_listeners(port)
+    return _at(host, found)
+
+
+def check_connected(url: str, token_owner: int | None) -> None:
+    """After a connection to a worker on this machine was made, before a
+    token goes over it: every connection accepted on its port (the
+    worker's side of ours among them) belongs to this user, root or the
+    token file's owner. A listener that was another user's for a moment
+    (a port taken between the check of its listener and the connect) is
+    found here, on the connection itself."""
+    hp = _host_port(url)
+    if hp is None:
+        return
+    host, port = hp
+    try:
+        found = _diag_sockets(port, 1 << 1)
+    except OSError:
+        # No netlink (not Linux, a sandbox's seccomp): the listeners, again.
+        check_listener(url, token_owner)
+        return
+    me = os.geteuid()
+    for uid in _at(host, found):
+        if uid not in (me, 0) and uid != token_owner:
+            raise ConfigError(
+                f"{url}: the connection made there is to a socket of uid {uid}, not to you, "
+                "root or the token's owner: the token is not sent (is the worker running?)"
+            )
 
 
 def check_listener(url: str, token_owner: int | None) -> None:

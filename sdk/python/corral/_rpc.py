@@ -23,6 +23,9 @@ from corral.errors import CorralError, Unauthenticated, WorkerUnavailable, from_
 #: both streams' head and tail fits.
 MAX_MESSAGE = 64 << 20
 SERVICE = "/corral.v1.Worker/"
+#: How long a call waits for a connection to a worker on this machine to be
+#: made (and checked) before it says the worker is unavailable.
+CONNECT_WAIT_S = 5.0
 
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
@@ -65,15 +68,18 @@ class Worker:
     def __init__(self, ep: _connect.Endpoint) -> None:
         self.endpoint = ep
         self.url = ep.url
-        self.channel = _channel(ep)
         #: It has answered a call: a failure now is a blink to wait out,
         #: not a wrong address.
         self.answered = False
         self._metadata: tuple[tuple[str, str], ...] = (
             (("authorization", f"Bearer {ep.token}"),) if ep.token else ()
         )
+        self._open()
+
+    def _open(self) -> None:
+        """A new channel to the worker, and its calls."""
         ser = _ser
-        ch = self.channel
+        self.channel = ch = _channel(self.endpoint)
         self._unary: dict[str, grpc.aio.UnaryUnaryMultiCallable[Any, Any]] = {}
         calls: list[tuple[str, Any]] = [
             ("CreateSandbox", pb.Sandbox),
@@ -114,22 +120,39 @@ class Worker:
             response_deserializer=pb.Operation.FromString,
         )
 
-    def _guard(self) -> None:
+    async def _guard(self) -> None:
         """Before a call that may open a connection: a token goes to a TCP
         socket on this machine only if it belongs to this user, root or the
         token file's owner, on the first connection and on every one after
-        (a restarted worker's port may have been taken by another user). A
-        connection already up was checked when it was made."""
-        if not self.endpoint.guarded:
+        (a restarted worker's port may have been taken by another user).
+        The listener is checked before the connection is made, and the
+        connection itself once it is made, before any call goes over it; a
+        refused one is closed, never used. A connection already up was
+        checked when it was made."""
+        ep = self.endpoint
+        if not ep.guarded:
             return
         if self.channel.get_state(try_to_connect=False) == grpc.ChannelConnectivity.READY:
             return
-        _connect.check_listener(self.url, self.endpoint.token_owner)
+        _connect.check_listener(self.url, ep.token_owner)
+        try:
+            await asyncio.wait_for(self.channel.channel_ready(), CONNECT_WAIT_S)
+        except asyncio.TimeoutError:
+            raise WorkerUnavailable(
+                f"{self.url}: no connection within {CONNECT_WAIT_S:g} s"
+            ) from None
+        try:
+            _connect.check_connected(self.url, ep.token_owner)
+        except CorralError:
+            old = self.channel
+            self._open()
+            await old.close()
+            raise
 
     async def call(
         self, name: str, req: Any, resp: type[Resp], timeout: float | None = None
     ) -> Resp:
-        self._guard()
+        await self._guard()
         try:
             out = await self._unary[name](req, metadata=self._metadata, timeout=timeout)
         except grpc.aio.AioRpcError as e:
@@ -139,15 +162,15 @@ class Worker:
         return out
 
     def watch(self, req: pb.WatchSandboxRequest) -> AsyncGenerator[pb.SandboxEvent, None]:
-        self._guard()
-        return _stream(self._watch(req, metadata=self._metadata), self._error)
+        return _stream(lambda: self._watch(req, metadata=self._metadata), self._error, self._guard)
 
     def download(self, req: pb.DownloadRequest) -> AsyncGenerator[pb.DownloadResponse, None]:
-        self._guard()
-        return _stream(self._download(req, metadata=self._metadata), self._error)
+        return _stream(
+            lambda: self._download(req, metadata=self._metadata), self._error, self._guard
+        )
 
     async def upload(self, reqs: AsyncIterator[pb.UploadRequest]) -> pb.Operation:
-        self._guard()
+        await self._guard()
         try:
             out = await self._upload(reqs, metadata=self._metadata)
         except grpc.aio.AioRpcError as e:
@@ -184,8 +207,12 @@ def _ser(m: Any) -> bytes:
 
 
 async def _stream(
-    call: Any, error: Callable[[grpc.RpcError], CorralError]
+    start: Callable[[], Any],
+    error: Callable[[grpc.RpcError], CorralError],
+    guard: Callable[[], Awaitable[None]],
 ) -> AsyncGenerator[Any, None]:
+    await guard()
+    call = start()
     try:
         async for m in call:
             yield m

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import Worker
+from conftest import Worker, free_port
 
 import corral
 from corral import _connect
@@ -248,3 +248,38 @@ def test_a_squatter_on_a_restarted_workers_port_gets_no_token(
         assert token.encode() not in got, "the squatter got the token"
         w.start()
         assert sb.run("echo back").stdout == "back\n"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="runs a listener as the user nobody")
+def test_a_connection_made_to_another_users_socket_is_found_before_a_token_goes() -> None:
+    """The check of the connection itself, after it is made (a listener
+    taken between the check of the port and the connect)."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    squatter = subprocess.Popen(
+        ["/usr/bin/python3", "-c", SQUATTER, str(port)],
+        user=65534,
+        group=65534,
+        cwd="/",
+        stdout=subprocess.PIPE,
+    )
+    try:
+        assert squatter.stdout is not None
+        assert squatter.stdout.readline() == b"listening\n"
+        with (
+            socket.create_connection(("127.0.0.1", port)),
+            pytest.raises(corral.ConfigError, match="socket of uid 65534"),
+        ):
+            _connect.check_connected(url, None)
+    finally:
+        squatter.kill()
+        squatter.wait()
+    # Our own listener's connection passes.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        own = f"http://127.0.0.1:{s.getsockname()[1]}"
+        with socket.create_connection(s.getsockname()):
+            conn, _ = s.accept()
+            with conn:
+                _connect.check_connected(own, None)
