@@ -206,9 +206,17 @@ pub struct RunArgs {
     #[arg(long, env = "CORRAL_API", value_enum)]
     pub api: Option<ApiKind>,
     /// Whether the model must call a tool: auto, required, none, or a
-    /// tool's name (default: the request's, else the provider's).
+    /// tool's name (default: the request's, else the provider's). A forced
+    /// choice is `auto` once the model has made such a call, until the next
+    /// user message (as the OpenAI Agents SDK resets it), unless
+    /// --keep-tool-choice.
     #[arg(long, env = "CORRAL_TOOL_CHOICE")]
     pub tool_choice: Option<String>,
+    /// Keeps a forced --tool-choice on every request, even after the tool
+    /// was called (the model can then never answer in text: the run goes
+    /// on to --max-turns).
+    #[arg(long, env = "CORRAL_KEEP_TOOL_CHOICE")]
+    pub keep_tool_choice: bool,
     /// The model's context window, in tokens (default: the request's
     /// `limits.context_window_tokens`, else 200,000). Give a local server's
     /// (llama.cpp's `--ctx-size`) so requests fit it.

@@ -53,6 +53,7 @@ pub fn session_config(model: &str, sandbox: SandboxId) -> corral_harness::agent:
         worker: None,
         endpoint: None,
         tool_choice: None,
+        keep_tool_choice: false,
         workspace: None,
         worker_id: None,
         on_sandbox_lost: Default::default(),

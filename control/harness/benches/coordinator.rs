@@ -40,6 +40,7 @@ fn config() -> SessionConfig {
         worker: None,
         endpoint: None,
         tool_choice: None,
+        keep_tool_choice: false,
         workspace: None,
         worker_id: None,
         on_sandbox_lost: Default::default(),

@@ -49,6 +49,7 @@ fn config(turns: u64) -> SessionConfig {
         worker: None,
         endpoint: None,
         tool_choice: None,
+        keep_tool_choice: false,
         workspace: None,
         worker_id: None,
         on_sandbox_lost: Default::default(),

@@ -152,6 +152,9 @@ pub struct ContextBuilder {
     reasoning_effort: Option<String>,
     max_output_tokens: Option<u32>,
     tool_choice: Option<ToolChoice>,
+    /// A forced tool choice stays after the tool was called (otherwise it
+    /// is `auto` from then until the next user message).
+    keep_tool_choice: bool,
     tools: Vec<Tool>,
     committed: Vec<Entry>,
     staged: Vec<Entry>,
@@ -263,6 +266,7 @@ impl ContextBuilder {
             reasoning_effort: None,
             max_output_tokens: None,
             tool_choice: None,
+            keep_tool_choice: false,
             tools: Vec::new(),
             committed: Vec::new(),
             staged: Vec::new(),
@@ -297,6 +301,52 @@ impl ContextBuilder {
 
     pub fn set_max_output_tokens(&mut self, n: Option<u32>) {
         self.max_output_tokens = n;
+    }
+
+    /// Keeps a forced tool choice after the tool was called.
+    pub fn set_keep_tool_choice(&mut self, keep: bool) {
+        self.keep_tool_choice = keep;
+    }
+
+    /// The tool choice the next request sends: a forced one (`required`,
+    /// a tool's name) becomes `auto` once the model has made such a call
+    /// since the last user message, as the OpenAI Agents SDK resets it
+    /// (`reset_tool_choice`): a model held to a tool by a grammar (as
+    /// llama.cpp holds it) could otherwise never answer in text, and a run
+    /// would go on to its last turn.
+    fn tool_choice_now(&self) -> Option<ToolChoice> {
+        let forced = match &self.tool_choice {
+            Some(ToolChoice::Required) => None,
+            Some(ToolChoice::Tool(name)) => Some(name.as_str()),
+            other => return other.clone(),
+        };
+        if self.keep_tool_choice {
+            return self.tool_choice.clone();
+        }
+        let called = self
+            .committed
+            .iter()
+            .chain(&self.staged)
+            .rev()
+            .map(|e| &e.item)
+            .take_while(|i| {
+                !matches!(
+                    i,
+                    Item::Message {
+                        role: Role::User,
+                        ..
+                    }
+                )
+            })
+            .any(|i| match i {
+                Item::ToolCall { name, .. } => forced.is_none_or(|f| f == &**name),
+                _ => false,
+            });
+        if called {
+            Some(ToolChoice::Auto)
+        } else {
+            self.tool_choice.clone()
+        }
     }
 
     pub fn set_tool_choice(&mut self, choice: Option<ToolChoice>) {
@@ -512,10 +562,15 @@ impl ContextBuilder {
                 model: self.model.clone(),
                 input,
                 tools: self.tools.clone(),
-                max_output_tokens: self.max_output_tokens,
+                // Bounded always: unless the session names its own bound,
+                // what the budget keeps free for the answer (a model that
+                // never stops, as a local one may, ends there).
+                max_output_tokens: self
+                    .max_output_tokens
+                    .or_else(|| u32::try_from(self.budget.reserve()).ok()),
                 reasoning_effort: self.reasoning_effort.clone(),
                 cache_key: None,
-                tool_choice: self.tool_choice.clone(),
+                tool_choice: self.tool_choice_now(),
             },
             report,
             estimated_tokens: estimate,

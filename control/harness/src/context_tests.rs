@@ -373,3 +373,66 @@ fn over_the_window_the_oldest_tool_outputs_go_first() {
     b.set_budget(Budget::default());
     assert!(b.build().report.changes.is_empty());
 }
+
+#[test]
+fn a_forced_tool_choice_is_auto_once_the_tool_was_called_until_the_next_user_message() {
+    let mut b = builder();
+    b.set_tool_choice(Some(ToolChoice::Tool("Bash".into())));
+    b.add_user_input("go");
+    b.commit();
+    assert_eq!(
+        b.build().request.tool_choice,
+        Some(ToolChoice::Tool("Bash".into()))
+    );
+    b.add_model_response(&response(vec![call("c1")]));
+    b.add_tool_result("c1", text("done"), false);
+    b.commit();
+    // Called: the model may now answer in text.
+    assert_eq!(b.build().request.tool_choice, Some(ToolChoice::Auto));
+    // A new user message forces it again.
+    b.add_user_input("again");
+    b.commit();
+    assert_eq!(
+        b.build().request.tool_choice,
+        Some(ToolChoice::Tool("Bash".into()))
+    );
+    // Kept when asked to be.
+    b.add_model_response(&response(vec![call("c2")]));
+    b.set_keep_tool_choice(true);
+    assert_eq!(
+        b.build().request.tool_choice,
+        Some(ToolChoice::Tool("Bash".into()))
+    );
+    // `required` is reset by any call; another tool's call does not reset
+    // a named one.
+    let mut b = builder();
+    b.set_tool_choice(Some(ToolChoice::Required));
+    b.add_user_input("go");
+    b.commit();
+    b.add_model_response(&response(vec![call("c1")]));
+    assert_eq!(b.build().request.tool_choice, Some(ToolChoice::Auto));
+    let mut b = builder();
+    b.set_tool_choice(Some(ToolChoice::Tool("ReadFile".into())));
+    b.add_user_input("go");
+    b.commit();
+    b.add_model_response(&response(vec![call("c1")]));
+    assert_eq!(
+        b.build().request.tool_choice,
+        Some(ToolChoice::Tool("ReadFile".into()))
+    );
+}
+
+#[test]
+fn every_request_bounds_its_answer() {
+    let mut b = builder();
+    b.add_user_input("go");
+    // What the budget keeps free for the answer, unless the session says.
+    assert_eq!(b.build().request.max_output_tokens, Some(16_000));
+    b.set_budget(Budget {
+        context_window_tokens: 8192,
+        ..Budget::default()
+    });
+    assert_eq!(b.build().request.max_output_tokens, Some(2048));
+    b.set_max_output_tokens(Some(300));
+    assert_eq!(b.build().request.max_output_tokens, Some(300));
+}

@@ -154,6 +154,9 @@ pub(super) fn load_request(args: &RunArgs) -> Result<SessionRequest, Error> {
     if args.tool_choice.is_some() {
         req.tool_choice = args.tool_choice.clone();
     }
+    if args.keep_tool_choice {
+        req.keep_tool_choice = true;
+    }
     if args.max_turns.is_some() {
         req.limits.max_turns = args.max_turns;
     }

@@ -48,6 +48,10 @@ pub struct SessionConfig {
     /// default).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tool_choice: Option<ToolChoice>,
+    /// A forced tool choice stays after the tool was called (otherwise it
+    /// is `auto` from then until the next user message).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub keep_tool_choice: bool,
     /// The local directory whose contents were copied into /workspace
     /// before the first turn (once: never again on resume).
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -357,6 +357,7 @@ impl State {
                 self.context
                     .set_reasoning_effort(config.reasoning_effort.clone());
                 self.context.set_tool_choice(config.tool_choice.clone());
+                self.context.set_keep_tool_choice(config.keep_tool_choice);
                 for t in config.registry().tools() {
                     self.context.add_tool(t);
                 }

@@ -202,6 +202,7 @@ pub(super) fn new_config(
         worker: None,
         endpoint: Some(endpoint),
         tool_choice: req.tool_choice.as_deref().map(ToolChoice::parse),
+        keep_tool_choice: req.keep_tool_choice,
         workspace: opts.workspace.as_ref().map(|d| d.display().to_string()),
         worker_id: None,
         on_sandbox_lost: opts

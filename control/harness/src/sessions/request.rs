@@ -24,6 +24,10 @@ pub struct SessionRequest {
     /// auto | required | none | a tool's name.
     #[serde(default)]
     pub tool_choice: Option<String>,
+    /// A forced tool choice stays after the tool was called (by default it
+    /// is `auto` from then until the next user message).
+    #[serde(default)]
+    pub keep_tool_choice: bool,
     /// fail (the default) | new_sandbox: what a run does when its sandbox
     /// is lost.
     #[serde(default)]
