@@ -7,6 +7,35 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# What the suite needs of this machine, said before anything is built (a
+# first build takes 15-20 minutes on 2 cores): `.ci/run` installs and sets
+# up all of it on Debian.
+missing=()
+need() { "$@" >/dev/null 2>&1 || missing+=("$WHAT"); }
+WHAT="cargo-nextest (cargo install --locked cargo-nextest)" need cargo nextest --version
+WHAT="a Docker engine that answers (docker info)" need docker info
+WHAT="busybox-static and bash-static (apt-get install busybox-static bash-static)" \
+    need test -x /bin/busybox -a -x /bin/bash-static
+WHAT="python3 with venv (apt-get install python3-venv)" need python3 -m venv --help
+WHAT="chromium (apt-get install chromium)" need sh -c 'command -v chromium || command -v chromium-browser'
+WHAT="openssl (apt-get install openssl)" need command -v openssl
+WHAT="ip and iptables (apt-get install iproute2 iptables)" need sh -c 'command -v ip && command -v iptables'
+if docker info >/dev/null 2>&1; then
+    runtimes=$(docker info --format '{{json .Runtimes}}' 2>/dev/null || true)
+    case "$runtimes" in
+        *'"runsc"'*host-uds=open*) ;;
+        *) missing+=("gVisor registered with the engine as runtime runsc, with --network=none and --host-uds=open (apt-get install runsc; see .ci/run for /etc/docker/daemon.json)") ;;
+    esac
+    [ "$(docker info --format '{{.ExperimentalBuild}}' 2>/dev/null)" = "true" ] ||
+        missing+=("the engine's experimental features (\"experimental\": true in /etc/docker/daemon.json, then restart dockerd)")
+fi
+if [ ${#missing[@]} -gt 0 ]; then
+    echo "deploy/test.sh: this machine lacks what the suite needs:" >&2
+    printf '  - %s\n' "${missing[@]}" >&2
+    echo "(.ci/run installs and sets up all of it on Debian)" >&2
+    exit 2
+fi
+
 RUSTFLAGS="-C target-feature=+crt-static" \
     cargo build --locked --release --target x86_64-unknown-linux-gnu -p corral-init
 deploy/images/build.sh
@@ -24,7 +53,14 @@ cargo check --locked -p corral-harness --no-default-features
 # Each session the suite runs through `corral run` leaves its trajectory in
 # target/debug/atif (the SDK's tests validate them): this run's only.
 rm -rf target/debug/atif
-cargo nextest run --locked --workspace -E 'not test(real_llama)' "$@"
+# Both suites run whatever the first says; the script fails if either did.
+rust=0
+cargo nextest run --locked --workspace -E 'not test(real_llama)' "$@" || rust=$?
 # The Python SDK (sdk/python): ruff, mypy --strict and pytest against real
 # workers, in a venv of its own.
-sdk/python/test.sh
+sdk=0
+sdk/python/test.sh || sdk=$?
+if [ "$rust" != 0 ] || [ "$sdk" != 0 ]; then
+    echo "deploy/test.sh: failed: the Rust suite exited $rust, the Python SDK's $sdk" >&2
+    exit 1
+fi
