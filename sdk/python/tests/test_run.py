@@ -130,6 +130,9 @@ def test_ctrl_c_during_a_sync_run_ends_the_command(sb: corral.Sandbox) -> None:
     # A user's Ctrl-C, a second into the call: SIGINT to the main thread (a
     # real signal: `_thread.interrupt_main` only marks one as pending, which
     # a thread blocked on a lock sees when the call has ended anyway).
+    # Python's own handler, as in a terminal (a process started in the
+    # background by a non-interactive shell has SIGINT ignored).
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     timer = threading.Timer(
         1.0, signal.pthread_kill, args=(threading.main_thread().ident, signal.SIGINT)
     )
@@ -139,6 +142,7 @@ def test_ctrl_c_during_a_sync_run_ends_the_command(sb: corral.Sandbox) -> None:
             sb.run("sleep 30; echo never")
     finally:
         timer.cancel()
+        signal.signal(signal.SIGINT, previous)
     # The call waited for its command's kill: none of it runs on.
     assert "sleep 30" not in sb.run("ps -o args").stdout
     deadline = time.monotonic() + 10
