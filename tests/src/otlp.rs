@@ -28,7 +28,13 @@ pub struct Got {
 }
 
 #[derive(Clone, Default)]
-pub struct Receiver(Arc<Mutex<Vec<Got>>>);
+pub struct Receiver {
+    got: Arc<Mutex<Vec<Got>>>,
+    /// Requests of more spans than this are refused, as a collector refuses
+    /// one over its size bound (0: none is).
+    max_spans: usize,
+    refused: Arc<std::sync::atomic::AtomicUsize>,
+}
 
 fn text(kv: &[KeyValue]) -> HashMap<String, String> {
     kv.iter()
@@ -51,8 +57,23 @@ impl TraceService for Receiver {
         &self,
         req: tonic::Request<ExportTraceServiceRequest>,
     ) -> Result<tonic::Response<ExportTraceServiceResponse>, tonic::Status> {
-        let mut got = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        for rs in req.into_inner().resource_spans {
+        let req = req.into_inner();
+        let spans: usize = req
+            .resource_spans
+            .iter()
+            .flat_map(|rs| &rs.scope_spans)
+            .map(|ss| ss.spans.len())
+            .sum();
+        if self.max_spans > 0 && spans > self.max_spans {
+            self.refused
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            return Err(tonic::Status::resource_exhausted(format!(
+                "{spans} spans in one request, over the bound of {}",
+                self.max_spans
+            )));
+        }
+        let mut got = self.got.lock().unwrap_or_else(|e| e.into_inner());
+        for rs in req.resource_spans {
             let service = rs
                 .resource
                 .as_ref()
@@ -80,6 +101,19 @@ impl TraceService for Receiver {
 }
 
 impl Receiver {
+    /// A receiver that refuses every request of more than `max_spans`.
+    pub fn refusing_more_than(max_spans: usize) -> Self {
+        Self {
+            max_spans,
+            ..Self::default()
+        }
+    }
+
+    /// Requests refused so far.
+    pub fn refused(&self) -> usize {
+        self.refused.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// Serves on 127.0.0.1 (a free port); its `http://` address.
     pub async fn serve(&self) -> Result<String> {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
@@ -95,6 +129,6 @@ impl Receiver {
 
     /// Every span received so far.
     pub fn spans(&self) -> Vec<Got> {
-        self.0.lock().unwrap_or_else(|e| e.into_inner()).clone()
+        self.got.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 }

@@ -65,8 +65,9 @@ impl Telemetry {
                 endpoint: endpoint.to_string(),
                 reason: e.to_string(),
             })?;
-        // Batches go out every second (and at shutdown).
-        let batches = opentelemetry_sdk::trace::BatchSpanProcessor::builder(exporter)
+        // Batches go out every second (and at shutdown); one the collector
+        // refuses goes again a span at a time.
+        let batches = opentelemetry_sdk::trace::BatchSpanProcessor::builder(Singly(exporter))
             .with_batch_config(
                 opentelemetry_sdk::trace::BatchConfigBuilder::default()
                     .with_scheduled_delay(Duration::from_secs(1))
@@ -95,6 +96,53 @@ impl Telemetry {
         if let Err(e) = self.provider.shutdown() {
             tracing::warn!(error = %e, "traces not all exported");
         }
+    }
+}
+
+/// An exporter that sends a batch the collector refuses again, a span at a
+/// time: a collector's bound on a request (4 MiB by default) then costs the
+/// span over it, never the whole trace. If the first span alone is refused
+/// too, the collector is taken for unreachable and the rest is not tried
+/// (each try may wait for the export's timeout).
+#[derive(Debug)]
+struct Singly<E>(E);
+
+impl<E: opentelemetry_sdk::trace::SpanExporter> opentelemetry_sdk::trace::SpanExporter
+    for Singly<E>
+{
+    async fn export(
+        &self,
+        batch: Vec<opentelemetry_sdk::trace::SpanData>,
+    ) -> opentelemetry_sdk::error::OTelSdkResult {
+        if batch.len() < 2 {
+            return self.0.export(batch).await;
+        }
+        let Err(refused) = self.0.export(batch.clone()).await else {
+            return Ok(());
+        };
+        tracing::debug!(error = %refused, spans = batch.len(), "a batch of spans was refused; sending them one at a time");
+        let mut sent = 0usize;
+        let mut last = Ok(());
+        for span in batch {
+            match self.0.export(vec![span]).await {
+                Ok(()) => sent += 1,
+                Err(e) if sent == 0 => return Err(e),
+                Err(e) => last = Err(e),
+            }
+        }
+        last
+    }
+
+    fn shutdown_with_timeout(&self, timeout: Duration) -> opentelemetry_sdk::error::OTelSdkResult {
+        self.0.shutdown_with_timeout(timeout)
+    }
+
+    fn force_flush(&self) -> opentelemetry_sdk::error::OTelSdkResult {
+        self.0.force_flush()
+    }
+
+    fn set_resource(&mut self, resource: &opentelemetry_sdk::Resource) {
+        self.0.set_resource(resource);
     }
 }
 

@@ -375,3 +375,46 @@ async fn a_worker_without_an_endpoint_keeps_no_trace_parents() -> Result<()> {
     client.destroy_sandbox(&sandbox).await?;
     Ok(())
 }
+
+/// A collector that refuses a request over its bound (one span here; 4 MiB
+/// by default) loses only the span over it, never the trace: a refused
+/// batch goes again a span at a time.
+#[tokio::test]
+async fn a_batch_the_collector_refuses_goes_again_a_span_at_a_time() -> Result<()> {
+    let receiver = Receiver::refusing_more_than(1);
+    let endpoint = receiver.serve().await?;
+    let state = tempfile::tempdir()?;
+    let worker = WorkerProcess::spawn(state.path(), &unique_id("otel1"), free_port()?, &[], &[])?;
+    let model = ModelServer::responding(|req: &Received| {
+        if req.text().contains("function_call_output") {
+            return responses::text("Done.");
+        }
+        responses::calls(&[("c1", "Bash", &json!({"command": "echo traced"}).to_string())])
+    })
+    .await;
+    let sessions = tempfile::tempdir()?;
+    let mut cmd = corral_e2e::run::command(
+        &model,
+        &worker.url,
+        sessions.path(),
+        &["--otlp-endpoint", &endpoint, "Run it."],
+    );
+    cmd.env("CORRAL_TOKEN_FILE", worker.token_file());
+    let run = corral_e2e::run::finish(cmd).await?;
+    ensure!(run.code == 0, "{}", run.stderr);
+    let spans = receiver.spans();
+    ensure!(receiver.refused() > 0, "no batch was refused: {spans:#?}");
+    for name in ["invoke_agent corral", "execute_tool Bash"] {
+        ensure!(
+            spans.iter().any(|s| s.name == name),
+            "no {name} span: {:#?}",
+            spans.iter().map(|s| &s.name).collect::<Vec<_>>()
+        );
+    }
+    ensure!(
+        spans.iter().filter(|s| s.name.starts_with("chat ")).count() >= 2,
+        "{:#?}",
+        spans.iter().map(|s| &s.name).collect::<Vec<_>>()
+    );
+    Ok(())
+}
