@@ -61,10 +61,7 @@ pub fn owners(host: &str, port: u16) -> Vec<u32> {
 /// while the other end is only a connection request (the kernel names no
 /// owner for one; asked again shortly, it is a socket).
 pub fn peer_owner(local: SocketAddr, peer: SocketAddr) -> std::io::Result<Option<u32>> {
-    use nix::sys::socket::{
-        AddressFamily, MsgFlags, NetlinkAddr, SockFlag, SockProtocol, SockType, recv, sendto,
-        socket,
-    };
+    use nix::sys::socket::{MsgFlags, recv};
     let (family, src, dst) = match (peer.ip(), local.ip()) {
         (IpAddr::V4(p), IpAddr::V4(l)) => {
             let (mut s, mut d) = ([0u8; 16], [0u8; 16]);
@@ -75,39 +72,19 @@ pub fn peer_owner(local: SocketAddr, peer: SocketAddr) -> std::io::Result<Option
         (IpAddr::V6(p), IpAddr::V6(l)) => (AF_INET6, p.octets(), l.octets()),
         _ => return Err(invalid("the two ends of one connection in two families")),
     };
-    let fd = socket(
-        AddressFamily::Netlink,
-        SockType::Raw,
-        SockFlag::SOCK_CLOEXEC,
-        SockProtocol::NetlinkSockDiag,
-    )?;
-    let timeout = nix::sys::time::TimeVal::new(2, 0);
-    nix::sys::socket::setsockopt(&fd, nix::sys::socket::sockopt::ReceiveTimeout, &timeout)?;
-    let seq: u32 = 2;
-    let mut req = Vec::with_capacity(HEADER + 56);
-    req.extend_from_slice(&((HEADER + 56) as u32).to_ne_bytes());
-    req.extend_from_slice(&SOCK_DIAG_BY_FAMILY.to_ne_bytes());
-    // One socket, named by its id: no dump.
-    req.extend_from_slice(&NLM_F_REQUEST.to_ne_bytes());
-    req.extend_from_slice(&seq.to_ne_bytes());
-    req.extend_from_slice(&0u32.to_ne_bytes());
-    req.extend_from_slice(&[family, 6, 0, 0]);
-    req.extend_from_slice(&u32::MAX.to_ne_bytes());
     // struct inet_diag_sockid: its source (the peer: the other end's own
     // address) and destination (us), the interface (any), and no cookie.
-    req.extend_from_slice(&peer.port().to_be_bytes());
-    req.extend_from_slice(&local.port().to_be_bytes());
-    req.extend_from_slice(&src);
-    req.extend_from_slice(&dst);
-    req.extend_from_slice(&0u32.to_ne_bytes());
-    req.extend_from_slice(&u32::MAX.to_ne_bytes());
-    req.extend_from_slice(&u32::MAX.to_ne_bytes());
-    sendto(
-        fd.as_raw_fd(),
-        &req,
-        &NetlinkAddr::new(0, 0),
-        MsgFlags::empty(),
-    )?;
+    let mut id = Vec::with_capacity(48);
+    id.extend_from_slice(&peer.port().to_be_bytes());
+    id.extend_from_slice(&local.port().to_be_bytes());
+    id.extend_from_slice(&src);
+    id.extend_from_slice(&dst);
+    id.extend_from_slice(&0u32.to_ne_bytes());
+    id.extend_from_slice(&u32::MAX.to_ne_bytes());
+    id.extend_from_slice(&u32::MAX.to_ne_bytes());
+    let seq: u32 = 2;
+    // One socket, named by its id: no dump.
+    let fd = ask(family, NLM_F_REQUEST, seq, u32::MAX, &id)?;
     let mut buf = vec![0u8; 8 * 1024];
     let n = recv(fd.as_raw_fd(), &mut buf, MsgFlags::empty())?;
     if n < HEADER {
@@ -177,12 +154,19 @@ fn diag(port: u16) -> std::io::Result<Vec<Listener>> {
     Ok(out)
 }
 
-/// One family's dump: a request for listening sockets (the port named, so
-/// the kernel may skip the others), then messages until `NLMSG_DONE`.
-fn diag_family(family: u8, port: u16) -> std::io::Result<Vec<Listener>> {
+/// Sends a `SOCK_DIAG_BY_FAMILY` request (`struct inet_diag_req_v2`: TCP
+/// sockets of `family` in `states`, named by the 48 bytes of `id`, a
+/// `struct inet_diag_sockid`) on a netlink socket of its own, whose
+/// replies are then read from it (never waited for more than 2 s).
+fn ask(
+    family: u8,
+    flags: u16,
+    seq: u32,
+    states: u32,
+    id: &[u8],
+) -> std::io::Result<std::os::fd::OwnedFd> {
     use nix::sys::socket::{
-        AddressFamily, MsgFlags, NetlinkAddr, SockFlag, SockProtocol, SockType, recv, sendto,
-        socket,
+        AddressFamily, MsgFlags, NetlinkAddr, SockFlag, SockProtocol, SockType, sendto, socket,
     };
     let fd = socket(
         AddressFamily::Netlink,
@@ -190,28 +174,42 @@ fn diag_family(family: u8, port: u16) -> std::io::Result<Vec<Listener>> {
         SockFlag::SOCK_CLOEXEC,
         SockProtocol::NetlinkSockDiag,
     )?;
-    // A reply the kernel never sends is not waited for forever.
     let timeout = nix::sys::time::TimeVal::new(2, 0);
     nix::sys::socket::setsockopt(&fd, nix::sys::socket::sockopt::ReceiveTimeout, &timeout)?;
-    let seq: u32 = 1;
-    let mut req = Vec::with_capacity(HEADER + 56);
-    req.extend_from_slice(&((HEADER + 56) as u32).to_ne_bytes());
+    let len = HEADER + 8 + id.len();
+    let mut req = Vec::with_capacity(len);
+    req.extend_from_slice(&(len as u32).to_ne_bytes());
     req.extend_from_slice(&SOCK_DIAG_BY_FAMILY.to_ne_bytes());
-    req.extend_from_slice(&(NLM_F_REQUEST | NLM_F_DUMP).to_ne_bytes());
+    req.extend_from_slice(&flags.to_ne_bytes());
     req.extend_from_slice(&seq.to_ne_bytes());
     req.extend_from_slice(&0u32.to_ne_bytes());
-    // struct inet_diag_req_v2: family, protocol, extensions, pad, states.
+    // family, protocol (TCP), extensions, padding, states.
     req.extend_from_slice(&[family, 6, 0, 0]);
-    req.extend_from_slice(&(1u32 << TCP_LISTEN).to_ne_bytes());
-    // struct inet_diag_sockid: the source port (network order), the rest 0.
-    let mut id = [0u8; 48];
-    id[0..2].copy_from_slice(&port.to_be_bytes());
-    req.extend_from_slice(&id);
+    req.extend_from_slice(&states.to_ne_bytes());
+    req.extend_from_slice(id);
     sendto(
         fd.as_raw_fd(),
         &req,
         &NetlinkAddr::new(0, 0),
         MsgFlags::empty(),
+    )?;
+    Ok(fd)
+}
+
+/// One family's dump: a request for listening sockets (the port named, so
+/// the kernel may skip the others), then messages until `NLMSG_DONE`.
+fn diag_family(family: u8, port: u16) -> std::io::Result<Vec<Listener>> {
+    use nix::sys::socket::{MsgFlags, recv};
+    // struct inet_diag_sockid: the source port (network order), the rest 0.
+    let mut id = [0u8; 48];
+    id[0..2].copy_from_slice(&port.to_be_bytes());
+    let seq: u32 = 1;
+    let fd = ask(
+        family,
+        NLM_F_REQUEST | NLM_F_DUMP,
+        seq,
+        1 << TCP_LISTEN,
+        &id,
     )?;
     let mut out = Vec::new();
     let mut buf = vec![0u8; 32 * 1024];
