@@ -217,6 +217,8 @@ pub async fn serve(
     // The user runs their own Docker engine: what they ask for is theirs to
     // ask (still never a capability that reaches the host).
     config.policy = corral_worker::policy::permissive();
+    // As `docker build` does: steps that download packages can.
+    config.build.network = "bridge".into();
     // A worker that just decided to exit may still hold the state
     // directory for a moment.
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);

@@ -3,7 +3,9 @@
 # uses by default, with no registry: mmdebstrap makes a minimal Debian root
 # filesystem from the Debian archive (python3, git, coreutils, procps,
 # findutils, a C toolchain; /etc/passwd and /etc/group linked to the ones
-# the supervisor writes for each sandbox's own uid), and `docker
+# the supervisor writes for each sandbox's own uid, the image's own
+# accounts in their place for a `docker build` FROM it, where no supervisor
+# runs), and `docker
 # import` makes it an image. The root filesystem is cached under
 # ~/.cache/corral/images, keyed by this script, so a rebuild is an import.
 # Needs: docker, and mmdebstrap (installed with apt-get when missing and
@@ -13,7 +15,7 @@ set -euo pipefail
 tag=${1:-corral-debian:latest}
 suite=${CORRAL_DEBIAN_SUITE:-bookworm}
 mirror=${CORRAL_DEBIAN_MIRROR:-http://deb.debian.org/debian}
-packages=python3,python3-venv,git,curl,ca-certificates,procps,findutils,less,gcc,libc6-dev,make,bash
+packages=python3,python3-venv,python3-pip,git,curl,ca-certificates,procps,findutils,less,gcc,libc6-dev,make,bash
 
 if ! command -v mmdebstrap >/dev/null; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
@@ -39,7 +41,7 @@ if [ ! -s "$rootfs" ]; then
         --dpkgopt='path-exclude=/usr/share/locale/*' \
         --dpkgopt='path-exclude=/usr/share/doc/*' \
         --dpkgopt='path-include=/usr/share/doc/*/copyright' \
-        --customize-hook='for f in passwd group; do mv "$1/etc/$f" "$1/etc/$f.image" && ln -s /run/corral/$f "$1/etc/$f"; done' \
+        --customize-hook='for f in passwd group; do mv "$1/etc/$f" "$1/etc/$f.image" && ln -s /run/corral/$f "$1/etc/$f" && mkdir -p "$1/run/corral" && cp "$1/etc/$f.image" "$1/run/corral/$f"; done' \
         --customize-hook='mkdir -p "$1/workspace" && chmod 0755 "$1" "$1/workspace"' \
         --customize-hook='rm -rf "$1"/var/lib/apt/lists/* "$1"/var/cache/apt/*' \
         "$suite" "$tmp" "$mirror"

@@ -49,6 +49,11 @@ nogroup:x:65534:
 GROUP
 ln -s /run/corral/passwd "$root/etc/passwd"
 ln -s /run/corral/group "$root/etc/group"
+# In a sandbox a tmpfs covers these; in a `docker build` FROM this image
+# (no supervisor) they are the image's accounts, so `USER root` works.
+mkdir -p "$root/run/corral"
+cp "$root/etc/passwd.image" "$root/run/corral/passwd"
+cp "$root/etc/group.image" "$root/run/corral/group"
 chmod 1777 "$root/tmp"
 
 tar -C "$root" -c . | docker import \

@@ -124,6 +124,9 @@ pub struct SandboxPolicy {
     /// What a sandbox's egress rules must fall within (`--allow-egress`;
     /// `*`: any public destination). Empty: no egress.
     pub allowed_egress: Vec<crate::egress::Rule>,
+    /// Images are built on request (`--allow-build`), and sandboxes may
+    /// name them.
+    pub allow_build: bool,
 }
 
 /// The most a sandbox may ask for: the operator's ceilings on its limits.
@@ -168,6 +171,7 @@ impl From<SandboxPolicy> for pb::SandboxPolicy {
             max_workspace_bytes: p.ceilings.workspace_bytes,
             max_tmp_bytes: p.ceilings.tmp_bytes,
             allowed_egress: p.allowed_egress.iter().map(ToString::to_string).collect(),
+            allow_build: p.allow_build,
         }
     }
 }
@@ -196,6 +200,7 @@ impl From<pb::SandboxPolicy> for SandboxPolicy {
                 .iter()
                 .filter_map(|r| r.parse().ok())
                 .collect(),
+            allow_build: p.allow_build,
         }
     }
 }

@@ -72,6 +72,13 @@ impl pb::worker_server::Worker for FakeWorker {
     ) -> Result<Response<pb::Operation>, Status> {
         no()
     }
+    type BuildImageStream = Stream_<pb::BuildImageEvent>;
+    async fn build_image(
+        &self,
+        _: Request<Streaming<pb::BuildImageRequest>>,
+    ) -> Result<Response<Self::BuildImageStream>, Status> {
+        no()
+    }
     type DownloadStream = Stream_<pb::DownloadResponse>;
     async fn download(
         &self,

@@ -199,6 +199,26 @@ pub struct WorkerArgs {
     /// survives restarts until the Drain call ends it.
     #[arg(long, env = "CORRAL_DRAIN")]
     pub drain: bool,
+    /// Build images from clients' Dockerfiles on this worker's engine
+    /// (BuildImage): each base image must be one a sandbox may name (see
+    /// --allow-image); sandboxes may then name what was built. Build steps
+    /// run under the engine's default runtime (not --runtime), with
+    /// --build-network: offer this to clients you would let run containers.
+    #[arg(long, env = "CORRAL_ALLOW_BUILD")]
+    pub allow_build: bool,
+    /// The network of build steps: none, or bridge (steps that download
+    /// packages need it).
+    #[arg(long, env = "CORRAL_BUILD_NETWORK", default_value = "none", value_parser = ["none", "bridge"])]
+    pub build_network: String,
+    /// The largest build context taken.
+    #[arg(long, env = "CORRAL_MAX_BUILD_CONTEXT", default_value = "512m", value_parser = parse_size)]
+    pub max_build_context: u64,
+    /// The longest a build may take; a client may ask for less.
+    #[arg(long, env = "CORRAL_MAX_BUILD_TIME", default_value = "30m", value_parser = humantime::parse_duration)]
+    pub max_build_time: std::time::Duration,
+    /// Memory of each build step (at most 2g).
+    #[arg(long, env = "CORRAL_BUILD_MEMORY", default_value = "2g", value_parser = parse_size)]
+    pub build_memory: u64,
     /// Export a span for each operation submitted with a W3C traceparent
     /// (OpenTelemetry, OTLP over gRPC) to this collector, e.g.
     /// http://127.0.0.1:4317. Off by default.
@@ -506,6 +526,7 @@ impl WorkerArgs {
                 .collect(),
             allow_any_image: self.allow_images.iter().any(|i| i == "*"),
             allowed_runtimes: self.allow_runtimes.clone(),
+            allow_build: self.allow_build,
             allowed_egress: corral_proto::egress::parse_rules(&self.allow_egress, true)
                 .map_err(|e| ConfigError::Policy(format!("--allow-egress: {e}")))?,
             ceilings: corral_proto::Ceilings {
@@ -582,6 +603,13 @@ impl WorkerArgs {
             egress: self.egress()?,
             pools: self.pools.clone(),
             otlp_endpoint: self.otlp_endpoint.clone(),
+            build: crate::build::BuildSettings {
+                network: self.build_network.clone(),
+                max_context_bytes: self.max_build_context,
+                max_time: self.max_build_time,
+                memory_bytes: self.build_memory,
+                ..crate::build::BuildSettings::default()
+            },
         })
     }
 

@@ -43,6 +43,15 @@ pub const INIT_DIR: &str = "/.corral";
 /// (a small tmpfs of its own; Corral's images link `/etc/passwd` there).
 pub const USERS_DIR: &str = "/run/corral";
 
+/// What of an image's own configuration a sandbox of it keeps.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ImageConfig {
+    /// Its WORKDIR, when it names one.
+    pub workdir: Option<String>,
+    /// It sets HOME.
+    pub home: bool,
+}
+
 /// Hardened defaults; a sandbox spec can change each one, explicitly.
 #[derive(Debug, Clone)]
 pub struct Defaults {
@@ -332,6 +341,27 @@ impl DockerRuntime {
         }
     }
 
+    /// What of an image's configuration a sandbox keeps: where its
+    /// commands start, and whether it names their HOME.
+    pub async fn image_config(&self, image: &str) -> Result<ImageConfig> {
+        let inspected = self
+            .docker
+            .inspect_image(image)
+            .await
+            .map_err(|e| self.image_error(e, image))?;
+        let config = inspected.config.unwrap_or_default();
+        Ok(ImageConfig {
+            workdir: config
+                .working_dir
+                .filter(|w| w.starts_with('/') && !w.contains('\0')),
+            home: config
+                .env
+                .unwrap_or_default()
+                .iter()
+                .any(|e| e.starts_with("HOME=")),
+        })
+    }
+
     fn image_error(&self, e: bollard::errors::Error, image: &str) -> WorkerError {
         if is_not_found(&e) {
             WorkerError::NoSuchImage(image.into())
@@ -352,6 +382,7 @@ impl DockerRuntime {
         spec: &SandboxSpec,
         uid: u32,
         egress_dir: Option<&std::path::Path>,
+        image_config: &ImageConfig,
     ) -> ContainerCreateBody {
         let d = &self.defaults;
         let image = spec.image.clone().unwrap_or_else(|| d.image.clone());
@@ -386,12 +417,27 @@ impl DockerRuntime {
             ),
         ]);
         let mut env: Vec<String> = Vec::new();
-        // HOME is the workspace unless the sandbox says otherwise (the
-        // engine would make it root's, the supervisor's user); USER and
-        // LOGNAME name the sandbox user, for the programs that ask.
+        // HOME is the image's when it names one; else root's own where root
+        // may write there (as `docker exec` would have it), and the
+        // workspace otherwise (the engine would make it the supervisor's,
+        // root's). USER and LOGNAME name the sandbox user, for the programs
+        // that ask.
         let user = if spec.run_as_root { "root" } else { "sandbox" };
-        for (key, value) in [("HOME", WORKSPACE_DIR), ("USER", user), ("LOGNAME", user)] {
-            if !spec.env.contains_key(key) {
+        let home = if image_config.home {
+            None
+        } else if spec.run_as_root && spec.writable_rootfs {
+            Some("/root")
+        } else {
+            Some(WORKSPACE_DIR)
+        };
+        for (key, value) in [
+            ("HOME", home),
+            ("USER", Some(user)),
+            ("LOGNAME", Some(user)),
+        ] {
+            if let Some(value) = value
+                && !spec.env.contains_key(key)
+            {
                 env.push(format!("{key}={value}"));
             }
         }
@@ -444,7 +490,14 @@ impl DockerRuntime {
             // no command can signal, trace or read it.
             cmd: Some(cmd),
             user: Some("0:0".into()),
-            working_dir: Some(WORKSPACE_DIR.into()),
+            // Commands start where `docker exec` would: the image's WORKDIR
+            // (Corral's images name the workspace), else the workspace.
+            working_dir: Some(
+                image_config
+                    .workdir
+                    .clone()
+                    .unwrap_or_else(|| WORKSPACE_DIR.into()),
+            ),
             env: Some(env),
             attach_stdin: Some(true),
             attach_stdout: Some(true),
@@ -497,6 +550,7 @@ impl DockerRuntime {
             .clone()
             .unwrap_or_else(|| self.defaults.image.clone());
         self.ensure_init_volume(&image).await?;
+        let image_config = self.image_config(&image).await?;
         let name = container_name(&self.worker_id, id);
         let opts = CreateContainerOptionsBuilder::default().name(&name).build();
         let mut attempts = 0;
@@ -507,7 +561,7 @@ impl DockerRuntime {
             } else {
                 self.uids.pick()
             };
-            let body = self.container_body(id, spec, uid, egress_dir);
+            let body = self.container_body(id, spec, uid, egress_dir, &image_config);
             let created = match self
                 .docker
                 .create_container(Some(opts.clone()), body.clone())

@@ -15,6 +15,8 @@
 //!   ask, the worker decides);
 //! - [`pool`]: warm pools, sandboxes of a template made ahead of time and
 //!   each handed to one matching create;
+//! - [`build`]: images built on the engine from a client's Dockerfile
+//!   (`--allow-build`), named by their inputs, their bases checked first;
 //! - [`fork`]: live forks, children given a copy of a frozen parent's
 //!   writable trees;
 //! - [`egress`]: reading what a sandbox's outbound connection asks for (a
@@ -37,6 +39,7 @@
 
 pub mod admission;
 pub mod budget;
+pub mod build;
 pub mod cli;
 pub mod dns;
 pub mod docker;

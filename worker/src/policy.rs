@@ -81,6 +81,8 @@ pub fn permissive() -> SandboxPolicy {
         allowed_images: Vec::new(),
         allow_any_image: true,
         allowed_runtimes: vec!["runsc".into()],
+        // `docker build` is the user's anyway.
+        allow_build: true,
         ceilings: Default::default(),
         // A plain `docker run` reaches everything; egress by policy, with
         // the internal ranges always refused, is narrower.
@@ -164,9 +166,13 @@ pub fn normalize_image(image: &str) -> String {
     }
 }
 
-fn image_allowed(policy: &SandboxPolicy, image: &str, default_image: &str) -> bool {
+/// The repository of the images a worker builds (`corral-build:<digest>`).
+pub const BUILT_IMAGES: &str = "corral-build:";
+
+pub(crate) fn image_allowed(policy: &SandboxPolicy, image: &str, default_image: &str) -> bool {
     let image = normalize_image(image);
     policy.allow_any_image
+        || (policy.allow_build && image.starts_with(BUILT_IMAGES))
         || image == normalize_image(default_image)
         || STOCK_IMAGES.contains(&image.as_str())
         || policy

@@ -41,6 +41,36 @@ fn operation_id(s: String) -> Result<OperationId, Status> {
 
 type EventStream = Pin<Box<dyn Stream<Item = Result<pb::SandboxEvent, Status>> + Send>>;
 type DownloadStream = Pin<Box<dyn Stream<Item = Result<pb::DownloadResponse, Status>> + Send>>;
+type BuildStream = Pin<Box<dyn Stream<Item = Result<pb::BuildImageEvent, Status>> + Send>>;
+
+fn build_result(outcome: crate::build::Outcome, duration_ms: u64) -> pb::BuildImageResult {
+    use crate::build::{FailureKind, Outcome};
+    use pb::build_failure::Kind;
+    match outcome {
+        Outcome::Built { image, cached } => pb::BuildImageResult {
+            image,
+            cached,
+            duration_ms,
+            failure: None,
+        },
+        Outcome::Failed(f) => pb::BuildImageResult {
+            image: String::new(),
+            cached: false,
+            duration_ms,
+            failure: Some(pb::BuildFailure {
+                kind: match f.kind {
+                    FailureKind::StepFailed => Kind::StepFailed,
+                    FailureKind::TimedOut => Kind::TimedOut,
+                    FailureKind::Invalid => Kind::Invalid,
+                } as i32,
+                step: f.step,
+                steps: f.steps,
+                instruction: f.instruction,
+                message: f.message,
+            }),
+        },
+    }
+}
 
 #[tonic::async_trait]
 impl pb::worker_server::Worker for WorkerService {
@@ -277,6 +307,87 @@ impl pb::worker_server::Worker for WorkerService {
             Reason::Incomplete,
             "the worker stopped watching the upload",
         ))
+    }
+
+    type BuildImageStream = BuildStream;
+
+    async fn build_image(
+        &self,
+        req: Request<tonic::Streaming<pb::BuildImageRequest>>,
+    ) -> Result<Response<BuildStream>, Status> {
+        let Some(builder) = self.worker.builder() else {
+            return Err(crate::error::WorkerError::Denied {
+                flag: Some("--allow-build"),
+                what: "this worker builds no images (its operator allows it with corral-worker --allow-build)".into(),
+            }
+            .into());
+        };
+        let started = std::time::Instant::now();
+        let mut stream = req.into_inner();
+        let first = stream.message().await?.ok_or_else(|| {
+            status(
+                Code::InvalidArgument,
+                Reason::InvalidArgument,
+                "a build needs a first message",
+            )
+        })?;
+        let request = crate::build::Request {
+            dockerfile: first.dockerfile,
+            timeout: (first.timeout_ms > 0)
+                .then(|| std::time::Duration::from_millis(first.timeout_ms)),
+        };
+        // The whole context first: nothing is built from part of one.
+        let mut spooled = builder.spool().await?;
+        let (mut data, mut eof) = (first.data, first.eof);
+        loop {
+            spooled.write(&data).await?;
+            if eof {
+                break;
+            }
+            match stream.message().await? {
+                Some(m) => (data, eof) = (m.data, m.eof),
+                None => {
+                    return Err(status(
+                        Code::Cancelled,
+                        Reason::Incomplete,
+                        "the build's context ended without its eof",
+                    ));
+                }
+            }
+        }
+        let (tx, rx) = tokio::sync::mpsc::channel::<Result<pb::BuildImageEvent, Status>>(16);
+        let (out_tx, mut out_rx) = tokio::sync::mpsc::channel::<String>(16);
+        // Owned by the response: it ends with the build, or stops the build
+        // when the client goes away.
+        tokio::spawn(async move {
+            let relay = async {
+                loop {
+                    let text = tokio::select! {
+                        text = out_rx.recv() => text,
+                        // The client is gone: so is the build's audience,
+                        // which stops it.
+                        () = tx.closed() => return,
+                    };
+                    let Some(text) = text else { return };
+                    let event = pb::BuildImageEvent {
+                        kind: Some(pb::build_image_event::Kind::Output(text)),
+                    };
+                    if tx.send(Ok(event)).await.is_err() {
+                        return;
+                    }
+                }
+            };
+            let (outcome, ()) = tokio::join!(builder.build(request, spooled, out_tx), relay);
+            let duration_ms = started.elapsed().as_millis() as u64;
+            let last = outcome.map_err(Status::from).map(|o| pb::BuildImageEvent {
+                kind: Some(pb::build_image_event::Kind::Done(build_result(
+                    o,
+                    duration_ms,
+                ))),
+            });
+            let _ = tx.send(last).await;
+        });
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }
 
     async fn download(

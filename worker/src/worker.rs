@@ -62,6 +62,8 @@ pub struct WorkerConfig {
     pub pools: Vec<crate::pool::Template>,
     /// Export operations' spans to this OTLP/gRPC collector.
     pub otlp_endpoint: Option<String>,
+    /// The bounds on builds, when the policy allows them.
+    pub build: crate::build::BuildSettings,
 }
 
 impl WorkerConfig {
@@ -85,6 +87,7 @@ impl WorkerConfig {
             egress: crate::proxy::Settings::default(),
             pools: Vec::new(),
             otlp_endpoint: None,
+            build: crate::build::BuildSettings::default(),
         }
     }
 }
@@ -128,6 +131,8 @@ pub struct Worker {
 
 struct Inner {
     runtime: Arc<DockerRuntime>,
+    /// Builds images (`--allow-build`).
+    builder: Option<Arc<crate::build::Builder>>,
     state: StateDir,
     sandboxes: Mutex<HashMap<SandboxId, Sandbox>>,
     /// Serializes create and destroy per sandbox id.
@@ -257,6 +262,17 @@ impl Worker {
                 config.max_sandboxes
             )));
         }
+        let builder = if config.policy.allow_build {
+            Some(Arc::new(crate::build::Builder::new(
+                docker.clone(),
+                &config.state_dir,
+                config.build.clone(),
+                config.policy.clone(),
+                default_image.clone(),
+            )?))
+        } else {
+            None
+        };
         let runtime = DockerRuntime::new(docker, worker_id.clone(), init, config.defaults)
             .with_state_dir(&config.state_dir);
         let uids = match config.sandbox_uids {
@@ -318,6 +334,7 @@ impl Worker {
                         .collect(),
                 ),
                 pool_wake: tokio::sync::Notify::new(),
+                builder,
             }),
         };
         worker.reconcile().await?;
@@ -353,6 +370,11 @@ impl Worker {
 
     pub fn id(&self) -> &str {
         self.inner.runtime.worker_id()
+    }
+
+    /// What builds images, when this worker's policy allows builds.
+    pub fn builder(&self) -> Option<Arc<crate::build::Builder>> {
+        self.inner.builder.clone()
     }
 
     async fn reconcile(&self) -> Result<()> {

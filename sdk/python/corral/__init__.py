@@ -13,9 +13,10 @@ over the same core. A worker is found as the ``corral`` CLI finds it:
 ``corral`` starts.
 """
 
+from corral._build import build_image as abuild_image
 from corral._core import AsyncFiles, AsyncProcess, AsyncSandbox
 from corral._core import list_sandboxes as alist_sandboxes
-from corral._sync import Files, Process, Sandbox, list_sandboxes
+from corral._sync import Files, Process, Sandbox, build_image, list_sandboxes
 from corral._tar import Moved
 from corral.errors import (
     ConfigError,
@@ -34,6 +35,9 @@ from corral.errors import (
     WorkerUnavailable,
 )
 from corral.types import (
+    BuildFailure,
+    BuildFailureKind,
+    BuiltImage,
     EndCause,
     EntryType,
     FileEntry,
@@ -50,6 +54,9 @@ __all__ = [
     "AsyncFiles",
     "AsyncProcess",
     "AsyncSandbox",
+    "BuildFailure",
+    "BuildFailureKind",
+    "BuiltImage",
     "ConfigError",
     "Conflict",
     "CorralError",
@@ -78,6 +85,8 @@ __all__ = [
     "Unauthenticated",
     "WorkerInfo",
     "WorkerUnavailable",
+    "abuild_image",
     "alist_sandboxes",
+    "build_image",
     "list_sandboxes",
 ]

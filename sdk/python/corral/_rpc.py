@@ -119,6 +119,11 @@ class Worker:
             request_serializer=ser,
             response_deserializer=pb.Operation.FromString,
         )
+        self._build = ch.stream_stream(
+            SERVICE + "BuildImage",
+            request_serializer=ser,
+            response_deserializer=pb.BuildImageEvent.FromString,
+        )
 
     async def _guard(self) -> None:
         """Before a call that may open a connection: a token goes to a TCP
@@ -168,6 +173,11 @@ class Worker:
         return _stream(
             lambda: self._download(req, metadata=self._metadata), self._error, self._guard
         )
+
+    def build(
+        self, reqs: AsyncIterator[pb.BuildImageRequest]
+    ) -> AsyncGenerator[pb.BuildImageEvent, None]:
+        return _stream(lambda: self._build(reqs, metadata=self._metadata), self._error, self._guard)
 
     async def upload(self, reqs: AsyncIterator[pb.UploadRequest]) -> pb.Operation:
         await self._guard()

@@ -11,8 +11,9 @@ from collections.abc import AsyncIterator, Callable, Coroutine, Generator, Mappi
 from pathlib import Path
 from typing import Any, TypeVar
 
-from corral import _core, _rpc, _tar
+from corral import _build, _core, _rpc, _tar
 from corral.types import (
+    BuiltImage,
     FileEntry,
     OutputChunk,
     Result,
@@ -410,6 +411,29 @@ class Sandbox:
     def __exit__(self, *exc: object) -> None:
         if self._sb.owned:
             self.remove()
+
+
+def build_image(
+    context: str | os.PathLike[str],
+    *,
+    dockerfile: str = "Dockerfile",
+    worker: str | None = None,
+    token_file: str | None = None,
+    timeout: float | None = None,
+    on_output: Callable[[str], object] | None = None,
+) -> BuiltImage:
+    """Builds ``dockerfile`` (a path in ``context``) on a worker's Docker
+    engine; see :func:`corral.abuild_image`."""
+    return _run(
+        _build.build_image(
+            context,
+            dockerfile=dockerfile,
+            worker=worker,
+            token_file=token_file,
+            timeout=timeout,
+            on_output=on_output,
+        )
+    )
 
 
 def list_sandboxes(

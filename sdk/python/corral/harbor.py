@@ -4,22 +4,33 @@ Corral sandbox.
     harbor run -p tasks/ -a oracle -e corral.harbor:CorralEnvironment \\
         --ek worker=http://HOST:7070 --ek token_file=/path/to/token
 
+A task's image is what Harbor's Docker environment would run: its
+``environment/Dockerfile`` built on the worker's engine (``corral-worker
+--allow-build``; the image is named by the Dockerfile and its context, so
+concurrent trials of one task build it once, within the task's
+``build_timeout_sec``, and a failed step is an error naming it), or the
+task's prebuilt ``docker_image`` (unless ``force_build``), or the image
+given with ``--ek image=...``. Commands start in the image's WORKDIR, or the
+task's ``workdir``.
+
 Harbor works at the filesystem's root (``/logs``, ``/tests``,
 ``/solution``), so the sandbox runs its commands as root on a writable root
 filesystem: the worker must allow both (``corral-worker --allow-root
 --allow-writable-rootfs``; the local worker does), and it still has no
 capability a plain ``docker run`` would not give. Commands run under
-``bash -c``, never a login shell, with the task's ``workdir`` and
-environment; a timeout raises as Harbor's Docker environment does. Files
-and trees move as tar streams through a staging directory under /tmp.
+``bash -c``, never a login shell, with the task's environment; a timeout
+raises as Harbor's Docker environment does. Files and trees move as tar
+streams through a staging directory under /tmp.
 
-Capabilities, answered truthfully: a sandbox with no network is one Corral
-makes by default, so ``disable_internet``; a ``public`` task gets the
-worker's bridge network (``--allow-network``). Allowlists, GPUs, mounts,
-Compose and changing the policy after start are not offered. A task whose
-agent or verifier runs as another user needs ``--ek allow_users=true``: its
-sandbox gets CAP_SETUID and CAP_SETGID (``--allow-cap`` on a worker), and
-such commands run through ``setpriv`` (a uid) or ``runuser`` (a name).
+Networks, answered truthfully: ``no-network`` is a sandbox with none (what
+Corral makes by default); ``allowlist`` is egress through the worker's
+proxy to the hosts, wildcards, addresses and ranges listed (on ports 80 and
+443; within the worker's ``--allow-egress``); ``public`` is the worker's
+bridge network (``--allow-network``). GPUs, mounts, Compose and changing
+the policy after start are not offered. A task whose agent or verifier runs
+as another user needs ``--ek allow_users=true``: its sandbox gets
+CAP_SETUID and CAP_SETGID (``--allow-cap`` on a worker), and such commands
+run through ``setpriv`` (a uid) or ``runuser`` (a name).
 """
 
 from __future__ import annotations
@@ -35,6 +46,7 @@ from harbor.environments.base import BaseEnvironment, ExecResult
 from harbor.environments.capabilities import EnvironmentCapabilities
 from harbor.models.task.config import NetworkMode
 
+from corral._build import build_image
 from corral._core import AsyncSandbox
 from corral.errors import CorralError
 from corral.types import EndCause
@@ -61,6 +73,8 @@ class CorralEnvironment(BaseEnvironment):
         self._image = image
         self._idle_timeout = idle_timeout
         self._sb: AsyncSandbox | None = None
+        #: Why the sandbox could not be made, said again to every later call.
+        self._start_error: BaseException | None = None
         super().__init__(*args, **kwargs)
 
     @staticmethod
@@ -69,38 +83,105 @@ class CorralEnvironment(BaseEnvironment):
 
     @property
     def capabilities(self) -> EnvironmentCapabilities:
-        return EnvironmentCapabilities(disable_internet=True)
+        return EnvironmentCapabilities(
+            disable_internet=True,
+            network_allowlist=True,
+            network_allowlist_hostnames=True,
+            network_allowlist_wildcard_hostnames=True,
+            network_allowlist_ipv4_addresses=True,
+            network_allowlist_ipv6_addresses=True,
+            network_allowlist_ipv4_cidrs=True,
+            network_allowlist_ipv6_cidrs=True,
+        )
+
+    @property
+    def _dockerfile(self) -> Path:
+        return Path(self.environment_dir) / "Dockerfile"
 
     def _validate_definition(self) -> None:
-        # The image is the worker's default, a given one, or the task's
-        # docker_image: no Dockerfile is built.
-        return None
+        # As Harbor's Docker environment asks: something to run.
+        if self._image or getattr(self.task_env_config, "docker_image", None):
+            return
+        if not self._dockerfile.is_file():
+            raise FileNotFoundError(
+                f"{self._dockerfile} not found: the task names no docker_image and has no "
+                "Dockerfile to build (or give CorralEnvironment --ek image=IMAGE)"
+            )
 
     @property
     def sandbox(self) -> AsyncSandbox:
         if self._sb is None:
+            if self._start_error is not None:
+                raise RuntimeError(
+                    f"no Corral sandbox: making it failed: {self._start_error}"
+                ) from self._start_error
             raise RuntimeError("the Corral sandbox is not started")
         return self._sb
 
-    async def start(self, force_build: bool) -> None:
+    async def _image_to_run(self, force_build: bool) -> tuple[str | None, str | None]:
+        """The image trials run in, and the worker that has it (when it was
+        built there)."""
         cfg = self.task_env_config
-        mode = getattr(self.network_policy, "network_mode", NetworkMode.PUBLIC)
+        prebuilt = getattr(cfg, "docker_image", None)
+        if self._image:
+            return self._image, self._worker
+        if prebuilt and (not force_build or not self._dockerfile.is_file()):
+            return prebuilt, self._worker
+        timeout = getattr(cfg, "build_timeout_sec", None)
+        built = await build_image(
+            self.environment_dir,
+            worker=self._worker,
+            token_file=self._token_file,
+            timeout=float(timeout) if timeout else None,
+            on_output=lambda text: self.logger.debug(text.rstrip()),
+        )
+        if built.failure is not None or built.image is None:
+            raise RuntimeError(
+                f"building {self._dockerfile} on {built.worker} failed at {built.failure}"
+            )
+        how = "found, built before" if built.cached else f"built in {built.duration_s:.1f} s"
+        self.logger.info(f"image {built.image} {how}")
+        # Of several workers, the one that has the image runs the trial.
+        return built.image, (built.worker if self._worker else None)
+
+    def _network(self) -> dict[str, Any]:
+        """The sandbox's network for the task's policy."""
+        policy = self.network_policy
+        mode = getattr(policy, "network_mode", NetworkMode.PUBLIC)
+        if mode == NetworkMode.NO_NETWORK:
+            return {"network": "none"}
+        if mode == NetworkMode.PUBLIC:
+            return {"network": "bridge"}
+        # Harbor's entries are Corral's rules as written: a name, *.NAME, an
+        # address or a range (each on ports 80 and 443).
+        return {"network": "none", "egress": list(getattr(policy, "allowed_hosts", []))}
+
+    async def start(self, force_build: bool) -> None:
+        try:
+            await self._start(force_build)
+        except BaseException as e:
+            self._start_error = e
+            raise
+
+    async def _start(self, force_build: bool) -> None:
+        cfg = self.task_env_config
         memory_mb = getattr(cfg, "memory_mb", None)
         cpus = getattr(cfg, "cpus", None)
+        image, worker = await self._image_to_run(force_build)
         self._sb = await AsyncSandbox.create(
-            self._image or getattr(cfg, "docker_image", None) or None,
-            worker=self._worker,
+            image,
+            worker=worker,
             token_file=self._token_file,
             env=self._startup_env(),
             memory=f"{int(memory_mb)}m" if memory_mb else None,
             cpus=float(cpus) if cpus else None,
-            network="none" if mode == NetworkMode.NO_NETWORK else "bridge",
             root=True,
             writable_rootfs=True,
             # To run a task's commands as its agent's or verifier's user.
             capabilities=["CAP_SETUID", "CAP_SETGID"] if self._allow_users else None,
             idle_timeout=self._idle_timeout,
             labels={"harbor.session": self.session_id[:1024]},
+            **self._network(),
         )
         self.logger.info(f"Corral sandbox {self._sb.id} on {self._sb.worker.url}")
         workdir = getattr(cfg, "workdir", None)

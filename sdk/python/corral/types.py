@@ -244,6 +244,53 @@ def worker_info_of(w: pb.WorkerInfo) -> WorkerInfo:
     )
 
 
+class BuildFailureKind(str, enum.Enum):
+    #: A step of the Dockerfile failed (a RUN that exited non-zero, a COPY
+    #: of a file the context lacks).
+    STEP_FAILED = "step_failed"
+    #: The build ran out of its time and was stopped.
+    TIMED_OUT = "timed_out"
+    #: The Dockerfile cannot be built as written.
+    INVALID = "invalid"
+
+
+@dataclass(frozen=True)
+class BuildFailure:
+    kind: BuildFailureKind
+    #: The step that failed, counted from 1 as the build counts them, of
+    #: ``steps`` (0: before any step).
+    step: int
+    steps: int
+    #: That step's instruction as the build showed it (``RUN make``).
+    instruction: str
+    #: The engine's words.
+    message: str
+
+    def __str__(self) -> str:
+        where = f"step {self.step}/{self.steps} ({self.instruction}): " if self.step else ""
+        return f"{where}{self.message}"
+
+
+@dataclass(frozen=True)
+class BuiltImage:
+    """How a build ended: ``image`` to create sandboxes from (on ``worker``),
+    or a ``failure``."""
+
+    image: str | None
+    #: The worker that built it: its sandboxes may name the image.
+    worker: str
+    #: Built before from the same inputs: nothing was built this time.
+    cached: bool
+    duration_s: float
+    failure: BuildFailure | None
+    #: The build's output, as the engine wrote it.
+    output: str
+
+    @property
+    def ok(self) -> bool:
+        return self.failure is None and self.image is not None
+
+
 class EntryType(str, enum.Enum):
     FILE = "file"
     DIRECTORY = "directory"

@@ -1,6 +1,7 @@
 mod agent;
 mod atif;
 mod bad_input;
+mod build;
 mod checkpoint;
 mod cli;
 mod cluster;

@@ -137,6 +137,9 @@ fn main() -> ExitCode {
     // `--command-uid UID`: the supervisor runs as root, commands as UID;
     // `--egress`: the sandbox has egress (its worker's socket is mounted).
     if args.first().map(String::as_str) != Some("--roots") {
+        // The container starts in the image's WORKDIR (or the workspace,
+        // for an image that names none): so do commands.
+        config.workdir = std::env::current_dir().ok();
         let mut rest = args.iter();
         while let Some(flag) = rest.next() {
             match flag.as_str() {

@@ -351,6 +351,62 @@ class UploadRequest(_message.Message):
     eof: bool
     def __init__(self, sandbox_id: _Optional[str] = ..., operation_id: _Optional[str] = ..., path: _Optional[str] = ..., data: _Optional[bytes] = ..., eof: _Optional[bool] = ...) -> None: ...
 
+class BuildImageRequest(_message.Message):
+    __slots__ = ("dockerfile", "timeout_ms", "data", "eof")
+    DOCKERFILE_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    EOF_FIELD_NUMBER: _ClassVar[int]
+    dockerfile: str
+    timeout_ms: int
+    data: bytes
+    eof: bool
+    def __init__(self, dockerfile: _Optional[str] = ..., timeout_ms: _Optional[int] = ..., data: _Optional[bytes] = ..., eof: _Optional[bool] = ...) -> None: ...
+
+class BuildImageEvent(_message.Message):
+    __slots__ = ("output", "done")
+    OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    output: str
+    done: BuildImageResult
+    def __init__(self, output: _Optional[str] = ..., done: _Optional[_Union[BuildImageResult, _Mapping]] = ...) -> None: ...
+
+class BuildImageResult(_message.Message):
+    __slots__ = ("image", "cached", "duration_ms", "failure")
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
+    CACHED_FIELD_NUMBER: _ClassVar[int]
+    DURATION_MS_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_FIELD_NUMBER: _ClassVar[int]
+    image: str
+    cached: bool
+    duration_ms: int
+    failure: BuildFailure
+    def __init__(self, image: _Optional[str] = ..., cached: _Optional[bool] = ..., duration_ms: _Optional[int] = ..., failure: _Optional[_Union[BuildFailure, _Mapping]] = ...) -> None: ...
+
+class BuildFailure(_message.Message):
+    __slots__ = ("kind", "step", "steps", "instruction", "message")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        KIND_UNSPECIFIED: _ClassVar[BuildFailure.Kind]
+        KIND_STEP_FAILED: _ClassVar[BuildFailure.Kind]
+        KIND_TIMED_OUT: _ClassVar[BuildFailure.Kind]
+        KIND_INVALID: _ClassVar[BuildFailure.Kind]
+    KIND_UNSPECIFIED: BuildFailure.Kind
+    KIND_STEP_FAILED: BuildFailure.Kind
+    KIND_TIMED_OUT: BuildFailure.Kind
+    KIND_INVALID: BuildFailure.Kind
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    INSTRUCTION_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    kind: BuildFailure.Kind
+    step: int
+    steps: int
+    instruction: str
+    message: str
+    def __init__(self, kind: _Optional[_Union[BuildFailure.Kind, str]] = ..., step: _Optional[int] = ..., steps: _Optional[int] = ..., instruction: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+
 class DownloadRequest(_message.Message):
     __slots__ = ("sandbox_id", "operation_id", "archive")
     SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
@@ -730,7 +786,7 @@ class DrainRequest(_message.Message):
     def __init__(self, drain: _Optional[bool] = ...) -> None: ...
 
 class SandboxPolicy(_message.Message):
-    __slots__ = ("allow_root", "allow_writable_rootfs", "allow_network", "allowed_capabilities", "allowed_images", "allow_any_image", "allowed_runtimes", "max_memory_bytes", "max_cpu_millis", "max_pids", "max_workspace_bytes", "max_tmp_bytes", "allowed_egress")
+    __slots__ = ("allow_root", "allow_writable_rootfs", "allow_network", "allowed_capabilities", "allowed_images", "allow_any_image", "allowed_runtimes", "max_memory_bytes", "max_cpu_millis", "max_pids", "max_workspace_bytes", "max_tmp_bytes", "allowed_egress", "allow_build")
     ALLOW_ROOT_FIELD_NUMBER: _ClassVar[int]
     ALLOW_WRITABLE_ROOTFS_FIELD_NUMBER: _ClassVar[int]
     ALLOW_NETWORK_FIELD_NUMBER: _ClassVar[int]
@@ -744,6 +800,7 @@ class SandboxPolicy(_message.Message):
     MAX_WORKSPACE_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_TMP_BYTES_FIELD_NUMBER: _ClassVar[int]
     ALLOWED_EGRESS_FIELD_NUMBER: _ClassVar[int]
+    ALLOW_BUILD_FIELD_NUMBER: _ClassVar[int]
     allow_root: bool
     allow_writable_rootfs: bool
     allow_network: bool
@@ -757,4 +814,5 @@ class SandboxPolicy(_message.Message):
     max_workspace_bytes: int
     max_tmp_bytes: int
     allowed_egress: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, allow_root: _Optional[bool] = ..., allow_writable_rootfs: _Optional[bool] = ..., allow_network: _Optional[bool] = ..., allowed_capabilities: _Optional[_Iterable[str]] = ..., allowed_images: _Optional[_Iterable[str]] = ..., allow_any_image: _Optional[bool] = ..., allowed_runtimes: _Optional[_Iterable[str]] = ..., max_memory_bytes: _Optional[int] = ..., max_cpu_millis: _Optional[int] = ..., max_pids: _Optional[int] = ..., max_workspace_bytes: _Optional[int] = ..., max_tmp_bytes: _Optional[int] = ..., allowed_egress: _Optional[_Iterable[str]] = ...) -> None: ...
+    allow_build: bool
+    def __init__(self, allow_root: _Optional[bool] = ..., allow_writable_rootfs: _Optional[bool] = ..., allow_network: _Optional[bool] = ..., allowed_capabilities: _Optional[_Iterable[str]] = ..., allowed_images: _Optional[_Iterable[str]] = ..., allow_any_image: _Optional[bool] = ..., allowed_runtimes: _Optional[_Iterable[str]] = ..., max_memory_bytes: _Optional[int] = ..., max_cpu_millis: _Optional[int] = ..., max_pids: _Optional[int] = ..., max_workspace_bytes: _Optional[int] = ..., max_tmp_bytes: _Optional[int] = ..., allowed_egress: _Optional[_Iterable[str]] = ..., allow_build: _Optional[bool] = ...) -> None: ...

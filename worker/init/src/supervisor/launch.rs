@@ -305,9 +305,14 @@ impl Supervisor {
     #[allow(unsafe_code)]
     pub(super) fn spawn(&mut self, spec: &Launch<'_>) -> Result<(Pid, Box<Running>), String> {
         let shell = &spec.program;
+        let start = self
+            .config
+            .workdir
+            .as_ref()
+            .unwrap_or(&self.config.roots.workspace);
         let workdir = match &spec.workdir {
-            Some(w) => self.config.roots.workspace.join(w),
-            None => self.config.roots.workspace.clone(),
+            Some(w) => start.join(w),
+            None => start.clone(),
         };
         if !workdir.is_dir() {
             return Err(format!(

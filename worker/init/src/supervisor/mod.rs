@@ -92,6 +92,10 @@ pub struct Config {
     /// Serve the egress proxy on the sandbox's loopback (see
     /// [`crate::relay`]): the worker mounted its socket.
     pub egress: bool,
+    /// Where commands start when they name no directory, and what a
+    /// relative one is taken from: the image's WORKDIR, as the container
+    /// started in it (`None`: the workspace).
+    pub workdir: Option<PathBuf>,
 }
 
 impl Default for Config {
@@ -105,6 +109,7 @@ impl Default for Config {
             command_uid: None,
             helper: std::env::current_exe().ok(),
             egress: false,
+            workdir: None,
         }
     }
 }
