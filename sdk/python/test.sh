@@ -28,8 +28,11 @@ if [ ! -f "$agents_src/tests/sandbox/integration_tests/_helpers.py" ]; then
 fi
 # No model price list from the network when litellm is imported.
 export LITELLM_LOCAL_MODEL_COST_MAP=True
-# Harbor needs Python >= 3.12: its test runs it in an image of its own.
-PYTHON="$venv/bin/python" "$here/tests/harbor/build-image.sh"
+# Harbor needs Python >= 3.12: its test runs it in an image of its own, for
+# the oldest release the adapter supports and the newest one tested.
+for harbor in 0.25.0 0.26.0; do
+    PYTHON="$venv/bin/python" "$here/tests/harbor/build-image.sh" "$harbor"
+done
 # The installed package is what the tests import, not this directory's copy.
 cd "$here/tests"
 "$venv/bin/python" -m pytest -q -p no:cacheprovider --rootdir "$here" -c "$here/pyproject.toml" "$here/tests" "$@"

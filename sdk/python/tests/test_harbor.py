@@ -1,19 +1,25 @@
-"""Harbor 0.25 from PyPI, in a Python 3.13 image (tests/harbor/build-image.sh),
-runs tasks written for this test in Harbor's task format with its oracle
-agent against corral.harbor.CorralEnvironment: every task's verifier passes,
-and a deliberately broken solution fails."""
+"""Harbor from PyPI (0.25, the oldest release the adapter supports, and
+0.26, the newest), in a Python 3.13 image (tests/harbor/build-image.sh),
+runs tasks laid out as real ones are (an environment/Dockerfile with a
+WORKDIR, files copied in and built by RUN steps, solution/solve.sh writing
+paths relative to the WORKDIR, tests/ for the verifier) with its oracle
+agent against corral.harbor.CorralEnvironment: each task's Dockerfile is
+built on the worker, every verifier passes, a deliberately broken solution
+fails, and a Dockerfile whose step fails is an error naming the step."""
 
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import textwrap
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 from conftest import REPO, Worker
 
-IMAGE = "corral-harbor-test:latest"
+VERSIONS = ["0.25.0", "0.26.0"]
 SDK = REPO / "sdk" / "python"
 
 TASK_TOML = """\
@@ -70,18 +76,116 @@ def write_task(
     (t / "tests" / "test.sh").write_text(TEST_SH)
 
 
-def test_harbor_runs_its_oracle_in_corral_sandboxes(
-    own_worker: Callable[..., Worker], tmp_path: Path
+# A task as real ones are made: its files come in through the Dockerfile,
+# one is made by a RUN step, and nothing names a workdir but the image.
+REPORT_DOCKERFILE = """\
+FROM corral-debian:latest
+WORKDIR /app
+COPY data/ /app/data/
+COPY setup.py /tmp/setup.py
+RUN python3 /tmp/setup.py && rm /tmp/setup.py
+ENV REPORT_NAME=report.txt
+"""
+
+REPORT_SETUP = """\
+import json
+json.dump({"column": "amount"}, open("/app/config.json", "w"))
+"""
+
+REPORT_SOLVE = """\
+#!/bin/bash
+set -euo pipefail
+# Relative paths: the task's files are where its image's WORKDIR is.
+python3 - <<'PY'
+import csv, json, os
+col = json.load(open("config.json"))["column"]
+total = sum(int(r[col]) for r in csv.DictReader(open("data/sales.csv")))
+open(os.environ["REPORT_NAME"], "w").write(f"total={total}\\n")
+PY
+echo "report written in $(pwd) by $(id -un), HOME=$HOME"
+"""
+
+REPORT_TEST = """\
+#!/bin/bash
+mkdir -p /logs/verifier
+python3 /tests/test_outputs.py > /logs/verifier/out.txt 2>&1
+echo $? > /logs/verifier/code
+if [ "$(cat /logs/verifier/code)" = 0 ]; then echo 1; else echo 0; fi > /logs/verifier/reward.txt
+"""
+
+REPORT_CHECK = """\
+from pathlib import Path
+assert Path("/app/report.txt").read_text() == "total=42\\n", Path("/app/report.txt").read_text()
+"""
+
+REPORT_TOML = """\
+schema_version = "1.4"
+
+[verifier]
+timeout_sec = 120.0
+
+[agent]
+timeout_sec = 120.0
+
+[environment]
+build_timeout_sec = 300.0
+network_mode = "{network}"
+{allowed}
+"""
+
+PROXY_SOLVE = """\
+#!/bin/bash
+# The allow-list's way out: the worker's proxy, named as programs look for it.
+printf '%s' "${HTTPS_PROXY:-none}" > proxy.txt
+"""
+
+PROXY_CHECK = """\
+from pathlib import Path
+got = Path("/app/proxy.txt").read_text()
+assert got.startswith("http://127.0.0.1:"), got
+"""
+
+
+def write_real_task(
+    root: Path,
+    name: str,
+    *,
+    dockerfile: str = REPORT_DOCKERFILE,
+    solve: str = REPORT_SOLVE,
+    check: str = REPORT_CHECK,
+    network: str = "no-network",
+    allowed: str = "",
 ) -> None:
-    have = subprocess.run(["docker", "image", "inspect", IMAGE], capture_output=True)
-    assert have.returncode == 0, f"{IMAGE} is missing: run sdk/python/tests/harbor/build-image.sh"
+    t = root / name
+    env = t / "environment"
+    (env / "data").mkdir(parents=True)
+    (env / "Dockerfile").write_text(dockerfile)
+    (env / "setup.py").write_text(REPORT_SETUP)
+    (env / "data" / "sales.csv").write_text("region,amount\nnorth,10\nsouth,32\n")
+    (t / "solution").mkdir()
+    (t / "solution" / "solve.sh").write_text(solve)
+    (t / "tests").mkdir()
+    (t / "tests" / "test.sh").write_text(REPORT_TEST)
+    (t / "tests" / "test_outputs.py").write_text(check)
+    (t / "instruction.md").write_text("Write report.txt with the total of data/sales.csv.\n")
+    (t / "task.toml").write_text(REPORT_TOML.format(network=network, allowed=allowed))
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_harbor_builds_and_runs_real_task_layouts_in_corral_sandboxes(
+    own_worker: Callable[..., Worker], tmp_path: Path, version: str
+) -> None:
+    image = f"corral-harbor-test:{version}"
+    have = subprocess.run(["docker", "image", "inspect", image], capture_output=True)
+    assert have.returncode == 0, f"{image} is missing: run sdk/python/tests/harbor/build-image.sh"
     w = own_worker(
         "--allow-root",
         "--allow-writable-rootfs",
-        "--allow-image",
-        "corral-debian:latest",
+        "--allow-build",
         "--allow-cap",
         "CAP_SETUID,CAP_SETGID",
+        "--allow-egress",
+        "pypi.org,*.pythonhosted.org",
     )
     tasks = tmp_path / "tasks"
     good = textwrap.dedent("""\
@@ -95,7 +199,6 @@ def test_harbor_runs_its_oracle_in_corral_sandboxes(
         echo solved in "$(pwd)"
     """)
     write_task(tasks, "hello-file", good)
-    write_task(tasks, "hello-other", good, expected="Hello, Corral!")
     # Its agent runs as uid 1000: the solution's files say so.
     as_user = good.replace("echo solved", 'id -u > "$OUT/uid"; echo solved')
     write_task(tasks, "hello-user", as_user, agent_user="1000")
@@ -103,6 +206,22 @@ def test_harbor_runs_its_oracle_in_corral_sandboxes(
         tasks,
         "hello-broken",
         '#!/bin/sh\nmkdir -p "$OUT"\necho Goodbye > "$OUT/hello.txt"\n',
+    )
+    write_real_task(tasks, "report")
+    # The same environment in two tasks, run at once: built once.
+    write_real_task(tasks, "report-again")
+    write_real_task(
+        tasks,
+        "allowlisted",
+        solve=PROXY_SOLVE,
+        check=PROXY_CHECK,
+        network="allowlist",
+        allowed='allowed_hosts = ["pypi.org", "*.pythonhosted.org"]',
+    )
+    write_real_task(
+        tasks,
+        "broken-build",
+        dockerfile="FROM corral-debian:latest\nWORKDIR /app\nRUN echo compiling && exit 7\n",
     )
     jobs = tmp_path / "jobs"
     jobs.mkdir()
@@ -130,7 +249,7 @@ def test_harbor_runs_its_oracle_in_corral_sandboxes(
             "HARBOR_TELEMETRY=0",
             "-e",
             "LITELLM_LOCAL_MODEL_COST_MAP=True",
-            IMAGE,
+            image,
             "harbor",
             "run",
             "-p",
@@ -144,20 +263,18 @@ def test_harbor_runs_its_oracle_in_corral_sandboxes(
             "--ek",
             "token_file=/token",
             "--ek",
-            "image=corral-debian:latest",
-            "--ek",
             "allow_users=true",
             "-o",
             "/jobs",
             "--job-name",
             "corral",
             "-n",
-            "2",
+            "3",
             "-y",
         ],
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=900,
     )
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     outcomes = {}
@@ -166,14 +283,27 @@ def test_harbor_runs_its_oracle_in_corral_sandboxes(
         rewards = (r.get("verifier_result") or {}).get("rewards") or {}
         exc = r.get("exception_info")
         outcomes[r["task_name"]] = (rewards.get("reward"), exc and exc["exception_type"], exc)
-    assert set(outcomes) == {"hello-file", "hello-other", "hello-user", "hello-broken"}, run.stdout[
-        -4000:
-    ]
-    assert outcomes["hello-user"][:2] == (1.0, None), outcomes["hello-user"]
-    assert outcomes["hello-file"][:2] == (1.0, None), outcomes["hello-file"]
-    assert outcomes["hello-other"][:2] == (1.0, None), outcomes["hello-other"]
+    assert set(outcomes) == {
+        "hello-file",
+        "hello-user",
+        "hello-broken",
+        "report",
+        "report-again",
+        "allowlisted",
+        "broken-build",
+    }, run.stdout[-4000:]
+    for name in ("hello-file", "hello-user", "report", "report-again", "allowlisted"):
+        assert outcomes[name][:2] == (1.0, None), (name, outcomes[name])
     assert outcomes["hello-broken"][:2] == (0.0, None), outcomes["hello-broken"]
-    # What the oracle printed came back from the sandbox, run in the task's workdir.
+    # The failed build says which step failed, and how.
+    failed = outcomes["broken-build"][2]
+    assert failed, outcomes["broken-build"]
+    assert "step 3/3 (RUN echo compiling && exit 7)" in failed["exception_message"], failed
+    assert "non-zero code: 7" in failed["exception_message"], failed
+    # What the oracle printed came back from the sandbox: run in the image's
+    # WORKDIR as root, with root's HOME.
+    oracle = next((jobs / "corral").glob("report__*/agent/oracle.txt")).read_text()
+    assert "report written in /app by root, HOME=/root" in oracle, oracle
     oracle = next((jobs / "corral").glob("hello-file__*/agent/oracle.txt")).read_text()
     assert "solved in /app" in oracle
     trial = next((jobs / "corral").glob("hello-file__*"))
@@ -182,3 +312,11 @@ def test_harbor_runs_its_oracle_in_corral_sandboxes(
     # Every trial's sandbox is gone.
     left = [s for s in w.list() if "harbor.session" in s.labels]
     assert left == [], left
+    # One image for the two tasks of one environment.
+    built = subprocess.run(
+        ["docker", "image", "ls", "-q", "--filter", "reference=corral-build"],
+        capture_output=True,
+        text=True,
+    )
+    assert built.returncode == 0 and built.stdout.strip(), built
+    shutil.rmtree(jobs, ignore_errors=True)

@@ -5,14 +5,16 @@
 # the SDK's dependencies installed in /venv from wheels downloaded here
 # first (pip download --python-version 3.13 --only-binary=:all:), offline
 # inside the image. The root filesystem and the wheels are cached under
-# ~/.cache/corral/images, keyed by this script; an image already built from
-# them is kept. Usage: build-image.sh [TAG]
+# ~/.cache/corral/images, keyed by this script and the version; an image
+# already built from them is kept. Usage: build-image.sh [HARBOR_VERSION]
+# (default 0.25.0), which makes corral-harbor-test:HARBOR_VERSION.
 set -euo pipefail
-tag=${1:-corral-harbor-test:latest}
+version=${1:-0.25.0}
+tag=corral-harbor-test:$version
 suite=trixie
 mirror=${CORRAL_DEBIAN_MIRROR:-http://deb.debian.org/debian}
 packages=python3,python3-venv,ca-certificates,bash,coreutils,findutils,tar
-pins="harbor==0.25.0 grpcio>=1.85.1 protobuf>=7.35.1,<8"
+pins="harbor==$version grpcio>=1.85.1 protobuf>=7.35.1,<8"
 python=${PYTHON:-python3}
 
 key=$( (cat "$0"; echo "$suite $mirror $packages $pins") | sha256sum | cut -c1-16)
@@ -31,7 +33,9 @@ if ! command -v mmdebstrap >/dev/null; then
 fi
 cache=${XDG_CACHE_HOME:-$HOME/.cache}/corral/images
 mkdir -p "$cache"
-rootfs=$cache/harbor-$suite-$key.tar
+# The root filesystem does not depend on Harbor's version.
+fskey=$( (echo "$suite $mirror $packages") | sha256sum | cut -c1-16)
+rootfs=$cache/harbor-$suite-$fskey.tar
 if [ ! -s "$rootfs" ]; then
     tmp=$(mktemp "$cache/.harbor.XXXXXX")
     trap 'rm -f "$tmp"' EXIT

@@ -1,0 +1,106 @@
+"""corral.build_image against a real worker (--allow-build): the context as
+``docker build`` would send it (.dockerignore applied), the same bytes for
+the same files, a failed step as a result naming it, and a sandbox of the
+image starting in its WORKDIR."""
+
+from __future__ import annotations
+
+import io
+import os
+import tarfile
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from conftest import Worker
+
+import corral
+from corral._build import pack_context
+
+
+def make_context(root: Path, dockerfile: str) -> Path:
+    ctx = root / "ctx"
+    (ctx / "node_modules" / "pkg").mkdir(parents=True)
+    (ctx / "src").mkdir()
+    (ctx / "Dockerfile").write_text(dockerfile)
+    (ctx / "src" / "main.py").write_text("print('hello from the image')\n")
+    (ctx / "secret.txt").write_text("not for the image\n")
+    (ctx / "node_modules" / "pkg" / "index.js").write_text("big\n")
+    (ctx / "notes.md").write_text("left out\n")
+    (ctx / "keep.md").write_text("kept by an exception\n")
+    # Of this run only: the engine keeps what earlier runs built.
+    (ctx / "nonce").write_text(uuid.uuid4().hex)
+    (ctx / ".dockerignore").write_text(
+        "# what the image does not need\nsecret.txt\nnode_modules\n*.md\n!keep.md\n"
+    )
+    return ctx
+
+
+def test_a_context_packs_to_the_same_bytes_and_leaves_out_what_dockerignore_says(
+    tmp_path: Path,
+) -> None:
+    ctx = make_context(tmp_path, "FROM corral-debian:latest\n")
+    first = pack_context(ctx, "Dockerfile")
+    os.utime(ctx / "src" / "main.py", (1, 1))
+    assert pack_context(ctx, "Dockerfile") == first, "times change nothing"
+    with tarfile.open(fileobj=io.BytesIO(first)) as tar:
+        names = tar.getnames()
+    assert "src/main.py" in names and "keep.md" in names and ".dockerignore" in names
+    for gone in ("secret.txt", "node_modules", "node_modules/pkg/index.js", "notes.md"):
+        assert gone not in names, names
+    (ctx / "fifo").parent.mkdir(exist_ok=True)
+    os.mkfifo(ctx / "fifo")
+    with pytest.raises(corral.ConfigError, match="not a file"):
+        pack_context(ctx, "Dockerfile")
+
+
+def test_an_image_built_on_the_worker_runs_sandboxes_in_its_workdir(
+    own_worker: Callable[..., Worker], tmp_path: Path
+) -> None:
+    w = own_worker("--allow-build")
+    ctx = make_context(
+        tmp_path,
+        "FROM corral-debian:latest\nWORKDIR /srv\nCOPY . .\nRUN python3 src/main.py > made.txt\n",
+    )
+    seen: list[str] = []
+    built = corral.build_image(
+        ctx, worker=w.url, token_file=str(w.token_file), on_output=seen.append
+    )
+    assert built.ok and built.image and not built.cached, built
+    assert built.image.startswith("corral-build:")
+    assert "Step 4/4" in "".join(seen) and built.output == "".join(seen)
+    again = corral.build_image(ctx, worker=w.url, token_file=str(w.token_file))
+    assert again.ok and again.cached and again.image == built.image
+    with w.create(image=built.image) as sb:
+        r = sb.run("pwd; ls -A; cat made.txt")
+        assert r.ok, r
+        lines = r.stdout.splitlines()
+        assert lines[0] == "/srv"
+        assert "keep.md" in lines and "secret.txt" not in lines and "node_modules" not in lines
+        assert lines[-1] == "hello from the image"
+
+
+def test_a_failed_step_is_a_result_and_a_worker_without_builds_refuses(
+    own_worker: Callable[..., Worker], tmp_path: Path
+) -> None:
+    w = own_worker("--allow-build")
+    ctx = make_context(tmp_path, "FROM corral-debian:latest\nRUN exit 4\n")
+    built = corral.build_image(ctx, worker=w.url, token_file=str(w.token_file))
+    assert not built.ok and built.image is None
+    assert built.failure is not None
+    assert built.failure.kind is corral.BuildFailureKind.STEP_FAILED
+    assert (built.failure.step, built.failure.steps) == (2, 2)
+    assert built.failure.instruction == "RUN exit 4"
+    assert "step 2/2 (RUN exit 4)" in str(built.failure)
+    # A base the worker does not allow.
+    (ctx / "Dockerfile").write_text("FROM alpine:3.20\n")
+    with pytest.raises(corral.PolicyDenied) as e:
+        corral.build_image(ctx, worker=w.url, token_file=str(w.token_file))
+    assert e.value.flag == "--allow-image"
+    plain = own_worker()
+    with pytest.raises(corral.PolicyDenied) as e:
+        corral.build_image(ctx, worker=plain.url, token_file=str(plain.token_file))
+    assert e.value.flag == "--allow-build"
+    with pytest.raises(corral.ConfigError, match="no such file"):
+        corral.build_image(ctx, dockerfile="missing/Dockerfile", worker=plain.url)
