@@ -1,7 +1,14 @@
 //! The signals that stop a command: SIGINT, SIGTERM and SIGHUP.
 
+/// How close together two deliveries of one signal are taken for one:
+/// `timeout(1)` sends its signal to the command and then to the command's
+/// whole process group, so the command gets it twice within microseconds;
+/// a person pressing Ctrl-C twice is far slower.
+pub const ONE_SIGNAL: std::time::Duration = std::time::Duration::from_millis(100);
+
 /// The numbers of the SIGINT, SIGTERM and SIGHUP this process gets, as
-/// they come.
+/// they come; a signal again within [`ONE_SIGNAL`] of itself is the same
+/// one delivered twice, and comes once.
 pub fn stop_signals() -> impl futures_util::Stream<Item = i32> + Send + 'static {
     use tokio::signal::unix::{SignalKind, signal};
     let handlers = (
@@ -9,20 +16,28 @@ pub fn stop_signals() -> impl futures_util::Stream<Item = i32> + Send + 'static 
         signal(SignalKind::terminate()),
         signal(SignalKind::hangup()),
     );
-    futures_util::stream::unfold(handlers, |mut h| async move {
-        let sig = match &mut h {
-            (Ok(int), Ok(term), Ok(hup)) => tokio::select! {
-                _ = int.recv() => 2,
-                _ = term.recv() => 15,
-                _ = hup.recv() => 1,
-            },
-            // No handlers (not expected on Unix): Ctrl-C alone.
-            _ => {
-                tokio::signal::ctrl_c().await.ok()?;
-                2
+    let last: Option<(i32, tokio::time::Instant)> = None;
+    futures_util::stream::unfold((handlers, last), |(mut h, mut last)| async move {
+        loop {
+            let sig = match &mut h {
+                (Ok(int), Ok(term), Ok(hup)) => tokio::select! {
+                    _ = int.recv() => 2,
+                    _ = term.recv() => 15,
+                    _ = hup.recv() => 1,
+                },
+                // No handlers (not expected on Unix): Ctrl-C alone.
+                _ => {
+                    tokio::signal::ctrl_c().await.ok()?;
+                    2
+                }
+            };
+            let now = tokio::time::Instant::now();
+            let again = last.is_some_and(|(s, at)| s == sig && now - at < ONE_SIGNAL);
+            last = Some((sig, now));
+            if !again {
+                return Some((sig, (h, last)));
             }
-        };
-        Some((sig, h))
+        }
     })
 }
 

@@ -124,6 +124,12 @@ pub async fn run<F: Workers>(
     opts.trace = trace.clone();
     let suspended = store.saved_workspace(id).exists();
     let existed = store.exists(id)?;
+    // Where the session's count of turns stood before this run.
+    let start_turns = if existed {
+        store.brief_of(id).map_or(0, |b| b.turns)
+    } else {
+        0
+    };
     let (handle, worker) = begin(store, fleet, id, &opts).await?;
     if let Some(t) = &trace {
         let (sandbox, at) = (handle.config.sandbox_id.to_string(), worker.address());
@@ -153,6 +159,7 @@ pub async fn run<F: Workers>(
         end,
         events: events_tx,
         trace,
+        start_turns,
     };
     let task = tokio::spawn(driver.drive(handle, worker, inbox, left));
     Ok(Run {
@@ -310,6 +317,8 @@ struct Driver<F: Workers> {
     end: RunEnd,
     events: mpsc::Sender<Event>,
     trace: Option<crate::telemetry::RunTrace>,
+    /// The session's turns before this run.
+    start_turns: u64,
 }
 
 /// How one sandbox generation's run ended.
@@ -331,6 +340,7 @@ impl<F: Workers> Driver<F> {
             Some(n) => n,
             None => self.store.config_of(&self.id)?.max_turns,
         };
+        let start_turns = self.start_turns;
         let mut handle = first;
         let mut replacing: Option<String> = None;
         let (mut used, mut replaced) = (0, 0);
@@ -349,7 +359,14 @@ impl<F: Workers> Driver<F> {
                 .await?;
             let mut summary = match ended {
                 Generation::Ended(s) => s,
-                Generation::Left(why) => break left_unfinished(why),
+                Generation::Left(why) => {
+                    // The session's own totals, as its log has them.
+                    let brief = self.store.brief_of(&self.id).unwrap_or_default();
+                    let mut s = left_unfinished(why);
+                    (s.turns, s.tool_calls) = (brief.turns, brief.tool_calls);
+                    s.run_turns = brief.turns.saturating_sub(start_turns);
+                    break s;
+                }
             };
             used += summary.run_turns;
             summary.run_turns = used;

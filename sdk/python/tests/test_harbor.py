@@ -223,6 +223,12 @@ def test_harbor_builds_and_runs_real_task_layouts_in_corral_sandboxes(
         "broken-build",
         dockerfile="FROM corral-debian:latest\nWORKDIR /app\nRUN echo compiling && exit 7\n",
     )
+    # What `harbor init` makes: a base this worker does not allow.
+    write_real_task(
+        tasks,
+        "init-template",
+        dockerfile="FROM ubuntu:24.04\n\n# Install or copy over any environment dependencies here.\n\nWORKDIR /app",
+    )
     jobs = tmp_path / "jobs"
     jobs.mkdir()
     token = tmp_path / "token"
@@ -291,6 +297,7 @@ def test_harbor_builds_and_runs_real_task_layouts_in_corral_sandboxes(
         "report-again",
         "allowlisted",
         "broken-build",
+        "init-template",
     }, run.stdout[-4000:]
     for name in ("hello-file", "hello-user", "report", "report-again", "allowlisted"):
         assert outcomes[name][:2] == (1.0, None), (name, outcomes[name])
@@ -300,6 +307,11 @@ def test_harbor_builds_and_runs_real_task_layouts_in_corral_sandboxes(
     assert failed, outcomes["broken-build"]
     assert "step 3/3 (RUN echo compiling && exit 7)" in failed["exception_message"], failed
     assert "non-zero code: 7" in failed["exception_message"], failed
+    # A refused base says which, and what allows it; nothing says "not started".
+    refused = outcomes["init-template"][2]
+    assert refused, outcomes["init-template"]
+    assert "--allow-image ubuntu:24.04" in refused["exception_message"], refused
+    assert "not started" not in json.dumps(refused), refused
     # What the oracle printed came back from the sandbox: run in the image's
     # WORKDIR as root, with root's HOME.
     oracle = next((jobs / "corral").glob("report__*/agent/oracle.txt")).read_text()

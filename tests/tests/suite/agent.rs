@@ -1965,3 +1965,76 @@ async fn a_running_command_shows_its_newest_line() -> Result<()> {
     h.stop().await;
     Ok(())
 }
+
+/// `timeout 300 corral run ...`: timeout(1) sends its SIGTERM to the command
+/// and then to the command's whole process group, so the run gets it twice;
+/// the first may be taken before the second arrives, while the stop waits
+/// for a command to end. That is one interrupt: the run stops as asked (its
+/// command canceled, not left to run until the idle sweep), and the result
+/// has the session's own totals.
+#[tokio::test]
+async fn a_signal_from_timeout_is_one_interrupt_with_the_sessions_totals() -> Result<()> {
+    let h = Harness::start().await?;
+    let sessions = tempfile::tempdir()?;
+    let model = ModelServer::start(vec![
+        // A command that takes its time to end: the stop waits for it.
+        responses::calls(&[("c1", "Bash", &bash("trap '' TERM; sleep 300"))]),
+        responses::text("never asked"),
+    ])
+    .await;
+    let mut cmd = command(
+        &model,
+        &h.url,
+        sessions.path(),
+        &["--session", "timed", "go"],
+    );
+    // A group of its own, as timeout(1) makes.
+    cmd.process_group(0);
+    let child = cmd.spawn()?;
+    let pid = nix::unistd::Pid::from_raw(child.id().context("pid")? as i32);
+    model.wait_for(1, Duration::from_secs(60)).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    // As timeout(1) signals: the command, then its group; the first taken
+    // before the second comes.
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM)?;
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    nix::sys::signal::killpg(pid, nix::sys::signal::Signal::SIGTERM)?;
+    let out = tokio::time::timeout(Duration::from_secs(90), child.wait_with_output()).await??;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(130), "{stderr}");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let result: Value = stdout
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .rfind(|e| e["type"] == "result")
+        .context("no result")?;
+    assert_eq!(result["status"], "interrupted", "{result}");
+    assert!(
+        !result.to_string().contains("twice"),
+        "one signal taken for two: {result}"
+    );
+    assert_eq!(
+        (result["turns"].as_u64(), result["tool_calls"].as_u64()),
+        (Some(1), Some(1)),
+        "{result}"
+    );
+    // Nothing of the session still runs in its sandbox.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let mut running = 0;
+        for sb in h.client.list_sandboxes().await? {
+            let ops = h.client.list_operations(&sb.id).await?;
+            running += ops.iter().filter(|o| o.result.is_none()).count();
+        }
+        if running == 0 {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{running} operations still run after the interrupt"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    h.stop().await;
+    Ok(())
+}
