@@ -88,7 +88,9 @@ pub fn weight(spec: &crate::OperationSpec, result: Option<&crate::OperationResul
         OperationSpec::Shell(s) => s.command.len(),
         OperationSpec::ReadFile(r) => r.path.len(),
         OperationSpec::WriteFile(w) => w.path.len() + w.data.len(),
-        OperationSpec::PutArchive(a) | OperationSpec::GetArchive(a) => a.path.len(),
+        OperationSpec::PutArchive(a) | OperationSpec::GetArchive(a) | OperationSpec::ListDir(a) => {
+            a.path.len()
+        }
     };
     let result = result.map_or(0, |r| {
         r.stdout.head.len()

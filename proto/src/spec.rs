@@ -234,6 +234,9 @@ pub enum OperationSpec {
     PutArchive(ArchiveSpec),
     /// A tree of the sandbox packed as a tar stream of stdout output.
     GetArchive(ArchiveSpec),
+    /// A directory's entries as stdout output (see `list_dir` in
+    /// worker.proto), listed by a helper the sandbox cannot trace.
+    ListDir(ArchiveSpec),
 }
 
 impl OperationSpec {
@@ -244,6 +247,7 @@ impl OperationSpec {
             Self::WriteFile(_) => "write_file",
             Self::PutArchive(_) => "put_archive",
             Self::GetArchive(_) => "get_archive",
+            Self::ListDir(_) => "list_dir",
         }
     }
 
@@ -253,7 +257,7 @@ impl OperationSpec {
             Self::Shell(s) => s.takes_input(),
             Self::WriteFile(w) => w.stream,
             Self::PutArchive(_) => true,
-            Self::ReadFile(_) | Self::GetArchive(_) => false,
+            Self::ReadFile(_) | Self::GetArchive(_) | Self::ListDir(_) => false,
         }
     }
 
@@ -500,7 +504,9 @@ impl OperationSpec {
                 }
                 Ok(())
             }
-            Self::PutArchive(a) | Self::GetArchive(a) => validate_path("path", &a.path),
+            Self::PutArchive(a) | Self::GetArchive(a) | Self::ListDir(a) => {
+                validate_path("path", &a.path)
+            }
         }
     }
 }
@@ -620,6 +626,10 @@ impl TryFrom<pb::OperationSpec> for OperationSpec {
                 path: a.path,
                 contents: a.contents,
             }),
+            Kind::ListDir(a) => Self::ListDir(ArchiveSpec {
+                path: a.path,
+                contents: false,
+            }),
         };
         spec.validate()?;
         Ok(spec)
@@ -686,6 +696,10 @@ impl From<OperationSpec> for pb::OperationSpec {
             OperationSpec::GetArchive(a) => Kind::GetArchive(pb::ArchiveSpec {
                 path: a.path,
                 contents: a.contents,
+            }),
+            OperationSpec::ListDir(a) => Kind::ListDir(pb::ArchiveSpec {
+                path: a.path,
+                contents: false,
             }),
         };
         Self { kind: Some(kind) }

@@ -105,7 +105,9 @@ fn what(spec: &OperationSpec) -> String {
         OperationSpec::Shell(s) => s.command.clone(),
         OperationSpec::ReadFile(r) => r.path.clone(),
         OperationSpec::WriteFile(w) => w.path.clone(),
-        OperationSpec::PutArchive(a) | OperationSpec::GetArchive(a) => a.path.clone(),
+        OperationSpec::PutArchive(a) | OperationSpec::GetArchive(a) | OperationSpec::ListDir(a) => {
+            a.path.clone()
+        }
     };
     one_line(&text, 60)
 }

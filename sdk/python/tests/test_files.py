@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import os
 import stat
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from conftest import Worker
 
 import corral
 from corral import EntryType
@@ -150,3 +152,20 @@ def test_a_listing_naming_more_than_one_component_is_refused_as_forged() -> None
         data = good + b"81a4 5 1700000000\n" + forged.encode() + b"\x00"
         with pytest.raises(corral.FileError, match="forged listing"):
             _parse_listing("d", data)
+
+
+def test_a_listing_is_made_by_no_program_of_the_sandbox(
+    own_worker: Callable[..., Worker],
+) -> None:
+    """The sandbox's own `sh`, replaced by one that lies, changes nothing:
+    the worker's helper lists, not a shell of the sandbox's."""
+    w = own_worker("--allow-root", "--allow-writable-rootfs")
+    with w.create(root=True, writable_rootfs=True) as sb:
+        sb.files.write("real.txt", b"hello")
+        sb.files.write("/tmp/forger", b"#!/bin/dash\nprintf '81a4 1 1\\nforged.txt\\0'\n")
+        assert sb.run("cp /tmp/forger /usr/local/bin/sh && chmod 755 /usr/local/bin/sh").ok
+        # A shell the listing would run now lies.
+        r = sb.run(["sh", "-c", "true"])
+        assert r.stdout == "81a4 1 1\nforged.txt\x00", r
+        names = [e.name for e in sb.files.list(".")]
+        assert names == ["real.txt"], names

@@ -18,6 +18,8 @@
 //! - [`fileops`]: read/write of files confined to the sandbox's roots;
 //! - [`archive`]: trees in and out as tar streams (`corral cp`), each in a
 //!   process of its own run as the sandbox's user;
+//! - [`listing`]: a directory's entries, listed in a process of its own
+//!   that the sandbox's commands cannot trace (`files.list`);
 //! - [`users`]: the sandbox user's `passwd` and `group` entries, for the
 //!   uid the worker chose;
 //! - [`relay`]: the egress proxy address on the sandbox's loopback, each
@@ -40,6 +42,7 @@ pub mod capture;
 pub mod fileops;
 pub mod journal;
 pub mod keeper;
+pub mod listing;
 pub mod procs;
 pub mod relay;
 pub mod supervisor;

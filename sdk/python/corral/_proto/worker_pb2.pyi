@@ -306,18 +306,20 @@ class ArchiveSpec(_message.Message):
     def __init__(self, path: _Optional[str] = ..., contents: _Optional[bool] = ...) -> None: ...
 
 class OperationSpec(_message.Message):
-    __slots__ = ("shell", "read_file", "write_file", "put_archive", "get_archive")
+    __slots__ = ("shell", "read_file", "write_file", "put_archive", "get_archive", "list_dir")
     SHELL_FIELD_NUMBER: _ClassVar[int]
     READ_FILE_FIELD_NUMBER: _ClassVar[int]
     WRITE_FILE_FIELD_NUMBER: _ClassVar[int]
     PUT_ARCHIVE_FIELD_NUMBER: _ClassVar[int]
     GET_ARCHIVE_FIELD_NUMBER: _ClassVar[int]
+    LIST_DIR_FIELD_NUMBER: _ClassVar[int]
     shell: ShellSpec
     read_file: ReadFileSpec
     write_file: WriteFileSpec
     put_archive: ArchiveSpec
     get_archive: ArchiveSpec
-    def __init__(self, shell: _Optional[_Union[ShellSpec, _Mapping]] = ..., read_file: _Optional[_Union[ReadFileSpec, _Mapping]] = ..., write_file: _Optional[_Union[WriteFileSpec, _Mapping]] = ..., put_archive: _Optional[_Union[ArchiveSpec, _Mapping]] = ..., get_archive: _Optional[_Union[ArchiveSpec, _Mapping]] = ...) -> None: ...
+    list_dir: ArchiveSpec
+    def __init__(self, shell: _Optional[_Union[ShellSpec, _Mapping]] = ..., read_file: _Optional[_Union[ReadFileSpec, _Mapping]] = ..., write_file: _Optional[_Union[WriteFileSpec, _Mapping]] = ..., put_archive: _Optional[_Union[ArchiveSpec, _Mapping]] = ..., get_archive: _Optional[_Union[ArchiveSpec, _Mapping]] = ..., list_dir: _Optional[_Union[ArchiveSpec, _Mapping]] = ...) -> None: ...
 
 class SubmitOperationRequest(_message.Message):
     __slots__ = ("sandbox_id", "operation_id", "spec")

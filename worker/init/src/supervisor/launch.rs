@@ -169,7 +169,8 @@ impl Supervisor {
         let immediate = match &spec {
             OperationSpec::Shell(_)
             | OperationSpec::PutArchive(_)
-            | OperationSpec::GetArchive(_) => None,
+            | OperationSpec::GetArchive(_)
+            | OperationSpec::ListDir(_) => None,
             OperationSpec::ReadFile(r) if r.stream => {
                 let _as = AsCommandUser::new(self.config.command_uid);
                 match fileops::open_read(&self.config.roots, r) {
@@ -239,6 +240,7 @@ impl Supervisor {
                 self.archive_helper("--get-contents", &a.path)
             }
             OperationSpec::GetArchive(a) => self.archive_helper("--get-archive", &a.path),
+            OperationSpec::ListDir(a) => self.archive_helper("--list-dir", &a.path),
             OperationSpec::ReadFile(_) | OperationSpec::WriteFile(_) => return,
         };
         match launch.and_then(|launch| self.spawn(&launch)) {

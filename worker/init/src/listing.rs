@@ -1,0 +1,130 @@
+//! A directory's entries, listed for a client (`list_dir`): run as the
+//! sandbox's user in a helper process the sandbox's commands cannot trace
+//! (see [`crate::archive::untraceable`]), so a process left in the sandbox
+//! cannot change what the listing says, as it could a shell's.
+//!
+//! The output, for each entry by name (not `.` or `..`): its `st_mode` in
+//! lower-case hex, its size and its modification time in seconds, a
+//! newline, then its name and a NUL. Entries are not followed: a link is
+//! listed as a link.
+
+use std::io::Write;
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+
+use crate::fileops::Roots;
+
+/// Why a listing failed, and the exit status that says so.
+#[derive(Debug)]
+pub struct Failed {
+    /// 3: no such path; 5: not a directory; 6: permission denied; 1: other.
+    pub code: u8,
+    pub message: String,
+}
+
+fn failed(path: &Path, e: &std::io::Error) -> Failed {
+    let code = match e.kind() {
+        std::io::ErrorKind::NotFound => 3,
+        std::io::ErrorKind::NotADirectory => 5,
+        std::io::ErrorKind::PermissionDenied => 6,
+        _ => 1,
+    };
+    Failed {
+        code,
+        message: format!("{}: {e}", path.display()),
+    }
+}
+
+/// Lists `path` (relative paths from the workspace) to `out`.
+pub fn list(roots: &Roots, path: &str, mut out: impl Write) -> Result<(), Failed> {
+    let dir: PathBuf = if path.starts_with('/') {
+        PathBuf::from(path)
+    } else {
+        roots.workspace.join(path)
+    };
+    let meta = std::fs::metadata(&dir).map_err(|e| failed(&dir, &e))?;
+    if !meta.is_dir() {
+        return Err(Failed {
+            code: 5,
+            message: format!("{}: not a directory", dir.display()),
+        });
+    }
+    let mut entries = Vec::new();
+    for entry in std::fs::read_dir(&dir).map_err(|e| failed(&dir, &e))? {
+        let entry = entry.map_err(|e| failed(&dir, &e))?;
+        let name = entry.file_name();
+        // Gone between the read and the stat: not listed.
+        let Ok(meta) = std::fs::symlink_metadata(entry.path()) else {
+            continue;
+        };
+        entries.push((name, meta.mode(), meta.size(), meta.mtime()));
+    }
+    entries.sort_by(|a, b| a.0.as_bytes().cmp(b.0.as_bytes()));
+    let mut write = || -> std::io::Result<()> {
+        for (name, mode, size, mtime) in &entries {
+            writeln!(out, "{mode:x} {size} {mtime}")?;
+            out.write_all(name.as_bytes())?;
+            out.write_all(b"\0")?;
+        }
+        out.flush()
+    };
+    write().map_err(|e| Failed {
+        code: 1,
+        message: format!("writing the listing: {e}"),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn entries_come_by_name_with_mode_size_and_time_and_links_unfollowed() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("b.txt"), b"four").unwrap();
+        std::fs::create_dir(dir.path().join("a dir")).unwrap();
+        std::os::unix::fs::symlink("/etc/passwd", dir.path().join("c")).unwrap();
+        std::fs::write(dir.path().join("n\nl"), b"").unwrap();
+        let roots = Roots {
+            workspace: dir.path().to_path_buf(),
+            others: vec![],
+        };
+        let mut out = Vec::new();
+        list(&roots, ".", &mut out).unwrap();
+        let text = String::from_utf8(out).unwrap();
+        let names: Vec<&str> = text
+            .split('\0')
+            .filter(|s| !s.is_empty())
+            .map(|rec| rec.split_once('\n').unwrap().1)
+            .collect();
+        assert_eq!(names, ["a dir", "b.txt", "c", "n\nl"]);
+        let b = text
+            .split('\0')
+            .find(|r| r.ends_with("\nb.txt"))
+            .unwrap()
+            .split_whitespace()
+            .collect::<Vec<_>>();
+        assert_eq!(b[0], format!("{:x}", libc_mode(&dir.path().join("b.txt"))));
+        assert_eq!(b[1], "4");
+        let c = text.split('\0').find(|r| r.ends_with("\nc")).unwrap();
+        let mode = u32::from_str_radix(c.split_whitespace().next().unwrap(), 16).unwrap();
+        assert_eq!(mode & 0o170000, 0o120000, "a link, not what it names");
+    }
+
+    fn libc_mode(p: &Path) -> u32 {
+        std::fs::symlink_metadata(p).unwrap().mode()
+    }
+
+    #[test]
+    fn failures_say_which_with_their_code() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("f"), b"").unwrap();
+        let roots = Roots {
+            workspace: dir.path().to_path_buf(),
+            others: vec![],
+        };
+        assert_eq!(list(&roots, "missing", Vec::new()).unwrap_err().code, 3);
+        assert_eq!(list(&roots, "f", Vec::new()).unwrap_err().code, 5);
+    }
+}
