@@ -112,6 +112,11 @@ pub fn remove_containers_of(worker_id: &str) {
     }
 }
 
+/// The default image of the workers tests start: Corral's small busybox
+/// one, quick to start (every client's default, `corral-debian`, is named
+/// where a test needs python3 or checks the default itself).
+pub const TEST_IMAGE: &str = "corral-sandbox:latest";
+
 /// An in-process worker served on a loopback port, with a client.
 pub struct Harness {
     pub worker: Worker,
@@ -137,6 +142,8 @@ impl Harness {
         // `CORRAL_RUNTIME=runsc deploy/test.sh` runs the suite under gVisor
         // (worker processes read the same variable).
         config.defaults.runtime = std::env::var("CORRAL_RUNTIME").ok();
+        // The small image, for speed (the real default has tests of its own).
+        config.defaults.image = TEST_IMAGE.into();
         tweak(&mut config);
         let worker = Worker::start(config).await.context("starting the worker")?;
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
@@ -361,6 +368,8 @@ impl WorkerProcess {
             .arg("--worker-id")
             .arg(worker_id)
             .args(args)
+            // The small image, for speed, unless a test names another.
+            .env("CORRAL_DEFAULT_IMAGE", TEST_IMAGE)
             .envs(extra.iter().copied())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit());
@@ -414,13 +423,22 @@ impl WorkerProcess {
 
     /// Peak resident memory (VmHWM) in bytes.
     pub fn peak_rss(&self) -> Result<u64> {
+        self.status_bytes("VmHWM:")
+    }
+
+    /// Resident memory now (VmRSS) in bytes.
+    pub fn rss(&self) -> Result<u64> {
+        self.status_bytes("VmRSS:")
+    }
+
+    fn status_bytes(&self, field: &str) -> Result<u64> {
         let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id()))?;
         let kb: u64 = status
             .lines()
-            .find_map(|l| l.strip_prefix("VmHWM:"))
+            .find_map(|l| l.strip_prefix(field))
             .and_then(|v| v.split_whitespace().next())
             .and_then(|v| v.parse().ok())
-            .context("no VmHWM")?;
+            .with_context(|| format!("no {field}"))?;
         Ok(kb * 1024)
     }
 }

@@ -52,6 +52,10 @@ pub struct ImageConfig {
     pub home: bool,
 }
 
+/// How old another build's supervisor volume must be before a worker's
+/// start removes it.
+const OLD_INIT_VOLUME: Duration = Duration::from_secs(7 * 24 * 3600);
+
 /// Hardened defaults; a sandbox spec can change each one, explicitly.
 #[derive(Debug, Clone)]
 pub struct Defaults {
@@ -68,7 +72,7 @@ pub struct Defaults {
 impl Default for Defaults {
     fn default() -> Self {
         Self {
-            image: "corral-sandbox:latest".into(),
+            image: corral_proto::sandbox::DEFAULT_IMAGE.into(),
             memory_bytes: 1 << 30,
             cpu_millis: 1000,
             pids_limit: 256,
@@ -937,8 +941,18 @@ impl DockerRuntime {
             return;
         };
         let current = self.init_volume();
+        let now = std::time::SystemTime::now();
         for v in list.volumes.unwrap_or_default() {
-            if v.name.starts_with("corral-init-") && v.name != current {
+            // Another worker of another build may share this engine and
+            // use its volume between its sandboxes: only a volume unused
+            // for long goes (one in use is refused by the engine anyway).
+            let old = v
+                .created_at
+                .as_deref()
+                .and_then(|t| humantime::parse_rfc3339_weak(t).ok())
+                .and_then(|t| now.duration_since(t).ok())
+                .is_some_and(|age| age > OLD_INIT_VOLUME);
+            if v.name.starts_with("corral-init-") && v.name != current && old {
                 match self
                     .docker
                     .remove_volume(

@@ -519,3 +519,60 @@ async fn idle_connections_kept_topped_up_never_hold_up_a_real_client() -> anyhow
     client.destroy_sandbox(&sb).await?;
     Ok(())
 }
+
+/// After a burst of sandboxes with a lot of output, once every sandbox is
+/// gone, the worker gives its memory back (within a sweep or two) instead
+/// of staying at its peak.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_a_burst_took_is_given_back_once_its_sandboxes_are_gone() -> anyhow::Result<()> {
+    use corral_proto::{SandboxId, SandboxSpec};
+    let state = tempfile::tempdir()?;
+    let worker = corral_e2e::WorkerProcess::spawn(
+        state.path(),
+        &corral_e2e::unique_id("mem"),
+        corral_e2e::free_port()?,
+        &[],
+        &["--sweep-interval", "1s"],
+    )?;
+    let client = WorkerClient::connect(&worker.url, Some(&worker.token())).await?;
+    let baseline = worker.rss()?;
+    let mut ids = Vec::new();
+    for i in 0..8 {
+        let id = SandboxId::new(corral_e2e::unique_id(&format!("m{i}")))?;
+        client
+            .create_sandbox(Some(&id), SandboxSpec::default())
+            .await?;
+        ids.push(id);
+    }
+    // Every sandbox writes 48 MB of output at once; the worker journals it
+    // for the sandbox's watchers.
+    let mut runs = Vec::new();
+    for id in &ids {
+        let (client, id) = (client.clone(), id.clone());
+        runs.push(tokio::spawn(async move {
+            corral_e2e::run_shell(&client, &id, "head -c 36000000 /dev/zero | base64").await
+        }));
+    }
+    for r in runs {
+        r.await??;
+    }
+    let peak = worker.peak_rss()?;
+    for id in &ids {
+        client.destroy_sandbox(id).await?;
+    }
+    let mut now = worker.rss()?;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while now > baseline + (peak - baseline) / 2 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        now = worker.rss()?;
+    }
+    assert!(
+        peak > baseline + (100 << 20),
+        "the burst took too little to tell: {baseline} then {peak}"
+    );
+    assert!(
+        now <= baseline + (peak - baseline) / 2,
+        "still {now} bytes resident after the burst (baseline {baseline}, peak {peak})"
+    );
+    Ok(())
+}

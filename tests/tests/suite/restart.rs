@@ -280,3 +280,34 @@ async fn a_restarted_worker_reattaches_after_large_operations() -> anyhow::Resul
     client.destroy_sandbox(&sb).await?;
     Ok(())
 }
+
+/// Workers of two builds on one engine: a start does not take away the
+/// other build's supervisor volume (it may use it for its next sandbox);
+/// only one unused for a week goes.
+#[tokio::test]
+async fn a_start_leaves_another_builds_recent_supervisor_volume() -> anyhow::Result<()> {
+    use std::collections::HashMap;
+    let docker = bollard::Docker::connect_with_defaults()?;
+    let name = format!("corral-init-{}", unique_id("other"));
+    docker
+        .create_volume(bollard::models::VolumeCreateRequest {
+            name: Some(name.clone()),
+            labels: Some(HashMap::from([(
+                corral_worker::docker::LABEL_MANAGED.to_string(),
+                "1".to_string(),
+            )])),
+            ..Default::default()
+        })
+        .await?;
+    let h = corral_e2e::Harness::start().await?;
+    let kept = docker.inspect_volume(&name).await;
+    h.stop().await;
+    let _ = docker
+        .remove_volume(
+            &name,
+            None::<bollard::query_parameters::RemoveVolumeOptions>,
+        )
+        .await;
+    kept.map_err(|e| anyhow::anyhow!("the other build's volume was removed: {e}"))?;
+    Ok(())
+}
