@@ -102,6 +102,11 @@ impl PoolInfo {
     }
 }
 
+/// The image of a sandbox that names none, for every client: Corral's
+/// Debian, with python3, pip, venv, git and a C toolchain
+/// (deploy/images/build-debian.sh).
+pub const DEFAULT_IMAGE: &str = "corral-debian:latest";
+
 /// What a worker lets a sandbox be: its operator's choice, never a
 /// client's. The default refuses every loosening, and has the default
 /// ceilings.

@@ -243,11 +243,13 @@ pub struct WorkerArgs {
     /// account of /etc/passwd or a range of /etc/subuid.
     #[arg(long, env = "CORRAL_SANDBOX_UIDS")]
     pub sandbox_uids: Option<crate::uids::UidRange>,
-    /// Image for sandboxes that name none.
+    /// Image for sandboxes that name none (corral-debian:latest: python3,
+    /// pip, venv, git and a C toolchain; corral-sandbox:latest is a small
+    /// busybox one).
     #[arg(
         long,
         env = "CORRAL_DEFAULT_IMAGE",
-        default_value = "corral-sandbox:latest"
+        default_value = corral_proto::sandbox::DEFAULT_IMAGE
     )]
     pub default_image: String,
 }
@@ -693,6 +695,20 @@ pub fn default_max_pids(pid_max: u32, sandboxes: u32) -> u32 {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn every_client_gets_the_debian_image_unless_it_names_another() {
+        let cmd = <super::WorkerArgs as clap::CommandFactory>::command();
+        let arg = cmd
+            .get_arguments()
+            .find(|a| a.get_id() == "default_image")
+            .unwrap();
+        assert_eq!(arg.get_default_values(), ["corral-debian:latest"]);
+        assert_eq!(
+            crate::docker::Defaults::default().image,
+            "corral-debian:latest"
+        );
+    }
 
     #[test]
     fn the_default_pid_ceiling_leaves_the_host_a_quarter_of_its_pids() {

@@ -253,10 +253,11 @@ mod tests {
     #[test]
     fn a_template_matches_what_its_members_can_be_and_nothing_else() {
         let d = Defaults::default();
-        let t: Template = "corral-debian:latest=1,memory=512m".parse().unwrap();
+        // Not the default image: a create that names none differs.
+        let t: Template = "corral-sandbox:latest=1,memory=512m".parse().unwrap();
         let asks = |f: &dyn Fn(&mut SandboxSpec)| {
             let mut s = SandboxSpec {
-                image: Some("corral-debian:latest".into()),
+                image: Some("corral-sandbox:latest".into()),
                 memory_bytes: Some(512 << 20),
                 ..SandboxSpec::default()
             };
