@@ -50,7 +50,9 @@ pub enum WorkerError {
     #[error("the worker is shutting down")]
     ShuttingDown,
     /// Draining: no new sandboxes here (ask another worker).
-    #[error("this worker is draining: it takes no new sandboxes")]
+    #[error(
+        "this worker is draining: it takes no new sandboxes (ask another worker; its operator ends the drain with `corral worker undrain`)"
+    )]
     Draining,
     /// A limit on watchers was reached.
     #[error("too many watchers: {0}")]

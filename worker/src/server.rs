@@ -52,14 +52,14 @@ impl TokenAuth {
                 tonic::Code::Unauthenticated,
                 corral_proto::Reason::Unauthenticated,
                 None,
-                "missing bearer token",
+                "missing bearer token: present this worker's token (the file its --token-file names, by default `token` in its state directory)",
             ))
         } else {
             Err(corral_proto::reason::status(
                 tonic::Code::Unauthenticated,
                 corral_proto::Reason::Unauthenticated,
                 None,
-                "wrong bearer token",
+                "wrong bearer token: present this worker's token (the file its --token-file names, by default `token` in its state directory)",
             ))
         }
     }

@@ -48,7 +48,9 @@ fn describe(s: &Status) -> String {
     use tonic::Code;
     let msg = status_text(s);
     match s.code() {
-        Code::Unauthenticated => format!("the worker refused the call: {msg} (pass --token-file)"),
+        Code::Unauthenticated => format!(
+            "the worker refused the call: {msg} (pass --token-file with that worker's token: the file its --token-file names, by default `token` in its state directory, which it prints at start)"
+        ),
         Code::Unavailable => format!("worker unavailable: {msg}"),
         _ => msg,
     }

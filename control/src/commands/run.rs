@@ -49,6 +49,7 @@ impl Error {
             | Error::Connect(ConnectError::Usage(_))
             | Error::Session(
                 S::Invalid(_)
+                | S::NoApiKey { .. }
                 | S::Fleet(ConnectError::Usage(_))
                 | S::NoSuchTurn { .. }
                 | S::Log(
@@ -314,9 +315,10 @@ fn warn_unchanged(store: &Sessions, id: &str, args: &RunArgs) {
     }
 }
 
-/// The image of a new session's sandbox unless `--image` says otherwise: a
-/// Debian with python3, git and a C toolchain (deploy/images/build-debian.sh).
-pub const DEFAULT_IMAGE: &str = "corral-debian:latest";
+/// The image of a new session's sandbox unless `--image` says otherwise:
+/// every client's default (a Debian with python3, pip, git and a C
+/// toolchain, deploy/images/build-debian.sh).
+pub const DEFAULT_IMAGE: &str = corral_proto::sandbox::DEFAULT_IMAGE;
 
 pub(super) type StdinLines = tokio::io::Lines<tokio::io::BufReader<tokio::io::Stdin>>;
 

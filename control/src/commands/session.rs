@@ -32,7 +32,14 @@ impl Error {
             _ => None,
         };
         match (self, log) {
-            (Error::Session(SessionError::NoSuchTurn { .. } | SessionError::Invalid(_)), _)
+            (
+                Error::Session(
+                    SessionError::NoSuchTurn { .. }
+                    | SessionError::Invalid(_)
+                    | SessionError::NoApiKey { .. },
+                ),
+                _,
+            )
             | (Error::Connect(ConnectError::Usage(_)), _)
             | (
                 _,

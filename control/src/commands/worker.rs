@@ -37,6 +37,14 @@ pub async fn main(conn: &ConnArgs, cmd: &WorkerCommand) -> u8 {
 }
 
 async fn worker_command(conn: &ConnArgs, cmd: &WorkerCommand) -> Result<(), Error> {
+    // The local worker drained would take no sandbox again until it is
+    // undrained (a drain survives restarts): only when named.
+    if matches!(cmd, WorkerCommand::Drain) && conn.worker.is_none() {
+        return Err(ConnectError::Usage(
+            "corral worker drain: name the worker to drain with --worker (or CORRAL_WORKER); the local worker drained would refuse every new sandbox, across restarts, until `corral worker undrain`".into(),
+        )
+        .into());
+    }
     let urls = crate::connect::worker_urls(conn).await?;
     // `worker info` of several workers: each one, in the order given;
     // a drain is for one worker at a time.

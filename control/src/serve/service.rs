@@ -101,6 +101,14 @@ fn session_status(e: &SessionError, text: String) -> Status {
             _ => status(Code::Internal, Reason::Internal, text),
         },
         S::Gone(_) => status(Code::FailedPrecondition, Reason::SessionNotRunning, text),
+        // The key is the service's, never a client's.
+        S::NoApiKey { base_url } => status(
+            Code::FailedPrecondition,
+            Reason::InvalidArgument,
+            format!(
+                "this service has no API key for {base_url}: its operator starts `corral serve` with OPENAI_API_KEY or --api-key-file (a client sends none), or the session names another --base-url the service allows"
+            ),
+        ),
         // The workers' own refusal, passed on with its reason.
         S::Fleet(f) => match f {
             corral_harness::fleet::FleetError::Client(c) => {
@@ -315,5 +323,22 @@ impl pb::control_server::Control for ControlService {
         let req = req.into_inner();
         self.host.remove(&req.session_id, req.keep_sandbox).await?;
         Ok(Response::new(pb::RemoveSessionResponse {}))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_missing_key_is_the_services_to_give_not_a_clients() {
+        let e = SessionError::NoApiKey {
+            base_url: "https://api.openai.com/v1".into(),
+        };
+        let s = Status::from(HostError::Session(e));
+        assert_eq!(s.code(), Code::FailedPrecondition);
+        assert!(s.message().contains("this service has no API key"), "{s:?}");
+        assert!(s.message().contains("corral serve"), "{s:?}");
+        assert!(!s.message().starts_with("no API key"), "{s:?}");
     }
 }

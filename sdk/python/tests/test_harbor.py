@@ -227,7 +227,10 @@ def test_harbor_builds_and_runs_real_task_layouts_in_corral_sandboxes(
     write_real_task(
         tasks,
         "init-template",
-        dockerfile="FROM ubuntu:24.04\n\n# Install or copy over any environment dependencies here.\n\nWORKDIR /app",
+        dockerfile=(
+            "FROM ubuntu:24.04\n\n"
+            "# Install or copy over any environment dependencies here.\n\nWORKDIR /app"
+        ),
     )
     jobs = tmp_path / "jobs"
     jobs.mkdir()

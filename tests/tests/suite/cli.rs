@@ -719,3 +719,34 @@ async fn worker_info_shows_the_default_image_and_the_policy() -> anyhow::Result<
     h.stop().await;
     Ok(())
 }
+
+/// `corral worker drain` names its worker: the local one drained would
+/// refuse every sandbox, across restarts, until undrained. A refused
+/// create on a draining worker names `undrain`.
+#[tokio::test]
+async fn a_drain_names_its_worker_and_a_drained_worker_says_how_to_end_it() -> anyhow::Result<()> {
+    let home = tempfile::tempdir()?;
+    let out = tokio::process::Command::new(binary("corral")?)
+        .args(["worker", "drain"])
+        .env_remove("CORRAL_WORKER")
+        .env("HOME", home.path())
+        .env("XDG_STATE_HOME", home.path().join("state"))
+        .output()
+        .await?;
+    assert_eq!(out.status.code(), Some(2));
+    let err = one_line_error(&out);
+    assert!(err.contains("--worker") && err.contains("undrain"), "{err}");
+    assert!(
+        !home.path().join("state/corral").join("embedded").exists(),
+        "no local worker was started"
+    );
+    let h = Harness::start().await?;
+    let drained = corral(&["--worker", h.url.as_str(), "worker", "drain"]).await?;
+    assert!(drained.status.success(), "{drained:?}");
+    let out = corral(&["--worker", h.url.as_str(), "exec", "--", "true"]).await?;
+    assert_ne!(out.status.code(), Some(0));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("undrain"), "{err}");
+    h.stop().await;
+    Ok(())
+}

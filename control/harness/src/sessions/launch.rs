@@ -70,9 +70,9 @@ pub(super) fn sandbox_error(sandbox: &SandboxId, e: ApiError) -> SessionError {
 
 pub(super) fn check_key(endpoint: &Endpoint, key: &Option<String>) -> Result<(), SessionError> {
     if key.is_none() && endpoint.base_url.contains("api.openai.com") {
-        return Err(SessionError::Invalid(
-            "no API key: set OPENAI_API_KEY or pass --api-key-file (endpoints that need no key: --base-url)".into(),
-        ));
+        return Err(SessionError::NoApiKey {
+            base_url: endpoint.base_url.clone(),
+        });
     }
     Ok(())
 }

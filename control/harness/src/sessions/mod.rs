@@ -111,6 +111,12 @@ pub enum SessionError {
     /// What was asked cannot be done as asked (the caller's mistake).
     #[error("{0}")]
     Invalid(String),
+    /// The model's endpoint needs an API key and none was given (to this
+    /// process: a service's clients send none, its operator gives it).
+    #[error(
+        "no API key for {base_url}: set OPENAI_API_KEY or pass --api-key-file (endpoints that need no key: --base-url)"
+    )]
+    NoApiKey { base_url: String },
     /// The session's sandbox could not be made, found or removed (`why`:
     /// the worker's reason, when it gave one).
     #[error("sandbox {sandbox}: {error}")]
