@@ -41,10 +41,21 @@ if [ ! -s "$rootfs" ]; then
         --dpkgopt='path-exclude=/usr/share/locale/*' \
         --dpkgopt='path-exclude=/usr/share/doc/*' \
         --dpkgopt='path-include=/usr/share/doc/*/copyright' \
-        --customize-hook='for f in passwd group; do mv "$1/etc/$f" "$1/etc/$f.image" && ln -s /run/corral/$f "$1/etc/$f" && mkdir -p "$1/run/corral" && cp "$1/etc/$f.image" "$1/run/corral/$f"; done' \
+        --customize-hook='for f in passwd group; do mv "$1/etc/$f" "$1/etc/$f.image" && ln -s /run/corral/$f "$1/etc/$f"; done' \
         --customize-hook='mkdir -p "$1/workspace" && chmod 0755 "$1" "$1/workspace"' \
         --customize-hook='rm -rf "$1"/var/lib/apt/lists/* "$1"/var/cache/apt/*' \
         "$suite" "$tmp" "$mirror"
+    # The image's own accounts where the links point, for a `docker build`
+    # FROM it (no supervisor there); in a sandbox a tmpfs covers them.
+    # Added to the archive: mmdebstrap empties /run.
+    extra=$(mktemp -d)
+    mkdir -p "$extra/run/corral"
+    for f in passwd group; do
+        tar -xOf "$tmp" "./etc/$f.image" > "$extra/run/corral/$f"
+    done
+    chmod 0644 "$extra"/run/corral/*
+    tar --append -f "$tmp" -C "$extra" --owner=0 --group=0 ./run/corral
+    rm -rf "$extra"
     mv "$tmp" "$rootfs"
     trap - EXIT
 fi

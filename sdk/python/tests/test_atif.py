@@ -10,7 +10,7 @@ import subprocess
 
 from conftest import REPO
 
-IMAGE = "corral-harbor-test:latest"
+IMAGE = "corral-harbor-test:0.25.0"
 ATIF = REPO / "target" / "debug" / "atif"
 
 VALIDATE = """

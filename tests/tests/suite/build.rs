@@ -75,7 +75,8 @@ async fn building_worker() -> Result<Harness> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_built_image_runs_its_commands_in_its_workdir_and_is_built_once() -> Result<()> {
     let h = building_worker().await?;
-    let dockerfile = b"FROM corral-debian:latest\nWORKDIR /app\nCOPY data.txt ./\nENV GREETING=hi\nRUN echo made > /app/made.txt\n";
+    // `USER root` as real Dockerfiles have it: the image knows its accounts.
+    let dockerfile = b"FROM corral-debian:latest\nWORKDIR /app\nCOPY data.txt ./\nENV GREETING=hi\nUSER root\nRUN echo made > /app/made.txt && python3 -m pip --version\n";
     // Of this run only: the engine keeps what earlier runs built.
     let nonce = corral_e2e::unique_id("n");
     let tar = context(&[
@@ -113,7 +114,7 @@ async fn a_built_image_runs_its_commands_in_its_workdir_and_is_built_once() -> R
         "exactly one of two concurrent builds builds"
     );
     assert!(
-        a.output.contains("Step 5/5") || b.output.contains("Step 5/5"),
+        a.output.contains("Step 6/6") || b.output.contains("Step 6/6"),
         "{}{}",
         a.output,
         b.output
