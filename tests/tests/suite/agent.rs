@@ -2038,3 +2038,36 @@ async fn a_signal_from_timeout_is_one_interrupt_with_the_sessions_totals() -> Re
     h.stop().await;
     Ok(())
 }
+
+/// A llama.cpp-like server that answers any request over its window with a
+/// 200 and an empty stream (and says nothing of its window): the run cuts
+/// the request down and goes on, within the shrinks it allows itself.
+#[tokio::test]
+async fn an_over_long_request_to_a_llama_like_server_is_cut_until_it_fits() -> Result<()> {
+    let h = Harness::start().await?;
+    let sessions = tempfile::tempdir()?;
+    const WINDOW_CHARS: usize = 16_000;
+    let model = ModelServer::responding(|r| {
+        let text = r.text();
+        if text.len() > WINDOW_CHARS {
+            corral_e2e::model::sse(&[])
+        } else if text.contains("yyyy") {
+            chat::text("seen")
+        } else {
+            chat::calls(&[("c", "Bash", &bash("head -c 60000 /dev/zero | tr '\\0' y"))])
+        }
+    })
+    .await;
+    let run = corral_run(&model, &h.url, sessions.path(), &["--api", "chat", "go"]).await?;
+    let got = model.received();
+    let sizes: Vec<usize> = got.iter().map(|r| r.text().len()).collect();
+    assert_eq!(run.code, 0, "{}\n{:#?}", run.stderr, run.events);
+    assert_eq!(run.result()["final_text"], "seen", "{sizes:?}");
+    assert!(
+        got.len() <= 2 + corral_harness::agent::core::MAX_SHRINKS as usize,
+        "{} requests: {sizes:?}",
+        got.len()
+    );
+    h.stop().await;
+    Ok(())
+}

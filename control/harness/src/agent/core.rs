@@ -453,12 +453,19 @@ impl Core {
             Err(LlmError::Canceled) => {}
             Err(e) if e.is_context_length_exceeded() && self.state.shrinks < MAX_SHRINKS => {
                 // The estimate was off for this model: fit the request to
-                // three quarters of what was refused, and ask again.
+                // three quarters of what was refused, and ask again; to half
+                // of it when the server said nothing of its window (an
+                // empty answer, as llama.cpp's servers give), so that a
+                // request far over the window fits within the shrinks allowed.
                 let budget = self.state.context.budget();
                 let refused = self.state.context.build().estimated_tokens;
+                let target = if matches!(e, LlmError::EmptyAnswer { .. }) {
+                    refused / 2
+                } else {
+                    refused * 3 / 4
+                };
                 // The window whose room for the request (the window less
                 // its reserve, at most a quarter of it) is that much.
-                let target = refused * 3 / 4;
                 let most = budget.reserve_output_tokens;
                 let fitted = if target >= 3 * most {
                     target + most
