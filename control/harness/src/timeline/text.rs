@@ -38,10 +38,21 @@ pub fn render(t: &Timeline, width: usize) -> String {
     let mut labels = vec![' '; cells];
     let mut ticks = vec!['-'; cells];
     let mut next_free = 0;
-    for c in (0..cells).step_by(10) {
-        let Some(ms) = axis.time_at(c) else {
+    for c0 in (0..cells).step_by(10) {
+        let Some(ms) = axis.time_at(c0) else {
             continue;
         };
+        // The round time at or before this column (a 1, 2 or 5 of the time ten
+        // columns take here), where it falls.
+        let span = axis
+            .time_at((c0 + 10).min(cells - 1))
+            .map_or(0, |next| next - ms);
+        let step = round_step(span);
+        let ms = ms / step * step;
+        let c = axis.cell(ms);
+        if ticks[c] == '|' {
+            continue;
+        }
         ticks[c] = '|';
         let label = short(ms);
         if c >= next_free && c + label.len() <= cells {
@@ -138,16 +149,22 @@ pub fn render(t: &Timeline, width: usize) -> String {
 
 /// The first line: which session, when, how long, what it used.
 pub fn headline(t: &Timeline) -> String {
+    let usage = if t.totals.input_tokens == 0 && t.totals.output_tokens == 0 {
+        // The server said nothing of what it used: not the same as nothing.
+        "usage not reported".to_string()
+    } else {
+        format!(
+            "{} in, {} cached, {} out tokens",
+            t.totals.input_tokens, t.totals.cached_input_tokens, t.totals.output_tokens
+        )
+    };
     let mut s = format!(
-        "session {} · {} UTC · {} · {} request{} ({} in, {} cached, {} out tokens) · {} call{}",
+        "session {} · {} UTC · {} · {} request{} ({usage}) · {} call{}",
         t.session_id,
         utc(t.start_unix_ms),
         long(t.end_ms),
         t.totals.requests,
         plural(t.totals.requests),
-        t.totals.input_tokens,
-        t.totals.cached_input_tokens,
-        t.totals.output_tokens,
         t.totals.calls,
         plural(t.totals.calls),
     );
@@ -215,16 +232,24 @@ fn mark_char(kind: &str) -> char {
 fn steps(t: &Timeline) -> Vec<String> {
     let mut items: Vec<(i64, u64, Vec<String>)> = Vec::new();
     for r in &t.requests {
-        let mut line = format!("{}  {:<18}", at(r.sent_ms), format!("request {}", r.turn));
+        let mut line = format!(
+            "{}  {}",
+            at(r.sent_ms),
+            step_label(&format!("request {}", r.turn))
+        );
         match r.ended_ms {
             Some(e) => line.push_str(&format!("{} after {}", r.outcome, long(e - r.sent_ms))),
             None => line.push_str(r.outcome),
         }
         if r.outcome == "answered" {
-            line.push_str(&format!(
-                " · {} in ({} cached) / {} out tokens",
-                r.input_tokens, r.cached_input_tokens, r.output_tokens
-            ));
+            if r.input_tokens == 0 && r.output_tokens == 0 {
+                line.push_str(" · usage not reported");
+            } else {
+                line.push_str(&format!(
+                    " · {} in ({} cached) / {} out tokens",
+                    r.input_tokens, r.cached_input_tokens, r.output_tokens
+                ));
+            }
         }
         if !r.calls.is_empty() {
             line.push_str(&format!(" · calls {}", one_line(&r.calls.join(", "))));
@@ -237,9 +262,9 @@ fn steps(t: &Timeline) -> Vec<String> {
     }
     for c in &t.calls {
         let mut line = format!(
-            "{}  {:<18}{} (lane {})",
+            "{}  {}{} (lane {})",
             at(c.queued_ms),
-            format!("call {}", one_line(&c.call_id)),
+            step_label(&format!("call {}", one_line(&c.call_id))),
             one_line(&c.tool),
             c.lane + 1
         );
@@ -283,9 +308,9 @@ fn steps(t: &Timeline) -> Vec<String> {
             m.at_ms,
             m.seq,
             vec![format!(
-                "{}  {:<18}{}",
+                "{}  {}{}",
                 at(m.at_ms),
-                m.kind.replace('_', " "),
+                step_label(&m.kind.replace('_', " ")),
                 one_line(&m.text)
             )],
         ));
@@ -295,15 +320,21 @@ fn steps(t: &Timeline) -> Vec<String> {
             g.from_ms,
             0,
             vec![format!(
-                "{}  {:<18}for {}",
+                "{}  {}for {}",
                 at(g.from_ms),
-                g.kind.replace('_', " "),
+                step_label(&g.kind.replace('_', " ")),
                 long(g.to_ms - g.from_ms)
             )],
         ));
     }
     items.sort_by_key(|(t, seq, _)| (*t, *seq));
     items.into_iter().flat_map(|(_, _, l)| l).collect()
+}
+
+/// A step's label, padded to its column, and never run into what follows
+/// (a long call id keeps a space before its tool's name).
+fn step_label(label: &str) -> String {
+    format!("{label:<17} ")
 }
 
 /// `s` on one line, with nothing a terminal would act on: control
@@ -398,6 +429,20 @@ pub fn long(ms: i64) -> String {
     } else {
         format!("{s}.{frac:03}s")
     }
+}
+
+/// The round step, 1, 2 or 5 times a power of ten milliseconds, nearest
+/// `span` from below (1 ms at least).
+fn round_step(span: i64) -> i64 {
+    let mut unit = 1;
+    while unit * 10 <= span {
+        unit *= 10;
+    }
+    [5, 2, 1]
+        .into_iter()
+        .map(|m| m * unit)
+        .find(|&s| s <= span)
+        .unwrap_or(1)
 }
 
 /// A duration for an axis label.
@@ -549,6 +594,18 @@ mod tests {
         assert!(!shown.chars().any(|c| c.is_control()), "{shown:?}");
         assert!(!shown.contains('\u{202e}'), "{shown:?}");
         assert!(shown.contains("\\u{1b}]0;owned"), "{shown:?}");
+    }
+
+    #[test]
+    fn axis_steps_are_round_and_labels_never_run_into_what_follows() {
+        assert_eq!(round_step(2_100), 2_000);
+        assert_eq!(round_step(7_300), 5_000);
+        assert_eq!(round_step(1_000), 1_000);
+        assert_eq!(round_step(140), 100);
+        assert_eq!(round_step(0), 1);
+        let long_id = step_label("call call_0123456789abcdef");
+        assert!(long_id.ends_with(' '), "{long_id:?}");
+        assert_eq!(step_label("input").len(), 18);
     }
 
     #[test]
