@@ -12,7 +12,9 @@ done < <(deploy/llama/setup.sh)
 cargo nextest run --locked --workspace -E 'test(real_llama)' "$@"
 
 # The README's local-model recipe, as a newcomer runs it: serve.sh, then
-# the exact corral run line (one turn: the tiny model must call Bash).
+# the exact corral run line, with no bound on its turns: it must call Bash
+# (the forced tool choice) and then end on its own (the choice reset to
+# auto once the tool was called). timeout(1) only guards the suite.
 port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 deploy/llama/serve.sh "$port" >/dev/null 2>&1 &
 server=$!
@@ -23,9 +25,9 @@ for _ in $(seq 1 120); do
     sleep 1
 done
 home=$(mktemp -d)
-out=$(HOME="$home" CORRAL_STATE_DIR="$home/worker" target/debug/corral run --json --api chat \
-    --base-url "http://127.0.0.1:$port/v1" --model local --context-window 8192 \
-    --tool-choice Bash --max-turns 1 "list the files in /workspace" || true)
+out=$(HOME="$home" CORRAL_STATE_DIR="$home/worker" timeout 600 target/debug/corral run --json \
+    --api chat --base-url "http://127.0.0.1:$port/v1" --model local --context-window 8192 \
+    --tool-choice Bash "list the files in /workspace" || true)
 HOME="$home" target/debug/corral sandbox prune --idle 0s >/dev/null 2>&1 || true
 rm -rf "$home"
 if ! grep -q '"type":"tool_call"' <<<"$out"; then
@@ -33,4 +35,9 @@ if ! grep -q '"type":"tool_call"' <<<"$out"; then
     echo "$out" >&2
     exit 1
 fi
-echo "the README's local-model recipe works"
+if ! grep -q '"type":"result","status":"done"' <<<"$out"; then
+    echo "the README's local-model recipe did not end on its own:" >&2
+    echo "$out" | tail -3 >&2
+    exit 1
+fi
+echo "the README's local-model recipe works and ends on its own"
