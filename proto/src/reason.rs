@@ -72,6 +72,9 @@ reasons! {
     SandboxCheckpointed = "sandbox_checkpointed",
     /// The image is not on the worker's Docker engine.
     NoSuchImage = "no_such_image",
+    /// The OCI runtime asked for is not registered with the worker's
+    /// Docker engine.
+    NoSuchRuntime = "no_such_runtime",
     /// The request does not fit the operation (input to one that takes
     /// none, a resize without a terminal).
     NotApplicable = "not_applicable",

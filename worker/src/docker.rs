@@ -582,6 +582,19 @@ impl DockerRuntime {
                         .create_container(Some(opts.clone()), body)
                         .await?
                 }
+                Err(bollard::errors::Error::DockerResponseServerError {
+                    status_code: 400,
+                    message,
+                }) if message.contains("nknown runtime") => {
+                    // The engine's words for a runtime it has not
+                    // registered: said as such, with a reason.
+                    let runtime = spec
+                        .runtime
+                        .clone()
+                        .or_else(|| self.defaults.runtime.clone())
+                        .unwrap_or_default();
+                    return Err(WorkerError::NoSuchRuntime { runtime, message });
+                }
                 Err(e) => return Err(self.image_error(e, &image)),
             };
             let taken = if uid == 0 {

@@ -31,6 +31,10 @@ pub enum WorkerError {
         "image {0:?} is not present on the Docker engine (build it with deploy/images/build.sh, or build-debian.sh for corral-debian, or pull it)"
     )]
     NoSuchImage(String),
+    #[error(
+        "runtime {runtime:?} is not registered with the Docker engine ({message}); its operator registers it in the engine's daemon.json (runsc: see docs/security.md#gvisor)"
+    )]
+    NoSuchRuntime { runtime: String, message: String },
     #[error("Docker engine: {0}")]
     Docker(#[from] bollard::errors::Error),
     #[error("the supervisor of sandbox {id} did not answer: {reason}")]
@@ -107,6 +111,7 @@ impl WorkerError {
             WorkerError::SandboxLost { .. } => (Code::FailedPrecondition, Reason::SandboxLost),
             WorkerError::Checkpointed(_) => (Code::FailedPrecondition, Reason::SandboxCheckpointed),
             WorkerError::NoSuchImage(_) => (Code::FailedPrecondition, Reason::NoSuchImage),
+            WorkerError::NoSuchRuntime { .. } => (Code::FailedPrecondition, Reason::NoSuchRuntime),
             WorkerError::NotApplicable(_) => (Code::FailedPrecondition, Reason::NotApplicable),
             WorkerError::InputGap(_) => (Code::OutOfRange, Reason::InputGap),
             WorkerError::Fork(_) => (Code::FailedPrecondition, Reason::ForkFailed),

@@ -83,7 +83,13 @@ pub fn permissive() -> SandboxPolicy {
         allowed_runtimes: vec!["runsc".into()],
         // `docker build` is the user's anyway.
         allow_build: true,
-        ceilings: Default::default(),
+        // As many CPUs as the host has, not the default ceiling's 16.
+        ceilings: corral_proto::Ceilings {
+            cpu_millis: std::thread::available_parallelism()
+                .map_or(1, std::num::NonZeroUsize::get)
+                .saturating_mul(1000) as u32,
+            ..Default::default()
+        },
         // A plain `docker run` reaches everything; egress by policy, with
         // the internal ranges always refused, is narrower.
         allowed_egress: vec![corral_proto::egress::Rule {

@@ -178,6 +178,7 @@ _BY_REASON: dict[str, type[CorralError]] = {
     "sandbox_lost": SandboxLost,
     "sandbox_checkpointed": SandboxCheckpointed,
     "no_such_image": InvalidArgument,
+    "no_such_runtime": InvalidArgument,
     "not_applicable": InvalidArgument,
     "input_gap": InvalidArgument,
     "fork_failed": InvalidArgument,

@@ -191,3 +191,34 @@ async fn a_session_on_a_worker_that_withholds_its_texts_goes_on_when_its_sandbox
     );
     Ok(())
 }
+
+/// A runtime the engine has not registered is refused with its own reason
+/// (`no_such_runtime`), not the engine's raw 400; and the local worker's
+/// ceiling on CPUs is the host's.
+#[tokio::test]
+async fn a_runtime_the_engine_lacks_is_named_with_its_reason() -> anyhow::Result<()> {
+    let h = corral_e2e::Harness::start_with(|c| {
+        c.policy.allowed_runtimes = vec!["corral-no-such-runtime".into()];
+    })
+    .await?;
+    let e = h
+        .sandbox_with(corral_proto::SandboxSpec {
+            runtime: Some("corral-no-such-runtime".into()),
+            ..Default::default()
+        })
+        .await
+        .err()
+        .ok_or_else(|| anyhow::anyhow!("a sandbox under a runtime the engine lacks was made"))?;
+    let e = e
+        .downcast_ref::<corral_harness::client::ClientError>()
+        .ok_or_else(|| anyhow::anyhow!("{e:#}"))?;
+    assert_eq!(e.reason(), Some(corral_proto::Reason::NoSuchRuntime), "{e}");
+    assert!(e.to_string().contains("corral-no-such-runtime"), "{e}");
+    h.stop().await;
+    let host = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
+    assert_eq!(
+        corral_worker::policy::permissive().ceilings.cpu_millis as usize,
+        host * 1000
+    );
+    Ok(())
+}
