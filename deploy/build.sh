@@ -5,15 +5,26 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-profile=release
-[ "${1:-}" = "--debug" ] && profile=dev
-
-cargo build --locked --profile "$profile" --bins
+triple=x86_64-unknown-linux-gnu
+target_dir=${CARGO_TARGET_DIR:-$PWD/target}
 # corral-init must run in images with no C library: link it statically. With
 # an explicit --target, RUSTFLAGS reach the target artifacts only, never the
-# build scripts and proc-macros (which cannot be static).
-RUSTFLAGS="-C target-feature=+crt-static" \
-    cargo build --locked --release --target x86_64-unknown-linux-gnu -p corral-init
+# build scripts and proc-macros (which cannot be static). The release
+# binaries are built the same way, once: Corral's own images
+# (deploy/images/runtime.sh, which deploy/test.sh runs) take these very ones.
+if [ "${1:-}" = "--debug" ]; then
+    cargo build --locked --bins
+    RUSTFLAGS="-C target-feature=+crt-static" \
+        cargo build --locked --release --target "$triple" -p corral-init
+else
+    RUSTFLAGS="-C target-feature=+crt-static" \
+        cargo build --locked --release --target "$triple" \
+        -p corral-worker -p corral-init -p corral-control
+    mkdir -p "$target_dir/release"
+    for bin in corral corral-worker; do
+        cp -f "$target_dir/$triple/release/$bin" "$target_dir/release/$bin"
+    done
+fi
 deploy/images/build.sh
 # What `corral run` uses by default (about a minute the first time).
 deploy/images/build-debian.sh

@@ -124,12 +124,33 @@ pub enum Command {
     /// the ones it has served until they end or its drain deadline).
     #[command(subcommand)]
     Worker(WorkerCommand),
+    /// What an operator checks: the audit log of `corral serve`.
+    #[command(subcommand)]
+    Admin(AdminCommand),
     /// The local worker process (started by `corral` itself when needed).
     #[command(hide = true)]
     LocalWorker {
         /// Exit after no command has been connected for this long.
         #[arg(long, env = "CORRAL_LOCAL_WORKER_IDLE", default_value = "30s", value_parser = humantime::parse_duration)]
         idle: Duration,
+    },
+}
+
+#[derive(Debug, Clone, Subcommand)]
+pub enum AdminCommand {
+    /// The audit log (`corral serve --audit-log FILE`).
+    #[command(subcommand)]
+    Audit(AuditCommand),
+}
+
+#[derive(Debug, Clone, Subcommand)]
+pub enum AuditCommand {
+    /// Checks the log's chain from its first line: exits 0 and says how
+    /// many records it holds when whole, 1 naming the first line that was
+    /// removed, moved or altered (lines cut from its end are not found).
+    Verify {
+        /// The audit log.
+        file: PathBuf,
     },
 }
 
@@ -340,6 +361,13 @@ pub struct ServeArgs {
     /// (RESOURCE_EXHAUSTED, reason at_capacity).
     #[arg(long, env = "CORRAL_MAX_SESSIONS", default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..))]
     pub max_sessions: u64,
+    /// Write one JSON line for each call that changes a session or reads
+    /// its data (start, input, watch, stop, fork, export, remove: who, the
+    /// call, the session, the outcome; never its text), hash-chained so
+    /// that `corral admin audit verify FILE` finds a line removed, moved or
+    /// altered; appended to FILE (`-`: stdout).
+    #[arg(long, env = "CORRAL_AUDIT_LOG", value_name = "FILE")]
+    pub audit_log: Option<PathBuf>,
     /// Where sessions are kept (default: $XDG_STATE_HOME/corral/sessions).
     #[arg(long, env = "CORRAL_SESSIONS_DIR")]
     pub sessions_dir: Option<PathBuf>,

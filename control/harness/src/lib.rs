@@ -28,12 +28,14 @@
 //!   a session on a time axis (data, terminal view, HTML page);
 //!   [`telemetry`]: a run's traces (OpenTelemetry, OTLP);
 //! - [`control`]: the client of a control plane service (`corral serve`),
-//!   which hosts sessions through this same front door.
+//!   which hosts sessions through this same front door; [`audit`]: the
+//!   hash-chained log of the calls a service answers.
 //!
 //! It runs no operation itself: workers do.
 
 pub mod agent;
 pub mod atif;
+pub mod audit;
 pub mod client;
 pub mod context;
 pub mod control;

@@ -1,6 +1,7 @@
 //! One module per command; each reports its own errors (one line on
 //! stderr) and chooses its exit code.
 
+mod admin;
 mod cp;
 mod exec;
 mod local_worker;
@@ -65,6 +66,7 @@ async fn dispatch(cli: Cli) -> u8 {
         Command::Serve(args) => serve::main(&cli.conn, &args).await,
         Command::Session(cmd) => session::main(&cli.conn, &cmd).await,
         Command::Worker(cmd) => worker::main(&cli.conn, &cmd).await,
+        Command::Admin(cmd) => admin::main(&cmd),
         Command::LocalWorker { idle } => local_worker::main(&cli.conn, idle).await,
     }
 }

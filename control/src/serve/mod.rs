@@ -144,7 +144,15 @@ pub async fn serve(conn: &ConnArgs, args: &ServeArgs) -> Result<(), ServeError> 
         .set_service_status("", tonic_health::ServingStatus::Serving)
         .await;
     let auth = TokenAuth::new(Some(token));
-    let control = ControlServer::new(service::ControlService::new(host.clone()))
+    let (audit, audit_writer) = match &args.audit_log {
+        Some(path) => {
+            let (log, writer) = corral_harness::audit::AuditLog::open(path)
+                .map_err(|e| ServeError::Usage(format!("--audit-log: {e}")))?;
+            (Some(log), Some(writer))
+        }
+        None => (None, None),
+    };
+    let control = ControlServer::new(service::ControlService::new(host.clone(), audit))
         .max_decoding_message_size(MAX_REQUEST_BYTES);
     let control =
         tonic::service::interceptor::InterceptedService::new(control, move |req| auth.check(req));
@@ -208,5 +216,11 @@ pub async fn serve(conn: &ConnArgs, args: &ServeArgs) -> Result<(), ServeError> 
     resuming.abort();
     stopped.cancel();
     let _ = stalls.await;
+    // Every call answered is in the log before the service is gone.
+    if let Some(writer) = audit_writer
+        && let Err(e) = writer.finish().await
+    {
+        tracing::error!(error = %e, "the audit log's last records");
+    }
     Ok(served?)
 }

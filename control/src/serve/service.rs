@@ -12,6 +12,8 @@ use futures_util::Stream;
 use tokio::sync::mpsc;
 use tonic::{Code, Request, Response, Status};
 
+use corral_harness::audit::{AuditLog, Entry};
+
 use super::host::{Host, HostError, Settings, request_of};
 
 /// Events queued for one watcher (it reads the journal as fast as it
@@ -22,11 +24,42 @@ const EXPORT_QUEUE: usize = 8;
 
 pub struct ControlService {
     host: Host,
+    audit: Option<AuditLog>,
 }
 
 impl ControlService {
-    pub fn new(host: Host) -> Self {
-        Self { host }
+    pub fn new(host: Host, audit: Option<AuditLog>) -> Self {
+        Self { host, audit }
+    }
+
+    /// Writes `call`'s line in the audit log (when there is one), with its
+    /// outcome: `ok`, or the reason it was refused. Who asked: the
+    /// service's one token, until keys of their own come.
+    async fn audited<T>(
+        &self,
+        call: &str,
+        session: Option<&str>,
+        r: Result<T, Status>,
+    ) -> Result<T, Status> {
+        if let Some(log) = &self.audit {
+            let outcome = match &r {
+                Ok(_) => "ok".to_string(),
+                Err(s) => corral_proto::reason::of(s)
+                    .map_or_else(|| format!("{:?}", s.code()), |r| r.as_str().to_string()),
+            };
+            let entry = Entry {
+                tenant: "-".into(),
+                key: "service-token".into(),
+                call: call.into(),
+                session: session.filter(|s| !s.is_empty()).map(String::from),
+                sandbox: None,
+                outcome,
+            };
+            if let Err(e) = log.record(entry).await {
+                tracing::error!(error = %e, call, "the call was not written to the audit log");
+            }
+        }
+        r
     }
 }
 
@@ -155,15 +188,24 @@ impl pb::control_server::Control for ControlService {
         req: Request<pb::StartSessionRequest>,
     ) -> Result<Response<pb::StartSessionResponse>, Status> {
         let req = req.into_inner();
-        let request = request_of(&req.request_json)?;
-        let id = (!req.session_id.is_empty()).then_some(req.session_id);
-        let settings = Settings::from_pb(req.settings.unwrap_or_default());
-        let started = self.host.start(id, request, settings).await?;
-        Ok(Response::new(pb::StartSessionResponse {
-            session_id: started.id,
-            resumed: started.resumed,
-            events_before: started.events_before,
-        }))
+        let asked = req.session_id.clone();
+        let r = async {
+            let request = request_of(&req.request_json)?;
+            let id = (!req.session_id.is_empty()).then_some(req.session_id);
+            let settings = Settings::from_pb(req.settings.unwrap_or_default());
+            let started = self.host.start(id, request, settings).await?;
+            Ok(Response::new(pb::StartSessionResponse {
+                session_id: started.id,
+                resumed: started.resumed,
+                events_before: started.events_before,
+            }))
+        }
+        .await;
+        let session = match &r {
+            Ok(resp) => resp.get_ref().session_id.clone(),
+            Err(_) => asked,
+        };
+        self.audited("StartSession", Some(&session), r).await
     }
 
     async fn send_input(
@@ -176,10 +218,13 @@ impl pb::control_server::Control for ControlService {
         } else {
             req.input_id
         };
-        self.host
+        let r = self
+            .host
             .send(&req.session_id, input_id.clone(), req.text)
-            .await?;
-        Ok(Response::new(pb::SendInputResponse { input_id }))
+            .await
+            .map_err(Status::from)
+            .map(|()| Response::new(pb::SendInputResponse { input_id }));
+        self.audited("SendInput", Some(&req.session_id), r).await
     }
 
     type WatchSessionStream = Events;
@@ -189,7 +234,10 @@ impl pb::control_server::Control for ControlService {
         req: Request<pb::WatchSessionRequest>,
     ) -> Result<Response<Events>, Status> {
         let req = req.into_inner();
-        let (path, mark) = self.host.watch(&req.session_id)?;
+        let watched = self.host.watch(&req.session_id).map_err(Status::from);
+        let (path, mark) = self
+            .audited("WatchSession", Some(&req.session_id), watched)
+            .await?;
         let (tx, rx) = mpsc::channel(WATCH_QUEUE);
         let host = self.host.clone();
         tokio::spawn(async move {
@@ -235,8 +283,13 @@ impl pb::control_server::Control for ControlService {
         req: Request<pb::StopSessionRequest>,
     ) -> Result<Response<pb::StopSessionResponse>, Status> {
         let req = req.into_inner();
-        self.host.stop(&req.session_id, req.leave).await?;
-        Ok(Response::new(pb::StopSessionResponse {}))
+        let r = self
+            .host
+            .stop(&req.session_id, req.leave)
+            .await
+            .map_err(Status::from)
+            .map(|()| Response::new(pb::StopSessionResponse {}));
+        self.audited("StopSession", Some(&req.session_id), r).await
     }
 
     async fn list_sessions(
@@ -269,12 +322,18 @@ impl pb::control_server::Control for ControlService {
         req: Request<pb::ForkSessionRequest>,
     ) -> Result<Response<pb::ForkSessionResponse>, Status> {
         let req = req.into_inner();
-        self.host
+        let r = self
+            .host
             .fork(&req.session_id, &req.new_session_id, req.turn)
-            .await?;
-        Ok(Response::new(pb::ForkSessionResponse {
-            session_id: req.new_session_id,
-        }))
+            .await
+            .map_err(Status::from)
+            .map(|_| {
+                Response::new(pb::ForkSessionResponse {
+                    session_id: req.new_session_id.clone(),
+                })
+            });
+        self.audited("ForkSession", Some(&req.new_session_id), r)
+            .await
     }
 
     type ExportSessionStream = Chunks;
@@ -285,7 +344,8 @@ impl pb::control_server::Control for ControlService {
     ) -> Result<Response<Chunks>, Status> {
         let id = req.into_inner().session_id;
         // Refused before the stream begins when there is nothing to export.
-        self.host.watch(&id)?;
+        let found = self.host.watch(&id).map_err(Status::from);
+        self.audited("ExportSession", Some(&id), found).await?;
         let (bytes_tx, mut bytes_rx) = mpsc::channel::<bytes::Bytes>(EXPORT_QUEUE);
         let (tx, rx) = mpsc::channel(EXPORT_QUEUE);
         let host = self.host.clone();
@@ -321,8 +381,14 @@ impl pb::control_server::Control for ControlService {
         req: Request<pb::RemoveSessionRequest>,
     ) -> Result<Response<pb::RemoveSessionResponse>, Status> {
         let req = req.into_inner();
-        self.host.remove(&req.session_id, req.keep_sandbox).await?;
-        Ok(Response::new(pb::RemoveSessionResponse {}))
+        let r = self
+            .host
+            .remove(&req.session_id, req.keep_sandbox)
+            .await
+            .map_err(Status::from)
+            .map(|()| Response::new(pb::RemoveSessionResponse {}));
+        self.audited("RemoveSession", Some(&req.session_id), r)
+            .await
     }
 }
 

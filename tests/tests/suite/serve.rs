@@ -665,3 +665,88 @@ async fn a_workers_refusal_reaches_the_client_with_its_reason_and_flag() -> Resu
     ensure!(e.flag().as_deref() == Some("--allow-egress"), "{e}");
     Ok(())
 }
+
+/// `corral serve --audit-log FILE`: each call that changes a session or
+/// reads its data is one line (who, the call, the session, the outcome),
+/// refusals too; no input text, key or token is in it; the chain is whole
+/// across a restart, and `corral admin audit verify` finds a line removed.
+#[tokio::test]
+async fn the_audit_log_has_every_call_once_and_its_chain_finds_a_removed_line() -> Result<()> {
+    let mut setup = Setup::start(1, 4).await?;
+    let dir = tempfile::tempdir()?;
+    let log = dir.path().join("audit.log");
+    setup.kill_service();
+    setup.service_args = vec!["--audit-log".into(), log.display().to_string()];
+    setup.start_service()?;
+    let client = setup.client().await?;
+    let secret_text = "echo the-input-text-itself";
+    let started = client.start(request(secret_text)).await?;
+    let id = started.session_id;
+    let _ = events(&client, &id, 0).await?;
+    let refused = client.send_input(&id, "more").await.err();
+    ensure!(refused.is_some(), "input to an ended run was taken");
+    let export = client.export(&id).await?;
+    let _: Vec<_> = export.collect().await;
+    let fork = unique_id("s-fork");
+    client.fork(&id, &fork, None).await?;
+    client.remove(&fork, false).await?;
+    // Across a restart, the chain goes on.
+    setup.kill_service();
+    setup.start_service()?;
+    let client = setup.client().await?;
+    client.remove(&id, false).await?;
+    let text = std::fs::read_to_string(&log)?;
+    let calls: Vec<(String, String, String)> = text
+        .lines()
+        .map(|l| {
+            let v: Value = serde_json::from_str(l)?;
+            Ok((
+                v["call"].as_str().unwrap_or_default().to_string(),
+                v["session"].as_str().unwrap_or_default().to_string(),
+                v["outcome"].as_str().unwrap_or_default().to_string(),
+            ))
+        })
+        .collect::<Result<_>>()?;
+    let want = [
+        ("StartSession", id.as_str(), "ok"),
+        ("WatchSession", id.as_str(), "ok"),
+        ("SendInput", id.as_str(), "session_not_running"),
+        ("ExportSession", id.as_str(), "ok"),
+        ("ForkSession", fork.as_str(), "ok"),
+        ("RemoveSession", fork.as_str(), "ok"),
+        ("RemoveSession", id.as_str(), "ok"),
+    ];
+    let got: Vec<(&str, &str, &str)> = calls
+        .iter()
+        .map(|(c, s, o)| (c.as_str(), s.as_str(), o.as_str()))
+        .collect();
+    ensure!(got == want, "{got:#?}\n{text}");
+    ensure!(!text.contains("the-input-text-itself"), "{text}");
+    ensure!(!text.contains(corral_e2e::serve::TOKEN), "{text}");
+    let service_token = std::fs::read_to_string(setup.service_token())?;
+    ensure!(!text.contains(service_token.trim()), "{text}");
+    ensure!(!text.contains("sk-test"), "{text}");
+    let corral = corral_e2e::binary("corral")?;
+    let verify = |path: &std::path::Path| {
+        std::process::Command::new(&corral)
+            .args(["admin", "audit", "verify"])
+            .arg(path)
+            .output()
+    };
+    let ok = verify(&log)?;
+    ensure!(ok.status.success(), "{ok:?}");
+    ensure!(
+        String::from_utf8_lossy(&ok.stdout).contains("7 records"),
+        "{ok:?}"
+    );
+    let mut lines: Vec<&str> = text.lines().collect();
+    lines.remove(3);
+    std::fs::write(&log, lines.join("\n") + "\n")?;
+    let broken = verify(&log)?;
+    ensure!(broken.status.code() == Some(1), "{broken:?}");
+    ensure!(
+        String::from_utf8_lossy(&broken.stderr).contains("line 4"),
+        "{broken:?}"
+    );
+    Ok(())
+}
