@@ -100,12 +100,26 @@ pub struct Builder {
     /// waits for the first, then finds its image.
     building: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     slots: tokio::sync::Semaphore,
+    /// What the contexts being received hold, all together.
+    spooled: Arc<std::sync::atomic::AtomicU64>,
+}
+
+/// A file removed with this.
+struct Removed(PathBuf);
+
+impl Drop for Removed {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
 }
 
 /// A context spooled to disk: removed with this.
 pub struct Spooled {
     path: PathBuf,
     bytes: u64,
+    /// What every context being received holds now, shared.
+    total: Arc<std::sync::atomic::AtomicU64>,
+    max_total: u64,
     digest: ring::digest::Context,
     file: tokio::fs::File,
     max: u64,
@@ -113,6 +127,8 @@ pub struct Spooled {
 
 impl Drop for Spooled {
     fn drop(&mut self) {
+        self.total
+            .fetch_sub(self.bytes, std::sync::atomic::Ordering::Relaxed);
         let _ = std::fs::remove_file(&self.path);
     }
 }
@@ -120,7 +136,21 @@ impl Drop for Spooled {
 impl Spooled {
     /// Adds a piece of the context.
     pub async fn write(&mut self, data: &[u8]) -> Result<()> {
-        self.bytes += data.len() as u64;
+        let n = data.len() as u64;
+        self.bytes += n;
+        let all = self
+            .total
+            .fetch_add(n, std::sync::atomic::Ordering::Relaxed)
+            + n;
+        if all > self.max_total {
+            return Err(WorkerError::Denied {
+                flag: Some("--max-build-context"),
+                what: format!(
+                    "the contexts being received hold {} bytes, this worker's bound for all at once: try again later",
+                    self.max_total
+                ),
+            });
+        }
         if self.bytes > self.max {
             return Err(WorkerError::Denied {
                 flag: Some("--max-build-context"),
@@ -171,6 +201,7 @@ impl Builder {
             default_image,
             building: Mutex::new(HashMap::new()),
             slots,
+            spooled: Arc::new(std::sync::atomic::AtomicU64::new(0)),
         })
     }
 
@@ -188,6 +219,9 @@ impl Builder {
         Ok(Spooled {
             path,
             bytes: 0,
+            total: self.spooled.clone(),
+            // Two contexts of the largest size at once, at most.
+            max_total: self.settings.max_context_bytes.saturating_mul(2),
             digest: ring::digest::Context::new(&ring::digest::SHA256),
             file,
             max: self.settings.max_context_bytes,
@@ -220,11 +254,13 @@ impl Builder {
             .map(|b| format!("{b:02x}"))
             .collect();
         let image = format!("{BUILT_IMAGES}{hex}");
-        // Read before anything is built: the bases must be allowed.
+        // Read before anything is built: the bases must be allowed. What
+        // the engine gets is a clean copy, with the very text checked.
+        let clean = Removed(spooled.path.with_extension("clean.tar"));
         let text = {
-            let path = spooled.path.clone();
-            let name = dockerfile.clone();
-            tokio::task::spawn_blocking(move || read_entry(&path, &name))
+            let (src, dst) = (spooled.path.clone(), clean.0.clone());
+            let (name, max) = (dockerfile.clone(), self.settings.max_context_bytes);
+            tokio::task::spawn_blocking(move || clean_context(&src, &dst, &name, max))
                 .await
                 .map_err(|e| WorkerError::Config(format!("build: {e}")))??
         };
@@ -237,14 +273,14 @@ impl Builder {
                 message: format!("the context has no file {dockerfile}"),
             }));
         };
-        for base in base_images(&text)? {
+        for base in images_named(&text)? {
             if base != "scratch"
                 && !crate::policy::image_allowed(&self.policy, &base, &self.default_image)
             {
                 return Err(WorkerError::Denied {
                     flag: Some("--allow-image"),
                     what: format!(
-                        "the Dockerfile's base image {base:?} is not on this worker's list (its operator allows it with corral-worker --allow-image {base})"
+                        "the Dockerfile takes from the image {base:?}, which is not on this worker's list (its operator allows it with corral-worker --allow-image {base})"
                     ),
                 });
             }
@@ -270,7 +306,7 @@ impl Builder {
             let time = request
                 .timeout
                 .map_or(self.settings.max_time, |t| t.min(self.settings.max_time));
-            self.run(&image, &dockerfile, &spooled.path, time, &output)
+            self.run(&image, CHECKED_DOCKERFILE, &clean.0, time, &output)
                 .await
         };
         drop(held);
@@ -333,8 +369,20 @@ impl Builder {
                     if let Some(text) = info.stream {
                         steps.saw(&text);
                         for piece in pieces(&text) {
-                            if output.send(piece).await.is_err() {
-                                return Err(gone());
+                            // A client that stops reading holds the build
+                            // up no longer than its time.
+                            tokio::select! {
+                                sent = output.send(piece) => {
+                                    if sent.is_err() {
+                                        return Err(gone());
+                                    }
+                                }
+                                () = &mut deadline => {
+                                    return Ok(Outcome::Failed(steps.failure(
+                                        FailureKind::TimedOut,
+                                        format!("the build took more than {}s and was stopped", time.as_secs()),
+                                    )));
+                                }
                             }
                         }
                     }
@@ -468,63 +516,205 @@ fn dockerfile_path(given: &str) -> Result<String> {
     Ok(parts.join("/"))
 }
 
-/// The text of the entry `name` of the tar file at `path`, if it has one
-/// (a regular file, at most [`MAX_DOCKERFILE_BYTES`]).
-fn read_entry(path: &Path, name: &str) -> Result<Option<String>> {
+/// Where the engine is told its Dockerfile is: the text the worker
+/// checked, added last to the context it sends (so no other entry of the
+/// context can stand in for it).
+const CHECKED_DOCKERFILE: &str = ".corral-dockerfile";
+
+/// An entry's name as the engine would resolve it (`a/../b` is `b`), or
+/// `None` for one outside the context or not UTF-8.
+fn clean_name(raw: &[u8]) -> Option<String> {
+    let s = std::str::from_utf8(raw).ok()?;
+    if s.starts_with('/') {
+        return None;
+    }
+    let mut parts: Vec<&str> = Vec::new();
+    for p in s.split('/') {
+        match p {
+            "" | "." => {}
+            ".." => {
+                parts.pop()?;
+            }
+            p => parts.push(p),
+        }
+    }
+    Some(parts.join("/"))
+}
+
+/// Copies the context at `src` to `dst` entry by entry, refusing what the
+/// engine could take otherwise than the worker reads it (a name outside
+/// the context, a sparse file that unpacks to more than it holds, a device)
+/// and what is over `max_bytes` in all; then adds the Dockerfile `name` as
+/// [`CHECKED_DOCKERFILE`]. Its text, if the context has it.
+fn clean_context(src: &Path, dst: &Path, name: &str, max_bytes: u64) -> Result<Option<String>> {
     let invalid =
         |why: String| WorkerError::Invalid(corral_proto::ProtocolError::invalid("context", why));
-    let file = std::fs::File::open(path).map_err(|e| WorkerError::state(path, e))?;
+    let state = |e: std::io::Error| WorkerError::state(dst, e);
+    let file = std::fs::File::open(src).map_err(|e| WorkerError::state(src, e))?;
     let mut archive = tar::Archive::new(file);
+    let out = std::fs::File::create(dst).map_err(state)?;
+    let mut builder = tar::Builder::new(std::io::BufWriter::new(out));
     let entries = archive
         .entries()
         .map_err(|e| invalid(format!("not a tar stream: {e}")))?;
     let mut found = None;
+    let mut total = 0u64;
     for entry in entries {
         let mut entry = entry.map_err(|e| invalid(format!("not a tar stream: {e}")))?;
-        let entry_path = entry
-            .path()
-            .map_err(|e| invalid(format!("an entry's name: {e}")))?
-            .into_owned();
-        let normalized: Vec<String> = entry_path
-            .components()
-            .filter_map(|c| match c {
-                std::path::Component::Normal(p) => Some(p.to_string_lossy().into_owned()),
-                _ => None,
-            })
-            .collect();
-        if normalized.join("/") != name {
-            continue;
-        }
-        if !entry.header().entry_type().is_file() {
-            return Err(invalid(format!("{name} is not a regular file")));
-        }
-        if entry.size() > MAX_DOCKERFILE_BYTES {
+        let raw = entry.path_bytes().into_owned();
+        let shown = String::from_utf8_lossy(&raw).into_owned();
+        let Some(clean) = clean_name(&raw) else {
             return Err(invalid(format!(
-                "{name} is over {MAX_DOCKERFILE_BYTES} bytes"
+                "{shown:?}: a name outside the context (or not UTF-8)"
+            )));
+        };
+        let kind = entry.header().entry_type();
+        let sparse = kind.is_gnu_sparse()
+            || entry.pax_extensions().ok().flatten().is_some_and(|mut x| {
+                x.any(|e| e.is_ok_and(|e| e.key_bytes().starts_with(b"GNU.sparse")))
+            });
+        if sparse {
+            return Err(invalid(format!(
+                "{shown:?}: a sparse file (it would unpack to more than it holds)"
             )));
         }
-        let mut text = String::new();
-        entry
-            .by_ref()
-            .take(MAX_DOCKERFILE_BYTES)
-            .read_to_string(&mut text)
-            .map_err(|e| invalid(format!("{name}: {e}")))?;
-        // The last entry of a name is the one unpacked.
-        found = Some(text);
+        total = total.saturating_add(entry.size());
+        if total > max_bytes {
+            return Err(WorkerError::Denied {
+                flag: Some("--max-build-context"),
+                what: format!(
+                    "the build context unpacks to over this worker's bound of {max_bytes} bytes"
+                ),
+            });
+        }
+        if clean.is_empty() {
+            // The context's root itself.
+            continue;
+        }
+        let mut header = entry.header().clone();
+        if kind.is_file() {
+            if clean == name {
+                if entry.size() > MAX_DOCKERFILE_BYTES {
+                    return Err(invalid(format!(
+                        "{name} is over {MAX_DOCKERFILE_BYTES} bytes"
+                    )));
+                }
+                let mut text = String::new();
+                entry
+                    .by_ref()
+                    .take(MAX_DOCKERFILE_BYTES)
+                    .read_to_string(&mut text)
+                    .map_err(|e| invalid(format!("{name}: {e}")))?;
+                builder
+                    .append_data(&mut header, &clean, text.as_bytes())
+                    .map_err(state)?;
+                // The last entry of a name is the one the engine takes.
+                found = Some(text);
+            } else {
+                builder
+                    .append_data(&mut header, &clean, &mut entry)
+                    .map_err(state)?;
+            }
+        } else if kind.is_dir() {
+            builder
+                .append_data(&mut header, &clean, std::io::empty())
+                .map_err(state)?;
+        } else if kind.is_symlink() || kind.is_hard_link() {
+            let target = entry
+                .link_name_bytes()
+                .map(|t| t.into_owned())
+                .unwrap_or_default();
+            if kind.is_hard_link() {
+                let Some(target) = clean_name(&target).filter(|t| !t.is_empty()) else {
+                    return Err(invalid(format!(
+                        "{shown:?}: a hard link outside the context"
+                    )));
+                };
+                builder
+                    .append_link(&mut header, &clean, &target)
+                    .map_err(state)?;
+            } else {
+                let target = String::from_utf8(target)
+                    .map_err(|_| invalid(format!("{shown:?}: a link target not UTF-8")))?;
+                builder
+                    .append_link(&mut header, &clean, &target)
+                    .map_err(state)?;
+            }
+            if clean == name {
+                return Err(invalid(format!("{name} is not a regular file")));
+            }
+        } else {
+            return Err(invalid(format!(
+                "{shown:?}: not a file, directory or link (a context holds no devices or FIFOs)"
+            )));
+        }
     }
+    if let Some(text) = &found {
+        let mut header = tar::Header::new_gnu();
+        header.set_size(text.len() as u64);
+        header.set_mode(0o644);
+        builder
+            .append_data(&mut header, CHECKED_DOCKERFILE, text.as_bytes())
+            .map_err(state)?;
+    }
+    builder
+        .into_inner()
+        .and_then(|mut w| std::io::Write::flush(&mut w))
+        .map_err(state)?;
     Ok(found)
 }
 
-/// The images a Dockerfile builds on (its `FROM`s that name no earlier
-/// stage). A base that a build argument chooses cannot be checked before
-/// the build: refused.
-fn base_images(text: &str) -> Result<Vec<String>> {
+fn refused(what: String) -> WorkerError {
+    WorkerError::Denied { flag: None, what }
+}
+
+fn unreadable(why: String) -> WorkerError {
+    WorkerError::Invalid(corral_proto::ProtocolError::invalid("dockerfile", why))
+}
+
+/// The images a Dockerfile takes anything from: its `FROM`s and
+/// `COPY --from`s that name no stage of its own. Read as the engine's
+/// classic builder reads it, and refused where the two could read it
+/// differently (a byte-order mark, an `escape` directive, whitespace or
+/// control characters other than space and tab) or where what it takes
+/// cannot be checked before the build: a base a build argument chooses, an
+/// `ADD` from a URL (the engine would fetch it itself, outside any
+/// sandbox's network).
+fn images_named(text: &str) -> Result<Vec<String>> {
+    if text.starts_with('\u{feff}') {
+        return Err(unreadable("it starts with a byte-order mark".into()));
+    }
+    if let Some(c) = text.chars().find(|c| {
+        (c.is_control() && !matches!(c, '\n' | '\t' | '\r')) || (c.is_whitespace() && !c.is_ascii())
+    }) {
+        return Err(unreadable(format!(
+            "it holds the character {:?}, which the engine may read otherwise",
+            c
+        )));
+    }
     let mut stages: Vec<String> = Vec::new();
-    let mut bases = Vec::new();
+    let mut images = Vec::new();
     let mut line = String::new();
-    for raw in text.lines() {
-        let trimmed = raw.trim();
+    let mut at_top = true;
+    for raw in text.split('\n') {
+        let trimmed = raw.trim_matches(|c| c == ' ' || c == '\t' || c == '\r');
+        if at_top && trimmed.starts_with('#') {
+            let directive = trimmed[1..].trim_matches(|c| c == ' ' || c == '\t');
+            if directive.split('=').next().is_some_and(|k| {
+                k.trim_matches(|c| c == ' ' || c == '\t')
+                    .eq_ignore_ascii_case("escape")
+            }) {
+                return Err(unreadable("an escape directive is not taken".into()));
+            }
+            continue;
+        }
+        at_top = false;
         if line.is_empty() && (trimmed.starts_with('#') || trimmed.is_empty()) {
+            continue;
+        }
+        // A comment line inside a continued one is dropped, as the engine
+        // drops it.
+        if !line.is_empty() && trimmed.starts_with('#') {
             continue;
         }
         if let Some(head) = trimmed.strip_suffix('\\') {
@@ -533,41 +723,85 @@ fn base_images(text: &str) -> Result<Vec<String>> {
             continue;
         }
         line.push_str(trimmed);
-        let words: Vec<&str> = line.split_whitespace().collect();
-        if words
-            .first()
-            .is_some_and(|w| w.eq_ignore_ascii_case("FROM"))
-        {
-            let mut rest = words[1..].iter().skip_while(|w| w.starts_with("--"));
-            let Some(image) = rest.next() else {
-                return Err(WorkerError::Invalid(corral_proto::ProtocolError::invalid(
-                    "dockerfile",
-                    format!("{line:?}: FROM names no image"),
-                )));
-            };
-            if image.contains('$') {
-                return Err(WorkerError::Denied {
-                    flag: None,
-                    what: format!(
-                        "FROM {image}: a base image chosen by a build argument cannot be checked against this worker's images; name it"
-                    ),
-                });
-            }
-            if !stages.iter().any(|s| s.eq_ignore_ascii_case(image)) {
-                bases.push((*image).to_string());
-            }
-            if let (Some(as_), Some(name)) = (rest.next(), rest.next())
-                && as_.eq_ignore_ascii_case("AS")
-            {
-                stages.push((*name).to_string());
-            }
-        }
+        let words: Vec<&str> = line.split_ascii_whitespace().collect();
+        instruction(&words, &line, &mut stages, &mut images)?;
         line.clear();
     }
-    Ok(bases)
+    if !line.trim().is_empty() {
+        let words: Vec<&str> = line.split_ascii_whitespace().collect();
+        instruction(&words, &line, &mut stages, &mut images)?;
+    }
+    Ok(images)
 }
 
-/// A piece of a spooled context, for tests.
+/// One instruction's part in [`images_named`].
+fn instruction(
+    words: &[&str],
+    line: &str,
+    stages: &mut Vec<String>,
+    images: &mut Vec<String>,
+) -> Result<()> {
+    let Some(keyword) = words.first() else {
+        return Ok(());
+    };
+    let args = &words[1..];
+    if keyword.eq_ignore_ascii_case("ONBUILD") {
+        // Its instruction runs in a build FROM this image: checked now.
+        return instruction(args, line, stages, images);
+    }
+    if keyword.eq_ignore_ascii_case("FROM") {
+        let mut rest = args.iter().skip_while(|w| w.starts_with("--"));
+        let Some(image) = rest.next() else {
+            return Err(unreadable(format!("{line:?}: FROM names no image")));
+        };
+        if image.contains('$') {
+            return Err(refused(format!(
+                "FROM {image}: a base image chosen by a build argument cannot be checked against this worker's images; name it"
+            )));
+        }
+        if !stages.iter().any(|s| s.eq_ignore_ascii_case(image)) {
+            images.push((*image).to_string());
+        }
+        if let (Some(as_), Some(name)) = (rest.next(), rest.next())
+            && as_.eq_ignore_ascii_case("AS")
+        {
+            stages.push((*name).to_string());
+        }
+    } else if keyword.eq_ignore_ascii_case("COPY") || keyword.eq_ignore_ascii_case("ADD") {
+        for flag in args.iter().take_while(|w| w.starts_with("--")) {
+            let Some(from) = flag
+                .get(..7)
+                .filter(|f| f.eq_ignore_ascii_case("--from="))
+                .map(|_| &flag[7..])
+            else {
+                continue;
+            };
+            if from.contains('$') {
+                return Err(refused(format!(
+                    "{keyword} {flag}: an image chosen by a build argument cannot be checked; name it"
+                )));
+            }
+            let stage = stages.iter().any(|s| s.eq_ignore_ascii_case(from))
+                || from.parse::<usize>().is_ok();
+            if !stage {
+                images.push(from.to_string());
+            }
+        }
+        if keyword.eq_ignore_ascii_case("ADD")
+            && args
+                .iter()
+                .any(|w| w.contains("://") || w.starts_with("git@"))
+        {
+            return Err(refused(format!(
+                "{line:?}: ADD from a URL is fetched by the engine itself, outside any sandbox's network policy; download it in a RUN step (under --build-network) or put it in the context"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// A context as a tar stream, for tests: names written as given (`..`
+/// and all, as a hostile client would).
 #[cfg(test)]
 fn tar_of(files: &[(&str, &[u8])]) -> Vec<u8> {
     let mut b = tar::Builder::new(Vec::new());
@@ -575,8 +809,9 @@ fn tar_of(files: &[(&str, &[u8])]) -> Vec<u8> {
         let mut h = tar::Header::new_gnu();
         h.set_size(data.len() as u64);
         h.set_mode(0o644);
+        h.as_old_mut().name[..name.len()].copy_from_slice(name.as_bytes());
         h.set_cksum();
-        b.append_data(&mut h, name, *data).unwrap();
+        b.append(&h, *data).unwrap();
     }
     b.into_inner().unwrap()
 }
@@ -586,20 +821,46 @@ mod tests {
     use super::*;
 
     #[test]
-    fn base_images_skip_stages_flags_and_comments() {
-        let text = "# syntax=docker/dockerfile:1\nFROM --platform=linux/amd64 corral-debian AS build\nRUN make \\\n  all\nfrom build AS test\nFROM python:3.12\nCOPY --from=build /a /a\n";
+    fn images_named_skip_stages_flags_and_comments() {
+        let text = "# syntax=docker/dockerfile:1\nFROM --platform=linux/amd64 corral-debian AS build\nRUN make \\\n# a comment inside\n  all\nfrom build AS test\nFROM python:3.12\nCOPY --from=build /a /a\nCOPY --from=0 /a /b\nCOPY --from=alpine:3 /etc/x /x\nONBUILD COPY --from=busybox /bin/sh /sh\n";
         assert_eq!(
-            base_images(text).unwrap(),
-            vec!["corral-debian".to_string(), "python:3.12".to_string()]
+            images_named(text).unwrap(),
+            vec!["corral-debian", "python:3.12", "alpine:3", "busybox"]
         );
     }
 
     #[test]
-    fn a_base_chosen_by_an_argument_is_refused() {
-        let e = base_images("ARG BASE=corral-debian\nFROM $BASE\n").unwrap_err();
-        assert!(matches!(e, WorkerError::Denied { .. }), "{e}");
-        let e = base_images("FROM\n").unwrap_err();
-        assert!(matches!(e, WorkerError::Invalid(_)), "{e}");
+    fn what_the_engine_could_read_otherwise_or_fetch_itself_is_refused() {
+        let denied = |t: &str| matches!(images_named(t), Err(WorkerError::Denied { .. }));
+        let invalid = |t: &str| matches!(images_named(t), Err(WorkerError::Invalid(_)));
+        assert!(denied("ARG BASE=corral-debian\nFROM $BASE\n"));
+        assert!(invalid("FROM\n"));
+        assert!(invalid("\u{feff}FROM alpine:3\n"));
+        assert!(invalid(
+            "# escape=`\nFROM corral-debian\nRUN echo `\nFROM alpine:3\n"
+        ));
+        assert!(invalid("# Escape = `\nFROM corral-debian\n"));
+        assert!(invalid(
+            "FROM corral-debian\nRUN echo \\\u{a0}\nFROM alpine:3\n"
+        ));
+        assert!(invalid(
+            "FROM corral-debian\nRUN echo \\\u{b}\nFROM alpine:3\n"
+        ));
+        assert!(denied(
+            "FROM corral-debian\nADD http://127.0.0.1:8080/x /x\n"
+        ));
+        assert!(denied(
+            "FROM corral-debian\nADD [\"https://example.com/x\", \"/x\"]\n"
+        ));
+        assert!(denied(
+            "FROM corral-debian\nONBUILD ADD http://169.254.169.254/ /x\n"
+        ));
+        assert!(denied("FROM corral-debian\nCOPY --from=$IMG /a /a\n"));
+        // A continuation ends at space and tab only, as the engine's does.
+        assert_eq!(
+            images_named("FROM corral-debian\nRUN echo \\ \t\nFROM python:3.12\n").unwrap(),
+            vec!["corral-debian"]
+        );
     }
 
     #[test]
@@ -634,20 +895,51 @@ mod tests {
     }
 
     #[test]
-    fn the_dockerfile_is_found_by_its_normalized_name() {
+    fn the_engine_gets_the_dockerfile_the_worker_read_and_nothing_it_would_read_otherwise() {
         let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("c.tar");
+        let (src, dst) = (dir.path().join("c.tar"), dir.path().join("d.tar"));
+        // `a/../Dockerfile` is the engine's Dockerfile, after the other.
         std::fs::write(
-            &path,
-            tar_of(&[("./env/Dockerfile", b"FROM corral-debian\n"), ("x", b"y")]),
+            &src,
+            tar_of(&[
+                ("Dockerfile", b"FROM corral-debian\n"),
+                ("./a/../Dockerfile", b"FROM alpine:3\n"),
+                ("x", b"y"),
+            ]),
         )
         .unwrap();
-        assert_eq!(
-            read_entry(&path, "env/Dockerfile").unwrap().as_deref(),
-            Some("FROM corral-debian\n")
-        );
-        assert_eq!(read_entry(&path, "Dockerfile").unwrap(), None);
-        std::fs::write(&path, b"not a tar").unwrap();
-        assert!(!matches!(read_entry(&path, "Dockerfile"), Ok(Some(_))));
+        let text = clean_context(&src, &dst, "Dockerfile", 1 << 20).unwrap();
+        assert_eq!(text.as_deref(), Some("FROM alpine:3\n"));
+        let mut names = Vec::new();
+        let mut checked = String::new();
+        let mut a = tar::Archive::new(std::fs::File::open(&dst).unwrap());
+        for e in a.entries().unwrap() {
+            let mut e = e.unwrap();
+            let n = String::from_utf8(e.path_bytes().into_owned()).unwrap();
+            if n == CHECKED_DOCKERFILE {
+                e.read_to_string(&mut checked).unwrap();
+            }
+            names.push(n);
+        }
+        assert_eq!(names, ["Dockerfile", "Dockerfile", "x", CHECKED_DOCKERFILE]);
+        assert_eq!(checked, "FROM alpine:3\n");
+        assert_eq!(clean_context(&src, &dst, "missing", 1 << 20).unwrap(), None);
+        for bad in ["../x", "/etc/x", "a/../../x"] {
+            std::fs::write(&src, tar_of(&[(bad, b"y")])).unwrap();
+            assert!(
+                clean_context(&src, &dst, "Dockerfile", 1 << 20).is_err(),
+                "{bad}"
+            );
+        }
+        std::fs::write(&src, tar_of(&[("big", &[0u8; 4096])])).unwrap();
+        assert!(matches!(
+            clean_context(&src, &dst, "Dockerfile", 1000),
+            Err(WorkerError::Denied { .. })
+        ));
+        std::fs::write(&src, b"not a tar").unwrap();
+        assert!(!matches!(
+            clean_context(&src, &dst, "Dockerfile", 1 << 20),
+            Ok(Some(_))
+        ));
     }
 }

@@ -175,10 +175,19 @@ pub fn normalize_image(image: &str) -> String {
 /// The repository of the images a worker builds (`corral-build:<digest>`).
 pub const BUILT_IMAGES: &str = "corral-build:";
 
+/// Whether `image` is one this worker's builds name: `corral-build:` and
+/// 32 lower-case hex digits, nothing else (`corral-build:5000/x` names a
+/// registry).
+pub fn is_built_image(image: &str) -> bool {
+    image
+        .strip_prefix(BUILT_IMAGES)
+        .is_some_and(|d| d.len() == 32 && d.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')))
+}
+
 pub(crate) fn image_allowed(policy: &SandboxPolicy, image: &str, default_image: &str) -> bool {
     let image = normalize_image(image);
     policy.allow_any_image
-        || (policy.allow_build && image.starts_with(BUILT_IMAGES))
+        || (policy.allow_build && is_built_image(&image))
         || image == normalize_image(default_image)
         || STOCK_IMAGES.contains(&image.as_str())
         || policy
@@ -560,6 +569,20 @@ mod tests {
             )
             .is_err()
         );
+    }
+
+    #[test]
+    fn only_the_names_builds_give_are_taken_for_built_images() {
+        let built = format!("{BUILT_IMAGES}{}", "0123456789abcdef".repeat(2));
+        assert!(is_built_image(&built));
+        for not in [
+            "corral-build:5000/evil",
+            "corral-build:0000",
+            "corral-build:0123456789ABCDEF0123456789ABCDEF",
+            "corral-build:0123456789abcdef0123456789abcdef/x",
+        ] {
+            assert!(!is_built_image(not), "{not}");
+        }
     }
 
     #[test]

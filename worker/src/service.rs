@@ -41,6 +41,9 @@ fn operation_id(s: String) -> Result<OperationId, Status> {
 
 type EventStream = Pin<Box<dyn Stream<Item = Result<pb::SandboxEvent, Status>> + Send>>;
 type DownloadStream = Pin<Box<dyn Stream<Item = Result<pb::DownloadResponse, Status>> + Send>>;
+/// The longest a build's context may go without a piece.
+const CONTEXT_IDLE: std::time::Duration = std::time::Duration::from_secs(30);
+
 type BuildStream = Pin<Box<dyn Stream<Item = Result<pb::BuildImageEvent, Status>> + Send>>;
 
 fn build_result(outcome: crate::build::Outcome, duration_ms: u64) -> pb::BuildImageResult {
@@ -344,7 +347,20 @@ impl pb::worker_server::Worker for WorkerService {
             if eof {
                 break;
             }
-            match stream.message().await? {
+            // A client that sends nothing for a while holds no disk.
+            let next = tokio::time::timeout(CONTEXT_IDLE, stream.message())
+                .await
+                .map_err(|_| {
+                    status(
+                        Code::DeadlineExceeded,
+                        Reason::Incomplete,
+                        format!(
+                            "no piece of the build's context for {} s: the build was dropped",
+                            CONTEXT_IDLE.as_secs()
+                        ),
+                    )
+                })??;
+            match next {
                 Some(m) => (data, eof) = (m.data, m.eof),
                 None => {
                     return Err(status(
@@ -360,7 +376,11 @@ impl pb::worker_server::Worker for WorkerService {
         // Owned by the response: it ends with the build, or stops the build
         // when the client goes away.
         tokio::spawn(async move {
-            let relay = async {
+            // Owns the output's receiver: when the client is gone the relay
+            // ends and drops it, and the build, its sender, stops at once.
+            let relay_tx = tx.clone();
+            let relay = async move {
+                let tx = relay_tx;
                 loop {
                     let text = tokio::select! {
                         text = out_rx.recv() => text,

@@ -10,15 +10,17 @@ use corral_proto::{Reason, SandboxSpec, pb};
 use futures_util::StreamExt;
 use tonic::Code;
 
-/// The context as a tar stream: (path, mode, bytes).
+/// The context as a tar stream: (path, mode, bytes); names written as
+/// given, `..` and all, as a hostile client may.
 fn context(files: &[(&str, u32, &[u8])]) -> std::io::Result<Vec<u8>> {
     let mut b = tar::Builder::new(Vec::new());
     for (name, mode, data) in files {
         let mut h = tar::Header::new_gnu();
         h.set_size(data.len() as u64);
         h.set_mode(*mode);
+        h.as_old_mut().name[..name.len()].copy_from_slice(name.as_bytes());
         h.set_cksum();
-        b.append_data(&mut h, name, *data)?;
+        b.append(&h, *data)?;
     }
     b.into_inner()
 }
@@ -251,10 +253,11 @@ async fn builds_are_bounded_by_the_worker_policy() -> Result<()> {
         .err()
         .context("not a tar")?;
     assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
-    // What was built is allowed on this worker only with builds on.
+    // The names builds give are allowed (here, one nobody built), and only
+    // those: `corral-build:5000/x` names a registry.
     let sb = h
         .sandbox_with(SandboxSpec {
-            image: Some("corral-build:0000".into()),
+            image: Some(format!("corral-build:{}", "0".repeat(32))),
             ..SandboxSpec::default()
         })
         .await;
@@ -263,6 +266,112 @@ async fn builds_are_bounded_by_the_worker_policy() -> Result<()> {
         format!("{e:#}").contains("not present"),
         "allowed, but not there: {e:#}"
     );
+    let sb = h
+        .sandbox_with(SandboxSpec {
+            image: Some("corral-build:5000/evil".into()),
+            ..SandboxSpec::default()
+        })
+        .await;
+    let e = sb.err().context("a registry's image")?;
+    assert!(
+        format!("{e:#}").contains("--allow-image"),
+        "a registry's image passed for a built one: {e:#}"
+    );
+    // A tar entry the engine would take for the Dockerfile, after the one
+    // the worker would read.
+    let tar = context(&[
+        ("Dockerfile", 0o644, b"FROM corral-debian:latest\n"),
+        ("a/../Dockerfile", 0o644, b"FROM alpine:3\n"),
+    ])?;
+    let e = build(&h.url, "", tar)
+        .await
+        .err()
+        .context("the other Dockerfile")?;
+    assert_eq!(e.code(), Code::PermissionDenied, "{e:?}");
+    // ADD from a URL: the engine would fetch it itself.
+    let tar = context(&[(
+        "Dockerfile",
+        0o644,
+        b"FROM corral-debian:latest\nADD http://127.0.0.1:9/secret /s\n",
+    )])?;
+    let e = build(&h.url, "", tar)
+        .await
+        .err()
+        .context("ADD from a URL")?;
+    assert_eq!(e.code(), Code::PermissionDenied, "{e:?}");
+    h.stop().await;
+    Ok(())
+}
+
+/// Clients that go away mid-build stop their builds: the build slots are
+/// free again at once, and a later build goes through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_goes_away_stops_its_build_and_frees_its_slot() -> Result<()> {
+    let h = building_worker().await?;
+    let nonce = corral_e2e::unique_id("n");
+    let chatty = format!(
+        "FROM corral-debian:latest\nRUN echo {nonce}; while true; do echo a line of output; done\n"
+    );
+    let mut gone = Vec::new();
+    for i in 0..2 {
+        let tar = context(&[
+            ("Dockerfile", 0o644, chatty.as_bytes()),
+            ("n", 0o644, format!("{nonce}{i}").as_bytes()),
+        ])?;
+        let url = h.url.clone();
+        gone.push(tokio::spawn(async move { build(&url, "", tar).await }));
+    }
+    // Both are building (and printing) now; their clients go.
+    tokio::time::sleep(std::time::Duration::from_secs(5)).await;
+    for g in gone {
+        g.abort();
+    }
+    let tar = context(&[
+        (
+            "Dockerfile",
+            0o644,
+            b"FROM corral-debian:latest\nRUN echo after\n",
+        ),
+        ("n", 0o644, nonce.as_bytes()),
+    ])?;
+    let after = tokio::time::timeout(std::time::Duration::from_secs(60), build(&h.url, "", tar))
+        .await
+        .context("a build after two abandoned ones waited on their slots")??;
+    assert!(after.outcome.failure.is_none(), "{:?}", after.outcome);
+    h.stop().await;
+    Ok(())
+}
+
+/// A sandbox that removes the directory its commands start in still has
+/// its files listed and copied: the helpers start at the root.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_removed_workdir_blocks_no_listing_or_copy() -> Result<()> {
+    let h = building_worker().await?;
+    let nonce = corral_e2e::unique_id("n");
+    let tar = context(&[
+        (
+            "Dockerfile",
+            0o644,
+            b"FROM corral-debian:latest\nWORKDIR /workspace/proj\n",
+        ),
+        ("n", 0o644, nonce.as_bytes()),
+    ])?;
+    let built = build(&h.url, "", tar).await?;
+    let sb = h
+        .sandbox_with(SandboxSpec {
+            image: Some(built.outcome.image.clone()),
+            ..SandboxSpec::default()
+        })
+        .await?;
+    let r = h.run(&sb, "pwd && cd / && rmdir /workspace/proj").await?;
+    assert_eq!(String::from_utf8_lossy(&r.stdout.head), "/workspace/proj\n");
+    for spec in [
+        corral_proto::OperationSpec::ListDir(corral_proto::ArchiveSpec::new("/etc")),
+        corral_proto::OperationSpec::GetArchive(corral_proto::ArchiveSpec::new("/tmp")),
+    ] {
+        let (_, r) = h.run_spec(&sb, spec).await?;
+        assert!(r.outcome.is_success(), "{r:?}");
+    }
     h.stop().await;
     Ok(())
 }

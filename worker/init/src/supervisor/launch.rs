@@ -286,7 +286,9 @@ impl Supervisor {
         Ok(Launch {
             program: helper,
             args,
-            workdir: None,
+            // Not where commands start: a sandbox that removed its WORKDIR
+            // still gets its files moved and listed.
+            workdir: Some("/"),
             env: None,
             stdin: !get,
             terminal: None,
