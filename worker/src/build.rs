@@ -688,8 +688,7 @@ fn images_named(text: &str) -> Result<Vec<String>> {
         (c.is_control() && !matches!(c, '\n' | '\t' | '\r')) || (c.is_whitespace() && !c.is_ascii())
     }) {
         return Err(unreadable(format!(
-            "it holds the character {:?}, which the engine may read otherwise",
-            c
+            "it holds the character {c:?}, which the engine may read otherwise"
         )));
     }
     let mut stages: Vec<String> = Vec::new();
