@@ -41,6 +41,10 @@ fn operation_id(s: String) -> Result<OperationId, Status> {
 
 type EventStream = Pin<Box<dyn Stream<Item = Result<pb::SandboxEvent, Status>> + Send>>;
 type DownloadStream = Pin<Box<dyn Stream<Item = Result<pb::DownloadResponse, Status>> + Send>>;
+/// The most of a context read (and dropped) from a client before it is
+/// told this worker builds nothing.
+const NO_BUILD_DRAIN: usize = 64 << 20;
+
 /// The longest a build's context may go without a piece.
 const CONTEXT_IDLE: std::time::Duration = std::time::Duration::from_secs(30);
 
@@ -318,7 +322,18 @@ impl pb::worker_server::Worker for WorkerService {
         &self,
         req: Request<tonic::Streaming<pb::BuildImageRequest>>,
     ) -> Result<Response<BuildStream>, Status> {
+        let mut stream = req.into_inner();
         let Some(builder) = self.worker.builder() else {
+            // What the client sends first is read (up to a bound): a call
+            // ended while its client still writes may reach it as an
+            // internal error instead of this refusal.
+            let mut drained = 0usize;
+            while drained < NO_BUILD_DRAIN {
+                match tokio::time::timeout(CONTEXT_IDLE, stream.message()).await {
+                    Ok(Ok(Some(m))) if !m.eof => drained += m.data.len().max(1),
+                    _ => break,
+                }
+            }
             return Err(crate::error::WorkerError::Denied {
                 flag: Some("--allow-build"),
                 what: "this worker builds no images (its operator allows it with corral-worker --allow-build)".into(),
@@ -326,7 +341,6 @@ impl pb::worker_server::Worker for WorkerService {
             .into());
         };
         let started = std::time::Instant::now();
-        let mut stream = req.into_inner();
         let first = stream.message().await?.ok_or_else(|| {
             status(
                 Code::InvalidArgument,

@@ -10,14 +10,15 @@ which names an image by what it was built from, builds it once.
 from __future__ import annotations
 
 import asyncio
-import io
+import fnmatch
 import os
 import random
-import re
 import stat
 import tarfile
+import tempfile
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import BinaryIO
 
 from corral import _connect, _rpc
 from corral._proto import worker_pb2 as pb
@@ -34,48 +35,31 @@ _KINDS = {
 }
 
 
-def _pattern(p: str) -> re.Pattern[str]:
-    """A .dockerignore pattern as a regular expression over a relative
-    path: ``*`` and ``?`` within one component, ``**`` across any number."""
-    out = ""
-    i = 0
-    while i < len(p):
-        c = p[i]
-        if p.startswith("**", i):
-            i += 2
-            if p.startswith("/", i):
-                i += 1
-                out += "(?:.*/)?"
+def _match(pattern: list[str], parts: list[str]) -> bool:
+    """Whether path components ``parts`` match ``pattern`` whole: ``**``
+    takes any number of components, each other one a component by
+    ``fnmatch`` (``*``, ``?``, ``[...]`` within it). By table, never by
+    backtracking, so no pattern makes it slow."""
+    m, n = len(pattern), len(parts)
+    after = [False] * (n + 1)
+    after[n] = True  # the empty pattern matches the empty rest
+    for i in reversed(range(m)):
+        here = [False] * (n + 1)
+        for j in reversed(range(n + 1)):
+            if pattern[i] == "**":
+                here[j] = after[j] or (j < n and here[j + 1])
             else:
-                out += ".*"
-            continue
-        if c == "*":
-            out += "[^/]*"
-        elif c == "?":
-            out += "[^/]"
-        elif c == "[":
-            end = p.find("]", i + 1)
-            if end < 0:
-                out += re.escape(c)
-            else:
-                body = p[i + 1 : end].replace("\\", "\\\\")
-                if body.startswith("!"):
-                    body = "^" + body[1:]
-                out += f"[{body}]"
-                i = end
-        else:
-            out += re.escape(c)
-        i += 1
-    # A pattern that names a directory takes what is in it too.
-    return re.compile(f"(?:{out})(?:/.*)?", re.DOTALL)
+                here[j] = j < n and fnmatch.fnmatchcase(parts[j], pattern[i]) and after[j + 1]
+        after = here
+    return after[0]
 
 
 class _Ignore:
-    """``.dockerignore``: the last pattern a path matches decides, ``!``
-    keeps what an earlier one left out."""
+    """``.dockerignore``: the last pattern a path (or a directory above it)
+    matches decides, ``!`` keeps what an earlier one left out."""
 
     def __init__(self, text: str) -> None:
-        self.rules: list[tuple[bool, re.Pattern[str]]] = []
+        self.rules: list[tuple[bool, list[str]]] = []
         for line in text.splitlines():
             line = line.strip()
             if not line or line.startswith("#"):
@@ -86,57 +70,100 @@ class _Ignore:
             line = os.path.normpath(line.lstrip("/")).replace(os.sep, "/")
             if line in (".", ""):
                 continue
-            self.rules.append((keep, _pattern(line)))
+            self.rules.append((keep, line.split("/")))
 
     def ignored(self, rel: str) -> bool:
+        parts = rel.split("/")
         out = False
-        for keep, rx in self.rules:
-            if rx.fullmatch(rel):
+        for keep, pattern in self.rules:
+            # A pattern that names a directory takes what is in it too.
+            if any(_match(pattern, parts[:k]) for k in range(1, len(parts) + 1)):
                 out = not keep
         return out
 
 
-def pack_context(context: Path, dockerfile: str) -> bytes:
-    """The context directory as a tar stream, the same bytes for the same
-    files. The Dockerfile and .dockerignore always go in (as ``docker
-    build`` sends them); sockets, devices and FIFOs are refused."""
+#: The largest context packed unless the caller says otherwise (a worker's
+#: own bound, --max-build-context, is 512 MiB by default).
+MAX_CONTEXT = 512 << 20
+
+
+class _Bounded:
+    """A file that takes at most ``limit`` bytes."""
+
+    def __init__(self, f: BinaryIO, limit: int, context: Path) -> None:
+        self.f, self.limit, self.n, self.context = f, limit, 0, context
+
+    def tell(self) -> int:
+        return self.n
+
+    def write(self, b: bytes) -> int:
+        self.n += len(b)
+        if self.n > self.limit:
+            raise ConfigError(
+                f"{self.context}: the build context is over {self.limit} bytes "
+                "(leave what the image does not need out with .dockerignore, or give max_bytes)"
+            )
+        return self.f.write(b)
+
+
+def pack_context(context: Path, dockerfile: str, max_bytes: int = MAX_CONTEXT) -> BinaryIO:
+    """The context directory as a tar stream in a temporary file (read from
+    its start), the same bytes for the same files. The Dockerfile and
+    .dockerignore always go in (as ``docker build`` sends them); sockets,
+    devices and FIFOs are refused; more than ``max_bytes`` in all is refused
+    as it is packed, never held in memory."""
     if not context.is_dir():
         raise ConfigError(f"{context}: the build context is not a directory")
     ignore_file = context / ".dockerignore"
     ignore = _Ignore(ignore_file.read_text() if ignore_file.is_file() else "")
     always = {os.path.normpath(dockerfile).replace(os.sep, "/"), ".dockerignore"}
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+    out = tempfile.TemporaryFile()  # noqa: SIM115 (returned open, closed by its caller)
+    bounded = _Bounded(out, max_bytes, context)
+    try:
+        with tarfile.open(fileobj=bounded, mode="w", format=tarfile.PAX_FORMAT) as tar:  # type: ignore[call-overload]
 
-        def add(path: Path, rel: str) -> None:
-            st = path.lstat()
-            info = tarfile.TarInfo(rel)
-            info.mode = stat.S_IMODE(st.st_mode)
-            info.mtime = 0
-            info.uid = info.gid = 0
-            info.uname = info.gname = ""
-            if stat.S_ISDIR(st.st_mode):
-                info.type = tarfile.DIRTYPE
-                tar.addfile(info)
-                for child in sorted(os.listdir(path)):
-                    crel = f"{rel}/{child}"
-                    if crel in always or not ignore.ignored(crel):
-                        add(path / child, crel)
-            elif stat.S_ISLNK(st.st_mode):
-                info.type = tarfile.SYMTYPE
-                info.linkname = os.readlink(path)
-                tar.addfile(info)
-            elif stat.S_ISREG(st.st_mode):
-                info.size = st.st_size
-                with path.open("rb") as f:
-                    tar.addfile(info, f)
-            else:
-                raise ConfigError(f"{path}: not a file, directory or link; a context holds none")
+            def add(path: Path, rel: str) -> None:
+                st = path.lstat()
+                info = tarfile.TarInfo(rel)
+                info.mode = stat.S_IMODE(st.st_mode)
+                info.mtime = 0
+                info.uid = info.gid = 0
+                info.uname = info.gname = ""
+                if stat.S_ISDIR(st.st_mode):
+                    info.type = tarfile.DIRTYPE
+                    tar.addfile(info)
+                    for child in sorted(os.listdir(path)):
+                        crel = f"{rel}/{child}"
+                        if crel in always or not ignore.ignored(crel):
+                            add(path / child, crel)
+                elif stat.S_ISLNK(st.st_mode):
+                    info.type = tarfile.SYMTYPE
+                    info.linkname = os.readlink(path)
+                    tar.addfile(info)
+                elif stat.S_ISREG(st.st_mode):
+                    if st.st_size > max_bytes:
+                        # Said before a byte of it is read (a sparse file
+                        # may claim far more than its disk holds).
+                        raise ConfigError(
+                            f"{path}: {st.st_size} bytes, over the context's bound of "
+                            f"{max_bytes} (leave it out with .dockerignore, or give max_bytes)"
+                        )
+                    info.size = st.st_size
+                    with path.open("rb") as f:
+                        tar.addfile(info, f)
+                else:
+                    raise ConfigError(
+                        f"{path}: not a file, directory or link; a context holds none"
+                    )
 
-        for child in sorted(os.listdir(context)):
-            if child in always or not ignore.ignored(child):
-                add(context / child, child)
-    return buf.getvalue()
+            for child in sorted(os.listdir(context)):
+                if child in always or not ignore.ignored(child):
+                    add(context / child, child)
+    except BaseException:
+        out.close()
+        raise
+    out.seek(0)
+    return out
 
 
 async def _builder(opts: _connect.Options) -> _rpc.Worker:
@@ -169,6 +196,7 @@ async def build_image(
     token_file: str | None = None,
     timeout: float | None = None,
     on_output: Callable[[str], object] | None = None,
+    max_bytes: int = MAX_CONTEXT,
 ) -> BuiltImage:
     """Builds ``dockerfile`` (a path in ``context``) on a worker's Docker
     engine. A step that fails is a :class:`BuiltImage` with a ``failure``
@@ -179,22 +207,39 @@ async def build_image(
     dockerfile = dockerfile or "Dockerfile"
     if not (ctx / dockerfile).is_file():
         raise ConfigError(f"{ctx / dockerfile}: no such file")
-    data = await asyncio.get_running_loop().run_in_executor(None, pack_context, ctx, dockerfile)
+    loop = asyncio.get_running_loop()
+    packed = await loop.run_in_executor(None, pack_context, ctx, dockerfile, max_bytes)
     opts = _connect.Options.from_env(worker, token_file=token_file)
-    w = await _builder(opts)
 
     async def requests() -> AsyncIterator[pb.BuildImageRequest]:
         yield pb.BuildImageRequest(
             dockerfile=dockerfile,
             timeout_ms=int(timeout * 1000) if timeout else 0,
         )
-        for i in range(0, len(data), CHUNK):
-            yield pb.BuildImageRequest(data=data[i : i + CHUNK])
+        while True:
+            # A read of a local temporary file: short enough for the loop.
+            piece = packed.read(CHUNK)
+            if not piece:
+                break
+            yield pb.BuildImageRequest(data=piece)
         yield pb.BuildImageRequest(eof=True)
+
+    try:
+        w = await _builder(opts)
+        return await _send(w, requests(), on_output)
+    finally:
+        packed.close()
+
+
+async def _send(
+    w: _rpc.Worker,
+    requests: AsyncIterator[pb.BuildImageRequest],
+    on_output: Callable[[str], object] | None,
+) -> BuiltImage:
 
     output: list[str] = []
     done: pb.BuildImageResult | None = None
-    async for ev in w.build(requests()):
+    async for ev in w.build(requests):
         which = ev.WhichOneof("kind")
         if which == "output":
             output.append(ev.output)

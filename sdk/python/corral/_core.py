@@ -444,9 +444,17 @@ def _parse_listing(path: str, data: bytes) -> list[FileEntry]:
     form asked for, and a name is one component of a path, nothing more."""
     out: list[FileEntry] = []
     base = path.rstrip("/") or "/"
-    while data:
-        line, _, data = data.partition(b"\n")
-        name, _, data = data.partition(b"\0")
+    at = 0
+    # By offset: partitioning what is left would copy it for every entry.
+    while at < len(data):
+        nl = data.find(b"\n", at)
+        if nl < 0:
+            nl = len(data)
+        nul = data.find(b"\0", nl + 1)
+        if nul < 0:
+            nul = len(data)
+        line, name = data[at:nl], data[nl + 1 : nul]
+        at = nul + 1
         # Made by commands in the sandbox: taken only in the form asked.
         try:
             raw_mode, size, mtime = line.split()

@@ -421,6 +421,7 @@ def build_image(
     token_file: str | None = None,
     timeout: float | None = None,
     on_output: Callable[[str], object] | None = None,
+    max_bytes: int = _build.MAX_CONTEXT,
 ) -> BuiltImage:
     """Builds ``dockerfile`` (a path in ``context``) on a worker's Docker
     engine; see :func:`corral.abuild_image`."""
@@ -432,6 +433,7 @@ def build_image(
             token_file=token_file,
             timeout=timeout,
             on_output=on_output,
+            max_bytes=max_bytes,
         )
     )
 

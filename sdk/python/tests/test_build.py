@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import os
 import tarfile
+import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -41,18 +42,40 @@ def test_a_context_packs_to_the_same_bytes_and_leaves_out_what_dockerignore_says
     tmp_path: Path,
 ) -> None:
     ctx = make_context(tmp_path, "FROM corral-debian:latest\n")
-    first = pack_context(ctx, "Dockerfile")
+    first = pack_context(ctx, "Dockerfile").read()
     os.utime(ctx / "src" / "main.py", (1, 1))
-    assert pack_context(ctx, "Dockerfile") == first, "times change nothing"
+    assert pack_context(ctx, "Dockerfile").read() == first, "times change nothing"
     with tarfile.open(fileobj=io.BytesIO(first)) as tar:
         names = tar.getnames()
     assert "src/main.py" in names and "keep.md" in names and ".dockerignore" in names
     for gone in ("secret.txt", "node_modules", "node_modules/pkg/index.js", "notes.md"):
         assert gone not in names, names
-    (ctx / "fifo").parent.mkdir(exist_ok=True)
+    # Over the bound: refused as it is packed, never read whole into memory
+    # (a sparse file claims far more than its disk holds).
+    with open(ctx / "sparse", "wb") as f:
+        f.truncate(3 << 30)
+    with pytest.raises(corral.ConfigError, match="over the context's bound"):
+        pack_context(ctx, "Dockerfile")
+    (ctx / "sparse").unlink()
+    with pytest.raises(corral.ConfigError, match="over 4096 bytes"):
+        pack_context(ctx, "Dockerfile", max_bytes=4096)
     os.mkfifo(ctx / "fifo")
     with pytest.raises(corral.ConfigError, match="not a file"):
         pack_context(ctx, "Dockerfile")
+
+
+def test_dockerignore_patterns_match_as_docker_reads_them_and_never_slowly() -> None:
+    from corral._build import _Ignore
+
+    ig = _Ignore("**/*.pyc\nbuild\ndocs/**/draft*\n!docs/keep/draft1\n" + "**a" * 30 + "**b\n")
+    assert ig.ignored("x/y/z.pyc") and ig.ignored("z.pyc")
+    assert ig.ignored("build") and ig.ignored("build/out/a.o")
+    assert ig.ignored("docs/a/b/draft2") and not ig.ignored("docs/keep/draft1")
+    assert not ig.ignored("src/main.py")
+    # A pattern that a regular expression would take exponential time on.
+    start = time.monotonic()
+    assert not ig.ignored("a" * 60)
+    assert time.monotonic() - start < 5, "the matcher backtracks"
 
 
 def test_an_image_built_on_the_worker_runs_sandboxes_in_its_workdir(
