@@ -571,9 +571,9 @@ class AsyncFiles:
         return len(raw)
 
     async def list(self, path: SandboxPath = ".") -> list[FileEntry]:
-        """The entries of a directory (not . and ..), by name. Listed by a
-        helper of the worker's that the sandbox's processes cannot trace;
-        the names are still the sandbox's data (see :func:`_parse_listing`)."""
+        """The entries of a directory (not . and ..), by name. Listed by the
+        sandbox's supervisor, which its processes cannot trace; the names are
+        still the sandbox's data (see :func:`_parse_listing`)."""
         path = _path(path, "path")
         try:
             p = await self._sb._submit(pb.OperationSpec(list_dir=pb.ArchiveSpec(path=path)))
@@ -591,12 +591,14 @@ class AsyncFiles:
             parts.append(piece)
 
         try:
-            r = await p._follow(on_stdout=take)
+            await p._follow(on_stdout=take)
         except _TooLarge:
             with contextlib.suppress(CorralError):
                 await p.kill()
             raise ResourceExhausted(f"{path}: the listing is over {MAX_READ} bytes") from None
-        self._listing_failed(path, r)
+        err = _file_error(p._raw, path)
+        if err is not None:
+            raise err
         return _parse_listing(path, b"".join(parts))
 
     def _listing_failed(self, path: str, r: Result) -> None:

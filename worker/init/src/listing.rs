@@ -1,7 +1,9 @@
-//! A directory's entries, listed for a client (`list_dir`): run as the
-//! sandbox's user in a helper process the sandbox's commands cannot trace
-//! (see [`crate::archive::untraceable`]), so a process left in the sandbox
-//! cannot change what the listing says, as it could a shell's.
+//! A directory's entries, listed for a client (`list_dir`) by the
+//! supervisor itself, with the sandbox user's file rights, into a memory
+//! file that is then sent as the operation's output: no process of the
+//! sandbox's can trace the supervisor, or reach the file, so none can
+//! change what the listing says, as it could a shell's (or a helper's in
+//! the moment after it starts).
 //!
 //! The output, for each entry by name (not `.` or `..`): its `st_mode` in
 //! lower-case hex, its size and its modification time in seconds, a
@@ -73,6 +75,34 @@ pub fn list(roots: &Roots, path: &str, mut out: impl Write) -> Result<(), Failed
         code: 1,
         message: format!("writing the listing: {e}"),
     })
+}
+
+/// The listing of `path` in a memory file, read from its start, and its
+/// size.
+pub fn into_memory(roots: &Roots, path: &str) -> Result<(std::fs::File, u64), Failed> {
+    use std::io::{Seek, SeekFrom};
+    let other = |e: std::io::Error| Failed {
+        code: 1,
+        message: format!("the listing's memory file: {e}"),
+    };
+    let mut file = memfd().map_err(other)?;
+    list(roots, path, &mut file)?;
+    let size = file.seek(SeekFrom::End(0)).map_err(other)?;
+    file.seek(SeekFrom::Start(0)).map_err(other)?;
+    Ok((file, size))
+}
+
+#[allow(unsafe_code)]
+fn memfd() -> std::io::Result<std::fs::File> {
+    use std::os::fd::FromRawFd;
+    // SAFETY: a NUL-terminated name and flags; on success the descriptor
+    // is new and ours alone, owned by the File made of it.
+    let fd = unsafe { libc::memfd_create(c"corral-listing".as_ptr(), libc::MFD_CLOEXEC) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: as above.
+    Ok(unsafe { std::fs::File::from_raw_fd(fd) })
 }
 
 #[cfg(test)]

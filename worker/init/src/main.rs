@@ -41,10 +41,7 @@ fn main() -> ExitCode {
         _ => None,
     };
     if let Some((flag, path, uid, [roots_flag, workspace, others @ ..])) = helper_args
-        && (flag == "--put-archive"
-            || flag == "--get-archive"
-            || flag == "--get-contents"
-            || flag == "--list-dir")
+        && (flag == "--put-archive" || flag == "--get-archive" || flag == "--get-contents")
         && roots_flag == "--roots"
     {
         // Out of reach of the sandbox's commands (the same user) before it
@@ -65,15 +62,6 @@ fn main() -> ExitCode {
                 .map_err(|e| format!("corral-init: {e}"))
                 .and_then(|stdin| corral_init::archive::put(&roots, path, stdin)),
             "--get-contents" => corral_init::archive::get_contents(&roots, path, out()),
-            "--list-dir" => {
-                return match corral_init::listing::list(&roots, path, out()) {
-                    Ok(()) => ExitCode::SUCCESS,
-                    Err(e) => {
-                        eprintln!("{}", e.message);
-                        ExitCode::from(e.code)
-                    }
-                };
-            }
             _ => corral_init::archive::get(&roots, path, out()),
         };
         return match done {

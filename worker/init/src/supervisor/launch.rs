@@ -169,8 +169,33 @@ impl Supervisor {
         let immediate = match &spec {
             OperationSpec::Shell(_)
             | OperationSpec::PutArchive(_)
-            | OperationSpec::GetArchive(_)
-            | OperationSpec::ListDir(_) => None,
+            | OperationSpec::GetArchive(_) => None,
+            OperationSpec::ListDir(a) => {
+                let _as = AsCommandUser::new(self.config.command_uid);
+                match crate::listing::into_memory(&self.config.roots, &a.path) {
+                    Ok((file, size)) => {
+                        op.file = Some(FileTask::Read {
+                            file,
+                            left: None,
+                            sent: 0,
+                            size,
+                            started,
+                        });
+                        None
+                    }
+                    Err(failed) => {
+                        let kind = match failed.code {
+                            3 => corral_proto::FileErrorKind::NotFound,
+                            6 => corral_proto::FileErrorKind::PermissionDenied,
+                            _ => corral_proto::FileErrorKind::Other,
+                        };
+                        Some(OperationResult::with_outcome(Outcome::FileError {
+                            kind,
+                            message: failed.message,
+                        }))
+                    }
+                }
+            }
             OperationSpec::ReadFile(r) if r.stream => {
                 let _as = AsCommandUser::new(self.config.command_uid);
                 match fileops::open_read(&self.config.roots, r) {
@@ -240,8 +265,11 @@ impl Supervisor {
                 self.archive_helper("--get-contents", &a.path)
             }
             OperationSpec::GetArchive(a) => self.archive_helper("--get-archive", &a.path),
-            OperationSpec::ListDir(a) => self.archive_helper("--list-dir", &a.path),
-            OperationSpec::ReadFile(_) | OperationSpec::WriteFile(_) => return,
+            OperationSpec::ReadFile(_)
+            | OperationSpec::WriteFile(_)
+            | OperationSpec::ListDir(_) => {
+                return;
+            }
         };
         match launch.and_then(|launch| self.spawn(&launch)) {
             Ok((pid, run)) => {
