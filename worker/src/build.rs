@@ -166,14 +166,6 @@ impl Spooled {
             .await
             .map_err(|e| WorkerError::state(&self.path, e))
     }
-
-    pub fn len(&self) -> u64 {
-        self.bytes
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.bytes == 0
-    }
 }
 
 impl Builder {

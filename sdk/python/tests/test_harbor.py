@@ -13,6 +13,7 @@ import json
 import shutil
 import subprocess
 import textwrap
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
@@ -155,10 +156,13 @@ def write_real_task(
     check: str = REPORT_CHECK,
     network: str = "no-network",
     allowed: str = "",
+    nonce: str = "",
 ) -> None:
     t = root / name
     env = t / "environment"
     (env / "data").mkdir(parents=True)
+    # Of this run only (the engine keeps what earlier runs built).
+    (env / "data" / "nonce").write_text(nonce)
     (env / "Dockerfile").write_text(dockerfile)
     (env / "setup.py").write_text(REPORT_SETUP)
     (env / "data" / "sales.csv").write_text("region,amount\nnorth,10\nsouth,32\n")
@@ -207,12 +211,14 @@ def test_harbor_builds_and_runs_real_task_layouts_in_corral_sandboxes(
         "hello-broken",
         '#!/bin/sh\nmkdir -p "$OUT"\necho Goodbye > "$OUT/hello.txt"\n',
     )
-    write_real_task(tasks, "report")
-    # The same environment in two tasks, run at once: built once.
-    write_real_task(tasks, "report-again")
+    nonce = uuid.uuid4().hex
+    write_real_task(tasks, "report", nonce=nonce)
+    # The same environment in three tasks, run at once: built once.
+    write_real_task(tasks, "report-again", nonce=nonce)
     write_real_task(
         tasks,
         "allowlisted",
+        nonce=nonce,
         solve=PROXY_SOLVE,
         check=PROXY_CHECK,
         network="allowlist",
@@ -327,11 +333,13 @@ def test_harbor_builds_and_runs_real_task_layouts_in_corral_sandboxes(
     # Every trial's sandbox is gone.
     left = [s for s in w.list() if "harbor.session" in s.labels]
     assert left == [], left
-    # One image for the two tasks of one environment.
-    built = subprocess.run(
-        ["docker", "image", "ls", "-q", "--filter", "reference=corral-build"],
-        capture_output=True,
-        text=True,
-    )
-    assert built.returncode == 0 and built.stdout.strip(), built
+    # Tasks of one environment (three share the report's) build it once at
+    # most, however many trials ran at once: the worker says what it built.
+    built = [
+        json.loads(line)["fields"]["image"]
+        for line in (w.root / "worker.log").read_text().splitlines()
+        if "built an image" in line
+    ]
+    assert len(built) == len(set(built)), built
+    assert 1 <= len(built) <= 2, built
     shutil.rmtree(jobs, ignore_errors=True)

@@ -218,6 +218,21 @@ while True:
 """
 
 
+def squat(port: int) -> subprocess.Popen[bytes]:
+    """A listener of the user nobody on ``port``, listening when returned
+    (Debian's python: a toolchain under root's home is not nobody's)."""
+    squatter = subprocess.Popen(
+        ["/usr/bin/python3", "-c", SQUATTER, str(port)],
+        user=65534,
+        group=65534,
+        cwd="/",
+        stdout=subprocess.PIPE,
+    )
+    assert squatter.stdout is not None
+    assert squatter.stdout.readline() == b"listening\n"
+    return squatter
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="runs a listener as the user nobody")
 def test_a_squatter_on_a_restarted_workers_port_gets_no_token(
     own_worker: Callable[..., Worker],
@@ -229,17 +244,8 @@ def test_a_squatter_on_a_restarted_workers_port_gets_no_token(
     with corral.Sandbox.create(worker=w.url, token_file=str(w.token_file)) as sb:
         assert sb.run("true").ok
         w.stop()
-        # Debian's python: a toolchain under root's home is not nobody's.
-        squatter = subprocess.Popen(
-            ["/usr/bin/python3", "-c", SQUATTER, str(w.port)],
-            user=65534,
-            group=65534,
-            cwd="/",
-            stdout=subprocess.PIPE,
-        )
+        squatter = squat(w.port)
         try:
-            assert squatter.stdout is not None
-            assert squatter.stdout.readline() == b"listening\n"
             with pytest.raises(corral.ConfigError, match="belongs to uid 65534"):
                 sb.run("true")
         finally:
@@ -256,16 +262,8 @@ def test_a_connection_made_to_another_users_socket_is_found_before_a_token_goes(
     taken between the check of the port and the connect)."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    squatter = subprocess.Popen(
-        ["/usr/bin/python3", "-c", SQUATTER, str(port)],
-        user=65534,
-        group=65534,
-        cwd="/",
-        stdout=subprocess.PIPE,
-    )
+    squatter = squat(port)
     try:
-        assert squatter.stdout is not None
-        assert squatter.stdout.readline() == b"listening\n"
         with (
             socket.create_connection(("127.0.0.1", port)),
             pytest.raises(corral.ConfigError, match="socket of uid 65534"),

@@ -365,6 +365,17 @@ impl Squatter {
         format!("http://127.0.0.1:{}", self.port)
     }
 
+    /// Stops it, and fails if any connection carried a request (and so
+    /// the token).
+    async fn assert_no_request(self, what: &str) -> Result<()> {
+        let got = self.got().await?;
+        assert!(
+            !got.iter().any(|c| sent_a_request(c)),
+            "the squatter got {what}: {got:?}"
+        );
+        Ok(())
+    }
+
     /// What each connection sent, once it is stopped.
     async fn got(mut self) -> Result<Vec<Vec<u8>>> {
         // Connections still open have two seconds to say what they got.
@@ -422,11 +433,7 @@ async fn a_squatter_on_the_workers_port_gets_no_token() -> Result<()> {
     let said = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(125), "{said}");
     assert!(said.contains("belongs to uid 65534"), "{said}");
-    let got = squatter.got().await?;
-    assert!(
-        !got.iter().any(|c| sent_a_request(c)),
-        "the squatter got the token"
-    );
+    squatter.assert_no_request("the token").await?;
     Ok(())
 }
 
@@ -454,11 +461,9 @@ async fn a_squatter_on_a_restarted_workers_port_gets_no_token_on_reconnect() -> 
             .context("a call answered by the squatter")?;
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    let got = squatter.got().await?;
-    assert!(
-        !got.iter().any(|c| sent_a_request(c)),
-        "the squatter got a request with the token: {got:?}"
-    );
+    squatter
+        .assert_no_request("a request with the token")
+        .await?;
     // The worker back on its port: the same client goes on.
     let worker = corral_e2e::WorkerProcess::spawn(state.path(), &wid, port, &[], &[])?;
     client.list_sandboxes().await?;
@@ -487,11 +492,7 @@ async fn a_squatter_on_the_services_port_gets_no_token() -> Result<()> {
     let said = String::from_utf8_lossy(&out.stderr);
     assert_ne!(out.status.code(), Some(0), "{said}");
     assert!(said.contains("belongs to uid 65534"), "{said}");
-    let got = squatter.got().await?;
-    assert!(
-        !got.iter().any(|c| sent_a_request(c)),
-        "the squatter got the service's token: {got:?}"
-    );
+    squatter.assert_no_request("the service's token").await?;
     Ok(())
 }
 

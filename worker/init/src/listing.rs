@@ -15,25 +15,25 @@ use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
+use corral_proto::FileErrorKind;
+
 use crate::fileops::Roots;
 
-/// Why a listing failed, and the exit status that says so.
+/// Why a listing failed.
 #[derive(Debug)]
 pub struct Failed {
-    /// 3: no such path; 5: not a directory; 6: permission denied; 1: other.
-    pub code: u8,
+    pub kind: FileErrorKind,
     pub message: String,
 }
 
 fn failed(path: &Path, e: &std::io::Error) -> Failed {
-    let code = match e.kind() {
-        std::io::ErrorKind::NotFound => 3,
-        std::io::ErrorKind::NotADirectory => 5,
-        std::io::ErrorKind::PermissionDenied => 6,
-        _ => 1,
+    let kind = match e.kind() {
+        std::io::ErrorKind::NotFound => FileErrorKind::NotFound,
+        std::io::ErrorKind::PermissionDenied => FileErrorKind::PermissionDenied,
+        _ => FileErrorKind::Other,
     };
     Failed {
-        code,
+        kind,
         message: format!("{}: {e}", path.display()),
     }
 }
@@ -48,7 +48,7 @@ pub fn list(roots: &Roots, path: &str, mut out: impl Write) -> Result<(), Failed
     let meta = std::fs::metadata(&dir).map_err(|e| failed(&dir, &e))?;
     if !meta.is_dir() {
         return Err(Failed {
-            code: 5,
+            kind: FileErrorKind::Other,
             message: format!("{}: not a directory", dir.display()),
         });
     }
@@ -72,7 +72,7 @@ pub fn list(roots: &Roots, path: &str, mut out: impl Write) -> Result<(), Failed
         out.flush()
     };
     write().map_err(|e| Failed {
-        code: 1,
+        kind: FileErrorKind::Other,
         message: format!("writing the listing: {e}"),
     })
 }
@@ -82,7 +82,7 @@ pub fn list(roots: &Roots, path: &str, mut out: impl Write) -> Result<(), Failed
 pub fn into_memory(roots: &Roots, path: &str) -> Result<(std::fs::File, u64), Failed> {
     use std::io::{Seek, SeekFrom};
     let other = |e: std::io::Error| Failed {
-        code: 1,
+        kind: FileErrorKind::Other,
         message: format!("the listing's memory file: {e}"),
     };
     let mut file = memfd().map_err(other)?;
@@ -154,7 +154,16 @@ mod tests {
             workspace: dir.path().to_path_buf(),
             others: vec![],
         };
-        assert_eq!(list(&roots, "missing", Vec::new()).unwrap_err().code, 3);
-        assert_eq!(list(&roots, "f", Vec::new()).unwrap_err().code, 5);
+        assert_eq!(
+            list(&roots, "missing", Vec::new()).unwrap_err().kind,
+            FileErrorKind::NotFound
+        );
+        let not_dir = list(&roots, "f", Vec::new()).unwrap_err();
+        assert_eq!(not_dir.kind, FileErrorKind::Other);
+        assert!(
+            not_dir.message.ends_with("not a directory"),
+            "{}",
+            not_dir.message
+        );
     }
 }

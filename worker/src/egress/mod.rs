@@ -1960,11 +1960,13 @@ mod tests {
         assert!(started.elapsed() >= IDLE_TIMEOUT, "{:?}", started.elapsed());
     }
 
-    /// A connection on a real Unix socket, admitted, relayed by splicing.
-    async fn spliced(
+    /// A connection on a real Unix socket, admitted, relayed by splicing;
+    /// its client's first bytes after the CONNECT are `first`.
+    async fn spliced_with(
         port: u16,
         p: tokio::sync::watch::Receiver<std::sync::Arc<Vec<Rule>>>,
         meters: Meters,
+        first: &[u8],
     ) -> (tokio::net::UnixStream, tokio::task::JoinHandle<Outcome>) {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
         let (mut sandbox, proxy) = tokio::net::UnixStream::pair().unwrap();
@@ -1976,14 +1978,22 @@ mod tests {
                 Err(r) => r.answer().await,
             }
         });
-        sandbox
-            .write_all(format!("CONNECT localhost:{port} HTTP/1.1\r\n\r\nSSH-2.0-x\r\n").as_bytes())
-            .await
-            .unwrap();
+        let mut hello = format!("CONNECT localhost:{port} HTTP/1.1\r\n\r\n").into_bytes();
+        hello.extend_from_slice(first);
+        sandbox.write_all(&hello).await.unwrap();
         let mut ok = [0u8; 39];
         sandbox.read_exact(&mut ok).await.unwrap();
         assert_eq!(&ok[..], b"HTTP/1.1 200 Connection established\r\n\r\n");
         (sandbox, serving)
+    }
+
+    /// [`spliced_with`] a client that speaks SSH.
+    async fn spliced(
+        port: u16,
+        p: tokio::sync::watch::Receiver<std::sync::Arc<Vec<Rule>>>,
+        meters: Meters,
+    ) -> (tokio::net::UnixStream, tokio::task::JoinHandle<Outcome>) {
+        spliced_with(port, p, meters, b"SSH-2.0-x\r\n").await
     }
 
     #[tokio::test]
@@ -2057,23 +2067,13 @@ mod tests {
         spliced: bool,
     ) -> (Box<dyn Io>, tokio::task::JoinHandle<Outcome>) {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
-        let (mut sandbox, serving): (Box<dyn Io>, _) = if spliced {
-            let (sandbox, proxy) = tokio::net::UnixStream::pair().unwrap();
-            let serving = tokio::spawn(async move {
-                let g = gate(&["127.0.0.0/8"], vec![]);
-                let mut p = p;
-                match admit(proxy, &mut p, &g).await {
-                    Ok(a) => relay_spliced(a, p, &Meters::default()).await,
-                    Err(r) => r.answer().await,
-                }
-            });
-            (Box::new(sandbox), serving)
-        } else {
-            let (sandbox, proxy) = tokio::io::duplex(1 << 16);
-            let g = gate(&["127.0.0.0/8"], vec![]);
-            let serving = tokio::spawn(async move { serve_connection(proxy, p, &g).await });
-            (Box::new(sandbox), serving)
-        };
+        if spliced {
+            let (sandbox, serving) = spliced_with(port, p, Meters::default(), b"").await;
+            return (Box::new(sandbox), serving);
+        }
+        let (mut sandbox, proxy) = tokio::io::duplex(1 << 16);
+        let g = gate(&["127.0.0.0/8"], vec![]);
+        let serving = tokio::spawn(async move { serve_connection(proxy, p, &g).await });
         sandbox
             .write_all(format!("CONNECT localhost:{port} HTTP/1.1\r\n\r\n").as_bytes())
             .await
@@ -2081,7 +2081,7 @@ mod tests {
         let mut ok = [0u8; 39];
         sandbox.read_exact(&mut ok).await.unwrap();
         assert_eq!(&ok[..], b"HTTP/1.1 200 Connection established\r\n\r\n");
-        (sandbox, serving)
+        (Box::new(sandbox), serving)
     }
 
     #[tokio::test]

@@ -183,17 +183,10 @@ impl Supervisor {
                         });
                         None
                     }
-                    Err(failed) => {
-                        let kind = match failed.code {
-                            3 => corral_proto::FileErrorKind::NotFound,
-                            6 => corral_proto::FileErrorKind::PermissionDenied,
-                            _ => corral_proto::FileErrorKind::Other,
-                        };
-                        Some(OperationResult::with_outcome(Outcome::FileError {
-                            kind,
-                            message: failed.message,
-                        }))
-                    }
+                    Err(failed) => Some(OperationResult::with_outcome(Outcome::FileError {
+                        kind: failed.kind,
+                        message: failed.message,
+                    })),
                 }
             }
             OperationSpec::ReadFile(r) if r.stream => {
