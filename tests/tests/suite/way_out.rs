@@ -205,76 +205,114 @@ async fn nothing_a_command_starts_outlives_it_by_leaving_its_session() -> Result
 /// Waits (30 s at most) for the archive helpers of three copies, tries to
 /// attach to each (`PTRACE_ATTACH`), and writes `RESULT ERRNO` per attempt
 /// to /tmp/tracer.out; /tmp/tracer.ready once it watches.
+/// Watches for three archive helpers (each a process of the supervisor's program,
+/// its argv[0] that of PID 1, whose parent is an operation's keeper, not
+/// PID 1, and which still is 200 ms later: a command is that too, until
+/// its exec is through) and tries to open its memory;
+/// first the same on a control, a plain process of the sandbox's user that
+/// it did not start, which must succeed for the attempts to mean anything
+/// (the sandbox's user may read its own processes' memory). Opening it is
+/// what an attach (ptrace) needs too, without disturbing what it opens.
 const TRACER: &str = r#"
-import ctypes, os, time
-libc = ctypes.CDLL(None, use_errno=True)
-libc.ptrace.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
-seen, results, end = set(), [], time.time() + 30
+import os, time
+def argv(p):
+    return open("/proc/%s/cmdline" % p, "rb").read().split(b"\0")
+def ppid(p):
+    for line in open("/proc/%s/status" % p):
+        if line.startswith("PPid:"):
+            return int(line.split()[1])
+def attempt(p):
+    try:
+        os.close(os.open("/proc/%s/mem" % p, os.O_RDONLY))
+        return 0
+    except OSError as err:
+        return err.errno
+init = argv(1)[0]
+control = [p for p in os.listdir("/proc") if p.isdigit() and argv(p)[:2] == [b"sleep", b"301"]]
+results = ["control %d" % attempt(control[0]) if control else "control none"]
+checked, helpers, end = set(), 0, time.time() + 30
 open("/tmp/tracer.ready", "w").close()
-while time.time() < end and len(seen) < 3:
+while time.time() < end and helpers < 3:
     for p in os.listdir("/proc"):
-        if not p.isdigit() or p in seen:
+        if not p.isdigit() or p in checked or p == "1":
             continue
         try:
-            cmd = open("/proc/%s/cmdline" % p, "rb").read()
-        except OSError:
+            if argv(p)[0] != init or ppid(p) == 1:
+                continue
+        except (OSError, TypeError, IndexError):
             continue
-        if b"--get-" + b"archive" in cmd:
-            seen.add(p)
-            r = libc.ptrace(16, int(p), None, None)
-            results.append("%d %d" % (r, ctypes.get_errno()))
-            if r == 0:
-                libc.ptrace(17, int(p), None, None)
+        checked.add(p)
+        r = attempt(p)
+        time.sleep(0.2)
+        try:
+            if argv(p)[0] != init:
+                continue
+        except (OSError, IndexError):
+            continue
+        helpers += 1
+        results.append("helper %d" % r)
 with open("/tmp/tracer.out", "w") as f:
     f.write("\n".join(results) + "\n")
 "#;
 
 /// The attack that wrote `~/.bashrc` through `corral cp`: a process of the
 /// sandbox's user (kept in the background, the strongest case) waits for
-/// the archive helper and traces it to make it emit extra entries. The
-/// helper is not dumpable from its first instruction (its binary is not
-/// readable by the sandbox's user), so every attach fails with EPERM.
-#[tokio::test]
-async fn the_archive_helper_cannot_be_traced_by_the_sandbox() -> Result<()> {
-    let h = Harness::start().await?;
+/// the archive helper and opens its memory (or traces it) to make it emit
+/// extra entries. The helper is a fork of the supervisor, never exec'd, so
+/// it is not dumpable from its first instruction: every attempt fails, for
+/// a sandbox whose commands are root too (an exec'd helper was open to them
+/// in the moment before it made itself untraceable).
+async fn the_archive_helper_resists_a_tracer(run_as_root: bool) -> Result<()> {
+    let h = Harness::start_with(|c| c.policy = corral_worker::policy::permissive()).await?;
     let sb = h
         .sandbox_with(SandboxSpec {
             image: Some("corral-debian:latest".into()),
+            run_as_root,
             ..SandboxSpec::default()
         })
         .await?;
-    let sid = sb.as_str();
-    ok(
-        &h,
-        &sb,
-        "head -c 67108864 /dev/urandom > /workspace/report.bin",
-    )
-    .await?;
-    let mut spec = ShellSpec::new(format!(
-        "cat > /tmp/tracer.py <<'EOF'\n{TRACER}\nEOF\npython3 /tmp/tracer.py &"
-    ));
-    spec.keep_background = true;
-    h.run_spec(&sb, OperationSpec::Shell(spec)).await?;
+    for command in [
+        "sleep 301 &".to_owned(),
+        format!("cat > /tmp/tracer.py <<'EOF'\n{TRACER}\nEOF\npython3 /tmp/tracer.py &"),
+    ] {
+        let mut spec = ShellSpec::new(command);
+        spec.keep_background = true;
+        h.run_spec(&sb, OperationSpec::Shell(spec)).await?;
+    }
     ok(
         &h,
         &sb,
         "while [ ! -e /tmp/tracer.ready ]; do sleep 0.05; done",
     )
     .await?;
-    let local = tempfile::tempdir()?;
+    // Three uploads whose archives come in part and then wait: their
+    // helpers live until the tracer is done with them.
+    let mut header = tar::Header::new_gnu();
+    header.set_path("report.bin")?;
+    header.set_size(1 << 20);
+    header.set_mode(0o644);
+    header.set_cksum();
+    let mut first = header.as_bytes().to_vec();
+    first.extend(std::iter::repeat_n(7u8, 4096));
+    let mut held = Vec::new();
     for i in 0..3 {
-        let dest = local.path().join(format!("r{i}"));
-        let got = corral(
-            &h.url,
-            &["cp", &format!("{sid}:report.bin"), dest.to_str().unwrap()],
-        )
-        .await?;
-        assert!(
-            got.status.success(),
-            "{}",
-            String::from_utf8_lossy(&got.stderr)
-        );
-        assert_eq!(std::fs::metadata(&dest)?.len(), 64 << 20);
+        let (tx, rx) = tokio::sync::mpsc::channel::<bytes::Bytes>(2);
+        tx.send(first.clone().into()).await?;
+        let uploading = tokio::spawn({
+            let client = h.client.clone();
+            let sb = sb.clone();
+            async move {
+                client
+                    .upload(
+                        &sb,
+                        &corral_proto::OperationId::random(),
+                        &format!("report-{i}.bin"),
+                        tokio_stream::wrappers::ReceiverStream::new(rx),
+                    )
+                    .await
+            }
+        });
+        held.push((tx, uploading));
     }
     let results = ok(
         &h,
@@ -282,17 +320,35 @@ async fn the_archive_helper_cannot_be_traced_by_the_sandbox() -> Result<()> {
         "for i in $(seq 1 400); do [ -e /tmp/tracer.out ] && break; sleep 0.1; done; cat /tmp/tracer.out",
     )
     .await?;
-    let attempts: Vec<&str> = results.lines().filter(|l| !l.is_empty()).collect();
-    assert!(!attempts.is_empty(), "the tracer never saw a helper");
-    for a in &attempts {
-        assert_eq!(
-            *a, "-1 1",
-            "an attach to the helper did not fail with EPERM: {results}"
-        );
+    // The uploads end without their end: the worker cancels them.
+    for (tx, uploading) in held {
+        drop(tx);
+        let _ = uploading.await?;
     }
+    let mut lines = results.lines().filter(|l| !l.is_empty());
+    assert_eq!(
+        lines.next(),
+        Some("control 0"),
+        "the sandbox's user could not open its own process's memory, so the attempt on the helper means nothing: {results}"
+    );
+    assert_eq!(
+        lines.collect::<Vec<_>>(),
+        vec!["helper 13"; 3],
+        "the tracer did not find the helper, or opened its memory (EACCES expected): {results}"
+    );
     h.client.destroy_sandbox(&sb).await?;
     h.stop().await;
     Ok(())
+}
+
+#[tokio::test]
+async fn the_archive_helper_cannot_be_traced_by_the_sandbox() -> Result<()> {
+    the_archive_helper_resists_a_tracer(false).await
+}
+
+#[tokio::test]
+async fn the_archive_helper_cannot_be_traced_by_a_root_sandbox() -> Result<()> {
+    the_archive_helper_resists_a_tracer(true).await
 }
 
 /// Another local user (nobody) listening on a port of loopback (0: any),

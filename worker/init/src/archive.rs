@@ -1,7 +1,7 @@
 //! Trees in and out of the sandbox as tar streams: what `corral cp` and
-//! workspaces move. Each runs in a process of its own, started by the
-//! supervisor as the sandbox's user (`corral-init --put-archive` and
-//! `--get-archive`), with the archive on its stdin or stdout: the
+//! workspaces move. Each runs in a process of its own, forked by the
+//! supervisor and never exec'd ([`Helper::run_forked`]), as the sandbox's
+//! user, with the archive on its stdin or stdout: the
 //! supervisor's flow control carries the bytes, the sandbox's own limits
 //! (its user's permissions, the workspace's size) bound them, and the
 //! supervisor itself never blocks on a slow disk.
@@ -37,6 +37,80 @@ pub struct Moved {
     pub left_out: u64,
     /// Unpacking: the bytes of archive read, to the end of the stream.
     pub archive_bytes: u64,
+}
+
+/// What an archive helper moves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HelperKind {
+    /// The archive on stdin, unpacked at the path.
+    Put,
+    /// The path, packed under its own name, to stdout.
+    Get,
+    /// A directory's contents, packed, to stdout.
+    GetContents,
+}
+
+/// One archive helper's work: what it moves, where, and as whom.
+#[derive(Debug, Clone)]
+pub struct Helper {
+    pub kind: HelperKind,
+    pub path: String,
+    /// The command user, for a sandbox whose commands are not root.
+    pub uid: Option<u32>,
+    pub roots: Roots,
+}
+
+impl Helper {
+    /// The helper's life, in a process forked from the supervisor, with
+    /// the archive's pipes as its stdin, stdout and stderr; it exits with
+    /// 0 or, its reason on stderr, 1, and never returns.
+    ///
+    /// Forked, never exec'd: the supervisor is not dumpable from its start
+    /// and a fork inherits that, so there is no moment, however short, in
+    /// which a root sandbox's process could open this one's memory, as it
+    /// could a freshly exec'd program's before it made itself untraceable.
+    /// The caller is a single-threaded process's fork, so no lock is held.
+    #[allow(unsafe_code)]
+    pub fn run_forked(&self) -> ! {
+        use std::os::fd::FromRawFd;
+        // SAFETY: a single-threaded process's fork; descriptors 0 to 2 are
+        // the pipes set for it, owned by nothing else here. Whatever else
+        // it holds of the supervisor's is closed first (std's exec-error
+        // pipe among them, which would keep the supervisor's spawn waiting).
+        unsafe {
+            if libc::syscall(libc::SYS_close_range, 3u32, u32::MAX, 0u32) < 0 {
+                for fd in 3..4096 {
+                    libc::close(fd);
+                }
+            }
+        }
+        let done = untraceable(self.uid).and_then(|()| {
+            // SAFETY: descriptor 1 is this process's stdout, used by
+            // nothing else here (std's stdout is never touched).
+            let stdout = unsafe { fs::File::from_raw_fd(1) };
+            let out = io::BufWriter::with_capacity(256 * 1024, stdout);
+            match self.kind {
+                HelperKind::Put => CancellableStdin::new()
+                    .map_err(|e| e.to_string())
+                    .and_then(|stdin| put(&self.roots, &self.path, stdin)),
+                HelperKind::Get => get(&self.roots, &self.path, out),
+                HelperKind::GetContents => get_contents(&self.roots, &self.path, out),
+            }
+        });
+        let code = match done {
+            Ok(_) => 0,
+            Err(e) => {
+                let line = format!("{e}\n");
+                // SAFETY: descriptor 2 is this process's stderr.
+                let mut stderr = std::mem::ManuallyDrop::new(unsafe { fs::File::from_raw_fd(2) });
+                let _ = stderr.write_all(line.as_bytes());
+                1
+            }
+        };
+        // SAFETY: ends this process without running the supervisor's exit
+        // handlers or destructors, which are not its own.
+        unsafe { libc::_exit(code) }
+    }
 }
 
 /// Makes this process untraceable by the sandbox's user (not dumpable:

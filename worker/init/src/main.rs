@@ -24,54 +24,6 @@ fn main() -> ExitCode {
             }
         };
     }
-    // `--put-archive DEST [--as UID] --roots WORKSPACE TMP...` and
-    // `--get-archive SRC [--as UID] --roots ...`: an archive helper, started
-    // by the supervisor (under its restrictions already) as its own user,
-    // which becomes the command user UID itself; the tar stream on stdin or
-    // stdout.
-    let helper_args = match args.as_slice() {
-        [flag, path, as_flag, uid, rest @ ..] if as_flag == "--as" => match uid.parse::<u32>() {
-            Ok(uid) => Some((flag, path, Some(uid), rest)),
-            Err(_) => {
-                eprintln!("corral-init: --as {uid}: not a user id");
-                return ExitCode::from(2);
-            }
-        },
-        [flag, path, rest @ ..] => Some((flag, path, None, rest)),
-        _ => None,
-    };
-    if let Some((flag, path, uid, [roots_flag, workspace, others @ ..])) = helper_args
-        && (flag == "--put-archive" || flag == "--get-archive" || flag == "--get-contents")
-        && roots_flag == "--roots"
-    {
-        // Out of reach of the sandbox's commands (the same user) before it
-        // reads or writes anything: not dumpable before it is their user,
-        // so none may trace it, read its memory or open its descriptors;
-        // and if one attached all the same, it stops here.
-        if let Err(e) = corral_init::archive::untraceable(uid) {
-            eprintln!("corral-init: {e}");
-            return ExitCode::from(1);
-        }
-        let roots = corral_init::fileops::Roots {
-            workspace: workspace.into(),
-            others: others.iter().map(Into::into).collect(),
-        };
-        let out = || std::io::BufWriter::with_capacity(256 * 1024, std::io::stdout().lock());
-        let done = match flag.as_str() {
-            "--put-archive" => corral_init::archive::CancellableStdin::new()
-                .map_err(|e| format!("corral-init: {e}"))
-                .and_then(|stdin| corral_init::archive::put(&roots, path, stdin)),
-            "--get-contents" => corral_init::archive::get_contents(&roots, path, out()),
-            _ => corral_init::archive::get(&roots, path, out()),
-        };
-        return match done {
-            Ok(_) => ExitCode::SUCCESS,
-            Err(e) => {
-                eprintln!("{e}");
-                ExitCode::from(1)
-            }
-        };
-    }
     // `--copy-tree FROM_PID TO_PID USER_FROM:USER_TO PATH...`: a fork's
     // copy, run by the worker on the host (never in a sandbox). Prints
     // `copied ENTRIES BYTES LEFT_OUT`, then a `note:` line each.

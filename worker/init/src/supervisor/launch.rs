@@ -1,11 +1,12 @@
-//! Starting an operation: its process (a shell command, or this binary as
-//! an archive helper) in a session and process group of its own, as the
-//! command user, with its pipes or terminal.
+//! Starting an operation: its process (a shell command, or an archive
+//! helper forked from the supervisor) in a session and process group of
+//! its own, as the command user, with its pipes or terminal.
 
 use super::*;
+use crate::archive::HelperKind;
 
-/// What the process of an operation runs: a shell command, or this binary
-/// as an archive helper.
+/// What the process of an operation runs: a shell command, or an archive
+/// helper.
 pub(super) struct Launch<'a> {
     pub(super) program: PathBuf,
     pub(super) args: Vec<OsString>,
@@ -17,12 +18,11 @@ pub(super) struct Launch<'a> {
     /// Bytes of stdout and stderr the result keeps.
     pub(super) limits: [u64; 2],
     pub(super) keep_background: bool,
-    /// Whether the program switches to the command user itself (an
-    /// archive helper, told `--as UID`: it starts as the supervisor's user
-    /// and makes itself not dumpable first, so no command of the sandbox
-    /// can trace it from its first instruction on any runtime), or is
-    /// switched before exec (a command).
-    pub(super) switches_itself: bool,
+    /// An archive helper's work, done in the forked process itself, which
+    /// never execs (see [`crate::archive::Helper::run_forked`]) and
+    /// switches to the command user itself; `program` is then never run.
+    /// None: a command, switched to its user before exec.
+    pub(super) helper: Option<crate::archive::Helper>,
 }
 
 impl<'a> Launch<'a> {
@@ -37,7 +37,7 @@ impl<'a> Launch<'a> {
             timeout: spec.timeout(),
             limits: [spec.output_limit(); 2],
             keep_background: spec.keep_background,
-            switches_itself: false,
+            helper: None,
         }
     }
 }
@@ -253,11 +253,11 @@ impl Supervisor {
             OperationSpec::Shell(shell) => {
                 find_shell(shell.use_bash).map(|sh| Launch::shell(sh, shell))
             }
-            OperationSpec::PutArchive(a) => self.archive_helper("--put-archive", &a.path),
+            OperationSpec::PutArchive(a) => Ok(self.archive_helper(HelperKind::Put, &a.path)),
             OperationSpec::GetArchive(a) if a.contents => {
-                self.archive_helper("--get-contents", &a.path)
+                Ok(self.archive_helper(HelperKind::GetContents, &a.path))
             }
-            OperationSpec::GetArchive(a) => self.archive_helper("--get-archive", &a.path),
+            OperationSpec::GetArchive(a) => Ok(self.archive_helper(HelperKind::Get, &a.path)),
             OperationSpec::ReadFile(_)
             | OperationSpec::WriteFile(_)
             | OperationSpec::ListDir(_) => {
@@ -285,28 +285,16 @@ impl Supervisor {
         }
     }
 
-    /// This binary run as an archive helper (`--put-archive PATH` or
-    /// `--get-archive PATH`) with the roots: its stdout carries nothing but
-    /// the archive, so none of it is kept in the result.
-    pub(super) fn archive_helper(&self, flag: &str, path: &str) -> Result<Launch<'static>, String> {
-        let helper = self
-            .config
-            .helper
-            .clone()
-            .ok_or("the supervisor cannot find its own binary")?;
-        let mut args: Vec<OsString> = vec![flag.into(), path.into()];
-        if let Some(uid) = self.config.command_uid {
-            args.extend(["--as".into(), uid.to_string().into()]);
-        }
-        args.push("--roots".into());
-        args.push(self.config.roots.workspace.clone().into_os_string());
-        for other in &self.config.roots.others {
-            args.push(other.clone().into_os_string());
-        }
-        let get = flag != "--put-archive";
-        Ok(Launch {
-            program: helper,
-            args,
+    /// An archive helper (see [`crate::archive::Helper`]) with the roots:
+    /// its stdout carries nothing but the archive, so none of it is kept in
+    /// the result.
+    pub(super) fn archive_helper(&self, kind: HelperKind, path: &str) -> Launch<'static> {
+        let get = kind != HelperKind::Put;
+        Launch {
+            // Never run: the forked process does the work and exits (were
+            // an exec ever reached, /dev/null runs nothing).
+            program: PathBuf::from("/dev/null"),
+            args: Vec::new(),
             // Not where commands start: a sandbox that removed its WORKDIR
             // still gets its files moved and listed.
             workdir: Some("/"),
@@ -323,8 +311,13 @@ impl Supervisor {
                 corral_proto::limits::DEFAULT_OUTPUT_LIMIT_BYTES,
             ],
             keep_background: false,
-            switches_itself: true,
-        })
+            helper: Some(crate::archive::Helper {
+                kind,
+                path: path.to_owned(),
+                uid: self.config.command_uid,
+                roots: self.config.roots.clone(),
+            }),
+        }
     }
 
     #[allow(unsafe_code)]
@@ -389,7 +382,8 @@ impl Supervisor {
         }
         cmd.current_dir(&workdir);
         let terminal = master.is_some();
-        let uid = self.config.command_uid.filter(|_| !spec.switches_itself);
+        let uid = self.config.command_uid.filter(|_| spec.helper.is_none());
+        let helper = spec.helper.clone();
         let tag = uid.map(|_| procs::tag(self.launched));
         self.launched += 1;
         let keep_background = spec.keep_background;
@@ -397,17 +391,22 @@ impl Supervisor {
         // single-threaded, so no lock (allocator included) can be held by
         // another thread at the fork. The child becomes the operation's
         // keeper (see `keeper`), which forks the command and never returns
-        // here; the command switches to its user, and makes itself, not
-        // PID 1, the first choice of the OOM killer (a process that changed
-        // user is not dumpable, and its proc files are not its own until it
-        // is again).
+        // here; the command makes itself, not PID 1, the first choice of
+        // the OOM killer, and then either is an archive helper, which does
+        // its work here and exits (not dumpable, as the supervisor it was
+        // forked from), or switches to its user and execs (a process that
+        // changed user is not dumpable, and its proc files are not its own
+        // until it is again).
         unsafe {
             cmd.pre_exec(move || {
                 session_setup(terminal)?;
                 crate::keeper::fork(keep_background)?;
                 command_setup(uid, tag)?;
-                let _ = nix::sys::prctl::set_dumpable(true);
                 let _ = std::fs::write("/proc/self/oom_score_adj", b"1000");
+                if let Some(helper) = &helper {
+                    helper.run_forked();
+                }
+                let _ = nix::sys::prctl::set_dumpable(true);
                 Ok(())
             });
         }
