@@ -8,7 +8,9 @@
 //! reason) and the time; never an input's text, an environment value or a
 //! file's contents. One task owns the file and the chain; callers queue
 //! records on a bounded channel (a full queue slows the calls, it loses
-//! nothing), and the task writes what is queued, then flushes.
+//! nothing), and the task writes what is queued, flushes, and only then
+//! tells each caller its record is written: a call is answered after its
+//! line is in the file, so a service killed after answering has logged it.
 //!
 //! What a chain cannot show: lines cut from the end of the file (keep the
 //! last line's digest elsewhere to catch that). A line torn by a crash is
@@ -18,7 +20,7 @@ use std::io::{BufRead, Write};
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
 
 /// Records queued for the writer at most.
 const QUEUE: usize = 4096;
@@ -115,7 +117,7 @@ impl Sink {
 /// A handle to the log; clones share its writer.
 #[derive(Clone)]
 pub struct AuditLog {
-    tx: mpsc::Sender<Entry>,
+    tx: mpsc::Sender<(Entry, oneshot::Sender<()>)>,
 }
 
 /// The writer's task, to be awaited at shutdown (after every handle is
@@ -157,9 +159,15 @@ impl AuditLog {
         Ok((Self { tx }, Writer(task)))
     }
 
-    /// Queues `entry` (waits while the queue is full).
+    /// Writes `entry`: returns once its line is in the file (waits while
+    /// the queue is full).
     pub async fn record(&self, entry: Entry) -> Result<(), AuditError> {
-        self.tx.send(entry).await.map_err(|_| AuditError::Stopped)
+        let (done, written) = oneshot::channel();
+        self.tx
+            .send((entry, done))
+            .await
+            .map_err(|_| AuditError::Stopped)?;
+        written.await.map_err(|_| AuditError::Stopped)
     }
 }
 
@@ -207,7 +215,7 @@ fn write_all(
     mut sink: Sink,
     mut head: Head,
     cut: u64,
-    mut rx: mpsc::Receiver<Entry>,
+    mut rx: mpsc::Receiver<(Entry, oneshot::Sender<()>)>,
 ) -> Result<(), AuditError> {
     let put = |sink: &mut Sink, head: &mut Head, entry: Entry| -> Result<(), AuditError> {
         let line = Line {
@@ -242,13 +250,19 @@ fn write_all(
         )?;
         sink.out().flush().map_err(io(&path))?;
     }
-    while let Some(entry) = rx.blocking_recv() {
+    let mut written = Vec::new();
+    while let Some((entry, done)) = rx.blocking_recv() {
         put(&mut sink, &mut head, entry)?;
+        written.push(done);
         // Whatever else is queued goes with it, then one flush.
-        while let Ok(entry) = rx.try_recv() {
+        while let Ok((entry, done)) = rx.try_recv() {
             put(&mut sink, &mut head, entry)?;
+            written.push(done);
         }
         sink.out().flush().map_err(io(&path))?;
+        for done in written.drain(..) {
+            let _ = done.send(());
+        }
     }
     Ok(())
 }
