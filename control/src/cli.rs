@@ -124,9 +124,9 @@ pub enum Command {
     /// the ones it has served until they end or its drain deadline).
     #[command(subcommand)]
     Worker(WorkerCommand),
-    /// What an operator checks: the audit log of `corral serve`.
-    #[command(subcommand)]
-    Admin(AdminCommand),
+    /// What an operator does: tenants' keys, and the audit log of
+    /// `corral serve`.
+    Admin(AdminArgs),
     /// The local worker process (started by `corral` itself when needed).
     #[command(hide = true)]
     LocalWorker {
@@ -136,11 +136,55 @@ pub enum Command {
     },
 }
 
+#[derive(Debug, Clone, Args)]
+pub struct AdminArgs {
+    /// The tenants' directory a front door serves (`corral serve
+    /// --tenants DIR`): its keys are made and revoked here, offline; a
+    /// running front door sees each change within a second.
+    #[arg(long, env = "CORRAL_TENANTS", value_name = "DIR", global = true)]
+    pub tenants: Option<PathBuf>,
+    #[command(subcommand)]
+    pub command: AdminCommand,
+}
+
 #[derive(Debug, Clone, Subcommand)]
 pub enum AdminCommand {
+    /// The tenants' keys.
+    #[command(subcommand)]
+    Key(KeyCommand),
     /// The audit log (`corral serve --audit-log FILE`).
     #[command(subcommand)]
     Audit(AuditCommand),
+}
+
+#[derive(Debug, Clone, Subcommand)]
+pub enum KeyCommand {
+    /// Makes a key for a tenant and prints it, this once (only its digest
+    /// is kept).
+    Create {
+        /// The tenant: 1-63 characters of [a-z0-9-].
+        #[arg(long)]
+        tenant: String,
+        /// What it allows: read (list, inspect, logs, timelines), run
+        /// (sandboxes and sessions), admin (every tenant). Repeat or
+        /// separate with commas.
+        #[arg(long = "scope", required = true, value_delimiter = ',')]
+        scopes: Vec<String>,
+        /// Valid for this long (`30d`, `12h`); default: until revoked.
+        #[arg(long, value_parser = humantime::parse_duration)]
+        expires: Option<Duration>,
+        /// Print `{"key": ..., "id": ..., ...}` instead of the key alone.
+        #[arg(long)]
+        json: bool,
+    },
+    /// The keys: id, tenant, scopes, times (never a key).
+    Ls {
+        #[arg(long)]
+        json: bool,
+    },
+    /// Revokes a key by its id (`key ls`): a front door refuses it within
+    /// a second.
+    Revoke { id: String },
 }
 
 #[derive(Debug, Clone, Subcommand)]
@@ -361,13 +405,19 @@ pub struct ServeArgs {
     /// (RESOURCE_EXHAUSTED, reason at_capacity).
     #[arg(long, env = "CORRAL_MAX_SESSIONS", default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..))]
     pub max_sessions: u64,
-    /// Write one JSON line for each call that changes a session or reads
-    /// its data (start, input, watch, stop, fork, export, remove: who, the
-    /// call, the session, the outcome; never its text), hash-chained so
-    /// that `corral admin audit verify FILE` finds a line removed, moved or
-    /// altered; appended to FILE (`-`: stdout).
+    /// Write one JSON line for each call that changes a session or a
+    /// sandbox or reads its data (who, the call, the session or sandbox,
+    /// the outcome; never its text, an environment value or a key),
+    /// hash-chained so that `corral admin audit verify FILE` finds a line
+    /// removed, moved or altered; appended to FILE (`-`: stdout).
     #[arg(long, env = "CORRAL_AUDIT_LOG", value_name = "FILE")]
     pub audit_log: Option<PathBuf>,
+    /// Serve tenants: callers present keys of this directory (`corral
+    /// admin --tenants DIR key create`), not the service's token; each
+    /// sees and reaches its tenant's sandboxes alone. Changes to the
+    /// directory take effect within a second.
+    #[arg(long, env = "CORRAL_TENANTS", value_name = "DIR")]
+    pub tenants: Option<PathBuf>,
     /// Where sessions are kept (default: $XDG_STATE_HOME/corral/sessions).
     #[arg(long, env = "CORRAL_SESSIONS_DIR")]
     pub sessions_dir: Option<PathBuf>,

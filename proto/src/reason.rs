@@ -49,6 +49,9 @@ reasons! {
     Unauthenticated = "unauthenticated",
     /// The worker's policy refuses what was asked (see [`FLAG_KEY`]).
     PolicyDenied = "policy_denied",
+    /// The caller's key does not allow what was asked (its scopes: `read`,
+    /// `run`, `admin`).
+    PermissionDenied = "permission_denied",
     /// No sandbox of that id on this worker.
     SandboxNotFound = "sandbox_not_found",
     /// The sandbox was removed by this worker lately (TTL, idle, a client).

@@ -107,6 +107,28 @@ impl PoolInfo {
 /// (deploy/images/build-debian.sh).
 pub const DEFAULT_IMAGE: &str = "corral-debian:latest";
 
+/// The label that names a sandbox's tenant: set by the worker from
+/// [`TENANT_HEADER`] when a front door creates it for a tenant (never the
+/// client's word), kept by its forks, and matched on every later call.
+pub const TENANT_LABEL: &str = "corral.tenant";
+
+/// The metadata a front door sends to a worker with each call it makes for
+/// a tenant: the worker then answers for that tenant's sandboxes alone
+/// (another's is NOT_FOUND, exactly as one that does not exist). A worker
+/// trusts it from whoever holds its credentials, which, where a front door
+/// is deployed, only the front door does.
+pub const TENANT_HEADER: &str = "x-corral-tenant";
+
+/// Whether `name` is a tenant's name: 1 to 63 characters of `[a-z0-9-]`,
+/// starting with a letter or digit.
+pub fn is_tenant_name(name: &str) -> bool {
+    (1..=63).contains(&name.len())
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && !name.starts_with('-')
+}
+
 /// What a worker lets a sandbox be: its operator's choice, never a
 /// client's. The default refuses every loosening, and has the default
 /// ceilings.

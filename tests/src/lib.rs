@@ -59,6 +59,7 @@ pub fn session_config(model: &str, sandbox: SandboxId) -> corral_harness::agent:
         on_sandbox_lost: Default::default(),
         generation: 0,
         egress: Vec::new(),
+        tenant: None,
     }
 }
 

@@ -67,7 +67,7 @@ impl TokenAuth {
 
 /// Tells admission that the connection of `req` made an authenticated
 /// call (see [`crate::admission`]).
-fn mark_authenticated(req: &Request<()>) {
+pub fn mark_authenticated(req: &Request<()>) {
     let ext = req.extensions();
     if let Some(info) = ext.get::<AdmittedInfo>() {
         info.authenticated();

@@ -5,6 +5,7 @@ use std::pin::Pin;
 
 use corral_proto::init::OperationRecord;
 use corral_proto::limits::LIST_PAGE_BYTES;
+use corral_proto::sandbox::{TENANT_HEADER, TENANT_LABEL};
 use corral_proto::{OperationId, OperationSpec, Reason, SandboxId, SandboxSpec, pb};
 use futures_util::Stream;
 use tokio_stream::wrappers::ReceiverStream;
@@ -25,6 +26,35 @@ impl WorkerService {
 /// An error status with its machine-readable reason.
 fn status(code: Code, reason: Reason, message: impl Into<String>) -> Status {
     corral_proto::reason::status(code, reason, None, message)
+}
+
+/// The tenant a front door makes this call for (see [`TENANT_HEADER`]):
+/// the worker then answers for that tenant's sandboxes alone.
+fn tenant_header<T>(req: &Request<T>) -> Result<Option<String>, Status> {
+    let Some(value) = req.metadata().get(TENANT_HEADER) else {
+        return Ok(None);
+    };
+    match value.to_str() {
+        Ok(t) if corral_proto::sandbox::is_tenant_name(t) => Ok(Some(t.to_string())),
+        _ => Err(invalid(
+            TENANT_HEADER,
+            "not a tenant's name (1-63 characters of [a-z0-9-])".into(),
+        )),
+    }
+}
+
+impl WorkerService {
+    /// For a call made for `tenant`: `id` must be that tenant's; another's
+    /// is answered exactly as one that does not exist.
+    fn owned(&self, tenant: &Option<String>, id: &SandboxId) -> Result<(), Status> {
+        let Some(tenant) = tenant else {
+            return Ok(());
+        };
+        match self.worker.owner(id) {
+            Some(Some(owner)) if owner == *tenant => Ok(()),
+            _ => Err(crate::error::WorkerError::UnknownSandbox(id.to_string()).into()),
+        }
+    }
 }
 
 fn sandbox_id(s: String) -> Result<SandboxId, Status> {
@@ -86,13 +116,27 @@ impl pb::worker_server::Worker for WorkerService {
         req: Request<pb::CreateSandboxRequest>,
     ) -> Result<Response<pb::Sandbox>, Status> {
         let traceparent = traceparent_of(&req);
+        let tenant = tenant_header(&req)?;
         let req = req.into_inner();
         let id = if req.id.is_empty() {
             None
         } else {
             Some(sandbox_id(req.id)?)
         };
-        let spec = SandboxSpec::try_from(req.spec.unwrap_or_default())?;
+        let mut spec = SandboxSpec::try_from(req.spec.unwrap_or_default())?;
+        if let Some(tenant) = tenant {
+            spec.labels.remove(TENANT_LABEL);
+            if spec.labels.len() >= corral_proto::limits::MAX_LABELS {
+                return Err(invalid(
+                    "labels",
+                    format!(
+                        "a tenant's sandbox has at most {} labels of its own",
+                        corral_proto::limits::MAX_LABELS - 1
+                    ),
+                ));
+            }
+            spec.labels.insert(TENANT_LABEL.into(), tenant);
+        }
         let info = self
             .worker
             .create_sandbox_traced(id, spec, traceparent)
@@ -104,7 +148,9 @@ impl pb::worker_server::Worker for WorkerService {
         &self,
         req: Request<pb::GetSandboxRequest>,
     ) -> Result<Response<pb::Sandbox>, Status> {
+        let tenant = tenant_header(&req)?;
         let id = sandbox_id(req.into_inner().id)?;
+        self.owned(&tenant, &id)?;
         Ok(Response::new(self.worker.get_sandbox(&id)?.into()))
     }
 
@@ -112,8 +158,10 @@ impl pb::worker_server::Worker for WorkerService {
         &self,
         req: Request<pb::SetSandboxEgressRequest>,
     ) -> Result<Response<pb::Sandbox>, Status> {
+        let tenant = tenant_header(&req)?;
         let req = req.into_inner();
         let id = sandbox_id(req.id)?;
+        self.owned(&tenant, &id)?;
         let rules = corral_proto::egress::parse_rules(&req.rules, false)
             .map_err(crate::error::WorkerError::from)?;
         Ok(Response::new(
@@ -125,7 +173,9 @@ impl pb::worker_server::Worker for WorkerService {
         &self,
         req: Request<pb::CheckpointSandboxRequest>,
     ) -> Result<Response<pb::Sandbox>, Status> {
+        let tenant = tenant_header(&req)?;
         let id = sandbox_id(req.into_inner().id)?;
+        self.owned(&tenant, &id)?;
         Ok(Response::new(
             self.worker.checkpoint_sandbox(&id).await?.into(),
         ))
@@ -135,7 +185,9 @@ impl pb::worker_server::Worker for WorkerService {
         &self,
         req: Request<pb::RestoreSandboxRequest>,
     ) -> Result<Response<pb::Sandbox>, Status> {
+        let tenant = tenant_header(&req)?;
         let id = sandbox_id(req.into_inner().id)?;
+        self.owned(&tenant, &id)?;
         Ok(Response::new(
             self.worker.restore_sandbox(&id).await?.into(),
         ))
@@ -145,8 +197,10 @@ impl pb::worker_server::Worker for WorkerService {
         &self,
         req: Request<pb::ForkSandboxRequest>,
     ) -> Result<Response<pb::ForkSandboxResponse>, Status> {
+        let tenant = tenant_header(&req)?;
         let req = req.into_inner();
         let id = sandbox_id(req.id)?;
+        self.owned(&tenant, &id)?;
         let ids = if req.child_ids.is_empty() {
             let n = usize::try_from(req.count).unwrap_or(usize::MAX);
             if n == 0 || n > crate::fork::MAX_CHILDREN {
@@ -180,12 +234,14 @@ impl pb::worker_server::Worker for WorkerService {
 
     async fn list_sandboxes(
         &self,
-        _req: Request<pb::ListSandboxesRequest>,
+        req: Request<pb::ListSandboxesRequest>,
     ) -> Result<Response<pb::ListSandboxesResponse>, Status> {
+        let tenant = tenant_header(&req)?;
         let sandboxes = self
             .worker
             .list_sandboxes()
             .into_iter()
+            .filter(|s| tenant.is_none() || s.spec.labels.get(TENANT_LABEL) == tenant.as_ref())
             .map(Into::into)
             .collect();
         Ok(Response::new(pb::ListSandboxesResponse { sandboxes }))
@@ -195,7 +251,9 @@ impl pb::worker_server::Worker for WorkerService {
         &self,
         req: Request<pb::DestroySandboxRequest>,
     ) -> Result<Response<pb::DestroySandboxResponse>, Status> {
+        let tenant = tenant_header(&req)?;
         let id = sandbox_id(req.into_inner().id)?;
+        self.owned(&tenant, &id)?;
         let existed = self.worker.destroy_sandbox(&id).await?;
         Ok(Response::new(pb::DestroySandboxResponse { existed }))
     }
@@ -204,9 +262,11 @@ impl pb::worker_server::Worker for WorkerService {
         &self,
         req: Request<pb::SubmitOperationRequest>,
     ) -> Result<Response<pb::Operation>, Status> {
+        let tenant = tenant_header(&req)?;
         let traceparent = traceparent_of(&req);
         let req = req.into_inner();
         let sid = sandbox_id(req.sandbox_id)?;
+        self.owned(&tenant, &sid)?;
         let oid = operation_id(req.operation_id)?;
         let spec = OperationSpec::try_from(
             req.spec
@@ -223,8 +283,10 @@ impl pb::worker_server::Worker for WorkerService {
         &self,
         req: Request<pb::GetOperationRequest>,
     ) -> Result<Response<pb::Operation>, Status> {
+        let tenant = tenant_header(&req)?;
         let req = req.into_inner();
         let sid = sandbox_id(req.sandbox_id)?;
+        self.owned(&tenant, &sid)?;
         let oid = operation_id(req.operation_id)?;
         Ok(Response::new(
             self.worker.operation(&sid, &oid)?.to_pb(&sid),
@@ -235,6 +297,7 @@ impl pb::worker_server::Worker for WorkerService {
         &self,
         req: Request<tonic::Streaming<pb::UploadRequest>>,
     ) -> Result<Response<pb::Operation>, Status> {
+        let tenant = tenant_header(&req)?;
         let mut stream = req.into_inner();
         let first = stream.message().await?.ok_or_else(|| {
             status(
@@ -244,6 +307,7 @@ impl pb::worker_server::Worker for WorkerService {
             )
         })?;
         let sid = sandbox_id(first.sandbox_id)?;
+        self.owned(&tenant, &sid)?;
         let oid = operation_id(first.operation_id)?;
         let spec = OperationSpec::PutArchive(corral_proto::ArchiveSpec::new(first.path));
         spec.validate()?;
@@ -428,8 +492,10 @@ impl pb::worker_server::Worker for WorkerService {
         &self,
         req: Request<pb::DownloadRequest>,
     ) -> Result<Response<DownloadStream>, Status> {
+        let tenant = tenant_header(&req)?;
         let req = req.into_inner();
         let sid = sandbox_id(req.sandbox_id)?;
+        self.owned(&tenant, &sid)?;
         let oid = operation_id(req.operation_id)?;
         let archive = req
             .archive
@@ -514,8 +580,10 @@ impl pb::worker_server::Worker for WorkerService {
         &self,
         req: Request<pb::ListOperationsRequest>,
     ) -> Result<Response<pb::ListOperationsResponse>, Status> {
+        let tenant = tenant_header(&req)?;
         let req = req.into_inner();
         let sid = sandbox_id(req.sandbox_id)?;
+        self.owned(&tenant, &sid)?;
         let all = self.worker.list_operations(&sid)?;
         let (operations, next_page_token) = list_page(&sid, &all, &req.page_token)?;
         Ok(Response::new(pb::ListOperationsResponse {
@@ -528,8 +596,10 @@ impl pb::worker_server::Worker for WorkerService {
         &self,
         req: Request<pb::CancelOperationRequest>,
     ) -> Result<Response<pb::CancelOperationResponse>, Status> {
+        let tenant = tenant_header(&req)?;
         let req = req.into_inner();
         let sid = sandbox_id(req.sandbox_id)?;
+        self.owned(&tenant, &sid)?;
         let oid = operation_id(req.operation_id)?;
         let canceling = self.worker.cancel(&sid, &oid).await?;
         Ok(Response::new(pb::CancelOperationResponse { canceling }))
@@ -539,8 +609,10 @@ impl pb::worker_server::Worker for WorkerService {
         &self,
         req: Request<pb::SignalOperationRequest>,
     ) -> Result<Response<pb::SignalOperationResponse>, Status> {
+        let tenant = tenant_header(&req)?;
         let req = req.into_inner();
         let sid = sandbox_id(req.sandbox_id)?;
+        self.owned(&tenant, &sid)?;
         let oid = operation_id(req.operation_id)?;
         let delivered = self.worker.signal(&sid, &oid, req.signal).await?;
         Ok(Response::new(pb::SignalOperationResponse { delivered }))
@@ -553,8 +625,10 @@ impl pb::worker_server::Worker for WorkerService {
         &self,
         req: Request<pb::WatchSandboxRequest>,
     ) -> Result<Response<EventStream>, Status> {
+        let tenant = tenant_header(&req)?;
         let req = req.into_inner();
         let sid = sandbox_id(req.sandbox_id)?;
+        self.owned(&tenant, &sid)?;
         let only = if req.operation_id.is_empty() {
             None
         } else {
@@ -608,8 +682,10 @@ impl pb::worker_server::Worker for WorkerService {
         &self,
         req: Request<pb::WriteInputRequest>,
     ) -> Result<Response<pb::WriteInputResponse>, Status> {
+        let tenant = tenant_header(&req)?;
         let req = req.into_inner();
         let sid = sandbox_id(req.sandbox_id)?;
+        self.owned(&tenant, &sid)?;
         let oid = operation_id(req.operation_id)?;
         let reply = self
             .worker
@@ -625,8 +701,10 @@ impl pb::worker_server::Worker for WorkerService {
         &self,
         req: Request<pb::ResizeTerminalRequest>,
     ) -> Result<Response<pb::ResizeTerminalResponse>, Status> {
+        let tenant = tenant_header(&req)?;
         let req = req.into_inner();
         let sid = sandbox_id(req.sandbox_id)?;
+        self.owned(&tenant, &sid)?;
         let oid = operation_id(req.operation_id)?;
         let size = corral_proto::TerminalSize::try_from(
             req.size
@@ -640,7 +718,9 @@ impl pb::worker_server::Worker for WorkerService {
         &self,
         req: Request<pb::ResetSandboxRequest>,
     ) -> Result<Response<pb::ResetSandboxResponse>, Status> {
+        let tenant = tenant_header(&req)?;
         let sid = sandbox_id(req.into_inner().id)?;
+        self.owned(&tenant, &sid)?;
         let killed = self.worker.reset_sandbox(&sid).await?;
         Ok(Response::new(pb::ResetSandboxResponse { killed }))
     }
@@ -649,7 +729,9 @@ impl pb::worker_server::Worker for WorkerService {
         &self,
         req: Request<pb::GetSandboxStatsRequest>,
     ) -> Result<Response<pb::SandboxStats>, Status> {
+        let tenant = tenant_header(&req)?;
         let sid = sandbox_id(req.into_inner().sandbox_id)?;
+        self.owned(&tenant, &sid)?;
         Ok(Response::new(self.worker.sandbox_stats(&sid).await?.into()))
     }
 
@@ -664,6 +746,13 @@ impl pb::worker_server::Worker for WorkerService {
         &self,
         req: Request<pb::DrainRequest>,
     ) -> Result<Response<pb::WorkerInfo>, Status> {
+        if tenant_header(&req)?.is_some() {
+            return Err(status(
+                Code::PermissionDenied,
+                Reason::PermissionDenied,
+                "a worker is drained by its operator, never for a tenant",
+            ));
+        }
         let info = self.worker.drain(req.into_inner().drain)?;
         Ok(Response::new(info.into()))
     }

@@ -190,15 +190,16 @@ struct Inner {
 /// The reasons of the last [`Removed::KEPT`] removals.
 #[derive(Default)]
 struct Removed {
-    why: HashMap<SandboxId, &'static str>,
+    /// Why, and whose it was (its tenant).
+    why: HashMap<SandboxId, (&'static str, Option<String>)>,
     order: std::collections::VecDeque<SandboxId>,
 }
 
 impl Removed {
     const KEPT: usize = 4096;
 
-    fn note(&mut self, id: SandboxId, why: &'static str) {
-        if self.why.insert(id.clone(), why).is_none() {
+    fn note(&mut self, id: SandboxId, why: &'static str, owner: Option<String>) {
+        if self.why.insert(id.clone(), (why, owner)).is_none() {
             self.order.push_back(id);
         }
         while self.order.len() > Self::KEPT {
@@ -207,6 +208,13 @@ impl Removed {
             }
         }
     }
+}
+
+/// The tenant a sandbox was made for (see `TENANT_LABEL`).
+fn tenant_of(spec: &SandboxSpec) -> Option<String> {
+    spec.labels
+        .get(corral_proto::sandbox::TENANT_LABEL)
+        .cloned()
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -942,7 +950,7 @@ impl Worker {
                 return Err(WorkerError::Checkpointed(id.to_string()));
             }
             return Err(match lock(&self.inner.removed).why.get(id) {
-                Some(why) => WorkerError::Removed {
+                Some((why, _)) => WorkerError::Removed {
                     id: id.to_string(),
                     reason: why,
                 },
@@ -1555,6 +1563,21 @@ impl Worker {
         }
     }
 
+    /// Whose sandbox `id` is, if this worker has it or removed it lately:
+    /// `Some(tenant)`, the tenant `None` for one made for no tenant.
+    pub fn owner(&self, id: &SandboxId) -> Option<Option<String>> {
+        if let Some(sandbox) = lock(&self.inner.sandboxes).get(id) {
+            return Some(tenant_of(&sandbox.spec));
+        }
+        if let Some(info) = lock(&self.inner.checkpointed).get(id) {
+            return Some(tenant_of(&info.spec));
+        }
+        lock(&self.inner.removed)
+            .why
+            .get(id)
+            .map(|(_, owner)| owner.clone())
+    }
+
     pub fn list_sandboxes(&self) -> Vec<SandboxInfo> {
         let sandboxes: Vec<Sandbox> = lock(&self.inner.sandboxes).values().cloned().collect();
         let mut all: Vec<SandboxInfo> = sandboxes.iter().map(|s| self.info_of(s)).collect();
@@ -1575,18 +1598,18 @@ impl Worker {
         let id_lock = self.id_lock(id);
         let _guard = id_lock.lock().await;
         let removed = lock(&self.inner.sandboxes).remove(id);
-        let container = match removed {
+        let (container, owner) = match removed {
             Some(sandbox) => {
                 sandbox.close();
-                sandbox.container_id
+                (sandbox.container_id.clone(), tenant_of(&sandbox.spec))
             }
             // Its checkpoint goes with its container.
             None => match lock(&self.inner.checkpointed).remove(id) {
-                Some(info) => info.container_id,
+                Some(info) => (info.container_id.clone(), tenant_of(&info.spec)),
                 None => return Ok(false),
             },
         };
-        lock(&self.inner.removed).note(id.clone(), why);
+        lock(&self.inner.removed).note(id.clone(), why, owner);
         self.inner.runtime.remove_container(&container).await?;
         self.inner.state.remove(id)?;
         crate::proxy::remove(&self.egress_dir(id));

@@ -46,6 +46,7 @@ fn config() -> SessionConfig {
         on_sandbox_lost: Default::default(),
         generation: 0,
         egress: Vec::new(),
+        tenant: None,
     }
 }
 

@@ -55,6 +55,7 @@ fn config(turns: u64) -> SessionConfig {
         on_sandbox_lost: Default::default(),
         generation: 0,
         egress: Vec::new(),
+        tenant: None,
     }
 }
 

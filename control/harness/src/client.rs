@@ -313,10 +313,13 @@ pub struct Forked {
     pub notes: Vec<String>,
 }
 
+/// The generated client of a worker, with its credentials.
+pub type RawClient = PbClient<tonic::service::interceptor::InterceptedService<Channel, Auth>>;
+
 #[derive(Clone)]
 pub struct WorkerClient {
     url: String,
-    inner: PbClient<tonic::service::interceptor::InterceptedService<Channel, Auth>>,
+    inner: RawClient,
 }
 
 /// A gRPC channel to `url` (`http://host:port`, or `https://` with the
@@ -529,6 +532,12 @@ impl WorkerClient {
 
     pub fn url(&self) -> &str {
         &self.url
+    }
+
+    /// The generated client over the same connection and credentials: for
+    /// a caller that passes calls through whole (a front door).
+    pub fn raw(&self) -> RawClient {
+        self.inner.clone()
     }
 
     /// One call's answer; a failure of the transport whose listener speaks

@@ -29,7 +29,8 @@
 //!   [`telemetry`]: a run's traces (OpenTelemetry, OTLP);
 //! - [`control`]: the client of a control plane service (`corral serve`),
 //!   which hosts sessions through this same front door; [`audit`]: the
-//!   hash-chained log of the calls a service answers.
+//!   hash-chained log of the calls a service answers; [`tenants`]: the
+//!   tenants and keys a service checks its callers against.
 //!
 //! It runs no operation itself: workers do.
 
@@ -52,6 +53,7 @@ pub mod runner;
 pub mod session;
 pub mod sessions;
 pub mod telemetry;
+pub mod tenants;
 pub mod timeline;
 pub mod tools;
 pub mod transfer;

@@ -241,6 +241,7 @@ async fn run(conn: &ConnArgs, args: &RunArgs, json: bool) -> Result<u8, Error> {
         }),
         telemetry,
         trace: None,
+        tenant: None,
     };
     if store.exists(&id)? {
         warn_unchanged(&store, &id, args);

@@ -270,6 +270,7 @@ impl Settings {
             on_sandbox_lost,
             telemetry: defaults.telemetry.clone(),
             trace: None,
+            tenant: None,
         })
     }
 }
@@ -521,19 +522,46 @@ impl Host {
         id: Option<String>,
         request: Option<SessionRequest>,
         settings: Settings,
+        tenant: Option<&str>,
     ) -> Result<Started, HostError> {
         if self.inner.stop.is_cancelled() {
             return Err(HostError::ShuttingDown);
         }
         let id = id.unwrap_or_else(Sessions::new_id);
         corral_harness::session::log::check_id(&id)?;
-        let opts = settings.options(
+        let recorded = self.recorded(&id)?;
+        if let (Some(tenant), Some(config)) = (tenant, &recorded)
+            && config.tenant.as_deref() != Some(tenant)
+        {
+            return Err(HostError::NotFound(id));
+        }
+        let mut opts = settings.options(
             request.unwrap_or_default(),
             &self.inner.defaults,
-            self.recorded(&id)?.as_ref(),
+            recorded.as_ref(),
         )?;
+        opts.tenant = tenant.map(str::to_string);
         let reservation = self.reserve(&id, true)?;
         self.begin(id, opts, settings, reservation, false).await
+    }
+
+    /// For a call made for `tenant` (None: every tenant's), session `id`
+    /// must be that tenant's: another's is answered as one that does not
+    /// exist.
+    pub fn owned(&self, id: &str, tenant: Option<&str>) -> Result<(), HostError> {
+        let Some(tenant) = tenant else {
+            return Ok(());
+        };
+        corral_harness::session::log::check_id(id)?;
+        let theirs = match self.recorded(id) {
+            Ok(Some(config)) => config.tenant.as_deref() == Some(tenant),
+            _ => false,
+        };
+        if theirs {
+            Ok(())
+        } else {
+            Err(HostError::NotFound(id.to_string()))
+        }
     }
 
     /// The config session `id` has now, if it exists.
@@ -786,9 +814,21 @@ impl Host {
         Ok((path, mark))
     }
 
-    pub fn list(&self) -> Result<Vec<Listed>, HostError> {
+    /// The sessions (of `tenant` alone, when one is given).
+    pub fn list(&self, tenant: Option<&str>) -> Result<Vec<Listed>, HostError> {
         let mut out = Vec::new();
         for listed in self.inner.store.list()? {
+            if let Some(tenant) = tenant {
+                let theirs = listed
+                    .brief
+                    .as_ref()
+                    .ok()
+                    .and_then(|b| b.config.as_ref())
+                    .is_some_and(|c| c.tenant.as_deref() == Some(tenant));
+                if !theirs {
+                    continue;
+                }
+            }
             let run = match self.slots().get(&listed.id) {
                 Some(Slot::Running(h)) => Some(h.events_before),
                 // Its run has not written yet.

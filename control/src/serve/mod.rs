@@ -4,8 +4,12 @@
 //! over gRPC ([`service`]: `corral.v1.Control`, behind the same bearer
 //! token or mutual TLS as a worker, with gRPC health checking open to
 //! anyone). Sessions run on the workers of `--worker` (or the local one),
-//! through the harness's runner, as `corral run` runs them.
+//! through the harness's runner, as `corral run` runs them. It is also the
+//! fleet's front door ([`front`]: `corral.v1.Worker`, each sandbox placed
+//! on and passed to its worker), and with `--tenants DIR` it serves
+//! tenants: callers present keys, each reaches its tenant's alone.
 
+pub mod front;
 pub mod host;
 pub mod journal;
 pub mod service;
@@ -13,9 +17,10 @@ pub mod service;
 use std::io::Write;
 use std::path::PathBuf;
 
+use corral_proto::limits::MAX_GRPC_MESSAGE_BYTES;
 use corral_proto::limits::MAX_REQUEST_BYTES;
 use corral_proto::pb::control_server::ControlServer;
-use corral_worker::server::TokenAuth;
+use corral_proto::pb::worker_server::WorkerServer;
 
 use crate::cli::{ApiKind, ConnArgs, LostPolicy, ServeArgs};
 use host::{Defaults, Host, HostError};
@@ -123,7 +128,7 @@ pub async fn serve(conn: &ConnArgs, args: &ServeArgs) -> Result<(), ServeError> 
         .keeping_connections()
         .with_probe_timeout(SERVE_PROBE_TIMEOUT);
     let max = usize::try_from(args.max_sessions).unwrap_or(usize::MAX);
-    let host = Host::new(store, fleet, defaults, max, &state)?;
+    let host = Host::new(store, fleet.clone(), defaults, max, &state)?;
     let listener =
         corral_worker::server::listen(args.listen).map_err(|source| ServeError::Bind {
             addr: args.listen,
@@ -143,7 +148,15 @@ pub async fn serve(conn: &ConnArgs, args: &ServeArgs) -> Result<(), ServeError> 
     health_reporter
         .set_service_status("", tonic_health::ServingStatus::Serving)
         .await;
-    let auth = TokenAuth::new(Some(token));
+    let keys_stop = tokio_util::sync::CancellationToken::new();
+    let (gate, keys_task) = match &args.tenants {
+        Some(dir) => {
+            let (keys, task) = corral_harness::tenants::watch(dir.clone(), keys_stop.clone())
+                .map_err(|e| ServeError::Usage(format!("--tenants: {e}")))?;
+            (front::Gate::keys(keys), Some(task))
+        }
+        None => (front::Gate::token(token), None),
+    };
     let (audit, audit_writer) = match &args.audit_log {
         Some(path) => {
             let (log, writer) = corral_harness::audit::AuditLog::open(path)
@@ -152,10 +165,17 @@ pub async fn serve(conn: &ConnArgs, args: &ServeArgs) -> Result<(), ServeError> 
         }
         None => (None, None),
     };
-    let control = ControlServer::new(service::ControlService::new(host.clone(), audit))
+    let control = ControlServer::new(service::ControlService::new(host.clone(), audit.clone()))
         .max_decoding_message_size(MAX_REQUEST_BYTES);
-    let control =
-        tonic::service::interceptor::InterceptedService::new(control, move |req| auth.check(req));
+    let control = tonic::service::interceptor::InterceptedService::new(control, {
+        let gate = gate.clone();
+        move |req| gate.check(req)
+    });
+    let sandboxes = WorkerServer::new(front::FrontDoor::new(fleet.clone(), audit))
+        .max_decoding_message_size(MAX_REQUEST_BYTES)
+        .max_encoding_message_size(MAX_GRPC_MESSAGE_BYTES);
+    let sandboxes =
+        tonic::service::interceptor::InterceptedService::new(sandboxes, move |req| gate.check(req));
     let mut builder = tonic::transport::Server::builder()
         .max_concurrent_streams(corral_worker::server::MAX_STREAMS_PER_CONNECTION)
         .http2_keepalive_interval(Some(std::time::Duration::from_secs(30)))
@@ -163,16 +183,22 @@ pub async fn serve(conn: &ConnArgs, args: &ServeArgs) -> Result<(), ServeError> 
     if let Some(tls) = tls {
         builder = builder.tls_config(tls)?;
     }
-    let router = builder.add_service(health).add_service(control);
+    let router = builder
+        .add_service(health)
+        .add_service(control)
+        .add_service(sandboxes);
     let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
     // Sessions it hosted when it last stopped are taken before anyone may
     // ask about them (a watcher waits for their runs), then go on.
     let marked = host.reserve_marked();
     // One line for whoever started it; a closed stdout is no failure.
+    let who = match &args.tenants {
+        Some(dir) => format!("clients present keys of {}", dir.display()),
+        None => format!("clients present the token in {}", token_path.display()),
+    };
     let _ = writeln!(
         std::io::stdout(),
-        "corral serve listening on {addr} (clients present the token in {})",
-        token_path.display()
+        "corral serve listening on {addr} ({who})"
     );
     let _ = std::io::stdout().flush();
     let resuming = tokio::spawn({
@@ -215,6 +241,10 @@ pub async fn serve(conn: &ConnArgs, args: &ServeArgs) -> Result<(), ServeError> 
     };
     resuming.abort();
     stopped.cancel();
+    keys_stop.cancel();
+    if let Some(task) = keys_task {
+        let _ = task.await;
+    }
     let _ = stalls.await;
     // Every call answered is in the log before the service is gone.
     if let Some(writer) = audit_writer

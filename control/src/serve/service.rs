@@ -14,6 +14,9 @@ use tonic::{Code, Request, Response, Status};
 
 use corral_harness::audit::{AuditLog, Entry};
 
+use corral_harness::tenants::{Principal, Scope};
+
+use super::front::{caller, need, tenant_of};
 use super::host::{Host, HostError, Settings, request_of};
 
 /// Events queued for one watcher (it reads the journal as fast as it
@@ -33,10 +36,10 @@ impl ControlService {
     }
 
     /// Writes `call`'s line in the audit log (when there is one), with its
-    /// outcome: `ok`, or the reason it was refused. Who asked: the
-    /// service's one token, until keys of their own come.
+    /// outcome: `ok`, or the reason it was refused, and who asked.
     async fn audited<T>(
         &self,
+        who: &Principal,
         call: &str,
         session: Option<&str>,
         r: Result<T, Status>,
@@ -48,8 +51,8 @@ impl ControlService {
                     .map_or_else(|| format!("{:?}", s.code()), |r| r.as_str().to_string()),
             };
             let entry = Entry {
-                tenant: "-".into(),
-                key: "service-token".into(),
+                tenant: who.tenant.clone(),
+                key: who.key_id.clone(),
                 call: call.into(),
                 session: session.filter(|s| !s.is_empty()).map(String::from),
                 sandbox: None,
@@ -69,7 +72,7 @@ fn code_of(reason: Reason) -> Code {
     match reason {
         R::InvalidArgument | R::TooLarge => Code::InvalidArgument,
         R::Unauthenticated => Code::Unauthenticated,
-        R::PolicyDenied => Code::PermissionDenied,
+        R::PolicyDenied | R::PermissionDenied => Code::PermissionDenied,
         R::SandboxNotFound | R::SandboxRemoved | R::OperationNotFound => Code::NotFound,
         R::Conflict => Code::AlreadyExists,
         R::AtCapacity | R::TooManyWatchers | R::NoFreeUid => Code::ResourceExhausted,
@@ -187,13 +190,18 @@ impl pb::control_server::Control for ControlService {
         &self,
         req: Request<pb::StartSessionRequest>,
     ) -> Result<Response<pb::StartSessionResponse>, Status> {
+        let who = caller(&req)?;
         let req = req.into_inner();
         let asked = req.session_id.clone();
         let r = async {
+            need(&who, Scope::Run, "StartSession")?;
             let request = request_of(&req.request_json)?;
             let id = (!req.session_id.is_empty()).then_some(req.session_id);
             let settings = Settings::from_pb(req.settings.unwrap_or_default());
-            let started = self.host.start(id, request, settings).await?;
+            let started = self
+                .host
+                .start(id, request, settings, tenant_of(&who))
+                .await?;
             Ok(Response::new(pb::StartSessionResponse {
                 session_id: started.id,
                 resumed: started.resumed,
@@ -205,26 +213,31 @@ impl pb::control_server::Control for ControlService {
             Ok(resp) => resp.get_ref().session_id.clone(),
             Err(_) => asked,
         };
-        self.audited("StartSession", Some(&session), r).await
+        self.audited(&who, "StartSession", Some(&session), r).await
     }
 
     async fn send_input(
         &self,
         req: Request<pb::SendInputRequest>,
     ) -> Result<Response<pb::SendInputResponse>, Status> {
+        let who = caller(&req)?;
         let req = req.into_inner();
         let input_id = if req.input_id.is_empty() {
             uuid::Uuid::new_v4().to_string()
         } else {
             req.input_id
         };
-        let r = self
-            .host
-            .send(&req.session_id, input_id.clone(), req.text)
+        let r = async {
+            need(&who, Scope::Run, "SendInput")?;
+            self.host.owned(&req.session_id, tenant_of(&who))?;
+            self.host
+                .send(&req.session_id, input_id.clone(), req.text)
+                .await?;
+            Ok(Response::new(pb::SendInputResponse { input_id }))
+        }
+        .await;
+        self.audited(&who, "SendInput", Some(&req.session_id), r)
             .await
-            .map_err(Status::from)
-            .map(|()| Response::new(pb::SendInputResponse { input_id }));
-        self.audited("SendInput", Some(&req.session_id), r).await
     }
 
     type WatchSessionStream = Events;
@@ -233,10 +246,14 @@ impl pb::control_server::Control for ControlService {
         &self,
         req: Request<pb::WatchSessionRequest>,
     ) -> Result<Response<Events>, Status> {
+        let who = caller(&req)?;
         let req = req.into_inner();
-        let watched = self.host.watch(&req.session_id).map_err(Status::from);
+        let watched = need(&who, Scope::Read, "WatchSession").and_then(|()| {
+            self.host.owned(&req.session_id, tenant_of(&who))?;
+            Ok(self.host.watch(&req.session_id)?)
+        });
         let (path, mark) = self
-            .audited("WatchSession", Some(&req.session_id), watched)
+            .audited(&who, "WatchSession", Some(&req.session_id), watched)
             .await?;
         let (tx, rx) = mpsc::channel(WATCH_QUEUE);
         let host = self.host.clone();
@@ -282,22 +299,28 @@ impl pb::control_server::Control for ControlService {
         &self,
         req: Request<pb::StopSessionRequest>,
     ) -> Result<Response<pb::StopSessionResponse>, Status> {
+        let who = caller(&req)?;
         let req = req.into_inner();
-        let r = self
-            .host
-            .stop(&req.session_id, req.leave)
+        let r = async {
+            need(&who, Scope::Run, "StopSession")?;
+            self.host.owned(&req.session_id, tenant_of(&who))?;
+            self.host.stop(&req.session_id, req.leave).await?;
+            Ok(Response::new(pb::StopSessionResponse {}))
+        }
+        .await;
+        self.audited(&who, "StopSession", Some(&req.session_id), r)
             .await
-            .map_err(Status::from)
-            .map(|()| Response::new(pb::StopSessionResponse {}));
-        self.audited("StopSession", Some(&req.session_id), r).await
     }
 
     async fn list_sessions(
         &self,
-        _req: Request<pb::ListSessionsRequest>,
+        req: Request<pb::ListSessionsRequest>,
     ) -> Result<Response<pb::ListSessionsResponse>, Status> {
+        let who = caller(&req)?;
+        need(&who, Scope::Read, "ListSessions")?;
+        let tenant = tenant_of(&who).map(str::to_string);
         let host = self.host.clone();
-        let listed = tokio::task::spawn_blocking(move || host.list())
+        let listed = tokio::task::spawn_blocking(move || host.list(tenant.as_deref()))
             .await
             .map_err(|e| Status::internal(e.to_string()))??;
         Ok(Response::new(pb::ListSessionsResponse {
@@ -321,18 +344,20 @@ impl pb::control_server::Control for ControlService {
         &self,
         req: Request<pb::ForkSessionRequest>,
     ) -> Result<Response<pb::ForkSessionResponse>, Status> {
+        let who = caller(&req)?;
         let req = req.into_inner();
-        let r = self
-            .host
-            .fork(&req.session_id, &req.new_session_id, req.turn)
-            .await
-            .map_err(Status::from)
-            .map(|_| {
-                Response::new(pb::ForkSessionResponse {
-                    session_id: req.new_session_id.clone(),
-                })
-            });
-        self.audited("ForkSession", Some(&req.new_session_id), r)
+        let r = async {
+            need(&who, Scope::Run, "ForkSession")?;
+            self.host.owned(&req.session_id, tenant_of(&who))?;
+            self.host
+                .fork(&req.session_id, &req.new_session_id, req.turn)
+                .await?;
+            Ok(Response::new(pb::ForkSessionResponse {
+                session_id: req.new_session_id.clone(),
+            }))
+        }
+        .await;
+        self.audited(&who, "ForkSession", Some(&req.new_session_id), r)
             .await
     }
 
@@ -342,10 +367,16 @@ impl pb::control_server::Control for ControlService {
         &self,
         req: Request<pb::ExportSessionRequest>,
     ) -> Result<Response<Chunks>, Status> {
+        let who = caller(&req)?;
         let id = req.into_inner().session_id;
-        // Refused before the stream begins when there is nothing to export.
-        let found = self.host.watch(&id).map_err(Status::from);
-        self.audited("ExportSession", Some(&id), found).await?;
+        // Refused before the stream begins when there is nothing to export
+        // (its files: a key that reads only exports nothing).
+        let found = need(&who, Scope::Run, "ExportSession").and_then(|()| {
+            self.host.owned(&id, tenant_of(&who))?;
+            Ok(self.host.watch(&id)?)
+        });
+        self.audited(&who, "ExportSession", Some(&id), found)
+            .await?;
         let (bytes_tx, mut bytes_rx) = mpsc::channel::<bytes::Bytes>(EXPORT_QUEUE);
         let (tx, rx) = mpsc::channel(EXPORT_QUEUE);
         let host = self.host.clone();
@@ -380,14 +411,16 @@ impl pb::control_server::Control for ControlService {
         &self,
         req: Request<pb::RemoveSessionRequest>,
     ) -> Result<Response<pb::RemoveSessionResponse>, Status> {
+        let who = caller(&req)?;
         let req = req.into_inner();
-        let r = self
-            .host
-            .remove(&req.session_id, req.keep_sandbox)
-            .await
-            .map_err(Status::from)
-            .map(|()| Response::new(pb::RemoveSessionResponse {}));
-        self.audited("RemoveSession", Some(&req.session_id), r)
+        let r = async {
+            need(&who, Scope::Run, "RemoveSession")?;
+            self.host.owned(&req.session_id, tenant_of(&who))?;
+            self.host.remove(&req.session_id, req.keep_sandbox).await?;
+            Ok(Response::new(pb::RemoveSessionResponse {}))
+        }
+        .await;
+        self.audited(&who, "RemoveSession", Some(&req.session_id), r)
             .await
     }
 }

@@ -77,6 +77,14 @@ class PolicyDenied(CorralError):
         self.flag = flag
 
 
+class PermissionDenied(CorralError):
+    """The caller's key does not allow what was asked (its scopes: ``read``,
+    ``run``, ``admin``), at a front door (``corral serve --tenants``)."""
+
+    default_code = "PERMISSION_DENIED"
+    default_reason = "permission_denied"
+
+
 class SandboxNotFound(CorralError):
     """No such sandbox (never made, or removed: ``reason`` says which)."""
 
@@ -167,6 +175,7 @@ _BY_REASON: dict[str, type[CorralError]] = {
     "invalid_argument": InvalidArgument,
     "unauthenticated": Unauthenticated,
     "policy_denied": PolicyDenied,
+    "permission_denied": PermissionDenied,
     "sandbox_not_found": SandboxNotFound,
     "sandbox_removed": SandboxNotFound,
     "operation_not_found": ProcessNotFound,

@@ -12,6 +12,7 @@ mod egress;
 mod endpoints;
 mod fleet;
 mod fork;
+mod front_door;
 mod gvisor;
 mod hardening;
 mod limits;

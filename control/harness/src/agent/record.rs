@@ -72,6 +72,11 @@ pub struct SessionConfig {
     /// the model it can reach. Empty: no network at all.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub egress: Vec<String>,
+    /// The tenant the session was started for, at a front door: it alone
+    /// reaches the session, and its sandboxes carry its name (see
+    /// `corral_proto::sandbox::TENANT_LABEL`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tenant: Option<String>,
 }
 
 fn is_zero(n: &u64) -> bool {

@@ -136,7 +136,13 @@ pub(super) fn overrides_of(opts: &RunOptions) -> Overrides {
 
 /// The sandbox a session's config asks for (each generation's).
 pub fn sandbox_spec(config: &SessionConfig) -> SandboxSpec {
+    let labels = config
+        .tenant
+        .iter()
+        .map(|t| (corral_proto::sandbox::TENANT_LABEL.to_string(), t.clone()))
+        .collect();
     SandboxSpec {
+        labels,
         image: config.image.clone(),
         idle_timeout_ms: Some(SANDBOX_IDLE_TIMEOUT.as_millis() as u64),
         // Checked when the session was made; a rule this build cannot read
@@ -215,6 +221,7 @@ pub(super) fn new_config(
             .as_ref()
             .map(|n| n.egress.clone())
             .unwrap_or_default(),
+        tenant: opts.tenant.clone(),
     }
 }
 

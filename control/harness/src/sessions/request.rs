@@ -140,6 +140,9 @@ pub struct RunOptions {
     /// The run's trace, when its runner made one (see
     /// [`crate::runner::run`]); else a run with `telemetry` makes its own.
     pub trace: Option<crate::telemetry::RunTrace>,
+    /// The tenant a front door starts the session for (see
+    /// `SessionConfig::tenant`).
+    pub tenant: Option<String>,
 }
 
 // The key is never shown, not even in a debug line.

@@ -1,0 +1,544 @@
+//! Tenants and their keys, for a front door (`corral serve --tenants DIR`):
+//! who may call it, for which tenant, with which scopes.
+//!
+//! A key is `corral_<ID>_<SECRET>` (12 and 64 hex digits); it is shown
+//! once, when it is made, and only the SHA-256 of the whole key is kept, in
+//! `DIR/keys/<ID>.json` with its tenant, scopes, and times. The directory is
+//! the data: `corral admin --tenants DIR key create|ls|revoke` writes it
+//! (each file whole, by rename), a front door reads it and, through
+//! [`watch`], every change within [`POLL`] (a revoked key is refused from
+//! then on); in Kubernetes it is a Secret mounted as a volume. A directory
+//! that does not read whole (a file that does not parse, an unknown scope)
+//! leaves the last good set of keys in force, and the front door says so.
+//!
+//! Scopes: `read` (an auditor: list, inspect, logs, timelines; never a
+//! command or a file), `run` (sandboxes and sessions; includes `read`),
+//! `admin` (every tenant, and keys; includes both).
+
+use std::collections::{BTreeSet, HashMap};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+/// How often a front door looks at its tenants' directory.
+pub const POLL: Duration = Duration::from_millis(250);
+
+const PREFIX: &str = "corral_";
+const ID_LEN: usize = 12;
+const SECRET_LEN: usize = 64;
+
+#[derive(Debug, thiserror::Error)]
+pub enum TenantsError {
+    #[error("{path}: {source}")]
+    Io {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{path}: {why}")]
+    Malformed { path: String, why: String },
+    #[error("{0}")]
+    Invalid(String),
+}
+
+fn io(path: &Path) -> impl Fn(std::io::Error) -> TenantsError + '_ {
+    move |source| TenantsError::Io {
+        path: path.display().to_string(),
+        source,
+    }
+}
+
+/// What a key allows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Scope {
+    /// List, inspect, read logs and timelines: never a command or a file.
+    Read,
+    /// Make and use sandboxes and sessions (and read them).
+    Run,
+    /// Every tenant's, and the keys.
+    Admin,
+}
+
+impl Scope {
+    pub const ALL: [Scope; 3] = [Scope::Read, Scope::Run, Scope::Admin];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Scope::Read => "read",
+            Scope::Run => "run",
+            Scope::Admin => "admin",
+        }
+    }
+
+    pub fn parse(s: &str) -> Result<Self, TenantsError> {
+        Self::ALL
+            .into_iter()
+            .find(|c| c.as_str() == s)
+            .ok_or_else(|| {
+                TenantsError::Invalid(format!("unknown scope {s:?}: read, run or admin"))
+            })
+    }
+}
+
+impl std::fmt::Display for Scope {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A key as the directory keeps it: never the key itself.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KeyRecord {
+    pub id: String,
+    pub tenant: String,
+    pub scopes: BTreeSet<Scope>,
+    /// SHA-256 of the whole key, in hex.
+    pub sha256: String,
+    pub created_unix_ms: i64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expires_unix_ms: Option<i64>,
+}
+
+/// Who is calling: a key's tenant, id and scopes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Principal {
+    pub tenant: String,
+    pub key_id: String,
+    pub scopes: BTreeSet<Scope>,
+}
+
+impl Principal {
+    /// Whether the key allows `scope` (`admin` includes `run`, which
+    /// includes `read`).
+    pub fn allows(&self, scope: Scope) -> bool {
+        self.scopes.iter().any(|s| *s >= scope)
+    }
+}
+
+/// Why a presented key was refused (each says so to its client; none
+/// says whether a key of that id exists).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum AuthError {
+    #[error("no key: present one as `authorization: Bearer corral_...`")]
+    Missing,
+    #[error("not a Corral key (corral_<12 hex>_<64 hex>)")]
+    Malformed,
+    #[error("the key is unknown or revoked")]
+    Unknown,
+    #[error("the key has expired")]
+    Expired,
+}
+
+fn sha256_hex(bytes: &[u8]) -> String {
+    ring::digest::digest(&ring::digest::SHA256, bytes)
+        .as_ref()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+fn is_hex(s: &str, len: usize) -> bool {
+    s.len() == len
+        && s.bytes()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+}
+
+/// The id of a key as presented, if it is shaped as one.
+pub fn key_id(key: &str) -> Option<&str> {
+    let rest = key.strip_prefix(PREFIX)?;
+    let (id, secret) = rest.split_once('_')?;
+    (is_hex(id, ID_LEN) && is_hex(secret, SECRET_LEN)).then_some(id)
+}
+
+pub fn now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as i64)
+}
+
+/// The keys of a directory, read whole.
+#[derive(Debug, Default, Clone)]
+pub struct KeySet {
+    by_id: HashMap<String, KeyRecord>,
+}
+
+impl KeySet {
+    /// Reads `dir/keys/*.json`; any file that does not parse fails it all.
+    pub fn load(dir: &Path) -> Result<Self, TenantsError> {
+        let by_id = list(dir)?.into_iter().map(|r| (r.id.clone(), r)).collect();
+        Ok(Self { by_id })
+    }
+
+    pub fn len(&self) -> usize {
+        self.by_id.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.by_id.is_empty()
+    }
+
+    /// The caller a presented key names, at `now_ms`.
+    pub fn authenticate(&self, presented: &str, now_ms: i64) -> Result<Principal, AuthError> {
+        if presented.is_empty() {
+            return Err(AuthError::Missing);
+        }
+        let id = key_id(presented).ok_or(AuthError::Malformed)?;
+        let record = self.by_id.get(id).ok_or(AuthError::Unknown)?;
+        // Digests compared, not keys: how long this takes says nothing of
+        // the key.
+        if sha256_hex(presented.as_bytes()) != record.sha256 {
+            return Err(AuthError::Unknown);
+        }
+        if record.expires_unix_ms.is_some_and(|t| t <= now_ms) {
+            return Err(AuthError::Expired);
+        }
+        Ok(Principal {
+            tenant: record.tenant.clone(),
+            key_id: record.id.clone(),
+            scopes: record.scopes.clone(),
+        })
+    }
+}
+
+fn keys_dir(dir: &Path) -> PathBuf {
+    dir.join("keys")
+}
+
+/// Every key of `dir`, by id.
+pub fn list(dir: &Path) -> Result<Vec<KeyRecord>, TenantsError> {
+    let keys = keys_dir(dir);
+    if !dir.is_dir() {
+        return Err(TenantsError::Malformed {
+            path: dir.display().to_string(),
+            why: "not a directory".into(),
+        });
+    }
+    let entries = match std::fs::read_dir(&keys) {
+        Ok(e) => e,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(io(&keys)(e)),
+    };
+    let mut out = Vec::new();
+    for entry in entries {
+        let entry = entry.map_err(io(&keys))?;
+        let name = entry.file_name();
+        let Some(name) = name.to_str() else { continue };
+        // Kubernetes' own entries (`..data`), and files being written.
+        let Some(id) = name.strip_suffix(".json") else {
+            continue;
+        };
+        if name.starts_with('.') {
+            continue;
+        }
+        let path = entry.path();
+        let bad = |why: String| TenantsError::Malformed {
+            path: path.display().to_string(),
+            why,
+        };
+        let text = std::fs::read(&path).map_err(io(&path))?;
+        let record: KeyRecord = serde_json::from_slice(&text).map_err(|e| bad(e.to_string()))?;
+        if record.id != id || !is_hex(&record.id, ID_LEN) {
+            return Err(bad(format!(
+                "its id {:?} is not its file's name ({id}), or not {ID_LEN} hex digits",
+                record.id
+            )));
+        }
+        if !corral_proto::sandbox::is_tenant_name(&record.tenant) {
+            return Err(bad(format!(
+                "tenant {:?}: 1-63 characters of [a-z0-9-]",
+                record.tenant
+            )));
+        }
+        if record.scopes.is_empty() {
+            return Err(bad("no scope".into()));
+        }
+        if !is_hex(&record.sha256, 64) {
+            return Err(bad("sha256: not 64 hex digits".into()));
+        }
+        out.push(record);
+    }
+    out.sort_by(|a, b| {
+        (&a.tenant, a.created_unix_ms, &a.id).cmp(&(&b.tenant, b.created_unix_ms, &b.id))
+    });
+    Ok(out)
+}
+
+/// Makes a key for `tenant` with `scopes`, valid for `ttl` (None: until
+/// revoked): returns the key, shown this once, and what is kept of it.
+pub fn create_key(
+    dir: &Path,
+    tenant: &str,
+    scopes: BTreeSet<Scope>,
+    ttl: Option<Duration>,
+) -> Result<(String, KeyRecord), TenantsError> {
+    if !corral_proto::sandbox::is_tenant_name(tenant) {
+        return Err(TenantsError::Invalid(format!(
+            "tenant {tenant:?}: 1-63 characters of [a-z0-9-], starting with a letter or digit"
+        )));
+    }
+    if scopes.is_empty() {
+        return Err(TenantsError::Invalid(
+            "a key needs a scope: read, run or admin".into(),
+        ));
+    }
+    let id = uuid::Uuid::new_v4().simple().to_string()[..ID_LEN].to_string();
+    let secret = format!(
+        "{}{}",
+        uuid::Uuid::new_v4().simple(),
+        uuid::Uuid::new_v4().simple()
+    );
+    let key = format!("{PREFIX}{id}_{secret}");
+    let created = now_ms();
+    let record = KeyRecord {
+        id: id.clone(),
+        tenant: tenant.to_string(),
+        scopes,
+        sha256: sha256_hex(key.as_bytes()),
+        created_unix_ms: created,
+        expires_unix_ms: ttl.map(|t| created.saturating_add(t.as_millis() as i64)),
+    };
+    let keys = keys_dir(dir);
+    private_dir(dir)?;
+    private_dir(&keys)?;
+    let text =
+        serde_json::to_vec_pretty(&record).map_err(|e| TenantsError::Invalid(e.to_string()))?;
+    write_whole(&keys.join(format!("{id}.json")), &text)?;
+    Ok((key, record))
+}
+
+/// Revokes key `id`: whether there was one. A front door refuses it within
+/// [`POLL`] of this.
+pub fn revoke(dir: &Path, id: &str) -> Result<bool, TenantsError> {
+    if !is_hex(id, ID_LEN) {
+        return Err(TenantsError::Invalid(format!(
+            "{id:?} is not a key's id ({ID_LEN} hex digits; `corral admin key ls` shows them)"
+        )));
+    }
+    let path = keys_dir(dir).join(format!("{id}.json"));
+    match std::fs::remove_file(&path) {
+        Ok(()) => Ok(true),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
+        Err(e) => Err(io(&path)(e)),
+    }
+}
+
+fn private_dir(dir: &Path) -> Result<(), TenantsError> {
+    use std::os::unix::fs::DirBuilderExt;
+    match std::fs::DirBuilder::new().mode(0o700).create(dir) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Ok(()),
+        Err(e) => Err(io(dir)(e)),
+    }
+}
+
+/// Writes `path` whole or not at all (a reader sees the old file or the
+/// new one), readable by its owner alone.
+fn write_whole(path: &Path, bytes: &[u8]) -> Result<(), TenantsError> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let tmp = path.with_file_name(format!(
+        ".{}.{}",
+        path.file_name().and_then(|n| n.to_str()).unwrap_or("key"),
+        std::process::id()
+    ));
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(&tmp)
+        .map_err(io(&tmp))?;
+    f.write_all(bytes)
+        .and_then(|()| f.sync_all())
+        .map_err(io(&tmp))?;
+    std::fs::rename(&tmp, path).map_err(io(path))
+}
+
+/// What the directory looks like: when it changes, it is read again.
+fn fingerprint(dir: &Path) -> Vec<(String, u64, i64, i64)> {
+    use std::os::unix::fs::MetadataExt;
+    let mut out = Vec::new();
+    let keys = keys_dir(dir);
+    for d in [dir.to_path_buf(), keys.clone()] {
+        if let Ok(m) = std::fs::metadata(&d) {
+            out.push((d.display().to_string(), m.ino(), m.mtime(), m.mtime_nsec()));
+        }
+    }
+    if let Ok(entries) = std::fs::read_dir(&keys) {
+        for e in entries.flatten() {
+            // Through links: a Kubernetes Secret swaps what its names lead to.
+            if let Ok(m) = std::fs::metadata(e.path()) {
+                out.push((
+                    e.file_name().to_string_lossy().into_owned(),
+                    m.ino() ^ m.size(),
+                    m.mtime(),
+                    m.mtime_nsec(),
+                ));
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+/// The keys a front door checks callers against, kept current.
+#[derive(Clone)]
+pub struct Keys {
+    current: tokio::sync::watch::Receiver<Arc<KeySet>>,
+}
+
+impl Keys {
+    /// The keys as they are now.
+    pub fn current(&self) -> Arc<KeySet> {
+        self.current.borrow().clone()
+    }
+
+    /// Keys that never change (a test's).
+    pub fn fixed(set: KeySet) -> Self {
+        let (_tx, current) = tokio::sync::watch::channel(Arc::new(set));
+        Self { current }
+    }
+}
+
+/// Reads `dir` now (an error if it does not read whole) and then every
+/// [`POLL`] while `stop` is not canceled: a change takes effect once the
+/// directory reads whole again; until then the last good keys stay, and
+/// the reason is logged once.
+pub fn watch(
+    dir: PathBuf,
+    stop: tokio_util::sync::CancellationToken,
+) -> Result<(Keys, tokio::task::JoinHandle<()>), TenantsError> {
+    let mut seen = fingerprint(&dir);
+    let first = KeySet::load(&dir)?;
+    tracing::info!(dir = %dir.display(), keys = first.len(), "tenants' keys read");
+    let (tx, current) = tokio::sync::watch::channel(Arc::new(first));
+    let task = tokio::spawn(async move {
+        let mut failing: Option<String> = None;
+        loop {
+            tokio::select! {
+                () = stop.cancelled() => return,
+                () = tokio::time::sleep(POLL) => {}
+            }
+            let now = fingerprint(&dir);
+            if now == seen {
+                continue;
+            }
+            match KeySet::load(&dir) {
+                Ok(set) => {
+                    seen = now;
+                    if failing.take().is_some() {
+                        tracing::info!(dir = %dir.display(), "the tenants' directory reads whole again");
+                    }
+                    tracing::info!(keys = set.len(), "tenants' keys read again");
+                    let _ = tx.send(Arc::new(set));
+                }
+                Err(e) => {
+                    let why = e.to_string();
+                    if failing.as_deref() != Some(why.as_str()) {
+                        tracing::error!(error = %why, "the tenants' directory does not read whole: the last good keys stay in force");
+                        failing = Some(why);
+                    }
+                    // Read again at the next look, changed or not (a file
+                    // caught half written by a hand editor).
+                }
+            }
+        }
+    });
+    Ok((Keys { current }, task))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn scopes(s: &[Scope]) -> BTreeSet<Scope> {
+        s.iter().copied().collect()
+    }
+
+    #[test]
+    fn a_key_is_kept_as_its_digest_and_names_its_tenant() {
+        let dir = tempfile::tempdir().unwrap();
+        let (key, record) = create_key(dir.path(), "acme", scopes(&[Scope::Run]), None).unwrap();
+        let text =
+            std::fs::read_to_string(dir.path().join("keys").join(format!("{}.json", record.id)))
+                .unwrap();
+        assert!(!text.contains(key.split('_').nth(2).unwrap()), "{text}");
+        let set = KeySet::load(dir.path()).unwrap();
+        let who = set.authenticate(&key, now_ms()).unwrap();
+        assert_eq!(who.tenant, "acme");
+        assert!(who.allows(Scope::Read) && who.allows(Scope::Run) && !who.allows(Scope::Admin));
+        // One character off: unknown, as a key never made.
+        let mut wrong = key.clone();
+        let last = wrong.pop().unwrap();
+        wrong.push(if last == '0' { '1' } else { '0' });
+        assert_eq!(set.authenticate(&wrong, now_ms()), Err(AuthError::Unknown));
+        assert_eq!(
+            set.authenticate("hunter2", now_ms()),
+            Err(AuthError::Malformed)
+        );
+        assert_eq!(set.authenticate("", now_ms()), Err(AuthError::Missing));
+        assert!(revoke(dir.path(), &record.id).unwrap());
+        let set = KeySet::load(dir.path()).unwrap();
+        assert_eq!(set.authenticate(&key, now_ms()), Err(AuthError::Unknown));
+    }
+
+    #[test]
+    fn an_expired_key_is_refused_as_expired() {
+        let dir = tempfile::tempdir().unwrap();
+        let (key, record) = create_key(
+            dir.path(),
+            "acme",
+            scopes(&[Scope::Read]),
+            Some(Duration::from_secs(60)),
+        )
+        .unwrap();
+        let set = KeySet::load(dir.path()).unwrap();
+        let expires = record.expires_unix_ms.unwrap();
+        assert!(set.authenticate(&key, expires - 1).is_ok());
+        assert_eq!(set.authenticate(&key, expires), Err(AuthError::Expired));
+    }
+
+    #[test]
+    fn bad_input_is_refused_and_a_bad_file_fails_the_whole_read() {
+        let dir = tempfile::tempdir().unwrap();
+        assert!(Scope::parse("write").is_err());
+        assert!(create_key(dir.path(), "Acme!", scopes(&[Scope::Run]), None).is_err());
+        assert!(create_key(dir.path(), "acme", BTreeSet::new(), None).is_err());
+        assert!(revoke(dir.path(), "../../etc/passwd").is_err());
+        create_key(dir.path(), "acme", scopes(&[Scope::Run]), None).unwrap();
+        std::fs::write(
+            dir.path().join("keys").join("0123456789ab.json"),
+            r#"{"id":"0123456789ab","tenant":"acme","scopes":["write"],"sha256":"00","created_unix_ms":0}"#,
+        )
+        .unwrap();
+        let e = KeySet::load(dir.path()).unwrap_err().to_string();
+        assert!(e.contains("0123456789ab.json"), "{e}");
+    }
+
+    #[tokio::test]
+    async fn a_revoked_key_is_refused_after_one_poll_and_a_bad_directory_keeps_the_last_good_keys()
+    {
+        let dir = tempfile::tempdir().unwrap();
+        let (a, ra) = create_key(dir.path(), "acme", scopes(&[Scope::Run]), None).unwrap();
+        let (b, _) = create_key(dir.path(), "bolt", scopes(&[Scope::Run]), None).unwrap();
+        let stop = tokio_util::sync::CancellationToken::new();
+        let (keys, task) = watch(dir.path().to_path_buf(), stop.clone()).unwrap();
+        assert!(keys.current().authenticate(&a, now_ms()).is_ok());
+        revoke(dir.path(), &ra.id).unwrap();
+        let until = std::time::Instant::now() + Duration::from_secs(5);
+        while keys.current().authenticate(&a, now_ms()).is_ok() {
+            assert!(std::time::Instant::now() < until, "never revoked");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        // A file that does not parse: the keys read last stay.
+        std::fs::write(dir.path().join("keys").join("ffffffffffff.json"), "{").unwrap();
+        tokio::time::sleep(POLL * 3).await;
+        assert!(keys.current().authenticate(&b, now_ms()).is_ok());
+        stop.cancel();
+        task.await.unwrap();
+    }
+}

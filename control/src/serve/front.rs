@@ -1,0 +1,789 @@
+//! The front door's sandbox API: `corral.v1.Worker` on `corral serve`,
+//! for callers with keys (`--tenants DIR`), over the service's fleet.
+//!
+//! Every call is checked against the caller's key (its scopes), then
+//! passed whole to the worker that has the sandbox (a new one is placed
+//! as sessions are), with the caller's tenant in [`TENANT_HEADER`]: the
+//! worker stamps what it makes for a tenant with it and answers for that
+//! tenant's sandboxes alone, so another tenant's id is NOT_FOUND exactly
+//! as one that does not exist, whichever replica asks. Streams (output,
+//! downloads, uploads) pass through as they come, never whole. What this
+//! keeps is a hint (which worker had an id), never an owner: a replica
+//! without it asks the workers.
+
+use std::collections::HashMap;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+
+use corral_harness::audit::{AuditLog, Entry};
+use corral_harness::client::RawClient;
+use corral_harness::fleet::Fleet;
+use corral_harness::placement::Attempt;
+use corral_harness::tenants::{Principal, Scope};
+use corral_proto::sandbox::TENANT_HEADER;
+use corral_proto::{Reason, SandboxId, pb};
+use futures_util::{Stream, StreamExt};
+use tonic::metadata::MetadataValue;
+use tonic::{Code, Request, Response, Status};
+
+/// Sandbox ids whose worker is remembered, at most (then forgotten, and
+/// asked again).
+const ROUTES: usize = 100_000;
+
+type EventStream = Pin<Box<dyn Stream<Item = Result<pb::SandboxEvent, Status>> + Send>>;
+type DownloadStream = Pin<Box<dyn Stream<Item = Result<pb::DownloadResponse, Status>> + Send>>;
+type BuildStream = Pin<Box<dyn Stream<Item = Result<pb::BuildImageEvent, Status>> + Send>>;
+
+pub struct FrontDoor {
+    fleet: Fleet,
+    /// Which worker had a sandbox when last asked.
+    routes: Mutex<HashMap<SandboxId, String>>,
+    audit: Option<AuditLog>,
+}
+
+fn status(code: Code, reason: Reason, message: impl Into<String>) -> Status {
+    corral_proto::reason::status(code, reason, None, message)
+}
+
+/// An id no worker has: the very answer a worker gives (the same for an id
+/// that is another tenant's).
+fn unknown(id: &SandboxId) -> Status {
+    status(
+        Code::NotFound,
+        Reason::SandboxNotFound,
+        format!("unknown sandbox {id}"),
+    )
+}
+
+fn sandbox_id(s: String) -> Result<SandboxId, Status> {
+    SandboxId::new(s).map_err(|e| {
+        status(
+            Code::InvalidArgument,
+            Reason::InvalidArgument,
+            e.to_string(),
+        )
+    })
+}
+
+/// The caller, as the key check left it on the request.
+pub(super) fn caller<T>(req: &Request<T>) -> Result<Principal, Status> {
+    req.extensions().get::<Principal>().cloned().ok_or_else(|| {
+        status(
+            Code::Unauthenticated,
+            Reason::Unauthenticated,
+            "no key was checked for this call",
+        )
+    })
+}
+
+/// The caller's key must allow `scope`.
+pub(super) fn need(who: &Principal, scope: Scope, call: &str) -> Result<(), Status> {
+    if who.allows(scope) {
+        return Ok(());
+    }
+    let has: Vec<&str> = who.scopes.iter().map(|s| s.as_str()).collect();
+    Err(status(
+        Code::PermissionDenied,
+        Reason::PermissionDenied,
+        format!(
+            "{call} needs a key with scope `{scope}`; this key ({}) has {}",
+            who.key_id,
+            has.join(", ")
+        ),
+    ))
+}
+
+fn is_unknown_sandbox(s: &Status) -> bool {
+    s.code() == Code::NotFound && corral_proto::reason::of(s) == Some(Reason::SandboxNotFound)
+}
+
+fn fleet_status(e: corral_harness::fleet::FleetError) -> Status {
+    status(Code::Unavailable, Reason::NoWorker, e.to_string())
+}
+
+/// A placement's failure: a worker's refusal as it gave it, or no worker.
+#[derive(Debug)]
+struct Placing(Status);
+
+impl std::fmt::Display for Placing {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.0.message())
+    }
+}
+
+impl From<corral_harness::fleet::FleetError> for Placing {
+    fn from(e: corral_harness::fleet::FleetError) -> Self {
+        Placing(fleet_status(e))
+    }
+}
+
+/// The tenant a caller acts for: None for an admin (every tenant's).
+pub(super) fn tenant_of(who: &Principal) -> Option<&str> {
+    (!who.allows(Scope::Admin)).then_some(who.tenant.as_str())
+}
+
+impl FrontDoor {
+    pub fn new(fleet: Fleet, audit: Option<AuditLog>) -> Self {
+        Self {
+            fleet,
+            routes: Mutex::new(HashMap::new()),
+            audit,
+        }
+    }
+
+    fn routes(&self) -> std::sync::MutexGuard<'_, HashMap<SandboxId, String>> {
+        self.routes.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn remember(&self, id: &SandboxId, url: &str) {
+        let mut routes = self.routes();
+        if routes.len() >= ROUTES {
+            routes.clear();
+        }
+        routes.insert(id.clone(), url.to_string());
+    }
+
+    fn forget(&self, id: &SandboxId) {
+        self.routes().remove(id);
+    }
+
+    /// A request to a worker, made for the caller's tenant (an admin's
+    /// for every tenant).
+    fn outgoing<T>(who: &Principal, msg: T) -> Request<T> {
+        let mut req = Request::new(msg);
+        if let Some(tenant) = tenant_of(who)
+            && let Ok(v) = MetadataValue::try_from(tenant)
+        {
+            req.metadata_mut().insert(TENANT_HEADER, v);
+        }
+        req
+    }
+
+    /// A client of the worker that has (or last had) `id`.
+    async fn worker_of(&self, id: &SandboxId) -> Result<(RawClient, bool), Status> {
+        let known = self.routes().get(id).cloned();
+        if let Some(url) = known {
+            let client = self.fleet.connect(Some(&url)).await.map_err(fleet_status)?;
+            return Ok((client.raw(), true));
+        }
+        let client = match self.fleet.find(id).await {
+            Ok(c) => c,
+            Err(corral_harness::fleet::FleetError::Invalid(_)) => return Err(unknown(id)),
+            Err(e) => return Err(fleet_status(e)),
+        };
+        self.remember(id, client.url());
+        Ok((client.raw(), false))
+    }
+
+    /// `call` on the worker that has `id`: where the worker remembered
+    /// says it has no such sandbox, the workers are asked again once.
+    async fn on_sandbox<T, F, Fut>(&self, id: &SandboxId, mut call: F) -> Result<T, Status>
+    where
+        F: FnMut(RawClient) -> Fut,
+        Fut: Future<Output = Result<Response<T>, Status>>,
+    {
+        let (client, remembered) = self.worker_of(id).await?;
+        match call(client).await {
+            Err(s) if remembered && is_unknown_sandbox(&s) => {
+                self.forget(id);
+                let (client, _) = self.worker_of(id).await?;
+                call(client).await.map(Response::into_inner)
+            }
+            r => r.map(Response::into_inner),
+        }
+    }
+
+    /// Writes `call`'s line in the audit log (when there is one).
+    async fn audited<T>(
+        &self,
+        who: &Principal,
+        call: &str,
+        sandbox: Option<&str>,
+        r: Result<T, Status>,
+    ) -> Result<T, Status> {
+        if let Some(log) = &self.audit {
+            let outcome = match &r {
+                Ok(_) => "ok".to_string(),
+                Err(s) => corral_proto::reason::of(s)
+                    .map_or_else(|| format!("{:?}", s.code()), |r| r.as_str().to_string()),
+            };
+            let entry = Entry {
+                tenant: who.tenant.clone(),
+                key: who.key_id.clone(),
+                call: call.into(),
+                session: None,
+                sandbox: sandbox.filter(|s| !s.is_empty()).map(String::from),
+                outcome,
+            };
+            if let Err(e) = log.record(entry).await {
+                tracing::error!(error = %e, call, "the call was not written to the audit log");
+            }
+        }
+        r
+    }
+}
+
+/// A unary call on a named sandbox: checked, passed to its worker,
+/// audited when `audit` says so.
+macro_rules! on_sandbox {
+    ($self:ident, $req:ident, $scope:expr, $call:literal, $audit:expr, $field:ident, $method:ident) => {{
+        let who = caller(&$req)?;
+        let msg = $req.into_inner();
+        let id_text = msg.$field.clone();
+        let r = async {
+            need(&who, $scope, $call)?;
+            let id = sandbox_id(msg.$field.clone())?;
+            let r = $self
+                .on_sandbox(&id, |mut c| {
+                    let req = FrontDoor::outgoing(&who, msg.clone());
+                    async move { c.$method(req).await }
+                })
+                .await;
+            r
+        }
+        .await;
+        let r = if $audit {
+            $self.audited(&who, $call, Some(&id_text), r).await
+        } else {
+            r
+        };
+        r.map(Response::new)
+    }};
+}
+
+#[tonic::async_trait]
+impl pb::worker_server::Worker for FrontDoor {
+    async fn create_sandbox(
+        &self,
+        req: Request<pb::CreateSandboxRequest>,
+    ) -> Result<Response<pb::Sandbox>, Status> {
+        let who = caller(&req)?;
+        let msg = req.into_inner();
+        let r = async {
+            need(&who, Scope::Run, "CreateSandbox")?;
+            let spec = corral_proto::SandboxSpec::try_from(msg.spec.clone().unwrap_or_default())
+                .map_err(|e| {
+                    status(
+                        Code::InvalidArgument,
+                        Reason::InvalidArgument,
+                        e.to_string(),
+                    )
+                })?;
+            let urls = self.fleet.urls().await.map_err(fleet_status)?;
+            let made: Result<(pb::Sandbox, String), Placing> = self
+                .fleet
+                .place(&urls, &spec, |url, client| {
+                    let req = FrontDoor::outgoing(&who, msg.clone());
+                    async move {
+                        let mut raw = client.raw();
+                        match raw.create_sandbox(req).await {
+                            Ok(r) => Ok((r.into_inner(), url)),
+                            Err(s)
+                                if matches!(
+                                    corral_proto::reason::of(&s),
+                                    Some(Reason::AtCapacity | Reason::Draining)
+                                ) =>
+                            {
+                                Err(Attempt::Refused(s.message().to_string()))
+                            }
+                            Err(s) => Err(Attempt::Failed(Placing(s))),
+                        }
+                    }
+                })
+                .await;
+            let (sandbox, url) = made.map_err(|p| p.0)?;
+            if let Ok(id) = SandboxId::new(sandbox.id.clone()) {
+                self.remember(&id, &url);
+            }
+            Ok(sandbox)
+        }
+        .await;
+        let id = r.as_ref().map_or(msg.id.clone(), |s| s.id.clone());
+        self.audited(&who, "CreateSandbox", Some(&id), r)
+            .await
+            .map(Response::new)
+    }
+
+    async fn get_sandbox(
+        &self,
+        req: Request<pb::GetSandboxRequest>,
+    ) -> Result<Response<pb::Sandbox>, Status> {
+        on_sandbox!(self, req, Scope::Read, "GetSandbox", false, id, get_sandbox)
+    }
+
+    async fn list_sandboxes(
+        &self,
+        req: Request<pb::ListSandboxesRequest>,
+    ) -> Result<Response<pb::ListSandboxesResponse>, Status> {
+        let who = caller(&req)?;
+        need(&who, Scope::Read, "ListSandboxes")?;
+        let urls = self.fleet.urls().await.map_err(fleet_status)?;
+        let asked = urls.iter().map(|url| {
+            let who = &who;
+            async move {
+                let client = self.fleet.connect(Some(url)).await.map_err(fleet_status)?;
+                let listed = client
+                    .raw()
+                    .list_sandboxes(FrontDoor::outgoing(who, pb::ListSandboxesRequest {}))
+                    .await
+                    .map_err(|s| {
+                        status(
+                            Code::Unavailable,
+                            Reason::NoWorker,
+                            format!("worker {url} did not list its sandboxes: {}", s.message()),
+                        )
+                    })?;
+                Ok::<_, Status>((url.clone(), listed.into_inner().sandboxes))
+            }
+        });
+        let mut all = Vec::new();
+        for answer in futures_util::future::join_all(asked).await {
+            let (url, sandboxes) = answer?;
+            for s in &sandboxes {
+                if let Ok(id) = SandboxId::new(s.id.clone()) {
+                    self.remember(&id, &url);
+                }
+            }
+            all.extend(sandboxes);
+        }
+        all.sort_by(|a, b| (a.created_at_unix_ms, &a.id).cmp(&(b.created_at_unix_ms, &b.id)));
+        Ok(Response::new(pb::ListSandboxesResponse { sandboxes: all }))
+    }
+
+    async fn destroy_sandbox(
+        &self,
+        req: Request<pb::DestroySandboxRequest>,
+    ) -> Result<Response<pb::DestroySandboxResponse>, Status> {
+        on_sandbox!(
+            self,
+            req,
+            Scope::Run,
+            "DestroySandbox",
+            true,
+            id,
+            destroy_sandbox
+        )
+    }
+
+    async fn submit_operation(
+        &self,
+        req: Request<pb::SubmitOperationRequest>,
+    ) -> Result<Response<pb::Operation>, Status> {
+        on_sandbox!(
+            self,
+            req,
+            Scope::Run,
+            "SubmitOperation",
+            true,
+            sandbox_id,
+            submit_operation
+        )
+    }
+
+    async fn get_operation(
+        &self,
+        req: Request<pb::GetOperationRequest>,
+    ) -> Result<Response<pb::Operation>, Status> {
+        on_sandbox!(
+            self,
+            req,
+            Scope::Read,
+            "GetOperation",
+            false,
+            sandbox_id,
+            get_operation
+        )
+    }
+
+    async fn upload(
+        &self,
+        req: Request<tonic::Streaming<pb::UploadRequest>>,
+    ) -> Result<Response<pb::Operation>, Status> {
+        let who = caller(&req)?;
+        let mut incoming = req.into_inner();
+        let first = incoming.message().await?.ok_or_else(|| {
+            status(
+                Code::InvalidArgument,
+                Reason::InvalidArgument,
+                "an upload needs a first message",
+            )
+        })?;
+        let id_text = first.sandbox_id.clone();
+        let r = async {
+            need(&who, Scope::Run, "Upload")?;
+            let id = sandbox_id(first.sandbox_id.clone())?;
+            let (mut client, _) = self.worker_of(&id).await?;
+            // A client's failure mid-stream ends what goes on without its
+            // eof: the worker cancels the upload.
+            let rest = incoming
+                .take_while(|m| std::future::ready(m.is_ok()))
+                .filter_map(|m| std::future::ready(m.ok()));
+            let out = futures_util::stream::once(async move { first }).chain(rest);
+            client
+                .upload(FrontDoor::outgoing(&who, out))
+                .await
+                .map(Response::into_inner)
+        }
+        .await;
+        self.audited(&who, "Upload", Some(&id_text), r)
+            .await
+            .map(Response::new)
+    }
+
+    type DownloadStream = DownloadStream;
+
+    async fn download(
+        &self,
+        req: Request<pb::DownloadRequest>,
+    ) -> Result<Response<DownloadStream>, Status> {
+        let r: Result<tonic::Streaming<pb::DownloadResponse>, Status> = {
+            let who = caller(&req)?;
+            let msg = req.into_inner();
+            let id_text = msg.sandbox_id.clone();
+            let r = async {
+                need(&who, Scope::Run, "Download")?;
+                let id = sandbox_id(msg.sandbox_id.clone())?;
+                self.on_sandbox(&id, |mut c| {
+                    let req = FrontDoor::outgoing(&who, msg.clone());
+                    async move { c.download(req).await }
+                })
+                .await
+            }
+            .await;
+            self.audited(&who, "Download", Some(&id_text), r).await
+        };
+        Ok(Response::new(Box::pin(r?)))
+    }
+
+    async fn list_operations(
+        &self,
+        req: Request<pb::ListOperationsRequest>,
+    ) -> Result<Response<pb::ListOperationsResponse>, Status> {
+        on_sandbox!(
+            self,
+            req,
+            Scope::Read,
+            "ListOperations",
+            false,
+            sandbox_id,
+            list_operations
+        )
+    }
+
+    async fn cancel_operation(
+        &self,
+        req: Request<pb::CancelOperationRequest>,
+    ) -> Result<Response<pb::CancelOperationResponse>, Status> {
+        on_sandbox!(
+            self,
+            req,
+            Scope::Run,
+            "CancelOperation",
+            true,
+            sandbox_id,
+            cancel_operation
+        )
+    }
+
+    async fn signal_operation(
+        &self,
+        req: Request<pb::SignalOperationRequest>,
+    ) -> Result<Response<pb::SignalOperationResponse>, Status> {
+        on_sandbox!(
+            self,
+            req,
+            Scope::Run,
+            "SignalOperation",
+            true,
+            sandbox_id,
+            signal_operation
+        )
+    }
+
+    type WatchSandboxStream = EventStream;
+
+    async fn watch_sandbox(
+        &self,
+        req: Request<pb::WatchSandboxRequest>,
+    ) -> Result<Response<EventStream>, Status> {
+        let who = caller(&req)?;
+        let msg = req.into_inner();
+        need(&who, Scope::Read, "WatchSandbox")?;
+        let id = sandbox_id(msg.sandbox_id.clone())?;
+        let events = self
+            .on_sandbox(&id, |mut c| {
+                let req = FrontDoor::outgoing(&who, msg.clone());
+                async move { c.watch_sandbox(req).await }
+            })
+            .await?;
+        Ok(Response::new(Box::pin(events)))
+    }
+
+    async fn get_worker_info(
+        &self,
+        req: Request<pb::GetWorkerInfoRequest>,
+    ) -> Result<Response<pb::WorkerInfo>, Status> {
+        let who = caller(&req)?;
+        need(&who, Scope::Read, "GetWorkerInfo")?;
+        let urls = self.fleet.urls().await.map_err(fleet_status)?;
+        let mut why = Vec::new();
+        for url in &urls {
+            let asked = async {
+                let client = self.fleet.connect(Some(url)).await.map_err(fleet_status)?;
+                client
+                    .raw()
+                    .get_worker_info(FrontDoor::outgoing(&who, pb::GetWorkerInfoRequest {}))
+                    .await
+            };
+            match asked.await {
+                Ok(info) => return Ok(info),
+                Err(s) => why.push(format!("{url}: {}", s.message())),
+            }
+        }
+        Err(status(
+            Code::Unavailable,
+            Reason::NoWorker,
+            format!("no worker answered: {}", why.join("; ")),
+        ))
+    }
+
+    async fn get_sandbox_stats(
+        &self,
+        req: Request<pb::GetSandboxStatsRequest>,
+    ) -> Result<Response<pb::SandboxStats>, Status> {
+        on_sandbox!(
+            self,
+            req,
+            Scope::Read,
+            "GetSandboxStats",
+            false,
+            sandbox_id,
+            get_sandbox_stats
+        )
+    }
+
+    async fn write_input(
+        &self,
+        req: Request<pb::WriteInputRequest>,
+    ) -> Result<Response<pb::WriteInputResponse>, Status> {
+        // Not audited: one line per piece of a command's input would
+        // drown the log (the operation it goes to is).
+        on_sandbox!(
+            self,
+            req,
+            Scope::Run,
+            "WriteInput",
+            false,
+            sandbox_id,
+            write_input
+        )
+    }
+
+    async fn resize_terminal(
+        &self,
+        req: Request<pb::ResizeTerminalRequest>,
+    ) -> Result<Response<pb::ResizeTerminalResponse>, Status> {
+        on_sandbox!(
+            self,
+            req,
+            Scope::Run,
+            "ResizeTerminal",
+            false,
+            sandbox_id,
+            resize_terminal
+        )
+    }
+
+    async fn reset_sandbox(
+        &self,
+        req: Request<pb::ResetSandboxRequest>,
+    ) -> Result<Response<pb::ResetSandboxResponse>, Status> {
+        on_sandbox!(
+            self,
+            req,
+            Scope::Run,
+            "ResetSandbox",
+            true,
+            id,
+            reset_sandbox
+        )
+    }
+
+    async fn drain(
+        &self,
+        req: Request<pb::DrainRequest>,
+    ) -> Result<Response<pb::WorkerInfo>, Status> {
+        let _ = caller(&req)?;
+        Err(status(
+            Code::PermissionDenied,
+            Reason::PermissionDenied,
+            "a worker is drained at the worker itself (corral worker drain --worker URL), not through the front door",
+        ))
+    }
+
+    async fn set_sandbox_egress(
+        &self,
+        req: Request<pb::SetSandboxEgressRequest>,
+    ) -> Result<Response<pb::Sandbox>, Status> {
+        on_sandbox!(
+            self,
+            req,
+            Scope::Run,
+            "SetSandboxEgress",
+            true,
+            id,
+            set_sandbox_egress
+        )
+    }
+
+    async fn fork_sandbox(
+        &self,
+        req: Request<pb::ForkSandboxRequest>,
+    ) -> Result<Response<pb::ForkSandboxResponse>, Status> {
+        let who = caller(&req)?;
+        let msg = req.into_inner();
+        let id_text = msg.id.clone();
+        let r = async {
+            need(&who, Scope::Run, "ForkSandbox")?;
+            let id = sandbox_id(msg.id.clone())?;
+            let (client, _) = self.worker_of(&id).await?;
+            let mut c = client;
+            let forked = c
+                .fork_sandbox(FrontDoor::outgoing(&who, msg.clone()))
+                .await
+                .map(Response::into_inner)?;
+            let url = self.routes().get(&id).cloned();
+            if let Some(url) = url {
+                for child in &forked.children {
+                    if let Ok(cid) = SandboxId::new(child.id.clone()) {
+                        self.remember(&cid, &url);
+                    }
+                }
+            }
+            Ok(forked)
+        }
+        .await;
+        self.audited(&who, "ForkSandbox", Some(&id_text), r)
+            .await
+            .map(Response::new)
+    }
+
+    async fn checkpoint_sandbox(
+        &self,
+        req: Request<pb::CheckpointSandboxRequest>,
+    ) -> Result<Response<pb::Sandbox>, Status> {
+        on_sandbox!(
+            self,
+            req,
+            Scope::Run,
+            "CheckpointSandbox",
+            true,
+            id,
+            checkpoint_sandbox
+        )
+    }
+
+    async fn restore_sandbox(
+        &self,
+        req: Request<pb::RestoreSandboxRequest>,
+    ) -> Result<Response<pb::Sandbox>, Status> {
+        on_sandbox!(
+            self,
+            req,
+            Scope::Run,
+            "RestoreSandbox",
+            true,
+            id,
+            restore_sandbox
+        )
+    }
+
+    type BuildImageStream = BuildStream;
+
+    async fn build_image(
+        &self,
+        req: Request<tonic::Streaming<pb::BuildImageRequest>>,
+    ) -> Result<Response<BuildStream>, Status> {
+        let _ = caller(&req)?;
+        Err(status(
+            Code::Unimplemented,
+            Reason::NotApplicable,
+            "the front door builds no images: build on a worker (corral-worker --allow-build)",
+        ))
+    }
+}
+
+/// The key check of a front door: the caller's bearer key, against the
+/// tenants' keys as they are now; the caller it names goes with the
+/// request.
+#[derive(Clone)]
+pub struct KeyAuth {
+    keys: corral_harness::tenants::Keys,
+}
+
+impl KeyAuth {
+    pub fn new(keys: corral_harness::tenants::Keys) -> Self {
+        Self { keys }
+    }
+
+    #[allow(clippy::result_large_err)]
+    pub fn check(&self, mut req: Request<()>) -> Result<Request<()>, Status> {
+        let given = req
+            .metadata()
+            .get("authorization")
+            .and_then(|v| v.to_str().ok())
+            .map(|v| v.strip_prefix("Bearer ").unwrap_or(v))
+            .unwrap_or("");
+        match self
+            .keys
+            .current()
+            .authenticate(given, corral_harness::tenants::now_ms())
+        {
+            Ok(who) => {
+                corral_worker::server::mark_authenticated(&req);
+                req.extensions_mut().insert(who);
+                Ok(req)
+            }
+            Err(e) => Err(status(
+                Code::Unauthenticated,
+                Reason::Unauthenticated,
+                format!("{e} (a key of this front door: `corral admin key create`)"),
+            )),
+        }
+    }
+}
+
+/// Who may call the service: the holder of its one token (every
+/// tenant's, as an admin key), or the tenants' keys.
+#[derive(Clone)]
+pub enum Gate {
+    Token(Arc<corral_worker::server::TokenAuth>),
+    Keys(KeyAuth),
+}
+
+impl Gate {
+    pub fn token(token: String) -> Self {
+        Gate::Token(Arc::new(corral_worker::server::TokenAuth::new(Some(token))))
+    }
+
+    pub fn keys(keys: corral_harness::tenants::Keys) -> Self {
+        Gate::Keys(KeyAuth::new(keys))
+    }
+
+    /// Checks the caller, and leaves who it is on the request.
+    #[allow(clippy::result_large_err)]
+    pub fn check(&self, req: Request<()>) -> Result<Request<()>, Status> {
+        match self {
+            Gate::Token(auth) => {
+                let mut req = auth.check(req)?;
+                req.extensions_mut().insert(Principal {
+                    tenant: "-".into(),
+                    key_id: "service-token".into(),
+                    scopes: [Scope::Admin].into(),
+                });
+                Ok(req)
+            }
+            Gate::Keys(auth) => auth.check(req),
+        }
+    }
+}

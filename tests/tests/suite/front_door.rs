@@ -1,0 +1,646 @@
+//! The front door: `corral serve --tenants DIR` over two real workers,
+//! callers with keys made by `corral admin key create`. Each tenant sees
+//! and reaches its own sandboxes alone (another's id answers exactly as one
+//! that does not exist, for every call), an auditor reads but never runs,
+//! a revoked key is refused within a second, an expired one at once, and
+//! the audit log names who did what without a key or a value.
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, ensure};
+use corral_e2e::serve::Setup;
+use corral_e2e::{run_shell, unique_id};
+use corral_harness::client::{ClientError, Credentials, WorkerClient};
+use corral_harness::control::{ControlClient, ControlError};
+use corral_proto::{Reason, SandboxId, SandboxSpec, pb};
+use futures_util::StreamExt;
+use serde_json::Value;
+
+fn admin(dir: &Path, args: &[&str]) -> Result<std::process::Output> {
+    Ok(std::process::Command::new(corral_e2e::binary("corral")?)
+        .arg("admin")
+        .arg("--tenants")
+        .arg(dir)
+        .args(args)
+        .output()?)
+}
+
+/// A new key (its JSON: `key`, `id`, `tenant`, `scopes`, `expires`).
+fn new_key(dir: &Path, tenant: &str, scope: &str, expires: Option<&str>) -> Result<Value> {
+    let mut args = vec![
+        "key", "create", "--tenant", tenant, "--scope", scope, "--json",
+    ];
+    if let Some(e) = expires {
+        args.extend(["--expires", e]);
+    }
+    let out = admin(dir, &args)?;
+    ensure!(out.status.success(), "{out:?}");
+    Ok(serde_json::from_slice(&out.stdout)?)
+}
+
+fn key_of(v: &Value) -> &str {
+    v["key"].as_str().unwrap_or_default()
+}
+
+/// A call's refusal as a client sees it: code, reason, and message with
+/// the id it named replaced.
+fn refusal(r: Result<(), tonic::Status>, id: &str) -> String {
+    match r {
+        Ok(()) => "ok".into(),
+        Err(s) => format!(
+            "{:?} {:?} {}",
+            s.code(),
+            corral_proto::reason::of(&s),
+            s.message().replace(id, "ID")
+        ),
+    }
+}
+
+/// Every call of `corral.v1.Worker` that names a sandbox, on `id`.
+async fn every_call(client: &WorkerClient, id: &str) -> Vec<(&'static str, String)> {
+    let c = client.raw();
+    let sid = || id.to_string();
+    let op = "op-1".to_string();
+    let mut out = Vec::new();
+    macro_rules! call {
+        ($name:literal, $e:expr) => {
+            out.push(($name, refusal($e.await.map(|_| ()), id)));
+        };
+    }
+    call!(
+        "GetSandbox",
+        c.clone().get_sandbox(pb::GetSandboxRequest { id: sid() })
+    );
+    call!(
+        "SetSandboxEgress",
+        c.clone().set_sandbox_egress(pb::SetSandboxEgressRequest {
+            id: sid(),
+            rules: vec![]
+        })
+    );
+    call!(
+        "CheckpointSandbox",
+        c.clone()
+            .checkpoint_sandbox(pb::CheckpointSandboxRequest { id: sid() })
+    );
+    call!(
+        "RestoreSandbox",
+        c.clone()
+            .restore_sandbox(pb::RestoreSandboxRequest { id: sid() })
+    );
+    call!(
+        "ForkSandbox",
+        c.clone().fork_sandbox(pb::ForkSandboxRequest {
+            id: sid(),
+            child_ids: vec![],
+            count: 1
+        })
+    );
+    call!(
+        "SubmitOperation",
+        c.clone().submit_operation(pb::SubmitOperationRequest {
+            sandbox_id: sid(),
+            operation_id: op.clone(),
+            spec: Some(
+                corral_proto::OperationSpec::Shell(corral_proto::ShellSpec::new("true")).into()
+            ),
+        })
+    );
+    call!(
+        "GetOperation",
+        c.clone().get_operation(pb::GetOperationRequest {
+            sandbox_id: sid(),
+            operation_id: op.clone()
+        })
+    );
+    call!(
+        "Upload",
+        c.clone()
+            .upload(futures_util::stream::iter(vec![pb::UploadRequest {
+                sandbox_id: sid(),
+                operation_id: op.clone(),
+                path: "x".into(),
+                data: bytes::Bytes::new(),
+                eof: true,
+            }]))
+    );
+    call!(
+        "Download",
+        c.clone().download(pb::DownloadRequest {
+            sandbox_id: sid(),
+            operation_id: op.clone(),
+            archive: Some(pb::ArchiveSpec {
+                path: "x".into(),
+                contents: false
+            }),
+        })
+    );
+    call!(
+        "ListOperations",
+        c.clone().list_operations(pb::ListOperationsRequest {
+            sandbox_id: sid(),
+            page_token: String::new()
+        })
+    );
+    call!(
+        "CancelOperation",
+        c.clone().cancel_operation(pb::CancelOperationRequest {
+            sandbox_id: sid(),
+            operation_id: op.clone()
+        })
+    );
+    call!(
+        "SignalOperation",
+        c.clone().signal_operation(pb::SignalOperationRequest {
+            sandbox_id: sid(),
+            operation_id: op.clone(),
+            signal: 15
+        })
+    );
+    call!(
+        "WatchSandbox",
+        c.clone().watch_sandbox(pb::WatchSandboxRequest {
+            sandbox_id: sid(),
+            after_seq: 0,
+            operation_id: String::new()
+        })
+    );
+    call!(
+        "WriteInput",
+        c.clone().write_input(pb::WriteInputRequest {
+            sandbox_id: sid(),
+            operation_id: op.clone(),
+            offset: 0,
+            data: bytes::Bytes::new(),
+            eof: true
+        })
+    );
+    call!(
+        "ResizeTerminal",
+        c.clone().resize_terminal(pb::ResizeTerminalRequest {
+            sandbox_id: sid(),
+            operation_id: op.clone(),
+            size: Some(pb::TerminalSize { rows: 24, cols: 80 })
+        })
+    );
+    call!(
+        "ResetSandbox",
+        c.clone()
+            .reset_sandbox(pb::ResetSandboxRequest { id: sid() })
+    );
+    call!(
+        "GetSandboxStats",
+        c.clone()
+            .get_sandbox_stats(pb::GetSandboxStatsRequest { sandbox_id: sid() })
+    );
+    call!(
+        "DestroySandbox",
+        c.clone()
+            .destroy_sandbox(pb::DestroySandboxRequest { id: sid() })
+    );
+    out
+}
+
+fn status_of(e: ClientError) -> tonic::Status {
+    match e {
+        ClientError::Status(s) => s,
+        other => tonic::Status::unknown(other.to_string()),
+    }
+}
+
+fn spec() -> SandboxSpec {
+    SandboxSpec {
+        image: Some("corral-sandbox:latest".into()),
+        env: [(
+            "DEPLOY_SECRET".to_string(),
+            "env-value-never-logged".to_string(),
+        )]
+        .into(),
+        ..SandboxSpec::default()
+    }
+}
+
+#[tokio::test]
+async fn tenants_reach_their_own_sandboxes_alone_and_an_auditor_reads_but_never_runs() -> Result<()>
+{
+    let mut setup = Setup::start(2, 4).await?;
+    let tenants = tempfile::tempdir()?;
+    let logs = tempfile::tempdir()?;
+    let log = logs.path().join("audit.log");
+    let acme = new_key(tenants.path(), "acme", "run", None)?;
+    let bolt = new_key(tenants.path(), "bolt", "run", None)?;
+    let auditor = new_key(tenants.path(), "acme", "read", None)?;
+    setup.kill_service();
+    setup.service_args = vec![
+        "--tenants".into(),
+        tenants.path().display().to_string(),
+        "--audit-log".into(),
+        log.display().to_string(),
+    ];
+    setup.start_service()?;
+    let url = setup.url();
+    let as_acme = WorkerClient::connect(&url, Some(key_of(&acme))).await?;
+    let as_bolt = WorkerClient::connect(&url, Some(key_of(&bolt))).await?;
+    let as_auditor = WorkerClient::connect(&url, Some(key_of(&auditor))).await?;
+
+    // Acme's sandboxes, one with an id of its own choosing, on whichever
+    // worker; the worker stamps them with the tenant, whatever the client
+    // said.
+    let mut claimed = spec();
+    claimed
+        .labels
+        .insert(corral_proto::sandbox::TENANT_LABEL.into(), "bolt".into());
+    let a1 = as_acme.create_sandbox(None, claimed).await?.id;
+    let chosen = SandboxId::new(unique_id("acme-own"))?;
+    let a2 = as_acme.create_sandbox(Some(&chosen), spec()).await?.id;
+    ensure!(a2 == chosen);
+    let info = as_acme.get_sandbox(&a1).await?;
+    ensure!(
+        info.spec
+            .labels
+            .get(corral_proto::sandbox::TENANT_LABEL)
+            .map(String::as_str)
+            == Some("acme"),
+        "{:?}",
+        info.spec.labels
+    );
+    ensure!(run_shell(&as_acme, &a1, "echo hello | tee f").await? == "hello\n");
+    let b1 = as_bolt.create_sandbox(None, spec()).await?.id;
+
+    // Each lists its own.
+    let ids = |v: Vec<corral_proto::SandboxInfo>| {
+        let mut ids: Vec<String> = v.into_iter().map(|s| s.id.to_string()).collect();
+        ids.sort();
+        ids
+    };
+    let mut want = vec![a1.to_string(), a2.to_string()];
+    want.sort();
+    ensure!(ids(as_acme.list_sandboxes().await?) == want);
+    ensure!(ids(as_bolt.list_sandboxes().await?) == vec![b1.to_string()]);
+
+    // Every call bolt makes on acme's sandbox answers as on one that does
+    // not exist.
+    let missing = unique_id("nobody-has-it");
+    let on_acmes = every_call(&as_bolt, a1.as_str()).await;
+    let on_missing = every_call(&as_bolt, &missing).await;
+    ensure!(
+        on_acmes == on_missing,
+        "another tenant's sandbox is told apart from a missing one:\n{on_acmes:#?}\n{on_missing:#?}"
+    );
+    for (call, answer) in &on_acmes {
+        ensure!(
+            answer.starts_with("NotFound Some(SandboxNotFound)"),
+            "{call}: {answer}"
+        );
+    }
+    // And acme's sandbox is as it was.
+    ensure!(run_shell(&as_acme, &a1, "cat f").await? == "hello\n");
+
+    // The auditor (acme's, scope read) lists, inspects and reads output,
+    // but runs nothing, moves no file and removes nothing.
+    ensure!(ids(as_auditor.list_sandboxes().await?) == want);
+    ensure!(as_auditor.get_sandbox(&a1).await?.id == a1);
+    let ops = as_auditor.list_operations(&a1).await?;
+    ensure!(!ops.is_empty());
+    let (events, _) = corral_e2e::collect(&as_auditor, &a1, &ops[0].id, 0).await?;
+    ensure!(corral_e2e::stdout_of(&events) == b"hello\n");
+    let refused = [
+        (
+            "SubmitOperation",
+            as_auditor
+                .submit(
+                    &a1,
+                    &corral_proto::OperationId::random(),
+                    corral_proto::OperationSpec::Shell(corral_proto::ShellSpec::new("true")),
+                )
+                .await
+                .map(|_| ()),
+        ),
+        (
+            "DestroySandbox",
+            as_auditor.destroy_sandbox(&a1).await.map(|_| ()),
+        ),
+        (
+            "CreateSandbox",
+            as_auditor.create_sandbox(None, spec()).await.map(|_| ()),
+        ),
+        (
+            "ResetSandbox",
+            as_auditor.reset_sandbox(&a1).await.map(|_| ()),
+        ),
+    ];
+    for (call, r) in refused {
+        let s = status_of(
+            r.err()
+                .with_context(|| format!("the auditor's {call} was taken"))?,
+        );
+        ensure!(
+            s.code() == tonic::Code::PermissionDenied
+                && corral_proto::reason::of(&s) == Some(Reason::PermissionDenied),
+            "{call}: {s:?}"
+        );
+    }
+    let download = as_auditor
+        .download(
+            &a1,
+            &corral_proto::OperationId::random(),
+            corral_proto::ArchiveSpec::new("f".to_string()),
+        )
+        .await
+        .err()
+        .context("the auditor downloaded a file")?;
+    ensure!(status_of(download).code() == tonic::Code::PermissionDenied);
+
+    ensure!(as_bolt.destroy_sandbox(&b1).await?);
+
+    // A revoked key is refused within a second; an expired one at once.
+    let bolt_id = bolt["id"].as_str().unwrap_or_default().to_string();
+    let revoked = admin(tenants.path(), &["key", "revoke", &bolt_id])?;
+    ensure!(revoked.status.success(), "{revoked:?}");
+    let at = Instant::now();
+    loop {
+        match as_bolt.list_sandboxes().await {
+            Err(e) => {
+                let s = status_of(e);
+                ensure!(s.code() == tonic::Code::Unauthenticated, "{s:?}");
+                break;
+            }
+            Ok(_) => {
+                ensure!(
+                    at.elapsed() < Duration::from_secs(1),
+                    "a revoked key still works after a second"
+                );
+                tokio::time::sleep(Duration::from_millis(25)).await;
+            }
+        }
+    }
+    let brief = new_key(tenants.path(), "acme", "run", Some("1s"))?;
+    tokio::time::sleep(Duration::from_millis(1300)).await;
+    let late = WorkerClient::connect(&url, Some(key_of(&brief))).await?;
+    let s = status_of(
+        late.list_sandboxes()
+            .await
+            .err()
+            .context("an expired key worked")?,
+    );
+    ensure!(s.code() == tonic::Code::Unauthenticated, "{s:?}");
+    let stranger = WorkerClient::connect(&url, Some("corral_0123456789ab_0000")).await?;
+    let s = status_of(
+        stranger
+            .list_sandboxes()
+            .await
+            .err()
+            .context("a malformed key worked")?,
+    );
+    ensure!(s.code() == tonic::Code::Unauthenticated, "{s:?}");
+
+    // The ones acme made go with acme's word.
+    ensure!(as_acme.destroy_sandbox(&a1).await?);
+    ensure!(as_acme.destroy_sandbox(&a2).await?);
+
+    // The log: who made what, and the refusals; never a key or a value.
+    setup.kill_service();
+    let text = std::fs::read_to_string(&log)?;
+    let lines: Vec<Value> = text
+        .lines()
+        .map(serde_json::from_str)
+        .collect::<Result<_, _>>()?;
+    let has = |call: &str, tenant: &str, sandbox: &str, outcome: &str| {
+        lines.iter().any(|l| {
+            l["call"] == call
+                && l["tenant"] == tenant
+                && l["sandbox"] == sandbox
+                && l["outcome"] == outcome
+        })
+    };
+    ensure!(has("CreateSandbox", "acme", a1.as_str(), "ok"), "{text}");
+    ensure!(
+        has("DestroySandbox", "bolt", a1.as_str(), "sandbox_not_found"),
+        "{text}"
+    );
+    ensure!(
+        has("SubmitOperation", "acme", a1.as_str(), "permission_denied"),
+        "{text}"
+    );
+    ensure!(has("DestroySandbox", "acme", a2.as_str(), "ok"), "{text}");
+    for secret in [
+        key_of(&acme),
+        key_of(&bolt),
+        key_of(&auditor),
+        "env-value-never-logged",
+    ] {
+        ensure!(
+            !text.contains(secret),
+            "the audit log holds a secret: {text}"
+        );
+    }
+    let verify = std::process::Command::new(corral_e2e::binary("corral")?)
+        .args(["admin", "audit", "verify"])
+        .arg(&log)
+        .output()?;
+    ensure!(verify.status.success(), "{verify:?}");
+    Ok(())
+}
+
+/// Every event of a session, to its run's last one.
+async fn session_events(client: &ControlClient, id: &str) -> Result<Vec<Value>> {
+    let mut stream = client.watch(id, 0).await?;
+    let mut out = Vec::new();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(180);
+    while let Some(item) = tokio::time::timeout_at(deadline, stream.next())
+        .await
+        .context("the session's events did not end")?
+    {
+        let (_, line) = item?;
+        out.push(serde_json::from_str::<Value>(&line)?);
+    }
+    Ok(out)
+}
+
+fn control_refusal<T>(r: Result<T, ControlError>, ids: &[&str]) -> String {
+    match r {
+        Ok(_) => "ok".into(),
+        Err(ControlError::Status(s)) => {
+            let mut text = s.message().to_string();
+            for id in ids {
+                text = text.replace(id, "ID");
+            }
+            format!("{:?} {:?} {text}", s.code(), corral_proto::reason::of(&s))
+        }
+        Err(e) => format!("{e}"),
+    }
+}
+
+/// Every call of `corral.v1.Control` that names a session, on `id`.
+async fn every_session_call(client: &ControlClient, id: &str) -> Vec<(&'static str, String)> {
+    let fork = unique_id("fork-of");
+    vec![
+        (
+            "WatchSession",
+            control_refusal(client.watch(id, 0).await, &[id]),
+        ),
+        (
+            "SendInput",
+            control_refusal(client.send_input(id, "more").await, &[id]),
+        ),
+        (
+            "StopSession",
+            control_refusal(client.stop(id, false).await, &[id]),
+        ),
+        (
+            "ForkSession",
+            control_refusal(client.fork(id, &fork, None).await, &[id, &fork]),
+        ),
+        (
+            "ExportSession",
+            control_refusal(client.export(id).await, &[id]),
+        ),
+        (
+            "RemoveSession",
+            control_refusal(client.remove(id, false).await, &[id]),
+        ),
+        (
+            "StartSession",
+            control_refusal(
+                client
+                    .start(pb::StartSessionRequest {
+                        session_id: id.to_string(),
+                        request_json: r#"{"prompt": "echo resumed"}"#.into(),
+                        settings: None,
+                    })
+                    .await,
+                &[id],
+            ),
+        ),
+    ]
+}
+
+#[tokio::test]
+async fn a_tenants_sessions_and_their_sandboxes_are_its_own() -> Result<()> {
+    let mut setup = Setup::start(1, 4).await?;
+    let tenants = tempfile::tempdir()?;
+    let acme = new_key(tenants.path(), "acme", "run", None)?;
+    let bolt = new_key(tenants.path(), "bolt", "run", None)?;
+    let auditor = new_key(tenants.path(), "acme", "read", None)?;
+    setup.kill_service();
+    setup.service_args = vec!["--tenants".into(), tenants.path().display().to_string()];
+    setup.start_service()?;
+    let url = setup.url();
+    let connect = |key: &Value| {
+        let key = key_of(key).to_string();
+        let url = url.clone();
+        async move { ControlClient::connect(&url, &Credentials::token(Some(&key))).await }
+    };
+    let as_acme = connect(&acme).await?;
+    let as_bolt = connect(&bolt).await?;
+    let as_auditor = connect(&auditor).await?;
+
+    let id = unique_id("s-acme");
+    as_acme
+        .start(pb::StartSessionRequest {
+            session_id: id.clone(),
+            request_json: r#"{"prompt": "echo from-acme"}"#.into(),
+            settings: Some(pb::RunSettings {
+                keep_sandbox: true,
+                ..Default::default()
+            }),
+        })
+        .await?;
+    let events = session_events(&as_acme, &id).await?;
+    ensure!(
+        events.iter().any(|e| e.to_string().contains("from-acme")),
+        "{events:?}"
+    );
+    let listed = as_acme.list().await?;
+    ensure!(
+        listed.len() == 1 && listed[0].session_id == id,
+        "{listed:?}"
+    );
+    let sandbox = SandboxId::new(listed[0].sandbox_id.clone())?;
+    // The session's sandbox is acme's too, at the front door.
+    let sandboxes = WorkerClient::connect(&url, Some(key_of(&acme))).await?;
+    let info = sandboxes.get_sandbox(&sandbox).await?;
+    ensure!(
+        info.spec
+            .labels
+            .get(corral_proto::sandbox::TENANT_LABEL)
+            .map(String::as_str)
+            == Some("acme")
+    );
+    let theirs = WorkerClient::connect(&url, Some(key_of(&bolt))).await?;
+    let s = status_of(
+        theirs
+            .get_sandbox(&sandbox)
+            .await
+            .err()
+            .context("bolt reached acme's session's sandbox")?,
+    );
+    ensure!(s.code() == tonic::Code::NotFound, "{s:?}");
+
+    // Bolt sees none of it; every call on it answers as on a missing one.
+    ensure!(as_bolt.list().await?.is_empty());
+    let missing = unique_id("s-nobody");
+    let on_acmes = every_session_call(&as_bolt, &id).await;
+    let on_missing = every_session_call(&as_bolt, &missing).await;
+    ensure!(
+        on_acmes[..6] == on_missing[..6],
+        "another tenant's session is told apart from a missing one:\n{on_acmes:#?}\n{on_missing:#?}"
+    );
+    for (call, answer) in &on_acmes[..6] {
+        ensure!(
+            answer.starts_with("NotFound Some(SessionNotFound)"),
+            "{call}: {answer}"
+        );
+    }
+    // A start naming acme's id is refused (a missing id is a new session).
+    ensure!(
+        on_acmes[6].1.starts_with("NotFound Some(SessionNotFound)"),
+        "{:?}",
+        on_acmes[6]
+    );
+    ensure!(
+        as_bolt.list().await?.len() == 1,
+        "bolt's own session from the start"
+    );
+
+    // The auditor lists and watches, and starts and exports nothing.
+    ensure!(as_auditor.list().await?.len() == 1);
+    ensure!(session_events(&as_auditor, &id).await?.len() == events.len());
+    for (call, answer) in [
+        (
+            "StartSession",
+            control_refusal(
+                as_auditor
+                    .start(pb::StartSessionRequest {
+                        session_id: unique_id("s-audit"),
+                        request_json: r#"{"prompt": "echo no"}"#.into(),
+                        settings: None,
+                    })
+                    .await,
+                &[],
+            ),
+        ),
+        (
+            "ExportSession",
+            control_refusal(as_auditor.export(&id).await, &[]),
+        ),
+        (
+            "RemoveSession",
+            control_refusal(as_auditor.remove(&id, false).await, &[]),
+        ),
+    ] {
+        ensure!(
+            answer.starts_with("PermissionDenied Some(PermissionDenied)"),
+            "{call}: {answer}"
+        );
+    }
+    as_acme.remove(&id, false).await?;
+    let bolts = as_bolt.list().await?;
+    for s in bolts {
+        let _ = as_bolt.stop(&s.session_id, false).await;
+        let _ = session_events(&as_bolt, &s.session_id).await;
+        as_bolt.remove(&s.session_id, false).await?;
+    }
+    Ok(())
+}
