@@ -6,6 +6,29 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
+/// A value never shown, not even in a debug line.
+#[derive(Clone, Default)]
+pub struct Secret(pub String);
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("(hidden)")
+    }
+}
+
+impl ConnArgs {
+    /// What the environment says of a front door: `CORRAL_URL` (its
+    /// address, where no worker is named) and `CORRAL_API_KEY` (a key).
+    pub fn with_front_door_env(mut self) -> Self {
+        let var = |name: &str| std::env::var(name).ok().filter(|v| !v.trim().is_empty());
+        if self.worker.is_none() {
+            self.worker = var("CORRAL_URL");
+        }
+        self.api_key = var("CORRAL_API_KEY").map(|k| Secret(k.trim().to_string()));
+        self
+    }
+}
+
 #[derive(Debug, Parser)]
 #[command(
     name = "corral",
@@ -53,6 +76,11 @@ pub struct ConnArgs {
     /// File holding the worker's bearer token.
     #[arg(long, global = true, env = "CORRAL_TOKEN_FILE")]
     pub token_file: Option<PathBuf>,
+    /// A front door's key (`corral admin key create`), from the environment
+    /// alone (`CORRAL_API_KEY`; a key on a command line is seen by every
+    /// user of the machine): presented instead of a token file.
+    #[arg(skip)]
+    pub api_key: Option<Secret>,
     /// For an https:// worker: the CA that signed its certificate (default:
     /// the system's roots).
     #[arg(long, global = true, env = "CORRAL_TLS_CA")]

@@ -142,6 +142,7 @@ fn credentials(conn: &ConnArgs, urls: &[String]) -> Result<Credentials, ConnectE
     let local =
         entries.iter().all(|e| matches!(e, Entry::Url(_))) && urls.iter().all(|u| is_loopback(u));
     let (token, token_owner) = match conn.token_file.as_deref() {
+        None if conn.api_key.is_some() => (conn.api_key.clone().map(|k| k.0), None),
         Some(path) => (
             Some(corral_worker::cli::read_token(path).map_err(setup)?),
             std::fs::metadata(path).ok().map(|m| m.uid()),

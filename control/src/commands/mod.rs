@@ -52,7 +52,8 @@ pub async fn run(cli: Cli) -> u8 {
     code
 }
 
-async fn dispatch(cli: Cli) -> u8 {
+async fn dispatch(mut cli: Cli) -> u8 {
+    cli.conn = cli.conn.with_front_door_env();
     match cli.command {
         Command::Exec(args) => exec::main(&cli.conn, args).await,
         Command::Sandbox(cmd) => sandbox::main(&cli.conn, cmd).await,

@@ -81,7 +81,7 @@ fn credentials(conn: &ConnArgs, args: &RunArgs) -> Result<Credentials, Error> {
         Some(path) => {
             Some(corral_worker::cli::read_token(path).map_err(|e| Error::Usage(e.to_string()))?)
         }
-        None => None,
+        None => conn.api_key.clone().map(|k| k.0),
     };
     // A service on this machine gets the token only through a socket of
     // this user, root or the token file's owner, on every connection.

@@ -68,6 +68,9 @@ class Options:
 
     worker: str | None = None
     token_file: str | None = None
+    # A front door's key (``corral admin key create``), presented instead of
+    # a token file: from ``CORRAL_API_KEY``.
+    api_key: str | None = field(default=None, repr=False)
     tls_ca: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
@@ -84,8 +87,9 @@ class Options:
             return v if v else (env.get(var) or None)
 
         return Options(
-            worker=worker or env.get("CORRAL_WORKER") or None,
+            worker=worker or env.get("CORRAL_WORKER") or env.get("CORRAL_URL") or None,
             token_file=pick("token_file", "CORRAL_TOKEN_FILE"),
+            api_key=pick("api_key", "CORRAL_API_KEY"),
             tls_ca=pick("tls_ca", "CORRAL_TLS_CA"),
             tls_cert=pick("tls_cert", "CORRAL_TLS_CERT"),
             tls_key=pick("tls_key", "CORRAL_TLS_KEY"),
@@ -432,7 +436,10 @@ async def endpoints(o: Options) -> list[Endpoint] | None:
     token_owner: int | None = None
     own = default_state_dir("worker") / "token"
     local = all(e.url for e in entries) and all(is_loopback(u) for u in urls)
-    if o.token_file:
+    if o.api_key and not o.token_file:
+        token = o.api_key.strip()
+        token_from = "CORRAL_API_KEY"
+    elif o.token_file:
         token = read_token(Path(o.token_file))
         token_from = o.token_file
         try:
