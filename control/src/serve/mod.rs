@@ -187,7 +187,14 @@ pub async fn serve(conn: &ConnArgs, args: &ServeArgs) -> Result<(), ServeError> 
         .add_service(health)
         .add_service(control)
         .add_service(sandboxes);
-    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+    // Admitted as a worker admits its clients: bounded handshakes and
+    // unauthenticated connections per address, and TCP_NODELAY (without
+    // it every reply waits on Nagle and the peer's delayed ACK, 40 ms).
+    let (incoming, accept) = corral_worker::admission::admit(
+        listener,
+        corral_worker::admission::Admission::default(),
+        prometheus_client::metrics::counter::Counter::default(),
+    );
     // Sessions it hosted when it last stopped are taken before anyone may
     // ask about them (a watcher waits for their runs), then go on.
     let marked = host.reserve_marked();
@@ -240,6 +247,7 @@ pub async fn serve(conn: &ConnArgs, args: &ServeArgs) -> Result<(), ServeError> 
         }
     };
     resuming.abort();
+    accept.abort();
     stopped.cancel();
     keys_stop.cancel();
     if let Some(task) = keys_task {
