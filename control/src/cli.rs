@@ -180,9 +180,30 @@ pub enum AdminCommand {
     /// The tenants' keys.
     #[command(subcommand)]
     Key(KeyCommand),
+    /// The tenants' quotas.
+    #[command(subcommand)]
+    Quota(QuotaCommand),
     /// The audit log (`corral serve --audit-log FILE`).
     #[command(subcommand)]
     Audit(AuditCommand),
+}
+
+#[derive(Debug, Clone, Subcommand)]
+pub enum QuotaCommand {
+    /// Sets a tenant's quotas: `sandboxes=N` (at once, on all workers),
+    /// `creates_per_minute=N`; `NAME=none` lifts one. A front door applies
+    /// them within a second.
+    Set {
+        #[arg(long)]
+        tenant: String,
+        #[arg(required = true, value_name = "NAME=VALUE")]
+        quotas: Vec<String>,
+    },
+    /// Every tenant's quotas.
+    Ls {
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 #[derive(Debug, Clone, Subcommand)]

@@ -10,6 +10,11 @@
 pub const REASON_KEY: &str = "corral-reason";
 /// The metadata key of the flag a policy refusal names.
 pub const FLAG_KEY: &str = "corral-flag";
+/// The metadata keys of a quota refusal: the quota's name (`sandboxes`,
+/// `creates_per_minute`), its limit and the tenant's use when refused.
+pub const QUOTA_KEY: &str = "corral-quota";
+pub const QUOTA_LIMIT_KEY: &str = "corral-quota-limit";
+pub const QUOTA_USED_KEY: &str = "corral-quota-used";
 
 macro_rules! reasons {
     ($($(#[$doc:meta])* $variant:ident = $name:literal,)*) => {
@@ -52,6 +57,8 @@ reasons! {
     /// The caller's key does not allow what was asked (its scopes: `read`,
     /// `run`, `admin`).
     PermissionDenied = "permission_denied",
+    /// The caller's tenant is at a quota (see [`QUOTA_KEY`]).
+    QuotaExceeded = "quota_exceeded",
     /// No sandbox of that id on this worker.
     SandboxNotFound = "sandbox_not_found",
     /// The sandbox was removed by this worker lately (TTL, idle, a client).
@@ -158,6 +165,46 @@ pub fn status(
         return tonic::Status::with_metadata(code, WITHHELD_TEXT, md);
     }
     tonic::Status::with_metadata(code, message, md)
+}
+
+/// A refusal at tenant's quota: `RESOURCE_EXHAUSTED`, reason
+/// `quota_exceeded`, with the quota's name, limit and use in metadata.
+#[cfg(feature = "grpc")]
+pub fn quota_status(
+    quota: &str,
+    limit: u64,
+    used: u64,
+    message: impl Into<String>,
+) -> tonic::Status {
+    let s = status(
+        tonic::Code::ResourceExhausted,
+        Reason::QuotaExceeded,
+        None,
+        message,
+    );
+    let mut md = s.metadata().clone();
+    for (k, v) in [
+        (QUOTA_KEY, quota.to_string()),
+        (QUOTA_LIMIT_KEY, limit.to_string()),
+        (QUOTA_USED_KEY, used.to_string()),
+    ] {
+        if let Ok(v) = v.parse() {
+            md.insert(k, v);
+        }
+    }
+    tonic::Status::with_metadata(s.code(), s.message().to_string(), md)
+}
+
+/// The quota a refusal names, with its limit and the use when refused.
+#[cfg(feature = "grpc")]
+pub fn quota_of(status: &tonic::Status) -> Option<(String, u64, u64)> {
+    let md = status.metadata();
+    let text = |k: &str| md.get(k).and_then(|v| v.to_str().ok()).map(str::to_string);
+    Some((
+        text(QUOTA_KEY)?,
+        text(QUOTA_LIMIT_KEY)?.parse().ok()?,
+        text(QUOTA_USED_KEY)?.parse().ok()?,
+    ))
 }
 
 /// The reason a status carries, if it carries one this build knows.

@@ -14,6 +14,10 @@
 //! Scopes: `read` (an auditor: list, inspect, logs, timelines; never a
 //! command or a file), `run` (sandboxes and sessions; includes `read`),
 //! `admin` (every tenant, and keys; includes both).
+//!
+//! Quotas are data of the same directory: `DIR/quotas/<TENANT>.json`
+//! (`corral admin --tenants DIR quota set --tenant T sandboxes=20
+//! creates_per_minute=60`), read and watched with the keys.
 
 use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
@@ -160,17 +164,62 @@ pub fn now_ms() -> i64 {
         .map_or(0, |d| d.as_millis() as i64)
 }
 
-/// The keys of a directory, read whole.
+/// What a tenant may hold at once, and how fast it may make sandboxes; a
+/// quota not given does not limit.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Quota {
+    /// Sandboxes it has at once, on all the workers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sandboxes: Option<u64>,
+    /// Sandboxes it makes in any 60 s.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub creates_per_minute: Option<u64>,
+}
+
+impl Quota {
+    /// The quotas' names, as `quota set` takes them.
+    pub const NAMES: [&'static str; 2] = ["sandboxes", "creates_per_minute"];
+
+    /// Sets `name` to `value` (None: no limit).
+    pub fn set(&mut self, name: &str, value: Option<u64>) -> Result<(), TenantsError> {
+        match name.replace('-', "_").as_str() {
+            "sandboxes" => self.sandboxes = value,
+            "creates_per_minute" => self.creates_per_minute = value,
+            other => {
+                return Err(TenantsError::Invalid(format!(
+                    "unknown quota {other:?}: {}",
+                    Self::NAMES.join(", ")
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    pub fn is_empty(&self) -> bool {
+        *self == Quota::default()
+    }
+}
+
+/// The keys and quotas of a directory, read whole.
 #[derive(Debug, Default, Clone)]
 pub struct KeySet {
     by_id: HashMap<String, KeyRecord>,
+    quotas: HashMap<String, Quota>,
 }
 
 impl KeySet {
-    /// Reads `dir/keys/*.json`; any file that does not parse fails it all.
+    /// Reads `dir/keys/*.json` and `dir/quotas/*.json`; any file that does
+    /// not parse fails it all.
     pub fn load(dir: &Path) -> Result<Self, TenantsError> {
         let by_id = list(dir)?.into_iter().map(|r| (r.id.clone(), r)).collect();
-        Ok(Self { by_id })
+        let quotas = quotas(dir)?.into_iter().collect();
+        Ok(Self { by_id, quotas })
+    }
+
+    /// `tenant`'s quota, if it has one.
+    pub fn quota(&self, tenant: &str) -> Option<&Quota> {
+        self.quotas.get(tenant)
     }
 
     pub fn len(&self) -> usize {
@@ -206,6 +255,96 @@ impl KeySet {
 
 fn keys_dir(dir: &Path) -> PathBuf {
     dir.join("keys")
+}
+
+fn quotas_dir(dir: &Path) -> PathBuf {
+    dir.join("quotas")
+}
+
+/// Every tenant's quota in `dir`, by tenant.
+pub fn quotas(dir: &Path) -> Result<Vec<(String, Quota)>, TenantsError> {
+    let qdir = quotas_dir(dir);
+    let entries = match std::fs::read_dir(&qdir) {
+        Ok(e) => e,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(io(&qdir)(e)),
+    };
+    let mut out = Vec::new();
+    for entry in entries {
+        let entry = entry.map_err(io(&qdir))?;
+        let name = entry.file_name();
+        let Some(name) = name.to_str() else { continue };
+        let Some(tenant) = name.strip_suffix(".json") else {
+            continue;
+        };
+        if name.starts_with('.') {
+            continue;
+        }
+        let path = entry.path();
+        let bad = |why: String| TenantsError::Malformed {
+            path: path.display().to_string(),
+            why,
+        };
+        if !corral_proto::sandbox::is_tenant_name(tenant) {
+            return Err(bad(
+                "not a tenant's name (1-63 characters of [a-z0-9-])".into()
+            ));
+        }
+        let text = std::fs::read(&path).map_err(io(&path))?;
+        let quota: Quota = serde_json::from_slice(&text).map_err(|e| bad(e.to_string()))?;
+        out.push((tenant.to_string(), quota));
+    }
+    out.sort_by(|a, b| a.0.cmp(&b.0));
+    Ok(out)
+}
+
+/// Sets `tenant`'s quotas by `NAME=VALUE` (VALUE a number, or `none` for
+/// no limit), over what it had; returns the quota now.
+pub fn set_quota(dir: &Path, tenant: &str, assignments: &[String]) -> Result<Quota, TenantsError> {
+    if !corral_proto::sandbox::is_tenant_name(tenant) {
+        return Err(TenantsError::Invalid(format!(
+            "tenant {tenant:?}: 1-63 characters of [a-z0-9-], starting with a letter or digit"
+        )));
+    }
+    if assignments.is_empty() {
+        return Err(TenantsError::Invalid(format!(
+            "which quotas? NAME=VALUE ({}; VALUE a number or none)",
+            Quota::NAMES.join(", ")
+        )));
+    }
+    let mut quota = quotas(dir)?
+        .into_iter()
+        .find(|(t, _)| t == tenant)
+        .map(|(_, q)| q)
+        .unwrap_or_default();
+    for a in assignments {
+        let (name, value) = a.split_once('=').ok_or_else(|| {
+            TenantsError::Invalid(format!("{a:?}: NAME=VALUE (VALUE a number or none)"))
+        })?;
+        let value = match value.trim() {
+            "none" => None,
+            v => Some(v.parse::<u64>().map_err(|_| {
+                TenantsError::Invalid(format!("{a:?}: {v:?} is not a whole number (or none)"))
+            })?),
+        };
+        quota.set(name.trim(), value)?;
+    }
+    private_dir(dir)?;
+    let qdir = quotas_dir(dir);
+    private_dir(&qdir)?;
+    let path = qdir.join(format!("{tenant}.json"));
+    if quota.is_empty() {
+        match std::fs::remove_file(&path) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(io(&path)(e)),
+        }
+    } else {
+        let text =
+            serde_json::to_vec_pretty(&quota).map_err(|e| TenantsError::Invalid(e.to_string()))?;
+        write_whole(&path, &text)?;
+    }
+    Ok(quota)
 }
 
 /// Every key of `dir`, by id.
@@ -363,17 +502,21 @@ fn fingerprint(dir: &Path) -> Vec<(String, u64, i64, i64)> {
     use std::os::unix::fs::MetadataExt;
     let mut out = Vec::new();
     let keys = keys_dir(dir);
-    for d in [dir.to_path_buf(), keys.clone()] {
+    let quotas = quotas_dir(dir);
+    for d in [dir.to_path_buf(), keys.clone(), quotas.clone()] {
         if let Ok(m) = std::fs::metadata(&d) {
             out.push((d.display().to_string(), m.ino(), m.mtime(), m.mtime_nsec()));
         }
     }
-    if let Ok(entries) = std::fs::read_dir(&keys) {
+    for d in [&keys, &quotas] {
+        let Ok(entries) = std::fs::read_dir(d) else {
+            continue;
+        };
         for e in entries.flatten() {
             // Through links: a Kubernetes Secret swaps what its names lead to.
             if let Ok(m) = std::fs::metadata(e.path()) {
                 out.push((
-                    e.file_name().to_string_lossy().into_owned(),
+                    e.path().display().to_string(),
                     m.ino() ^ m.size(),
                     m.mtime(),
                     m.mtime_nsec(),
@@ -517,6 +660,37 @@ mod tests {
         .unwrap();
         let e = KeySet::load(dir.path()).unwrap_err().to_string();
         assert!(e.contains("0123456789ab.json"), "{e}");
+    }
+
+    #[test]
+    fn quotas_are_set_by_name_and_a_bad_one_changes_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let set = |a: &[&str]| {
+            set_quota(
+                dir.path(),
+                "acme",
+                &a.iter().map(|s| s.to_string()).collect::<Vec<_>>(),
+            )
+        };
+        let q = set(&["sandboxes=20", "creates-per-minute=60"]).unwrap();
+        assert_eq!((q.sandboxes, q.creates_per_minute), (Some(20), Some(60)));
+        assert!(set(&["memory=64g"]).is_err());
+        assert!(set(&["sandboxes=-1"]).is_err());
+        assert!(set(&["sandboxes"]).is_err());
+        let q = set(&["creates_per_minute=none"]).unwrap();
+        assert_eq!((q.sandboxes, q.creates_per_minute), (Some(20), None));
+        let keys = KeySet::load(dir.path()).unwrap();
+        assert_eq!(keys.quota("acme").and_then(|q| q.sandboxes), Some(20));
+        assert!(keys.quota("bolt").is_none());
+        std::fs::write(
+            dir.path().join("quotas").join("bolt.json"),
+            r#"{"sandbox": 3}"#,
+        )
+        .unwrap();
+        assert!(
+            KeySet::load(dir.path()).is_err(),
+            "an unknown quota's name is refused"
+        );
     }
 
     #[tokio::test]

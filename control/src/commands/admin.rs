@@ -10,7 +10,7 @@ use std::path::Path;
 use corral_harness::audit::{AuditError, verify};
 use corral_harness::tenants::{self, KeyRecord, Scope, TenantsError};
 
-use crate::cli::{AdminArgs, AdminCommand, AuditCommand, KeyCommand};
+use crate::cli::{AdminArgs, AdminCommand, AuditCommand, KeyCommand, QuotaCommand};
 
 pub fn main(args: &AdminArgs) -> u8 {
     match &args.command {
@@ -32,14 +32,19 @@ pub fn main(args: &AdminArgs) -> u8 {
                 super::EXIT_CORRAL_ERROR
             }
         },
-        AdminCommand::Key(cmd) => {
+        AdminCommand::Key(_) | AdminCommand::Quota(_) => {
             let Some(dir) = &args.tenants else {
                 super::warn(
                     "which tenants? --tenants DIR (or CORRAL_TENANTS): the directory the front door serves (corral serve --tenants DIR)",
                 );
                 return super::EXIT_USAGE;
             };
-            match key(dir, cmd) {
+            let done = match &args.command {
+                AdminCommand::Key(cmd) => key(dir, cmd),
+                AdminCommand::Quota(cmd) => quota(dir, cmd),
+                AdminCommand::Audit(_) => Ok(()),
+            };
+            match done {
                 Ok(()) => 0,
                 Err(e @ TenantsError::Invalid(_)) => {
                     super::report(&e);
@@ -130,6 +135,47 @@ fn key(dir: &Path, cmd: &KeyCommand) -> Result<(), TenantsError> {
                     "no key {id} in {} (`corral admin key ls` lists them)",
                     dir.display()
                 )));
+            }
+        }
+    }
+    Ok(())
+}
+
+fn quota_json(tenant: &str, q: &tenants::Quota) -> serde_json::Value {
+    serde_json::json!({
+        "tenant": tenant,
+        "sandboxes": q.sandboxes,
+        "creates_per_minute": q.creates_per_minute,
+    })
+}
+
+fn quota(dir: &Path, cmd: &QuotaCommand) -> Result<(), TenantsError> {
+    let mut out = std::io::stdout();
+    let shown = |v: Option<u64>| v.map_or_else(|| "-".to_string(), |n| n.to_string());
+    match cmd {
+        QuotaCommand::Set { tenant, quotas } => {
+            let q = tenants::set_quota(dir, tenant, quotas)?;
+            let _ = writeln!(out, "{}", quota_json(tenant, &q));
+        }
+        QuotaCommand::Ls { json } => {
+            let all = tenants::quotas(dir)?;
+            if *json {
+                let v: Vec<_> = all.iter().map(|(t, q)| quota_json(t, q)).collect();
+                let _ = writeln!(out, "{}", serde_json::Value::Array(v));
+            } else {
+                let _ = writeln!(
+                    out,
+                    "{:<20}  {:>9}  CREATES_PER_MINUTE",
+                    "TENANT", "SANDBOXES"
+                );
+                for (t, q) in &all {
+                    let _ = writeln!(
+                        out,
+                        "{t:<20}  {:>9}  {}",
+                        shown(q.sandboxes),
+                        shown(q.creates_per_minute)
+                    );
+                }
             }
         }
     }

@@ -11,15 +11,16 @@
 //! keeps is a hint (which worker had an id), never an owner: a replica
 //! without it asks the workers.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use corral_harness::audit::{AuditLog, Entry};
 use corral_harness::client::RawClient;
 use corral_harness::fleet::Fleet;
 use corral_harness::placement::Attempt;
-use corral_harness::tenants::{Principal, Scope};
+use corral_harness::tenants::{Keys, Principal, Quota, Scope};
 use corral_proto::sandbox::TENANT_HEADER;
 use corral_proto::{Reason, SandboxId, pb};
 use futures_util::{Stream, StreamExt};
@@ -39,7 +40,41 @@ pub struct FrontDoor {
     /// Which worker had a sandbox when last asked.
     routes: Mutex<HashMap<SandboxId, String>>,
     audit: Option<AuditLog>,
+    /// The tenants' keys and quotas (None: one user, no quotas).
+    keys: Option<Keys>,
+    /// Each tenant's creates through this replica.
+    uses: Mutex<HashMap<String, Arc<TenantUse>>>,
 }
+
+/// A tenant's creates through this replica: one quota check at a time, the
+/// creates under way (their ids) and when its last ones were asked for.
+#[derive(Default)]
+struct TenantUse {
+    check: tokio::sync::Mutex<()>,
+    state: Mutex<UseState>,
+}
+
+#[derive(Default)]
+struct UseState {
+    making: HashSet<SandboxId>,
+    asked: VecDeque<Instant>,
+}
+
+/// A create counted against its tenant's quota while it is made.
+struct Reservation {
+    tenant: Arc<TenantUse>,
+    id: SandboxId,
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        let mut state = self.tenant.state.lock().unwrap_or_else(|p| p.into_inner());
+        state.making.remove(&self.id);
+    }
+}
+
+/// The window of `creates_per_minute`.
+const MINUTE: Duration = Duration::from_secs(60);
 
 fn status(code: Code, reason: Reason, message: impl Into<String>) -> Status {
     corral_proto::reason::status(code, reason, None, message)
@@ -123,12 +158,122 @@ pub(super) fn tenant_of(who: &Principal) -> Option<&str> {
 }
 
 impl FrontDoor {
-    pub fn new(fleet: Fleet, audit: Option<AuditLog>) -> Self {
+    pub fn new(fleet: Fleet, audit: Option<AuditLog>, keys: Option<Keys>) -> Self {
         Self {
             fleet,
             routes: Mutex::new(HashMap::new()),
             audit,
+            keys,
+            uses: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// Every sandbox the caller may see, on every worker.
+    async fn list_all(&self, who: &Principal) -> Result<Vec<pb::Sandbox>, Status> {
+        let urls = self.fleet.urls().await.map_err(fleet_status)?;
+        let asked = urls.iter().map(|url| async move {
+            let client = self.fleet.connect(Some(url)).await.map_err(fleet_status)?;
+            let listed = client
+                .raw()
+                .list_sandboxes(FrontDoor::outgoing(who, pb::ListSandboxesRequest {}))
+                .await
+                .map_err(|s| {
+                    status(
+                        Code::Unavailable,
+                        Reason::NoWorker,
+                        format!("worker {url} did not list its sandboxes: {}", s.message()),
+                    )
+                })?;
+            Ok::<_, Status>((url.clone(), listed.into_inner().sandboxes))
+        });
+        let mut all = Vec::new();
+        for answer in futures_util::future::join_all(asked).await {
+            let (url, sandboxes) = answer?;
+            for s in &sandboxes {
+                if let Ok(id) = SandboxId::new(s.id.clone()) {
+                    self.remember(&id, &url);
+                }
+            }
+            all.extend(sandboxes);
+        }
+        all.sort_by(|a, b| (a.created_at_unix_ms, &a.id).cmp(&(b.created_at_unix_ms, &b.id)));
+        Ok(all)
+    }
+
+    /// Counts the create of `id` against its tenant's quota, or refuses it
+    /// (`quota_exceeded`). One check at a time per tenant: the sandboxes it
+    /// has (every worker asked) and the creates under way here are counted
+    /// together, so concurrent creates through this replica never pass a
+    /// quota.
+    async fn reserve(
+        &self,
+        who: &Principal,
+        quota: &Quota,
+        id: &SandboxId,
+    ) -> Result<Option<Reservation>, Status> {
+        let tenant = {
+            let mut uses = self.uses.lock().unwrap_or_else(|p| p.into_inner());
+            uses.entry(who.tenant.clone()).or_default().clone()
+        };
+        let _one = tenant.check.lock().await;
+        let listed = match quota.sandboxes {
+            Some(_) => Some(self.list_all(who).await?),
+            None => None,
+        };
+        let mut state = tenant.state.lock().unwrap_or_else(|p| p.into_inner());
+        // A create of an id it has is answered by the worker (the same
+        // sandbox again, or a conflict): it makes nothing.
+        if listed
+            .as_ref()
+            .is_some_and(|l| l.iter().any(|s| s.id == id.as_str()))
+        {
+            return Ok(None);
+        }
+        let now = Instant::now();
+        while state
+            .asked
+            .front()
+            .is_some_and(|t| now.duration_since(*t) >= MINUTE)
+        {
+            state.asked.pop_front();
+        }
+        if let Some(limit) = quota.creates_per_minute {
+            let used = state.asked.len() as u64;
+            if used >= limit {
+                return Err(corral_proto::reason::quota_status(
+                    "creates_per_minute",
+                    limit,
+                    used,
+                    format!(
+                        "tenant {} asked for {used} sandboxes in the last minute, its quota creates_per_minute={limit}: ask again later",
+                        who.tenant
+                    ),
+                ));
+            }
+        }
+        if let (Some(limit), Some(listed)) = (quota.sandboxes, &listed) {
+            let mut ids: HashSet<&str> = listed.iter().map(|s| s.id.as_str()).collect();
+            ids.extend(state.making.iter().map(SandboxId::as_str));
+            let used = ids.len() as u64;
+            if used >= limit {
+                return Err(corral_proto::reason::quota_status(
+                    "sandboxes",
+                    limit,
+                    used,
+                    format!(
+                        "tenant {} has {used} sandboxes, its quota sandboxes={limit}: remove one first",
+                        who.tenant
+                    ),
+                ));
+            }
+        }
+        state.making.insert(id.clone());
+        state.asked.push_back(now);
+        drop(state);
+        Ok(Some(Reservation {
+            tenant: tenant.clone(),
+            id: id.clone(),
+        }))
     }
 
     fn routes(&self) -> std::sync::MutexGuard<'_, HashMap<SandboxId, String>> {
@@ -258,9 +403,26 @@ impl pb::worker_server::Worker for FrontDoor {
         req: Request<pb::CreateSandboxRequest>,
     ) -> Result<Response<pb::Sandbox>, Status> {
         let who = caller(&req)?;
-        let msg = req.into_inner();
+        let mut msg = req.into_inner();
+        // A tenant's quota counts the create while it is made: its id is
+        // chosen here when the client gives none.
+        let quota = match (&self.keys, tenant_of(&who)) {
+            (Some(keys), Some(tenant)) => keys.current().quota(tenant).cloned(),
+            _ => None,
+        };
+        if quota.is_some() && msg.id.is_empty() {
+            msg.id = SandboxId::random().to_string();
+        }
+        let msg = msg;
         let r = async {
             need(&who, Scope::Run, "CreateSandbox")?;
+            let _reserved = match &quota {
+                Some(quota) => {
+                    let id = sandbox_id(msg.id.clone())?;
+                    self.reserve(&who, quota, &id).await?
+                }
+                None => None,
+            };
             let spec = corral_proto::SandboxSpec::try_from(msg.spec.clone().unwrap_or_default())
                 .map_err(|e| {
                     status(
@@ -317,37 +479,8 @@ impl pb::worker_server::Worker for FrontDoor {
     ) -> Result<Response<pb::ListSandboxesResponse>, Status> {
         let who = caller(&req)?;
         need(&who, Scope::Read, "ListSandboxes")?;
-        let urls = self.fleet.urls().await.map_err(fleet_status)?;
-        let asked = urls.iter().map(|url| {
-            let who = &who;
-            async move {
-                let client = self.fleet.connect(Some(url)).await.map_err(fleet_status)?;
-                let listed = client
-                    .raw()
-                    .list_sandboxes(FrontDoor::outgoing(who, pb::ListSandboxesRequest {}))
-                    .await
-                    .map_err(|s| {
-                        status(
-                            Code::Unavailable,
-                            Reason::NoWorker,
-                            format!("worker {url} did not list its sandboxes: {}", s.message()),
-                        )
-                    })?;
-                Ok::<_, Status>((url.clone(), listed.into_inner().sandboxes))
-            }
-        });
-        let mut all = Vec::new();
-        for answer in futures_util::future::join_all(asked).await {
-            let (url, sandboxes) = answer?;
-            for s in &sandboxes {
-                if let Ok(id) = SandboxId::new(s.id.clone()) {
-                    self.remember(&id, &url);
-                }
-            }
-            all.extend(sandboxes);
-        }
-        all.sort_by(|a, b| (a.created_at_unix_ms, &a.id).cmp(&(b.created_at_unix_ms, &b.id)));
-        Ok(Response::new(pb::ListSandboxesResponse { sandboxes: all }))
+        let sandboxes = self.list_all(&who).await?;
+        Ok(Response::new(pb::ListSandboxesResponse { sandboxes }))
     }
 
     async fn destroy_sandbox(

@@ -149,13 +149,13 @@ pub async fn serve(conn: &ConnArgs, args: &ServeArgs) -> Result<(), ServeError> 
         .set_service_status("", tonic_health::ServingStatus::Serving)
         .await;
     let keys_stop = tokio_util::sync::CancellationToken::new();
-    let (gate, keys_task) = match &args.tenants {
+    let (gate, keys, keys_task) = match &args.tenants {
         Some(dir) => {
             let (keys, task) = corral_harness::tenants::watch(dir.clone(), keys_stop.clone())
                 .map_err(|e| ServeError::Usage(format!("--tenants: {e}")))?;
-            (front::Gate::keys(keys), Some(task))
+            (front::Gate::keys(keys.clone()), Some(keys), Some(task))
         }
-        None => (front::Gate::token(token), None),
+        None => (front::Gate::token(token), None, None),
     };
     let (audit, audit_writer) = match &args.audit_log {
         Some(path) => {
@@ -171,7 +171,7 @@ pub async fn serve(conn: &ConnArgs, args: &ServeArgs) -> Result<(), ServeError> 
         let gate = gate.clone();
         move |req| gate.check(req)
     });
-    let sandboxes = WorkerServer::new(front::FrontDoor::new(fleet.clone(), audit))
+    let sandboxes = WorkerServer::new(front::FrontDoor::new(fleet.clone(), audit, keys))
         .max_decoding_message_size(MAX_REQUEST_BYTES)
         .max_encoding_message_size(MAX_GRPC_MESSAGE_BYTES);
     let sandboxes =

@@ -75,7 +75,9 @@ fn code_of(reason: Reason) -> Code {
         R::PolicyDenied | R::PermissionDenied => Code::PermissionDenied,
         R::SandboxNotFound | R::SandboxRemoved | R::OperationNotFound => Code::NotFound,
         R::Conflict => Code::AlreadyExists,
-        R::AtCapacity | R::TooManyWatchers | R::NoFreeUid => Code::ResourceExhausted,
+        R::AtCapacity | R::TooManyWatchers | R::NoFreeUid | R::QuotaExceeded => {
+            Code::ResourceExhausted
+        }
         R::Draining
         | R::ShuttingDown
         | R::DockerUnavailable

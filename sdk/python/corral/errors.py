@@ -117,6 +117,29 @@ class ResourceExhausted(CorralError):
     default_code = "RESOURCE_EXHAUSTED"
 
 
+class QuotaExceeded(ResourceExhausted):
+    """The caller's tenant is at a quota of its front door: ``quota`` names
+    it (``sandboxes``, ``creates_per_minute``), ``limit`` and ``used`` say
+    where it stands."""
+
+    default_reason = "quota_exceeded"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        code: str | None = None,
+        reason: str | None = None,
+        quota: str | None = None,
+        limit: int | None = None,
+        used: int | None = None,
+    ) -> None:
+        super().__init__(message, code=code, reason=reason)
+        self.quota = quota
+        self.limit = limit
+        self.used = used
+
+
 class WorkerUnavailable(CorralError):
     """The worker cannot serve now: unreachable, draining, shutting down, its
     Docker engine down. Another worker, or a later try, may."""
@@ -176,6 +199,7 @@ _BY_REASON: dict[str, type[CorralError]] = {
     "unauthenticated": Unauthenticated,
     "policy_denied": PolicyDenied,
     "permission_denied": PermissionDenied,
+    "quota_exceeded": QuotaExceeded,
     "sandbox_not_found": SandboxNotFound,
     "sandbox_removed": SandboxNotFound,
     "operation_not_found": ProcessNotFound,
@@ -234,6 +258,20 @@ def from_rpc_error(e: grpc.RpcError, where: str | None = None) -> CorralError:
     cls = _BY_REASON.get(reason or "") or _BY_CODE.get(code, CorralError)
     if cls is PolicyDenied:
         return PolicyDenied(message, code=code.name, reason=reason, flag=flag)
+    if cls is QuotaExceeded:
+
+        def number(key: str) -> int | None:
+            v = _metadata(trailing, key)
+            return int(v) if v is not None and v.isdigit() else None
+
+        return QuotaExceeded(
+            message,
+            code=code.name,
+            reason=reason,
+            quota=_metadata(trailing, "corral-quota"),
+            limit=number("corral-quota-limit"),
+            used=number("corral-quota-used"),
+        )
     if cls is CorralError and code == grpc.StatusCode.UNKNOWN and reason is None:
         # The transport's own failures (a connection reset) are transient.
         return WorkerUnavailable(message, code=code.name)

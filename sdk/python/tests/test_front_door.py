@@ -29,6 +29,7 @@ class FrontDoor:
         self.acme = self.key("acme", "run")
         self.bolt = self.key("bolt", "run")
         self.auditor = self.key("acme", "read")
+        self.admin("quota", "set", "--tenant", "bolt", "sandboxes=1")
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         log = open(root / "serve.log", "ab")  # noqa: SIM115
@@ -69,25 +70,17 @@ class FrontDoor:
                 time.sleep(0.05)
         raise RuntimeError("corral serve did not listen within 30 s")
 
-    def key(self, tenant: str, scope: str) -> str:
+    def admin(self, *args: str) -> bytes:
         out = subprocess.run(
-            [
-                str(BIN_DIR / "corral"),
-                "admin",
-                "--tenants",
-                str(self.tenants),
-                "key",
-                "create",
-                "--tenant",
-                tenant,
-                "--scope",
-                scope,
-                "--json",
-            ],
+            [str(BIN_DIR / "corral"), "admin", "--tenants", str(self.tenants), *args],
             check=True,
             capture_output=True,
         )
-        key: str = json.loads(out.stdout)["key"]
+        return out.stdout
+
+    def key(self, tenant: str, scope: str) -> str:
+        out = self.admin("key", "create", "--tenant", tenant, "--scope", scope, "--json")
+        key: str = json.loads(out)["key"]
         return key
 
     def stop(self) -> None:
@@ -159,3 +152,14 @@ def test_the_async_face_through_the_front_door(
             await sb.remove()
 
     assert asyncio.run(main()) == "async\n"
+
+
+def test_a_quota_refusal_says_which_quota_its_limit_and_its_use(
+    door: FrontDoor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    as_key(monkeypatch, door, door.bolt)
+    with corral.Sandbox.create(), pytest.raises(corral.QuotaExceeded) as refused:
+        corral.Sandbox.create()
+    e = refused.value
+    assert (e.quota, e.limit, e.used) == ("sandboxes", 1, 1)
+    assert isinstance(e, corral.ResourceExhausted)

@@ -644,3 +644,85 @@ async fn a_tenants_sessions_and_their_sandboxes_are_its_own() -> Result<()> {
     }
     Ok(())
 }
+
+#[tokio::test]
+async fn a_tenants_quota_holds_under_two_hundred_creates_at_once_and_says_what_it_is() -> Result<()>
+{
+    let mut setup = Setup::start(2, 4).await?;
+    let tenants = tempfile::tempdir()?;
+    let acme = new_key(tenants.path(), "acme", "run", None)?;
+    let bolt = new_key(tenants.path(), "bolt", "run", None)?;
+    let set = admin(
+        tenants.path(),
+        &["quota", "set", "--tenant", "acme", "sandboxes=20"],
+    )?;
+    ensure!(set.status.success(), "{set:?}");
+    setup.kill_service();
+    setup.service_args = vec!["--tenants".into(), tenants.path().display().to_string()];
+    setup.start_service()?;
+    let url = setup.url();
+    let as_acme = WorkerClient::connect(&url, Some(key_of(&acme))).await?;
+    let as_bolt = WorkerClient::connect(&url, Some(key_of(&bolt))).await?;
+
+    let creates = (0..200).map(|_| {
+        let c = as_acme.clone();
+        tokio::spawn(async move { c.create_sandbox(None, spec()).await })
+    });
+    let mut made = 0;
+    let mut refusals = Vec::new();
+    for r in futures_util::future::join_all(creates).await {
+        match r? {
+            Ok(_) => made += 1,
+            Err(e) => refusals.push(status_of(e)),
+        }
+    }
+    let listed = as_acme.list_sandboxes().await?;
+    ensure!(
+        made == 20 && listed.len() == 20,
+        "made {made}, listed {}",
+        listed.len()
+    );
+    for s in &refusals {
+        ensure!(
+            s.code() == tonic::Code::ResourceExhausted
+                && corral_proto::reason::of(s) == Some(Reason::QuotaExceeded)
+                && corral_proto::reason::quota_of(s) == Some(("sandboxes".into(), 20, 20)),
+            "{s:?}"
+        );
+    }
+    // Another tenant is not held by acme's quota; one removed makes room.
+    let b1 = as_bolt.create_sandbox(None, spec()).await?.id;
+    ensure!(as_acme.destroy_sandbox(&listed[0].id).await?);
+    let again = as_acme.create_sandbox(None, spec()).await?;
+    ensure!(as_acme.list_sandboxes().await?.len() == 20);
+
+    // A rate: bolt may ask for 2 a minute (counted from when the quota is
+    // set); a change takes effect within a second.
+    let set = admin(
+        tenants.path(),
+        &["quota", "set", "--tenant", "bolt", "creates_per_minute=2"],
+    )?;
+    ensure!(set.status.success(), "{set:?}");
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    let b2 = as_bolt.create_sandbox(None, spec()).await?.id;
+    let b3 = as_bolt.create_sandbox(None, spec()).await?.id;
+    let s = status_of(
+        as_bolt
+            .create_sandbox(None, spec())
+            .await
+            .err()
+            .context("a third create in a minute was taken")?,
+    );
+    ensure!(
+        corral_proto::reason::quota_of(&s) == Some(("creates_per_minute".into(), 2, 2)),
+        "{s:?}"
+    );
+    for id in [b1, b2, b3] {
+        as_bolt.destroy_sandbox(&id).await?;
+    }
+    for s in as_acme.list_sandboxes().await? {
+        as_acme.destroy_sandbox(&s.id).await?;
+    }
+    let _ = again;
+    Ok(())
+}
