@@ -86,6 +86,17 @@ fn digest(bytes: &[u8]) -> String {
         .collect()
 }
 
+/// An id as a line keeps it: whole up to 128 bytes (every valid id is
+/// shorter), else its first 64 characters and its length, so that no caller
+/// can make the log grow by more than a line's worth per call.
+pub fn bounded(id: &str) -> String {
+    if id.len() <= 128 {
+        return id.to_string();
+    }
+    let head: String = id.chars().take(64).collect();
+    format!("{head}...({} bytes)", id.len())
+}
+
 fn now_ms() -> i64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)

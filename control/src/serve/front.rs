@@ -128,6 +128,47 @@ pub(super) fn need(who: &Principal, scope: Scope, call: &str) -> Result<(), Stat
     ))
 }
 
+/// A worker's answer that it has no such sandbox, made the front door's
+/// own: the very status an id no worker has gets, metadata and all (a
+/// worker's headers would tell the two apart).
+fn as_unknown(s: Status, id: &SandboxId) -> Status {
+    if is_unknown_sandbox(&s) {
+        unknown(id)
+    } else {
+        s
+    }
+}
+
+/// What a key that only reads is shown of a sandbox: its environment's
+/// names, never their values (an auditor reads logs, not secrets).
+fn redact_sandbox(who: &Principal, s: &mut pb::Sandbox) {
+    if who.allows(Scope::Run) {
+        return;
+    }
+    if let Some(spec) = &mut s.spec {
+        for v in spec.env.values_mut() {
+            *v = HIDDEN.into();
+        }
+    }
+}
+
+/// [`redact_sandbox`] for an operation's command.
+fn redact_operation(who: &Principal, o: &mut pb::Operation) {
+    if who.allows(Scope::Run) {
+        return;
+    }
+    if let Some(pb::operation_spec::Kind::Shell(shell)) =
+        o.spec.as_mut().and_then(|spec| spec.kind.as_mut())
+    {
+        for v in shell.env.values_mut() {
+            *v = HIDDEN.into();
+        }
+    }
+}
+
+/// What a redacted value reads.
+const HIDDEN: &str = "(hidden)";
+
 fn is_unknown_sandbox(s: &Status) -> bool {
     s.code() == Code::NotFound && corral_proto::reason::of(s) == Some(Reason::SandboxNotFound)
 }
@@ -216,6 +257,13 @@ impl FrontDoor {
             uses.entry(who.tenant.clone()).or_default().clone()
         };
         let _one = tenant.check.lock().await;
+        // The creates under way are taken before the workers are asked: one
+        // that ends meanwhile is then in this set, or (ended before) in the
+        // workers' lists; taken after, it could be in neither.
+        let making: Vec<SandboxId> = {
+            let state = tenant.state.lock().unwrap_or_else(|p| p.into_inner());
+            state.making.iter().cloned().collect()
+        };
         let listed = match quota.sandboxes {
             Some(_) => Some(self.list_all(who).await?),
             None => None,
@@ -253,7 +301,7 @@ impl FrontDoor {
         }
         if let (Some(limit), Some(listed)) = (quota.sandboxes, &listed) {
             let mut ids: HashSet<&str> = listed.iter().map(|s| s.id.as_str()).collect();
-            ids.extend(state.making.iter().map(SandboxId::as_str));
+            ids.extend(making.iter().map(SandboxId::as_str));
             let used = ids.len() as u64;
             if used >= limit {
                 return Err(corral_proto::reason::quota_status(
@@ -292,6 +340,53 @@ impl FrontDoor {
         self.routes().remove(id);
     }
 
+    /// The worker that has a sandbox of `id`, whoever's it is (None: no
+    /// worker has one): each worker is asked, as its operator.
+    async fn holder(&self, id: &SandboxId) -> Result<Option<(String, RawClient)>, Status> {
+        let urls = self.fleet.urls().await.map_err(fleet_status)?;
+        let asked = urls.iter().map(|url| async move {
+            let client = self.fleet.connect(Some(url)).await.map_err(fleet_status)?;
+            let mut raw = client.raw();
+            match raw
+                .get_sandbox(pb::GetSandboxRequest { id: id.to_string() })
+                .await
+            {
+                Ok(_) => Ok(Some((url.clone(), raw))),
+                Err(s) if s.code() == Code::NotFound => Ok(None),
+                Err(s) => Err(status(
+                    Code::Unavailable,
+                    Reason::NoWorker,
+                    format!(
+                        "worker {url} did not say whether it has {id}: {}",
+                        s.message()
+                    ),
+                )),
+            }
+        });
+        let mut found = None;
+        for answer in futures_util::future::join_all(asked).await {
+            if let Some(held) = answer? {
+                found.get_or_insert(held);
+            }
+        }
+        if let Some((url, _)) = &found {
+            self.remember(id, url);
+        }
+        Ok(found)
+    }
+
+    /// Refuses a new sandbox's `id` that a worker already has.
+    async fn taken(&self, id: &SandboxId) -> Result<(), Status> {
+        match self.holder(id).await? {
+            Some(_) => Err(status(
+                Code::AlreadyExists,
+                Reason::Conflict,
+                format!("sandbox {id} already exists"),
+            )),
+            None => Ok(()),
+        }
+    }
+
     /// A request to a worker, made for the caller's tenant (an admin's
     /// for every tenant).
     fn outgoing<T>(who: &Principal, msg: T) -> Request<T> {
@@ -328,14 +423,15 @@ impl FrontDoor {
         Fut: Future<Output = Result<Response<T>, Status>>,
     {
         let (client, remembered) = self.worker_of(id).await?;
-        match call(client).await {
+        let r = match call(client).await {
             Err(s) if remembered && is_unknown_sandbox(&s) => {
                 self.forget(id);
                 let (client, _) = self.worker_of(id).await?;
                 call(client).await.map(Response::into_inner)
             }
             r => r.map(Response::into_inner),
-        }
+        };
+        r.map_err(|s| as_unknown(s, id))
     }
 
     /// Writes `call`'s line in the audit log (when there is one).
@@ -357,7 +453,9 @@ impl FrontDoor {
                 key: who.key_id.clone(),
                 call: call.into(),
                 session: None,
-                sandbox: sandbox.filter(|s| !s.is_empty()).map(String::from),
+                sandbox: sandbox
+                    .filter(|s| !s.is_empty())
+                    .map(corral_harness::audit::bounded),
                 outcome,
             };
             if let Err(e) = log.record(entry).await {
@@ -431,6 +529,16 @@ impl pb::worker_server::Worker for FrontDoor {
                         e.to_string(),
                     )
                 })?;
+            // Ids are one namespace over the fleet: a worker that has the
+            // id answers the create (the same sandbox again, or a conflict).
+            if !msg.id.is_empty()
+                && let Some((_, mut raw)) = self.holder(&sandbox_id(msg.id.clone())?).await?
+            {
+                return raw
+                    .create_sandbox(FrontDoor::outgoing(&who, msg.clone()))
+                    .await
+                    .map(Response::into_inner);
+            }
             let urls = self.fleet.urls().await.map_err(fleet_status)?;
             let made: Result<(pb::Sandbox, String), Placing> = self
                 .fleet
@@ -470,7 +578,11 @@ impl pb::worker_server::Worker for FrontDoor {
         &self,
         req: Request<pb::GetSandboxRequest>,
     ) -> Result<Response<pb::Sandbox>, Status> {
-        on_sandbox!(self, req, Scope::Read, "GetSandbox", false, id, get_sandbox)
+        let shown = caller(&req)?;
+        on_sandbox!(self, req, Scope::Read, "GetSandbox", false, id, get_sandbox).map(|mut r| {
+            redact_sandbox(&shown, r.get_mut());
+            r
+        })
     }
 
     async fn list_sandboxes(
@@ -479,7 +591,10 @@ impl pb::worker_server::Worker for FrontDoor {
     ) -> Result<Response<pb::ListSandboxesResponse>, Status> {
         let who = caller(&req)?;
         need(&who, Scope::Read, "ListSandboxes")?;
-        let sandboxes = self.list_all(&who).await?;
+        let mut sandboxes = self.list_all(&who).await?;
+        for s in &mut sandboxes {
+            redact_sandbox(&who, s);
+        }
         Ok(Response::new(pb::ListSandboxesResponse { sandboxes }))
     }
 
@@ -517,6 +632,7 @@ impl pb::worker_server::Worker for FrontDoor {
         &self,
         req: Request<pb::GetOperationRequest>,
     ) -> Result<Response<pb::Operation>, Status> {
+        let shown = caller(&req)?;
         on_sandbox!(
             self,
             req,
@@ -526,6 +642,10 @@ impl pb::worker_server::Worker for FrontDoor {
             sandbox_id,
             get_operation
         )
+        .map(|mut r| {
+            redact_operation(&shown, r.get_mut());
+            r
+        })
     }
 
     async fn upload(
@@ -546,6 +666,7 @@ impl pb::worker_server::Worker for FrontDoor {
             need(&who, Scope::Run, "Upload")?;
             let id = sandbox_id(first.sandbox_id.clone())?;
             let (mut client, _) = self.worker_of(&id).await?;
+            let id_for_errors = id.clone();
             // A client's failure mid-stream ends what goes on without its
             // eof: the worker cancels the upload.
             let rest = incoming
@@ -556,6 +677,7 @@ impl pb::worker_server::Worker for FrontDoor {
                 .upload(FrontDoor::outgoing(&who, out))
                 .await
                 .map(Response::into_inner)
+                .map_err(|s| as_unknown(s, &id_for_errors))
         }
         .await;
         self.audited(&who, "Upload", Some(&id_text), r)
@@ -592,6 +714,7 @@ impl pb::worker_server::Worker for FrontDoor {
         &self,
         req: Request<pb::ListOperationsRequest>,
     ) -> Result<Response<pb::ListOperationsResponse>, Status> {
+        let shown = caller(&req)?;
         on_sandbox!(
             self,
             req,
@@ -601,6 +724,12 @@ impl pb::worker_server::Worker for FrontDoor {
             sandbox_id,
             list_operations
         )
+        .map(|mut r| {
+            for o in &mut r.get_mut().operations {
+                redact_operation(&shown, o);
+            }
+            r
+        })
     }
 
     async fn cancel_operation(
@@ -669,7 +798,21 @@ impl pb::worker_server::Worker for FrontDoor {
                     .await
             };
             match asked.await {
-                Ok(info) => return Ok(info),
+                Ok(mut info) => {
+                    // A tenant is shown the worker, not the others' work on it.
+                    if tenant_of(&who).is_some() {
+                        let info = info.get_mut();
+                        info.sandboxes = 0;
+                        info.running_operations = 0;
+                        for pool in &mut info.pools {
+                            pool.ready = 0;
+                            pool.claims = 0;
+                            pool.misses = 0;
+                            pool.last_refill_ms = 0;
+                        }
+                    }
+                    return Ok(info);
+                }
                 Err(s) => why.push(format!("{url}: {}", s.message())),
             }
         }
@@ -780,11 +923,18 @@ impl pb::worker_server::Worker for FrontDoor {
             need(&who, Scope::Run, "ForkSandbox")?;
             let id = sandbox_id(msg.id.clone())?;
             let (client, _) = self.worker_of(&id).await?;
+            // Ids are one namespace over the fleet: a child's id another
+            // worker has is refused here, as its own worker would refuse it.
+            for child in &msg.child_ids {
+                let child = sandbox_id(child.clone())?;
+                self.taken(&child).await?;
+            }
             let mut c = client;
             let forked = c
                 .fork_sandbox(FrontDoor::outgoing(&who, msg.clone()))
                 .await
-                .map(Response::into_inner)?;
+                .map(Response::into_inner)
+                .map_err(|s| as_unknown(s, &id))?;
             let url = self.routes().get(&id).cloned();
             if let Some(url) = url {
                 for child in &forked.children {

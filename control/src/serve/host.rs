@@ -541,8 +541,18 @@ impl Host {
             recorded.as_ref(),
         )?;
         opts.tenant = tenant.map(str::to_string);
+        let new = recorded.is_none();
         let reservation = self.reserve(&id, true)?;
-        self.begin(id, opts, settings, reservation, false).await
+        let events = self.inner.store.events_path(&id);
+        let started = self
+            .begin(id.clone(), opts, settings, reservation, false)
+            .await;
+        // A new session that never began leaves nothing behind (its journal
+        // was opened for watchers of its start).
+        if started.is_err() && new && !self.inner.store.exists(&id).unwrap_or(true) {
+            let _ = std::fs::remove_file(&events);
+        }
+        started
     }
 
     /// For a call made for `tenant` (None: every tenant's), session `id`

@@ -54,7 +54,9 @@ impl ControlService {
                 tenant: who.tenant.clone(),
                 key: who.key_id.clone(),
                 call: call.into(),
-                session: session.filter(|s| !s.is_empty()).map(String::from),
+                session: session
+                    .filter(|s| !s.is_empty())
+                    .map(corral_harness::audit::bounded),
                 sandbox: None,
                 outcome,
             };

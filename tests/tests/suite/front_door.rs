@@ -48,11 +48,21 @@ fn key_of(v: &Value) -> &str {
 fn refusal(r: Result<(), tonic::Status>, id: &str) -> String {
     match r {
         Ok(()) => "ok".into(),
+        // The metadata's names too, in their order: a worker's headers
+        // passed through would tell an answer of a worker from one of the
+        // front door's own.
         Err(s) => format!(
-            "{:?} {:?} {}",
+            "{:?} {:?} {} {:?}",
             s.code(),
             corral_proto::reason::of(&s),
-            s.message().replace(id, "ID")
+            s.message().replace(id, "ID"),
+            s.metadata()
+                .keys()
+                .map(|k| match k {
+                    tonic::metadata::KeyRef::Ascii(k) => k.as_str().to_string(),
+                    tonic::metadata::KeyRef::Binary(k) => k.as_str().to_string(),
+                })
+                .collect::<Vec<_>>()
         ),
     }
 }
@@ -297,10 +307,53 @@ async fn tenants_reach_their_own_sandboxes_alone_and_an_auditor_reads_but_never_
     // And acme's sandbox is as it was.
     ensure!(run_shell(&as_acme, &a1, "cat f").await? == "hello\n");
 
+    // Ids are one namespace over both workers: bolt cannot make a sandbox,
+    // or a fork's child, of acme's id on the other worker and so stand
+    // between acme and its own.
+    for _ in 0..4 {
+        let s = status_of(
+            as_bolt
+                .create_sandbox(Some(&chosen), spec())
+                .await
+                .err()
+                .context("bolt made a sandbox of acme's id")?,
+        );
+        ensure!(s.code() == tonic::Code::AlreadyExists, "{s:?}");
+        let s = status_of(
+            as_bolt
+                .fork_sandbox(&b1, std::slice::from_ref(&chosen), 0)
+                .await
+                .err()
+                .context("bolt forked into acme's id")?,
+        );
+        ensure!(s.code() == tonic::Code::AlreadyExists, "{s:?}");
+    }
+    ensure!(as_acme.get_sandbox(&chosen).await?.id == chosen);
+    ensure!(ids(as_bolt.list_sandboxes().await?) == vec![b1.to_string()]);
+    // The worker tells a tenant of its own work alone.
+    ensure!(as_bolt.worker_info().await?.sandboxes == 0);
+    // An id of a megabyte is a line of its bounded length in the audit log.
+    let huge = "x".repeat(1 << 20);
+    let _ = as_bolt
+        .raw()
+        .destroy_sandbox(pb::DestroySandboxRequest { id: huge })
+        .await;
+
     // The auditor (acme's, scope read) lists, inspects and reads output,
     // but runs nothing, moves no file and removes nothing.
     ensure!(ids(as_auditor.list_sandboxes().await?) == want);
     ensure!(as_auditor.get_sandbox(&a1).await?.id == a1);
+    // It reads logs, not secrets: an environment's names, never values.
+    let env = |info: corral_proto::SandboxInfo| info.spec.env.get("DEPLOY_SECRET").cloned();
+    ensure!(env(as_auditor.get_sandbox(&a1).await?).as_deref() == Some("(hidden)"));
+    ensure!(
+        as_auditor.list_sandboxes().await?.into_iter().all(|s| s
+            .spec
+            .env
+            .values()
+            .all(|v| v == "(hidden)"))
+    );
+    ensure!(env(as_acme.get_sandbox(&a1).await?).as_deref() == Some("env-value-never-logged"));
     let ops = as_auditor.list_operations(&a1).await?;
     ensure!(!ops.is_empty());
     let (events, _) = corral_e2e::collect(&as_auditor, &a1, &ops[0].id, 0).await?;
@@ -424,6 +477,10 @@ async fn tenants_reach_their_own_sandboxes_alone_and_an_auditor_reads_but_never_
         "{text}"
     );
     ensure!(has("DestroySandbox", "acme", a2.as_str(), "ok"), "{text}");
+    ensure!(
+        text.lines().all(|l| l.len() < 1024),
+        "an audit line is longer than a kilobyte"
+    );
     for secret in [
         key_of(&acme),
         key_of(&bolt),
@@ -603,6 +660,29 @@ async fn a_tenants_sessions_and_their_sandboxes_are_its_own() -> Result<()> {
         as_bolt.list().await?.len() == 1,
         "bolt's own session from the start"
     );
+    // A start that fails (an image the worker does not allow) leaves no
+    // trace in the service's sessions.
+    let failed = unique_id("s-failed");
+    let refused = as_bolt
+        .start(pb::StartSessionRequest {
+            session_id: failed.clone(),
+            request_json: r#"{"prompt": "echo no"}"#.into(),
+            settings: Some(pb::RunSettings {
+                image: Some("not-allowed:latest".into()),
+                ..Default::default()
+            }),
+        })
+        .await;
+    ensure!(
+        refused.is_err(),
+        "a start in an image no worker allows was taken"
+    );
+    let left: Vec<_> = std::fs::read_dir(setup.sessions.path())?
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with(&failed))
+        .collect();
+    ensure!(left.is_empty(), "a failed start left {left:?}");
 
     // The auditor lists and watches, and starts and exports nothing.
     ensure!(as_auditor.list().await?.len() == 1);
