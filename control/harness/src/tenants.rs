@@ -261,38 +261,58 @@ fn quotas_dir(dir: &Path) -> PathBuf {
     dir.join("quotas")
 }
 
-/// Every tenant's quota in `dir`, by tenant.
-pub fn quotas(dir: &Path) -> Result<Vec<(String, Quota)>, TenantsError> {
-    let qdir = quotas_dir(dir);
-    let entries = match std::fs::read_dir(&qdir) {
+/// The JSON files of `dir` (none when it is not there), each as its name
+/// without `.json`, its path and its parsed contents; entries whose names
+/// start with a dot (Kubernetes' own `..data`, files being written) are
+/// left out. A file that does not parse fails them all.
+fn json_files<T: serde::de::DeserializeOwned>(
+    dir: &Path,
+) -> Result<Vec<(String, PathBuf, T)>, TenantsError> {
+    let entries = match std::fs::read_dir(dir) {
         Ok(e) => e,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
-        Err(e) => return Err(io(&qdir)(e)),
+        Err(e) => return Err(io(dir)(e)),
     };
     let mut out = Vec::new();
     for entry in entries {
-        let entry = entry.map_err(io(&qdir))?;
+        let entry = entry.map_err(io(dir))?;
         let name = entry.file_name();
         let Some(name) = name.to_str() else { continue };
-        let Some(tenant) = name.strip_suffix(".json") else {
+        let Some(stem) = name.strip_suffix(".json") else {
             continue;
         };
         if name.starts_with('.') {
             continue;
         }
         let path = entry.path();
-        let bad = |why: String| TenantsError::Malformed {
+        let text = std::fs::read(&path).map_err(io(&path))?;
+        let parsed = serde_json::from_slice(&text).map_err(|e| TenantsError::Malformed {
             path: path.display().to_string(),
-            why,
-        };
-        if !corral_proto::sandbox::is_tenant_name(tenant) {
-            return Err(bad(
-                "not a tenant's name (1-63 characters of [a-z0-9-])".into()
+            why: e.to_string(),
+        })?;
+        out.push((stem.to_string(), path, parsed));
+    }
+    Ok(out)
+}
+
+fn malformed(path: &Path, why: String) -> TenantsError {
+    TenantsError::Malformed {
+        path: path.display().to_string(),
+        why,
+    }
+}
+
+/// Every tenant's quota in `dir`, by tenant.
+pub fn quotas(dir: &Path) -> Result<Vec<(String, Quota)>, TenantsError> {
+    let mut out = Vec::new();
+    for (tenant, path, quota) in json_files::<Quota>(&quotas_dir(dir))? {
+        if !corral_proto::sandbox::is_tenant_name(&tenant) {
+            return Err(malformed(
+                &path,
+                "not a tenant's name (1-63 characters of [a-z0-9-])".into(),
             ));
         }
-        let text = std::fs::read(&path).map_err(io(&path))?;
-        let quota: Quota = serde_json::from_slice(&text).map_err(|e| bad(e.to_string()))?;
-        out.push((tenant.to_string(), quota));
+        out.push((tenant, quota));
     }
     out.sort_by(|a, b| a.0.cmp(&b.0));
     Ok(out)
@@ -349,37 +369,12 @@ pub fn set_quota(dir: &Path, tenant: &str, assignments: &[String]) -> Result<Quo
 
 /// Every key of `dir`, by id.
 pub fn list(dir: &Path) -> Result<Vec<KeyRecord>, TenantsError> {
-    let keys = keys_dir(dir);
     if !dir.is_dir() {
-        return Err(TenantsError::Malformed {
-            path: dir.display().to_string(),
-            why: "not a directory".into(),
-        });
+        return Err(malformed(dir, "not a directory".into()));
     }
-    let entries = match std::fs::read_dir(&keys) {
-        Ok(e) => e,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
-        Err(e) => return Err(io(&keys)(e)),
-    };
     let mut out = Vec::new();
-    for entry in entries {
-        let entry = entry.map_err(io(&keys))?;
-        let name = entry.file_name();
-        let Some(name) = name.to_str() else { continue };
-        // Kubernetes' own entries (`..data`), and files being written.
-        let Some(id) = name.strip_suffix(".json") else {
-            continue;
-        };
-        if name.starts_with('.') {
-            continue;
-        }
-        let path = entry.path();
-        let bad = |why: String| TenantsError::Malformed {
-            path: path.display().to_string(),
-            why,
-        };
-        let text = std::fs::read(&path).map_err(io(&path))?;
-        let record: KeyRecord = serde_json::from_slice(&text).map_err(|e| bad(e.to_string()))?;
+    for (id, path, record) in json_files::<KeyRecord>(&keys_dir(dir))? {
+        let bad = |why: String| malformed(&path, why);
         if record.id != id || !is_hex(&record.id, ID_LEN) {
             return Err(bad(format!(
                 "its id {:?} is not its file's name ({id}), or not {ID_LEN} hex digits",

@@ -16,7 +16,7 @@ use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use corral_harness::audit::{AuditLog, Entry};
+use corral_harness::audit::AuditLog;
 use corral_harness::client::RawClient;
 use corral_harness::fleet::Fleet;
 use corral_harness::placement::Attempt;
@@ -434,7 +434,7 @@ impl FrontDoor {
         r.map_err(|s| as_unknown(s, id))
     }
 
-    /// Writes `call`'s line in the audit log (when there is one).
+    /// Writes `call`'s line in the audit log (see [`super::audited`]).
     async fn audited<T>(
         &self,
         who: &Principal,
@@ -442,27 +442,8 @@ impl FrontDoor {
         sandbox: Option<&str>,
         r: Result<T, Status>,
     ) -> Result<T, Status> {
-        if let Some(log) = &self.audit {
-            let outcome = match &r {
-                Ok(_) => "ok".to_string(),
-                Err(s) => corral_proto::reason::of(s)
-                    .map_or_else(|| format!("{:?}", s.code()), |r| r.as_str().to_string()),
-            };
-            let entry = Entry {
-                tenant: who.tenant.clone(),
-                key: who.key_id.clone(),
-                call: call.into(),
-                session: None,
-                sandbox: sandbox
-                    .filter(|s| !s.is_empty())
-                    .map(corral_harness::audit::bounded),
-                outcome,
-            };
-            if let Err(e) = log.record(entry).await {
-                tracing::error!(error = %e, call, "the call was not written to the audit log");
-            }
-        }
-        r
+        let about = super::About::Sandbox(sandbox.unwrap_or_default());
+        super::audited(self.audit.as_ref(), who, call, about, r).await
     }
 }
 

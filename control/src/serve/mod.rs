@@ -55,6 +55,48 @@ impl ServeError {
     }
 }
 
+/// What a call was about, as its audit line names it.
+pub(crate) enum About<'a> {
+    Session(&'a str),
+    Sandbox(&'a str),
+}
+
+/// Writes `call`'s line in the audit log (when there is one): who asked,
+/// what about, and its outcome (`ok`, or the reason it was refused).
+pub(crate) async fn audited<T>(
+    log: Option<&corral_harness::audit::AuditLog>,
+    who: &corral_harness::tenants::Principal,
+    call: &str,
+    about: About<'_>,
+    r: Result<T, tonic::Status>,
+) -> Result<T, tonic::Status> {
+    let Some(log) = log else {
+        return r;
+    };
+    let outcome = match &r {
+        Ok(_) => "ok".to_string(),
+        Err(s) => corral_proto::reason::of(s)
+            .map_or_else(|| format!("{:?}", s.code()), |r| r.as_str().to_string()),
+    };
+    let id = |s: &str| (!s.is_empty()).then(|| corral_harness::audit::bounded(s));
+    let (session, sandbox) = match about {
+        About::Session(s) => (id(s), None),
+        About::Sandbox(s) => (None, id(s)),
+    };
+    let entry = corral_harness::audit::Entry {
+        tenant: who.tenant.clone(),
+        key: who.key_id.clone(),
+        call: call.into(),
+        session,
+        sandbox,
+        outcome,
+    };
+    if let Err(e) = log.record(entry).await {
+        tracing::error!(error = %e, call, "the call was not written to the audit log");
+    }
+    r
+}
+
 /// How long a worker may take to say how full it is, for the service.
 const SERVE_PROBE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
 

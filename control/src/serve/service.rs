@@ -12,7 +12,7 @@ use futures_util::Stream;
 use tokio::sync::mpsc;
 use tonic::{Code, Request, Response, Status};
 
-use corral_harness::audit::{AuditLog, Entry};
+use corral_harness::audit::AuditLog;
 
 use corral_harness::tenants::{Principal, Scope};
 
@@ -35,8 +35,7 @@ impl ControlService {
         Self { host, audit }
     }
 
-    /// Writes `call`'s line in the audit log (when there is one), with its
-    /// outcome: `ok`, or the reason it was refused, and who asked.
+    /// Writes `call`'s line in the audit log (see [`super::audited`]).
     async fn audited<T>(
         &self,
         who: &Principal,
@@ -44,27 +43,8 @@ impl ControlService {
         session: Option<&str>,
         r: Result<T, Status>,
     ) -> Result<T, Status> {
-        if let Some(log) = &self.audit {
-            let outcome = match &r {
-                Ok(_) => "ok".to_string(),
-                Err(s) => corral_proto::reason::of(s)
-                    .map_or_else(|| format!("{:?}", s.code()), |r| r.as_str().to_string()),
-            };
-            let entry = Entry {
-                tenant: who.tenant.clone(),
-                key: who.key_id.clone(),
-                call: call.into(),
-                session: session
-                    .filter(|s| !s.is_empty())
-                    .map(corral_harness::audit::bounded),
-                sandbox: None,
-                outcome,
-            };
-            if let Err(e) = log.record(entry).await {
-                tracing::error!(error = %e, call, "the call was not written to the audit log");
-            }
-        }
-        r
+        let about = super::About::Session(session.unwrap_or_default());
+        super::audited(self.audit.as_ref(), who, call, about, r).await
     }
 }
 
