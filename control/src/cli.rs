@@ -467,6 +467,20 @@ pub struct ServeArgs {
     /// directory take effect within a second.
     #[arg(long, env = "CORRAL_TENANTS", value_name = "DIR")]
     pub tenants: Option<PathBuf>,
+    /// Every replica of this front door (comma-separated URLs, this one's
+    /// among them): a tenant's creates are checked against its quotas by
+    /// one replica, its home (chosen from the tenant's name), to which the
+    /// others pass them, so quotas hold over all of them.
+    #[arg(
+        long,
+        env = "CORRAL_PEERS",
+        value_delimiter = ',',
+        requires = "advertise"
+    )]
+    pub peers: Vec<String>,
+    /// This replica's URL as it appears in --peers.
+    #[arg(long, env = "CORRAL_ADVERTISE", value_name = "URL")]
+    pub advertise: Option<String>,
     /// Where sessions are kept (default: $XDG_STATE_HOME/corral/sessions).
     #[arg(long, env = "CORRAL_SESSIONS_DIR")]
     pub sessions_dir: Option<PathBuf>,

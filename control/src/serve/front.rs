@@ -44,6 +44,63 @@ pub struct FrontDoor {
     keys: Option<Keys>,
     /// Each tenant's creates through this replica.
     uses: Mutex<HashMap<String, Arc<TenantUse>>>,
+    /// The other replicas, when there are several.
+    peers: Option<Peers>,
+}
+
+/// The replicas of a front door: each tenant's creates are checked against
+/// its quotas by one of them, its home, so that quotas hold over all.
+pub struct Peers {
+    own: String,
+    all: Vec<String>,
+    channels: Mutex<HashMap<String, tonic::transport::Channel>>,
+}
+
+/// The metadata a replica sends with a create it passes to the tenant's
+/// home replica.
+const FORWARDED: &str = "x-corral-forwarded";
+
+impl Peers {
+    /// `all` must name `own`.
+    pub fn new(own: String, all: Vec<String>) -> Result<Self, String> {
+        let all: Vec<String> = all
+            .into_iter()
+            .map(|p| p.trim().trim_end_matches('/').to_string())
+            .filter(|p| !p.is_empty())
+            .collect();
+        let own = own.trim().trim_end_matches('/').to_string();
+        if !all.contains(&own) {
+            return Err(format!(
+                "--advertise {own} is not among --peers ({})",
+                all.join(", ")
+            ));
+        }
+        Ok(Self {
+            own,
+            all,
+            channels: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// The replica whose the tenant's creates are: the highest of a hash
+    /// of the tenant's name with each replica's (rendezvous hashing: the
+    /// same answer on every replica, and few tenants move when one is
+    /// added or goes).
+    pub fn home(&self, tenant: &str) -> &str {
+        let score = |peer: &str| {
+            // FNV-1a: the same in every process (std's hasher is not).
+            let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+            for b in tenant.bytes().chain([0u8]).chain(peer.bytes()) {
+                h ^= u64::from(b);
+                h = h.wrapping_mul(0x0100_0000_01b3);
+            }
+            h
+        };
+        self.all
+            .iter()
+            .max_by_key(|p| (score(p), p.as_str()))
+            .map_or(self.own.as_str(), String::as_str)
+    }
 }
 
 /// A tenant's creates through this replica: one quota check at a time, the
@@ -199,14 +256,71 @@ pub(super) fn tenant_of(who: &Principal) -> Option<&str> {
 }
 
 impl FrontDoor {
-    pub fn new(fleet: Fleet, audit: Option<AuditLog>, keys: Option<Keys>) -> Self {
+    pub fn new(
+        fleet: Fleet,
+        audit: Option<AuditLog>,
+        keys: Option<Keys>,
+        peers: Option<Peers>,
+    ) -> Self {
         Self {
             fleet,
             routes: Mutex::new(HashMap::new()),
             audit,
             keys,
             uses: Mutex::new(HashMap::new()),
+            peers,
         }
+    }
+
+    /// Passes a create to the tenant's home replica, with the caller's own
+    /// key: that replica checks the key and the quota, and audits it.
+    async fn forward(
+        &self,
+        peers: &Peers,
+        home: &str,
+        key: tonic::metadata::MetadataValue<tonic::metadata::Ascii>,
+        msg: pb::CreateSandboxRequest,
+    ) -> Result<Response<pb::Sandbox>, Status> {
+        let known = peers
+            .channels
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(home)
+            .cloned();
+        let channel = match known {
+            Some(c) => c,
+            None => {
+                // The workers' TLS settings, never their token.
+                let mut creds = self
+                    .fleet
+                    .credentials(&[home.to_string()])
+                    .map_err(fleet_status)?;
+                creds.token = None;
+                let c = corral_harness::client::channel(home, &creds)
+                    .await
+                    .map_err(|e| {
+                        status(
+                            Code::Unavailable,
+                            Reason::NoWorker,
+                            format!("the tenant's home replica {home}: {e}"),
+                        )
+                    })?;
+                peers
+                    .channels
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .insert(home.to_string(), c.clone());
+                c
+            }
+        };
+        let mut req = Request::new(msg);
+        req.metadata_mut().insert("authorization", key);
+        req.metadata_mut()
+            .insert(FORWARDED, MetadataValue::from_static("1"));
+        pb::worker_client::WorkerClient::new(channel)
+            .max_decoding_message_size(corral_proto::limits::MAX_GRPC_MESSAGE_BYTES)
+            .create_sandbox(req)
+            .await
     }
 
     /// Every sandbox the caller may see, on every worker.
@@ -482,6 +596,8 @@ impl pb::worker_server::Worker for FrontDoor {
         req: Request<pb::CreateSandboxRequest>,
     ) -> Result<Response<pb::Sandbox>, Status> {
         let who = caller(&req)?;
+        let key = req.metadata().get("authorization").cloned();
+        let forwarded = req.metadata().get(FORWARDED).is_some();
         let mut msg = req.into_inner();
         // A tenant's quota counts the create while it is made: its id is
         // chosen here when the client gives none.
@@ -491,6 +607,25 @@ impl pb::worker_server::Worker for FrontDoor {
         };
         if quota.is_some() && msg.id.is_empty() {
             msg.id = SandboxId::random().to_string();
+        }
+        // A tenant with a quota has its creates checked by its home replica.
+        if let (Some(peers), Some(tenant), Some(_)) = (&self.peers, tenant_of(&who), &quota) {
+            let home = peers.home(tenant);
+            if home != peers.own {
+                if forwarded {
+                    return Err(status(
+                        Code::Unavailable,
+                        Reason::NoWorker,
+                        format!(
+                            "this replica ({}) is not tenant {tenant}'s home ({home}): the replicas' --peers differ",
+                            peers.own
+                        ),
+                    ));
+                }
+                if let Some(key) = key {
+                    return self.forward(peers, home, key, msg).await;
+                }
+            }
         }
         let msg = msg;
         let r = async {
@@ -1049,5 +1184,32 @@ impl Gate {
             }
             Gate::Keys(auth) => auth.check(req),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_replica_names_the_same_home_for_a_tenant_and_spreads_tenants() {
+        let all = ["http://a:7071", "http://b:7071", "http://c:7071/"];
+        let peers: Vec<Peers> = all
+            .iter()
+            .map(|own| {
+                let mut order: Vec<String> = all.iter().map(|s| s.to_string()).collect();
+                order.rotate_left(own.len() % 3);
+                Peers::new(own.to_string(), order).unwrap()
+            })
+            .collect();
+        let mut homes = HashSet::new();
+        for t in 0..60 {
+            let tenant = format!("tenant-{t}");
+            let home = peers[0].home(&tenant).to_string();
+            assert!(peers.iter().all(|p| p.home(&tenant) == home), "{tenant}");
+            homes.insert(home);
+        }
+        assert_eq!(homes.len(), 3, "60 tenants all had one home: {homes:?}");
+        assert!(Peers::new("http://d:7071".into(), vec!["http://a:7071".into()]).is_err());
     }
 }

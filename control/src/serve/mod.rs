@@ -190,6 +190,17 @@ pub async fn serve(conn: &ConnArgs, args: &ServeArgs) -> Result<(), ServeError> 
     health_reporter
         .set_service_status("", tonic_health::ServingStatus::Serving)
         .await;
+    let peers = match (&args.advertise, args.peers.is_empty()) {
+        (Some(own), false) => {
+            Some(front::Peers::new(own.clone(), args.peers.clone()).map_err(ServeError::Usage)?)
+        }
+        (Some(_), true) => {
+            return Err(ServeError::Usage(
+                "--advertise names this replica among --peers: give --peers too".into(),
+            ));
+        }
+        (None, _) => None,
+    };
     let keys_stop = tokio_util::sync::CancellationToken::new();
     let (gate, keys, keys_task) = match &args.tenants {
         Some(dir) => {
@@ -213,7 +224,7 @@ pub async fn serve(conn: &ConnArgs, args: &ServeArgs) -> Result<(), ServeError> 
         let gate = gate.clone();
         move |req| gate.check(req)
     });
-    let sandboxes = WorkerServer::new(front::FrontDoor::new(fleet.clone(), audit, keys))
+    let sandboxes = WorkerServer::new(front::FrontDoor::new(fleet.clone(), audit, keys, peers))
         .max_decoding_message_size(MAX_REQUEST_BYTES)
         .max_encoding_message_size(MAX_GRPC_MESSAGE_BYTES);
     let sandboxes =

@@ -806,3 +806,126 @@ async fn a_tenants_quota_holds_under_two_hundred_creates_at_once_and_says_what_i
     let _ = again;
     Ok(())
 }
+
+/// A second replica of the front door, killed when dropped.
+struct Replica(std::process::Child);
+
+impl Drop for Replica {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[tokio::test]
+async fn quotas_and_revocations_hold_over_two_front_door_replicas() -> Result<()> {
+    let mut setup = Setup::start(2, 4).await?;
+    let tenants = tempfile::tempdir()?;
+    let acme = new_key(tenants.path(), "acme", "run", None)?;
+    let bolt = new_key(tenants.path(), "bolt", "run", None)?;
+    let set = admin(
+        tenants.path(),
+        &["quota", "set", "--tenant", "acme", "sandboxes=20"],
+    )?;
+    ensure!(set.status.success(), "{set:?}");
+    let a_url = setup.url();
+    let b_port = corral_e2e::free_port()?;
+    let b_url = format!("http://127.0.0.1:{b_port}");
+    let peers = format!("{a_url},{b_url}");
+    let dir = tenants.path().display().to_string();
+    setup.kill_service();
+    setup.service_args = vec![
+        "--tenants".into(),
+        dir.clone(),
+        "--peers".into(),
+        peers.clone(),
+        "--advertise".into(),
+        a_url.clone(),
+    ];
+    setup.start_service()?;
+    let b_state = tempfile::tempdir()?;
+    let b_sessions = tempfile::tempdir()?;
+    let mut cmd = std::process::Command::new(corral_e2e::binary("corral")?);
+    cmd.env_clear()
+        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+        .env("HOME", b_state.path())
+        .env("CORRAL_LOG", "warn")
+        .args(["--worker", &setup.worker_list(), "--token-file"])
+        .arg(&setup.token)
+        .args(["serve", "--listen", &format!("127.0.0.1:{b_port}")])
+        .arg("--serve-state-dir")
+        .arg(b_state.path())
+        .arg("--sessions-dir")
+        .arg(b_sessions.path())
+        .args(["--heartbeat", "0", "--tenants", &dir, "--peers", &peers])
+        .args(["--advertise", &b_url])
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::inherit());
+    let _b = Replica(corral_e2e::spawn_listening(&mut cmd, "the second replica")?);
+
+    let on_a = WorkerClient::connect(&a_url, Some(key_of(&acme))).await?;
+    let on_b = WorkerClient::connect(&b_url, Some(key_of(&acme))).await?;
+    let creates = (0..200).map(|i| {
+        let c = if i % 2 == 0 {
+            on_a.clone()
+        } else {
+            on_b.clone()
+        };
+        tokio::spawn(async move { c.create_sandbox(None, spec()).await })
+    });
+    let mut made = 0;
+    for r in futures_util::future::join_all(creates).await {
+        match r? {
+            Ok(_) => made += 1,
+            Err(e) => {
+                let s = status_of(e);
+                ensure!(
+                    corral_proto::reason::quota_of(&s) == Some(("sandboxes".into(), 20, 20)),
+                    "{s:?}"
+                );
+            }
+        }
+    }
+    let listed = on_b.list_sandboxes().await?;
+    ensure!(
+        made == 20 && listed.len() == 20,
+        "made {made}, listed {}",
+        listed.len()
+    );
+    // Both replicas answer alike.
+    let mut from_a: Vec<String> = on_a
+        .list_sandboxes()
+        .await?
+        .into_iter()
+        .map(|s| s.id.to_string())
+        .collect();
+    let mut from_b: Vec<String> = listed.iter().map(|s| s.id.to_string()).collect();
+    from_a.sort();
+    from_b.sort();
+    ensure!(from_a == from_b);
+
+    // A revoked key is refused by both within a second.
+    let bolt_a = WorkerClient::connect(&a_url, Some(key_of(&bolt))).await?;
+    let bolt_b = WorkerClient::connect(&b_url, Some(key_of(&bolt))).await?;
+    ensure!(bolt_a.list_sandboxes().await?.is_empty() && bolt_b.list_sandboxes().await?.is_empty());
+    let revoked = admin(
+        tenants.path(),
+        &["key", "revoke", bolt["id"].as_str().unwrap_or_default()],
+    )?;
+    ensure!(revoked.status.success(), "{revoked:?}");
+    let at = Instant::now();
+    for client in [&bolt_a, &bolt_b] {
+        while client.list_sandboxes().await.is_ok() {
+            ensure!(
+                at.elapsed() < Duration::from_secs(1),
+                "a revoked key still works on a replica after a second"
+            );
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+    }
+    for s in listed {
+        on_a.destroy_sandbox(&s.id).await?;
+    }
+    Ok(())
+}
