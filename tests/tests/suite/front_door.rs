@@ -715,6 +715,47 @@ async fn a_tenants_sessions_and_their_sandboxes_are_its_own() -> Result<()> {
             "{call}: {answer}"
         );
     }
+    // `corral run --control` with the key from the environment alone.
+    let via_cli = unique_id("s-cli");
+    let mut cmd = corral_e2e::run::command(
+        &setup.model,
+        "",
+        setup.sessions.path(),
+        &[
+            "--control",
+            &url,
+            "--session",
+            &via_cli,
+            "echo from-the-cli",
+        ],
+    );
+    cmd.env("CORRAL_API_KEY", key_of(&acme));
+    let run = corral_e2e::run::finish(cmd).await?;
+    ensure!(run.code == 0, "{}", run.stderr);
+    ensure!(run.result()["status"] == "done", "{}", run.result());
+    ensure!(
+        run.of_type("tool_result")
+            .iter()
+            .any(|e| e["text"].to_string().contains("from-the-cli")),
+        "{:?}",
+        run.of_type("tool_result")
+    );
+    let acmes: Vec<String> = as_acme
+        .list()
+        .await?
+        .into_iter()
+        .map(|s| s.session_id)
+        .collect();
+    ensure!(acmes.contains(&via_cli), "{acmes:?}");
+    ensure!(
+        as_bolt
+            .list()
+            .await?
+            .iter()
+            .all(|s| s.session_id != via_cli)
+    );
+    as_acme.remove(&via_cli, false).await?;
+
     as_acme.remove(&id, false).await?;
     let bolts = as_bolt.list().await?;
     for s in bolts {
