@@ -605,7 +605,10 @@ impl pb::worker_server::Worker for FrontDoor {
             (Some(keys), Some(tenant)) => keys.current().quota(tenant).cloned(),
             _ => None,
         };
-        if quota.is_some() && msg.id.is_empty() {
+        // An id the client (or a replica passing a create on) chose may be
+        // taken on some worker; one made here is new.
+        let chosen = !msg.id.is_empty();
+        if quota.is_some() && !chosen {
             msg.id = SandboxId::random().to_string();
         }
         // A tenant with a quota has its creates checked by its home replica.
@@ -647,9 +650,7 @@ impl pb::worker_server::Worker for FrontDoor {
                 })?;
             // Ids are one namespace over the fleet: a worker that has the
             // id answers the create (the same sandbox again, or a conflict).
-            if !msg.id.is_empty()
-                && let Some((_, mut raw)) = self.holder(&sandbox_id(msg.id.clone())?).await?
-            {
+            if chosen && let Some((_, mut raw)) = self.holder(&sandbox_id(msg.id.clone())?).await? {
                 return raw
                     .create_sandbox(FrontDoor::outgoing(&who, msg.clone()))
                     .await
