@@ -171,6 +171,11 @@ pub struct AdminArgs {
     /// running front door sees each change within a second.
     #[arg(long, env = "CORRAL_TENANTS", value_name = "DIR", global = true)]
     pub tenants: Option<PathBuf>,
+    /// A running front door (`corral serve --tenants DIR`) whose
+    /// directory is changed, with an admin key in CORRAL_API_KEY (where no
+    /// --tenants is given).
+    #[arg(long, env = "CORRAL_URL", value_name = "URL", global = true)]
+    pub url: Option<String>,
     #[command(subcommand)]
     pub command: AdminCommand,
 }
@@ -191,8 +196,9 @@ pub enum AdminCommand {
 #[derive(Debug, Clone, Subcommand)]
 pub enum QuotaCommand {
     /// Sets a tenant's quotas: `sandboxes=N` (at once, on all workers),
-    /// `creates_per_minute=N`; `NAME=none` lifts one. A front door applies
-    /// them within a second.
+    /// `memory=SIZE` (e.g. 64g), `cpus=N` and `pids=N` (the sandboxes'
+    /// limits summed), `sessions=N` (at once), `creates_per_minute=N`;
+    /// `NAME=none` lifts one. A front door applies them within a second.
     Set {
         #[arg(long)]
         tenant: String,
@@ -873,26 +879,7 @@ fn parse_env(s: &str) -> Result<(String, String), String> {
     }
 }
 
-/// Parses sizes like `512m`, `2g`, `1GiB`, `1048576`.
-pub fn parse_size(s: &str) -> Result<u64, String> {
-    let t = s.trim().to_ascii_lowercase();
-    let digits = t
-        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .unwrap_or(t.len());
-    let (num, unit) = t.split_at(digits);
-    let n: f64 = num
-        .parse()
-        .map_err(|_| format!("{s:?} is not a size like 512m or 2g"))?;
-    let mult: u64 = match unit.trim_end_matches("ib").trim_end_matches('b') {
-        "" => 1,
-        "k" => 1 << 10,
-        "m" => 1 << 20,
-        "g" => 1 << 30,
-        "t" => 1 << 40,
-        _ => return Err(format!("{s:?}: unknown unit (use k, m, g)")),
-    };
-    Ok((n * mult as f64) as u64)
-}
+pub use corral_proto::units::parse_size;
 
 #[cfg(test)]
 mod tests {

@@ -13,7 +13,8 @@
 //! - the machine-readable [`reason`] every error status carries;
 //! - [`egress`] rules: what a sandbox's connections may reach, parsed and
 //!   matched, and how a worker's bound covers them;
-//! - [`text`]: outside words made safe for a terminal or a log line.
+//! - [`text`]: outside words made safe for a terminal or a log line;
+//! - [`units`]: sizes and CPUs as people write them.
 //!
 //! It owns no behaviour beyond validation: no I/O, no async.
 
@@ -31,6 +32,7 @@ pub mod sandbox;
 mod serde_bytes_b64;
 pub mod spec;
 pub mod text;
+pub mod units;
 
 pub use error::ProtocolError;
 pub use event::{Event, EventKind, OutputStream};

@@ -46,3 +46,5 @@ pub const TMP_DIR: &str = "/tmp";
 pub const MAX_LABELS: usize = 64;
 pub const MAX_LABEL_KEY_BYTES: usize = 128;
 pub const MAX_LABEL_VALUE_BYTES: usize = 1024;
+/// Most children one fork makes.
+pub const MAX_FORK_CHILDREN: usize = 100;

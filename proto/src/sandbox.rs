@@ -61,6 +61,8 @@ pub struct WorkerInfo {
     pub default_runtime: Option<String>,
     /// Its warm pools.
     pub pools: Vec<PoolInfo>,
+    /// The limits of a sandbox whose spec names none (each 0: not known).
+    pub default_limits: Limits,
 }
 
 /// A warm pool as its worker shows it (see `PoolInfo` in worker.proto).
@@ -308,6 +310,9 @@ impl From<WorkerInfo> for pb::WorkerInfo {
             drain_deadline_ms: i.drain_deadline_ms,
             default_image: i.default_image,
             default_runtime: i.default_runtime.unwrap_or_default(),
+            default_memory_bytes: i.default_limits.memory_bytes,
+            default_cpu_millis: i.default_limits.cpu_millis,
+            default_pids_limit: i.default_limits.pids_limit,
             pools: i
                 .pools
                 .into_iter()
@@ -343,6 +348,11 @@ impl From<pb::WorkerInfo> for WorkerInfo {
             drain_deadline_ms: i.drain_deadline_ms,
             default_image: i.default_image,
             default_runtime: Some(i.default_runtime).filter(|r| !r.is_empty()),
+            default_limits: Limits {
+                memory_bytes: i.default_memory_bytes,
+                cpu_millis: i.default_cpu_millis,
+                pids_limit: i.default_pids_limit,
+            },
             pools: i
                 .pools
                 .into_iter()

@@ -655,25 +655,7 @@ fn parse_rate(s: &str) -> Result<u64, String> {
     }
 }
 
-/// Sizes like `512m`, `16g` (k, m, g, t; a plain number is bytes).
-pub fn parse_size(s: &str) -> Result<u64, String> {
-    let t = s.trim().to_ascii_lowercase();
-    let t = t.trim_end_matches("ib").trim_end_matches('b');
-    let (num, mult) = match t.char_indices().last() {
-        Some((i, 'k')) => (&t[..i], 1u64 << 10),
-        Some((i, 'm')) => (&t[..i], 1 << 20),
-        Some((i, 'g')) => (&t[..i], 1 << 30),
-        Some((i, 't')) => (&t[..i], 1 << 40),
-        _ => (t, 1),
-    };
-    let n: f64 = num
-        .parse()
-        .map_err(|_| format!("{s:?} is not a size like 512m or 16g"))?;
-    if !n.is_finite() || n < 0.0 {
-        return Err(format!("{s:?} is not a size like 512m or 16g"));
-    }
-    Ok((n * mult as f64) as u64)
-}
+pub use corral_proto::units::parse_size;
 
 /// The host's `kernel.pid_max` (32,768 where it cannot be read: Linux's
 /// default on small hosts).

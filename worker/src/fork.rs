@@ -24,7 +24,7 @@ use crate::docker::ContainerProcess;
 use crate::error::{Result, WorkerError};
 
 /// At most this many children in one fork.
-pub const MAX_CHILDREN: usize = 100;
+pub const MAX_CHILDREN: usize = corral_proto::limits::MAX_FORK_CHILDREN;
 
 /// The trees a child gets: every writable mount of a sandbox whose root is
 /// read-only (its users' database is not one: each sandbox has its own).

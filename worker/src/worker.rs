@@ -1782,6 +1782,7 @@ impl Worker {
             default_image: self.inner.default_image.clone(),
             default_runtime: self.inner.default_runtime.clone(),
             pools: lock(&self.inner.pools).iter().map(Into::into).collect(),
+            default_limits: self.inner.default_limits,
         }
     }
 

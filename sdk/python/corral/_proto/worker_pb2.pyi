@@ -728,7 +728,7 @@ class SandboxStats(_message.Message):
     def __init__(self, sandbox_id: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., memory_limit_bytes: _Optional[int] = ..., files_bytes: _Optional[int] = ..., cpu_percent: _Optional[float] = ..., cpu_total_ns: _Optional[int] = ..., pids: _Optional[int] = ..., pids_limit: _Optional[int] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "version", "max_sandboxes", "sandboxes", "running_operations", "docker_version", "policy", "draining", "drain_deadline_ms", "default_image", "default_runtime", "pools")
+    __slots__ = ("worker_id", "version", "max_sandboxes", "sandboxes", "running_operations", "docker_version", "policy", "draining", "drain_deadline_ms", "default_image", "default_runtime", "pools", "default_memory_bytes", "default_cpu_millis", "default_pids_limit")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MAX_SANDBOXES_FIELD_NUMBER: _ClassVar[int]
@@ -741,6 +741,9 @@ class WorkerInfo(_message.Message):
     DEFAULT_IMAGE_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_RUNTIME_FIELD_NUMBER: _ClassVar[int]
     POOLS_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_CPU_MILLIS_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_PIDS_LIMIT_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     version: str
     max_sandboxes: int
@@ -753,7 +756,10 @@ class WorkerInfo(_message.Message):
     default_image: str
     default_runtime: str
     pools: _containers.RepeatedCompositeFieldContainer[PoolInfo]
-    def __init__(self, worker_id: _Optional[str] = ..., version: _Optional[str] = ..., max_sandboxes: _Optional[int] = ..., sandboxes: _Optional[int] = ..., running_operations: _Optional[int] = ..., docker_version: _Optional[str] = ..., policy: _Optional[_Union[SandboxPolicy, _Mapping]] = ..., draining: _Optional[bool] = ..., drain_deadline_ms: _Optional[int] = ..., default_image: _Optional[str] = ..., default_runtime: _Optional[str] = ..., pools: _Optional[_Iterable[_Union[PoolInfo, _Mapping]]] = ...) -> None: ...
+    default_memory_bytes: int
+    default_cpu_millis: int
+    default_pids_limit: int
+    def __init__(self, worker_id: _Optional[str] = ..., version: _Optional[str] = ..., max_sandboxes: _Optional[int] = ..., sandboxes: _Optional[int] = ..., running_operations: _Optional[int] = ..., docker_version: _Optional[str] = ..., policy: _Optional[_Union[SandboxPolicy, _Mapping]] = ..., draining: _Optional[bool] = ..., drain_deadline_ms: _Optional[int] = ..., default_image: _Optional[str] = ..., default_runtime: _Optional[str] = ..., pools: _Optional[_Iterable[_Union[PoolInfo, _Mapping]]] = ..., default_memory_bytes: _Optional[int] = ..., default_cpu_millis: _Optional[int] = ..., default_pids_limit: _Optional[int] = ...) -> None: ...
 
 class PoolInfo(_message.Message):
     __slots__ = ("template", "image", "size", "ready", "claims", "misses", "last_refill_ms", "memory_bytes", "cpu_millis", "pids_limit", "runtime")
