@@ -24,6 +24,7 @@ fn entry(i: usize) -> Entry {
         call: "StartSession".into(),
         session: Some(format!("s-{i:08}")),
         sandbox: Some(format!("sb-{i:08}")),
+        subject: None,
         outcome: "ok".into(),
     }
 }

@@ -64,6 +64,9 @@ pub struct Entry {
     pub session: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sandbox: Option<String>,
+    /// What an admin call was about: `key:ID` or `tenant:NAME`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub subject: Option<String>,
     /// `ok`, or the reason it was refused.
     pub outcome: String,
 }
@@ -256,6 +259,7 @@ fn write_all(
                 call: "audit_resumed".into(),
                 session: None,
                 sandbox: None,
+                subject: None,
                 outcome: format!("a torn last line of {cut} bytes was cut"),
             },
         )?;
@@ -339,6 +343,7 @@ mod tests {
             call: "StartSession".into(),
             session: Some(format!("s{i}")),
             sandbox: None,
+            subject: None,
             outcome: "ok".into(),
         }
     }

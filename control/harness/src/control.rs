@@ -1,6 +1,7 @@
 //! The client of a control plane service (`corral serve`,
 //! `corral.v1.Control`): sessions started, fed, stopped, watched, forked,
-//! exported and removed on a service that hosts them. Its errors carry the
+//! exported and removed on a service that hosts them; and of its
+//! `corral.v1.Admin` (tenants' keys and quotas). Its errors carry the
 //! service's machine-readable reason; none is read from message text.
 
 use std::time::Duration;
@@ -35,7 +36,9 @@ fn describe(s: &Status) -> String {
     let msg = crate::client::status_text(s);
     match s.code() {
         tonic::Code::Unauthenticated => {
-            format!("the control plane refused the call: {msg} (pass --control-token-file)")
+            format!(
+                "the control plane refused the call: {msg} (pass --control-token-file, or set CORRAL_API_KEY to a key of the front door's)"
+            )
         }
         tonic::Code::Unavailable => format!("control plane unavailable: {msg}"),
         _ => msg,
@@ -77,6 +80,87 @@ impl ControlError {
 }
 
 /// A connection to a control plane service.
+/// A channel to the service at `url` and what presents `creds`' token.
+async fn connect(url: &str, creds: &Credentials) -> Result<(Channel, Auth), ControlError> {
+    let connect = |e: ClientError| ControlError::Connect {
+        url: url.to_string(),
+        reason: match e {
+            ClientError::BadAddress { reason, .. } | ClientError::Connect { reason, .. } => reason,
+            other => source_chain(&other),
+        },
+    };
+    let ch = channel(url, creds).await.map_err(connect)?;
+    let auth = Auth::bearer(url, creds.token.as_deref()).map_err(connect)?;
+    Ok((ch, auth))
+}
+
+/// A client of a front door's `corral.v1.Admin`: the tenants' keys and
+/// quotas, for an `admin` key.
+#[derive(Clone)]
+pub struct AdminClient {
+    inner: pb::admin_client::AdminClient<InterceptedService<Channel, Auth>>,
+}
+
+impl AdminClient {
+    pub async fn connect(url: &str, creds: &Credentials) -> Result<Self, ControlError> {
+        let (ch, auth) = connect(url, creds).await?;
+        Ok(Self {
+            inner: pb::admin_client::AdminClient::with_interceptor(ch, auth),
+        })
+    }
+
+    pub async fn create_key(
+        &self,
+        req: pb::CreateKeyRequest,
+    ) -> Result<pb::CreateKeyResponse, ControlError> {
+        Ok(self.inner.clone().create_key(req).await?.into_inner())
+    }
+
+    pub async fn list_keys(&self) -> Result<Vec<pb::KeyInfo>, ControlError> {
+        Ok(self
+            .inner
+            .clone()
+            .list_keys(pb::ListKeysRequest {})
+            .await?
+            .into_inner()
+            .keys)
+    }
+
+    pub async fn revoke_key(&self, id: &str) -> Result<(), ControlError> {
+        self.inner
+            .clone()
+            .revoke_key(pb::RevokeKeyRequest { id: id.to_string() })
+            .await?;
+        Ok(())
+    }
+
+    pub async fn set_quota(
+        &self,
+        tenant: &str,
+        quotas: &[String],
+    ) -> Result<pb::TenantQuota, ControlError> {
+        Ok(self
+            .inner
+            .clone()
+            .set_quota(pb::SetQuotaRequest {
+                tenant: tenant.to_string(),
+                quotas: quotas.to_vec(),
+            })
+            .await?
+            .into_inner())
+    }
+
+    pub async fn list_quotas(&self) -> Result<Vec<pb::TenantQuota>, ControlError> {
+        Ok(self
+            .inner
+            .clone()
+            .list_quotas(pb::ListQuotasRequest {})
+            .await?
+            .into_inner()
+            .quotas)
+    }
+}
+
 #[derive(Clone)]
 pub struct ControlClient {
     url: String,
@@ -91,17 +175,7 @@ impl ControlClient {
     /// Connects to `url` (http://HOST:PORT, or https:// with the TLS of
     /// `creds`), presenting `creds`' token on every call.
     pub async fn connect(url: &str, creds: &Credentials) -> Result<Self, ControlError> {
-        let connect = |e: ClientError| ControlError::Connect {
-            url: url.to_string(),
-            reason: match e {
-                ClientError::BadAddress { reason, .. } | ClientError::Connect { reason, .. } => {
-                    reason
-                }
-                other => source_chain(&other),
-            },
-        };
-        let ch = channel(url, creds).await.map_err(connect)?;
-        let auth = Auth::bearer(url, creds.token.as_deref()).map_err(connect)?;
+        let (ch, auth) = connect(url, creds).await?;
         Ok(Self {
             url: url.to_string(),
             inner: PbClient::with_interceptor(ch, auth)

@@ -165,27 +165,62 @@ pub fn now_ms() -> i64 {
 }
 
 /// What a tenant may hold at once, and how fast it may make sandboxes; a
-/// quota not given does not limit.
+/// quota not given does not limit. Memory, CPUs and processes count each
+/// sandbox's limits (what it asked for, or its worker's default), not what
+/// it uses now.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Quota {
     /// Sandboxes it has at once, on all the workers.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sandboxes: Option<u64>,
-    /// Sandboxes it makes in any 60 s.
+    /// The memory limits of its sandboxes, summed, in bytes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_bytes: Option<u64>,
+    /// The CPU limits of its sandboxes, summed, in thousandths of a CPU.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpu_millis: Option<u64>,
+    /// The process limits of its sandboxes, summed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pids: Option<u64>,
+    /// Sessions it runs at once on the front door.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sessions: Option<u64>,
+    /// Sandboxes it makes (creates and forks' children) in any 60 s.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub creates_per_minute: Option<u64>,
 }
 
 impl Quota {
-    /// The quotas' names, as `quota set` takes them.
-    pub const NAMES: [&'static str; 2] = ["sandboxes", "creates_per_minute"];
+    /// The quotas' names, as `quota set` takes them (memory as a size like
+    /// `64g`, cpus as a number like `8` or `0.5`).
+    pub const NAMES: [&'static str; 6] = [
+        "sandboxes",
+        "memory",
+        "cpus",
+        "pids",
+        "sessions",
+        "creates_per_minute",
+    ];
 
-    /// Sets `name` to `value` (None: no limit).
-    pub fn set(&mut self, name: &str, value: Option<u64>) -> Result<(), TenantsError> {
+    /// Sets `name` to `value` (None: no limit), written as `quota set`
+    /// takes it.
+    pub fn set(&mut self, name: &str, value: Option<&str>) -> Result<(), TenantsError> {
+        let bad = |e: String| TenantsError::Invalid(format!("{name}={}: {e}", value.unwrap_or("")));
+        let count = |v: &str| {
+            v.trim()
+                .parse::<u64>()
+                .map_err(|_| format!("{v:?} is not a whole number (or none)"))
+        };
+        let parsed =
+            |f: &dyn Fn(&str) -> Result<u64, String>| value.map(f).transpose().map_err(bad);
         match name.replace('-', "_").as_str() {
-            "sandboxes" => self.sandboxes = value,
-            "creates_per_minute" => self.creates_per_minute = value,
+            "sandboxes" => self.sandboxes = parsed(&count)?,
+            "memory" => self.memory_bytes = parsed(&corral_proto::units::parse_size)?,
+            "cpus" => self.cpu_millis = parsed(&corral_proto::units::parse_cpus)?,
+            "pids" => self.pids = parsed(&count)?,
+            "sessions" => self.sessions = parsed(&count)?,
+            "creates_per_minute" => self.creates_per_minute = parsed(&count)?,
             other => {
                 return Err(TenantsError::Invalid(format!(
                     "unknown quota {other:?}: {}",
@@ -196,8 +231,95 @@ impl Quota {
         Ok(())
     }
 
+    /// Whether any quota bounds the sandboxes a tenant makes (all but
+    /// `sessions`).
+    pub fn limits_sandboxes(&self) -> bool {
+        Quota {
+            sessions: None,
+            ..self.clone()
+        } != Quota::default()
+    }
+
     pub fn is_empty(&self) -> bool {
         *self == Quota::default()
+    }
+}
+
+/// Keys and quotas on the wire (`corral.v1.Admin`): a key's digest never
+/// leaves the front door.
+pub mod wire {
+    use super::{KeyRecord, Quota, Scope, TenantsError};
+    use corral_proto::pb;
+
+    pub fn scope(s: Scope) -> pb::KeyScope {
+        match s {
+            Scope::Read => pb::KeyScope::Read,
+            Scope::Run => pb::KeyScope::Run,
+            Scope::Admin => pb::KeyScope::Admin,
+        }
+    }
+
+    pub fn scope_of(v: i32) -> Result<Scope, TenantsError> {
+        match pb::KeyScope::try_from(v) {
+            Ok(pb::KeyScope::Read) => Ok(Scope::Read),
+            Ok(pb::KeyScope::Run) => Ok(Scope::Run),
+            Ok(pb::KeyScope::Admin) => Ok(Scope::Admin),
+            _ => Err(TenantsError::Invalid(format!(
+                "scope {v}: not one of read, run, admin"
+            ))),
+        }
+    }
+
+    pub fn key_info(r: &KeyRecord) -> pb::KeyInfo {
+        pb::KeyInfo {
+            id: r.id.clone(),
+            tenant: r.tenant.clone(),
+            scopes: r.scopes.iter().map(|s| scope(*s) as i32).collect(),
+            created_unix_ms: r.created_unix_ms,
+            expires_unix_ms: r.expires_unix_ms.unwrap_or(0),
+        }
+    }
+
+    /// A key as a front door describes it (without its digest).
+    pub fn record_of(k: pb::KeyInfo) -> Result<KeyRecord, TenantsError> {
+        Ok(KeyRecord {
+            id: k.id,
+            tenant: k.tenant,
+            scopes: k
+                .scopes
+                .into_iter()
+                .map(scope_of)
+                .collect::<Result<_, _>>()?,
+            sha256: String::new(),
+            created_unix_ms: k.created_unix_ms,
+            expires_unix_ms: (k.expires_unix_ms != 0).then_some(k.expires_unix_ms),
+        })
+    }
+
+    pub fn tenant_quota(tenant: &str, q: &Quota) -> pb::TenantQuota {
+        pb::TenantQuota {
+            tenant: tenant.to_string(),
+            sandboxes: q.sandboxes,
+            memory_bytes: q.memory_bytes,
+            cpu_millis: q.cpu_millis,
+            pids: q.pids,
+            sessions: q.sessions,
+            creates_per_minute: q.creates_per_minute,
+        }
+    }
+
+    pub fn quota_of(q: pb::TenantQuota) -> (String, Quota) {
+        (
+            q.tenant,
+            Quota {
+                sandboxes: q.sandboxes,
+                memory_bytes: q.memory_bytes,
+                cpu_millis: q.cpu_millis,
+                pids: q.pids,
+                sessions: q.sessions,
+                creates_per_minute: q.creates_per_minute,
+            },
+        )
     }
 }
 
@@ -328,7 +450,7 @@ pub fn set_quota(dir: &Path, tenant: &str, assignments: &[String]) -> Result<Quo
     }
     if assignments.is_empty() {
         return Err(TenantsError::Invalid(format!(
-            "which quotas? NAME=VALUE ({}; VALUE a number or none)",
+            "which quotas? NAME=VALUE ({}; VALUE a number, a size like 64g for memory, or none)",
             Quota::NAMES.join(", ")
         )));
     }
@@ -339,13 +461,13 @@ pub fn set_quota(dir: &Path, tenant: &str, assignments: &[String]) -> Result<Quo
         .unwrap_or_default();
     for a in assignments {
         let (name, value) = a.split_once('=').ok_or_else(|| {
-            TenantsError::Invalid(format!("{a:?}: NAME=VALUE (VALUE a number or none)"))
+            TenantsError::Invalid(format!(
+                "{a:?}: NAME=VALUE (VALUE a number, a size, or none)"
+            ))
         })?;
         let value = match value.trim() {
             "none" => None,
-            v => Some(v.parse::<u64>().map_err(|_| {
-                TenantsError::Invalid(format!("{a:?}: {v:?} is not a whole number (or none)"))
-            })?),
+            v => Some(v),
         };
         quota.set(name.trim(), value)?;
     }
@@ -527,6 +649,8 @@ fn fingerprint(dir: &Path) -> Vec<(String, u64, i64, i64)> {
 #[derive(Clone)]
 pub struct Keys {
     current: tokio::sync::watch::Receiver<Arc<KeySet>>,
+    /// Asks the watcher to read the directory at once.
+    look: Arc<tokio::sync::Notify>,
 }
 
 impl Keys {
@@ -538,9 +662,34 @@ impl Keys {
     /// Keys that never change (a test's).
     pub fn fixed(set: KeySet) -> Self {
         let (_tx, current) = tokio::sync::watch::channel(Arc::new(set));
-        Self { current }
+        Self {
+            current,
+            look: Arc::new(tokio::sync::Notify::new()),
+        }
+    }
+
+    /// Taken before a change made here to the directory: see
+    /// [`Keys::look_now`].
+    pub fn before_change(&self) -> Seen {
+        let mut seen = self.current.clone();
+        seen.mark_unchanged();
+        Seen(seen)
+    }
+
+    /// After a change made here to the directory (`since` taken before
+    /// it): has it read at once, and waits (a second at most) until a read
+    /// after `since` is in force, so that a key just made works and one
+    /// just revoked fails on this replica before the call that changed it
+    /// is answered.
+    pub async fn look_now(&self, since: Seen) {
+        let Seen(mut next) = since;
+        self.look.notify_one();
+        let _ = tokio::time::timeout(Duration::from_secs(1), next.changed()).await;
     }
 }
+
+/// The keys as they were before a change (see [`Keys::before_change`]).
+pub struct Seen(tokio::sync::watch::Receiver<Arc<KeySet>>);
 
 /// Reads `dir` now (an error if it does not read whole) and then every
 /// [`POLL`] while `stop` is not canceled: a change takes effect once the
@@ -554,12 +703,15 @@ pub fn watch(
     let first = KeySet::load(&dir)?;
     tracing::info!(dir = %dir.display(), keys = first.len(), "tenants' keys read");
     let (tx, current) = tokio::sync::watch::channel(Arc::new(first));
+    let look = Arc::new(tokio::sync::Notify::new());
+    let asked = look.clone();
     let task = tokio::spawn(async move {
         let mut failing: Option<String> = None;
         loop {
             tokio::select! {
                 () = stop.cancelled() => return,
                 () = tokio::time::sleep(POLL) => {}
+                () = asked.notified() => {}
             }
             let now = fingerprint(&dir);
             if now == seen {
@@ -586,7 +738,7 @@ pub fn watch(
             }
         }
     });
-    Ok((Keys { current }, task))
+    Ok((Keys { current, look }, task))
 }
 
 #[cfg(test)]
@@ -669,7 +821,14 @@ mod tests {
         };
         let q = set(&["sandboxes=20", "creates-per-minute=60"]).unwrap();
         assert_eq!((q.sandboxes, q.creates_per_minute), (Some(20), Some(60)));
-        assert!(set(&["memory=64g"]).is_err());
+        let q = set(&["memory=64g", "cpus=2.5", "pids=4096", "sessions=3"]).unwrap();
+        assert_eq!(
+            (q.memory_bytes, q.cpu_millis, q.pids, q.sessions),
+            (Some(64 << 30), Some(2500), Some(4096), Some(3))
+        );
+        assert!(set(&["memory=lots"]).is_err());
+        assert!(set(&["cpus=-1"]).is_err());
+        assert!(set(&["gpus=1"]).is_err());
         assert!(set(&["sandboxes=-1"]).is_err());
         assert!(set(&["sandboxes"]).is_err());
         let q = set(&["creates_per_minute=none"]).unwrap();

@@ -1,18 +1,124 @@
-//! `corral admin`: what an operator does. `key create|ls|revoke` work on a
-//! front door's tenants' directory (`--tenants DIR`), offline; `audit
-//! verify` exits 0 when the log's chain is whole, 1 when it is broken
-//! (naming the first line that is), 125 when the log cannot be read.
+//! `corral admin`: what an operator does. `key create|ls|revoke` and
+//! `quota set|ls` work on a front door's tenants' directory (`--tenants
+//! DIR`), offline, or through a running front door (`--url URL`, with an
+//! admin key in `CORRAL_API_KEY`); `audit verify` exits 0 when the log's
+//! chain is whole, 1 when it is broken (naming the first line that is),
+//! 125 when the log cannot be read.
 
 use std::collections::BTreeSet;
 use std::io::Write;
-use std::path::Path;
+use std::path::PathBuf;
+use std::time::Duration;
 
 use corral_harness::audit::{AuditError, verify};
-use corral_harness::tenants::{self, KeyRecord, Scope, TenantsError};
+use corral_harness::control::{AdminClient, ControlError};
+use corral_harness::tenants::{self, KeyRecord, Quota, Scope, TenantsError, wire};
+use corral_proto::Reason;
 
-use crate::cli::{AdminArgs, AdminCommand, AuditCommand, KeyCommand, QuotaCommand};
+use crate::cli::{AdminArgs, AdminCommand, AuditCommand, ConnArgs, KeyCommand, QuotaCommand};
 
-pub fn main(args: &AdminArgs) -> u8 {
+/// Where the keys and quotas are changed.
+enum Tenants {
+    /// The directory itself.
+    Dir(PathBuf),
+    /// A running front door, which changes the one it serves.
+    Front(AdminClient),
+}
+
+#[derive(Debug, thiserror::Error)]
+enum Error {
+    #[error(transparent)]
+    Tenants(#[from] TenantsError),
+    #[error(transparent)]
+    Front(#[from] ControlError),
+}
+
+impl Error {
+    fn exit_code(&self) -> u8 {
+        match self {
+            Error::Tenants(TenantsError::Invalid(_)) => super::EXIT_USAGE,
+            Error::Front(e) if e.reason() == Some(Reason::InvalidArgument) => super::EXIT_USAGE,
+            _ => super::EXIT_CORRAL_ERROR,
+        }
+    }
+}
+
+impl Tenants {
+    async fn create_key(
+        &self,
+        tenant: &str,
+        scopes: BTreeSet<Scope>,
+        ttl: Option<Duration>,
+    ) -> Result<(String, KeyRecord), Error> {
+        match self {
+            Tenants::Dir(dir) => Ok(tenants::create_key(dir, tenant, scopes, ttl)?),
+            Tenants::Front(c) => {
+                let made = c
+                    .create_key(corral_proto::pb::CreateKeyRequest {
+                        tenant: tenant.to_string(),
+                        scopes: scopes.iter().map(|s| wire::scope(*s) as i32).collect(),
+                        ttl_ms: ttl.map_or(0, |t| u64::try_from(t.as_millis()).unwrap_or(u64::MAX)),
+                    })
+                    .await?;
+                let info = made.info.ok_or_else(|| TenantsError::Malformed {
+                    path: "the front door's answer".into(),
+                    why: "no key info".into(),
+                })?;
+                Ok((made.key, wire::record_of(info)?))
+            }
+        }
+    }
+
+    async fn list(&self) -> Result<Vec<KeyRecord>, Error> {
+        match self {
+            Tenants::Dir(dir) => Ok(tenants::list(dir)?),
+            Tenants::Front(c) => Ok(c
+                .list_keys()
+                .await?
+                .into_iter()
+                .map(wire::record_of)
+                .collect::<Result<_, _>>()?),
+        }
+    }
+
+    async fn revoke(&self, id: &str) -> Result<(), Error> {
+        match self {
+            Tenants::Dir(dir) => {
+                if tenants::revoke(dir, id)? {
+                    Ok(())
+                } else {
+                    Err(TenantsError::Invalid(format!(
+                        "no key {id} in {} (`corral admin key ls` lists them)",
+                        dir.display()
+                    ))
+                    .into())
+                }
+            }
+            Tenants::Front(c) => Ok(c.revoke_key(id).await?),
+        }
+    }
+
+    async fn set_quota(&self, tenant: &str, quotas: &[String]) -> Result<Quota, Error> {
+        match self {
+            Tenants::Dir(dir) => Ok(tenants::set_quota(dir, tenant, quotas)?),
+            Tenants::Front(c) => Ok(wire::quota_of(c.set_quota(tenant, quotas).await?).1),
+        }
+    }
+
+    async fn quotas(&self) -> Result<Vec<(String, Quota)>, Error> {
+        match self {
+            Tenants::Dir(dir) => Ok(tenants::quotas(dir)?),
+            Tenants::Front(c) => Ok(c
+                .list_quotas()
+                .await?
+                .into_iter()
+                .map(wire::quota_of)
+                .collect()),
+        }
+    }
+}
+
+pub async fn main(conn: &ConnArgs, args: &AdminArgs) -> u8 {
     match &args.command {
         AdminCommand::Audit(AuditCommand::Verify { file }) => match verify(file) {
             Ok(n) => {
@@ -33,26 +139,47 @@ pub fn main(args: &AdminArgs) -> u8 {
             }
         },
         AdminCommand::Key(_) | AdminCommand::Quota(_) => {
-            let Some(dir) = &args.tenants else {
-                super::warn(
-                    "which tenants? --tenants DIR (or CORRAL_TENANTS): the directory the front door serves (corral serve --tenants DIR)",
-                );
-                return super::EXIT_USAGE;
+            let place = match (&args.tenants, &args.url) {
+                (Some(dir), _) => Tenants::Dir(dir.clone()),
+                (None, Some(url)) => {
+                    let creds = match super::remote::service_credentials(conn, None) {
+                        Ok(c) => c,
+                        Err(why) => {
+                            super::warn(&why);
+                            return super::EXIT_USAGE;
+                        }
+                    };
+                    if creds.token.is_none() {
+                        super::warn(
+                            "which key? set CORRAL_API_KEY to an admin key of the front door (`corral admin --tenants DIR key create --scope admin`)",
+                        );
+                        return super::EXIT_USAGE;
+                    }
+                    match AdminClient::connect(url, &creds).await {
+                        Ok(c) => Tenants::Front(c),
+                        Err(e) => {
+                            super::report(&e);
+                            return super::EXIT_CORRAL_ERROR;
+                        }
+                    }
+                }
+                (None, None) => {
+                    super::warn(
+                        "which tenants? --tenants DIR (or CORRAL_TENANTS): the directory the front door serves (corral serve --tenants DIR), or --url URL (or CORRAL_URL) of a running front door with an admin key in CORRAL_API_KEY",
+                    );
+                    return super::EXIT_USAGE;
+                }
             };
             let done = match &args.command {
-                AdminCommand::Key(cmd) => key(dir, cmd),
-                AdminCommand::Quota(cmd) => quota(dir, cmd),
+                AdminCommand::Key(cmd) => key(&place, cmd).await,
+                AdminCommand::Quota(cmd) => quota(&place, cmd).await,
                 AdminCommand::Audit(_) => Ok(()),
             };
             match done {
                 Ok(()) => 0,
-                Err(e @ TenantsError::Invalid(_)) => {
-                    super::report(&e);
-                    super::EXIT_USAGE
-                }
                 Err(e) => {
                     super::report(&e);
-                    super::EXIT_CORRAL_ERROR
+                    e.exit_code()
                 }
             }
         }
@@ -74,7 +201,7 @@ fn record_json(r: &KeyRecord) -> serde_json::Value {
     })
 }
 
-fn key(dir: &Path, cmd: &KeyCommand) -> Result<(), TenantsError> {
+async fn key(place: &Tenants, cmd: &KeyCommand) -> Result<(), Error> {
     let mut out = std::io::stdout();
     match cmd {
         KeyCommand::Create {
@@ -87,7 +214,7 @@ fn key(dir: &Path, cmd: &KeyCommand) -> Result<(), TenantsError> {
                 .iter()
                 .map(|s| Scope::parse(s.trim()))
                 .collect::<Result<BTreeSet<_>, _>>()?;
-            let (key, record) = tenants::create_key(dir, tenant, scopes, *expires)?;
+            let (key, record) = place.create_key(tenant, scopes, *expires).await?;
             let _ = if *json {
                 let mut v = record_json(&record);
                 v["key"] = serde_json::Value::String(key);
@@ -103,7 +230,7 @@ fn key(dir: &Path, cmd: &KeyCommand) -> Result<(), TenantsError> {
             }
         }
         KeyCommand::Ls { json } => {
-            let all = tenants::list(dir)?;
+            let all = place.list().await?;
             if *json {
                 let v: Vec<_> = all.iter().map(record_json).collect();
                 let _ = writeln!(out, "{}", serde_json::Value::Array(v));
@@ -128,56 +255,69 @@ fn key(dir: &Path, cmd: &KeyCommand) -> Result<(), TenantsError> {
             }
         }
         KeyCommand::Revoke { id } => {
-            if tenants::revoke(dir, id)? {
-                let _ = writeln!(out, "revoked {id}");
-            } else {
-                return Err(TenantsError::Invalid(format!(
-                    "no key {id} in {} (`corral admin key ls` lists them)",
-                    dir.display()
-                )));
-            }
+            place.revoke(id).await?;
+            let _ = writeln!(out, "revoked {id}");
         }
     }
     Ok(())
 }
 
-fn quota_json(tenant: &str, q: &tenants::Quota) -> serde_json::Value {
+fn quota_json(tenant: &str, q: &Quota) -> serde_json::Value {
     serde_json::json!({
         "tenant": tenant,
         "sandboxes": q.sandboxes,
+        "memory_bytes": q.memory_bytes,
+        "cpu_millis": q.cpu_millis,
+        "pids": q.pids,
+        "sessions": q.sessions,
         "creates_per_minute": q.creates_per_minute,
     })
 }
 
-fn quota(dir: &Path, cmd: &QuotaCommand) -> Result<(), TenantsError> {
+async fn quota(place: &Tenants, cmd: &QuotaCommand) -> Result<(), Error> {
     let mut out = std::io::stdout();
-    let shown = |v: Option<u64>| v.map_or_else(|| "-".to_string(), |n| n.to_string());
+    let shown = |v: Option<String>| v.unwrap_or_else(|| "-".to_string());
+    let n = |v: Option<u64>| shown(v.map(|n| n.to_string()));
     match cmd {
         QuotaCommand::Set { tenant, quotas } => {
-            let q = tenants::set_quota(dir, tenant, quotas)?;
+            let q = place.set_quota(tenant, quotas).await?;
             let _ = writeln!(out, "{}", quota_json(tenant, &q));
         }
         QuotaCommand::Ls { json } => {
-            let all = tenants::quotas(dir)?;
+            let all = place.quotas().await?;
             if *json {
                 let v: Vec<_> = all.iter().map(|(t, q)| quota_json(t, q)).collect();
                 let _ = writeln!(out, "{}", serde_json::Value::Array(v));
             } else {
                 let _ = writeln!(
                     out,
-                    "{:<20}  {:>9}  CREATES_PER_MINUTE",
-                    "TENANT", "SANDBOXES"
+                    "{:<20}  {:>9}  {:>9}  {:>6}  {:>7}  {:>8}  CREATES_PER_MINUTE",
+                    "TENANT", "SANDBOXES", "MEMORY", "CPUS", "PIDS", "SESSIONS"
                 );
                 for (t, q) in &all {
                     let _ = writeln!(
                         out,
-                        "{t:<20}  {:>9}  {}",
-                        shown(q.sandboxes),
-                        shown(q.creates_per_minute)
+                        "{t:<20}  {:>9}  {:>9}  {:>6}  {:>7}  {:>8}  {}",
+                        n(q.sandboxes),
+                        shown(q.memory_bytes.map(gib)),
+                        shown(q.cpu_millis.map(|m| format!("{}", m as f64 / 1000.0))),
+                        n(q.pids),
+                        n(q.sessions),
+                        n(q.creates_per_minute)
                     );
                 }
             }
         }
     }
     Ok(())
+}
+
+/// Bytes as the largest whole unit that divides them (`64g`, `1536m`).
+fn gib(bytes: u64) -> String {
+    for (unit, shift) in [("t", 40), ("g", 30), ("m", 20), ("k", 10)] {
+        if bytes >= 1 << shift && bytes.is_multiple_of(1 << shift) {
+            return format!("{}{unit}", bytes >> shift);
+        }
+    }
+    bytes.to_string()
 }

@@ -67,7 +67,7 @@ async fn dispatch(mut cli: Cli) -> u8 {
         Command::Serve(args) => serve::main(&cli.conn, &args).await,
         Command::Session(cmd) => session::main(&cli.conn, &cmd).await,
         Command::Worker(cmd) => worker::main(&cli.conn, &cmd).await,
-        Command::Admin(cmd) => admin::main(&cmd),
+        Command::Admin(cmd) => admin::main(&cli.conn, &cmd).await,
         Command::LocalWorker { idle } => local_worker::main(&cli.conn, idle).await,
     }
 }

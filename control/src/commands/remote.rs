@@ -76,22 +76,27 @@ fn refuse_local_paths(args: &RunArgs) -> Result<(), Error> {
 }
 
 fn credentials(conn: &ConnArgs, args: &RunArgs) -> Result<Credentials, Error> {
+    service_credentials(conn, args.control_token_file.as_deref()).map_err(Error::Usage)
+}
+
+/// How to reach a control plane service: the token of `token_file`, else
+/// the front door's key of CORRAL_API_KEY; the TLS of `--tls-*`.
+pub(super) fn service_credentials(
+    conn: &ConnArgs,
+    token_file: Option<&Path>,
+) -> Result<Credentials, String> {
     use std::os::unix::fs::MetadataExt;
-    let token = match &args.control_token_file {
-        Some(path) => {
-            Some(corral_worker::cli::read_token(path).map_err(|e| Error::Usage(e.to_string()))?)
-        }
+    let token = match token_file {
+        Some(path) => Some(corral_worker::cli::read_token(path).map_err(|e| e.to_string())?),
         None => conn.api_key.clone().map(|k| k.0),
     };
     // A service on this machine gets the token only through a socket of
     // this user, root or the token file's owner, on every connection.
-    let token_owner = args
-        .control_token_file
-        .as_deref()
+    let token_owner = token_file
         .and_then(|p| std::fs::metadata(p).ok())
         .map(|m| m.uid());
     let read = |flag: &str, path: &Path| {
-        std::fs::read(path).map_err(|e| Error::Usage(format!("{flag} {}: {e}", path.display())))
+        std::fs::read(path).map_err(|e| format!("{flag} {}: {e}", path.display()))
     };
     let ca_pem = match &conn.tls_ca {
         Some(ca) => Some(read("--tls-ca", ca)?),

@@ -11,7 +11,7 @@
 //! keeps is a hint (which worker had an id), never an owner: a replica
 //! without it asks the workers.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -104,7 +104,8 @@ impl Peers {
 }
 
 /// A tenant's creates through this replica: one quota check at a time, the
-/// creates under way (their ids) and when its last ones were asked for.
+/// sandboxes under way (their ids, and what each will take) and when its
+/// last ones were asked for.
 #[derive(Default)]
 struct TenantUse {
     check: tokio::sync::Mutex<()>,
@@ -113,20 +114,51 @@ struct TenantUse {
 
 #[derive(Default)]
 struct UseState {
-    making: HashSet<SandboxId>,
+    making: HashMap<SandboxId, Takes>,
     asked: VecDeque<Instant>,
 }
 
-/// A create counted against its tenant's quota while it is made.
+/// What one sandbox takes of its tenant's quotas: its limits.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct Takes {
+    memory_bytes: u64,
+    cpu_millis: u64,
+    pids: u64,
+}
+
+impl Takes {
+    /// A sandbox as its worker lists it: the limits it runs with.
+    fn of(s: &pb::Sandbox) -> Self {
+        let spec = s.spec.as_ref();
+        let or_spec = |have: u64, asked: Option<u64>| {
+            if have > 0 { have } else { asked.unwrap_or(0) }
+        };
+        Self {
+            memory_bytes: or_spec(s.memory_bytes, spec.map(|p| p.memory_bytes)),
+            cpu_millis: or_spec(
+                u64::from(s.cpu_millis),
+                spec.map(|p| u64::from(p.cpu_millis)),
+            ),
+            pids: or_spec(
+                u64::from(s.pids_limit),
+                spec.map(|p| u64::from(p.pids_limit)),
+            ),
+        }
+    }
+}
+
+/// Sandboxes counted against their tenant's quotas while they are made.
 struct Reservation {
     tenant: Arc<TenantUse>,
-    id: SandboxId,
+    ids: Vec<SandboxId>,
 }
 
 impl Drop for Reservation {
     fn drop(&mut self) {
         let mut state = self.tenant.state.lock().unwrap_or_else(|p| p.into_inner());
-        state.making.remove(&self.id);
+        for id in &self.ids {
+            state.making.remove(id);
+        }
     }
 }
 
@@ -272,15 +304,15 @@ impl FrontDoor {
         }
     }
 
-    /// Passes a create to the tenant's home replica, with the caller's own
-    /// key: that replica checks the key and the quota, and audits it.
-    async fn forward(
+    /// A client of the tenant's home replica `home`, to which this one
+    /// passes the tenant's creates and forks with the caller's own key
+    /// ([`FrontDoor::forwarded`]): that replica checks the key and the
+    /// quota, and audits the call.
+    async fn home_replica(
         &self,
         peers: &Peers,
         home: &str,
-        key: tonic::metadata::MetadataValue<tonic::metadata::Ascii>,
-        msg: pb::CreateSandboxRequest,
-    ) -> Result<Response<pb::Sandbox>, Status> {
+    ) -> Result<pb::worker_client::WorkerClient<tonic::transport::Channel>, Status> {
         let known = peers
             .channels
             .lock()
@@ -313,14 +345,60 @@ impl FrontDoor {
                 c
             }
         };
+        Ok(pb::worker_client::WorkerClient::new(channel)
+            .max_decoding_message_size(corral_proto::limits::MAX_GRPC_MESSAGE_BYTES))
+    }
+
+    /// `msg` as passed to a tenant's home replica: with the caller's key,
+    /// marked as passed on (the home passes it no further).
+    fn forwarded<T>(msg: T, key: MetadataValue<tonic::metadata::Ascii>) -> Request<T> {
         let mut req = Request::new(msg);
         req.metadata_mut().insert("authorization", key);
         req.metadata_mut()
             .insert(FORWARDED, MetadataValue::from_static("1"));
-        pb::worker_client::WorkerClient::new(channel)
-            .max_decoding_message_size(corral_proto::limits::MAX_GRPC_MESSAGE_BYTES)
-            .create_sandbox(req)
-            .await
+        req
+    }
+
+    /// Where a call that makes sandboxes for `who`'s tenant is checked: None
+    /// here, or the home replica to pass it to (with the caller's key);
+    /// a call passed on already that is not at home is refused.
+    fn elsewhere(
+        &self,
+        who: &Principal,
+        quota: Option<&Quota>,
+        forwarded: bool,
+    ) -> Result<Option<String>, Status> {
+        let (Some(peers), Some(tenant), Some(_)) = (&self.peers, tenant_of(who), quota) else {
+            return Ok(None);
+        };
+        let home = peers.home(tenant);
+        if home == peers.own {
+            return Ok(None);
+        }
+        if forwarded {
+            return Err(status(
+                Code::Unavailable,
+                Reason::NoWorker,
+                format!(
+                    "this replica ({}) is not tenant {tenant}'s home ({home}): the replicas' --peers differ",
+                    peers.own
+                ),
+            ));
+        }
+        Ok(Some(home.to_string()))
+    }
+
+    /// The caller's tenant's quota on the sandboxes it makes (None: it has
+    /// none, or the caller is an admin).
+    fn quota_of(&self, who: &Principal) -> Option<Quota> {
+        match (&self.keys, tenant_of(who)) {
+            (Some(keys), Some(tenant)) => keys
+                .current()
+                .quota(tenant)
+                .filter(|q| q.limits_sandboxes())
+                .cloned(),
+            _ => None,
+        }
     }
 
     /// Every sandbox the caller may see, on every worker.
@@ -355,16 +433,18 @@ impl FrontDoor {
         Ok(all)
     }
 
-    /// Counts the create of `id` against its tenant's quota, or refuses it
-    /// (`quota_exceeded`). One check at a time per tenant: the sandboxes it
-    /// has (every worker asked) and the creates under way here are counted
-    /// together, so concurrent creates through this replica never pass a
-    /// quota.
+    /// Counts new sandboxes `ids`, each taking `each`, against their
+    /// tenant's quota, or refuses them all (`quota_exceeded`, naming the
+    /// first quota they would pass). One check at a time per tenant: the
+    /// sandboxes it has (every worker asked) and those under way here are
+    /// counted together, so concurrent creates and forks through this
+    /// replica never pass a quota.
     async fn reserve(
         &self,
         who: &Principal,
         quota: &Quota,
-        id: &SandboxId,
+        ids: &[SandboxId],
+        each: Takes,
     ) -> Result<Option<Reservation>, Status> {
         let tenant = {
             let mut uses = self.uses.lock().unwrap_or_else(|p| p.into_inner());
@@ -374,20 +454,25 @@ impl FrontDoor {
         // The creates under way are taken before the workers are asked: one
         // that ends meanwhile is then in this set, or (ended before) in the
         // workers' lists; taken after, it could be in neither.
-        let making: Vec<SandboxId> = {
+        let making: Vec<(SandboxId, Takes)> = {
             let state = tenant.state.lock().unwrap_or_else(|p| p.into_inner());
-            state.making.iter().cloned().collect()
+            state.making.iter().map(|(i, t)| (i.clone(), *t)).collect()
         };
-        let listed = match quota.sandboxes {
-            Some(_) => Some(self.list_all(who).await?),
-            None => None,
+        let holds = quota.sandboxes.is_some()
+            || quota.memory_bytes.is_some()
+            || quota.cpu_millis.is_some()
+            || quota.pids.is_some();
+        let listed = if holds {
+            Some(self.list_all(who).await?)
+        } else {
+            None
         };
         let mut state = tenant.state.lock().unwrap_or_else(|p| p.into_inner());
         // A create of an id it has is answered by the worker (the same
         // sandbox again, or a conflict): it makes nothing.
-        if listed
-            .as_ref()
-            .is_some_and(|l| l.iter().any(|s| s.id == id.as_str()))
+        if let Some(listed) = &listed
+            && ids.len() == 1
+            && listed.iter().any(|s| s.id == ids[0].as_str())
         {
             return Ok(None);
         }
@@ -399,10 +484,14 @@ impl FrontDoor {
         {
             state.asked.pop_front();
         }
+        let n = ids.len() as u64;
+        let refuse = |name: &str, limit: u64, used: u64, what: String| {
+            Err(corral_proto::reason::quota_status(name, limit, used, what))
+        };
         if let Some(limit) = quota.creates_per_minute {
             let used = state.asked.len() as u64;
-            if used >= limit {
-                return Err(corral_proto::reason::quota_status(
+            if used + n > limit {
+                return refuse(
                     "creates_per_minute",
                     limit,
                     used,
@@ -410,32 +499,127 @@ impl FrontDoor {
                         "tenant {} asked for {used} sandboxes in the last minute, its quota creates_per_minute={limit}: ask again later",
                         who.tenant
                     ),
-                ));
+                );
             }
         }
-        if let (Some(limit), Some(listed)) = (quota.sandboxes, &listed) {
-            let mut ids: HashSet<&str> = listed.iter().map(|s| s.id.as_str()).collect();
-            ids.extend(making.iter().map(SandboxId::as_str));
-            let used = ids.len() as u64;
-            if used >= limit {
-                return Err(corral_proto::reason::quota_status(
+        if let Some(listed) = &listed {
+            let mut held: HashMap<&str, Takes> = listed
+                .iter()
+                .map(|s| (s.id.as_str(), Takes::of(s)))
+                .collect();
+            held.extend(making.iter().map(|(i, t)| (i.as_str(), *t)));
+            let tenant = &who.tenant;
+            let used = held.len() as u64;
+            if let Some(limit) = quota.sandboxes
+                && used + n > limit
+            {
+                return refuse(
                     "sandboxes",
                     limit,
                     used,
                     format!(
-                        "tenant {} has {used} sandboxes, its quota sandboxes={limit}: remove one first",
-                        who.tenant
+                        "tenant {tenant} has {used} sandboxes, its quota sandboxes={limit}: remove one first"
                     ),
-                ));
+                );
+            }
+            let sum = |f: fn(&Takes) -> u64| held.values().map(f).fold(0u64, u64::saturating_add);
+            let checks: [(&str, Option<u64>, u64, u64, &str); 3] = [
+                (
+                    "memory",
+                    quota.memory_bytes,
+                    sum(|t| t.memory_bytes),
+                    each.memory_bytes,
+                    "bytes of memory",
+                ),
+                (
+                    "cpus",
+                    quota.cpu_millis,
+                    sum(|t| t.cpu_millis),
+                    each.cpu_millis,
+                    "thousandths of a CPU",
+                ),
+                ("pids", quota.pids, sum(|t| t.pids), each.pids, "processes"),
+            ];
+            for (name, limit, used, one, unit) in checks {
+                if let Some(limit) = limit
+                    && used.saturating_add(one.saturating_mul(n)) > limit
+                {
+                    return refuse(
+                        name,
+                        limit,
+                        used,
+                        format!(
+                            "tenant {tenant}'s sandboxes hold {used} {unit} and {n} more would take {}, its quota {name} is {limit}: remove one or ask for less",
+                            one.saturating_mul(n)
+                        ),
+                    );
+                }
             }
         }
-        state.making.insert(id.clone());
-        state.asked.push_back(now);
+        for id in ids {
+            state.making.insert(id.clone(), each);
+            state.asked.push_back(now);
+        }
         drop(state);
         Ok(Some(Reservation {
             tenant: tenant.clone(),
-            id: id.clone(),
+            ids: ids.to_vec(),
         }))
+    }
+
+    /// What a new sandbox of `spec` will take: what it asks for, else the
+    /// largest default among the workers (it may be placed on any; one
+    /// that does not say counts its ceiling), so that a quota is never
+    /// passed.
+    async fn takes_new(&self, spec: &pb::SandboxSpec, quota: &Quota) -> Result<Takes, Status> {
+        let mut takes = Takes {
+            memory_bytes: spec.memory_bytes,
+            cpu_millis: u64::from(spec.cpu_millis),
+            pids: u64::from(spec.pids_limit),
+        };
+        let need = (quota.memory_bytes.is_some() && takes.memory_bytes == 0)
+            || (quota.cpu_millis.is_some() && takes.cpu_millis == 0)
+            || (quota.pids.is_some() && takes.pids == 0);
+        if !need {
+            return Ok(takes);
+        }
+        let urls = self.fleet.urls().await.map_err(fleet_status)?;
+        let asked = urls.iter().map(|url| async move {
+            let client = self.fleet.connect(Some(url)).await.map_err(fleet_status)?;
+            client.worker_info().await.map_err(|e| {
+                status(
+                    Code::Unavailable,
+                    Reason::NoWorker,
+                    format!("worker {url} did not say its defaults: {e}"),
+                )
+            })
+        });
+        let mut defaults = Takes::default();
+        for info in futures_util::future::join_all(asked).await {
+            let info = info?;
+            let d = info.default_limits;
+            let c = &info.policy.ceilings;
+            let either = |d: u64, c: u64| if d > 0 { d } else { c };
+            defaults.memory_bytes = defaults
+                .memory_bytes
+                .max(either(d.memory_bytes, c.memory_bytes));
+            defaults.cpu_millis = defaults
+                .cpu_millis
+                .max(either(u64::from(d.cpu_millis), u64::from(c.cpu_millis)));
+            defaults.pids = defaults
+                .pids
+                .max(either(u64::from(d.pids_limit), u64::from(c.pids)));
+        }
+        for (mine, default) in [
+            (&mut takes.memory_bytes, defaults.memory_bytes),
+            (&mut takes.cpu_millis, defaults.cpu_millis),
+            (&mut takes.pids, defaults.pids),
+        ] {
+            if *mine == 0 {
+                *mine = default;
+            }
+        }
+        Ok(takes)
     }
 
     fn routes(&self) -> std::sync::MutexGuard<'_, HashMap<SandboxId, String>> {
@@ -601,10 +785,7 @@ impl pb::worker_server::Worker for FrontDoor {
         let mut msg = req.into_inner();
         // A tenant's quota counts the create while it is made: its id is
         // chosen here when the client gives none.
-        let quota = match (&self.keys, tenant_of(&who)) {
-            (Some(keys), Some(tenant)) => keys.current().quota(tenant).cloned(),
-            _ => None,
-        };
+        let quota = self.quota_of(&who);
         // An id the client (or a replica passing a create on) chose may be
         // taken on some worker; one made here is new.
         let chosen = !msg.id.is_empty();
@@ -612,23 +793,14 @@ impl pb::worker_server::Worker for FrontDoor {
             msg.id = SandboxId::random().to_string();
         }
         // A tenant with a quota has its creates checked by its home replica.
-        if let (Some(peers), Some(tenant), Some(_)) = (&self.peers, tenant_of(&who), &quota) {
-            let home = peers.home(tenant);
-            if home != peers.own {
-                if forwarded {
-                    return Err(status(
-                        Code::Unavailable,
-                        Reason::NoWorker,
-                        format!(
-                            "this replica ({}) is not tenant {tenant}'s home ({home}): the replicas' --peers differ",
-                            peers.own
-                        ),
-                    ));
-                }
-                if let Some(key) = key {
-                    return self.forward(peers, home, key, msg).await;
-                }
-            }
+        if let Some(home) = self.elsewhere(&who, quota.as_ref(), forwarded)?
+            && let (Some(peers), Some(key)) = (&self.peers, key)
+        {
+            return self
+                .home_replica(peers, &home)
+                .await?
+                .create_sandbox(FrontDoor::forwarded(msg, key))
+                .await;
         }
         let msg = msg;
         let r = async {
@@ -636,7 +808,10 @@ impl pb::worker_server::Worker for FrontDoor {
             let _reserved = match &quota {
                 Some(quota) => {
                     let id = sandbox_id(msg.id.clone())?;
-                    self.reserve(&who, quota, &id).await?
+                    let takes = self
+                        .takes_new(&msg.spec.clone().unwrap_or_default(), quota)
+                        .await?;
+                    self.reserve(&who, quota, &[id], takes).await?
                 }
                 None => None,
             };
@@ -1034,7 +1209,29 @@ impl pb::worker_server::Worker for FrontDoor {
         req: Request<pb::ForkSandboxRequest>,
     ) -> Result<Response<pb::ForkSandboxResponse>, Status> {
         let who = caller(&req)?;
-        let msg = req.into_inner();
+        let key = req.metadata().get("authorization").cloned();
+        let forwarded = req.metadata().get(FORWARDED).is_some();
+        let mut msg = req.into_inner();
+        // A fork's children count against the tenant's quotas as creates
+        // do: checked by its home replica, their ids chosen here.
+        let quota = self.quota_of(&who);
+        if quota.is_some() && msg.child_ids.is_empty() {
+            let n = usize::try_from(msg.count).unwrap_or(usize::MAX);
+            if (1..=corral_proto::limits::MAX_FORK_CHILDREN).contains(&n) {
+                msg.child_ids = (0..n).map(|_| SandboxId::random().to_string()).collect();
+                msg.count = 0;
+            }
+        }
+        if let Some(home) = self.elsewhere(&who, quota.as_ref(), forwarded)?
+            && let (Some(peers), Some(key)) = (&self.peers, key)
+        {
+            return self
+                .home_replica(peers, &home)
+                .await?
+                .fork_sandbox(FrontDoor::forwarded(msg, key))
+                .await;
+        }
+        let msg = msg;
         let id_text = msg.id.clone();
         let r = async {
             need(&who, Scope::Run, "ForkSandbox")?;
@@ -1042,11 +1239,29 @@ impl pb::worker_server::Worker for FrontDoor {
             let (client, _) = self.worker_of(&id).await?;
             // Ids are one namespace over the fleet: a child's id another
             // worker has is refused here, as its own worker would refuse it.
+            let mut children = Vec::with_capacity(msg.child_ids.len());
             for child in &msg.child_ids {
                 let child = sandbox_id(child.clone())?;
                 self.taken(&child).await?;
+                children.push(child);
             }
             let mut c = client;
+            // Each child takes what its parent has.
+            let _reserved = match &quota {
+                Some(quota) if !children.is_empty() => {
+                    let parent = c
+                        .get_sandbox(FrontDoor::outgoing(
+                            &who,
+                            pb::GetSandboxRequest { id: id.to_string() },
+                        ))
+                        .await
+                        .map_err(|s| as_unknown(s, &id))?
+                        .into_inner();
+                    self.reserve(&who, quota, &children, Takes::of(&parent))
+                        .await?
+                }
+                _ => None,
+            };
             let forked = c
                 .fork_sandbox(FrontDoor::outgoing(&who, msg.clone()))
                 .await
@@ -1191,6 +1406,7 @@ impl Gate {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::collections::HashSet;
 
     #[test]
     fn every_replica_names_the_same_home_for_a_tenant_and_spreads_tenants() {

@@ -9,6 +9,7 @@
 //! on and passed to its worker), and with `--tenants DIR` it serves
 //! tenants: callers present keys, each reaches its tenant's alone.
 
+pub mod admin;
 pub mod front;
 pub mod host;
 pub mod journal;
@@ -19,6 +20,7 @@ use std::path::PathBuf;
 
 use corral_proto::limits::MAX_GRPC_MESSAGE_BYTES;
 use corral_proto::limits::MAX_REQUEST_BYTES;
+use corral_proto::pb::admin_server::AdminServer;
 use corral_proto::pb::control_server::ControlServer;
 use corral_proto::pb::worker_server::WorkerServer;
 
@@ -59,6 +61,8 @@ impl ServeError {
 pub(crate) enum About<'a> {
     Session(&'a str),
     Sandbox(&'a str),
+    /// An admin call's subject: `key:ID`, `tenant:NAME`, or nothing.
+    Subject(&'a str),
 }
 
 /// Writes `call`'s line in the audit log (when there is one): who asked,
@@ -79,9 +83,10 @@ pub(crate) async fn audited<T>(
             .map_or_else(|| format!("{:?}", s.code()), |r| r.as_str().to_string()),
     };
     let id = |s: &str| (!s.is_empty()).then(|| corral_harness::audit::bounded(s));
-    let (session, sandbox) = match about {
-        About::Session(s) => (id(s), None),
-        About::Sandbox(s) => (None, id(s)),
+    let (session, sandbox, subject) = match about {
+        About::Session(s) => (id(s), None, None),
+        About::Sandbox(s) => (None, id(s), None),
+        About::Subject(s) => (None, None, id(s)),
     };
     let entry = corral_harness::audit::Entry {
         tenant: who.tenant.clone(),
@@ -89,6 +94,7 @@ pub(crate) async fn audited<T>(
         call: call.into(),
         session,
         sandbox,
+        subject,
         outcome,
     };
     if let Err(e) = log.record(entry).await {
@@ -218,9 +224,22 @@ pub async fn serve(conn: &ConnArgs, args: &ServeArgs) -> Result<(), ServeError> 
         }
         None => (None, None),
     };
-    let control = ControlServer::new(service::ControlService::new(host.clone(), audit.clone()))
-        .max_decoding_message_size(MAX_REQUEST_BYTES);
+    let control = ControlServer::new(service::ControlService::new(
+        host.clone(),
+        audit.clone(),
+        keys.clone(),
+    ))
+    .max_decoding_message_size(MAX_REQUEST_BYTES);
     let control = tonic::service::interceptor::InterceptedService::new(control, {
+        let gate = gate.clone();
+        move |req| gate.check(req)
+    });
+    let admin = AdminServer::new(admin::AdminService::new(
+        args.tenants.clone(),
+        keys.clone(),
+        audit.clone(),
+    ));
+    let admin = tonic::service::interceptor::InterceptedService::new(admin, {
         let gate = gate.clone();
         move |req| gate.check(req)
     });
@@ -239,6 +258,7 @@ pub async fn serve(conn: &ConnArgs, args: &ServeArgs) -> Result<(), ServeError> 
     let router = builder
         .add_service(health)
         .add_service(control)
+        .add_service(admin)
         .add_service(sandboxes);
     // Admitted as a worker admits its clients: bounded handshakes and
     // unauthenticated connections per address, and TCP_NODELAY (without

@@ -2,7 +2,9 @@
 //! the host's calls, its errors into statuses that carry a machine-readable
 //! reason (and, for a limit, the flag that sets it).
 
+use std::collections::HashMap;
 use std::pin::Pin;
+use std::sync::Arc;
 
 use corral_harness::session::LogError;
 use corral_harness::sessions::SessionError;
@@ -14,7 +16,7 @@ use tonic::{Code, Request, Response, Status};
 
 use corral_harness::audit::AuditLog;
 
-use corral_harness::tenants::{Principal, Scope};
+use corral_harness::tenants::{Keys, Principal, Scope};
 
 use super::front::{caller, need, tenant_of};
 use super::host::{Host, HostError, Settings, request_of};
@@ -28,11 +30,66 @@ const EXPORT_QUEUE: usize = 8;
 pub struct ControlService {
     host: Host,
     audit: Option<AuditLog>,
+    /// The tenants' keys and quotas (None: one user, no quotas).
+    keys: Option<Keys>,
+    /// One start at a time per tenant with a `sessions` quota, so that
+    /// concurrent starts never pass it.
+    starts: std::sync::Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
 }
 
 impl ControlService {
-    pub fn new(host: Host, audit: Option<AuditLog>) -> Self {
-        Self { host, audit }
+    pub fn new(host: Host, audit: Option<AuditLog>, keys: Option<Keys>) -> Self {
+        Self {
+            host,
+            audit,
+            keys,
+            starts: std::sync::Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Refuses to start (or resume) session `id` for `who`'s tenant when
+    /// that would pass its `sessions` quota; else the guard that keeps
+    /// its other starts waiting until this one runs.
+    async fn session_quota(
+        &self,
+        who: &Principal,
+        id: Option<&str>,
+    ) -> Result<Option<tokio::sync::OwnedMutexGuard<()>>, Status> {
+        let (Some(keys), Some(tenant)) = (&self.keys, tenant_of(who)) else {
+            return Ok(None);
+        };
+        let Some(limit) = keys.current().quota(tenant).and_then(|q| q.sessions) else {
+            return Ok(None);
+        };
+        let one = self
+            .starts
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(tenant.to_string())
+            .or_default()
+            .clone();
+        let guard = one.lock_owned().await;
+        let host = self.host.clone();
+        let t = tenant.to_string();
+        let listed = tokio::task::spawn_blocking(move || host.list(Some(&t)))
+            .await
+            .map_err(|e| Status::internal(e.to_string()))??;
+        // A session that runs already is not started again.
+        if id.is_some_and(|id| listed.iter().any(|l| l.running && l.id == id)) {
+            return Ok(Some(guard));
+        }
+        let used = listed.iter().filter(|l| l.running).count() as u64;
+        if used >= limit {
+            return Err(corral_proto::reason::quota_status(
+                "sessions",
+                limit,
+                used,
+                format!(
+                    "tenant {tenant} runs {used} sessions, its quota sessions={limit}: stop one first"
+                ),
+            ));
+        }
+        Ok(Some(guard))
     }
 
     /// Writes `call`'s line in the audit log (see [`super::audited`]).
@@ -181,6 +238,7 @@ impl pb::control_server::Control for ControlService {
             need(&who, Scope::Run, "StartSession")?;
             let request = request_of(&req.request_json)?;
             let id = (!req.session_id.is_empty()).then_some(req.session_id);
+            let _one = self.session_quota(&who, id.as_deref()).await?;
             let settings = Settings::from_pb(req.settings.unwrap_or_default());
             let started = self
                 .host

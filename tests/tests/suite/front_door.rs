@@ -848,6 +848,399 @@ async fn a_tenants_quota_holds_under_two_hundred_creates_at_once_and_says_what_i
     Ok(())
 }
 
+/// Sets quotas with `corral admin` and waits for the front door to take
+/// them (it reads the directory every 250 ms).
+async fn set_quota(dir: &Path, tenant: &str, quotas: &[&str]) -> Result<()> {
+    let mut args = vec!["quota", "set", "--tenant", tenant];
+    args.extend(quotas);
+    let set = admin(dir, &args)?;
+    ensure!(set.status.success(), "{set:?}");
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    Ok(())
+}
+
+fn sized(memory: Option<u64>, cpu_millis: Option<u32>, pids: Option<u32>) -> SandboxSpec {
+    SandboxSpec {
+        memory_bytes: memory,
+        cpu_millis,
+        pids_limit: pids,
+        ..spec()
+    }
+}
+
+const MIB: u64 = 1 << 20;
+
+#[tokio::test]
+async fn memory_cpu_process_and_session_quotas_hold_and_a_forks_children_count() -> Result<()> {
+    let mut setup = Setup::start(2, 8).await?;
+    let tenants = tempfile::tempdir()?;
+    let dir = tenants.path();
+    let acme = new_key(dir, "acme", "run", None)?;
+    set_quota(dir, "acme", &["memory=2g"]).await?;
+    setup.kill_service();
+    setup.service_args = vec!["--tenants".into(), dir.display().to_string()];
+    setup.start_service()?;
+    let url = setup.url();
+    let as_acme = WorkerClient::connect(&url, Some(key_of(&acme))).await?;
+
+    // Memory: 20 creates of 512 MiB at once against 2 GiB make exactly 4.
+    let creates = (0..20).map(|_| {
+        let c = as_acme.clone();
+        tokio::spawn(async move {
+            c.create_sandbox(None, sized(Some(512 * MIB), None, None))
+                .await
+        })
+    });
+    let mut made = 0;
+    for r in futures_util::future::join_all(creates).await {
+        match r? {
+            Ok(_) => made += 1,
+            Err(e) => {
+                let s = status_of(e);
+                ensure!(
+                    s.code() == tonic::Code::ResourceExhausted
+                        && corral_proto::reason::quota_of(&s)
+                            == Some(("memory".into(), 2 << 30, 2 << 30)),
+                    "{s:?}"
+                );
+            }
+        }
+    }
+    let listed = as_acme.list_sandboxes().await?;
+    ensure!(
+        made == 4 && listed.len() == 4,
+        "made {made}, listed {}",
+        listed.len()
+    );
+
+    // A fork's children take their parent's limits: with 1.5 GiB held, two
+    // children of 512 MiB would pass the quota, one does not.
+    ensure!(as_acme.destroy_sandbox(&listed[3].id).await?);
+    let parent = &listed[0].id;
+    let s = status_of(
+        as_acme
+            .fork_sandbox(parent, &[], 2)
+            .await
+            .err()
+            .context("a fork past the memory quota was made")?,
+    );
+    ensure!(
+        corral_proto::reason::quota_of(&s) == Some(("memory".into(), 2 << 30, 3 << 29)),
+        "{s:?}"
+    );
+    let child = SandboxId::new(unique_id("child"))?;
+    let forked = as_acme
+        .fork_sandbox(parent, std::slice::from_ref(&child), 0)
+        .await?;
+    ensure!(forked.children.len() == 1);
+    ensure!(as_acme.list_sandboxes().await?.len() == 4);
+
+    // A sandbox that names no memory takes its worker's default: the
+    // workers say what that is, and the quota counts it.
+    let worker = setup.worker(&setup.workers[0].url).await?;
+    let default = worker.worker_info().await?.default_limits;
+    ensure!(
+        default.memory_bytes > 0 && default.cpu_millis > 0 && default.pids_limit > 0,
+        "{default:?}"
+    );
+    for s in as_acme.list_sandboxes().await? {
+        as_acme.destroy_sandbox(&s.id).await?;
+    }
+    set_quota(
+        dir,
+        "acme",
+        &[&format!("memory={}", default.memory_bytes + 100 * MIB)],
+    )
+    .await?;
+    let plain = as_acme.create_sandbox(None, spec()).await?;
+    ensure!(
+        plain.limits.memory_bytes == default.memory_bytes,
+        "{:?}",
+        plain.limits
+    );
+    let s = status_of(
+        as_acme
+            .create_sandbox(None, sized(Some(200 * MIB), None, None))
+            .await
+            .err()
+            .context("a create past the default's share was made")?,
+    );
+    ensure!(
+        corral_proto::reason::quota_of(&s)
+            == Some((
+                "memory".into(),
+                default.memory_bytes + 100 * MIB,
+                default.memory_bytes
+            )),
+        "{s:?}"
+    );
+    as_acme.destroy_sandbox(&plain.id).await?;
+
+    // CPUs (in thousandths) and processes, summed over the sandboxes.
+    set_quota(dir, "acme", &["memory=none", "cpus=1.5", "pids=300"]).await?;
+    let one = as_acme
+        .create_sandbox(None, sized(None, Some(1000), Some(200)))
+        .await?;
+    let s = status_of(
+        as_acme
+            .create_sandbox(None, sized(None, Some(1000), Some(50)))
+            .await
+            .err()
+            .context("a create past the CPU quota was made")?,
+    );
+    ensure!(
+        corral_proto::reason::quota_of(&s) == Some(("cpus".into(), 1500, 1000)),
+        "{s:?}"
+    );
+    let s = status_of(
+        as_acme
+            .create_sandbox(None, sized(None, Some(500), Some(101)))
+            .await
+            .err()
+            .context("a create past the process quota was made")?,
+    );
+    ensure!(
+        corral_proto::reason::quota_of(&s) == Some(("pids".into(), 300, 200)),
+        "{s:?}"
+    );
+    let two = as_acme
+        .create_sandbox(None, sized(None, Some(500), Some(100)))
+        .await?;
+    for id in [one.id, two.id] {
+        as_acme.destroy_sandbox(&id).await?;
+    }
+
+    // Sessions at once: 2 of 5 started together run; a stopped one makes room.
+    set_quota(dir, "acme", &["cpus=none", "pids=none", "sessions=2"]).await?;
+    let control = ControlClient::connect(&url, &Credentials::token(Some(key_of(&acme)))).await?;
+    let starts = (0..5).map(|i| {
+        let c = control.clone();
+        tokio::spawn(async move {
+            c.start(pb::StartSessionRequest {
+                session_id: format!("{}-{i}", unique_id("s-quota")),
+                request_json: r#"{"prompt": "sleep 600"}"#.into(),
+                settings: None,
+            })
+            .await
+        })
+    });
+    let mut running = Vec::new();
+    for r in futures_util::future::join_all(starts).await {
+        match r? {
+            Ok(started) => running.push(started.session_id),
+            Err(ControlError::Status(s)) => ensure!(
+                corral_proto::reason::quota_of(&s) == Some(("sessions".into(), 2, 2)),
+                "{s:?}"
+            ),
+            Err(e) => return Err(e.into()),
+        }
+    }
+    ensure!(running.len() == 2, "{running:?}");
+    control.stop(&running[0], false).await?;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let third = loop {
+        match control
+            .start(pb::StartSessionRequest {
+                session_id: unique_id("s-quota"),
+                request_json: r#"{"prompt": "sleep 600"}"#.into(),
+                settings: None,
+            })
+            .await
+        {
+            Ok(started) => break started.session_id,
+            // The stopped session may still be winding down.
+            Err(_) if Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(e) => return Err(e.into()),
+        }
+    };
+    for id in [&running[1], &third] {
+        control.stop(id, false).await?;
+    }
+    Ok(())
+}
+
+/// `corral admin` through a running front door: `--url` and an admin key
+/// in CORRAL_API_KEY, never a directory.
+fn remote_admin(url: &str, key: &str, args: &[&str]) -> Result<std::process::Output> {
+    let home = tempfile::tempdir()?;
+    Ok(std::process::Command::new(corral_e2e::binary("corral")?)
+        .env_clear()
+        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+        .env("HOME", home.path())
+        .env("CORRAL_API_KEY", key)
+        .args(["admin", "--url", url])
+        .args(args)
+        .output()?)
+}
+
+#[tokio::test]
+async fn an_admin_key_manages_keys_and_quotas_through_a_running_front_door() -> Result<()> {
+    let mut setup = Setup::start(1, 4).await?;
+    let tenants = tempfile::tempdir()?;
+    let logs = tempfile::tempdir()?;
+    let log = logs.path().join("audit.log");
+    let root = new_key(tenants.path(), "ops", "admin", None)?;
+    let acme = new_key(tenants.path(), "acme", "run", None)?;
+    setup.kill_service();
+    setup.service_args = vec![
+        "--tenants".into(),
+        tenants.path().display().to_string(),
+        "--audit-log".into(),
+        log.display().to_string(),
+    ];
+    setup.start_service()?;
+    let url = setup.url();
+    let admin_key = key_of(&root);
+
+    // A key made through the front door works at once.
+    let out = remote_admin(
+        &url,
+        admin_key,
+        &[
+            "key",
+            "create",
+            "--tenant",
+            "bolt",
+            "--scope",
+            "run",
+            "--expires",
+            "1h",
+            "--json",
+        ],
+    )?;
+    ensure!(out.status.success(), "{out:?}");
+    let bolt: Value = serde_json::from_slice(&out.stdout)?;
+    ensure!(
+        bolt["tenant"] == "bolt" && bolt["expires"].is_string(),
+        "{bolt}"
+    );
+    let as_bolt = WorkerClient::connect(&url, Some(key_of(&bolt))).await?;
+    ensure!(as_bolt.list_sandboxes().await?.is_empty());
+    // It is in the directory, as an offline `key ls` shows.
+    let offline = admin(tenants.path(), &["key", "ls", "--json"])?;
+    let online = remote_admin(&url, admin_key, &["key", "ls", "--json"])?;
+    ensure!(online.status.success(), "{online:?}");
+    ensure!(
+        offline.stdout == online.stdout,
+        "{}\n{}",
+        String::from_utf8_lossy(&offline.stdout),
+        String::from_utf8_lossy(&online.stdout)
+    );
+    let listed: Vec<Value> = serde_json::from_slice(&online.stdout)?;
+    ensure!(listed.len() == 3 && listed.iter().all(|k| k.get("key").is_none()));
+
+    // Quotas set through it hold.
+    let out = remote_admin(
+        &url,
+        admin_key,
+        &[
+            "quota",
+            "set",
+            "--tenant",
+            "bolt",
+            "sandboxes=1",
+            "memory=4g",
+        ],
+    )?;
+    ensure!(out.status.success(), "{out:?}");
+    let out = remote_admin(&url, admin_key, &["quota", "ls", "--json"])?;
+    let quotas: Value = serde_json::from_slice(&out.stdout)?;
+    ensure!(
+        quotas[0]["tenant"] == "bolt"
+            && quotas[0]["sandboxes"] == 1
+            && quotas[0]["memory_bytes"] == 4u64 << 30,
+        "{quotas}"
+    );
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    let one = as_bolt.create_sandbox(None, spec()).await?;
+    let s = status_of(
+        as_bolt
+            .create_sandbox(None, spec())
+            .await
+            .err()
+            .context("a create past bolt's quota was made")?,
+    );
+    ensure!(
+        corral_proto::reason::quota_of(&s) == Some(("sandboxes".into(), 1, 1)),
+        "{s:?}"
+    );
+    as_bolt.destroy_sandbox(&one.id).await?;
+
+    // Bad input is refused as offline (the exit code of a usage error:
+    // the front door's reason, its text withheld here), and changes nothing.
+    let out = remote_admin(
+        &url,
+        admin_key,
+        &["quota", "set", "--tenant", "bolt", "gpus=1"],
+    )?;
+    ensure!(out.status.code() == Some(2), "{out:?}");
+    let out = remote_admin(&url, admin_key, &["key", "revoke", "0123456789ab"])?;
+    ensure!(out.status.code() == Some(2), "{out:?}");
+
+    // A key without the admin scope may do none of it.
+    for args in [
+        &["key", "ls"][..],
+        &["key", "create", "--tenant", "acme", "--scope", "admin"][..],
+        &["quota", "set", "--tenant", "acme", "sandboxes=none"][..],
+    ] {
+        let out = remote_admin(&url, key_of(&acme), args)?;
+        ensure!(out.status.code() == Some(125), "{args:?}: {out:?}");
+    }
+    // Without a key the command says which one it needs.
+    let out = remote_admin(&url, "", &["key", "ls"])?;
+    ensure!(out.status.code() == Some(2), "{out:?}");
+    ensure!(
+        String::from_utf8_lossy(&out.stderr).contains("CORRAL_API_KEY"),
+        "{out:?}"
+    );
+
+    // A key revoked through the front door is refused within a second.
+    let out = remote_admin(
+        &url,
+        admin_key,
+        &["key", "revoke", bolt["id"].as_str().unwrap_or_default()],
+    )?;
+    ensure!(out.status.success(), "{out:?}");
+    let at = Instant::now();
+    while as_bolt.list_sandboxes().await.is_ok() {
+        ensure!(
+            at.elapsed() < Duration::from_secs(1),
+            "a revoked key still works"
+        );
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+
+    // Each admin call is in the audit log with its subject, never a key.
+    let text = std::fs::read_to_string(&log)?;
+    for k in [key_of(&bolt), admin_key] {
+        ensure!(!text.contains(k), "a key is in the audit log");
+    }
+    let lines: Vec<Value> = text
+        .lines()
+        .map(serde_json::from_str)
+        .collect::<Result<_, _>>()?;
+    let calls = |call: &str| lines.iter().filter(|l| l["call"] == call).count();
+    ensure!(
+        calls("CreateKey") == 2 && calls("SetQuota") == 3 && calls("RevokeKey") == 2,
+        "{text}"
+    );
+    ensure!(
+        lines.iter().any(|l| l["call"] == "RevokeKey"
+            && l["outcome"] == "ok"
+            && l["subject"] == format!("key:{}", bolt["id"].as_str().unwrap_or_default())),
+        "{text}"
+    );
+    ensure!(
+        lines.iter().any(|l| l["call"] == "CreateKey"
+            && l["outcome"] == "permission_denied"
+            && l["tenant"] == "acme"),
+        "{text}"
+    );
+    Ok(())
+}
+
 /// A second replica of the front door, killed when dropped.
 struct Replica(std::process::Child);
 
