@@ -5,6 +5,7 @@ build directory with ``CORRAL_BIN_DIR``)."""
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import signal
@@ -30,7 +31,30 @@ def free_port() -> int:
         return port
 
 
-class Worker:
+class Client:
+    """What the tests call a worker through: its address and token file."""
+
+    url: str
+    token_file: Path
+
+    def create(self, **kw: Any) -> corral.Sandbox:
+        return corral.Sandbox.create(worker=self.url, token_file=str(self.token_file), **kw)
+
+    def list(self) -> list[corral.SandboxInfo]:
+        return corral.list_sandboxes(self.url, token_file=str(self.token_file))
+
+    def connect(self, id: str) -> corral.Sandbox:
+        return corral.Sandbox.connect(id, self.url, token_file=str(self.token_file))
+
+    def remove_all(self) -> None:
+        try:
+            for s in corral.list_sandboxes(self.url, token_file=str(self.token_file)):
+                corral.Sandbox.connect(s.id, self.url, token_file=str(self.token_file)).remove()
+        except corral.CorralError:
+            pass
+
+
+class Worker(Client):
     """A corral-worker process that can be stopped, killed and started again
     on the same address and state."""
 
@@ -98,22 +122,6 @@ class Worker:
         assert self.proc is not None
         self.proc.send_signal(sig)
 
-    def create(self, **kw: Any) -> corral.Sandbox:
-        return corral.Sandbox.create(worker=self.url, token_file=str(self.token_file), **kw)
-
-    def list(self) -> list[corral.SandboxInfo]:
-        return corral.list_sandboxes(self.url, token_file=str(self.token_file))
-
-    def connect(self, id: str) -> corral.Sandbox:
-        return corral.Sandbox.connect(id, self.url, token_file=str(self.token_file))
-
-    def remove_all(self) -> None:
-        try:
-            for s in corral.list_sandboxes(self.url, token_file=str(self.token_file)):
-                corral.Sandbox.connect(s.id, self.url, token_file=str(self.token_file)).remove()
-        except corral.CorralError:
-            pass
-
 
 def init_binary() -> Path:
     p = REPO / "target" / "x86_64-unknown-linux-gnu" / "release" / "corral-init"
@@ -122,10 +130,109 @@ def init_binary() -> Path:
     return p
 
 
-@pytest.fixture(scope="session")
-def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Worker]:
+class FrontDoor:
+    """``corral serve --tenants DIR`` over ``worker``, with keys of two
+    tenants (acme, bolt: quota sandboxes=1) and an auditor of acme's."""
+
+    def __init__(self, root: Path, worker: Worker) -> None:
+        self.tenants = root / "tenants"
+        self.tenants.mkdir()
+        # Made before it starts: it reads them then (a key made later takes
+        # effect within a second).
+        self.acme = self.key("acme", "run")
+        self.bolt = self.key("bolt", "run")
+        self.auditor = self.key("acme", "read")
+        self.admin("quota", "set", "--tenant", "bolt", "sandboxes=1")
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        log = open(root / "serve.log", "ab")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            [
+                str(BIN_DIR / "corral"),
+                "--worker",
+                worker.url,
+                "--token-file",
+                str(worker.token_file),
+                "serve",
+                "--listen",
+                f"127.0.0.1:{self.port}",
+                "--serve-state-dir",
+                str(root / "serve-state"),
+                "--sessions-dir",
+                str(root / "sessions"),
+                "--tenants",
+                str(self.tenants),
+            ],
+            stdout=log,
+            stderr=log,
+            env={
+                k: v
+                for k, v in os.environ.items()
+                if k not in ("CORRAL_WORKER", "CORRAL_TOKEN_FILE", "CORRAL_URL", "CORRAL_API_KEY")
+            },
+        )
+        log.close()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"corral serve exited: {(root / 'serve.log').read_text()}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
+                    return
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError("corral serve did not listen within 30 s")
+
+    def admin(self, *args: str) -> bytes:
+        out = subprocess.run(
+            [str(BIN_DIR / "corral"), "admin", "--tenants", str(self.tenants), *args],
+            check=True,
+            capture_output=True,
+        )
+        return out.stdout
+
+    def key(self, tenant: str, scope: str) -> str:
+        out = self.admin("key", "create", "--tenant", tenant, "--scope", scope, "--json")
+        key: str = json.loads(out)["key"]
+        return key
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+class ThroughFrontDoor(Client):
+    """A worker reached as a tenant reaches it: at a front door of its own,
+    with a key of acme's as the bearer token (the same calls, the same
+    answers)."""
+
+    def __init__(self, root: Path, worker: Worker) -> None:
+        self.door = FrontDoor(root, worker)
+        self.url = self.door.url
+        self.token_file = root / "key"
+        self.token_file.write_text(self.door.acme + "\n")
+        self.token_file.chmod(0o600)
+
+    def stop(self) -> None:
+        self.door.stop()
+
+
+@pytest.fixture(scope="session", params=["direct", "front-door"])
+def worker(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Client]:
+    """The suite's worker: called directly, then through a front door."""
     w = Worker(tmp_path_factory.mktemp("worker"), "--allow-image", "corral-debian:latest")
-    yield w
+    if request.param == "direct":
+        yield w
+    else:
+        door = ThroughFrontDoor(tmp_path_factory.mktemp("front-door"), w)
+        yield door
+        door.remove_all()
+        door.stop()
     w.remove_all()
     w.stop()
 

@@ -18,7 +18,7 @@ from types import ModuleType
 from typing import Any
 
 import pytest
-from conftest import REPO, Worker
+from conftest import REPO, Client
 
 pytest.importorskip("agents")
 
@@ -58,12 +58,12 @@ def sid(session: Any) -> str:
     return out
 
 
-def client(worker: Worker) -> CorralSandboxClient:
+def client(worker: Client) -> CorralSandboxClient:
     return CorralSandboxClient(worker=worker.url, token_file=str(worker.token_file))
 
 
 def test_the_sdks_helpers_pass_and_a_session_resumes_both_ways(
-    worker: Worker, sdk_helpers: ModuleType, tmp_path: Path
+    worker: Client, sdk_helpers: ModuleType, tmp_path: Path
 ) -> None:
     h = sdk_helpers
 
@@ -260,7 +260,7 @@ RUNNER_SCRIPT = textwrap.dedent("""
 
 
 def test_a_sandbox_agent_runs_in_corral_and_resumes_in_a_new_process(
-    worker: Worker, tmp_path: Path
+    worker: Client, tmp_path: Path
 ) -> None:
     script = tmp_path / "run.py"
     script.write_text(RUNNER_SCRIPT)
@@ -294,7 +294,7 @@ def test_a_sandbox_agent_runs_in_corral_and_resumes_in_a_new_process(
     assert not [s for s in left if "agents.session_id" in s.labels], left
 
 
-def test_pty_sessions_as_the_sdks_own_pty_tests_drive_them(worker: Worker) -> None:
+def test_pty_sessions_as_the_sdks_own_pty_tests_drive_them(worker: Client) -> None:
     # The steps and checks of the SDK's TestUnixLocalPty, on a Corral session.
     from agents.sandbox.errors import PtySessionNotFoundError
 

@@ -9,7 +9,7 @@ import textwrap
 from collections.abc import Callable
 from pathlib import Path
 
-from conftest import Worker
+from conftest import Client, Worker
 
 import corral
 
@@ -21,7 +21,7 @@ def _lines(data: bytes) -> list[str]:
     return data.decode().split()
 
 
-def test_attach_after_the_client_was_sigkilled(worker: Worker, tmp_path: Path) -> None:
+def test_attach_after_the_client_was_sigkilled(worker: Client, tmp_path: Path) -> None:
     seen = tmp_path / "seen"
     script = tmp_path / "client.py"
     script.write_text(

@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 
 import pytest
-from conftest import Worker
+from conftest import Client, Worker
 
 import corral
 
@@ -47,7 +47,7 @@ def test_a_checkpointed_sandbox_comes_back_where_it_stood(
         counter.kill()
 
 
-def test_a_runc_sandbox_is_not_checkpointed(worker: Worker) -> None:
+def test_a_runc_sandbox_is_not_checkpointed(worker: Client) -> None:
     with worker.create() as sb:
         with pytest.raises(corral.InvalidArgument) as e:
             sb.checkpoint()

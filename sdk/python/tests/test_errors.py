@@ -9,12 +9,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from conftest import Worker
+from conftest import Client, Worker
 
 import corral
 
 
-def test_an_unknown_sandbox(worker: Worker) -> None:
+def test_an_unknown_sandbox(worker: Client) -> None:
     with pytest.raises(corral.SandboxNotFound) as e:
         worker.connect("no-such-sandbox")
     assert e.value.reason == "sandbox_not_found" and e.value.code == "NOT_FOUND"
@@ -25,7 +25,7 @@ def test_an_unknown_sandbox(worker: Worker) -> None:
     assert e.value.reason in ("sandbox_removed", "sandbox_not_found")
 
 
-def test_a_policy_refusal_names_its_flag(worker: Worker) -> None:
+def test_a_policy_refusal_names_its_flag(worker: Client) -> None:
     with pytest.raises(corral.PolicyDenied) as e:
         worker.create(memory="1p")
     assert e.value.flag == "--max-memory"
@@ -53,7 +53,7 @@ def test_a_full_worker_and_a_draining_one(own_worker: Callable[..., Worker]) -> 
         time.sleep(0.1)
 
 
-def test_a_wrong_token_and_an_open_token_file(worker: Worker, tmp_path: Path) -> None:
+def test_a_wrong_token_and_an_open_token_file(worker: Client, tmp_path: Path) -> None:
     bad = tmp_path / "bad"
     bad.write_text("x" * 40 + "\n")
     bad.chmod(0o600)
@@ -76,7 +76,7 @@ def test_invalid_arguments(sb: corral.Sandbox) -> None:
         corral.Sandbox.create(worker="http://127.0.0.1:1", memory="lots")
 
 
-def test_a_lost_sandbox(worker: Worker) -> None:
+def test_a_lost_sandbox(worker: Client) -> None:
     sb = worker.create()
     p = sb.start("sleep 60")
     info = sb.info()
@@ -107,7 +107,7 @@ def test_seconds_are_numbers(sb: corral.Sandbox) -> None:
         sb.run("true", timeout="2s")  # type: ignore[arg-type]
 
 
-def test_arguments_of_the_wrong_type_are_invalid_arguments(worker: Worker) -> None:
+def test_arguments_of_the_wrong_type_are_invalid_arguments(worker: Client) -> None:
     # A lone string is never split into one rule a character.
     with pytest.raises(corral.InvalidArgument, match="not one string"):
         worker.create(egress="pypi.org")

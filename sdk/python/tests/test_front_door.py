@@ -6,89 +6,13 @@ worker, each tenant's sandboxes its own, a key that reads refused with
 from __future__ import annotations
 
 import asyncio
-import json
-import os
-import socket
-import subprocess
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from conftest import BIN_DIR, Worker, free_port
+from conftest import FrontDoor, Worker
 
 import corral
-
-
-class FrontDoor:
-    def __init__(self, root: Path, worker: Worker) -> None:
-        self.tenants = root / "tenants"
-        self.tenants.mkdir()
-        # Made before it starts: it reads them then (a key made later takes
-        # effect within a second).
-        self.acme = self.key("acme", "run")
-        self.bolt = self.key("bolt", "run")
-        self.auditor = self.key("acme", "read")
-        self.admin("quota", "set", "--tenant", "bolt", "sandboxes=1")
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        log = open(root / "serve.log", "ab")  # noqa: SIM115
-        self.proc = subprocess.Popen(
-            [
-                str(BIN_DIR / "corral"),
-                "--worker",
-                worker.url,
-                "--token-file",
-                str(worker.token_file),
-                "serve",
-                "--listen",
-                f"127.0.0.1:{self.port}",
-                "--serve-state-dir",
-                str(root / "serve-state"),
-                "--sessions-dir",
-                str(root / "sessions"),
-                "--tenants",
-                str(self.tenants),
-            ],
-            stdout=log,
-            stderr=log,
-            env={
-                k: v
-                for k, v in os.environ.items()
-                if k not in ("CORRAL_WORKER", "CORRAL_TOKEN_FILE", "CORRAL_URL", "CORRAL_API_KEY")
-            },
-        )
-        log.close()
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"corral serve exited: {(root / 'serve.log').read_text()}")
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
-                    return
-            except OSError:
-                time.sleep(0.05)
-        raise RuntimeError("corral serve did not listen within 30 s")
-
-    def admin(self, *args: str) -> bytes:
-        out = subprocess.run(
-            [str(BIN_DIR / "corral"), "admin", "--tenants", str(self.tenants), *args],
-            check=True,
-            capture_output=True,
-        )
-        return out.stdout
-
-    def key(self, tenant: str, scope: str) -> str:
-        out = self.admin("key", "create", "--tenant", tenant, "--scope", scope, "--json")
-        key: str = json.loads(out)["key"]
-        return key
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import pytest
-from conftest import Worker
+from conftest import Client
 
 minisweagent = pytest.importorskip("minisweagent")
 
@@ -58,7 +58,7 @@ def episode(env_config: dict[str, Any]) -> tuple[list[str], dict[str, Any]]:
         cast(Any, env).cleanup()
 
 
-def test_an_episode_in_corral_matches_the_same_in_docker(worker: Worker) -> None:
+def test_an_episode_in_corral_matches_the_same_in_docker(worker: Client) -> None:
     common = {"image": IMAGE, "cwd": "/tmp", "timeout": 3, "env": {"PAGER": "cat"}}
     corral_obs, corral_exit = episode(
         {
@@ -86,7 +86,7 @@ def test_an_episode_in_corral_matches_the_same_in_docker(worker: Worker) -> None
     assert corral_exit == docker_exit
 
 
-def test_the_environment_serializes_and_cleans_up(worker: Worker) -> None:
+def test_the_environment_serializes_and_cleans_up(worker: Client) -> None:
     import corral
     from corral.miniswe import CorralEnvironment
 
@@ -104,7 +104,7 @@ def test_the_environment_serializes_and_cleans_up(worker: Worker) -> None:
         worker.connect(sid)
 
 
-def test_a_program_that_exits_leaves_no_sandbox(worker: Worker, tmp_path: Path) -> None:
+def test_a_program_that_exits_leaves_no_sandbox(worker: Client, tmp_path: Path) -> None:
     # An environment still referenced at exit (a module global) goes with
     # the program, as mini-swe-agent's DockerEnvironment's container does.
     script = tmp_path / "prog.py"

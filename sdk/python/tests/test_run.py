@@ -89,9 +89,9 @@ def test_100_mb_of_stdout_reach_on_stdout_with_the_clients_memory_bounded(
 def test_async_callbacks_and_the_async_face(worker: object) -> None:
     import asyncio
 
-    from conftest import Worker
+    from conftest import Client
 
-    assert isinstance(worker, Worker)
+    assert isinstance(worker, Client)
 
     async def main() -> None:
         async with await corral.AsyncSandbox.create(
