@@ -7,7 +7,8 @@
 //! Three `corral-worker` processes serve on 127.0.1.1-3:7070 (their own
 //! state directories and ids, 12 sandboxes each, one token), the scripted
 //! model server on 127.0.0.1, and `corral` finds the workers by DNS name.
-//! Each scenario prints `ok: ...`; the first failure ends the run with an
+//! Two replicas of the front door (`corral serve --tenants --peers`) serve
+//! on 127.0.2.1-2:7071 for one scenario. Each scenario prints `ok: ...`; the first failure ends the run with an
 //! error (exit 1). Workers are killed and their containers removed on the
 //! way out, whatever happened.
 
@@ -454,9 +455,184 @@ async fn an_abandoned_sandbox_is_gone_after_its_idle_timeout(c: &Cluster) -> Res
     Ok(())
 }
 
+/// A replica of the front door on `host`:7071, over the workers by their
+/// DNS name, with the tenants of `tenants` and the replicas `peers`.
+fn front_door(
+    c: &Cluster,
+    host: &str,
+    peers: &str,
+    tenants: &std::path::Path,
+    state: &std::path::Path,
+) -> Result<ChildGuard> {
+    let mut cmd = std::process::Command::new(binary("corral")?);
+    cmd.env_clear()
+        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+        .env("HOME", state)
+        .env("CORRAL_LOG", "warn")
+        .args(["--worker", WORKERS, "--token-file"])
+        .arg(&c.token)
+        .args(["serve", "--listen", &format!("{host}:7071")])
+        .arg("--serve-state-dir")
+        .arg(state.join("serve"))
+        .arg("--sessions-dir")
+        .arg(state.join("sessions"))
+        .args(["--heartbeat", "0", "--tenants"])
+        .arg(tenants)
+        .args([
+            "--peers",
+            peers,
+            "--advertise",
+            &format!("http://{host}:7071"),
+        ])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit());
+    Ok(ChildGuard(corral_e2e::spawn_listening(
+        &mut cmd,
+        "a front door replica",
+    )?))
+}
+
+/// A process killed when dropped.
+struct ChildGuard(std::process::Child);
+
+impl Drop for ChildGuard {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// `corral admin --tenants DIR ARGS`, which must succeed; its stdout.
+fn admin(tenants: &std::path::Path, args: &[&str]) -> Result<String> {
+    let out = std::process::Command::new(binary("corral")?)
+        .arg("admin")
+        .arg("--tenants")
+        .arg(tenants)
+        .args(args)
+        .output()?;
+    ensure!(out.status.success(), "corral admin {args:?}: {out:?}");
+    Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
+}
+
+async fn two_front_doors_over_three_workers_answer_alike_and_hold_quotas(
+    c: &Cluster,
+) -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let tenants = dir.path().join("tenants");
+    let acme = admin(
+        &tenants,
+        &["key", "create", "--tenant", "acme", "--scope", "run"],
+    )?;
+    let bolt = admin(
+        &tenants,
+        &["key", "create", "--tenant", "bolt", "--scope", "run"],
+    )?;
+    admin(
+        &tenants,
+        &["quota", "set", "--tenant", "acme", "sandboxes=6"],
+    )?;
+    let doors = ["127.0.2.1", "127.0.2.2"];
+    let urls: Vec<String> = doors.iter().map(|h| format!("http://{h}:7071")).collect();
+    let peers = urls.join(",");
+    let mut replicas = Vec::new();
+    for (i, host) in doors.iter().enumerate() {
+        let state = dir.path().join(format!("replica-{i}"));
+        std::fs::create_dir_all(&state)?;
+        replicas.push(front_door(c, host, &peers, &tenants, &state)?);
+    }
+    let on = |url: &str, key: &str| {
+        let (url, key) = (url.to_string(), key.to_string());
+        async move { WorkerClient::connect(&url, Some(&key)).await }
+    };
+    let acme_on = [on(&urls[0], &acme).await?, on(&urls[1], &acme).await?];
+    // 40 creates at once, half through each replica: exactly 6 are made.
+    let creates = (0..40).map(|i| {
+        let client = acme_on[i % 2].clone();
+        tokio::spawn(async move {
+            client
+                .create_sandbox(None, corral_proto::SandboxSpec::default())
+                .await
+        })
+    });
+    let mut made = Vec::new();
+    for r in futures_util::future::join_all(creates).await {
+        match r? {
+            Ok(s) => made.push(s.id.to_string()),
+            Err(corral_harness::client::ClientError::Status(s)) => ensure!(
+                corral_proto::reason::quota_of(&s) == Some(("sandboxes".into(), 6, 6)),
+                "{s:?}"
+            ),
+            Err(e) => return Err(e.into()),
+        }
+    }
+    made.sort();
+    ensure!(made.len() == 6, "made {}", made.len());
+    // Both replicas answer alike; the workers hold them, stamped as acme's.
+    for client in &acme_on {
+        let mut listed: Vec<String> = client
+            .list_sandboxes()
+            .await?
+            .into_iter()
+            .map(|s| s.id.to_string())
+            .collect();
+        listed.sort();
+        ensure!(listed == made, "{listed:?} != {made:?}");
+    }
+    let mut on_workers = Vec::new();
+    for i in 0..3 {
+        for s in c.client(i).await?.list_sandboxes().await? {
+            ensure!(
+                s.spec
+                    .labels
+                    .get(corral_proto::sandbox::TENANT_LABEL)
+                    .map(String::as_str)
+                    == Some("acme"),
+                "{:?}",
+                s.spec.labels
+            );
+            on_workers.push(s.id.to_string());
+        }
+    }
+    on_workers.sort();
+    ensure!(on_workers == made, "{on_workers:?}");
+    // Each is reached through either replica, whichever placed it.
+    for (i, id) in made.iter().enumerate() {
+        let id = corral_proto::SandboxId::new(id.clone())?;
+        let out = corral_e2e::run_shell(&acme_on[i % 2], &id, "echo here").await?;
+        ensure!(out == "here\n", "{out:?}");
+    }
+    // Another tenant sees none of them through either.
+    for url in &urls {
+        let theirs = on(url, &bolt).await?;
+        ensure!(theirs.list_sandboxes().await?.is_empty());
+        let s = theirs
+            .get_sandbox(&corral_proto::SandboxId::new(made[0].clone())?)
+            .await
+            .err()
+            .context("bolt reached acme's sandbox")?;
+        ensure!(
+            matches!(&s, corral_harness::client::ClientError::Status(s) if s.code() == tonic::Code::NotFound),
+            "{s:?}"
+        );
+    }
+    for id in &made {
+        acme_on[1]
+            .destroy_sandbox(&corral_proto::SandboxId::new(id.clone())?)
+            .await?;
+    }
+    drop(replicas);
+    c.clear().await?;
+    println!(
+        "ok: two front door replicas over three workers: 40 creates against a quota of 6 made 6, both answer alike, another tenant sees none"
+    );
+    Ok(())
+}
+
 async fn check() -> Result<()> {
     let mut c = Cluster::start().await?;
     thirty_sessions_spread_over_the_three_within_capacity(&c).await?;
+    two_front_doors_over_three_workers_answer_alike_and_hold_quotas(&c).await?;
     sigkill_and_restart(&mut c).await?;
     ten_seconds_of_dropped_packets_lose_nothing(&c).await?;
     a_lost_host_ends_or_moves_its_sessions_within_the_deadline(&mut c).await?;
