@@ -46,6 +46,9 @@ pub struct FrontDoor {
     uses: Mutex<HashMap<String, Arc<TenantUse>>>,
     /// The other replicas, when there are several.
     peers: Option<Peers>,
+    /// Images built through this replica, and the worker that has each: a
+    /// sandbox of one is made there (no other worker has it).
+    built: Arc<Mutex<HashMap<String, String>>>,
 }
 
 /// The replicas of a front door: each tenant's creates are checked against
@@ -301,6 +304,7 @@ impl FrontDoor {
             keys,
             uses: Mutex::new(HashMap::new()),
             peers,
+            built: Arc::new(Mutex::new(HashMap::new())),
         }
     }
 
@@ -831,7 +835,19 @@ impl pb::worker_server::Worker for FrontDoor {
                     .await
                     .map(Response::into_inner);
             }
-            let urls = self.fleet.urls().await.map_err(fleet_status)?;
+            // An image built through this replica is on the worker that
+            // built it alone.
+            let image = spec.image.clone().unwrap_or_default();
+            let built_on = self
+                .built
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .get(&image)
+                .cloned();
+            let urls = match built_on {
+                Some(url) => vec![url],
+                None => self.fleet.urls().await.map_err(fleet_status)?,
+            };
             let made: Result<(pb::Sandbox, String), Placing> = self
                 .fleet
                 .place(&urls, &spec, |url, client| {
@@ -1319,12 +1335,65 @@ impl pb::worker_server::Worker for FrontDoor {
         &self,
         req: Request<tonic::Streaming<pb::BuildImageRequest>>,
     ) -> Result<Response<BuildStream>, Status> {
-        let _ = caller(&req)?;
-        Err(status(
-            Code::Unimplemented,
-            Reason::NotApplicable,
-            "the front door builds no images: build on a worker (corral-worker --allow-build)",
-        ))
+        let who = caller(&req)?;
+        let r = async {
+            need(&who, Scope::Run, "BuildImage")?;
+            // The build goes whole to one worker that builds (its request
+            // stream can be sent once): the least full of them.
+            let urls = self.fleet.urls().await.map_err(fleet_status)?;
+            let asked = urls.iter().map(|url| async move {
+                let client = self.fleet.connect(Some(url)).await.ok()?;
+                let info = client.worker_info().await.ok()?;
+                (info.policy.allow_build && !info.draining).then(|| {
+                    let load = f64::from(info.sandboxes) / f64::from(info.max_sandboxes.max(1));
+                    (load, url.clone(), client)
+                })
+            });
+            let able = futures_util::future::join_all(asked).await;
+            let Some((_, url, client)) = able
+                .into_iter()
+                .flatten()
+                .min_by(|a, b| a.0.total_cmp(&b.0))
+            else {
+                return Err(corral_proto::reason::status(
+                    Code::PermissionDenied,
+                    Reason::PolicyDenied,
+                    Some("--allow-build"),
+                    "none of the front door's workers builds images (corral-worker --allow-build)"
+                        .to_string(),
+                ));
+            };
+            let incoming = req
+                .into_inner()
+                .take_while(|m| std::future::ready(m.is_ok()));
+            let requests = incoming.filter_map(|m| std::future::ready(m.ok()));
+            let events = client
+                .raw()
+                .build_image(FrontDoor::outgoing(&who, requests))
+                .await
+                .map(Response::into_inner)?;
+            Ok((url, events))
+        }
+        .await;
+        let (url, events) = self.audited(&who, "BuildImage", None, r).await?;
+        // What it built is remembered with its worker, for the creates
+        // that name it.
+        let built = self.built.clone();
+        let stream = events.inspect(move |ev| {
+            if let Ok(pb::BuildImageEvent {
+                kind: Some(pb::build_image_event::Kind::Done(done)),
+            }) = ev
+                && done.failure.is_none()
+                && !done.image.is_empty()
+            {
+                let mut built = built.lock().unwrap_or_else(|p| p.into_inner());
+                if built.len() >= ROUTES {
+                    built.clear();
+                }
+                built.insert(done.image.clone(), url.clone());
+            }
+        });
+        Ok(Response::new(Box::pin(stream) as BuildStream))
     }
 }
 

@@ -5,7 +5,9 @@ WORKDIR, files copied in and built by RUN steps, solution/solve.sh writing
 paths relative to the WORKDIR, tests/ for the verifier) with its oracle
 agent against corral.harbor.CorralEnvironment: each task's Dockerfile is
 built on the worker, every verifier passes, a deliberately broken solution
-fails, and a Dockerfile whose step fails is an error naming the step."""
+fails, and a Dockerfile whose step fails is an error naming the step. The
+newest release runs them through a front door too, as a tenant with a key
+and the front door's address alone."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from conftest import REPO, Worker
+from conftest import REPO, FrontDoor, Worker
 
 VERSIONS = ["0.25.0", "0.26.0"]
 SDK = REPO / "sdk" / "python"
@@ -175,9 +177,12 @@ def write_real_task(
     (t / "task.toml").write_text(REPORT_TOML.format(network=network, allowed=allowed))
 
 
-@pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.parametrize(
+    ("version", "via"),
+    [(v, "direct") for v in VERSIONS] + [(VERSIONS[-1], "front-door")],
+)
 def test_harbor_builds_and_runs_real_task_layouts_in_corral_sandboxes(
-    own_worker: Callable[..., Worker], tmp_path: Path, version: str
+    own_worker: Callable[..., Worker], tmp_path: Path, version: str, via: str
 ) -> None:
     image = f"corral-harbor-test:{version}"
     have = subprocess.run(["docker", "image", "inspect", image], capture_output=True)
@@ -241,7 +246,16 @@ def test_harbor_builds_and_runs_real_task_layouts_in_corral_sandboxes(
     jobs = tmp_path / "jobs"
     jobs.mkdir()
     token = tmp_path / "token"
-    token.write_bytes(w.token_file.read_bytes())
+    url = w.url
+    door = None
+    if via == "front-door":
+        # As a tenant: the front door's address and a key, nothing else.
+        (tmp_path / "door").mkdir()
+        door = FrontDoor(tmp_path / "door", w)
+        url = door.url
+        token.write_text(door.acme + "\n")
+    else:
+        token.write_bytes(w.token_file.read_bytes())
     token.chmod(0o600)
     run = subprocess.run(
         [
@@ -274,7 +288,7 @@ def test_harbor_builds_and_runs_real_task_layouts_in_corral_sandboxes(
             "-e",
             "corral.harbor:CorralEnvironment",
             "--ek",
-            f"worker={w.url}",
+            f"worker={url}",
             "--ek",
             "token_file=/token",
             "--ek",
@@ -291,6 +305,8 @@ def test_harbor_builds_and_runs_real_task_layouts_in_corral_sandboxes(
         text=True,
         timeout=900,
     )
+    if door is not None:
+        door.stop()
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     outcomes = {}
     for p in sorted((jobs / "corral").glob("*/result.json")):

@@ -1241,6 +1241,141 @@ async fn an_admin_key_manages_keys_and_quotas_through_a_running_front_door() -> 
     Ok(())
 }
 
+/// Builds `dockerfile` (the context's only file) through the front door
+/// at `url` with `key`: the image, or the refusal.
+async fn build_through(url: &str, key: &str, dockerfile: &str) -> Result<String, tonic::Status> {
+    let mut tar = tar::Builder::new(Vec::new());
+    let mut h = tar::Header::new_gnu();
+    h.set_size(dockerfile.len() as u64);
+    h.set_mode(0o644);
+    h.set_path("Dockerfile")
+        .map_err(|e| tonic::Status::internal(e.to_string()))?;
+    h.set_cksum();
+    tar.append(&h, dockerfile.as_bytes())
+        .map_err(|e| tonic::Status::internal(e.to_string()))?;
+    let tar = tar
+        .into_inner()
+        .map_err(|e| tonic::Status::internal(e.to_string()))?;
+    let channel = tonic::transport::Endpoint::from_shared(url.to_string())
+        .map_err(|e| tonic::Status::internal(e.to_string()))?
+        .connect()
+        .await
+        .map_err(|e| tonic::Status::unavailable(e.to_string()))?;
+    let bearer: tonic::metadata::MetadataValue<_> = format!("Bearer {key}")
+        .parse()
+        .map_err(|_| tonic::Status::internal("key"))?;
+    let mut raw = pb::worker_client::WorkerClient::with_interceptor(
+        channel,
+        move |mut req: tonic::Request<()>| {
+            req.metadata_mut().insert("authorization", bearer.clone());
+            Ok(req)
+        },
+    );
+    let reqs = vec![
+        pb::BuildImageRequest {
+            dockerfile: "Dockerfile".into(),
+            timeout_ms: 120_000,
+            ..Default::default()
+        },
+        pb::BuildImageRequest {
+            data: bytes::Bytes::from(tar),
+            ..Default::default()
+        },
+        pb::BuildImageRequest {
+            eof: true,
+            ..Default::default()
+        },
+    ];
+    let mut events = raw
+        .build_image(tokio_stream::iter(reqs))
+        .await?
+        .into_inner();
+    while let Some(ev) = events.next().await {
+        if let Some(pb::build_image_event::Kind::Done(done)) = ev?.kind {
+            return match done.failure {
+                None => Ok(done.image),
+                Some(f) => Err(tonic::Status::internal(f.message)),
+            };
+        }
+    }
+    Err(tonic::Status::internal(
+        "the build's stream ended without its result",
+    ))
+}
+
+#[tokio::test]
+async fn a_build_through_the_front_door_goes_to_a_worker_that_builds_and_its_sandboxes_follow()
+-> Result<()> {
+    let mut setup = Setup::start(2, 4).await?;
+    // A third worker, the one that builds.
+    let state = tempfile::tempdir()?;
+    let token = setup.token.display().to_string();
+    let builder = corral_e2e::WorkerProcess::spawn(
+        state.path(),
+        &unique_id("builder"),
+        corral_e2e::free_port()?,
+        &[("CORRAL_LOG", "warn")],
+        &[
+            "--max-sandboxes",
+            "40",
+            "--token-file",
+            &token,
+            "--allow-build",
+        ],
+    )?;
+    let builder_url = builder.url.clone();
+    setup.workers.push(builder);
+    let tenants = tempfile::tempdir()?;
+    let acme = new_key(tenants.path(), "acme", "run", None)?;
+    let auditor = new_key(tenants.path(), "acme", "read", None)?;
+    setup.kill_service();
+    setup.service_args = vec!["--tenants".into(), tenants.path().display().to_string()];
+    setup.start_service()?;
+    let url = setup.url();
+
+    let s = build_through(&url, key_of(&auditor), "FROM corral-sandbox:latest\n")
+        .await
+        .err()
+        .context("a read key built an image")?;
+    ensure!(
+        corral_proto::reason::of(&s) == Some(Reason::PermissionDenied),
+        "{s:?}"
+    );
+    let nonce = unique_id("built");
+    let image = build_through(
+        &url,
+        key_of(&acme),
+        &format!("FROM corral-sandbox:latest\nENV BUILT={nonce}\n"),
+    )
+    .await?;
+    ensure!(image.starts_with("corral-build:"), "{image}");
+    // Every sandbox of it is made on the worker that has it, and runs.
+    let as_acme = WorkerClient::connect(&url, Some(key_of(&acme))).await?;
+    let mut made = Vec::new();
+    for _ in 0..4 {
+        let sb = as_acme
+            .create_sandbox(
+                None,
+                SandboxSpec {
+                    image: Some(image.clone()),
+                    ..SandboxSpec::default()
+                },
+            )
+            .await?;
+        ensure!(run_shell(&as_acme, &sb.id, "echo $BUILT").await? == format!("{nonce}\n"));
+        made.push(sb.id);
+    }
+    let on_builder = setup.worker(&builder_url).await?.list_sandboxes().await?;
+    for id in &made {
+        ensure!(
+            on_builder.iter().any(|s| &s.id == id),
+            "{id} is not on the worker that built its image"
+        );
+        as_acme.destroy_sandbox(id).await?;
+    }
+    Ok(())
+}
+
 /// A second replica of the front door, killed when dropped.
 struct Replica(std::process::Child);
 
