@@ -36,9 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import secrets
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -46,6 +44,8 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
+
+from own_worker import OwnWorker
 
 REPO = Path(__file__).resolve().parents[3]
 SDK = REPO / "sdk" / "python"
@@ -120,53 +120,6 @@ def write_tasks(root: Path, count: int, nonce: str) -> None:
         (t / "tests" / "test_outputs.py").write_text(CHECK.format(total=i + 32))
 
 
-class OwnWorker:
-    """A release corral-worker on a loopback port, allowed what Harbor needs."""
-
-    def __init__(self, bin_dir: Path) -> None:
-        self.dir = Path(tempfile.mkdtemp(prefix="corral-bench-harbor-"))
-        self.token = self.dir / "token"
-        self.token.write_text(secrets.token_urlsafe(32))
-        self.token.chmod(0o600)
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        init = REPO / "target" / "x86_64-unknown-linux-gnu" / "release" / "corral-init"
-        self.proc = subprocess.Popen(
-            [
-                str(bin_dir / "corral-worker"),
-                "--listen",
-                f"127.0.0.1:{self.port}",
-                "--state-dir",
-                str(self.dir / "state"),
-                "--token-file",
-                str(self.token),
-                "--init-binary",
-                str(init),
-                "--allow-build",
-                "--allow-root",
-                "--allow-writable-rootfs",
-                "--allow-network",
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=open(self.dir / "worker.log", "wb"),  # noqa: SIM115
-        )
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
-                    return
-            except OSError:
-                time.sleep(0.05)
-        raise RuntimeError("corral-worker did not start")
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(30)
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-
 def harbor(
     tasks: Path, jobs: Path, name: str, env_args: list[str], n: int, env: dict[str, str]
 ) -> float:
@@ -225,7 +178,9 @@ def main() -> None:
     if probe.returncode != 0:
         raise SystemExit("Harbor's Docker environment needs `docker compose`: see --compose-plugin")
 
-    worker = OwnWorker(args.bin_dir)
+    worker = OwnWorker(
+        args.bin_dir, "--allow-build", "--allow-root", "--allow-writable-rootfs", "--allow-network"
+    )
     # cold: every environment new to the engine (built on both sides);
     # warm: the same tasks again, their images built already.
     walls: dict[tuple[str, str], list[float]] = {}

@@ -15,17 +15,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import secrets
-import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from own_worker import OwnWorker
 
 import corral
 
@@ -54,46 +53,6 @@ def row(name: str, xs: list[float]) -> str:
         f"| {name} | {statistics.median(xs):.2f} ms | {pct(xs, 90):.2f} ms "
         f"| {pct(xs, 99):.2f} ms | {len(xs)} |"
     )
-
-
-class OwnWorker:
-    def __init__(self, bin_dir: Path) -> None:
-        self.dir = Path(tempfile.mkdtemp(prefix="corral-bench-"))
-        self.token = self.dir / "token"
-        self.token.write_text(secrets.token_urlsafe(32))
-        self.token.chmod(0o600)
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        init = REPO / "target" / "x86_64-unknown-linux-gnu" / "release" / "corral-init"
-        self.proc = subprocess.Popen(
-            [
-                str(bin_dir / "corral-worker"),
-                "--listen",
-                f"127.0.0.1:{self.port}",
-                "--state-dir",
-                str(self.dir / "state"),
-                "--token-file",
-                str(self.token),
-                "--init-binary",
-                str(init),
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=open(self.dir / "worker.log", "wb"),  # noqa: SIM115
-        )
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
-                    return
-            except OSError:
-                time.sleep(0.05)
-        raise RuntimeError("corral-worker did not start")
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(30)
 
 
 def docker_exec(samples: int) -> list[float]:
