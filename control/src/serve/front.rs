@@ -151,7 +151,7 @@ impl Takes {
 }
 
 /// Sandboxes counted against their tenant's quotas while they are made.
-struct Reservation {
+pub(super) struct Reservation {
     tenant: Arc<TenantUse>,
     ids: Vec<SandboxId>,
 }
@@ -569,6 +569,22 @@ impl FrontDoor {
             tenant: tenant.clone(),
             ids: ids.to_vec(),
         }))
+    }
+
+    /// Counts the sandbox a new session of `who`'s tenant will make (the
+    /// workers' defaults: a session names no limits) against its quotas
+    /// while the session starts, or refuses it (`quota_exceeded`). Checked
+    /// on the replica that hosts the session, never passed to the home.
+    pub(super) async fn reserve_for_session(
+        &self,
+        who: &Principal,
+    ) -> Result<Option<Reservation>, Status> {
+        let Some(quota) = self.quota_of(who) else {
+            return Ok(None);
+        };
+        let takes = self.takes_new(&pb::SandboxSpec::default(), &quota).await?;
+        self.reserve(who, &quota, &[SandboxId::random()], takes)
+            .await
     }
 
     /// What a new sandbox of `spec` will take: what it asks for, else the

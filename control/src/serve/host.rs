@@ -574,6 +574,11 @@ impl Host {
         }
     }
 
+    /// Whether session `id` is not one this service has (a start makes it).
+    pub fn is_new(&self, id: &str) -> Result<bool, HostError> {
+        Ok(!self.inner.store.exists(id)?)
+    }
+
     /// The config session `id` has now, if it exists.
     fn recorded(&self, id: &str) -> Result<Option<SessionConfig>, HostError> {
         if !self.inner.store.exists(id)? {

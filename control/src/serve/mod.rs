@@ -224,10 +224,18 @@ pub async fn serve(conn: &ConnArgs, args: &ServeArgs) -> Result<(), ServeError> 
         }
         None => (None, None),
     };
+    // The sandbox API's quotas hold for the sandboxes sessions make too.
+    let front = std::sync::Arc::new(front::FrontDoor::new(
+        fleet.clone(),
+        audit.clone(),
+        keys.clone(),
+        peers,
+    ));
     let control = ControlServer::new(service::ControlService::new(
         host.clone(),
         audit.clone(),
         keys.clone(),
+        front.clone(),
     ))
     .max_decoding_message_size(MAX_REQUEST_BYTES);
     let control = tonic::service::interceptor::InterceptedService::new(control, {
@@ -243,7 +251,7 @@ pub async fn serve(conn: &ConnArgs, args: &ServeArgs) -> Result<(), ServeError> 
         let gate = gate.clone();
         move |req| gate.check(req)
     });
-    let sandboxes = WorkerServer::new(front::FrontDoor::new(fleet.clone(), audit, keys, peers))
+    let sandboxes = WorkerServer::from_arc(front)
         .max_decoding_message_size(MAX_REQUEST_BYTES)
         .max_encoding_message_size(MAX_GRPC_MESSAGE_BYTES);
     let sandboxes =

@@ -35,15 +35,24 @@ pub struct ControlService {
     /// One start at a time per tenant with a `sessions` quota, so that
     /// concurrent starts never pass it.
     starts: std::sync::Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    /// The sandbox API, whose quotas a new session's sandbox is counted
+    /// against.
+    front: Arc<super::front::FrontDoor>,
 }
 
 impl ControlService {
-    pub fn new(host: Host, audit: Option<AuditLog>, keys: Option<Keys>) -> Self {
+    pub fn new(
+        host: Host,
+        audit: Option<AuditLog>,
+        keys: Option<Keys>,
+        front: Arc<super::front::FrontDoor>,
+    ) -> Self {
         Self {
             host,
             audit,
             keys,
             starts: std::sync::Mutex::new(HashMap::new()),
+            front,
         }
     }
 
@@ -239,6 +248,17 @@ impl pb::control_server::Control for ControlService {
             let request = request_of(&req.request_json)?;
             let id = (!req.session_id.is_empty()).then_some(req.session_id);
             let _one = self.session_quota(&who, id.as_deref()).await?;
+            // A new session makes a sandbox: counted against the tenant's
+            // sandbox quotas as a create is, until it exists.
+            let new = match &id {
+                Some(id) => self.host.is_new(id)?,
+                None => true,
+            };
+            let _reserved = if new {
+                self.front.reserve_for_session(&who).await?
+            } else {
+                None
+            };
             let settings = Settings::from_pb(req.settings.unwrap_or_default());
             let started = self
                 .host

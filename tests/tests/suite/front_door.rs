@@ -1058,6 +1058,36 @@ async fn memory_cpu_process_and_session_quotas_hold_and_a_forks_children_count()
     for id in [&running[1], &third] {
         control.stop(id, false).await?;
     }
+
+    // A new session's sandbox counts against the sandbox quotas as a
+    // create does.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !as_acme.list_sandboxes().await?.is_empty() {
+        ensure!(
+            Instant::now() < deadline,
+            "the stopped sessions' sandboxes stay"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    set_quota(dir, "acme", &["sessions=none", "sandboxes=1"]).await?;
+    let only = as_acme.create_sandbox(None, spec()).await?;
+    let start = || {
+        control.start(pb::StartSessionRequest {
+            session_id: unique_id("s-quota"),
+            request_json: r#"{"prompt": "echo hi"}"#.into(),
+            settings: None,
+        })
+    };
+    match start().await {
+        Err(ControlError::Status(s)) => ensure!(
+            corral_proto::reason::quota_of(&s) == Some(("sandboxes".into(), 1, 1)),
+            "{s:?}"
+        ),
+        other => anyhow::bail!("a session past the sandbox quota started: {other:?}"),
+    }
+    as_acme.destroy_sandbox(&only.id).await?;
+    let started = start().await?;
+    control.stop(&started.session_id, false).await?;
     Ok(())
 }
 
