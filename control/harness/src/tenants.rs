@@ -158,6 +158,56 @@ pub fn key_id(key: &str) -> Option<&str> {
     (is_hex(id, ID_LEN) && is_hex(secret, SECRET_LEN)).then_some(id)
 }
 
+/// `text` with every key in it, or what starts as one, cut to its id
+/// (`corral_<id>_…`): for what is logged or echoed of a caller's words.
+pub fn redact(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(at) = rest.find(PREFIX) {
+        out.push_str(&rest[..at]);
+        let tail = &rest[at..];
+        let end = tail
+            .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+            .unwrap_or(tail.len());
+        // Anything shaped as a key's start: a key, or one mistyped.
+        let id = tail[PREFIX.len()..end]
+            .split_once('_')
+            .map(|(id, _)| id)
+            .filter(|id| is_hex(id, ID_LEN));
+        match id {
+            Some(id) => {
+                out.push_str(PREFIX);
+                out.push_str(id);
+                out.push_str("_…");
+                rest = &tail[end..];
+            }
+            None => {
+                out.push_str(PREFIX);
+                rest = &tail[PREFIX.len()..];
+            }
+        }
+    }
+    out.push_str(rest);
+    out
+}
+
+/// Refuses to change a directory that does not read whole: front doors
+/// keep their last good keys while it does not, so a key revoked there
+/// would go on working (and one made, not yet).
+fn readable(dir: &Path) -> Result<(), TenantsError> {
+    if !dir.exists() {
+        return Ok(());
+    }
+    KeySet::load(dir).map(|_| ()).map_err(|e| {
+        TenantsError::Invalid(format!(
+            "the tenants' directory does not read whole, so front doors keep their last good keys and would not see this change: {e} (fix or remove that file first)"
+        ))
+    })
+}
+
+/// The longest a key may be made for.
+const MAX_TTL: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
+
 pub fn now_ms() -> i64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -445,7 +495,8 @@ pub fn quotas(dir: &Path) -> Result<Vec<(String, Quota)>, TenantsError> {
 pub fn set_quota(dir: &Path, tenant: &str, assignments: &[String]) -> Result<Quota, TenantsError> {
     if !corral_proto::sandbox::is_tenant_name(tenant) {
         return Err(TenantsError::Invalid(format!(
-            "tenant {tenant:?}: 1-63 characters of [a-z0-9-], starting with a letter or digit"
+            "tenant {:?}: 1-63 characters of [a-z0-9-], starting with a letter or digit",
+            redact(tenant)
         )));
     }
     if assignments.is_empty() {
@@ -454,6 +505,7 @@ pub fn set_quota(dir: &Path, tenant: &str, assignments: &[String]) -> Result<Quo
             Quota::NAMES.join(", ")
         )));
     }
+    readable(dir)?;
     let mut quota = quotas(dir)?
         .into_iter()
         .find(|(t, _)| t == tenant)
@@ -533,7 +585,8 @@ pub fn create_key(
 ) -> Result<(String, KeyRecord), TenantsError> {
     if !corral_proto::sandbox::is_tenant_name(tenant) {
         return Err(TenantsError::Invalid(format!(
-            "tenant {tenant:?}: 1-63 characters of [a-z0-9-], starting with a letter or digit"
+            "tenant {:?}: 1-63 characters of [a-z0-9-], starting with a letter or digit",
+            redact(tenant)
         )));
     }
     if scopes.is_empty() {
@@ -541,6 +594,23 @@ pub fn create_key(
             "a key needs a scope: read, run or admin".into(),
         ));
     }
+    let created = now_ms();
+    let expires = match ttl {
+        None => None,
+        Some(t) => Some(
+            i64::try_from(t.as_millis())
+                .ok()
+                .and_then(|ms| created.checked_add(ms))
+                .filter(|_| t <= MAX_TTL)
+                .ok_or_else(|| {
+                    TenantsError::Invalid(format!(
+                        "a key valid for {} s: at most 100 years (or none: until revoked)",
+                        t.as_secs()
+                    ))
+                })?,
+        ),
+    };
+    readable(dir)?;
     let id = uuid::Uuid::new_v4().simple().to_string()[..ID_LEN].to_string();
     let secret = format!(
         "{}{}",
@@ -548,14 +618,13 @@ pub fn create_key(
         uuid::Uuid::new_v4().simple()
     );
     let key = format!("{PREFIX}{id}_{secret}");
-    let created = now_ms();
     let record = KeyRecord {
         id: id.clone(),
         tenant: tenant.to_string(),
         scopes,
         sha256: sha256_hex(key.as_bytes()),
         created_unix_ms: created,
-        expires_unix_ms: ttl.map(|t| created.saturating_add(t.as_millis() as i64)),
+        expires_unix_ms: expires,
     };
     let keys = keys_dir(dir);
     private_dir(dir)?;
@@ -569,11 +638,16 @@ pub fn create_key(
 /// Revokes key `id`: whether there was one. A front door refuses it within
 /// [`POLL`] of this.
 pub fn revoke(dir: &Path, id: &str) -> Result<bool, TenantsError> {
+    // A whole key given where its id is asked for: its id (the secret is
+    // never echoed).
+    let id = key_id(id).unwrap_or(id);
     if !is_hex(id, ID_LEN) {
         return Err(TenantsError::Invalid(format!(
-            "{id:?} is not a key's id ({ID_LEN} hex digits; `corral admin key ls` shows them)"
+            "{:?} is not a key's id ({ID_LEN} hex digits; `corral admin key ls` shows them)",
+            redact(id)
         )));
     }
+    readable(dir)?;
     let path = keys_dir(dir).join(format!("{id}.json"));
     match std::fs::remove_file(&path) {
         Ok(()) => Ok(true),
@@ -807,6 +881,64 @@ mod tests {
         .unwrap();
         let e = KeySet::load(dir.path()).unwrap_err().to_string();
         assert!(e.contains("0123456789ab.json"), "{e}");
+    }
+
+    #[test]
+    fn a_directory_that_does_not_read_whole_is_not_changed() {
+        let dir = tempfile::tempdir().unwrap();
+        let (key, record) = create_key(dir.path(), "acme", scopes(&[Scope::Run]), None).unwrap();
+        // A quota file of a newer release (a field this one does not know).
+        std::fs::create_dir_all(dir.path().join("quotas")).unwrap();
+        let bad = dir.path().join("quotas").join("zeta.json");
+        std::fs::write(&bad, r#"{"sandboxes": 2, "gpus": 1}"#).unwrap();
+        // A revoke here would be no revoke at all for a front door, which
+        // keeps its last good keys: refused, naming the file.
+        let e = revoke(dir.path(), &record.id).unwrap_err().to_string();
+        assert!(
+            e.contains("zeta.json") && e.contains("does not read whole"),
+            "{e}"
+        );
+        assert!(create_key(dir.path(), "bolt", scopes(&[Scope::Run]), None).is_err());
+        assert!(set_quota(dir.path(), "acme", &["sandboxes=1".to_string()]).is_err());
+        std::fs::remove_file(&bad).unwrap();
+        // A whole key given for its id revokes it; its secret is echoed nowhere.
+        assert!(revoke(dir.path(), &key).unwrap());
+        let e = revoke(dir.path(), &format!("{key}x"))
+            .unwrap_err()
+            .to_string();
+        assert!(!e.contains(key.split('_').nth(2).unwrap()), "{e}");
+    }
+
+    #[test]
+    fn keys_in_text_are_cut_to_their_ids() {
+        let key = format!("corral_0123456789ab_{}", "f".repeat(64));
+        assert_eq!(
+            redact(&format!("tenant {key:?} and {key}.")),
+            "tenant \"corral_0123456789ab_…\" and corral_0123456789ab_…."
+        );
+        assert_eq!(
+            redact("corral_ no key corral_12"),
+            "corral_ no key corral_12"
+        );
+    }
+
+    #[test]
+    fn a_key_valid_too_long_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        for ttl in [
+            Duration::from_millis(u64::MAX),
+            Duration::from_secs(200 * 365 * 86_400),
+        ] {
+            assert!(create_key(dir.path(), "acme", scopes(&[Scope::Run]), Some(ttl)).is_err());
+        }
+        let (_, r) = create_key(
+            dir.path(),
+            "acme",
+            scopes(&[Scope::Run]),
+            Some(Duration::from_secs(30 * 86_400)),
+        )
+        .unwrap();
+        assert!(r.expires_unix_ms.unwrap() > r.created_unix_ms);
     }
 
     #[test]

@@ -82,6 +82,8 @@ impl Tenants {
     }
 
     async fn revoke(&self, id: &str) -> Result<(), Error> {
+        // A whole key given for its id: its id (the secret is never echoed).
+        let id = tenants::key_id(id).unwrap_or(id);
         match self {
             Tenants::Dir(dir) => {
                 if tenants::revoke(dir, id)? {
@@ -256,7 +258,7 @@ async fn key(place: &Tenants, cmd: &KeyCommand) -> Result<(), Error> {
         }
         KeyCommand::Revoke { id } => {
             place.revoke(id).await?;
-            let _ = writeln!(out, "revoked {id}");
+            let _ = writeln!(out, "revoked {}", tenants::key_id(id).unwrap_or(id));
         }
     }
     Ok(())

@@ -32,7 +32,11 @@ fn status(code: Code, reason: Reason, message: impl Into<String>) -> Status {
 /// it may not write (a Kubernetes Secret is mounted read-only) is said so.
 fn tenants_status(dir: &Path, e: TenantsError) -> Status {
     match e {
-        TenantsError::Invalid(why) => status(Code::InvalidArgument, Reason::InvalidArgument, why),
+        TenantsError::Invalid(why) => status(
+            Code::InvalidArgument,
+            Reason::InvalidArgument,
+            tenants::redact(&why),
+        ),
         TenantsError::Io { ref source, .. }
             if matches!(
                 source.kind(),
@@ -48,7 +52,11 @@ fn tenants_status(dir: &Path, e: TenantsError) -> Status {
                 ),
             )
         }
-        other => status(Code::Internal, Reason::Internal, other.to_string()),
+        other => status(
+            Code::Internal,
+            Reason::Internal,
+            tenants::redact(&other.to_string()),
+        ),
     }
 }
 
@@ -117,7 +125,7 @@ impl pb::admin_server::Admin for AdminService {
     ) -> Result<Response<pb::CreateKeyResponse>, Status> {
         let who = caller(&req)?;
         let req = req.into_inner();
-        let subject = format!("tenant:{}", req.tenant);
+        let subject = format!("tenant:{}", tenants::redact(&req.tenant));
         let made = self
             .changing(self.on_dir(&who, "CreateKey", &subject, move |dir| {
                 let scopes = req
@@ -156,7 +164,9 @@ impl pb::admin_server::Admin for AdminService {
     ) -> Result<Response<pb::RevokeKeyResponse>, Status> {
         let who = caller(&req)?;
         let id = req.into_inner().id;
-        let subject = format!("key:{id}");
+        // A whole key given for its id is cut to its id, here and in the log.
+        let id = tenants::key_id(&id).map_or(id.clone(), str::to_string);
+        let subject = format!("key:{}", tenants::redact(&id));
         let revoked = self
             .changing(self.on_dir(&who, "RevokeKey", &subject, move |dir| {
                 if tenants::revoke(dir, &id)? {
@@ -177,7 +187,7 @@ impl pb::admin_server::Admin for AdminService {
     ) -> Result<Response<pb::TenantQuota>, Status> {
         let who = caller(&req)?;
         let req = req.into_inner();
-        let subject = format!("tenant:{}", req.tenant);
+        let subject = format!("tenant:{}", tenants::redact(&req.tenant));
         let set = self
             .changing(self.on_dir(&who, "SetQuota", &subject, move |dir| {
                 let q = tenants::set_quota(dir, &req.tenant, &req.quotas)?;

@@ -825,16 +825,24 @@ impl pb::worker_server::Worker for FrontDoor {
         let msg = msg;
         let r = async {
             need(&who, Scope::Run, "CreateSandbox")?;
-            let _reserved = match &quota {
-                Some(quota) => {
-                    let id = sandbox_id(msg.id.clone())?;
-                    let takes = self
-                        .takes_new(&msg.spec.clone().unwrap_or_default(), quota)
-                        .await?;
-                    self.reserve(&who, quota, &[id], takes).await?
-                }
+            let takes = match &quota {
+                Some(quota) => Some(
+                    self.takes_new(&msg.spec.clone().unwrap_or_default(), quota)
+                        .await?,
+                ),
                 None => None,
             };
+            let reserve = || async {
+                match (&quota, takes) {
+                    (Some(quota), Some(takes)) => {
+                        let id = sandbox_id(msg.id.clone())?;
+                        self.reserve(&who, quota, &[id], takes).await
+                    }
+                    _ => Ok(None),
+                }
+            };
+            // None with a quota: a sandbox of that id was listed.
+            let mut reserved = reserve().await?;
             let spec = corral_proto::SandboxSpec::try_from(msg.spec.clone().unwrap_or_default())
                 .map_err(|e| {
                     status(
@@ -851,6 +859,21 @@ impl pb::worker_server::Worker for FrontDoor {
                     .await
                     .map(Response::into_inner);
             }
+            // Listed at the check, gone since: counted now, or refused.
+            if quota.is_some() && reserved.is_none() {
+                reserved = reserve().await?;
+                if reserved.is_none() {
+                    return Err(status(
+                        Code::Aborted,
+                        Reason::Conflict,
+                        format!(
+                            "sandbox {} came and went while it was asked for: ask again",
+                            msg.id
+                        ),
+                    ));
+                }
+            }
+            let _reserved = reserved;
             // An image built through this replica is on the worker that
             // built it alone.
             let image = spec.image.clone().unwrap_or_default();

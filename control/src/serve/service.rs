@@ -411,6 +411,8 @@ impl pb::control_server::Control for ControlService {
         let r = async {
             need(&who, Scope::Run, "ForkSession")?;
             self.host.owned(&req.session_id, tenant_of(&who))?;
+            // The fork's sandbox is a new one: counted as a create.
+            let _reserved = self.front.reserve_for_session(&who).await?;
             self.host
                 .fork(&req.session_id, &req.new_session_id, req.turn)
                 .await?;

@@ -1075,7 +1075,10 @@ async fn memory_cpu_process_and_session_quotas_hold_and_a_forks_children_count()
         control.start(pb::StartSessionRequest {
             session_id: unique_id("s-quota"),
             request_json: r#"{"prompt": "echo hi"}"#.into(),
-            settings: None,
+            settings: Some(pb::RunSettings {
+                keep_sandbox: true,
+                ..Default::default()
+            }),
         })
     };
     match start().await {
@@ -1087,7 +1090,20 @@ async fn memory_cpu_process_and_session_quotas_hold_and_a_forks_children_count()
     }
     as_acme.destroy_sandbox(&only.id).await?;
     let started = start().await?;
-    control.stop(&started.session_id, false).await?;
+    session_events(&control, &started.session_id).await?;
+    // Its fork would make a second sandbox: refused as a create would be.
+    let fork = control
+        .fork(&started.session_id, &unique_id("s-fork"), None)
+        .await;
+    match fork {
+        Err(ControlError::Status(s)) => ensure!(
+            corral_proto::reason::quota_of(&s) == Some(("sandboxes".into(), 1, 1)),
+            "{s:?}"
+        ),
+        other => anyhow::bail!("a session fork past the sandbox quota was made: {other:?}"),
+    }
+    ensure!(as_acme.list_sandboxes().await?.len() == 1);
+    control.remove(&started.session_id, false).await?;
     Ok(())
 }
 
