@@ -191,6 +191,16 @@ pub fn redact(text: &str) -> String {
     out
 }
 
+/// A caller's word as an error may echo it: keys cut to their ids, and
+/// at most 160 characters.
+fn shown(text: &str) -> String {
+    let text = redact(text);
+    match text.char_indices().nth(160) {
+        Some((at, _)) => format!("{}…", &text[..at]),
+        None => text,
+    }
+}
+
 /// Refuses to change a directory that does not read whole: front doors
 /// keep their last good keys while it does not, so a key revoked there
 /// would go on working (and one made, not yet).
@@ -256,7 +266,9 @@ impl Quota {
     /// Sets `name` to `value` (None: no limit), written as `quota set`
     /// takes it.
     pub fn set(&mut self, name: &str, value: Option<&str>) -> Result<(), TenantsError> {
-        let bad = |e: String| TenantsError::Invalid(format!("{name}={}: {e}", value.unwrap_or("")));
+        let bad = |e: String| {
+            TenantsError::Invalid(shown(&format!("{name}={}: {e}", value.unwrap_or(""))))
+        };
         let count = |v: &str| {
             v.trim()
                 .parse::<u64>()
@@ -273,7 +285,8 @@ impl Quota {
             "creates_per_minute" => self.creates_per_minute = parsed(&count)?,
             other => {
                 return Err(TenantsError::Invalid(format!(
-                    "unknown quota {other:?}: {}",
+                    "unknown quota {:?}: {}",
+                    shown(other),
                     Self::NAMES.join(", ")
                 )));
             }
@@ -496,7 +509,7 @@ pub fn set_quota(dir: &Path, tenant: &str, assignments: &[String]) -> Result<Quo
     if !corral_proto::sandbox::is_tenant_name(tenant) {
         return Err(TenantsError::Invalid(format!(
             "tenant {:?}: 1-63 characters of [a-z0-9-], starting with a letter or digit",
-            redact(tenant)
+            shown(tenant)
         )));
     }
     if assignments.is_empty() {
@@ -514,7 +527,8 @@ pub fn set_quota(dir: &Path, tenant: &str, assignments: &[String]) -> Result<Quo
     for a in assignments {
         let (name, value) = a.split_once('=').ok_or_else(|| {
             TenantsError::Invalid(format!(
-                "{a:?}: NAME=VALUE (VALUE a number, a size, or none)"
+                "{:?}: NAME=VALUE (VALUE a number, a size, or none)",
+                shown(a)
             ))
         })?;
         let value = match value.trim() {
@@ -586,7 +600,7 @@ pub fn create_key(
     if !corral_proto::sandbox::is_tenant_name(tenant) {
         return Err(TenantsError::Invalid(format!(
             "tenant {:?}: 1-63 characters of [a-z0-9-], starting with a letter or digit",
-            redact(tenant)
+            shown(tenant)
         )));
     }
     if scopes.is_empty() {
@@ -644,7 +658,7 @@ pub fn revoke(dir: &Path, id: &str) -> Result<bool, TenantsError> {
     if !is_hex(id, ID_LEN) {
         return Err(TenantsError::Invalid(format!(
             "{:?} is not a key's id ({ID_LEN} hex digits; `corral admin key ls` shows them)",
-            redact(id)
+            shown(id)
         )));
     }
     readable(dir)?;

@@ -229,6 +229,10 @@ class WorkerInfo:
     draining: bool
     default_image: str
     default_runtime: str | None
+    #: The limits of a sandbox that names none (0: the worker does not say).
+    default_memory_bytes: int = 0
+    default_cpus: float = 0.0
+    default_pids: int = 0
 
 
 def worker_info_of(w: pb.WorkerInfo) -> WorkerInfo:
@@ -241,6 +245,9 @@ def worker_info_of(w: pb.WorkerInfo) -> WorkerInfo:
         draining=w.draining,
         default_image=w.default_image,
         default_runtime=w.default_runtime or None,
+        default_memory_bytes=w.default_memory_bytes,
+        default_cpus=w.default_cpu_millis / 1000.0,
+        default_pids=w.default_pids_limit,
     )
 
 

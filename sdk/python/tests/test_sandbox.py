@@ -62,6 +62,9 @@ def test_a_sandbox_that_asks_no_limits_says_the_workers(sb: corral.Sandbox) -> N
     info = sb.info()
     assert (info.memory_bytes, info.cpus, info.pids) == (1 << 30, 1.0, 256)
     assert sb.stats().pids_limit == info.pids
+    # The worker says the same of any sandbox that names none.
+    w = sb.worker_info()
+    assert (w.default_memory_bytes, w.default_cpus, w.default_pids) == (1 << 30, 1.0, 256)
 
 
 def test_reset_kills_everything_but_the_supervisor(sb: corral.Sandbox) -> None:

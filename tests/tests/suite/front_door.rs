@@ -1542,5 +1542,47 @@ async fn quotas_and_revocations_hold_over_two_front_door_replicas() -> Result<()
     for s in listed {
         on_a.destroy_sandbox(&s.id).await?;
     }
+
+    // Memory likewise: 40 creates of 512m through both against memory=2g.
+    set_quota(tenants.path(), "acme", &["sandboxes=none", "memory=2g"]).await?;
+    let creates = (0..40).map(|i| {
+        let c = if i % 2 == 0 {
+            on_a.clone()
+        } else {
+            on_b.clone()
+        };
+        tokio::spawn(async move {
+            c.create_sandbox(
+                None,
+                SandboxSpec {
+                    memory_bytes: Some(512 << 20),
+                    ..spec()
+                },
+            )
+            .await
+        })
+    });
+    let mut made = 0;
+    for r in futures_util::future::join_all(creates).await {
+        match r? {
+            Ok(_) => made += 1,
+            Err(e) => {
+                let s = status_of(e);
+                ensure!(
+                    corral_proto::reason::quota_of(&s) == Some(("memory".into(), 2 << 30, 2 << 30)),
+                    "{s:?}"
+                );
+            }
+        }
+    }
+    let listed = on_a.list_sandboxes().await?;
+    ensure!(
+        made == 4 && listed.len() == 4,
+        "made {made}, listed {}",
+        listed.len()
+    );
+    for s in listed {
+        on_b.destroy_sandbox(&s.id).await?;
+    }
     Ok(())
 }
