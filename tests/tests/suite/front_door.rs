@@ -17,6 +17,13 @@ use corral_proto::{Reason, SandboxId, SandboxSpec, pb};
 use futures_util::StreamExt;
 use serde_json::Value;
 
+/// `corral serve` of `setup` started again with `args`.
+fn restart_with(setup: &mut Setup, args: Vec<String>) -> Result<()> {
+    setup.kill_service();
+    setup.service_args = args;
+    setup.start_service()
+}
+
 fn admin(dir: &Path, args: &[&str]) -> Result<std::process::Output> {
     Ok(std::process::Command::new(corral_e2e::binary("corral")?)
         .arg("admin")
@@ -241,14 +248,15 @@ async fn tenants_reach_their_own_sandboxes_alone_and_an_auditor_reads_but_never_
     let acme = new_key(tenants.path(), "acme", "run", None)?;
     let bolt = new_key(tenants.path(), "bolt", "run", None)?;
     let auditor = new_key(tenants.path(), "acme", "read", None)?;
-    setup.kill_service();
-    setup.service_args = vec![
-        "--tenants".into(),
-        tenants.path().display().to_string(),
-        "--audit-log".into(),
-        log.display().to_string(),
-    ];
-    setup.start_service()?;
+    restart_with(
+        &mut setup,
+        vec![
+            "--tenants".into(),
+            tenants.path().display().to_string(),
+            "--audit-log".into(),
+            log.display().to_string(),
+        ],
+    )?;
     let url = setup.url();
     let as_acme = WorkerClient::connect(&url, Some(key_of(&acme))).await?;
     let as_bolt = WorkerClient::connect(&url, Some(key_of(&bolt))).await?;
@@ -580,9 +588,10 @@ async fn a_tenants_sessions_and_their_sandboxes_are_its_own() -> Result<()> {
     let acme = new_key(tenants.path(), "acme", "run", None)?;
     let bolt = new_key(tenants.path(), "bolt", "run", None)?;
     let auditor = new_key(tenants.path(), "acme", "read", None)?;
-    setup.kill_service();
-    setup.service_args = vec!["--tenants".into(), tenants.path().display().to_string()];
-    setup.start_service()?;
+    restart_with(
+        &mut setup,
+        vec!["--tenants".into(), tenants.path().display().to_string()],
+    )?;
     let url = setup.url();
     let connect = |key: &Value| {
         let key = key_of(key).to_string();
@@ -778,9 +787,10 @@ async fn a_tenants_quota_holds_under_two_hundred_creates_at_once_and_says_what_i
         &["quota", "set", "--tenant", "acme", "sandboxes=20"],
     )?;
     ensure!(set.status.success(), "{set:?}");
-    setup.kill_service();
-    setup.service_args = vec!["--tenants".into(), tenants.path().display().to_string()];
-    setup.start_service()?;
+    restart_with(
+        &mut setup,
+        vec!["--tenants".into(), tenants.path().display().to_string()],
+    )?;
     let url = setup.url();
     let as_acme = WorkerClient::connect(&url, Some(key_of(&acme))).await?;
     let as_bolt = WorkerClient::connect(&url, Some(key_of(&bolt))).await?;
@@ -877,9 +887,10 @@ async fn memory_cpu_process_and_session_quotas_hold_and_a_forks_children_count()
     let dir = tenants.path();
     let acme = new_key(dir, "acme", "run", None)?;
     set_quota(dir, "acme", &["memory=2g"]).await?;
-    setup.kill_service();
-    setup.service_args = vec!["--tenants".into(), dir.display().to_string()];
-    setup.start_service()?;
+    restart_with(
+        &mut setup,
+        vec!["--tenants".into(), dir.display().to_string()],
+    )?;
     let url = setup.url();
     let as_acme = WorkerClient::connect(&url, Some(key_of(&acme))).await?;
 
@@ -1129,14 +1140,15 @@ async fn an_admin_key_manages_keys_and_quotas_through_a_running_front_door() -> 
     let log = logs.path().join("audit.log");
     let root = new_key(tenants.path(), "ops", "admin", None)?;
     let acme = new_key(tenants.path(), "acme", "run", None)?;
-    setup.kill_service();
-    setup.service_args = vec![
-        "--tenants".into(),
-        tenants.path().display().to_string(),
-        "--audit-log".into(),
-        log.display().to_string(),
-    ];
-    setup.start_service()?;
+    restart_with(
+        &mut setup,
+        vec![
+            "--tenants".into(),
+            tenants.path().display().to_string(),
+            "--audit-log".into(),
+            log.display().to_string(),
+        ],
+    )?;
     let url = setup.url();
     let admin_key = key_of(&root);
 
@@ -1374,9 +1386,10 @@ async fn a_build_through_the_front_door_goes_to_a_worker_that_builds_and_its_san
     let tenants = tempfile::tempdir()?;
     let acme = new_key(tenants.path(), "acme", "run", None)?;
     let auditor = new_key(tenants.path(), "acme", "read", None)?;
-    setup.kill_service();
-    setup.service_args = vec!["--tenants".into(), tenants.path().display().to_string()];
-    setup.start_service()?;
+    restart_with(
+        &mut setup,
+        vec!["--tenants".into(), tenants.path().display().to_string()],
+    )?;
     let url = setup.url();
 
     let s = build_through(&url, key_of(&auditor), "FROM corral-sandbox:latest\n")
@@ -1448,16 +1461,17 @@ async fn quotas_and_revocations_hold_over_two_front_door_replicas() -> Result<()
     let b_url = format!("http://127.0.0.1:{b_port}");
     let peers = format!("{a_url},{b_url}");
     let dir = tenants.path().display().to_string();
-    setup.kill_service();
-    setup.service_args = vec![
-        "--tenants".into(),
-        dir.clone(),
-        "--peers".into(),
-        peers.clone(),
-        "--advertise".into(),
-        a_url.clone(),
-    ];
-    setup.start_service()?;
+    restart_with(
+        &mut setup,
+        vec![
+            "--tenants".into(),
+            dir.clone(),
+            "--peers".into(),
+            peers.clone(),
+            "--advertise".into(),
+            a_url.clone(),
+        ],
+    )?;
     let b_state = tempfile::tempdir()?;
     let b_sessions = tempfile::tempdir()?;
     let mut cmd = std::process::Command::new(corral_e2e::binary("corral")?);
