@@ -475,8 +475,9 @@ pub struct ServeArgs {
     pub tenants: Option<PathBuf>,
     /// Every replica of this front door (comma-separated URLs, this one's
     /// among them): a tenant's creates are checked against its quotas by
-    /// one replica, its home (chosen from the tenant's name), to which the
-    /// others pass them, so quotas hold over all of them.
+    /// one replica, its home (chosen from the tenant's name), where its
+    /// sessions live too; the others pass such calls there, so quotas hold
+    /// over all of them and each answers alike.
     #[arg(
         long,
         env = "CORRAL_PEERS",

@@ -32,6 +32,17 @@ pub fn respond(req: &Received) -> Reply {
     responses::calls(&[("c1", "Bash", &json!({ "command": command }).to_string())])
 }
 
+/// A replica of `corral serve` besides a [`Setup`]'s own, killed when
+/// dropped.
+pub struct Replica(pub std::process::Child);
+
+impl Drop for Replica {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 /// Workers (their token shared), a model, and `corral serve` over them.
 pub struct Setup {
     pub workers: Vec<WorkerProcess>,
@@ -131,6 +142,40 @@ impl Setup {
 
     /// Starts `corral serve` (again, on the same port and state).
     pub fn start_service(&mut self) -> Result<()> {
+        let mut cmd = self.service_command(
+            self.port,
+            self.serve_state.path(),
+            self.sessions.path(),
+            &self.service_args,
+        )?;
+        self.serve = Some(crate::spawn_listening(&mut cmd, "corral serve")?);
+        Ok(())
+    }
+
+    /// Another `corral serve` over the same workers and model, on `port`
+    /// with its own state and sessions directories and `args`: a second
+    /// replica of a front door. Killed when dropped.
+    pub fn spawn_replica(
+        &self,
+        port: u16,
+        state: &std::path::Path,
+        sessions: &std::path::Path,
+        args: &[String],
+    ) -> Result<Replica> {
+        let mut cmd = self.service_command(port, state, sessions, args)?;
+        Ok(Replica(crate::spawn_listening(
+            &mut cmd,
+            "a second replica of corral serve",
+        )?))
+    }
+
+    fn service_command(
+        &self,
+        port: u16,
+        state: &std::path::Path,
+        sessions: &std::path::Path,
+        args: &[String],
+    ) -> Result<std::process::Command> {
         let mut cmd = std::process::Command::new(binary("corral")?);
         cmd.env_clear()
             .env("PATH", std::env::var_os("PATH").unwrap_or_default())
@@ -139,11 +184,11 @@ impl Setup {
             .env("CORRAL_LOG", "warn")
             .args(["--worker", &self.worker_list(), "--token-file"])
             .arg(&self.token)
-            .args(["serve", "--listen", &format!("127.0.0.1:{}", self.port)])
+            .args(["serve", "--listen", &format!("127.0.0.1:{port}")])
             .arg("--serve-state-dir")
-            .arg(self.serve_state.path())
+            .arg(state)
             .arg("--sessions-dir")
-            .arg(self.sessions.path())
+            .arg(sessions)
             .args([
                 "--base-url",
                 &self.model.url,
@@ -156,12 +201,11 @@ impl Setup {
             .args(["--allow-base-url", "http://127.0.0.1"])
             // Its clients go by reasons alone (so do the workers').
             .args(self.withhold.then_some("--withhold-error-text"))
-            .args(&self.service_args)
+            .args(args)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit());
-        self.serve = Some(crate::spawn_listening(&mut cmd, "corral serve")?);
-        Ok(())
+        Ok(cmd)
     }
 
     pub fn kill_service(&mut self) {

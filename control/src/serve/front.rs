@@ -24,6 +24,9 @@ use corral_harness::tenants::{Keys, Principal, Quota, Scope};
 use corral_proto::sandbox::TENANT_HEADER;
 use corral_proto::{Reason, SandboxId, pb};
 use futures_util::{Stream, StreamExt};
+
+pub use super::peers::Peers;
+use super::peers::{forwarded, is_forwarded};
 use tonic::metadata::MetadataValue;
 use tonic::{Code, Request, Response, Status};
 
@@ -49,61 +52,6 @@ pub struct FrontDoor {
     /// Images built through this replica, and the worker that has each: a
     /// sandbox of one is made there (no other worker has it).
     built: Arc<Mutex<HashMap<String, String>>>,
-}
-
-/// The replicas of a front door: each tenant's creates are checked against
-/// its quotas by one of them, its home, so that quotas hold over all.
-pub struct Peers {
-    own: String,
-    all: Vec<String>,
-    channels: Mutex<HashMap<String, tonic::transport::Channel>>,
-}
-
-/// The metadata a replica sends with a create it passes to the tenant's
-/// home replica.
-const FORWARDED: &str = "x-corral-forwarded";
-
-impl Peers {
-    /// `all` must name `own`.
-    pub fn new(own: String, all: Vec<String>) -> Result<Self, String> {
-        let all: Vec<String> = all
-            .into_iter()
-            .map(|p| p.trim().trim_end_matches('/').to_string())
-            .filter(|p| !p.is_empty())
-            .collect();
-        let own = own.trim().trim_end_matches('/').to_string();
-        if !all.contains(&own) {
-            return Err(format!(
-                "--advertise {own} is not among --peers ({})",
-                all.join(", ")
-            ));
-        }
-        Ok(Self {
-            own,
-            all,
-            channels: Mutex::new(HashMap::new()),
-        })
-    }
-
-    /// The replica whose the tenant's creates are: the highest of a hash
-    /// of the tenant's name with each replica's (rendezvous hashing: the
-    /// same answer on every replica, and few tenants move when one is
-    /// added or goes).
-    pub fn home(&self, tenant: &str) -> &str {
-        let score = |peer: &str| {
-            // FNV-1a: the same in every process (std's hasher is not).
-            let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-            for b in tenant.bytes().chain([0u8]).chain(peer.bytes()) {
-                h ^= u64::from(b);
-                h = h.wrapping_mul(0x0100_0000_01b3);
-            }
-            h
-        };
-        self.all
-            .iter()
-            .max_by_key(|p| (score(p), p.as_str()))
-            .map_or(self.own.as_str(), String::as_str)
-    }
 }
 
 /// A tenant's creates through this replica: one quota check at a time, the
@@ -308,59 +256,39 @@ impl FrontDoor {
         }
     }
 
-    /// A client of the tenant's home replica `home`, to which this one
-    /// passes the tenant's creates and forks with the caller's own key
-    /// ([`FrontDoor::forwarded`]): that replica checks the key and the
-    /// quota, and audits the call.
-    async fn home_replica(
-        &self,
-        peers: &Peers,
-        home: &str,
-    ) -> Result<pb::worker_client::WorkerClient<tonic::transport::Channel>, Status> {
-        let known = peers
-            .channels
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(home)
-            .cloned();
-        let channel = match known {
-            Some(c) => c,
-            None => {
-                // The workers' TLS settings, never their token.
-                let mut creds = self
-                    .fleet
-                    .credentials(&[home.to_string()])
-                    .map_err(fleet_status)?;
-                creds.token = None;
-                let c = corral_harness::client::channel(home, &creds)
-                    .await
-                    .map_err(|e| {
-                        status(
-                            Code::Unavailable,
-                            Reason::NoWorker,
-                            format!("the tenant's home replica {home}: {e}"),
-                        )
-                    })?;
-                peers
-                    .channels
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .insert(home.to_string(), c.clone());
-                c
-            }
-        };
-        Ok(pb::worker_client::WorkerClient::new(channel)
-            .max_decoding_message_size(corral_proto::limits::MAX_GRPC_MESSAGE_BYTES))
+    /// The replicas, when there are several.
+    pub(super) fn peers(&self) -> Option<&Peers> {
+        self.peers.as_ref()
     }
 
-    /// `msg` as passed to a tenant's home replica: with the caller's key,
-    /// marked as passed on (the home passes it no further).
-    fn forwarded<T>(msg: T, key: MetadataValue<tonic::metadata::Ascii>) -> Request<T> {
-        let mut req = Request::new(msg);
-        req.metadata_mut().insert("authorization", key);
-        req.metadata_mut()
-            .insert(FORWARDED, MetadataValue::from_static("1"));
-        req
+    /// A channel to replica `url` (the workers' TLS settings, never their
+    /// token: a call passed on carries its caller's key).
+    pub(super) async fn peer_channel(
+        &self,
+        url: &str,
+    ) -> Result<tonic::transport::Channel, Status> {
+        let peers = self.peers.as_ref().ok_or_else(|| {
+            status(
+                Code::Internal,
+                Reason::Internal,
+                "this front door has no --peers",
+            )
+        })?;
+        peers.channel(&self.fleet, url).await
+    }
+
+    /// A client of the tenant's home replica `home`, to which this one
+    /// passes the tenant's creates and forks with the caller's own key
+    /// ([`forwarded`]): that replica checks the key and the quota, and
+    /// audits the call.
+    async fn home_replica(
+        &self,
+        home: &str,
+    ) -> Result<pb::worker_client::WorkerClient<tonic::transport::Channel>, Status> {
+        Ok(
+            pb::worker_client::WorkerClient::new(self.peer_channel(home).await?)
+                .max_decoding_message_size(corral_proto::limits::MAX_GRPC_MESSAGE_BYTES),
+        )
     }
 
     /// Where a call that makes sandboxes for `who`'s tenant is checked: None
@@ -372,11 +300,26 @@ impl FrontDoor {
         quota: Option<&Quota>,
         forwarded: bool,
     ) -> Result<Option<String>, Status> {
-        let (Some(peers), Some(tenant), Some(_)) = (&self.peers, tenant_of(who), quota) else {
+        if quota.is_none() {
+            return Ok(None);
+        }
+        self.home_of(who, forwarded)
+    }
+
+    /// Where `who`'s tenant's quotas are checked and its sessions live:
+    /// None here (also for one replica, and for a caller of every tenant),
+    /// or the home replica; a call passed on already that is not at home
+    /// is refused.
+    pub(super) fn home_of(
+        &self,
+        who: &Principal,
+        forwarded: bool,
+    ) -> Result<Option<String>, Status> {
+        let (Some(peers), Some(tenant)) = (&self.peers, tenant_of(who)) else {
             return Ok(None);
         };
         let home = peers.home(tenant);
-        if home == peers.own {
+        if home == peers.own() {
             return Ok(None);
         }
         if forwarded {
@@ -385,7 +328,7 @@ impl FrontDoor {
                 Reason::NoWorker,
                 format!(
                     "this replica ({}) is not tenant {tenant}'s home ({home}): the replicas' --peers differ",
-                    peers.own
+                    peers.own()
                 ),
             ));
         }
@@ -574,7 +517,7 @@ impl FrontDoor {
     /// Counts the sandbox a new session of `who`'s tenant will make (the
     /// workers' defaults: a session names no limits) against its quotas
     /// while the session starts, or refuses it (`quota_exceeded`). Checked
-    /// on the replica that hosts the session, never passed to the home.
+    /// where the session lives: the tenant's home, as its creates are.
     pub(super) async fn reserve_for_session(
         &self,
         who: &Principal,
@@ -801,7 +744,7 @@ impl pb::worker_server::Worker for FrontDoor {
     ) -> Result<Response<pb::Sandbox>, Status> {
         let who = caller(&req)?;
         let key = req.metadata().get("authorization").cloned();
-        let forwarded = req.metadata().get(FORWARDED).is_some();
+        let passed = is_forwarded(&req);
         let mut msg = req.into_inner();
         // A tenant's quota counts the create while it is made: its id is
         // chosen here when the client gives none.
@@ -813,13 +756,13 @@ impl pb::worker_server::Worker for FrontDoor {
             msg.id = SandboxId::random().to_string();
         }
         // A tenant with a quota has its creates checked by its home replica.
-        if let Some(home) = self.elsewhere(&who, quota.as_ref(), forwarded)?
-            && let (Some(peers), Some(key)) = (&self.peers, key)
+        if let Some(home) = self.elsewhere(&who, quota.as_ref(), passed)?
+            && let Some(key) = key
         {
             return self
-                .home_replica(peers, &home)
+                .home_replica(&home)
                 .await?
-                .create_sandbox(FrontDoor::forwarded(msg, key))
+                .create_sandbox(forwarded(msg, key))
                 .await;
         }
         let msg = msg;
@@ -1265,7 +1208,7 @@ impl pb::worker_server::Worker for FrontDoor {
     ) -> Result<Response<pb::ForkSandboxResponse>, Status> {
         let who = caller(&req)?;
         let key = req.metadata().get("authorization").cloned();
-        let forwarded = req.metadata().get(FORWARDED).is_some();
+        let passed = is_forwarded(&req);
         let mut msg = req.into_inner();
         // A fork's children count against the tenant's quotas as creates
         // do: checked by its home replica, their ids chosen here.
@@ -1277,13 +1220,13 @@ impl pb::worker_server::Worker for FrontDoor {
                 msg.count = 0;
             }
         }
-        if let Some(home) = self.elsewhere(&who, quota.as_ref(), forwarded)?
-            && let (Some(peers), Some(key)) = (&self.peers, key)
+        if let Some(home) = self.elsewhere(&who, quota.as_ref(), passed)?
+            && let Some(key) = key
         {
             return self
-                .home_replica(peers, &home)
+                .home_replica(&home)
                 .await?
-                .fork_sandbox(FrontDoor::forwarded(msg, key))
+                .fork_sandbox(forwarded(msg, key))
                 .await;
         }
         let msg = msg;
@@ -1508,33 +1451,5 @@ impl Gate {
             }
             Gate::Keys(auth) => auth.check(req),
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use std::collections::HashSet;
-
-    #[test]
-    fn every_replica_names_the_same_home_for_a_tenant_and_spreads_tenants() {
-        let all = ["http://a:7071", "http://b:7071", "http://c:7071/"];
-        let peers: Vec<Peers> = all
-            .iter()
-            .map(|own| {
-                let mut order: Vec<String> = all.iter().map(|s| s.to_string()).collect();
-                order.rotate_left(own.len() % 3);
-                Peers::new(own.to_string(), order).unwrap()
-            })
-            .collect();
-        let mut homes = HashSet::new();
-        for t in 0..60 {
-            let tenant = format!("tenant-{t}");
-            let home = peers[0].home(&tenant).to_string();
-            assert!(peers.iter().all(|p| p.home(&tenant) == home), "{tenant}");
-            homes.insert(home);
-        }
-        assert_eq!(homes.len(), 3, "60 tenants all had one home: {homes:?}");
-        assert!(Peers::new("http://d:7071".into(), vec!["http://a:7071".into()]).is_err());
     }
 }

@@ -13,6 +13,7 @@ pub mod admin;
 pub mod front;
 pub mod host;
 pub mod journal;
+pub mod peers;
 pub mod service;
 
 use std::io::Write;

@@ -20,6 +20,32 @@ use corral_harness::tenants::{Keys, Principal, Scope};
 
 use super::front::{caller, need, tenant_of};
 use super::host::{Host, HostError, Settings, request_of};
+use super::peers::{forwarded, is_forwarded, unreachable};
+
+type Replica = pb::control_client::ControlClient<tonic::transport::Channel>;
+type Key = tonic::metadata::MetadataValue<tonic::metadata::Ascii>;
+
+/// Answers a call at the replica where its session lives when that is
+/// another (see [`ControlService::elsewhere`]): the call is passed on whole
+/// with the caller's key, and its answer (a stream too) given back as it
+/// comes.
+macro_rules! pass_on {
+    ($self:ident, $who:ident, $req:ident, $session:expr, $call:ident) => {
+        pass_on!($self, $who, $req, $session, $call, std::convert::identity)
+    };
+    ($self:ident, $who:ident, $req:ident, $session:expr, $call:ident, $map:expr) => {
+        let session: Option<String> = $session;
+        if let Some((replica, key)) = $self.elsewhere(&$who, &$req, session.as_deref()).await? {
+            let msg = $req.into_inner();
+            return $self
+                .replica(&replica)
+                .await?
+                .$call(forwarded(msg, key))
+                .await
+                .map(|r| r.map($map));
+        }
+    };
+}
 
 /// Events queued for one watcher (it reads the journal as fast as it
 /// takes them).
@@ -99,6 +125,52 @@ impl ControlService {
             ));
         }
         Ok(Some(guard))
+    }
+
+    /// Where a call of `who` on session `session` is answered, when that
+    /// is not here: a tenant's sessions live at its home replica (where
+    /// its quotas are checked too); a caller of every tenant's reaches a
+    /// session that another replica has there. With the caller's key, to
+    /// pass on.
+    async fn elsewhere<T>(
+        &self,
+        who: &Principal,
+        req: &Request<T>,
+        session: Option<&str>,
+    ) -> Result<Option<(String, Key)>, Status> {
+        let Some(key) = req.metadata().get("authorization").cloned() else {
+            return Ok(None);
+        };
+        let passed = is_forwarded(req);
+        if tenant_of(who).is_some() {
+            return Ok(self.front.home_of(who, passed)?.map(|home| (home, key)));
+        }
+        let (Some(peers), Some(id), false) = (self.front.peers(), session, passed) else {
+            return Ok(None);
+        };
+        // An id this replica does not have: the replica that lists it.
+        if !self.host.is_new(id).unwrap_or(false) {
+            return Ok(None);
+        }
+        for peer in peers.others() {
+            let listed = self
+                .replica(peer)
+                .await?
+                .list_sessions(forwarded(pb::ListSessionsRequest {}, key.clone()))
+                .await
+                .map_err(|e| unreachable(peer, e.message()))?
+                .into_inner();
+            if listed.sessions.iter().any(|s| s.session_id == id) {
+                return Ok(Some((peer.to_string(), key)));
+            }
+        }
+        Ok(None)
+    }
+
+    /// A client of replica `url`.
+    async fn replica(&self, url: &str) -> Result<Replica, Status> {
+        Ok(Replica::new(self.front.peer_channel(url).await?)
+            .max_decoding_message_size(corral_proto::limits::MAX_GRPC_MESSAGE_BYTES))
     }
 
     /// Writes `call`'s line in the audit log (see [`super::audited`]).
@@ -241,6 +313,13 @@ impl pb::control_server::Control for ControlService {
         req: Request<pb::StartSessionRequest>,
     ) -> Result<Response<pb::StartSessionResponse>, Status> {
         let who = caller(&req)?;
+        pass_on!(
+            self,
+            who,
+            req,
+            Some(req.get_ref().session_id.clone()).filter(|s| !s.is_empty()),
+            start_session
+        );
         let req = req.into_inner();
         let asked = req.session_id.clone();
         let r = async {
@@ -283,6 +362,13 @@ impl pb::control_server::Control for ControlService {
         req: Request<pb::SendInputRequest>,
     ) -> Result<Response<pb::SendInputResponse>, Status> {
         let who = caller(&req)?;
+        pass_on!(
+            self,
+            who,
+            req,
+            Some(req.get_ref().session_id.clone()),
+            send_input
+        );
         let req = req.into_inner();
         let input_id = if req.input_id.is_empty() {
             uuid::Uuid::new_v4().to_string()
@@ -309,6 +395,14 @@ impl pb::control_server::Control for ControlService {
         req: Request<pb::WatchSessionRequest>,
     ) -> Result<Response<Events>, Status> {
         let who = caller(&req)?;
+        pass_on!(
+            self,
+            who,
+            req,
+            Some(req.get_ref().session_id.clone()),
+            watch_session,
+            |s| Box::pin(s) as Events
+        );
         let req = req.into_inner();
         let watched = need(&who, Scope::Read, "WatchSession").and_then(|()| {
             self.host.owned(&req.session_id, tenant_of(&who))?;
@@ -362,6 +456,13 @@ impl pb::control_server::Control for ControlService {
         req: Request<pb::StopSessionRequest>,
     ) -> Result<Response<pb::StopSessionResponse>, Status> {
         let who = caller(&req)?;
+        pass_on!(
+            self,
+            who,
+            req,
+            Some(req.get_ref().session_id.clone()),
+            stop_session
+        );
         let req = req.into_inner();
         let r = async {
             need(&who, Scope::Run, "StopSession")?;
@@ -380,11 +481,30 @@ impl pb::control_server::Control for ControlService {
     ) -> Result<Response<pb::ListSessionsResponse>, Status> {
         let who = caller(&req)?;
         need(&who, Scope::Read, "ListSessions")?;
+        pass_on!(self, who, req, None, list_sessions);
         let tenant = tenant_of(&who).map(str::to_string);
         let host = self.host.clone();
         let listed = tokio::task::spawn_blocking(move || host.list(tenant.as_deref()))
             .await
             .map_err(|e| Status::internal(e.to_string()))??;
+        // A caller of every tenant's sees every replica's sessions.
+        let mut theirs = Vec::new();
+        if let (Some(peers), None, false, Some(key)) = (
+            self.front.peers(),
+            tenant_of(&who),
+            is_forwarded(&req),
+            req.metadata().get("authorization"),
+        ) {
+            for peer in peers.others() {
+                let listed = self
+                    .replica(peer)
+                    .await?
+                    .list_sessions(forwarded(pb::ListSessionsRequest {}, key.clone()))
+                    .await
+                    .map_err(|e| unreachable(peer, e.message()))?;
+                theirs.extend(listed.into_inner().sessions);
+            }
+        }
         Ok(Response::new(pb::ListSessionsResponse {
             sessions: listed
                 .into_iter()
@@ -398,6 +518,7 @@ impl pb::control_server::Control for ControlService {
                     events: l.events,
                     run_events_after: l.run_events_after,
                 })
+                .chain(theirs)
                 .collect(),
         }))
     }
@@ -407,6 +528,13 @@ impl pb::control_server::Control for ControlService {
         req: Request<pb::ForkSessionRequest>,
     ) -> Result<Response<pb::ForkSessionResponse>, Status> {
         let who = caller(&req)?;
+        pass_on!(
+            self,
+            who,
+            req,
+            Some(req.get_ref().session_id.clone()),
+            fork_session
+        );
         let req = req.into_inner();
         let r = async {
             need(&who, Scope::Run, "ForkSession")?;
@@ -432,6 +560,14 @@ impl pb::control_server::Control for ControlService {
         req: Request<pb::ExportSessionRequest>,
     ) -> Result<Response<Chunks>, Status> {
         let who = caller(&req)?;
+        pass_on!(
+            self,
+            who,
+            req,
+            Some(req.get_ref().session_id.clone()),
+            export_session,
+            |s| Box::pin(s) as Chunks
+        );
         let id = req.into_inner().session_id;
         // Refused before the stream begins when there is nothing to export
         // (its files: a key that reads only exports nothing).
@@ -476,6 +612,13 @@ impl pb::control_server::Control for ControlService {
         req: Request<pb::RemoveSessionRequest>,
     ) -> Result<Response<pb::RemoveSessionResponse>, Status> {
         let who = caller(&req)?;
+        pass_on!(
+            self,
+            who,
+            req,
+            Some(req.get_ref().session_id.clone()),
+            remove_session
+        );
         let req = req.into_inner();
         let r = async {
             need(&who, Scope::Run, "RemoveSession")?;

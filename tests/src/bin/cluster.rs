@@ -25,6 +25,7 @@ use corral_e2e::model::ModelServer;
 use corral_e2e::serve::respond;
 use corral_e2e::{WorkerProcess, binary, unique_id};
 use corral_harness::client::WorkerClient;
+use futures_util::StreamExt;
 use serde_json::Value;
 use tokio::io::AsyncBufReadExt;
 
@@ -469,9 +470,16 @@ fn front_door(
         .env("PATH", std::env::var_os("PATH").unwrap_or_default())
         .env("HOME", state)
         .env("CORRAL_LOG", "warn")
+        .env("OPENAI_API_KEY", "sk-test")
         .args(["--worker", WORKERS, "--token-file"])
         .arg(&c.token)
         .args(["serve", "--listen", &format!("{host}:7071")])
+        .args([
+            "--base-url",
+            &c.model.url,
+            "--image",
+            "corral-sandbox:latest",
+        ])
         .arg("--serve-state-dir")
         .arg(state.join("serve"))
         .arg("--sessions-dir")
@@ -621,10 +629,74 @@ async fn two_front_doors_over_three_workers_answer_alike_and_hold_quotas(
             .destroy_sandbox(&corral_proto::SandboxId::new(id.clone())?)
             .await?;
     }
+    // A session started through each replica lives at acme's home; each is
+    // listed and read through the other.
+    let control = |url: &str| {
+        let (url, key) = (url.to_string(), acme.clone());
+        async move {
+            corral_harness::control::ControlClient::connect(
+                &url,
+                &corral_harness::client::Credentials::token(Some(&key)),
+            )
+            .await
+        }
+    };
+    let sessions_on = [control(&urls[0]).await?, control(&urls[1]).await?];
+    let mut started = Vec::new();
+    for (i, client) in sessions_on.iter().enumerate() {
+        let s = client
+            .start(corral_proto::pb::StartSessionRequest {
+                session_id: String::new(),
+                request_json: format!(r#"{{"prompt": "echo via-{i}"}}"#),
+                settings: None,
+            })
+            .await?;
+        started.push(s.session_id);
+    }
+    for (i, id) in started.iter().enumerate() {
+        let mut events = sessions_on[1 - i].watch(id, 0).await?;
+        let mut seen = String::new();
+        while let Some(item) = tokio::time::timeout(Duration::from_secs(120), events.next())
+            .await
+            .context("session events")?
+        {
+            seen.push_str(&item?.1);
+        }
+        ensure!(seen.contains(&format!("via-{i}")), "{id}: {seen}");
+    }
+    for client in &sessions_on {
+        let mut listed: Vec<String> = client
+            .list()
+            .await?
+            .into_iter()
+            .map(|s| s.session_id)
+            .collect();
+        listed.sort();
+        let mut want = started.clone();
+        want.sort();
+        ensure!(listed == want, "{listed:?} != {want:?}");
+    }
+    let homes: Vec<bool> = (0..2)
+        .map(|i| {
+            corral_harness::session::log::path_of(
+                &dir.path().join(format!("replica-{i}")).join("sessions"),
+                &started[0],
+            )
+            .exists()
+        })
+        .collect();
+    ensure!(
+        homes[0] != homes[1],
+        "session {} kept by {homes:?}",
+        started[0]
+    );
+    for id in &started {
+        sessions_on[0].remove(id, false).await?;
+    }
     drop(replicas);
     c.clear().await?;
     println!(
-        "ok: two front door replicas over three workers: 40 creates against a quota of 6 made 6, both answer alike, another tenant sees none"
+        "ok: two front door replicas over three workers: 40 creates against a quota of 6 made 6, both answer alike, another tenant sees none, a tenant's sessions live at its home and are read through either"
     );
     Ok(())
 }

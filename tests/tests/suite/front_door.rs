@@ -1435,13 +1435,45 @@ async fn a_build_through_the_front_door_goes_to_a_worker_that_builds_and_its_san
     Ok(())
 }
 
-/// A second replica of the front door, killed when dropped.
-struct Replica(std::process::Child);
+/// `setup`'s service and a second replica of it, both serving the tenants
+/// of `dir`, each naming both in `--peers`.
+struct TwoReplicas {
+    a: String,
+    b: String,
+    /// The second replica's sessions directory.
+    b_sessions: tempfile::TempDir,
+    _b_state: tempfile::TempDir,
+    _b: corral_e2e::serve::Replica,
+}
 
-impl Drop for Replica {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
+impl TwoReplicas {
+    fn start(setup: &mut Setup, dir: &Path) -> Result<Self> {
+        let a = setup.url();
+        let b_port = corral_e2e::free_port()?;
+        let b = format!("http://127.0.0.1:{b_port}");
+        let peers = format!("{a},{b}");
+        let dir = dir.display().to_string();
+        let args = |own: &str| -> Vec<String> {
+            vec![
+                "--tenants".into(),
+                dir.clone(),
+                "--peers".into(),
+                peers.clone(),
+                "--advertise".into(),
+                own.into(),
+            ]
+        };
+        restart_with(setup, args(&a))?;
+        let b_state = tempfile::tempdir()?;
+        let b_sessions = tempfile::tempdir()?;
+        let replica = setup.spawn_replica(b_port, b_state.path(), b_sessions.path(), &args(&b))?;
+        Ok(Self {
+            a,
+            b,
+            b_sessions,
+            _b_state: b_state,
+            _b: replica,
+        })
     }
 }
 
@@ -1456,42 +1488,8 @@ async fn quotas_and_revocations_hold_over_two_front_door_replicas() -> Result<()
         &["quota", "set", "--tenant", "acme", "sandboxes=20"],
     )?;
     ensure!(set.status.success(), "{set:?}");
-    let a_url = setup.url();
-    let b_port = corral_e2e::free_port()?;
-    let b_url = format!("http://127.0.0.1:{b_port}");
-    let peers = format!("{a_url},{b_url}");
-    let dir = tenants.path().display().to_string();
-    restart_with(
-        &mut setup,
-        vec![
-            "--tenants".into(),
-            dir.clone(),
-            "--peers".into(),
-            peers.clone(),
-            "--advertise".into(),
-            a_url.clone(),
-        ],
-    )?;
-    let b_state = tempfile::tempdir()?;
-    let b_sessions = tempfile::tempdir()?;
-    let mut cmd = std::process::Command::new(corral_e2e::binary("corral")?);
-    cmd.env_clear()
-        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
-        .env("HOME", b_state.path())
-        .env("CORRAL_LOG", "warn")
-        .args(["--worker", &setup.worker_list(), "--token-file"])
-        .arg(&setup.token)
-        .args(["serve", "--listen", &format!("127.0.0.1:{b_port}")])
-        .arg("--serve-state-dir")
-        .arg(b_state.path())
-        .arg("--sessions-dir")
-        .arg(b_sessions.path())
-        .args(["--heartbeat", "0", "--tenants", &dir, "--peers", &peers])
-        .args(["--advertise", &b_url])
-        .stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::inherit());
-    let _b = Replica(corral_e2e::spawn_listening(&mut cmd, "the second replica")?);
+    let two = TwoReplicas::start(&mut setup, tenants.path())?;
+    let (a_url, b_url) = (two.a.clone(), two.b.clone());
 
     let on_a = WorkerClient::connect(&a_url, Some(key_of(&acme))).await?;
     let on_b = WorkerClient::connect(&b_url, Some(key_of(&acme))).await?;
@@ -1597,6 +1595,131 @@ async fn quotas_and_revocations_hold_over_two_front_door_replicas() -> Result<()
     );
     for s in listed {
         on_b.destroy_sandbox(&s.id).await?;
+    }
+    Ok(())
+}
+
+/// The replica whose sessions directory holds session `id`'s log: 'a' or
+/// 'b' (exactly one of them).
+fn kept_by(setup: &Setup, two: &TwoReplicas, id: &str) -> Result<char> {
+    let on_a = corral_harness::session::log::path_of(setup.sessions.path(), id).exists();
+    let on_b = corral_harness::session::log::path_of(two.b_sessions.path(), id).exists();
+    match (on_a, on_b) {
+        (true, false) => Ok('a'),
+        (false, true) => Ok('b'),
+        _ => anyhow::bail!("session {id}'s log on a: {on_a}, on b: {on_b}"),
+    }
+}
+
+#[tokio::test]
+async fn a_tenants_sessions_are_the_same_through_either_replica_and_its_quota_holds_over_both()
+-> Result<()> {
+    let mut setup = Setup::start(2, 8).await?;
+    let tenants = tempfile::tempdir()?;
+    let acme = new_key(tenants.path(), "acme", "run", None)?;
+    let bolt = new_key(tenants.path(), "bolt", "run", None)?;
+    let root = new_key(tenants.path(), "ops", "admin", None)?;
+    set_quota(tenants.path(), "acme", &["sessions=2"]).await?;
+    let two = TwoReplicas::start(&mut setup, tenants.path())?;
+    let connect = |url: &str, key: &Value| {
+        let key = key_of(key).to_string();
+        let url = url.to_string();
+        async move { ControlClient::connect(&url, &Credentials::token(Some(&key))).await }
+    };
+    let (acme_a, acme_b) = (connect(&two.a, &acme).await?, connect(&two.b, &acme).await?);
+
+    // One session started through each: whichever replica took the call,
+    // both live at acme's home (one of the two passed its start on).
+    let mut ids = Vec::new();
+    for (client, word) in [(&acme_a, "through-a"), (&acme_b, "through-b")] {
+        let started = client
+            .start(pb::StartSessionRequest {
+                session_id: String::new(),
+                request_json: format!(r#"{{"prompt": "echo {word}"}}"#),
+                settings: None,
+            })
+            .await?;
+        ids.push(started.session_id);
+    }
+    let home = kept_by(&setup, &two, &ids[0])?;
+    ensure!(kept_by(&setup, &two, &ids[1])? == home);
+    for id in &ids {
+        let (from_a, from_b) = (
+            session_events(&acme_a, id).await?,
+            session_events(&acme_b, id).await?,
+        );
+        ensure!(from_a == from_b, "the replicas tell session {id} apart");
+        ensure!(from_a.iter().any(|e| e.to_string().contains("through-")));
+    }
+    let listed = |c: ControlClient| async move {
+        let mut ids: Vec<String> = c.list().await?.into_iter().map(|s| s.session_id).collect();
+        ids.sort();
+        anyhow::Ok(ids)
+    };
+    let mut both = ids.clone();
+    both.sort();
+    ensure!(listed(acme_a.clone()).await? == both && listed(acme_b.clone()).await? == both);
+
+    // Another tenant sees none of it through either, and every call on
+    // acme's sessions answers as on a missing one. (A start of acme's id
+    // makes bolt its own session of that id, at bolt's home: each
+    // replica's sessions are their tenants' alone.)
+    for url in [&two.a, &two.b] {
+        let theirs = connect(url, &bolt).await?.list().await?;
+        ensure!(theirs.is_empty(), "bolt through {url} lists {theirs:?}");
+    }
+    for (url, id) in [(&two.a, &ids[0]), (&two.b, &ids[1])] {
+        let as_bolt = connect(url, &bolt).await?;
+        let on_acmes = every_session_call(&as_bolt, id).await;
+        let on_missing = every_session_call(&as_bolt, &unique_id("s-nobody")).await;
+        ensure!(on_acmes == on_missing, "{on_acmes:#?}\n{on_missing:#?}");
+    }
+
+    // A key of every tenant's lists and reads them through either replica
+    // (one of the two asks the other).
+    for url in [&two.a, &two.b] {
+        let ops = connect(url, &root).await?;
+        let seen = listed(ops.clone()).await?;
+        ensure!(ids.iter().all(|id| seen.contains(id)), "{url}: {seen:?}");
+        ensure!(!session_events(&ops, &ids[1]).await?.is_empty());
+    }
+
+    // The sessions quota over both: of six long starts sent through the
+    // two at once, two run (the earlier two finished their runs and stay).
+    for (client, id) in [(&acme_a, &ids[0]), (&acme_b, &ids[1])] {
+        client.remove(id, false).await?;
+    }
+    ensure!(listed(acme_b.clone()).await?.is_empty());
+    let starts = (0..6).map(|i| {
+        let c = if i % 2 == 0 {
+            acme_a.clone()
+        } else {
+            acme_b.clone()
+        };
+        tokio::spawn(async move {
+            c.start(pb::StartSessionRequest {
+                session_id: format!("{}-{i}", unique_id("s-two")),
+                request_json: r#"{"prompt": "sleep 600"}"#.into(),
+                settings: None,
+            })
+            .await
+        })
+    });
+    let mut running = Vec::new();
+    for r in futures_util::future::join_all(starts).await {
+        match r? {
+            Ok(started) => running.push(started.session_id),
+            Err(ControlError::Status(s)) => ensure!(
+                corral_proto::reason::quota_of(&s) == Some(("sessions".into(), 2, 2)),
+                "{s:?}"
+            ),
+            Err(e) => return Err(e.into()),
+        }
+    }
+    ensure!(running.len() == 2, "{running:?}");
+    for id in &running {
+        ensure!(kept_by(&setup, &two, id)? == home);
+        acme_b.stop(id, false).await?;
     }
     Ok(())
 }
