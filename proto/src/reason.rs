@@ -80,6 +80,9 @@ reasons! {
     /// The sandbox is checkpointed (its processes and memory saved, nothing
     /// running): restore it first.
     SandboxCheckpointed = "sandbox_checkpointed",
+    /// A change of the sandbox (its making, restore or removal) is under
+    /// way and did not end within the time a call waits: try again.
+    SandboxBusy = "sandbox_busy",
     /// The image is not on the worker's Docker engine.
     NoSuchImage = "no_such_image",
     /// The OCI runtime asked for is not registered with the worker's

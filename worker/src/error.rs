@@ -81,6 +81,10 @@ pub enum WorkerError {
     /// The link to the sandbox's supervisor is down for now: ask again.
     #[error("sandbox {0}: its supervisor is not reachable right now; try again")]
     Detached(String),
+    /// A change of the sandbox (being made, restored, removed) did not end
+    /// within the time a call waits for it.
+    #[error("sandbox {id} is {change}, which did not end in time: try again")]
+    Busy { id: String, change: &'static str },
 }
 
 pub type Result<T, E = WorkerError> = std::result::Result<T, E>;
@@ -128,6 +132,7 @@ impl WorkerError {
                 (Code::Unavailable, Reason::SupervisorUnresponsive)
             }
             WorkerError::Detached(_) => (Code::Unavailable, Reason::SupervisorDetached),
+            WorkerError::Busy { .. } => (Code::Unavailable, Reason::SandboxBusy),
             WorkerError::Draining => (Code::Unavailable, Reason::Draining),
             WorkerError::ShuttingDown => (Code::Unavailable, Reason::ShuttingDown),
             WorkerError::InitBinary(_)

@@ -151,7 +151,7 @@ impl pb::worker_server::Worker for WorkerService {
         let tenant = tenant_header(&req)?;
         let id = sandbox_id(req.into_inner().id)?;
         self.owned(&tenant, &id)?;
-        Ok(Response::new(self.worker.get_sandbox(&id)?.into()))
+        Ok(Response::new(self.worker.get_sandbox(&id).await?.into()))
     }
 
     async fn set_sandbox_egress(
@@ -289,7 +289,7 @@ impl pb::worker_server::Worker for WorkerService {
         self.owned(&tenant, &sid)?;
         let oid = operation_id(req.operation_id)?;
         Ok(Response::new(
-            self.worker.operation(&sid, &oid)?.to_pb(&sid),
+            self.worker.operation(&sid, &oid).await?.to_pb(&sid),
         ))
     }
 
@@ -312,8 +312,12 @@ impl pb::worker_server::Worker for WorkerService {
         let spec = OperationSpec::PutArchive(corral_proto::ArchiveSpec::new(first.path));
         spec.validate()?;
         // Watched before it is submitted: its end cannot be missed.
-        let after = self.worker.get_sandbox(&sid)?.last_seq;
-        let mut events = self.worker.watch(&sid, after, Some(oid.clone()))?.events;
+        let after = self.worker.get_sandbox(&sid).await?.last_seq;
+        let mut events = self
+            .worker
+            .watch(&sid, after, Some(oid.clone()))
+            .await?
+            .events;
         self.worker.submit(&sid, oid.clone(), spec).await?;
         let mut offset = 0u64;
         let (mut data, mut eof) = (first.data, first.eof);
@@ -360,7 +364,7 @@ impl pb::worker_server::Worker for WorkerService {
             match event.kind {
                 corral_proto::EventKind::Finished(_) => {
                     return Ok(Response::new(
-                        self.worker.operation(&sid, &oid)?.to_pb(&sid),
+                        self.worker.operation(&sid, &oid).await?.to_pb(&sid),
                     ));
                 }
                 corral_proto::EventKind::SandboxLost { reason } => {
@@ -505,8 +509,12 @@ impl pb::worker_server::Worker for WorkerService {
             contents: archive.contents,
         });
         spec.validate()?;
-        let after = self.worker.get_sandbox(&sid)?.last_seq;
-        let mut events = self.worker.watch(&sid, after, Some(oid.clone()))?.events;
+        let after = self.worker.get_sandbox(&sid).await?.last_seq;
+        let mut events = self
+            .worker
+            .watch(&sid, after, Some(oid.clone()))
+            .await?
+            .events;
         self.worker.submit(&sid, oid.clone(), spec).await?;
         let (tx, rx) = tokio::sync::mpsc::channel(4);
         let worker = self.worker.clone();
@@ -525,6 +533,7 @@ impl pb::worker_server::Worker for WorkerService {
                     corral_proto::EventKind::Finished(_) => {
                         let last = worker
                             .operation(&sid, &oid)
+                            .await
                             .map(|r| pb::DownloadResponse {
                                 data: bytes::Bytes::new(),
                                 finished: Some(r.to_pb(&sid)),
@@ -584,7 +593,7 @@ impl pb::worker_server::Worker for WorkerService {
         let req = req.into_inner();
         let sid = sandbox_id(req.sandbox_id)?;
         self.owned(&tenant, &sid)?;
-        let all = self.worker.list_operations(&sid)?;
+        let all = self.worker.list_operations(&sid).await?;
         let (operations, next_page_token) = list_page(&sid, &all, &req.page_token)?;
         Ok(Response::new(pb::ListOperationsResponse {
             operations,
@@ -634,7 +643,7 @@ impl pb::worker_server::Worker for WorkerService {
         } else {
             Some(operation_id(req.operation_id)?)
         };
-        let watch = self.worker.watch(&sid, req.after_seq, only)?;
+        let watch = self.worker.watch(&sid, req.after_seq, only).await?;
         let worker = self.worker.clone();
         // A watch the worker drops ends with ABORTED, never as if the
         // sandbox had nothing more to say: its client resumes from the seq
@@ -660,7 +669,7 @@ impl pb::worker_server::Worker for WorkerService {
                     )),
                     // The sandbox went (removed, its worker stopping):
                     // said, never an end as if it had nothing more to say.
-                    None => match worker.get_sandbox(&sid) {
+                    None => match worker.get_sandbox(&sid).await {
                         Err(e) => Some((Err(Status::from(e)), None)),
                         Ok(_) if worker.shutting_down() => Some((
                             Err(status(

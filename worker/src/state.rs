@@ -41,6 +41,10 @@ pub struct SandboxRecord {
     /// worker keeps it so, rather than removing a stopped container).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub checkpointed: bool,
+    /// Restored from a checkpoint once: the engine (Docker with runsc)
+    /// cannot start its container from a second one.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub restored: bool,
 }
 
 const RECORD_VERSION: u32 = 1;
@@ -198,6 +202,7 @@ impl StateDir {
             container_id: None,
             forking_from: None,
             checkpointed: false,
+            restored: false,
         }
     }
 }

@@ -27,6 +27,7 @@ fn local(e: WorkerError) -> ApiError {
         WorkerError::Docker(_)
         | WorkerError::InitUnresponsive { .. }
         | WorkerError::Detached(_)
+        | WorkerError::Busy { .. }
         | WorkerError::ShuttingDown => ApiError::Transient(text),
         _ => ApiError::Rejected(text, Some(why)),
     }
@@ -56,7 +57,7 @@ impl WorkerApi for Worker {
     }
 
     async fn get_sandbox(&self, id: &SandboxId) -> Result<SandboxInfo, ApiError> {
-        Worker::get_sandbox(self, id).map_err(local)
+        Worker::get_sandbox(self, id).await.map_err(local)
     }
 
     async fn destroy_sandbox(&self, id: &SandboxId) -> Result<bool, ApiError> {
@@ -83,7 +84,7 @@ impl WorkerApi for Worker {
         sandbox: &SandboxId,
         id: &OperationId,
     ) -> Result<OperationRecord, ApiError> {
-        Worker::operation(self, sandbox, id).map_err(local)
+        Worker::operation(self, sandbox, id).await.map_err(local)
     }
 
     async fn watch(
@@ -93,6 +94,7 @@ impl WorkerApi for Worker {
         only: Option<&OperationId>,
     ) -> Result<Events, ApiError> {
         let rx = Worker::watch(self, sandbox, after_seq, only.cloned())
+            .await
             .map_err(local)?
             .events;
         Ok(Box::pin(ReceiverStream::new(rx).map(Ok)))

@@ -202,6 +202,7 @@ fn code_of(reason: Reason) -> Code {
         | R::ShuttingDown
         | R::DockerUnavailable
         | R::SupervisorDetached
+        | R::SandboxBusy
         | R::SupervisorUnresponsive
         | R::NoWorker => Code::Unavailable,
         R::Internal => Code::Internal,

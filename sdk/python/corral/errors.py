@@ -219,6 +219,7 @@ _BY_REASON: dict[str, type[CorralError]] = {
     "docker_unavailable": WorkerUnavailable,
     "supervisor_unresponsive": WorkerUnavailable,
     "supervisor_detached": WorkerUnavailable,
+    "sandbox_busy": WorkerUnavailable,
     "draining": WorkerUnavailable,
     "shutting_down": WorkerUnavailable,
     "incomplete": WorkerUnavailable,

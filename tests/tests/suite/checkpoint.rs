@@ -224,17 +224,36 @@ async fn a_pooled_sandbox_is_restored_its_id_stays_taken_and_its_lifetime_still_
         SandboxState::Ready
     );
     assert_eq!(run_shell(&client, &id, "cat /tmp/f").await?, "in-memory\n");
-    // Checkpointed again, it is still removed when its lifetime is over.
-    client.checkpoint_sandbox(&id).await?;
-    let deadline = Instant::now() + Duration::from_secs(40);
-    loop {
-        match client.get_sandbox(&id).await {
-            Err(e) if e.reason() == Some(Reason::SandboxRemoved) => break,
-            other => {
-                if Instant::now() > deadline {
-                    bail!("a checkpointed sandbox outlived its TTL: {other:?}");
+    // Restored once, it is not checkpointed again (the engine could never
+    // start it from a second checkpoint), and runs on.
+    let e = client
+        .checkpoint_sandbox(&id)
+        .await
+        .expect_err("a second checkpoint");
+    assert_eq!(e.reason(), Some(Reason::NotApplicable), "{e}");
+    // A checkpointed sandbox is still removed when its lifetime is over,
+    // as the running one is.
+    let other = client
+        .create_sandbox(
+            None,
+            SandboxSpec {
+                ttl_ms: Some(6_000),
+                ..spec.clone()
+            },
+        )
+        .await?;
+    client.checkpoint_sandbox(&other.id).await?;
+    for gone in [&other.id, &id] {
+        let deadline = Instant::now() + Duration::from_secs(40);
+        loop {
+            match client.get_sandbox(gone).await {
+                Err(e) if e.reason() == Some(Reason::SandboxRemoved) => break,
+                other => {
+                    if Instant::now() > deadline {
+                        bail!("a sandbox outlived its TTL: {other:?}");
+                    }
+                    tokio::time::sleep(Duration::from_millis(200)).await;
                 }
-                tokio::time::sleep(Duration::from_millis(200)).await;
             }
         }
     }
@@ -262,6 +281,88 @@ async fn a_pooled_sandbox_is_restored_its_id_stays_taken_and_its_lifetime_still_
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     worker.kill9();
+    corral_e2e::remove_containers_of(&wid);
+    Ok(())
+}
+
+/// What one probe of a sandbox answered, for the calls that find it.
+fn not_found(r: &Result<(), corral_harness::client::ClientError>) -> bool {
+    matches!(r, Err(e) if matches!(e.reason(), Some(Reason::SandboxNotFound | Reason::SandboxRemoved)))
+}
+
+#[tokio::test]
+async fn calls_during_checkpoints_and_restores_never_find_the_sandbox_unknown() -> Result<()> {
+    let state = tempfile::tempdir()?;
+    let (wid, port) = (unique_id("ck"), free_port()?);
+    let worker = spawn(state.path(), &wid, port)?;
+    let client = worker.client().await?;
+    let sb = client
+        .create_sandbox(
+            None,
+            SandboxSpec {
+                runtime: Some("runsc".into()),
+                ..SandboxSpec::default()
+            },
+        )
+        .await?;
+    let id = sb.id.clone();
+    // Probes in a loop meanwhile: GetSandbox, WatchSandbox (opened, then
+    // let go), ListSandboxes. None may find it unknown or removed.
+    let stop = tokio_util::sync::CancellationToken::new();
+    let probes = (0..3).map(|kind| {
+        let (client, id, stop) = (client.clone(), id.clone(), stop.clone());
+        tokio::spawn(async move {
+            let (mut calls, mut lost) = (0u32, Vec::new());
+            while !stop.is_cancelled() {
+                let r = match kind {
+                    0 => client.get_sandbox(&id).await.map(|_| ()),
+                    1 => client.watch(&id, 0, None).await.map(|_| ()),
+                    _ => match client.list_sandboxes().await {
+                        Ok(all) if !all.iter().any(|s| s.id == id) => {
+                            lost.push("not listed".to_string());
+                            Ok(())
+                        }
+                        other => other.map(|_| ()),
+                    },
+                };
+                calls += 1;
+                if not_found(&r) {
+                    lost.push(format!("{r:?}"));
+                }
+            }
+            (calls, lost)
+        })
+    });
+    let probes: Vec<_> = probes.collect();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let saved = client.checkpoint_sandbox(&id).await?;
+    assert_eq!(saved.state, SandboxState::Checkpointed);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let back = client.restore_sandbox(&id).await?;
+    // Never a replacement: the same container, started again.
+    assert_eq!(back.container_id, sb.container_id);
+    assert_eq!(run_shell(&client, &id, "echo here").await?, "here\n");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    stop.cancel();
+    // The engine cannot start a container from a second checkpoint: a
+    // second one is refused, saying so, and the sandbox runs on.
+    let e = client
+        .checkpoint_sandbox(&id)
+        .await
+        .expect_err("a second checkpoint");
+    assert_eq!(e.reason(), Some(Reason::NotApplicable), "{e}");
+    assert_eq!(run_shell(&client, &id, "echo still").await?, "still\n");
+    for p in probes {
+        let (calls, lost) = p.await?;
+        ensure!(calls > 10, "a probe ran {calls} times");
+        ensure!(
+            lost.is_empty(),
+            "{} of {calls} probes lost it: {lost:?}",
+            lost.len()
+        );
+    }
+    client.destroy_sandbox(&id).await?;
+    drop(worker);
     corral_e2e::remove_containers_of(&wid);
     Ok(())
 }

@@ -32,6 +32,7 @@ mod runner;
 mod serve;
 mod service;
 mod sessions;
+mod slots;
 mod timeline;
 mod tls;
 mod way_out;

@@ -223,7 +223,7 @@ async fn a_fork_runs_in_its_own_sandbox_and_removal_takes_the_sandbox_along() ->
     // The fork's request carries the parent's history.
     let got = model.received();
     assert!(got[1].text().contains("first answer") && got[1].text().contains("two"));
-    h.worker.get_sandbox(&child_sandbox)?;
+    h.worker.get_sandbox(&child_sandbox).await?;
 
     // A running session cannot be removed under itself.
     let idle = store

@@ -1,0 +1,163 @@
+//! Warm pools: members made ahead, kept at each pool's size as capacity
+//! allows, and removed when they die, give up their slot, or a drain
+//! begins.
+
+use std::time::Duration;
+
+use corral_proto::{SandboxId, SandboxSpec};
+use tracing::warn;
+
+use super::{READY_TIMEOUT, Worker, lock};
+use crate::error::{Result, WorkerError};
+use crate::sandbox::Sandbox;
+
+impl Worker {
+    /// Removes a pool member (dead, evicted, or the pools emptied).
+    pub(super) async fn discard_member(&self, m: crate::pool::Member) {
+        m.sandbox.close();
+        if let Err(e) = self
+            .inner
+            .runtime
+            .remove_container(&m.sandbox.container_id)
+            .await
+        {
+            warn!(member = %m.id, error = %e, "could not remove a pool member");
+        }
+        crate::proxy::remove(&self.egress_dir(&m.id));
+    }
+
+    /// Keeps every pool at its size, as capacity allows: members that died
+    /// are removed, new ones made one at a time (woken by claims, else
+    /// every two seconds), never while draining or stopping.
+    pub(super) async fn fill_pools_forever(&self) {
+        loop {
+            self.fill_pools().await;
+            tokio::select! {
+                () = self.inner.shutdown.cancelled() => return,
+                () = self.inner.pool_wake.notified() => {}
+                () = tokio::time::sleep(Duration::from_secs(2)) => {}
+            }
+        }
+    }
+
+    pub(super) async fn fill_pools(&self) {
+        let dead: Vec<crate::pool::Member> = {
+            let mut pools = lock(&self.inner.pools);
+            let mut dead = Vec::new();
+            for p in pools.iter_mut() {
+                let (gone, alive): (Vec<_>, Vec<_>) =
+                    p.ready.drain(..).partition(|m| m.sandbox.is_lost());
+                p.ready = alive.into();
+                dead.extend(gone);
+            }
+            dead
+        };
+        for m in dead {
+            warn!(member = %m.id, "a pool member died; it is replaced");
+            self.discard_member(m).await;
+        }
+        loop {
+            if self.inner.shutdown.is_cancelled() || self.inner.drain.borrow().is_some() {
+                return;
+            }
+            // The next member: of the pool that lacks the most, if the
+            // worker has a slot for it.
+            let next = {
+                let table = self.inner.table.lock();
+                let mut pools = lock(&self.inner.pools);
+                let held: usize = pools.iter().map(crate::pool::Pool::held).sum();
+                let count = table.held() + held;
+                if count >= self.inner.max_sandboxes as usize {
+                    None
+                } else {
+                    pools
+                        .iter_mut()
+                        .enumerate()
+                        .filter(|(_, p)| p.held() < p.template.size as usize)
+                        .max_by_key(|(_, p)| p.template.size as usize - p.held())
+                        .map(|(i, p)| {
+                            let id = crate::pool::member_id();
+                            p.filling.push(id.clone());
+                            (i, id, p.template.spec())
+                        })
+                }
+            };
+            let Some((i, id, spec)) = next else { return };
+            let started = std::time::Instant::now();
+            let made = self.make_member(&id, spec).await;
+            let unwanted = {
+                let table = self.inner.table.lock();
+                let mut pools = lock(&self.inner.pools);
+                pools[i].filling.retain(|f| f != &id);
+                let held: usize = pools.iter().map(crate::pool::Pool::held).sum();
+                let count = table.held() + held;
+                let pool = &mut pools[i];
+                match made {
+                    // Made while creates filled the worker: no room.
+                    Ok(sandbox) if count >= self.inner.max_sandboxes as usize => {
+                        Some(crate::pool::Member { id, sandbox })
+                    }
+                    Ok(sandbox) => {
+                        pool.last_refill = Some(started.elapsed());
+                        pool.ready.push_back(crate::pool::Member { id, sandbox });
+                        self.inner
+                            .metrics
+                            .pool_refilled(&pool.template.to_string(), started.elapsed());
+                        None
+                    }
+                    Err(e) => {
+                        warn!(member = %id, error = %e, "could not make a pool member; trying again later");
+                        return;
+                    }
+                }
+            };
+            if let Some(m) = unwanted {
+                self.discard_member(m).await;
+                return;
+            }
+        }
+    }
+
+    pub(super) async fn make_member(&self, id: &SandboxId, spec: SandboxSpec) -> Result<Sandbox> {
+        // A socket directory mounted from the start, empty: a claim that
+        // asks for egress binds its proxy's socket there.
+        let dir = self.egress_dir(id);
+        let made = match crate::proxy::make_dir(&dir) {
+            Ok(()) => self.inner.runtime.create(id, &spec, Some(&dir)).await,
+            Err(e) => Err(WorkerError::state(&dir, e)),
+        };
+        let container = match made {
+            Ok(c) => c,
+            Err(e) => {
+                crate::proxy::remove(&dir);
+                return Err(e);
+            }
+        };
+        let sandbox = Sandbox::spawn(
+            id.clone(),
+            spec,
+            container.clone(),
+            crate::state::now_unix_ms(),
+            None,
+            &self.env(),
+        );
+        if let Err(e) = sandbox.wait_ready(READY_TIMEOUT).await {
+            sandbox.close();
+            let _ = self.inner.runtime.remove_container(&container).await;
+            crate::proxy::remove(&dir);
+            return Err(e);
+        }
+        Ok(sandbox)
+    }
+
+    /// Removes every pool member (a drain, a shutdown that removes all).
+    pub(super) async fn empty_pools(&self) {
+        let members: Vec<crate::pool::Member> = lock(&self.inner.pools)
+            .iter_mut()
+            .flat_map(|p| p.ready.drain(..).collect::<Vec<_>>())
+            .collect();
+        for m in members {
+            self.discard_member(m).await;
+        }
+    }
+}
