@@ -40,8 +40,8 @@ pub struct Cli {
     pub conn: ConnArgs,
     /// Log format: json (one object per line), text, or auto (text on a
     /// terminal, else json).
-    #[arg(long, global = true, env = "CORRAL_LOG_FORMAT", value_enum, default_value_t = corral_worker::cli::LogFormat::Auto)]
-    pub log_format: corral_worker::cli::LogFormat,
+    #[arg(long, global = true, env = "CORRAL_LOG_FORMAT", value_enum, default_value_t = corral_worker::process::LogFormat::Auto)]
+    pub log_format: corral_worker::process::LogFormat,
     /// Serve the control plane's Prometheus metrics (placements, probes,
     /// workers lost) at http://ADDR/metrics while the command runs.
     #[arg(long, global = true, env = "CORRAL_METRICS_LISTEN")]

@@ -137,25 +137,25 @@ fn token_beside(urls: &[String]) -> Option<std::path::PathBuf> {
 /// workers are checked against the name in their certificates.
 fn credentials(conn: &ConnArgs, urls: &[String]) -> Result<Credentials, ConnectError> {
     use std::os::unix::fs::MetadataExt;
-    let own = corral_worker::cli::default_state_dir("worker").join("token");
+    let own = corral_worker::process::default_state_dir("worker").join("token");
     let entries = entries(conn)?;
     let local =
         entries.iter().all(|e| matches!(e, Entry::Url(_))) && urls.iter().all(|u| is_loopback(u));
     let (token, token_owner) = match conn.token_file.as_deref() {
         None if conn.api_key.is_some() => (conn.api_key.clone().map(|k| k.0), None),
         Some(path) => (
-            Some(corral_worker::cli::read_token(path).map_err(setup)?),
+            Some(corral_worker::process::read_token(path).map_err(setup)?),
             std::fs::metadata(path).ok().map(|m| m.uid()),
         ),
         None if local && own.exists() => (
-            Some(corral_worker::cli::read_token(&own).map_err(setup)?),
+            Some(corral_worker::process::read_token(&own).map_err(setup)?),
             None,
         ),
         // A worker on a Unix socket keeps its token beside it (the local
         // worker's state directory), as the SDK finds it too.
         None => match token_beside(urls) {
             Some(path) => (
-                Some(corral_worker::cli::read_token(&path).map_err(setup)?),
+                Some(corral_worker::process::read_token(&path).map_err(setup)?),
                 None,
             ),
             None => (None, None),

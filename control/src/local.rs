@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use corral_worker::cli::default_state_dir;
+use corral_worker::process::default_state_dir;
 use corral_worker::{Worker, WorkerConfig, WorkerError};
 
 use corral_harness::client::{Credentials, WorkerClient};
@@ -30,7 +30,7 @@ pub enum LocalError {
     #[error("local worker: {0}")]
     Worker(#[from] WorkerError),
     #[error("local worker: {0}")]
-    Config(#[from] corral_worker::cli::ConfigError),
+    Config(#[from] corral_worker::process::ConfigError),
     #[error("local worker: {what} {path}: {source}")]
     Io {
         what: &'static str,
@@ -103,7 +103,7 @@ fn private_state(state: &Path) -> Result<(), LocalError> {
 pub async fn connect(state: &Path, docker_host: Option<&str>) -> Result<WorkerClient, LocalError> {
     private_state(state)?;
     let token_path = state.join("token");
-    let token = corral_worker::cli::token_or_new(&token_path)?;
+    let token = corral_worker::process::token_or_new(&token_path)?;
     let creds = Credentials::token(Some(&token));
     let url = url(state);
     if let Some(client) = answers(&url, &creds).await {
@@ -235,7 +235,7 @@ pub async fn serve(
     let socket = state.join(SOCKET);
     let _ = std::fs::remove_file(&socket);
     let listener = tokio::net::UnixListener::bind(&socket).map_err(io("listening on", &socket))?;
-    let token = corral_worker::cli::token_or_new(&state.join("token"))?;
+    let token = corral_worker::process::token_or_new(&state.join("token"))?;
     let connections = Arc::new(AtomicUsize::new(0));
     tracing::info!(socket = %socket.display(), "local worker serving");
     let stop = tokio_util::sync::CancellationToken::new();

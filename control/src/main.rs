@@ -28,7 +28,7 @@ use cli::{Cli, Command};
 
 #[allow(clippy::print_stderr)]
 fn main() -> ExitCode {
-    let cli = match corral_worker::cli::parse_args::<Cli>("corral") {
+    let cli = match corral_worker::process::parse_args::<Cli>("corral") {
         Ok(cli) => cli,
         Err(code) => return code,
     };
@@ -37,7 +37,7 @@ fn main() -> ExitCode {
     } else {
         "warn"
     };
-    corral_worker::cli::init_logging(level, cli.log_format);
+    corral_worker::process::init_logging(level, cli.log_format);
     // The service runs many sessions whose logs are appended and synced
     // from their tasks (each sync hands its thread's other tasks over
     // first: see the session log): threads enough besides that a slow disk

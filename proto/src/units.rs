@@ -24,6 +24,14 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
     Ok(bytes as u64)
 }
 
+/// A rate in bytes a second, as a size (`10m`); at least one byte.
+pub fn parse_rate(s: &str) -> Result<u64, String> {
+    match parse_size(s)? {
+        0 => Err("at least 1 byte a second".into()),
+        n => Ok(n),
+    }
+}
+
 /// A number of CPUs (`2`, `0.5`) in thousandths of a CPU.
 pub fn parse_cpus(s: &str) -> Result<u64, String> {
     let n: f64 = s
@@ -50,6 +58,13 @@ mod tests {
         assert!(parse_size("-1g").is_err());
         assert!(parse_size("nan").is_err());
         assert!(parse_size("99999999999t").is_err());
+    }
+
+    #[test]
+    fn rates_are_sizes_of_at_least_a_byte() {
+        assert_eq!(parse_rate("10m"), Ok(10 << 20));
+        assert!(parse_rate("0").is_err());
+        assert!(parse_rate("fast").is_err());
     }
 
     #[test]

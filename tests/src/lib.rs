@@ -392,7 +392,7 @@ impl WorkerProcess {
 
     /// The token clients present.
     pub fn token(&self) -> String {
-        corral_worker::cli::read_token(&self.token_file()).unwrap_or_else(|e| panic!("{e}"))
+        corral_worker::process::read_token(&self.token_file()).unwrap_or_else(|e| panic!("{e}"))
     }
 
     /// A client with the worker's token.

@@ -220,7 +220,7 @@ impl Setup {
     }
 
     pub async fn client(&self) -> Result<ControlClient> {
-        let token = corral_worker::cli::read_token(&self.service_token())?;
+        let token = corral_worker::process::read_token(&self.service_token())?;
         Ok(ControlClient::connect(&self.url(), &Credentials::token(Some(&token))).await?)
     }
 

@@ -50,6 +50,7 @@ pub mod initbin;
 pub mod metrics;
 pub mod policy;
 pub mod pool;
+pub mod process;
 pub mod proxy;
 pub mod rate;
 pub mod sandbox;

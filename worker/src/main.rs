@@ -11,11 +11,11 @@ use corral_worker::cli::WorkerArgs;
 use corral_worker::{Worker, metrics, server};
 
 fn main() -> ExitCode {
-    let args = match corral_worker::cli::parse_args::<WorkerArgs>("corral-worker") {
+    let args = match corral_worker::process::parse_args::<WorkerArgs>("corral-worker") {
         Ok(args) => args,
         Err(code) => return code,
     };
-    corral_worker::cli::init_logging("info", args.log_format);
+    corral_worker::process::init_logging("info", args.log_format);
     if args.withhold_error_text {
         corral_proto::reason::withhold_text();
     }

@@ -64,7 +64,7 @@ impl FromStr for Template {
                 .split_once('=')
                 .ok_or_else(|| bad(format!("{p:?} is not KEY=VALUE")))?;
             match k {
-                "memory" => t.memory_bytes = Some(crate::cli::parse_size(v).map_err(bad)?),
+                "memory" => t.memory_bytes = Some(corral_proto::units::parse_size(v).map_err(bad)?),
                 "cpus" => {
                     let c: f64 = v
                         .parse()

@@ -87,7 +87,7 @@ pub(super) fn service_credentials(
 ) -> Result<Credentials, String> {
     use std::os::unix::fs::MetadataExt;
     let token = match token_file {
-        Some(path) => Some(corral_worker::cli::read_token(path).map_err(|e| e.to_string())?),
+        Some(path) => Some(corral_worker::process::read_token(path).map_err(|e| e.to_string())?),
         None => conn.api_key.clone().map(|k| k.0),
     };
     // A service on this machine gets the token only through a socket of

@@ -101,7 +101,7 @@ fn failed(e: &dyn std::error::Error, json: bool) {
 
 fn sessions_dir(flag: Option<&Path>) -> std::path::PathBuf {
     flag.map(Path::to_path_buf)
-        .unwrap_or_else(|| corral_worker::cli::default_state_dir("sessions"))
+        .unwrap_or_else(|| corral_worker::process::default_state_dir("sessions"))
 }
 
 /// The session store of `--sessions-dir` (or the user's default).

@@ -33,7 +33,7 @@ pub enum ServeError {
     #[error("{0}")]
     Usage(String),
     #[error(transparent)]
-    Config(#[from] corral_worker::cli::ConfigError),
+    Config(#[from] corral_worker::process::ConfigError),
     #[error(transparent)]
     Connect(#[from] crate::connect::ConnectError),
     #[error(transparent)]
@@ -113,7 +113,7 @@ const SHUTDOWN_PATIENCE: std::time::Duration = std::time::Duration::from_secs(5)
 fn state_dir(args: &ServeArgs) -> PathBuf {
     args.serve_state_dir
         .clone()
-        .unwrap_or_else(|| corral_worker::cli::default_state_dir("control"))
+        .unwrap_or_else(|| corral_worker::process::default_state_dir("control"))
 }
 
 /// Serves until SIGINT, SIGTERM or SIGHUP. The sessions it hosts are
@@ -131,10 +131,10 @@ pub async fn serve(conn: &ConnArgs, args: &ServeArgs) -> Result<(), ServeError> 
         .clone()
         .unwrap_or_else(|| state.join("token"));
     let token = match &args.serve_token_file {
-        Some(path) => corral_worker::cli::read_token(path)?,
-        None => corral_worker::cli::token_or_new(&token_path)?,
+        Some(path) => corral_worker::process::read_token(path)?,
+        None => corral_worker::process::token_or_new(&token_path)?,
     };
-    let tls = corral_worker::cli::server_tls(
+    let tls = corral_worker::process::server_tls(
         args.serve_tls_cert.as_deref(),
         args.serve_tls_key.as_deref(),
         args.serve_tls_client_ca.as_deref(),
