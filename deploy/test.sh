@@ -44,6 +44,8 @@ deploy/images/build-debian.sh
 # manifests and Compose file checked against their schemas.
 deploy/images/runtime.sh
 deploy/validate.sh
+# No import cycles among the project's own files, Rust or Python.
+python3 tests/imports.py
 cargo build --locked --workspace --bins
 # The harness without the worker library (a caller that reaches workers
 # over gRPC only) builds too.

@@ -51,7 +51,7 @@ impl RunOutcome {
     pub fn result_event(&self, session_id: &str, duration: std::time::Duration) -> Event {
         let summary = &self.summary;
         Event::Result(RunResult {
-            status: ending_word(summary.ending),
+            status: summary.ending.as_str(),
             session_id: session_id.to_string(),
             final_text: summary.final_text.clone(),
             error: summary.error.clone(),
@@ -61,15 +61,6 @@ impl RunOutcome {
             usage: summary.usage,
             duration_ms: duration.as_millis() as u64,
         })
-    }
-}
-
-/// done | failed | interrupted
-pub fn ending_word(ending: Ending) -> &'static str {
-    match ending {
-        Ending::Done => "done",
-        Ending::Failed => "failed",
-        Ending::Interrupted => "interrupted",
     }
 }
 

@@ -556,7 +556,7 @@ impl SessionTrace {
             Record::Resume { .. } => self.event("resume", at, vec![]),
             Record::Finished { ending } => {
                 // The run's span goes on until its owner ends it.
-                let word = crate::runner::ending_word(*ending);
+                let word = ending.as_str();
                 self.ending = Some(word);
                 self.end_open_chats(at, "canceled");
                 self.event("finished", at, vec![KeyValue::new("corral.ending", word)]);

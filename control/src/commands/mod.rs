@@ -63,7 +63,10 @@ async fn dispatch(mut cli: Cli) -> u8 {
             ops::kill(&cli.conn, &operation, sandbox.as_deref()).await
         }
         Command::Logs { sandbox, follow } => ops::logs(&cli.conn, &sandbox, follow).await,
-        Command::Run(args) => run::main(&cli.conn, &args).await,
+        Command::Run(args) => match &args.control {
+            Some(url) => remote::main(&cli.conn, &args, url).await,
+            None => run::main(&cli.conn, &args).await,
+        },
         Command::Serve(args) => serve::main(&cli.conn, &args).await,
         Command::Session(cmd) => session::main(&cli.conn, &cmd).await,
         Command::Worker(cmd) => worker::main(&cli.conn, &cmd).await,

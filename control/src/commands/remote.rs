@@ -148,7 +148,19 @@ fn settings(args: &RunArgs, api_key: Option<String>) -> pb::RunSettings {
     }
 }
 
-pub async fn run(conn: &ConnArgs, args: &RunArgs, url: &str, json: bool) -> Result<u8, Error> {
+/// `corral run --control URL`: as `corral run` says its exit code.
+pub async fn main(conn: &ConnArgs, args: &RunArgs, url: &str) -> u8 {
+    let json = super::run::is_json(args);
+    match run(conn, args, url, json).await {
+        Ok(code) => code,
+        Err(e) => {
+            super::run::failed(&e, json);
+            e.exit_code()
+        }
+    }
+}
+
+async fn run(conn: &ConnArgs, args: &RunArgs, url: &str, json: bool) -> Result<u8, Error> {
     refuse_local_paths(args)?;
     let request = super::run::load_request(args).map_err(|e| Error::Usage(e.to_string()))?;
     let api_key = super::run::key_from(args.api_key_file.as_deref()).map_err(Error::Usage)?;

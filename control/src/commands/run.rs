@@ -64,17 +64,10 @@ impl Error {
     }
 }
 
+/// `corral run` here (a session of a `corral run --control URL` goes to
+/// [`super::remote`] instead: see `commands::dispatch`).
 pub async fn main(conn: &ConnArgs, args: &RunArgs) -> u8 {
-    let json = args.json || !std::io::stdout().is_terminal();
-    if let Some(url) = &args.control {
-        return match super::remote::run(conn, args, url, json).await {
-            Ok(code) => code,
-            Err(e) => {
-                failed(&e, json);
-                e.exit_code()
-            }
-        };
-    }
+    let json = is_json(args);
     match run(conn, args, json).await {
         Ok(code) => code,
         Err(e) => {
@@ -84,9 +77,14 @@ pub async fn main(conn: &ConnArgs, args: &RunArgs) -> u8 {
     }
 }
 
+/// Whether `corral run` speaks JSON lines: asked for, or not on a terminal.
+pub(super) fn is_json(args: &RunArgs) -> bool {
+    args.json || !std::io::stdout().is_terminal()
+}
+
 /// Says why the run failed: on stderr, and to a JSON reader in its own
 /// stream too.
-fn failed(e: &dyn std::error::Error, json: bool) {
+pub(super) fn failed(e: &dyn std::error::Error, json: bool) {
     super::report(e);
     if json {
         let line = to_json_line(&Event::Error {

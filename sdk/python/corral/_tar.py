@@ -24,14 +24,23 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import IO, TYPE_CHECKING, Any, cast
+from typing import IO, Any, Protocol, cast
 
+from corral import _rpc
 from corral._proto import worker_pb2 as pb
 from corral.errors import CorralError, TransferError
 from corral.types import result_of
 
-if TYPE_CHECKING:
-    from corral._core import AsyncSandbox
+
+class SandboxRef(Protocol):
+    """What moving files needs of a sandbox: its id and its worker."""
+
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def worker(self) -> _rpc.Worker: ...
+
 
 CHUNK = 1 << 20
 QUEUED = 4
@@ -423,7 +432,7 @@ def _pack(src: Path, pipe: _Pipe) -> None:
     pipe.finish()
 
 
-async def upload(sb: AsyncSandbox, src: Path, remote: str) -> int:
+async def upload(sb: SandboxRef, src: Path, remote: str) -> int:
     if not os.path.lexists(src):
         raise TransferError(f"{src}: no such file or directory")
     loop = asyncio.get_running_loop()
@@ -474,7 +483,7 @@ async def upload(sb: AsyncSandbox, src: Path, remote: str) -> int:
     return sent
 
 
-async def download(sb: AsyncSandbox, remote: str, local: Path) -> Moved:
+async def download(sb: SandboxRef, remote: str, local: Path) -> Moved:
     top = archive_name(remote)
     if local.is_dir():
         base, rename = local, None
@@ -571,7 +580,7 @@ async def download(sb: AsyncSandbox, remote: str, local: Path) -> Moved:
     return moved
 
 
-async def get_archive(sb: AsyncSandbox, remote: str, contents: bool) -> bytes:
+async def get_archive(sb: SandboxRef, remote: str, contents: bool) -> bytes:
     """The sandbox's own tar stream of ``remote`` (its contents, as entries
     named ./..., with ``contents``), whole, unpacked by nobody."""
     req = pb.DownloadRequest(
@@ -594,7 +603,7 @@ async def get_archive(sb: AsyncSandbox, remote: str, contents: bool) -> bytes:
     return b"".join(parts)
 
 
-async def put_archive(sb: AsyncSandbox, data: bytes, remote: str) -> None:
+async def put_archive(sb: SandboxRef, data: bytes, remote: str) -> None:
     """A tar stream unpacked by the sandbox into ``remote`` (a directory), or
     as ``remote``, under the rules the sandbox keeps for what comes in."""
     op_id = uuid.uuid4().hex

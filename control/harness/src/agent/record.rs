@@ -246,6 +246,17 @@ pub enum Ending {
     Interrupted,
 }
 
+impl Ending {
+    /// done | failed | interrupted
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Ending::Done => "done",
+            Ending::Failed => "failed",
+            Ending::Interrupted => "interrupted",
+        }
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum Record {

@@ -576,7 +576,7 @@ impl Builder {
                 format!("{count} egress decisions came too fast to be recorded"),
             ),
             Record::Finished { ending } => {
-                let word = crate::runner::ending_word(*ending);
+                let word = ending.as_str();
                 self.ending = Some(word.to_string());
                 self.cancel_in_flight(t);
                 self.mark(t, seq, "end", format!("the run ended {word}"));
