@@ -193,7 +193,7 @@ pub fn redact(text: &str) -> String {
 
 /// A caller's word as an error may echo it: keys cut to their ids, and
 /// at most 160 characters.
-fn shown(text: &str) -> String {
+pub fn shown(text: &str) -> String {
     let text = redact(text);
     match text.char_indices().nth(160) {
         Some((at, _)) => format!("{}…", &text[..at]),

@@ -151,6 +151,48 @@ pub(super) fn caller<T>(req: &Request<T>) -> Result<Principal, Status> {
     })
 }
 
+/// Whether `who` may name a new `what` (sandbox, session) `id` itself. A
+/// tenant's caller names ids of its own namespace (`TENANT.…`: tenants'
+/// names have no dot) or random ones (the shapes the front door, the
+/// workers and the sessions make): an id another tenant could hold is
+/// refused alike, taken or not, so a create tells nothing of another's.
+pub(super) fn may_name(who: &Principal, id: &str, what: &str) -> Result<(), Status> {
+    let Some(tenant) = tenant_of(who) else {
+        return Ok(());
+    };
+    let own = id
+        .strip_prefix(tenant)
+        .is_some_and(|rest| rest.starts_with('.') && rest.len() > 1);
+    if own || is_uuid(id) || is_session_id(id) {
+        return Ok(());
+    }
+    Err(status(
+        Code::InvalidArgument,
+        Reason::InvalidArgument,
+        format!(
+            "a {what} id a tenant names starts with its tenant's name and a dot (`{tenant}.NAME`), so that it can never be another tenant's; {:?} is not (leave it out to have one made)",
+            corral_harness::tenants::shown(id)
+        ),
+    ))
+}
+
+/// A UUID as ids are made: 8-4-4-4-12 hex digits (the workers', the
+/// front door's), or 32 in a row (the Python SDK's).
+fn is_uuid(id: &str) -> bool {
+    let dashed = id.len() == 36
+        && id.char_indices().all(|(i, c)| match i {
+            8 | 13 | 18 | 23 => c == '-',
+            _ => c.is_ascii_hexdigit(),
+        });
+    dashed || (id.len() == 32 && id.chars().all(|c| c.is_ascii_hexdigit()))
+}
+
+/// A session id as the sessions make them (`s-` and 12 hex digits).
+fn is_session_id(id: &str) -> bool {
+    id.strip_prefix("s-")
+        .is_some_and(|h| h.len() == 12 && h.chars().all(|c| c.is_ascii_hexdigit()))
+}
+
 /// The caller's key must allow `scope`.
 pub(super) fn need(who: &Principal, scope: Scope, call: &str) -> Result<(), Status> {
     if who.allows(scope) {
@@ -768,6 +810,9 @@ impl pb::worker_server::Worker for FrontDoor {
         let msg = msg;
         let r = async {
             need(&who, Scope::Run, "CreateSandbox")?;
+            if !msg.id.is_empty() {
+                may_name(&who, &msg.id, "sandbox")?;
+            }
             let takes = match &quota {
                 Some(quota) => Some(
                     self.takes_new(&msg.spec.clone().unwrap_or_default(), quota)
@@ -1233,6 +1278,9 @@ impl pb::worker_server::Worker for FrontDoor {
         let id_text = msg.id.clone();
         let r = async {
             need(&who, Scope::Run, "ForkSandbox")?;
+            for child in &msg.child_ids {
+                may_name(&who, child, "sandbox")?;
+            }
             let id = sandbox_id(msg.id.clone())?;
             let (client, _) = self.worker_of(&id).await?;
             // Ids are one namespace over the fleet: a child's id another
@@ -1451,5 +1499,53 @@ impl Gate {
             }
             Gate::Keys(auth) => auth.check(req),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tenant(name: &str) -> Principal {
+        Principal {
+            tenant: name.into(),
+            key_id: "k".into(),
+            scopes: [Scope::Run].into(),
+        }
+    }
+
+    #[test]
+    fn a_tenant_names_ids_of_its_own_namespace_or_random_ones_only() {
+        let acme = tenant("acme");
+        for ok in [
+            "acme.build-1",
+            "acme.x",
+            "0f8e2b9c-1d2a-4c3b-9e8f-7a6b5c4d3e2f",
+            "0f8e2b9c1d2a4c3b9e8f7a6b5c4d3e2f",
+            "s-0123456789ab",
+        ] {
+            assert!(may_name(&acme, ok, "sandbox").is_ok(), "{ok}");
+        }
+        for no in [
+            "build-1",
+            "acme",
+            "acme.",
+            "acme-b.x",
+            "acmex.y",
+            "bolt.x",
+            "s-0123",
+            "0f8e2b9c1d2a4c3b9e8f7a6b5c4d3e2",
+            "0f8e2b9c-1d2a-4c3b-9e8f-7a6b5c4d3e2g",
+        ] {
+            let e = may_name(&acme, no, "sandbox").unwrap_err();
+            assert_eq!(e.code(), Code::InvalidArgument, "{no}");
+        }
+        // A caller of every tenant's names what it likes.
+        let admin = Principal {
+            tenant: "-".into(),
+            key_id: "k".into(),
+            scopes: [Scope::Admin].into(),
+        };
+        assert!(may_name(&admin, "build-1", "sandbox").is_ok());
     }
 }

@@ -18,7 +18,7 @@ use corral_harness::audit::AuditLog;
 
 use corral_harness::tenants::{Keys, Principal, Scope};
 
-use super::front::{caller, need, tenant_of};
+use super::front::{caller, may_name, need, tenant_of};
 use super::host::{Host, HostError, Settings, request_of};
 use super::peers::{forwarded, is_forwarded, unreachable};
 
@@ -325,6 +325,9 @@ impl pb::control_server::Control for ControlService {
         let asked = req.session_id.clone();
         let r = async {
             need(&who, Scope::Run, "StartSession")?;
+            if !req.session_id.is_empty() {
+                may_name(&who, &req.session_id, "session")?;
+            }
             let request = request_of(&req.request_json)?;
             let id = (!req.session_id.is_empty()).then_some(req.session_id);
             let _one = self.session_quota(&who, id.as_deref()).await?;
@@ -539,6 +542,7 @@ impl pb::control_server::Control for ControlService {
         let req = req.into_inner();
         let r = async {
             need(&who, Scope::Run, "ForkSession")?;
+            may_name(&who, &req.new_session_id, "session")?;
             self.host.owned(&req.session_id, tenant_of(&who))?;
             // The fork's sandbox is a new one: counted as a create.
             let _reserved = self.front.reserve_for_session(&who).await?;

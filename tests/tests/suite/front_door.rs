@@ -270,7 +270,7 @@ async fn tenants_reach_their_own_sandboxes_alone_and_an_auditor_reads_but_never_
         .labels
         .insert(corral_proto::sandbox::TENANT_LABEL.into(), "bolt".into());
     let a1 = as_acme.create_sandbox(None, claimed).await?.id;
-    let chosen = SandboxId::new(unique_id("acme-own"))?;
+    let chosen = SandboxId::new(format!("acme.{}", unique_id("own")))?;
     let a2 = as_acme.create_sandbox(Some(&chosen), spec()).await?.id;
     ensure!(a2 == chosen);
     let info = as_acme.get_sandbox(&a1).await?;
@@ -315,27 +315,43 @@ async fn tenants_reach_their_own_sandboxes_alone_and_an_auditor_reads_but_never_
     // And acme's sandbox is as it was.
     ensure!(run_shell(&as_acme, &a1, "cat f").await? == "hello\n");
 
-    // Ids are one namespace over both workers: bolt cannot make a sandbox,
-    // or a fork's child, of acme's id on the other worker and so stand
-    // between acme and its own.
-    for _ in 0..4 {
-        let s = status_of(
+    // A tenant names ids of its own namespace alone (`bolt.…`), or random
+    // ones: bolt naming acme's id, for a sandbox or a fork's child, is
+    // refused exactly as naming a free id of acme's namespace, so neither
+    // tells it whether acme has one.
+    let free = SandboxId::new(format!("acme.{}", unique_id("free")))?;
+    let mut answers = Vec::new();
+    for id in [&chosen, &free] {
+        let made = status_of(
             as_bolt
-                .create_sandbox(Some(&chosen), spec())
+                .create_sandbox(Some(id), spec())
                 .await
                 .err()
-                .context("bolt made a sandbox of acme's id")?,
+                .context("bolt made a sandbox of acme's namespace")?,
         );
-        ensure!(s.code() == tonic::Code::AlreadyExists, "{s:?}");
-        let s = status_of(
+        let forked = status_of(
             as_bolt
-                .fork_sandbox(&b1, std::slice::from_ref(&chosen), 0)
+                .fork_sandbox(&b1, std::slice::from_ref(id), 0)
                 .await
                 .err()
-                .context("bolt forked into acme's id")?,
+                .context("bolt forked into acme's namespace")?,
         );
-        ensure!(s.code() == tonic::Code::AlreadyExists, "{s:?}");
+        for s in [&made, &forked] {
+            ensure!(
+                s.code() == tonic::Code::InvalidArgument
+                    && corral_proto::reason::of(s) == Some(Reason::InvalidArgument),
+                "{s:?}"
+            );
+        }
+        answers.push((
+            made.message().replace(id.as_str(), "ID"),
+            forked.message().replace(id.as_str(), "ID"),
+        ));
     }
+    ensure!(answers[0] == answers[1], "{answers:?}");
+    let own = SandboxId::new(format!("bolt.{}", unique_id("own")))?;
+    ensure!(as_bolt.create_sandbox(Some(&own), spec()).await?.id == own);
+    as_bolt.destroy_sandbox(&own).await?;
     ensure!(as_acme.get_sandbox(&chosen).await?.id == chosen);
     ensure!(ids(as_bolt.list_sandboxes().await?) == vec![b1.to_string()]);
     // The worker tells a tenant of its own work alone.
@@ -538,8 +554,12 @@ fn control_refusal<T>(r: Result<T, ControlError>, ids: &[&str]) -> String {
 }
 
 /// Every call of `corral.v1.Control` that names a session, on `id`.
-async fn every_session_call(client: &ControlClient, id: &str) -> Vec<(&'static str, String)> {
-    let fork = unique_id("fork-of");
+async fn every_session_call(
+    client: &ControlClient,
+    tenant: &str,
+    id: &str,
+) -> Vec<(&'static str, String)> {
+    let fork = format!("{tenant}.{}", unique_id("fork-of"));
     vec![
         (
             "WatchSession",
@@ -602,7 +622,7 @@ async fn a_tenants_sessions_and_their_sandboxes_are_its_own() -> Result<()> {
     let as_bolt = connect(&bolt).await?;
     let as_auditor = connect(&auditor).await?;
 
-    let id = unique_id("s-acme");
+    let id = format!("acme.{}", unique_id("s"));
     as_acme
         .start(pb::StartSessionRequest {
             session_id: id.clone(),
@@ -646,9 +666,9 @@ async fn a_tenants_sessions_and_their_sandboxes_are_its_own() -> Result<()> {
 
     // Bolt sees none of it; every call on it answers as on a missing one.
     ensure!(as_bolt.list().await?.is_empty());
-    let missing = unique_id("s-nobody");
-    let on_acmes = every_session_call(&as_bolt, &id).await;
-    let on_missing = every_session_call(&as_bolt, &missing).await;
+    let missing = format!("bolt.{}", unique_id("s-nobody"));
+    let on_acmes = every_session_call(&as_bolt, "bolt", &id).await;
+    let on_missing = every_session_call(&as_bolt, "bolt", &missing).await;
     ensure!(
         on_acmes[..6] == on_missing[..6],
         "another tenant's session is told apart from a missing one:\n{on_acmes:#?}\n{on_missing:#?}"
@@ -659,9 +679,12 @@ async fn a_tenants_sessions_and_their_sandboxes_are_its_own() -> Result<()> {
             "{call}: {answer}"
         );
     }
-    // A start naming acme's id is refused (a missing id is a new session).
+    // A start naming acme's id is refused (an id of acme's namespace,
+    // taken or not); one of bolt's own that is missing is a new session.
     ensure!(
-        on_acmes[6].1.starts_with("NotFound Some(SessionNotFound)"),
+        on_acmes[6]
+            .1
+            .starts_with("InvalidArgument Some(InvalidArgument)"),
         "{:?}",
         on_acmes[6]
     );
@@ -671,7 +694,7 @@ async fn a_tenants_sessions_and_their_sandboxes_are_its_own() -> Result<()> {
     );
     // A start that fails (an image the worker does not allow) leaves no
     // trace in the service's sessions.
-    let failed = unique_id("s-failed");
+    let failed = format!("bolt.{}", unique_id("s-failed"));
     let refused = as_bolt
         .start(pb::StartSessionRequest {
             session_id: failed.clone(),
@@ -725,7 +748,7 @@ async fn a_tenants_sessions_and_their_sandboxes_are_its_own() -> Result<()> {
         );
     }
     // `corral run --control` with the key from the environment alone.
-    let via_cli = unique_id("s-cli");
+    let via_cli = format!("acme.{}", unique_id("s-cli"));
     let mut cmd = corral_e2e::run::command(
         &setup.model,
         "",
@@ -939,7 +962,7 @@ async fn memory_cpu_process_and_session_quotas_hold_and_a_forks_children_count()
         corral_proto::reason::quota_of(&s) == Some(("memory".into(), 2 << 30, 3 << 29)),
         "{s:?}"
     );
-    let child = SandboxId::new(unique_id("child"))?;
+    let child = SandboxId::new(format!("acme.{}", unique_id("child")))?;
     let forked = as_acme
         .fork_sandbox(parent, std::slice::from_ref(&child), 0)
         .await?;
@@ -1028,7 +1051,7 @@ async fn memory_cpu_process_and_session_quotas_hold_and_a_forks_children_count()
         let c = control.clone();
         tokio::spawn(async move {
             c.start(pb::StartSessionRequest {
-                session_id: format!("{}-{i}", unique_id("s-quota")),
+                session_id: format!("acme.{}-{i}", unique_id("s-quota")),
                 request_json: r#"{"prompt": "sleep 600"}"#.into(),
                 settings: None,
             })
@@ -1052,7 +1075,7 @@ async fn memory_cpu_process_and_session_quotas_hold_and_a_forks_children_count()
     let third = loop {
         match control
             .start(pb::StartSessionRequest {
-                session_id: unique_id("s-quota"),
+                session_id: format!("acme.{}", unique_id("s-quota")),
                 request_json: r#"{"prompt": "sleep 600"}"#.into(),
                 settings: None,
             })
@@ -1084,7 +1107,7 @@ async fn memory_cpu_process_and_session_quotas_hold_and_a_forks_children_count()
     let only = as_acme.create_sandbox(None, spec()).await?;
     let start = || {
         control.start(pb::StartSessionRequest {
-            session_id: unique_id("s-quota"),
+            session_id: format!("acme.{}", unique_id("s-quota")),
             request_json: r#"{"prompt": "echo hi"}"#.into(),
             settings: Some(pb::RunSettings {
                 keep_sandbox: true,
@@ -1104,7 +1127,11 @@ async fn memory_cpu_process_and_session_quotas_hold_and_a_forks_children_count()
     session_events(&control, &started.session_id).await?;
     // Its fork would make a second sandbox: refused as a create would be.
     let fork = control
-        .fork(&started.session_id, &unique_id("s-fork"), None)
+        .fork(
+            &started.session_id,
+            &format!("acme.{}", unique_id("s-fork")),
+            None,
+        )
         .await;
     match fork {
         Err(ControlError::Status(s)) => ensure!(
@@ -1670,9 +1697,13 @@ async fn a_tenants_sessions_are_the_same_through_either_replica_and_its_quota_ho
     }
     for (url, id) in [(&two.a, &ids[0]), (&two.b, &ids[1])] {
         let as_bolt = connect(url, &bolt).await?;
-        let on_acmes = every_session_call(&as_bolt, id).await;
-        let on_missing = every_session_call(&as_bolt, &unique_id("s-nobody")).await;
-        ensure!(on_acmes == on_missing, "{on_acmes:#?}\n{on_missing:#?}");
+        let on_acmes = every_session_call(&as_bolt, "bolt", id).await;
+        let missing = format!("bolt.{}", unique_id("s-nobody"));
+        let on_missing = every_session_call(&as_bolt, "bolt", &missing).await;
+        ensure!(
+            on_acmes[..6] == on_missing[..6],
+            "{on_acmes:#?}\n{on_missing:#?}"
+        );
     }
 
     // A key of every tenant's lists and reads them through either replica
@@ -1698,7 +1729,7 @@ async fn a_tenants_sessions_are_the_same_through_either_replica_and_its_quota_ho
         };
         tokio::spawn(async move {
             c.start(pb::StartSessionRequest {
-                session_id: format!("{}-{i}", unique_id("s-two")),
+                session_id: format!("acme.{}-{i}", unique_id("s-two")),
                 request_json: r#"{"prompt": "sleep 600"}"#.into(),
                 settings: None,
             })
