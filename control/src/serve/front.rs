@@ -26,7 +26,7 @@ use corral_proto::{Reason, SandboxId, pb};
 use futures_util::{Stream, StreamExt};
 
 pub use super::peers::Peers;
-use super::peers::{forwarded, is_forwarded};
+use super::peers::from_replica;
 use tonic::metadata::MetadataValue;
 use tonic::{Code, Request, Response, Status};
 
@@ -301,6 +301,27 @@ impl FrontDoor {
     /// The replicas, when there are several.
     pub(super) fn peers(&self) -> Option<&Peers> {
         self.peers.as_ref()
+    }
+
+    /// Whether `req` was passed on by another replica.
+    pub(super) fn passed<T>(&self, req: &Request<T>) -> bool {
+        self.peers.as_ref().is_some_and(|p| p.passed(req))
+    }
+
+    /// `msg` as passed to another replica, with the caller's `key`.
+    pub(super) fn to_replica<T>(
+        &self,
+        msg: T,
+        key: MetadataValue<tonic::metadata::Ascii>,
+    ) -> Request<T> {
+        match &self.peers {
+            Some(p) => p.forwarded(msg, key),
+            None => {
+                let mut req = Request::new(msg);
+                req.metadata_mut().insert("authorization", key);
+                req
+            }
+        }
     }
 
     /// A channel to replica `url` (the workers' TLS settings, never their
@@ -786,7 +807,7 @@ impl pb::worker_server::Worker for FrontDoor {
     ) -> Result<Response<pb::Sandbox>, Status> {
         let who = caller(&req)?;
         let key = req.metadata().get("authorization").cloned();
-        let passed = is_forwarded(&req);
+        let passed = self.passed(&req);
         let mut msg = req.into_inner();
         // A tenant's quota counts the create while it is made: its id is
         // chosen here when the client gives none.
@@ -804,8 +825,9 @@ impl pb::worker_server::Worker for FrontDoor {
             return self
                 .home_replica(&home)
                 .await?
-                .create_sandbox(forwarded(msg, key))
-                .await;
+                .create_sandbox(self.to_replica(msg, key))
+                .await
+                .map_err(|e| from_replica(&home, e));
         }
         let msg = msg;
         let r = async {
@@ -1253,7 +1275,7 @@ impl pb::worker_server::Worker for FrontDoor {
     ) -> Result<Response<pb::ForkSandboxResponse>, Status> {
         let who = caller(&req)?;
         let key = req.metadata().get("authorization").cloned();
-        let passed = is_forwarded(&req);
+        let passed = self.passed(&req);
         let mut msg = req.into_inner();
         // A fork's children count against the tenant's quotas as creates
         // do: checked by its home replica, their ids chosen here.
@@ -1271,8 +1293,9 @@ impl pb::worker_server::Worker for FrontDoor {
             return self
                 .home_replica(&home)
                 .await?
-                .fork_sandbox(forwarded(msg, key))
-                .await;
+                .fork_sandbox(self.to_replica(msg, key))
+                .await
+                .map_err(|e| from_replica(&home, e));
         }
         let msg = msg;
         let id_text = msg.id.clone();

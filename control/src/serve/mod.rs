@@ -199,7 +199,21 @@ pub async fn serve(conn: &ConnArgs, args: &ServeArgs) -> Result<(), ServeError> 
         .await;
     let peers = match (&args.advertise, args.peers.is_empty()) {
         (Some(own), false) => {
-            Some(front::Peers::new(own.clone(), args.peers.clone()).map_err(ServeError::Usage)?)
+            // The replicas' shared secret: the workers' token, which every
+            // replica holds and no client does.
+            let secret = fleet
+                .credentials(&args.peers)
+                .ok()
+                .and_then(|c| c.token)
+                .ok_or_else(|| {
+                    ServeError::Usage(
+                        "--peers: the replicas mark the calls they pass each other with the workers' token; give it (--token-file)".into(),
+                    )
+                })?;
+            Some(
+                front::Peers::new(own.clone(), args.peers.clone(), &secret)
+                    .map_err(ServeError::Usage)?,
+            )
         }
         (Some(_), true) => {
             return Err(ServeError::Usage(

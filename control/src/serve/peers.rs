@@ -23,11 +23,16 @@ pub struct Peers {
     own: String,
     all: Vec<String>,
     channels: Mutex<HashMap<String, Channel>>,
+    /// The value of [`FORWARDED`] on a call one replica passes to another:
+    /// a digest of the secret they share (the workers' token), so that a
+    /// client cannot pass its call off as a replica's.
+    mark: MetadataValue<Ascii>,
 }
 
 impl Peers {
-    /// `all` must name `own`.
-    pub fn new(own: String, all: Vec<String>) -> Result<Self, String> {
+    /// `all` must name `own`; `secret` is what every replica shares and
+    /// no client holds.
+    pub fn new(own: String, all: Vec<String>, secret: &str) -> Result<Self, String> {
         let all: Vec<String> = all
             .into_iter()
             .map(|p| p.trim().trim_end_matches('/').to_string())
@@ -40,11 +45,34 @@ impl Peers {
                 all.join(", ")
             ));
         }
+        let digest =
+            corral_harness::tenants::sha256_hex(format!("corral-forwarded\0{secret}").as_bytes());
+        let mark = MetadataValue::try_from(digest.as_str())
+            .map_err(|e| format!("the replicas' mark: {e}"))?;
         Ok(Self {
             own,
             all,
             channels: Mutex::new(HashMap::new()),
+            mark,
         })
+    }
+
+    /// Whether `req` was passed on by another replica (it carries the
+    /// replicas' mark; a client's mark of its own is ignored).
+    pub fn passed<T>(&self, req: &Request<T>) -> bool {
+        req.metadata().get(FORWARDED).is_some_and(|given| {
+            let (a, b) = (given.as_bytes(), self.mark.as_bytes());
+            a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+        })
+    }
+
+    /// `msg` as passed to another replica: with the caller's key, marked as
+    /// passed on (that replica passes it no further).
+    pub fn forwarded<T>(&self, msg: T, key: MetadataValue<Ascii>) -> Request<T> {
+        let mut req = Request::new(msg);
+        req.metadata_mut().insert("authorization", key);
+        req.metadata_mut().insert(FORWARDED, self.mark.clone());
+        req
     }
 
     /// This replica's URL.
@@ -117,19 +145,23 @@ pub fn unreachable(url: &str, e: impl std::fmt::Display) -> Status {
     )
 }
 
-/// Whether `req` was passed on by another replica.
-pub fn is_forwarded<T>(req: &Request<T>) -> bool {
-    req.metadata().get(FORWARDED).is_some()
-}
-
-/// `msg` as passed to another replica: with the caller's key, marked as
-/// passed on (that replica passes it no further).
-pub fn forwarded<T>(msg: T, key: MetadataValue<Ascii>) -> Request<T> {
-    let mut req = Request::new(msg);
-    req.metadata_mut().insert("authorization", key);
-    req.metadata_mut()
-        .insert(FORWARDED, MetadataValue::from_static("1"));
-    req
+/// An answer of replica `url`, as passed on: its own refusals (they carry
+/// a reason) as they are; a failure to reach it, or a connection to it cut
+/// (the transport's, with no reason), typed `no_worker` and naming it, so
+/// that a client can tell the one from the other.
+pub fn from_replica(url: &str, s: Status) -> Status {
+    let transport = matches!(
+        s.code(),
+        Code::Unavailable
+            | Code::Unknown
+            | Code::Internal
+            | Code::Cancelled
+            | Code::DeadlineExceeded
+    );
+    if s.metadata().get(corral_proto::reason::REASON_KEY).is_some() || !transport {
+        return s;
+    }
+    unreachable(url, s.message())
 }
 
 #[cfg(test)]
@@ -145,7 +177,7 @@ mod tests {
             .map(|own| {
                 let mut order: Vec<String> = all.iter().map(|s| s.to_string()).collect();
                 order.rotate_left(own.len() % 3);
-                Peers::new(own.to_string(), order).unwrap()
+                Peers::new(own.to_string(), order, "secret").unwrap()
             })
             .collect();
         let mut homes = HashSet::new();
@@ -158,6 +190,46 @@ mod tests {
         assert_eq!(homes.len(), 3, "60 tenants all had one home: {homes:?}");
         assert_eq!(peers[0].others().count(), 2);
         assert!(peers[0].others().all(|p| p != peers[0].own()));
-        assert!(Peers::new("http://d:7071".into(), vec!["http://a:7071".into()]).is_err());
+        assert!(Peers::new("http://d:7071".into(), vec!["http://a:7071".into()], "s").is_err());
+    }
+
+    #[test]
+    fn only_a_replica_marks_a_call_as_passed_on() {
+        let all = vec!["http://a:7071".to_string(), "http://b:7071".to_string()];
+        let a = Peers::new(all[0].clone(), all.clone(), "shared").unwrap();
+        let b = Peers::new(all[1].clone(), all.clone(), "shared").unwrap();
+        let key = MetadataValue::from_static("Bearer k");
+        assert!(b.passed(&a.forwarded((), key.clone())));
+        for spoof in ["1", "0", "", "corral"] {
+            let mut req = Request::new(());
+            req.metadata_mut()
+                .insert(FORWARDED, MetadataValue::try_from(spoof).unwrap());
+            assert!(!b.passed(&req), "{spoof:?}");
+        }
+        assert!(!b.passed(&Request::new(())));
+        // Another deployment's replicas (another secret) are not this one's.
+        let other = Peers::new(all[0].clone(), all.clone(), "other").unwrap();
+        assert!(!b.passed(&other.forwarded((), key)));
+    }
+
+    #[test]
+    fn a_replica_out_of_reach_is_named_and_typed_its_refusals_passed_as_they_are() {
+        let cut = from_replica("http://b:7071", Status::unknown("h2 protocol error"));
+        assert_eq!(cut.code(), Code::Unavailable);
+        assert_eq!(corral_proto::reason::of(&cut), Some(Reason::NoWorker));
+        assert!(cut.message().contains("http://b:7071"), "{}", cut.message());
+        let refused = corral_proto::reason::status(
+            Code::NotFound,
+            Reason::SessionNotFound,
+            None,
+            "no such session".to_string(),
+        );
+        let passed = from_replica("http://b:7071", refused);
+        assert_eq!(
+            corral_proto::reason::of(&passed),
+            Some(Reason::SessionNotFound)
+        );
+        let unreasoned = from_replica("http://b:7071", Status::invalid_argument("bad"));
+        assert_eq!(unreasoned.code(), Code::InvalidArgument);
     }
 }

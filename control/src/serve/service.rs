@@ -10,7 +10,7 @@ use corral_harness::session::LogError;
 use corral_harness::sessions::SessionError;
 use corral_proto::Reason;
 use corral_proto::pb;
-use futures_util::Stream;
+use futures_util::{Stream, StreamExt};
 use tokio::sync::mpsc;
 use tonic::{Code, Request, Response, Status};
 
@@ -20,7 +20,7 @@ use corral_harness::tenants::{Keys, Principal, Scope};
 
 use super::front::{caller, may_name, need, tenant_of};
 use super::host::{Host, HostError, Settings, request_of};
-use super::peers::{forwarded, is_forwarded, unreachable};
+use super::peers::from_replica;
 
 type Replica = pb::control_client::ControlClient<tonic::transport::Channel>;
 type Key = tonic::metadata::MetadataValue<tonic::metadata::Ascii>;
@@ -31,7 +31,7 @@ type Key = tonic::metadata::MetadataValue<tonic::metadata::Ascii>;
 /// comes.
 macro_rules! pass_on {
     ($self:ident, $who:ident, $req:ident, $session:expr, $call:ident) => {
-        pass_on!($self, $who, $req, $session, $call, std::convert::identity)
+        pass_on!($self, $who, $req, $session, $call, |_, r| r)
     };
     ($self:ident, $who:ident, $req:ident, $session:expr, $call:ident, $map:expr) => {
         let session: Option<String> = $session;
@@ -40,9 +40,10 @@ macro_rules! pass_on {
             return $self
                 .replica(&replica)
                 .await?
-                .$call(forwarded(msg, key))
+                .$call($self.front.to_replica(msg, key))
                 .await
-                .map(|r| r.map($map));
+                .map_err(|e| from_replica(&replica, e))
+                .map(|r| r.map(|r| $map(replica.clone(), r)));
         }
     };
 }
@@ -141,7 +142,7 @@ impl ControlService {
         let Some(key) = req.metadata().get("authorization").cloned() else {
             return Ok(None);
         };
-        let passed = is_forwarded(req);
+        let passed = self.front.passed(req);
         if tenant_of(who).is_some() {
             return Ok(self.front.home_of(who, passed)?.map(|home| (home, key)));
         }
@@ -156,15 +157,21 @@ impl ControlService {
             let listed = self
                 .replica(peer)
                 .await?
-                .list_sessions(forwarded(pb::ListSessionsRequest {}, key.clone()))
+                .list_sessions(
+                    self.front
+                        .to_replica(pb::ListSessionsRequest {}, key.clone()),
+                )
                 .await
-                .map_err(|e| unreachable(peer, e.message()))?
+                .map_err(|e| from_replica(peer, e))?
                 .into_inner();
             if listed.sessions.iter().any(|s| s.session_id == id) {
                 return Ok(Some((peer.to_string(), key)));
             }
         }
-        Ok(None)
+        // An id no replica has: made at the replica its name hashes to, so
+        // that two starts of it through two replicas meet at one.
+        let home = peers.home(&format!("session {id}"));
+        Ok((home != peers.own()).then(|| (home.to_string(), key)))
     }
 
     /// A client of replica `url`.
@@ -211,12 +218,21 @@ fn code_of(reason: Reason) -> Code {
 }
 
 fn status(code: Code, reason: Reason, message: String) -> Status {
-    corral_proto::reason::status(code, reason, None, message)
+    corral_proto::reason::status(code, reason, None, bounded(message))
+}
+
+/// A status's text as sent: at most 512 characters (an id of a megabyte
+/// echoed whole would not fit in the response's headers).
+fn bounded(text: String) -> String {
+    match text.char_indices().nth(512) {
+        Some((at, _)) => format!("{}…", &text[..at]),
+        None => text,
+    }
 }
 
 impl From<HostError> for Status {
     fn from(e: HostError) -> Self {
-        let text = corral_harness::client::source_chain(&e);
+        let text = bounded(corral_harness::client::source_chain(&e));
         match &e {
             HostError::Invalid(_) => status(Code::InvalidArgument, Reason::InvalidArgument, text),
             HostError::NotFound(_) => status(Code::NotFound, Reason::SessionNotFound, text),
@@ -405,7 +421,9 @@ impl pb::control_server::Control for ControlService {
             req,
             Some(req.get_ref().session_id.clone()),
             watch_session,
-            |s| Box::pin(s) as Events
+            |url: String, s: tonic::Streaming<pb::SessionEvent>| {
+                Box::pin(s.map(move |r| r.map_err(|e| from_replica(&url, e)))) as Events
+            }
         );
         let req = req.into_inner();
         let watched = need(&who, Scope::Read, "WatchSession").and_then(|()| {
@@ -496,16 +514,19 @@ impl pb::control_server::Control for ControlService {
         if let (Some(peers), None, false, Some(key)) = (
             self.front.peers(),
             tenant_of(&who),
-            is_forwarded(&req),
+            self.front.passed(&req),
             req.metadata().get("authorization"),
         ) {
             for peer in peers.others() {
                 let listed = self
                     .replica(peer)
                     .await?
-                    .list_sessions(forwarded(pb::ListSessionsRequest {}, key.clone()))
+                    .list_sessions(
+                        self.front
+                            .to_replica(pb::ListSessionsRequest {}, key.clone()),
+                    )
                     .await
-                    .map_err(|e| unreachable(peer, e.message()))?;
+                    .map_err(|e| from_replica(peer, e))?;
                 theirs.extend(listed.into_inner().sessions);
             }
         }
@@ -571,7 +592,9 @@ impl pb::control_server::Control for ControlService {
             req,
             Some(req.get_ref().session_id.clone()),
             export_session,
-            |s| Box::pin(s) as Chunks
+            |url: String, s: tonic::Streaming<pb::ExportChunk>| {
+                Box::pin(s.map(move |r| r.map_err(|e| from_replica(&url, e)))) as Chunks
+            }
         );
         let id = req.into_inner().session_id;
         // Refused before the stream begins when there is nothing to export

@@ -1470,7 +1470,7 @@ struct TwoReplicas {
     /// The second replica's sessions directory.
     b_sessions: tempfile::TempDir,
     _b_state: tempfile::TempDir,
-    _b: corral_e2e::serve::Replica,
+    b_process: corral_e2e::serve::Replica,
 }
 
 impl TwoReplicas {
@@ -1499,7 +1499,7 @@ impl TwoReplicas {
             b,
             b_sessions,
             _b_state: b_state,
-            _b: replica,
+            b_process: replica,
         })
     }
 }
@@ -1751,6 +1751,74 @@ async fn a_tenants_sessions_are_the_same_through_either_replica_and_its_quota_ho
     for id in &running {
         ensure!(kept_by(&setup, &two, id)? == home);
         acme_b.stop(id, false).await?;
+    }
+
+    // A client's own "passed on" mark is no replica's: its call through
+    // the replica that is not acme's home is passed on as any other.
+    let raw = |url: &str| {
+        let url = url.to_string();
+        async move {
+            anyhow::Ok(pb::control_client::ControlClient::new(
+                tonic::transport::Channel::from_shared(url)?
+                    .connect()
+                    .await?,
+            ))
+        }
+    };
+    let away = if home == 'a' {
+        two.b.clone()
+    } else {
+        two.a.clone()
+    };
+    let mut req = tonic::Request::new(pb::ListSessionsRequest {});
+    req.metadata_mut().insert(
+        "authorization",
+        format!("Bearer {}", key_of(&acme)).parse()?,
+    );
+    req.metadata_mut()
+        .insert("x-corral-forwarded", "1".parse()?);
+    let listed = raw(&away).await?.list_sessions(req).await?.into_inner();
+    ensure!(listed.sessions.len() == 2, "{listed:?}");
+    // An id of a megabyte is refused for what it is through either.
+    for url in [&two.a, &two.b] {
+        let mut req = tonic::Request::new(pb::WatchSessionRequest {
+            session_id: "x".repeat(1 << 20),
+            after: 0,
+        });
+        req.metadata_mut().insert(
+            "authorization",
+            format!("Bearer {}", key_of(&acme)).parse()?,
+        );
+        let e = raw(url)
+            .await?
+            .watch_session(req)
+            .await
+            .err()
+            .context("watched")?;
+        ensure!(
+            corral_proto::reason::of(&e) == Some(Reason::InvalidArgument),
+            "{url}: {:?} {}",
+            e.code(),
+            e.message().len()
+        );
+    }
+    // With acme's home down, its calls through the other replica are
+    // refused as a replica out of reach (no_worker), not as a cut stream.
+    let mut two = two;
+    if home == 'a' {
+        setup.kill_service();
+    } else {
+        let _ = two.b_process.0.kill();
+        let _ = two.b_process.0.wait();
+    }
+    let via = connect(&away, &acme).await?;
+    match via.list().await {
+        Err(ControlError::Status(s)) => ensure!(
+            s.code() == tonic::Code::Unavailable
+                && corral_proto::reason::of(&s) == Some(Reason::NoWorker),
+            "{s:?}"
+        ),
+        other => anyhow::bail!("acme's sessions listed with its home down: {other:?}"),
     }
     Ok(())
 }
