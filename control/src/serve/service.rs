@@ -154,17 +154,8 @@ impl ControlService {
             return Ok(None);
         }
         for peer in peers.others() {
-            let listed = self
-                .replica(peer)
-                .await?
-                .list_sessions(
-                    self.front
-                        .to_replica(pb::ListSessionsRequest {}, key.clone()),
-                )
-                .await
-                .map_err(|e| from_replica(peer, e))?
-                .into_inner();
-            if listed.sessions.iter().any(|s| s.session_id == id) {
+            let listed = self.sessions_of(peer, &key).await?;
+            if listed.iter().any(|s| s.session_id == id) {
                 return Ok(Some((peer.to_string(), key)));
             }
         }
@@ -172,6 +163,22 @@ impl ControlService {
         // that two starts of it through two replicas meet at one.
         let home = peers.home(&format!("session {id}"));
         Ok((home != peers.own()).then(|| (home.to_string(), key)))
+    }
+
+    /// The sessions replica `peer` has (asked with `key`, as passed on:
+    /// it asks no further).
+    async fn sessions_of(&self, peer: &str, key: &Key) -> Result<Vec<pb::SessionInfo>, Status> {
+        Ok(self
+            .replica(peer)
+            .await?
+            .list_sessions(
+                self.front
+                    .to_replica(pb::ListSessionsRequest {}, key.clone()),
+            )
+            .await
+            .map_err(|e| from_replica(peer, e))?
+            .into_inner()
+            .sessions)
     }
 
     /// A client of replica `url`.
@@ -518,16 +525,7 @@ impl pb::control_server::Control for ControlService {
             req.metadata().get("authorization"),
         ) {
             for peer in peers.others() {
-                let listed = self
-                    .replica(peer)
-                    .await?
-                    .list_sessions(
-                        self.front
-                            .to_replica(pb::ListSessionsRequest {}, key.clone()),
-                    )
-                    .await
-                    .map_err(|e| from_replica(peer, e))?;
-                theirs.extend(listed.into_inner().sessions);
+                theirs.extend(self.sessions_of(peer, key).await?);
             }
         }
         Ok(Response::new(pb::ListSessionsResponse {

@@ -31,6 +31,15 @@ fn corral(worker: &WorkerProcess, args: &[&str]) -> Result<String> {
     Ok(String::from_utf8(out.stdout)?)
 }
 
+/// A new gVisor sandbox (only those are checkpointed).
+async fn gvisor_sandbox(client: &WorkerClient) -> Result<corral_proto::SandboxInfo> {
+    let spec = SandboxSpec {
+        runtime: Some("runsc".into()),
+        ..SandboxSpec::default()
+    };
+    Ok(client.create_sandbox(None, spec).await?)
+}
+
 /// The counter the sandbox's loop keeps in its memory, as it last wrote it.
 async fn count(client: &WorkerClient, id: &corral_proto::SandboxId) -> Result<u64> {
     let out = run_shell(client, id, "cat /tmp/count").await?;
@@ -45,15 +54,7 @@ async fn a_checkpointed_sandbox_comes_back_with_its_processes_and_memory() -> Re
     let (wid, port) = (unique_id("ck"), free_port()?);
     let mut worker = spawn(state.path(), &wid, port)?;
     let client = worker.client().await?;
-    let sb = client
-        .create_sandbox(
-            None,
-            SandboxSpec {
-                runtime: Some("runsc".into()),
-                ..SandboxSpec::default()
-            },
-        )
-        .await?;
+    let sb = gvisor_sandbox(&client).await?;
     let id = sb.id.clone();
     run_shell(&client, &id, "echo kept > /workspace/file").await?;
     // A loop whose count lives in its shell's memory, written out (to a
@@ -296,15 +297,7 @@ async fn calls_during_checkpoints_and_restores_never_find_the_sandbox_unknown() 
     let (wid, port) = (unique_id("ck"), free_port()?);
     let worker = spawn(state.path(), &wid, port)?;
     let client = worker.client().await?;
-    let sb = client
-        .create_sandbox(
-            None,
-            SandboxSpec {
-                runtime: Some("runsc".into()),
-                ..SandboxSpec::default()
-            },
-        )
-        .await?;
+    let sb = gvisor_sandbox(&client).await?;
     let id = sb.id.clone();
     // Probes in a loop meanwhile: GetSandbox, WatchSandbox (opened, then
     // let go), ListSandboxes. None may find it unknown or removed.

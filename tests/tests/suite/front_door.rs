@@ -903,6 +903,35 @@ fn sized(memory: Option<u64>, cpu_millis: Option<u32>, pids: Option<u32>) -> San
 
 const MIB: u64 = 1 << 20;
 
+/// `n` long sessions of acme's started at once, in turn through each of
+/// `through`, against its quota `sessions=2`: the ids of those that run
+/// (every other start refused with the quota's numbers).
+async fn long_starts_at_once(through: &[ControlClient], n: usize) -> Result<Vec<String>> {
+    let starts = (0..n).map(|i| {
+        let c = through[i % through.len()].clone();
+        tokio::spawn(async move {
+            c.start(pb::StartSessionRequest {
+                session_id: format!("acme.{}-{i}", unique_id("s-long")),
+                request_json: r#"{"prompt": "sleep 600"}"#.into(),
+                settings: None,
+            })
+            .await
+        })
+    });
+    let mut running = Vec::new();
+    for r in futures_util::future::join_all(starts).await {
+        match r? {
+            Ok(started) => running.push(started.session_id),
+            Err(ControlError::Status(s)) => ensure!(
+                corral_proto::reason::quota_of(&s) == Some(("sessions".into(), 2, 2)),
+                "{s:?}"
+            ),
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(running)
+}
+
 #[tokio::test]
 async fn memory_cpu_process_and_session_quotas_hold_and_a_forks_children_count() -> Result<()> {
     let mut setup = Setup::start(2, 8).await?;
@@ -1047,28 +1076,7 @@ async fn memory_cpu_process_and_session_quotas_hold_and_a_forks_children_count()
     // Sessions at once: 2 of 5 started together run; a stopped one makes room.
     set_quota(dir, "acme", &["cpus=none", "pids=none", "sessions=2"]).await?;
     let control = ControlClient::connect(&url, &Credentials::token(Some(key_of(&acme)))).await?;
-    let starts = (0..5).map(|i| {
-        let c = control.clone();
-        tokio::spawn(async move {
-            c.start(pb::StartSessionRequest {
-                session_id: format!("acme.{}-{i}", unique_id("s-quota")),
-                request_json: r#"{"prompt": "sleep 600"}"#.into(),
-                settings: None,
-            })
-            .await
-        })
-    });
-    let mut running = Vec::new();
-    for r in futures_util::future::join_all(starts).await {
-        match r? {
-            Ok(started) => running.push(started.session_id),
-            Err(ControlError::Status(s)) => ensure!(
-                corral_proto::reason::quota_of(&s) == Some(("sessions".into(), 2, 2)),
-                "{s:?}"
-            ),
-            Err(e) => return Err(e.into()),
-        }
-    }
+    let running = long_starts_at_once(std::slice::from_ref(&control), 5).await?;
     ensure!(running.len() == 2, "{running:?}");
     control.stop(&running[0], false).await?;
     let deadline = Instant::now() + Duration::from_secs(30);
@@ -1721,32 +1729,7 @@ async fn a_tenants_sessions_are_the_same_through_either_replica_and_its_quota_ho
         client.remove(id, false).await?;
     }
     ensure!(listed(acme_b.clone()).await?.is_empty());
-    let starts = (0..6).map(|i| {
-        let c = if i % 2 == 0 {
-            acme_a.clone()
-        } else {
-            acme_b.clone()
-        };
-        tokio::spawn(async move {
-            c.start(pb::StartSessionRequest {
-                session_id: format!("acme.{}-{i}", unique_id("s-two")),
-                request_json: r#"{"prompt": "sleep 600"}"#.into(),
-                settings: None,
-            })
-            .await
-        })
-    });
-    let mut running = Vec::new();
-    for r in futures_util::future::join_all(starts).await {
-        match r? {
-            Ok(started) => running.push(started.session_id),
-            Err(ControlError::Status(s)) => ensure!(
-                corral_proto::reason::quota_of(&s) == Some(("sessions".into(), 2, 2)),
-                "{s:?}"
-            ),
-            Err(e) => return Err(e.into()),
-        }
-    }
+    let running = long_starts_at_once(&[acme_a.clone(), acme_b.clone()], 6).await?;
     ensure!(running.len() == 2, "{running:?}");
     for id in &running {
         ensure!(kept_by(&setup, &two, id)? == home);

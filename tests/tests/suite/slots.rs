@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Result, ensure};
 use corral_e2e::{WorkerProcess, free_port, run_shell, unique_id};
+use corral_harness::client::{ClientError, WorkerClient};
 use corral_proto::{SandboxId, SandboxSpec};
 
 /// Containers of worker `wid` labelled as sandbox `id`.
@@ -23,6 +24,19 @@ fn containers_of(wid: &str, id: &SandboxId) -> Result<Vec<String>> {
         .collect())
 }
 
+/// A create of sandbox `id`, under way in a task of its own.
+fn create_in_background(
+    client: &WorkerClient,
+    id: &SandboxId,
+) -> tokio::task::JoinHandle<Result<corral_proto::SandboxInfo, ClientError>> {
+    let (client, id) = (client.clone(), id.clone());
+    tokio::spawn(async move {
+        client
+            .create_sandbox(Some(&id), SandboxSpec::default())
+            .await
+    })
+}
+
 #[tokio::test]
 async fn a_call_naming_a_sandbox_being_made_waits_for_it_never_not_found() -> Result<()> {
     let state = tempfile::tempdir()?;
@@ -31,14 +45,7 @@ async fn a_call_naming_a_sandbox_being_made_waits_for_it_never_not_found() -> Re
     let client = worker.client().await?;
     for _ in 0..3 {
         let id = SandboxId::new(unique_id("sb"))?;
-        let making = {
-            let (client, id) = (client.clone(), id.clone());
-            tokio::spawn(async move {
-                client
-                    .create_sandbox(Some(&id), SandboxSpec::default())
-                    .await
-            })
-        };
+        let making = create_in_background(&client, &id);
         // Asked while it is made (a create takes longer than this): the
         // answer waits for it, and is the sandbox.
         tokio::time::sleep(Duration::from_millis(150)).await;
@@ -75,14 +82,7 @@ async fn a_create_its_client_leaves_leaves_nothing_behind_and_its_id_is_free() -
     // Walked away from at several points of its making.
     for after_ms in [5u64, 150, 400, 800] {
         let id = SandboxId::new(unique_id("gone"))?;
-        let making = {
-            let (client, id) = (client.clone(), id.clone());
-            tokio::spawn(async move {
-                client
-                    .create_sandbox(Some(&id), SandboxSpec::default())
-                    .await
-            })
-        };
+        let making = create_in_background(&client, &id);
         tokio::time::sleep(Duration::from_millis(after_ms)).await;
         making.abort();
         let _ = making.await;
