@@ -509,7 +509,7 @@ pub struct ServeArgs {
         value_delimiter = ',',
         value_name = "URL"
     )]
-    pub allow_base_url: Vec<crate::serve::host::EndpointRule>,
+    pub allow_base_url: Vec<corral_harness::host::EndpointRule>,
     /// Wire protocol of that endpoint.
     #[arg(long, env = "CORRAL_API", value_enum)]
     pub api: Option<ApiKind>,

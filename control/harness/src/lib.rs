@@ -27,8 +27,10 @@
 //! - [`atif`]: a session as a trajectory in Harbor's ATIF; [`timeline`]:
 //!   a session on a time axis (data, terminal view, HTML page);
 //!   [`telemetry`]: a run's traces (OpenTelemetry, OTLP);
-//! - [`control`]: the client of a control plane service (`corral serve`),
-//!   which hosts sessions through this same front door; [`audit`]: the
+//! - [`host`]: the sessions a service (`corral serve`) hosts, each one's
+//!   run, journal of events, inputs and stops, and the marks that resume
+//!   them after a restart; [`control`]: the client of such a service;
+//!   [`audit`]: the
 //!   hash-chained log of the calls a service answers; [`tenants`]: the
 //!   tenants and keys a service checks its callers against.
 //!
@@ -42,6 +44,7 @@ pub mod context;
 pub mod control;
 pub mod fleet;
 pub mod follow;
+pub mod host;
 pub mod listeners;
 pub mod llm;
 #[cfg(feature = "local")]

@@ -1,18 +1,17 @@
-//! `corral serve`: the control plane as a long-running service. It hosts
-//! many sessions at once ([`host`]), keeps each one's events where a
-//! watcher can read them from any point ([`journal`]), and serves them
-//! over gRPC ([`service`]: `corral.v1.Control`, behind the same bearer
+//! `corral serve`: the control plane as a long-running service: its flags
+//! made into the harness's session host ([`corral_harness::host`]: many
+//! sessions at once, each one's events where a watcher can read them from
+//! any point), served over gRPC ([`service`]: `corral.v1.Control`, behind the same bearer
 //! token or mutual TLS as a worker, with gRPC health checking open to
 //! anyone). Sessions run on the workers of `--worker` (or the local one),
 //! through the harness's runner, as `corral run` runs them. It is also the
 //! fleet's front door ([`front`]: `corral.v1.Worker`, each sandbox placed
 //! on and passed to its worker), and with `--tenants DIR` it serves
-//! tenants: callers present keys, each reaches its tenant's alone.
+//! tenants: callers present keys, each reaches its tenant's alone; with
+//! `--peers`, its replicas pass each other a tenant's calls ([`peers`]).
 
 pub mod admin;
 pub mod front;
-pub mod host;
-pub mod journal;
 pub mod peers;
 pub mod service;
 
@@ -26,7 +25,7 @@ use corral_proto::pb::control_server::ControlServer;
 use corral_proto::pb::worker_server::WorkerServer;
 
 use crate::cli::{ApiKind, ConnArgs, LostPolicy, ServeArgs};
-use host::{Defaults, Host, HostError};
+use corral_harness::host::{Defaults, Host, HostError};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {

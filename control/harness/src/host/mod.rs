@@ -16,20 +16,23 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use corral_harness::agent::events::{Event, to_json_line};
-use corral_harness::agent::record::{Endpoint, SessionConfig};
-use corral_harness::agent::{Inbox, OnSandboxLost, Settings as AgentSettings, StopMode};
-use corral_harness::fleet::Fleet;
-use corral_harness::llm::Api;
-use corral_harness::runner::{self, Run, RunEnd};
-use corral_harness::session::LogError;
-use corral_harness::sessions::{RunOptions, SessionError, SessionRequest, Sessions, parse_request};
+use crate::agent::events::{Event, to_json_line};
+use crate::agent::record::{Endpoint, SessionConfig};
+use crate::agent::{Inbox, OnSandboxLost, Settings as AgentSettings, StopMode};
+use crate::fleet::Fleet;
+use crate::llm::Api;
+use crate::runner::{self, Run, RunEnd};
+use crate::session::LogError;
+use crate::sessions::{RunOptions, SessionError, SessionRequest, Sessions, parse_request};
 use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use super::journal::{Journal, Mark};
+pub mod journal;
+pub mod status;
+
+use journal::{Journal, Mark};
 
 /// The longest input a client may send a running session.
 pub const MAX_INPUT_BYTES: usize = 256 * 1024;
@@ -50,7 +53,7 @@ pub struct Defaults {
     /// (`--allow-base-url`).
     pub allowed_endpoints: Vec<EndpointRule>,
     /// Traces of the hosted runs, when exported.
-    pub telemetry: Option<corral_harness::telemetry::Telemetry>,
+    pub telemetry: Option<crate::telemetry::Telemetry>,
 }
 
 /// A model endpoint clients may name (`--allow-base-url`): `*` (any), or
@@ -465,7 +468,7 @@ impl Host {
                 let _ = std::fs::remove_file(self.mark_path(&id));
                 continue;
             }
-            if super::journal::ends_a_run(&self.inner.store.events_path(&id)) {
+            if journal::ends_a_run(&self.inner.store.events_path(&id)) {
                 // Its run ended (its last event written) just before the
                 // service stopped: nothing to resume.
                 let _ = std::fs::remove_file(self.mark_path(&id));
@@ -508,7 +511,7 @@ impl Host {
                     tracing::info!(session = %id, "a session hosted before the restart is resumed")
                 }
                 Ok((id, Err(e))) => {
-                    tracing::warn!(session = %id, error = %corral_harness::client::source_chain(&e), "a session hosted before the restart could not be resumed; the next start tries again")
+                    tracing::warn!(session = %id, error = %crate::client::source_chain(&e), "a session hosted before the restart could not be resumed; the next start tries again")
                 }
                 Err(e) => tracing::warn!(error = %e, "resuming a session panicked"),
             }
@@ -528,7 +531,7 @@ impl Host {
             return Err(HostError::ShuttingDown);
         }
         let id = id.unwrap_or_else(Sessions::new_id);
-        corral_harness::session::log::check_id(&id)?;
+        crate::session::log::check_id(&id)?;
         let recorded = self.recorded(&id)?;
         if let (Some(tenant), Some(config)) = (tenant, &recorded)
             && config.tenant.as_deref() != Some(tenant)
@@ -562,7 +565,7 @@ impl Host {
         let Some(tenant) = tenant else {
             return Ok(());
         };
-        corral_harness::session::log::check_id(id)?;
+        crate::session::log::check_id(id)?;
         let theirs = match self.recorded(id) {
             Ok(Some(config)) => config.tenant.as_deref() == Some(tenant),
             _ => false,
@@ -748,7 +751,7 @@ impl Host {
         let last = match ended {
             Ok(Ok(outcome)) => outcome.result_event(&id, started.elapsed()),
             Ok(Err(e)) => Event::Error {
-                message: corral_harness::client::source_chain(&e),
+                message: crate::client::source_chain(&e),
             },
             Err(e) => Event::Error {
                 message: format!("the session's run failed: {e}"),
@@ -778,7 +781,7 @@ impl Host {
 
     /// A new input for a running session.
     pub async fn send(&self, id: &str, input_id: String, text: String) -> Result<(), HostError> {
-        corral_harness::session::log::check_id(id)?;
+        crate::session::log::check_id(id)?;
         if text.trim().is_empty() {
             return Err(HostError::Invalid("the input is empty".into()));
         }
@@ -798,7 +801,7 @@ impl Host {
 
     /// Stops a running session (or, `leave`, gives up on its calls).
     pub async fn stop(&self, id: &str, leave: bool) -> Result<(), HostError> {
-        corral_harness::session::log::check_id(id)?;
+        crate::session::log::check_id(id)?;
         let hosted = self.running(id)?;
         if leave {
             let _ = hosted
@@ -816,7 +819,7 @@ impl Host {
     /// Where a watcher of session `id` reads: its journal, and how far it
     /// is written when its run is hosted.
     pub fn watch(&self, id: &str) -> Result<(PathBuf, Option<watch::Receiver<Mark>>), HostError> {
-        corral_harness::session::log::check_id(id)?;
+        crate::session::log::check_id(id)?;
         let path = self.inner.store.events_path(id);
         let mark = match self.slots().get(id) {
             Some(Slot::Running(h)) => Some(h.mark.clone()),
@@ -850,7 +853,7 @@ impl Host {
                 Some(Slot::Starting(mark)) => Some(mark.borrow().count),
                 None => None,
             };
-            let events = super::journal::count_lines(&self.inner.store.events_path(&listed.id));
+            let events = journal::count_lines(&self.inner.store.events_path(&listed.id));
             let (model, sandbox_id, worker, turns) = match &listed.brief {
                 Ok(s) => match &s.config {
                     Some(c) => (
@@ -878,7 +881,7 @@ impl Host {
     }
 
     /// The worker a stored session was placed on.
-    async fn worker_of(&self, id: &str) -> Result<corral_harness::client::WorkerClient, HostError> {
+    async fn worker_of(&self, id: &str) -> Result<crate::client::WorkerClient, HostError> {
         let config = self.inner.store.config_of(id)?;
         let fleet = &self.inner.fleet;
         let urls = fleet.urls().await.map_err(SessionError::from)?;
@@ -890,8 +893,8 @@ impl Host {
 
     /// Copies session `id` up to `turn` into `new_id`, its files too.
     pub async fn fork(&self, id: &str, new_id: &str, turn: Option<u64>) -> Result<(), HostError> {
-        corral_harness::session::log::check_id(id)?;
-        corral_harness::session::log::check_id(new_id)?;
+        crate::session::log::check_id(id)?;
+        crate::session::log::check_id(new_id)?;
         if !self.inner.store.exists(id)? {
             return Err(HostError::NotFound(id.to_string()));
         }
@@ -917,7 +920,7 @@ impl Host {
     /// Removes a session that is not running, and its sandbox (unless
     /// `keep_sandbox`).
     pub async fn remove(&self, id: &str, keep_sandbox: bool) -> Result<(), HostError> {
-        corral_harness::session::log::check_id(id)?;
+        crate::session::log::check_id(id)?;
         if !self.inner.store.exists(id)? {
             return Err(HostError::NotFound(id.to_string()));
         }
@@ -937,7 +940,7 @@ impl Host {
     /// contents: from its sandbox, or from where it was saved when the
     /// session is suspended.
     pub async fn export(&self, id: &str, out: mpsc::Sender<bytes::Bytes>) -> Result<(), HostError> {
-        corral_harness::session::log::check_id(id)?;
+        crate::session::log::check_id(id)?;
         if !self.inner.store.exists(id)? {
             return Err(HostError::NotFound(id.to_string()));
         }
@@ -947,7 +950,7 @@ impl Host {
         }
         let config = self.inner.store.config_of(id)?;
         let worker = self.worker_of(id).await?;
-        corral_harness::transfer::get(
+        crate::transfer::get(
             &worker,
             &config.sandbox_id,
             corral_proto::ArchiveSpec::contents_of(corral_proto::limits::WORKSPACE_DIR),
@@ -1021,7 +1024,7 @@ fn write_private(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     use std::io::Write;
     use std::os::unix::fs::OpenOptionsExt;
     let tmp = path.with_extension("json.partial");
-    corral_harness::session::log::durably(|| {
+    crate::session::log::durably(|| {
         let mut f = std::fs::OpenOptions::new()
             .write(true)
             .create(true)

@@ -1,6 +1,6 @@
 //! A served session's events: its runs' JSON events appended, one line
 //! each and numbered by their line, to a file beside its log
-//! ([`Sessions::events_path`](corral_harness::sessions::Sessions::events_path)),
+//! ([`Sessions::events_path`](crate::sessions::Sessions::events_path)),
 //! so a watcher that joins late, or after a restart of the service, reads
 //! them all from any point, then the live ones as they are written.
 //!
