@@ -169,6 +169,47 @@ impl Welcome {
     }
 }
 
+/// Why corral-init refused a frame (see `RejectKind` in init.proto).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RejectKind {
+    /// An init of an older build, which says no kind.
+    Unspecified,
+    Malformed,
+    UnknownOperation,
+    TakesNoInput,
+    InputGap,
+    InputFull,
+    IdReused,
+}
+
+impl From<RejectKind> for pb::RejectKind {
+    fn from(k: RejectKind) -> Self {
+        match k {
+            RejectKind::Unspecified => pb::RejectKind::Unspecified,
+            RejectKind::Malformed => pb::RejectKind::Malformed,
+            RejectKind::UnknownOperation => pb::RejectKind::UnknownOperation,
+            RejectKind::TakesNoInput => pb::RejectKind::TakesNoInput,
+            RejectKind::InputGap => pb::RejectKind::InputGap,
+            RejectKind::InputFull => pb::RejectKind::InputFull,
+            RejectKind::IdReused => pb::RejectKind::IdReused,
+        }
+    }
+}
+
+impl From<pb::RejectKind> for RejectKind {
+    fn from(k: pb::RejectKind) -> Self {
+        match k {
+            pb::RejectKind::Unspecified => RejectKind::Unspecified,
+            pb::RejectKind::Malformed => RejectKind::Malformed,
+            pb::RejectKind::UnknownOperation => RejectKind::UnknownOperation,
+            pb::RejectKind::TakesNoInput => RejectKind::TakesNoInput,
+            pb::RejectKind::InputGap => RejectKind::InputGap,
+            pb::RejectKind::InputFull => RejectKind::InputFull,
+            pb::RejectKind::IdReused => RejectKind::IdReused,
+        }
+    }
+}
+
 /// A frame from corral-init to the worker.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum InitMessage {
@@ -176,6 +217,7 @@ pub enum InitMessage {
     Event(Event),
     Rejected {
         operation_id: Option<OperationId>,
+        kind: RejectKind,
         reason: String,
     },
     InputAck {
@@ -343,10 +385,12 @@ impl From<InitMessage> for pb::InitMessage {
             InitMessage::Event(e) => Kind::Event(e.into()),
             InitMessage::Rejected {
                 operation_id,
+                kind,
                 reason,
             } => Kind::Rejected(p::Rejected {
                 operation_id: operation_id.map(String::from).unwrap_or_default(),
                 reason,
+                kind: pb::RejectKind::from(kind).into(),
             }),
             InitMessage::InputAck {
                 operation_id,
@@ -386,6 +430,9 @@ impl TryFrom<pb::InitMessage> for InitMessage {
             Kind::Event(e) => Self::Event(e.try_into()?),
             Kind::Rejected(r) => Self::Rejected {
                 operation_id: OperationId::new(r.operation_id).ok(),
+                // A kind of a newer build's: as an older one's.
+                kind: pb::RejectKind::try_from(r.kind)
+                    .map_or(RejectKind::Unspecified, RejectKind::from),
                 reason: r.reason,
             },
             Kind::InputAck(a) => Self::InputAck {
@@ -396,5 +443,33 @@ impl TryFrom<pb::InitMessage> for InitMessage {
             },
             Kind::ResetDone(d) => Self::ResetDone { killed: d.killed },
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_rejection_says_its_kind_and_an_unknown_kind_reads_as_none_said() {
+        let sent = InitMessage::Rejected {
+            operation_id: Some(OperationId::new("op-1").unwrap()),
+            kind: RejectKind::UnknownOperation,
+            reason: "input for an unknown operation".into(),
+        };
+        let wire = pb::InitMessage::from(sent.clone());
+        assert_eq!(InitMessage::try_from(wire.clone()).unwrap(), sent);
+        // An older init says no kind; a newer one may say one this build
+        // does not know: both read as unspecified, never as another.
+        for kind in [0, 99] {
+            let mut w = wire.clone();
+            if let Some(pb::init_message::Kind::Rejected(r)) = &mut w.kind {
+                r.kind = kind;
+            }
+            let InitMessage::Rejected { kind, .. } = InitMessage::try_from(w).unwrap() else {
+                panic!("not a rejection");
+            };
+            assert_eq!(kind, RejectKind::Unspecified);
+        }
     }
 }

@@ -535,6 +535,7 @@ impl Actor {
             InitMessage::Event(event) => self.on_event(event).await,
             InitMessage::Rejected {
                 operation_id,
+                kind,
                 reason,
             } => {
                 warn!(operation = ?operation_id.as_ref().map(ToString::to_string), reason, "supervisor rejected a request");
@@ -548,7 +549,7 @@ impl Actor {
                         .get(&id)
                         .is_none_or(|r| r.result.is_some());
                     link.queue.push_front(p);
-                    if finished || reason.contains("unknown operation") {
+                    if finished || kind == corral_proto::init::RejectKind::UnknownOperation {
                         // Nothing will take it any more: say so, not wait.
                         link.close_all();
                     }

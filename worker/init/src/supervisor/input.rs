@@ -8,7 +8,11 @@ impl Supervisor {
     /// already is skipped, a gap or an overfull buffer is refused.
     pub(super) fn on_input(&mut self, id: OperationId, offset: u64, data: Bytes, eof: bool) {
         let Some(op) = self.ops.get_mut(&id) else {
-            self.reject(Some(id), "input for an unknown operation".into());
+            self.reject(
+                Some(id),
+                RejectKind::UnknownOperation,
+                "input for an unknown operation".into(),
+            );
             return;
         };
         let takes = op.spec.takes_input();
@@ -22,7 +26,11 @@ impl Supervisor {
                     closed: true,
                 });
             } else {
-                self.reject(Some(id), "the operation takes no input".into());
+                self.reject(
+                    Some(id),
+                    RejectKind::TakesNoInput,
+                    "the operation takes no input".into(),
+                );
             }
             return;
         };
@@ -35,7 +43,7 @@ impl Supervisor {
                 "input at offset {offset}, but only {} bytes were taken",
                 input.received
             );
-            self.reject(Some(id), reason);
+            self.reject(Some(id), RejectKind::InputGap, reason);
             return;
         }
         let skip = usize::try_from(input.received - offset).unwrap_or(usize::MAX);
@@ -46,7 +54,7 @@ impl Supervisor {
         };
         if input.pending_bytes + data.len() > MAX_INPUT_BUFFER {
             let reason = format!("input buffer full ({} bytes waiting)", input.pending_bytes);
-            self.reject(Some(id), reason);
+            self.reject(Some(id), RejectKind::InputFull, reason);
             return;
         }
         input.received += data.len() as u64;

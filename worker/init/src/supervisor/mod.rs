@@ -22,7 +22,9 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use corral_proto::frame::{self, FrameDecoder};
-use corral_proto::init::{InitMessage, InitRequest, OperationRecord, WELCOME_PAGE_BYTES, Welcome};
+use corral_proto::init::{
+    InitMessage, InitRequest, OperationRecord, RejectKind, WELCOME_PAGE_BYTES, Welcome,
+};
 use corral_proto::{
     EventKind, OperationId, OperationResult, OperationSpec, Outcome, OutputStream, ShellSpec,
     TerminalSize, pb,
@@ -682,10 +684,11 @@ impl Supervisor {
         seq
     }
 
-    fn reject(&mut self, operation_id: Option<OperationId>, reason: String) {
+    fn reject(&mut self, operation_id: Option<OperationId>, kind: RejectKind, reason: String) {
         eprintln!("corral-init: rejected frame: {reason}");
         self.send(InitMessage::Rejected {
             operation_id,
+            kind,
             reason,
         });
     }
@@ -711,9 +714,11 @@ impl Supervisor {
                 Ok(None) => break,
                 Ok(Some(msg)) => match InitRequest::try_from(msg) {
                     Ok(req) => self.handle(req),
-                    Err(e) => self.reject(None, format!("invalid request: {e}")),
+                    Err(e) => {
+                        self.reject(None, RejectKind::Malformed, format!("invalid request: {e}"))
+                    }
                 },
-                Err(e) => self.reject(None, format!("malformed frame: {e}")),
+                Err(e) => self.reject(None, RejectKind::Malformed, format!("malformed frame: {e}")),
             }
         }
     }
@@ -772,6 +777,7 @@ impl Supervisor {
                     if op.spec != spec.without_data() || op.data_digest != spec_digest(&spec) {
                         self.reject(
                             Some(operation_id),
+                            RejectKind::IdReused,
                             "operation id already used with a different spec".into(),
                         );
                     }
