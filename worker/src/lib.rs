@@ -2,8 +2,11 @@
 //! them over gRPC.
 //!
 //! This crate owns:
-//! - [`worker`]: the set of sandboxes, their lifecycle and recovery on start
-//!   (re-adopt what still runs, remove what has no record);
+//! - [`worker`]: the set of sandboxes, one slot each in one table (being
+//!   made, running, checkpointed, being restored, being removed: a sandbox
+//!   in transition is never unknown), their lifecycle along its files and
+//!   recovery on start (re-adopt what still runs, remove what has no
+//!   record);
 //! - [`sandbox`]: one actor per sandbox, the only writer of its journal and
 //!   operation table, linked to the sandbox's `corral-init` over attached
 //!   stdio, with flow control towards its watchers;
@@ -32,7 +35,9 @@
 //!   process's runtime falls behind (also used by `corral serve`);
 //! - [`state`]: the worker's durable records (sandboxes, id, drain); [`initbin`]: the supervisor
 //!   binary; [`service`] and [`server`]: the gRPC edge (auth, health,
-//!   reflection), the only place generated types are touched.
+//!   reflection), the only place generated types are touched; [`cli`]:
+//!   the worker's flags; [`process`]: what a Corral process needs as it
+//!   starts (logs, arguments, tokens, certificates), shared with `corral`.
 //!
 //! It does not own the supervisor (crate `corral-init`) or the wire types
 //! (crate `corral-proto`).
