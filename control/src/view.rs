@@ -5,7 +5,7 @@
 use std::io::Write;
 use std::time::Instant;
 
-use corral_harness::agent::events::{Event, to_json_line};
+use corral_harness::agent::events::{CallEnd, Event, to_json_line};
 
 /// What the watcher prints.
 pub enum View {
@@ -144,16 +144,16 @@ fn usage_text(u: &corral_harness::llm::Usage) -> String {
 
 fn result_line(
     tool: &str,
-    status: &str,
+    status: CallEnd,
     exit_code: Option<i32>,
     took: Option<std::time::Duration>,
     text: &str,
 ) -> String {
     let mut how = Vec::new();
     match (status, exit_code) {
-        ("ok", _) | ("failed", None) => {}
-        ("failed", Some(code)) => how.push(format!("exit {code}")),
-        (other, _) => how.push(other.to_string()),
+        (CallEnd::Ok, _) | (CallEnd::Failed, None) => {}
+        (CallEnd::Failed, Some(code)) => how.push(format!("exit {code}")),
+        (other, _) => how.push(other.as_str().to_string()),
     }
     if let Some(d) = took {
         how.push(format!("{:.1}s", d.as_secs_f64()));
@@ -164,8 +164,8 @@ fn result_line(
         format!(" ({})", how.join(", "))
     };
     let mark = match status {
-        "ok" => "✓",
-        "canceled" => "⊘",
+        CallEnd::Ok => "✓",
+        CallEnd::Canceled => "⊘",
         _ => "✗",
     };
     format!("{mark} {}{how}: {}", printable(tool), one_line(text, 160))
@@ -281,7 +281,11 @@ impl TerminalView {
                     .iter()
                     .position(|(c, _, _)| c == call_id)
                     .map(|i| self.running.remove(i).2.elapsed());
-                writeln!(err, "{}", result_line(tool, status, *exit_code, took, text))?;
+                writeln!(
+                    err,
+                    "{}",
+                    result_line(tool, *status, *exit_code, took, text)
+                )?;
             }
             Event::Heartbeat { .. } => writeln!(err, "♥ heartbeat sent to the model")?,
             // Refusals are news; what was allowed is in --json.
@@ -290,10 +294,10 @@ impl TerminalView {
                 port,
                 decision,
                 reason,
-            } if decision != "allowed" => writeln!(
+            } if *decision != corral_proto::event::EgressDecision::Allowed => writeln!(
                 err,
                 "⛔ egress {}: {}:{port} ({})",
-                printable(decision),
+                decision,
                 printable(host),
                 printable(reason)
             )?,
@@ -321,7 +325,7 @@ impl TerminalView {
                 writeln!(
                     err,
                     "corral: {} · {turns} · {} tool calls{whose} · {usage} · {:.1}s{}",
-                    r.status,
+                    r.status.as_str(),
                     r.tool_calls,
                     r.duration_ms as f64 / 1000.0,
                     r.error
@@ -472,11 +476,17 @@ mod tests {
         assert_eq!(printable("a\tb\nc"), "a\tb\nc");
         assert_eq!(printable("x\u{202e}gpj.exe"), "x\\u{202e}gpj.exe");
         assert!(!one_line(hostile, 200).contains('\x1b'));
-        let line = result_line("Bash", "ok", Some(0), None, "\x1b[31mred");
+        let line = result_line("Bash", CallEnd::Ok, Some(0), None, "\x1b[31mred");
         assert_eq!(line, "✓ Bash: ^[[31mred");
         // A tool's name is the model's (an unknown one is refused by it).
-        let line = result_line("x\x1b]0;t\x07", "error", None, None, "unknown tool");
-        assert_eq!(line, "✗ x^[]0;t^G (error): unknown tool");
+        let line = result_line(
+            "x\x1b]0;t\x07",
+            CallEnd::Refused,
+            None,
+            None,
+            "unknown tool",
+        );
+        assert_eq!(line, "✗ x^[]0;t^G (refused): unknown tool");
         assert_eq!(progress_text("\x1b[2J", "a", None), "  ⋯ ^[[2J: a");
     }
 
@@ -504,23 +514,23 @@ mod tests {
     fn results_are_marked_by_how_they_ended() {
         let secs = Some(Duration::from_millis(1500));
         assert_eq!(
-            result_line("Bash", "ok", Some(0), secs, "fine\nmore"),
+            result_line("Bash", CallEnd::Ok, Some(0), secs, "fine\nmore"),
             "✓ Bash (1.5s): fine…"
         );
         assert_eq!(
-            result_line("Bash", "failed", Some(3), secs, "broken"),
+            result_line("Bash", CallEnd::Failed, Some(3), secs, "broken"),
             "✗ Bash (exit 3, 1.5s): broken"
         );
         assert_eq!(
-            result_line("Bash", "canceled", None, None, "stopped"),
+            result_line("Bash", CallEnd::Canceled, None, None, "stopped"),
             "⊘ Bash (canceled): stopped"
         );
         assert_eq!(
-            result_line("ReadFile", "refused", None, None, "Error: bad"),
+            result_line("ReadFile", CallEnd::Refused, None, None, "Error: bad"),
             "✗ ReadFile (refused): Error: bad"
         );
         assert_eq!(
-            result_line("Bash", "lost", None, None, "gone"),
+            result_line("Bash", CallEnd::Lost, None, None, "gone"),
             "✗ Bash (lost): gone"
         );
     }

@@ -45,11 +45,19 @@ pub struct Egress {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+#[cfg_attr(feature = "serde", serde(rename_all = "snake_case"))]
 pub enum EgressDecision {
     Allowed,
     Blocked,
     /// Allowed, then cut: the policy changed.
     Closed,
+}
+
+impl std::fmt::Display for EgressDecision {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
 }
 
 impl EgressDecision {

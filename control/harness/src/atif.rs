@@ -178,7 +178,7 @@ pub fn build(id: &str, records: &[Record], times: &[Option<i64>], fork: Option<&
                 decision,
                 reason,
                 unreported,
-            } if decision != "allowed" || *unreported > 0 => {
+            } if *decision != corral_proto::event::EgressDecision::Allowed || *unreported > 0 => {
                 let mut message = format!("egress to {host}:{port} {decision}");
                 if !reason.is_empty() {
                     message.push_str(&format!(" ({reason})"));

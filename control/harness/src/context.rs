@@ -51,7 +51,8 @@ pub struct SkillInfo {
     pub location: String,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum ChangeKind {
     Omitted,
     Truncated,

@@ -51,7 +51,7 @@ impl RunOutcome {
     pub fn result_event(&self, session_id: &str, duration: std::time::Duration) -> Event {
         let summary = &self.summary;
         Event::Result(RunResult {
-            status: summary.ending.as_str(),
+            status: summary.ending,
             session_id: session_id.to_string(),
             final_text: summary.final_text.clone(),
             error: summary.error.clone(),

@@ -523,7 +523,7 @@ impl SessionTrace {
                 let mut attrs = vec![
                     KeyValue::new("server.address", capped(host)),
                     KeyValue::new("server.port", i64::from(*port)),
-                    KeyValue::new("corral.egress.decision", decision.clone()),
+                    KeyValue::new("corral.egress.decision", decision.as_str()),
                     KeyValue::new("corral.egress.reason", capped(reason)),
                 ];
                 if *unreported > 0 {

@@ -299,13 +299,7 @@ async fn watch(
                     view.show(&event)?;
                     match &event {
                         Event::Result(r) => {
-                            return Ok(match r.status {
-                                "done" => exit_code_of(corral_harness::agent::Ending::Done),
-                                "interrupted" => {
-                                    exit_code_of(corral_harness::agent::Ending::Interrupted)
-                                }
-                                _ => EXIT_FAILED,
-                            });
+                            return Ok(exit_code_of(r.status));
                         }
                         Event::Error { .. } => return Ok(EXIT_FAILED),
                         _ => {}

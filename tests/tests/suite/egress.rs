@@ -1412,7 +1412,9 @@ async fn a_run_reaches_what_its_request_names_and_records_each_decision() -> Res
     assert!(
         records.iter().any(
             |r| matches!(r, Record::Egress { host, decision, reason, .. }
-            if host == "other.test" && decision == "blocked" && reason == "not_allowed")
+            if host == "other.test"
+                && *decision == corral_proto::event::EgressDecision::Blocked
+                && reason == "not_allowed")
         ),
         "{records:?}"
     );

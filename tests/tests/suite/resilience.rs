@@ -452,6 +452,28 @@ async fn idle_connections_kept_topped_up_never_hold_up_a_real_client() -> anyhow
     client
         .create_sandbox(Some(&sb), SandboxSpec::default())
         .await?;
+    let token_file = worker.token_file();
+    // `corral exec true` as this machine runs it now, before the flood.
+    let exec_true = || async {
+        let t = Instant::now();
+        let out = tokio::process::Command::new(binary("corral")?)
+            .args(["--worker", &worker.url, "--token-file"])
+            .arg(&token_file)
+            .args(["exec", "--sandbox", sb.as_str(), "--", "true"])
+            .env_remove("CORRAL_WORKER")
+            .output()
+            .await?;
+        anyhow::ensure!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        anyhow::Ok(t.elapsed())
+    };
+    let mut before = Vec::new();
+    for _ in 0..5 {
+        before.push(exec_true().await?);
+    }
     let stop = tokio_util::sync::CancellationToken::new();
     let flood = tokio::spawn({
         let stop = stop.clone();
@@ -481,36 +503,28 @@ async fn idle_connections_kept_topped_up_never_hold_up_a_real_client() -> anyhow
     });
     // The flood in place first.
     tokio::time::sleep(Duration::from_secs(1)).await;
-    let token_file = worker.token_file();
     let mut times = Vec::new();
     for _ in 0..30 {
-        let t = Instant::now();
-        let out = tokio::process::Command::new(binary("corral")?)
-            .args(["--worker", &worker.url, "--token-file"])
-            .arg(&token_file)
-            .args(["exec", "--sandbox", sb.as_str(), "--", "true"])
-            .env_remove("CORRAL_WORKER")
-            .output()
-            .await?;
-        let took = t.elapsed();
-        anyhow::ensure!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        let took = exec_true().await?;
         times.push(took);
         tokio::time::sleep(Duration::from_secs(1).saturating_sub(took)).await;
     }
     stop.cancel();
     let opened = flood.await?;
     let slowest = times.iter().max().copied().unwrap_or_default();
+    let slowest_before = before.iter().max().copied().unwrap_or_default();
     eprintln!(
-        "idle flood ({opened} connections opened): corral exec true, slowest {:.1} ms",
-        slowest.as_secs_f64() * 1e3
+        "idle flood ({opened} connections opened): corral exec true, slowest {:.1} ms (before the flood {:.1} ms)",
+        slowest.as_secs_f64() * 1e3,
+        slowest_before.as_secs_f64() * 1e3
     );
+    // A client held up by idle connections waits for the worker's
+    // handshake timeout (5 s): none may come near it. (Wall time on a busy
+    // machine of two cores varies too much to ask for more here; the
+    // figure is in the line above.)
     assert!(
-        slowest < Duration::from_millis(100),
-        "held up by idle connections: {times:?}"
+        slowest < Duration::from_secs(1),
+        "held up by idle connections: {times:?} (before the flood: {before:?})"
     );
     let scraped = super::fleet::scrape(mport).await?;
     let shed = super::fleet::sample(&scraped, "corral_connections_shed_total")

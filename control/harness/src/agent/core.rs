@@ -8,7 +8,7 @@ use std::collections::HashMap;
 
 use corral_proto::{OperationId, SandboxId};
 
-use super::events::{Change, Event};
+use super::events::{CallEnd, Change, Event};
 pub use super::record::Ending;
 pub use super::record::Overrides;
 use super::record::{CallOutcome, OpEntry, OpSnapshot, Record, SessionConfig, StopCause, StopMode};
@@ -406,14 +406,14 @@ impl Core {
         self.record(Record::Egress {
             host: e.host.clone(),
             port: e.port,
-            decision: e.decision.as_str().into(),
+            decision: e.decision,
             reason: e.reason.clone(),
             unreported: u64::from(e.unreported),
         })?;
         self.emit(Event::Egress {
             host: e.host.clone(),
             port: e.port,
-            decision: e.decision.as_str().into(),
+            decision: e.decision,
             reason: e.reason.clone(),
         });
         Ok(())
@@ -910,7 +910,7 @@ mod tests;
 /// How a call ended, as its `tool_result` event tells it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Ended {
-    pub status: &'static str,
+    pub status: CallEnd,
     pub exit_code: Option<i32>,
     pub duration_ms: Option<u64>,
 }
@@ -921,34 +921,34 @@ impl Ended {
     pub fn of(outcome: &CallOutcome, ops: &[crate::ops::OpView<'_>]) -> Self {
         use corral_proto::Outcome;
         let mut ended = Self {
-            status: "ok",
+            status: CallEnd::Ok,
             exit_code: None,
             duration_ms: None,
         };
         match outcome {
             CallOutcome::Error { .. } => {
-                ended.status = "refused";
+                ended.status = CallEnd::Refused;
                 return ended;
             }
             CallOutcome::Done { .. } => return ended,
             CallOutcome::Submit => {}
         }
-        let rank = |s: &str| match s {
-            "ok" => 0,
-            "failed" => 1,
-            "timed_out" => 2,
-            "canceled" => 3,
-            _ => 4,
+        let rank = |s: CallEnd| match s {
+            CallEnd::Ok => 0,
+            CallEnd::Failed => 1,
+            CallEnd::TimedOut => 2,
+            CallEnd::Canceled => 3,
+            CallEnd::Lost | CallEnd::Refused => 4,
         };
         for op in ops {
             let status = match (op.status, op.result.map(|r| &r.outcome)) {
-                (OpStatus::Canceled, _) | (_, Some(Outcome::Canceled)) => "canceled",
-                (_, Some(Outcome::SandboxLost { .. })) => "lost",
-                (OpStatus::Failed, _) if op.lost => "lost",
-                (OpStatus::Failed, _) => "failed",
-                (_, Some(Outcome::TimedOut)) => "timed_out",
-                (_, Some(o)) if !o.is_success() => "failed",
-                _ => "ok",
+                (OpStatus::Canceled, _) | (_, Some(Outcome::Canceled)) => CallEnd::Canceled,
+                (_, Some(Outcome::SandboxLost { .. })) => CallEnd::Lost,
+                (OpStatus::Failed, _) if op.lost => CallEnd::Lost,
+                (OpStatus::Failed, _) => CallEnd::Failed,
+                (_, Some(Outcome::TimedOut)) => CallEnd::TimedOut,
+                (_, Some(o)) if !o.is_success() => CallEnd::Failed,
+                _ => CallEnd::Ok,
             };
             if rank(status) > rank(ended.status) {
                 ended.status = status;

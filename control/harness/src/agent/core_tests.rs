@@ -1097,15 +1097,18 @@ fn a_call_is_lost_by_how_its_operation_failed_never_by_the_words() {
         Ended::of(&CallOutcome::Submit, &[op.view()]).status
     };
     // Whatever the words, a loss is a loss...
-    assert_eq!(ended(&|o| o.fail_lost("worker w1 went away")), "lost");
-    assert_eq!(ended(&|o| o.fail_lost("")), "lost");
+    assert_eq!(
+        ended(&|o| o.fail_lost("worker w1 went away")),
+        CallEnd::Lost
+    );
+    assert_eq!(ended(&|o| o.fail_lost("")), CallEnd::Lost);
     // ... and words that read like one are not.
-    assert_eq!(ended(&|o| o.fail("sandbox s1 was lost")), "failed");
-    assert_eq!(ended(&|o| o.fail("the sandbox was lost")), "failed");
+    assert_eq!(ended(&|o| o.fail("sandbox s1 was lost")), CallEnd::Failed);
+    assert_eq!(ended(&|o| o.fail("the sandbox was lost")), CallEnd::Failed);
     let lost = OperationResult::with_outcome(Outcome::SandboxLost {
         reason: "gone".into(),
     });
-    assert_eq!(ended(&|o| o.finish(lost.clone())), "lost");
+    assert_eq!(ended(&|o| o.finish(lost.clone())), CallEnd::Lost);
 }
 
 #[test]

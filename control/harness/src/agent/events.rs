@@ -3,8 +3,10 @@
 //! Fields are snake_case; new fields may be added within a version, and
 //! nothing is removed or renamed without a new version.
 
-use serde::{Deserialize, Deserializer, Serialize};
+use corral_proto::event::EgressDecision;
+use serde::{Deserialize, Serialize};
 
+use super::record::Ending;
 use crate::context::ChangeKind;
 use crate::llm::{StopReason, Usage};
 
@@ -14,8 +16,7 @@ pub const EVENTS_VERSION: u32 = 1;
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Change {
     /// omitted | truncated | compacted
-    #[serde(deserialize_with = "known")]
-    pub kind: &'static str,
+    pub kind: ChangeKind,
     pub source: String,
     pub reason: String,
 }
@@ -23,11 +24,7 @@ pub struct Change {
 impl From<&crate::context::Change> for Change {
     fn from(c: &crate::context::Change) -> Self {
         Self {
-            kind: match c.kind {
-                ChangeKind::Omitted => "omitted",
-                ChangeKind::Truncated => "truncated",
-                ChangeKind::Compacted => "compacted",
-            },
+            kind: c.kind,
             source: c.source.clone(),
             reason: c.reason.clone(),
         }
@@ -101,11 +98,8 @@ pub enum Event {
         tool: String,
         text: String,
         images: usize,
-        /// How the call ended: ok | failed (a non-zero exit, a timeout, a
-        /// file error...) | canceled | lost (its sandbox or worker) |
-        /// refused (never ran: malformed arguments, an unknown tool).
-        #[serde(deserialize_with = "known")]
-        status: &'static str,
+        /// How the call ended.
+        status: CallEnd,
         /// The exit code of its command, when one exited.
         #[serde(skip_serializing_if = "Option::is_none")]
         exit_code: Option<i32>,
@@ -131,7 +125,7 @@ pub enum Event {
     Egress {
         host: String,
         port: u16,
-        decision: String,
+        decision: EgressDecision,
         #[serde(default, skip_serializing_if = "String::is_empty")]
         reason: String,
     },
@@ -152,8 +146,7 @@ pub enum Event {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RunResult {
     /// done | failed | interrupted
-    #[serde(deserialize_with = "known")]
-    pub status: &'static str,
+    pub status: Ending,
     pub session_id: String,
     pub final_text: String,
     pub error: Option<String>,
@@ -168,28 +161,33 @@ pub struct RunResult {
     pub duration_ms: u64,
 }
 
-/// Every word a `&'static str` field of an event may hold.
-const WORDS: &[&str] = &[
-    "omitted",
-    "truncated",
-    "compacted",
-    "ok",
-    "failed",
-    "canceled",
-    "lost",
-    "refused",
-    "done",
-    "interrupted",
-];
+/// How a call ended, as its result says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CallEnd {
+    Ok,
+    /// A non-zero exit, a file error...
+    Failed,
+    /// A command ran past its timeout.
+    TimedOut,
+    Canceled,
+    /// Its sandbox or worker was lost.
+    Lost,
+    /// It never ran: malformed arguments, an unknown tool.
+    Refused,
+}
 
-/// One of [`WORDS`], read back.
-fn known<'de, D: Deserializer<'de>>(d: D) -> Result<&'static str, D::Error> {
-    let s = String::deserialize(d)?;
-    WORDS
-        .iter()
-        .find(|w| **w == s)
-        .copied()
-        .ok_or_else(|| serde::de::Error::unknown_variant(&s, WORDS))
+impl CallEnd {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CallEnd::Ok => "ok",
+            CallEnd::Failed => "failed",
+            CallEnd::TimedOut => "timed_out",
+            CallEnd::Canceled => "canceled",
+            CallEnd::Lost => "lost",
+            CallEnd::Refused => "refused",
+        }
+    }
 }
 
 /// An event read back from a line of `--json` output (a served session's
@@ -207,9 +205,7 @@ pub fn from_json_line(line: &str) -> Result<Event, String> {
             v.map_or("none".to_string(), |v| v.to_string())
         ));
     }
-    // Its words are `&'static str`s: read as from a `'static` source (the
-    // value is owned, so any lifetime is its).
-    <Event as Deserialize<'static>>::deserialize(value).map_err(|e| e.to_string())
+    Event::deserialize(value).map_err(|e| e.to_string())
 }
 
 /// One event as a line of `--json` output.
@@ -261,13 +257,13 @@ mod terminal_tests {
 
     #[test]
     fn every_event_reads_back_as_it_was_written() {
-        let events = [
+        let mut events = vec![
             Event::ToolResult {
                 call_id: "c1".into(),
                 tool: "Bash".into(),
                 text: "hi".into(),
                 images: 0,
-                status: "lost",
+                status: CallEnd::Lost,
                 exit_code: None,
                 duration_ms: Some(3),
             },
@@ -275,7 +271,7 @@ mod terminal_tests {
                 turn: 2,
                 estimated_tokens: 9,
                 changes: vec![Change {
-                    kind: "compacted",
+                    kind: ChangeKind::Compacted,
                     source: "s".into(),
                     reason: "r".into(),
                 }],
@@ -283,11 +279,11 @@ mod terminal_tests {
             Event::Egress {
                 host: "h".into(),
                 port: 443,
-                decision: "allowed".into(),
+                decision: EgressDecision::Allowed,
                 reason: String::new(),
             },
             Event::Result(RunResult {
-                status: "interrupted",
+                status: Ending::Interrupted,
                 session_id: "s".into(),
                 final_text: String::new(),
                 error: Some("e".into()),
@@ -298,6 +294,31 @@ mod terminal_tests {
                 duration_ms: 5,
             }),
         ];
+        // Every way a call ends reads back, a timeout's among them (its
+        // word was once missing from the words read back).
+        for status in [
+            CallEnd::Ok,
+            CallEnd::Failed,
+            CallEnd::TimedOut,
+            CallEnd::Canceled,
+            CallEnd::Lost,
+            CallEnd::Refused,
+        ] {
+            events.push(Event::ToolResult {
+                call_id: "c2".into(),
+                tool: "Bash".into(),
+                text: String::new(),
+                images: 0,
+                status,
+                exit_code: None,
+                duration_ms: None,
+            });
+            let line = to_json_line(events.last().unwrap());
+            assert!(
+                line.contains(&format!("\"status\":\"{}\"", status.as_str())),
+                "{line}"
+            );
+        }
         for e in events {
             assert_eq!(from_json_line(&to_json_line(&e)).unwrap(), e);
         }

@@ -20,6 +20,6 @@ pub mod state;
 
 pub use self::core::{Core, CoreError, Effect, replay};
 pub use coordinator::{Coordinator, Inbox, Settings, Summary};
-pub use events::{Event, RunResult};
+pub use events::{CallEnd, Event, RunResult};
 pub use record::{Ending, OnSandboxLost, Record, SessionConfig, StopCause, StopMode};
 pub use state::{Brief, State};

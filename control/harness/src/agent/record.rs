@@ -389,7 +389,7 @@ pub enum Record {
         host: String,
         port: u16,
         /// allowed | blocked | closed
-        decision: String,
+        decision: corral_proto::event::EgressDecision,
         #[serde(default, skip_serializing_if = "String::is_empty")]
         reason: String,
         /// Decisions made before this one that the worker could not tell

@@ -560,7 +560,7 @@ impl Builder {
                         format!("{unreported} egress decisions before this one were not told"),
                     );
                 }
-                if decision == "blocked" {
+                if *decision == corral_proto::event::EgressDecision::Blocked {
                     self.mark(
                         t,
                         seq,
