@@ -8,6 +8,7 @@ mod local_worker;
 mod ops;
 mod remote;
 mod run;
+mod run_input;
 mod sandbox;
 mod serve;
 mod session;
@@ -15,7 +16,8 @@ mod worker;
 
 use crate::cli::{Cli, Command};
 
-pub use run::{DEFAULT_IMAGE, key_from, sessions};
+pub use run::{DEFAULT_IMAGE, sessions};
+pub use run_input::key_from;
 
 /// Corral's own failures (as `docker run` uses 125).
 pub const EXIT_CORRAL_ERROR: u8 = 125;

@@ -16,7 +16,7 @@ use corral_harness::transfer::Unpacking;
 use corral_proto::pb;
 use futures_util::StreamExt;
 
-use super::run::{EXIT_FAILED, Line, StdinLines, exit_code_of, input_of, next_input};
+use super::run_input::{EXIT_FAILED, Line, StdinLines, exit_code_of, input_of, next_input};
 use crate::cli::{ConnArgs, LostPolicy, RunArgs};
 use crate::view::View;
 
@@ -150,11 +150,11 @@ fn settings(args: &RunArgs, api_key: Option<String>) -> pb::RunSettings {
 
 /// `corral run --control URL`: as `corral run` says its exit code.
 pub async fn main(conn: &ConnArgs, args: &RunArgs, url: &str) -> u8 {
-    let json = super::run::is_json(args);
+    let json = super::run_input::is_json(args);
     match run(conn, args, url, json).await {
         Ok(code) => code,
         Err(e) => {
-            super::run::failed(&e, json);
+            super::run_input::failed(&e, json);
             e.exit_code()
         }
     }
@@ -162,8 +162,8 @@ pub async fn main(conn: &ConnArgs, args: &RunArgs, url: &str) -> u8 {
 
 async fn run(conn: &ConnArgs, args: &RunArgs, url: &str, json: bool) -> Result<u8, Error> {
     refuse_local_paths(args)?;
-    let request = super::run::load_request(args).map_err(|e| Error::Usage(e.to_string()))?;
-    let api_key = super::run::key_from(args.api_key_file.as_deref()).map_err(Error::Usage)?;
+    let request = super::run_input::load_request(args).map_err(Error::Usage)?;
+    let api_key = super::run_input::key_from(args.api_key_file.as_deref()).map_err(Error::Usage)?;
     let creds = credentials(conn, args)?;
     let client = ControlClient::connect(url, &creds).await?;
     let request_json = if request == Default::default() {
@@ -208,7 +208,7 @@ async fn run(conn: &ConnArgs, args: &RunArgs, url: &str, json: bool) -> Result<u
         let rules = args.out.apply(Unpacking::contents_from_sandbox());
         if let Err(e) = export(&client, &id, dest, rules).await {
             super::report(&e);
-            if code == super::run::EXIT_DONE {
+            if code == super::run_input::EXIT_DONE {
                 code = super::EXIT_CORRAL_ERROR;
             }
         }

@@ -5,18 +5,14 @@
 //! session on SIGINT/SIGTERM/SIGHUP. Exit codes: 0 done, 1 failed, 2 usage
 //! error, 130 interrupted.
 
-use std::io::{IsTerminal, Read, Write};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use corral_harness::agent::events::{Event, to_json_line};
-use corral_harness::agent::{Ending, Inbox, OnSandboxLost, StopMode};
+use corral_harness::agent::{Inbox, OnSandboxLost, StopMode};
 use corral_harness::llm::Api;
 use corral_harness::runner::{Run, RunEnd, RunOutcome};
 use corral_harness::session::LogError;
-use corral_harness::sessions::{
-    RunOptions, STOP_PATIENCE, SessionError, SessionRequest, Sessions, parse_request,
-};
+use corral_harness::sessions::{RunOptions, STOP_PATIENCE, SessionError, Sessions};
 use corral_harness::transfer::Unpacking;
 use futures_util::StreamExt;
 
@@ -24,9 +20,10 @@ use crate::cli::{ApiKind, ConnArgs, LostPolicy, RunArgs};
 use crate::connect::ConnectError;
 use crate::view::View;
 
-pub const EXIT_DONE: u8 = 0;
-pub const EXIT_FAILED: u8 = 1;
-pub const EXIT_INTERRUPTED: u8 = 130;
+use super::run_input::{
+    EXIT_FAILED, Line, StdinLines, exit_code_of, failed, input_of, is_json, load_request,
+    next_input,
+};
 
 #[derive(Debug, thiserror::Error)]
 pub(super) enum Error {
@@ -77,26 +74,6 @@ pub async fn main(conn: &ConnArgs, args: &RunArgs) -> u8 {
     }
 }
 
-/// Whether `corral run` speaks JSON lines: asked for, or not on a terminal.
-pub(super) fn is_json(args: &RunArgs) -> bool {
-    args.json || !std::io::stdout().is_terminal()
-}
-
-/// Says why the run failed: on stderr, and to a JSON reader in its own
-/// stream too.
-pub(super) fn failed(e: &dyn std::error::Error, json: bool) {
-    super::report(e);
-    if json {
-        let line = to_json_line(&Event::Error {
-            message: corral_harness::client::source_chain(e),
-        });
-        let mut stdout = std::io::stdout().lock();
-        let _ = stdout
-            .write_all(line.as_bytes())
-            .and_then(|()| stdout.flush());
-    }
-}
-
 fn sessions_dir(flag: Option<&Path>) -> std::path::PathBuf {
     flag.map(Path::to_path_buf)
         .unwrap_or_else(|| corral_worker::process::default_state_dir("sessions"))
@@ -107,88 +84,8 @@ pub fn sessions(flag: Option<&Path>) -> Sessions {
     Sessions::new(sessions_dir(flag))
 }
 
-/// `--request` (a file, or `-` for stdin), with the flags over it.
-pub(super) fn load_request(args: &RunArgs) -> Result<SessionRequest, Error> {
-    let usage = |m: String| Error::Usage(m);
-    let mut req = match args.request.as_deref() {
-        None => SessionRequest::default(),
-        Some("-") => {
-            if args.inputs_from_stdin {
-                return Err(usage(
-                    "--request - and --inputs-from-stdin both want stdin".into(),
-                ));
-            }
-            let mut s = String::new();
-            std::io::stdin()
-                .read_to_string(&mut s)
-                .map_err(|e| usage(format!("--request -: {e}")))?;
-            parse_request(&s).map_err(|e| usage(format!("--request: {e}")))?
-        }
-        Some(path) => {
-            let s = std::fs::read_to_string(path)
-                .map_err(|e| usage(format!("--request {path}: {e}")))?;
-            parse_request(&s).map_err(|e| usage(format!("--request: {e}")))?
-        }
-    };
-    if let Some(p) = &args.prompt {
-        if req.prompt.is_some() {
-            return Err(usage(
-                "give the prompt either as an argument or in --request, not both".into(),
-            ));
-        }
-        req.prompt = Some(p.clone());
-    }
-    if let Some(p) = &req.prompt
-        && p.trim().is_empty()
-    {
-        return Err(usage("the prompt is empty".into()));
-    }
-    // Flags first, then the request.
-    if args.model.is_some() {
-        req.model = args.model.clone();
-    }
-    if args.system_prompt.is_some() {
-        req.system_prompt = args.system_prompt.clone();
-    }
-    if args.tool_choice.is_some() {
-        req.tool_choice = args.tool_choice.clone();
-    }
-    if args.keep_tool_choice {
-        req.keep_tool_choice = true;
-    }
-    if args.max_turns.is_some() {
-        req.limits.max_turns = args.max_turns;
-    }
-    if args.context_window.is_some() {
-        req.limits.context_window_tokens = args.context_window;
-    }
-    if args.max_output_tokens.is_some() {
-        req.limits.max_output_tokens = args.max_output_tokens;
-    }
-    Ok(req)
-}
-
 fn api_key(args: &RunArgs) -> Result<Option<String>, Error> {
-    key_from(args.api_key_file.as_deref()).map_err(Error::Usage)
-}
-
-/// The API key in `file` (`--api-key-file`), else in OPENAI_API_KEY.
-pub fn key_from(file: Option<&Path>) -> Result<Option<String>, String> {
-    if let Some(path) = file {
-        let key = std::fs::read_to_string(path)
-            .map_err(|e| format!("--api-key-file {}: {e}", path.display()))?;
-        let key = key.trim().to_string();
-        if key.is_empty() {
-            return Err(format!(
-                "--api-key-file {}: the file is empty",
-                path.display()
-            ));
-        }
-        return Ok(Some(key));
-    }
-    Ok(std::env::var("OPENAI_API_KEY")
-        .ok()
-        .filter(|k| !k.trim().is_empty()))
+    super::run_input::key_from(args.api_key_file.as_deref()).map_err(Error::Usage)
 }
 
 fn api_of(args: &RunArgs) -> Option<Api> {
@@ -200,7 +97,7 @@ fn api_of(args: &RunArgs) -> Option<Api> {
 
 async fn run(conn: &ConnArgs, args: &RunArgs, json: bool) -> Result<u8, Error> {
     let started = Instant::now();
-    let request = load_request(args)?;
+    let request = load_request(args).map_err(Error::Usage)?;
     let store = sessions(args.sessions_dir.as_deref());
     let id = args.session.clone().unwrap_or_else(Sessions::new_id);
     let telemetry = match &args.otlp_endpoint {
@@ -268,7 +165,7 @@ async fn run(conn: &ConnArgs, args: &RunArgs, json: bool) -> Result<u8, Error> {
         Some(Ok(moved)) => super::left_out(&moved),
         Some(Err(e)) => {
             super::report(&e);
-            if code == EXIT_DONE {
+            if code == super::run_input::EXIT_DONE {
                 code = super::EXIT_CORRAL_ERROR;
             }
         }
@@ -280,15 +177,6 @@ async fn run(conn: &ConnArgs, args: &RunArgs, json: bool) -> Result<u8, Error> {
         return Ok(141);
     }
     Ok(code)
-}
-
-/// The exit code of a run that ended so.
-pub fn exit_code_of(ending: Ending) -> u8 {
-    match ending {
-        Ending::Done => EXIT_DONE,
-        Ending::Failed => EXIT_FAILED,
-        Ending::Interrupted => EXIT_INTERRUPTED,
-    }
 }
 
 /// What a resume does not change, said (the model, endpoint, turn limit,
@@ -318,36 +206,6 @@ fn warn_unchanged(store: &Sessions, id: &str, args: &RunArgs) {
 /// every client's default (a Debian with python3, pip, git and a C
 /// toolchain, deploy/images/build-debian.sh).
 pub const DEFAULT_IMAGE: &str = corral_proto::sandbox::DEFAULT_IMAGE;
-
-pub(super) type StdinLines = tokio::io::Lines<tokio::io::BufReader<tokio::io::Stdin>>;
-
-/// The next line of stdin, when it is read for inputs.
-pub(super) async fn next_input(lines: &mut Option<StdinLines>) -> std::io::Result<Option<String>> {
-    match lines {
-        Some(l) => l.next_line().await,
-        None => std::future::pending().await,
-    }
-}
-
-/// What a line read from stdin is to a run.
-pub(super) enum Line {
-    Input(String),
-    Blank,
-    /// No more inputs from stdin (its end, or it cannot be read: said).
-    End,
-}
-
-pub(super) fn input_of(line: std::io::Result<Option<String>>) -> Line {
-    match line {
-        Ok(Some(text)) if !text.trim().is_empty() => Line::Input(text),
-        Ok(Some(_)) => Line::Blank,
-        Ok(None) => Line::End,
-        Err(e) => {
-            tracing::warn!(error = %e, "stdin cannot be read; no more inputs from it");
-            Line::End
-        }
-    }
-}
 
 /// Resolves at the deadline, if there is one.
 async fn deadline(at: &mut Option<std::pin::Pin<Box<tokio::time::Sleep>>>) {
