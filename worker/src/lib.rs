@@ -10,8 +10,10 @@
 //! - [`sandbox`]: one actor per sandbox, the only writer of its journal and
 //!   operation table, linked to the sandbox's `corral-init` over attached
 //!   stdio, with flow control towards its watchers;
-//! - [`docker`]: everything said to the Docker engine (bollard), including
-//!   the hardened container configuration;
+//! - [`runtime`]: the seam between the lifecycle and what runs sandboxes
+//!   (a fake one under the lifecycle's tests); [`docker`]: the runtime the
+//!   worker runs on, everything said to the Docker engine (bollard),
+//!   including the hardened container configuration;
 //! - [`uids`]: the uid each sandbox's commands run as, one no host account
 //!   and no other sandbox holds;
 //! - [`policy`]: what a sandbox may be, as the operator allows it (clients
@@ -58,6 +60,7 @@ pub mod pool;
 pub mod process;
 pub mod proxy;
 pub mod rate;
+pub mod runtime;
 pub mod sandbox;
 pub mod server;
 pub mod service;

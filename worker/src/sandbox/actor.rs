@@ -11,7 +11,7 @@ pub(super) fn short(container: &str) -> &str {
 pub(super) struct Actor {
     pub(super) id: SandboxId,
     pub(super) container: String,
-    pub(super) runtime: Arc<DockerRuntime>,
+    pub(super) runtime: Arc<dyn Runtime>,
     pub(super) metrics: Arc<crate::metrics::WorkerMetrics>,
     /// Operations' spans, when exported.
     pub(super) traces: Option<Arc<crate::telemetry::OpTraces>>,

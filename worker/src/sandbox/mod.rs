@@ -37,8 +37,8 @@ use tokio::sync::{Notify, mpsc, oneshot, watch};
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info, info_span, warn};
 
-use crate::docker::DockerRuntime;
 use crate::error::{Result, WorkerError};
+use crate::runtime::Runtime;
 
 mod actor;
 mod watchers;
@@ -79,7 +79,7 @@ impl Default for Limits {
 /// What every sandbox actor of a worker shares: the engine, the task
 /// tracker and shutdown of the worker, the limits.
 pub struct Env<'a> {
-    pub runtime: &'a Arc<DockerRuntime>,
+    pub runtime: &'a Arc<dyn Runtime>,
     pub tracker: &'a tokio_util::task::TaskTracker,
     pub shutdown: &'a CancellationToken,
     pub limits: Limits,
@@ -173,7 +173,7 @@ pub struct Shared {
     /// Cancelled when the sandbox is destroyed or the worker stops.
     closed: CancellationToken,
     /// When a client last named this sandbox in a call (or watched it).
-    touched: Mutex<std::time::Instant>,
+    touched: Mutex<tokio::time::Instant>,
     /// The egress policy its proxy follows (`None`: it has no proxy).
     egress: Option<watch::Sender<Arc<Vec<corral_proto::egress::Rule>>>>,
 }
@@ -367,7 +367,7 @@ impl Sandbox {
             next_watcher: 0.into(),
             progress: Notify::new(),
             closed: shutdown.child_token(),
-            touched: Mutex::new(std::time::Instant::now()),
+            touched: Mutex::new(tokio::time::Instant::now()),
             egress: policy,
         });
         let (tx, rx) = mpsc::channel(256);
@@ -475,8 +475,17 @@ impl Sandbox {
                     // worker keeps checkpointed ones apart).
                     SandboxState::Starting | SandboxState::Checkpointed => {}
                 }
-                if rx.changed().await.is_err() {
-                    return Err(WorkerError::ShuttingDown);
+                tokio::select! {
+                    changed = rx.changed() => if changed.is_err() {
+                        return Err(WorkerError::ShuttingDown);
+                    },
+                    // Removed (or the worker stops) before it answered.
+                    () = self.shared.closed.cancelled() => {
+                        return Err(WorkerError::SandboxLost {
+                            id: self.id.to_string(),
+                            reason: "it was closed before its supervisor answered".into(),
+                        });
+                    }
                 }
             }
         })
@@ -583,7 +592,7 @@ impl Sandbox {
 
     /// A client named this sandbox: it is not idle.
     pub fn touch(&self) {
-        *lock(&self.shared.touched) = std::time::Instant::now();
+        *lock(&self.shared.touched) = tokio::time::Instant::now();
     }
 
     /// How long no client has named or watched this sandbox.

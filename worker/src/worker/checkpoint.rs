@@ -140,7 +140,17 @@ impl Worker {
         );
         // Running again: whatever else fails, it is among the sandboxes.
         self.inner.table.commit_running(ticket, sandbox.clone());
-        sandbox.wait_ready(READY_TIMEOUT).await?;
+        if let Err(e) = sandbox.wait_ready(READY_TIMEOUT).await {
+            // Removed as it came back (its lifetime ended meanwhile, say):
+            // said as what it is.
+            return Err(match self.inner.table.lookup(id) {
+                Lookup::Removed { why, .. } => WorkerError::Removed {
+                    id: id.to_string(),
+                    reason: why,
+                },
+                _ => e,
+            });
+        }
         info!(sandbox = %id, "sandbox restored");
         Ok(self.info_of(&sandbox))
     }

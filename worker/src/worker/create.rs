@@ -145,6 +145,7 @@ impl Worker {
             return Ok((info, Made::Claimed));
         }
         let mut record = StateDir::new_record(&id, &spec);
+        record.created_at_unix_ms = self.inner.clock.now_ms();
         record.forking_from = forking_from.map(ToString::to_string);
         self.inner.state.save(&record)?;
         guard.record = true;
@@ -164,7 +165,15 @@ impl Worker {
             .await;
         // The engine answered: nothing more of it to wait for.
         guard.unsure = false;
-        let container = made?;
+        let container = match made {
+            Ok(c) => c,
+            // What it made of it (if anything, by name) goes before the
+            // create answers.
+            Err(e) => {
+                guard.abandon().await;
+                return Err(e);
+            }
+        };
         guard.container = Some(container.clone());
         let sandbox = Sandbox::spawn(
             id.clone(),
@@ -273,6 +282,7 @@ impl Worker {
         guard.container = Some(container.clone());
         guard.member_dir = Some(self.egress_dir(&member.id));
         let mut record = StateDir::new_record(&id, spec);
+        record.created_at_unix_ms = self.inner.clock.now_ms();
         record.container_id = Some(container.clone());
         record.forking_from = forking_from.map(ToString::to_string);
         self.inner.state.save(&record)?;

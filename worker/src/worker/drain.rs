@@ -43,7 +43,7 @@ impl Worker {
     /// see `Drain` in worker.proto. Recorded in the state directory, so a
     /// restarted worker goes on draining.
     pub fn drain(&self, on: bool) -> Result<WorkerInfo> {
-        let now = crate::state::now_unix_ms();
+        let now = self.inner.clock.now_ms();
         let current = *self.inner.drain.borrow();
         let next = match (on, current) {
             (true, Some(deadline)) => Some(deadline),

@@ -77,7 +77,7 @@ impl Worker {
         let runtime = &self.inner.runtime;
         let of_parent = runtime.process(&parent.container_id).await?;
         if let Some(why) = fork::unforkable(&of_parent)
-            .or_else(|| fork::out_of_sight(&of_parent, &parent.container_id))
+            .or_else(|| runtime.out_of_sight(&of_parent, &parent.container_id))
         {
             return Err(WorkerError::NotApplicable(why));
         }
@@ -174,7 +174,6 @@ impl Worker {
         children: &[SandboxInfo],
     ) -> Result<(Duration, corral_init::treecopy::Copied)> {
         let runtime = &self.inner.runtime;
-        let helper = runtime.init_path().to_path_buf();
         let mut procs = Vec::new();
         for c in children {
             procs.push(runtime.process(&c.container_id).await?);
@@ -187,7 +186,7 @@ impl Worker {
         }
         let started = std::time::Instant::now();
         runtime.pause(&parent.container_id).await?;
-        let first = crate::fork::copy(&helper, &of_parent, &procs[0]).await;
+        let first = runtime.copy_trees(&of_parent, &procs[0]).await;
         let mut thawed = runtime.unpause(&parent.container_id).await;
         let frozen = started.elapsed();
         for _ in 0..10 {
@@ -199,9 +198,7 @@ impl Worker {
         thawed?;
         let copied = first?;
         let rest = futures_util::future::join_all(
-            procs[1..]
-                .iter()
-                .map(|p| crate::fork::copy(&helper, &procs[0], p)),
+            procs[1..].iter().map(|p| runtime.copy_trees(&procs[0], p)),
         )
         .await;
         for r in rest {

@@ -20,6 +20,8 @@ mod fork;
 mod pools;
 mod sweep;
 mod table;
+#[cfg(test)]
+mod tests;
 
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
@@ -33,6 +35,7 @@ use tracing::{info, warn};
 use crate::docker::{self, Defaults, DockerRuntime};
 use crate::error::{Result, WorkerError};
 use crate::initbin::InitBinary;
+use crate::runtime::Runtime;
 use crate::sandbox::Sandbox;
 use crate::state::StateDir;
 use table::{Busy, Change, Lookup, State, Ticket};
@@ -157,6 +160,30 @@ fn default_worker_id(state_dir: &std::path::Path) -> String {
     format!("{host}-{:08x}", digest as u32)
 }
 
+/// Wall time as the worker counts it (ms since the epoch): the wall clock
+/// at its start plus the monotonic time since. Sandboxes' ages, lifetimes
+/// and the drain's deadline are measured on it, so a step of the wall
+/// clock moves none of them, and tests drive them on paused time.
+#[derive(Debug, Clone, Copy)]
+struct Clock {
+    wall_ms: i64,
+    at: tokio::time::Instant,
+}
+
+impl Clock {
+    fn start() -> Self {
+        Self {
+            wall_ms: crate::state::now_unix_ms(),
+            at: tokio::time::Instant::now(),
+        }
+    }
+
+    fn now_ms(&self) -> i64 {
+        self.wall_ms
+            .saturating_add(i64::try_from(self.at.elapsed().as_millis()).unwrap_or(i64::MAX))
+    }
+}
+
 /// A cheap handle to the worker.
 #[derive(Clone)]
 pub struct Worker {
@@ -164,7 +191,7 @@ pub struct Worker {
 }
 
 struct Inner {
-    runtime: Arc<DockerRuntime>,
+    runtime: Arc<dyn Runtime>,
     /// Builds images (`--allow-build`).
     builder: Option<Arc<crate::build::Builder>>,
     state: StateDir,
@@ -196,6 +223,7 @@ struct Inner {
     /// Warm pools, and the wake of their filler.
     pools: Mutex<Vec<crate::pool::Pool>>,
     pool_wake: tokio::sync::Notify,
+    clock: Clock,
 }
 
 /// The tenant a sandbox was made for (see `TENANT_LABEL`).
@@ -241,6 +269,48 @@ impl Worker {
         })?;
         corral_proto::SandboxId::new(worker_id.clone())
             .map_err(|e| WorkerError::Config(format!("worker id {worker_id:?}: {e}")))?;
+        let init = InitBinary::locate(config.init_binary.as_deref())?;
+        let docker = docker::connect(config.docker_host.as_deref()).await?;
+        let builder = if config.policy.allow_build {
+            Some(Arc::new(crate::build::Builder::new(
+                docker.clone(),
+                &config.state_dir,
+                config.build.clone(),
+                config.policy.clone(),
+                config.defaults.image.clone(),
+            )?))
+        } else {
+            None
+        };
+        let runtime = DockerRuntime::new(docker, worker_id, init, config.defaults.clone())
+            .with_state_dir(&config.state_dir);
+        let uids = match config.sandbox_uids {
+            Some(u) => u,
+            None if runtime.remaps_uids().await => crate::uids::DEFAULT_REMAPPED,
+            None => crate::uids::DEFAULT,
+        };
+        let read = |p: &str| std::fs::read_to_string(p).unwrap_or_default();
+        let overlaps = uids.host_overlaps(&read("/etc/passwd"), &read("/etc/subuid"));
+        if !overlaps.is_empty() {
+            return Err(WorkerError::Config(format!(
+                "--sandbox-uids {uids} overlaps {}: give a range no host account holds",
+                overlaps.join(", ")
+            )));
+        }
+        let runtime = runtime.with_uids(uids);
+        runtime.prune_old_init_volumes().await;
+        Self::start_on(config, state, Arc::new(runtime), builder).await
+    }
+
+    /// Starts on `runtime`, with the state directory `state` taken (its
+    /// worker id the runtime's): checks the configuration, reconciles, and
+    /// starts the sweeps and the pools' filler.
+    async fn start_on(
+        config: WorkerConfig,
+        state: StateDir,
+        runtime: Arc<dyn Runtime>,
+        builder: Option<Arc<crate::build::Builder>>,
+    ) -> Result<Self> {
         crate::policy::check_policy(&config.policy).map_err(WorkerError::Config)?;
         let default_image = config.defaults.image.clone();
         let default_limits = corral_proto::Limits {
@@ -249,8 +319,6 @@ impl Worker {
             pids_limit: config.defaults.pids_limit,
         };
         let default_runtime = config.defaults.runtime.clone();
-        let init = InitBinary::locate(config.init_binary.as_deref())?;
-        let docker = docker::connect(config.docker_host.as_deref()).await?;
         let defaults = config.defaults.clone();
         for t in &config.pools {
             let spec = t.spec();
@@ -271,36 +339,9 @@ impl Worker {
                 config.max_sandboxes
             )));
         }
-        let builder = if config.policy.allow_build {
-            Some(Arc::new(crate::build::Builder::new(
-                docker.clone(),
-                &config.state_dir,
-                config.build.clone(),
-                config.policy.clone(),
-                default_image.clone(),
-            )?))
-        } else {
-            None
-        };
-        let runtime = DockerRuntime::new(docker, worker_id.clone(), init, config.defaults)
-            .with_state_dir(&config.state_dir);
-        let uids = match config.sandbox_uids {
-            Some(u) => u,
-            None if runtime.remaps_uids().await => crate::uids::DEFAULT_REMAPPED,
-            None => crate::uids::DEFAULT,
-        };
-        let read = |p: &str| std::fs::read_to_string(p).unwrap_or_default();
-        let overlaps = uids.host_overlaps(&read("/etc/passwd"), &read("/etc/subuid"));
-        if !overlaps.is_empty() {
-            return Err(WorkerError::Config(format!(
-                "--sandbox-uids {uids} overlaps {}: give a range no host account holds",
-                overlaps.join(", ")
-            )));
-        }
-        let runtime = Arc::new(runtime.with_uids(uids));
+        let worker_id = runtime.worker_id().to_string();
         let docker_version = runtime.version().await;
         let state_drain = state.drain_deadline();
-        runtime.prune_old_init_volumes().await;
         let traces = match &config.otlp_endpoint {
             Some(e) => Some(Arc::new(
                 crate::telemetry::OpTraces::otlp(e, &config.state_dir)
@@ -339,6 +380,7 @@ impl Worker {
                         .collect(),
                 ),
                 pool_wake: tokio::sync::Notify::new(),
+                clock: Clock::start(),
                 builder,
             }),
         };

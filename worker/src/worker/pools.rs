@@ -137,7 +137,7 @@ impl Worker {
             id.clone(),
             spec,
             container.clone(),
-            crate::state::now_unix_ms(),
+            self.inner.clock.now_ms(),
             None,
             &self.env(),
         );

@@ -95,7 +95,7 @@ impl Worker {
                 () = tokio::time::sleep(Duration::from_secs(1)) => {}
                 () = shutdown.cancelled() => return,
             }
-            let now = crate::state::now_unix_ms();
+            let now = self.inner.clock.now_ms();
             let drained = self
                 .inner
                 .drain
