@@ -17,7 +17,7 @@ use corral_proto::pb;
 use futures_util::StreamExt;
 
 use super::run_input::{EXIT_FAILED, Line, StdinLines, exit_code_of, input_of, next_input};
-use crate::cli::{ConnArgs, LostPolicy, RunArgs};
+use crate::cli::{ConnArgs, RunArgs};
 use crate::view::View;
 
 #[derive(Debug, thiserror::Error)]
@@ -120,32 +120,21 @@ pub(super) fn service_credentials(
 }
 
 /// The run's settings as its flags say (the service's defaults for what
-/// they do not).
+/// they do not), typed once and sent as the service reads them.
 fn settings(args: &RunArgs, api_key: Option<String>) -> pb::RunSettings {
-    pb::RunSettings {
+    corral_harness::host::Settings {
         base_url: args.base_url.clone(),
-        api: args.api.map(|a| {
-            match a {
-                crate::cli::ApiKind::Responses => "responses",
-                crate::cli::ApiKind::Chat => "chat",
-            }
-            .to_string()
-        }),
+        api: super::run::api_of(args),
         api_key,
         image: args.image.clone(),
-        reasoning_effort: args.reasoning_effort.clone(),
+        reasoning_effort: super::run::effort_of(args),
         // Only as given: otherwise the service's own.
         heartbeat_ms: args.heartbeat.map(|h| h.as_millis() as u64),
         keep_sandbox: args.keep_sandbox,
-        on_sandbox_lost: args.on_sandbox_lost.map(|p| {
-            match p {
-                LostPolicy::Fail => "fail",
-                LostPolicy::NewSandbox => "new_sandbox",
-            }
-            .to_string()
-        }),
+        on_sandbox_lost: super::run::lost_of(args),
         grace_ms: args.grace.map(|g| g.as_millis() as u64),
     }
+    .to_pb()
 }
 
 /// `corral run --control URL`: as `corral run` says its exit code.

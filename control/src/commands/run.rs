@@ -88,10 +88,28 @@ fn api_key(args: &RunArgs) -> Result<Option<String>, Error> {
     super::run_input::key_from(args.api_key_file.as_deref()).map_err(Error::Usage)
 }
 
-fn api_of(args: &RunArgs) -> Option<Api> {
+pub(super) fn api_of(args: &RunArgs) -> Option<Api> {
     args.api.map(|a| match a {
         ApiKind::Responses => Api::Responses,
         ApiKind::Chat => Api::Chat,
+    })
+}
+
+/// `--reasoning-effort` (clap takes only low, medium or high).
+pub(super) fn effort_of(args: &RunArgs) -> Option<corral_harness::sessions::ReasoningEffort> {
+    use corral_harness::sessions::ReasoningEffort;
+    match args.reasoning_effort.as_deref() {
+        Some("low") => Some(ReasoningEffort::Low),
+        Some("medium") => Some(ReasoningEffort::Medium),
+        Some("high") => Some(ReasoningEffort::High),
+        _ => None,
+    }
+}
+
+pub(super) fn lost_of(args: &RunArgs) -> Option<OnSandboxLost> {
+    args.on_sandbox_lost.map(|p| match p {
+        LostPolicy::Fail => OnSandboxLost::Fail,
+        LostPolicy::NewSandbox => OnSandboxLost::NewSandbox,
     })
 }
 
@@ -111,7 +129,7 @@ async fn run(conn: &ConnArgs, args: &RunArgs, json: bool) -> Result<u8, Error> {
     let _flush = corral_harness::telemetry::FlushOnDrop(telemetry.clone());
     let opts = RunOptions {
         request,
-        reasoning_effort: args.reasoning_effort.clone(),
+        reasoning_effort: effort_of(args).map(|e| e.as_str().to_string()),
         image: Some(args.image.clone().unwrap_or_else(|| DEFAULT_IMAGE.into())),
         base_url: args.base_url.clone(),
         api: api_of(args),
@@ -130,10 +148,7 @@ async fn run(conn: &ConnArgs, args: &RunArgs, json: bool) -> Result<u8, Error> {
         },
         until_idle: true,
         worker_lost_after: Some(conn.worker_lost_after),
-        on_sandbox_lost: args.on_sandbox_lost.map(|p| match p {
-            LostPolicy::Fail => OnSandboxLost::Fail,
-            LostPolicy::NewSandbox => OnSandboxLost::NewSandbox,
-        }),
+        on_sandbox_lost: lost_of(args),
         telemetry,
         trace: None,
         tenant: None,

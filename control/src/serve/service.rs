@@ -237,7 +237,7 @@ impl pb::control_server::Control for ControlService {
             } else {
                 None
             };
-            let settings = Settings::from_pb(req.settings.unwrap_or_default());
+            let settings = Settings::from_pb(req.settings.unwrap_or_default())?;
             let started = self
                 .host
                 .start(id, request, settings, tenant_of(&who))

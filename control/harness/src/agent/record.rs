@@ -246,6 +246,16 @@ pub enum Ending {
     Interrupted,
 }
 
+impl OnSandboxLost {
+    /// fail | new_sandbox
+    pub fn as_str(self) -> &'static str {
+        match self {
+            OnSandboxLost::Fail => "fail",
+            OnSandboxLost::NewSandbox => "new_sandbox",
+        }
+    }
+}
+
 impl Ending {
     /// done | failed | interrupted
     pub fn as_str(self) -> &'static str {

@@ -23,7 +23,9 @@ use crate::fleet::Fleet;
 use crate::llm::Api;
 use crate::runner::{self, Run, RunEnd};
 use crate::session::LogError;
-use crate::sessions::{RunOptions, SessionError, SessionRequest, Sessions, parse_request};
+use crate::sessions::{
+    ReasoningEffort, RunOptions, SessionError, SessionRequest, Sessions, parse_request,
+};
 use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
@@ -131,17 +133,17 @@ impl EndpointRule {
 #[serde(deny_unknown_fields)]
 pub struct Settings {
     pub base_url: Option<String>,
-    pub api: Option<String>,
+    pub api: Option<Api>,
     /// Kept in the mark (a file only the service's user reads), never
     /// sent back or logged.
     pub api_key: Option<String>,
     pub image: Option<String>,
-    pub reasoning_effort: Option<String>,
+    pub reasoning_effort: Option<ReasoningEffort>,
     pub heartbeat_ms: Option<u64>,
     pub grace_ms: Option<u64>,
     #[serde(default)]
     pub keep_sandbox: bool,
-    pub on_sandbox_lost: Option<String>,
+    pub on_sandbox_lost: Option<OnSandboxLost>,
 }
 
 // Keys are never shown, not even in a debug line.
@@ -169,18 +171,101 @@ impl std::fmt::Debug for Settings {
 }
 
 impl Settings {
-    pub fn from_pb(s: corral_proto::pb::RunSettings) -> Self {
-        Self {
+    /// The settings a client sent: each choice from its enum, else (a
+    /// client of an earlier release) from its older string field.
+    pub fn from_pb(s: corral_proto::pb::RunSettings) -> Result<Self, HostError> {
+        use corral_proto::pb;
+        let bad = |m: String| HostError::Invalid(m);
+        let api = match (s.api_kind(), s.api.as_deref()) {
+            (pb::ModelApi::Responses, _) | (pb::ModelApi::Unspecified, Some("responses")) => {
+                Some(Api::Responses)
+            }
+            (pb::ModelApi::Chat, _) | (pb::ModelApi::Unspecified, Some("chat")) => Some(Api::Chat),
+            (pb::ModelApi::Unspecified, None) => None,
+            (pb::ModelApi::Unspecified, Some(other)) => {
+                return Err(bad(format!("api {other:?}: responses or chat")));
+            }
+        };
+        let reasoning_effort = match (s.effort(), s.reasoning_effort.as_deref()) {
+            (pb::ReasoningEffort::Low, _) | (pb::ReasoningEffort::Unspecified, Some("low")) => {
+                Some(ReasoningEffort::Low)
+            }
+            (pb::ReasoningEffort::Medium, _)
+            | (pb::ReasoningEffort::Unspecified, Some("medium")) => Some(ReasoningEffort::Medium),
+            (pb::ReasoningEffort::High, _) | (pb::ReasoningEffort::Unspecified, Some("high")) => {
+                Some(ReasoningEffort::High)
+            }
+            (pb::ReasoningEffort::Unspecified, None) => None,
+            (pb::ReasoningEffort::Unspecified, Some(other)) => {
+                return Err(bad(format!(
+                    "reasoning_effort {other:?}: low, medium or high"
+                )));
+            }
+        };
+        let on_sandbox_lost = match (s.lost(), s.on_sandbox_lost.as_deref()) {
+            (pb::OnSandboxLost::Fail, _) | (pb::OnSandboxLost::Unspecified, Some("fail")) => {
+                Some(OnSandboxLost::Fail)
+            }
+            (pb::OnSandboxLost::NewSandbox, _)
+            | (pb::OnSandboxLost::Unspecified, Some("new_sandbox")) => {
+                Some(OnSandboxLost::NewSandbox)
+            }
+            (pb::OnSandboxLost::Unspecified, None) => None,
+            (pb::OnSandboxLost::Unspecified, Some(other)) => {
+                return Err(bad(format!(
+                    "on_sandbox_lost {other:?}: fail or new_sandbox"
+                )));
+            }
+        };
+        Ok(Self {
             base_url: s.base_url,
-            api: s.api,
+            api,
             api_key: s.api_key,
             image: s.image,
-            reasoning_effort: s.reasoning_effort,
+            reasoning_effort,
             heartbeat_ms: s.heartbeat_ms,
             grace_ms: s.grace_ms,
             keep_sandbox: s.keep_sandbox,
-            on_sandbox_lost: s.on_sandbox_lost,
+            on_sandbox_lost,
+        })
+    }
+
+    /// These settings as a client sends them: the enums, and the older
+    /// strings beside them for a service of an earlier release.
+    pub fn to_pb(&self) -> corral_proto::pb::RunSettings {
+        use corral_proto::pb;
+        let mut s = pb::RunSettings {
+            base_url: self.base_url.clone(),
+            api: self.api.map(|a| a.as_str().to_string()),
+            api_key: self.api_key.clone(),
+            image: self.image.clone(),
+            reasoning_effort: self.reasoning_effort.map(|e| e.as_str().to_string()),
+            heartbeat_ms: self.heartbeat_ms,
+            keep_sandbox: self.keep_sandbox,
+            on_sandbox_lost: self.on_sandbox_lost.map(|l| l.as_str().to_string()),
+            grace_ms: self.grace_ms,
+            ..Default::default()
+        };
+        if let Some(a) = self.api {
+            s.set_api_kind(match a {
+                Api::Responses => pb::ModelApi::Responses,
+                Api::Chat => pb::ModelApi::Chat,
+            });
         }
+        if let Some(e) = self.reasoning_effort {
+            s.set_effort(match e {
+                ReasoningEffort::Low => pb::ReasoningEffort::Low,
+                ReasoningEffort::Medium => pb::ReasoningEffort::Medium,
+                ReasoningEffort::High => pb::ReasoningEffort::High,
+            });
+        }
+        if let Some(l) = self.on_sandbox_lost {
+            s.set_lost(match l {
+                OnSandboxLost::Fail => pb::OnSandboxLost::Fail,
+                OnSandboxLost::NewSandbox => pb::OnSandboxLost::NewSandbox,
+            });
+        }
+        s
     }
 
     /// The run's options: these settings over `defaults`, checked.
@@ -194,31 +279,14 @@ impl Settings {
         defaults: &Defaults,
         recorded: Option<&SessionConfig>,
     ) -> Result<RunOptions, HostError> {
-        let bad = |m: String| HostError::Invalid(m);
         let existing = recorded.is_some();
         let recorded = recorded.and_then(|c| c.endpoint.as_ref());
-        let api = match self.api.as_deref() {
+        let api = match self.api {
             None if existing => None,
             None => defaults.api,
-            Some("responses") => Some(Api::Responses),
-            Some("chat") => Some(Api::Chat),
-            Some(other) => return Err(bad(format!("api {other:?}: responses or chat"))),
+            some => some,
         };
-        let on_sandbox_lost = match self.on_sandbox_lost.as_deref() {
-            None => defaults.on_sandbox_lost,
-            Some("fail") => Some(OnSandboxLost::Fail),
-            Some("new_sandbox") => Some(OnSandboxLost::NewSandbox),
-            Some(other) => {
-                return Err(bad(format!(
-                    "on_sandbox_lost {other:?}: fail or new_sandbox"
-                )));
-            }
-        };
-        if let Some(r) = &self.reasoning_effort
-            && !["low", "medium", "high"].contains(&r.as_str())
-        {
-            return Err(bad(format!("reasoning_effort {r:?}: low, medium or high")));
-        }
+        let on_sandbox_lost = self.on_sandbox_lost.or(defaults.on_sandbox_lost);
         let mut request = request;
         if request.model.is_none() && !existing {
             request.model = defaults.model.clone();
@@ -256,7 +324,7 @@ impl Settings {
         };
         Ok(RunOptions {
             request,
-            reasoning_effort: self.reasoning_effort.clone(),
+            reasoning_effort: self.reasoning_effort.map(|e| e.as_str().to_string()),
             image: Some(self.image.clone().unwrap_or_else(|| defaults.image.clone())),
             base_url,
             api,
@@ -1049,7 +1117,87 @@ pub fn request_of(json: &str) -> Result<Option<SessionRequest>, HostError> {
 
 #[cfg(test)]
 mod tests {
-    use super::EndpointRule;
+    use super::{EndpointRule, HostError, Settings};
+    use crate::agent::OnSandboxLost;
+    use crate::llm::Api;
+    use crate::sessions::ReasoningEffort;
+    use corral_proto::pb;
+
+    #[test]
+    fn settings_are_read_from_enums_and_from_an_earlier_clients_strings() {
+        let typed = Settings {
+            api: Some(Api::Chat),
+            reasoning_effort: Some(ReasoningEffort::High),
+            on_sandbox_lost: Some(OnSandboxLost::NewSandbox),
+            ..Settings::default()
+        };
+        let wire = typed.to_pb();
+        // Both the enums and, for a service of an earlier release, the strings.
+        assert_eq!(wire.api_kind(), pb::ModelApi::Chat);
+        assert_eq!(wire.api.as_deref(), Some("chat"));
+        assert_eq!(wire.effort(), pb::ReasoningEffort::High);
+        assert_eq!(wire.reasoning_effort.as_deref(), Some("high"));
+        assert_eq!(wire.lost(), pb::OnSandboxLost::NewSandbox);
+        assert_eq!(wire.on_sandbox_lost.as_deref(), Some("new_sandbox"));
+        let read = Settings::from_pb(wire).unwrap();
+        assert_eq!(read.api, Some(Api::Chat));
+        assert_eq!(read.reasoning_effort, Some(ReasoningEffort::High));
+        assert_eq!(read.on_sandbox_lost, Some(OnSandboxLost::NewSandbox));
+        // An earlier client: strings only.
+        let old = pb::RunSettings {
+            api: Some("responses".into()),
+            reasoning_effort: Some("low".into()),
+            on_sandbox_lost: Some("fail".into()),
+            ..Default::default()
+        };
+        let read = Settings::from_pb(old).unwrap();
+        assert_eq!(read.api, Some(Api::Responses));
+        assert_eq!(read.reasoning_effort, Some(ReasoningEffort::Low));
+        assert_eq!(read.on_sandbox_lost, Some(OnSandboxLost::Fail));
+        // The enum wins over a string that disagrees; nothing set is unset.
+        let mut both = pb::RunSettings {
+            api: Some("chat".into()),
+            ..Default::default()
+        };
+        both.set_api_kind(pb::ModelApi::Responses);
+        assert_eq!(Settings::from_pb(both).unwrap().api, Some(Api::Responses));
+        let none = Settings::from_pb(pb::RunSettings::default()).unwrap();
+        assert_eq!(
+            (none.api, none.reasoning_effort, none.on_sandbox_lost),
+            (None, None, None)
+        );
+        for bad in [
+            pb::RunSettings {
+                api: Some("grpc".into()),
+                ..Default::default()
+            },
+            pb::RunSettings {
+                reasoning_effort: Some("extreme".into()),
+                ..Default::default()
+            },
+            pb::RunSettings {
+                on_sandbox_lost: Some("retry".into()),
+                ..Default::default()
+            },
+        ] {
+            assert!(matches!(Settings::from_pb(bad), Err(HostError::Invalid(_))));
+        }
+    }
+
+    #[test]
+    fn settings_kept_in_a_mark_read_as_before() {
+        // The mark of a run started by an earlier release.
+        let old = r#"{"base_url":null,"api":"chat","api_key":null,"image":null,"reasoning_effort":"medium","heartbeat_ms":null,"grace_ms":null,"keep_sandbox":false,"on_sandbox_lost":"new_sandbox"}"#;
+        let s: Settings = serde_json::from_str(old).unwrap();
+        assert_eq!(s.api, Some(Api::Chat));
+        assert_eq!(s.reasoning_effort, Some(ReasoningEffort::Medium));
+        assert_eq!(s.on_sandbox_lost, Some(OnSandboxLost::NewSandbox));
+        let again: serde_json::Value = serde_json::to_value(&s).unwrap();
+        assert_eq!(
+            again,
+            serde_json::from_str::<serde_json::Value>(old).unwrap()
+        );
+    }
 
     #[test]
     fn endpoint_rules_match_the_parsed_address_not_its_text() {

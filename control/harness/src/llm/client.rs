@@ -25,6 +25,14 @@ pub enum Api {
 }
 
 impl Api {
+    /// Its name on the wire and in flags: responses | chat.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Api::Responses => "responses",
+            Api::Chat => "chat",
+        }
+    }
+
     fn name(self) -> &'static str {
         match self {
             Api::Responses => "responses",
