@@ -694,3 +694,55 @@ async fn a_failed_claim_leaves_nothing_of_the_sandbox_or_the_member() {
     );
     assert_eq!(f.worker.info().pools[0].claims, 1);
 }
+
+/// A record as the previous release wrote it (before `restored` and the
+/// spec's `egress_proxy`), for a container of `container`.
+fn earlier_record(id: &str, container: &str, runtime: &str, checkpointed: bool) -> String {
+    let runtime = if runtime.is_empty() {
+        "null".to_string()
+    } else {
+        format!("{runtime:?}")
+    };
+    let checkpointed = if checkpointed {
+        r#","checkpointed":true"#
+    } else {
+        ""
+    };
+    format!(
+        r#"{{"version":1,"id":"{id}","spec":{{"image":null,"network":"none","memory_bytes":null,"cpu_millis":null,"pids_limit":null,"workspace_bytes":null,"tmp_bytes":null,"run_as_root":false,"writable_rootfs":false,"add_capabilities":[],"env":{{}},"runtime":{runtime}}},"created_at_unix_ms":1764900000000,"container_id":"{container}"{checkpointed}}}"#
+    )
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_state_directory_of_the_previous_release_is_adopted() {
+    let dir = tempfile::tempdir().unwrap();
+    let fake = FakeRuntime::new(WORKER);
+    let running = fake
+        .create(&id("old-a"), &SandboxSpec::default(), None)
+        .await
+        .unwrap();
+    let saved = fake.create(&id("old-b"), &gvisor(), None).await.unwrap();
+    fake.checkpoint(&saved).await.unwrap();
+    {
+        let state = StateDir::open(dir.path()).unwrap();
+        state.worker_id(Some(WORKER), || unreachable!()).unwrap();
+    }
+    let records = dir.path().join("sandboxes");
+    std::fs::create_dir_all(&records).unwrap();
+    for (id, json) in [
+        ("old-a", earlier_record("old-a", &running, "", false)),
+        ("old-b", earlier_record("old-b", &saved, "runsc", true)),
+    ] {
+        std::fs::write(records.join(format!("{id}.json")), json).unwrap();
+    }
+    let w = Fixture::start_on(&dir, &fake, |_| {}).await;
+    let a = w.sandbox(&id("old-a")).await.unwrap();
+    assert_eq!(a.container_id, running);
+    assert!(matches!(
+        w.inner.table.lookup(&id("old-b")),
+        Lookup::Checkpointed(_)
+    ));
+    let b = w.restore_sandbox(&id("old-b")).await.unwrap();
+    assert_eq!(b.container_id, saved);
+    assert_eq!(fake.containers().len(), 2, "{:?}", fake.containers());
+}
