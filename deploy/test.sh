@@ -40,6 +40,9 @@ RUSTFLAGS="-C target-feature=+crt-static" \
     cargo build --locked --release --target x86_64-unknown-linux-gnu -p corral-init
 deploy/images/build.sh
 deploy/images/build-debian.sh
+# A real Jupyter server for the way-in tests (wheels from PyPI, built
+# offline FROM corral-debian; cached).
+tests/jupyter/build-image.sh
 # Corral's own images (static binaries, FROM scratch), and the Kubernetes
 # manifests and Compose file checked against their schemas.
 deploy/images/runtime.sh

@@ -111,6 +111,10 @@ pub enum Command {
     /// Manage sandboxes.
     #[command(subcommand)]
     Sandbox(SandboxCommand),
+    /// A sandbox's ports reached from outside, through its worker's port
+    /// listener (`corral-worker --ports-listen`).
+    #[command(subcommand)]
+    Port(PortCommand),
     /// A sandbox's operations: the running ones (--all: the finished ones
     /// its worker remembers too).
     Ps {
@@ -162,6 +166,44 @@ pub enum Command {
         #[arg(long, env = "CORRAL_LOCAL_WORKER_IDLE", default_value = "30s", value_parser = humantime::parse_duration)]
         idle: Duration,
     },
+}
+
+#[derive(Debug, Clone, Subcommand)]
+pub enum PortCommand {
+    /// Expose PORT of sandbox ID; prints its URL (for signed access, with
+    /// its token: a browser opens it as it is, and keeps the token as a
+    /// cookie). Exposing a port again replaces its exposure.
+    Expose {
+        id: String,
+        port: u16,
+        /// Who may use it: private (the worker's token), signed (a token
+        /// made for this port and time), or public (anyone; where the
+        /// worker allows it).
+        #[arg(long, value_enum, default_value_t = PortAccessArg::Private)]
+        access: PortAccessArg,
+        /// How long it lives (default: until revoked; signed: 1h).
+        #[arg(long, value_parser = humantime::parse_duration)]
+        ttl: Option<Duration>,
+        /// One JSON object: url, and token where one is needed.
+        #[arg(long)]
+        json: bool,
+    },
+    /// The exposed ports of sandbox ID: port, access, URL, time left.
+    Ls {
+        id: String,
+        #[arg(long)]
+        json: bool,
+    },
+    /// End the exposure of PORT: its tokens are refused, its open
+    /// connections cut. Exits 1 when it was not exposed.
+    Revoke { id: String, port: u16 },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum PortAccessArg {
+    Private,
+    Signed,
+    Public,
 }
 
 #[derive(Debug, Clone, Args)]

@@ -46,6 +46,8 @@ pub enum InitRequest {
     /// Serve the egress proxy (as `--egress` does at start); nothing if it
     /// runs already.
     StartRelay,
+    /// Start the way in (see `corral_init::ingress`).
+    StartIngress,
 }
 
 /// A signal number a client may send: 1-31 (SIGHUP .. SIGSYS).
@@ -279,6 +281,7 @@ impl From<InitRequest> for pb::InitRequest {
                 egress: Some(e.into()),
             }),
             InitRequest::StartRelay => Kind::StartRelay(p::StartRelay {}),
+            InitRequest::StartIngress => Kind::StartIngress(p::StartIngress {}),
         };
         Self { kind: Some(kind) }
     }
@@ -323,6 +326,7 @@ impl TryFrom<pb::InitRequest> for InitRequest {
                     .try_into()?,
             ),
             Kind::StartRelay(_) => Self::StartRelay,
+            Kind::StartIngress(_) => Self::StartIngress,
         })
     }
 }

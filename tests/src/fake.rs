@@ -153,6 +153,24 @@ impl pb::worker_server::Worker for FakeWorker {
     ) -> Result<Response<pb::Sandbox>, Status> {
         no()
     }
+    async fn expose_port(
+        &self,
+        _: Request<pb::ExposePortRequest>,
+    ) -> Result<Response<pb::PortExposure>, Status> {
+        no()
+    }
+    async fn revoke_access(
+        &self,
+        _: Request<pb::RevokeAccessRequest>,
+    ) -> Result<Response<pb::RevokeAccessResponse>, Status> {
+        no()
+    }
+    async fn list_exposures(
+        &self,
+        _: Request<pb::ListExposuresRequest>,
+    ) -> Result<Response<pb::ListExposuresResponse>, Status> {
+        no()
+    }
     async fn get_sandbox_stats(
         &self,
         _: Request<pb::GetSandboxStatsRequest>,

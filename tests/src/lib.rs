@@ -63,6 +63,20 @@ pub fn session_config(model: &str, sandbox: SandboxId) -> corral_harness::agent:
     }
 }
 
+/// Debian's Chromium (or another Chrome on PATH), for the tests that open
+/// pages in a real browser.
+pub fn chromium() -> Result<PathBuf> {
+    for name in ["chromium", "chromium-browser", "google-chrome"] {
+        for dir in std::env::var("PATH").unwrap_or_default().split(':') {
+            let p = Path::new(dir).join(name);
+            if p.is_file() {
+                return Ok(p);
+            }
+        }
+    }
+    bail!("no chromium on PATH (apt-get install chromium)")
+}
+
 pub fn unique_id(prefix: &str) -> String {
     format!(
         "{prefix}{}",

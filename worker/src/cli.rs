@@ -233,6 +233,24 @@ pub struct WorkerArgs {
     /// is left.
     #[arg(long, env = "CORRAL_DRAIN_DEADLINE", default_value = "1h", value_parser = humantime::parse_duration)]
     pub drain_deadline: std::time::Duration,
+    /// Serve sandboxes' exposed ports (HTTP/1.1 and WebSockets) on ADDR:
+    /// URLs /p/{sandbox}/{port}/ (or {port}-{sandbox}.{domain} with
+    /// --ports-domain). Off by default.
+    #[arg(long, env = "CORRAL_PORTS_LISTEN")]
+    pub ports_listen: Option<SocketAddr>,
+    /// The URL clients reach --ports-listen at, when it is not the address
+    /// itself (a load balancer or TLS proxy in front), e.g.
+    /// https://ports.example.com
+    #[arg(long, env = "CORRAL_PORTS_URL")]
+    pub ports_url: Option<String>,
+    /// A wildcard domain whose names reach --ports-listen: URLs are then
+    /// {port}-{sandbox}.DOMAIN (the same Host for every request and
+    /// WebSocket of an app), else /p/{sandbox}/{port}/.
+    #[arg(long, env = "CORRAL_PORTS_DOMAIN")]
+    pub ports_domain: Option<String>,
+    /// Let clients expose ports with public access (no credential at all).
+    #[arg(long, env = "CORRAL_ALLOW_PUBLIC_PORTS")]
+    pub allow_public_ports: bool,
     /// Serve Prometheus metrics at http://ADDR/metrics (a port of its own,
     /// without the token: bind it where only the scraper reaches).
     #[arg(long, env = "CORRAL_METRICS_LISTEN")]
@@ -389,6 +407,11 @@ impl WorkerArgs {
             sandbox_uids: self.sandbox_uids,
             egress: self.egress()?,
             pools: self.pools.clone(),
+            ports: crate::worker::PortsSettings {
+                url: self.ports_url.clone(),
+                domain: self.ports_domain.clone(),
+                allow_public: self.allow_public_ports,
+            },
             otlp_endpoint: self.otlp_endpoint.clone(),
             build: crate::build::BuildSettings {
                 network: self.build_network.clone(),
@@ -418,6 +441,7 @@ impl WorkerArgs {
         }
         let mut own = vec![self.listen];
         own.extend(self.metrics_listen);
+        own.extend(self.ports_listen);
         let defaults = crate::proxy::Settings::default();
         Ok(crate::proxy::Settings {
             gate: crate::egress::Gate {

@@ -57,6 +57,7 @@ pub mod initbin;
 pub mod metrics;
 pub mod policy;
 pub mod pool;
+pub mod ports;
 pub mod process;
 pub mod proxy;
 pub mod rate;

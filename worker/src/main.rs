@@ -85,6 +85,14 @@ async fn run(args: WorkerArgs) -> anyhow::Result<()> {
         Some(addr) => Some(metrics::bind(addr).await?),
         None => None,
     };
+    let ports = match args.ports_listen {
+        Some(addr) => Some(
+            tokio::net::TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("--ports-listen: cannot listen on {addr}"))?,
+        ),
+        None => None,
+    };
     let worker = Worker::start(config).await?;
     let addr = listener.local_addr()?;
     // One line for whoever started it; a closed stdout is no failure.
@@ -107,6 +115,18 @@ async fn run(args: WorkerArgs) -> anyhow::Result<()> {
             std::sync::Arc::new(move || w.metrics_text()),
             Some(std::sync::Arc::new(move || !r.draining())),
             stopped,
+        ))
+    });
+    let ports = ports.map(|listener| {
+        if let Ok(addr) = listener.local_addr() {
+            tracing::info!(%addr, "serving sandboxes' exposed ports");
+            worker.ports_listening(format!("http://{addr}"));
+        }
+        worker.set_ports_token(Some(token.clone()));
+        tokio::spawn(corral_worker::ports::http::serve(
+            worker.clone(),
+            listener,
+            stop.clone(),
         ))
     });
     let stopping = worker.clone();
@@ -132,6 +152,9 @@ async fn run(args: WorkerArgs) -> anyhow::Result<()> {
     .await;
     stop.cancel();
     let _ = stalls.await;
+    if let Some(task) = ports {
+        let _ = task.await;
+    }
     if let Some(task) = metrics {
         match task.await {
             Ok(Err(e)) => tracing::warn!(error = %e, "the metrics endpoint failed"),

@@ -112,8 +112,13 @@ pub fn make_dir(dir: &Path) -> std::io::Result<()> {
 /// Makes `dir` and binds its socket anew (a stale one from an earlier run
 /// is replaced), 0666 (see [`make_dir`]).
 pub fn bind(dir: &Path) -> std::io::Result<UnixListener> {
+    bind_named(dir, SOCKET_NAME)
+}
+
+/// [`bind`] for the socket `name` of the directory (the way in's too).
+pub fn bind_named(dir: &Path, name: &str) -> std::io::Result<UnixListener> {
     make_dir(dir)?;
-    let path = dir.join(SOCKET_NAME);
+    let path = dir.join(name);
     match std::fs::remove_file(&path) {
         Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
         _ => {}
@@ -125,7 +130,7 @@ pub fn bind(dir: &Path) -> std::io::Result<UnixListener> {
     } else {
         let d = std::fs::File::open(dir)?;
         let short = format!(
-            "/proc/self/fd/{}/{SOCKET_NAME}",
+            "/proc/self/fd/{}/{name}",
             std::os::fd::AsRawFd::as_raw_fd(&d)
         );
         UnixListener::bind(short)?
@@ -362,11 +367,8 @@ async fn take(stream: tokio::net::UnixStream) -> Option<Brought> {
 fn receive_handed(
     stream: &tokio::net::UnixStream,
 ) -> std::io::Result<Option<tokio::net::TcpStream>> {
-    use nix::sys::socket::{
-        AddressFamily, ControlMessageOwned, MsgFlags, SockType, SockaddrLike, SockaddrStorage,
-        getpeername, getsockname, getsockopt, recvmsg, sockopt,
-    };
-    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+    use nix::sys::socket::MsgFlags;
+    use std::os::fd::AsRawFd;
     let mut b = [0u8; 1];
     let peeked = nix::sys::socket::recv(
         stream.as_raw_fd(),
@@ -376,7 +378,24 @@ fn receive_handed(
     if !matches!(peeked, Ok(1)) || b[0] != HANDED {
         return Ok(None);
     }
-    let mut iov = [std::io::IoSliceMut::new(&mut b)];
+    receive_socket(stream, &mut b).map(Some)
+}
+
+/// Receives `head` (its whole length, in one message) with the connected
+/// TCP socket a relay attached to it: exactly one descriptor, a connected
+/// TCP socket (not listening), made non-blocking.
+#[allow(unsafe_code)]
+pub(crate) fn receive_socket(
+    stream: &tokio::net::UnixStream,
+    head: &mut [u8],
+) -> std::io::Result<tokio::net::TcpStream> {
+    use nix::sys::socket::{
+        AddressFamily, ControlMessageOwned, MsgFlags, SockType, SockaddrLike, SockaddrStorage,
+        getpeername, getsockname, getsockopt, recvmsg, sockopt,
+    };
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+    let want = head.len();
+    let mut iov = [std::io::IoSliceMut::new(head)];
     let mut space = nix::cmsg_space!([RawFd; 1]);
     let msg = recvmsg::<()>(
         stream.as_raw_fd(),
@@ -384,7 +403,7 @@ fn receive_handed(
         Some(&mut space),
         MsgFlags::MSG_CMSG_CLOEXEC | MsgFlags::MSG_DONTWAIT,
     )?;
-    let truncated = msg.flags.contains(MsgFlags::MSG_CTRUNC);
+    let truncated = msg.flags.contains(MsgFlags::MSG_CTRUNC) || msg.bytes != want;
     let mut fds: Vec<OwnedFd> = Vec::new();
     for c in msg.cmsgs()? {
         if let ControlMessageOwned::ScmRights(raw) = c {
@@ -426,7 +445,7 @@ fn receive_handed(
     corral_init::relay::loopback_congestion(&fd);
     let tcp = std::net::TcpStream::from(fd);
     tcp.set_nonblocking(true)?;
-    tokio::net::TcpStream::from_std(tcp).map(Some)
+    tokio::net::TcpStream::from_std(tcp)
 }
 
 async fn one<S>(

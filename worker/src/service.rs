@@ -181,6 +181,45 @@ impl pb::worker_server::Worker for WorkerService {
         ))
     }
 
+    async fn expose_port(
+        &self,
+        req: Request<pb::ExposePortRequest>,
+    ) -> Result<Response<pb::PortExposure>, Status> {
+        let tenant = tenant_header(&req)?;
+        let r = req.into_inner();
+        let id = sandbox_id(r.sandbox_id.clone())?;
+        self.owned(&tenant, &id)?;
+        let (port, access, ttl) = crate::ports::from_pb(&r)?;
+        let e = self.worker.expose_port(&id, port, access, ttl).await?;
+        Ok(Response::new(crate::ports::to_pb(e)))
+    }
+
+    async fn revoke_access(
+        &self,
+        req: Request<pb::RevokeAccessRequest>,
+    ) -> Result<Response<pb::RevokeAccessResponse>, Status> {
+        let tenant = tenant_header(&req)?;
+        let r = req.into_inner();
+        let id = sandbox_id(r.sandbox_id)?;
+        self.owned(&tenant, &id)?;
+        let port = crate::ports::port_of(r.port)?;
+        let revoked = self.worker.revoke_access(&id, port).await?;
+        Ok(Response::new(pb::RevokeAccessResponse { revoked }))
+    }
+
+    async fn list_exposures(
+        &self,
+        req: Request<pb::ListExposuresRequest>,
+    ) -> Result<Response<pb::ListExposuresResponse>, Status> {
+        let tenant = tenant_header(&req)?;
+        let id = sandbox_id(req.into_inner().sandbox_id)?;
+        self.owned(&tenant, &id)?;
+        let exposures = self.worker.list_exposures(&id).await?;
+        Ok(Response::new(pb::ListExposuresResponse {
+            exposures: exposures.into_iter().map(crate::ports::to_pb).collect(),
+        }))
+    }
+
     async fn restore_sandbox(
         &self,
         req: Request<pb::RestoreSandboxRequest>,

@@ -637,6 +637,56 @@ impl WorkerClient {
             .try_into()?)
     }
 
+    /// Exposes `port` of sandbox `id` through the worker's port listener:
+    /// its URL, and for signed access its token.
+    pub async fn expose_port(
+        &self,
+        id: &SandboxId,
+        port: u16,
+        access: pb::PortAccess,
+        ttl: Option<Duration>,
+    ) -> Result<pb::PortExposure, ClientError> {
+        let mut req = pb::ExposePortRequest {
+            sandbox_id: id.to_string(),
+            port: u32::from(port),
+            ttl_ms: ttl.map_or(0, |t| u64::try_from(t.as_millis()).unwrap_or(u64::MAX)),
+            ..Default::default()
+        };
+        req.set_access(access);
+        Ok(self
+            .rpc(self.inner.clone().expose_port(req))
+            .await?
+            .into_inner())
+    }
+
+    /// Ends the exposure of `port`: whether there was one.
+    pub async fn revoke_access(&self, id: &SandboxId, port: u16) -> Result<bool, ClientError> {
+        let req = pb::RevokeAccessRequest {
+            sandbox_id: id.to_string(),
+            port: u32::from(port),
+        };
+        Ok(self
+            .rpc(self.inner.clone().revoke_access(req))
+            .await?
+            .into_inner()
+            .revoked)
+    }
+
+    /// The exposed ports of sandbox `id` (no tokens).
+    pub async fn list_exposures(
+        &self,
+        id: &SandboxId,
+    ) -> Result<Vec<pb::PortExposure>, ClientError> {
+        let req = pb::ListExposuresRequest {
+            sandbox_id: id.to_string(),
+        };
+        Ok(self
+            .rpc(self.inner.clone().list_exposures(req))
+            .await?
+            .into_inner()
+            .exposures)
+    }
+
     /// Starts a checkpointed sandbox again from its checkpoint.
     pub async fn restore_sandbox(&self, id: &SandboxId) -> Result<SandboxInfo, ClientError> {
         let req = pb::RestoreSandboxRequest { id: id.to_string() };

@@ -6,6 +6,7 @@ mod cp;
 mod exec;
 mod local_worker;
 mod ops;
+mod port;
 mod remote;
 mod run;
 mod run_input;
@@ -59,6 +60,7 @@ async fn dispatch(mut cli: Cli) -> u8 {
     match cli.command {
         Command::Exec(args) => exec::main(&cli.conn, args).await,
         Command::Sandbox(cmd) => sandbox::main(&cli.conn, cmd).await,
+        Command::Port(cmd) => port::main(&cli.conn, cmd).await,
         Command::Cp(args) => cp::main(&cli.conn, &args).await,
         Command::Ps { sandbox, all } => ops::ps(&cli.conn, &sandbox, all).await,
         Command::Kill { operation, sandbox } => {

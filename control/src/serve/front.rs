@@ -1367,6 +1367,51 @@ impl pb::worker_server::Worker for FrontDoor {
         )
     }
 
+    async fn expose_port(
+        &self,
+        req: Request<pb::ExposePortRequest>,
+    ) -> Result<Response<pb::PortExposure>, Status> {
+        on_sandbox!(
+            self,
+            req,
+            Scope::Run,
+            "ExposePort",
+            true,
+            sandbox_id,
+            expose_port
+        )
+    }
+
+    async fn revoke_access(
+        &self,
+        req: Request<pb::RevokeAccessRequest>,
+    ) -> Result<Response<pb::RevokeAccessResponse>, Status> {
+        on_sandbox!(
+            self,
+            req,
+            Scope::Run,
+            "RevokeAccess",
+            true,
+            sandbox_id,
+            revoke_access
+        )
+    }
+
+    async fn list_exposures(
+        &self,
+        req: Request<pb::ListExposuresRequest>,
+    ) -> Result<Response<pb::ListExposuresResponse>, Status> {
+        on_sandbox!(
+            self,
+            req,
+            Scope::Read,
+            "ListExposures",
+            false,
+            sandbox_id,
+            list_exposures
+        )
+    }
+
     async fn restore_sandbox(
         &self,
         req: Request<pb::RestoreSandboxRequest>,

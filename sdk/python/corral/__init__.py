@@ -14,9 +14,9 @@ over the same core. A worker is found as the ``corral`` CLI finds it:
 """
 
 from corral._build import build_image as abuild_image
-from corral._core import AsyncFiles, AsyncProcess, AsyncSandbox
+from corral._core import AsyncFiles, AsyncPorts, AsyncProcess, AsyncSandbox
 from corral._core import list_sandboxes as alist_sandboxes
-from corral._sync import Files, Process, Sandbox, build_image, list_sandboxes
+from corral._sync import Files, Ports, Process, Sandbox, build_image, list_sandboxes
 from corral._tar import Moved
 from corral.errors import (
     ConfigError,
@@ -44,6 +44,8 @@ from corral.types import (
     EntryType,
     FileEntry,
     OutputChunk,
+    PortAccess,
+    PortExposure,
     Result,
     SandboxInfo,
     SandboxList,
@@ -54,6 +56,7 @@ from corral.types import (
 
 __all__ = [
     "AsyncFiles",
+    "AsyncPorts",
     "AsyncProcess",
     "AsyncSandbox",
     "BuildFailure",
@@ -72,6 +75,9 @@ __all__ = [
     "OutputChunk",
     "PermissionDenied",
     "PolicyDenied",
+    "PortAccess",
+    "PortExposure",
+    "Ports",
     "Process",
     "ProcessNotFound",
     "QuotaExceeded",

@@ -36,11 +36,14 @@ from corral.types import (
     EntryType,
     FileEntry,
     OutputChunk,
+    PortAccess,
+    PortExposure,
     Result,
     SandboxInfo,
     SandboxList,
     SandboxStats,
     WorkerInfo,
+    exposure_of,
     result_of,
     sandbox_info_of,
     stats_of,
@@ -494,6 +497,68 @@ class _TooLarge(Exception):
     """A file read over its bound (stops following it)."""
 
 
+class AsyncPorts:
+    """A sandbox's ports, reached from outside through its worker's port
+    listener (``corral-worker --ports-listen``)."""
+
+    def __init__(self, sandbox: AsyncSandbox) -> None:
+        self._sb = sandbox
+
+    async def expose(
+        self,
+        port: int,
+        *,
+        access: PortAccess | str = PortAccess.PRIVATE,
+        ttl: float | None = None,
+    ) -> PortExposure:
+        """Exposes ``port``: its URL (and, for ``signed`` access, its token).
+        ``ttl`` in seconds (default: until revoked; signed: one hour).
+        Exposing a port again replaces its exposure (earlier tokens no
+        longer hold)."""
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+            raise InvalidArgument(f"port: 1 to 65535, not {port!r}")
+        kind = {
+            PortAccess.PRIVATE: pb.PORT_ACCESS_PRIVATE,
+            PortAccess.SIGNED: pb.PORT_ACCESS_SIGNED,
+            PortAccess.PUBLIC: pb.PORT_ACCESS_PUBLIC,
+        }[PortAccess(access)]
+        ttl_ms = 0 if ttl is None else max(1, int(ttl * 1000))
+        req = pb.ExposePortRequest(sandbox_id=self._sb.id, port=port, access=kind, ttl_ms=ttl_ms)
+        return exposure_of(await self._sb._ask("ExposePort", req, pb.PortExposure))
+
+    async def revoke(self, port: int) -> bool:
+        """Ends the exposure of ``port`` (its tokens are refused, its open
+        connections cut): whether it was exposed."""
+        req = pb.RevokeAccessRequest(sandbox_id=self._sb.id, port=port)
+        return (await self._sb._ask("RevokeAccess", req, pb.RevokeAccessResponse)).revoked
+
+    async def list(self) -> builtins.list[PortExposure]:
+        """The exposed ports (without tokens)."""
+        req = pb.ListExposuresRequest(sandbox_id=self._sb.id)
+        resp = await self._sb._ask("ListExposures", req, pb.ListExposuresResponse)
+        return [exposure_of(e) for e in resp.exposures]
+
+    async def wait(self, port: int, *, timeout: float = 60.0) -> None:
+        """Waits until something listens on ``port`` in the sandbox (a
+        server it started); TimeoutError after ``timeout`` seconds."""
+        probe = (
+            "import socket,sys\n"
+            "s=socket.socket();s.settimeout(1)\n"
+            f"sys.exit(0 if s.connect_ex(('127.0.0.1',{int(port)}))==0 else 1)"
+        )
+        deadline = asyncio.get_running_loop().time() + timeout
+        while True:
+            r = await self._sb.run(
+                f"python3 -c {shlex.quote(probe)} 2>/dev/null || nc -z 127.0.0.1 {int(port)}",
+                timeout=10,
+            )
+            if r.ok:
+                return
+            if asyncio.get_running_loop().time() >= deadline:
+                raise TimeoutError(f"nothing listened on port {port} within {timeout} s")
+            await asyncio.sleep(0.2)
+
+
 class AsyncFiles:
     """A sandbox's files (paths relative to /workspace, or under /tmp)."""
 
@@ -661,6 +726,7 @@ class AsyncSandbox:
         self.owned = owned
         self.patience = PATIENCE_S
         self.files = AsyncFiles(self)
+        self.ports = AsyncPorts(self)
 
     def __repr__(self) -> str:
         return f"AsyncSandbox(id={self.id!r}, worker={self.worker.url!r})"
@@ -916,6 +982,13 @@ class AsyncSandbox:
         they stood, its memory as it was."""
         s = await self._ask("RestoreSandbox", pb.RestoreSandboxRequest(id=self.id), pb.Sandbox)
         return sandbox_info_of(s, self.worker.url)
+
+    async def get_host(self, port: int) -> str:
+        """The URL of ``port`` (exposed private if it is not yet exposed)."""
+        for e in await self.ports.list():
+            if e.port == port:
+                return e.url
+        return (await self.ports.expose(port)).url
 
     async def stats(self) -> SandboxStats:
         """Memory, CPU and processes now. The memory limit is the working

@@ -99,6 +99,9 @@ class Worker:
             ("SetSandboxEgress", pb.Sandbox),
             ("CheckpointSandbox", pb.Sandbox),
             ("RestoreSandbox", pb.Sandbox),
+            ("ExposePort", pb.PortExposure),
+            ("RevokeAccess", pb.RevokeAccessResponse),
+            ("ListExposures", pb.ListExposuresResponse),
         ]
         for name, resp in calls:
             self._unary[name] = ch.unary_unary(

@@ -4,6 +4,7 @@ background thread shared by every sync object of the process."""
 from __future__ import annotations
 
 import asyncio
+import builtins
 import os
 import sys
 import threading
@@ -16,6 +17,8 @@ from corral.types import (
     BuiltImage,
     FileEntry,
     OutputChunk,
+    PortAccess,
+    PortExposure,
     Result,
     SandboxInfo,
     SandboxList,
@@ -217,6 +220,31 @@ class Files:
         return _run(self._f.download(remote, local))
 
 
+class Ports:
+    """A sandbox's ports (see :class:`corral.AsyncPorts`)."""
+
+    def __init__(self, inner: _core.AsyncPorts) -> None:
+        self._p = inner
+
+    def expose(
+        self,
+        port: int,
+        *,
+        access: PortAccess | str = PortAccess.PRIVATE,
+        ttl: float | None = None,
+    ) -> PortExposure:
+        return _run(self._p.expose(port, access=access, ttl=ttl))
+
+    def revoke(self, port: int) -> bool:
+        return _run(self._p.revoke(port))
+
+    def list(self) -> builtins.list[PortExposure]:
+        return _run(self._p.list())
+
+    def wait(self, port: int, *, timeout: float = 60.0) -> None:
+        _run(self._p.wait(port, timeout=timeout))
+
+
 class Sandbox:
     """A sandbox on a worker. ``with Sandbox.create() as sb:`` removes it at
     the end of the block; :meth:`connect` gives one that is not removed."""
@@ -224,6 +252,7 @@ class Sandbox:
     def __init__(self, inner: _core.AsyncSandbox) -> None:
         self._sb = inner
         self.files = Files(inner.files)
+        self.ports = Ports(inner.ports)
 
     def __repr__(self) -> str:
         return f"Sandbox(id={self.id!r}, worker={self._sb.worker.url!r})"
@@ -391,6 +420,10 @@ class Sandbox:
     def restore(self) -> SandboxInfo:
         """See :meth:`corral.AsyncSandbox.restore`."""
         return _run(self._sb.restore())
+
+    def get_host(self, port: int) -> str:
+        """See :meth:`corral.AsyncSandbox.get_host`."""
+        return _run(self._sb.get_host(port))
 
     def stats(self) -> SandboxStats:
         """See :meth:`corral.AsyncSandbox.stats`."""

@@ -298,6 +298,55 @@ class BuiltImage:
         return self.failure is None and self.image is not None
 
 
+class PortAccess(str, enum.Enum):
+    """Who may use an exposed port."""
+
+    #: The worker's token (``Authorization: Bearer``).
+    PRIVATE = "private"
+    #: A token made for this port and time (``token``).
+    SIGNED = "signed"
+    #: Anyone who reaches the worker's port listener (where it allows it).
+    PUBLIC = "public"
+
+
+@dataclass(frozen=True)
+class PortExposure:
+    """An exposed port: its ``url``, and for signed access its ``token``
+    (send it as ``Authorization: Bearer``, or once as ``?token=``: a browser
+    then keeps it as a cookie; :attr:`browser_url` is that URL)."""
+
+    sandbox_id: str
+    port: int
+    access: PortAccess
+    url: str
+    token: str | None
+    #: Seconds since the epoch; None: until revoked.
+    expires_at: float | None
+
+    @property
+    def browser_url(self) -> str:
+        """The URL to open as it is (with its token, if it needs one)."""
+        return f"{self.url}?token={self.token}" if self.token else self.url
+
+    @property
+    def host(self) -> str:
+        """The host (and port) of :attr:`url`."""
+        rest = self.url.split("://", 1)[-1]
+        return rest.split("/", 1)[0]
+
+
+def exposure_of(e: pb.PortExposure) -> PortExposure:
+    access = {2: PortAccess.SIGNED, 3: PortAccess.PUBLIC}.get(int(e.access), PortAccess.PRIVATE)
+    return PortExposure(
+        sandbox_id=e.sandbox_id,
+        port=int(e.port),
+        access=access,
+        url=e.url,
+        token=e.token or None,
+        expires_at=e.expires_at_unix_ms / 1000 if e.expires_at_unix_ms > 0 else None,
+    )
+
+
 class EntryType(str, enum.Enum):
     FILE = "file"
     DIRECTORY = "directory"

@@ -23,6 +23,7 @@ mod ordering;
 mod otel;
 mod paused;
 mod pools;
+mod ports;
 mod processes;
 mod reasons;
 mod resilience;

@@ -367,7 +367,7 @@ fn the_html_page_renders_every_lane_offline() -> Result<()> {
     // A proxy of the test's own that takes every request Chromium makes
     // and writes down its first line.
     let tripwire = Tripwire::start()?;
-    let chromium = chromium()?;
+    let chromium = corral_e2e::chromium()?;
     let profile = tempfile::tempdir()?;
     let browse = |url: &str, extra: &[String]| -> Result<std::process::Output> {
         let mut cmd = std::process::Command::new(&chromium);
@@ -597,16 +597,4 @@ impl Drop for Tripwire {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::SeqCst);
     }
-}
-
-fn chromium() -> Result<PathBuf> {
-    for name in ["chromium", "chromium-browser", "google-chrome"] {
-        for dir in std::env::var("PATH").unwrap_or_default().split(':') {
-            let p = Path::new(dir).join(name);
-            if p.is_file() {
-                return Ok(p);
-            }
-        }
-    }
-    bail!("no chromium on PATH (apt-get install chromium)")
 }

@@ -22,6 +22,9 @@
 //!   that the sandbox's commands cannot trace (`files.list`);
 //! - [`users`]: the sandbox user's `passwd` and `group` entries, for the
 //!   uid the worker chose;
+//! - [`ingress`]: the way in, connections the worker asks for to ports of
+//!   the sandbox's loopback, dialled from inside and handed over or carried
+//!   (a process of its own, started on the worker's first ask);
 //! - [`relay`]: the egress proxy address on the sandbox's loopback, each
 //!   connection carried to the worker's socket for this sandbox (a process
 //!   of its own, started and restarted by the supervisor);
@@ -40,6 +43,7 @@
 pub mod archive;
 pub mod capture;
 pub mod fileops;
+pub mod ingress;
 pub mod journal;
 pub mod keeper;
 pub mod listing;

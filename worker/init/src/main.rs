@@ -78,6 +78,24 @@ fn main() -> ExitCode {
         eprintln!("corral-init: egress relay: {e}");
         return ExitCode::from(1);
     }
+    // `--ingress-relay`: the way in, started by the supervisor when the
+    // worker asks (see corral_init::ingress).
+    if args.first().map(String::as_str) == Some("--ingress-relay") {
+        let _ = nix::sys::prctl::set_dumpable(false);
+        let socket = std::path::Path::new(corral_init::relay::SOCKET_DIR)
+            .join(corral_init::ingress::SOCKET_NAME);
+        let e = corral_init::ingress::serve(&socket);
+        // No worker listens (it restarted, and has exposed nothing since):
+        // not started again until the worker asks.
+        if matches!(
+            e.kind(),
+            std::io::ErrorKind::ConnectionRefused | std::io::ErrorKind::NotFound
+        ) {
+            return ExitCode::from(corral_init::ingress::NO_WORKER);
+        }
+        eprintln!("corral-init: ingress relay: {e}");
+        return ExitCode::from(1);
+    }
     // Closed before anything runs, for the supervisor and all it starts.
     if let Err(e) = corral_init::syscalls::restrict() {
         eprintln!("corral-init: {e}");

@@ -21,16 +21,15 @@
 //! by the supervisor with the listening socket already bound (so no command
 //! can take the port first) and started again if it dies. One thread, one
 //! poll loop, bounded: at most [`MAX_CONNECTIONS`] relayed connections,
-//! each with two pipes of [`BUF_BYTES`] or more.
+//! each with two buffers of [`CARRY_BYTES`].
 
 use std::io::{self, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
-use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::fd::{AsFd, BorrowedFd};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
 
 use nix::errno::Errno;
-use nix::fcntl::{OFlag, SpliceFFlags, splice};
 use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
 
 /// Where the proxy listens in the sandbox.
@@ -49,9 +48,9 @@ pub const RELAYED: u8 = 1;
 /// Most connections relayed at once; more are answered at once with a
 /// refusal (never left to hang in the listen queue).
 pub const MAX_CONNECTIONS: usize = 256;
-/// The size asked of each direction's pipe.
-const PIPE_BYTES: i32 = 256 * 1024;
-/// Each direction's pipe, when its size cannot be read.
+/// Each direction's buffer of a carried connection.
+pub const CARRY_BYTES: usize = 256 * 1024;
+/// The size of a pipe on most hosts (what the tests carry several of).
 pub const BUF_BYTES: usize = 64 * 1024;
 
 /// The congestion control of the sandbox's side of a connection, which is
@@ -80,98 +79,71 @@ const UNAVAILABLE: &[u8] = b"HTTP/1.1 503 Service Unavailable\r\nX-Corral-Egress
 /// The answer past [`MAX_CONNECTIONS`].
 const TOO_MANY: &[u8] = b"HTTP/1.1 429 Too Many Requests\r\nX-Corral-Egress: blocked; reason=too_many_connections\r\nContent-Length: 0\r\nConnection: close\r\n\r\n";
 
-/// Bytes read from one side, not yet written to the other: a pipe, so
-/// that they move from socket to socket inside the kernel (`splice`),
-/// never copied through this process.
-struct Half {
-    r: OwnedFd,
-    w: OwnedFd,
-    /// Bytes in the pipe.
-    held: usize,
-    cap: usize,
+/// Bytes read from one side, not yet written to the other, in a buffer
+/// of this process's. Only connections that cannot be handed over are
+/// carried, which is under gVisor, whose `splice` between a socket and a
+/// pipe was seen to reorder bytes past the pipe's first 64 KiB: plain
+/// reads and writes are what is carried there.
+pub(crate) struct Half {
+    buf: Vec<u8>,
+    /// What is held: `buf[start..end]`.
+    start: usize,
+    end: usize,
     /// The reading side said EOF (or failed).
     eof: bool,
     /// The EOF was passed on (the other side shut for writing).
     closed: bool,
 }
 
-fn splice_flags() -> SpliceFFlags {
-    SpliceFFlags::SPLICE_F_NONBLOCK | SpliceFFlags::SPLICE_F_MOVE
-}
-
 impl Half {
-    fn new() -> io::Result<Self> {
-        let (r, w) = nix::unistd::pipe2(OFlag::O_NONBLOCK | OFlag::O_CLOEXEC)?;
-        // Larger than the default where the kernel lets this user: fewer,
-        // bigger moves.
-        let _ = nix::fcntl::fcntl(&w, nix::fcntl::FcntlArg::F_SETPIPE_SZ(PIPE_BYTES));
-        let cap = nix::fcntl::fcntl(&w, nix::fcntl::FcntlArg::F_GETPIPE_SZ)
-            .ok()
-            .and_then(|n| usize::try_from(n).ok())
-            .unwrap_or(BUF_BYTES);
+    pub(crate) fn new() -> io::Result<Self> {
         Ok(Self {
-            r,
-            w,
-            held: 0,
-            cap,
+            buf: vec![0u8; CARRY_BYTES],
+            start: 0,
+            end: 0,
             eof: false,
             closed: false,
         })
     }
     fn pending(&self) -> bool {
-        self.held > 0
+        self.end > self.start
     }
     fn wants_read(&self) -> bool {
-        !self.eof && self.held < self.cap
+        !self.eof && self.end < self.buf.len()
     }
-    /// Moves what `from` has into the pipe.
+    /// Reads what `from` has into the buffer.
     fn fill(&mut self, from: BorrowedFd<'_>) {
         while self.wants_read() {
-            match splice(
-                from,
-                None,
-                &self.w,
-                None,
-                self.cap - self.held,
-                splice_flags(),
-            ) {
+            match nix::unistd::read(from, &mut self.buf[self.end..]) {
                 Ok(0) => self.eof = true,
-                Ok(n) => self.held += n,
-                // Nothing to read (or, with small packets, no slot left in
-                // the pipe: the next drain makes room).
+                Ok(n) => self.end += n,
                 Err(Errno::EAGAIN) => return,
                 Err(Errno::EINTR) => {}
                 Err(_) => self.eof = true,
             }
         }
     }
-    /// Moves what the pipe holds to `to`; false when `to` failed.
+    /// Writes what the buffer holds to `to`; false when `to` failed.
     fn drain(&mut self, to: BorrowedFd<'_>) -> bool {
         while self.pending() {
-            match splice(&self.r, None, to, None, self.held, splice_flags()) {
+            match nix::unistd::write(to, &self.buf[self.start..self.end]) {
                 Ok(0) => return false,
-                Ok(n) => self.held -= n,
+                Ok(n) => self.start += n,
                 Err(Errno::EAGAIN) => return true,
                 Err(Errno::EINTR) => {}
                 Err(_) => return false,
             }
         }
+        // Empty: the whole buffer is free again.
+        self.start = 0;
+        self.end = 0;
         true
     }
-    /// Drops what the pipe holds; how many bytes that was.
+    /// Drops what the buffer holds; how many bytes that was.
     fn discard(&mut self) -> usize {
-        let mut scratch = [0u8; 16 * 1024];
-        let mut dropped = 0;
-        while self.held > 0 {
-            match nix::unistd::read(&self.r, &mut scratch) {
-                Ok(0) | Err(_) => break,
-                Ok(n) => {
-                    self.held -= n.min(self.held);
-                    dropped += n;
-                }
-            }
-        }
-        self.held = 0;
+        let dropped = self.end - self.start;
+        self.start = 0;
+        self.end = 0;
         dropped
     }
 }
@@ -181,9 +153,9 @@ impl Half {
 /// dropped so that its socket is not reset before the answer is read.
 const MAX_DISCARD: usize = 4 << 20;
 
-struct Conn {
-    tcp: TcpStream,
-    unix: UnixStream,
+pub(crate) struct Conn {
+    pub(crate) tcp: TcpStream,
+    pub(crate) unix: UnixStream,
     /// Sandbox to worker.
     up: Half,
     /// Worker to sandbox.
@@ -194,7 +166,7 @@ struct Conn {
 }
 
 impl Conn {
-    fn new(tcp: TcpStream, unix: UnixStream, up: Half, down: Half) -> Self {
+    pub(crate) fn new(tcp: TcpStream, unix: UnixStream, up: Half, down: Half) -> Self {
         Self {
             tcp,
             unix,
@@ -205,8 +177,27 @@ impl Conn {
         }
     }
 
+    /// What to wait for on its TCP side and on its Unix side.
+    pub(crate) fn interest(&self) -> (PollFlags, PollFlags) {
+        let mut tcp = PollFlags::empty();
+        let mut unix = PollFlags::empty();
+        if self.up.wants_read() {
+            tcp |= PollFlags::POLLIN;
+        }
+        if self.down.pending() {
+            tcp |= PollFlags::POLLOUT;
+        }
+        if self.down.wants_read() {
+            unix |= PollFlags::POLLIN;
+        }
+        if self.up.pending() {
+            unix |= PollFlags::POLLOUT;
+        }
+        (tcp, unix)
+    }
+
     /// Moves what can move; false when the connection is over.
-    fn step(&mut self) -> bool {
+    pub(crate) fn step(&mut self) -> bool {
         self.up.fill(self.tcp.as_fd());
         self.down.fill(self.unix.as_fd());
         if self.up_dead || !self.up.drain(self.unix.as_fd()) {
@@ -235,7 +226,7 @@ impl Conn {
 
 /// A connection to the worker's socket, without waiting: a full queue is
 /// a refusal, never a stall of every other connection.
-fn connect_worker(path: &Path) -> io::Result<UnixStream> {
+pub(crate) fn connect_worker(path: &Path) -> io::Result<UnixStream> {
     use nix::sys::socket::{AddressFamily, SockFlag, SockType, UnixAddr, connect, socket};
     let fd = socket(
         AddressFamily::Unix,
@@ -284,20 +275,7 @@ fn serve_with(listener: TcpListener, socket: &Path, mut hand: bool) -> io::Error
         let mut fds = Vec::with_capacity(1 + 2 * conns.len());
         fds.push(PollFd::new(listener.as_fd(), PollFlags::POLLIN));
         for c in &conns {
-            let mut tcp = PollFlags::empty();
-            let mut unix = PollFlags::empty();
-            if c.up.wants_read() {
-                tcp |= PollFlags::POLLIN;
-            }
-            if c.down.pending() {
-                tcp |= PollFlags::POLLOUT;
-            }
-            if c.down.wants_read() {
-                unix |= PollFlags::POLLIN;
-            }
-            if c.up.pending() {
-                unix |= PollFlags::POLLOUT;
-            }
+            let (tcp, unix) = c.interest();
             fds.push(PollFd::new(c.tcp.as_fd(), tcp));
             fds.push(PollFd::new(c.unix.as_fd(), unix));
         }

@@ -464,7 +464,10 @@ async fn supervise(
                     reason: "no such operation".into(),
                 }),
                 Ok(
-                    InitRequest::Credit { .. } | InitRequest::Egress(_) | InitRequest::StartRelay,
+                    InitRequest::Credit { .. }
+                    | InitRequest::Egress(_)
+                    | InitRequest::StartRelay
+                    | InitRequest::StartIngress,
                 ) => None,
                 Err(e) => Some(InitMessage::Rejected {
                     operation_id: None,

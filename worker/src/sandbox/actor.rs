@@ -294,6 +294,14 @@ impl Actor {
                 };
                 let _ = reply.send(answer);
             }
+            Command::StartIngress { reply } => {
+                let answer = if self.welcomed && self.send(InitRequest::StartIngress).await {
+                    Ok(())
+                } else {
+                    Err(WorkerError::Detached(self.id.to_string()))
+                };
+                let _ = reply.send(answer);
+            }
             Command::Reset { reply } => {
                 if let SandboxState::Lost(reason) = &*self.shared.state.borrow() {
                     let _ = reply.send(Err(WorkerError::SandboxLost {

@@ -176,6 +176,8 @@ pub struct Shared {
     touched: Mutex<tokio::time::Instant>,
     /// The egress policy its proxy follows (`None`: it has no proxy).
     egress: Option<watch::Sender<Arc<Vec<corral_proto::egress::Rule>>>>,
+    /// Its exposed ports and its way in.
+    ports: crate::ports::SandboxPorts,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -255,6 +257,10 @@ enum Command {
     },
     Reset {
         reply: oneshot::Sender<Result<u32>>,
+    },
+    /// Have the supervisor start the way in's relay.
+    StartIngress {
+        reply: oneshot::Sender<Result<()>>,
     },
 }
 
@@ -369,6 +375,7 @@ impl Sandbox {
             closed: shutdown.child_token(),
             touched: Mutex::new(tokio::time::Instant::now()),
             egress: policy,
+            ports: crate::ports::SandboxPorts::default(),
         });
         let (tx, rx) = mpsc::channel(256);
         let egress_reports = match (egress, &shared.egress) {
@@ -635,7 +642,29 @@ impl Sandbox {
 
     /// Stops the actor and every watcher of this sandbox.
     pub fn close(&self) {
+        self.shared.ports.close();
         self.shared.closed.cancel();
+    }
+
+    /// Its exposed ports and its way in.
+    pub fn ports(&self) -> &crate::ports::SandboxPorts {
+        &self.shared.ports
+    }
+
+    /// Cancelled when the sandbox goes (or the worker stops).
+    pub fn closed(&self) -> &CancellationToken {
+        &self.shared.closed
+    }
+
+    /// Has the supervisor start the relay of the way in (nothing if it
+    /// runs); the worker's socket is bound first.
+    pub async fn start_ingress(&self) -> Result<()> {
+        let (reply, rx) = oneshot::channel();
+        self.tx
+            .send(Command::StartIngress { reply })
+            .await
+            .map_err(|_| WorkerError::ShuttingDown)?;
+        rx.await.map_err(|_| WorkerError::ShuttingDown)?
     }
 
     /// Streams the events after `after_seq` (replay, then live), optionally

@@ -149,20 +149,18 @@ impl Worker {
         record.forking_from = forking_from.map(ToString::to_string);
         self.inner.state.save(&record)?;
         guard.record = true;
-        // The proxy's socket is there before the container mounts its
-        // directory.
-        guard.egress_dir = Some(self.egress_dir(&id));
+        // Every sandbox has its socket directory mounted (the way in binds
+        // its socket there when a port is exposed); the egress proxy's
+        // socket is there before the container mounts it.
+        let dir = self.egress_dir(&id);
+        guard.egress_dir = Some(dir.clone());
+        crate::proxy::make_dir(&dir).map_err(|e| WorkerError::state(&dir, e))?;
         let egress = self.egress_socket(&id, &spec)?;
-        let egress_dir = egress.as_ref().map(|_| self.egress_dir(&id));
         // Named before it exists: a create canceled while the engine makes
         // it removes it by that name.
         guard.container = Some(docker::container_name(self.id(), &id));
         guard.unsure = true;
-        let made = self
-            .inner
-            .runtime
-            .create(&id, &spec, egress_dir.as_deref())
-            .await;
+        let made = self.inner.runtime.create(&id, &spec, Some(&dir)).await;
         // The engine answered: nothing more of it to wait for.
         guard.unsure = false;
         let container = match made {

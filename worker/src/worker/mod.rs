@@ -18,6 +18,7 @@ mod create;
 mod drain;
 mod fork;
 mod pools;
+mod ports;
 mod sweep;
 mod table;
 #[cfg(test)]
@@ -38,6 +39,7 @@ use crate::initbin::InitBinary;
 use crate::runtime::Runtime;
 use crate::sandbox::Sandbox;
 use crate::state::StateDir;
+pub use ports::{ExposureInfo, PortsSettings};
 use table::{Busy, Change, Lookup, State, Ticket};
 
 /// How long a drain serves sandboxes before it removes what is left.
@@ -87,6 +89,8 @@ pub struct WorkerConfig {
     pub otlp_endpoint: Option<String>,
     /// The bounds on builds, when the policy allows them.
     pub build: crate::build::BuildSettings,
+    /// How the sandboxes' exposed ports are reached.
+    pub ports: PortsSettings,
 }
 
 impl WorkerConfig {
@@ -111,6 +115,7 @@ impl WorkerConfig {
             pools: Vec::new(),
             otlp_endpoint: None,
             build: crate::build::BuildSettings::default(),
+            ports: PortsSettings::default(),
         }
     }
 }
@@ -224,6 +229,13 @@ struct Inner {
     pools: Mutex<Vec<crate::pool::Pool>>,
     pool_wake: tokio::sync::Notify,
     clock: Clock,
+    ports_settings: PortsSettings,
+    /// Signs exposed ports' tokens.
+    ports_key: crate::ports::Key,
+    /// Where the port listener is, once it listens.
+    ports_url: std::sync::OnceLock<String>,
+    /// The token private ports take (set by the server; unset: none).
+    ports_token: std::sync::OnceLock<Option<String>>,
 }
 
 /// The tenant a sandbox was made for (see `TENANT_LABEL`).
@@ -381,6 +393,11 @@ impl Worker {
                 ),
                 pool_wake: tokio::sync::Notify::new(),
                 clock: Clock::start(),
+                ports_key: crate::ports::Key::load_or_make(&config.state_dir)
+                    .map_err(|e| WorkerError::state(&config.state_dir.join("ports.key"), e))?,
+                ports_settings: config.ports,
+                ports_url: std::sync::OnceLock::new(),
+                ports_token: std::sync::OnceLock::new(),
                 builder,
             }),
         };

@@ -7,6 +7,13 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class PortAccess(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PORT_ACCESS_UNSPECIFIED: _ClassVar[PortAccess]
+    PORT_ACCESS_PRIVATE: _ClassVar[PortAccess]
+    PORT_ACCESS_SIGNED: _ClassVar[PortAccess]
+    PORT_ACCESS_PUBLIC: _ClassVar[PortAccess]
+
 class NetworkMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     NETWORK_MODE_UNSPECIFIED: _ClassVar[NetworkMode]
@@ -43,6 +50,10 @@ class OutputStream(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     OUTPUT_STREAM_UNSPECIFIED: _ClassVar[OutputStream]
     OUTPUT_STREAM_STDOUT: _ClassVar[OutputStream]
     OUTPUT_STREAM_STDERR: _ClassVar[OutputStream]
+PORT_ACCESS_UNSPECIFIED: PortAccess
+PORT_ACCESS_PRIVATE: PortAccess
+PORT_ACCESS_SIGNED: PortAccess
+PORT_ACCESS_PUBLIC: PortAccess
 NETWORK_MODE_UNSPECIFIED: NetworkMode
 NETWORK_MODE_NONE: NetworkMode
 NETWORK_MODE_BRIDGE: NetworkMode
@@ -65,6 +76,62 @@ FILE_ERROR_KIND_NOT_REGULAR: FileErrorKind
 OUTPUT_STREAM_UNSPECIFIED: OutputStream
 OUTPUT_STREAM_STDOUT: OutputStream
 OUTPUT_STREAM_STDERR: OutputStream
+
+class ExposePortRequest(_message.Message):
+    __slots__ = ("sandbox_id", "port", "access", "ttl_ms")
+    SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    ACCESS_FIELD_NUMBER: _ClassVar[int]
+    TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    sandbox_id: str
+    port: int
+    access: PortAccess
+    ttl_ms: int
+    def __init__(self, sandbox_id: _Optional[str] = ..., port: _Optional[int] = ..., access: _Optional[_Union[PortAccess, str]] = ..., ttl_ms: _Optional[int] = ...) -> None: ...
+
+class PortExposure(_message.Message):
+    __slots__ = ("sandbox_id", "port", "access", "url", "token", "expires_at_unix_ms", "created_at_unix_ms")
+    SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    ACCESS_FIELD_NUMBER: _ClassVar[int]
+    URL_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_AT_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    sandbox_id: str
+    port: int
+    access: PortAccess
+    url: str
+    token: str
+    expires_at_unix_ms: int
+    created_at_unix_ms: int
+    def __init__(self, sandbox_id: _Optional[str] = ..., port: _Optional[int] = ..., access: _Optional[_Union[PortAccess, str]] = ..., url: _Optional[str] = ..., token: _Optional[str] = ..., expires_at_unix_ms: _Optional[int] = ..., created_at_unix_ms: _Optional[int] = ...) -> None: ...
+
+class RevokeAccessRequest(_message.Message):
+    __slots__ = ("sandbox_id", "port")
+    SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    sandbox_id: str
+    port: int
+    def __init__(self, sandbox_id: _Optional[str] = ..., port: _Optional[int] = ...) -> None: ...
+
+class RevokeAccessResponse(_message.Message):
+    __slots__ = ("revoked",)
+    REVOKED_FIELD_NUMBER: _ClassVar[int]
+    revoked: bool
+    def __init__(self, revoked: _Optional[bool] = ...) -> None: ...
+
+class ListExposuresRequest(_message.Message):
+    __slots__ = ("sandbox_id",)
+    SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
+    sandbox_id: str
+    def __init__(self, sandbox_id: _Optional[str] = ...) -> None: ...
+
+class ListExposuresResponse(_message.Message):
+    __slots__ = ("exposures",)
+    EXPOSURES_FIELD_NUMBER: _ClassVar[int]
+    exposures: _containers.RepeatedCompositeFieldContainer[PortExposure]
+    def __init__(self, exposures: _Optional[_Iterable[_Union[PortExposure, _Mapping]]] = ...) -> None: ...
 
 class SandboxSpec(_message.Message):
     __slots__ = ("image", "network", "memory_bytes", "cpu_millis", "pids_limit", "workspace_bytes", "tmp_bytes", "run_as_root", "writable_rootfs", "add_capabilities", "env", "runtime", "idle_timeout_ms", "ttl_ms", "memory_includes_files", "labels", "egress", "egress_proxy")

@@ -186,11 +186,26 @@ impl Supervisor {
                 Ok(WaitStatus::StillAlive) | Err(_) => return,
                 Ok(status) => {
                     let Some(pid) = status.pid() else { continue };
-                    if let Some(relay) = self.relay.as_mut()
-                        && relay.reaped(pid.as_raw(), Instant::now())
+                    let no_worker = matches!(status, WaitStatus::Exited(_, c) if c == i32::from(crate::ingress::NO_WORKER));
+                    if self
+                        .ingress
+                        .as_ref()
+                        .is_some_and(|r| r.pid == Some(pid.as_raw()))
+                        && no_worker
                     {
+                        // Started again when the worker asks.
+                        self.ingress = None;
+                        continue;
+                    }
+                    if let Some(relay) = [self.relay.as_mut(), self.ingress.as_mut()]
+                        .into_iter()
+                        .flatten()
+                        .find(|r| r.pid == Some(pid.as_raw()))
+                    {
+                        relay.reaped(pid.as_raw(), Instant::now());
                         eprintln!(
-                            "corral-init: the egress relay ended ({status:?}); starting it again"
+                            "corral-init: the {} relay ended ({status:?}); starting it again",
+                            relay.name()
                         );
                         continue;
                     }

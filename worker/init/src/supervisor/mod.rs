@@ -317,12 +317,15 @@ pub struct Supervisor {
     launched: u64,
     /// The egress relay, when the sandbox has egress.
     relay: Option<Relay>,
+    /// The ingress relay, once the worker asked for it.
+    ingress: Option<Relay>,
 }
 
 /// The egress relay process and the listening socket it serves: bound by
 /// the supervisor, so the port stays the relay's across restarts.
 struct Relay {
-    listener: std::net::TcpListener,
+    /// The egress relay's listener; none for the ingress relay.
+    listener: Option<std::net::TcpListener>,
     pid: Option<i32>,
     /// When to start it again after it died (not at once: a relay that
     /// dies at start must not spin).
@@ -337,10 +340,27 @@ impl Relay {
         let listener = std::net::TcpListener::bind(crate::relay::PROXY_ADDR)?;
         crate::relay::loopback_congestion(&listener);
         Ok(Self {
-            listener,
+            listener: Some(listener),
             pid: None,
             restart_at: Some(Instant::now()),
         })
+    }
+
+    /// The ingress relay, to be started now.
+    fn ingress() -> Self {
+        Self {
+            listener: None,
+            pid: None,
+            restart_at: Some(Instant::now()),
+        }
+    }
+
+    fn name(&self) -> &'static str {
+        if self.listener.is_some() {
+            "egress"
+        } else {
+            "ingress"
+        }
     }
 
     /// Starts the relay process if it is due: this binary with
@@ -352,22 +372,25 @@ impl Relay {
             return;
         }
         let Some(helper) = helper else { return };
-        let fd = self.listener.as_raw_fd();
         let mut cmd = Command::new(helper);
-        cmd.arg("--egress-relay")
+        cmd.arg(format!("--{}-relay", self.name()))
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::inherit());
-        // SAFETY: runs in the forked child before exec; the supervisor is
-        // single-threaded, and dup2 is async-signal-safe. The copy on fd 3
-        // is not close-on-exec: the relay gets the listener, nothing else.
-        unsafe {
-            cmd.pre_exec(move || {
-                if libc::dup2(fd, 3) < 0 {
-                    return Err(io::Error::last_os_error());
-                }
-                Ok(())
-            });
+        if let Some(listener) = &self.listener {
+            let fd = listener.as_raw_fd();
+            // SAFETY: runs in the forked child before exec; the supervisor
+            // is single-threaded, and dup2 is async-signal-safe. The copy
+            // on fd 3 is not close-on-exec: the relay gets the listener,
+            // nothing else.
+            unsafe {
+                cmd.pre_exec(move || {
+                    if libc::dup2(fd, 3) < 0 {
+                        return Err(io::Error::last_os_error());
+                    }
+                    Ok(())
+                });
+            }
         }
         match cmd.spawn() {
             Ok(child) => {
@@ -375,7 +398,7 @@ impl Relay {
                 self.restart_at = None;
             }
             Err(e) => {
-                eprintln!("corral-init: starting the egress relay: {e}");
+                eprintln!("corral-init: starting the {} relay: {e}", self.name());
                 self.restart_at = Some(now + RELAY_RESTART);
             }
         }
@@ -442,6 +465,7 @@ pub fn run(config: Config) -> Result<i32, InitError> {
         orphans: Vec::new(),
         launched: 0,
         relay: None,
+        ingress: None,
     };
     if sup.config.egress {
         // Bound before any command runs: none can take the port.
@@ -540,7 +564,10 @@ impl Supervisor {
         while !self.shutdown {
             let now = Instant::now();
             self.reap();
-            if let Some(relay) = self.relay.as_mut() {
+            for relay in [self.relay.as_mut(), self.ingress.as_mut()]
+                .into_iter()
+                .flatten()
+            {
                 relay.start_if_due(self.config.helper.as_deref(), now);
             }
             self.enforce_deadlines(now);
@@ -653,7 +680,10 @@ impl Supervisor {
                 next = Some(next.map_or(t, |n| n.min(t)));
             }
         }
-        if let Some(t) = self.relay.as_ref().and_then(|r| r.restart_at) {
+        for t in [&self.relay, &self.ingress]
+            .into_iter()
+            .filter_map(|r| r.as_ref().and_then(|r| r.restart_at))
+        {
             next = Some(next.map_or(t, |n| n.min(t)));
         }
         match next {
@@ -813,6 +843,12 @@ impl Supervisor {
             // A pool member claimed with egress: its first command comes
             // after this, so none can take the port first either.
             InitRequest::StartRelay => self.start_relay(),
+            // The worker bound its socket first.
+            InitRequest::StartIngress => {
+                if self.ingress.is_none() {
+                    self.ingress = Some(Relay::ingress());
+                }
+            }
         }
     }
 

@@ -1,0 +1,642 @@
+//! The way in: a server in a sandbox reached through the worker's port
+//! listener, by path and by Host, with each kind of access; every wrong
+//! credential refused with its typed answer; upgraded connections carried
+//! both ways and cut by a revocation; the same under gVisor (where the
+//! relay carries the bytes instead of handing the socket over).
+
+use std::time::Duration;
+
+use anyhow::{Context as _, Result, bail};
+use corral_e2e::Harness;
+use corral_proto::pb::PortAccess;
+use corral_proto::{OperationId, OperationSpec, SandboxId, SandboxSpec, ShellSpec};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+const TOKEN: &str = "the-workers-token-0123456789";
+const DOMAIN: &str = "ports.test";
+
+/// A server of the sandbox's: GET answers its path and headers as JSON;
+/// a request with Upgrade is switched, then echoed byte for byte.
+const ECHO: &str = r#"
+import http.server, json, sys
+class H(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    def log_message(self, *a): pass
+    def do_GET(self):
+        if self.headers.get("Upgrade"):
+            self.send_response(101)
+            self.send_header("Upgrade", self.headers["Upgrade"])
+            self.send_header("Connection", "Upgrade")
+            self.end_headers()
+            self.wfile.flush()
+            c = self.connection
+            while True:
+                b = c.recv(65536)
+                if not b:
+                    break
+                c.sendall(b)
+            self.close_connection = True
+            return
+        body = json.dumps({"path": self.path, "headers": {k.lower(): v for k, v in self.headers.items()}}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+http.server.ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"#;
+
+/// A worker with a port listener on loopback: the harness and the
+/// listener's address.
+async fn with_ports(runtime: Option<&str>) -> Result<(Harness, String)> {
+    let h = Harness::start_with(|c| {
+        c.policy = corral_worker::policy::permissive();
+        c.defaults.image = corral_proto::sandbox::DEFAULT_IMAGE.into();
+        c.defaults.runtime = runtime.map(str::to_string);
+        c.ports.domain = Some(DOMAIN.into());
+    })
+    .await?;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?.to_string();
+    h.worker.ports_listening(format!("http://{addr}"));
+    h.worker.set_ports_token(Some(TOKEN.into()));
+    tokio::spawn(corral_worker::ports::http::serve(
+        h.worker.clone(),
+        listener,
+        tokio_util::sync::CancellationToken::new(),
+    ));
+    Ok((h, addr))
+}
+
+/// Starts the echo server on `port` in `sb` (its command runs on).
+async fn serve_echo(h: &Harness, sb: &SandboxId, port: u16) -> Result<()> {
+    let write = format!("cat > /tmp/echo.py <<'EOF'\n{ECHO}\nEOF");
+    let r = h.run(sb, &write).await?;
+    if !r.outcome.is_success() {
+        bail!("writing the server: {r:?}");
+    }
+    h.client
+        .submit(
+            sb,
+            &OperationId::random(),
+            OperationSpec::Shell(ShellSpec::new(format!("exec python3 /tmp/echo.py {port}"))),
+        )
+        .await?;
+    Ok(())
+}
+
+/// An answer: status, head (lower-cased), body.
+#[derive(Debug)]
+struct Answer {
+    status: u16,
+    head: String,
+    body: String,
+}
+
+impl Answer {
+    fn header(&self, name: &str) -> Option<&str> {
+        self.head.lines().find_map(|l| {
+            let (k, v) = l.split_once(':')?;
+            k.trim().eq_ignore_ascii_case(name).then(|| v.trim())
+        })
+    }
+
+    fn reason(&self) -> String {
+        serde_json::from_str::<serde_json::Value>(&self.body)
+            .ok()
+            .and_then(|v| v["error"]["reason"].as_str().map(str::to_string))
+            .unwrap_or_default()
+    }
+
+    fn json(&self) -> serde_json::Value {
+        serde_json::from_str(&self.body).unwrap_or_default()
+    }
+}
+
+/// One GET on a connection of its own.
+async fn get(addr: &str, host: &str, path: &str, headers: &[(&str, &str)]) -> Result<Answer> {
+    let mut s = tokio::net::TcpStream::connect(addr).await?;
+    let mut req = format!("GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n");
+    for (k, v) in headers {
+        req.push_str(&format!("{k}: {v}\r\n"));
+    }
+    req.push_str("\r\n");
+    s.write_all(req.as_bytes()).await?;
+    let mut all = Vec::new();
+    tokio::time::timeout(Duration::from_secs(30), s.read_to_end(&mut all))
+        .await
+        .context("no answer within 30 s")??;
+    let text = String::from_utf8_lossy(&all).to_string();
+    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    let status = head
+        .split(' ')
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .context("no status")?;
+    Ok(Answer {
+        status,
+        head: head.to_string(),
+        body: body.to_string(),
+    })
+}
+
+/// The path part of an exposure's URL.
+fn path_of(url: &str) -> String {
+    let rest = url.split_once("://").map_or(url, |(_, r)| r);
+    rest.find('/').map_or("/".into(), |i| rest[i..].to_string())
+}
+
+/// Waits until the server answers through the listener (not 502).
+async fn until_listening(addr: &str, path: &str, headers: &[(&str, &str)]) -> Result<Answer> {
+    for _ in 0..200 {
+        let a = get(addr, addr, path, headers).await?;
+        if a.status != 502 {
+            return Ok(a);
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    bail!("the sandbox's server never listened")
+}
+
+async fn sandbox(h: &Harness) -> Result<SandboxId> {
+    let id = SandboxId::new(corral_e2e::unique_id("port"))?;
+    h.client
+        .create_sandbox(Some(&id), SandboxSpec::default())
+        .await?;
+    Ok(id)
+}
+
+#[tokio::test]
+async fn a_port_is_reached_through_a_signed_url_then_its_cookie() -> Result<()> {
+    let (h, addr) = with_ports(None).await?;
+    let sb = sandbox(&h).await?;
+    serve_echo(&h, &sb, 8000).await?;
+    let e = h
+        .client
+        .expose_port(&sb, 8000, PortAccess::Signed, None)
+        .await?;
+    assert!(!e.token.is_empty());
+    assert!(e.expires_at_unix_ms > 0, "a signed URL expires");
+    // By Host, where the worker has a domain (the listener also routes
+    // by path, used here: the test reaches it by its address).
+    let port = addr.rsplit(':').next().unwrap_or_default();
+    assert_eq!(e.url, format!("http://8000-{sb}.{DOMAIN}:{port}/"));
+    assert_eq!(path_of(&e.url), "/");
+    // Path routing (the id has no dot, but the listener is reached by its
+    // address here, not by a name of the domain).
+    let path = format!("/p/{sb}/8000/hello?x=1");
+    until_listening(
+        &addr,
+        &path,
+        &[("Authorization", &format!("Bearer {}", e.token))],
+    )
+    .await?;
+    // The token in the URL: a cookie, and the URL again without it.
+    let first = get(&addr, &addr, &format!("{path}&token={}", e.token), &[]).await?;
+    assert_eq!(first.status, 303, "{first:?}");
+    assert_eq!(first.header("location"), Some(path.as_str()));
+    let cookie = first.header("set-cookie").context("no cookie")?.to_string();
+    assert!(cookie.contains("HttpOnly"), "{cookie}");
+    assert!(cookie.contains(&format!("Path=/p/{sb}/8000/")), "{cookie}");
+    let pair = cookie.split(';').next().unwrap_or_default().to_string();
+    let a = get(
+        &addr,
+        &addr,
+        &path,
+        &[
+            ("Cookie", &format!("theirs=1; {pair}")),
+            ("X-Corral-Verified-Access", "public"),
+            ("X-Corral-Verified-User", "admin"),
+        ],
+    )
+    .await?;
+    assert_eq!(a.status, 200, "{a:?}");
+    let seen = a.json();
+    assert_eq!(seen["path"], "/hello?x=1");
+    let headers = &seen["headers"];
+    // What the listener says, and only it; its cookie is gone, the
+    // server's own stays.
+    assert_eq!(headers["x-corral-verified-access"], "signed");
+    assert!(headers.get("x-corral-verified-user").is_none(), "{headers}");
+    assert_eq!(headers["cookie"], "theirs=1");
+    assert_eq!(headers["x-forwarded-prefix"], format!("/p/{sb}/8000"));
+    assert_eq!(headers["host"], addr);
+    // Listed, without its token.
+    let listed = h.client.list_exposures(&sb).await?;
+    assert_eq!(listed.len(), 1);
+    assert!(listed[0].token.is_empty());
+    assert_eq!(listed[0].url, e.url);
+    h.stop().await;
+    Ok(())
+}
+
+#[tokio::test]
+async fn every_wrong_credential_is_refused_with_its_reason() -> Result<()> {
+    let (h, addr) = with_ports(None).await?;
+    let (a, b) = (sandbox(&h).await?, sandbox(&h).await?);
+    for sb in [&a, &b] {
+        serve_echo(&h, sb, 8000).await?;
+        serve_echo(&h, sb, 8001).await?;
+    }
+    let signed = |sb: SandboxId, port| {
+        let c = h.client.clone();
+        async move { c.expose_port(&sb, port, PortAccess::Signed, None).await }
+    };
+    let a80 = signed(a.clone(), 8000).await?;
+    let a81 = signed(a.clone(), 8001).await?;
+    let b80 = signed(b.clone(), 8000).await?;
+    let bearer = |t: &str| format!("Bearer {t}");
+    let path = |sb: &SandboxId, port: u16| format!("/p/{sb}/{port}/");
+    until_listening(
+        &addr,
+        &path(&a, 8000),
+        &[("Authorization", &bearer(&a80.token))],
+    )
+    .await?;
+    until_listening(
+        &addr,
+        &path(&b, 8000),
+        &[("Authorization", &bearer(&b80.token))],
+    )
+    .await?;
+    let refused = |p: String, auth: Option<String>| {
+        let addr = addr.clone();
+        async move {
+            let h: Vec<(&str, &str)> = match &auth {
+                Some(v) => vec![("Authorization", v.as_str())],
+                None => vec![],
+            };
+            let r = get(&addr, &addr, &p, &h).await?;
+            anyhow::Ok((r.status, r.reason()))
+        }
+    };
+    let cases: Vec<(&str, String, Option<String>, u16, &str)> = vec![
+        ("none", path(&a, 8000), None, 401, "unauthenticated"),
+        (
+            "forged",
+            path(&a, 8000),
+            Some(bearer("1.2.3")),
+            401,
+            "invalid_token",
+        ),
+        (
+            "a forged mac",
+            path(&a, 8000),
+            Some(bearer(&format!("{}0", &a80.token[..a80.token.len() - 1]))),
+            401,
+            "invalid_token",
+        ),
+        (
+            "another port's",
+            path(&a, 8001),
+            Some(bearer(&a80.token)),
+            401,
+            "invalid_token",
+        ),
+        (
+            "another sandbox's",
+            path(&b, 8000),
+            Some(bearer(&a80.token)),
+            401,
+            "invalid_token",
+        ),
+        (
+            "a port not exposed",
+            path(&a, 8002),
+            Some(bearer(TOKEN)),
+            404,
+            "not_exposed",
+        ),
+        (
+            "an unknown sandbox",
+            "/p/nope/8000/".into(),
+            Some(bearer(TOKEN)),
+            404,
+            "sandbox_not_found",
+        ),
+        ("no route", "/elsewhere".into(), None, 404, "bad_route"),
+        ("port 0", path(&a, 0), None, 404, "bad_route"),
+    ];
+    for (what, p, auth, status, reason) in cases {
+        assert_eq!(
+            refused(p, auth).await?,
+            (status, reason.to_string()),
+            "{what}"
+        );
+    }
+    // The right ones pass; the worker's own token opens any exposure.
+    assert_eq!(
+        refused(path(&a, 8001), Some(bearer(&a81.token))).await?.0,
+        200
+    );
+    assert_eq!(refused(path(&b, 8000), Some(bearer(TOKEN))).await?.0, 200);
+    // Revoked: its token says so, and so does a later exposure's old token.
+    assert!(h.client.revoke_access(&a, 8001).await?);
+    assert_eq!(
+        refused(path(&a, 8001), Some(bearer(&a81.token))).await?,
+        (401, "revoked".into())
+    );
+    let again = signed(a.clone(), 8001).await?;
+    assert_eq!(
+        refused(path(&a, 8001), Some(bearer(&a81.token))).await?,
+        (401, "revoked".into())
+    );
+    assert_eq!(
+        refused(path(&a, 8001), Some(bearer(&again.token))).await?.0,
+        200
+    );
+    // Expired.
+    let short = h
+        .client
+        .expose_port(
+            &a,
+            8001,
+            PortAccess::Signed,
+            Some(Duration::from_millis(300)),
+        )
+        .await?;
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    assert_eq!(
+        refused(path(&a, 8001), Some(bearer(&short.token))).await?,
+        (401, "token_expired".into())
+    );
+    // Private: the worker's token only.
+    h.client
+        .expose_port(&a, 8001, PortAccess::Private, None)
+        .await?;
+    assert_eq!(
+        refused(path(&a, 8001), Some(bearer(&a80.token))).await?,
+        (401, "invalid_token".into())
+    );
+    assert_eq!(
+        refused(path(&a, 8001), None).await?,
+        (401, "unauthenticated".into())
+    );
+    assert_eq!(refused(path(&a, 8001), Some(bearer(TOKEN))).await?.0, 200);
+    // Public is the operator's to allow: this worker does not.
+    let public = h
+        .client
+        .expose_port(&a, 8001, PortAccess::Public, None)
+        .await;
+    assert!(public.is_err(), "{public:?}");
+    // Nothing listens: said so.
+    h.client
+        .expose_port(&a, 8009, PortAccess::Private, None)
+        .await?;
+    assert_eq!(
+        refused(path(&a, 8009), Some(bearer(TOKEN))).await?,
+        (502, "port_not_listening".into())
+    );
+    // By Host: a valid cookie of one sandbox names another's host.
+    let host_a = format!("8000-{a}.{DOMAIN}");
+    let host_b = format!("8000-{b}.{DOMAIN}");
+    let cookie = format!("corral_port_token={}", a80.token);
+    let ok = get(&addr, &host_a, "/x", &[("Cookie", &cookie)]).await?;
+    assert_eq!(ok.status, 200, "{ok:?}");
+    assert_eq!(ok.json()["path"], "/x");
+    let other = get(&addr, &host_b, "/x", &[("Cookie", &cookie)]).await?;
+    assert_eq!(
+        (other.status, other.reason()),
+        (401, "invalid_token".into())
+    );
+    h.stop().await;
+    Ok(())
+}
+
+/// An upgraded connection through the listener: the head sent, the 101
+/// read; then the stream.
+async fn upgraded(addr: &str, path: &str, token: &str) -> Result<tokio::net::TcpStream> {
+    let mut s = tokio::net::TcpStream::connect(addr).await?;
+    let req = format!(
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nAuthorization: Bearer {token}\r\nConnection: Upgrade\r\nUpgrade: echo\r\n\r\n"
+    );
+    s.write_all(req.as_bytes()).await?;
+    let mut head = Vec::new();
+    let mut b = [0u8; 1];
+    while !head.ends_with(b"\r\n\r\n") {
+        if s.read(&mut b).await? == 0 {
+            bail!("closed before the head: {}", String::from_utf8_lossy(&head));
+        }
+        head.push(b[0]);
+    }
+    let head = String::from_utf8_lossy(&head);
+    if !head.starts_with("HTTP/1.1 101") {
+        bail!("not switched: {head}");
+    }
+    Ok(s)
+}
+
+async fn upgrades_are_carried_and_cut_by_a_revocation(runtime: Option<&str>) -> Result<()> {
+    let (h, addr) = with_ports(runtime).await?;
+    let sb = sandbox(&h).await?;
+    serve_echo(&h, &sb, 9000).await?;
+    let e = h
+        .client
+        .expose_port(&sb, 9000, PortAccess::Signed, None)
+        .await?;
+    let path = format!("/p/{sb}/9000/ws");
+    until_listening(
+        &addr,
+        &path,
+        &[("Authorization", &format!("Bearer {}", e.token))],
+    )
+    .await?;
+    let mut s = upgraded(&addr, &path, &e.token).await?;
+    // 8 MiB each way, whole.
+    let data: Vec<u8> = (0..8 << 20).map(|i| (i % 251) as u8).collect();
+    let (mut r, mut w) = s.split();
+    let sent = data.clone();
+    let (wrote, back) = tokio::join!(async move { w.write_all(&sent).await }, async {
+        let mut back = vec![0u8; data.len()];
+        r.read_exact(&mut back).await.map(|_| back)
+    });
+    wrote?;
+    let back = back?;
+    if back != data {
+        let at = back.iter().zip(&data).position(|(a, b)| a != b);
+        bail!(
+            "the bytes came back changed: {} of {}, first difference at {at:?}",
+            back.len(),
+            data.len()
+        );
+    }
+    // Revoked: the open connection ends.
+    let mut held = upgraded(&addr, &path, &e.token).await?;
+    held.write_all(b"ping").await?;
+    let mut four = [0u8; 4];
+    held.read_exact(&mut four).await?;
+    assert!(h.client.revoke_access(&sb, 9000).await?);
+    let mut rest = Vec::new();
+    let ended = tokio::time::timeout(Duration::from_secs(2), held.read_to_end(&mut rest)).await;
+    assert!(ended.is_ok(), "a revoked upgrade still carries");
+    h.stop().await;
+    Ok(())
+}
+
+#[tokio::test]
+async fn upgraded_connections_are_carried_whole_and_cut_by_a_revocation() -> Result<()> {
+    upgrades_are_carried_and_cut_by_a_revocation(None).await
+}
+
+#[tokio::test]
+async fn under_gvisor_the_relay_carries_the_way_in() -> Result<()> {
+    upgrades_are_carried_and_cut_by_a_revocation(Some("runsc")).await
+}
+
+/// A page served by Jupyter itself (from its static files: the ones under
+/// /files/ run sandboxed, in an origin of their own): it starts a kernel
+/// over the REST API,
+/// runs a cell over the kernel's WebSocket, and puts its output in the DOM
+/// (and says it on the console, which the test reads).
+const PAGE: &str = r#"<html><body><div id="out">waiting</div><script>
+const log = m => console.log("corral-" + m);
+(async () => {
+  try {
+    const r = await fetch("/api/kernels", {method: "POST", headers: {"Content-Type": "application/json"}, body: "{}"});
+    if (!r.ok) { log("error:kernels " + r.status); return; }
+    const k = await r.json();
+    const rid = () => Math.random().toString(16).slice(2);
+    const session = rid();
+    const scheme = location.protocol === "https:" ? "wss://" : "ws://";
+    const ws = new WebSocket(scheme + location.host + "/api/kernels/" + k.id + "/channels?session_id=" + session);
+    ws.onopen = () => ws.send(JSON.stringify({
+      header: {msg_id: rid(), username: "t", session, msg_type: "execute_request", version: "5.3", date: new Date().toISOString()},
+      parent_header: {}, metadata: {}, channel: "shell", buffers: [],
+      content: {code: "print(6*7)", silent: false, store_history: false, user_expressions: {}, allow_stdin: false, stop_on_error: true}
+    }));
+    ws.onmessage = e => {
+      const m = JSON.parse(e.data);
+      const type = m.msg_type || (m.header && m.header.msg_type);
+      if (type === "stream") {
+        document.getElementById("out").textContent = m.content.text.trim();
+        log("out:" + document.getElementById("out").textContent);
+      }
+    };
+    ws.onerror = () => log("error:websocket");
+  } catch (e) { log("error:" + e); }
+})();
+</script></body></html>"#;
+
+/// A real Jupyter server (jupyter-server and ipykernel from PyPI, in
+/// `corral-jupyter-test`, tests/jupyter/build-image.sh) in a sandbox,
+/// opened by Debian's Chromium through a signed URL by Host: the token in
+/// the URL once, a cookie after; a cell runs over the kernel's WebSocket
+/// and its output reaches the DOM.
+async fn jupyter_in_chromium(runtime: Option<&str>) -> Result<()> {
+    let chromium = corral_e2e::chromium()?;
+    let (h, addr) = with_ports(runtime).await?;
+    let id = SandboxId::new(corral_e2e::unique_id("jup"))?;
+    h.client
+        .create_sandbox(
+            Some(&id),
+            SandboxSpec {
+                image: Some("corral-jupyter-test:latest".into()),
+                ..SandboxSpec::default()
+            },
+        )
+        .await?;
+    let write = format!(
+        "mkdir -p /workspace/static && cat > /workspace/static/page.html <<'EOF'\n{PAGE}\nEOF"
+    );
+    let r = h.run(&id, &write).await?;
+    if !r.outcome.is_success() {
+        bail!("writing the page: {r:?}");
+    }
+    // Jupyter without its own token: the listener authenticates (as a
+    // proxy in front of Jupyter does, XSRF checks off behind it).
+    let start = "export JUPYTER_RUNTIME_DIR=/tmp/jr JUPYTER_DATA_DIR=/tmp/jd IPYTHONDIR=/tmp/ipy; \
+        exec /opt/jupyter/bin/jupyter server --ip 127.0.0.1 --port 8888 --no-browser \
+        --ServerApp.token= --IdentityProvider.token= --ServerApp.password= \
+        --ServerApp.allow_remote_access=True --ServerApp.disable_check_xsrf=True \
+        --ServerApp.extra_static_paths=/workspace/static --ServerApp.root_dir=/workspace";
+    h.client
+        .submit(
+            &id,
+            &OperationId::random(),
+            OperationSpec::Shell(ShellSpec::new(start)),
+        )
+        .await?;
+    let e = h
+        .client
+        .expose_port(&id, 8888, PortAccess::Signed, None)
+        .await?;
+    let port = addr.rsplit(':').next().unwrap_or_default();
+    assert_eq!(e.url, format!("http://8888-{id}.{DOMAIN}:{port}/"));
+    // Up once its API answers.
+    let host = format!("8888-{id}.{DOMAIN}");
+    let bearer = format!("Bearer {}", e.token);
+    let mut up = false;
+    for _ in 0..300 {
+        let a = get(&addr, &host, "/api", &[("Authorization", &bearer)]).await?;
+        if a.status == 200 {
+            up = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    if !up {
+        bail!("jupyter never answered");
+    }
+    let profile = tempfile::tempdir()?;
+    let url = format!("{}static/page.html?token={}", e.url, e.token);
+    let mut browser = tokio::process::Command::new(&chromium)
+        .args([
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-dev-shm-usage",
+            "--no-first-run",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            "--disable-default-apps",
+            "--disable-extensions",
+            "--enable-logging=stderr",
+            "--v=0",
+        ])
+        .arg(format!("--host-resolver-rules=MAP *.{DOMAIN} 127.0.0.1"))
+        .arg(format!("--user-data-dir={}", profile.path().display()))
+        .arg(&url)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()?;
+    let stderr = browser.stderr.take().context("no stderr")?;
+    let mut lines = tokio::io::BufReader::new(stderr);
+    let mut said = Vec::new();
+    let found = tokio::time::timeout(Duration::from_secs(120), async {
+        use tokio::io::AsyncBufReadExt;
+        let mut line = String::new();
+        loop {
+            line.clear();
+            if lines.read_line(&mut line).await? == 0 {
+                return anyhow::Ok(None);
+            }
+            if let Some(i) = line.find("corral-") {
+                let what = line[i..].trim_end_matches(['\n', '"', ' ']).to_string();
+                said.push(what.clone());
+                if what.starts_with("corral-out:") || what.starts_with("corral-error") {
+                    return Ok(Some(what));
+                }
+            }
+        }
+    })
+    .await;
+    let _ = browser.kill().await;
+    match found {
+        Ok(Ok(Some(what))) => assert!(what.starts_with("corral-out:42"), "{what}; {said:?}"),
+        other => bail!("the page said nothing of its cell: {other:?}; {said:?}"),
+    }
+    h.stop().await;
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_jupyter_cell_runs_in_chromium_through_a_signed_url() -> Result<()> {
+    jupyter_in_chromium(None).await
+}
+
+#[tokio::test]
+async fn a_jupyter_cell_runs_in_chromium_under_gvisor() -> Result<()> {
+    jupyter_in_chromium(Some("runsc")).await
+}

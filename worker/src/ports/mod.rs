@@ -1,0 +1,475 @@
+//! The way in: a sandbox's ports reached through URLs the worker serves.
+//!
+//! A client *exposes* a port of a sandbox (`ExposePort`), with an access:
+//! `private` (the worker's token, as for its API), `signed` (a token made
+//! for that sandbox, port and expiry, an HMAC under the worker's own key,
+//! which a browser presents once in the URL and then as a cookie) or
+//! `public` (anyone; only where the operator allows it). The worker's port
+//! listener ([`http`]) routes each request by its Host
+//! (`{port}-{id}.{domain}`, where wildcard DNS exists) or its path
+//! (`/p/{id}/{port}/...`), checks it against the exposure, and carries it
+//! to the sandbox through its [`ingress`]: a connection dialled from inside
+//! the sandbox by its supervisor's relay, so the way in works whatever the
+//! sandbox's runtime (it has no network interface). A revoked or expired
+//! exposure is refused at once, and its open connections are cut.
+
+pub mod http;
+pub mod ingress;
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use corral_proto::SandboxId;
+use tokio_util::sync::CancellationToken;
+
+/// Who may use an exposed port.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Access {
+    /// The worker's token (as `Authorization: Bearer`).
+    Private,
+    /// A token made for this exposure (or the worker's token).
+    Signed,
+    /// Anyone who can reach the port listener.
+    Public,
+}
+
+impl Access {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Access::Private => "private",
+            Access::Signed => "signed",
+            Access::Public => "public",
+        }
+    }
+}
+
+/// The longest a signed exposure lives, and what one lives that names no
+/// time to live.
+pub const MAX_SIGNED_TTL: Duration = Duration::from_secs(7 * 24 * 3600);
+pub const DEFAULT_SIGNED_TTL: Duration = Duration::from_secs(3600);
+/// Most ports one sandbox exposes at once.
+pub const MAX_EXPOSURES: usize = 32;
+
+/// One exposed port of a sandbox.
+#[derive(Debug, Clone)]
+pub struct Exposure {
+    pub port: u16,
+    pub access: Access,
+    /// Ends it (ms since the epoch; `None`: until revoked).
+    pub expires_at_ms: Option<i64>,
+    pub created_at_ms: i64,
+    /// Random per exposure: a token of an earlier exposure of the port
+    /// (revoked) names another.
+    pub nonce: String,
+    /// Cut when it is revoked (its open connections end).
+    pub revoked: CancellationToken,
+}
+
+/// A sandbox's exposed ports and its way in (owned by the sandbox: both
+/// go when it does).
+#[derive(Default)]
+pub struct SandboxPorts {
+    exposures: Mutex<BTreeMap<u16, Exposure>>,
+    ingress: tokio::sync::OnceCell<Arc<ingress::Ingress>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl SandboxPorts {
+    /// Exposes `port` anew (a new nonce: tokens of an earlier exposure of
+    /// it no longer hold, and its connections are cut).
+    pub fn expose(&self, e: Exposure) -> Result<Exposure, String> {
+        let mut all = lock(&self.exposures);
+        if !all.contains_key(&e.port) && all.len() >= MAX_EXPOSURES {
+            return Err(format!("a sandbox exposes at most {MAX_EXPOSURES} ports"));
+        }
+        if let Some(old) = all.insert(e.port, e.clone()) {
+            old.revoked.cancel();
+        }
+        Ok(e)
+    }
+
+    /// Revokes `port`'s exposure: whether there was one.
+    pub fn revoke(&self, port: u16) -> bool {
+        match lock(&self.exposures).remove(&port) {
+            Some(e) => {
+                e.revoked.cancel();
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// The exposure of `port` in force at `now_ms` (an expired one is
+    /// dropped).
+    pub fn get(&self, port: u16, now_ms: i64) -> Option<Exposure> {
+        let mut all = lock(&self.exposures);
+        let e = all.get(&port)?;
+        if e.expires_at_ms.is_some_and(|t| now_ms >= t) {
+            if let Some(e) = all.remove(&port) {
+                e.revoked.cancel();
+            }
+            return None;
+        }
+        Some(e.clone())
+    }
+
+    pub fn list(&self, now_ms: i64) -> Vec<Exposure> {
+        let mut all = lock(&self.exposures);
+        all.retain(|_, e| {
+            let live = e.expires_at_ms.is_none_or(|t| now_ms < t);
+            if !live {
+                e.revoked.cancel();
+            }
+            live
+        });
+        all.values().cloned().collect()
+    }
+
+    /// Cuts every exposure (the sandbox goes).
+    pub fn close(&self) {
+        for (_, e) in std::mem::take(&mut *lock(&self.exposures)) {
+            e.revoked.cancel();
+        }
+    }
+
+    /// The sandbox's way in, its socket bound in `dir` on first use.
+    pub async fn ingress(
+        &self,
+        dir: &std::path::Path,
+        closed: &CancellationToken,
+        tracker: &tokio_util::task::TaskTracker,
+    ) -> std::io::Result<Arc<ingress::Ingress>> {
+        self.ingress
+            .get_or_try_init(|| async { ingress::Ingress::bind(dir, closed.clone(), tracker) })
+            .await
+            .cloned()
+    }
+}
+
+/// The worker's key for signed URLs: 32 random bytes kept in its state
+/// directory (0600), so tokens outlive a restart of the worker.
+#[derive(Clone)]
+pub struct Key(Arc<ring::hmac::Key>);
+
+impl Key {
+    pub fn load_or_make(state_dir: &std::path::Path) -> std::io::Result<Self> {
+        use std::io::Write;
+        let path = state_dir.join("ports.key");
+        let bytes = match std::fs::read(&path) {
+            Ok(b) if b.len() == 32 => b,
+            Ok(_) => {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::InvalidData,
+                    format!("{} is not 32 bytes", path.display()),
+                ));
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                let mut b = vec![0u8; 32];
+                ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut b)
+                    .map_err(|_| std::io::Error::other("no randomness"))?;
+                let tmp = state_dir.join("ports.key.tmp");
+                let mut f = crate::state::private_file()
+                    .write(true)
+                    .create(true)
+                    .truncate(true)
+                    .open(&tmp)?;
+                f.write_all(&b)?;
+                f.sync_all()?;
+                std::fs::rename(&tmp, &path)?;
+                b
+            }
+            Err(e) => return Err(e),
+        };
+        Ok(Self(Arc::new(ring::hmac::Key::new(
+            ring::hmac::HMAC_SHA256,
+            &bytes,
+        ))))
+    }
+
+    fn message(sandbox: &SandboxId, port: u16, expires_at_ms: i64, nonce: &str) -> String {
+        format!("corral-port-v1\n{sandbox}\n{port}\n{expires_at_ms}\n{nonce}")
+    }
+
+    /// The token of a signed exposure: `{expiry}.{nonce}.{mac}`.
+    pub fn sign(&self, sandbox: &SandboxId, e: &Exposure) -> String {
+        let expires = e.expires_at_ms.unwrap_or(0);
+        let tag = ring::hmac::sign(
+            &self.0,
+            Self::message(sandbox, e.port, expires, &e.nonce).as_bytes(),
+        );
+        format!("{expires}.{}.{}", e.nonce, hex(tag.as_ref()))
+    }
+
+    /// Checks `token` for `port` of `sandbox` against the exposure in force
+    /// (`None`: the port is not exposed, or its exposure ended).
+    pub fn verify(
+        &self,
+        token: &str,
+        sandbox: &SandboxId,
+        port: u16,
+        exposure: Option<&Exposure>,
+        now_ms: i64,
+    ) -> Result<(), Refusal> {
+        let mut parts = token.splitn(3, '.');
+        let (Some(expires), Some(nonce), Some(mac)) = (parts.next(), parts.next(), parts.next())
+        else {
+            return Err(Refusal::InvalidToken);
+        };
+        let Ok(expires) = expires.parse::<i64>() else {
+            return Err(Refusal::InvalidToken);
+        };
+        let Some(mac) = unhex(mac) else {
+            return Err(Refusal::InvalidToken);
+        };
+        // Made by this worker for this sandbox and port (constant time).
+        if ring::hmac::verify(
+            &self.0,
+            Self::message(sandbox, port, expires, nonce).as_bytes(),
+            &mac,
+        )
+        .is_err()
+        {
+            return Err(Refusal::InvalidToken);
+        }
+        if now_ms >= expires {
+            return Err(Refusal::TokenExpired);
+        }
+        match exposure {
+            Some(e) if e.access == Access::Signed && e.nonce == nonce => Ok(()),
+            // Genuine, but its exposure was revoked (or replaced).
+            _ => Err(Refusal::Revoked),
+        }
+    }
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+fn unhex(s: &str) -> Option<Vec<u8>> {
+    if !s.len().is_multiple_of(2) || s.len() > 128 {
+        return None;
+    }
+    (0..s.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(s.get(i..i + 2)?, 16).ok())
+        .collect()
+}
+
+/// A random nonce for a new exposure.
+pub fn nonce() -> String {
+    let mut b = [0u8; 12];
+    let _ = ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut b);
+    hex(&b)
+}
+
+/// A port as the wire names it: 1 to 65535.
+pub fn port_of(port: u32) -> Result<u16, tonic::Status> {
+    u16::try_from(port).ok().filter(|p| *p > 0).ok_or_else(|| {
+        crate::error::WorkerError::Invalid(corral_proto::ProtocolError::invalid(
+            "port",
+            format!("{port}: a port is 1 to 65535"),
+        ))
+        .into()
+    })
+}
+
+/// An `ExposePort` request's port, access and time to live.
+pub fn from_pb(
+    r: &corral_proto::pb::ExposePortRequest,
+) -> Result<(u16, Access, Option<Duration>), tonic::Status> {
+    use corral_proto::pb::PortAccess;
+    let access = match r.access() {
+        PortAccess::Unspecified | PortAccess::Private => Access::Private,
+        PortAccess::Signed => Access::Signed,
+        PortAccess::Public => Access::Public,
+    };
+    let ttl = (r.ttl_ms > 0).then(|| Duration::from_millis(r.ttl_ms));
+    Ok((port_of(r.port)?, access, ttl))
+}
+
+pub fn to_pb(e: crate::worker::ExposureInfo) -> corral_proto::pb::PortExposure {
+    use corral_proto::pb::PortAccess;
+    let mut p = corral_proto::pb::PortExposure {
+        sandbox_id: e.sandbox.to_string(),
+        port: u32::from(e.port),
+        url: e.url,
+        token: e.token.unwrap_or_default(),
+        expires_at_unix_ms: e.expires_at_ms.unwrap_or(0),
+        created_at_unix_ms: e.created_at_ms,
+        ..Default::default()
+    };
+    p.set_access(match e.access {
+        Access::Private => PortAccess::Private,
+        Access::Signed => PortAccess::Signed,
+        Access::Public => PortAccess::Public,
+    });
+    p
+}
+
+/// Why the port listener refused a request: each a status and a reason
+/// clients decide on (the body is JSON with both).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refusal {
+    /// No credential where one is needed.
+    Unauthenticated,
+    /// A token this worker did not make for this sandbox and port.
+    InvalidToken,
+    TokenExpired,
+    /// A genuine token of an exposure since revoked.
+    Revoked,
+    /// The port is not exposed (or the sandbox is not this worker's).
+    NotExposed,
+    /// The sandbox is not running (checkpointed, removed, unknown).
+    SandboxNotFound,
+    /// Nothing listens on the port in the sandbox.
+    PortNotListening,
+    /// The sandbox's way in did not answer.
+    SandboxUnavailable,
+    /// The URL names no sandbox and port.
+    BadRoute,
+    /// Past the sandbox's bound on connections.
+    TooManyConnections,
+}
+
+impl Refusal {
+    pub fn reason(self) -> &'static str {
+        match self {
+            Refusal::Unauthenticated => "unauthenticated",
+            Refusal::InvalidToken => "invalid_token",
+            Refusal::TokenExpired => "token_expired",
+            Refusal::Revoked => "revoked",
+            Refusal::NotExposed => "not_exposed",
+            Refusal::SandboxNotFound => "sandbox_not_found",
+            Refusal::PortNotListening => "port_not_listening",
+            Refusal::SandboxUnavailable => "sandbox_unavailable",
+            Refusal::BadRoute => "bad_route",
+            Refusal::TooManyConnections => "too_many_connections",
+        }
+    }
+
+    pub fn status(self) -> u16 {
+        match self {
+            Refusal::Unauthenticated
+            | Refusal::InvalidToken
+            | Refusal::TokenExpired
+            | Refusal::Revoked => 401,
+            Refusal::NotExposed | Refusal::SandboxNotFound | Refusal::BadRoute => 404,
+            Refusal::PortNotListening => 502,
+            Refusal::SandboxUnavailable => 503,
+            Refusal::TooManyConnections => 429,
+        }
+    }
+
+    pub fn message(self) -> &'static str {
+        match self {
+            Refusal::Unauthenticated => {
+                "this port is private: present the worker's token as Authorization: Bearer, or a signed URL's token"
+            }
+            Refusal::InvalidToken => "the token was not made for this sandbox and port",
+            Refusal::TokenExpired => "the token has expired: expose the port again for a new one",
+            Refusal::Revoked => "access to this port was revoked",
+            Refusal::NotExposed => "this port of the sandbox is not exposed",
+            Refusal::SandboxNotFound => "no such running sandbox on this worker",
+            Refusal::PortNotListening => {
+                "nothing listens on this port in the sandbox (yet): start the server, or wait for it"
+            }
+            Refusal::SandboxUnavailable => "the sandbox's way in did not answer",
+            Refusal::BadRoute => {
+                "the URL names no sandbox and port: /p/{sandbox}/{port}/... or {port}-{sandbox}.{domain}"
+            }
+            Refusal::TooManyConnections => "too many connections to this sandbox's ports",
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn exposure(port: u16, expires_at_ms: i64) -> Exposure {
+        Exposure {
+            port,
+            access: Access::Signed,
+            expires_at_ms: Some(expires_at_ms),
+            created_at_ms: 0,
+            nonce: nonce(),
+            revoked: CancellationToken::new(),
+        }
+    }
+
+    #[test]
+    fn a_token_holds_for_its_sandbox_port_and_exposure_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let key = Key::load_or_make(dir.path()).unwrap();
+        let (a, b) = (SandboxId::new("a").unwrap(), SandboxId::new("b").unwrap());
+        let e = exposure(80, 10_000);
+        let t = key.sign(&a, &e);
+        assert_eq!(key.verify(&t, &a, 80, Some(&e), 5_000), Ok(()));
+        assert_eq!(
+            key.verify(&t, &b, 80, Some(&e), 5_000),
+            Err(Refusal::InvalidToken)
+        );
+        assert_eq!(
+            key.verify(&t, &a, 81, Some(&e), 5_000),
+            Err(Refusal::InvalidToken)
+        );
+        assert_eq!(
+            key.verify(&t, &a, 80, Some(&e), 10_000),
+            Err(Refusal::TokenExpired)
+        );
+        // Another exposure of the port (a new nonce), or none: revoked.
+        let again = exposure(80, 10_000);
+        assert_eq!(
+            key.verify(&t, &a, 80, Some(&again), 5_000),
+            Err(Refusal::Revoked)
+        );
+        assert_eq!(key.verify(&t, &a, 80, None, 5_000), Err(Refusal::Revoked));
+        // A later expiry written into the token breaks its MAC.
+        let stretched = t.replacen("10000", "99999", 1);
+        assert_eq!(
+            key.verify(&stretched, &a, 80, Some(&e), 5_000),
+            Err(Refusal::InvalidToken)
+        );
+        for junk in ["", "x", "1.2", "1.2.zz", "a.b.c", &"f".repeat(500)] {
+            assert_eq!(
+                key.verify(junk, &a, 80, Some(&e), 0),
+                Err(Refusal::InvalidToken),
+                "{junk}"
+            );
+        }
+        // The key is kept: a restarted worker's tokens still hold.
+        let again = Key::load_or_make(dir.path()).unwrap();
+        assert_eq!(again.verify(&t, &a, 80, Some(&e), 5_000), Ok(()));
+        let other = Key::load_or_make(tempfile::tempdir().unwrap().path()).unwrap();
+        assert_eq!(
+            other.verify(&t, &a, 80, Some(&e), 5_000),
+            Err(Refusal::InvalidToken)
+        );
+    }
+
+    #[test]
+    fn revoking_or_exposing_again_cuts_the_old_exposure() {
+        let ports = SandboxPorts::default();
+        let first = ports.expose(exposure(80, i64::MAX)).unwrap();
+        let second = ports.expose(exposure(80, i64::MAX)).unwrap();
+        assert!(first.revoked.is_cancelled());
+        assert!(!second.revoked.is_cancelled());
+        assert!(ports.revoke(80));
+        assert!(second.revoked.is_cancelled());
+        assert!(!ports.revoke(80));
+        // Expired: gone at the next look, and cut.
+        let short = ports.expose(exposure(81, 100)).unwrap();
+        assert!(ports.get(81, 99).is_some());
+        assert!(ports.get(81, 100).is_none());
+        assert!(short.revoked.is_cancelled());
+        for p in 0..MAX_EXPOSURES as u16 {
+            ports.expose(exposure(1000 + p, i64::MAX)).unwrap();
+        }
+        assert!(ports.expose(exposure(2000, i64::MAX)).is_err());
+    }
+}

@@ -1,0 +1,249 @@
+//! Exposing a sandbox's ports (see [`crate::ports`]): what clients ask
+//! for, and what the port listener looks up for each request.
+
+use std::time::Duration;
+
+use corral_proto::SandboxId;
+
+use super::Worker;
+use crate::error::{Result, WorkerError};
+use crate::ports::{Access, Exposure, Refusal};
+use crate::sandbox::Sandbox;
+
+/// How the worker's ports are reached (`--ports-listen`, `--ports-url`,
+/// `--ports-domain`, `--allow-public-ports`).
+#[derive(Debug, Clone, Default)]
+pub struct PortsSettings {
+    /// The URL clients reach the port listener at (else that of the address
+    /// it listens on).
+    pub url: Option<String>,
+    /// The wildcard domain whose names `{port}-{sandbox}.{domain}` reach
+    /// the listener (else URLs route by path).
+    pub domain: Option<String>,
+    pub allow_public: bool,
+}
+
+/// An exposure as a client sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExposureInfo {
+    pub sandbox: SandboxId,
+    pub port: u16,
+    pub access: Access,
+    pub url: String,
+    /// Signed access: its token (only when made).
+    pub token: Option<String>,
+    pub expires_at_ms: Option<i64>,
+    pub created_at_ms: i64,
+}
+
+fn invalid(field: &'static str, why: String) -> WorkerError {
+    WorkerError::Invalid(corral_proto::ProtocolError::invalid(field, why))
+}
+
+/// Whether `id` can be a DNS label (a name `{port}-{id}.{domain}`).
+fn dns_label(id: &str) -> bool {
+    !id.is_empty()
+        && id.len() <= 56
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && !id.starts_with('-')
+        && !id.ends_with('-')
+}
+
+impl Worker {
+    /// The port listener is up at `url` (what URLs name, unless the
+    /// operator named another).
+    pub fn ports_listening(&self, url: String) {
+        let _ = self.inner.ports_url.set(url);
+    }
+
+    /// The worker's token, which private ports take (`None`: it has none).
+    pub fn set_ports_token(&self, token: Option<String>) {
+        let _ = self.inner.ports_token.set(token);
+    }
+
+    pub(crate) fn ports_token(&self) -> Option<&str> {
+        self.inner.ports_token.get().and_then(|t| t.as_deref())
+    }
+
+    pub(crate) fn ports_key(&self) -> &crate::ports::Key {
+        &self.inner.ports_key
+    }
+
+    pub(crate) fn ports_domain(&self) -> Option<&str> {
+        self.inner.ports_settings.domain.as_deref()
+    }
+
+    pub(crate) fn now_ms(&self) -> i64 {
+        self.inner.clock.now_ms()
+    }
+
+    fn url_of(&self, id: &SandboxId, port: u16) -> Result<String> {
+        let base = self
+            .inner
+            .ports_settings
+            .url
+            .as_deref()
+            .or(self.inner.ports_url.get().map(String::as_str))
+            .ok_or_else(|| {
+                WorkerError::NotApplicable(
+                    "this worker has no port listener: start it with --ports-listen ADDR".into(),
+                )
+            })?
+            .trim_end_matches('/');
+        Ok(match self.ports_domain() {
+            Some(domain) if dns_label(id.as_str()) => {
+                let (scheme, rest) = base.split_once("://").unwrap_or(("http", base));
+                // The listener's port, if the base names one.
+                let after_host = rest.find([':', '/']).map_or("", |i| &rest[i..]);
+                let port_part = after_host
+                    .strip_prefix(':')
+                    .map(|p| format!(":{}", p.split('/').next().unwrap_or("")))
+                    .unwrap_or_default();
+                format!("{scheme}://{port}-{id}.{domain}{port_part}/")
+            }
+            _ => format!("{base}/p/{id}/{port}/"),
+        })
+    }
+
+    fn info_of_exposure(
+        &self,
+        id: &SandboxId,
+        e: &Exposure,
+        with_token: bool,
+    ) -> Result<ExposureInfo> {
+        Ok(ExposureInfo {
+            sandbox: id.clone(),
+            port: e.port,
+            access: e.access,
+            url: self.url_of(id, e.port)?,
+            token: (with_token && e.access == Access::Signed)
+                .then(|| self.inner.ports_key.sign(id, e)),
+            expires_at_ms: e.expires_at_ms,
+            created_at_ms: e.created_at_ms,
+        })
+    }
+
+    /// Exposes `port` of sandbox `id` with `access`, for `ttl` (`None`:
+    /// until revoked; signed access: an hour).
+    pub async fn expose_port(
+        &self,
+        id: &SandboxId,
+        port: u16,
+        access: Access,
+        ttl: Option<Duration>,
+    ) -> Result<ExposureInfo> {
+        if port == 0 {
+            return Err(invalid("port", "1 to 65535".into()));
+        }
+        if access == Access::Public && !self.inner.ports_settings.allow_public {
+            return Err(WorkerError::Denied {
+                flag: Some("--allow-public-ports"),
+                what: "public ports: this worker's operator allows none".into(),
+            });
+        }
+        let ttl = match (access, ttl) {
+            (Access::Signed, None) => Some(crate::ports::DEFAULT_SIGNED_TTL),
+            (Access::Signed, Some(t)) if t > crate::ports::MAX_SIGNED_TTL => {
+                return Err(invalid(
+                    "ttl",
+                    format!(
+                        "a signed URL lives at most {:?}",
+                        crate::ports::MAX_SIGNED_TTL
+                    ),
+                ));
+            }
+            (_, t) => t,
+        };
+        // The URL first: no listener, nothing to expose.
+        self.url_of(id, port)?;
+        let sandbox = self.sandbox(id).await?;
+        self.ingress_of(&sandbox).await?;
+        let now = self.now_ms();
+        let e = sandbox
+            .ports()
+            .expose(Exposure {
+                port,
+                access,
+                expires_at_ms: ttl
+                    .map(|t| now + i64::try_from(t.as_millis()).unwrap_or(i64::MAX / 2)),
+                created_at_ms: now,
+                nonce: crate::ports::nonce(),
+                revoked: tokio_util::sync::CancellationToken::new(),
+            })
+            .map_err(|why| invalid("port", why))?;
+        tracing::info!(sandbox = %id, port, access = access.as_str(), "port exposed");
+        self.info_of_exposure(id, &e, true)
+    }
+
+    /// The sandbox's way in: its socket bound, its relay asked for.
+    async fn ingress_of(
+        &self,
+        sandbox: &Sandbox,
+    ) -> Result<std::sync::Arc<crate::ports::ingress::Ingress>> {
+        let dir = self.egress_dir(&sandbox.id);
+        let ingress = sandbox
+            .ports()
+            .ingress(&dir, sandbox.closed(), &self.inner.tracker)
+            .await
+            .map_err(|e| WorkerError::state(&dir, e))?;
+        if !ingress.relay_connected() {
+            sandbox.start_ingress().await?;
+        }
+        Ok(ingress)
+    }
+
+    /// Ends the exposure of `port`: whether there was one.
+    pub async fn revoke_access(&self, id: &SandboxId, port: u16) -> Result<bool> {
+        let sandbox = self.sandbox(id).await?;
+        let revoked = sandbox.ports().revoke(port);
+        if revoked {
+            tracing::info!(sandbox = %id, port, "port access revoked");
+        }
+        Ok(revoked)
+    }
+
+    pub async fn list_exposures(&self, id: &SandboxId) -> Result<Vec<ExposureInfo>> {
+        let sandbox = self.sandbox(id).await?;
+        sandbox
+            .ports()
+            .list(self.now_ms())
+            .iter()
+            .map(|e| self.info_of_exposure(id, e, false))
+            .collect()
+    }
+
+    /// What a request to `port` of sandbox `id` reaches: the sandbox and
+    /// the port's exposure in force (`None`: not exposed).
+    pub(crate) async fn port_route(
+        &self,
+        id: &SandboxId,
+        port: u16,
+    ) -> std::result::Result<(Sandbox, Option<Exposure>), Refusal> {
+        let sandbox = match self.inner.table.lookup(id) {
+            super::table::Lookup::Running(s) if !s.is_lost() => s,
+            _ => return Err(Refusal::SandboxNotFound),
+        };
+        let exposure = sandbox.ports().get(port, self.now_ms());
+        Ok((sandbox, exposure))
+    }
+
+    /// A connection to `port` of `sandbox`, through its way in.
+    pub(crate) async fn dial_port(
+        &self,
+        sandbox: &Sandbox,
+        port: u16,
+    ) -> std::result::Result<crate::ports::ingress::PortStream, Refusal> {
+        let ingress = self
+            .ingress_of(sandbox)
+            .await
+            .map_err(|_| Refusal::SandboxUnavailable)?;
+        ingress.dial(port).await.map_err(|e| match e {
+            crate::ports::ingress::DialError::NotListening(_)
+            | crate::ports::ingress::DialError::Failed { .. } => Refusal::PortNotListening,
+            crate::ports::ingress::DialError::Closed => Refusal::SandboxNotFound,
+            crate::ports::ingress::DialError::Unanswered(_) => Refusal::SandboxUnavailable,
+        })
+    }
+}
