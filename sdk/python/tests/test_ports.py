@@ -10,10 +10,9 @@ import urllib.request
 from collections.abc import Callable
 
 import pytest
+from conftest import Worker, free_port
 
 import corral
-
-from .conftest import Worker, free_port
 
 
 def _get(url: str, headers: dict[str, str] | None = None) -> tuple[int, str]:
