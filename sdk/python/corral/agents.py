@@ -26,6 +26,7 @@ import contextlib
 import io
 import tarfile
 import time
+import urllib.parse
 import uuid
 from collections import deque
 from dataclasses import dataclass, field
@@ -35,6 +36,7 @@ from typing import Any, Literal
 from agents.sandbox.errors import (
     ExecTimeoutError,
     ExecTransportError,
+    ExposedPortUnavailableError,
     PtySessionNotFoundError,
     WorkspaceArchiveReadError,
     WorkspaceArchiveWriteError,
@@ -57,7 +59,7 @@ from agents.sandbox.session.runtime_helpers import RESOLVE_WORKSPACE_PATH_HELPER
 from agents.sandbox.session.sandbox_client import BaseSandboxClient, BaseSandboxClientOptions
 from agents.sandbox.session.workspace_payloads import coerce_write_payload
 from agents.sandbox.snapshot import SnapshotBase, SnapshotSpec, resolve_snapshot
-from agents.sandbox.types import ExecResult, User
+from agents.sandbox.types import ExecResult, ExposedPortEndpoint, User
 from agents.sandbox.util.tar_utils import validate_tarfile
 from agents.sandbox.workspace_paths import sandbox_path_str
 
@@ -78,6 +80,11 @@ class CorralSandboxClientOptions(BaseSandboxClientOptions):
     #: (seconds): what a crashed program leaves does not stay for good.
     idle_timeout: float | None = 3600
     ttl: float | None = None
+    #: Ports of the sandbox the session may resolve for access from
+    #: outside (``resolve_exposed_port``): each exposed with signed access
+    #: through the worker's port listener, which must have a wildcard domain
+    #: (``corral-worker --ports-domain``) so that a port has a host of its own.
+    exposed_ports: tuple[int, ...] = ()
 
 
 class CorralSandboxSessionState(SandboxSessionState):
@@ -140,6 +147,38 @@ class CorralSandboxSession(BaseSandboxSession):
 
     def supports_pty(self) -> bool:
         return True
+
+    async def _resolve_exposed_port(self, port: int) -> ExposedPortEndpoint:
+        """The port exposed with signed access: its host (the worker's
+        ``{port}-{sandbox}.{domain}``), the listener's port, and the token
+        as the query a client's first request carries."""
+
+        def unavailable(detail: str, cause: BaseException | None = None) -> Exception:
+            return ExposedPortUnavailableError(
+                port=port,
+                exposed_ports=self.state.exposed_ports,
+                reason="backend_unavailable",
+                context={"backend": "corral", "detail": detail},
+                cause=cause,
+            )
+
+        try:
+            e = await self.sandbox.ports.expose(port, access="signed")
+        except CorralError as err:
+            raise unavailable(str(err), err) from err
+        url = urllib.parse.urlsplit(e.url)
+        if url.path not in ("", "/") or url.hostname is None:
+            raise unavailable(
+                "the worker routes ports by path (/p/...): start it with --ports-domain "
+                "so that each port has a host of its own"
+            )
+        tls = url.scheme == "https"
+        return ExposedPortEndpoint(
+            host=url.hostname,
+            port=url.port or (443 if tls else 80),
+            tls=tls,
+            query=f"token={e.token}" if e.token else "",
+        )
 
     async def pty_exec_start(
         self,
@@ -431,6 +470,7 @@ class CorralSandboxClient(BaseSandboxClient[CorralSandboxClientOptions | None]):
             pids=options.pids,
             idle_timeout=options.idle_timeout,
             ttl=options.ttl,
+            exposed_ports=options.exposed_ports,
         )
         sb = await self._make(state)
         state.sandbox_id = sb.id

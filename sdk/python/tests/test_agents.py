@@ -13,12 +13,13 @@ import json
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
-from conftest import REPO, Client
+from conftest import REPO, Client, Worker, free_port
 
 pytest.importorskip("agents")
 
@@ -364,5 +365,59 @@ def test_pty_sessions_as_the_sdks_own_pty_tests_drive_them(worker: Client) -> No
         with pytest.raises(PtySessionNotFoundError):
             await session.pty_write_stdin(session_id=started.process_id, chars="")
         await c.delete(session)
+
+    asyncio.run(main())
+
+
+def test_resolve_exposed_port_gives_a_host_a_client_reaches(
+    own_worker: Callable[..., Worker],
+) -> None:
+    """The SDK's resolve_exposed_port: the sandbox's server reached at the
+    endpoint it names (the worker's host for the port, and the token)."""
+    import http.client
+
+    from agents.sandbox.errors import ExposedPortUnavailableError
+
+    w = own_worker(
+        "--ports-listen",
+        f"127.0.0.1:{free_port()}",
+        "--ports-domain",
+        "ports.test",
+        "--allow-image",
+        IMAGE,
+    )
+
+    async def main() -> None:
+        c = client(w)
+        session = await c.create(
+            manifest=Manifest(entries={"index.html": File(content=b"served\n")}),
+            options=CorralSandboxClientOptions(image=IMAGE, exposed_ports=(8000,)),
+        )
+        async with session:
+            state = session.state
+            assert isinstance(state, CorralSandboxSessionState)
+            sb = await corral.AsyncSandbox.connect(
+                state.sandbox_id, w.url, token_file=str(w.token_file)
+            )
+            await sb.start("exec python3 -m http.server 8000 --bind 127.0.0.1")
+            await sb.ports.wait(8000, timeout=30)
+            end = await session.resolve_exposed_port(8000)
+            assert end.host == f"8000-{state.sandbox_id}.ports.test" and not end.tls
+            assert end.query.startswith("token=")
+            token = end.query.split("=", 1)[1]
+            # The endpoint's host reaches the listener (no DNS here: its
+            # address, with the endpoint's host named).
+            conn = http.client.HTTPConnection("127.0.0.1", end.port, timeout=30)
+            conn.request(
+                "GET",
+                "/",
+                headers={"Host": f"{end.host}:{end.port}", "Authorization": f"Bearer {token}"},
+            )
+            r = conn.getresponse()
+            assert (r.status, b"served" in r.read()) == (200, True)
+            conn.close()
+            # A port the session was not given is refused by the SDK itself.
+            with pytest.raises(ExposedPortUnavailableError):
+                await session.resolve_exposed_port(9000)
 
     asyncio.run(main())
