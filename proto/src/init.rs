@@ -46,8 +46,11 @@ pub enum InitRequest {
     /// Serve the egress proxy (as `--egress` does at start); nothing if it
     /// runs already.
     StartRelay,
-    /// Start the way in (see `corral_init::ingress`).
-    StartIngress,
+    /// Start the way in (see `corral_init::ingress`), its relay given
+    /// `secret` for its control connection.
+    StartIngress {
+        secret: Vec<u8>,
+    },
 }
 
 /// A signal number a client may send: 1-31 (SIGHUP .. SIGSYS).
@@ -281,7 +284,9 @@ impl From<InitRequest> for pb::InitRequest {
                 egress: Some(e.into()),
             }),
             InitRequest::StartRelay => Kind::StartRelay(p::StartRelay {}),
-            InitRequest::StartIngress => Kind::StartIngress(p::StartIngress {}),
+            InitRequest::StartIngress { secret } => Kind::StartIngress(p::StartIngress {
+                secret: secret.into(),
+            }),
         };
         Self { kind: Some(kind) }
     }
@@ -326,7 +331,9 @@ impl TryFrom<pb::InitRequest> for InitRequest {
                     .try_into()?,
             ),
             Kind::StartRelay(_) => Self::StartRelay,
-            Kind::StartIngress(_) => Self::StartIngress,
+            Kind::StartIngress(s) => Self::StartIngress {
+                secret: s.secret.to_vec(),
+            },
         })
     }
 }

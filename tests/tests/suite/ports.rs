@@ -191,22 +191,31 @@ async fn a_port_is_reached_through_a_signed_url_then_its_cookie() -> Result<()> 
         &[("Authorization", &format!("Bearer {}", e.token))],
     )
     .await?;
-    // The token in the URL: a cookie, and the URL again without it.
-    let first = get(&addr, &addr, &format!("{path}&token={}", e.token), &[]).await?;
+    // By path every sandbox shares one origin: the token in the URL is
+    // taken for that request alone, no cookie is left.
+    let by_path = get(&addr, &addr, &format!("{path}&token={}", e.token), &[]).await?;
+    assert_eq!(by_path.status, 200, "{by_path:?}");
+    assert!(by_path.header("set-cookie").is_none(), "{by_path:?}");
+    assert_eq!(by_path.json()["path"], "/hello?x=1");
+    // By Host: the token in the URL becomes a cookie of that host, and the
+    // URL is said again without it.
+    let host = format!("8000-{sb}.{DOMAIN}");
+    let first = get(&addr, &host, &format!("/hello?x=1&token={}", e.token), &[]).await?;
     assert_eq!(first.status, 303, "{first:?}");
-    assert_eq!(first.header("location"), Some(path.as_str()));
+    assert_eq!(first.header("location"), Some("/hello?x=1"));
     let cookie = first.header("set-cookie").context("no cookie")?.to_string();
     assert!(cookie.contains("HttpOnly"), "{cookie}");
-    assert!(cookie.contains(&format!("Path=/p/{sb}/8000/")), "{cookie}");
+    assert!(cookie.contains("Path=/;"), "{cookie}");
     let pair = cookie.split(';').next().unwrap_or_default().to_string();
     let a = get(
         &addr,
-        &addr,
-        &path,
+        &host,
+        "/hello?x=1",
         &[
             ("Cookie", &format!("theirs=1; {pair}")),
             ("X-Corral-Verified-Access", "public"),
             ("X-Corral-Verified-User", "admin"),
+            ("X-Forwarded-Prefix", "/evil"),
         ],
     )
     .await?;
@@ -218,9 +227,19 @@ async fn a_port_is_reached_through_a_signed_url_then_its_cookie() -> Result<()> 
     // server's own stays.
     assert_eq!(headers["x-corral-verified-access"], "signed");
     assert!(headers.get("x-corral-verified-user").is_none(), "{headers}");
+    assert!(headers.get("x-forwarded-prefix").is_none(), "{headers}");
     assert_eq!(headers["cookie"], "theirs=1");
-    assert_eq!(headers["x-forwarded-prefix"], format!("/p/{sb}/8000"));
-    assert_eq!(headers["host"], addr);
+    assert_eq!(headers["host"], host);
+    // A page of another origin cannot change anything with the cookie.
+    let mut s = tokio::net::TcpStream::connect(&addr).await?;
+    let post = format!(
+        "POST /x HTTP/1.1\r\nHost: {host}\r\nCookie: {pair}\r\nOrigin: http://8005-other.{DOMAIN}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+    );
+    s.write_all(post.as_bytes()).await?;
+    let mut back = String::new();
+    s.read_to_string(&mut back).await?;
+    assert!(back.starts_with("HTTP/1.1 403"), "{back}");
+    assert!(back.contains("cross_origin"), "{back}");
     // Listed, without its token.
     let listed = h.client.list_exposures(&sb).await?;
     assert_eq!(listed.len(), 1);
@@ -316,7 +335,14 @@ async fn every_wrong_credential_is_refused_with_its_reason() -> Result<()> {
             "/p/nope/8000/".into(),
             Some(bearer(TOKEN)),
             404,
-            "sandbox_not_found",
+            "not_exposed",
+        ),
+        (
+            "the worker's token in a URL",
+            format!("{}?token={TOKEN}", path(&a, 8000)),
+            None,
+            401,
+            "invalid_token",
         ),
         ("no route", "/elsewhere".into(), None, 404, "bad_route"),
         ("port 0", path(&a, 0), None, 404, "bad_route"),
@@ -473,6 +499,17 @@ async fn upgrades_are_carried_and_cut_by_a_revocation(runtime: Option<&str>) -> 
     let mut rest = Vec::new();
     let ended = tokio::time::timeout(Duration::from_secs(2), held.read_to_end(&mut rest)).await;
     assert!(ended.is_ok(), "a revoked upgrade still carries");
+    // An exposure's end cuts what is open too.
+    let short = h
+        .client
+        .expose_port(&sb, 9000, PortAccess::Signed, Some(Duration::from_secs(2)))
+        .await?;
+    let mut held = upgraded(&addr, &path, &short.token).await?;
+    held.write_all(b"ping").await?;
+    held.read_exact(&mut four).await?;
+    let mut rest = Vec::new();
+    let ended = tokio::time::timeout(Duration::from_secs(10), held.read_to_end(&mut rest)).await;
+    assert!(ended.is_ok(), "an expired upgrade still carries");
     h.stop().await;
     Ok(())
 }
@@ -643,4 +680,49 @@ async fn a_jupyter_cell_runs_in_chromium_through_a_signed_url() -> Result<()> {
 #[tokio::test]
 async fn a_jupyter_cell_runs_in_chromium_under_gvisor() -> Result<()> {
     jupyter_in_chromium(Some("runsc")).await
+}
+
+/// A sandbox's own processes connect to its ingress socket as if they
+/// were its relay (a wrong secret), by the hundred: each is closed, the
+/// worker holds none of them, and the real relay goes on serving.
+#[tokio::test]
+async fn a_sandbox_cannot_take_the_place_of_its_ingress_relay() -> Result<()> {
+    let (h, addr) = with_ports(None).await?;
+    let sb = sandbox(&h).await?;
+    serve_echo(&h, &sb, 8000).await?;
+    h.client
+        .expose_port(&sb, 8000, PortAccess::Private, None)
+        .await?;
+    let path = format!("/p/{sb}/8000/");
+    let auth = format!("Bearer {TOKEN}");
+    until_listening(&addr, &path, &[("Authorization", &auth)]).await?;
+    let probe = r#"
+import socket, time
+held = []
+for i in range(300):
+    c = socket.socket(socket.AF_UNIX)
+    c.connect("/run/corral-egress/ingress.sock")
+    c.send(b"\x02" + b"x" * 32)
+    held.append(c)
+time.sleep(7)
+closed = 0
+for c in held:
+    c.settimeout(0.2)
+    try:
+        if c.recv(1) == b"":
+            closed += 1
+    except socket.timeout:
+        pass
+    except OSError:
+        closed += 1
+print(closed)
+"#;
+    let write = format!("cat > /tmp/probe.py <<'EOF'\n{probe}\nEOF\npython3 /tmp/probe.py");
+    let r = h.run(&sb, &write).await?;
+    assert!(r.outcome.is_success(), "{r:?}");
+    assert_eq!(r.stdout.to_lossy_string().trim(), "300", "{r:?}");
+    let a = get(&addr, &addr, &path, &[("Authorization", &auth)]).await?;
+    assert_eq!(a.status, 200, "{a:?}");
+    h.stop().await;
+    Ok(())
 }

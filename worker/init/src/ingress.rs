@@ -25,10 +25,11 @@
 //! server, which is the sandbox's to serve anyway.
 
 use std::io::{self, Read, Write};
-use std::net::{Ipv4Addr, SocketAddr, TcpStream};
+use std::net::TcpStream;
 use std::os::fd::AsFd;
 use std::os::unix::net::UnixStream;
 use std::path::Path;
+use std::time::{Duration, Instant};
 
 use nix::errno::Errno;
 use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
@@ -37,8 +38,14 @@ use crate::relay::{Conn, HANDED, Half, RELAYED, connect_worker};
 
 /// The worker's socket for the way in, beside the egress one.
 pub const SOCKET_NAME: &str = "ingress.sock";
-/// The first byte of the relay's control connection.
+/// The first byte of the relay's control connection (its secret follows).
 pub const CONTROL: u8 = 2;
+/// The length of the secret the worker gives each relay.
+pub const SECRET_LEN: usize = 32;
+/// The environment variable the supervisor gives the relay its secret in
+/// (hex), which no command can read (the relay runs as the supervisor's
+/// user, not dumpable).
+pub const SECRET_ENV: &str = "CORRAL_INGRESS_SECRET";
 /// The relay's exit code when no worker listens on its socket: the
 /// supervisor starts it again only when the worker asks.
 pub const NO_WORKER: u8 = 3;
@@ -136,17 +143,51 @@ fn hand_over(unix: &UnixStream, id: u64, tcp: &TcpStream) -> io::Result<()> {
 }
 
 /// Serves the worker's dials on the control connection to `socket` until
-/// it ends (the worker went away: the supervisor starts this again).
-pub fn serve(socket: &Path) -> io::Error {
-    serve_with(socket, true)
+/// it ends (the worker went away: the supervisor starts this again). The
+/// control connection opens with [`CONTROL`] and `secret`, which the
+/// worker gave the supervisor for this relay alone: a process of the
+/// sandbox's that connects to the socket itself cannot take its place.
+pub fn serve(socket: &Path, secret: &[u8]) -> io::Error {
+    serve_with(socket, secret, true)
 }
 
-fn serve_with(socket: &Path, mut hand: bool) -> io::Error {
-    let mut control = match UnixStream::connect(socket) {
+/// How long a dial's connect may take (a server whose backlog is full
+/// never answers it).
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// A dial whose connect is under way.
+struct Connecting {
+    dial: Dial,
+    tcp: TcpStream,
+    deadline: Instant,
+}
+
+/// Starts a connect to `127.0.0.1:port` without waiting for it.
+fn connect_start(port: u16) -> io::Result<TcpStream> {
+    use nix::sys::socket::{AddressFamily, SockFlag, SockType, SockaddrIn, connect, socket};
+    let fd = socket(
+        AddressFamily::Inet,
+        SockType::Stream,
+        SockFlag::SOCK_NONBLOCK | SockFlag::SOCK_CLOEXEC,
+        None,
+    )?;
+    match connect(
+        std::os::fd::AsRawFd::as_raw_fd(&fd),
+        &SockaddrIn::new(127, 0, 0, 1, port),
+    ) {
+        Ok(()) | Err(Errno::EINPROGRESS) => Ok(TcpStream::from(fd)),
+        Err(e) => Err(e.into()),
+    }
+}
+
+fn serve_with(socket: &Path, secret: &[u8], mut hand: bool) -> io::Error {
+    let control = match UnixStream::connect(socket) {
         Ok(c) => c,
         Err(e) => return e,
     };
-    if let Err(e) = control.write_all(&[CONTROL]) {
+    let mut hello = vec![CONTROL];
+    hello.extend_from_slice(secret);
+    if let Err(e) = (&control).write_all(&hello) {
         return e;
     }
     if let Err(e) = control.set_nonblocking(true) {
@@ -154,15 +195,27 @@ fn serve_with(socket: &Path, mut hand: bool) -> io::Error {
     }
     let mut asked: Vec<u8> = Vec::new();
     let mut conns: Vec<Conn> = Vec::new();
+    let mut connecting: Vec<Connecting> = Vec::new();
     loop {
-        let mut fds = Vec::with_capacity(1 + 2 * conns.len());
+        let mut fds = Vec::with_capacity(1 + connecting.len() + 2 * conns.len());
         fds.push(PollFd::new(control.as_fd(), PollFlags::POLLIN));
+        for c in &connecting {
+            fds.push(PollFd::new(c.tcp.as_fd(), PollFlags::POLLOUT));
+        }
         for c in &conns {
             let (tcp, unix) = c.interest();
             fds.push(PollFd::new(c.tcp.as_fd(), tcp));
             fds.push(PollFd::new(c.unix.as_fd(), unix));
         }
-        match poll(&mut fds, PollTimeout::NONE) {
+        let timeout = connecting
+            .iter()
+            .map(|c| c.deadline.saturating_duration_since(Instant::now()))
+            .min()
+            .map_or(PollTimeout::NONE, |d| {
+                PollTimeout::try_from(d.as_millis().saturating_add(1).min(60_000) as i32)
+                    .unwrap_or(PollTimeout::MAX)
+            });
+        match poll(&mut fds, timeout) {
             Ok(_) | Err(Errno::EINTR) => {}
             Err(e) => return e.into(),
         }
@@ -172,10 +225,15 @@ fn serve_with(socket: &Path, mut hand: bool) -> io::Error {
             .collect();
         drop(fds);
         let mut ready = ready.into_iter();
+        let refuse = |id: u64, errno: u32| {
+            // A full control socket (a worker that stopped reading) loses
+            // the refusal; the worker's dial times out.
+            let _ = (&control).write(&Refused { id, errno }.encode());
+        };
         if ready.next() == Some(true) {
             let mut buf = [0u8; 4096];
             loop {
-                match control.read(&mut buf) {
+                match (&control).read(&mut buf) {
                     Ok(0) => return io::ErrorKind::UnexpectedEof.into(),
                     Ok(n) => asked.extend_from_slice(&buf[..n]),
                     Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
@@ -190,12 +248,51 @@ fn serve_with(socket: &Path, mut hand: bool) -> io::Error {
                 .collect();
             asked.drain(..whole);
             for dial in dials {
-                if let Err(errno) = answer(socket, dial, &mut hand, &mut conns) {
-                    let refused = Refused { id: dial.id, errno }.encode();
-                    // A full control socket (a worker that stopped reading)
-                    // loses the refusal; the worker's dial times out.
-                    let _ = (&control).write(&refused);
+                if dial.port == 0 {
+                    refuse(dial.id, libc::EINVAL as u32);
+                } else if connecting.len() + conns.len() >= MAX_CONNECTIONS {
+                    refuse(dial.id, libc::EMFILE as u32);
+                } else {
+                    match connect_start(dial.port) {
+                        Ok(tcp) => connecting.push(Connecting {
+                            dial,
+                            tcp,
+                            deadline: Instant::now() + CONNECT_TIMEOUT,
+                        }),
+                        Err(e) => refuse(dial.id, errno_of(&e)),
+                    }
                 }
+            }
+        }
+        // Connects that ended (or ran out of time) are answered.
+        let done: Vec<bool> = connecting
+            .iter()
+            .map(|c| ready.next().unwrap_or(false) || Instant::now() >= c.deadline)
+            .collect();
+        let mut i = 0;
+        let mut finished = Vec::new();
+        connecting.retain_mut(|c| {
+            let keep = !done.get(i).copied().unwrap_or(false);
+            i += 1;
+            if !keep {
+                finished.push((c.dial, c.tcp.try_clone()));
+            }
+            keep
+        });
+        for (dial, tcp) in finished {
+            let connected = tcp.and_then(|tcp| match tcp.take_error()? {
+                Some(e) => Err(e),
+                None => match tcp.peer_addr() {
+                    Ok(_) => Ok(tcp),
+                    // Not connected yet at its deadline.
+                    Err(_) => Err(io::Error::from_raw_os_error(libc::ETIMEDOUT)),
+                },
+            });
+            let answered = connected
+                .map_err(|e| errno_of(&e))
+                .and_then(|tcp| answer(socket, dial, tcp, &mut hand, &mut conns));
+            if let Err(errno) = answered {
+                refuse(dial.id, errno);
             }
         }
         let woke: Vec<bool> = (0..conns.len())
@@ -218,15 +315,20 @@ fn serve_with(socket: &Path, mut hand: bool) -> io::Error {
     }
 }
 
-/// Makes `dial`: the sandbox's socket handed to the worker, or carried.
+fn errno_of(e: &io::Error) -> u32 {
+    e.raw_os_error().map_or(libc::EIO as u32, |n| n as u32)
+}
+
+/// Gives the worker the connected `tcp` of `dial`: handed over, or carried.
 /// The error number of what failed.
-fn answer(socket: &Path, dial: Dial, hand: &mut bool, conns: &mut Vec<Conn>) -> Result<(), u32> {
-    let errno = |e: io::Error| e.raw_os_error().map_or(libc::EIO as u32, |n| n as u32);
-    if dial.port == 0 {
-        return Err(libc::EINVAL as u32);
-    }
-    let tcp =
-        TcpStream::connect(SocketAddr::from((Ipv4Addr::LOCALHOST, dial.port))).map_err(errno)?;
+fn answer(
+    socket: &Path,
+    dial: Dial,
+    tcp: TcpStream,
+    hand: &mut bool,
+    conns: &mut Vec<Conn>,
+) -> Result<(), u32> {
+    let errno = |e: io::Error| errno_of(&e);
     let _ = tcp.set_nodelay(true);
     crate::relay::loopback_congestion(&tcp);
     if *hand {
@@ -246,9 +348,6 @@ fn answer(socket: &Path, dial: Dial, hand: &mut bool, conns: &mut Vec<Conn>) -> 
             }
         }
     }
-    if conns.len() >= MAX_CONNECTIONS {
-        return Err(libc::EMFILE as u32);
-    }
     let up = Half::new().map_err(errno)?;
     let down = Half::new().map_err(errno)?;
     let mut unix = connect_worker(socket).map_err(errno)?;
@@ -262,6 +361,8 @@ fn answer(socket: &Path, dial: Dial, hand: &mut bool, conns: &mut Vec<Conn>) -> 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    const SECRET: &[u8] = b"0123456789abcdef0123456789abcdef";
     use std::net::TcpListener;
     use std::os::unix::net::UnixListener;
 
@@ -284,11 +385,12 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let sock = dir.path().join(SOCKET_NAME);
         let listener = UnixListener::bind(&sock).unwrap();
-        std::thread::spawn(move || serve_with(&sock, hand));
+        std::thread::spawn(move || serve_with(&sock, SECRET, hand));
         let (mut control, _) = listener.accept().unwrap();
-        let mut first = [0u8; 1];
-        control.read_exact(&mut first).unwrap();
-        assert_eq!(first[0], CONTROL);
+        let mut hello = [0u8; 1 + SECRET.len()];
+        control.read_exact(&mut hello).unwrap();
+        assert_eq!(hello[0], CONTROL);
+        assert_eq!(&hello[1..], SECRET);
         (dir, listener, control)
     }
 
@@ -385,10 +487,10 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let sock = dir.path().join(SOCKET_NAME);
         let listener = UnixListener::bind(&sock).unwrap();
-        let relay = std::thread::spawn(move || serve_with(&sock, true));
+        let relay = std::thread::spawn(move || serve_with(&sock, SECRET, true));
         let (mut control, _) = listener.accept().unwrap();
-        let mut first = [0u8; 1];
-        control.read_exact(&mut first).unwrap();
+        let mut hello = [0u8; 1 + SECRET.len()];
+        control.read_exact(&mut hello).unwrap();
         drop(control);
         let e = relay.join().unwrap();
         assert_eq!(e.kind(), io::ErrorKind::UnexpectedEof);

@@ -84,7 +84,18 @@ fn main() -> ExitCode {
         let _ = nix::sys::prctl::set_dumpable(false);
         let socket = std::path::Path::new(corral_init::relay::SOCKET_DIR)
             .join(corral_init::ingress::SOCKET_NAME);
-        let e = corral_init::ingress::serve(&socket);
+        // Its secret, from the supervisor (hex): the worker's word that
+        // this relay is the sandbox's own.
+        let secret: Vec<u8> = std::env::var(corral_init::ingress::SECRET_ENV)
+            .ok()
+            .and_then(|h| {
+                (0..h.len())
+                    .step_by(2)
+                    .map(|i| u8::from_str_radix(h.get(i..i + 2)?, 16).ok())
+                    .collect()
+            })
+            .unwrap_or_default();
+        let e = corral_init::ingress::serve(&socket, &secret);
         // No worker listens (it restarted, and has exposed nothing since):
         // not started again until the worker asks.
         if matches!(

@@ -113,11 +113,18 @@ fn route(host: Option<&str>, domain: Option<&str>, path_and_query: &str) -> Opti
                 host
             }
         });
-        if let Some(label) = name
-            .to_ascii_lowercase()
-            .strip_suffix(&format!(".{}", domain.to_ascii_lowercase()))
-            .filter(|l| !l.contains('.'))
-        {
+        let name = name.trim_end_matches('.').to_ascii_lowercase();
+        let domain = domain.trim_end_matches('.').to_ascii_lowercase();
+        if name == domain {
+            return None;
+        }
+        if let Some(label) = name.strip_suffix(&format!(".{domain}")) {
+            // A host of the domain is routed by its name alone: a path
+            // there never names another sandbox (its pages would take it
+            // for their own origin).
+            if label.contains('.') {
+                return None;
+            }
             let (port, id) = label.split_once('-')?;
             return Some(Route {
                 sandbox: SandboxId::new(id.to_string()).ok()?,
@@ -146,53 +153,73 @@ fn route(host: Option<&str>, domain: Option<&str>, path_and_query: &str) -> Opti
     })
 }
 
-/// The credential a request brings, and where.
+/// Where the credential that admitted a request came from.
 #[derive(Debug, Clone, PartialEq, Eq)]
-enum Credential {
-    Bearer(String),
+enum Used {
+    Bearer,
+    /// A `token` of the query (its value).
     Query(String),
-    Cookie(String),
+    Cookie,
 }
 
-/// The credentials a request brings, in the order they are tried: its
-/// bearer, a `token` of its query, the listener's cookie.
-fn credentials(headers: &HeaderMap, query: Option<&str>) -> Vec<Credential> {
-    let mut all = Vec::new();
-    if let Some(b) = headers
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-    {
-        all.push(Credential::Bearer(b.trim().to_string()));
+/// The credentials a request brings: its bearers (the scheme in any
+/// case, every `Authorization` header), the `token`s of its query, and the
+/// listener's cookies (every one of that name: a sibling host may have set
+/// one for the whole domain).
+#[derive(Debug, Default, PartialEq, Eq)]
+struct Creds {
+    bearers: Vec<String>,
+    queries: Vec<String>,
+    cookies: Vec<String>,
+}
+
+fn bearer_of(v: &HeaderValue) -> Option<String> {
+    let v = v.to_str().ok()?.trim();
+    let (scheme, rest) = v.split_once(' ')?;
+    scheme
+        .eq_ignore_ascii_case("bearer")
+        .then(|| rest.trim().to_string())
+}
+
+fn credentials(headers: &HeaderMap, query: Option<&str>) -> Creds {
+    Creds {
+        bearers: headers
+            .get_all(header::AUTHORIZATION)
+            .iter()
+            .filter_map(bearer_of)
+            .collect(),
+        queries: query
+            .into_iter()
+            .flat_map(|q| q.split('&'))
+            .filter_map(|kv| kv.strip_prefix("token=").map(str::to_string))
+            .collect(),
+        cookies: cookies(headers)
+            .filter(|(k, _)| *k == COOKIE)
+            .map(|(_, v)| v.to_string())
+            .collect(),
     }
-    if let Some(t) = query.and_then(|q| {
-        q.split('&')
-            .find_map(|kv| kv.strip_prefix("token=").map(str::to_string))
-    }) {
-        all.push(Credential::Query(t));
-    }
-    if let Some(c) = headers
+}
+
+fn cookies(headers: &HeaderMap) -> impl Iterator<Item = (&str, &str)> {
+    headers
         .get_all(header::COOKIE)
         .iter()
         .filter_map(|v| v.to_str().ok())
         .flat_map(|v| v.split(';'))
-        .find_map(|kv| {
-            let (k, v) = kv.trim().split_once('=')?;
-            (k == COOKIE).then(|| Credential::Cookie(v.to_string()))
-        })
-    {
-        all.push(c);
-    }
-    all
+        .filter_map(|kv| kv.trim().split_once('='))
 }
 
-/// The query without its `token`.
-fn without_token(query: &str) -> String {
-    query
-        .split('&')
-        .filter(|kv| !kv.starts_with("token=") && !kv.is_empty())
-        .collect::<Vec<_>>()
-        .join("&")
+/// Whether `t` has the form of a token this listener makes
+/// (`{expiry}.{nonce}.{mac}`): such a value is the listener's, whoever it
+/// was made for, and never reaches a server.
+fn looks_signed(t: &str) -> bool {
+    let mut parts = t.split('.');
+    let hex = |p: &str, n: usize| p.len() == n && p.bytes().all(|b| b.is_ascii_hexdigit());
+    matches!(
+        (parts.next(), parts.next(), parts.next(), parts.next()),
+        (Some(e), Some(n), Some(m), None)
+            if !e.is_empty() && e.bytes().all(|b| b.is_ascii_digit()) && hex(n, 24) && hex(m, 64)
+    )
 }
 
 fn constant_eq(a: &str, b: &str) -> bool {
@@ -204,30 +231,39 @@ fn constant_eq(a: &str, b: &str) -> bool {
 }
 
 /// Whether the request may reach the port: the access it was let in by,
-/// and the credential that did it (`None`: none was needed). Each
-/// credential is tried in turn, so that a server's own `token` in a query
-/// (Jupyter's, say) passes through when the listener's cookie is what
-/// admits the request; refused, the first credential's refusal is said.
+/// and where the credential that did it came from (`None`: none was
+/// needed). The worker's own token counts as a bearer only (never in a
+/// URL or a cookie, where pages could read or keep it); a signed token in
+/// the bearer, the query or (host routing only) the cookie. Each is tried
+/// in turn, so a server's own `token` in a query passes through when
+/// another credential admits the request; refused, the first one's
+/// refusal is said.
 fn admit(
     worker: &Worker,
     route: &Route,
     exposure: Option<&Exposure>,
-    creds: &[Credential],
-) -> Result<(Access, Option<usize>), Refusal> {
-    let token = |c: &Credential| match c {
-        Credential::Bearer(t) | Credential::Query(t) | Credential::Cookie(t) => t.clone(),
+    creds: &Creds,
+) -> Result<(Access, Option<Used>), Refusal> {
+    let owner = |t: &str| worker.ports_token().is_some_and(|w| constant_eq(t, w));
+    let cookies: &[String] = if route.prefix.is_none() {
+        &creds.cookies
+    } else {
+        &[]
     };
-    let owner = |t: &str| {
+    let verify = |t: &str, e: Option<&Exposure>| {
         worker
-            .ports_token()
-            .is_none_or(|expected| constant_eq(t, expected))
+            .ports_key()
+            .verify(t, &route.sandbox, route.port, e, worker.now_ms())
     };
     let Some(e) = exposure else {
         // A genuine token of a revoked exposure says so.
-        if let Some(t) = creds.first().map(token).filter(|t| !owner(t)) {
-            worker
-                .ports_key()
-                .verify(&t, &route.sandbox, route.port, None, worker.now_ms())?;
+        if let Some(t) = creds
+            .bearers
+            .iter()
+            .chain(&creds.queries)
+            .find(|t| !owner(t))
+        {
+            verify(t, None)?;
         }
         return Err(Refusal::NotExposed);
     };
@@ -237,22 +273,26 @@ fn admit(
     if worker.ports_token().is_none() {
         return Ok((Access::Private, None));
     }
+    if creds.bearers.iter().any(|t| owner(t)) {
+        return Ok((Access::Private, Some(Used::Bearer)));
+    }
+    let signed = creds
+        .bearers
+        .iter()
+        .map(|t| (t, Used::Bearer))
+        .chain(creds.queries.iter().map(|t| (t, Used::Query(t.clone()))))
+        .chain(cookies.iter().map(|t| (t, Used::Cookie)));
     let mut first = None;
-    for (i, c) in creds.iter().enumerate() {
-        let t = token(c);
-        if owner(&t) {
-            return Ok((Access::Private, Some(i)));
-        }
-        let checked = match e.access {
-            Access::Signed => {
-                worker
-                    .ports_key()
-                    .verify(&t, &route.sandbox, route.port, Some(e), worker.now_ms())
-            }
-            _ => Err(Refusal::InvalidToken),
+    for (t, used) in signed {
+        let checked = if owner(t) || e.access != Access::Signed {
+            // The worker's token where it must not be, or a port that
+            // takes no signed token.
+            Err(Refusal::InvalidToken)
+        } else {
+            verify(t, Some(e))
         };
         match checked {
-            Ok(()) => return Ok((Access::Signed, Some(i))),
+            Ok(()) => return Ok((Access::Signed, Some(used))),
             Err(r) => {
                 first.get_or_insert(r);
             }
@@ -261,7 +301,53 @@ fn admit(
     Err(first.unwrap_or(Refusal::Unauthenticated))
 }
 
-async fn handle(worker: &Worker, mut req: Request<Incoming>) -> Response<Body> {
+/// The query without what is the listener's: a `token` that is the
+/// worker's or has the form of a signed one.
+fn query_without_ours(query: &str, worker_token: Option<&str>) -> String {
+    query
+        .split('&')
+        .filter(|kv| !kv.is_empty())
+        .filter(|kv| match kv.strip_prefix("token=") {
+            Some(t) => !(looks_signed(t) || worker_token.is_some_and(|w| constant_eq(t, w))),
+            None => true,
+        })
+        .collect::<Vec<_>>()
+        .join("&")
+}
+
+/// `path?query` with the listener's tokens taken out of the query.
+fn path_without_ours(path_and_query: &str, worker_token: Option<&str>) -> String {
+    match path_and_query.split_once('?') {
+        Some((path, q)) => {
+            let rest = query_without_ours(q, worker_token);
+            if rest.is_empty() {
+                path.to_string()
+            } else {
+                format!("{path}?{rest}")
+            }
+        }
+        None => path_and_query.to_string(),
+    }
+}
+
+/// A path said back in a `Location`: one leading slash, whatever the
+/// request had (`//host/...` or `/\host` would name another site).
+fn local_location(path: &str) -> String {
+    format!("/{}", path.trim_start_matches(['/', '\\']))
+}
+
+/// Most bytes of a request's header fields, names and values.
+const MAX_HEADER_BYTES: usize = 64 << 10;
+
+async fn handle(worker: &Worker, req: Request<Incoming>) -> Response<Body> {
+    let header_bytes: usize = req
+        .headers()
+        .iter()
+        .map(|(k, v)| k.as_str().len() + v.len() + 4)
+        .sum();
+    if header_bytes > MAX_HEADER_BYTES {
+        return refuse(Refusal::HeadTooLarge);
+    }
     let host = req
         .headers()
         .get(header::HOST)
@@ -285,39 +371,37 @@ async fn handle(worker: &Worker, mut req: Request<Incoming>) -> Response<Body> {
         Ok(a) => a,
         Err(r) => return refuse(r),
     };
-    let cred = used.and_then(|i| creds.get(i)).cloned();
     let Some(exposure) = exposure else {
         return refuse(Refusal::NotExposed);
     };
-    // A token in the URL: kept as a cookie of this host (and path), and
-    // the URL said again without it, so it leaves no trace in histories
-    // and Referer headers.
-    if let Some(Credential::Query(token)) = &cred
-        && access == Access::Signed
+    // A page of another origin (a sibling sandbox's, say) cannot have the
+    // browser change anything here with the cookie it holds.
+    if used == Some(Used::Cookie)
+        && !matches!(
+            *req.method(),
+            http::Method::GET | http::Method::HEAD | http::Method::OPTIONS
+        )
+        && !same_origin(req.headers(), host.as_deref())
     {
-        let (path, q) = route
-            .path_and_query
-            .split_once('?')
-            .unwrap_or((&route.path_and_query, ""));
-        let rest = without_token(q);
-        let prefix = route.prefix.clone().unwrap_or_default();
-        let location = if rest.is_empty() {
-            format!("{prefix}{path}")
-        } else {
-            format!("{prefix}{path}?{rest}")
-        };
-        let cookie_path = route
-            .prefix
-            .as_deref()
-            .map_or_else(|| "/".to_string(), |p| format!("{p}/"));
+        return refuse(Refusal::CrossOrigin);
+    }
+    let worker_token = worker.ports_token();
+    // A token in the URL, by Host: kept as a cookie of this host, and the
+    // URL said again without it, so it leaves no trace in histories and
+    // Referer headers. By path no cookie is set: every sandbox shares that
+    // origin, so a browser session there would be every sandbox's.
+    if let Some(Used::Query(token)) = &used
+        && route.prefix.is_none()
+    {
+        let location = local_location(&path_without_ours(&route.path_and_query, worker_token));
         let max_age = exposure
             .expires_at_ms
             .map(|t| (t - worker.now_ms()).max(0) / 1000);
-        let mut cookie = format!("{COOKIE}={token}; Path={cookie_path}; HttpOnly; SameSite=Lax");
+        let mut cookie = format!("{COOKIE}={token}; Path=/; HttpOnly; SameSite=Lax");
         if let Some(a) = max_age {
             cookie.push_str(&format!("; Max-Age={a}"));
         }
-        if forwarded_https(req.headers()) {
+        if worker.ports_secure() {
             cookie.push_str("; Secure");
         }
         return Response::builder()
@@ -329,68 +413,90 @@ async fn handle(worker: &Worker, mut req: Request<Incoming>) -> Response<Body> {
             .unwrap_or_else(|_| refuse(Refusal::BadRoute));
     }
     sandbox.touch();
-    strip(req.headers_mut(), cred.as_ref());
-    let headers = req.headers_mut();
+    let (mut parts, body) = req.into_parts();
+    strip(&mut parts.headers, worker_token);
     if let Ok(v) = HeaderValue::from_str(access.as_str()) {
-        headers.insert("x-corral-verified-access", v);
+        parts.headers.insert("x-corral-verified-access", v);
     }
     if let Some(p) = route
         .prefix
         .as_deref()
         .and_then(|p| HeaderValue::from_str(p).ok())
     {
-        headers.insert("x-forwarded-prefix", p);
+        parts.headers.insert("x-forwarded-prefix", p);
     }
-    let pq = match (&cred, route.path_and_query.split_once('?')) {
-        (Some(Credential::Query(_)), Some((path, q))) => {
-            let rest = without_token(q);
-            if rest.is_empty() {
-                path.to_string()
-            } else {
-                format!("{path}?{rest}")
-            }
-        }
-        _ => route.path_and_query.clone(),
-    };
-    match pq.parse() {
-        Ok(uri) => *req.uri_mut() = uri,
+    match path_without_ours(&route.path_and_query, worker_token).parse() {
+        Ok(uri) => parts.uri = uri,
         Err(_) => return refuse(Refusal::BadRoute),
     }
-    forward(worker, &sandbox, route.port, req, exposure.revoked).await
+    // Trailers are headers too: the listener's are dropped there as well.
+    let body = body
+        .map_frame(|mut f| {
+            if let Some(t) = f.trailers_mut() {
+                strip_ours(t);
+            }
+            f
+        })
+        .boxed();
+    let expires = exposure.expires_at_ms.map(|t| {
+        tokio::time::Instant::now()
+            + Duration::from_millis(u64::try_from(t - worker.now_ms()).unwrap_or(0))
+    });
+    let req = Request::from_parts(parts, body);
+    forward(worker, &sandbox, route.port, req, exposure.revoked, expires).await
 }
 
-fn forwarded_https(headers: &HeaderMap) -> bool {
-    headers
-        .get("x-forwarded-proto")
-        .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"https"))
+/// Whether the request's Origin, if it names one, is its own host's.
+fn same_origin(headers: &HeaderMap, host: Option<&str>) -> bool {
+    let Some(origin) = headers.get(header::ORIGIN).and_then(|o| o.to_str().ok()) else {
+        return true;
+    };
+    let named = origin.split_once("://").map_or(origin, |(_, h)| h);
+    host.is_some_and(|h| named.eq_ignore_ascii_case(h))
 }
 
-/// Drops what only the listener may say, and the listener's credential.
-fn strip(headers: &mut HeaderMap, cred: Option<&Credential>) {
+/// Drops what only the listener may say (`X-Corral-Verified-*`, and the
+/// forwarding headers it sets).
+fn strip_ours(headers: &mut HeaderMap) {
     let ours: Vec<header::HeaderName> = headers
         .keys()
-        .filter(|k| k.as_str().starts_with(VERIFIED_PREFIX))
+        .filter(|k| {
+            k.as_str().starts_with(VERIFIED_PREFIX)
+                || matches!(k.as_str(), "x-forwarded-prefix" | "x-forwarded-proto")
+        })
         .cloned()
         .collect();
     for k in ours {
         headers.remove(k);
     }
-    if matches!(cred, Some(Credential::Bearer(_))) {
-        headers.remove(header::AUTHORIZATION);
-    }
-    // The listener's cookie goes; the server's own stay.
-    let cookies: Vec<String> = headers
-        .get_all(header::COOKIE)
+}
+
+/// Drops what only the listener may say, and every credential of the
+/// listener's: bearers that are the worker's token or have a signed
+/// token's form, and its cookies (the server's own stay).
+fn strip(headers: &mut HeaderMap, worker_token: Option<&str>) {
+    strip_ours(headers);
+    let kept: Vec<HeaderValue> = headers
+        .get_all(header::AUTHORIZATION)
         .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(';'))
-        .map(str::trim)
-        .filter(|kv| !kv.is_empty() && !kv.starts_with(&format!("{COOKIE}=")))
-        .map(str::to_string)
+        .filter(|v| {
+            !bearer_of(v).is_some_and(|t| {
+                looks_signed(&t) || worker_token.is_some_and(|w| constant_eq(&t, w))
+            })
+        })
+        .cloned()
+        .collect();
+    headers.remove(header::AUTHORIZATION);
+    for v in kept {
+        headers.append(header::AUTHORIZATION, v);
+    }
+    let theirs: Vec<String> = cookies(headers)
+        .filter(|(k, _)| *k != COOKIE)
+        .map(|(k, v)| format!("{k}={v}"))
         .collect();
     headers.remove(header::COOKIE);
-    if !cookies.is_empty()
-        && let Ok(v) = HeaderValue::from_str(&cookies.join("; "))
+    if !theirs.is_empty()
+        && let Ok(v) = HeaderValue::from_str(&theirs.join("; "))
     {
         headers.insert(header::COOKIE, v);
     }
@@ -402,9 +508,17 @@ async fn forward(
     worker: &Worker,
     sandbox: &Sandbox,
     port: u16,
-    mut req: Request<Incoming>,
+    mut req: Request<Body>,
     revoked: CancellationToken,
+    expires: Option<tokio::time::Instant>,
 ) -> Response<Body> {
+    // The exposure's end cuts what is open, as a revocation does.
+    let ended = move || async move {
+        match expires {
+            Some(t) => tokio::time::sleep_until(t).await,
+            None => std::future::pending().await,
+        }
+    };
     let stream = match worker.dial_port(sandbox, port).await {
         Ok(s) => s,
         Err(r) => return refuse(r),
@@ -423,6 +537,7 @@ async fn forward(
             },
             () = cut.cancelled() => {}
             () = closed.cancelled() => {}
+            () = ended() => {}
         }
     });
     let upgrade = req
@@ -457,6 +572,7 @@ async fn forward(
                     _ = &mut carried => break,
                     () = revoked.cancelled() => break,
                     () = sandbox.closed().cancelled() => break,
+                    () = ended() => break,
                     _ = used.tick() => sandbox.touch(),
                 }
             }
@@ -516,33 +632,83 @@ mod tests {
 
     #[test]
     fn the_listeners_credentials_and_verified_headers_never_reach_the_server() {
+        let signed = format!("1796625523589.{}.{}", "a".repeat(24), "b".repeat(64));
         let mut h = HeaderMap::new();
-        h.insert(
+        h.append(
             header::AUTHORIZATION,
-            HeaderValue::from_static("Bearer secret"),
+            HeaderValue::from_static("bearer the-workers-token"),
+        );
+        h.append(
+            header::AUTHORIZATION,
+            HeaderValue::from_str(&format!("Bearer {signed}")).unwrap(),
+        );
+        h.append(
+            header::AUTHORIZATION,
+            HeaderValue::from_static("Basic dXNlcg=="),
         );
         h.insert(
             "x-corral-verified-access",
             HeaderValue::from_static("public"),
         );
         h.insert("X-Corral-Verified-User", HeaderValue::from_static("admin"));
-        h.insert(
+        h.insert("x-forwarded-prefix", HeaderValue::from_static("/evil"));
+        h.insert("x-forwarded-proto", HeaderValue::from_static("https"));
+        h.append(
             header::COOKIE,
             HeaderValue::from_static("a=1; corral_port_token=tok; b=2"),
         );
-        let creds = credentials(&h, Some("a=1&token=t"));
+        h.append(
+            header::COOKIE,
+            HeaderValue::from_static("corral_port_token=two"),
+        );
+        let creds = credentials(&h, Some("a=1&token=t&token=u"));
         assert_eq!(
             creds,
-            vec![
-                Credential::Bearer("secret".into()),
-                Credential::Query("t".into()),
-                Credential::Cookie("tok".into())
-            ]
+            Creds {
+                bearers: vec!["the-workers-token".into(), signed.clone()],
+                queries: vec!["t".into(), "u".into()],
+                cookies: vec!["tok".into(), "two".into()],
+            }
         );
-        strip(&mut h, creds.first());
-        assert!(h.get(header::AUTHORIZATION).is_none());
+        strip(&mut h, Some("the-workers-token"));
+        // The server's own Authorization stays; the listener's go.
+        let auth: Vec<_> = h.get_all(header::AUTHORIZATION).iter().collect();
+        assert_eq!(auth, vec!["Basic dXNlcg=="]);
         assert!(h.keys().all(|k| !k.as_str().starts_with(VERIFIED_PREFIX)));
+        assert!(h.get("x-forwarded-prefix").is_none() && h.get("x-forwarded-proto").is_none());
         assert_eq!(h.get(header::COOKIE).unwrap(), "a=1; b=2");
-        assert_eq!(without_token("a=1&token=x&b=2"), "a=1&b=2");
+        // A server's own token in a query stays; the listener's go.
+        let q = format!("a=1&token={signed}&token=jupyters&token=the-workers-token&b=2");
+        assert_eq!(
+            query_without_ours(&q, Some("the-workers-token")),
+            "a=1&token=jupyters&b=2"
+        );
+    }
+
+    #[test]
+    fn a_location_said_back_stays_on_this_site() {
+        assert_eq!(local_location("//evil.example/x"), "/evil.example/x");
+        assert_eq!(local_location("/\\evil.example/"), "/evil.example/");
+        assert_eq!(local_location("/a/b?c"), "/a/b?c");
+    }
+
+    #[test]
+    fn the_domains_own_hosts_are_never_routed_by_path() {
+        let d = Some("ports.test");
+        assert!(
+            route(Some("8005-b.ports.test"), d, "/p/a/8000/x").is_some_and(|r| {
+                r.sandbox.as_str() == "b" && r.port == 8005 && r.path_and_query == "/p/a/8000/x"
+            })
+        );
+        for host in [
+            "ports.test",
+            "PORTS.TEST.",
+            "x.y.ports.test:80",
+            "junk.ports.test",
+        ] {
+            assert!(route(Some(host), d, "/p/a/8000/").is_none(), "{host}");
+        }
+        // The listener's own address routes by path.
+        assert!(route(Some("127.0.0.1:7080"), d, "/p/a/8000/").is_some());
     }
 }

@@ -10,7 +10,7 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use corral_init::ingress::{CONTROL, Dial, HEADER_LEN, Refused};
+use corral_init::ingress::{CONTROL, Dial, HEADER_LEN, Refused, SECRET_LEN};
 use corral_init::relay::{HANDED, RELAYED};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::UnixStream;
@@ -45,11 +45,17 @@ pub const DIAL_TIMEOUT: Duration = Duration::from_secs(5);
 const HEAD_TIMEOUT: Duration = Duration::from_secs(5);
 /// Most dials waiting for an answer at once.
 const MAX_PENDING: usize = 1024;
+/// Most connections on the socket not yet known for what they bring (a
+/// sandbox's processes can connect to it too: past this, new ones are
+/// closed at once).
+const MAX_UNKNOWN: usize = 64;
 
 type Pending = Mutex<HashMap<u64, oneshot::Sender<Result<PortStream, DialError>>>>;
 
 /// One sandbox's way in, on the worker's side.
 pub struct Ingress {
+    /// What its relay says first on its control connection.
+    secret: [u8; SECRET_LEN],
     /// Writes dials to the relay (`None` until it connects).
     control: tokio::sync::Mutex<Option<tokio::net::unix::OwnedWriteHalf>>,
     /// Whether a relay is connected now.
@@ -72,7 +78,11 @@ impl Ingress {
         tracker: &tokio_util::task::TaskTracker,
     ) -> std::io::Result<std::sync::Arc<Self>> {
         let listener = crate::proxy::bind_named(dir, corral_init::ingress::SOCKET_NAME)?;
+        let mut secret = [0u8; SECRET_LEN];
+        ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut secret)
+            .map_err(|_| std::io::Error::other("no randomness"))?;
         let ingress = std::sync::Arc::new(Self {
+            secret,
             control: tokio::sync::Mutex::new(None),
             connected: watch::Sender::new(false),
             pending: Mutex::new(HashMap::new()),
@@ -85,6 +95,7 @@ impl Ingress {
     }
 
     async fn serve(self: std::sync::Arc<Self>, listener: tokio::net::UnixListener) {
+        let unknown = std::sync::Arc::new(tokio::sync::Semaphore::new(MAX_UNKNOWN));
         loop {
             let stream = tokio::select! {
                 () = self.closed.cancelled() => break,
@@ -97,11 +108,15 @@ impl Ingress {
                     }
                 },
             };
+            let Ok(permit) = unknown.clone().try_acquire_owned() else {
+                debug!("too many connections on an ingress socket; closed");
+                continue;
+            };
             let this = self.clone();
             tokio::spawn(async move {
                 tokio::select! {
                     () = this.closed.cancelled() => {}
-                    () = this.take(stream) => {}
+                    () = this.take(stream, permit) => {}
                 }
             });
         }
@@ -113,16 +128,25 @@ impl Ingress {
 
     /// What a connection on the socket brings: the control connection, or
     /// a dial's socket (handed or carried).
-    async fn take(&self, stream: UnixStream) {
+    async fn take(&self, mut stream: UnixStream, permit: tokio::sync::OwnedSemaphorePermit) {
         let head = tokio::time::timeout(HEAD_TIMEOUT, read_head(&stream)).await;
         let Ok(Ok((head, handed))) = head else {
             debug!("a connection on the ingress socket brought nothing usable");
             return;
         };
         if head.first() == Some(&CONTROL) {
+            // The relay's secret, or nothing.
+            let mut said = [0u8; SECRET_LEN];
+            let read = tokio::time::timeout(HEAD_TIMEOUT, stream.read_exact(&mut said)).await;
+            if !matches!(read, Ok(Ok(_))) || !ring_eq(&said, &self.secret) {
+                warn!("a connection on a sandbox's ingress socket was not its relay's; closed");
+                return;
+            }
+            drop(permit);
             self.control(stream).await;
             return;
         }
+        drop(permit);
         let mut id = [0u8; 8];
         id.copy_from_slice(&head[1..HEADER_LEN]);
         let id = u64::from_be_bytes(id);
@@ -166,6 +190,11 @@ impl Ingress {
         *self.connected.borrow()
     }
 
+    /// What its relay is to say first (given to the sandbox's supervisor).
+    pub fn secret(&self) -> Vec<u8> {
+        self.secret.to_vec()
+    }
+
     /// A connection to `port` of the sandbox.
     pub async fn dial(&self, port: u16) -> Result<PortStream, DialError> {
         let deadline = tokio::time::Instant::now() + DIAL_TIMEOUT;
@@ -179,7 +208,10 @@ impl Ingress {
         if !up {
             return Err(DialError::Unanswered(DIAL_TIMEOUT));
         }
-        let id = self.next.fetch_add(1, Ordering::Relaxed);
+        // Random: a process of the sandbox cannot answer another's dial.
+        let mut random = [0u8; 8];
+        let _ = ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut random);
+        let id = u64::from_be_bytes(random) ^ self.next.fetch_add(1, Ordering::Relaxed);
         let (reply, answer) = oneshot::channel();
         {
             let mut pending = lock(&self.pending);
@@ -188,10 +220,14 @@ impl Ingress {
             }
             pending.insert(id, reply);
         }
-        let sent = match self.control.lock().await.as_mut() {
-            Some(w) => w.write_all(&Dial { id, port }.encode()).await.is_ok(),
-            None => false,
-        };
+        let sent = tokio::time::timeout_at(deadline, async {
+            match self.control.lock().await.as_mut() {
+                Some(w) => w.write_all(&Dial { id, port }.encode()).await.is_ok(),
+                None => false,
+            }
+        })
+        .await
+        .unwrap_or(false);
         let forget = || lock(&self.pending).remove(&id);
         if !sent {
             forget();
@@ -209,6 +245,11 @@ impl Ingress {
             }
         }
     }
+}
+
+/// Whether two secrets are the same (in constant time).
+fn ring_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 /// The head of a connection on the ingress socket: one byte ([`CONTROL`]),

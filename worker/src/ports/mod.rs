@@ -334,6 +334,11 @@ pub enum Refusal {
     BadRoute,
     /// Past the sandbox's bound on connections.
     TooManyConnections,
+    /// A request's header fields over the bound.
+    HeadTooLarge,
+    /// A change (a POST, say) a page of another origin asked for with the
+    /// cookie the browser holds for this one.
+    CrossOrigin,
 }
 
 impl Refusal {
@@ -349,6 +354,8 @@ impl Refusal {
             Refusal::SandboxUnavailable => "sandbox_unavailable",
             Refusal::BadRoute => "bad_route",
             Refusal::TooManyConnections => "too_many_connections",
+            Refusal::HeadTooLarge => "head_too_large",
+            Refusal::CrossOrigin => "cross_origin",
         }
     }
 
@@ -362,6 +369,8 @@ impl Refusal {
             Refusal::PortNotListening => 502,
             Refusal::SandboxUnavailable => 503,
             Refusal::TooManyConnections => 429,
+            Refusal::HeadTooLarge => 431,
+            Refusal::CrossOrigin => 403,
         }
     }
 
@@ -383,6 +392,10 @@ impl Refusal {
                 "the URL names no sandbox and port: /p/{sandbox}/{port}/... or {port}-{sandbox}.{domain}"
             }
             Refusal::TooManyConnections => "too many connections to this sandbox's ports",
+            Refusal::HeadTooLarge => "the request's header fields are over 64 KiB",
+            Refusal::CrossOrigin => {
+                "a page of another origin may not change anything here with this origin's cookie"
+            }
         }
     }
 }

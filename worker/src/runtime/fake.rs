@@ -467,7 +467,7 @@ async fn supervise(
                     InitRequest::Credit { .. }
                     | InitRequest::Egress(_)
                     | InitRequest::StartRelay
-                    | InitRequest::StartIngress,
+                    | InitRequest::StartIngress { .. },
                 ) => None,
                 Err(e) => Some(InitMessage::Rejected {
                     operation_id: None,

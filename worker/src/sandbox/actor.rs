@@ -294,12 +294,13 @@ impl Actor {
                 };
                 let _ = reply.send(answer);
             }
-            Command::StartIngress { reply } => {
-                let answer = if self.welcomed && self.send(InitRequest::StartIngress).await {
-                    Ok(())
-                } else {
-                    Err(WorkerError::Detached(self.id.to_string()))
-                };
+            Command::StartIngress { secret, reply } => {
+                let answer =
+                    if self.welcomed && self.send(InitRequest::StartIngress { secret }).await {
+                        Ok(())
+                    } else {
+                        Err(WorkerError::Detached(self.id.to_string()))
+                    };
                 let _ = reply.send(answer);
             }
             Command::Reset { reply } => {

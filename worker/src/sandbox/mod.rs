@@ -260,6 +260,7 @@ enum Command {
     },
     /// Have the supervisor start the way in's relay.
     StartIngress {
+        secret: Vec<u8>,
         reply: oneshot::Sender<Result<()>>,
     },
 }
@@ -658,10 +659,10 @@ impl Sandbox {
 
     /// Has the supervisor start the relay of the way in (nothing if it
     /// runs); the worker's socket is bound first.
-    pub async fn start_ingress(&self) -> Result<()> {
+    pub async fn start_ingress(&self, secret: Vec<u8>) -> Result<()> {
         let (reply, rx) = oneshot::channel();
         self.tx
-            .send(Command::StartIngress { reply })
+            .send(Command::StartIngress { secret, reply })
             .await
             .map_err(|_| WorkerError::ShuttingDown)?;
         rx.await.map_err(|_| WorkerError::ShuttingDown)?

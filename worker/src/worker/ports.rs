@@ -71,6 +71,16 @@ impl Worker {
         &self.inner.ports_key
     }
 
+    /// Whether clients reach the port listener over TLS (its URL is
+    /// https): cookies are then `Secure`.
+    pub(crate) fn ports_secure(&self) -> bool {
+        self.inner
+            .ports_settings
+            .url
+            .as_deref()
+            .is_some_and(|u| u.starts_with("https://"))
+    }
+
     pub(crate) fn ports_domain(&self) -> Option<&str> {
         self.inner.ports_settings.domain.as_deref()
     }
@@ -189,7 +199,7 @@ impl Worker {
             .await
             .map_err(|e| WorkerError::state(&dir, e))?;
         if !ingress.relay_connected() {
-            sandbox.start_ingress().await?;
+            sandbox.start_ingress(ingress.secret()).await?;
         }
         Ok(ingress)
     }
@@ -223,7 +233,9 @@ impl Worker {
     ) -> std::result::Result<(Sandbox, Option<Exposure>), Refusal> {
         let sandbox = match self.inner.table.lookup(id) {
             super::table::Lookup::Running(s) if !s.is_lost() => s,
-            _ => return Err(Refusal::SandboxNotFound),
+            // Said as a port not exposed: whoever asks learns nothing
+            // more of which sandboxes there are.
+            _ => return Err(Refusal::NotExposed),
         };
         let exposure = sandbox.ports().get(port, self.now_ms());
         Ok((sandbox, exposure))

@@ -326,6 +326,8 @@ pub struct Supervisor {
 struct Relay {
     /// The egress relay's listener; none for the ingress relay.
     listener: Option<std::net::TcpListener>,
+    /// The ingress relay's secret (the worker's), passed to it alone.
+    secret: Vec<u8>,
     pid: Option<i32>,
     /// When to start it again after it died (not at once: a relay that
     /// dies at start must not spin).
@@ -341,15 +343,17 @@ impl Relay {
         crate::relay::loopback_congestion(&listener);
         Ok(Self {
             listener: Some(listener),
+            secret: Vec::new(),
             pid: None,
             restart_at: Some(Instant::now()),
         })
     }
 
-    /// The ingress relay, to be started now.
-    fn ingress() -> Self {
+    /// The ingress relay, to be started now, with `secret`.
+    fn ingress(secret: Vec<u8>) -> Self {
         Self {
             listener: None,
+            secret,
             pid: None,
             restart_at: Some(Instant::now()),
         }
@@ -377,6 +381,10 @@ impl Relay {
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::inherit());
+        if self.listener.is_none() {
+            let hex: String = self.secret.iter().map(|b| format!("{b:02x}")).collect();
+            cmd.env(crate::ingress::SECRET_ENV, hex);
+        }
         if let Some(listener) = &self.listener {
             let fd = listener.as_raw_fd();
             // SAFETY: runs in the forked child before exec; the supervisor
@@ -844,11 +852,12 @@ impl Supervisor {
             // after this, so none can take the port first either.
             InitRequest::StartRelay => self.start_relay(),
             // The worker bound its socket first.
-            InitRequest::StartIngress => {
-                if self.ingress.is_none() {
-                    self.ingress = Some(Relay::ingress());
-                }
-            }
+            // A new secret (the worker's restarted, say): the relay that
+            // runs keeps its connection until it ends, then starts with it.
+            InitRequest::StartIngress { secret } => match self.ingress.as_mut() {
+                Some(r) => r.secret = secret,
+                None => self.ingress = Some(Relay::ingress(secret)),
+            },
         }
     }
 
