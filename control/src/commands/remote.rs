@@ -120,21 +120,9 @@ pub(super) fn service_credentials(
 }
 
 /// The run's settings as its flags say (the service's defaults for what
-/// they do not), typed once and sent as the service reads them.
+/// they do not), sent as the service reads them.
 fn settings(args: &RunArgs, api_key: Option<String>) -> pb::RunSettings {
-    corral_harness::host::Settings {
-        base_url: args.base_url.clone(),
-        api: super::run::api_of(args),
-        api_key,
-        image: args.image.clone(),
-        reasoning_effort: super::run::effort_of(args),
-        // Only as given: otherwise the service's own.
-        heartbeat_ms: args.heartbeat.map(|h| h.as_millis() as u64),
-        keep_sandbox: args.keep_sandbox,
-        on_sandbox_lost: super::run::lost_of(args),
-        grace_ms: args.grace.map(|g| g.as_millis() as u64),
-    }
-    .to_pb()
+    super::run::settings_of(args, api_key).to_pb()
 }
 
 /// `corral run --control URL`: as `corral run` says its exit code.

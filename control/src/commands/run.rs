@@ -106,6 +106,26 @@ pub(super) fn effort_of(args: &RunArgs) -> Option<corral_harness::sessions::Reas
     }
 }
 
+/// The run's settings as its flags say them, typed once: what `corral run`
+/// runs with (its own defaults for what they do not say) and what `corral
+/// run --control` sends (the service's defaults for those).
+pub(super) fn settings_of(
+    args: &RunArgs,
+    api_key: Option<String>,
+) -> corral_harness::host::Settings {
+    corral_harness::host::Settings {
+        base_url: args.base_url.clone(),
+        api: api_of(args),
+        api_key,
+        image: args.image.clone(),
+        reasoning_effort: effort_of(args),
+        heartbeat_ms: args.heartbeat.map(|h| h.as_millis() as u64),
+        keep_sandbox: args.keep_sandbox,
+        on_sandbox_lost: lost_of(args),
+        grace_ms: args.grace.map(|g| g.as_millis() as u64),
+    }
+}
+
 pub(super) fn lost_of(args: &RunArgs) -> Option<OnSandboxLost> {
     args.on_sandbox_lost.map(|p| match p {
         LostPolicy::Fail => OnSandboxLost::Fail,
@@ -127,28 +147,30 @@ async fn run(conn: &ConnArgs, args: &RunArgs, json: bool) -> Result<u8, Error> {
     };
     // Whatever the run's end, its spans go out before the command ends.
     let _flush = corral_harness::telemetry::FlushOnDrop(telemetry.clone());
+    let s = settings_of(args, api_key(args)?);
     let opts = RunOptions {
         request,
-        reasoning_effort: effort_of(args).map(|e| e.as_str().to_string()),
-        image: Some(args.image.clone().unwrap_or_else(|| DEFAULT_IMAGE.into())),
-        base_url: args.base_url.clone(),
-        api: api_of(args),
-        api_key: api_key(args)?,
+        reasoning_effort: s.reasoning_effort.map(|e| e.as_str().to_string()),
+        image: Some(s.image.unwrap_or_else(|| DEFAULT_IMAGE.into())),
+        base_url: s.base_url,
+        api: s.api,
+        api_key: s.api_key,
         skills: args.skills.clone(),
         workspace: args.workspace.clone(),
         settings: corral_harness::agent::Settings {
-            heartbeat: match args.heartbeat {
+            heartbeat: match s.heartbeat_ms.map(Duration::from_millis) {
                 Some(h) if h.is_zero() => None,
                 Some(h) => Some(h),
                 None => Some(corral_harness::agent::coordinator::DEFAULT_HEARTBEAT),
             },
-            grace: args
-                .grace
-                .unwrap_or(corral_harness::agent::coordinator::DEFAULT_GRACE),
+            grace: s.grace_ms.map_or(
+                corral_harness::agent::coordinator::DEFAULT_GRACE,
+                Duration::from_millis,
+            ),
         },
         until_idle: true,
         worker_lost_after: Some(conn.worker_lost_after),
-        on_sandbox_lost: lost_of(args),
+        on_sandbox_lost: s.on_sandbox_lost,
         telemetry,
         trace: None,
         tenant: None,

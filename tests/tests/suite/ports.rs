@@ -146,11 +146,12 @@ fn path_of(url: &str) -> String {
     rest.find('/').map_or("/".into(), |i| rest[i..].to_string())
 }
 
-/// Waits until the server answers through the listener (not 502).
+/// Waits until the server answers through the listener (not 502, nothing
+/// listens yet; not 503, its relay is still starting).
 async fn until_listening(addr: &str, path: &str, headers: &[(&str, &str)]) -> Result<Answer> {
     for _ in 0..200 {
         let a = get(addr, addr, path, headers).await?;
-        if a.status != 502 {
+        if a.status != 502 && a.status != 503 {
             return Ok(a);
         }
         tokio::time::sleep(Duration::from_millis(100)).await;

@@ -41,6 +41,7 @@ use crate::error::{Result, WorkerError};
 use crate::runtime::Runtime;
 
 mod actor;
+mod input;
 mod watchers;
 
 use actor::{Actor, short};
