@@ -37,7 +37,7 @@ class H(http.server.BaseHTTPRequestHandler):
                 c.sendall(b)
             self.close_connection = True
             return
-        body = json.dumps({"path": self.path, "headers": {k.lower(): v for k, v in self.headers.items()}}).encode()
+        body = json.dumps({"path": self.path, "peer": self.client_address[1], "headers": {k.lower(): v for k, v in self.headers.items()}}).encode()
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
@@ -140,16 +140,41 @@ async fn get(addr: &str, host: &str, path: &str, headers: &[(&str, &str)]) -> Re
     })
 }
 
+/// One answer read off a keep-alive connection: its head, and its body
+/// (by its Content-Length).
+async fn read_answer(s: &mut tokio::net::TcpStream) -> Result<(String, Vec<u8>)> {
+    let mut head = Vec::new();
+    let mut b = [0u8; 1];
+    while !head.ends_with(b"\r\n\r\n") {
+        if s.read(&mut b).await? == 0 {
+            bail!("closed mid-head");
+        }
+        head.push(b[0]);
+    }
+    let head = String::from_utf8_lossy(&head).to_string();
+    let len: usize = head
+        .lines()
+        .find_map(|l| {
+            let (k, v) = l.split_once(':')?;
+            k.eq_ignore_ascii_case("content-length")
+                .then(|| v.trim().parse().ok())?
+        })
+        .context("no content-length")?;
+    let mut body = vec![0u8; len];
+    s.read_exact(&mut body).await?;
+    Ok((head, body))
+}
+
 /// The path part of an exposure's URL.
 fn path_of(url: &str) -> String {
     let rest = url.split_once("://").map_or(url, |(_, r)| r);
     rest.find('/').map_or("/".into(), |i| rest[i..].to_string())
 }
 
-/// Waits until the server answers through the listener (not 502, nothing
+/// Waits (a minute at most) until the server answers through the listener (not 502, nothing
 /// listens yet; not 503, its relay is still starting).
 async fn until_listening(addr: &str, path: &str, headers: &[(&str, &str)]) -> Result<Answer> {
-    for _ in 0..200 {
+    for _ in 0..600 {
         let a = get(addr, addr, path, headers).await?;
         if a.status != 502 && a.status != 503 {
             return Ok(a);
@@ -241,6 +266,28 @@ async fn a_port_is_reached_through_a_signed_url_then_its_cookie() -> Result<()> 
     s.read_to_string(&mut back).await?;
     assert!(back.starts_with("HTTP/1.1 403"), "{back}");
     assert!(back.contains("cross_origin"), "{back}");
+    // A client's keep-alive requests go on one connection to the server; a
+    // new client connection gets its own.
+    let twice = |n: usize| {
+        let (addr, host, pair) = (addr.clone(), host.clone(), pair.clone());
+        async move {
+            let mut s = tokio::net::TcpStream::connect(&addr).await?;
+            let mut peers = Vec::new();
+            for _ in 0..n {
+                let req = format!("GET /k HTTP/1.1\r\nHost: {host}\r\nCookie: {pair}\r\n\r\n");
+                s.write_all(req.as_bytes()).await?;
+                let (head, body) = read_answer(&mut s).await?;
+                assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+                let v: serde_json::Value = serde_json::from_slice(&body)?;
+                peers.push(v["peer"].as_u64().unwrap_or_default());
+            }
+            anyhow::Ok(peers)
+        }
+    };
+    let one = twice(3).await?;
+    assert!(one.windows(2).all(|w| w[0] == w[1]), "{one:?}");
+    let other = twice(1).await?;
+    assert_ne!(one[0], other[0]);
     // Listed, without its token.
     let listed = h.client.list_exposures(&sb).await?;
     assert_eq!(listed.len(), 1);

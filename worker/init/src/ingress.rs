@@ -275,19 +275,33 @@ fn serve_with(socket: &Path, secret: &[u8], mut hand: bool) -> io::Error {
             let keep = !done.get(i).copied().unwrap_or(false);
             i += 1;
             if !keep {
-                finished.push((c.dial, c.tcp.try_clone()));
+                finished.push((c.dial, c.deadline, c.tcp.try_clone()));
             }
             keep
         });
-        for (dial, tcp) in finished {
+        for (dial, deadline, tcp) in finished {
             let connected = tcp.and_then(|tcp| match tcp.take_error()? {
                 Some(e) => Err(e),
                 None => match tcp.peer_addr() {
-                    Ok(_) => Ok(tcp),
-                    // Not connected yet at its deadline.
+                    Ok(_) => Ok(Some(tcp)),
+                    // Woken before it connected (some stacks say so early):
+                    // waited for again, until its deadline.
+                    Err(_) if Instant::now() < deadline => {
+                        connecting.push(Connecting {
+                            dial,
+                            tcp,
+                            deadline,
+                        });
+                        Ok(None)
+                    }
                     Err(_) => Err(io::Error::from_raw_os_error(libc::ETIMEDOUT)),
                 },
             });
+            let connected = match connected {
+                Ok(Some(tcp)) => Ok(tcp),
+                Ok(None) => continue,
+                Err(e) => Err(e),
+            };
             let answered = connected
                 .map_err(|e| errno_of(&e))
                 .and_then(|tcp| answer(socket, dial, tcp, &mut hand, &mut conns));

@@ -56,9 +56,11 @@ pub async fn serve(worker: Worker, listener: TcpListener, shutdown: Cancellation
         let worker = worker.clone();
         let stop = shutdown.clone();
         connections.spawn(async move {
+            let upstream = std::sync::Arc::new(Upstream::default());
             let service = hyper::service::service_fn(move |req| {
                 let worker = worker.clone();
-                async move { Ok::<_, Infallible>(handle(&worker, req).await) }
+                let upstream = upstream.clone();
+                async move { Ok::<_, Infallible>(handle(&worker, req, &upstream).await) }
             });
             let conn = hyper::server::conn::http1::Builder::new()
                 .timer(TokioTimer::new())
@@ -339,7 +341,23 @@ fn local_location(path: &str) -> String {
 /// Most bytes of a request's header fields, names and values.
 const MAX_HEADER_BYTES: usize = 64 << 10;
 
-async fn handle(worker: &Worker, req: Request<Incoming>) -> Response<Body> {
+/// What a client connection's requests to one exposed port go on: one
+/// connection to the sandbox's server, kept while the client sends more
+/// (for the same sandbox, port and exposure), as a browser's keep-alive
+/// expects.
+#[derive(Default)]
+struct Upstream(tokio::sync::Mutex<Option<(UpstreamKey, Sender)>>);
+
+type Sender = hyper::client::conn::http1::SendRequest<Body>;
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct UpstreamKey {
+    sandbox: SandboxId,
+    port: u16,
+    nonce: String,
+}
+
+async fn handle(worker: &Worker, req: Request<Incoming>, upstream: &Upstream) -> Response<Body> {
     let header_bytes: usize = req
         .headers()
         .iter()
@@ -443,7 +461,20 @@ async fn handle(worker: &Worker, req: Request<Incoming>) -> Response<Body> {
             + Duration::from_millis(u64::try_from(t - worker.now_ms()).unwrap_or(0))
     });
     let req = Request::from_parts(parts, body);
-    forward(worker, &sandbox, route.port, req, exposure.revoked, expires).await
+    let key = UpstreamKey {
+        sandbox: route.sandbox.clone(),
+        port: route.port,
+        nonce: exposure.nonce.clone(),
+    };
+    forward(
+        worker,
+        &sandbox,
+        (key, upstream),
+        req,
+        exposure.revoked,
+        expires,
+    )
+    .await
 }
 
 /// Whether the request's Origin, if it names one, is its own host's.
@@ -507,7 +538,7 @@ fn strip(headers: &mut HeaderMap, worker_token: Option<&str>) {
 async fn forward(
     worker: &Worker,
     sandbox: &Sandbox,
-    port: u16,
+    (key, upstream): (UpstreamKey, &Upstream),
     mut req: Request<Body>,
     revoked: CancellationToken,
     expires: Option<tokio::time::Instant>,
@@ -519,32 +550,46 @@ async fn forward(
             None => std::future::pending().await,
         }
     };
-    let stream = match worker.dial_port(sandbox, port).await {
-        Ok(s) => s,
-        Err(r) => return refuse(r),
-    };
-    let (mut sender, conn) = match hyper::client::conn::http1::handshake(TokioIo::new(stream)).await
-    {
-        Ok(c) => c,
-        Err(_) => return refuse(Refusal::PortNotListening),
-    };
-    let closed = sandbox.closed().clone();
-    let cut = revoked.clone();
-    tokio::spawn(async move {
-        tokio::select! {
-            r = conn.with_upgrades() => if let Err(e) = r {
-                debug!(error = %e, "a connection to a sandbox's port ended");
-            },
-            () = cut.cancelled() => {}
-            () = closed.cancelled() => {}
-            () = ended() => {}
-        }
-    });
     let upgrade = req
         .headers()
         .get(header::UPGRADE)
         .is_some()
         .then(|| hyper::upgrade::on(&mut req));
+    // The client's connection to this port, if it is still there and free.
+    let mut kept = upstream.0.lock().await;
+    let cached = match kept.take() {
+        Some((k, mut sender)) if k == key && !sender.is_closed() => {
+            sender.ready().await.ok().map(|()| sender)
+        }
+        _ => None,
+    };
+    let mut sender = match cached {
+        Some(s) => s,
+        None => {
+            let stream = match worker.dial_port(sandbox, key.port).await {
+                Ok(s) => s,
+                Err(r) => return refuse(r),
+            };
+            let (sender, conn) =
+                match hyper::client::conn::http1::handshake(TokioIo::new(stream)).await {
+                    Ok(c) => c,
+                    Err(_) => return refuse(Refusal::PortNotListening),
+                };
+            let closed = sandbox.closed().clone();
+            let cut = revoked.clone();
+            tokio::spawn(async move {
+                tokio::select! {
+                    r = conn.with_upgrades() => if let Err(e) = r {
+                        debug!(error = %e, "a connection to a sandbox's port ended");
+                    },
+                    () = cut.cancelled() => {}
+                    () = closed.cancelled() => {}
+                    () = ended() => {}
+                }
+            });
+            sender
+        }
+    };
     let mut resp = match sender.send_request(req).await {
         Ok(r) => r,
         Err(e) => {
@@ -552,6 +597,11 @@ async fn forward(
             return refuse(Refusal::PortNotListening);
         }
     };
+    // Kept for the client's next request, unless this one switched protocols.
+    if upgrade.is_none() {
+        *kept = Some((key, sender));
+    }
+    drop(kept);
     if resp.status() == StatusCode::SWITCHING_PROTOCOLS
         && let Some(client_side) = upgrade
     {
