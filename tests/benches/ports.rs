@@ -1,0 +1,226 @@
+//! The way in against dialling the server from inside the sandbox, in one
+//! run: the same client (curl) fetches from the same server (Python's
+//! `http.server` in a sandbox of the Debian image), once inside the
+//! sandbox's own network namespace (its loopback, directly), once on the
+//! host through the worker's port listener (HTTP routing and the token
+//! check, a connection dialled inside by the sandbox's ingress relay and
+//! handed to the worker). The worker runs in its own process, as deployed.
+//!
+//! - a 1 KiB GET, 200 requests on one keep-alive connection, twice: what
+//!   the listener adds to a request;
+//! - the same, a new connection each time (`Connection: close`): what a
+//!   dial into the sandbox adds;
+//! - a 200 MB download (curl's `speed_download`), five runs each,
+//!   interleaved.
+//!
+//! Run: `cargo bench -p corral-e2e --bench ports` after `deploy/build.sh`.
+//! Prints Markdown.
+
+// A report printer: printing is its job.
+#![allow(clippy::print_stdout)]
+
+use std::process::Command;
+
+use anyhow::{Context, Result, bail};
+use corral_e2e::{WorkerProcess, free_port, run_shell, unique_id};
+use corral_proto::pb::PortAccess;
+use corral_proto::{OperationId, OperationSpec, SandboxId, SandboxSpec, ShellSpec};
+
+const REQUESTS: usize = 200;
+const BYTES: u64 = 200_000_000;
+const RUNS: usize = 5;
+
+fn pct(mut v: Vec<f64>, p: usize) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[(v.len() * p / 100).min(v.len() - 1)]
+}
+
+fn figures(out: &str) -> Result<Vec<f64>> {
+    out.lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| {
+            l.trim()
+                .parse::<f64>()
+                .with_context(|| format!("not a figure: {l:?}"))
+        })
+        .collect()
+}
+
+/// curl's `what` for each of `urls`, one line each.
+fn curl_args(what: &str, urls: &[String], headers: &[String]) -> Vec<String> {
+    let mut a = vec!["-s".to_string(), "-f".into()];
+    for h in headers {
+        a.push("-H".into());
+        a.push(h.clone());
+    }
+    a.push("-w".into());
+    a.push(format!("%{{{what}}}\\n"));
+    for u in urls {
+        a.push(u.clone());
+        a.push("-o".into());
+        a.push("/dev/null".into());
+    }
+    a
+}
+
+fn quote(args: &[String]) -> String {
+    args.iter()
+        .map(|a| format!("'{}'", a.replace('\'', "'\\''")))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+#[tokio::main]
+async fn main() -> Result<()> {
+    let state = tempfile::tempdir()?;
+    let listen = format!("127.0.0.1:{}", free_port()?);
+    let worker = WorkerProcess::spawn(
+        state.path(),
+        &unique_id("ptb"),
+        free_port()?,
+        &[("CORRAL_LOG", "warn")],
+        &[
+            "--ports-listen",
+            &listen,
+            "--allow-image",
+            "corral-debian:latest",
+        ],
+    )?;
+    let token = worker.token();
+    let client = worker.client().await?;
+    let sb = SandboxId::new(unique_id("sb"))?;
+    client
+        .create_sandbox(
+            Some(&sb),
+            SandboxSpec {
+                image: Some("corral-debian:latest".into()),
+                cpu_millis: Some(2000),
+                ..SandboxSpec::default()
+            },
+        )
+        .await?;
+    run_shell(
+        &client,
+        &sb,
+        &format!("head -c 1024 /dev/zero > /workspace/small && head -c {BYTES} /dev/zero > /workspace/big"),
+    )
+    .await?;
+    client
+        .submit(
+            &sb,
+            &OperationId::random(),
+            OperationSpec::Shell(ShellSpec::new(
+                "cd /workspace && exec python3 -m http.server 8000 --bind 127.0.0.1",
+            )),
+        )
+        .await?;
+    let e = client
+        .expose_port(&sb, 8000, PortAccess::Private, None)
+        .await?;
+    let through = e.url.trim_end_matches('/').to_string();
+    let direct = "http://127.0.0.1:8000".to_string();
+    let auth = vec![format!("Authorization: Bearer {token}")];
+    let close = |mut h: Vec<String>| {
+        h.push("Connection: close".into());
+        h
+    };
+    let host_curl = |args: Vec<String>| -> Result<String> {
+        let out = Command::new("curl").args(&args).output()?;
+        if !out.status.success() {
+            bail!("curl {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        }
+        Ok(String::from_utf8(out.stdout)?)
+    };
+    let in_sandbox = |args: Vec<String>| {
+        let (client, sb) = (&client, &sb);
+        async move { run_shell(client, sb, &format!("curl {}", quote(&args))).await }
+    };
+    // Up, both ways.
+    for _ in 0..100 {
+        if host_curl(curl_args("http_code", &[format!("{through}/small")], &auth)).is_ok() {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    let urls = |base: &str, name: &str| -> Vec<String> {
+        (0..REQUESTS).map(|_| format!("{base}/{name}")).collect()
+    };
+    let (mut d_keep, mut t_keep, mut d_new, mut t_new) = (vec![], vec![], vec![], vec![]);
+    for _ in 0..2 {
+        d_keep.extend(figures(
+            &in_sandbox(curl_args("time_total", &urls(&direct, "small"), &[])).await?,
+        )?);
+        t_keep.extend(figures(&host_curl(curl_args(
+            "time_total",
+            &urls(&through, "small"),
+            &auth,
+        ))?)?);
+        d_new.extend(figures(
+            &in_sandbox(curl_args(
+                "time_total",
+                &urls(&direct, "small"),
+                &close(vec![]),
+            ))
+            .await?,
+        )?);
+        t_new.extend(figures(&host_curl(curl_args(
+            "time_total",
+            &urls(&through, "small"),
+            &close(auth.clone()),
+        ))?)?);
+    }
+    let (mut d_big, mut t_big) = (vec![], vec![]);
+    for _ in 0..RUNS {
+        d_big.extend(figures(
+            &in_sandbox(curl_args("speed_download", &[format!("{direct}/big")], &[])).await?,
+        )?);
+        t_big.extend(figures(&host_curl(curl_args(
+            "speed_download",
+            &[format!("{through}/big")],
+            &auth,
+        ))?)?);
+    }
+    let ms = |v: f64| v * 1000.0;
+    println!(
+        "| 1 KiB GET, {REQUESTS}x2, curl | inside the sandbox | through the listener | overhead |"
+    );
+    println!("|---|---|---|---|");
+    for (what, d, t) in [
+        (
+            "keep-alive, p50",
+            pct(d_keep.clone(), 50),
+            pct(t_keep.clone(), 50),
+        ),
+        ("keep-alive, p99", pct(d_keep, 99), pct(t_keep, 99)),
+        (
+            "new connection, p50",
+            pct(d_new.clone(), 50),
+            pct(t_new.clone(), 50),
+        ),
+        ("new connection, p99", pct(d_new, 99), pct(t_new, 99)),
+    ] {
+        println!(
+            "| {what} | {:.3} ms | {:.3} ms | +{:.3} ms |",
+            ms(d),
+            ms(t),
+            ms(t - d)
+        );
+    }
+    let mib = |v: f64| v / (1 << 20) as f64;
+    let (d, t) = (pct(d_big, 50), pct(t_big, 50));
+    println!();
+    println!(
+        "| {} MB download, median of {RUNS} | inside the sandbox | through the listener | ratio |",
+        BYTES / 1_000_000
+    );
+    println!("|---|---|---|---|");
+    println!(
+        "| curl | {:.0} MiB/s | {:.0} MiB/s | {:.2}x |",
+        mib(d),
+        mib(t),
+        t / d
+    );
+    client.destroy_sandbox(&sb).await?;
+    drop(worker);
+    Ok(())
+}
