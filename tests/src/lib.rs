@@ -63,6 +63,23 @@ pub fn session_config(model: &str, sandbox: SandboxId) -> corral_harness::agent:
     }
 }
 
+/// How the tests run Chromium: headless, no sandbox of its own (root in
+/// CI), nothing fetched on its own, its console on stderr.
+pub const CHROMIUM_HEADLESS: &[&str] = &[
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-dev-shm-usage",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-default-apps",
+    "--disable-extensions",
+    "--enable-logging=stderr",
+    "--v=0",
+];
+
 /// Debian's Chromium (or another Chrome on PATH), for the tests that open
 /// pages in a real browser.
 pub fn chromium() -> Result<PathBuf> {

@@ -669,20 +669,7 @@ async fn jupyter_in_chromium(runtime: Option<&str>) -> Result<()> {
     let profile = tempfile::tempdir()?;
     let url = format!("{}static/page.html?token={}", e.url, e.token);
     let mut browser = tokio::process::Command::new(&chromium)
-        .args([
-            "--headless",
-            "--no-sandbox",
-            "--disable-gpu",
-            "--disable-dev-shm-usage",
-            "--no-first-run",
-            "--disable-background-networking",
-            "--disable-component-update",
-            "--disable-sync",
-            "--disable-default-apps",
-            "--disable-extensions",
-            "--enable-logging=stderr",
-            "--v=0",
-        ])
+        .args(corral_e2e::CHROMIUM_HEADLESS)
         .arg(format!("--host-resolver-rules=MAP *.{DOMAIN} 127.0.0.1"))
         .arg(format!("--user-data-dir={}", profile.path().display()))
         .arg(&url)

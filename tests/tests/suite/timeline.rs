@@ -371,26 +371,13 @@ fn the_html_page_renders_every_lane_offline() -> Result<()> {
     let profile = tempfile::tempdir()?;
     let browse = |url: &str, extra: &[String]| -> Result<std::process::Output> {
         let mut cmd = std::process::Command::new(&chromium);
-        cmd.args([
-            "--headless",
-            "--no-sandbox",
-            "--disable-gpu",
-            "--disable-dev-shm-usage",
-            "--no-first-run",
-            "--disable-background-networking",
-            "--disable-component-update",
-            "--disable-sync",
-            "--disable-default-apps",
-            "--disable-extensions",
-            "--enable-logging=stderr",
-            "--v=0",
-            "--window-size=1400,900",
-        ])
-        .arg(format!("--proxy-server=http://{}", tripwire.addr))
-        .arg("--proxy-bypass-list=<-loopback>")
-        .arg(format!("--user-data-dir={}", profile.path().display()))
-        .args(extra)
-        .arg(url);
+        cmd.args(corral_e2e::CHROMIUM_HEADLESS)
+            .arg("--window-size=1400,900")
+            .arg(format!("--proxy-server=http://{}", tripwire.addr))
+            .arg("--proxy-bypass-list=<-loopback>")
+            .arg(format!("--user-data-dir={}", profile.path().display()))
+            .args(extra)
+            .arg(url);
         let out = cmd.output()?;
         ensure!(
             out.status.success(),
