@@ -184,6 +184,10 @@ pub enum PortCommand {
         /// How long it lives (default: until revoked; signed: 1h).
         #[arg(long, value_parser = humantime::parse_duration)]
         ttl: Option<Duration>,
+        /// A request to the port while the sandbox is checkpointed
+        /// restores it (the request's credential checked first).
+        #[arg(long)]
+        wake_on_request: bool,
         /// One JSON object: url, and token where one is needed.
         #[arg(long)]
         json: bool,
@@ -197,6 +201,24 @@ pub enum PortCommand {
     /// End the exposure of PORT: its tokens are refused, its open
     /// connections cut. Exits 1 when it was not exposed.
     Revoke { id: String, port: u16 },
+    /// Forward a local TCP port to PORT of sandbox ID, for any TCP
+    /// protocol (a database's, SSH): each connection is a tunnel through
+    /// the worker's port listener. A port not exposed is exposed (signed)
+    /// for as long as this runs, then revoked; a private or public one is
+    /// used as it is; a signed one takes its token from CORRAL_PORT_TOKEN
+    /// (the environment alone: a command line is seen by every user).
+    /// Says `listening on ADDR` first, then runs until interrupted.
+    Forward {
+        id: String,
+        port: u16,
+        /// The local address to listen on (default 127.0.0.1:PORT; a port
+        /// of 0 takes any free one).
+        #[arg(long, value_name = "ADDR")]
+        local: Option<std::net::SocketAddr>,
+        /// How long the exposure made for this forward lives at most.
+        #[arg(long, value_parser = humantime::parse_duration, default_value = "1h")]
+        ttl: Duration,
+    },
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -530,6 +552,22 @@ pub struct ServeArgs {
     /// This replica's URL as it appears in --peers.
     #[arg(long, env = "CORRAL_ADVERTISE", value_name = "URL")]
     pub advertise: Option<String>,
+    /// Serve sandboxes' exposed ports on this address too (`/p/{sandbox}/
+    /// {port}/...`, and `CONNECT {sandbox}:{port}` tunnels): a request a
+    /// key of this front door admits reaches its tenant's sandboxes, others
+    /// go to the workers as they came (signed URLs, public ports). The URLs
+    /// of exposed ports then name it.
+    #[arg(long, env = "CORRAL_PORTS_LISTEN", value_name = "ADDR")]
+    pub ports_listen: Option<std::net::SocketAddr>,
+    /// The URL clients reach that listener at (behind a load balancer or
+    /// TLS, say); default: http:// and the address it listens on.
+    #[arg(
+        long,
+        env = "CORRAL_PORTS_URL",
+        value_name = "URL",
+        requires = "ports_listen"
+    )]
+    pub ports_url: Option<String>,
     /// Where sessions are kept (default: $XDG_STATE_HOME/corral/sessions).
     #[arg(long, env = "CORRAL_SESSIONS_DIR")]
     pub sessions_dir: Option<PathBuf>,

@@ -193,6 +193,22 @@ fn credentials(conn: &ConnArgs, urls: &[String]) -> Result<Credentials, ConnectE
     })
 }
 
+/// The credential a client presents to a worker's port listener at
+/// `listener` for a private port: the one it presents to the workers, and
+/// only where that may go (a loopback listener's socket must be this
+/// user's, root's or the token file's owner's, as for the API).
+pub async fn port_credential(
+    conn: &ConnArgs,
+    listener: &str,
+) -> Result<Option<String>, ConnectError> {
+    let urls = worker_urls(conn).await?;
+    let c = credentials(conn, &urls)?;
+    if c.token.is_some() && is_loopback(listener) {
+        check_listener(listener, c.token_owner)?;
+    }
+    Ok(c.token)
+}
+
 /// Connects to the one worker of `--worker`, or the local one.
 pub async fn connect(conn: &ConnArgs) -> Result<WorkerClient, ConnectError> {
     fleet(conn)?.connect_one().await

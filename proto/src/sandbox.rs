@@ -63,6 +63,8 @@ pub struct WorkerInfo {
     pub pools: Vec<PoolInfo>,
     /// The limits of a sandbox whose spec names none (each 0: not known).
     pub default_limits: Limits,
+    /// Its port listener's URL (`None`: it has none).
+    pub ports_url: Option<String>,
 }
 
 /// A warm pool as its worker shows it (see `PoolInfo` in worker.proto).
@@ -313,6 +315,7 @@ impl From<WorkerInfo> for pb::WorkerInfo {
             default_memory_bytes: i.default_limits.memory_bytes,
             default_cpu_millis: i.default_limits.cpu_millis,
             default_pids_limit: i.default_limits.pids_limit,
+            ports_url: i.ports_url.unwrap_or_default(),
             pools: i
                 .pools
                 .into_iter()
@@ -353,6 +356,7 @@ impl From<pb::WorkerInfo> for WorkerInfo {
                 cpu_millis: i.default_cpu_millis,
                 pids_limit: i.default_pids_limit,
             },
+            ports_url: Some(i.ports_url).filter(|u| !u.is_empty()),
             pools: i
                 .pools
                 .into_iter()

@@ -75,6 +75,7 @@ impl StateDir {
         let err = |e| WorkerError::state(root, e);
         private_dir(root).map_err(err)?;
         private_dir(&root.join("sandboxes")).map_err(err)?;
+        private_dir(&root.join(PORTS_DIR)).map_err(err)?;
         let lock_file = private_file()
             .write(true)
             .create(true)
@@ -151,13 +152,23 @@ impl StateDir {
         write_synced(&path, &json).map_err(|e| WorkerError::state(&path, e))
     }
 
+    /// Removes the sandbox's record, and its exposed ports' (which would
+    /// otherwise come back with a later sandbox of the same id).
     pub fn remove(&self, id: &SandboxId) -> Result<()> {
-        let path = self.record_path(id.as_str());
-        match fs::remove_file(&path) {
+        let gone = |path: PathBuf| match fs::remove_file(&path) {
             Ok(()) => Ok(()),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
             Err(e) => Err(WorkerError::state(&path, e)),
-        }
+        };
+        gone(self.ports_path(id))?;
+        gone(self.record_path(id.as_str()))
+    }
+
+    /// Where sandbox `id`'s exposed ports are kept (see
+    /// [`crate::ports::SandboxPorts`]), so that they outlive a checkpoint
+    /// and a restart of the worker.
+    pub fn ports_path(&self, id: &SandboxId) -> PathBuf {
+        ports_path(&self.root, id)
     }
 
     /// The record of sandbox `id`, if it has a readable one.
@@ -215,7 +226,16 @@ pub fn now_unix_ms() -> i64 {
 }
 
 /// Writes a file atomically: a synced temporary file renamed into place.
-fn write_synced(path: &Path, data: &[u8]) -> std::io::Result<()> {
+const PORTS_DIR: &str = "ports";
+
+/// [`StateDir::ports_path`] under `root`.
+pub fn ports_path(root: &Path, id: &SandboxId) -> PathBuf {
+    root.join(PORTS_DIR).join(format!("{id}.json"))
+}
+
+/// Writes `data` to `path` whole or not at all (a file beside it renamed
+/// over it), on disk when this returns.
+pub fn write_synced(path: &Path, data: &[u8]) -> std::io::Result<()> {
     let tmp = path.with_extension("tmp");
     {
         let mut f = private_file()

@@ -646,10 +646,24 @@ impl WorkerClient {
         access: pb::PortAccess,
         ttl: Option<Duration>,
     ) -> Result<pb::PortExposure, ClientError> {
+        self.expose_port_waking(id, port, access, ttl, false).await
+    }
+
+    /// [`Self::expose_port`], and whether a request to the port while the
+    /// sandbox is checkpointed restores it.
+    pub async fn expose_port_waking(
+        &self,
+        id: &SandboxId,
+        port: u16,
+        access: pb::PortAccess,
+        ttl: Option<Duration>,
+        wake_on_request: bool,
+    ) -> Result<pb::PortExposure, ClientError> {
         let mut req = pb::ExposePortRequest {
             sandbox_id: id.to_string(),
             port: u32::from(port),
             ttl_ms: ttl.map_or(0, |t| u64::try_from(t.as_millis()).unwrap_or(u64::MAX)),
+            wake_on_request,
             ..Default::default()
         };
         req.set_access(access);

@@ -510,11 +510,14 @@ class AsyncPorts:
         *,
         access: PortAccess | str = PortAccess.PRIVATE,
         ttl: float | None = None,
+        wake_on_request: bool = False,
     ) -> PortExposure:
         """Exposes ``port``: its URL (and, for ``signed`` access, its token).
         ``ttl`` in seconds (default: until revoked; signed: one hour).
-        Exposing a port again replaces its exposure (earlier tokens no
-        longer hold)."""
+        ``wake_on_request``: a request to the port while the sandbox is
+        checkpointed restores it. Exposing a port again replaces its
+        exposure (earlier tokens no longer hold). Exposures outlive a
+        checkpoint and a restart of the worker."""
         if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
             raise InvalidArgument(f"port: 1 to 65535, not {port!r}")
         kind = {
@@ -523,7 +526,13 @@ class AsyncPorts:
             PortAccess.PUBLIC: pb.PORT_ACCESS_PUBLIC,
         }[PortAccess(access)]
         ttl_ms = 0 if ttl is None else max(1, int(ttl * 1000))
-        req = pb.ExposePortRequest(sandbox_id=self._sb.id, port=port, access=kind, ttl_ms=ttl_ms)
+        req = pb.ExposePortRequest(
+            sandbox_id=self._sb.id,
+            port=port,
+            access=kind,
+            ttl_ms=ttl_ms,
+            wake_on_request=wake_on_request,
+        )
         return exposure_of(await self._sb._ask("ExposePort", req, pb.PortExposure))
 
     async def revoke(self, port: int) -> bool:

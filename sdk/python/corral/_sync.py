@@ -232,8 +232,9 @@ class Ports:
         *,
         access: PortAccess | str = PortAccess.PRIVATE,
         ttl: float | None = None,
+        wake_on_request: bool = False,
     ) -> PortExposure:
-        return _run(self._p.expose(port, access=access, ttl=ttl))
+        return _run(self._p.expose(port, access=access, ttl=ttl, wake_on_request=wake_on_request))
 
     def revoke(self, port: int) -> bool:
         return _run(self._p.revoke(port))

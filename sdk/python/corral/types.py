@@ -322,6 +322,8 @@ class PortExposure:
     token: str | None
     #: Seconds since the epoch; None: until revoked.
     expires_at: float | None
+    #: A request to the port while the sandbox is checkpointed restores it.
+    wake_on_request: bool = False
 
     @property
     def browser_url(self) -> str:
@@ -344,6 +346,7 @@ def exposure_of(e: pb.PortExposure) -> PortExposure:
         url=e.url,
         token=e.token or None,
         expires_at=e.expires_at_unix_ms / 1000 if e.expires_at_unix_ms > 0 else None,
+        wake_on_request=bool(e.wake_on_request),
     )
 
 

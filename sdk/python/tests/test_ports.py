@@ -56,7 +56,11 @@ def test_a_server_in_a_sandbox_is_reached_through_its_exposed_port(
         assert list(jar) == []
         # Listed without its token; revoked, refused as such.
         [listed] = sb.ports.list()
-        assert (listed.port, listed.token) == (8000, None)
+        assert (listed.port, listed.token, listed.wake_on_request) == (8000, None, False)
+        waking = sb.ports.expose(8001, wake_on_request=True)
+        assert waking.wake_on_request
+        assert [p.wake_on_request for p in sb.ports.list()] == [False, True]
+        assert sb.ports.revoke(8001)
         assert sb.get_host(8000) == e.url
         assert sb.ports.revoke(8000)
         status, body = _get(e.url, {"Authorization": f"Bearer {e.token}"})

@@ -36,4 +36,5 @@ mod sessions;
 mod slots;
 mod timeline;
 mod tls;
+mod tunnels;
 mod way_out;

@@ -2,7 +2,8 @@
 //! listener, by path and by Host, with each kind of access; every wrong
 //! credential refused with its typed answer; upgraded connections carried
 //! both ways and cut by a revocation; the same under gVisor (where the
-//! relay carries the bytes instead of handing the socket over).
+//! relay carries the bytes instead of handing the socket over); a real
+//! Jupyter server and a live-reload page of the test's own in Chromium.
 
 use std::time::Duration;
 
@@ -758,6 +759,176 @@ print(closed)
     assert_eq!(r.stdout.to_lossy_string().trim(), "300", "{r:?}");
     let a = get(&addr, &addr, &path, &[("Authorization", &auth)]).await?;
     assert_eq!(a.status, 200, "{a:?}");
+    h.stop().await;
+    Ok(())
+}
+
+/// A live-reload server of the test's own (tornado, from the Jupyter
+/// image): `/` is the page, `/live` a WebSocket on which it pushes the
+/// watched file's text whenever it changes (looked at every 50 ms).
+const LIVE_SERVER: &str = r#"
+import sys, tornado.ioloop, tornado.web, tornado.websocket
+WATCHED = "/workspace/app/message.txt"
+PAGE = open("/workspace/app/page.html").read()
+clients = set()
+last = [None]
+class Page(tornado.web.RequestHandler):
+    def get(self):
+        self.write(PAGE)
+class Live(tornado.websocket.WebSocketHandler):
+    def open(self):
+        clients.add(self)
+        self.write_message(last[0] or "")
+    def on_close(self):
+        clients.discard(self)
+def look():
+    try:
+        text = open(WATCHED).read().strip()
+    except OSError:
+        return
+    if text != last[0]:
+        last[0] = text
+        for c in list(clients):
+            c.write_message(text)
+tornado.web.Application([("/", Page), ("/live", Live)]).listen(int(sys.argv[1]), "127.0.0.1")
+tornado.ioloop.PeriodicCallback(look, 50).start()
+tornado.ioloop.IOLoop.current().start()
+"#;
+
+const LIVE_PAGE: &str = r#"<html><body><div id="out">waiting</div><script>
+const scheme = location.protocol === "https:" ? "wss://" : "ws://";
+const ws = new WebSocket(scheme + location.host + "/live");
+ws.onopen = () => console.log("corral-open");
+ws.onmessage = e => {
+  document.getElementById("out").textContent = e.data;
+  console.log("corral-live:" + e.data);
+};
+ws.onerror = () => console.log("corral-error:websocket");
+</script></body></html>"#;
+
+/// A page opened in Chromium through a signed URL (by Host: its cookie
+/// then admits the page's WebSocket) is pushed each edit made in the
+/// sandbox: one reaches the open page within a second.
+#[tokio::test]
+async fn an_edit_in_the_sandbox_reaches_an_open_live_reload_page() -> Result<()> {
+    let chromium = corral_e2e::chromium()?;
+    let (h, addr) = with_ports(None).await?;
+    let id = SandboxId::new(corral_e2e::unique_id("live"))?;
+    h.client
+        .create_sandbox(
+            Some(&id),
+            SandboxSpec {
+                image: Some("corral-jupyter-test:latest".into()),
+                ..SandboxSpec::default()
+            },
+        )
+        .await?;
+    let write = format!(
+        "mkdir -p /workspace/app && cat > /workspace/app/page.html <<'EOF'\n{LIVE_PAGE}\nEOF\ncat > /workspace/app/server.py <<'EOF'\n{LIVE_SERVER}\nEOF\necho first > /workspace/app/message.txt"
+    );
+    let r = h.run(&id, &write).await?;
+    if !r.outcome.is_success() {
+        bail!("writing the app: {r:?}");
+    }
+    h.client
+        .submit(
+            &id,
+            &OperationId::random(),
+            OperationSpec::Shell(ShellSpec::new(
+                "exec /opt/jupyter/bin/python /workspace/app/server.py 3000",
+            )),
+        )
+        .await?;
+    let e = h
+        .client
+        .expose_port(&id, 3000, PortAccess::Signed, None)
+        .await?;
+    let host = format!("3000-{id}.{DOMAIN}");
+    let bearer = format!("Bearer {}", e.token);
+    let mut up = false;
+    for _ in 0..300 {
+        if get(&addr, &host, "/", &[("Authorization", &bearer)])
+            .await?
+            .status
+            == 200
+        {
+            up = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    if !up {
+        bail!("the live-reload server never answered");
+    }
+    let profile = tempfile::tempdir()?;
+    let mut browser = tokio::process::Command::new(&chromium)
+        .args(corral_e2e::CHROMIUM_HEADLESS)
+        .arg(format!("--host-resolver-rules=MAP *.{DOMAIN} 127.0.0.1"))
+        .arg(format!("--user-data-dir={}", profile.path().display()))
+        .arg(format!("{}?token={}", e.url, e.token))
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()?;
+    // What the page says, as it says it.
+    let (said_tx, mut said) = tokio::sync::mpsc::channel::<String>(64);
+    let stderr = browser.stderr.take().context("no stderr")?;
+    tokio::spawn(async move {
+        use tokio::io::AsyncBufReadExt;
+        let mut lines = tokio::io::BufReader::new(stderr).lines();
+        while let Ok(Some(line)) = lines.next_line().await {
+            if let Some(i) = line.find("corral-") {
+                // Chromium says `"MESSAGE", source: URL (LINE)`.
+                let rest = &line[i..];
+                let what = rest[..rest.find('"').unwrap_or(rest.len())]
+                    .trim_end_matches(['\\', ' '])
+                    .to_string();
+                if said_tx.send(what).await.is_err() {
+                    break;
+                }
+            }
+        }
+    });
+    let mut heard = Vec::new();
+    let mut until = async |want: &str, within: Duration| -> Result<()> {
+        let found = tokio::time::timeout(within, async {
+            while let Some(what) = said.recv().await {
+                heard.push(what.clone());
+                if what.starts_with("corral-error") {
+                    bail!("the page failed: {what}");
+                }
+                if what == want {
+                    return Ok(());
+                }
+            }
+            bail!("the browser ended")
+        })
+        .await;
+        match found {
+            Ok(r) => r,
+            Err(_) => bail!("the page never said {want:?} within {within:?}; it said {heard:?}"),
+        }
+    };
+    until("corral-live:first", Duration::from_secs(120)).await?;
+    let mut took = Vec::new();
+    for n in 1..=3 {
+        let asked = std::time::Instant::now();
+        let r = h
+            .run(&id, &format!("echo edit-{n} > /workspace/app/message.txt"))
+            .await?;
+        if !r.outcome.is_success() {
+            bail!("the edit failed: {r:?}");
+        }
+        until(&format!("corral-live:edit-{n}"), Duration::from_secs(10)).await?;
+        took.push(asked.elapsed());
+    }
+    let _ = browser.kill().await;
+    eprintln!("edits reached the page in {took:?}");
+    let best = took.iter().min().copied().unwrap_or_default();
+    assert!(
+        best <= Duration::from_secs(1),
+        "no edit reached the page within 1 s: {took:?}"
+    );
     h.stop().await;
     Ok(())
 }

@@ -96,11 +96,14 @@ fn main() -> ExitCode {
             })
             .unwrap_or_default();
         let e = corral_init::ingress::serve(&socket, &secret);
-        // No worker listens (it restarted, and has exposed nothing since):
-        // not started again until the worker asks.
+        // No worker listens (it restarted, and has exposed nothing since),
+        // or the worker closed the way in (it stopped, or let go of the
+        // relay for a checkpoint): not started again until the worker asks.
         if matches!(
             e.kind(),
-            std::io::ErrorKind::ConnectionRefused | std::io::ErrorKind::NotFound
+            std::io::ErrorKind::ConnectionRefused
+                | std::io::ErrorKind::NotFound
+                | std::io::ErrorKind::UnexpectedEof
         ) {
             return ExitCode::from(corral_init::ingress::NO_WORKER);
         }

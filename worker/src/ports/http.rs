@@ -5,7 +5,8 @@
 //! of what only the listener may say (its credentials, `X-Corral-Verified-*`),
 //! and carried to the sandbox's server on a connection of its way in, with
 //! the Host and Origin the client sent. An upgraded connection is carried
-//! both ways until either side ends or the exposure is revoked.
+//! both ways until either side ends or the exposure is revoked; so is a
+//! raw TCP tunnel, asked for with `CONNECT {sandbox}:{port}`.
 
 use std::convert::Infallible;
 use std::time::Duration;
@@ -22,6 +23,7 @@ use tracing::debug;
 
 use super::{Access, Exposure, Refusal};
 use crate::sandbox::Sandbox;
+use crate::worker::PortTarget;
 use crate::worker::Worker;
 
 type Body = BoxBody<Bytes, hyper::Error>;
@@ -84,10 +86,14 @@ fn refuse(r: Refusal) -> Response<Body> {
     let body = serde_json::json!({
         "error": { "reason": r.reason(), "message": r.message() }
     });
-    Response::builder()
+    let mut answer = Response::builder()
         .status(r.status())
         .header(header::CONTENT_TYPE, "application/json")
-        .header(header::CACHE_CONTROL, "no-store")
+        .header(header::CACHE_CONTROL, "no-store");
+    if r == Refusal::SandboxWaking {
+        answer = answer.header(header::RETRY_AFTER, "1");
+    }
+    answer
         .body(full(body.to_string()))
         .unwrap_or_else(|_| Response::new(full("")))
 }
@@ -366,6 +372,9 @@ async fn handle(worker: &Worker, req: Request<Incoming>, upstream: &Upstream) ->
     if header_bytes > MAX_HEADER_BYTES {
         return refuse(Refusal::HeadTooLarge);
     }
+    if req.method() == http::Method::CONNECT {
+        return tunnel(worker, req).await;
+    }
     let host = req
         .headers()
         .get(header::HOST)
@@ -379,12 +388,12 @@ async fn handle(worker: &Worker, req: Request<Incoming>, upstream: &Upstream) ->
     let Some(route) = route(host.as_deref(), worker.ports_domain(), &pq) else {
         return refuse(Refusal::BadRoute);
     };
-    let (sandbox, exposure) = match worker.port_route(&route.sandbox, route.port).await {
+    let query = route.path_and_query.split_once('?').map(|(_, q)| q);
+    let creds = credentials(req.headers(), query);
+    let (sandbox, exposure) = match reach(worker, &route, &creds).await {
         Ok(found) => found,
         Err(r) => return refuse(r),
     };
-    let query = route.path_and_query.split_once('?').map(|(_, q)| q);
-    let creds = credentials(req.headers(), query);
     let (access, used) = match admit(worker, &route, exposure.as_ref(), &creds) {
         Ok(a) => a,
         Err(r) => return refuse(r),
@@ -456,10 +465,7 @@ async fn handle(worker: &Worker, req: Request<Incoming>, upstream: &Upstream) ->
             f
         })
         .boxed();
-    let expires = exposure.expires_at_ms.map(|t| {
-        tokio::time::Instant::now()
-            + Duration::from_millis(u64::try_from(t - worker.now_ms()).unwrap_or(0))
-    });
+    let expires = expiry(worker, &exposure);
     let req = Request::from_parts(parts, body);
     let key = UpstreamKey {
         sandbox: route.sandbox.clone(),
@@ -475,6 +481,136 @@ async fn handle(worker: &Worker, req: Request<Incoming>, upstream: &Upstream) ->
         expires,
     )
     .await
+}
+
+/// A raw TCP tunnel to an exposed port: `CONNECT {sandbox}:{port}`, the
+/// credential (for a private or signed port) a bearer in
+/// `Proxy-Authorization` or `Authorization` (never a cookie or a query: a
+/// tunnel is no browser's). Answered `200` once the sandbox's server took
+/// the connection, then carried both ways as an upgrade is, so any TCP
+/// protocol (a database's, SSH) reaches the port through a client that
+/// speaks HTTP proxies' CONNECT (`corral port forward` is one).
+async fn tunnel(worker: &Worker, mut req: Request<Incoming>) -> Response<Body> {
+    let Some((sandbox_id, port)) = connect_target(req.uri()) else {
+        return refuse(Refusal::BadRoute);
+    };
+    let route = Route {
+        sandbox: sandbox_id,
+        port,
+        path_and_query: String::new(),
+        prefix: None,
+    };
+    let mut creds = credentials(req.headers(), None);
+    creds.cookies.clear();
+    creds.bearers.extend(
+        req.headers()
+            .get_all(header::PROXY_AUTHORIZATION)
+            .iter()
+            .filter_map(bearer_of),
+    );
+    let (sandbox, exposure) = match reach(worker, &route, &creds).await {
+        Ok(found) => found,
+        Err(r) => return refuse(r),
+    };
+    if let Err(r) = admit(worker, &route, exposure.as_ref(), &creds) {
+        return refuse(r);
+    }
+    let Some(exposure) = exposure else {
+        return refuse(Refusal::NotExposed);
+    };
+    let server = match worker.dial_port(&sandbox, port).await {
+        Ok(s) => s,
+        Err(r) => return refuse(r),
+    };
+    sandbox.touch();
+    let client = hyper::upgrade::on(&mut req);
+    let expires = expiry(worker, &exposure);
+    tokio::spawn(async move {
+        match client.await {
+            Ok(client) => {
+                carry(
+                    TokioIo::new(client),
+                    server,
+                    &sandbox,
+                    &exposure.revoked,
+                    expires,
+                )
+                .await
+            }
+            Err(e) => debug!(error = %e, "a tunnel's client went before it was carried"),
+        }
+    });
+    Response::new(full(""))
+}
+
+/// The running sandbox a request goes to, and its port's exposure in
+/// force (`None`: not exposed). A checkpointed sandbox whose port wakes it
+/// is restored first, for a request whose credential the port takes.
+async fn reach(
+    worker: &Worker,
+    route: &Route,
+    creds: &Creds,
+) -> Result<(Sandbox, Option<Exposure>), Refusal> {
+    match worker.port_route(&route.sandbox, route.port).await? {
+        PortTarget::Running(s, e) => Ok((*s, e)),
+        PortTarget::Asleep(e) => {
+            admit(worker, route, Some(&e), creds)?;
+            worker.wake(&route.sandbox).await?;
+            match worker.port_route(&route.sandbox, route.port).await? {
+                PortTarget::Running(s, e) => Ok((*s, e)),
+                PortTarget::Asleep(_) => Err(Refusal::SandboxWaking),
+            }
+        }
+    }
+}
+
+/// The sandbox and port a `CONNECT` names (`{sandbox}:{port}`).
+fn connect_target(uri: &http::Uri) -> Option<(SandboxId, u16)> {
+    let authority = uri.authority()?;
+    let port = authority.port_u16().filter(|p| *p > 0)?;
+    Some((SandboxId::new(authority.host().to_string()).ok()?, port))
+}
+
+/// When an exposure ends, on the runtime's clock.
+fn expiry(worker: &Worker, exposure: &Exposure) -> Option<tokio::time::Instant> {
+    exposure.expires_at_ms.map(|t| {
+        tokio::time::Instant::now()
+            + Duration::from_millis(u64::try_from(t - worker.now_ms()).unwrap_or(0))
+    })
+}
+
+/// Carries bytes both ways between a client and a sandbox's server until
+/// either side ends, the exposure is revoked or ends, or the sandbox goes;
+/// an open connection keeps its sandbox from being idle.
+async fn carry<C, S>(
+    mut client: C,
+    mut server: S,
+    sandbox: &Sandbox,
+    revoked: &CancellationToken,
+    expires: Option<tokio::time::Instant>,
+) where
+    C: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
+    let carried = tokio::io::copy_bidirectional(&mut client, &mut server);
+    tokio::pin!(carried);
+    let ended = async {
+        match expires {
+            Some(t) => tokio::time::sleep_until(t).await,
+            None => std::future::pending().await,
+        }
+    };
+    tokio::pin!(ended);
+    let mut used = tokio::time::interval(TOUCH_EVERY);
+    loop {
+        tokio::select! {
+            _ = &mut carried => break,
+            () = revoked.cancelled() => break,
+            () = sandbox.closed().cancelled() => break,
+            () = &mut ended => break,
+            _ = used.tick() => sandbox.touch(),
+        }
+    }
 }
 
 /// Whether the request's Origin, if it names one, is its own host's.
@@ -611,21 +747,14 @@ async fn forward(
             let (Ok(client), Ok(server)) = (client_side.await, server_side.await) else {
                 return;
             };
-            let mut client = TokioIo::new(client);
-            let mut server = TokioIo::new(server);
-            let carried = tokio::io::copy_bidirectional(&mut client, &mut server);
-            tokio::pin!(carried);
-            // An open connection keeps its sandbox from being idle.
-            let mut used = tokio::time::interval(TOUCH_EVERY);
-            loop {
-                tokio::select! {
-                    _ = &mut carried => break,
-                    () = revoked.cancelled() => break,
-                    () = sandbox.closed().cancelled() => break,
-                    () = ended() => break,
-                    _ = used.tick() => sandbox.touch(),
-                }
-            }
+            carry(
+                TokioIo::new(client),
+                TokioIo::new(server),
+                &sandbox,
+                &revoked,
+                expires,
+            )
+            .await;
         });
     }
     resp.map(|b| b.boxed())

@@ -184,6 +184,21 @@ impl Ingress {
         *self.control.lock().await = None;
     }
 
+    /// Lets the relay go: its control connection is closed from this
+    /// side, on which the relay ends (and is started again only when the
+    /// worker asks). A checkpoint of a gVisor sandbox needs this: gVisor
+    /// cannot save a connection to a host socket. Whether it went within
+    /// `within`.
+    pub async fn release(&self, within: Duration) -> bool {
+        let mut connected = self.connected.subscribe();
+        if let Some(mut control) = self.control.lock().await.take() {
+            let _ = control.shutdown().await;
+        }
+        tokio::time::timeout(within, connected.wait_for(|c| !*c))
+            .await
+            .is_ok()
+    }
+
     /// Whether a relay is connected (else the sandbox's supervisor is to
     /// be asked to start one).
     pub fn relay_connected(&self) -> bool {

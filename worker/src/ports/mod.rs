@@ -17,14 +17,19 @@ pub mod http;
 pub mod ingress;
 
 use std::collections::BTreeMap;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use corral_proto::SandboxId;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio_util::sync::CancellationToken;
 
 /// Who may use an exposed port.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum Access {
     /// The worker's token (as `Authorization: Bearer`).
     Private,
@@ -50,6 +55,9 @@ pub const MAX_SIGNED_TTL: Duration = Duration::from_secs(7 * 24 * 3600);
 pub const DEFAULT_SIGNED_TTL: Duration = Duration::from_secs(3600);
 /// Most ports one sandbox exposes at once.
 pub const MAX_EXPOSURES: usize = 32;
+/// Most connections open at once to one sandbox's ports (requests' and
+/// upgraded ones, and tunnels): as many as its relay carries under gVisor.
+pub const MAX_CONNECTIONS: usize = corral_init::ingress::MAX_CONNECTIONS;
 
 /// One exposed port of a sandbox.
 #[derive(Debug, Clone)]
@@ -62,16 +70,119 @@ pub struct Exposure {
     /// Random per exposure: a token of an earlier exposure of the port
     /// (revoked) names another.
     pub nonce: String,
+    /// A request for it while the sandbox is checkpointed restores the
+    /// sandbox (its credential checked first).
+    pub wake_on_request: bool,
     /// Cut when it is revoked (its open connections end).
     pub revoked: CancellationToken,
 }
 
+/// An exposure as its sandbox's file keeps it.
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+struct Kept {
+    port: u16,
+    access: Access,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    expires_at_ms: Option<i64>,
+    created_at_ms: i64,
+    nonce: String,
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    wake_on_request: bool,
+}
+
+impl From<&Exposure> for Kept {
+    fn from(e: &Exposure) -> Self {
+        Self {
+            port: e.port,
+            access: e.access,
+            expires_at_ms: e.expires_at_ms,
+            created_at_ms: e.created_at_ms,
+            nonce: e.nonce.clone(),
+            wake_on_request: e.wake_on_request,
+        }
+    }
+}
+
+impl From<Kept> for Exposure {
+    fn from(k: Kept) -> Self {
+        Self {
+            port: k.port,
+            access: k.access,
+            expires_at_ms: k.expires_at_ms,
+            created_at_ms: k.created_at_ms,
+            nonce: k.nonce,
+            wake_on_request: k.wake_on_request,
+            revoked: CancellationToken::new(),
+        }
+    }
+}
+
 /// A sandbox's exposed ports and its way in (owned by the sandbox: both
-/// go when it does).
+/// go when it does). Its exposures are kept in a file of the worker's
+/// state directory, so that they come back with the sandbox after a
+/// checkpoint and after a restart of the worker (their tokens hold again:
+/// the nonces are kept); the file goes when the sandbox's record does.
 #[derive(Default)]
 pub struct SandboxPorts {
     exposures: Mutex<BTreeMap<u16, Exposure>>,
+    /// Where they are kept (`None`: nowhere, in tests of this module).
+    file: Option<std::path::PathBuf>,
     ingress: tokio::sync::OnceCell<Arc<ingress::Ingress>>,
+    /// Connections open now (each [`Counted`] holds one).
+    open: Arc<AtomicUsize>,
+}
+
+/// A connection to a sandbox's port that counts against its bound while
+/// it is open.
+pub struct Counted<S> {
+    inner: S,
+    open: Arc<AtomicUsize>,
+}
+
+impl<S> Drop for Counted<S> {
+    fn drop(&mut self) {
+        self.open.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+impl<S: AsyncRead + Unpin> AsyncRead for Counted<S> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_read(cx, buf)
+    }
+}
+
+impl<S: AsyncWrite + Unpin> AsyncWrite for Counted<S> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -79,6 +190,70 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 impl SandboxPorts {
+    /// The exposures kept in `file` (none if it is missing; an unreadable
+    /// one is said and set aside: its exposures are lost, never widened).
+    pub fn kept_at(file: std::path::PathBuf) -> Self {
+        let exposures = match std::fs::read(&file) {
+            Ok(b) => match serde_json::from_slice::<Vec<Kept>>(&b) {
+                Ok(all) => all.into_iter().map(|k| (k.port, k.into())).collect(),
+                Err(e) => {
+                    tracing::warn!(file = %file.display(), error = %e, "unreadable exposed ports, dropped");
+                    let _ = std::fs::remove_file(&file);
+                    BTreeMap::new()
+                }
+            },
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => BTreeMap::new(),
+            Err(e) => {
+                tracing::warn!(file = %file.display(), error = %e, "exposed ports not read");
+                BTreeMap::new()
+            }
+        };
+        Self {
+            exposures: Mutex::new(exposures),
+            file: Some(file),
+            ..Self::default()
+        }
+    }
+
+    /// Writes `all` to the file (an empty set: no file).
+    fn keep(&self, all: &BTreeMap<u16, Exposure>) -> std::io::Result<()> {
+        let Some(file) = &self.file else {
+            return Ok(());
+        };
+        if all.is_empty() {
+            return match std::fs::remove_file(file) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
+                _ => Ok(()),
+            };
+        }
+        let kept: Vec<Kept> = all.values().map(Kept::from).collect();
+        let json = serde_json::to_vec(&kept).map_err(std::io::Error::other)?;
+        crate::state::write_synced(file, &json)
+    }
+
+    /// A place for one more connection, if the sandbox is under its bound
+    /// (kept until the [`Counted`] made with it is dropped).
+    pub fn admit_connection(&self) -> Option<Slot> {
+        let mut now = self.open.load(Ordering::Acquire);
+        loop {
+            if now >= MAX_CONNECTIONS {
+                return None;
+            }
+            match self
+                .open
+                .compare_exchange(now, now + 1, Ordering::AcqRel, Ordering::Acquire)
+            {
+                Ok(_) => return Some(Slot(Some(self.open.clone()))),
+                Err(seen) => now = seen,
+            }
+        }
+    }
+
+    /// Connections open now.
+    pub fn open_connections(&self) -> usize {
+        self.open.load(Ordering::Acquire)
+    }
+
     /// Exposes `port` anew (a new nonce: tokens of an earlier exposure of
     /// it no longer hold, and its connections are cut).
     pub fn expose(&self, e: Exposure) -> Result<Exposure, String> {
@@ -86,7 +261,17 @@ impl SandboxPorts {
         if !all.contains_key(&e.port) && all.len() >= MAX_EXPOSURES {
             return Err(format!("a sandbox exposes at most {MAX_EXPOSURES} ports"));
         }
-        if let Some(old) = all.insert(e.port, e.clone()) {
+        let old = all.insert(e.port, e.clone());
+        // Kept first: an exposure the worker would forget on a restart is
+        // not made.
+        if let Err(err) = self.keep(&all) {
+            match old {
+                Some(old) => all.insert(e.port, old),
+                None => all.remove(&e.port),
+            };
+            return Err(format!("the exposure could not be kept: {err}"));
+        }
+        if let Some(old) = old {
             old.revoked.cancel();
         }
         Ok(e)
@@ -94,13 +279,20 @@ impl SandboxPorts {
 
     /// Revokes `port`'s exposure: whether there was one.
     pub fn revoke(&self, port: u16) -> bool {
-        match lock(&self.exposures).remove(&port) {
-            Some(e) => {
-                e.revoked.cancel();
-                true
+        let mut all = lock(&self.exposures);
+        let Some(e) = all.remove(&port) else {
+            return false;
+        };
+        e.revoked.cancel();
+        if let Err(err) = self.keep(&all) {
+            // A revoked exposure must not come back with a restart: all
+            // of the sandbox's go rather than that one.
+            tracing::error!(port, error = %err, "a revocation could not be kept: the sandbox's exposures will not outlive a restart");
+            if let Some(file) = &self.file {
+                let _ = std::fs::remove_file(file);
             }
-            None => false,
         }
+        true
     }
 
     /// The exposure of `port` in force at `now_ms` (an expired one is
@@ -136,6 +328,16 @@ impl SandboxPorts {
         }
     }
 
+    /// Lets the sandbox's ingress relay go, if it has one (see
+    /// [`ingress::Ingress::release`]): whether none is left within
+    /// `within`.
+    pub async fn release_ingress(&self, within: Duration) -> bool {
+        match self.ingress.get() {
+            Some(i) => i.release(within).await,
+            None => true,
+        }
+    }
+
     /// The sandbox's way in, its socket bound in `dir` on first use.
     pub async fn ingress(
         &self,
@@ -147,6 +349,25 @@ impl SandboxPorts {
             .get_or_try_init(|| async { ingress::Ingress::bind(dir, closed.clone(), tracker) })
             .await
             .cloned()
+    }
+}
+
+/// One connection's place under its sandbox's bound, until it is made
+/// (then its [`Counted`] keeps it).
+pub struct Slot(Option<Arc<AtomicUsize>>);
+
+impl Slot {
+    pub fn hold<S>(mut self, inner: S) -> Counted<S> {
+        let open = self.0.take().unwrap_or_default();
+        Counted { inner, open }
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        if let Some(open) = self.0.take() {
+            open.fetch_sub(1, Ordering::AcqRel);
+        }
     }
 }
 
@@ -301,6 +522,7 @@ pub fn to_pb(e: crate::worker::ExposureInfo) -> corral_proto::pb::PortExposure {
         token: e.token.unwrap_or_default(),
         expires_at_unix_ms: e.expires_at_ms.unwrap_or(0),
         created_at_unix_ms: e.created_at_ms,
+        wake_on_request: e.wake_on_request,
         ..Default::default()
     };
     p.set_access(match e.access {
@@ -330,6 +552,8 @@ pub enum Refusal {
     PortNotListening,
     /// The sandbox's way in did not answer.
     SandboxUnavailable,
+    /// The sandbox is being restored for this request: come again.
+    SandboxWaking,
     /// The URL names no sandbox and port.
     BadRoute,
     /// Past the sandbox's bound on connections.
@@ -352,6 +576,7 @@ impl Refusal {
             Refusal::SandboxNotFound => "sandbox_not_found",
             Refusal::PortNotListening => "port_not_listening",
             Refusal::SandboxUnavailable => "sandbox_unavailable",
+            Refusal::SandboxWaking => "sandbox_waking",
             Refusal::BadRoute => "bad_route",
             Refusal::TooManyConnections => "too_many_connections",
             Refusal::HeadTooLarge => "head_too_large",
@@ -367,7 +592,7 @@ impl Refusal {
             | Refusal::Revoked => 401,
             Refusal::NotExposed | Refusal::SandboxNotFound | Refusal::BadRoute => 404,
             Refusal::PortNotListening => 502,
-            Refusal::SandboxUnavailable => 503,
+            Refusal::SandboxUnavailable | Refusal::SandboxWaking => 503,
             Refusal::TooManyConnections => 429,
             Refusal::HeadTooLarge => 431,
             Refusal::CrossOrigin => 403,
@@ -388,6 +613,9 @@ impl Refusal {
                 "nothing listens on this port in the sandbox (yet): start the server, or wait for it"
             }
             Refusal::SandboxUnavailable => "the sandbox's way in did not answer",
+            Refusal::SandboxWaking => {
+                "the sandbox is being restored from its checkpoint for this port: try again in a moment"
+            }
             Refusal::BadRoute => {
                 "the URL names no sandbox and port: /p/{sandbox}/{port}/... or {port}-{sandbox}.{domain}"
             }
@@ -411,6 +639,7 @@ mod tests {
             expires_at_ms: Some(expires_at_ms),
             created_at_ms: 0,
             nonce: nonce(),
+            wake_on_request: false,
             revoked: CancellationToken::new(),
         }
     }
@@ -463,6 +692,52 @@ mod tests {
             other.verify(&t, &a, 80, Some(&e), 5_000),
             Err(Refusal::InvalidToken)
         );
+    }
+
+    #[test]
+    fn exposures_are_kept_in_their_file_and_revocations_too() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("sb.json");
+        let ports = SandboxPorts::kept_at(file.clone());
+        let mut waking = exposure(80, i64::MAX);
+        waking.wake_on_request = true;
+        let a = ports.expose(waking).unwrap();
+        ports.expose(exposure(81, i64::MAX)).unwrap();
+        // What a restarted worker (or a restored sandbox) finds: the same
+        // exposures, nonces and all, so their tokens hold.
+        let again = SandboxPorts::kept_at(file.clone());
+        let got = again.get(80, 0).unwrap();
+        assert_eq!(
+            (got.nonce.as_str(), got.access, got.wake_on_request),
+            (a.nonce.as_str(), Access::Signed, true)
+        );
+        assert!(!got.revoked.is_cancelled());
+        assert!(ports.revoke(81));
+        assert!(SandboxPorts::kept_at(file.clone()).get(81, 0).is_none());
+        // None left: no file.
+        assert!(ports.revoke(80));
+        assert!(!file.exists());
+        // An unreadable file gives none (never more than was exposed).
+        std::fs::write(&file, b"{not json").unwrap();
+        assert!(SandboxPorts::kept_at(file).list(0).is_empty());
+        // An exposure that cannot be kept is not made.
+        let gone = SandboxPorts::kept_at(dir.path().join("missing-dir").join("sb.json"));
+        assert!(gone.expose(exposure(82, i64::MAX)).is_err());
+        assert!(gone.get(82, 0).is_none());
+    }
+
+    #[test]
+    fn the_bound_on_connections_is_held_until_each_one_closes() {
+        let ports = SandboxPorts::default();
+        let mut held: Vec<_> = (0..MAX_CONNECTIONS)
+            .map(|_| ports.admit_connection().unwrap().hold(()))
+            .collect();
+        assert!(ports.admit_connection().is_none());
+        held.pop();
+        // A place taken and given back before it held anything.
+        drop(ports.admit_connection().unwrap());
+        assert_eq!(ports.open_connections(), MAX_CONNECTIONS - 1);
+        assert!(ports.admit_connection().is_some());
     }
 
     #[test]

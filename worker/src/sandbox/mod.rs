@@ -89,6 +89,9 @@ pub struct Env<'a> {
     pub egress: &'a Arc<crate::proxy::Settings>,
     /// Operations' spans, when exported.
     pub traces: Option<&'a Arc<crate::telemetry::OpTraces>>,
+    /// The worker's state directory (where sandboxes' exposed ports are
+    /// kept).
+    pub state_root: &'a std::path::Path,
 }
 
 /// One watcher, as the actor sees it.
@@ -360,6 +363,7 @@ impl Sandbox {
             metrics,
             egress: egress_settings,
             traces,
+            state_root,
         } = env;
         let policy = egress
             .as_ref()
@@ -377,7 +381,7 @@ impl Sandbox {
             closed: shutdown.child_token(),
             touched: Mutex::new(tokio::time::Instant::now()),
             egress: policy,
-            ports: crate::ports::SandboxPorts::default(),
+            ports: crate::ports::SandboxPorts::kept_at(crate::state::ports_path(state_root, &id)),
         });
         let (tx, rx) = mpsc::channel(256);
         let egress_reports = match (egress, &shared.egress) {

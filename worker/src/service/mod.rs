@@ -156,7 +156,10 @@ impl pb::worker_server::Worker for WorkerService {
         let id = sandbox_id(r.sandbox_id.clone())?;
         self.owned(&tenant, &id)?;
         let (port, access, ttl) = crate::ports::from_pb(&r)?;
-        let e = self.worker.expose_port(&id, port, access, ttl).await?;
+        let e = self
+            .worker
+            .expose_port(&id, port, access, ttl, r.wake_on_request)
+            .await?;
         Ok(Response::new(crate::ports::to_pb(e)))
     }
 

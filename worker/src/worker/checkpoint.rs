@@ -11,6 +11,9 @@ use super::{READY_TIMEOUT, Worker};
 use crate::error::{Result, WorkerError};
 use crate::state::StateDir;
 
+/// How long a checkpoint waits for the sandbox's ingress relay to end.
+const RELEASE_WITHIN: std::time::Duration = std::time::Duration::from_secs(5);
+
 impl Worker {
     /// Checkpoints a gVisor sandbox: its processes and memory (its files in
     /// gVisor's memory among them) are saved on the engine and its
@@ -72,6 +75,12 @@ impl Worker {
         self.inner
             .table
             .set_state(&ticket, State::Checkpointed(Box::new(info.clone())));
+        // Its ingress relay holds a connection to the worker's socket,
+        // which gVisor cannot save: let go first (it is started again
+        // when a request needs it).
+        if !sandbox.ports().release_ingress(RELEASE_WITHIN).await {
+            warn!(sandbox = %id, "its ingress relay did not end in time; the checkpoint may fail");
+        }
         sandbox.close();
         if let Err(e) = self.inner.runtime.checkpoint(&sandbox.container_id).await {
             warn!(sandbox = %id, error = %e, "checkpoint failed; the sandbox goes on");

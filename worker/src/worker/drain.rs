@@ -36,6 +36,7 @@ impl Worker {
             default_runtime: self.inner.default_runtime.clone(),
             pools: lock(&self.inner.pools).iter().map(Into::into).collect(),
             default_limits: self.inner.default_limits,
+            ports_url: self.ports_base().map(str::to_string),
         }
     }
 

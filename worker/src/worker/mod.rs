@@ -39,6 +39,7 @@ use crate::initbin::InitBinary;
 use crate::runtime::Runtime;
 use crate::sandbox::Sandbox;
 use crate::state::StateDir;
+pub(crate) use ports::PortTarget;
 pub use ports::{ExposureInfo, PortsSettings};
 use table::{Busy, Change, Lookup, State, Ticket};
 
@@ -450,6 +451,7 @@ impl Worker {
             metrics: &self.inner.metrics,
             egress: &self.inner.egress,
             traces: self.inner.traces.as_ref(),
+            state_root: self.inner.state.root(),
         }
     }
 

@@ -10,6 +10,22 @@ use crate::error::{Result, WorkerError};
 use crate::ports::{Access, Exposure, Refusal};
 use crate::sandbox::Sandbox;
 
+/// A sandbox's exposed ports: its own, or (checkpointed) those its file
+/// keeps.
+enum PortsOf {
+    Running(Sandbox),
+    Kept(crate::ports::SandboxPorts),
+}
+
+impl PortsOf {
+    fn ports(&self) -> &crate::ports::SandboxPorts {
+        match self {
+            PortsOf::Running(s) => s.ports(),
+            PortsOf::Kept(p) => p,
+        }
+    }
+}
+
 /// How the worker's ports are reached (`--ports-listen`, `--ports-url`,
 /// `--ports-domain`, `--allow-public-ports`).
 #[derive(Debug, Clone, Default)]
@@ -34,7 +50,21 @@ pub struct ExposureInfo {
     pub token: Option<String>,
     pub expires_at_ms: Option<i64>,
     pub created_at_ms: i64,
+    pub wake_on_request: bool,
 }
+
+/// What a request to a sandbox's port finds.
+pub(crate) enum PortTarget {
+    /// The sandbox runs: it, and the port's exposure in force (`None`:
+    /// not exposed).
+    Running(Box<Sandbox>, Option<Exposure>),
+    /// The sandbox is checkpointed, and the port's exposure wakes it.
+    Asleep(Exposure),
+}
+
+/// How long a request that wakes its sandbox waits for it before it is
+/// told to come again (`sandbox_waking`; the restore goes on).
+const WAKE_WAIT: Duration = Duration::from_secs(20);
 
 fn invalid(field: &'static str, why: String) -> WorkerError {
     WorkerError::Invalid(corral_proto::ProtocolError::invalid(field, why))
@@ -89,13 +119,19 @@ impl Worker {
         self.inner.clock.now_ms()
     }
 
-    fn url_of(&self, id: &SandboxId, port: u16) -> Result<String> {
-        let base = self
-            .inner
+    /// The port listener's URL: `--ports-url`, else that of the address
+    /// it listens on (`None`: it has none).
+    pub(crate) fn ports_base(&self) -> Option<&str> {
+        self.inner
             .ports_settings
             .url
             .as_deref()
             .or(self.inner.ports_url.get().map(String::as_str))
+    }
+
+    fn url_of(&self, id: &SandboxId, port: u16) -> Result<String> {
+        let base = self
+            .ports_base()
             .ok_or_else(|| {
                 WorkerError::NotApplicable(
                     "this worker has no port listener: start it with --ports-listen ADDR".into(),
@@ -132,17 +168,20 @@ impl Worker {
                 .then(|| self.inner.ports_key.sign(id, e)),
             expires_at_ms: e.expires_at_ms,
             created_at_ms: e.created_at_ms,
+            wake_on_request: e.wake_on_request,
         })
     }
 
     /// Exposes `port` of sandbox `id` with `access`, for `ttl` (`None`:
-    /// until revoked; signed access: an hour).
+    /// until revoked; signed access: an hour); `wake_on_request`: a
+    /// request to it while the sandbox is checkpointed restores it.
     pub async fn expose_port(
         &self,
         id: &SandboxId,
         port: u16,
         access: Access,
         ttl: Option<Duration>,
+        wake_on_request: bool,
     ) -> Result<ExposureInfo> {
         if port == 0 {
             return Err(invalid("port", "1 to 65535".into()));
@@ -180,6 +219,7 @@ impl Worker {
                     .map(|t| now + i64::try_from(t.as_millis()).unwrap_or(i64::MAX / 2)),
                 created_at_ms: now,
                 nonce: crate::ports::nonce(),
+                wake_on_request,
                 revoked: tokio_util::sync::CancellationToken::new(),
             })
             .map_err(|why| invalid("port", why))?;
@@ -204,10 +244,24 @@ impl Worker {
         Ok(ingress)
     }
 
+    /// The exposed ports of sandbox `id`, running or checkpointed (then
+    /// as its file keeps them: they come back with it).
+    async fn ports_of(&self, id: &SandboxId) -> Result<PortsOf> {
+        match self.settled(id).await? {
+            super::table::Lookup::Running(sandbox) => {
+                sandbox.touch();
+                Ok(PortsOf::Running(sandbox))
+            }
+            super::table::Lookup::Checkpointed(_) => Ok(PortsOf::Kept(
+                crate::ports::SandboxPorts::kept_at(self.inner.state.ports_path(id)),
+            )),
+            other => Err(super::not_running(id, other)),
+        }
+    }
+
     /// Ends the exposure of `port`: whether there was one.
     pub async fn revoke_access(&self, id: &SandboxId, port: u16) -> Result<bool> {
-        let sandbox = self.sandbox(id).await?;
-        let revoked = sandbox.ports().revoke(port);
+        let revoked = self.ports_of(id).await?.ports().revoke(port);
         if revoked {
             tracing::info!(sandbox = %id, port, "port access revoked");
         }
@@ -215,8 +269,8 @@ impl Worker {
     }
 
     pub async fn list_exposures(&self, id: &SandboxId) -> Result<Vec<ExposureInfo>> {
-        let sandbox = self.sandbox(id).await?;
-        sandbox
+        self.ports_of(id)
+            .await?
             .ports()
             .list(self.now_ms())
             .iter()
@@ -224,38 +278,75 @@ impl Worker {
             .collect()
     }
 
-    /// What a request to `port` of sandbox `id` reaches: the sandbox and
-    /// the port's exposure in force (`None`: not exposed).
+    /// What a request to `port` of sandbox `id` reaches.
     pub(crate) async fn port_route(
         &self,
         id: &SandboxId,
         port: u16,
-    ) -> std::result::Result<(Sandbox, Option<Exposure>), Refusal> {
-        let sandbox = match self.inner.table.lookup(id) {
-            super::table::Lookup::Running(s) if !s.is_lost() => s,
+    ) -> std::result::Result<PortTarget, Refusal> {
+        match self.inner.table.lookup(id) {
+            super::table::Lookup::Running(s) if !s.is_lost() => {
+                let exposure = s.ports().get(port, self.now_ms());
+                Ok(PortTarget::Running(Box::new(s), exposure))
+            }
+            // Checkpointed, or being restored (the request then waits
+            // for the restore under way): asleep, if the port wakes it.
+            super::table::Lookup::Checkpointed(_) | super::table::Lookup::Busy(_) => {
+                crate::ports::SandboxPorts::kept_at(self.inner.state.ports_path(id))
+                    .get(port, self.now_ms())
+                    .filter(|e| e.wake_on_request)
+                    .map(PortTarget::Asleep)
+                    .ok_or(Refusal::NotExposed)
+            }
             // Said as a port not exposed: whoever asks learns nothing
             // more of which sandboxes there are.
-            _ => return Err(Refusal::NotExposed),
-        };
-        let exposure = sandbox.ports().get(port, self.now_ms());
-        Ok((sandbox, exposure))
+            _ => Err(Refusal::NotExposed),
+        }
     }
 
-    /// A connection to `port` of `sandbox`, through its way in.
+    /// Restores checkpointed sandbox `id` for a request to one of its
+    /// ports that wakes it, and waits for it (at most [`WAKE_WAIT`]; the
+    /// restore goes on if the request gives up).
+    pub(crate) async fn wake(&self, id: &SandboxId) -> std::result::Result<(), Refusal> {
+        let worker = self.clone();
+        let id = id.clone();
+        let restoring = self.inner.tracker.spawn(async move {
+            let r = worker.restore_sandbox(&id).await;
+            match &r {
+                Ok(_) => tracing::info!(sandbox = %id, "sandbox woken by a request to its port"),
+                Err(e) => tracing::warn!(sandbox = %id, error = %e, "a request to its port could not wake the sandbox"),
+            }
+            r.is_ok()
+        });
+        match tokio::time::timeout(WAKE_WAIT, restoring).await {
+            Ok(Ok(true)) => Ok(()),
+            Ok(_) => Err(Refusal::SandboxUnavailable),
+            Err(_) => Err(Refusal::SandboxWaking),
+        }
+    }
+
+    /// A connection to `port` of `sandbox`, through its way in, counted
+    /// against the sandbox's bound on connections while it is open.
     pub(crate) async fn dial_port(
         &self,
         sandbox: &Sandbox,
         port: u16,
-    ) -> std::result::Result<crate::ports::ingress::PortStream, Refusal> {
+    ) -> std::result::Result<crate::ports::Counted<crate::ports::ingress::PortStream>, Refusal>
+    {
+        let slot = sandbox
+            .ports()
+            .admit_connection()
+            .ok_or(Refusal::TooManyConnections)?;
         let ingress = self
             .ingress_of(sandbox)
             .await
             .map_err(|_| Refusal::SandboxUnavailable)?;
-        ingress.dial(port).await.map_err(|e| match e {
+        let stream = ingress.dial(port).await.map_err(|e| match e {
             crate::ports::ingress::DialError::NotListening(_)
             | crate::ports::ingress::DialError::Failed { .. } => Refusal::PortNotListening,
             crate::ports::ingress::DialError::Closed => Refusal::SandboxNotFound,
             crate::ports::ingress::DialError::Unanswered(_) => Refusal::SandboxUnavailable,
-        })
+        })?;
+        Ok(slot.hold(stream))
     }
 }

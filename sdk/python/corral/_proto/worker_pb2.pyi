@@ -78,19 +78,21 @@ OUTPUT_STREAM_STDOUT: OutputStream
 OUTPUT_STREAM_STDERR: OutputStream
 
 class ExposePortRequest(_message.Message):
-    __slots__ = ("sandbox_id", "port", "access", "ttl_ms")
+    __slots__ = ("sandbox_id", "port", "access", "ttl_ms", "wake_on_request")
     SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
     PORT_FIELD_NUMBER: _ClassVar[int]
     ACCESS_FIELD_NUMBER: _ClassVar[int]
     TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    WAKE_ON_REQUEST_FIELD_NUMBER: _ClassVar[int]
     sandbox_id: str
     port: int
     access: PortAccess
     ttl_ms: int
-    def __init__(self, sandbox_id: _Optional[str] = ..., port: _Optional[int] = ..., access: _Optional[_Union[PortAccess, str]] = ..., ttl_ms: _Optional[int] = ...) -> None: ...
+    wake_on_request: bool
+    def __init__(self, sandbox_id: _Optional[str] = ..., port: _Optional[int] = ..., access: _Optional[_Union[PortAccess, str]] = ..., ttl_ms: _Optional[int] = ..., wake_on_request: _Optional[bool] = ...) -> None: ...
 
 class PortExposure(_message.Message):
-    __slots__ = ("sandbox_id", "port", "access", "url", "token", "expires_at_unix_ms", "created_at_unix_ms")
+    __slots__ = ("sandbox_id", "port", "access", "url", "token", "expires_at_unix_ms", "created_at_unix_ms", "wake_on_request")
     SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
     PORT_FIELD_NUMBER: _ClassVar[int]
     ACCESS_FIELD_NUMBER: _ClassVar[int]
@@ -98,6 +100,7 @@ class PortExposure(_message.Message):
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_AT_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     CREATED_AT_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    WAKE_ON_REQUEST_FIELD_NUMBER: _ClassVar[int]
     sandbox_id: str
     port: int
     access: PortAccess
@@ -105,7 +108,8 @@ class PortExposure(_message.Message):
     token: str
     expires_at_unix_ms: int
     created_at_unix_ms: int
-    def __init__(self, sandbox_id: _Optional[str] = ..., port: _Optional[int] = ..., access: _Optional[_Union[PortAccess, str]] = ..., url: _Optional[str] = ..., token: _Optional[str] = ..., expires_at_unix_ms: _Optional[int] = ..., created_at_unix_ms: _Optional[int] = ...) -> None: ...
+    wake_on_request: bool
+    def __init__(self, sandbox_id: _Optional[str] = ..., port: _Optional[int] = ..., access: _Optional[_Union[PortAccess, str]] = ..., url: _Optional[str] = ..., token: _Optional[str] = ..., expires_at_unix_ms: _Optional[int] = ..., created_at_unix_ms: _Optional[int] = ..., wake_on_request: _Optional[bool] = ...) -> None: ...
 
 class RevokeAccessRequest(_message.Message):
     __slots__ = ("sandbox_id", "port")
@@ -795,7 +799,7 @@ class SandboxStats(_message.Message):
     def __init__(self, sandbox_id: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., memory_limit_bytes: _Optional[int] = ..., files_bytes: _Optional[int] = ..., cpu_percent: _Optional[float] = ..., cpu_total_ns: _Optional[int] = ..., pids: _Optional[int] = ..., pids_limit: _Optional[int] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "version", "max_sandboxes", "sandboxes", "running_operations", "docker_version", "policy", "draining", "drain_deadline_ms", "default_image", "default_runtime", "pools", "default_memory_bytes", "default_cpu_millis", "default_pids_limit")
+    __slots__ = ("worker_id", "version", "max_sandboxes", "sandboxes", "running_operations", "docker_version", "policy", "draining", "drain_deadline_ms", "default_image", "default_runtime", "pools", "default_memory_bytes", "default_cpu_millis", "default_pids_limit", "ports_url")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MAX_SANDBOXES_FIELD_NUMBER: _ClassVar[int]
@@ -811,6 +815,7 @@ class WorkerInfo(_message.Message):
     DEFAULT_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_CPU_MILLIS_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_PIDS_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    PORTS_URL_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     version: str
     max_sandboxes: int
@@ -826,7 +831,8 @@ class WorkerInfo(_message.Message):
     default_memory_bytes: int
     default_cpu_millis: int
     default_pids_limit: int
-    def __init__(self, worker_id: _Optional[str] = ..., version: _Optional[str] = ..., max_sandboxes: _Optional[int] = ..., sandboxes: _Optional[int] = ..., running_operations: _Optional[int] = ..., docker_version: _Optional[str] = ..., policy: _Optional[_Union[SandboxPolicy, _Mapping]] = ..., draining: _Optional[bool] = ..., drain_deadline_ms: _Optional[int] = ..., default_image: _Optional[str] = ..., default_runtime: _Optional[str] = ..., pools: _Optional[_Iterable[_Union[PoolInfo, _Mapping]]] = ..., default_memory_bytes: _Optional[int] = ..., default_cpu_millis: _Optional[int] = ..., default_pids_limit: _Optional[int] = ...) -> None: ...
+    ports_url: str
+    def __init__(self, worker_id: _Optional[str] = ..., version: _Optional[str] = ..., max_sandboxes: _Optional[int] = ..., sandboxes: _Optional[int] = ..., running_operations: _Optional[int] = ..., docker_version: _Optional[str] = ..., policy: _Optional[_Union[SandboxPolicy, _Mapping]] = ..., draining: _Optional[bool] = ..., drain_deadline_ms: _Optional[int] = ..., default_image: _Optional[str] = ..., default_runtime: _Optional[str] = ..., pools: _Optional[_Iterable[_Union[PoolInfo, _Mapping]]] = ..., default_memory_bytes: _Optional[int] = ..., default_cpu_millis: _Optional[int] = ..., default_pids_limit: _Optional[int] = ..., ports_url: _Optional[str] = ...) -> None: ...
 
 class PoolInfo(_message.Message):
     __slots__ = ("template", "image", "size", "ready", "claims", "misses", "last_refill_ms", "memory_bytes", "cpu_millis", "pids_limit", "runtime")

@@ -1,0 +1,581 @@
+//! Raw TCP and many connections through the way in, against a worker in
+//! its own process: `corral port forward` listening on loopback, each of
+//! its connections a `CONNECT` tunnel through the worker's port listener
+//! to a server in a sandbox, carrying a gibibyte byte for byte both ways;
+//! its refusals said; the exposure it made revoked when it ends. And a
+//! thousand idle WebSockets held open to one sandbox, with the worker's
+//! memory for them, and one past the sandbox's bound refused. And a
+//! checkpointed sandbox woken by a request to a port that wakes it, its
+//! exposures kept across a restart of the worker.
+
+use std::io::BufRead as _;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use anyhow::{Context as _, Result, bail};
+use corral_e2e::{WorkerProcess, binary, free_port, run_shell, unique_id};
+use corral_harness::client::WorkerClient;
+use corral_proto::pb::PortAccess;
+use corral_proto::{OperationId, OperationSpec, SandboxId, SandboxSpec, ShellSpec};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+const IMAGE: &str = "corral-debian:latest";
+
+/// A TCP echo server of the sandbox's (a thread per connection).
+const ECHO: &str = r#"
+import socket, sys, threading
+def serve(c):
+    while True:
+        b = c.recv(1 << 20)
+        if not b:
+            break
+        c.sendall(b)
+    c.close()
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("127.0.0.1", int(sys.argv[1])))
+s.listen(64)
+while True:
+    c, _ = s.accept()
+    threading.Thread(target=serve, args=(c,), daemon=True).start()
+"#;
+
+/// A WebSocket server of the sandbox's (asyncio, one thread for all): it
+/// answers the handshake (`Sec-WebSocket-Accept` from the client's key),
+/// then echoes what comes.
+const WEBSOCKETS: &str = r#"
+import asyncio, base64, hashlib, sys
+GUID = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
+async def serve(r, w):
+    head = await r.readuntil(b"\r\n\r\n")
+    key = [l.split(b":", 1)[1].strip() for l in head.split(b"\r\n") if l.lower().startswith(b"sec-websocket-key:")][0]
+    accept = base64.b64encode(hashlib.sha1(key + GUID).digest())
+    w.write(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Accept: " + accept + b"\r\n\r\n")
+    await w.drain()
+    while True:
+        b = await r.read(65536)
+        if not b:
+            break
+        w.write(b)
+        await w.drain()
+    w.close()
+async def main():
+    s = await asyncio.start_server(serve, "127.0.0.1", int(sys.argv[1]), backlog=4096)
+    await s.serve_forever()
+asyncio.run(main())
+"#;
+
+/// A worker with a port listener on loopback, and a sandbox of the
+/// Debian image running `script` (a Python server) on `port`.
+async fn worker_serving(
+    state: &std::path::Path,
+    script: &str,
+    port: u16,
+) -> Result<(WorkerProcess, WorkerClient, SandboxId, String)> {
+    let listen = format!("127.0.0.1:{}", free_port()?);
+    let worker = WorkerProcess::spawn(
+        state,
+        &unique_id("tun"),
+        free_port()?,
+        &[("CORRAL_LOG", "warn")],
+        &["--ports-listen", &listen, "--allow-image", IMAGE],
+    )?;
+    let client = worker.client().await?;
+    let sb = SandboxId::new(unique_id("sb"))?;
+    client
+        .create_sandbox(
+            Some(&sb),
+            SandboxSpec {
+                image: Some(IMAGE.into()),
+                ..SandboxSpec::default()
+            },
+        )
+        .await?;
+    run_shell(
+        &client,
+        &sb,
+        &format!("cat > /tmp/server.py <<'EOF'\n{script}\nEOF"),
+    )
+    .await?;
+    client
+        .submit(
+            &sb,
+            &OperationId::random(),
+            OperationSpec::Shell(ShellSpec::new(format!(
+                "exec python3 /tmp/server.py {port}"
+            ))),
+        )
+        .await?;
+    Ok((worker, client, sb, listen))
+}
+
+/// `corral port forward` against `worker`: the child (its stderr in
+/// `stderr`) and the address it listens on.
+fn forward(
+    worker: &WorkerProcess,
+    sb: &SandboxId,
+    port: u16,
+    stderr: &std::path::Path,
+    env: &[(&str, &str)],
+) -> Result<(Child, String)> {
+    let mut child = Command::new(binary("corral")?)
+        .args(["--worker", &worker.url, "--token-file"])
+        .arg(worker.token_file())
+        .args(["port", "forward", sb.as_str(), &port.to_string()])
+        .args(["--local", "127.0.0.1:0"])
+        .envs(env.iter().copied())
+        .stdout(Stdio::piped())
+        .stderr(std::fs::File::create(stderr)?)
+        .spawn()?;
+    let mut line = String::new();
+    std::io::BufReader::new(child.stdout.take().context("no stdout")?).read_line(&mut line)?;
+    let Some(addr) = line
+        .strip_prefix("listening on ")
+        .and_then(|r| r.split_whitespace().next())
+    else {
+        let _ = child.kill();
+        bail!(
+            "the forward did not start: {line:?}; {}",
+            std::fs::read_to_string(stderr).unwrap_or_default()
+        );
+    };
+    Ok((child, addr.to_string()))
+}
+
+/// A connection through the forward that the sandbox's echo server
+/// answers (waiting, a minute at most, for it to listen).
+async fn echoing(addr: &str) -> Result<tokio::net::TcpStream> {
+    for _ in 0..600 {
+        let mut s = tokio::net::TcpStream::connect(addr).await?;
+        s.write_all(b"ping").await?;
+        let mut four = [0u8; 4];
+        match tokio::time::timeout(Duration::from_secs(5), s.read_exact(&mut four)).await {
+            Ok(Ok(_)) if &four == b"ping" => return Ok(s),
+            _ => tokio::time::sleep(Duration::from_millis(100)).await,
+        }
+    }
+    bail!("the sandbox's server never answered through the forward")
+}
+
+fn stop(child: &mut Child) -> Result<Option<i32>> {
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(child.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )?;
+    for _ in 0..200 {
+        if let Some(s) = child.try_wait()? {
+            return Ok(s.code());
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let _ = child.kill();
+    bail!("the forward did not end within 10 s of SIGTERM")
+}
+
+/// The word at each 8-byte offset is the offset itself: any byte lost,
+/// added or moved shows.
+fn pattern(from: u64, buf: &mut [u8]) {
+    for (i, w) in buf.chunks_exact_mut(8).enumerate() {
+        w.copy_from_slice(&(from + 8 * i as u64).to_le_bytes());
+    }
+}
+
+#[tokio::test]
+async fn a_forwarded_port_carries_a_gibibyte_byte_for_byte() -> Result<()> {
+    const TOTAL: u64 = 1 << 30;
+    const CHUNK: usize = 1 << 20;
+    let state = tempfile::tempdir()?;
+    let (worker, client, sb, _) = worker_serving(state.path(), ECHO, 5000).await?;
+    let log = state.path().join("forward.err");
+    let (mut fwd, addr) = forward(&worker, &sb, 5000, &log, &[])?;
+    // Not exposed before: the forward made a signed exposure of its own.
+    let e = client.list_exposures(&sb).await?;
+    assert_eq!(e.len(), 1, "{e:?}");
+    assert_eq!((e[0].port, e[0].access()), (5000, PortAccess::Signed));
+
+    let s = echoing(&addr).await?;
+    let (mut r, mut w) = s.into_split();
+    let writer = tokio::spawn(async move {
+        let mut buf = vec![0u8; CHUNK];
+        let mut at = 0;
+        while at < TOTAL {
+            pattern(at, &mut buf);
+            w.write_all(&buf).await?;
+            at += CHUNK as u64;
+        }
+        w.shutdown().await?;
+        anyhow::Ok(())
+    });
+    let started = std::time::Instant::now();
+    let mut got = vec![0u8; CHUNK];
+    let mut want = vec![0u8; CHUNK];
+    let mut at = 0;
+    while at < TOTAL {
+        r.read_exact(&mut got)
+            .await
+            .with_context(|| format!("after {at} bytes"))?;
+        pattern(at, &mut want);
+        if got != want {
+            let i = got.iter().zip(&want).position(|(a, b)| a != b).unwrap_or(0);
+            bail!("byte {} came back changed", at + i as u64);
+        }
+        at += CHUNK as u64;
+    }
+    writer.await??;
+    // All of it, and nothing after.
+    let mut rest = Vec::new();
+    r.read_to_end(&mut rest).await?;
+    assert!(rest.is_empty(), "{} bytes past the end", rest.len());
+    eprintln!(
+        "1 GiB each way through the forward in {:.2} s",
+        started.elapsed().as_secs_f64()
+    );
+
+    // Nothing listens on another port: the forward says why, and the
+    // client's connection ends.
+    let log2 = state.path().join("forward2.err");
+    let (mut fwd2, addr2) = forward(&worker, &sb, 5001, &log2, &[])?;
+    let mut s = tokio::net::TcpStream::connect(&addr2).await?;
+    let mut none = Vec::new();
+    tokio::time::timeout(Duration::from_secs(30), s.read_to_end(&mut none)).await??;
+    assert!(none.is_empty());
+    assert_eq!(stop(&mut fwd2)?, Some(0));
+    let said = std::fs::read_to_string(&log2)?;
+    assert!(said.contains("port_not_listening"), "{said}");
+
+    // Exposed signed by someone else: the forward needs that token, and
+    // a wrong one is refused with its reason.
+    client
+        .expose_port(&sb, 5002, PortAccess::Signed, None)
+        .await?;
+    let out = Command::new(binary("corral")?)
+        .args(["--worker", &worker.url, "--token-file"])
+        .arg(worker.token_file())
+        .args(["port", "forward", sb.as_str(), "5002"])
+        .env_remove("CORRAL_PORT_TOKEN")
+        .output()?;
+    assert_eq!(out.status.code(), Some(2));
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(said.contains("CORRAL_PORT_TOKEN"), "{said}");
+    let log3 = state.path().join("forward3.err");
+    let forged = format!("1999999999999.{}.{}", "a".repeat(24), "b".repeat(64));
+    let (mut fwd3, addr3) = forward(
+        &worker,
+        &sb,
+        5002,
+        &log3,
+        &[("CORRAL_PORT_TOKEN", forged.as_str())],
+    )?;
+    let mut s = tokio::net::TcpStream::connect(&addr3).await?;
+    tokio::time::timeout(Duration::from_secs(30), s.read_to_end(&mut none)).await??;
+    assert_eq!(stop(&mut fwd3)?, Some(0));
+    let said = std::fs::read_to_string(&log3)?;
+    assert!(said.contains("invalid_token"), "{said}");
+    assert!(!said.contains(&forged), "the token was said: {said}");
+
+    // Ended, the forward takes its exposure with it (and only its own).
+    assert_eq!(stop(&mut fwd)?, Some(0));
+    let left: Vec<u32> = client
+        .list_exposures(&sb)
+        .await?
+        .iter()
+        .map(|e| e.port)
+        .collect();
+    assert_eq!(left, vec![5002]);
+    client.destroy_sandbox(&sb).await?;
+    Ok(())
+}
+
+/// A WebSocket handshake through the port listener: the connection, or
+/// the refusal's status and reason.
+async fn websocket(
+    listener: &str,
+    path: &str,
+    token: &str,
+    n: usize,
+) -> Result<std::result::Result<tokio::net::TcpStream, (u16, String)>> {
+    let mut s = tokio::net::TcpStream::connect(listener).await?;
+    let key = format!("dGhlIHNhbXBsZSBub25jZQ{n:02}==");
+    let req = format!(
+        "GET {path} HTTP/1.1\r\nHost: {listener}\r\nAuthorization: Bearer {token}\r\nConnection: Upgrade\r\nUpgrade: websocket\r\nSec-WebSocket-Version: 13\r\nSec-WebSocket-Key: {key}\r\n\r\n"
+    );
+    s.write_all(req.as_bytes()).await?;
+    let mut head = Vec::new();
+    let mut b = [0u8; 1];
+    while !head.ends_with(b"\r\n\r\n") {
+        if s.read(&mut b).await? == 0 {
+            bail!("closed before the head: {}", String::from_utf8_lossy(&head));
+        }
+        head.push(b[0]);
+    }
+    let head = String::from_utf8_lossy(&head).to_string();
+    let status: u16 = head
+        .split(' ')
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .context("no status")?;
+    if status != 101 {
+        let len: usize = head
+            .lines()
+            .find_map(|l| {
+                let (k, v) = l.split_once(':')?;
+                k.eq_ignore_ascii_case("content-length")
+                    .then(|| v.trim().parse().ok())?
+            })
+            .unwrap_or(0);
+        let mut body = vec![0u8; len];
+        s.read_exact(&mut body).await?;
+        let reason = serde_json::from_slice::<serde_json::Value>(&body)
+            .ok()
+            .and_then(|v| v["error"]["reason"].as_str().map(str::to_string))
+            .unwrap_or_default();
+        return Ok(Err((status, reason)));
+    }
+    if !head.to_ascii_lowercase().contains("sec-websocket-accept: ") {
+        bail!("no Sec-WebSocket-Accept: {head}");
+    }
+    Ok(Ok(s))
+}
+
+#[tokio::test]
+async fn a_thousand_idle_websockets_are_held_and_one_past_the_bound_refused() -> Result<()> {
+    const HELD: usize = 1000;
+    let bound = corral_worker::ports::MAX_CONNECTIONS;
+    let state = tempfile::tempdir()?;
+    let (worker, client, sb, listener) = worker_serving(state.path(), WEBSOCKETS, 9000).await?;
+    client
+        .expose_port(&sb, 9000, PortAccess::Private, None)
+        .await?;
+    let token = worker.token();
+    let path = format!("/p/{sb}/9000/ws");
+    // Once the server listens.
+    let mut first = None;
+    for _ in 0..600 {
+        match websocket(&listener, &path, &token, 0).await? {
+            Ok(s) => {
+                first = Some(s);
+                break;
+            }
+            Err((502 | 503, _)) => tokio::time::sleep(Duration::from_millis(100)).await,
+            Err(other) => bail!("refused: {other:?}"),
+        }
+    }
+    let mut held = vec![first.context("the sandbox's server never listened")?];
+    let before = worker.rss()?;
+    for n in 1..HELD {
+        match websocket(&listener, &path, &token, n % 100).await? {
+            Ok(s) => held.push(s),
+            Err(e) => bail!("the WebSocket {n} was refused: {e:?}"),
+        }
+    }
+    // Held and idle for a while: every one still carries.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let after = worker.rss()?;
+    for (n, s) in held.iter_mut().enumerate() {
+        let frame = [0x89u8, 0x80, 1, 2, 3, 4]; // a masked, empty ping
+        s.write_all(&frame).await?;
+        let mut back = [0u8; 6];
+        tokio::time::timeout(Duration::from_secs(10), s.read_exact(&mut back))
+            .await
+            .with_context(|| format!("the WebSocket {n} no longer carries"))??;
+        assert_eq!(back, frame);
+    }
+    let per = after.saturating_sub(before) / (HELD as u64 - 1);
+    eprintln!(
+        "{HELD} idle WebSockets: the worker's memory {} MiB -> {} MiB ({} KiB each)",
+        before >> 20,
+        after >> 20,
+        per >> 10
+    );
+    // The issue's goal: at most 64 MiB for a thousand.
+    assert!(
+        after.saturating_sub(before) <= 64 << 20,
+        "{HELD} WebSockets took {} MiB of the worker's memory",
+        after.saturating_sub(before) >> 20
+    );
+    // Up to the sandbox's bound, then refused with its reason.
+    while held.len() < bound {
+        match websocket(&listener, &path, &token, 0).await? {
+            Ok(s) => held.push(s),
+            Err(e) => bail!("refused under the bound, at {}: {e:?}", held.len()),
+        }
+    }
+    match websocket(&listener, &path, &token, 0).await? {
+        Ok(_) => bail!("a connection past the bound of {bound} was carried"),
+        Err((status, reason)) => {
+            assert_eq!((status, reason.as_str()), (429, "too_many_connections"))
+        }
+    }
+    // One closed, one more fits.
+    drop(held.pop());
+    let mut again = None;
+    for _ in 0..50 {
+        if let Ok(s) = websocket(&listener, &path, &token, 0).await? {
+            again = Some(s);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    again.context("a place freed by a closed connection was not taken again")?;
+    drop(held);
+    client.destroy_sandbox(&sb).await?;
+    Ok(())
+}
+
+/// One GET through the port listener, on a connection of its own: the
+/// status and the body.
+async fn get(listener: &str, path: &str, bearer: Option<&str>) -> Result<(u16, String)> {
+    let mut s = tokio::net::TcpStream::connect(listener).await?;
+    let auth = bearer.map_or(String::new(), |b| format!("Authorization: Bearer {b}\r\n"));
+    let req = format!("GET {path} HTTP/1.1\r\nHost: {listener}\r\n{auth}Connection: close\r\n\r\n");
+    s.write_all(req.as_bytes()).await?;
+    let mut all = Vec::new();
+    tokio::time::timeout(Duration::from_secs(60), s.read_to_end(&mut all))
+        .await
+        .context("no answer within 60 s")??;
+    let text = String::from_utf8_lossy(&all).to_string();
+    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    let status = head
+        .split(' ')
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .context("no status")?;
+    Ok((status, body.to_string()))
+}
+
+fn reason(body: &str) -> String {
+    serde_json::from_str::<serde_json::Value>(body)
+        .ok()
+        .and_then(|v| v["error"]["reason"].as_str().map(str::to_string))
+        .unwrap_or_default()
+}
+
+#[tokio::test]
+async fn a_request_wakes_a_checkpointed_sandbox_and_exposures_outlive_a_restart() -> Result<()> {
+    let state = tempfile::tempdir()?;
+    let (wid, port) = (unique_id("wake"), free_port()?);
+    let listen = format!("127.0.0.1:{}", free_port()?);
+    let args = [
+        "--ports-listen",
+        listen.as_str(),
+        "--allow-image",
+        IMAGE,
+        "--allow-runtime",
+        "runsc",
+    ];
+    let mut worker =
+        WorkerProcess::spawn(state.path(), &wid, port, &[("CORRAL_LOG", "warn")], &args)?;
+    let client = worker.client().await?;
+    let sb = SandboxId::new(unique_id("sb"))?;
+    client
+        .create_sandbox(
+            Some(&sb),
+            SandboxSpec {
+                image: Some(IMAGE.into()),
+                runtime: Some("runsc".into()),
+                ..SandboxSpec::default()
+            },
+        )
+        .await?;
+    run_shell(
+        &client,
+        &sb,
+        "mkdir -p /tmp/www && echo awake > /tmp/www/hello",
+    )
+    .await?;
+    client
+        .submit(
+            &sb,
+            &OperationId::random(),
+            OperationSpec::Shell(ShellSpec::new(
+                "cd /tmp/www && exec python3 -m http.server 8000 --bind 127.0.0.1",
+            )),
+        )
+        .await?;
+    let e = client
+        .expose_port_waking(
+            &sb,
+            8000,
+            PortAccess::Signed,
+            Some(Duration::from_secs(3600)),
+            true,
+        )
+        .await?;
+    assert!(e.wake_on_request);
+    let other = client
+        .expose_port(&sb, 8001, PortAccess::Signed, None)
+        .await?;
+    let path = format!("/p/{sb}/8000/hello");
+    let mut up = false;
+    for _ in 0..600 {
+        if get(&listen, &path, Some(&e.token)).await?.0 == 200 {
+            up = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(up, "the sandbox's server never answered");
+
+    client.checkpoint_sandbox(&sb).await?;
+    let asleep =
+        |c: &corral_proto::SandboxInfo| c.state == corral_proto::SandboxState::Checkpointed;
+    assert!(asleep(&client.get_sandbox(&sb).await?));
+    // Exposures of a checkpointed sandbox are still listed.
+    let listed = client.list_exposures(&sb).await?;
+    assert_eq!(listed.len(), 2, "{listed:?}");
+    // A port that does not wake it, and a request with no credential or
+    // a wrong one: refused, and the sandbox sleeps on.
+    let (status, body) = get(&listen, &format!("/p/{sb}/8001/"), Some(&other.token)).await?;
+    assert_eq!((status, reason(&body).as_str()), (404, "not_exposed"));
+    let (status, body) = get(&listen, &path, None).await?;
+    assert_eq!((status, reason(&body).as_str()), (401, "unauthenticated"));
+    let (status, body) = get(&listen, &path, Some(&other.token)).await?;
+    assert_eq!((status, reason(&body).as_str()), (401, "invalid_token"));
+    assert!(
+        asleep(&client.get_sandbox(&sb).await?),
+        "woken by a refused request"
+    );
+    // Its credential: woken, and answered by its server, which was
+    // checkpointed with it.
+    let (status, body) = get(&listen, &path, Some(&e.token)).await?;
+    assert_eq!((status, body.trim()), (200, "awake"), "{body}");
+    assert_eq!(
+        client.get_sandbox(&sb).await?.state,
+        corral_proto::SandboxState::Ready
+    );
+
+    // A restart of the worker: the exposures and their tokens hold.
+    worker.kill9();
+    let worker = WorkerProcess::spawn(state.path(), &wid, port, &[("CORRAL_LOG", "warn")], &args)?;
+    let client = worker.client().await?;
+    let listed = client.list_exposures(&sb).await?;
+    let ports: Vec<(u32, bool)> = listed.iter().map(|e| (e.port, e.wake_on_request)).collect();
+    assert_eq!(ports, vec![(8000, true), (8001, false)]);
+    let mut answered = (0, String::new());
+    for _ in 0..300 {
+        answered = get(&listen, &path, Some(&e.token)).await?;
+        if answered.0 == 200 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(
+        (answered.0, answered.1.trim()),
+        (200, "awake"),
+        "{answered:?}"
+    );
+    // A revocation is kept too.
+    assert!(client.revoke_access(&sb, 8000).await?);
+    let (status, body) = get(&listen, &path, Some(&e.token)).await?;
+    assert_eq!((status, reason(&body).as_str()), (401, "revoked"));
+    client.destroy_sandbox(&sb).await?;
+    assert!(
+        !state
+            .path()
+            .join("ports")
+            .join(format!("{sb}.json"))
+            .exists(),
+        "a removed sandbox's exposures were kept"
+    );
+    Ok(())
+}
