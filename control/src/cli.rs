@@ -557,13 +557,13 @@ pub struct ServeArgs {
     /// key of this front door admits reaches its tenant's sandboxes, others
     /// go to the workers as they came (signed URLs, public ports). The URLs
     /// of exposed ports then name it.
-    #[arg(long, env = "CORRAL_PORTS_LISTEN", value_name = "ADDR")]
+    #[arg(long, env = "CORRAL_SERVE_PORTS_LISTEN", value_name = "ADDR")]
     pub ports_listen: Option<std::net::SocketAddr>,
     /// The URL clients reach that listener at (behind a load balancer or
     /// TLS, say); default: http:// and the address it listens on.
     #[arg(
         long,
-        env = "CORRAL_PORTS_URL",
+        env = "CORRAL_SERVE_PORTS_URL",
         value_name = "URL",
         requires = "ports_listen"
     )]

@@ -52,6 +52,9 @@ pub struct FrontDoor {
     /// Images built through this replica, and the worker that has each: a
     /// sandbox of one is made there (no other worker has it).
     built: Arc<Mutex<HashMap<String, String>>>,
+    /// Its own port listener's URL (`--ports-listen`), which the URLs of
+    /// exposed ports name instead of the workers'.
+    ports_url: Option<String>,
 }
 
 /// A tenant's creates through this replica: one quota check at a time, the
@@ -275,6 +278,32 @@ impl From<corral_harness::fleet::FleetError> for Placing {
     }
 }
 
+/// A worker's port listener URL as the front door reaches it: one that
+/// names an address of every interface (`0.0.0.0`, `[::]`) takes the host
+/// the front door reaches the worker's API at.
+fn reachable(ports_url: &str, worker_url: &str) -> String {
+    let host_of = |u: &str| {
+        let rest = u.split_once("://").map_or(u, |(_, r)| r);
+        let authority = rest.split('/').next().unwrap_or_default();
+        match authority.rsplit_once(':') {
+            Some((h, p)) if p.bytes().all(|b| b.is_ascii_digit()) => {
+                (h.to_string(), Some(p.to_string()))
+            }
+            _ => (authority.to_string(), None),
+        }
+    };
+    let (host, port) = host_of(ports_url);
+    if !matches!(host.as_str(), "0.0.0.0" | "[::]") {
+        return ports_url.trim_end_matches('/').to_string();
+    }
+    let (worker_host, _) = host_of(worker_url);
+    let scheme = ports_url.split_once("://").map_or("http", |(s, _)| s);
+    match port {
+        Some(p) => format!("{scheme}://{worker_host}:{p}"),
+        None => format!("{scheme}://{worker_host}"),
+    }
+}
+
 /// The tenant a caller acts for: None for an admin (every tenant's).
 pub(super) fn tenant_of(who: &Principal) -> Option<&str> {
     (!who.allows(Scope::Admin)).then_some(who.tenant.as_str())
@@ -295,7 +324,60 @@ impl FrontDoor {
             uses: Mutex::new(HashMap::new()),
             peers,
             built: Arc::new(Mutex::new(HashMap::new())),
+            ports_url: None,
         }
+    }
+
+    /// Exposed ports are reached through this front door's port listener
+    /// at `url` (see [`super::ports`]).
+    pub fn with_ports_url(mut self, url: String) -> Self {
+        self.ports_url = Some(url.trim_end_matches('/').to_string());
+        self
+    }
+
+    /// An exposure as the front door's clients reach it: through its own
+    /// port listener, when it has one.
+    fn through_front(&self, mut e: pb::PortExposure) -> pb::PortExposure {
+        if let Some(base) = &self.ports_url {
+            e.url = format!("{base}/p/{}/{}/", e.sandbox_id, e.port);
+        }
+        e
+    }
+
+    /// Where requests to sandbox `id`'s exposed ports go: its worker's port
+    /// listener. `who`: the caller a key (or the service's token) named,
+    /// whose sandbox it must be (another's is `NOT_FOUND`, as for every
+    /// call); `None`: a caller with no key of this front door's (the
+    /// worker then checks a signed token, or the port is public).
+    pub(super) async fn ports_of(
+        &self,
+        who: Option<&Principal>,
+        id: &SandboxId,
+    ) -> Result<String, Status> {
+        let info = self
+            .on_sandbox(id, |mut c| {
+                let get = pb::GetSandboxRequest { id: id.to_string() };
+                let get = match who {
+                    Some(w) => FrontDoor::outgoing(w, get),
+                    None => Request::new(get),
+                };
+                async move {
+                    c.get_sandbox(get).await?;
+                    c.get_worker_info(pb::GetWorkerInfoRequest {}).await
+                }
+            })
+            .await?;
+        if info.ports_url.is_empty() {
+            return Err(status(
+                Code::FailedPrecondition,
+                Reason::NotApplicable,
+                format!(
+                    "the worker of sandbox {id} has no port listener (corral-worker --ports-listen)"
+                ),
+            ));
+        }
+        let worker = self.routes().get(id).cloned().unwrap_or_default();
+        Ok(reachable(&info.ports_url, &worker))
     }
 
     /// The replicas, when there are several.
@@ -1371,7 +1453,7 @@ impl pb::worker_server::Worker for FrontDoor {
         &self,
         req: Request<pb::ExposePortRequest>,
     ) -> Result<Response<pb::PortExposure>, Status> {
-        on_sandbox!(
+        let r: Result<Response<pb::PortExposure>, Status> = on_sandbox!(
             self,
             req,
             Scope::Run,
@@ -1379,7 +1461,8 @@ impl pb::worker_server::Worker for FrontDoor {
             true,
             sandbox_id,
             expose_port
-        )
+        );
+        r.map(|e| Response::new(self.through_front(e.into_inner())))
     }
 
     async fn revoke_access(
@@ -1401,7 +1484,7 @@ impl pb::worker_server::Worker for FrontDoor {
         &self,
         req: Request<pb::ListExposuresRequest>,
     ) -> Result<Response<pb::ListExposuresResponse>, Status> {
-        on_sandbox!(
+        let r: Result<Response<pb::ListExposuresResponse>, Status> = on_sandbox!(
             self,
             req,
             Scope::Read,
@@ -1409,7 +1492,16 @@ impl pb::worker_server::Worker for FrontDoor {
             false,
             sandbox_id,
             list_exposures
-        )
+        );
+        r.map(|l| {
+            let mut l = l.into_inner();
+            l.exposures = l
+                .exposures
+                .into_iter()
+                .map(|e| self.through_front(e))
+                .collect();
+            Response::new(l)
+        })
     }
 
     async fn restore_sandbox(

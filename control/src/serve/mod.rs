@@ -13,6 +13,7 @@
 pub mod admin;
 pub mod front;
 pub mod peers;
+pub mod ports;
 pub mod service;
 
 use std::io::Write;
@@ -238,13 +239,40 @@ pub async fn serve(conn: &ConnArgs, args: &ServeArgs) -> Result<(), ServeError> 
         }
         None => (None, None),
     };
+    // The way in through the front door: its own port listener.
+    let ports_listener = match args.ports_listen {
+        Some(addr) => Some(
+            tokio::net::TcpListener::bind(addr)
+                .await
+                .map_err(|source| ServeError::Bind { addr, source })?,
+        ),
+        None => None,
+    };
+    let mut front = front::FrontDoor::new(fleet.clone(), audit.clone(), keys.clone(), peers);
+    if let Some(l) = &ports_listener {
+        let url = match &args.ports_url {
+            Some(u) => u.clone(),
+            None => format!(
+                "http://{}",
+                l.local_addr().map_err(|source| ServeError::Bind {
+                    addr: args.ports_listen.unwrap_or(args.listen),
+                    source,
+                })?
+            ),
+        };
+        front = front.with_ports_url(url);
+    }
     // The sandbox API's quotas hold for the sandboxes sessions make too.
-    let front = std::sync::Arc::new(front::FrontDoor::new(
-        fleet.clone(),
-        audit.clone(),
-        keys.clone(),
-        peers,
-    ));
+    let front = std::sync::Arc::new(front);
+    let ports_task = ports_listener.map(|listener| {
+        let worker_token = fleet.credentials(&[]).ok().and_then(|c| c.token);
+        let proxy = std::sync::Arc::new(ports::PortsProxy::new(
+            front.clone(),
+            gate.clone(),
+            worker_token,
+        ));
+        tokio::spawn(ports::serve(proxy, listener, keys_stop.clone()))
+    });
     let control = ControlServer::new(service::ControlService::new(
         host.clone(),
         audit.clone(),
@@ -345,6 +373,9 @@ pub async fn serve(conn: &ConnArgs, args: &ServeArgs) -> Result<(), ServeError> 
     accept.abort();
     stopped.cancel();
     keys_stop.cancel();
+    if let Some(task) = ports_task {
+        let _ = task.await;
+    }
     if let Some(task) = keys_task {
         let _ = task.await;
     }

@@ -579,3 +579,237 @@ async fn a_request_wakes_a_checkpointed_sandbox_and_exposures_outlive_a_restart(
     );
     Ok(())
 }
+
+/// A server of the sandbox's for the front door's test: GET answers the
+/// headers it got as JSON; a request with Upgrade is switched, then
+/// echoed.
+const HEADERS: &str = r#"
+import http.server, json, sys
+class H(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    def log_message(self, *a): pass
+    def do_GET(self):
+        if self.headers.get("Upgrade"):
+            self.send_response(101)
+            self.send_header("Upgrade", self.headers["Upgrade"])
+            self.send_header("Connection", "Upgrade")
+            self.end_headers()
+            self.wfile.flush()
+            c = self.connection
+            while True:
+                b = c.recv(65536)
+                if not b:
+                    break
+                c.sendall(b)
+            self.close_connection = True
+            return
+        body = json.dumps({k.lower(): v for k, v in self.headers.items()}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+http.server.ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"#;
+
+/// A key of a tenants' directory (`corral admin key create --json`).
+fn new_key(dir: &std::path::Path, tenant: &str, scope: &str) -> Result<String> {
+    let out = Command::new(binary("corral")?)
+        .arg("admin")
+        .arg("--tenants")
+        .arg(dir)
+        .args([
+            "key", "create", "--tenant", tenant, "--scope", scope, "--json",
+        ])
+        .output()?;
+    if !out.status.success() {
+        bail!("key create: {out:?}");
+    }
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+    Ok(v["key"].as_str().context("no key")?.to_string())
+}
+
+/// Kills the child when dropped.
+struct Killed(Child);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[tokio::test]
+async fn through_the_front_door_a_key_reaches_its_own_tenants_ports_alone() -> Result<()> {
+    let state = tempfile::tempdir()?;
+    let worker_ports = format!("127.0.0.1:{}", free_port()?);
+    let worker = WorkerProcess::spawn(
+        state.path(),
+        &unique_id("fdp"),
+        free_port()?,
+        &[("CORRAL_LOG", "warn")],
+        &["--ports-listen", &worker_ports, "--allow-image", IMAGE],
+    )?;
+    let tenants = tempfile::tempdir()?;
+    let acme = new_key(tenants.path(), "acme", "run")?;
+    let bolt = new_key(tenants.path(), "bolt", "run")?;
+    let auditor = new_key(tenants.path(), "acme", "read")?;
+    let serve_dir = tempfile::tempdir()?;
+    let front = format!("127.0.0.1:{}", free_port()?);
+    let ports = format!("127.0.0.1:{}", free_port()?);
+    let mut cmd = Command::new(binary("corral")?);
+    cmd.env_clear()
+        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+        .env("HOME", serve_dir.path())
+        .env("CORRAL_LOG", "warn")
+        .args(["--worker", &worker.url, "--token-file"])
+        .arg(worker.token_file())
+        .args(["serve", "--listen", &front, "--ports-listen", &ports])
+        .arg("--serve-state-dir")
+        .arg(serve_dir.path().join("state"))
+        .arg("--sessions-dir")
+        .arg(serve_dir.path().join("sessions"))
+        .arg("--tenants")
+        .arg(tenants.path())
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit());
+    let _serve = Killed(corral_e2e::spawn_listening(&mut cmd, "corral serve")?);
+    let front_url = format!("http://{front}");
+    let as_acme = WorkerClient::connect(&front_url, Some(&acme)).await?;
+    let sb = as_acme
+        .create_sandbox(
+            None,
+            SandboxSpec {
+                image: Some(IMAGE.into()),
+                ..SandboxSpec::default()
+            },
+        )
+        .await?
+        .id;
+    run_shell(
+        &as_acme,
+        &sb,
+        &format!("cat > /tmp/server.py <<'EOF'\n{HEADERS}\nEOF"),
+    )
+    .await?;
+    as_acme
+        .submit(
+            &sb,
+            &OperationId::random(),
+            OperationSpec::Shell(ShellSpec::new("exec python3 /tmp/server.py 8000")),
+        )
+        .await?;
+    // Private: the URL is the front door's.
+    let e = as_acme
+        .expose_port(&sb, 8000, PortAccess::Private, None)
+        .await?;
+    assert_eq!(e.url, format!("http://{ports}/p/{sb}/8000/"));
+    let path = format!("/p/{sb}/8000/x");
+    let mut answered = (0, String::new());
+    for _ in 0..600 {
+        answered = get(&ports, &path, Some(&acme)).await?;
+        if answered.0 == 200 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(answered.0, 200, "{answered:?}");
+    // The server saw no key of the front door's, nor the workers' token.
+    let seen: serde_json::Value = serde_json::from_str(&answered.1)?;
+    assert!(seen.get("authorization").is_none(), "{seen}");
+    assert!(!answered.1.contains("corral_"), "{seen}");
+    // Another tenant's key: as a port not exposed; an auditor's: never
+    // into a sandbox; none, a forged key: refused.
+    let (status, body) = get(&ports, &path, Some(&bolt)).await?;
+    assert_eq!((status, reason(&body).as_str()), (404, "not_exposed"));
+    let (status, body) = get(&ports, &path, Some(&auditor)).await?;
+    assert_eq!((status, reason(&body).as_str()), (403, "permission_denied"));
+    let (status, body) = get(&ports, &path, None).await?;
+    assert_eq!((status, reason(&body).as_str()), (401, "unauthenticated"));
+    let forged = format!("corral_{}_{}", "0".repeat(16), "1".repeat(64));
+    let (status, body) = get(&ports, &path, Some(&forged)).await?;
+    assert_eq!((status, reason(&body).as_str()), (401, "unauthenticated"));
+    assert!(!body.contains(&forged), "{body}");
+    let (status, body) = get(&ports, "/p/no-such-sandbox/8000/", Some(&acme)).await?;
+    assert_eq!((status, reason(&body).as_str()), (404, "not_exposed"));
+    // An upgrade through both listeners, carried both ways.
+    let mut s = tokio::net::TcpStream::connect(&ports).await?;
+    s.write_all(
+        format!(
+            "GET {path} HTTP/1.1\r\nHost: {ports}\r\nAuthorization: Bearer {acme}\r\nConnection: Upgrade\r\nUpgrade: echo\r\n\r\n"
+        )
+        .as_bytes(),
+    )
+    .await?;
+    let mut head = Vec::new();
+    let mut b = [0u8; 1];
+    while !head.ends_with(b"\r\n\r\n") {
+        if s.read(&mut b).await? == 0 {
+            bail!("closed before the head: {}", String::from_utf8_lossy(&head));
+        }
+        head.push(b[0]);
+    }
+    assert!(
+        head.starts_with(b"HTTP/1.1 101"),
+        "{}",
+        String::from_utf8_lossy(&head)
+    );
+    s.write_all(b"through both").await?;
+    let mut back = [0u8; 12];
+    s.read_exact(&mut back).await?;
+    assert_eq!(&back, b"through both");
+    drop(s);
+    // A tunnel of `corral port forward`, the tenant's key in the
+    // environment, through the front door alone.
+    let log = state.path().join("forward.err");
+    let mut fwd = Command::new(binary("corral")?)
+        .args([
+            "port",
+            "forward",
+            sb.as_str(),
+            "8000",
+            "--local",
+            "127.0.0.1:0",
+        ])
+        .env("CORRAL_URL", &front_url)
+        .env("CORRAL_API_KEY", &acme)
+        .env_remove("CORRAL_WORKER")
+        .env_remove("CORRAL_TOKEN_FILE")
+        .stdout(Stdio::piped())
+        .stderr(std::fs::File::create(&log)?)
+        .spawn()?;
+    let mut line = String::new();
+    std::io::BufReader::new(fwd.stdout.take().context("no stdout")?).read_line(&mut line)?;
+    let addr = line
+        .strip_prefix("listening on ")
+        .and_then(|r| r.split_whitespace().next())
+        .with_context(|| {
+            format!(
+                "{line:?}: {}",
+                std::fs::read_to_string(&log).unwrap_or_default()
+            )
+        })?
+        .to_string();
+    let mut s = tokio::net::TcpStream::connect(&addr).await?;
+    s.write_all(b"GET /tunnelled HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        .await?;
+    let mut all = Vec::new();
+    tokio::time::timeout(Duration::from_secs(30), s.read_to_end(&mut all)).await??;
+    let text = String::from_utf8_lossy(&all);
+    assert!(
+        text.starts_with("HTTP/1.1 200") || text.starts_with("HTTP/1.0 200"),
+        "{text}; {}",
+        std::fs::read_to_string(&log).unwrap_or_default()
+    );
+    assert!(!text.contains("corral_"), "{text}");
+    assert_eq!(stop(&mut fwd)?, Some(0));
+    // Signed: the token alone, no key, through the front door.
+    let signed = as_acme
+        .expose_port(&sb, 8000, PortAccess::Signed, None)
+        .await?;
+    let (status, _) = get(&ports, &path, Some(&signed.token)).await?;
+    assert_eq!(status, 200);
+    as_acme.destroy_sandbox(&sb).await?;
+    Ok(())
+}
