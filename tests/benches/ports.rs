@@ -10,7 +10,9 @@
 //!   the listener adds to a request;
 //! - the same, a new connection each time (`Connection: close`): what a
 //!   dial into the sandbox adds;
-//! - a 200 MB download (curl's `speed_download`), five runs each,
+//! - 10,000 1 KiB GETs, 50 at once on keep-alive connections (curl
+//!   `--parallel`, against an HTTP/1.1 server): requests a second;
+//! - a 1 GiB download (curl's `speed_download`), five runs each,
 //!   interleaved.
 //!
 //! Run: `cargo bench -p corral-e2e --bench ports` after `deploy/build.sh`.
@@ -27,7 +29,10 @@ use corral_proto::pb::PortAccess;
 use corral_proto::{OperationId, OperationSpec, SandboxId, SandboxSpec, ShellSpec};
 
 const REQUESTS: usize = 200;
-const BYTES: u64 = 200_000_000;
+const BYTES: u64 = 1 << 30;
+/// Requests of the concurrent run, and how many at once.
+const MANY: usize = 10_000;
+const AT_ONCE: usize = 50;
 const RUNS: usize = 5;
 
 fn pct(mut v: Vec<f64>, p: usize) -> f64 {
@@ -114,10 +119,25 @@ async fn main() -> Result<()> {
             )),
         )
         .await?;
+    // The same server speaking HTTP/1.1 (keep-alive), for the concurrent
+    // run.
+    client
+        .submit(
+            &sb,
+            &OperationId::random(),
+            OperationSpec::Shell(ShellSpec::new(
+                "cd /workspace && exec python3 -c 'import http.server as h; h.SimpleHTTPRequestHandler.protocol_version = \"HTTP/1.1\"; h.SimpleHTTPRequestHandler.log_message = lambda *a: None; h.ThreadingHTTPServer((\"127.0.0.1\", 8001), h.SimpleHTTPRequestHandler).serve_forever()'",
+            )),
+        )
+        .await?;
     let e = client
         .expose_port(&sb, 8000, PortAccess::Private, None)
         .await?;
+    let e11 = client
+        .expose_port(&sb, 8001, PortAccess::Private, None)
+        .await?;
     let through = e.url.trim_end_matches('/').to_string();
+    let through11 = e11.url.trim_end_matches('/').to_string();
     let direct = "http://127.0.0.1:8000".to_string();
     let auth = vec![format!("Authorization: Bearer {token}")];
     let close = |mut h: Vec<String>| {
@@ -169,6 +189,62 @@ async fn main() -> Result<()> {
             &close(auth.clone()),
         ))?)?);
     }
+    // 50 at once, keep-alive: requests a second (the wall time of the
+    // whole curl run, taken by the shell that runs it, on either side).
+    let timed = |args: &[String]| {
+        format!(
+            "s=$(date +%s%N); curl {} > /dev/null; e=$(date +%s%N); echo $(( (e - s) / 1000 ))",
+            quote(args)
+        )
+    };
+    let parallel = |headers: &[String], config: &str| {
+        let mut a = vec![
+            "-s".to_string(),
+            "-f".into(),
+            "--parallel".into(),
+            "--parallel-immediate".into(),
+            "--parallel-max".into(),
+            AT_ONCE.to_string(),
+        ];
+        for h in headers {
+            a.push("-H".into());
+            a.push(h.clone());
+        }
+        a.push("--config".into());
+        a.push(config.to_string());
+        a
+    };
+    let url_list = |base: &str| -> String {
+        (0..MANY)
+            .map(|_| format!("url = \"{base}/small\"\noutput = \"/dev/null\"\n"))
+            .collect()
+    };
+    run_shell(
+        &client,
+        &sb,
+        &format!(
+            "cat > /tmp/urls <<'EOF'\n{}EOF",
+            url_list("http://127.0.0.1:8001")
+        ),
+    )
+    .await?;
+    let host_urls = state.path().join("urls");
+    std::fs::write(&host_urls, url_list(&through11))?;
+    let host_urls = host_urls.display().to_string();
+    let (mut d_rps, mut t_rps) = (vec![], vec![]);
+    for _ in 0..3 {
+        let us: f64 = run_shell(&client, &sb, &timed(&parallel(&[], "/tmp/urls")))
+            .await?
+            .trim()
+            .parse()?;
+        d_rps.push(MANY as f64 / (us / 1e6));
+        let out = Command::new("sh")
+            .arg("-c")
+            .arg(timed(&parallel(&auth, &host_urls)))
+            .output()?;
+        let us: f64 = String::from_utf8(out.stdout)?.trim().parse()?;
+        t_rps.push(MANY as f64 / (us / 1e6));
+    }
     let (mut d_big, mut t_big) = (vec![], vec![]);
     for _ in 0..RUNS {
         d_big.extend(figures(
@@ -206,12 +282,19 @@ async fn main() -> Result<()> {
             ms(t - d)
         );
     }
+    println!();
+    println!(
+        "| {MANY} 1 KiB GETs, {AT_ONCE} at once, keep-alive (median of 3) | inside the sandbox | through the listener | ratio |"
+    );
+    println!("|---|---|---|---|");
+    let (d, t) = (pct(d_rps, 50), pct(t_rps, 50));
+    println!("| curl --parallel | {d:.0}/s | {t:.0}/s | {:.2}x |", t / d);
     let mib = |v: f64| v / (1 << 20) as f64;
     let (d, t) = (pct(d_big, 50), pct(t_big, 50));
     println!();
     println!(
-        "| {} MB download, median of {RUNS} | inside the sandbox | through the listener | ratio |",
-        BYTES / 1_000_000
+        "| {} GiB download, median of {RUNS} | inside the sandbox | through the listener | ratio |",
+        BYTES >> 30
     );
     println!("|---|---|---|---|");
     println!(

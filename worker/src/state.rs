@@ -236,8 +236,12 @@ pub fn ports_path(root: &Path, id: &SandboxId) -> PathBuf {
 /// Writes `data` to `path` whole or not at all (a file beside it renamed
 /// over it), on disk when this returns.
 pub fn write_synced(path: &Path, data: &[u8]) -> std::io::Result<()> {
-    let tmp = path.with_extension("tmp");
-    {
+    // A name of its own per write: two writers of one file never share
+    // (nor remove) each other's.
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let tmp = path.with_extension(format!("{}.{n}.tmp", std::process::id()));
+    let written = (|| {
         let mut f = private_file()
             .write(true)
             .create(true)
@@ -245,8 +249,12 @@ pub fn write_synced(path: &Path, data: &[u8]) -> std::io::Result<()> {
             .open(&tmp)?;
         f.write_all(data)?;
         f.sync_all()?;
+        fs::rename(&tmp, path)
+    })();
+    if let Err(e) = written {
+        let _ = fs::remove_file(&tmp);
+        return Err(e);
     }
-    fs::rename(&tmp, path)?;
     if let Some(dir) = path.parent() {
         File::open(dir)?.sync_all()?;
     }

@@ -218,7 +218,16 @@ async fn forward(
             true,
         ),
     };
-    let listener = listener_of(&exposure.url)?;
+    // A URL by Host ({port}-{id}.{domain}) names the listener by a
+    // wildcard DNS name; the worker says its listener's own address too.
+    let listener = if exposure.url.contains("/p/") {
+        listener_of(&exposure.url)?
+    } else {
+        match c.worker_info().await.ok().and_then(|i| i.ports_url) {
+            Some(base) => listener_of(&crate::serve::front::reachable(&base, c.url()))?,
+            None => listener_of(&exposure.url)?,
+        }
+    };
     let bearer = match exposure.access() {
         PortAccess::Public => None,
         PortAccess::Signed if made => Some(exposure.token.clone()),

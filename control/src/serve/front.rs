@@ -281,7 +281,7 @@ impl From<corral_harness::fleet::FleetError> for Placing {
 /// A worker's port listener URL as the front door reaches it: one that
 /// names an address of every interface (`0.0.0.0`, `[::]`) takes the host
 /// the front door reaches the worker's API at.
-fn reachable(ports_url: &str, worker_url: &str) -> String {
+pub(crate) fn reachable(ports_url: &str, worker_url: &str) -> String {
     let host_of = |u: &str| {
         let rest = u.split_once("://").map_or(u, |(_, r)| r);
         let authority = rest.split('/').next().unwrap_or_default();
@@ -1672,6 +1672,22 @@ mod tests {
             key_id: "k".into(),
             scopes: [Scope::Run].into(),
         }
+    }
+
+    #[test]
+    fn a_workers_listener_on_every_interface_is_reached_at_the_workers_host() {
+        assert_eq!(
+            reachable("http://0.0.0.0:7080", "https://10.1.2.3:7070"),
+            "http://10.1.2.3:7080"
+        );
+        assert_eq!(
+            reachable("http://[::]:7080", "http://w1.example:7070"),
+            "http://w1.example:7080"
+        );
+        assert_eq!(
+            reachable("http://10.9.9.9:7080/", "http://10.1.2.3:7070"),
+            "http://10.9.9.9:7080"
+        );
     }
 
     #[test]

@@ -170,10 +170,37 @@ fn target(req: &Request<Incoming>) -> Option<(SandboxId, u16)> {
 
 fn bearer_of(v: &HeaderValue) -> Option<String> {
     let v = v.to_str().ok()?.trim();
-    let (scheme, rest) = v.split_once(' ')?;
+    let (scheme, rest) = v.split_once(|c: char| c.is_ascii_whitespace())?;
     scheme
         .eq_ignore_ascii_case("bearer")
         .then(|| rest.trim().to_string())
+}
+
+/// The sandbox and port a request's Host names, when its first label has
+/// the shape a worker's wildcard domain routes by (`{port}-{sandbox}`).
+fn host_names(req: &Request<Incoming>) -> Option<(SandboxId, u16)> {
+    let host = req
+        .headers()
+        .get(header::HOST)
+        .and_then(|h| h.to_str().ok())?
+        .to_ascii_lowercase();
+    let label = host.split(['.', ':']).next()?;
+    let (port, id) = label.split_once('-')?;
+    let port: u16 = port.parse().ok().filter(|p| *p > 0)?;
+    Some((SandboxId::new(id.to_string()).ok()?, port))
+}
+
+/// Where a key-shaped value is in the request besides the bearers taken
+/// out already: its URL or one of its headers.
+fn key_elsewhere(req: &Request<Incoming>) -> Option<String> {
+    let has_key = |t: &str| corral_harness::tenants::redact(t) != t;
+    if has_key(&req.uri().to_string()) {
+        return Some("URL".into());
+    }
+    req.headers()
+        .iter()
+        .find(|(_, v)| has_key(&String::from_utf8_lossy(v.as_bytes())))
+        .map(|(k, _)| format!("{k} header"))
 }
 
 /// Takes the front door's credentials out of `headers`: the caller the
@@ -181,7 +208,7 @@ fn bearer_of(v: &HeaderValue) -> Option<String> {
 fn take_ours(
     proxy: &PortsProxy,
     headers: &mut http::HeaderMap,
-) -> Result<Option<Principal>, tonic::Status> {
+) -> Result<Option<(Principal, String)>, tonic::Status> {
     let mut who = None;
     for name in [header::AUTHORIZATION, header::PROXY_AUTHORIZATION] {
         let all: Vec<HeaderValue> = headers.get_all(&name).iter().cloned().collect();
@@ -191,9 +218,10 @@ fn take_ours(
         let mut kept = Vec::new();
         let mut refused = None;
         for v in all {
-            match bearer_of(&v).and_then(|b| proxy.principal_of(&b)) {
+            let bearer = bearer_of(&v);
+            match bearer.as_deref().and_then(|b| proxy.principal_of(b)) {
                 Some(Ok(p)) => {
-                    who.get_or_insert(p);
+                    who.get_or_insert((p, bearer.unwrap_or_default()));
                 }
                 Some(Err(e)) => {
                     refused.get_or_insert(e);
@@ -215,19 +243,31 @@ fn take_ours(
 }
 
 async fn handle(
-    proxy: &PortsProxy,
+    proxy: &Arc<PortsProxy>,
     mut req: Request<Incoming>,
     upstream: &tokio::sync::Mutex<Option<(String, Sender)>>,
 ) -> Response<Body> {
-    let Some((id, _port)) = target(&req) else {
+    let Some((id, port)) = target(&req) else {
         return refuse(
             404,
             "bad_route",
             "the URL names no sandbox and port: /p/{sandbox}/{port}/...",
         );
     };
-    let who = match take_ours(proxy, req.headers_mut()) {
-        Ok(who) => who,
+    // A worker with a wildcard domain routes by Host before the path: a
+    // Host naming another sandbox would reach it past the check below.
+    if let Some(named) = host_names(&req)
+        && named != (id.clone(), port)
+    {
+        return refuse(
+            400,
+            "bad_route",
+            "the Host names another sandbox's port than the path: reach a sandbox by path here",
+        );
+    }
+    let (who, key) = match take_ours(proxy, req.headers_mut()) {
+        Ok(Some((who, key))) => (Some(who), Some(key)),
+        Ok(None) => (None, None),
         Err(e) => {
             return refuse(
                 401,
@@ -236,6 +276,17 @@ async fn handle(
             );
         }
     };
+    // A key anywhere else (a query, a cookie, another header) would go on
+    // to the worker and the sandbox's server: refused, and said where.
+    if let Some(place) = key_elsewhere(&req) {
+        return refuse(
+            400,
+            "misplaced_key",
+            &format!(
+                "a key of this front door in the request's {place}: present it only as Authorization: Bearer (or Proxy-Authorization for CONNECT)"
+            ),
+        );
+    }
     if let Some(w) = &who
         && !w.allows(Scope::Run)
     {
@@ -276,7 +327,35 @@ async fn handle(
         };
         req.headers_mut().append(name, v);
     }
-    forward(&base, req, upstream).await
+    // A connection the caller's key let in ends when the key no longer
+    // holds (revoked, expired).
+    let held = key.map(|key| Held {
+        proxy: proxy.clone(),
+        key,
+    });
+    forward(&base, req, upstream, held).await
+}
+
+/// The key an upgraded connection or tunnel was let in by.
+struct Held {
+    proxy: Arc<PortsProxy>,
+    key: String,
+}
+
+/// How often an open connection's key is checked again.
+const RECHECK: Duration = Duration::from_secs(1);
+
+impl Held {
+    /// Resolves when the key no longer holds.
+    async fn lapsed(&self) {
+        let mut every = tokio::time::interval(RECHECK);
+        loop {
+            every.tick().await;
+            if !matches!(self.proxy.principal_of(&self.key), Some(Ok(_))) {
+                return;
+            }
+        }
+    }
 }
 
 /// `host:port` of a worker's listener URL (plain http only).
@@ -302,6 +381,7 @@ async fn forward(
     base: &str,
     mut req: Request<Incoming>,
     upstream: &tokio::sync::Mutex<Option<(String, Sender)>>,
+    held: Option<Held>,
 ) -> Response<Body> {
     let Some(addr) = address_of(base) else {
         return refuse(
@@ -393,9 +473,19 @@ async fn forward(
             let (Ok(client), Ok(server)) = (client_side.await, server_side.await) else {
                 return;
             };
-            let _ =
-                tokio::io::copy_bidirectional(&mut TokioIo::new(client), &mut TokioIo::new(server))
-                    .await;
+            let (mut client, mut server) = (TokioIo::new(client), TokioIo::new(server));
+            let carried = tokio::io::copy_bidirectional(&mut client, &mut server);
+            match held {
+                Some(held) => {
+                    tokio::select! {
+                        _ = carried => {}
+                        () = held.lapsed() => debug!("a key no longer holds: its connection is cut"),
+                    }
+                }
+                None => {
+                    let _ = carried.await;
+                }
+            }
         });
     }
     resp.map(|b| b.boxed())

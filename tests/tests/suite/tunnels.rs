@@ -463,8 +463,9 @@ async fn a_request_wakes_a_checkpointed_sandbox_and_exposures_outlive_a_restart(
         "--allow-runtime",
         "runsc",
     ];
+    let public = [&args[..], &["--allow-public-ports"]].concat();
     let mut worker =
-        WorkerProcess::spawn(state.path(), &wid, port, &[("CORRAL_LOG", "warn")], &args)?;
+        WorkerProcess::spawn(state.path(), &wid, port, &[("CORRAL_LOG", "warn")], &public)?;
     let client = worker.client().await?;
     let sb = SandboxId::new(unique_id("sb"))?;
     client
@@ -505,6 +506,25 @@ async fn a_request_wakes_a_checkpointed_sandbox_and_exposures_outlive_a_restart(
     let other = client
         .expose_port(&sb, 8001, PortAccess::Signed, None)
         .await?;
+    client
+        .expose_port(&sb, 8002, PortAccess::Public, None)
+        .await?;
+    for p in 8010..8020 {
+        client
+            .expose_port(&sb, p, PortAccess::Private, None)
+            .await?;
+    }
+    // A time to live past any clock: refused, not born expired.
+    let e2 = client
+        .expose_port(
+            &sb,
+            8003,
+            PortAccess::Private,
+            Some(Duration::from_secs(u64::MAX / 1000)),
+        )
+        .await
+        .expect_err("an endless time to live was taken");
+    assert!(e2.to_string().contains("ttl"), "{e2}");
     let path = format!("/p/{sb}/8000/hello");
     let mut up = false;
     for _ in 0..600 {
@@ -520,9 +540,21 @@ async fn a_request_wakes_a_checkpointed_sandbox_and_exposures_outlive_a_restart(
     let asleep =
         |c: &corral_proto::SandboxInfo| c.state == corral_proto::SandboxState::Checkpointed;
     assert!(asleep(&client.get_sandbox(&sb).await?));
-    // Exposures of a checkpointed sandbox are still listed.
+    // Exposures of a checkpointed sandbox are still listed, and revoked
+    // (many at once, none lost).
     let listed = client.list_exposures(&sb).await?;
-    assert_eq!(listed.len(), 2, "{listed:?}");
+    assert_eq!(listed.len(), 13, "{listed:?}");
+    let revokes = (8010..8020).map(|p| client.revoke_access(&sb, p));
+    for r in futures_util::future::join_all(revokes).await {
+        assert!(r?, "a kept exposure was not found to revoke");
+    }
+    let left: Vec<u32> = client
+        .list_exposures(&sb)
+        .await?
+        .iter()
+        .map(|e| e.port)
+        .collect();
+    assert_eq!(left, vec![8000, 8001, 8002]);
     // A port that does not wake it, and a request with no credential or
     // a wrong one: refused, and the sandbox sleeps on.
     let (status, body) = get(&listen, &format!("/p/{sb}/8001/"), Some(&other.token)).await?;
@@ -535,22 +567,28 @@ async fn a_request_wakes_a_checkpointed_sandbox_and_exposures_outlive_a_restart(
         asleep(&client.get_sandbox(&sb).await?),
         "woken by a refused request"
     );
-    // Its credential: woken, and answered by its server, which was
-    // checkpointed with it.
-    let (status, body) = get(&listen, &path, Some(&e.token)).await?;
-    assert_eq!((status, body.trim()), (200, "awake"), "{body}");
+    // Its credential, by eight at once: woken once, and each answered by
+    // its server, which was checkpointed with it.
+    let wakes = (0..8).map(|_| get(&listen, &path, Some(&e.token)));
+    for r in futures_util::future::join_all(wakes).await {
+        let (status, body) = r?;
+        assert_eq!((status, body.trim()), (200, "awake"), "{body}");
+    }
     assert_eq!(
         client.get_sandbox(&sb).await?.state,
         corral_proto::SandboxState::Ready
     );
 
-    // A restart of the worker: the exposures and their tokens hold.
+    // A restart of the worker: the exposures and their tokens hold; a
+    // public one only while the operator still allows public ports.
     worker.kill9();
     let worker = WorkerProcess::spawn(state.path(), &wid, port, &[("CORRAL_LOG", "warn")], &args)?;
     let client = worker.client().await?;
     let listed = client.list_exposures(&sb).await?;
     let ports: Vec<(u32, bool)> = listed.iter().map(|e| (e.port, e.wake_on_request)).collect();
     assert_eq!(ports, vec![(8000, true), (8001, false)]);
+    let (status, body) = get(&listen, &format!("/p/{sb}/8002/hello"), None).await?;
+    assert_eq!((status, reason(&body).as_str()), (404, "not_exposed"));
     let mut answered = (0, String::new());
     for _ in 0..300 {
         answered = get(&listen, &path, Some(&e.token)).await?;
@@ -760,6 +798,66 @@ async fn through_the_front_door_a_key_reaches_its_own_tenants_ports_alone() -> R
     s.read_exact(&mut back).await?;
     assert_eq!(&back, b"through both");
     drop(s);
+    // A Host naming another sandbox (which a worker with a wildcard
+    // domain would route by), a key anywhere but the bearer: refused.
+    let mut s = tokio::net::TcpStream::connect(&ports).await?;
+    s.write_all(
+        format!(
+            "GET {path} HTTP/1.1\r\nHost: 8000-someone-else.ports.test\r\nAuthorization: Bearer {acme}\r\nConnection: close\r\n\r\n"
+        )
+        .as_bytes(),
+    )
+    .await?;
+    let mut all = Vec::new();
+    s.read_to_end(&mut all).await?;
+    let text = String::from_utf8_lossy(&all);
+    assert!(
+        text.starts_with("HTTP/1.1 400") && text.contains("bad_route"),
+        "{text}"
+    );
+    let (status, body) = get(&ports, &format!("{path}?token={acme}"), Some(&acme)).await?;
+    assert_eq!((status, reason(&body).as_str()), (400, "misplaced_key"));
+    // A key revoked: its open connections end too.
+    let brief = new_key(tenants.path(), "acme", "run")?;
+    // Taken once the front door has seen it (within a second or so).
+    for _ in 0..100 {
+        if get(&ports, &path, Some(&brief)).await?.0 == 200 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let mut held = tokio::net::TcpStream::connect(&ports).await?;
+    held.write_all(
+        format!(
+            "GET {path} HTTP/1.1\r\nHost: {ports}\r\nAuthorization: Bearer {brief}\r\nConnection: Upgrade\r\nUpgrade: echo\r\n\r\n"
+        )
+        .as_bytes(),
+    )
+    .await?;
+    let mut head = Vec::new();
+    while !head.ends_with(b"\r\n\r\n") {
+        if held.read(&mut b).await? == 0 {
+            bail!("closed before the head: {}", String::from_utf8_lossy(&head));
+        }
+        head.push(b[0]);
+    }
+    assert!(
+        head.starts_with(b"HTTP/1.1 101"),
+        "{}",
+        String::from_utf8_lossy(&head)
+    );
+    let id = brief.split('_').nth(1).context("a key's id")?.to_string();
+    let out = Command::new(binary("corral")?)
+        .arg("admin")
+        .arg("--tenants")
+        .arg(tenants.path())
+        .args(["key", "revoke", &id])
+        .output()?;
+    assert!(out.status.success(), "{out:?}");
+    let mut rest = Vec::new();
+    tokio::time::timeout(Duration::from_secs(10), held.read_to_end(&mut rest))
+        .await
+        .context("a revoked key's connection still carries")??;
     // A tunnel of `corral port forward`, the tenant's key in the
     // environment, through the front door alone.
     let log = state.path().join("forward.err");

@@ -361,6 +361,9 @@ struct UpstreamKey {
     sandbox: SandboxId,
     port: u16,
     nonce: String,
+    /// Admitted as the sandbox's owner (its connections count against
+    /// the owner's share).
+    owner: bool,
 }
 
 async fn handle(worker: &Worker, req: Request<Incoming>, upstream: &Upstream) -> Response<Body> {
@@ -471,6 +474,7 @@ async fn handle(worker: &Worker, req: Request<Incoming>, upstream: &Upstream) ->
         sandbox: route.sandbox.clone(),
         port: route.port,
         nonce: exposure.nonce.clone(),
+        owner: access == Access::Private,
     };
     forward(
         worker,
@@ -512,13 +516,17 @@ async fn tunnel(worker: &Worker, mut req: Request<Incoming>) -> Response<Body> {
         Ok(found) => found,
         Err(r) => return refuse(r),
     };
-    if let Err(r) = admit(worker, &route, exposure.as_ref(), &creds) {
-        return refuse(r);
-    }
+    let access = match admit(worker, &route, exposure.as_ref(), &creds) {
+        Ok((access, _)) => access,
+        Err(r) => return refuse(r),
+    };
     let Some(exposure) = exposure else {
         return refuse(Refusal::NotExposed);
     };
-    let server = match worker.dial_port(&sandbox, port).await {
+    let server = match worker
+        .dial_port(&sandbox, port, access == Access::Private)
+        .await
+    {
         Ok(s) => s,
         Err(r) => return refuse(r),
     };
@@ -643,6 +651,9 @@ fn strip_ours(headers: &mut HeaderMap) {
 /// token's form, and its cookies (the server's own stay).
 fn strip(headers: &mut HeaderMap, worker_token: Option<&str>) {
     strip_ours(headers);
+    // A proxy's credential is the proxy's (this listener's), never the
+    // server's: whatever it holds.
+    headers.remove(header::PROXY_AUTHORIZATION);
     let kept: Vec<HeaderValue> = headers
         .get_all(header::AUTHORIZATION)
         .iter()
@@ -702,7 +713,7 @@ async fn forward(
     let mut sender = match cached {
         Some(s) => s,
         None => {
-            let stream = match worker.dial_port(sandbox, key.port).await {
+            let stream = match worker.dial_port(sandbox, key.port, key.owner).await {
                 Ok(s) => s,
                 Err(r) => return refuse(r),
             };
@@ -832,6 +843,10 @@ mod tests {
         h.insert("X-Corral-Verified-User", HeaderValue::from_static("admin"));
         h.insert("x-forwarded-prefix", HeaderValue::from_static("/evil"));
         h.insert("x-forwarded-proto", HeaderValue::from_static("https"));
+        h.insert(
+            header::PROXY_AUTHORIZATION,
+            HeaderValue::from_static("Bearer the-workers-token"),
+        );
         h.append(
             header::COOKIE,
             HeaderValue::from_static("a=1; corral_port_token=tok; b=2"),
@@ -855,6 +870,7 @@ mod tests {
         assert_eq!(auth, vec!["Basic dXNlcg=="]);
         assert!(h.keys().all(|k| !k.as_str().starts_with(VERIFIED_PREFIX)));
         assert!(h.get("x-forwarded-prefix").is_none() && h.get("x-forwarded-proto").is_none());
+        assert!(h.get(header::PROXY_AUTHORIZATION).is_none());
         assert_eq!(h.get(header::COOKIE).unwrap(), "a=1; b=2");
         // A server's own token in a query stays; the listener's go.
         let q = format!("a=1&token={signed}&token=jupyters&token=the-workers-token&b=2");

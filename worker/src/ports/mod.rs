@@ -58,6 +58,10 @@ pub const MAX_EXPOSURES: usize = 32;
 /// Most connections open at once to one sandbox's ports (requests' and
 /// upgraded ones, and tunnels): as many as its relay carries under gVisor.
 pub const MAX_CONNECTIONS: usize = corral_init::ingress::MAX_CONNECTIONS;
+/// Of those, most that callers other than the sandbox's owner (signed and
+/// public access) hold: the rest stay the owner's, whoever floods a
+/// shared URL.
+pub const MAX_SHARED_CONNECTIONS: usize = MAX_CONNECTIONS * 3 / 4;
 
 /// One exposed port of a sandbox.
 #[derive(Debug, Clone)]
@@ -130,18 +134,40 @@ pub struct SandboxPorts {
     ingress: tokio::sync::OnceCell<Arc<ingress::Ingress>>,
     /// Connections open now (each [`Counted`] holds one).
     open: Arc<AtomicUsize>,
+    /// Those of them held by callers other than the owner.
+    shared: Arc<AtomicUsize>,
 }
 
 /// A connection to a sandbox's port that counts against its bound while
 /// it is open.
 pub struct Counted<S> {
     inner: S,
-    open: Arc<AtomicUsize>,
+    _place: Place,
 }
 
-impl<S> Drop for Counted<S> {
+/// The counts one connection is among (each given back when it goes).
+#[derive(Default)]
+pub struct Place(Vec<Arc<AtomicUsize>>);
+
+impl Drop for Place {
     fn drop(&mut self) {
-        self.open.fetch_sub(1, Ordering::AcqRel);
+        for n in &self.0 {
+            n.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
+}
+
+/// One more in `n`, if it is under `bound`.
+fn take_one(n: &Arc<AtomicUsize>, bound: usize) -> bool {
+    let mut now = n.load(Ordering::Acquire);
+    loop {
+        if now >= bound {
+            return false;
+        }
+        match n.compare_exchange(now, now + 1, Ordering::AcqRel, Ordering::Acquire) {
+            Ok(_) => return true,
+            Err(seen) => now = seen,
+        }
     }
 }
 
@@ -232,21 +258,22 @@ impl SandboxPorts {
     }
 
     /// A place for one more connection, if the sandbox is under its bound
-    /// (kept until the [`Counted`] made with it is dropped).
-    pub fn admit_connection(&self) -> Option<Slot> {
-        let mut now = self.open.load(Ordering::Acquire);
-        loop {
-            if now >= MAX_CONNECTIONS {
+    /// (and, for a caller other than its owner, under the share of it
+    /// others may hold), kept until the [`Counted`] made with it is
+    /// dropped.
+    pub fn admit_connection(&self, owner: bool) -> Option<Slot> {
+        let mut place = Place::default();
+        if !owner {
+            if !take_one(&self.shared, MAX_SHARED_CONNECTIONS) {
                 return None;
             }
-            match self
-                .open
-                .compare_exchange(now, now + 1, Ordering::AcqRel, Ordering::Acquire)
-            {
-                Ok(_) => return Some(Slot(Some(self.open.clone()))),
-                Err(seen) => now = seen,
-            }
+            place.0.push(self.shared.clone());
         }
+        if !take_one(&self.open, MAX_CONNECTIONS) {
+            return None;
+        }
+        place.0.push(self.open.clone());
+        Some(Slot(place))
     }
 
     /// Connections open now.
@@ -354,19 +381,13 @@ impl SandboxPorts {
 
 /// One connection's place under its sandbox's bound, until it is made
 /// (then its [`Counted`] keeps it).
-pub struct Slot(Option<Arc<AtomicUsize>>);
+pub struct Slot(Place);
 
 impl Slot {
-    pub fn hold<S>(mut self, inner: S) -> Counted<S> {
-        let open = self.0.take().unwrap_or_default();
-        Counted { inner, open }
-    }
-}
-
-impl Drop for Slot {
-    fn drop(&mut self) {
-        if let Some(open) = self.0.take() {
-            open.fetch_sub(1, Ordering::AcqRel);
+    pub fn hold<S>(self, inner: S) -> Counted<S> {
+        Counted {
+            inner,
+            _place: self.0,
         }
     }
 }
@@ -729,15 +750,24 @@ mod tests {
     #[test]
     fn the_bound_on_connections_is_held_until_each_one_closes() {
         let ports = SandboxPorts::default();
-        let mut held: Vec<_> = (0..MAX_CONNECTIONS)
-            .map(|_| ports.admit_connection().unwrap().hold(()))
+        // Others than the owner fill their share, and no more.
+        let mut held: Vec<_> = (0..MAX_SHARED_CONNECTIONS)
+            .map(|_| ports.admit_connection(false).unwrap().hold(()))
             .collect();
-        assert!(ports.admit_connection().is_none());
+        assert!(ports.admit_connection(false).is_none());
+        // The owner has the rest.
+        while held.len() < MAX_CONNECTIONS {
+            held.push(ports.admit_connection(true).unwrap().hold(()));
+        }
+        assert!(ports.admit_connection(true).is_none());
         held.pop();
         // A place taken and given back before it held anything.
-        drop(ports.admit_connection().unwrap());
+        drop(ports.admit_connection(true).unwrap());
         assert_eq!(ports.open_connections(), MAX_CONNECTIONS - 1);
-        assert!(ports.admit_connection().is_some());
+        assert!(ports.admit_connection(true).is_some());
+        // A shared one gone frees a place for either.
+        drop(held.remove(0));
+        assert!(ports.admit_connection(false).is_some());
     }
 
     #[test]

@@ -141,12 +141,16 @@ impl Worker {
                 warn!(sandbox = %id, error = %e, "could not clear a restored sandbox's checkpoint mark");
             }
         }
+        // It takes its kept exposures as it starts: not while one is
+        // being revoked.
+        let kept = self.inner.ports_files.lock().await;
         let sandbox = self.spawn_actor(
             id,
             info.spec.clone(),
             info.container_id.clone(),
             info.created_at_unix_ms,
         );
+        drop(kept);
         // Running again: whatever else fails, it is among the sandboxes.
         self.inner.table.commit_running(ticket, sandbox.clone());
         if let Err(e) = sandbox.wait_ready(READY_TIMEOUT).await {

@@ -237,6 +237,10 @@ struct Inner {
     ports_url: std::sync::OnceLock<String>,
     /// The token private ports take (set by the server; unset: none).
     ports_token: std::sync::OnceLock<Option<String>>,
+    /// Held while a checkpointed sandbox's kept exposures are changed,
+    /// and while a restored sandbox takes them: one change at a time, and
+    /// none lost to a restore.
+    ports_files: tokio::sync::Mutex<()>,
 }
 
 /// The tenant a sandbox was made for (see `TENANT_LABEL`).
@@ -399,6 +403,7 @@ impl Worker {
                 ports_settings: config.ports,
                 ports_url: std::sync::OnceLock::new(),
                 ports_token: std::sync::OnceLock::new(),
+                ports_files: tokio::sync::Mutex::new(()),
                 builder,
             }),
         };

@@ -11,17 +11,20 @@ use crate::ports::{Access, Exposure, Refusal};
 use crate::sandbox::Sandbox;
 
 /// A sandbox's exposed ports: its own, or (checkpointed) those its file
-/// keeps.
-enum PortsOf {
+/// keeps, with the lock on changing them.
+enum PortsOf<'a> {
     Running(Sandbox),
-    Kept(crate::ports::SandboxPorts),
+    Kept {
+        ports: crate::ports::SandboxPorts,
+        _held: tokio::sync::MutexGuard<'a, ()>,
+    },
 }
 
-impl PortsOf {
+impl PortsOf<'_> {
     fn ports(&self) -> &crate::ports::SandboxPorts {
         match self {
             PortsOf::Running(s) => s.ports(),
-            PortsOf::Kept(p) => p,
+            PortsOf::Kept { ports, .. } => ports,
         }
     }
 }
@@ -61,6 +64,9 @@ pub(crate) enum PortTarget {
     /// The sandbox is checkpointed, and the port's exposure wakes it.
     Asleep(Exposure),
 }
+
+/// The longest time to live an exposure of any access may ask for.
+const MAX_TTL: Duration = Duration::from_secs(10 * 365 * 86_400);
 
 /// How long a request that wakes its sandbox waits for it before it is
 /// told to come again (`sandbox_waking`; the restore goes on).
@@ -203,6 +209,15 @@ impl Worker {
                     ),
                 ));
             }
+            (_, Some(t)) if t > MAX_TTL => {
+                return Err(invalid(
+                    "ttl",
+                    format!(
+                        "an exposure lives at most {} days",
+                        MAX_TTL.as_secs() / 86_400
+                    ),
+                ));
+            }
             (_, t) => t,
         };
         // The URL first: no listener, nothing to expose.
@@ -245,18 +260,39 @@ impl Worker {
     }
 
     /// The exposed ports of sandbox `id`, running or checkpointed (then
-    /// as its file keeps them: they come back with it).
-    async fn ports_of(&self, id: &SandboxId) -> Result<PortsOf> {
-        match self.settled(id).await? {
+    /// as its file keeps them, changed by one caller at a time: they come
+    /// back with it).
+    async fn ports_of(&self, id: &SandboxId) -> Result<PortsOf<'_>> {
+        let mut found = self.settled(id).await?;
+        if let super::table::Lookup::Checkpointed(_) = found {
+            // Taken, then looked at again: a restore that began meanwhile
+            // waits for this change before it reads the file, and one that
+            // ended has the exposures in its sandbox.
+            let held = self.inner.ports_files.lock().await;
+            found = self.inner.table.lookup(id);
+            if let super::table::Lookup::Checkpointed(_) = found {
+                return Ok(PortsOf::Kept {
+                    ports: crate::ports::SandboxPorts::kept_at(self.inner.state.ports_path(id)),
+                    _held: held,
+                });
+            }
+            drop(held);
+            found = self.settled(id).await?;
+        }
+        match found {
             super::table::Lookup::Running(sandbox) => {
                 sandbox.touch();
                 Ok(PortsOf::Running(sandbox))
             }
-            super::table::Lookup::Checkpointed(_) => Ok(PortsOf::Kept(
-                crate::ports::SandboxPorts::kept_at(self.inner.state.ports_path(id)),
-            )),
             other => Err(super::not_running(id, other)),
         }
+    }
+
+    /// Whether `e` may be used now: a public exposure only while the
+    /// operator allows public ports (one kept from before the flag was
+    /// withdrawn is not).
+    fn in_force(&self, e: &Exposure) -> bool {
+        e.access != Access::Public || self.inner.ports_settings.allow_public
     }
 
     /// Ends the exposure of `port`: whether there was one.
@@ -274,6 +310,7 @@ impl Worker {
             .ports()
             .list(self.now_ms())
             .iter()
+            .filter(|e| self.in_force(e))
             .map(|e| self.info_of_exposure(id, e, false))
             .collect()
     }
@@ -286,7 +323,10 @@ impl Worker {
     ) -> std::result::Result<PortTarget, Refusal> {
         match self.inner.table.lookup(id) {
             super::table::Lookup::Running(s) if !s.is_lost() => {
-                let exposure = s.ports().get(port, self.now_ms());
+                let exposure = s
+                    .ports()
+                    .get(port, self.now_ms())
+                    .filter(|e| self.in_force(e));
                 Ok(PortTarget::Running(Box::new(s), exposure))
             }
             // Checkpointed, or being restored (the request then waits
@@ -294,7 +334,7 @@ impl Worker {
             super::table::Lookup::Checkpointed(_) | super::table::Lookup::Busy(_) => {
                 crate::ports::SandboxPorts::kept_at(self.inner.state.ports_path(id))
                     .get(port, self.now_ms())
-                    .filter(|e| e.wake_on_request)
+                    .filter(|e| e.wake_on_request && self.in_force(e))
                     .map(PortTarget::Asleep)
                     .ok_or(Refusal::NotExposed)
             }
@@ -309,6 +349,7 @@ impl Worker {
     /// restore goes on if the request gives up).
     pub(crate) async fn wake(&self, id: &SandboxId) -> std::result::Result<(), Refusal> {
         let worker = self.clone();
+        let id_of = id.clone();
         let id = id.clone();
         let restoring = self.inner.tracker.spawn(async move {
             let r = worker.restore_sandbox(&id).await;
@@ -318,11 +359,25 @@ impl Worker {
             }
             r.is_ok()
         });
-        match tokio::time::timeout(WAKE_WAIT, restoring).await {
-            Ok(Ok(true)) => Ok(()),
-            Ok(_) => Err(Refusal::SandboxUnavailable),
-            Err(_) => Err(Refusal::SandboxWaking),
+        let deadline = tokio::time::Instant::now() + WAKE_WAIT;
+        // Whichever restore brought it back (another request's may be
+        // the one under way), it is waited for, then its supervisor.
+        if tokio::time::timeout_at(deadline, restoring).await.is_err() {
+            return Err(Refusal::SandboxWaking);
         }
+        // Running once restored, answering once its supervisor has.
+        let ready = async {
+            match self.settled(&id_of).await {
+                Ok(super::table::Lookup::Running(s)) => s
+                    .wait_ready(WAKE_WAIT)
+                    .await
+                    .map_err(|_| Refusal::SandboxUnavailable),
+                _ => Err(Refusal::SandboxUnavailable),
+            }
+        };
+        tokio::time::timeout_at(deadline, ready)
+            .await
+            .unwrap_or(Err(Refusal::SandboxWaking))
     }
 
     /// A connection to `port` of `sandbox`, through its way in, counted
@@ -331,11 +386,12 @@ impl Worker {
         &self,
         sandbox: &Sandbox,
         port: u16,
+        owner: bool,
     ) -> std::result::Result<crate::ports::Counted<crate::ports::ingress::PortStream>, Refusal>
     {
         let slot = sandbox
             .ports()
-            .admit_connection()
+            .admit_connection(owner)
             .ok_or(Refusal::TooManyConnections)?;
         let ingress = self
             .ingress_of(sandbox)
