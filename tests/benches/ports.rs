@@ -28,6 +28,60 @@ use corral_e2e::{WorkerProcess, free_port, run_shell, unique_id};
 use corral_proto::pb::PortAccess;
 use corral_proto::{OperationId, OperationSpec, SandboxId, SandboxSpec, ShellSpec};
 
+/// The concurrent run's server: one thread, epoll, every request (any
+/// method, any path) answered with 1 KiB, connections kept.
+const FAST_SERVER: &str = r#"
+#define _GNU_SOURCE
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+#include <netinet/in.h>
+#include <arpa/inet.h>
+#include <sys/epoll.h>
+#include <sys/socket.h>
+static char reply[4096];
+static int reply_len;
+int main(int argc, char **argv) {
+    if (argc < 2) return 2;
+    int head = snprintf(reply, sizeof reply, "HTTP/1.1 200 OK\r\nContent-Type: application/octet-stream\r\nContent-Length: 1024\r\n\r\n");
+    memset(reply + head, 'x', 1024);
+    reply_len = head + 1024;
+    int l = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK, 0), one = 1;
+    setsockopt(l, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    struct sockaddr_in a = {0};
+    a.sin_family = AF_INET;
+    a.sin_port = htons(atoi(argv[1]));
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    if (bind(l, (struct sockaddr *)&a, sizeof a) || listen(l, 1024)) return 1;
+    int ep = epoll_create1(0);
+    struct epoll_event ev = {.events = EPOLLIN, .data.fd = l}, evs[256];
+    epoll_ctl(ep, EPOLL_CTL_ADD, l, &ev);
+    static char buf[65536];
+    for (;;) {
+        int n = epoll_wait(ep, evs, 256, -1);
+        for (int i = 0; i < n; i++) {
+            int fd = evs[i].data.fd;
+            if (fd == l) {
+                int c;
+                while ((c = accept4(l, 0, 0, SOCK_NONBLOCK)) >= 0) {
+                    struct epoll_event ce = {.events = EPOLLIN, .data.fd = c};
+                    epoll_ctl(ep, EPOLL_CTL_ADD, c, &ce);
+                }
+                continue;
+            }
+            ssize_t r = read(fd, buf, sizeof buf);
+            if (r <= 0) { close(fd); continue; }
+            int asked = 0;
+            for (ssize_t j = 3; j < r; j++)
+                if (buf[j] == '\n' && buf[j - 1] == '\r' && buf[j - 2] == '\n' && buf[j - 3] == '\r') asked++;
+            for (int k = 0; k < asked; k++)
+                if (write(fd, reply, reply_len) != reply_len) { close(fd); break; }
+        }
+    }
+}
+"#;
+
 const REQUESTS: usize = 200;
 const BYTES: u64 = 1 << 30;
 /// Requests of the concurrent run, and how many at once.
@@ -119,15 +173,23 @@ async fn main() -> Result<()> {
             )),
         )
         .await?;
-    // The same server speaking HTTP/1.1 (keep-alive), for the concurrent
-    // run.
+    // For the concurrent run, a server that is not the bottleneck (Python's
+    // serves a few hundred requests a second): a small epoll server in C,
+    // built in the sandbox, answering every request with 1 KiB, keep-alive.
+    let built = run_shell(
+        &client,
+        &sb,
+        &format!("cat > /tmp/fast.c <<'EOF'\n{FAST_SERVER}\nEOF\ngcc -O2 -o /tmp/fast /tmp/fast.c && echo built"),
+    )
+    .await?;
+    if !built.contains("built") {
+        bail!("the C server did not build: {built}");
+    }
     client
         .submit(
             &sb,
             &OperationId::random(),
-            OperationSpec::Shell(ShellSpec::new(
-                "cd /workspace && exec python3 -c 'import http.server as h; h.SimpleHTTPRequestHandler.protocol_version = \"HTTP/1.1\"; h.SimpleHTTPRequestHandler.log_message = lambda *a: None; h.ThreadingHTTPServer((\"127.0.0.1\", 8001), h.SimpleHTTPRequestHandler).serve_forever()'",
-            )),
+            OperationSpec::Shell(ShellSpec::new("exec /tmp/fast 8001")),
         )
         .await?;
     let e = client
@@ -193,7 +255,7 @@ async fn main() -> Result<()> {
     // whole curl run, taken by the shell that runs it, on either side).
     let timed = |args: &[String]| {
         format!(
-            "s=$(date +%s%N); curl {} > /dev/null; e=$(date +%s%N); echo $(( (e - s) / 1000 ))",
+            "s=$(date +%s%N); curl {} > /dev/null || exit 1; e=$(date +%s%N); echo $(( (e - s) / 1000 ))",
             quote(args)
         )
     };
@@ -222,9 +284,10 @@ async fn main() -> Result<()> {
     run_shell(
         &client,
         &sb,
+        // Written by the sandbox itself: one command's argument holds at
+        // most 128 KiB.
         &format!(
-            "cat > /tmp/urls <<'EOF'\n{}EOF",
-            url_list("http://127.0.0.1:8001")
+            "for i in $(seq {MANY}); do printf 'url = \"http://127.0.0.1:8001/small\"\\noutput = \"/dev/null\"\\n'; done > /tmp/urls"
         ),
     )
     .await?;
