@@ -40,6 +40,9 @@ pub struct WorkerMetrics {
     pub egress_connections: Family<Labels, Counter>,
     pub egress_bytes: Family<Labels, Counter>,
     pub egress_open: Gauge,
+    pub ports_requests: Family<Labels, Counter>,
+    pub ports_bytes: Family<Labels, Counter>,
+    pub ports_open: Gauge,
     pub pool_size: Family<Labels, Gauge>,
     pub pool_ready: Family<Labels, Gauge>,
     pub pool_claims: Family<Labels, Counter>,
@@ -68,6 +71,9 @@ impl Default for WorkerMetrics {
             egress_connections: Family::default(),
             egress_bytes: Family::default(),
             egress_open: Gauge::default(),
+            ports_requests: Family::default(),
+            ports_bytes: Family::default(),
+            ports_open: Gauge::default(),
             pool_size: Family::default(),
             pool_ready: Family::default(),
             pool_claims: Family::default(),
@@ -130,6 +136,21 @@ impl Default for WorkerMetrics {
             "egress_bytes",
             "Bytes relayed by sandboxes' egress proxies, by direction (out, in)",
             m.egress_bytes.clone(),
+        );
+        registry.register(
+            "ports_requests",
+            "Requests and tunnels to sandboxes' exposed ports, by outcome (carried, or the listener's refusal: unauthenticated, not_exposed, port_not_listening, ...)",
+            m.ports_requests.clone(),
+        );
+        registry.register(
+            "ports_bytes",
+            "Bytes carried by upgraded connections and tunnels to sandboxes' ports, by direction (in: to the sandbox, out: from it)",
+            m.ports_bytes.clone(),
+        );
+        registry.register(
+            "ports_open_connections",
+            "Connections to sandboxes' ports open now",
+            m.ports_open.clone(),
         );
         registry.register(
             "pool_size",
@@ -209,6 +230,25 @@ impl WorkerMetrics {
         for (dir, n) in [("out", out), ("in", inward)] {
             if n > 0 {
                 self.egress_bytes
+                    .get_or_create(&vec![("direction", dir.to_string())])
+                    .inc_by(n);
+            }
+        }
+    }
+
+    /// A request to an exposed port answered: carried, or refused for
+    /// `outcome`.
+    pub fn ports_answered(&self, outcome: &'static str) {
+        self.ports_requests
+            .get_or_create(&vec![("outcome", outcome.to_string())])
+            .inc();
+    }
+
+    /// Bytes an upgraded connection or tunnel carried.
+    pub fn ports_carried(&self, inward: u64, out: u64) {
+        for (dir, n) in [("in", inward), ("out", out)] {
+            if n > 0 {
+                self.ports_bytes
                     .get_or_create(&vec![("direction", dir.to_string())])
                     .inc_by(n);
             }

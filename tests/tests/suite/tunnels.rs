@@ -66,19 +66,26 @@ asyncio.run(main())
 "#;
 
 /// A worker with a port listener on loopback, and a sandbox of the
-/// Debian image running `script` (a Python server) on `port`.
-async fn worker_serving(
+/// Debian image running `script` (a Python server) on `port`; the worker
+/// given `more` flags.
+async fn worker_serving_with(
     state: &std::path::Path,
     script: &str,
     port: u16,
+    more: &[&str],
 ) -> Result<(WorkerProcess, WorkerClient, SandboxId, String)> {
     let listen = format!("127.0.0.1:{}", free_port()?);
+    let args = [
+        &["--ports-listen", listen.as_str(), "--allow-image", IMAGE],
+        more,
+    ]
+    .concat();
     let worker = WorkerProcess::spawn(
         state,
         &unique_id("tun"),
         free_port()?,
         &[("CORRAL_LOG", "warn")],
-        &["--ports-listen", &listen, "--allow-image", IMAGE],
+        &args,
     )?;
     let client = worker.client().await?;
     let sb = SandboxId::new(unique_id("sb"))?;
@@ -185,7 +192,9 @@ async fn a_forwarded_port_carries_a_gibibyte_byte_for_byte() -> Result<()> {
     const TOTAL: u64 = 1 << 30;
     const CHUNK: usize = 1 << 20;
     let state = tempfile::tempdir()?;
-    let (worker, client, sb, _) = worker_serving(state.path(), ECHO, 5000).await?;
+    let metrics = format!("127.0.0.1:{}", free_port()?);
+    let (worker, client, sb, _) =
+        worker_serving_with(state.path(), ECHO, 5000, &["--metrics-listen", &metrics]).await?;
     let log = state.path().join("forward.err");
     let (mut fwd, addr) = forward(&worker, &sb, 5000, &log, &[])?;
     // Not exposed before: the forward made a signed exposure of its own.
@@ -229,6 +238,29 @@ async fn a_forwarded_port_carries_a_gibibyte_byte_for_byte() -> Result<()> {
     eprintln!(
         "1 GiB each way through the forward in {:.2} s",
         started.elapsed().as_secs_f64()
+    );
+    // Counted, each way, once the tunnel ended.
+    let mut counted = (0.0, 0.0);
+    for _ in 0..50 {
+        let text = metrics_text(&metrics).await?;
+        let value = |line: &str| -> f64 {
+            text.lines()
+                .find(|l| l.starts_with(line))
+                .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+                .unwrap_or(0.0)
+        };
+        counted = (
+            value("corral_ports_bytes_total{direction=\"in\"}"),
+            value("corral_ports_bytes_total{direction=\"out\"}"),
+        );
+        if counted.0 >= TOTAL as f64 && counted.1 >= TOTAL as f64 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        counted.0 >= TOTAL as f64 && counted.1 >= TOTAL as f64,
+        "bytes counted: {counted:?}"
     );
 
     // Nothing listens on another port: the forward says why, and the
@@ -342,7 +374,14 @@ async fn a_thousand_idle_websockets_are_held_and_one_past_the_bound_refused() ->
     const HELD: usize = 1000;
     let bound = corral_worker::ports::MAX_CONNECTIONS;
     let state = tempfile::tempdir()?;
-    let (worker, client, sb, listener) = worker_serving(state.path(), WEBSOCKETS, 9000).await?;
+    let metrics = format!("127.0.0.1:{}", free_port()?);
+    let (worker, client, sb, listener) = worker_serving_with(
+        state.path(),
+        WEBSOCKETS,
+        9000,
+        &["--metrics-listen", &metrics],
+    )
+    .await?;
     client
         .expose_port(&sb, 9000, PortAccess::Private, None)
         .await?;
@@ -406,6 +445,22 @@ async fn a_thousand_idle_websockets_are_held_and_one_past_the_bound_refused() ->
             assert_eq!((status, reason.as_str()), (429, "too_many_connections"))
         }
     }
+    // What the worker's metrics say of it.
+    let text = metrics_text(&metrics).await?;
+    let value = |line: &str| -> Option<f64> {
+        text.lines()
+            .find(|l| l.starts_with(line))
+            .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+    };
+    assert_eq!(
+        value("corral_ports_open_connections "),
+        Some(bound as f64),
+        "{text}"
+    );
+    assert!(
+        value("corral_ports_requests_total{outcome=\"too_many_connections\"}") >= Some(1.0),
+        "{text}"
+    );
     // One closed, one more fits.
     drop(held.pop());
     let mut again = None;
@@ -910,4 +965,16 @@ async fn through_the_front_door_a_key_reaches_its_own_tenants_ports_alone() -> R
     assert_eq!(status, 200);
     as_acme.destroy_sandbox(&sb).await?;
     Ok(())
+}
+
+/// The worker's metrics endpoint's text.
+async fn metrics_text(addr: &str) -> Result<String> {
+    let mut s = tokio::net::TcpStream::connect(addr).await?;
+    s.write_all(
+        format!("GET /metrics HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").as_bytes(),
+    )
+    .await?;
+    let mut all = Vec::new();
+    tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut all)).await??;
+    Ok(String::from_utf8_lossy(&all).to_string())
 }

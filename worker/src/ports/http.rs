@@ -62,7 +62,15 @@ pub async fn serve(worker: Worker, listener: TcpListener, shutdown: Cancellation
             let service = hyper::service::service_fn(move |req| {
                 let worker = worker.clone();
                 let upstream = upstream.clone();
-                async move { Ok::<_, Infallible>(handle(&worker, req, &upstream).await) }
+                async move {
+                    let answer = handle(&worker, req, &upstream).await;
+                    let outcome = answer
+                        .extensions()
+                        .get::<Refusal>()
+                        .map_or("carried", |r| r.reason());
+                    worker.metrics().ports_answered(outcome);
+                    Ok::<_, Infallible>(answer)
+                }
             });
             let conn = hyper::server::conn::http1::Builder::new()
                 .timer(TokioTimer::new())
@@ -93,9 +101,12 @@ fn refuse(r: Refusal) -> Response<Body> {
     if r == Refusal::SandboxWaking {
         answer = answer.header(header::RETRY_AFTER, "1");
     }
-    answer
+    let mut answer = answer
         .body(full(body.to_string()))
-        .unwrap_or_else(|_| Response::new(full("")))
+        .unwrap_or_else(|_| Response::new(full("")));
+    // Said to the worker's metrics by whoever answered.
+    answer.extensions_mut().insert(r);
+    answer
 }
 
 fn full(s: impl Into<Bytes>) -> Body {
@@ -533,10 +544,12 @@ async fn tunnel(worker: &Worker, mut req: Request<Incoming>) -> Response<Body> {
     sandbox.touch();
     let client = hyper::upgrade::on(&mut req);
     let expires = expiry(worker, &exposure);
+    let worker = worker.clone();
     tokio::spawn(async move {
         match client.await {
             Ok(client) => {
                 carry(
+                    worker.metrics(),
                     TokioIo::new(client),
                     server,
                     &sandbox,
@@ -591,6 +604,7 @@ fn expiry(worker: &Worker, exposure: &Exposure) -> Option<tokio::time::Instant> 
 /// either side ends, the exposure is revoked or ends, or the sandbox goes;
 /// an open connection keeps its sandbox from being idle.
 async fn carry<C, S>(
+    metrics: &crate::metrics::WorkerMetrics,
     mut client: C,
     mut server: S,
     sandbox: &Sandbox,
@@ -612,7 +626,12 @@ async fn carry<C, S>(
     let mut used = tokio::time::interval(TOUCH_EVERY);
     loop {
         tokio::select! {
-            _ = &mut carried => break,
+            r = &mut carried => {
+                if let Ok((inward, out)) = r {
+                    metrics.ports_carried(inward, out);
+                }
+                break;
+            }
             () = revoked.cancelled() => break,
             () = sandbox.closed().cancelled() => break,
             () = &mut ended => break,
@@ -754,11 +773,13 @@ async fn forward(
     {
         let server_side = hyper::upgrade::on(&mut resp);
         let sandbox = sandbox.clone();
+        let worker = worker.clone();
         tokio::spawn(async move {
             let (Ok(client), Ok(server)) = (client_side.await, server_side.await) else {
                 return;
             };
             carry(
+                worker.metrics(),
                 TokioIo::new(client),
                 TokioIo::new(server),
                 &sandbox,

@@ -145,14 +145,21 @@ pub struct Counted<S> {
     _place: Place,
 }
 
-/// The counts one connection is among (each given back when it goes).
+/// The counts one connection is among (each given back when it goes),
+/// and the worker's gauge of open ones, once it is made.
 #[derive(Default)]
-pub struct Place(Vec<Arc<AtomicUsize>>);
+pub struct Place(
+    Vec<Arc<AtomicUsize>>,
+    Option<prometheus_client::metrics::gauge::Gauge>,
+);
 
 impl Drop for Place {
     fn drop(&mut self) {
         for n in &self.0 {
             n.fetch_sub(1, Ordering::AcqRel);
+        }
+        if let Some(g) = &self.1 {
+            g.dec();
         }
     }
 }
@@ -389,6 +396,17 @@ impl Slot {
             inner,
             _place: self.0,
         }
+    }
+
+    /// [`Self::hold`], counted in `open` too while it is.
+    pub fn hold_counted<S>(
+        mut self,
+        inner: S,
+        open: &prometheus_client::metrics::gauge::Gauge,
+    ) -> Counted<S> {
+        open.inc();
+        self.0.1 = Some(open.clone());
+        self.hold(inner)
     }
 }
 

@@ -403,6 +403,6 @@ impl Worker {
             crate::ports::ingress::DialError::Closed => Refusal::SandboxNotFound,
             crate::ports::ingress::DialError::Unanswered(_) => Refusal::SandboxUnavailable,
         })?;
-        Ok(slot.hold(stream))
+        Ok(slot.hold_counted(stream, &self.inner.metrics.ports_open))
     }
 }
