@@ -932,3 +932,118 @@ async fn an_edit_in_the_sandbox_reaches_an_open_live_reload_page() -> Result<()>
     h.stop().await;
     Ok(())
 }
+
+/// Everything a client sends on one connection, and all it gets back
+/// until the listener closes it (or `within` passes).
+async fn exchange(addr: &str, sent: &[u8], within: Duration) -> Result<String> {
+    let mut s = tokio::net::TcpStream::connect(addr).await?;
+    s.write_all(sent).await?;
+    let mut all = Vec::new();
+    let _ = tokio::time::timeout(within, s.read_to_end(&mut all)).await;
+    Ok(String::from_utf8_lossy(&all).to_string())
+}
+
+/// Bad requests get a clear answer and leave the listener serving: a port
+/// out of range, a sandbox gone, a port nothing listens on, a request
+/// smuggled behind a body (both Content-Length and Transfer-Encoding), an
+/// oversized head, and clients that send their heads a byte at a time
+/// (which are closed, while others are served meanwhile).
+#[tokio::test]
+async fn bad_requests_are_answered_clearly_and_the_listener_goes_on() -> Result<()> {
+    let (h, addr) = with_ports(None).await?;
+    let sb = sandbox(&h).await?;
+    serve_echo(&h, &sb, 8000).await?;
+    h.client
+        .expose_port(&sb, 8000, PortAccess::Private, None)
+        .await?;
+    let auth = format!("Bearer {TOKEN}");
+    let ok = until_listening(
+        &addr,
+        &format!("/p/{sb}/8000/"),
+        &[("Authorization", &auth)],
+    )
+    .await?;
+    assert_eq!(ok.status, 200, "{ok:?}");
+
+    // Slow clients, held open meanwhile.
+    let mut slow = Vec::new();
+    for _ in 0..50 {
+        let mut s = tokio::net::TcpStream::connect(&addr).await?;
+        s.write_all(b"GET /p/").await?;
+        slow.push(s);
+    }
+    let a = get(
+        &addr,
+        &addr,
+        &format!("/p/{sb}/70000/"),
+        &[("Authorization", &auth)],
+    )
+    .await?;
+    assert_eq!((a.status, a.reason().as_str()), (404, "bad_route"));
+    h.client
+        .expose_port(&sb, 8009, PortAccess::Private, None)
+        .await?;
+    let a = get(
+        &addr,
+        &addr,
+        &format!("/p/{sb}/8009/"),
+        &[("Authorization", &auth)],
+    )
+    .await?;
+    assert_eq!((a.status, a.reason().as_str()), (502, "port_not_listening"));
+    // Smuggled: whatever the listener makes of the first request, the one
+    // behind its body is never carried as the first's (it has no
+    // credential of its own).
+    let smuggled = format!(
+        "POST /p/{sb}/8000/first HTTP/1.1\r\nHost: {addr}\r\nAuthorization: {auth}\r\nContent-Length: 4\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\nGET /p/{sb}/8000/smuggled HTTP/1.1\r\nHost: {addr}\r\n\r\n"
+    );
+    let said = exchange(&addr, smuggled.as_bytes(), Duration::from_secs(5)).await?;
+    assert!(
+        !said.contains("/smuggled\""),
+        "a request behind another's body reached the server: {said}"
+    );
+    // A head past 64 KiB.
+    let big = format!(
+        "GET /p/{sb}/8000/ HTTP/1.1\r\nHost: {addr}\r\nAuthorization: {auth}\r\nX-Big: {}\r\n\r\n",
+        "a".repeat(70 << 10)
+    );
+    let said = exchange(&addr, big.as_bytes(), Duration::from_secs(10)).await?;
+    assert!(
+        said.starts_with("HTTP/1.1 431") || said.is_empty(),
+        "an oversized head was served: {}",
+        said.lines().next().unwrap_or_default()
+    );
+    // The sandbox gone: as a port not exposed.
+    let gone = sandbox(&h).await?;
+    serve_echo(&h, &gone, 8000).await?;
+    h.client
+        .expose_port(&gone, 8000, PortAccess::Private, None)
+        .await?;
+    h.client.destroy_sandbox(&gone).await?;
+    let a = get(
+        &addr,
+        &addr,
+        &format!("/p/{gone}/8000/"),
+        &[("Authorization", &auth)],
+    )
+    .await?;
+    assert_eq!((a.status, a.reason().as_str()), (404, "not_exposed"));
+    // Served all along, slow clients or not; then each slow one is closed
+    // (a head must come within 30 s).
+    let a = get(
+        &addr,
+        &addr,
+        &format!("/p/{sb}/8000/"),
+        &[("Authorization", &auth)],
+    )
+    .await?;
+    assert_eq!(a.status, 200);
+    for mut s in slow {
+        let mut rest = Vec::new();
+        tokio::time::timeout(Duration::from_secs(40), s.read_to_end(&mut rest))
+            .await
+            .context("a client that never finished its head was kept open")??;
+    }
+    h.stop().await;
+    Ok(())
+}
