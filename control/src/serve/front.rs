@@ -55,6 +55,9 @@ pub struct FrontDoor {
     /// Its own port listener's URL (`--ports-listen`), which the URLs of
     /// exposed ports name instead of the workers'.
     ports_url: Option<String>,
+    /// Each worker's port listener, as it last said (asked again after a
+    /// minute).
+    worker_ports: Mutex<HashMap<String, (String, Instant)>>,
 }
 
 /// A tenant's creates through this replica: one quota check at a time, the
@@ -278,6 +281,10 @@ impl From<corral_harness::fleet::FleetError> for Placing {
     }
 }
 
+/// How long a worker's port listener, as it said, is taken without asking
+/// again.
+const WORKER_PORTS_FOR: Duration = Duration::from_secs(60);
+
 /// A worker's port listener URL as the front door reaches it: one that
 /// names an address of every interface (`0.0.0.0`, `[::]`) takes the host
 /// the front door reaches the worker's API at.
@@ -325,6 +332,7 @@ impl FrontDoor {
             peers,
             built: Arc::new(Mutex::new(HashMap::new())),
             ports_url: None,
+            worker_ports: Mutex::new(HashMap::new()),
         }
     }
 
@@ -354,19 +362,37 @@ impl FrontDoor {
         who: Option<&Principal>,
         id: &SandboxId,
     ) -> Result<String, Status> {
-        let info = self
-            .on_sandbox(id, |mut c| {
-                let get = pb::GetSandboxRequest { id: id.to_string() };
-                let get = match who {
-                    Some(w) => FrontDoor::outgoing(w, get),
-                    None => Request::new(get),
-                };
-                async move {
-                    c.get_sandbox(get).await?;
-                    c.get_worker_info(pb::GetWorkerInfoRequest {}).await
-                }
-            })
-            .await?;
+        // The sandbox, as this caller may see it (and where it is).
+        self.on_sandbox(id, |mut c| {
+            let get = pb::GetSandboxRequest { id: id.to_string() };
+            let get = match who {
+                Some(w) => FrontDoor::outgoing(w, get),
+                None => Request::new(get),
+            };
+            async move { c.get_sandbox(get).await }
+        })
+        .await?;
+        let worker = self.routes().get(id).cloned().unwrap_or_default();
+        let known = self
+            .worker_ports
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&worker)
+            .filter(|(_, at)| at.elapsed() < WORKER_PORTS_FOR)
+            .map(|(base, _)| base.clone());
+        if let Some(base) = known {
+            return Ok(base);
+        }
+        let mut c = self
+            .fleet
+            .connect(Some(&worker))
+            .await
+            .map_err(fleet_status)?
+            .raw();
+        let info = c
+            .get_worker_info(pb::GetWorkerInfoRequest {})
+            .await?
+            .into_inner();
         if info.ports_url.is_empty() {
             return Err(status(
                 Code::FailedPrecondition,
@@ -376,8 +402,12 @@ impl FrontDoor {
                 ),
             ));
         }
-        let worker = self.routes().get(id).cloned().unwrap_or_default();
-        Ok(reachable(&info.ports_url, &worker))
+        let base = reachable(&info.ports_url, &worker);
+        self.worker_ports
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(worker, (base.clone(), Instant::now()));
+        Ok(base)
     }
 
     /// The replicas, when there are several.
