@@ -999,6 +999,11 @@ class AsyncSandbox:
                 return e.url
         return (await self.ports.expose(port)).url
 
+    async def wait_for_port(self, port: int, *, timeout: float = 60.0) -> None:
+        """Waits until something listens on ``port`` in the sandbox (see
+        :meth:`AsyncPorts.wait`); TimeoutError after ``timeout`` seconds."""
+        await self.ports.wait(port, timeout=timeout)
+
     async def stats(self) -> SandboxStats:
         """Memory, CPU and processes now. The memory limit is the working
         memory asked for plus the sizes of ``/workspace`` and ``/tmp``

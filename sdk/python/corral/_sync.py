@@ -426,6 +426,10 @@ class Sandbox:
         """See :meth:`corral.AsyncSandbox.get_host`."""
         return _run(self._sb.get_host(port))
 
+    def wait_for_port(self, port: int, *, timeout: float = 60.0) -> None:
+        """See :meth:`corral.AsyncSandbox.wait_for_port`."""
+        _run(self._sb.wait_for_port(port, timeout=timeout))
+
     def stats(self) -> SandboxStats:
         """See :meth:`corral.AsyncSandbox.stats`."""
         return _run(self._sb.stats())

@@ -35,7 +35,7 @@ def test_a_server_in_a_sandbox_is_reached_through_its_exposed_port(
     with w.create(image="corral-debian:latest") as sb:
         sb.files.write("index.html", "<h1>from the sandbox</h1>")
         server = sb.start("exec python3 -m http.server 8000 --bind 127.0.0.1")
-        sb.ports.wait(8000, timeout=30)
+        sb.wait_for_port(8000, timeout=30)
         e = sb.ports.expose(8000, access="signed", ttl=600)
         assert e.access is corral.PortAccess.SIGNED
         assert e.token and e.url.endswith(f"/p/{sb.id}/8000/")
