@@ -1,5 +1,6 @@
 //! The port listener: HTTP/1.1 (with upgrades: WebSockets and any other
-//! protocol switched to) to sandboxes' exposed ports. Each request is
+//! protocol switched to) and HTTP/2 by prior knowledge, to sandboxes'
+//! exposed ports (whose servers are spoken to in HTTP/1.1). Each request is
 //! routed by its Host (`{port}-{id}.{domain}`) or its path
 //! (`/p/{id}/{port}/...`), checked against the port's exposure, stripped
 //! of what only the listener may say (its credentials, `X-Corral-Verified-*`),
@@ -38,6 +39,8 @@ const HEAD_TIMEOUT: Duration = Duration::from_secs(30);
 const TOUCH_EVERY: Duration = Duration::from_secs(10);
 /// Most bytes of a request's head.
 const MAX_HEAD_BYTES: usize = 64 << 10;
+/// Most requests at once on one HTTP/2 connection.
+const MAX_STREAMS: u32 = 256;
 
 /// Serves `listener` until `shutdown`.
 pub async fn serve(worker: Worker, listener: TcpListener, shutdown: CancellationToken) {
@@ -72,12 +75,21 @@ pub async fn serve(worker: Worker, listener: TcpListener, shutdown: Cancellation
                     Ok::<_, Infallible>(answer)
                 }
             });
-            let conn = hyper::server::conn::http1::Builder::new()
+            // HTTP/1.1, or HTTP/2 by prior knowledge (h2c: what a proxy
+            // that ends TLS in front of the listener may speak to it).
+            let mut builder =
+                hyper_util::server::conn::auto::Builder::new(hyper_util::rt::TokioExecutor::new());
+            builder
+                .http1()
                 .timer(TokioTimer::new())
                 .header_read_timeout(HEAD_TIMEOUT)
-                .max_buf_size(MAX_HEAD_BYTES)
-                .serve_connection(TokioIo::new(stream), service)
-                .with_upgrades();
+                .max_buf_size(MAX_HEAD_BYTES);
+            builder
+                .http2()
+                .timer(TokioTimer::new())
+                .max_header_list_size(MAX_HEAD_BYTES as u32)
+                .max_concurrent_streams(MAX_STREAMS);
+            let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
             tokio::pin!(conn);
             tokio::select! {
                 r = conn.as_mut() => if let Err(e) = r {
@@ -389,11 +401,13 @@ async fn handle(worker: &Worker, req: Request<Incoming>, upstream: &Upstream) ->
     if req.method() == http::Method::CONNECT {
         return tunnel(worker, req).await;
     }
+    // HTTP/2 names the host in the request's authority.
     let host = req
         .headers()
         .get(header::HOST)
         .and_then(|h| h.to_str().ok())
-        .map(str::to_string);
+        .map(str::to_string)
+        .or_else(|| req.uri().authority().map(|a| a.as_str().to_string()));
     let pq = req
         .uri()
         .path_and_query()
@@ -456,6 +470,16 @@ async fn handle(worker: &Worker, req: Request<Incoming>, upstream: &Upstream) ->
     sandbox.touch();
     let (mut parts, body) = req.into_parts();
     strip(&mut parts.headers, worker_token);
+    // The sandbox's server is spoken to in HTTP/1.1, whatever the client
+    // spoke: an HTTP/2 request's authority becomes its Host.
+    if parts.version != http::Version::HTTP_11 && parts.version != http::Version::HTTP_10 {
+        parts.version = http::Version::HTTP_11;
+        if !parts.headers.contains_key(header::HOST)
+            && let Some(h) = host.as_deref().and_then(|h| HeaderValue::from_str(h).ok())
+        {
+            parts.headers.insert(header::HOST, h);
+        }
+    }
     if let Ok(v) = HeaderValue::from_str(access.as_str()) {
         parts.headers.insert("x-corral-verified-access", v);
     }
