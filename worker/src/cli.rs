@@ -233,7 +233,8 @@ pub struct WorkerArgs {
     /// is left.
     #[arg(long, env = "CORRAL_DRAIN_DEADLINE", default_value = "1h", value_parser = humantime::parse_duration)]
     pub drain_deadline: std::time::Duration,
-    /// Serve sandboxes' exposed ports (HTTP/1.1 and WebSockets) on ADDR:
+    /// Serve sandboxes' exposed ports (HTTP/1.1, HTTP/2 by prior
+    /// knowledge, WebSockets, CONNECT tunnels) on ADDR:
     /// URLs /p/{sandbox}/{port}/ (or {port}-{sandbox}.{domain} with
     /// --ports-domain). Off by default.
     #[arg(long, env = "CORRAL_PORTS_LISTEN")]
@@ -251,6 +252,10 @@ pub struct WorkerArgs {
     /// Let clients expose ports with public access (no credential at all).
     #[arg(long, env = "CORRAL_ALLOW_PUBLIC_PORTS")]
     pub allow_public_ports: bool,
+    /// Most bytes a second one sandbox's exposed ports move each way,
+    /// across all their connections (e.g. 10m); default: no bound.
+    #[arg(long, env = "CORRAL_PORTS_MAX_BYTES_PER_SECOND", value_parser = parse_rate)]
+    pub ports_max_bytes_per_second: Option<u64>,
     /// Serve Prometheus metrics at http://ADDR/metrics (a port of its own,
     /// without the token: bind it where only the scraper reaches).
     #[arg(long, env = "CORRAL_METRICS_LISTEN")]
@@ -411,6 +416,7 @@ impl WorkerArgs {
                 url: self.ports_url.clone(),
                 domain: self.ports_domain.clone(),
                 allow_public: self.allow_public_ports,
+                max_bytes_per_second: self.ports_max_bytes_per_second,
             },
             otlp_endpoint: self.otlp_endpoint.clone(),
             build: crate::build::BuildSettings {

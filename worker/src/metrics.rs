@@ -144,7 +144,7 @@ impl Default for WorkerMetrics {
         );
         registry.register(
             "ports_bytes",
-            "Bytes carried by upgraded connections and tunnels to sandboxes' ports, by direction (in: to the sandbox, out: from it)",
+            "Bytes carried to and from sandboxes' ports (requests, upgrades, tunnels), by direction (in: to the sandbox, out: from it)",
             m.ports_bytes.clone(),
         );
         registry.register(
@@ -242,17 +242,6 @@ impl WorkerMetrics {
         self.ports_requests
             .get_or_create(&vec![("outcome", outcome.to_string())])
             .inc();
-    }
-
-    /// Bytes an upgraded connection or tunnel carried.
-    pub fn ports_carried(&self, inward: u64, out: u64) {
-        for (dir, n) in [("in", inward), ("out", out)] {
-            if n > 0 {
-                self.ports_bytes
-                    .get_or_create(&vec![("direction", dir.to_string())])
-                    .inc_by(n);
-            }
-        }
     }
 
     /// A create matched pool `template`: it took a member or found none.

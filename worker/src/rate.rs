@@ -1,6 +1,7 @@
 //! A byte rate shared by several connections (a token bucket): what one
-//! sandbox's egress may move each second, in one direction, across all its
-//! connections (`--egress-max-bytes-per-second`).
+//! sandbox's egress (`--egress-max-bytes-per-second`) or way in
+//! (`--ports-max-bytes-per-second`) may move each second, in one
+//! direction, across all its connections.
 
 use std::sync::Mutex;
 use std::time::Duration;
@@ -48,28 +49,36 @@ impl Rate {
     /// bucket; waits while it is empty. What is taken and not moved goes
     /// back with [`Self::give_back`].
     pub async fn take(&self, want: usize) -> usize {
-        if want == 0 {
-            return 0;
-        }
         loop {
-            let wait = {
-                let mut b = self.state.lock().unwrap_or_else(|p| p.into_inner());
-                let now = Instant::now();
-                let earned = now.duration_since(b.at).as_secs_f64() * self.per_second as f64;
-                b.tokens = (b.tokens + earned).min(self.burst as f64);
-                b.at = now;
-                if b.tokens >= 1.0 {
-                    let n = (b.tokens.floor() as u64).min(want as u64);
-                    b.tokens -= n as f64;
-                    return n as usize;
-                }
-                // Until a useful amount is back: a few milliseconds' worth,
-                // not a byte at a time.
-                let enough = (want as u64).min(self.per_second / 100).max(1) as f64;
-                Duration::from_secs_f64((enough - b.tokens) / self.per_second as f64)
-            };
-            tokio::time::sleep(wait.max(Duration::from_millis(1))).await;
+            match self.try_take(want) {
+                Ok(n) => return n,
+                Err(wait) => tokio::time::sleep(wait).await,
+            }
         }
+    }
+
+    /// Up to `want` bytes now (at least one when `want` is), or how long
+    /// to wait before a useful amount is back (a few milliseconds' worth,
+    /// not a byte at a time).
+    pub fn try_take(&self, want: usize) -> Result<usize, Duration> {
+        if want == 0 {
+            return Ok(0);
+        }
+        let mut b = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let now = Instant::now();
+        let earned = now.duration_since(b.at).as_secs_f64() * self.per_second as f64;
+        b.tokens = (b.tokens + earned).min(self.burst as f64);
+        b.at = now;
+        if b.tokens >= 1.0 {
+            let n = (b.tokens.floor() as u64).min(want as u64);
+            b.tokens -= n as f64;
+            return Ok(n as usize);
+        }
+        let enough = (want as u64).min(self.per_second / 100).max(1) as f64;
+        Err(
+            Duration::from_secs_f64((enough - b.tokens) / self.per_second as f64)
+                .max(Duration::from_millis(1)),
+        )
     }
 
     /// Returns bytes taken and not moved.

@@ -978,3 +978,71 @@ async fn metrics_text(addr: &str) -> Result<String> {
     tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut all)).await??;
     Ok(String::from_utf8_lossy(&all).to_string())
 }
+
+#[tokio::test]
+async fn a_sandboxs_way_in_is_held_to_its_byte_rate() -> Result<()> {
+    const BYTES: usize = 3 << 20;
+    let state = tempfile::tempdir()?;
+    let (worker, client, sb, listener) = worker_serving_with(
+        state.path(),
+        ECHO,
+        5000,
+        &["--ports-max-bytes-per-second", "1000000"],
+    )
+    .await?;
+    client
+        .expose_port(&sb, 5000, PortAccess::Private, None)
+        .await?;
+    let token = worker.token();
+    // A tunnel, once the server listens.
+    let mut s = None;
+    for _ in 0..600 {
+        let mut c = tokio::net::TcpStream::connect(&listener).await?;
+        c.write_all(
+            format!("CONNECT {sb}:5000 HTTP/1.1\r\nHost: {sb}:5000\r\nProxy-Authorization: Bearer {token}\r\n\r\n")
+                .as_bytes(),
+        )
+        .await?;
+        let mut head = Vec::new();
+        let mut b = [0u8; 1];
+        while !head.ends_with(b"\r\n\r\n") {
+            if c.read(&mut b).await? == 0 {
+                break;
+            }
+            head.push(b[0]);
+        }
+        if head.starts_with(b"HTTP/1.1 200") {
+            s = Some(c);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let s = s.context("the sandbox's server never listened")?;
+    // 3 MiB each way at a million bytes a second (after a second's worth
+    // at once): at least two seconds, and whole.
+    let started = std::time::Instant::now();
+    let (mut r, mut w) = s.into_split();
+    let data: Vec<u8> = (0..BYTES).map(|i| (i % 251) as u8).collect();
+    let sent = data.clone();
+    let writer = tokio::spawn(async move { w.write_all(&sent).await });
+    let mut back = vec![0u8; BYTES];
+    let mut got = 0;
+    while got < BYTES {
+        match tokio::time::timeout(Duration::from_secs(10), r.read(&mut back[got..])).await {
+            Ok(Ok(0)) => bail!("ended after {got} bytes"),
+            Ok(Ok(n)) => got += n,
+            Ok(Err(e)) => bail!("after {got} bytes: {e}"),
+            Err(_) => bail!("stalled after {got} bytes, {:?} in", started.elapsed()),
+        }
+    }
+    writer.await??;
+    let took = started.elapsed();
+    assert!(back == data, "the bytes came back changed");
+    assert!(
+        took >= Duration::from_millis(1800),
+        "3 MiB each way at 1 MB/s took {took:?}"
+    );
+    eprintln!("3 MiB each way at 1 MB/s took {took:?}");
+    client.destroy_sandbox(&sb).await?;
+    Ok(())
+}

@@ -568,12 +568,10 @@ async fn tunnel(worker: &Worker, mut req: Request<Incoming>) -> Response<Body> {
     sandbox.touch();
     let client = hyper::upgrade::on(&mut req);
     let expires = expiry(worker, &exposure);
-    let worker = worker.clone();
     tokio::spawn(async move {
         match client.await {
             Ok(client) => {
                 carry(
-                    worker.metrics(),
                     TokioIo::new(client),
                     server,
                     &sandbox,
@@ -628,7 +626,6 @@ fn expiry(worker: &Worker, exposure: &Exposure) -> Option<tokio::time::Instant> 
 /// either side ends, the exposure is revoked or ends, or the sandbox goes;
 /// an open connection keeps its sandbox from being idle.
 async fn carry<C, S>(
-    metrics: &crate::metrics::WorkerMetrics,
     mut client: C,
     mut server: S,
     sandbox: &Sandbox,
@@ -650,12 +647,7 @@ async fn carry<C, S>(
     let mut used = tokio::time::interval(TOUCH_EVERY);
     loop {
         tokio::select! {
-            r = &mut carried => {
-                if let Ok((inward, out)) = r {
-                    metrics.ports_carried(inward, out);
-                }
-                break;
-            }
+            _ = &mut carried => break,
             () = revoked.cancelled() => break,
             () = sandbox.closed().cancelled() => break,
             () = &mut ended => break,
@@ -797,13 +789,11 @@ async fn forward(
     {
         let server_side = hyper::upgrade::on(&mut resp);
         let sandbox = sandbox.clone();
-        let worker = worker.clone();
         tokio::spawn(async move {
             let (Ok(client), Ok(server)) = (client_side.await, server_side.await) else {
                 return;
             };
             carry(
-                worker.metrics(),
                 TokioIo::new(client),
                 TokioIo::new(server),
                 &sandbox,

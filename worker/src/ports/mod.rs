@@ -134,15 +134,64 @@ pub struct SandboxPorts {
     ingress: tokio::sync::OnceCell<Arc<ingress::Ingress>>,
     /// Connections open now (each [`Counted`] holds one).
     open: Arc<AtomicUsize>,
+    /// Its bytes' counts and rates, made on its first connection.
+    meter: std::sync::OnceLock<Arc<WayMeter>>,
     /// Those of them held by callers other than the owner.
     shared: Arc<AtomicUsize>,
 }
 
 /// A connection to a sandbox's port that counts against its bound while
-/// it is open.
+/// it is open, its bytes counted and held to the sandbox's rate.
 pub struct Counted<S> {
     inner: S,
     _place: Place,
+    meter: Option<Arc<WayMeter>>,
+    read_wait: Option<Pin<Box<tokio::time::Sleep>>>,
+    write_wait: Option<Pin<Box<tokio::time::Sleep>>>,
+}
+
+/// What one sandbox's way in moves, each direction (`in`: to the
+/// sandbox), counted (`corral_ports_bytes_total`) and, where the operator
+/// set one (`--ports-max-bytes-per-second`), held to a rate shared by all
+/// its connections.
+pub struct WayMeter {
+    pub inward: Option<crate::rate::Rate>,
+    pub out: Option<crate::rate::Rate>,
+    pub bytes_in: prometheus_client::metrics::counter::Counter,
+    pub bytes_out: prometheus_client::metrics::counter::Counter,
+}
+
+/// Bytes a rate-held read or write moves at once at most.
+const HELD_CHUNK: usize = 16 << 10;
+
+/// How much of `want` may move now under `rate` (none set: all), or
+/// `Pending` with a wake set for when some may.
+fn allowance(
+    rate: Option<&crate::rate::Rate>,
+    wait: &mut Option<Pin<Box<tokio::time::Sleep>>>,
+    cx: &mut Context<'_>,
+    want: usize,
+) -> Poll<usize> {
+    use std::future::Future;
+    let Some(rate) = rate else {
+        return Poll::Ready(want);
+    };
+    if let Some(w) = wait.as_mut() {
+        if w.as_mut().poll(cx).is_pending() {
+            return Poll::Pending;
+        }
+        *wait = None;
+    }
+    match rate.try_take(want.min(HELD_CHUNK)) {
+        Ok(n) => Poll::Ready(n),
+        Err(after) => {
+            let mut w = Box::pin(tokio::time::sleep(after));
+            // Registered now: woken when it is time.
+            let _ = w.as_mut().poll(cx);
+            *wait = Some(w);
+            Poll::Pending
+        }
+    }
 }
 
 /// The counts one connection is among (each given back when it goes),
@@ -184,7 +233,29 @@ impl<S: AsyncRead + Unpin> AsyncRead for Counted<S> {
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.inner).poll_read(cx, buf)
+        let this = &mut *self;
+        let Some(meter) = this.meter.clone() else {
+            return Pin::new(&mut this.inner).poll_read(cx, buf);
+        };
+        let Some(rate) = meter.out.as_ref() else {
+            let before = buf.filled().len();
+            let r = Pin::new(&mut this.inner).poll_read(cx, buf);
+            meter.bytes_out.inc_by((buf.filled().len() - before) as u64);
+            return r;
+        };
+        let allowed = match allowance(Some(rate), &mut this.read_wait, cx, buf.remaining()) {
+            Poll::Ready(n) => n,
+            Poll::Pending => return Poll::Pending,
+        };
+        // Read into a buffer of the allowance, then copied.
+        let mut chunk = [0u8; HELD_CHUNK];
+        let mut held = ReadBuf::new(&mut chunk[..allowed]);
+        let r = Pin::new(&mut this.inner).poll_read(cx, &mut held);
+        let n = held.filled().len();
+        buf.put_slice(held.filled());
+        rate.give_back(allowed - n);
+        meter.bytes_out.inc_by(n as u64);
+        r
     }
 }
 
@@ -194,19 +265,24 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Counted<S> {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<std::io::Result<usize>> {
-        Pin::new(&mut self.inner).poll_write(cx, buf)
-    }
-
-    fn poll_write_vectored(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[std::io::IoSlice<'_>],
-    ) -> Poll<std::io::Result<usize>> {
-        Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
-    }
-
-    fn is_write_vectored(&self) -> bool {
-        self.inner.is_write_vectored()
+        let this = &mut *self;
+        let Some(meter) = this.meter.clone() else {
+            return Pin::new(&mut this.inner).poll_write(cx, buf);
+        };
+        let allowed = match allowance(meter.inward.as_ref(), &mut this.write_wait, cx, buf.len()) {
+            Poll::Ready(n) => n,
+            Poll::Pending => return Poll::Pending,
+        };
+        let r = Pin::new(&mut this.inner).poll_write(cx, &buf[..allowed]);
+        let n = match &r {
+            Poll::Ready(Ok(n)) => *n,
+            _ => 0,
+        };
+        if let Some(rate) = &meter.inward {
+            rate.give_back(allowed - n);
+        }
+        meter.bytes_in.inc_by(n as u64);
+        r
     }
 
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
@@ -281,6 +357,11 @@ impl SandboxPorts {
         }
         place.0.push(self.open.clone());
         Some(Slot(place))
+    }
+
+    /// The sandbox's meter, made by `make` the first time.
+    pub fn meter(&self, make: impl FnOnce() -> WayMeter) -> Arc<WayMeter> {
+        self.meter.get_or_init(|| Arc::new(make())).clone()
     }
 
     /// Connections open now.
@@ -395,18 +476,25 @@ impl Slot {
         Counted {
             inner,
             _place: self.0,
+            meter: None,
+            read_wait: None,
+            write_wait: None,
         }
     }
 
-    /// [`Self::hold`], counted in `open` too while it is.
-    pub fn hold_counted<S>(
+    /// [`Self::hold`], counted in `open` while it is, its bytes by
+    /// `meter`.
+    pub fn hold_metered<S>(
         mut self,
         inner: S,
         open: &prometheus_client::metrics::gauge::Gauge,
+        meter: Arc<WayMeter>,
     ) -> Counted<S> {
         open.inc();
         self.0.1 = Some(open.clone());
-        self.hold(inner)
+        let mut c = self.hold(inner);
+        c.meter = Some(meter);
+        c
     }
 }
 

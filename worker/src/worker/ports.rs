@@ -40,6 +40,9 @@ pub struct PortsSettings {
     /// the listener (else URLs route by path).
     pub domain: Option<String>,
     pub allow_public: bool,
+    /// Most bytes a second one sandbox's way in moves, each direction,
+    /// across its connections (`--ports-max-bytes-per-second`).
+    pub max_bytes_per_second: Option<u64>,
 }
 
 /// An exposure as a client sees it.
@@ -403,6 +406,32 @@ impl Worker {
             crate::ports::ingress::DialError::Closed => Refusal::SandboxNotFound,
             crate::ports::ingress::DialError::Unanswered(_) => Refusal::SandboxUnavailable,
         })?;
-        Ok(slot.hold_counted(stream, &self.inner.metrics.ports_open))
+        let meter = sandbox.ports().meter(|| {
+            let metrics = &self.inner.metrics;
+            let rate = self
+                .inner
+                .ports_settings
+                .max_bytes_per_second
+                .map(crate::rate::Rate::new);
+            // One at a time: a family's guard held while the other is
+            // made would wait for itself.
+            let counter = |direction: &str| {
+                metrics
+                    .ports_bytes
+                    .get_or_create(&vec![("direction", direction.to_string())])
+                    .clone()
+            };
+            let bytes_in = counter("in");
+            let bytes_out = counter("out");
+            crate::ports::WayMeter {
+                inward: rate
+                    .as_ref()
+                    .map(|r| crate::rate::Rate::new(r.per_second())),
+                out: rate,
+                bytes_in,
+                bytes_out,
+            }
+        });
+        Ok(slot.hold_metered(stream, &self.inner.metrics.ports_open, meter))
     }
 }
