@@ -163,29 +163,14 @@ struct Way {
 
 /// The port listener's address in an exposure's URL (`http://HOST:PORT/...`).
 fn listener_of(url: &str) -> Result<String, Error> {
-    let rest = match url.split_once("://") {
-        Some(("http", rest)) => rest,
-        Some((scheme, _)) => {
-            return Err(Error::Invalid(format!(
-                "{url}: the port listener is reached over {scheme}; `corral port forward` speaks plain http to it only (reach it on the worker's own address, or tunnel it with a client of your own)"
-            )));
-        }
-        None => return Err(Error::Invalid(format!("{url}: not a URL"))),
-    };
-    let authority = rest.split('/').next().unwrap_or_default();
-    if authority.is_empty() {
-        return Err(Error::Invalid(format!("{url}: names no host")));
+    match url.split_once("://") {
+        Some(("http", _)) => crate::serve::ports::address_of(url)
+            .ok_or_else(|| Error::Invalid(format!("{url}: names no host"))),
+        Some((scheme, _)) => Err(Error::Invalid(format!(
+            "{url}: the port listener is reached over {scheme}; `corral port forward` speaks plain http to it only (reach it on the worker's own address, or tunnel it with a client of your own)"
+        ))),
+        None => Err(Error::Invalid(format!("{url}: not a URL"))),
     }
-    Ok(
-        if authority
-            .rsplit_once(':')
-            .is_some_and(|(_, p)| p.bytes().all(|b| b.is_ascii_digit()))
-        {
-            authority.to_string()
-        } else {
-            format!("{authority}:80")
-        },
-    )
 }
 
 /// `corral port forward`: a local listener whose every connection is a

@@ -359,9 +359,9 @@ impl Held {
 }
 
 /// `host:port` of a worker's listener URL (plain http only).
-fn address_of(base: &str) -> Option<String> {
+pub(crate) fn address_of(base: &str) -> Option<String> {
     let rest = base.strip_prefix("http://")?;
-    let authority = rest.split('/').next()?;
+    let authority = rest.split('/').next().filter(|a| !a.is_empty())?;
     Some(
         if authority
             .rsplit_once(':')

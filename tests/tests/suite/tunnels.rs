@@ -332,14 +332,7 @@ async fn websocket(
         "GET {path} HTTP/1.1\r\nHost: {listener}\r\nAuthorization: Bearer {token}\r\nConnection: Upgrade\r\nUpgrade: websocket\r\nSec-WebSocket-Version: 13\r\nSec-WebSocket-Key: {key}\r\n\r\n"
     );
     s.write_all(req.as_bytes()).await?;
-    let mut head = Vec::new();
-    let mut b = [0u8; 1];
-    while !head.ends_with(b"\r\n\r\n") {
-        if s.read(&mut b).await? == 0 {
-            bail!("closed before the head: {}", String::from_utf8_lossy(&head));
-        }
-        head.push(b[0]);
-    }
+    let head = head_of(&mut s).await?;
     let head = String::from_utf8_lossy(&head).to_string();
     let status: u16 = head
         .split(' ')
@@ -835,14 +828,7 @@ async fn through_the_front_door_a_key_reaches_its_own_tenants_ports_alone() -> R
         .as_bytes(),
     )
     .await?;
-    let mut head = Vec::new();
-    let mut b = [0u8; 1];
-    while !head.ends_with(b"\r\n\r\n") {
-        if s.read(&mut b).await? == 0 {
-            bail!("closed before the head: {}", String::from_utf8_lossy(&head));
-        }
-        head.push(b[0]);
-    }
+    let head = head_of(&mut s).await?;
     assert!(
         head.starts_with(b"HTTP/1.1 101"),
         "{}",
@@ -889,13 +875,7 @@ async fn through_the_front_door_a_key_reaches_its_own_tenants_ports_alone() -> R
         .as_bytes(),
     )
     .await?;
-    let mut head = Vec::new();
-    while !head.ends_with(b"\r\n\r\n") {
-        if held.read(&mut b).await? == 0 {
-            bail!("closed before the head: {}", String::from_utf8_lossy(&head));
-        }
-        head.push(b[0]);
-    }
+    let head = head_of(&mut held).await?;
     assert!(
         head.starts_with(b"HTTP/1.1 101"),
         "{}",
@@ -1003,14 +983,7 @@ async fn a_sandboxs_way_in_is_held_to_its_byte_rate() -> Result<()> {
                 .as_bytes(),
         )
         .await?;
-        let mut head = Vec::new();
-        let mut b = [0u8; 1];
-        while !head.ends_with(b"\r\n\r\n") {
-            if c.read(&mut b).await? == 0 {
-                break;
-            }
-            head.push(b[0]);
-        }
+        let head = head_of(&mut c).await.unwrap_or_default();
         if head.starts_with(b"HTTP/1.1 200") {
             s = Some(c);
             break;
@@ -1045,4 +1018,18 @@ async fn a_sandboxs_way_in_is_held_to_its_byte_rate() -> Result<()> {
     eprintln!("3 MiB each way at 1 MB/s took {took:?}");
     client.destroy_sandbox(&sb).await?;
     Ok(())
+}
+
+/// An answer's head, read a byte at a time (what follows is the other
+/// side's); an error if the connection ends first.
+async fn head_of(s: &mut tokio::net::TcpStream) -> Result<Vec<u8>> {
+    let mut head = Vec::new();
+    let mut b = [0u8; 1];
+    while !head.ends_with(b"\r\n\r\n") {
+        if s.read(&mut b).await? == 0 {
+            bail!("closed before the head: {}", String::from_utf8_lossy(&head));
+        }
+        head.push(b[0]);
+    }
+    Ok(head)
 }
