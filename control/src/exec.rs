@@ -335,7 +335,7 @@ async fn run_op<W: WorkerApi>(
                 return Ok(ended(result, stopped_by, output_closed));
             }
             // Not of this command's watch (it follows one operation).
-            EventKind::Started { .. } | EventKind::Egress(_) => {}
+            EventKind::Started { .. } | EventKind::Egress(_) | EventKind::Port(_) => {}
         }
     }
 }

@@ -30,6 +30,8 @@ pub enum EventKind {
     },
     /// A connection of the sandbox's egress proxy, as its worker decided.
     Egress(Egress),
+    /// The way in to one of its ports, as its worker saw it.
+    Port(PortEvent),
 }
 
 /// A decision on one egress connection (see worker.proto's `Egress`).
@@ -111,6 +113,114 @@ impl TryFrom<pb::sandbox_event::Egress> for Egress {
     }
 }
 
+/// What the worker saw of the way in to one port of a sandbox (see
+/// worker.proto's `SandboxEvent.Port`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PortEvent {
+    pub port: u16,
+    pub what: PortWhat,
+    /// An exposure's access, a caller's access, why a connection closed,
+    /// or why a request was refused (a reason of the listener's).
+    pub detail: String,
+    /// A closed connection's bytes: to the sandbox, and from it.
+    pub bytes_in: u64,
+    pub bytes_out: u64,
+    /// Events before this one that no event told.
+    pub unreported: u32,
+}
+
+impl PortEvent {
+    pub fn new(port: u16, what: PortWhat, detail: impl Into<String>) -> Self {
+        Self {
+            port,
+            what,
+            detail: detail.into(),
+            bytes_in: 0,
+            bytes_out: 0,
+            unreported: 0,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+#[cfg_attr(feature = "serde", serde(rename_all = "snake_case"))]
+pub enum PortWhat {
+    Exposed,
+    Revoked,
+    Expired,
+    Opened,
+    Closed,
+    Refused,
+}
+
+impl PortWhat {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Exposed => "exposed",
+            Self::Revoked => "revoked",
+            Self::Expired => "expired",
+            Self::Opened => "opened",
+            Self::Closed => "closed",
+            Self::Refused => "refused",
+        }
+    }
+
+    pub fn parse(s: &str) -> Result<Self, ProtocolError> {
+        Ok(match s {
+            "exposed" => Self::Exposed,
+            "revoked" => Self::Revoked,
+            "expired" => Self::Expired,
+            "opened" => Self::Opened,
+            "closed" => Self::Closed,
+            "refused" => Self::Refused,
+            other => {
+                return Err(ProtocolError::invalid(
+                    "port.what",
+                    format!("unknown event {other:?}"),
+                ));
+            }
+        })
+    }
+}
+
+impl std::fmt::Display for PortWhat {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl From<PortEvent> for pb::sandbox_event::Port {
+    fn from(e: PortEvent) -> Self {
+        Self {
+            port: u32::from(e.port),
+            what: e.what.as_str().into(),
+            detail: e.detail,
+            bytes_in: e.bytes_in,
+            bytes_out: e.bytes_out,
+            unreported: e.unreported,
+        }
+    }
+}
+
+impl TryFrom<pb::sandbox_event::Port> for PortEvent {
+    type Error = ProtocolError;
+    fn try_from(e: pb::sandbox_event::Port) -> Result<Self, ProtocolError> {
+        if e.detail.len() > 64 {
+            return Err(ProtocolError::invalid("port.detail", "too long"));
+        }
+        Ok(Self {
+            port: u16::try_from(e.port)
+                .map_err(|_| ProtocolError::invalid("port.port", "not a port"))?,
+            what: PortWhat::parse(&e.what)?,
+            detail: e.detail,
+            bytes_in: e.bytes_in,
+            bytes_out: e.bytes_out,
+            unreported: e.unreported,
+        })
+    }
+}
+
 /// One event of a sandbox. `seq` strictly increases per sandbox.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Event {
@@ -155,6 +265,7 @@ impl Event {
                 }
                 EventKind::SandboxLost { reason } => reason.len(),
                 EventKind::Egress(e) => e.host.len() + e.reason.len(),
+                EventKind::Port(e) => e.detail.len(),
                 EventKind::Started { .. } | EventKind::Gap { .. } => 0,
             }
     }
@@ -181,6 +292,7 @@ impl From<Event> for pb::SandboxEvent {
             }),
             EventKind::SandboxLost { reason } => Kind::SandboxLost(ps::SandboxLost { reason }),
             EventKind::Egress(e) => Kind::Egress(e.into()),
+            EventKind::Port(e) => Kind::Port(e.into()),
         };
         Self {
             seq: e.seq,
@@ -215,6 +327,7 @@ impl TryFrom<pb::SandboxEvent> for Event {
             },
             Kind::SandboxLost(l) => EventKind::SandboxLost { reason: l.reason },
             Kind::Egress(e) => EventKind::Egress(e.try_into()?),
+            Kind::Port(e) => EventKind::Port(e.try_into()?),
         };
         let operation_id = if e.operation_id.is_empty() {
             None

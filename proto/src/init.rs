@@ -43,6 +43,8 @@ pub enum InitRequest {
     Reset,
     /// A decision on an egress connection, to journal as an event.
     Egress(crate::event::Egress),
+    /// What the worker saw of the way in to a port, to journal as an event.
+    Port(crate::event::PortEvent),
     /// Serve the egress proxy (as `--egress` does at start); nothing if it
     /// runs already.
     StartRelay,
@@ -283,6 +285,9 @@ impl From<InitRequest> for pb::InitRequest {
             InitRequest::Egress(e) => Kind::Egress(p::Egress {
                 egress: Some(e.into()),
             }),
+            InitRequest::Port(e) => Kind::Port(p::Port {
+                port: Some(e.into()),
+            }),
             InitRequest::StartRelay => Kind::StartRelay(p::StartRelay {}),
             InitRequest::StartIngress { secret } => Kind::StartIngress(p::StartIngress {
                 secret: secret.into(),
@@ -330,6 +335,7 @@ impl TryFrom<pb::InitRequest> for InitRequest {
                     .ok_or(ProtocolError::Missing("egress"))?
                     .try_into()?,
             ),
+            Kind::Port(e) => Self::Port(e.port.ok_or(ProtocolError::Missing("port"))?.try_into()?),
             Kind::StartRelay(_) => Self::StartRelay,
             Kind::StartIngress(s) => Self::StartIngress {
                 secret: s.secret.to_vec(),

@@ -256,6 +256,12 @@ pub struct WorkerArgs {
     /// across all their connections (e.g. 10m); default: no bound.
     #[arg(long, env = "CORRAL_PORTS_MAX_BYTES_PER_SECOND", value_parser = parse_rate)]
     pub ports_max_bytes_per_second: Option<u64>,
+    /// Cut a connection to a sandbox's port (a tunnel, a WebSocket, a
+    /// kept-alive one to its server) that moves nothing either way for
+    /// this long, so that idle clients hold none of its connections; 0:
+    /// never.
+    #[arg(long, env = "CORRAL_PORTS_IDLE_TIMEOUT", default_value = "10m", value_parser = humantime::parse_duration)]
+    pub ports_idle_timeout: std::time::Duration,
     /// Serve Prometheus metrics at http://ADDR/metrics (a port of its own,
     /// without the token: bind it where only the scraper reaches).
     #[arg(long, env = "CORRAL_METRICS_LISTEN")]
@@ -417,6 +423,7 @@ impl WorkerArgs {
                 domain: self.ports_domain.clone(),
                 allow_public: self.allow_public_ports,
                 max_bytes_per_second: self.ports_max_bytes_per_second,
+                idle_timeout: Some(self.ports_idle_timeout).filter(|t| !t.is_zero()),
             },
             otlp_endpoint: self.otlp_endpoint.clone(),
             build: crate::build::BuildSettings {

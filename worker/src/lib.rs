@@ -28,7 +28,8 @@
 //!   proxy request's head, a TLS server name) and deciding on it by policy,
 //!   with [`dns`], its stub resolver, [`proxy`], each sandbox's socket,
 //!   its accept loop and bounds, and [`rate`], the byte rate its
-//!   connections share;
+//!   connections share; [`reports`]: what egress and the way in tell a
+//!   sandbox to journal as its events, never waiting on a data path;
 //! - [`admission`]: which connections reach the server (limits, handshake
 //!   timeout); [`budget`]: what their requests may hold while they are read;
 //! - [`metrics`]: Prometheus metrics and the endpoint that serves them;
@@ -61,6 +62,7 @@ pub mod ports;
 pub mod process;
 pub mod proxy;
 pub mod rate;
+pub mod reports;
 pub mod runtime;
 pub mod sandbox;
 pub mod server;

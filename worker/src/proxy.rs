@@ -17,7 +17,7 @@ use corral_proto::SandboxId;
 use corral_proto::egress::Rule;
 use corral_proto::event::{Egress, EgressDecision};
 use tokio::net::UnixListener;
-use tokio::sync::{Semaphore, mpsc, watch};
+use tokio::sync::{Semaphore, watch};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{debug, warn};
@@ -170,50 +170,8 @@ pub fn remove(dir: &Path) {
     }
 }
 
-/// What the proxy tells its sandbox: each decision, as an event. One that
-/// finds the queue full (a flood of refused connections) is counted, and
-/// the count goes with the next one told: a gap is said, never silent.
-#[derive(Clone)]
-pub struct Reports {
-    tx: mpsc::Sender<Egress>,
-    unreported: Arc<std::sync::atomic::AtomicU32>,
-}
-
-impl Reports {
-    pub fn new(tx: mpsc::Sender<Egress>) -> Self {
-        Self {
-            tx,
-            unreported: Arc::default(),
-        }
-    }
-
-    fn take_unreported(&self) -> u32 {
-        self.unreported.swap(0, std::sync::atomic::Ordering::AcqRel)
-    }
-
-    /// Tells `e`, waiting for room.
-    pub async fn send(&self, mut e: Egress) {
-        e.unreported = self.take_unreported();
-        let _ = self.tx.send(e).await;
-    }
-
-    /// Tells `e` if there is room now; counts it otherwise.
-    pub fn try_send(&self, mut e: Egress) {
-        let before = self.take_unreported();
-        e.unreported = before;
-        if self.tx.try_send(e).is_err() {
-            self.unreported.fetch_add(
-                before.saturating_add(1),
-                std::sync::atomic::Ordering::AcqRel,
-            );
-        }
-    }
-
-    /// Decisions not told yet.
-    pub fn unreported(&self) -> u32 {
-        self.unreported.load(std::sync::atomic::Ordering::Acquire)
-    }
-}
+/// What the proxy tells its sandbox: each decision, as an event.
+pub type Reports = crate::reports::Reports<Egress>;
 
 /// Serves a sandbox's socket until `closed`: each connection is admitted
 /// or refused, relayed, and reported (to `reports`, and the metrics). At
@@ -523,34 +481,6 @@ impl Drop for Open<'_> {
 mod tests {
     use super::*;
 
-    fn decision(host: &str) -> Egress {
-        Egress {
-            host: host.into(),
-            port: 80,
-            decision: EgressDecision::Blocked,
-            reason: "not_allowed".into(),
-            unreported: 0,
-        }
-    }
-
-    #[tokio::test]
-    async fn decisions_that_find_the_queue_full_are_counted_and_told_with_the_next() {
-        let (tx, mut rx) = mpsc::channel(1);
-        let reports = Reports::new(tx);
-        reports.try_send(decision("a"));
-        // Full: these two are counted, not told.
-        reports.try_send(decision("b"));
-        reports.try_send(decision("c"));
-        assert_eq!(reports.unreported(), 2);
-        assert_eq!(rx.recv().await.unwrap().unreported, 0);
-        // The next one told carries the gap, once.
-        reports.send(decision("d")).await;
-        let told = rx.recv().await.unwrap();
-        assert_eq!((told.host.as_str(), told.unreported), ("d", 2));
-        reports.try_send(decision("e"));
-        assert_eq!(rx.recv().await.unwrap().unreported, 0);
-        assert_eq!(reports.unreported(), 0);
-    }
     use std::os::fd::{AsRawFd, RawFd};
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 

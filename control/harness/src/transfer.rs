@@ -399,7 +399,7 @@ async fn stdout_of<W: WorkerApi>(
                     "events {from}..={to} of the output were dropped by the worker's journal"
                 )));
             }
-            EventKind::Started { .. } | EventKind::Egress(_) => {}
+            EventKind::Started { .. } | EventKind::Egress(_) | EventKind::Port(_) => {}
         }
     }
 }

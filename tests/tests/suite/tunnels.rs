@@ -1033,3 +1033,167 @@ async fn head_of(s: &mut tokio::net::TcpStream) -> Result<Vec<u8>> {
     }
     Ok(head)
 }
+
+/// The sandbox's port events so far: (port, what, detail, bytes in, out).
+async fn port_events(
+    client: &WorkerClient,
+    sb: &SandboxId,
+) -> Result<Vec<(u16, String, String, u64, u64)>> {
+    use futures_util::StreamExt as _;
+    let last = client.get_sandbox(sb).await?.last_seq;
+    let mut stream = client.watch(sb, 0, None).await?;
+    let mut out = Vec::new();
+    if last == 0 {
+        return Ok(out);
+    }
+    loop {
+        let e = tokio::time::timeout(Duration::from_secs(10), stream.next())
+            .await
+            .context("events")?
+            .context("the stream ended")??;
+        if let corral_proto::EventKind::Port(p) = &e.kind {
+            out.push((
+                p.port,
+                p.what.as_str().to_string(),
+                p.detail.clone(),
+                p.bytes_in,
+                p.bytes_out,
+            ));
+        }
+        if e.seq >= last {
+            break;
+        }
+    }
+    Ok(out)
+}
+
+/// Waits (10 s at most) for the sandbox's port events to hold one that
+/// `wanted` takes; all of them.
+async fn port_event(
+    client: &WorkerClient,
+    sb: &SandboxId,
+    wanted: impl Fn(&(u16, String, String, u64, u64)) -> bool,
+) -> Result<Vec<(u16, String, String, u64, u64)>> {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let all = port_events(client, sb).await?;
+        if all.iter().any(&wanted) {
+            return Ok(all);
+        }
+        if std::time::Instant::now() > deadline {
+            bail!("not among the sandbox's port events: {all:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// A `CONNECT` tunnel to `port` of `sb` once its server listens.
+async fn tunnel_to(
+    listener: &str,
+    sb: &SandboxId,
+    port: u16,
+    token: &str,
+) -> Result<tokio::net::TcpStream> {
+    for _ in 0..600 {
+        let mut c = tokio::net::TcpStream::connect(listener).await?;
+        c.write_all(
+            format!("CONNECT {sb}:{port} HTTP/1.1\r\nHost: {sb}:{port}\r\nProxy-Authorization: Bearer {token}\r\n\r\n")
+                .as_bytes(),
+        )
+        .await?;
+        if head_of(&mut c)
+            .await
+            .unwrap_or_default()
+            .starts_with(b"HTTP/1.1 200")
+        {
+            return Ok(c);
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    bail!("the sandbox's server never listened")
+}
+
+#[tokio::test]
+async fn the_way_in_is_told_on_the_sandboxs_stream_and_idle_connections_are_cut() -> Result<()> {
+    let state = tempfile::tempdir()?;
+    let (worker, client, sb, listener) =
+        worker_serving_with(state.path(), ECHO, 5000, &["--ports-idle-timeout", "2s"]).await?;
+    client
+        .expose_port(&sb, 5000, PortAccess::Private, None)
+        .await?;
+    port_event(&client, &sb, |e| {
+        (e.1.as_str(), e.2.as_str()) == ("exposed", "private")
+    })
+    .await?;
+    // No credential: refused, and told.
+    let mut c = tokio::net::TcpStream::connect(&listener).await?;
+    c.write_all(format!("CONNECT {sb}:5000 HTTP/1.1\r\nHost: {sb}:5000\r\n\r\n").as_bytes())
+        .await?;
+    let head = head_of(&mut c).await?;
+    assert!(
+        head.starts_with(b"HTTP/1.1 401"),
+        "{}",
+        String::from_utf8_lossy(&head)
+    );
+    port_event(&client, &sb, |e| {
+        (e.1.as_str(), e.2.as_str()) == ("refused", "unauthenticated")
+    })
+    .await?;
+
+    // A tunnel that carries 1,000 bytes each way, then nothing: cut.
+    let token = worker.token();
+    let mut quiet = tunnel_to(&listener, &sb, 5000, &token).await?;
+    quiet.write_all(&[7u8; 1000]).await?;
+    let mut back = [0u8; 1000];
+    quiet.read_exact(&mut back).await?;
+    // One that keeps talking, a byte every 300 ms, is not.
+    let mut busy = tunnel_to(&listener, &sb, 5000, &token).await?;
+    let since = std::time::Instant::now();
+    let mut b = [0u8; 1];
+    let cut = loop {
+        busy.write_all(b"x").await?;
+        busy.read_exact(&mut b)
+            .await
+            .context("the busy tunnel was cut")?;
+        match tokio::time::timeout(Duration::from_millis(300), quiet.read(&mut back)).await {
+            Ok(Ok(0)) => break since.elapsed(),
+            Ok(r) => bail!("the quiet tunnel said {r:?}"),
+            Err(_) if since.elapsed() > Duration::from_secs(20) => {
+                bail!("the quiet tunnel was never cut")
+            }
+            Err(_) => {}
+        }
+    };
+    eprintln!("an idle tunnel was cut after {cut:?} (the timeout: 2 s)");
+    assert!(cut >= Duration::from_millis(1500), "cut after {cut:?}");
+    let all = port_event(&client, &sb, |e| e.1 == "closed" && e.2 == "idle").await?;
+    assert!(
+        all.iter()
+            .any(|e| *e == (5000, "closed".into(), "idle".into(), 1000, 1000)),
+        "{all:?}"
+    );
+    assert!(
+        all.iter()
+            .any(|e| (e.1.as_str(), e.2.as_str()) == ("opened", "private")),
+        "{all:?}"
+    );
+    // The busy one goes on past several timeouts, then ends with the
+    // exposure's revocation, told as such.
+    for _ in 0..10 {
+        busy.write_all(b"y").await?;
+        busy.read_exact(&mut b)
+            .await
+            .context("the busy tunnel was cut")?;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    assert!(client.revoke_access(&sb, 5000).await?);
+    let n = tokio::time::timeout(Duration::from_secs(5), busy.read(&mut b)).await??;
+    assert_eq!(n, 0, "the revoked tunnel went on");
+    let all = port_event(&client, &sb, |e| e.1 == "closed" && e.2 == "revoked").await?;
+    assert!(
+        all.iter().any(|e| e.1 == "revoked" && e.0 == 5000),
+        "{all:?}"
+    );
+    client.destroy_sandbox(&sb).await?;
+    Ok(())
+}

@@ -22,7 +22,7 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tracing::debug;
 
-use super::{Access, Exposure, Refusal};
+use super::{Access, Exposure, Link, Refusal};
 use crate::sandbox::Sandbox;
 use crate::worker::PortTarget;
 use crate::worker::Worker;
@@ -66,12 +66,16 @@ pub async fn serve(worker: Worker, listener: TcpListener, shutdown: Cancellation
                 let worker = worker.clone();
                 let upstream = upstream.clone();
                 async move {
-                    let answer = handle(&worker, req, &upstream).await;
-                    let outcome = answer
-                        .extensions()
-                        .get::<Refusal>()
-                        .map_or("carried", |r| r.reason());
-                    worker.metrics().ports_answered(outcome);
+                    let mut reached = None;
+                    let answer = handle(&worker, req, &upstream, &mut reached).await;
+                    let refused = answer.extensions().get::<Refusal>().copied();
+                    worker
+                        .metrics()
+                        .ports_answered(refused.map_or("carried", Refusal::reason));
+                    // Told to the sandbox it reached, as its event.
+                    if let (Some(r), Some((sandbox, port))) = (refused, reached) {
+                        sandbox.ports().tell_refused(port, r.reason());
+                    }
                     Ok::<_, Infallible>(answer)
                 }
             });
@@ -375,21 +379,30 @@ const MAX_HEADER_BYTES: usize = 64 << 10;
 /// (for the same sandbox, port and exposure), as a browser's keep-alive
 /// expects.
 #[derive(Default)]
-struct Upstream(tokio::sync::Mutex<Option<(UpstreamKey, Sender)>>);
+struct Upstream(tokio::sync::Mutex<Option<(UpstreamKey, Server)>>);
 
 type Sender = hyper::client::conn::http1::SendRequest<Body>;
+/// A connection to a sandbox's server: what sends on it, and its link.
+type Server = (Sender, std::sync::Arc<Link>);
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct UpstreamKey {
     sandbox: SandboxId,
     port: u16,
     nonce: String,
-    /// Admitted as the sandbox's owner (its connections count against
-    /// the owner's share).
-    owner: bool,
+    /// The caller's access (the owner's, private, counts against the
+    /// owner's share of the sandbox's connections).
+    access: Access,
 }
 
-async fn handle(worker: &Worker, req: Request<Incoming>, upstream: &Upstream) -> Response<Body> {
+/// Answers `req`; `reached`: the running sandbox and port it reached, if
+/// it got that far (a refusal from there on is the sandbox's event).
+async fn handle(
+    worker: &Worker,
+    req: Request<Incoming>,
+    upstream: &Upstream,
+    reached: &mut Option<(Sandbox, u16)>,
+) -> Response<Body> {
     let header_bytes: usize = req
         .headers()
         .iter()
@@ -399,7 +412,7 @@ async fn handle(worker: &Worker, req: Request<Incoming>, upstream: &Upstream) ->
         return refuse(Refusal::HeadTooLarge);
     }
     if req.method() == http::Method::CONNECT {
-        return tunnel(worker, req).await;
+        return tunnel(worker, req, reached).await;
     }
     // HTTP/2 names the host in the request's authority.
     let host = req
@@ -422,6 +435,7 @@ async fn handle(worker: &Worker, req: Request<Incoming>, upstream: &Upstream) ->
         Ok(found) => found,
         Err(r) => return refuse(r),
     };
+    *reached = Some((sandbox.clone(), route.port));
     let (access, used) = match admit(worker, &route, exposure.as_ref(), &creds) {
         Ok(a) => a,
         Err(r) => return refuse(r),
@@ -503,23 +517,19 @@ async fn handle(worker: &Worker, req: Request<Incoming>, upstream: &Upstream) ->
             f
         })
         .boxed();
-    let expires = expiry(worker, &exposure);
+    let ends = Ends {
+        expires: expiry(worker, &exposure),
+        revoked: exposure.revoked,
+        idle: worker.ports_idle_timeout(),
+    };
     let req = Request::from_parts(parts, body);
     let key = UpstreamKey {
         sandbox: route.sandbox.clone(),
         port: route.port,
         nonce: exposure.nonce.clone(),
-        owner: access == Access::Private,
+        access,
     };
-    forward(
-        worker,
-        &sandbox,
-        (key, upstream),
-        req,
-        exposure.revoked,
-        expires,
-    )
-    .await
+    forward(worker, &sandbox, (key, upstream), req, ends).await
 }
 
 /// A raw TCP tunnel to an exposed port: `CONNECT {sandbox}:{port}`, the
@@ -529,7 +539,11 @@ async fn handle(worker: &Worker, req: Request<Incoming>, upstream: &Upstream) ->
 /// the connection, then carried both ways as an upgrade is, so any TCP
 /// protocol (a database's, SSH) reaches the port through a client that
 /// speaks HTTP proxies' CONNECT (`corral port forward` is one).
-async fn tunnel(worker: &Worker, mut req: Request<Incoming>) -> Response<Body> {
+async fn tunnel(
+    worker: &Worker,
+    mut req: Request<Incoming>,
+    reached: &mut Option<(Sandbox, u16)>,
+) -> Response<Body> {
     let Some((sandbox_id, port)) = connect_target(req.uri()) else {
         return refuse(Refusal::BadRoute);
     };
@@ -551,6 +565,7 @@ async fn tunnel(worker: &Worker, mut req: Request<Incoming>) -> Response<Body> {
         Ok(found) => found,
         Err(r) => return refuse(r),
     };
+    *reached = Some((sandbox.clone(), port));
     let access = match admit(worker, &route, exposure.as_ref(), &creds) {
         Ok((access, _)) => access,
         Err(r) => return refuse(r),
@@ -558,29 +573,25 @@ async fn tunnel(worker: &Worker, mut req: Request<Incoming>) -> Response<Body> {
     let Some(exposure) = exposure else {
         return refuse(Refusal::NotExposed);
     };
-    let server = match worker
-        .dial_port(&sandbox, port, access == Access::Private)
-        .await
-    {
+    let server = match worker.dial_port(&sandbox, port, access).await {
         Ok(s) => s,
         Err(r) => return refuse(r),
     };
     sandbox.touch();
     let client = hyper::upgrade::on(&mut req);
-    let expires = expiry(worker, &exposure);
+    let ends = Ends {
+        revoked: exposure.revoked.clone(),
+        expires: expiry(worker, &exposure),
+        idle: worker.ports_idle_timeout(),
+    };
     tokio::spawn(async move {
+        let Some(link) = server.link() else { return };
         match client.await {
-            Ok(client) => {
-                carry(
-                    TokioIo::new(client),
-                    server,
-                    &sandbox,
-                    &exposure.revoked,
-                    expires,
-                )
-                .await
+            Ok(client) => carry(TokioIo::new(client), server, &link, &sandbox, &ends).await,
+            Err(e) => {
+                link.end("ended");
+                debug!(error = %e, "a tunnel's client went before it was carried");
             }
-            Err(e) => debug!(error = %e, "a tunnel's client went before it was carried"),
         }
     });
     Response::new(full(""))
@@ -622,36 +633,67 @@ fn expiry(worker: &Worker, exposure: &Exposure) -> Option<tokio::time::Instant> 
     })
 }
 
-/// Carries bytes both ways between a client and a sandbox's server until
-/// either side ends, the exposure is revoked or ends, or the sandbox goes;
-/// an open connection keeps its sandbox from being idle.
-async fn carry<C, S>(
-    mut client: C,
-    mut server: S,
-    sandbox: &Sandbox,
-    revoked: &CancellationToken,
+/// What ends a connection to a sandbox's port besides its two sides: its
+/// exposure's revocation or end, and a time with nothing moved.
+#[derive(Clone)]
+struct Ends {
+    revoked: CancellationToken,
     expires: Option<tokio::time::Instant>,
-) where
+    idle: Option<Duration>,
+}
+
+/// Carries bytes both ways between a client and a sandbox's server until
+/// either side ends, or [`cut`] says why not to go on; traffic keeps the
+/// sandbox from being idle.
+async fn carry<C, S>(mut client: C, mut server: S, link: &Link, sandbox: &Sandbox, ends: &Ends)
+where
     C: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
 {
-    let carried = tokio::io::copy_bidirectional(&mut client, &mut server);
-    tokio::pin!(carried);
-    let ended = async {
-        match expires {
+    let why = tokio::select! {
+        _ = tokio::io::copy_bidirectional(&mut client, &mut server) => "ended",
+        why = cut(link, || sandbox.touch(), sandbox.closed(), ends) => why,
+    };
+    link.end(why);
+}
+
+/// Resolves, with why, when a connection to a sandbox's port is to be cut:
+/// the sandbox goes, the exposure is revoked or ends, or nothing moved
+/// either way for the idle timeout. Meanwhile, each time `link` has moved
+/// something, `touch` (the sandbox was used).
+async fn cut(
+    link: &Link,
+    touch: impl Fn(),
+    closed: &CancellationToken,
+    ends: &Ends,
+) -> &'static str {
+    let expired = async {
+        match ends.expires {
             Some(t) => tokio::time::sleep_until(t).await,
             None => std::future::pending().await,
         }
     };
-    tokio::pin!(ended);
-    let mut used = tokio::time::interval(TOUCH_EVERY);
+    tokio::pin!(expired);
+    // Looked at often enough to cut an idle one within a quarter of its
+    // timeout past it.
+    let every = ends.idle.map_or(TOUCH_EVERY, |i| TOUCH_EVERY.min(i / 4));
+    let mut looks = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+    looks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let (mut seen, mut since) = (link.moved(), tokio::time::Instant::now());
     loop {
         tokio::select! {
-            _ = &mut carried => break,
-            () = revoked.cancelled() => break,
-            () = sandbox.closed().cancelled() => break,
-            () = &mut ended => break,
-            _ = used.tick() => sandbox.touch(),
+            () = closed.cancelled() => return "sandbox_gone",
+            () = ends.revoked.cancelled() => return "revoked",
+            () = &mut expired => return "expired",
+            now = looks.tick() => {
+                let moved = link.moved();
+                if moved != seen {
+                    (seen, since) = (moved, now);
+                    touch();
+                } else if ends.idle.is_some_and(|i| now.duration_since(since) >= i) {
+                    return "idle";
+                }
+            }
         }
     }
 }
@@ -722,16 +764,8 @@ async fn forward(
     sandbox: &Sandbox,
     (key, upstream): (UpstreamKey, &Upstream),
     mut req: Request<Body>,
-    revoked: CancellationToken,
-    expires: Option<tokio::time::Instant>,
+    ends: Ends,
 ) -> Response<Body> {
-    // The exposure's end cuts what is open, as a revocation does.
-    let ended = move || async move {
-        match expires {
-            Some(t) => tokio::time::sleep_until(t).await,
-            None => std::future::pending().await,
-        }
-    };
     let upgrade = req
         .headers()
         .get(header::UPGRADE)
@@ -740,36 +774,45 @@ async fn forward(
     // The client's connection to this port, if it is still there and free.
     let mut kept = upstream.0.lock().await;
     let cached = match kept.take() {
-        Some((k, mut sender)) if k == key && !sender.is_closed() => {
-            sender.ready().await.ok().map(|()| sender)
+        Some((k, (mut sender, link))) if k == key && !sender.is_closed() => {
+            sender.ready().await.ok().map(|()| (sender, link))
         }
         _ => None,
     };
-    let mut sender = match cached {
+    let (mut sender, link) = match cached {
         Some(s) => s,
         None => {
-            let stream = match worker.dial_port(sandbox, key.port, key.owner).await {
+            let stream = match worker.dial_port(sandbox, key.port, key.access).await {
                 Ok(s) => s,
                 Err(r) => return refuse(r),
+            };
+            let Some(link) = stream.link() else {
+                return refuse(Refusal::SandboxUnavailable);
             };
             let (sender, conn) =
                 match hyper::client::conn::http1::handshake(TokioIo::new(stream)).await {
                     Ok(c) => c,
-                    Err(_) => return refuse(Refusal::PortNotListening),
+                    Err(_) => {
+                        link.end("ended");
+                        return refuse(Refusal::PortNotListening);
+                    }
                 };
-            let closed = sandbox.closed().clone();
-            let cut = revoked.clone();
+            let (held, ends) = (link.clone(), ends.clone());
+            let sandbox = sandbox.clone();
             tokio::spawn(async move {
-                tokio::select! {
-                    r = conn.with_upgrades() => if let Err(e) = r {
-                        debug!(error = %e, "a connection to a sandbox's port ended");
-                    },
-                    () = cut.cancelled() => {}
-                    () = closed.cancelled() => {}
-                    () = ended() => {}
-                }
+                // Requests touch the sandbox themselves.
+                let why = tokio::select! {
+                    r = conn.with_upgrades() => {
+                        if let Err(e) = r {
+                            debug!(error = %e, "a connection to a sandbox's port ended");
+                        }
+                        "ended"
+                    }
+                    why = cut(&held, || {}, sandbox.closed(), &ends) => why,
+                };
+                held.end(why);
             });
-            sender
+            (sender, link)
         }
     };
     let mut resp = match sender.send_request(req).await {
@@ -781,7 +824,7 @@ async fn forward(
     };
     // Kept for the client's next request, unless this one switched protocols.
     if upgrade.is_none() {
-        *kept = Some((key, sender));
+        *kept = Some((key, (sender, link.clone())));
     }
     drop(kept);
     if resp.status() == StatusCode::SWITCHING_PROTOCOLS
@@ -796,9 +839,9 @@ async fn forward(
             carry(
                 TokioIo::new(client),
                 TokioIo::new(server),
+                &link,
                 &sandbox,
-                &revoked,
-                expires,
+                &ends,
             )
             .await;
         });
@@ -940,5 +983,85 @@ mod tests {
         }
         // The listener's own address routes by path.
         assert!(route(Some("127.0.0.1:7080"), d, "/p/a/8000/").is_some());
+    }
+
+    fn ends(idle: Option<Duration>) -> Ends {
+        Ends {
+            revoked: CancellationToken::new(),
+            expires: None,
+            idle,
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_connection_is_cut_once_nothing_moved_for_the_idle_timeout_and_not_before() {
+        let link = Link::new(8080, None);
+        let touched = std::sync::atomic::AtomicUsize::new(0);
+        let touch = || {
+            touched.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        };
+        let closed = CancellationToken::new();
+        let idle = Duration::from_secs(60);
+        let ends = ends(Some(idle));
+        let started = tokio::time::Instant::now();
+        // A byte every 50 s for ten minutes: never idle for 60 s.
+        let traffic = async {
+            for _ in 0..12 {
+                tokio::time::sleep(Duration::from_secs(50)).await;
+                link.carried_in(1);
+            }
+        };
+        tokio::select! {
+            why = cut(&link, touch, &closed, &ends) => panic!("cut while in use: {why}"),
+            () = traffic => {}
+        }
+        assert!(touched.load(std::sync::atomic::Ordering::Relaxed) >= 10);
+        // Then nothing: cut within a quarter of the timeout past it.
+        let quiet = tokio::time::Instant::now();
+        assert_eq!(cut(&link, || {}, &closed, &ends).await, "idle");
+        let waited = quiet.elapsed();
+        assert!(waited >= idle && waited <= idle + idle / 4, "{waited:?}");
+        assert!(started.elapsed() > Duration::from_secs(600));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn without_an_idle_timeout_only_revocation_expiry_or_the_sandbox_cut() {
+        let link = Link::new(8080, None);
+        let closed = CancellationToken::new();
+        let mut e = ends(None);
+        let far = tokio::time::timeout(Duration::from_secs(86_400), cut(&link, || {}, &closed, &e));
+        assert!(far.await.is_err(), "cut with nothing to cut it");
+        e.expires = Some(tokio::time::Instant::now() + Duration::from_secs(5));
+        assert_eq!(cut(&link, || {}, &closed, &e).await, "expired");
+        e.expires = None;
+        e.revoked.cancel();
+        assert_eq!(cut(&link, || {}, &closed, &e).await, "revoked");
+        closed.cancel();
+        assert_eq!(
+            cut(&link, || {}, &closed, &ends(None)).await,
+            "sandbox_gone"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_links_end_is_told_with_its_bytes_and_why() {
+        let (tx, mut rx) = tokio::sync::mpsc::channel(4);
+        let link = Link::new(5432, Some(crate::reports::Reports::new(tx)));
+        link.carried_in(10);
+        link.carried_out(7);
+        link.end("idle");
+        link.end("ended");
+        drop(link);
+        let told = rx.recv().await.unwrap();
+        assert_eq!(
+            (
+                told.port,
+                told.what,
+                told.detail.as_str(),
+                told.bytes_in,
+                told.bytes_out
+            ),
+            (5432, corral_proto::event::PortWhat::Closed, "idle", 10, 7)
+        );
     }
 }

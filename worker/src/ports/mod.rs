@@ -18,12 +18,13 @@ pub mod ingress;
 
 use std::collections::BTreeMap;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
 use corral_proto::SandboxId;
+use corral_proto::event::{PortEvent, PortWhat};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio_util::sync::CancellationToken;
 
@@ -138,6 +139,69 @@ pub struct SandboxPorts {
     meter: std::sync::OnceLock<Arc<WayMeter>>,
     /// Those of them held by callers other than the owner.
     shared: Arc<AtomicUsize>,
+    /// Where what happens to its ports is told, as the sandbox's events
+    /// (`None`: nowhere, for a checkpointed sandbox's kept exposures).
+    reports: Option<PortReports>,
+}
+
+/// Where a sandbox's port events go.
+pub type PortReports = crate::reports::Reports<PortEvent>;
+
+/// One connection to a sandbox's server: the bytes it carried each way,
+/// and why it ended, told as a `closed` event when the last holder of it
+/// lets it go (its [`Counted`], and whoever carries it).
+pub struct Link {
+    port: u16,
+    bytes_in: AtomicU64,
+    bytes_out: AtomicU64,
+    why: std::sync::OnceLock<&'static str>,
+    reports: Option<PortReports>,
+}
+
+impl Link {
+    /// A link whose end is told to `reports` (if any).
+    pub fn new(port: u16, reports: Option<PortReports>) -> Self {
+        Self {
+            port,
+            bytes_in: AtomicU64::new(0),
+            bytes_out: AtomicU64::new(0),
+            why: std::sync::OnceLock::new(),
+            reports,
+        }
+    }
+
+    /// Bytes it moved, both ways.
+    pub fn moved(&self) -> u64 {
+        self.bytes_in.load(Ordering::Relaxed) + self.bytes_out.load(Ordering::Relaxed)
+    }
+
+    pub fn carried_in(&self, n: u64) {
+        self.bytes_in.fetch_add(n, Ordering::Relaxed);
+    }
+
+    pub fn carried_out(&self, n: u64) {
+        self.bytes_out.fetch_add(n, Ordering::Relaxed);
+    }
+
+    /// Says why it ends (the first reason said is kept).
+    pub fn end(&self, why: &'static str) {
+        let _ = self.why.set(why);
+    }
+}
+
+impl Drop for Link {
+    fn drop(&mut self) {
+        if let Some(r) = &self.reports {
+            let mut e = PortEvent::new(
+                self.port,
+                PortWhat::Closed,
+                self.why.get().copied().unwrap_or("ended"),
+            );
+            e.bytes_in = *self.bytes_in.get_mut();
+            e.bytes_out = *self.bytes_out.get_mut();
+            r.try_send(e);
+        }
+    }
 }
 
 /// A connection to a sandbox's port that counts against its bound while
@@ -145,6 +209,7 @@ pub struct SandboxPorts {
 pub struct Counted<S> {
     inner: S,
     _place: Place,
+    link: Option<Arc<Link>>,
     meter: Option<Arc<WayMeter>>,
     read_wait: Option<Pin<Box<tokio::time::Sleep>>>,
     write_wait: Option<Pin<Box<tokio::time::Sleep>>>,
@@ -235,12 +300,15 @@ impl<S: AsyncRead + Unpin> AsyncRead for Counted<S> {
     ) -> Poll<std::io::Result<()>> {
         let this = &mut *self;
         let Some(meter) = this.meter.clone() else {
-            return Pin::new(&mut this.inner).poll_read(cx, buf);
+            let before = buf.filled().len();
+            let r = Pin::new(&mut this.inner).poll_read(cx, buf);
+            this.read((buf.filled().len() - before) as u64);
+            return r;
         };
         let Some(rate) = meter.out.as_ref() else {
             let before = buf.filled().len();
             let r = Pin::new(&mut this.inner).poll_read(cx, buf);
-            meter.bytes_out.inc_by((buf.filled().len() - before) as u64);
+            this.read((buf.filled().len() - before) as u64);
             return r;
         };
         let allowed = match allowance(Some(rate), &mut this.read_wait, cx, buf.remaining()) {
@@ -254,8 +322,35 @@ impl<S: AsyncRead + Unpin> AsyncRead for Counted<S> {
         let n = held.filled().len();
         buf.put_slice(held.filled());
         rate.give_back(allowed - n);
-        meter.bytes_out.inc_by(n as u64);
+        this.read(n as u64);
         r
+    }
+}
+
+impl<S> Counted<S> {
+    /// `n` bytes came from the sandbox.
+    fn read(&self, n: u64) {
+        if let Some(m) = &self.meter {
+            m.bytes_out.inc_by(n);
+        }
+        if let Some(l) = &self.link {
+            l.carried_out(n);
+        }
+    }
+
+    /// `n` bytes went to the sandbox.
+    fn wrote(&self, n: u64) {
+        if let Some(m) = &self.meter {
+            m.bytes_in.inc_by(n);
+        }
+        if let Some(l) = &self.link {
+            l.carried_in(n);
+        }
+    }
+
+    /// The connection's link (its bytes, and why it ends).
+    pub fn link(&self) -> Option<Arc<Link>> {
+        self.link.clone()
     }
 }
 
@@ -267,7 +362,11 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Counted<S> {
     ) -> Poll<std::io::Result<usize>> {
         let this = &mut *self;
         let Some(meter) = this.meter.clone() else {
-            return Pin::new(&mut this.inner).poll_write(cx, buf);
+            let r = Pin::new(&mut this.inner).poll_write(cx, buf);
+            if let Poll::Ready(Ok(n)) = &r {
+                this.wrote(*n as u64);
+            }
+            return r;
         };
         let allowed = match allowance(meter.inward.as_ref(), &mut this.write_wait, cx, buf.len()) {
             Poll::Ready(n) => n,
@@ -281,7 +380,7 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Counted<S> {
         if let Some(rate) = &meter.inward {
             rate.give_back(allowed - n);
         }
-        meter.bytes_in.inc_by(n as u64);
+        this.wrote(n as u64);
         r
     }
 
@@ -322,6 +421,32 @@ impl SandboxPorts {
             file: Some(file),
             ..Self::default()
         }
+    }
+
+    /// These ports' events told through `reports` (the sandbox's).
+    pub fn telling(mut self, reports: PortReports) -> Self {
+        self.reports = Some(reports);
+        self
+    }
+
+    /// Tells `e`, if the sandbox is told anything (never waiting: an
+    /// event that finds the queue full is counted, and the count told).
+    fn tell(&self, e: PortEvent) {
+        if let Some(r) = &self.reports {
+            r.try_send(e);
+        }
+    }
+
+    /// Tells that a request or tunnel for `port` was refused, and why.
+    pub fn tell_refused(&self, port: u16, reason: &'static str) {
+        self.tell(PortEvent::new(port, PortWhat::Refused, reason));
+    }
+
+    /// A new connection's link to `port`, for a caller of `access`
+    /// (told as `opened`; its end is told as `closed`).
+    pub fn link(&self, port: u16, access: Access) -> Arc<Link> {
+        self.tell(PortEvent::new(port, PortWhat::Opened, access.as_str()));
+        Arc::new(Link::new(port, self.reports.clone()))
     }
 
     /// Writes `all` to the file (an empty set: no file).
@@ -389,6 +514,7 @@ impl SandboxPorts {
         if let Some(old) = old {
             old.revoked.cancel();
         }
+        self.tell(PortEvent::new(e.port, PortWhat::Exposed, e.access.as_str()));
         Ok(e)
     }
 
@@ -399,6 +525,7 @@ impl SandboxPorts {
             return false;
         };
         e.revoked.cancel();
+        self.tell(PortEvent::new(port, PortWhat::Revoked, ""));
         if let Err(err) = self.keep(&all) {
             // A revoked exposure must not come back with a restart: all
             // of the sandbox's go rather than that one.
@@ -418,6 +545,7 @@ impl SandboxPorts {
         if e.expires_at_ms.is_some_and(|t| now_ms >= t) {
             if let Some(e) = all.remove(&port) {
                 e.revoked.cancel();
+                self.tell(PortEvent::new(port, PortWhat::Expired, ""));
             }
             return None;
         }
@@ -430,6 +558,9 @@ impl SandboxPorts {
             let live = e.expires_at_ms.is_none_or(|t| now_ms < t);
             if !live {
                 e.revoked.cancel();
+                if let Some(r) = &self.reports {
+                    r.try_send(PortEvent::new(e.port, PortWhat::Expired, ""));
+                }
             }
             live
         });
@@ -476,6 +607,7 @@ impl Slot {
         Counted {
             inner,
             _place: self.0,
+            link: None,
             meter: None,
             read_wait: None,
             write_wait: None,
@@ -483,17 +615,19 @@ impl Slot {
     }
 
     /// [`Self::hold`], counted in `open` while it is, its bytes by
-    /// `meter`.
+    /// `meter` and its `link`.
     pub fn hold_metered<S>(
         mut self,
         inner: S,
         open: &prometheus_client::metrics::gauge::Gauge,
         meter: Arc<WayMeter>,
+        link: Arc<Link>,
     ) -> Counted<S> {
         open.inc();
         self.0.1 = Some(open.clone());
         let mut c = self.hold(inner);
         c.meter = Some(meter);
+        c.link = Some(link);
         c
     }
 }
@@ -818,6 +952,42 @@ mod tests {
         assert_eq!(
             other.verify(&t, &a, 80, Some(&e), 5_000),
             Err(Refusal::InvalidToken)
+        );
+    }
+
+    #[tokio::test]
+    async fn what_happens_to_a_sandboxs_ports_is_told_as_its_events() {
+        use corral_proto::event::PortWhat::*;
+        let (tx, mut rx) = tokio::sync::mpsc::channel(16);
+        let ports = SandboxPorts::default().telling(crate::reports::Reports::new(tx));
+        ports.expose(exposure(80, 10_000)).unwrap();
+        ports.expose(exposure(81, 10_000)).unwrap();
+        let link = ports.link(80, Access::Signed);
+        link.carried_in(3);
+        ports.tell_refused(80, Refusal::InvalidToken.reason());
+        assert!(ports.revoke(80));
+        assert!(!ports.revoke(80), "told once");
+        link.end("revoked");
+        drop(link);
+        // 81 is found expired.
+        assert!(ports.get(81, 10_000).is_none());
+        drop(ports);
+        let mut told = Vec::new();
+        while let Some(e) = rx.recv().await {
+            told.push((e.port, e.what, e.detail, e.bytes_in));
+        }
+        let d = |s: &str| s.to_string();
+        assert_eq!(
+            told,
+            [
+                (80, Exposed, d("signed"), 0),
+                (81, Exposed, d("signed"), 0),
+                (80, Opened, d("signed"), 0),
+                (80, Refused, d("invalid_token"), 0),
+                (80, Revoked, d(""), 0),
+                (80, Closed, d("revoked"), 3),
+                (81, Expired, d(""), 0),
+            ]
         );
     }
 

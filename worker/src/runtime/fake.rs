@@ -466,6 +466,7 @@ async fn supervise(
                 Ok(
                     InitRequest::Credit { .. }
                     | InitRequest::Egress(_)
+                    | InitRequest::Port(_)
                     | InitRequest::StartRelay
                     | InitRequest::StartIngress { .. },
                 ) => None,

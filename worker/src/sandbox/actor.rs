@@ -1,6 +1,6 @@
 //! The sandbox's actor: the only writer of its journal and operation
 //! table, and the owner of the link to its supervisor (attach, credit,
-//! inputs, resets, egress reports).
+//! inputs, resets, egress and port reports).
 
 use super::*;
 
@@ -47,17 +47,17 @@ pub(super) struct Actor {
     pub(super) resets: VecDeque<oneshot::Sender<Result<u32>>>,
     /// Decisions of the sandbox's egress proxy, for init to journal.
     pub(super) egress_reports: Option<mpsc::Receiver<corral_proto::event::Egress>>,
-    /// Those not yet sent (no link to init just now), oldest first.
-    pub(super) egress_pending: VecDeque<corral_proto::event::Egress>,
+    /// What the worker saw of the way in to its ports, for init to journal.
+    pub(super) port_reports: Option<mpsc::Receiver<corral_proto::event::PortEvent>>,
+    /// Those reports not yet sent (no link to init just now), oldest first.
+    pub(super) reports_pending: VecDeque<InitRequest>,
 }
 
-/// Most egress decisions kept while init cannot be told; past it the
-/// oldest go (the metrics count them all).
-const MAX_EGRESS_PENDING: usize = 1024;
+/// Most reports kept while init cannot be told; past it the oldest go
+/// (the metrics count them all).
+const MAX_REPORTS_PENDING: usize = 1024;
 
-async fn next_report(
-    rx: &mut Option<mpsc::Receiver<corral_proto::event::Egress>>,
-) -> Option<corral_proto::event::Egress> {
+async fn next_report<T>(rx: &mut Option<mpsc::Receiver<T>>) -> Option<T> {
     match rx {
         Some(rx) => rx.recv().await,
         None => std::future::pending().await,
@@ -67,6 +67,7 @@ async fn next_report(
 enum Wake {
     Command(Option<Command>),
     Egress(Option<corral_proto::event::Egress>),
+    Port(Option<corral_proto::event::PortEvent>),
     Output(Option<Result<LogOutput, bollard::errors::Error>>),
     Progress,
     Closed,
@@ -84,6 +85,7 @@ impl Actor {
                 item = next_output(&mut self.output) => Wake::Output(item),
                 () = self.shared.progress.notified() => Wake::Progress,
                 e = next_report(&mut self.egress_reports) => Wake::Egress(e),
+                e = next_report(&mut self.port_reports) => Wake::Port(e),
                 () = tokio::time::sleep(Duration::from_millis(250)), if self.stall_check => Wake::Progress,
             };
             match wake {
@@ -104,23 +106,28 @@ impl Actor {
                 }
                 Wake::Progress => self.grant().await,
                 Wake::Egress(None) => self.egress_reports = None,
-                Wake::Egress(Some(e)) => {
-                    if self.egress_pending.len() >= MAX_EGRESS_PENDING {
-                        self.egress_pending.pop_front();
-                    }
-                    self.egress_pending.push_back(e);
-                }
+                Wake::Egress(Some(e)) => self.pending(InitRequest::Egress(e)),
+                Wake::Port(None) => self.port_reports = None,
+                Wake::Port(Some(e)) => self.pending(InitRequest::Port(e)),
             }
             while self.welcomed
-                && let Some(e) = self.egress_pending.pop_front()
+                && let Some(e) = self.reports_pending.pop_front()
             {
-                if !self.send(InitRequest::Egress(e.clone())).await {
-                    self.egress_pending.push_front(e);
+                if !self.send(e.clone()).await {
+                    self.reports_pending.push_front(e);
                     break;
                 }
             }
         }
         debug!("sandbox actor stopped");
+    }
+
+    /// Keeps a report for init, the oldest dropped past the bound.
+    fn pending(&mut self, report: InitRequest) {
+        if self.reports_pending.len() >= MAX_REPORTS_PENDING {
+            self.reports_pending.pop_front();
+        }
+        self.reports_pending.push_back(report);
     }
 
     fn is_lost(&self) -> bool {

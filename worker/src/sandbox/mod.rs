@@ -369,6 +369,7 @@ impl Sandbox {
             .as_ref()
             .map(|_| watch::Sender::new(Arc::new(spec.egress.clone())));
         let (runtime, limits) = (Arc::clone(runtime), *limits);
+        let (port_reports, port_reports_rx) = mpsc::channel(256);
         let shared = Arc::new(Shared {
             limits,
             journal: Mutex::new(Journal::default()),
@@ -381,7 +382,8 @@ impl Sandbox {
             closed: shutdown.child_token(),
             touched: Mutex::new(tokio::time::Instant::now()),
             egress: policy,
-            ports: crate::ports::SandboxPorts::kept_at(crate::state::ports_path(state_root, &id)),
+            ports: crate::ports::SandboxPorts::kept_at(crate::state::ports_path(state_root, &id))
+                .telling(crate::reports::Reports::new(port_reports)),
         });
         let (tx, rx) = mpsc::channel(256);
         let egress_reports = match (egress, &shared.egress) {
@@ -427,7 +429,8 @@ impl Sandbox {
             inputs: HashMap::new(),
             resets: VecDeque::new(),
             egress_reports,
-            egress_pending: VecDeque::new(),
+            port_reports: Some(port_reports_rx),
+            reports_pending: VecDeque::new(),
             traced: traces
                 .map(|t| t.open_of(&id).into_iter().map(|op| (op, false)).collect())
                 .unwrap_or_default(),

@@ -67,8 +67,10 @@ pub(super) fn violation(ops: &OpTable, last_seq: u64, event: &Event) -> Option<S
     if event.seq != last_seq + 1 {
         return Some(format!("event {} after event {last_seq}", event.seq));
     }
-    if matches!(event.kind, EventKind::Egress(_)) && event.operation_id.is_some() {
-        return Some("an egress event of an operation".into());
+    if matches!(event.kind, EventKind::Egress(_) | EventKind::Port(_))
+        && event.operation_id.is_some()
+    {
+        return Some("an egress or port event of an operation".into());
     }
     let id = event.operation_id.as_ref()?;
     let Some(op) = ops.ops.get(id) else {

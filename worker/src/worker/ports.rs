@@ -43,6 +43,9 @@ pub struct PortsSettings {
     /// Most bytes a second one sandbox's way in moves, each direction,
     /// across its connections (`--ports-max-bytes-per-second`).
     pub max_bytes_per_second: Option<u64>,
+    /// A connection to a sandbox's port that moves nothing either way
+    /// for this long is cut (`--ports-idle-timeout`; `None`: never).
+    pub idle_timeout: Option<Duration>,
 }
 
 /// An exposure as a client sees it.
@@ -118,6 +121,11 @@ impl Worker {
             .url
             .as_deref()
             .is_some_and(|u| u.starts_with("https://"))
+    }
+
+    /// How long a connection to a sandbox's port may move nothing.
+    pub(crate) fn ports_idle_timeout(&self) -> Option<Duration> {
+        self.inner.ports_settings.idle_timeout
     }
 
     pub(crate) fn ports_domain(&self) -> Option<&str> {
@@ -383,18 +391,20 @@ impl Worker {
             .unwrap_or(Err(Refusal::SandboxWaking))
     }
 
-    /// A connection to `port` of `sandbox`, through its way in, counted
-    /// against the sandbox's bound on connections while it is open.
+    /// A connection to `port` of `sandbox` for a caller of `access`,
+    /// through its way in, counted against the sandbox's bound on
+    /// connections while it is open, and told as the sandbox's events
+    /// (`opened`, then `closed` with its bytes).
     pub(crate) async fn dial_port(
         &self,
         sandbox: &Sandbox,
         port: u16,
-        owner: bool,
+        access: Access,
     ) -> std::result::Result<crate::ports::Counted<crate::ports::ingress::PortStream>, Refusal>
     {
         let slot = sandbox
             .ports()
-            .admit_connection(owner)
+            .admit_connection(access == Access::Private)
             .ok_or(Refusal::TooManyConnections)?;
         let ingress = self
             .ingress_of(sandbox)
@@ -432,6 +442,7 @@ impl Worker {
                 bytes_out,
             }
         });
-        Ok(slot.hold_metered(stream, &self.inner.metrics.ports_open, meter))
+        let link = sandbox.ports().link(port, access);
+        Ok(slot.hold_metered(stream, &self.inner.metrics.ports_open, meter, link))
     }
 }

@@ -489,6 +489,8 @@ impl<W: WorkerApi> Actor<W> {
             EventKind::Egress(e) => {
                 let _ = self.egress.send(e);
             }
+            // The way in is not an operation's: nothing of it to record.
+            EventKind::Port(_) => {}
             kind => {
                 let Some(id) = event.operation_id else { return };
                 let Some(op) = self.ops.get_mut(&id) else {
@@ -508,7 +510,8 @@ impl<W: WorkerApi> Actor<W> {
                     EventKind::Started { .. }
                     | EventKind::Gap { .. }
                     | EventKind::SandboxLost { .. }
-                    | EventKind::Egress(_) => {}
+                    | EventKind::Egress(_)
+                    | EventKind::Port(_) => {}
                 }
             }
         }

@@ -707,7 +707,7 @@ class WatchSandboxRequest(_message.Message):
     def __init__(self, sandbox_id: _Optional[str] = ..., after_seq: _Optional[int] = ..., operation_id: _Optional[str] = ...) -> None: ...
 
 class SandboxEvent(_message.Message):
-    __slots__ = ("seq", "operation_id", "started", "output", "finished", "gap", "sandbox_lost", "egress")
+    __slots__ = ("seq", "operation_id", "started", "output", "finished", "gap", "sandbox_lost", "egress", "port")
     class Started(_message.Message):
         __slots__ = ("pid",)
         PID_FIELD_NUMBER: _ClassVar[int]
@@ -750,6 +750,21 @@ class SandboxEvent(_message.Message):
         reason: str
         unreported: int
         def __init__(self, host: _Optional[str] = ..., port: _Optional[int] = ..., decision: _Optional[str] = ..., reason: _Optional[str] = ..., unreported: _Optional[int] = ...) -> None: ...
+    class Port(_message.Message):
+        __slots__ = ("port", "what", "detail", "bytes_in", "bytes_out", "unreported")
+        PORT_FIELD_NUMBER: _ClassVar[int]
+        WHAT_FIELD_NUMBER: _ClassVar[int]
+        DETAIL_FIELD_NUMBER: _ClassVar[int]
+        BYTES_IN_FIELD_NUMBER: _ClassVar[int]
+        BYTES_OUT_FIELD_NUMBER: _ClassVar[int]
+        UNREPORTED_FIELD_NUMBER: _ClassVar[int]
+        port: int
+        what: str
+        detail: str
+        bytes_in: int
+        bytes_out: int
+        unreported: int
+        def __init__(self, port: _Optional[int] = ..., what: _Optional[str] = ..., detail: _Optional[str] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., unreported: _Optional[int] = ...) -> None: ...
     SEQ_FIELD_NUMBER: _ClassVar[int]
     OPERATION_ID_FIELD_NUMBER: _ClassVar[int]
     STARTED_FIELD_NUMBER: _ClassVar[int]
@@ -758,6 +773,7 @@ class SandboxEvent(_message.Message):
     GAP_FIELD_NUMBER: _ClassVar[int]
     SANDBOX_LOST_FIELD_NUMBER: _ClassVar[int]
     EGRESS_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
     seq: int
     operation_id: str
     started: SandboxEvent.Started
@@ -766,7 +782,8 @@ class SandboxEvent(_message.Message):
     gap: SandboxEvent.Gap
     sandbox_lost: SandboxEvent.SandboxLost
     egress: SandboxEvent.Egress
-    def __init__(self, seq: _Optional[int] = ..., operation_id: _Optional[str] = ..., started: _Optional[_Union[SandboxEvent.Started, _Mapping]] = ..., output: _Optional[_Union[SandboxEvent.Output, _Mapping]] = ..., finished: _Optional[_Union[SandboxEvent.Finished, _Mapping]] = ..., gap: _Optional[_Union[SandboxEvent.Gap, _Mapping]] = ..., sandbox_lost: _Optional[_Union[SandboxEvent.SandboxLost, _Mapping]] = ..., egress: _Optional[_Union[SandboxEvent.Egress, _Mapping]] = ...) -> None: ...
+    port: SandboxEvent.Port
+    def __init__(self, seq: _Optional[int] = ..., operation_id: _Optional[str] = ..., started: _Optional[_Union[SandboxEvent.Started, _Mapping]] = ..., output: _Optional[_Union[SandboxEvent.Output, _Mapping]] = ..., finished: _Optional[_Union[SandboxEvent.Finished, _Mapping]] = ..., gap: _Optional[_Union[SandboxEvent.Gap, _Mapping]] = ..., sandbox_lost: _Optional[_Union[SandboxEvent.SandboxLost, _Mapping]] = ..., egress: _Optional[_Union[SandboxEvent.Egress, _Mapping]] = ..., port: _Optional[_Union[SandboxEvent.Port, _Mapping]] = ...) -> None: ...
 
 class GetWorkerInfoRequest(_message.Message):
     __slots__ = ()

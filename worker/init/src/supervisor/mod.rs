@@ -848,6 +848,10 @@ impl Supervisor {
                 let event = self.journal.push(None, EventKind::Egress(e));
                 self.send(InitMessage::Event(event));
             }
+            InitRequest::Port(e) => {
+                let event = self.journal.push(None, EventKind::Port(e));
+                self.send(InitMessage::Event(event));
+            }
             // A pool member claimed with egress: its first command comes
             // after this, so none can take the port first either.
             InitRequest::StartRelay => self.start_relay(),
