@@ -219,10 +219,13 @@ async fn run_op<W: WorkerApi>(
     // sandbox's output for this reader rather than let the journal drop it.
     // A stop signal before it is submitted ends this at once.
     let started = async {
-        let events =
-            Follower::from_now(worker.clone(), sandbox.clone(), Some(op.clone()), patience).await?;
-        follow::retry(worker, patience, || worker.submit(sandbox, &op, &spec)).await?;
-        Ok::<_, ExecError>(events)
+        let (record, events) =
+            follow::retry(worker, patience, || worker.run(sandbox, &op, &spec)).await?;
+        let after = record.first_seq.saturating_sub(1);
+        Ok::<_, ExecError>(
+            Follower::on_stream(worker.clone(), sandbox.clone(), op.clone(), after, events)
+                .with_patience(patience),
+        )
     };
     let mut events = tokio::select! {
         started = started => started?,

@@ -1,6 +1,8 @@
-//! What the front door costs: `run("true")` (a sandbox's last event asked
-//! for, the command submitted, its end watched: what the SDK's `run` does)
-//! and create → first command, through `corral serve --tenants` with a
+//! What the front door costs: `run("true")` in one call (`RunOperation`:
+//! the submit and the watch of its end, what the SDK's `run` and `corral
+//! exec` do) and in three (the sandbox's last event asked for, the command
+//! submitted, its end watched: what they did before), and create → first
+//! command, through `corral serve --tenants` with a
 //! tenant's key against the same worker reached directly with its token, in
 //! one run, interleaved.
 //!
@@ -13,8 +15,8 @@
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, ensure};
-use corral_e2e::run_shell;
 use corral_e2e::serve::Setup;
+use corral_e2e::{run_shell, run_shell_in_three};
 use corral_harness::client::WorkerClient;
 use corral_proto::SandboxSpec;
 
@@ -84,6 +86,7 @@ async fn main() -> Result<()> {
         run_shell(&door, &on_door, "true").await?;
     }
     let (mut a, mut b) = (Vec::new(), Vec::new());
+    let (mut a3, mut b3) = (Vec::new(), Vec::new());
     for _ in 0..RUNS {
         let t = Instant::now();
         run_shell(&direct, &on_direct, "true").await?;
@@ -91,6 +94,12 @@ async fn main() -> Result<()> {
         let t = Instant::now();
         run_shell(&door, &on_door, "true").await?;
         b.push(t.elapsed());
+        let t = Instant::now();
+        run_shell_in_three(&direct, &on_direct, "true").await?;
+        a3.push(t.elapsed());
+        let t = Instant::now();
+        run_shell_in_three(&door, &on_door, "true").await?;
+        b3.push(t.elapsed());
     }
     let (mut ca, mut cb) = (Vec::new(), Vec::new());
     for _ in 0..CREATES {
@@ -100,17 +109,24 @@ async fn main() -> Result<()> {
     direct.destroy_sandbox(&on_direct).await?;
     door.destroy_sandbox(&on_door).await?;
     let (a, b, ca, cb) = (Stats(a), Stats(b), Stats(ca), Stats(cb));
+    let (a3, b3) = (Stats(a3), Stats(b3));
     println!("| measurement | p50 | p90 | samples |");
     println!("|---|---|---|---|");
-    row("`run(\"true\")`, direct to the worker", &a);
-    row("`run(\"true\")`, through the front door", &b);
+    row("`run(\"true\")` in one call, direct to the worker", &a);
+    row("`run(\"true\")` in one call, through the front door", &b);
+    row("`run(\"true\")` in three calls, direct", &a3);
+    row(
+        "`run(\"true\")` in three calls, through the front door",
+        &b3,
+    );
     row("create → first `true`, direct", &ca);
     row("create → first `true`, through the front door", &cb);
     println!();
     println!(
-        "The front door adds {} to a run at p50 ({:.2}x), {} to create → first command.",
+        "The front door adds {} to a run in one call at p50 ({:.2}x), {} to one in three, {} to create → first command.",
         ms(b.pct(0.5).saturating_sub(a.pct(0.5))),
         b.pct(0.5).as_secs_f64() / a.pct(0.5).as_secs_f64(),
+        ms(b3.pct(0.5).saturating_sub(a3.pct(0.5))),
         ms(cb.pct(0.5).saturating_sub(ca.pct(0.5)))
     );
     Ok(())

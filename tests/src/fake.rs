@@ -60,6 +60,13 @@ impl pb::worker_server::Worker for FakeWorker {
     ) -> Result<Response<pb::Operation>, Status> {
         no()
     }
+    type RunOperationStream = Stream_<pb::RunOperationResponse>;
+    async fn run_operation(
+        &self,
+        _: Request<pb::SubmitOperationRequest>,
+    ) -> Result<Response<Self::RunOperationStream>, Status> {
+        no()
+    }
     async fn get_operation(
         &self,
         _: Request<pb::GetOperationRequest>,

@@ -253,7 +253,14 @@ pub async fn collect(
     op: &OperationId,
     after: u64,
 ) -> Result<(Vec<Event>, OperationResult)> {
-    let mut stream = client.watch(sandbox, after, Some(op)).await?;
+    let stream = client.watch(sandbox, after, Some(op)).await?;
+    collect_from(stream).await
+}
+
+/// An operation's events on `stream`, to its end, and its result.
+pub async fn collect_from(
+    mut stream: corral_harness::client::EventStream,
+) -> Result<(Vec<Event>, OperationResult)> {
     let mut events = Vec::new();
     let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
     loop {
@@ -273,8 +280,29 @@ pub async fn collect(
     }
 }
 
-/// Runs `command` in `sandbox` to its end; its stdout.
+/// Runs `command` in `sandbox` to its end, in one call (`RunOperation`);
+/// its stdout.
 pub async fn run_shell(
+    client: &WorkerClient,
+    sandbox: &SandboxId,
+    command: &str,
+) -> Result<String> {
+    let op = OperationId::random();
+    let (_, stream) = client
+        .run(
+            sandbox,
+            &op,
+            OperationSpec::Shell(ShellSpec::new(command)),
+            None,
+        )
+        .await?;
+    let (events, _) = collect_from(stream).await?;
+    Ok(String::from_utf8_lossy(&stdout_of(&events)).into_owned())
+}
+
+/// [`run_shell`] as three calls: the sandbox's last event, the submit,
+/// and a watch of the operation from there.
+pub async fn run_shell_in_three(
     client: &WorkerClient,
     sandbox: &SandboxId,
     command: &str,

@@ -24,15 +24,17 @@ use corral_proto::limits::{MAX_INPUT_CHUNK_BYTES, MAX_REQUEST_BYTES};
 
 /// The default of `--max-request-memory`.
 pub const DEFAULT_BYTES: usize = 512 << 20;
-/// The one call that carries file data.
+/// The calls that carry file data (a write's): a submit, alone or with
+/// its watch.
 const SUBMIT: &str = "/corral.v1.Worker/SubmitOperation";
+const RUN: &str = "/corral.v1.Worker/RunOperation";
 /// Largest message of every call but [`SUBMIT`]: a WriteInput's or an
 /// Upload's chunk (1 MiB) and room for ids and a path.
 pub const MAX_OTHER_REQUEST_BYTES: usize = MAX_INPUT_CHUNK_BYTES + (1 << 20);
 
 /// The largest message a call to `path` may send.
 pub fn limit_of(path: &str) -> usize {
-    if path == SUBMIT {
+    if path == SUBMIT || path == RUN {
         MAX_REQUEST_BYTES
     } else {
         MAX_OTHER_REQUEST_BYTES
@@ -360,8 +362,10 @@ mod tests {
         ));
         let err = req.into_body().frame().await.unwrap().unwrap_err();
         assert_eq!(err.code(), tonic::Code::OutOfRange, "{err:?}");
-        // The same size is a Submit's to make.
-        let req = budget.wrap(request(SUBMIT, vec![big]));
+        // The same size is a Submit's to make, and a Run's.
+        let req = budget.wrap(request(SUBMIT, vec![big.clone()]));
+        assert!(req.into_body().frame().await.unwrap().is_ok());
+        let req = budget.wrap(request(RUN, vec![big]));
         assert!(req.into_body().frame().await.unwrap().is_ok());
     }
 

@@ -802,6 +802,58 @@ impl WorkerClient {
         Ok(op.try_into()?)
     }
 
+    /// Submits an operation and watches its events, in one call
+    /// (`RunOperation`): the operation as submitted, and its events from
+    /// its first to its `Finished`, after which the stream ends (one that
+    /// ends before is resumed with [`Self::watch`] for the operation). A
+    /// worker or front door of an earlier release, which has no such
+    /// call, is asked in two (a submit, then a watch from the sandbox's
+    /// last event before it).
+    pub async fn run(
+        &self,
+        sandbox: &SandboxId,
+        id: &OperationId,
+        spec: OperationSpec,
+        traceparent: Option<&str>,
+    ) -> Result<(OperationRecord, EventStream), ClientError> {
+        use pb::run_operation_response::Kind;
+        let mut req = tonic::Request::new(pb::SubmitOperationRequest {
+            sandbox_id: sandbox.to_string(),
+            operation_id: id.to_string(),
+            spec: Some(spec.clone().into()),
+        });
+        if let Some(v) = traceparent.and_then(|t| t.parse().ok()) {
+            req.metadata_mut().insert("traceparent", v);
+        }
+        let mut stream = match self.rpc(self.inner.clone().run_operation(req)).await {
+            Ok(s) => s.into_inner(),
+            Err(ClientError::Status(s)) if s.code() == tonic::Code::Unimplemented => {
+                let before = self.get_sandbox(sandbox).await?.last_seq;
+                let record = self.submit_traced(sandbox, id, spec, traceparent).await?;
+                let after = match record.first_seq {
+                    0 => before,
+                    first => before.min(first - 1),
+                };
+                return Ok((record, self.watch(sandbox, after, Some(id)).await?));
+            }
+            Err(e) => return Err(e),
+        };
+        let first = stream
+            .message()
+            .await?
+            .ok_or(corral_proto::ProtocolError::Missing(
+                "run_operation.submitted",
+            ))?;
+        let Some(Kind::Submitted(op)) = first.kind else {
+            return Err(corral_proto::ProtocolError::Missing("run_operation.submitted").into());
+        };
+        let events = stream.map(|item| match item?.kind {
+            Some(Kind::Event(e)) => Ok(Event::try_from(e)?),
+            _ => Err(corral_proto::ProtocolError::Missing("run_operation.event").into()),
+        });
+        Ok((op.try_into()?, Box::pin(events)))
+    }
+
     pub async fn operation(
         &self,
         sandbox: &SandboxId,

@@ -118,6 +118,21 @@ impl<W: WorkerApi> Follower<W> {
         Ok(f)
     }
 
+    /// Follows operation `id` on a stream already open (a `run`'s), from
+    /// its first event: a break reopens it after the last event handed
+    /// out (before any, after `after_seq`).
+    pub fn on_stream(
+        worker: W,
+        sandbox: SandboxId,
+        id: OperationId,
+        after_seq: u64,
+        stream: Events,
+    ) -> Self {
+        let mut f = Self::new(worker, sandbox, after_seq, Some(id));
+        f.stream = Some(stream);
+        f
+    }
+
     pub fn with_patience(mut self, patience: Duration) -> Self {
         self.patience = patience;
         self

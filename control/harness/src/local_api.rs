@@ -75,6 +75,18 @@ impl WorkerApi for Worker {
             .map_err(local)
     }
 
+    async fn run(
+        &self,
+        sandbox: &SandboxId,
+        id: &OperationId,
+        spec: &OperationSpec,
+    ) -> Result<(OperationRecord, Events), ApiError> {
+        let (record, watch) = Worker::run_watched(self, sandbox, id.clone(), spec.clone(), None)
+            .await
+            .map_err(local)?;
+        Ok((record, Box::pin(ReceiverStream::new(watch.events).map(Ok))))
+    }
+
     async fn cancel(&self, sandbox: &SandboxId, id: &OperationId) -> Result<bool, ApiError> {
         Worker::cancel(self, sandbox, id).await.map_err(local)
     }

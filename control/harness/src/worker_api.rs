@@ -114,6 +114,24 @@ pub trait WorkerApi: Clone + Send + Sync + 'static {
         let _ = traceparent;
         self.submit(sandbox, id, spec)
     }
+    /// Submits an operation and watches it, in one call where the worker
+    /// has one (`RunOperation`): its record, and its events from its
+    /// first to its end (a stream that ends before is followed again from
+    /// the last seq received). By default, a watch from the sandbox's last
+    /// event, then the submit.
+    fn run(
+        &self,
+        sandbox: &SandboxId,
+        id: &OperationId,
+        spec: &OperationSpec,
+    ) -> impl Future<Output = Result<(OperationRecord, Events), ApiError>> + Send {
+        async move {
+            let before = self.get_sandbox(sandbox).await?.last_seq;
+            let events = self.watch(sandbox, before, Some(id)).await?;
+            let record = self.submit(sandbox, id, spec).await?;
+            Ok((record, events))
+        }
+    }
     /// Asks a running operation to stop; false when it was not running.
     fn cancel(
         &self,
@@ -244,6 +262,18 @@ impl WorkerApi for WorkerClient {
         WorkerClient::submit_traced(self, sandbox, id, spec.clone(), traceparent)
             .await
             .map_err(remote)
+    }
+
+    async fn run(
+        &self,
+        sandbox: &SandboxId,
+        id: &OperationId,
+        spec: &OperationSpec,
+    ) -> Result<(OperationRecord, Events), ApiError> {
+        let (record, events) = WorkerClient::run(self, sandbox, id, spec.clone(), None)
+            .await
+            .map_err(remote)?;
+        Ok((record, Box::pin(events.map(|e| e.map_err(remote)))))
     }
 
     async fn cancel(&self, sandbox: &SandboxId, id: &OperationId) -> Result<bool, ApiError> {

@@ -35,6 +35,7 @@ use tonic::{Code, Request, Response, Status};
 const ROUTES: usize = 100_000;
 
 type EventStream = Pin<Box<dyn Stream<Item = Result<pb::SandboxEvent, Status>> + Send>>;
+type RunStream = Pin<Box<dyn Stream<Item = Result<pb::RunOperationResponse, Status>> + Send>>;
 type DownloadStream = Pin<Box<dyn Stream<Item = Result<pb::DownloadResponse, Status>> + Send>>;
 type BuildStream = Pin<Box<dyn Stream<Item = Result<pb::BuildImageEvent, Status>> + Send>>;
 
@@ -1095,6 +1096,24 @@ impl pb::worker_server::Worker for FrontDoor {
             sandbox_id,
             submit_operation
         )
+    }
+
+    type RunOperationStream = RunStream;
+
+    async fn run_operation(
+        &self,
+        req: Request<pb::SubmitOperationRequest>,
+    ) -> Result<Response<RunStream>, Status> {
+        let events = on_sandbox!(
+            self,
+            req,
+            Scope::Run,
+            "RunOperation",
+            true,
+            sandbox_id,
+            run_operation
+        )?;
+        Ok(Response::new(Box::pin(events.into_inner())))
     }
 
     async fn get_operation(

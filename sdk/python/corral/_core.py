@@ -251,9 +251,12 @@ class AsyncProcess:
             p._result = result_of(op.result)
         return p
 
-    async def _events(self, after: int) -> AsyncGenerator[pb.SandboxEvent, None]:
+    async def _events(
+        self, after: int, opened: AsyncGenerator[pb.SandboxEvent, None] | None = None
+    ) -> AsyncGenerator[pb.SandboxEvent, None]:
         """The operation's events after ``after``, to its end, across
-        dropped watches and worker restarts."""
+        dropped watches and worker restarts; first those of ``opened`` (a
+        stream of them already open, from its first event)."""
         sb = self.sandbox
         loop = asyncio.get_running_loop()
         last = after
@@ -261,8 +264,13 @@ class AsyncProcess:
         pause = 0.05
         while True:
             try:
-                req = pb.WatchSandboxRequest(sandbox_id=sb.id, after_seq=last, operation_id=self.id)
-                stream = sb.worker.watch(req)
+                if opened is not None:
+                    stream, opened = opened, None
+                else:
+                    req = pb.WatchSandboxRequest(
+                        sandbox_id=sb.id, after_seq=last, operation_id=self.id
+                    )
+                    stream = sb.worker.watch(req)
                 try:
                     async for ev in stream:
                         gone_since = None
@@ -315,8 +323,9 @@ class AsyncProcess:
         on_stdout: OnOutput | None = None,
         on_stderr: OnOutput | None = None,
         on_chunk: Callable[[OutputChunk], Awaitable[None]] | None = None,
+        opened: AsyncGenerator[pb.SandboxEvent, None] | None = None,
     ) -> Result:
-        events = self._events(self.after)
+        events = self._events(self.after, opened)
         try:
             async for ev in events:
                 kind = ev.WhichOneof("kind")
@@ -336,8 +345,11 @@ class AsyncProcess:
                     self._result = result_of(ev.finished.result)
                     return self._result
         finally:
-            # The watch ends here and now (not when collected).
+            # The watch ends here and now (not when collected), and an
+            # opened one never read too.
             await events.aclose()
+            if opened is not None:
+                await opened.aclose()
         # _events ends only with the operation's end (results are never
         # dropped from the journal) or an error.
         raise AssertionError("an operation's events ended without its result")
@@ -726,6 +738,47 @@ class AsyncFiles:
         return await _tar.download(self._sb, _path(remote, "remote"), Path(local))
 
 
+def _shell_spec(
+    cmd: Command,
+    *,
+    cwd: SandboxPath | None,
+    env: Mapping[str, str] | None,
+    timeout: float | None,
+    stdin: bool,
+    bash: bool,
+    keep_background: bool,
+    terminal: tuple[int, int] | None,
+) -> pb.OperationSpec:
+    """A shell operation's spec, its arguments checked (see
+    :meth:`AsyncSandbox.start`)."""
+    # A timeout of 0 would end the command before it starts: refused,
+    # never read as "none".
+    _positive(timeout, "timeout")
+    if not isinstance(stdin, bool):
+        raise InvalidArgument(
+            f"stdin {stdin!r}: True opens a pipe for write_stdin (run() takes the bytes)"
+        )
+    shell = pb.ShellSpec(
+        command=_command(cmd),
+        workdir=_path(cwd, "cwd") if cwd is not None else "",
+        env=_str_map(env, "env"),
+        # None: the longest the worker takes (24 h), as corral exec
+        # asks: no timeout unless one is given.
+        timeout_ms=_ms(timeout, "timeout") or MAX_TIMEOUT_MS,
+        use_bash=bash,
+        keep_background=keep_background,
+        stdin=stdin,
+    )
+    if terminal is not None:
+        if not isinstance(terminal, (tuple, list)) or len(terminal) != 2:
+            raise InvalidArgument(f"terminal {terminal!r}: (rows, cols)")
+        rows, cols = terminal
+        _positive(rows, "terminal rows", whole=True)
+        _positive(cols, "terminal columns", whole=True)
+        shell.terminal.CopyFrom(pb.TerminalSize(rows=rows, cols=cols))
+    return pb.OperationSpec(shell=shell)
+
+
 class AsyncSandbox:
     """A sandbox on a worker (see :meth:`create` and :meth:`connect`)."""
 
@@ -873,32 +926,63 @@ class AsyncSandbox:
         fed by ``write_stdin``. ``terminal=(rows, cols)`` runs it on a
         pseudo-terminal: its input is ``write_stdin``'s (Ctrl-C is ``\x03``),
         all its output comes as stdout."""
-        # A timeout of 0 would end the command before it starts: refused,
-        # never read as "none".
-        _positive(timeout, "timeout")
-        if not isinstance(stdin, bool):
-            raise InvalidArgument(
-                f"stdin {stdin!r}: True opens a pipe for write_stdin (run() takes the bytes)"
+        return await self._submit(
+            _shell_spec(
+                cmd,
+                cwd=cwd,
+                env=env,
+                timeout=timeout,
+                stdin=stdin,
+                bash=bash,
+                keep_background=keep_background,
+                terminal=terminal,
             )
-        shell = pb.ShellSpec(
-            command=_command(cmd),
-            workdir=_path(cwd, "cwd") if cwd is not None else "",
-            env=_str_map(env, "env"),
-            # None: the longest the worker takes (24 h), as corral exec
-            # asks: no timeout unless one is given.
-            timeout_ms=_ms(timeout, "timeout") or MAX_TIMEOUT_MS,
-            use_bash=bash,
-            keep_background=keep_background,
-            stdin=stdin,
         )
-        if terminal is not None:
-            if not isinstance(terminal, (tuple, list)) or len(terminal) != 2:
-                raise InvalidArgument(f"terminal {terminal!r}: (rows, cols)")
-            rows, cols = terminal
-            _positive(rows, "terminal rows", whole=True)
-            _positive(cols, "terminal columns", whole=True)
-            shell.terminal.CopyFrom(pb.TerminalSize(rows=rows, cols=cols))
-        return await self._submit(pb.OperationSpec(shell=shell))
+
+    async def _run_op(
+        self, spec: pb.OperationSpec
+    ) -> tuple[AsyncProcess, AsyncGenerator[pb.SandboxEvent, None] | None]:
+        """Submits ``spec`` and opens its watch in one call
+        (``RunOperation``): the process, and the stream of its events from
+        its first (``None`` from a worker of an earlier release, which
+        lacks the call: submitted alone, it is watched as any other)."""
+        op_id = _new_id()
+        req = pb.SubmitOperationRequest(sandbox_id=self.id, operation_id=op_id, spec=spec)
+
+        async def opened() -> tuple[pb.Operation, AsyncGenerator[pb.RunOperationResponse, None]]:
+            stream = self.worker.run(req)
+            try:
+                first = await stream.__anext__()
+            except StopAsyncIteration:
+                raise WorkerUnavailable(
+                    f"{self.worker.url}: RunOperation ended before it said the operation"
+                ) from None
+            except BaseException:
+                await stream.aclose()
+                raise
+            if first.WhichOneof("kind") != "submitted":
+                await stream.aclose()
+                raise CorralError(f"{self.worker.url}: RunOperation said no operation first")
+            return first.submitted, stream
+
+        try:
+            op, stream = await _rpc.retrying(opened, self.patience, is_transient, self.worker)
+        except CorralError as e:
+            if e.code != "UNIMPLEMENTED":
+                raise
+            return await self._submit(spec), None
+        p = AsyncProcess(self, op_id)
+        p._first_seq = op.first_seq
+
+        async def events() -> AsyncGenerator[pb.SandboxEvent, None]:
+            try:
+                async for r in stream:
+                    if r.WhichOneof("kind") == "event":
+                        yield r.event
+            finally:
+                await stream.aclose()
+
+        return p, events()
 
     async def run(
         self,
@@ -921,11 +1005,19 @@ class AsyncSandbox:
             )
         if stdin is not None:
             stdin = _data(stdin, "stdin")
-        p = await self.start(
-            cmd, cwd=cwd, env=env, timeout=timeout, stdin=stdin is not None, bash=bash
+        spec = _shell_spec(
+            cmd,
+            cwd=cwd,
+            env=env,
+            timeout=timeout,
+            stdin=stdin is not None,
+            bash=bash,
+            keep_background=False,
+            terminal=None,
         )
+        p, opened = await self._run_op(spec)
         try:
-            return await self._run_started(p, stdin, on_stdout, on_stderr)
+            return await self._run_started(p, stdin, on_stdout, on_stderr, opened)
         except BaseException:
             # A callback that raised, a caller that gave up: the command
             # goes with it.
@@ -939,9 +1031,10 @@ class AsyncSandbox:
         stdin: Data | None,
         on_stdout: OnOutput | None,
         on_stderr: OnOutput | None,
+        opened: AsyncGenerator[pb.SandboxEvent, None] | None = None,
     ) -> Result:
         if stdin is None:
-            return await p._follow(on_stdout, on_stderr)
+            return await p._follow(on_stdout, on_stderr, opened=opened)
 
         async def feed() -> None:
             if await p.write_stdin(stdin):
@@ -949,7 +1042,7 @@ class AsyncSandbox:
 
         feeding = asyncio.ensure_future(feed())
         try:
-            result = await p._follow(on_stdout, on_stderr)
+            result = await p._follow(on_stdout, on_stderr, opened=opened)
         finally:
             if not feeding.done():
                 feeding.cancel()

@@ -112,6 +112,11 @@ class Worker:
             request_serializer=ser,
             response_deserializer=pb.SandboxEvent.FromString,
         )
+        self._run = ch.unary_stream(
+            SERVICE + "RunOperation",
+            request_serializer=ser,
+            response_deserializer=pb.RunOperationResponse.FromString,
+        )
         self._download = ch.unary_stream(
             SERVICE + "Download",
             request_serializer=ser,
@@ -171,6 +176,9 @@ class Worker:
 
     def watch(self, req: pb.WatchSandboxRequest) -> AsyncGenerator[pb.SandboxEvent, None]:
         return _stream(lambda: self._watch(req, metadata=self._metadata), self._error, self._guard)
+
+    def run(self, req: pb.SubmitOperationRequest) -> AsyncGenerator[pb.RunOperationResponse, None]:
+        return _stream(lambda: self._run(req, metadata=self._metadata), self._error, self._guard)
 
     def download(self, req: pb.DownloadRequest) -> AsyncGenerator[pb.DownloadResponse, None]:
         return _stream(

@@ -125,6 +125,16 @@ async fn every_call(client: &WorkerClient, id: &str) -> Vec<(&'static str, Strin
         })
     );
     call!(
+        "RunOperation",
+        c.clone().run_operation(pb::SubmitOperationRequest {
+            sandbox_id: sid(),
+            operation_id: op.clone(),
+            spec: Some(
+                corral_proto::OperationSpec::Shell(corral_proto::ShellSpec::new("true")).into()
+            ),
+        })
+    );
+    call!(
         "GetOperation",
         c.clone().get_operation(pb::GetOperationRequest {
             sandbox_id: sid(),
@@ -390,6 +400,18 @@ async fn tenants_reach_their_own_sandboxes_alone_and_an_auditor_reads_but_never_
                     &a1,
                     &corral_proto::OperationId::random(),
                     corral_proto::OperationSpec::Shell(corral_proto::ShellSpec::new("true")),
+                )
+                .await
+                .map(|_| ()),
+        ),
+        (
+            "RunOperation",
+            as_auditor
+                .run(
+                    &a1,
+                    &corral_proto::OperationId::random(),
+                    corral_proto::OperationSpec::Shell(corral_proto::ShellSpec::new("true")),
+                    None,
                 )
                 .await
                 .map(|_| ()),

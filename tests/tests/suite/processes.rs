@@ -782,3 +782,127 @@ async fn the_workers_idle_timeout_and_a_sandboxs_ttl_remove_it() -> Result<()> {
     h2.stop().await;
     Ok(())
 }
+
+/// A `RunOperation` stream, read whole: its first message's operation,
+/// then its events (an error if it does not end within 60 s).
+async fn run_stream(
+    h: &Harness,
+    req: corral_proto::pb::SubmitOperationRequest,
+) -> std::result::Result<(corral_proto::pb::Operation, Vec<EventKind>), tonic::Status> {
+    use corral_proto::pb::run_operation_response::Kind;
+    let mut stream = h.client.raw().run_operation(req).await?.into_inner();
+    let Some(Kind::Submitted(op)) = stream.message().await?.and_then(|m| m.kind) else {
+        return Err(tonic::Status::internal("no operation first"));
+    };
+    let mut events = Vec::new();
+    loop {
+        let next = tokio::time::timeout(Duration::from_secs(60), stream.message())
+            .await
+            .map_err(|_| tonic::Status::deadline_exceeded("no end"))??;
+        match next.and_then(|m| m.kind) {
+            None => return Ok((op, events)),
+            Some(Kind::Event(e)) => events.push(
+                corral_proto::Event::try_from(e)
+                    .map_err(|e| tonic::Status::internal(e.to_string()))?
+                    .kind,
+            ),
+            Some(Kind::Submitted(_)) => return Err(tonic::Status::internal("a second operation")),
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_run_is_one_call_that_ends_with_its_result_and_runs_its_id_once() -> Result<()> {
+    let h = Harness::start().await?;
+    let sb = h.sandbox().await?;
+    let id = OperationId::random();
+    let req = |command: &str| corral_proto::pb::SubmitOperationRequest {
+        sandbox_id: sb.to_string(),
+        operation_id: id.to_string(),
+        spec: Some(OperationSpec::Shell(corral_proto::ShellSpec::new(command)).into()),
+    };
+    // Another run of the sandbox meanwhile: neither stream has the
+    // other's events.
+    let other = run_stream(
+        &h,
+        corral_proto::pb::SubmitOperationRequest {
+            operation_id: OperationId::random().to_string(),
+            ..req("for i in $(seq 50); do echo other; sleep 0.01; done")
+        },
+    );
+    let counted = "echo ran >> /tmp/runs; head -c 3000000 /dev/zero | tr '\\0' x; exit 3";
+    let (ran, other) = tokio::join!(run_stream(&h, req(counted)), other);
+    let (op, events) = ran?;
+    let (_, other) = other?;
+    let said: Vec<u8> = other
+        .iter()
+        .filter_map(|k| match k {
+            EventKind::Output { data, .. } => Some(data.to_vec()),
+            _ => None,
+        })
+        .flatten()
+        .collect();
+    assert_eq!(said, b"other\n".repeat(50));
+    assert_eq!(op.operation_id, id.to_string());
+    let out: Vec<u8> = events
+        .iter()
+        .filter_map(|k| match k {
+            EventKind::Output { data, .. } => Some(data.to_vec()),
+            _ => None,
+        })
+        .flatten()
+        .collect();
+    assert_eq!(
+        out.len(),
+        3_000_000,
+        "the output came whole, and only its own"
+    );
+    assert!(out.iter().all(|b| *b == b'x'));
+    let Some(EventKind::Finished(r)) = events.last() else {
+        panic!(
+            "the stream did not end with its result: {:?}",
+            events.last()
+        );
+    };
+    assert_eq!(r.outcome, Outcome::Exited { code: 3 });
+    // Its id again: the same operation, not run twice, its events replayed.
+    let (again, replayed) = run_stream(&h, req(counted)).await?;
+    assert_eq!(
+        again.status,
+        corral_proto::pb::OperationStatus::Finished as i32
+    );
+    assert!(matches!(replayed.last(), Some(EventKind::Finished(_))));
+    assert_eq!(
+        h.run(&sb, "wc -l < /tmp/runs")
+            .await?
+            .stdout
+            .to_lossy_string()
+            .trim(),
+        "1"
+    );
+    // Its id with another command: refused; an unknown sandbox: not found.
+    let refused = run_stream(&h, req("true")).await.unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::AlreadyExists, "{refused:?}");
+    let missing = run_stream(
+        &h,
+        corral_proto::pb::SubmitOperationRequest {
+            sandbox_id: "no-such-sandbox".into(),
+            ..req("true")
+        },
+    )
+    .await
+    .unwrap_err();
+    assert_eq!(missing.code(), tonic::Code::NotFound, "{missing:?}");
+    // An 8 MiB write is a run's to make, as a submit's.
+    let write = corral_proto::pb::SubmitOperationRequest {
+        operation_id: OperationId::random().to_string(),
+        spec: Some(
+            OperationSpec::WriteFile(WriteFileSpec::new("big.bin", vec![1u8; 8 << 20])).into(),
+        ),
+        ..req("true")
+    };
+    let (_, events) = run_stream(&h, write).await?;
+    assert!(matches!(events.last(), Some(EventKind::Finished(r)) if r.outcome.is_success()));
+    h.stop().await;
+    Ok(())
+}

@@ -731,6 +731,11 @@ impl Sandbox {
         })
     }
 
+    /// The seq of its last event.
+    pub fn last_seq(&self) -> u64 {
+        *self.shared.last_seq.borrow()
+    }
+
     /// Watchers of this sandbox now.
     pub fn watchers(&self) -> usize {
         lock(&self.shared.watchers).len()

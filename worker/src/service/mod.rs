@@ -7,7 +7,7 @@ use corral_proto::init::OperationRecord;
 use corral_proto::limits::LIST_PAGE_BYTES;
 use corral_proto::sandbox::{TENANT_HEADER, TENANT_LABEL};
 use corral_proto::{OperationId, OperationSpec, Reason, SandboxId, SandboxSpec, pb};
-use futures_util::Stream;
+use futures_util::{Stream, StreamExt};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Code, Request, Response, Status};
 
@@ -70,6 +70,7 @@ fn operation_id(s: String) -> Result<OperationId, Status> {
 }
 
 type EventStream = Pin<Box<dyn Stream<Item = Result<pb::SandboxEvent, Status>> + Send>>;
+type RunStream = Pin<Box<dyn Stream<Item = Result<pb::RunOperationResponse, Status>> + Send>>;
 type DownloadStream = Pin<Box<dyn Stream<Item = Result<pb::DownloadResponse, Status>> + Send>>;
 use build::BuildStream;
 
@@ -285,6 +286,53 @@ impl pb::worker_server::Worker for WorkerService {
             .submit_traced(&sid, oid, spec, traceparent)
             .await?;
         Ok(Response::new(record.to_pb(&sid)))
+    }
+
+    type RunOperationStream = RunStream;
+
+    async fn run_operation(
+        &self,
+        req: Request<pb::SubmitOperationRequest>,
+    ) -> Result<Response<RunStream>, Status> {
+        let tenant = tenant_header(&req)?;
+        let traceparent = traceparent_of(&req);
+        let req = req.into_inner();
+        let sid = sandbox_id(req.sandbox_id)?;
+        self.owned(&tenant, &sid)?;
+        let oid = operation_id(req.operation_id)?;
+        let spec = OperationSpec::try_from(
+            req.spec
+                .ok_or(corral_proto::ProtocolError::Missing("spec"))?,
+        )?;
+        let (record, watch) = self
+            .worker
+            .run_watched(&sid, oid, spec, traceparent)
+            .await?;
+        let submitted = pb::RunOperationResponse {
+            kind: Some(pb::run_operation_response::Kind::Submitted(
+                record.to_pb(&sid),
+            )),
+        };
+        // Its events to its end, then no more (the end is not waited on:
+        // nothing is asked of the watch past its Finished).
+        let events = Box::pin(events_of(self.worker.clone(), sid, watch));
+        let events = futures_util::stream::unfold(Some(events), |state| async move {
+            let mut events = state?;
+            let e = events.next().await?;
+            let finished = matches!(
+                &e,
+                Ok(pb::SandboxEvent {
+                    kind: Some(pb::sandbox_event::Kind::Finished(_)),
+                    ..
+                })
+            );
+            let e = e.map(|e| pb::RunOperationResponse {
+                kind: Some(pb::run_operation_response::Kind::Event(e)),
+            });
+            Some((e, (!finished).then_some(events)))
+        });
+        let stream = futures_util::stream::once(std::future::ready(Ok(submitted))).chain(events);
+        Ok(Response::new(Box::pin(stream)))
     }
 
     async fn get_operation(
@@ -553,46 +601,7 @@ impl pb::worker_server::Worker for WorkerService {
             Some(operation_id(req.operation_id)?)
         };
         let watch = self.worker.watch(&sid, req.after_seq, only).await?;
-        let worker = self.worker.clone();
-        // A watch the worker drops ends with ABORTED, never as if the
-        // sandbox had nothing more to say: its client resumes from the seq
-        // of the last event it got.
-        let stream = futures_util::stream::unfold(Some(watch), move |state| {
-            let worker = worker.clone();
-            let sid = sid.clone();
-            async move {
-                let mut watch = state?;
-                match watch.events.recv().await {
-                    Some(e) => {
-                        worker.streamed(e.output_len());
-                        Some((Ok(pb::SandboxEvent::from(e)), Some(watch)))
-                    }
-                    None if watch.was_dropped() => Some((
-                        Err(status(
-                            Code::Aborted,
-                            Reason::Incomplete,
-                            "the worker dropped this watch: it took nothing while holding the \
-                             sandbox's output back; watch again after the last seq received",
-                        )),
-                        None,
-                    )),
-                    // The sandbox went (removed, its worker stopping):
-                    // said, never an end as if it had nothing more to say.
-                    None => match worker.get_sandbox(&sid).await {
-                        Err(e) => Some((Err(Status::from(e)), None)),
-                        Ok(_) if worker.shutting_down() => Some((
-                            Err(status(
-                                Code::Unavailable,
-                                Reason::ShuttingDown,
-                                "the worker is shutting down; its sandboxes go on: watch again",
-                            )),
-                            None,
-                        )),
-                        Ok(_) => None,
-                    },
-                }
-            }
-        });
+        let stream = events_of(self.worker.clone(), sid, watch);
         Ok(Response::new(Box::pin(stream)))
     }
 
@@ -728,4 +737,50 @@ fn traceparent_of<T>(req: &Request<T>) -> Option<String> {
         .and_then(|v| v.to_str().ok())
         .filter(|v| v.len() <= 64)
         .map(str::to_string)
+}
+
+/// A watch's events as a stream of the API's. A watch the worker drops
+/// ends with ABORTED, never as if the sandbox had nothing more to say: its
+/// client resumes from the seq of the last event it got.
+fn events_of(
+    worker: Worker,
+    sid: SandboxId,
+    watch: crate::sandbox::Watch,
+) -> impl Stream<Item = Result<pb::SandboxEvent, Status>> + Send {
+    futures_util::stream::unfold(Some(watch), move |state| {
+        let worker = worker.clone();
+        let sid = sid.clone();
+        async move {
+            let mut watch = state?;
+            match watch.events.recv().await {
+                Some(e) => {
+                    worker.streamed(e.output_len());
+                    Some((Ok(pb::SandboxEvent::from(e)), Some(watch)))
+                }
+                None if watch.was_dropped() => Some((
+                    Err(status(
+                        Code::Aborted,
+                        Reason::Incomplete,
+                        "the worker dropped this watch: it took nothing while holding the \
+                         sandbox's output back; watch again after the last seq received",
+                    )),
+                    None,
+                )),
+                // The sandbox went (removed, its worker stopping):
+                // said, never an end as if it had nothing more to say.
+                None => match worker.get_sandbox(&sid).await {
+                    Err(e) => Some((Err(Status::from(e)), None)),
+                    Ok(_) if worker.shutting_down() => Some((
+                        Err(status(
+                            Code::Unavailable,
+                            Reason::ShuttingDown,
+                            "the worker is shutting down; its sandboxes go on: watch again",
+                        )),
+                        None,
+                    )),
+                    Ok(_) => None,
+                },
+            }
+        }
+    })
 }

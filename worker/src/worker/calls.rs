@@ -87,6 +87,30 @@ impl Worker {
         sb.submit(id, spec, traceparent).await
     }
 
+    /// Submits an operation and watches its events from its first, in one
+    /// call (`RunOperation`): the watch is made first, from the sandbox's
+    /// last event, so nothing of the operation comes before it. An id
+    /// submitted before is watched from its own first event.
+    pub async fn run_watched(
+        &self,
+        sandbox: &SandboxId,
+        id: OperationId,
+        spec: OperationSpec,
+        traceparent: Option<String>,
+    ) -> Result<(OperationRecord, crate::sandbox::Watch)> {
+        let before = self.sandbox(sandbox).await?.last_seq();
+        let watch = self.watch(sandbox, before, Some(id.clone())).await?;
+        let record = self
+            .submit_traced(sandbox, id.clone(), spec, traceparent)
+            .await?;
+        if record.first_seq > 0 && record.first_seq <= before {
+            drop(watch);
+            let watch = self.watch(sandbox, record.first_seq - 1, Some(id)).await?;
+            return Ok((record, watch));
+        }
+        Ok((record, watch))
+    }
+
     /// What the sandbox uses now (about a second: see `GetSandboxStats`).
     pub async fn sandbox_stats(&self, id: &SandboxId) -> Result<corral_proto::SandboxStats> {
         let container = self.sandbox(id).await?.info().container_id;

@@ -402,6 +402,14 @@ class SubmitOperationRequest(_message.Message):
     spec: OperationSpec
     def __init__(self, sandbox_id: _Optional[str] = ..., operation_id: _Optional[str] = ..., spec: _Optional[_Union[OperationSpec, _Mapping]] = ...) -> None: ...
 
+class RunOperationResponse(_message.Message):
+    __slots__ = ("submitted", "event")
+    SUBMITTED_FIELD_NUMBER: _ClassVar[int]
+    EVENT_FIELD_NUMBER: _ClassVar[int]
+    submitted: Operation
+    event: SandboxEvent
+    def __init__(self, submitted: _Optional[_Union[Operation, _Mapping]] = ..., event: _Optional[_Union[SandboxEvent, _Mapping]] = ...) -> None: ...
+
 class GetOperationRequest(_message.Message):
     __slots__ = ("sandbox_id", "operation_id")
     SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
