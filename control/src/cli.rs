@@ -115,6 +115,11 @@ pub enum Command {
     /// listener (`corral-worker --ports-listen`).
     #[command(subcommand)]
     Port(PortCommand),
+    /// Templates: images built on a worker from a Dockerfile, kept by
+    /// name with what a sandbox made from one starts with and when it is
+    /// ready (`corral sandbox create --template NAME`).
+    #[command(subcommand)]
+    Template(TemplateCommand),
     /// A sandbox's operations: the running ones (--all: the finished ones
     /// its worker remembers too).
     Ps {
@@ -166,6 +171,57 @@ pub enum Command {
         #[arg(long, env = "CORRAL_LOCAL_WORKER_IDLE", default_value = "30s", value_parser = humantime::parse_duration)]
         idle: Duration,
     },
+}
+
+#[derive(Debug, Clone, Subcommand)]
+pub enum TemplateCommand {
+    /// Build NAME from a Dockerfile and its context on a worker that
+    /// builds (`corral-worker --allow-build`), the engine's output shown
+    /// as it comes. The same inputs build nothing the second time; a name
+    /// built again is moved to the new image. Exits 1 naming the step that
+    /// failed.
+    Build {
+        name: String,
+        /// The build's context: a directory (default: the current one).
+        #[arg(default_value = ".")]
+        context: std::path::PathBuf,
+        /// The Dockerfile, inside the context (default: CONTEXT/Dockerfile).
+        #[arg(short = 'f', long = "file")]
+        file: Option<std::path::PathBuf>,
+        /// A command (sh -c) started in each sandbox of the template and
+        /// left running (its operation: `template-start`).
+        #[arg(long)]
+        start: Option<String>,
+        /// Ready once something accepts connections on this port of the
+        /// sandbox's loopback.
+        #[arg(long, conflicts_with_all = ["ready_cmd", "ready_http"])]
+        ready_port: Option<u16>,
+        /// Ready once this command (sh -c) exits 0.
+        #[arg(long, conflicts_with = "ready_http")]
+        ready_cmd: Option<String>,
+        /// Ready once GET http://127.0.0.1:PORT/PATH answers 2xx or 3xx,
+        /// given as PORT/PATH (e.g. 8000/health).
+        #[arg(long)]
+        ready_http: Option<String>,
+        /// How long a new sandbox may take to be ready (default 60s, at
+        /// most 30m); past it the create fails and the sandbox is removed.
+        #[arg(long, value_parser = humantime::parse_duration)]
+        ready_timeout: Option<Duration>,
+        /// The longest the build may take (default and most: the worker's
+        /// --max-build-time).
+        #[arg(long, value_parser = humantime::parse_duration)]
+        timeout: Option<Duration>,
+        /// Show none of the engine's output.
+        #[arg(long, short)]
+        quiet: bool,
+    },
+    /// The templates there are: name, image, start command, readiness.
+    Ls {
+        #[arg(long)]
+        json: bool,
+    },
+    /// Forget template NAME (sandboxes made from it go on).
+    Rm { name: String },
 }
 
 #[derive(Debug, Clone, Subcommand)]
@@ -806,6 +862,10 @@ pub enum SandboxCommand {
         id: Option<String>,
         #[arg(long, env = "CORRAL_IMAGE")]
         image: Option<String>,
+        /// A template of the worker's (`corral template build`): its image,
+        /// its start command started and its readiness waited for.
+        #[arg(long)]
+        template: Option<String>,
         #[arg(long, value_enum, default_value = "none")]
         network: Network,
         /// Working memory, e.g. 512m, 2g. The container's limit adds the

@@ -31,6 +31,7 @@ pub mod sandbox;
 #[cfg(feature = "serde")]
 mod serde_bytes_b64;
 pub mod spec;
+pub mod template;
 pub mod text;
 pub mod units;
 

@@ -88,6 +88,11 @@ reasons! {
     /// The OCI runtime asked for is not registered with the worker's
     /// Docker engine.
     NoSuchRuntime = "no_such_runtime",
+    /// No template of that name on the worker (for the caller's tenant).
+    NoSuchTemplate = "no_such_template",
+    /// A sandbox made from a template did not become ready in time (its
+    /// start command ended, or its readiness probe never held); it is gone.
+    TemplateNotReady = "template_not_ready",
     /// The request does not fit the operation (input to one that takes
     /// none, a resize without a terminal).
     NotApplicable = "not_applicable",

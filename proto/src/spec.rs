@@ -72,6 +72,13 @@ pub struct SandboxSpec {
     /// The proxy even with no rules, so that a policy can be given later.
     #[cfg_attr(feature = "serde", serde(default, skip_serializing_if = "is_false"))]
     pub egress_proxy: bool,
+    /// A template of the worker's that it is made from (see
+    /// [`crate::template`]).
+    #[cfg_attr(
+        feature = "serde",
+        serde(default, skip_serializing_if = "Option::is_none")
+    )]
+    pub template: Option<String>,
 }
 
 /// A pseudo-terminal's window size.
@@ -343,6 +350,9 @@ impl SandboxSpec {
     }
 
     pub fn validate(&self) -> Result<(), ProtocolError> {
+        if let Some(t) = &self.template {
+            crate::template::check_name(t)?;
+        }
         if let Some(r) = &self.runtime
             && (r.is_empty()
                 || r.len() > 64
@@ -551,6 +561,7 @@ impl TryFrom<pb::SandboxSpec> for SandboxSpec {
             labels: p.labels.into_iter().collect(),
             egress: crate::egress::parse_rules(&p.egress, false)?,
             egress_proxy: p.egress_proxy,
+            template: nonempty(p.template),
         };
         spec.validate()?;
         Ok(spec)
@@ -581,6 +592,7 @@ impl From<SandboxSpec> for pb::SandboxSpec {
             labels: s.labels.into_iter().collect(),
             egress: s.egress.iter().map(ToString::to_string).collect(),
             egress_proxy: s.egress_proxy,
+            template: s.template.unwrap_or_default(),
         }
     }
 }

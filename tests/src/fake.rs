@@ -60,6 +60,18 @@ impl pb::worker_server::Worker for FakeWorker {
     ) -> Result<Response<pb::Operation>, Status> {
         no()
     }
+    async fn list_templates(
+        &self,
+        _: Request<pb::ListTemplatesRequest>,
+    ) -> Result<Response<pb::ListTemplatesResponse>, Status> {
+        no()
+    }
+    async fn delete_template(
+        &self,
+        _: Request<pb::DeleteTemplateRequest>,
+    ) -> Result<Response<pb::DeleteTemplateResponse>, Status> {
+        no()
+    }
     type RunOperationStream = Stream_<pb::RunOperationResponse>;
     async fn run_operation(
         &self,

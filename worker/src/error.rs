@@ -31,6 +31,10 @@ pub enum WorkerError {
         "image {0:?} is not present on the Docker engine (build it with deploy/images/build.sh, or build-debian.sh for corral-debian, or pull it)"
     )]
     NoSuchImage(String),
+    #[error("no template {0:?} on this worker (build one with `corral template build`)")]
+    NoSuchTemplate(String),
+    #[error("the sandbox of template {template:?} was not ready: {why}; it was removed")]
+    TemplateNotReady { template: String, why: String },
     #[error(
         "runtime {runtime:?} is not registered with the Docker engine ({message}); its operator registers it in the engine's daemon.json (runsc: see docs/security.md#gvisor)"
     )]
@@ -115,6 +119,10 @@ impl WorkerError {
             WorkerError::SandboxLost { .. } => (Code::FailedPrecondition, Reason::SandboxLost),
             WorkerError::Checkpointed(_) => (Code::FailedPrecondition, Reason::SandboxCheckpointed),
             WorkerError::NoSuchImage(_) => (Code::FailedPrecondition, Reason::NoSuchImage),
+            WorkerError::NoSuchTemplate(_) => (Code::FailedPrecondition, Reason::NoSuchTemplate),
+            WorkerError::TemplateNotReady { .. } => {
+                (Code::FailedPrecondition, Reason::TemplateNotReady)
+            }
             WorkerError::NoSuchRuntime { .. } => (Code::FailedPrecondition, Reason::NoSuchRuntime),
             WorkerError::NotApplicable(_) => (Code::FailedPrecondition, Reason::NotApplicable),
             WorkerError::InputGap(_) => (Code::OutOfRange, Reason::InputGap),

@@ -70,6 +70,7 @@ pub mod service;
 pub mod stall;
 pub mod state;
 pub mod telemetry;
+pub mod templates;
 pub mod uids;
 pub mod worker;
 

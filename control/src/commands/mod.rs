@@ -13,6 +13,7 @@ mod run_input;
 mod sandbox;
 mod serve;
 mod session;
+mod template;
 mod worker;
 
 use crate::cli::{Cli, Command};
@@ -61,6 +62,7 @@ async fn dispatch(mut cli: Cli) -> u8 {
         Command::Exec(args) => exec::main(&cli.conn, args).await,
         Command::Sandbox(cmd) => sandbox::main(&cli.conn, cmd).await,
         Command::Port(cmd) => port::main(&cli.conn, cmd).await,
+        Command::Template(cmd) => template::main(&cli.conn, cmd).await,
         Command::Cp(args) => cp::main(&cli.conn, &args).await,
         Command::Ps { sandbox, all } => ops::ps(&cli.conn, &sandbox, all).await,
         Command::Kill { operation, sandbox } => {

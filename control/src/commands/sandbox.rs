@@ -148,6 +148,7 @@ async fn sandbox_command(conn: &ConnArgs, cmd: SandboxCommand) -> Result<(), Err
         SandboxCommand::Create {
             id,
             image,
+            template,
             network,
             memory,
             memory_includes_files,
@@ -174,6 +175,14 @@ async fn sandbox_command(conn: &ConnArgs, cmd: SandboxCommand) -> Result<(), Err
             {
                 return Err(Error::Invalid(format!("--cpus {c}: must be above 0")));
             }
+            // A template names its image: CORRAL_IMAGE's default is not
+            // asked for beside it (an --image given is, and must match).
+            let image = match (&template, image) {
+                (Some(_), Some(i)) if std::env::var("CORRAL_IMAGE").ok().as_ref() == Some(&i) => {
+                    None
+                }
+                (_, image) => image,
+            };
             let spec = SandboxSpec {
                 image,
                 network: match network {
@@ -196,6 +205,7 @@ async fn sandbox_command(conn: &ConnArgs, cmd: SandboxCommand) -> Result<(), Err
                 labels: label.into_iter().collect(),
                 egress,
                 egress_proxy,
+                template,
             };
             spec.validate().map_err(|e| Error::Invalid(e.to_string()))?;
             let sb = match &conn {

@@ -872,6 +872,53 @@ impl FrontDoor {
     }
 
     /// Writes `call`'s line in the audit log (see [`super::audited`]).
+    /// Each worker's templates, as the caller sees them (a worker that
+    /// does not answer is left out).
+    async fn templates_of(
+        &self,
+        who: &Principal,
+    ) -> Result<Vec<(String, Vec<pb::Template>)>, Status> {
+        let urls = self.fleet.urls().await.map_err(fleet_status)?;
+        let asked = urls.into_iter().map(|url| async move {
+            let client = self.fleet.connect(Some(&url)).await.ok()?;
+            let list = client
+                .raw()
+                .list_templates(FrontDoor::outgoing(who, pb::ListTemplatesRequest {}))
+                .await
+                .ok()?
+                .into_inner()
+                .templates;
+            Some((url, list))
+        });
+        Ok(futures_util::future::join_all(asked)
+            .await
+            .into_iter()
+            .flatten()
+            .collect())
+    }
+
+    /// The workers that have the caller's template `name`.
+    async fn having_template(&self, who: &Principal, name: &str) -> Result<Vec<String>, Status> {
+        let urls: Vec<String> = self
+            .templates_of(who)
+            .await?
+            .into_iter()
+            .filter(|(_, list)| list.iter().any(|t| t.name == name))
+            .map(|(url, _)| url)
+            .collect();
+        if urls.is_empty() {
+            return Err(corral_proto::reason::status(
+                Code::FailedPrecondition,
+                Reason::NoSuchTemplate,
+                None,
+                format!(
+                    "no worker of this front door has template {name:?} (build it with `corral template build`)"
+                ),
+            ));
+        }
+        Ok(urls)
+    }
+
     async fn audited<T>(
         &self,
         who: &Principal,
@@ -1006,9 +1053,11 @@ impl pb::worker_server::Worker for FrontDoor {
                 .unwrap_or_else(|p| p.into_inner())
                 .get(&image)
                 .cloned();
-            let urls = match built_on {
-                Some(url) => vec![url],
-                None => self.fleet.urls().await.map_err(fleet_status)?,
+            let urls = match (&spec.template, built_on) {
+                // A template is on the workers that built it.
+                (Some(t), _) => self.having_template(&who, t).await?,
+                (None, Some(url)) => vec![url],
+                (None, None) => self.fleet.urls().await.map_err(fleet_status)?,
             };
             let made: Result<(pb::Sandbox, String), Placing> = self
                 .fleet
@@ -1569,6 +1618,56 @@ impl pb::worker_server::Worker for FrontDoor {
     }
 
     type BuildImageStream = BuildStream;
+
+    async fn list_templates(
+        &self,
+        req: Request<pb::ListTemplatesRequest>,
+    ) -> Result<Response<pb::ListTemplatesResponse>, Status> {
+        let who = caller(&req)?;
+        need(&who, Scope::Read, "ListTemplates")?;
+        // Every worker's, one of each name: the newest.
+        let mut by_name: std::collections::BTreeMap<String, pb::Template> = Default::default();
+        for (_, list) in self.templates_of(&who).await? {
+            for t in list {
+                match by_name.get(&t.name) {
+                    Some(had) if had.created_at_unix_ms >= t.created_at_unix_ms => {}
+                    _ => {
+                        by_name.insert(t.name.clone(), t);
+                    }
+                }
+            }
+        }
+        Ok(Response::new(pb::ListTemplatesResponse {
+            templates: by_name.into_values().collect(),
+        }))
+    }
+
+    async fn delete_template(
+        &self,
+        req: Request<pb::DeleteTemplateRequest>,
+    ) -> Result<Response<pb::DeleteTemplateResponse>, Status> {
+        let who = caller(&req)?;
+        let msg = req.into_inner();
+        let r = async {
+            need(&who, Scope::Run, "DeleteTemplate")?;
+            let urls = self.fleet.urls().await.map_err(fleet_status)?;
+            let mut existed = false;
+            for url in &urls {
+                let client = self.fleet.connect(Some(url)).await.map_err(fleet_status)?;
+                existed |= client
+                    .raw()
+                    .delete_template(FrontDoor::outgoing(&who, msg.clone()))
+                    .await?
+                    .into_inner()
+                    .existed;
+            }
+            Ok(pb::DeleteTemplateResponse { existed })
+        }
+        .await;
+        self.audited(&who, "DeleteTemplate", None, r)
+            .await
+            .map(Response::new)
+    }
 
     async fn build_image(
         &self,

@@ -212,6 +212,8 @@ _BY_REASON: dict[str, type[CorralError]] = {
     "sandbox_checkpointed": SandboxCheckpointed,
     "no_such_image": InvalidArgument,
     "no_such_runtime": InvalidArgument,
+    "no_such_template": InvalidArgument,
+    "template_not_ready": InvalidArgument,
     "not_applicable": InvalidArgument,
     "input_gap": InvalidArgument,
     "fork_failed": InvalidArgument,

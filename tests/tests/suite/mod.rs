@@ -34,6 +34,7 @@ mod serve;
 mod service;
 mod sessions;
 mod slots;
+mod templates;
 mod timeline;
 mod tls;
 mod tunnels;

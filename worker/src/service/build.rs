@@ -29,11 +29,13 @@ fn build_result(outcome: crate::build::Outcome, duration_ms: u64) -> pb::BuildIm
             cached,
             duration_ms,
             failure: None,
+            template: None,
         },
         Outcome::Failed(f) => pb::BuildImageResult {
             image: String::new(),
             cached: false,
             duration_ms,
+            template: None,
             failure: Some(pb::BuildFailure {
                 kind: match f.kind {
                     FailureKind::StepFailed => Kind::StepFailed,
@@ -54,6 +56,7 @@ impl WorkerService {
         &self,
         req: Request<tonic::Streaming<pb::BuildImageRequest>>,
     ) -> Result<Response<BuildStream>, Status> {
+        let tenant = super::tenant_header(&req)?;
         let mut stream = req.into_inner();
         let Some(builder) = self.worker.builder() else {
             // What the client sends first is read (up to a bound): a call
@@ -80,6 +83,15 @@ impl WorkerService {
                 "a build needs a first message",
             )
         })?;
+        // Kept as a template once built, when it names one.
+        let template = if first.template.is_empty() {
+            None
+        } else {
+            corral_proto::template::check_name(&first.template)?;
+            let start =
+                corral_proto::template::TemplateStart::try_from(first.start.unwrap_or_default())?;
+            Some((first.template, start))
+        };
         let request = crate::build::Request {
             dockerfile: first.dockerfile,
             timeout: (first.timeout_ms > 0)
@@ -121,6 +133,7 @@ impl WorkerService {
         let (out_tx, mut out_rx) = tokio::sync::mpsc::channel::<String>(16);
         // Owned by the response: it ends with the build, or stops the build
         // when the client goes away.
+        let worker = self.worker.clone();
         tokio::spawn(async move {
             // Owns the output's receiver: when the client is gone the relay
             // ends and drops it, and the build, its sender, stops at once.
@@ -145,11 +158,30 @@ impl WorkerService {
             };
             let (outcome, ()) = tokio::join!(builder.build(request, spooled, out_tx), relay);
             let duration_ms = started.elapsed().as_millis() as u64;
-            let last = outcome.map_err(Status::from).map(|o| pb::BuildImageEvent {
-                kind: Some(pb::build_image_event::Kind::Done(build_result(
-                    o,
-                    duration_ms,
-                ))),
+            let last = match outcome.map_err(Status::from) {
+                Ok(o) => {
+                    let built = match &o {
+                        crate::build::Outcome::Built { image, .. } => Some(image.clone()),
+                        crate::build::Outcome::Failed(_) => None,
+                    };
+                    let mut result = build_result(o, duration_ms);
+                    match (built, template) {
+                        (Some(image), Some((name, start))) => {
+                            match worker.keep_template(tenant, name, image, start) {
+                                Ok(t) => {
+                                    result.template = Some(t);
+                                    Ok(result)
+                                }
+                                Err(e) => Err(Status::from(e)),
+                            }
+                        }
+                        _ => Ok(result),
+                    }
+                }
+                Err(e) => Err(e),
+            }
+            .map(|r| pb::BuildImageEvent {
+                kind: Some(pb::build_image_event::Kind::Done(r)),
             });
             let _ = tx.send(last).await;
         });

@@ -288,6 +288,27 @@ impl pb::worker_server::Worker for WorkerService {
         Ok(Response::new(record.to_pb(&sid)))
     }
 
+    async fn list_templates(
+        &self,
+        req: Request<pb::ListTemplatesRequest>,
+    ) -> Result<Response<pb::ListTemplatesResponse>, Status> {
+        let tenant = tenant_header(&req)?;
+        Ok(Response::new(pb::ListTemplatesResponse {
+            templates: self.worker.list_templates(tenant.as_deref()),
+        }))
+    }
+
+    async fn delete_template(
+        &self,
+        req: Request<pb::DeleteTemplateRequest>,
+    ) -> Result<Response<pb::DeleteTemplateResponse>, Status> {
+        let tenant = tenant_header(&req)?;
+        let existed = self
+            .worker
+            .delete_template(tenant.as_deref(), &req.into_inner().name)?;
+        Ok(Response::new(pb::DeleteTemplateResponse { existed }))
+    }
+
     type RunOperationStream = RunStream;
 
     async fn run_operation(

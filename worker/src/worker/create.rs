@@ -32,7 +32,7 @@ impl Worker {
     ) -> Result<SandboxInfo> {
         let started = std::time::Instant::now();
         let began = std::time::SystemTime::now();
-        let made = self.create_sandbox_inner(id, spec, None).await;
+        let made = self.create_from_template(id, spec).await;
         if let (Some(t), Some(parent)) = (&self.inner.traces, &traceparent) {
             let how = match &made {
                 Ok((_, Made::Created)) => "created",
@@ -59,6 +59,33 @@ impl Worker {
             Err(_) => m.sandbox_create("failed"),
         }
         made.map(|(info, _)| info)
+    }
+
+    /// [`Self::create_sandbox_inner`] of a spec that may name a template:
+    /// its image, and a new sandbox started as it says and ready before it
+    /// is answered (one that is not is removed).
+    async fn create_from_template(
+        &self,
+        id: Option<SandboxId>,
+        mut spec: SandboxSpec,
+    ) -> Result<(SandboxInfo, Made)> {
+        spec.validate()?;
+        let template = self.resolve_template(&mut spec)?;
+        let (info, made) = self.create_sandbox_inner(id, spec, None).await?;
+        if let (Some(t), Made::Created | Made::Claimed) = (&template, made)
+            && !t.start.is_empty()
+        {
+            let sandbox = self.sandbox(&info.id).await?;
+            if let Err(e) = self.start_template(&sandbox, t).await {
+                tracing::warn!(sandbox = %info.id, template = %t.name, error = %e, "a template's sandbox was not ready; removed");
+                if let Err(gone) = self.destroy_sandbox(&info.id).await {
+                    tracing::warn!(sandbox = %info.id, error = %gone, "removing it failed");
+                }
+                return Err(e);
+            }
+            return Ok((self.info_of(&sandbox), made));
+        }
+        Ok((info, made))
     }
 
     /// [`Self::create_sandbox`], and whether a new one was made;

@@ -21,6 +21,7 @@ mod pools;
 mod ports;
 mod sweep;
 mod table;
+mod templates;
 #[cfg(test)]
 mod tests;
 
@@ -241,6 +242,8 @@ struct Inner {
     /// and while a restored sandbox takes them: one change at a time, and
     /// none lost to a restore.
     ports_files: tokio::sync::Mutex<()>,
+    /// Its templates (built images kept by name).
+    templates: crate::templates::Templates,
 }
 
 /// The tenant a sandbox was made for (see `TENANT_LABEL`).
@@ -404,6 +407,9 @@ impl Worker {
                 ports_url: std::sync::OnceLock::new(),
                 ports_token: std::sync::OnceLock::new(),
                 ports_files: tokio::sync::Mutex::new(()),
+                templates: crate::templates::Templates::load(
+                    config.state_dir.join("templates.json"),
+                ),
                 builder,
             }),
         };
@@ -443,6 +449,11 @@ impl Worker {
     }
 
     /// What builds images, when this worker's policy allows builds.
+    /// Its templates.
+    pub fn templates(&self) -> &crate::templates::Templates {
+        &self.inner.templates
+    }
+
     pub fn builder(&self) -> Option<Arc<crate::build::Builder>> {
         self.inner.builder.clone()
     }

@@ -254,7 +254,7 @@ impl Worker {
     }
 
     /// The sandbox's way in: its socket bound, its relay asked for.
-    async fn ingress_of(
+    pub(super) async fn ingress_of(
         &self,
         sandbox: &Sandbox,
     ) -> Result<std::sync::Arc<crate::ports::ingress::Ingress>> {

@@ -1,0 +1,213 @@
+//! Templates through the real `corral` binary: built from a Dockerfile
+//! and its context with a start command and a readiness probe, a sandbox
+//! of one handed out only once it is ready, the same inputs building
+//! nothing, a failed step named, a start command that dies or a probe that
+//! never holds refused with the sandbox gone, and a removed template
+//! refused by name.
+
+use std::process::Output;
+
+use anyhow::{Context, Result, ensure};
+use corral_e2e::{Harness, binary};
+use corral_proto::{Reason, SandboxSpec};
+
+async fn corral(h: &Harness, args: &[&str]) -> Result<Output> {
+    Ok(tokio::process::Command::new(binary("corral")?)
+        .arg("--worker")
+        .arg(&h.url)
+        .args(args)
+        .env_remove("CORRAL_WORKER")
+        .env_remove("CORRAL_IMAGE")
+        .kill_on_drop(true)
+        .output()
+        .await?)
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+/// A context directory: a Dockerfile and a nonce (so this run builds).
+fn context(dockerfile: &str) -> Result<tempfile::TempDir> {
+    let dir = tempfile::tempdir()?;
+    std::fs::write(dir.path().join("Dockerfile"), dockerfile)?;
+    std::fs::write(dir.path().join("nonce"), corral_e2e::unique_id("n"))?;
+    Ok(dir)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_templates_sandbox_is_handed_out_ready_and_a_broken_one_never() -> Result<()> {
+    let h = Harness::start_with(|c| c.policy.allow_build = true).await?;
+    let web = context(
+        "FROM corral-debian:latest\nCOPY nonce /srv/nonce\nRUN echo ready > /srv/index.html\n",
+    )?;
+    let ctx = web.path().to_str().context("path")?;
+    let build = [
+        "template",
+        "build",
+        "web",
+        ctx,
+        "--start",
+        "cd /srv && exec python3 -m http.server 8000",
+        "--ready-http",
+        "8000/index.html",
+    ];
+    let out = corral(&h, &build).await?;
+    ensure!(
+        out.status.success(),
+        "{}{}",
+        text(&out.stdout),
+        text(&out.stderr)
+    );
+    ensure!(
+        text(&out.stdout).starts_with("template web: corral-build:"),
+        "{}",
+        text(&out.stdout)
+    );
+    ensure!(
+        text(&out.stderr).contains("Step 3/3"),
+        "the engine's output: {}",
+        text(&out.stderr)
+    );
+    // The same inputs build nothing.
+    let again = corral(&h, &build).await?;
+    ensure!(
+        again.status.success() && text(&again.stdout).contains("nothing built"),
+        "{}",
+        text(&again.stdout)
+    );
+    let ls = corral(&h, &["template", "ls", "--json"]).await?;
+    let listed: serde_json::Value = serde_json::from_slice(&ls.stdout)?;
+    ensure!(
+        listed[0]["name"] == "web" && listed[0]["ready"] == "http 8000/index.html",
+        "{listed}"
+    );
+
+    // Made from it: its server answers at once, nothing waited for here.
+    let made = corral(&h, &["sandbox", "create", "--template", "web"]).await?;
+    ensure!(made.status.success(), "{}", text(&made.stderr));
+    let id = corral_proto::SandboxId::new(text(&made.stdout).trim())?;
+    let page = h
+        .run(&id, "python3 -c \"import urllib.request as u; print(u.urlopen('http://127.0.0.1:8000/index.html').read().decode(), end='')\"")
+        .await?;
+    ensure!(text(&page.stdout.head) == "ready\n", "{page:?}");
+    let info = h.client.get_sandbox(&id).await?;
+    ensure!(info.spec.template.as_deref() == Some("web"));
+
+    // A start command that dies, a probe that never holds: refused, with
+    // why, and no sandbox left of either.
+    let before = h.client.list_sandboxes().await?.len();
+    let dies = context("FROM corral-debian:latest\nCOPY nonce /nonce\n")?;
+    let dies_ctx = dies.path().to_str().context("path")?;
+    let out = corral(
+        &h,
+        &[
+            "template",
+            "build",
+            "dies",
+            dies_ctx,
+            "--start",
+            "echo bye >&2; exit 3",
+            "--ready-port",
+            "9",
+        ],
+    )
+    .await?;
+    ensure!(out.status.success(), "{}", text(&out.stderr));
+    let refused = corral(&h, &["sandbox", "create", "--template", "dies"]).await?;
+    ensure!(!refused.status.success());
+    let said = text(&refused.stderr);
+    ensure!(
+        said.contains("start command ended (exit 3)") && said.contains("bye"),
+        "{said}"
+    );
+    let out = corral(
+        &h,
+        &[
+            "template",
+            "build",
+            "never",
+            dies_ctx,
+            "--ready-cmd",
+            "false",
+            "--ready-timeout",
+            "2s",
+            "-q",
+        ],
+    )
+    .await?;
+    ensure!(
+        out.status.success() && out.stderr.is_empty(),
+        "{}",
+        text(&out.stderr)
+    );
+    let never = h
+        .client
+        .create_sandbox(
+            None,
+            SandboxSpec {
+                template: Some("never".into()),
+                ..SandboxSpec::default()
+            },
+        )
+        .await
+        .unwrap_err();
+    let corral_harness::client::ClientError::Status(s) = &never else {
+        anyhow::bail!("{never}");
+    };
+    ensure!(
+        corral_proto::reason::of(s) == Some(Reason::TemplateNotReady),
+        "{s:?}"
+    );
+    ensure!(s.message().contains("not ready within 2 s"), "{s:?}");
+    ensure!(
+        h.client.list_sandboxes().await?.len() == before,
+        "a refused sandbox was left"
+    );
+
+    // A step that fails is named, and keeps no template.
+    let broken = context("FROM corral-debian:latest\nRUN exit 7\n")?;
+    let out = corral(
+        &h,
+        &[
+            "template",
+            "build",
+            "broken",
+            broken.path().to_str().context("path")?,
+            "-q",
+        ],
+    )
+    .await?;
+    ensure!(out.status.code() == Some(1), "{out:?}");
+    ensure!(
+        text(&out.stderr).contains("step 2/2 (RUN exit 7)"),
+        "{}",
+        text(&out.stderr)
+    );
+    // Bad names and probes never reach the worker.
+    for bad in [
+        vec!["template", "build", "Bad/Name", ctx],
+        vec!["template", "build", "x", ctx, "--ready-http", "0/"],
+    ] {
+        let out = corral(&h, &bad).await?;
+        ensure!(out.status.code() == Some(2), "{bad:?}: {out:?}");
+    }
+
+    // Removed: refused by name, while its sandboxes go on.
+    ensure!(
+        corral(&h, &["template", "rm", "web"])
+            .await?
+            .status
+            .success()
+    );
+    ensure!(corral(&h, &["template", "rm", "web"]).await?.status.code() == Some(1));
+    let gone = corral(&h, &["sandbox", "create", "--template", "web"]).await?;
+    ensure!(
+        text(&gone.stderr).contains("no template \"web\""),
+        "{}",
+        text(&gone.stderr)
+    );
+    ensure!(h.run(&id, "true").await?.outcome.is_success());
+    h.stop().await;
+    Ok(())
+}

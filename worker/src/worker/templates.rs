@@ -1,0 +1,249 @@
+//! Templates (see [`crate::templates`]): kept after a build, named in a
+//! create, and a sandbox made from one started and probed before the
+//! create is answered.
+
+use std::time::Duration;
+
+use corral_proto::template::{Ready, START_OPERATION, TemplateStart};
+use corral_proto::{OperationId, OperationSpec, Outcome, SandboxSpec, ShellSpec, pb};
+
+use super::Worker;
+use crate::error::{Result, WorkerError};
+use crate::sandbox::Sandbox;
+use crate::templates::Template;
+
+/// How often a readiness probe is tried.
+const PROBE_EVERY: Duration = Duration::from_millis(100);
+/// The longest one try of a probe takes.
+const PROBE_TRY: Duration = Duration::from_secs(5);
+
+fn to_pb(t: &Template) -> pb::Template {
+    pb::Template {
+        name: t.name.clone(),
+        image: t.image.clone(),
+        start: Some(t.start.clone().into()),
+        created_at_unix_ms: t.created_at_ms,
+    }
+}
+
+impl Worker {
+    /// Keeps `image` (just built) as `tenant`'s template `name`.
+    pub fn keep_template(
+        &self,
+        tenant: Option<String>,
+        name: String,
+        image: String,
+        start: TemplateStart,
+    ) -> Result<pb::Template> {
+        let t = Template {
+            tenant,
+            name,
+            image,
+            start,
+            created_at_ms: self.now_ms(),
+        };
+        let file = self.inner.state.root().join("templates.json");
+        self.inner
+            .templates
+            .put(t.clone())
+            .map_err(|e| WorkerError::state(&file, e))?;
+        tracing::info!(template = %t.name, image = %t.image, "template kept");
+        Ok(to_pb(&t))
+    }
+
+    pub fn list_templates(&self, tenant: Option<&str>) -> Vec<pb::Template> {
+        self.inner
+            .templates
+            .list(tenant)
+            .iter()
+            .map(to_pb)
+            .collect()
+    }
+
+    /// Forgets `tenant`'s template `name`: whether there was one.
+    pub fn delete_template(&self, tenant: Option<&str>, name: &str) -> Result<bool> {
+        corral_proto::template::check_name(name)?;
+        let file = self.inner.state.root().join("templates.json");
+        self.inner
+            .templates
+            .remove(tenant, name)
+            .map_err(|e| WorkerError::state(&file, e))
+    }
+
+    /// The template `spec` names, for its tenant, with `spec`'s image set
+    /// to the template's (`None`: it names none).
+    pub(super) fn resolve_template(&self, spec: &mut SandboxSpec) -> Result<Option<Template>> {
+        let Some(name) = &spec.template else {
+            return Ok(None);
+        };
+        let tenant = super::tenant_of(spec);
+        let t = self
+            .inner
+            .templates
+            .get(tenant.as_deref(), name)
+            .ok_or_else(|| WorkerError::NoSuchTemplate(name.clone()))?;
+        match &spec.image {
+            None => spec.image = Some(t.image.clone()),
+            Some(i) if *i == t.image => {}
+            Some(other) => {
+                return Err(WorkerError::Invalid(corral_proto::ProtocolError::invalid(
+                    "image",
+                    format!(
+                        "{other:?}: a sandbox of template {name:?} runs its image ({})",
+                        t.image
+                    ),
+                )));
+            }
+        }
+        Ok(Some(t))
+    }
+
+    /// Starts a new sandbox of template `t` as it says, and waits until it
+    /// is ready: an error says why not (the caller removes the sandbox).
+    pub(super) async fn start_template(&self, sandbox: &Sandbox, t: &Template) -> Result<()> {
+        let not_ready = |why: String| WorkerError::TemplateNotReady {
+            template: t.name.clone(),
+            why,
+        };
+        let deadline = tokio::time::Instant::now() + t.start.timeout();
+        let started = match &t.start.command {
+            Some(cmd) => {
+                let id = OperationId::new(START_OPERATION)?;
+                let mut spec = ShellSpec::new(cmd.clone());
+                // It runs as long as its worker lets any command.
+                spec.timeout_ms = Some(corral_proto::limits::MAX_TIMEOUT_MS);
+                self.submit_traced(&sandbox.id, id.clone(), OperationSpec::Shell(spec), None)
+                    .await?;
+                Some(id)
+            }
+            None => None,
+        };
+        let Some(ready) = &t.start.ready else {
+            return Ok(());
+        };
+        let mut tries = 0u32;
+        loop {
+            // A start command that ended will not make it ready.
+            if let Some(id) = &started
+                && let Some(r) = sandbox.operation(id).and_then(|r| r.result)
+            {
+                return Err(not_ready(format!(
+                    "its start command ended ({}): {}",
+                    outcome_text(&r.outcome),
+                    tail(&r.stderr.to_lossy_string())
+                )));
+            }
+            tries += 1;
+            let last =
+                match tokio::time::timeout(PROBE_TRY, self.probe(sandbox, ready, tries)).await {
+                    Ok(Ok(())) => return Ok(()),
+                    Ok(Err(why)) => why,
+                    Err(_) => format!("a probe took over {} s", PROBE_TRY.as_secs()),
+                };
+            if tokio::time::Instant::now() + PROBE_EVERY >= deadline {
+                return Err(not_ready(format!(
+                    "not ready within {} s (last probe: {last})",
+                    t.start.timeout().as_secs()
+                )));
+            }
+            tokio::time::sleep(PROBE_EVERY).await;
+        }
+    }
+
+    /// One try of `ready`: why it does not hold yet.
+    async fn probe(
+        &self,
+        sandbox: &Sandbox,
+        ready: &Ready,
+        n: u32,
+    ) -> std::result::Result<(), String> {
+        match ready {
+            Ready::Port(port) => self.dial(sandbox, *port).await.map(drop),
+            Ready::Http { port, path } => {
+                let stream = self.dial(sandbox, *port).await?;
+                let io = hyper_util::rt::TokioIo::new(stream);
+                let (mut sender, conn) = hyper::client::conn::http1::handshake(io)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                let conn = tokio::spawn(conn);
+                let req = http::Request::get(path.as_str())
+                    .header(http::header::HOST, format!("127.0.0.1:{port}"))
+                    .body(http_body_util::Empty::<bytes::Bytes>::new())
+                    .map_err(|e| e.to_string())?;
+                let answer = sender.send_request(req).await.map_err(|e| e.to_string());
+                conn.abort();
+                let status = answer?.status();
+                if status.is_success() || status.is_redirection() {
+                    Ok(())
+                } else {
+                    Err(format!("GET {path} answered {status}"))
+                }
+            }
+            Ready::Command(cmd) => {
+                let id =
+                    OperationId::new(format!("template-ready-{n}")).map_err(|e| e.to_string())?;
+                self.submit_traced(
+                    &sandbox.id,
+                    id.clone(),
+                    OperationSpec::Shell(ShellSpec::new(cmd.clone())),
+                    None,
+                )
+                .await
+                .map_err(|e| e.to_string())?;
+                loop {
+                    if let Some(r) = sandbox.operation(&id).and_then(|r| r.result) {
+                        return match r.outcome {
+                            Outcome::Exited { code: 0 } => Ok(()),
+                            other => Err(format!(
+                                "{cmd:?} {}: {}",
+                                outcome_text(&other),
+                                tail(&r.stderr.to_lossy_string())
+                            )),
+                        };
+                    }
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            }
+        }
+    }
+
+    /// A connection to `port` of the sandbox's loopback, through its way in.
+    async fn dial(
+        &self,
+        sandbox: &Sandbox,
+        port: u16,
+    ) -> std::result::Result<crate::ports::ingress::PortStream, String> {
+        let ingress = self.ingress_of(sandbox).await.map_err(|e| e.to_string())?;
+        ingress.dial(port).await.map_err(|e| match e {
+            crate::ports::ingress::DialError::NotListening(_) => {
+                format!("nothing listens on port {port}")
+            }
+            other => other.to_string(),
+        })
+    }
+}
+
+fn outcome_text(o: &Outcome) -> String {
+    match o {
+        Outcome::Exited { code } => format!("exit {code}"),
+        other => format!("{other:?}"),
+    }
+}
+
+/// The end of what a command said, for a message.
+fn tail(text: &str) -> String {
+    let text = text.trim();
+    let cut: String = text
+        .chars()
+        .rev()
+        .take(300)
+        .collect::<Vec<_>>()
+        .into_iter()
+        .rev()
+        .collect();
+    if cut.is_empty() {
+        "(nothing on stderr)".into()
+    } else {
+        cut
+    }
+}
