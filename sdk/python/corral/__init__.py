@@ -36,6 +36,7 @@ from corral.errors import (
     Unauthenticated,
     WorkerUnavailable,
 )
+from corral.template import Template
 from corral.types import (
     BuildFailure,
     BuildFailureKind,
@@ -91,6 +92,7 @@ __all__ = [
     "SandboxNotFound",
     "SandboxState",
     "SandboxStats",
+    "Template",
     "TransferError",
     "Unauthenticated",
     "WorkerInfo",

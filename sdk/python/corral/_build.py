@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import fnmatch
+import io
 import os
 import random
 import stat
@@ -22,7 +23,7 @@ from typing import BinaryIO
 
 from corral import _connect, _rpc
 from corral._proto import worker_pb2 as pb
-from corral.errors import ConfigError, CorralError, PolicyDenied
+from corral.errors import ConfigError, CorralError, InvalidArgument, PolicyDenied
 from corral.types import BuildFailure, BuildFailureKind, BuiltImage
 
 #: Bytes of context in one message (the worker takes at most 1 MiB).
@@ -106,12 +107,18 @@ class _Bounded:
         return self.f.write(b)
 
 
-def pack_context(context: Path, dockerfile: str, max_bytes: int = MAX_CONTEXT) -> BinaryIO:
+def pack_context(
+    context: Path,
+    dockerfile: str,
+    max_bytes: int = MAX_CONTEXT,
+    generated: bytes | None = None,
+) -> BinaryIO:
     """The context directory as a tar stream in a temporary file (read from
     its start), the same bytes for the same files. The Dockerfile and
     .dockerignore always go in (as ``docker build`` sends them); sockets,
     devices and FIFOs are refused; more than ``max_bytes`` in all is refused
-    as it is packed, never held in memory."""
+    as it is packed, never held in memory. ``generated``: the Dockerfile's
+    text, written at ``dockerfile`` in place of any file of that name."""
     if not context.is_dir():
         raise ConfigError(f"{context}: the build context is not a directory")
     ignore_file = context / ".dockerignore"
@@ -157,8 +164,15 @@ def pack_context(context: Path, dockerfile: str, max_bytes: int = MAX_CONTEXT) -
                     )
 
             for child in sorted(os.listdir(context)):
+                if generated is not None and child == dockerfile:
+                    continue
                 if child in always or not ignore.ignored(child):
                     add(context / child, child)
+            if generated is not None:
+                info = tarfile.TarInfo(dockerfile)
+                info.mode = 0o644
+                info.size = len(generated)
+                tar.addfile(info, io.BytesIO(generated))
     except BaseException:
         out.close()
         raise
@@ -188,6 +202,35 @@ async def _builder(opts: _connect.Options) -> _rpc.Worker:
     return random.choice(able)
 
 
+def _start(
+    start: str | None,
+    ready_port: int | None,
+    ready_command: str | None,
+    ready_http: str | None,
+    ready_timeout: float | None,
+) -> pb.TemplateStart:
+    """What a template's sandboxes start with, checked."""
+    given = [r for r in (ready_port, ready_command, ready_http) if r is not None]
+    if len(given) > 1:
+        raise InvalidArgument("one of ready_port, ready_command and ready_http, not several")
+    s = pb.TemplateStart(command=start or "")
+    if ready_port is not None:
+        if isinstance(ready_port, bool) or not isinstance(ready_port, int):
+            raise InvalidArgument(f"ready_port {ready_port!r}: a port number")
+        if not 0 < ready_port < 65536:
+            raise InvalidArgument(f"ready_port {ready_port}: 1 to 65535")
+        s.port = ready_port
+    elif ready_command is not None:
+        s.ready_command = ready_command
+    elif ready_http is not None:
+        s.http = ready_http
+    if ready_timeout is not None:
+        if not ready_timeout > 0:
+            raise InvalidArgument(f"ready_timeout {ready_timeout!r}: seconds above 0")
+        s.timeout_ms = max(1, round(ready_timeout * 1000))
+    return s
+
+
 async def build_image(
     context: str | os.PathLike[str],
     *,
@@ -197,24 +240,41 @@ async def build_image(
     timeout: float | None = None,
     on_output: Callable[[str], object] | None = None,
     max_bytes: int = MAX_CONTEXT,
+    template: str | None = None,
+    start: str | None = None,
+    ready_port: int | None = None,
+    ready_command: str | None = None,
+    ready_http: str | None = None,
+    ready_timeout: float | None = None,
+    _generated: bytes | None = None,
 ) -> BuiltImage:
     """Builds ``dockerfile`` (a path in ``context``) on a worker's Docker
     engine. A step that fails is a :class:`BuiltImage` with a ``failure``
     (naming the step); the worker refusing (no ``--allow-build``, a base
     image it does not allow, a context over its bound) raises. ``on_output``
-    is given the build's output as it comes."""
+    is given the build's output as it comes. With ``template``, the image is
+    kept under that name with what its sandboxes start with: ``start`` (a
+    command left running) and one readiness probe (``ready_port``,
+    ``ready_command``, or ``ready_http`` as ``"PORT/PATH"``) tried for
+    ``ready_timeout`` seconds (60 by default); ``Sandbox.create(template=)``
+    makes one."""
+    kept = _start(start, ready_port, ready_command, ready_http, ready_timeout)
+    if template is None and (kept.command or kept.WhichOneof("ready")):
+        raise InvalidArgument("start and readiness are a template's: name one (template=)")
     ctx = Path(context)
     dockerfile = dockerfile or "Dockerfile"
-    if not (ctx / dockerfile).is_file():
+    if _generated is None and not (ctx / dockerfile).is_file():
         raise ConfigError(f"{ctx / dockerfile}: no such file")
     loop = asyncio.get_running_loop()
-    packed = await loop.run_in_executor(None, pack_context, ctx, dockerfile, max_bytes)
+    packed = await loop.run_in_executor(None, pack_context, ctx, dockerfile, max_bytes, _generated)
     opts = _connect.Options.from_env(worker, token_file=token_file)
 
     async def requests() -> AsyncIterator[pb.BuildImageRequest]:
         yield pb.BuildImageRequest(
             dockerfile=dockerfile,
             timeout_ms=int(timeout * 1000) if timeout else 0,
+            template=template or "",
+            start=kept,
         )
         while True:
             # A read of a local temporary file: short enough for the loop.
@@ -266,4 +326,5 @@ async def _send(
         duration_s=done.duration_ms / 1000,
         failure=failure,
         output="".join(output),
+        template=done.template.name if done.HasField("template") else None,
     )

@@ -819,6 +819,7 @@ class AsyncSandbox:
         tls_cert: str | None = None,
         tls_key: str | None = None,
         tls_server_name: str | None = None,
+        template: str | None = None,
     ) -> AsyncSandbox:
         """Makes a sandbox: on ``worker`` (an address, a comma-separated list,
         or ``dns:///NAME:PORT``; default ``CORRAL_WORKER``, else the local
@@ -831,7 +832,10 @@ class AsyncSandbox:
         allowed yet (:meth:`set_egress` opens it later). ``network="bridge"``,
         ``root`` (commands as uid 0), ``writable_rootfs`` and
         ``capabilities`` (``CAP_SETUID``, ...) loosen the hardened defaults,
-        as far as the worker's policy allows (else :class:`PolicyDenied` naming its flag)."""
+        as far as the worker's policy allows (else :class:`PolicyDenied` naming its flag).
+        ``template`` names one of the worker's templates (see
+        :class:`corral.Template`): the sandbox runs its image and is handed
+        out once its start command runs and its readiness probe holds."""
         _positive(cpus, "cpus")
         _positive(pids, "pids", whole=True)
         spec = pb.SandboxSpec(
@@ -852,6 +856,7 @@ class AsyncSandbox:
             run_as_root=root,
             writable_rootfs=writable_rootfs,
             add_capabilities=_strings(capabilities, "capabilities"),
+            template=template or "",
         )
         ws = await _rpc.workers(
             _connect.Options.from_env(

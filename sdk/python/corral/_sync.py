@@ -295,6 +295,7 @@ class Sandbox:
         tls_cert: str | None = None,
         tls_key: str | None = None,
         tls_server_name: str | None = None,
+        template: str | None = None,
     ) -> Sandbox:
         """See :meth:`corral.AsyncSandbox.create`."""
         return cls(
@@ -322,6 +323,7 @@ class Sandbox:
                     tls_cert=tls_cert,
                     tls_key=tls_key,
                     tls_server_name=tls_server_name,
+                    template=template,
                 )
             )
         )
@@ -460,6 +462,12 @@ def build_image(
     timeout: float | None = None,
     on_output: Callable[[str], object] | None = None,
     max_bytes: int = _build.MAX_CONTEXT,
+    template: str | None = None,
+    start: str | None = None,
+    ready_port: int | None = None,
+    ready_command: str | None = None,
+    ready_http: str | None = None,
+    ready_timeout: float | None = None,
 ) -> BuiltImage:
     """Builds ``dockerfile`` (a path in ``context``) on a worker's Docker
     engine; see :func:`corral.abuild_image`."""
@@ -472,6 +480,12 @@ def build_image(
             timeout=timeout,
             on_output=on_output,
             max_bytes=max_bytes,
+            template=template,
+            start=start,
+            ready_port=ready_port,
+            ready_command=ready_command,
+            ready_http=ready_http,
+            ready_timeout=ready_timeout,
         )
     )
 

@@ -292,6 +292,8 @@ class BuiltImage:
     failure: BuildFailure | None
     #: The build's output, as the engine wrote it.
     output: str
+    #: The template it is kept as (when one was named).
+    template: str | None = None
 
     @property
     def ok(self) -> bool:

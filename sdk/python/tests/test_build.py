@@ -127,3 +127,53 @@ def test_a_failed_step_is_a_result_and_a_worker_without_builds_refuses(
     assert e.value.flag == "--allow-build"
     with pytest.raises(corral.ConfigError, match="no such file"):
         corral.build_image(ctx, dockerfile="missing/Dockerfile", worker=plain.url)
+
+
+def test_a_template_built_step_by_step_hands_out_sandboxes_ready(
+    own_worker: Callable[..., Worker], tmp_path: Path
+) -> None:
+    """corral.Template: a Dockerfile written step by step with a file of the
+    context, a start command and a readiness probe; its sandbox's server
+    answers as soon as the create returns; a probe that never holds is a
+    typed refusal."""
+    w = own_worker("--allow-build")
+    (tmp_path / "index.html").write_text(f"hello {uuid.uuid4().hex}\n")
+    t = (
+        corral.Template.from_image("corral-debian:latest")
+        .workdir("/srv")
+        .copy("index.html", "/srv/index.html")
+        .env(GREETING="héllo there", EMPTY="")
+        .run("python3 -c 'import http.server'")
+        .start("exec python3 -m http.server 8000", ready_http="8000/index.html")
+    )
+    assert t.dockerfile().startswith("FROM corral-debian:latest\nWORKDIR /srv\n")
+    built = t.build("site", context=tmp_path, worker=w.url, token_file=str(w.token_file))
+    assert built.ok and built.template == "site", built
+    # Steps are values: a variant leaves the first alone.
+    assert "RUN false" not in t.dockerfile() and "RUN false" in t.run("false").dockerfile()
+    with w.create(template="site") as sb:
+        r = sb.run(
+            'python3 -c "import urllib.request as u; '
+            "print(u.urlopen('http://127.0.0.1:8000/index.html').read().decode(), end='')\"; "
+            'echo "$GREETING|$EMPTY|$PWD"'
+        )
+        assert r.ok, r
+        assert r.stdout.startswith("hello ") and r.stdout.endswith("héllo there||/srv\n"), r.stdout
+    never = corral.Template.from_image("corral-debian:latest").start(
+        ready_command="false", timeout=1.5
+    )
+    assert never.build("never", worker=w.url, token_file=str(w.token_file)).ok
+    with pytest.raises(corral.InvalidArgument) as e:
+        w.create(template="never")
+    assert e.value.reason == "template_not_ready" and "not ready within" in str(e.value)
+    with pytest.raises(corral.InvalidArgument) as e:
+        w.create(template="no-such")
+    assert e.value.reason == "no_such_template"
+    for bad in (
+        lambda: corral.Template.from_image("a\nRUN evil"),
+        lambda: corral.Template.from_image("x").env({"A B": "1"}),
+        lambda: corral.Template.from_image("x").run("a\nb"),
+        lambda: corral.build_image(tmp_path, start="x"),
+    ):
+        with pytest.raises(corral.InvalidArgument):
+            bad()

@@ -138,7 +138,7 @@ class ListExposuresResponse(_message.Message):
     def __init__(self, exposures: _Optional[_Iterable[_Union[PortExposure, _Mapping]]] = ...) -> None: ...
 
 class SandboxSpec(_message.Message):
-    __slots__ = ("image", "network", "memory_bytes", "cpu_millis", "pids_limit", "workspace_bytes", "tmp_bytes", "run_as_root", "writable_rootfs", "add_capabilities", "env", "runtime", "idle_timeout_ms", "ttl_ms", "memory_includes_files", "labels", "egress", "egress_proxy")
+    __slots__ = ("image", "network", "memory_bytes", "cpu_millis", "pids_limit", "workspace_bytes", "tmp_bytes", "run_as_root", "writable_rootfs", "add_capabilities", "env", "runtime", "idle_timeout_ms", "ttl_ms", "memory_includes_files", "labels", "egress", "egress_proxy", "template")
     class EnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -171,6 +171,7 @@ class SandboxSpec(_message.Message):
     LABELS_FIELD_NUMBER: _ClassVar[int]
     EGRESS_FIELD_NUMBER: _ClassVar[int]
     EGRESS_PROXY_FIELD_NUMBER: _ClassVar[int]
+    TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     image: str
     network: NetworkMode
     memory_bytes: int
@@ -189,7 +190,8 @@ class SandboxSpec(_message.Message):
     labels: _containers.ScalarMap[str, str]
     egress: _containers.RepeatedScalarFieldContainer[str]
     egress_proxy: bool
-    def __init__(self, image: _Optional[str] = ..., network: _Optional[_Union[NetworkMode, str]] = ..., memory_bytes: _Optional[int] = ..., cpu_millis: _Optional[int] = ..., pids_limit: _Optional[int] = ..., workspace_bytes: _Optional[int] = ..., tmp_bytes: _Optional[int] = ..., run_as_root: _Optional[bool] = ..., writable_rootfs: _Optional[bool] = ..., add_capabilities: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., runtime: _Optional[str] = ..., idle_timeout_ms: _Optional[int] = ..., ttl_ms: _Optional[int] = ..., memory_includes_files: _Optional[bool] = ..., labels: _Optional[_Mapping[str, str]] = ..., egress: _Optional[_Iterable[str]] = ..., egress_proxy: _Optional[bool] = ...) -> None: ...
+    template: str
+    def __init__(self, image: _Optional[str] = ..., network: _Optional[_Union[NetworkMode, str]] = ..., memory_bytes: _Optional[int] = ..., cpu_millis: _Optional[int] = ..., pids_limit: _Optional[int] = ..., workspace_bytes: _Optional[int] = ..., tmp_bytes: _Optional[int] = ..., run_as_root: _Optional[bool] = ..., writable_rootfs: _Optional[bool] = ..., add_capabilities: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., runtime: _Optional[str] = ..., idle_timeout_ms: _Optional[int] = ..., ttl_ms: _Optional[int] = ..., memory_includes_files: _Optional[bool] = ..., labels: _Optional[_Mapping[str, str]] = ..., egress: _Optional[_Iterable[str]] = ..., egress_proxy: _Optional[bool] = ..., template: _Optional[str] = ...) -> None: ...
 
 class Sandbox(_message.Message):
     __slots__ = ("id", "spec", "state", "container_id", "last_seq", "running_operations", "lost_reason", "created_at_unix_ms", "last_used_unix_ms", "worker_id", "image", "memory_bytes", "cpu_millis", "pids_limit")
@@ -433,16 +435,68 @@ class UploadRequest(_message.Message):
     def __init__(self, sandbox_id: _Optional[str] = ..., operation_id: _Optional[str] = ..., path: _Optional[str] = ..., data: _Optional[bytes] = ..., eof: _Optional[bool] = ...) -> None: ...
 
 class BuildImageRequest(_message.Message):
-    __slots__ = ("dockerfile", "timeout_ms", "data", "eof")
+    __slots__ = ("dockerfile", "timeout_ms", "data", "eof", "template", "start")
     DOCKERFILE_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     EOF_FIELD_NUMBER: _ClassVar[int]
+    TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
     dockerfile: str
     timeout_ms: int
     data: bytes
     eof: bool
-    def __init__(self, dockerfile: _Optional[str] = ..., timeout_ms: _Optional[int] = ..., data: _Optional[bytes] = ..., eof: _Optional[bool] = ...) -> None: ...
+    template: str
+    start: TemplateStart
+    def __init__(self, dockerfile: _Optional[str] = ..., timeout_ms: _Optional[int] = ..., data: _Optional[bytes] = ..., eof: _Optional[bool] = ..., template: _Optional[str] = ..., start: _Optional[_Union[TemplateStart, _Mapping]] = ...) -> None: ...
+
+class TemplateStart(_message.Message):
+    __slots__ = ("command", "port", "ready_command", "http", "timeout_ms")
+    COMMAND_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    READY_COMMAND_FIELD_NUMBER: _ClassVar[int]
+    HTTP_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    command: str
+    port: int
+    ready_command: str
+    http: str
+    timeout_ms: int
+    def __init__(self, command: _Optional[str] = ..., port: _Optional[int] = ..., ready_command: _Optional[str] = ..., http: _Optional[str] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+
+class Template(_message.Message):
+    __slots__ = ("name", "image", "start", "created_at_unix_ms")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    image: str
+    start: TemplateStart
+    created_at_unix_ms: int
+    def __init__(self, name: _Optional[str] = ..., image: _Optional[str] = ..., start: _Optional[_Union[TemplateStart, _Mapping]] = ..., created_at_unix_ms: _Optional[int] = ...) -> None: ...
+
+class ListTemplatesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListTemplatesResponse(_message.Message):
+    __slots__ = ("templates",)
+    TEMPLATES_FIELD_NUMBER: _ClassVar[int]
+    templates: _containers.RepeatedCompositeFieldContainer[Template]
+    def __init__(self, templates: _Optional[_Iterable[_Union[Template, _Mapping]]] = ...) -> None: ...
+
+class DeleteTemplateRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class DeleteTemplateResponse(_message.Message):
+    __slots__ = ("existed",)
+    EXISTED_FIELD_NUMBER: _ClassVar[int]
+    existed: bool
+    def __init__(self, existed: _Optional[bool] = ...) -> None: ...
 
 class BuildImageEvent(_message.Message):
     __slots__ = ("output", "done")
@@ -453,16 +507,18 @@ class BuildImageEvent(_message.Message):
     def __init__(self, output: _Optional[str] = ..., done: _Optional[_Union[BuildImageResult, _Mapping]] = ...) -> None: ...
 
 class BuildImageResult(_message.Message):
-    __slots__ = ("image", "cached", "duration_ms", "failure")
+    __slots__ = ("image", "cached", "duration_ms", "failure", "template")
     IMAGE_FIELD_NUMBER: _ClassVar[int]
     CACHED_FIELD_NUMBER: _ClassVar[int]
     DURATION_MS_FIELD_NUMBER: _ClassVar[int]
     FAILURE_FIELD_NUMBER: _ClassVar[int]
+    TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     image: str
     cached: bool
     duration_ms: int
     failure: BuildFailure
-    def __init__(self, image: _Optional[str] = ..., cached: _Optional[bool] = ..., duration_ms: _Optional[int] = ..., failure: _Optional[_Union[BuildFailure, _Mapping]] = ...) -> None: ...
+    template: Template
+    def __init__(self, image: _Optional[str] = ..., cached: _Optional[bool] = ..., duration_ms: _Optional[int] = ..., failure: _Optional[_Union[BuildFailure, _Mapping]] = ..., template: _Optional[_Union[Template, _Mapping]] = ...) -> None: ...
 
 class BuildFailure(_message.Message):
     __slots__ = ("kind", "step", "steps", "instruction", "message")
