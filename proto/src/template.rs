@@ -13,6 +13,10 @@ pub const MAX_READY_TIMEOUT: Duration = Duration::from_secs(30 * 60);
 pub const DEFAULT_READY_TIMEOUT: Duration = Duration::from_secs(60);
 /// The operation id of a template's start command in its sandbox.
 pub const START_OPERATION: &str = "template-start";
+/// The longest start or readiness command a template keeps.
+pub const MAX_TEMPLATE_COMMAND_BYTES: usize = 16 << 10;
+/// Most templates one tenant (or the operator) keeps on a worker.
+pub const MAX_TEMPLATES: usize = 100;
 
 /// A template's name: 1-64 characters of `[a-z0-9._-]`, first a letter or
 /// a digit.
@@ -105,10 +109,10 @@ pub fn parse_http(s: &str) -> Result<(u16, String), ProtocolError> {
 }
 
 fn command(field: &'static str, c: String) -> Result<String, ProtocolError> {
-    if c.trim().is_empty() || c.len() > crate::limits::MAX_COMMAND_BYTES || c.contains('\0') {
+    if c.trim().is_empty() || c.len() > MAX_TEMPLATE_COMMAND_BYTES || c.contains('\0') {
         return Err(ProtocolError::invalid(
             field,
-            "an empty, too long or NUL-bearing command",
+            format!("a command of 1 to {MAX_TEMPLATE_COMMAND_BYTES} bytes, no NUL"),
         ));
     }
     Ok(c)

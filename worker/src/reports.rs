@@ -68,6 +68,12 @@ impl<T: Told> Reports<T> {
         }
     }
 
+    /// Counts an event not told (one that was not worth telling on its
+    /// own: the next one told says it).
+    pub fn untold(&self) {
+        self.unreported.fetch_add(1, Ordering::AcqRel);
+    }
+
     /// Events not told yet.
     pub fn unreported(&self) -> u32 {
         self.unreported.load(Ordering::Acquire)

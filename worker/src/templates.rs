@@ -90,6 +90,14 @@ impl Templates {
         Ok(())
     }
 
+    /// Whether `tenant` may keep `name` as well as what it has (one more,
+    /// or one it has again), under `most`.
+    pub fn has_room(&self, tenant: Option<&str>, name: &str, most: usize) -> bool {
+        let all = lock(&self.all);
+        let mine = tenant.unwrap_or_default();
+        all.contains_key(&key(tenant, name)) || all.keys().filter(|(t, _)| t == mine).count() < most
+    }
+
     pub fn get(&self, tenant: Option<&str>, name: &str) -> Option<Template> {
         lock(&self.all).get(&key(tenant, name)).cloned()
     }

@@ -48,6 +48,29 @@ pub async fn main(conn: &ConnArgs, cmd: TemplateCommand) -> u8 {
 
 /// The most of a context sent in one message.
 const PIECE: usize = 1 << 20;
+/// The largest context packed (a worker takes at most its
+/// --max-build-context, 512 MiB by default).
+const MAX_CONTEXT: usize = 512 << 20;
+
+/// A packed context, refused as it grows past [`MAX_CONTEXT`].
+struct Bounded(Vec<u8>);
+
+impl std::io::Write for Bounded {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if self.0.len() + buf.len() > MAX_CONTEXT {
+            return Err(std::io::Error::other(format!(
+                "the context is over {} MiB: build from a smaller directory",
+                MAX_CONTEXT >> 20
+            )));
+        }
+        self.0.extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
 
 /// The Dockerfile's path inside `context` (`file`, or `Dockerfile`).
 fn dockerfile_in(context: &Path, file: Option<&Path>) -> Result<String, Error> {
@@ -118,8 +141,8 @@ async fn template_command(conn: &ConnArgs, cmd: TemplateCommand) -> Result<u8, E
             TemplateStart::try_from(start.clone()).map_err(|e| Error::Invalid(e.to_string()))?;
             let dir = context.clone();
             let tar = tokio::task::spawn_blocking(move || {
-                let mut out = Vec::new();
-                corral_init::archive::pack_contents(&dir, &mut out).map(|_| out)
+                let mut out = Bounded(Vec::new());
+                corral_init::archive::pack_contents(&dir, &mut out).map(|_| out.0)
             })
             .await
             .map_err(|e| Error::Failed(format!("packing the context: {e}")))?

@@ -897,14 +897,23 @@ impl FrontDoor {
             .collect())
     }
 
-    /// The workers that have the caller's template `name`.
+    /// The workers that have the caller's template `name` as it was built
+    /// last (one rebuilt elsewhere is older on the others).
     async fn having_template(&self, who: &Principal, name: &str) -> Result<Vec<String>, Status> {
-        let urls: Vec<String> = self
+        let found: Vec<(String, i64, String)> = self
             .templates_of(who)
             .await?
             .into_iter()
-            .filter(|(_, list)| list.iter().any(|t| t.name == name))
-            .map(|(url, _)| url)
+            .filter_map(|(url, list)| {
+                let t = list.into_iter().find(|t| t.name == name)?;
+                Some((url, t.created_at_unix_ms, t.image))
+            })
+            .collect();
+        let newest = found.iter().max_by_key(|f| f.1).map(|f| f.2.clone());
+        let urls: Vec<String> = found
+            .into_iter()
+            .filter(|f| Some(&f.2) == newest.as_ref())
+            .map(|f| f.0)
             .collect();
         if urls.is_empty() {
             return Err(corral_proto::reason::status(
@@ -1650,16 +1659,35 @@ impl pb::worker_server::Worker for FrontDoor {
         let msg = req.into_inner();
         let r = async {
             need(&who, Scope::Run, "DeleteTemplate")?;
+            // On every worker that answers; one that does not is named,
+            // after the others have forgotten it.
             let urls = self.fleet.urls().await.map_err(fleet_status)?;
-            let mut existed = false;
+            let (mut existed, mut missed) = (false, Vec::new());
             for url in &urls {
-                let client = self.fleet.connect(Some(url)).await.map_err(fleet_status)?;
-                existed |= client
-                    .raw()
-                    .delete_template(FrontDoor::outgoing(&who, msg.clone()))
-                    .await?
-                    .into_inner()
-                    .existed;
+                let asked = async {
+                    let client = self.fleet.connect(Some(url)).await.map_err(fleet_status)?;
+                    client
+                        .raw()
+                        .delete_template(FrontDoor::outgoing(&who, msg.clone()))
+                        .await
+                        .map(|r| r.into_inner().existed)
+                };
+                match asked.await {
+                    Ok(e) => existed |= e,
+                    Err(s) if s.code() == Code::InvalidArgument => return Err(s),
+                    Err(s) => missed.push(format!("{url}: {}", s.message())),
+                }
+            }
+            if !missed.is_empty() {
+                return Err(corral_proto::reason::status(
+                    Code::Unavailable,
+                    Reason::NoWorker,
+                    None,
+                    format!(
+                        "the template was forgotten where workers answered; ask again for: {}",
+                        missed.join("; ")
+                    ),
+                ));
             }
             Ok(pb::DeleteTemplateResponse { existed })
         }

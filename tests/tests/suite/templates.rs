@@ -165,6 +165,48 @@ async fn a_templates_sandbox_is_handed_out_ready_and_a_broken_one_never() -> Res
         "a refused sandbox was left"
     );
 
+    // A create given up on while its probe is tried (the client's
+    // deadline) leaves nothing, and its id is free again at once after.
+    let out = corral(
+        &h,
+        &[
+            "template",
+            "build",
+            "slow",
+            dies_ctx,
+            "--ready-port",
+            "9",
+            "-q",
+        ],
+    )
+    .await?;
+    ensure!(out.status.success(), "{}", text(&out.stderr));
+    let mut req = tonic::Request::new(corral_proto::pb::CreateSandboxRequest {
+        id: "slow-1".into(),
+        spec: Some(
+            SandboxSpec {
+                template: Some("slow".into()),
+                ..SandboxSpec::default()
+            }
+            .into(),
+        ),
+    });
+    req.set_timeout(std::time::Duration::from_secs(2));
+    let given_up = h.client.raw().create_sandbox(req).await.unwrap_err();
+    ensure!(
+        given_up.code() == tonic::Code::DeadlineExceeded
+            || given_up.code() == tonic::Code::Cancelled,
+        "{given_up:?}"
+    );
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while h.client.list_sandboxes().await?.len() != before {
+        ensure!(
+            std::time::Instant::now() < deadline,
+            "the given-up sandbox was left"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+
     // A step that fails is named, and keeps no template.
     let broken = context("FROM corral-debian:latest\nRUN exit 7\n")?;
     let out = corral(

@@ -801,16 +801,20 @@ async fn forward(
             let sandbox = sandbox.clone();
             tokio::spawn(async move {
                 // Requests touch the sandbox themselves.
+                // Ended of itself (or upgraded: then its carrier says why
+                // it ends), or cut.
                 let why = tokio::select! {
                     r = conn.with_upgrades() => {
                         if let Err(e) = r {
                             debug!(error = %e, "a connection to a sandbox's port ended");
                         }
-                        "ended"
+                        None
                     }
-                    why = cut(&held, || {}, sandbox.closed(), &ends) => why,
+                    why = cut(&held, || {}, sandbox.closed(), &ends) => Some(why),
                 };
-                held.end(why);
+                if let Some(why) = why {
+                    held.end(why);
+                }
             });
             (sender, link)
         }

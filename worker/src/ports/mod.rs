@@ -142,7 +142,16 @@ pub struct SandboxPorts {
     /// Where what happens to its ports is told, as the sandbox's events
     /// (`None`: nowhere, for a checkpointed sandbox's kept exposures).
     reports: Option<PortReports>,
+    /// Refusals told in the current second, and when it began: past
+    /// [`REFUSALS_TOLD_PER_SECOND`] they are counted, not told, so that a
+    /// flood of requests from anyone who knows the sandbox's id cannot
+    /// push its commands' output out of its journal.
+    refusals: Mutex<(Option<std::time::Instant>, u32)>,
 }
+
+/// Most refused requests a sandbox's events tell each second (the rest
+/// are counted in the next event's `unreported`).
+pub const REFUSALS_TOLD_PER_SECOND: u32 = 10;
 
 /// Where a sandbox's port events go.
 pub type PortReports = crate::reports::Reports<PortEvent>;
@@ -437,9 +446,26 @@ impl SandboxPorts {
         }
     }
 
-    /// Tells that a request or tunnel for `port` was refused, and why.
+    /// Tells that a request or tunnel for `port` was refused, and why (at
+    /// most [`REFUSALS_TOLD_PER_SECOND`]; the rest are counted).
     pub fn tell_refused(&self, port: u16, reason: &'static str) {
-        self.tell(PortEvent::new(port, PortWhat::Refused, reason));
+        let Some(r) = &self.reports else { return };
+        let now = std::time::Instant::now();
+        let told = {
+            let mut w = lock(&self.refusals);
+            if w.0
+                .is_none_or(|since| now.duration_since(since) >= Duration::from_secs(1))
+            {
+                *w = (Some(now), 0);
+            }
+            w.1 += 1;
+            w.1 <= REFUSALS_TOLD_PER_SECOND
+        };
+        if told {
+            r.try_send(PortEvent::new(port, PortWhat::Refused, reason));
+        } else {
+            r.untold();
+        }
     }
 
     /// A new connection's link to `port`, for a caller of `access`
@@ -989,6 +1015,25 @@ mod tests {
                 (81, Expired, d(""), 0),
             ]
         );
+    }
+
+    #[tokio::test]
+    async fn a_flood_of_refusals_is_told_ten_a_second_and_the_rest_counted() {
+        let (tx, mut rx) = tokio::sync::mpsc::channel(64);
+        let ports = SandboxPorts::default().telling(crate::reports::Reports::new(tx));
+        for _ in 0..25 {
+            ports.tell_refused(80, Refusal::Unauthenticated.reason());
+        }
+        ports.expose(exposure(80, i64::MAX)).unwrap();
+        drop(ports);
+        let mut told = Vec::new();
+        while let Some(e) = rx.recv().await {
+            told.push((e.what, e.unreported));
+        }
+        use corral_proto::event::PortWhat::*;
+        let mut want = vec![(Refused, 0); REFUSALS_TOLD_PER_SECOND as usize];
+        want.push((Exposed, 25 - REFUSALS_TOLD_PER_SECOND));
+        assert_eq!(told, want);
     }
 
     #[test]

@@ -64,6 +64,23 @@ async fn next_report<T>(rx: &mut Option<mpsc::Receiver<T>>) -> Option<T> {
     }
 }
 
+/// The reports a report says went untold before it.
+fn unreported(r: &InitRequest) -> u32 {
+    match r {
+        InitRequest::Egress(e) => e.unreported,
+        InitRequest::Port(e) => e.unreported,
+        _ => 0,
+    }
+}
+
+fn add_unreported(r: &mut InitRequest, n: u32) {
+    match r {
+        InitRequest::Egress(e) => e.unreported = e.unreported.saturating_add(n),
+        InitRequest::Port(e) => e.unreported = e.unreported.saturating_add(n),
+        _ => {}
+    }
+}
+
 enum Wake {
     Command(Option<Command>),
     Egress(Option<corral_proto::event::Egress>),
@@ -122,10 +139,16 @@ impl Actor {
         debug!("sandbox actor stopped");
     }
 
-    /// Keeps a report for init, the oldest dropped past the bound.
+    /// Keeps a report for init, the oldest dropped past the bound (and
+    /// counted in the next one's `unreported`: a gap is said).
     fn pending(&mut self, report: InitRequest) {
-        if self.reports_pending.len() >= MAX_REPORTS_PENDING {
-            self.reports_pending.pop_front();
+        if self.reports_pending.len() >= MAX_REPORTS_PENDING
+            && let Some(old) = self.reports_pending.pop_front()
+        {
+            let lost = 1 + unreported(&old);
+            if let Some(next) = self.reports_pending.front_mut() {
+                add_unreported(next, lost);
+            }
         }
         self.reports_pending.push_back(report);
     }

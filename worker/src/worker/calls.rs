@@ -67,6 +67,18 @@ impl Worker {
     ) -> Result<OperationRecord> {
         spec.validate()?;
         let sb = self.sandbox(sandbox).await?;
+        self.submit_to(&sb, id, spec, traceparent).await
+    }
+
+    /// [`Self::submit_traced`] on a sandbox in hand (one being made, not
+    /// yet in the table, too).
+    pub(super) async fn submit_to(
+        &self,
+        sb: &crate::sandbox::Sandbox,
+        id: OperationId,
+        spec: OperationSpec,
+        traceparent: Option<String>,
+    ) -> Result<OperationRecord> {
         // The sandbox's environment, under the command's own, and its
         // proxy's under that: the container has them already, unless the
         // sandbox was a pool's member, made before anyone asked for it.

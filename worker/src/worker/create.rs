@@ -71,21 +71,30 @@ impl Worker {
     ) -> Result<(SandboxInfo, Made)> {
         spec.validate()?;
         let template = self.resolve_template(&mut spec)?;
-        let (info, made) = self.create_sandbox_inner(id, spec, None).await?;
-        if let (Some(t), Made::Created | Made::Claimed) = (&template, made)
-            && !t.start.is_empty()
-        {
-            let sandbox = self.sandbox(&info.id).await?;
-            if let Err(e) = self.start_template(&sandbox, t).await {
-                tracing::warn!(sandbox = %info.id, template = %t.name, error = %e, "a template's sandbox was not ready; removed");
-                if let Err(gone) = self.destroy_sandbox(&info.id).await {
-                    tracing::warn!(sandbox = %info.id, error = %gone, "removing it failed");
-                }
-                return Err(e);
-            }
-            return Ok((self.info_of(&sandbox), made));
+        self.create_sandbox_inner(id, spec, None, template.as_ref())
+            .await
+    }
+
+    /// A new sandbox of `template` started as it says and ready, before it
+    /// is committed (its id stays busy meanwhile, and a create given up on
+    /// removes it); an error says why not, and the caller undoes it.
+    async fn ready_for(
+        &self,
+        sandbox: &Sandbox,
+        template: Option<&crate::templates::Template>,
+    ) -> Result<()> {
+        let Some(t) = template.filter(|t| !t.start.is_empty()) else {
+            return Ok(());
+        };
+        let mut closing = CloseOnDrop(Some(sandbox.clone()));
+        let r = self.start_template(sandbox, t).await;
+        closing.0 = None;
+        if r.is_err() {
+            // Why goes to the client: what the tenant's command said stays
+            // out of the worker's log.
+            warn!(sandbox = %sandbox.id, template = %t.name, "a template's sandbox was not ready; removed");
         }
-        Ok((info, made))
+        r
     }
 
     /// [`Self::create_sandbox`], and whether a new one was made;
@@ -96,6 +105,7 @@ impl Worker {
         id: Option<SandboxId>,
         spec: SandboxSpec,
         forking_from: Option<&SandboxId>,
+        template: Option<&crate::templates::Template>,
     ) -> Result<(SandboxInfo, Made)> {
         spec.validate()?;
         crate::policy::check(
@@ -167,6 +177,11 @@ impl Worker {
         if let Some(member) = member
             && let Some(sandbox) = self.claim(&mut guard, member, &spec, forking_from).await?
         {
+            if let Err(e) = self.ready_for(&sandbox, template).await {
+                sandbox.close();
+                guard.abandon().await;
+                return Err(e);
+            }
             let info = self.info_of(&sandbox);
             guard.commit(sandbox);
             return Ok((info, Made::Claimed));
@@ -214,6 +229,11 @@ impl Worker {
             return Err(e);
         }
         info!(sandbox = %id, container = %container, "sandbox ready");
+        if let Err(e) = self.ready_for(&sandbox, template).await {
+            sandbox.close();
+            guard.abandon().await;
+            return Err(e);
+        }
         let info = self.info_of(&sandbox);
         guard.commit(sandbox);
         Ok((info, Made::Created))
@@ -339,6 +359,19 @@ impl Worker {
         }
         info!(sandbox = %id, member = %member.id, container = %container, "sandbox ready, from a pool");
         Ok(Some(sandbox))
+    }
+}
+
+/// Closes a sandbox being made when the create that makes it is given up
+/// on (its future dropped), so its actor ends with it; the create's
+/// [`SlotGuard`] removes the rest. Forgotten once the create goes on.
+struct CloseOnDrop(Option<Sandbox>);
+
+impl Drop for CloseOnDrop {
+    fn drop(&mut self) {
+        if let Some(s) = self.0.take() {
+            s.close();
+        }
     }
 }
 

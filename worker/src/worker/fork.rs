@@ -95,7 +95,7 @@ impl Worker {
         // The children, before the parent is frozen: made (or claimed from
         // a pool) at once.
         let made = futures_util::future::join_all(ids.iter().map(|id| {
-            self.create_sandbox_inner(Some(id.clone()), parent.spec.clone(), Some(parent_id))
+            self.create_sandbox_inner(Some(id.clone()), parent.spec.clone(), Some(parent_id), None)
         }))
         .await;
         let mut children = Vec::new();

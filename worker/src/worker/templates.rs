@@ -35,6 +35,19 @@ impl Worker {
         image: String,
         start: TemplateStart,
     ) -> Result<pb::Template> {
+        let most = corral_proto::template::MAX_TEMPLATES;
+        if !self
+            .inner
+            .templates
+            .has_room(tenant.as_deref(), &name, most)
+        {
+            return Err(WorkerError::Invalid(corral_proto::ProtocolError::invalid(
+                "template",
+                format!(
+                    "at most {most} templates are kept for each tenant (remove one: corral template rm NAME)"
+                ),
+            )));
+        }
         let t = Template {
             tenant,
             name,
@@ -112,7 +125,7 @@ impl Worker {
                 let mut spec = ShellSpec::new(cmd.clone());
                 // It runs as long as its worker lets any command.
                 spec.timeout_ms = Some(corral_proto::limits::MAX_TIMEOUT_MS);
-                self.submit_traced(&sandbox.id, id.clone(), OperationSpec::Shell(spec), None)
+                self.submit_to(sandbox, id.clone(), OperationSpec::Shell(spec), None)
                     .await?;
                 Some(id)
             }
@@ -123,6 +136,9 @@ impl Worker {
         };
         let mut tries = 0u32;
         loop {
+            if sandbox.closed().is_cancelled() || sandbox.is_lost() {
+                return Err(not_ready("the sandbox was lost while it started".into()));
+            }
             // A start command that ended will not make it ready.
             if let Some(id) = &started
                 && let Some(r) = sandbox.operation(id).and_then(|r| r.result)
@@ -134,12 +150,14 @@ impl Worker {
                 )));
             }
             tries += 1;
-            let last =
-                match tokio::time::timeout(PROBE_TRY, self.probe(sandbox, ready, tries)).await {
-                    Ok(Ok(())) => return Ok(()),
-                    Ok(Err(why)) => why,
-                    Err(_) => format!("a probe took over {} s", PROBE_TRY.as_secs()),
-                };
+            // A command's probe bounds itself (and stops its command);
+            // this bounds the others, and anything that would hang.
+            let bound = PROBE_TRY + Duration::from_secs(1);
+            let last = match tokio::time::timeout(bound, self.probe(sandbox, ready, tries)).await {
+                Ok(Ok(())) => return Ok(()),
+                Ok(Err(why)) => why,
+                Err(_) => format!("a probe took over {} s", bound.as_secs()),
+            };
             if tokio::time::Instant::now() + PROBE_EVERY >= deadline {
                 return Err(not_ready(format!(
                     "not ready within {} s (last probe: {last})",
@@ -182,15 +200,18 @@ impl Worker {
             Ready::Command(cmd) => {
                 let id =
                     OperationId::new(format!("template-ready-{n}")).map_err(|e| e.to_string())?;
-                self.submit_traced(
-                    &sandbox.id,
-                    id.clone(),
-                    OperationSpec::Shell(ShellSpec::new(cmd.clone())),
-                    None,
-                )
-                .await
-                .map_err(|e| e.to_string())?;
+                let mut spec = ShellSpec::new(cmd.clone());
+                spec.timeout_ms = Some(PROBE_TRY.as_millis() as u64);
+                self.submit_to(sandbox, id.clone(), OperationSpec::Shell(spec), None)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                let given_up = tokio::time::Instant::now() + PROBE_TRY;
                 loop {
+                    if tokio::time::Instant::now() >= given_up {
+                        // Not left running behind the next try.
+                        let _ = sandbox.cancel(id.clone()).await;
+                        return Err(format!("{cmd:?} took over {} s", PROBE_TRY.as_secs()));
+                    }
                     if let Some(r) = sandbox.operation(&id).and_then(|r| r.result) {
                         return match r.outcome {
                             Outcome::Exited { code: 0 } => Ok(()),
