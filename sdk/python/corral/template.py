@@ -24,6 +24,7 @@ import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from corral import _build
 from corral.errors import InvalidArgument
@@ -175,26 +176,8 @@ class Template:
             _generated=generated,
         )
 
-    def build(
-        self,
-        name: str,
-        *,
-        context: str | os.PathLike[str] | None = None,
-        worker: str | None = None,
-        token_file: str | None = None,
-        timeout: float | None = None,
-        on_output: Callable[[str], object] | None = None,
-    ) -> BuiltImage:
-        """:meth:`abuild`, from synchronous code."""
+    def build(self, name: str, **kw: Any) -> BuiltImage:
+        """:meth:`abuild` (the same arguments), from synchronous code."""
         from corral._sync import _run
 
-        return _run(
-            self.abuild(
-                name,
-                context=context,
-                worker=worker,
-                token_file=token_file,
-                timeout=timeout,
-                on_output=on_output,
-            )
-        )
+        return _run(self.abuild(name, **kw))

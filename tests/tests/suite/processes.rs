@@ -783,6 +783,18 @@ async fn the_workers_idle_timeout_and_a_sandboxs_ttl_remove_it() -> Result<()> {
     Ok(())
 }
 
+/// The output bytes among `events`.
+fn output_of(events: &[EventKind]) -> Vec<u8> {
+    events
+        .iter()
+        .filter_map(|k| match k {
+            EventKind::Output { data, .. } => Some(data.to_vec()),
+            _ => None,
+        })
+        .flatten()
+        .collect()
+}
+
 /// A `RunOperation` stream, read whole: its first message's operation,
 /// then its events (an error if it does not end within 60 s).
 async fn run_stream(
@@ -834,24 +846,10 @@ async fn a_run_is_one_call_that_ends_with_its_result_and_runs_its_id_once() -> R
     let (ran, other) = tokio::join!(run_stream(&h, req(counted)), other);
     let (op, events) = ran?;
     let (_, other) = other?;
-    let said: Vec<u8> = other
-        .iter()
-        .filter_map(|k| match k {
-            EventKind::Output { data, .. } => Some(data.to_vec()),
-            _ => None,
-        })
-        .flatten()
-        .collect();
+    let said = output_of(&other);
     assert_eq!(said, b"other\n".repeat(50));
     assert_eq!(op.operation_id, id.to_string());
-    let out: Vec<u8> = events
-        .iter()
-        .filter_map(|k| match k {
-            EventKind::Output { data, .. } => Some(data.to_vec()),
-            _ => None,
-        })
-        .flatten()
-        .collect();
+    let out = output_of(&events);
     assert_eq!(
         out.len(),
         3_000_000,

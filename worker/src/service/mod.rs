@@ -46,6 +46,27 @@ fn tenant_header<T>(req: &Request<T>) -> Result<Option<String>, Status> {
 impl WorkerService {
     /// For a call made for `tenant`: `id` must be that tenant's; another's
     /// is answered exactly as one that does not exist.
+    /// A submit's request (`SubmitOperation`, `RunOperation`), checked:
+    /// its sandbox the caller's, its ids and spec well formed.
+    fn submission(&self, req: Request<pb::SubmitOperationRequest>) -> Result<Submission, Status> {
+        let tenant = tenant_header(&req)?;
+        let traceparent = traceparent_of(&req);
+        let req = req.into_inner();
+        let sid = sandbox_id(req.sandbox_id)?;
+        self.owned(&tenant, &sid)?;
+        let oid = operation_id(req.operation_id)?;
+        let spec = OperationSpec::try_from(
+            req.spec
+                .ok_or(corral_proto::ProtocolError::Missing("spec"))?,
+        )?;
+        Ok(Submission {
+            sid,
+            oid,
+            spec,
+            traceparent,
+        })
+    }
+
     fn owned(&self, tenant: &Option<String>, id: &SandboxId) -> Result<(), Status> {
         let Some(tenant) = tenant else {
             return Ok(());
@@ -67,6 +88,14 @@ fn invalid(field: &'static str, why: String) -> Status {
 
 fn operation_id(s: String) -> Result<OperationId, Status> {
     Ok(OperationId::new(s)?)
+}
+
+/// What a submit asks for.
+struct Submission {
+    sid: SandboxId,
+    oid: OperationId,
+    spec: OperationSpec,
+    traceparent: Option<String>,
 }
 
 type EventStream = Pin<Box<dyn Stream<Item = Result<pb::SandboxEvent, Status>> + Send>>;
@@ -271,16 +300,12 @@ impl pb::worker_server::Worker for WorkerService {
         &self,
         req: Request<pb::SubmitOperationRequest>,
     ) -> Result<Response<pb::Operation>, Status> {
-        let tenant = tenant_header(&req)?;
-        let traceparent = traceparent_of(&req);
-        let req = req.into_inner();
-        let sid = sandbox_id(req.sandbox_id)?;
-        self.owned(&tenant, &sid)?;
-        let oid = operation_id(req.operation_id)?;
-        let spec = OperationSpec::try_from(
-            req.spec
-                .ok_or(corral_proto::ProtocolError::Missing("spec"))?,
-        )?;
+        let Submission {
+            sid,
+            oid,
+            spec,
+            traceparent,
+        } = self.submission(req)?;
         let record = self
             .worker
             .submit_traced(&sid, oid, spec, traceparent)
@@ -315,16 +340,12 @@ impl pb::worker_server::Worker for WorkerService {
         &self,
         req: Request<pb::SubmitOperationRequest>,
     ) -> Result<Response<RunStream>, Status> {
-        let tenant = tenant_header(&req)?;
-        let traceparent = traceparent_of(&req);
-        let req = req.into_inner();
-        let sid = sandbox_id(req.sandbox_id)?;
-        self.owned(&tenant, &sid)?;
-        let oid = operation_id(req.operation_id)?;
-        let spec = OperationSpec::try_from(
-            req.spec
-                .ok_or(corral_proto::ProtocolError::Missing("spec"))?,
-        )?;
+        let Submission {
+            sid,
+            oid,
+            spec,
+            traceparent,
+        } = self.submission(req)?;
         let (record, watch) = self
             .worker
             .run_watched(&sid, oid, spec, traceparent)
