@@ -19,10 +19,16 @@ use corral_proto::{NetworkMode, SandboxId, SandboxSpec};
 use crate::docker::Defaults;
 use crate::sandbox::Sandbox;
 
-/// One `--pool IMAGE=N[,memory=SIZE][,cpus=N][,pids=N][,runtime=NAME]`.
+/// One `--pool IMAGE=N[,memory=SIZE][,cpus=N][,pids=N][,runtime=NAME]`,
+/// or `--pool template:NAME=N[,...]`: members of the operator's template
+/// NAME (see [`crate::templates`]), each started and ready.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Template {
+    /// The image (empty for a template's pool: the template's, when a
+    /// member is made).
     pub image: String,
+    /// The worker's template its members are of.
+    pub template: Option<String>,
     pub size: u32,
     pub memory_bytes: Option<u64>,
     pub cpu_millis: Option<u32>,
@@ -37,7 +43,9 @@ impl FromStr for Template {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
         let bad = |why: String| {
-            format!("--pool {s:?}: {why} (IMAGE=N[,memory=SIZE][,cpus=N][,pids=N][,runtime=NAME])")
+            format!(
+                "--pool {s:?}: {why} (IMAGE=N or template:NAME=N, then [,memory=SIZE][,cpus=N][,pids=N][,runtime=NAME])"
+            )
         };
         let mut parts = s.split(',');
         let head = parts.next().unwrap_or("");
@@ -51,8 +59,16 @@ impl FromStr for Template {
         if size == 0 || size > MAX_POOL_SIZE {
             return Err(bad(format!("a size of 1-{MAX_POOL_SIZE}")));
         }
+        let (image, template) = match image.strip_prefix("template:") {
+            Some(name) => {
+                corral_proto::template::check_name(name).map_err(|e| bad(e.to_string()))?;
+                (String::new(), Some(name.to_string()))
+            }
+            None => (image.to_string(), None),
+        };
         let mut t = Template {
-            image: image.to_string(),
+            image,
+            template,
             size,
             memory_bytes: None,
             cpu_millis: None,
@@ -91,7 +107,10 @@ impl FromStr for Template {
 
 impl std::fmt::Display for Template {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}={}", self.image, self.size)?;
+        match &self.template {
+            Some(name) => write!(f, "template:{name}={}", self.size)?,
+            None => write!(f, "{}={}", self.image, self.size)?,
+        }
         if let Some(m) = self.memory_bytes {
             write!(f, ",memory={m}")?;
         }
@@ -112,7 +131,9 @@ impl Template {
     /// The spec its members are made with.
     pub fn spec(&self) -> SandboxSpec {
         SandboxSpec {
-            image: Some(self.image.clone()),
+            // A template's: its image, when a member is made.
+            image: self.template.is_none().then(|| self.image.clone()),
+            template: self.template.clone(),
             memory_bytes: self.memory_bytes,
             cpu_millis: self.cpu_millis,
             pids_limit: self.pids_limit,
@@ -126,6 +147,8 @@ impl Template {
     /// that is fixed when a container is made (root, a writable root,
     /// capabilities, a network, other tmpfs sizes). Egress is not: every
     /// member has its proxy's directory mounted, served once claimed.
+    /// A template's pool matches a create of that template (its member's
+    /// image and start are checked at the claim: [`Member::started`]).
     pub fn matches(&self, spec: &SandboxSpec, d: &Defaults) -> bool {
         let plain = spec.network == NetworkMode::None
             && !spec.run_as_root
@@ -134,8 +157,12 @@ impl Template {
             && !spec.memory_includes_files
             && spec.workspace_bytes.unwrap_or(d.workspace_bytes) == d.workspace_bytes
             && spec.tmp_bytes.unwrap_or(d.tmp_bytes) == d.tmp_bytes;
+        let what = match &self.template {
+            Some(name) => spec.template.as_deref() == Some(name.as_str()),
+            None => spec.image.as_deref().unwrap_or(&d.image) == self.image,
+        };
         plain
-            && spec.image.as_deref().unwrap_or(&d.image) == self.image
+            && what
             && spec.memory_bytes.unwrap_or(d.memory_bytes)
                 == self.memory_bytes.unwrap_or(d.memory_bytes)
             && spec.cpu_millis.unwrap_or(d.cpu_millis) == self.cpu_millis.unwrap_or(d.cpu_millis)
@@ -150,6 +177,9 @@ impl Template {
 pub struct Member {
     pub id: SandboxId,
     pub sandbox: Sandbox,
+    /// A template's member: the image and start it was started with (its
+    /// start command runs, its probe held).
+    pub started: Option<(String, corral_proto::template::TemplateStart)>,
 }
 
 /// One template's members and counts.
@@ -231,6 +261,13 @@ mod tests {
             t.to_string(),
             "corral-debian:latest=4,memory=536870912,cpus=0.5,pids=64,runtime=runsc"
         );
+        let web: Template = "template:web=3,memory=1g".parse().unwrap();
+        assert_eq!(
+            (web.template.as_deref(), web.image.as_str()),
+            (Some("web"), "")
+        );
+        assert_eq!(web.to_string(), "template:web=3,memory=1073741824");
+        assert!("template:Bad=1".parse::<Template>().is_err());
         let plain: Template = "corral-sandbox:latest=2".parse().unwrap();
         assert_eq!(plain.spec().image.as_deref(), Some("corral-sandbox:latest"));
         for bad in [

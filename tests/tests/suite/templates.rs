@@ -253,3 +253,72 @@ async fn a_templates_sandbox_is_handed_out_ready_and_a_broken_one_never() -> Res
     h.stop().await;
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_templates_pool_keeps_members_started_and_ready() -> Result<()> {
+    let h = Harness::start_with(|c| {
+        c.policy.allow_build = true;
+        c.pools = vec!["template:pooled=1".parse().expect("a pool")];
+    })
+    .await?;
+    // The pool waits for its template, then fills.
+    let site = context("FROM corral-debian:latest\nCOPY nonce /srv/index.html\n")?;
+    let out = corral(
+        &h,
+        &[
+            "template",
+            "build",
+            "pooled",
+            site.path().to_str().context("path")?,
+            "--start",
+            "cd /srv && exec python3 -m http.server 8000",
+            "--ready-port",
+            "8000",
+            "-q",
+        ],
+    )
+    .await?;
+    ensure!(out.status.success(), "{}", text(&out.stderr));
+    let ready = || async {
+        let info = h.client.worker_info().await?;
+        anyhow::Ok(info.pools.first().map_or(0, |p| p.ready))
+    };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while ready().await? < 1 {
+        ensure!(
+            std::time::Instant::now() < deadline,
+            "the template's pool never filled"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
+    // Claimed, its server already up: started once, in the member.
+    let sb = h
+        .client
+        .create_sandbox(
+            None,
+            SandboxSpec {
+                template: Some("pooled".into()),
+                ..SandboxSpec::default()
+            },
+        )
+        .await?
+        .id;
+    let info = h.client.worker_info().await?;
+    ensure!(
+        info.pools[0].claims == 1,
+        "not claimed from the pool: {:?}",
+        info.pools
+    );
+    let page = h
+        .run(&sb, "python3 -c \"import urllib.request as u; print(u.urlopen('http://127.0.0.1:8000/').read().decode())\"")
+        .await?;
+    ensure!(page.outcome.is_success(), "{page:?}");
+    let ops = h.client.list_operations(&sb).await?;
+    let starts = ops
+        .iter()
+        .filter(|o| o.id.as_str() == corral_proto::template::START_OPERATION)
+        .count();
+    ensure!(starts == 1, "{ops:?}");
+    h.stop().await;
+    Ok(())
+}

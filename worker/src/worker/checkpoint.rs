@@ -121,7 +121,7 @@ impl Worker {
         let info = match self
             .inner
             .table
-            .begin_restoring(&ticket, |held| self.place(held, None, &mut placed))
+            .begin_restoring(&ticket, |held| self.place(held, None, None, &mut placed))
         {
             Ok(info) => info,
             // It runs: answered as it is.

@@ -118,6 +118,8 @@ impl Worker {
             return Err(WorkerError::ShuttingDown);
         }
         let id = id.unwrap_or_else(SandboxId::random);
+        // What a template's pool member must have been started as.
+        let started = template.map(|t| (t.image.clone(), t.start.clone()));
         let deadline = tokio::time::Instant::now() + BUSY_WAIT;
         let (ticket, placed) = loop {
             // A sandbox of this id (a checkpointed one too) answers the
@@ -145,11 +147,9 @@ impl Worker {
                 return Err(WorkerError::Draining);
             }
             let mut placed = Placed::default();
-            match self
-                .inner
-                .table
-                .begin_making(&id, |held| self.place(held, Some(&spec), &mut placed))
-            {
+            match self.inner.table.begin_making(&id, |held| {
+                self.place(held, Some(&spec), started.as_ref(), &mut placed)
+            }) {
                 Ok(ticket) => break (ticket, placed),
                 // Another create of the id got there first: answered as it
                 // ends.
@@ -173,10 +173,13 @@ impl Worker {
             ..Placed::default()
         })
         .await;
-        // A warm member of a pool whose template this matches.
+        // A warm member of a pool whose template this matches (a
+        // template's member is started and ready already).
+        let was_started = member.as_ref().is_some_and(|m| m.started.is_some());
         if let Some(member) = member
             && let Some(sandbox) = self.claim(&mut guard, member, &spec, forking_from).await?
         {
+            let template = template.filter(|_| !was_started);
             if let Err(e) = self.ready_for(&sandbox, template).await {
                 sandbox.close();
                 guard.abandon().await;
@@ -249,6 +252,7 @@ impl Worker {
         &self,
         held: usize,
         spec: Option<&SandboxSpec>,
+        started: Option<&(String, corral_proto::template::TemplateStart)>,
         placed: &mut Placed,
     ) -> Result<()> {
         let mut pools = lock(&self.inner.pools);
@@ -260,6 +264,11 @@ impl Worker {
             while let Some(m) = pool.ready.pop_front() {
                 if m.sandbox.is_lost() {
                     placed.dead.push(m);
+                } else if m.started.is_some() && m.started.as_ref() != started {
+                    // Started as another template than this create's
+                    // (another tenant's of the name, another build).
+                    pool.ready.push_front(m);
+                    break;
                 } else {
                     placed.member = Some(m);
                     break;

@@ -45,15 +45,27 @@ impl Worker {
             let mut pools = lock(&self.inner.pools);
             let mut dead = Vec::new();
             for p in pools.iter_mut() {
-                let (gone, alive): (Vec<_>, Vec<_>) =
-                    p.ready.drain(..).partition(|m| m.sandbox.is_lost());
+                // A template's members of an earlier build of it (or of
+                // one since removed) go too.
+                let now = p.template.template.as_deref().map(|name| {
+                    self.inner
+                        .templates
+                        .get(None, name)
+                        .map(|t| (t.image, t.start))
+                });
+                let (gone, alive): (Vec<_>, Vec<_>) = p.ready.drain(..).partition(|m| {
+                    m.sandbox.is_lost()
+                        || now
+                            .as_ref()
+                            .is_some_and(|now| now.as_ref() != m.started.as_ref())
+                });
                 p.ready = alive.into();
                 dead.extend(gone);
             }
             dead
         };
         for m in dead {
-            warn!(member = %m.id, "a pool member died; it is replaced");
+            warn!(member = %m.id, "a pool member died or is of an earlier template; it is replaced");
             self.discard_member(m).await;
         }
         loop {
@@ -70,21 +82,50 @@ impl Worker {
                 if count >= self.inner.max_sandboxes as usize {
                     None
                 } else {
+                    // A template's pool fills once the template is there.
+                    let of = |p: &crate::pool::Pool| match &p.template.template {
+                        Some(name) => self.inner.templates.get(None, name).map(Some),
+                        None => Some(None),
+                    };
                     pools
                         .iter_mut()
                         .enumerate()
                         .filter(|(_, p)| p.held() < p.template.size as usize)
-                        .max_by_key(|(_, p)| p.template.size as usize - p.held())
-                        .map(|(i, p)| {
+                        .filter_map(|(i, p)| of(p).map(|t| (i, p, t)))
+                        .max_by_key(|(_, p, _)| p.template.size as usize - p.held())
+                        .map(|(i, p, t)| {
                             let id = crate::pool::member_id();
                             p.filling.push(id.clone());
-                            (i, id, p.template.spec())
+                            let mut spec = p.template.spec();
+                            if let Some(t) = &t {
+                                spec.image = Some(t.image.clone());
+                                spec.template = Some(t.name.clone());
+                            }
+                            (i, id, spec, t)
                         })
                 }
             };
-            let Some((i, id, spec)) = next else { return };
+            let Some((i, id, spec, template)) = next else {
+                return;
+            };
             let started = std::time::Instant::now();
-            let made = self.make_member(&id, spec).await;
+            let made = match (self.make_member(&id, spec).await, &template) {
+                // A template's member is started as it says, and ready.
+                (Ok(sandbox), Some(t)) => match self.start_template(&sandbox, t).await {
+                    Ok(()) => Ok(sandbox),
+                    Err(e) => {
+                        self.discard_member(crate::pool::Member {
+                            id: id.clone(),
+                            sandbox,
+                            started: None,
+                        })
+                        .await;
+                        Err(e)
+                    }
+                },
+                (made, _) => made,
+            };
+            let stamp = template.map(|t| (t.image, t.start));
             let unwanted = {
                 let table = self.inner.table.lock();
                 let mut pools = lock(&self.inner.pools);
@@ -95,11 +136,19 @@ impl Worker {
                 match made {
                     // Made while creates filled the worker: no room.
                     Ok(sandbox) if count >= self.inner.max_sandboxes as usize => {
-                        Some(crate::pool::Member { id, sandbox })
+                        Some(crate::pool::Member {
+                            id,
+                            sandbox,
+                            started: stamp,
+                        })
                     }
                     Ok(sandbox) => {
                         pool.last_refill = Some(started.elapsed());
-                        pool.ready.push_back(crate::pool::Member { id, sandbox });
+                        pool.ready.push_back(crate::pool::Member {
+                            id,
+                            sandbox,
+                            started: stamp,
+                        });
                         self.inner
                             .metrics
                             .pool_refilled(&pool.template.to_string(), started.elapsed());
