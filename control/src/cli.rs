@@ -220,6 +220,9 @@ pub enum TemplateCommand {
         #[arg(long)]
         json: bool,
     },
+    /// Template NAME as one JSON object: its image, start command,
+    /// readiness probe and its time to be ready, when it was built.
+    Inspect { name: String },
     /// Forget template NAME (sandboxes made from it go on).
     Rm { name: String },
 }

@@ -103,6 +103,29 @@ fn describe_ready(s: &Option<pb::TemplateStart>) -> String {
     }
 }
 
+/// The templates the caller has.
+async fn templates(conn: &ConnArgs) -> Result<Vec<pb::Template>, Error> {
+    let client = crate::connect::connect(conn).await?;
+    Ok(client
+        .raw()
+        .list_templates(pb::ListTemplatesRequest {})
+        .await?
+        .into_inner()
+        .templates)
+}
+
+fn to_json(t: &pb::Template) -> serde_json::Value {
+    let s = t.start.clone().unwrap_or_default();
+    serde_json::json!({
+        "name": t.name,
+        "image": t.image,
+        "start": (!s.command.is_empty()).then_some(&s.command),
+        "ready": (s.ready.is_some()).then(|| describe_ready(&t.start)),
+        "ready_timeout_ms": (s.timeout_ms > 0).then_some(s.timeout_ms),
+        "created_at_unix_ms": t.created_at_unix_ms,
+    })
+}
+
 async fn template_command(conn: &ConnArgs, cmd: TemplateCommand) -> Result<u8, Error> {
     match cmd {
         TemplateCommand::Build {
@@ -199,29 +222,19 @@ async fn template_command(conn: &ConnArgs, cmd: TemplateCommand) -> Result<u8, E
             }
             Err(Error::Failed("the build ended without its result".into()))
         }
+        TemplateCommand::Inspect { name } => {
+            let list = templates(conn).await?;
+            let Some(t) = list.iter().find(|t| t.name == name) else {
+                return Err(Error::Failed(format!("no template {name}")));
+            };
+            writeln!(std::io::stdout(), "{}", to_json(t))?;
+            Ok(0)
+        }
         TemplateCommand::Ls { json } => {
-            let client = crate::connect::connect(conn).await?;
-            let list = client
-                .raw()
-                .list_templates(pb::ListTemplatesRequest {})
-                .await?
-                .into_inner()
-                .templates;
+            let list = templates(conn).await?;
             let mut out = std::io::stdout().lock();
             if json {
-                let all: Vec<serde_json::Value> = list
-                    .iter()
-                    .map(|t| {
-                        let s = t.start.clone().unwrap_or_default();
-                        serde_json::json!({
-                            "name": t.name,
-                            "image": t.image,
-                            "start": (!s.command.is_empty()).then_some(&s.command),
-                            "ready": (s.ready.is_some()).then(|| describe_ready(&t.start)),
-                            "created_at_unix_ms": t.created_at_unix_ms,
-                        })
-                    })
-                    .collect();
+                let all: Vec<serde_json::Value> = list.iter().map(to_json).collect();
                 writeln!(out, "{}", serde_json::Value::Array(all))?;
             } else {
                 writeln!(out, "NAME\tIMAGE\tSTART\tREADY")?;

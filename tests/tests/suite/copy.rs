@@ -295,6 +295,8 @@ async fn the_api_moves_an_archive_in_and_out_in_one_call() -> Result<()> {
         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
     }
     upload.abort();
+    // Its own time to be canceled, after the wait for its submit.
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(30);
     let ended = loop {
         let r = h.client.operation(&sb, &op).await?;
         if let Some(r) = r.result {

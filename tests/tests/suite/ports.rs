@@ -71,7 +71,9 @@ async fn with_ports(runtime: Option<&str>) -> Result<(Harness, String)> {
 
 /// Starts the echo server on `port` in `sb` (its command runs on).
 async fn serve_echo(h: &Harness, sb: &SandboxId, port: u16) -> Result<()> {
-    let write = format!("cat > /tmp/echo.py <<'EOF'\n{ECHO}\nEOF");
+    // A file of each server's own: a second server's write must not
+    // truncate the file a first one is still reading as it starts.
+    let write = format!("cat > /tmp/echo-{port}.py <<'EOF'\n{ECHO}\nEOF");
     let r = h.run(sb, &write).await?;
     if !r.outcome.is_success() {
         bail!("writing the server: {r:?}");
@@ -80,7 +82,9 @@ async fn serve_echo(h: &Harness, sb: &SandboxId, port: u16) -> Result<()> {
         .submit(
             sb,
             &OperationId::random(),
-            OperationSpec::Shell(ShellSpec::new(format!("exec python3 /tmp/echo.py {port}"))),
+            OperationSpec::Shell(ShellSpec::new(format!(
+                "exec python3 /tmp/echo-{port}.py {port}"
+            ))),
         )
         .await?;
     Ok(())
@@ -735,13 +739,18 @@ async fn a_sandbox_cannot_take_the_place_of_its_ingress_relay() -> Result<()> {
     let probe = r#"
 import socket, time
 held = []
+closed = 0
 for i in range(300):
     c = socket.socket(socket.AF_UNIX)
     c.connect("/run/corral-egress/ingress.sock")
-    c.send(b"\x02" + b"x" * 32)
+    try:
+        c.send(b"\x02" + b"x" * 32)
+    except OSError:
+        # Closed by the worker before the wrong secret was even sent.
+        closed += 1
+        continue
     held.append(c)
 time.sleep(7)
-closed = 0
 for c in held:
     c.settimeout(0.2)
     try:

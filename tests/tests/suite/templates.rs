@@ -82,6 +82,16 @@ async fn a_templates_sandbox_is_handed_out_ready_and_a_broken_one_never() -> Res
         listed[0]["name"] == "web" && listed[0]["ready"] == "http 8000/index.html",
         "{listed}"
     );
+    let one = corral(&h, &["template", "inspect", "web"]).await?;
+    let one: serde_json::Value = serde_json::from_slice(&one.stdout)?;
+    ensure!(one == listed[0], "{one} against {listed}");
+    ensure!(
+        corral(&h, &["template", "inspect", "nope"])
+            .await?
+            .status
+            .code()
+            == Some(1)
+    );
 
     // Made from it: its server answers at once, nothing waited for here.
     let made = corral(&h, &["sandbox", "create", "--template", "web"]).await?;
