@@ -478,6 +478,11 @@ pub struct RunArgs {
     /// with deploy/images/build-debian.sh).
     #[arg(long, env = "CORRAL_IMAGE")]
     pub image: Option<String>,
+    /// A template of the worker's for the session's sandbox (new sessions
+    /// only; `corral template build`): its image, its start command, ready
+    /// before the run begins.
+    #[arg(long, env = "CORRAL_TEMPLATE")]
+    pub template: Option<String>,
     /// Session id: a new one is created, an existing one resumed.
     #[arg(long, env = "CORRAL_SESSION")]
     pub session: Option<String>,

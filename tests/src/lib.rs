@@ -45,6 +45,7 @@ pub fn session_config(model: &str, sandbox: SandboxId) -> corral_harness::agent:
         tools: None,
         sandbox_id: sandbox,
         image: None,
+        template: None,
         budget: corral_harness::context::Budget::default(),
         max_output_tokens: None,
         reasoning_effort: None,

@@ -32,6 +32,7 @@ fn config() -> SessionConfig {
         tools: None,
         sandbox_id: SandboxId::new("bench").unwrap(),
         image: None,
+        template: None,
         budget: Budget::default(),
         max_output_tokens: None,
         reasoning_effort: None,

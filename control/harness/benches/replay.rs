@@ -41,6 +41,7 @@ fn config(turns: u64) -> SessionConfig {
         tools: None,
         sandbox_id: SandboxId::new("bench").unwrap(),
         image: None,
+        template: None,
         budget: Budget::default(),
         max_output_tokens: None,
         reasoning_effort: None,

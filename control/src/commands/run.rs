@@ -117,7 +117,13 @@ pub(super) fn settings_of(
         base_url: args.base_url.clone(),
         api: api_of(args),
         api_key,
-        image: args.image.clone(),
+        // A template names its image: CORRAL_IMAGE's default is not asked
+        // for beside it (an --image given is, and must match).
+        image: match (&args.template, &args.image) {
+            (Some(_), Some(i)) if std::env::var("CORRAL_IMAGE").ok().as_ref() == Some(i) => None,
+            (_, image) => image.clone(),
+        },
+        template: args.template.clone(),
         reasoning_effort: effort_of(args),
         heartbeat_ms: args.heartbeat.map(|h| h.as_millis() as u64),
         keep_sandbox: args.keep_sandbox,
@@ -151,7 +157,12 @@ async fn run(conn: &ConnArgs, args: &RunArgs, json: bool) -> Result<u8, Error> {
     let opts = RunOptions {
         request,
         reasoning_effort: s.reasoning_effort.map(|e| e.as_str().to_string()),
-        image: Some(s.image.unwrap_or_else(|| DEFAULT_IMAGE.into())),
+        // A template names its image.
+        image: match &s.template {
+            Some(_) => s.image,
+            None => Some(s.image.unwrap_or_else(|| DEFAULT_IMAGE.into())),
+        },
+        template: s.template,
         base_url: s.base_url,
         api: s.api,
         api_key: s.api_key,

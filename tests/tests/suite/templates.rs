@@ -332,3 +332,65 @@ async fn a_templates_pool_keeps_members_started_and_ready() -> Result<()> {
     h.stop().await;
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_run_works_in_a_sandbox_of_a_template() -> Result<()> {
+    use corral_e2e::model::{ModelServer, responses};
+    let h = Harness::start_with(|c| c.policy.allow_build = true).await?;
+    let site = context("FROM corral-debian:latest\nCOPY nonce /srv/index.html\n")?;
+    let nonce = std::fs::read_to_string(site.path().join("nonce"))?;
+    let out = corral(
+        &h,
+        &[
+            "template",
+            "build",
+            "served",
+            site.path().to_str().context("path")?,
+            "--start",
+            "cd /srv && exec python3 -m http.server 8000",
+            "--ready-port",
+            "8000",
+            "-q",
+        ],
+    )
+    .await?;
+    ensure!(out.status.success(), "{}", text(&out.stderr));
+    // The model's one command reaches the server the template started: it
+    // was ready before the run's first turn.
+    let fetch = "python3 -c \"import urllib.request as u; print(u.urlopen('http://127.0.0.1:8000/index.html').read().decode())\"";
+    let model = ModelServer::start(vec![
+        responses::calls(&[(
+            "call_1",
+            "Bash",
+            &serde_json::json!({ "command": fetch }).to_string(),
+        )]),
+        responses::text("fetched"),
+    ])
+    .await;
+    let sessions = tempfile::tempdir()?;
+    let run = corral_e2e::run::corral_run(
+        &model,
+        &h.url,
+        sessions.path(),
+        &["--template", "served", "fetch the page"],
+    )
+    .await?;
+    ensure!(run.code == 0, "{}", run.stderr);
+    let said = run.of_type("tool_result")[0]["text"].to_string();
+    ensure!(said.contains(nonce.trim()), "{said}");
+    // A template that does not exist: the run says so and records nothing.
+    let run = corral_e2e::run::corral_run(
+        &model,
+        &h.url,
+        sessions.path(),
+        &["--template", "missing", "x"],
+    )
+    .await?;
+    ensure!(
+        run.code != 0 && run.stderr.contains("no template"),
+        "{}",
+        run.stderr
+    );
+    h.stop().await;
+    Ok(())
+}

@@ -21,6 +21,7 @@ fn config() -> SessionConfig {
         tools: None,
         sandbox_id: SandboxId::new("sb").unwrap(),
         image: None,
+        template: None,
         budget: Budget::default(),
         max_output_tokens: None,
         reasoning_effort: None,

@@ -25,6 +25,9 @@ pub struct SessionConfig {
     pub sandbox_id: SandboxId,
     #[serde(default)]
     pub image: Option<String>,
+    /// A template of the worker's its sandbox is made from.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub template: Option<String>,
     pub budget: Budget,
     #[serde(default)]
     pub max_output_tokens: Option<u32>,

@@ -138,6 +138,10 @@ pub struct Settings {
     /// sent back or logged.
     pub api_key: Option<String>,
     pub image: Option<String>,
+    /// A template of the workers' for a new session's sandbox (left out
+    /// of a mark when none, which an earlier release reads as before).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub template: Option<String>,
     pub reasoning_effort: Option<ReasoningEffort>,
     pub heartbeat_ms: Option<u64>,
     pub grace_ms: Option<u64>,
@@ -165,6 +169,7 @@ impl std::fmt::Debug for Settings {
             .field("api", &self.api)
             .field("api_key", &self.api_key.as_ref().map(|_| "(hidden)"))
             .field("image", &self.image)
+            .field("template", &self.template)
             .field("keep_sandbox", &self.keep_sandbox)
             .finish_non_exhaustive()
     }
@@ -217,11 +222,15 @@ impl Settings {
                 )));
             }
         };
+        if let Some(t) = &s.template {
+            corral_proto::template::check_name(t).map_err(|e| bad(e.to_string()))?;
+        }
         Ok(Self {
             base_url: s.base_url,
             api,
             api_key: s.api_key,
             image: s.image,
+            template: s.template,
             reasoning_effort,
             heartbeat_ms: s.heartbeat_ms,
             grace_ms: s.grace_ms,
@@ -239,6 +248,7 @@ impl Settings {
             api: self.api.map(|a| a.as_str().to_string()),
             api_key: self.api_key.clone(),
             image: self.image.clone(),
+            template: self.template.clone(),
             reasoning_effort: self.reasoning_effort.map(|e| e.as_str().to_string()),
             heartbeat_ms: self.heartbeat_ms,
             keep_sandbox: self.keep_sandbox,
@@ -325,7 +335,12 @@ impl Settings {
         Ok(RunOptions {
             request,
             reasoning_effort: self.reasoning_effort.map(|e| e.as_str().to_string()),
-            image: Some(self.image.clone().unwrap_or_else(|| defaults.image.clone())),
+            // A template names its image.
+            image: match &self.template {
+                Some(_) => self.image.clone(),
+                None => Some(self.image.clone().unwrap_or_else(|| defaults.image.clone())),
+            },
+            template: self.template.clone(),
             base_url,
             api,
             api_key,

@@ -144,6 +144,7 @@ pub fn sandbox_spec(config: &SessionConfig) -> SandboxSpec {
     SandboxSpec {
         labels,
         image: config.image.clone(),
+        template: config.template.clone(),
         idle_timeout_ms: Some(SANDBOX_IDLE_TIMEOUT.as_millis() as u64),
         // Checked when the session was made; a rule this build cannot read
         // (a log from elsewhere) is left out: narrower, never wider.
@@ -197,6 +198,7 @@ pub(super) fn new_config(
         ))
         .unwrap_or_else(|_| SandboxId::random()),
         image: opts.image.clone(),
+        template: opts.template.clone(),
         budget,
         max_output_tokens: req.limits.max_output_tokens,
         reasoning_effort: opts

@@ -116,6 +116,8 @@ pub struct RunOptions {
     pub reasoning_effort: Option<String>,
     /// The sandbox image of a new session.
     pub image: Option<String>,
+    /// A template of the worker's for a new session's sandbox.
+    pub template: Option<String>,
     /// The model endpoint (a new session's, or a resumed one's new one).
     pub base_url: Option<String>,
     pub api: Option<Api>,
