@@ -264,21 +264,20 @@ async fn a_templates_sandbox_is_handed_out_ready_and_a_broken_one_never() -> Res
     Ok(())
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_templates_pool_keeps_members_started_and_ready() -> Result<()> {
-    let h = Harness::start_with(|c| {
-        c.policy.allow_build = true;
-        c.pools = vec!["template:pooled=1".parse().expect("a pool")];
-    })
-    .await?;
-    // The pool waits for its template, then fills.
+/// A command that prints the page the template's server serves.
+const FETCH: &str = "python3 -c \"import urllib.request as u; print(u.urlopen('http://127.0.0.1:8000/index.html').read().decode())\"";
+
+/// Template `name`: a page (the context's nonce) served on port 8000 by its
+/// start command, ready once the port accepts. Its context (the nonce in
+/// it) is returned.
+async fn served_site(h: &Harness, name: &str) -> Result<tempfile::TempDir> {
     let site = context("FROM corral-debian:latest\nCOPY nonce /srv/index.html\n")?;
     let out = corral(
-        &h,
+        h,
         &[
             "template",
             "build",
-            "pooled",
+            name,
             site.path().to_str().context("path")?,
             "--start",
             "cd /srv && exec python3 -m http.server 8000",
@@ -289,6 +288,18 @@ async fn a_templates_pool_keeps_members_started_and_ready() -> Result<()> {
     )
     .await?;
     ensure!(out.status.success(), "{}", text(&out.stderr));
+    Ok(site)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_templates_pool_keeps_members_started_and_ready() -> Result<()> {
+    let h = Harness::start_with(|c| {
+        c.policy.allow_build = true;
+        c.pools = vec!["template:pooled=1".parse().expect("a pool")];
+    })
+    .await?;
+    // The pool waits for its template, then fills.
+    let _site = served_site(&h, "pooled").await?;
     let ready = || async {
         let info = h.client.worker_info().await?;
         anyhow::Ok(info.pools.first().map_or(0, |p| p.ready))
@@ -319,9 +330,7 @@ async fn a_templates_pool_keeps_members_started_and_ready() -> Result<()> {
         "not claimed from the pool: {:?}",
         info.pools
     );
-    let page = h
-        .run(&sb, "python3 -c \"import urllib.request as u; print(u.urlopen('http://127.0.0.1:8000/').read().decode())\"")
-        .await?;
+    let page = h.run(&sb, FETCH).await?;
     ensure!(page.outcome.is_success(), "{page:?}");
     let ops = h.client.list_operations(&sb).await?;
     let starts = ops
@@ -337,32 +346,15 @@ async fn a_templates_pool_keeps_members_started_and_ready() -> Result<()> {
 async fn an_agent_run_works_in_a_sandbox_of_a_template() -> Result<()> {
     use corral_e2e::model::{ModelServer, responses};
     let h = Harness::start_with(|c| c.policy.allow_build = true).await?;
-    let site = context("FROM corral-debian:latest\nCOPY nonce /srv/index.html\n")?;
+    let site = served_site(&h, "served").await?;
     let nonce = std::fs::read_to_string(site.path().join("nonce"))?;
-    let out = corral(
-        &h,
-        &[
-            "template",
-            "build",
-            "served",
-            site.path().to_str().context("path")?,
-            "--start",
-            "cd /srv && exec python3 -m http.server 8000",
-            "--ready-port",
-            "8000",
-            "-q",
-        ],
-    )
-    .await?;
-    ensure!(out.status.success(), "{}", text(&out.stderr));
     // The model's one command reaches the server the template started: it
     // was ready before the run's first turn.
-    let fetch = "python3 -c \"import urllib.request as u; print(u.urlopen('http://127.0.0.1:8000/index.html').read().decode())\"";
     let model = ModelServer::start(vec![
         responses::calls(&[(
             "call_1",
             "Bash",
-            &serde_json::json!({ "command": fetch }).to_string(),
+            &serde_json::json!({ "command": FETCH }).to_string(),
         )]),
         responses::text("fetched"),
     ])
