@@ -120,6 +120,12 @@ pub enum Command {
     /// ready (`corral sandbox create --template NAME`).
     #[command(subcommand)]
     Template(TemplateCommand),
+    /// Volumes: filesystems a worker keeps across sandboxes and restarts,
+    /// each of a size its filesystem enforces, mounted at a create
+    /// (`corral sandbox create --volume NAME:/data[:ro]`); one writer at a
+    /// time, any number of readers.
+    #[command(subcommand)]
+    Volume(VolumeCommand),
     /// A sandbox's operations: the running ones (--all: the finished ones
     /// its worker remembers too).
     Ps {
@@ -225,6 +231,30 @@ pub enum TemplateCommand {
     Inspect { name: String },
     /// Forget template NAME (sandboxes made from it go on).
     Rm { name: String },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum VolumeCommand {
+    /// Make volume NAME (the same name and size again is a no-op).
+    Create {
+        name: String,
+        /// Its size, e.g. 10g (default: the worker's --default-volume-size).
+        #[arg(long, value_parser = parse_size)]
+        size: Option<u64>,
+    },
+    /// The volumes there are: name, size, use, writer, readers.
+    Ls {
+        #[arg(long)]
+        json: bool,
+    },
+    /// Remove volume NAME and everything in it (refused while a sandbox
+    /// mounts it).
+    Rm { name: String },
+    /// Copy into or out of a volume, through a sandbox of its own:
+    /// `corral volume cp LOCAL VOLUME:PATH` or `corral volume cp
+    /// VOLUME:PATH LOCAL` (as `corral cp`; a copy in is refused while
+    /// another sandbox writes to the volume).
+    Cp(CpArgs),
 }
 
 #[derive(Debug, Clone, Subcommand)]
@@ -915,6 +945,10 @@ pub enum SandboxCommand {
         /// and `inspect` (repeatable); never given to its commands.
         #[arg(long = "label", short = 'l', value_name = "K=V", value_parser = parse_env)]
         label: Vec<(String, String)>,
+        /// A volume mounted into it, NAME:/PATH or NAME:/PATH:ro
+        /// (repeatable; `corral volume create NAME` first).
+        #[arg(long = "volume", short = 'v', value_name = "NAME:/PATH[:ro]", value_parser = parse_volume)]
+        volume: Vec<corral_proto::volume::VolumeMount>,
         /// OCI runtime, e.g. runsc for gVisor (as the worker allows).
         #[arg(long)]
         runtime: Option<String>,
@@ -1019,6 +1053,10 @@ pub enum SandboxCommand {
     /// Kill every process in a sandbox (its files stay); running commands
     /// end as canceled. Works when the sandbox is at its process limit.
     Reset { id: String },
+}
+
+fn parse_volume(s: &str) -> Result<corral_proto::volume::VolumeMount, String> {
+    corral_proto::volume::VolumeMount::parse(s).map_err(|e| e.to_string())
 }
 
 fn parse_env(s: &str) -> Result<(String, String), String> {

@@ -34,6 +34,7 @@ pub mod spec;
 pub mod template;
 pub mod text;
 pub mod units;
+pub mod volume;
 
 pub use error::ProtocolError;
 pub use event::{Event, EventKind, OutputStream};

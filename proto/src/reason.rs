@@ -93,6 +93,11 @@ reasons! {
     /// A sandbox made from a template did not become ready in time (its
     /// start command ended, or its readiness probe never held); it is gone.
     TemplateNotReady = "template_not_ready",
+    /// No volume of that name on the worker (for the caller's tenant).
+    NoSuchVolume = "no_such_volume",
+    /// The volume is mounted by a sandbox in a way that excludes what was
+    /// asked (a second writer, a writer beside readers, a removal).
+    VolumeInUse = "volume_in_use",
     /// The request does not fit the operation (input to one that takes
     /// none, a resize without a terminal).
     NotApplicable = "not_applicable",

@@ -79,6 +79,12 @@ pub struct SandboxSpec {
         serde(default, skip_serializing_if = "Option::is_none")
     )]
     pub template: Option<String>,
+    /// Volumes mounted into it (see [`crate::volume`]).
+    #[cfg_attr(
+        feature = "serde",
+        serde(default, skip_serializing_if = "Vec::is_empty")
+    )]
+    pub volumes: Vec<crate::volume::VolumeMount>,
 }
 
 /// A pseudo-terminal's window size.
@@ -353,6 +359,7 @@ impl SandboxSpec {
         if let Some(t) = &self.template {
             crate::template::check_name(t)?;
         }
+        crate::volume::check_mounts(&self.volumes)?;
         if let Some(r) = &self.runtime
             && (r.is_empty()
                 || r.len() > 64
@@ -562,6 +569,7 @@ impl TryFrom<pb::SandboxSpec> for SandboxSpec {
             egress: crate::egress::parse_rules(&p.egress, false)?,
             egress_proxy: p.egress_proxy,
             template: nonempty(p.template),
+            volumes: p.volumes.into_iter().map(Into::into).collect(),
         };
         spec.validate()?;
         Ok(spec)
@@ -593,6 +601,7 @@ impl From<SandboxSpec> for pb::SandboxSpec {
             egress: s.egress.iter().map(ToString::to_string).collect(),
             egress_proxy: s.egress_proxy,
             template: s.template.unwrap_or_default(),
+            volumes: s.volumes.into_iter().map(Into::into).collect(),
         }
     }
 }

@@ -24,6 +24,23 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
     Ok(bytes as u64)
 }
 
+/// A size as people read it: `512m`, `1.5g`, `300` (bytes), the way
+/// [`parse_size`] takes it back.
+pub fn format_size(bytes: u64) -> String {
+    for (unit, shift) in [("t", 40), ("g", 30), ("m", 20), ("k", 10)] {
+        let whole = 1u64 << shift;
+        if bytes >= whole {
+            let n = bytes as f64 / whole as f64;
+            return if bytes.is_multiple_of(whole) {
+                format!("{}{unit}", bytes >> shift)
+            } else {
+                format!("{n:.1}{unit}")
+            };
+        }
+    }
+    bytes.to_string()
+}
+
 /// A rate in bytes a second, as a size (`10m`); at least one byte.
 pub fn parse_rate(s: &str) -> Result<u64, String> {
     match parse_size(s)? {

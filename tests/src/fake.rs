@@ -72,6 +72,24 @@ impl pb::worker_server::Worker for FakeWorker {
     ) -> Result<Response<pb::DeleteTemplateResponse>, Status> {
         no()
     }
+    async fn create_volume(
+        &self,
+        _: Request<pb::CreateVolumeRequest>,
+    ) -> Result<Response<pb::Volume>, Status> {
+        no()
+    }
+    async fn list_volumes(
+        &self,
+        _: Request<pb::ListVolumesRequest>,
+    ) -> Result<Response<pb::ListVolumesResponse>, Status> {
+        no()
+    }
+    async fn delete_volume(
+        &self,
+        _: Request<pb::DeleteVolumeRequest>,
+    ) -> Result<Response<pb::DeleteVolumeResponse>, Status> {
+        no()
+    }
     type RunOperationStream = Stream_<pb::RunOperationResponse>;
     async fn run_operation(
         &self,

@@ -224,6 +224,14 @@ pub struct WorkerArgs {
     /// Memory of each build step (at most 2g).
     #[arg(long, env = "CORRAL_BUILD_MEMORY", default_value = "2g", value_parser = parse_size)]
     pub build_memory: u64,
+    /// The size of a volume whose create names none.
+    #[arg(long, env = "CORRAL_DEFAULT_VOLUME_SIZE", default_value = "1g", value_parser = parse_size)]
+    pub default_volume_size: u64,
+    /// The largest volume a client may make. Volumes are sparse files of
+    /// the state directory: their sizes may add up past its free space,
+    /// and a write there fails when the disk is full.
+    #[arg(long, env = "CORRAL_MAX_VOLUME_SIZE", default_value = "100g", value_parser = parse_size)]
+    pub max_volume_size: u64,
     /// Export a span for each operation submitted with a W3C traceparent
     /// (OpenTelemetry, OTLP over gRPC) to this collector, e.g.
     /// http://127.0.0.1:4317. Off by default.
@@ -426,6 +434,10 @@ impl WorkerArgs {
                 idle_timeout: Some(self.ports_idle_timeout).filter(|t| !t.is_zero()),
             },
             otlp_endpoint: self.otlp_endpoint.clone(),
+            volumes: crate::volumes::VolumeSettings {
+                default_bytes: self.default_volume_size,
+                max_bytes: self.max_volume_size,
+            },
             build: crate::build::BuildSettings {
                 network: self.build_network.clone(),
                 max_context_bytes: self.max_build_context,

@@ -33,6 +33,8 @@ pub enum WorkerError {
     NoSuchImage(String),
     #[error("no template {0:?} on this worker (build one with `corral template build`)")]
     NoSuchTemplate(String),
+    #[error(transparent)]
+    Volume(#[from] crate::volumes::VolumeError),
     #[error("the sandbox of template {template:?} was not ready: {why}; it was removed")]
     TemplateNotReady { template: String, why: String },
     #[error(
@@ -124,6 +126,17 @@ impl WorkerError {
                 (Code::FailedPrecondition, Reason::TemplateNotReady)
             }
             WorkerError::NoSuchRuntime { .. } => (Code::FailedPrecondition, Reason::NoSuchRuntime),
+            WorkerError::Volume(e) => {
+                use crate::volumes::VolumeError as V;
+                match e {
+                    V::NoSuchVolume(_) => (Code::FailedPrecondition, Reason::NoSuchVolume),
+                    V::InUse { .. } => (Code::FailedPrecondition, Reason::VolumeInUse),
+                    V::OtherSize { .. } => (Code::AlreadyExists, Reason::Conflict),
+                    V::Refused(_) => (Code::InvalidArgument, Reason::InvalidArgument),
+                    V::Unavailable(_) => (Code::FailedPrecondition, Reason::NotApplicable),
+                    V::Io { .. } => (Code::Internal, Reason::Internal),
+                }
+            }
             WorkerError::NotApplicable(_) => (Code::FailedPrecondition, Reason::NotApplicable),
             WorkerError::InputGap(_) => (Code::OutOfRange, Reason::InputGap),
             WorkerError::Fork(_) => (Code::FailedPrecondition, Reason::ForkFailed),

@@ -72,6 +72,7 @@ pub mod state;
 pub mod telemetry;
 pub mod templates;
 pub mod uids;
+pub mod volumes;
 pub mod worker;
 
 pub use error::WorkerError;

@@ -154,6 +154,7 @@ impl Template {
             && !spec.run_as_root
             && !spec.writable_rootfs
             && spec.add_capabilities.is_empty()
+            && spec.volumes.is_empty()
             && !spec.memory_includes_files
             && spec.workspace_bytes.unwrap_or(d.workspace_bytes) == d.workspace_bytes
             && spec.tmp_bytes.unwrap_or(d.tmp_bytes) == d.tmp_bytes;

@@ -14,6 +14,7 @@ mod sandbox;
 mod serve;
 mod session;
 mod template;
+mod volume;
 mod worker;
 
 use crate::cli::{Cli, Command};
@@ -63,6 +64,7 @@ async fn dispatch(mut cli: Cli) -> u8 {
         Command::Sandbox(cmd) => sandbox::main(&cli.conn, cmd).await,
         Command::Port(cmd) => port::main(&cli.conn, cmd).await,
         Command::Template(cmd) => template::main(&cli.conn, cmd).await,
+        Command::Volume(cmd) => volume::main(&cli.conn, cmd).await,
         Command::Cp(args) => cp::main(&cli.conn, &args).await,
         Command::Ps { sandbox, all } => ops::ps(&cli.conn, &sandbox, all).await,
         Command::Kill { operation, sandbox } => {

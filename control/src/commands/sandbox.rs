@@ -161,6 +161,7 @@ async fn sandbox_command(conn: &ConnArgs, cmd: SandboxCommand) -> Result<(), Err
             cap_add,
             env,
             label,
+            volume,
             runtime,
             idle_timeout,
             ttl,
@@ -206,6 +207,7 @@ async fn sandbox_command(conn: &ConnArgs, cmd: SandboxCommand) -> Result<(), Err
                 egress,
                 egress_proxy,
                 template,
+                volumes: volume,
             };
             spec.validate().map_err(|e| Error::Invalid(e.to_string()))?;
             let sb = match &conn {

@@ -262,6 +262,19 @@ fn is_unknown_sandbox(s: &Status) -> bool {
     s.code() == Code::NotFound && corral_proto::reason::of(s) == Some(Reason::SandboxNotFound)
 }
 
+/// The weight of worker `url` for `tenant`'s volume `name`: the heaviest
+/// takes it (the same on every replica, and few names move when a worker
+/// comes or goes).
+fn rendezvous(url: &str, tenant: &str, name: &str) -> u64 {
+    // FNV-1a: stable across builds and replicas.
+    [url, "\0", tenant, "\0", name]
+        .iter()
+        .flat_map(|s| s.bytes())
+        .fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
+            (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+        })
+}
+
 fn fleet_status(e: corral_harness::fleet::FleetError) -> Status {
     status(Code::Unavailable, Reason::NoWorker, e.to_string())
 }
@@ -928,6 +941,72 @@ impl FrontDoor {
         Ok(urls)
     }
 
+    /// Each worker's volumes, as the caller sees them (a worker that does
+    /// not answer is left out).
+    async fn volumes_of(&self, who: &Principal) -> Result<Vec<(String, Vec<pb::Volume>)>, Status> {
+        let urls = self.fleet.urls().await.map_err(fleet_status)?;
+        let asked = urls.into_iter().map(|url| async move {
+            let client = self.fleet.connect(Some(&url)).await.ok()?;
+            let list = client
+                .raw()
+                .list_volumes(FrontDoor::outgoing(who, pb::ListVolumesRequest {}))
+                .await
+                .ok()?
+                .into_inner()
+                .volumes;
+            Some((url, list))
+        });
+        Ok(futures_util::future::join_all(asked)
+            .await
+            .into_iter()
+            .flatten()
+            .collect())
+    }
+
+    /// Of `urls`, those where every volume `mounts` names lives (a volume
+    /// lives on one worker: those of one sandbox must be on one).
+    async fn having_volumes(
+        &self,
+        who: &Principal,
+        mounts: &[corral_proto::volume::VolumeMount],
+        urls: Vec<String>,
+    ) -> Result<Vec<String>, Status> {
+        if mounts.is_empty() {
+            return Ok(urls);
+        }
+        let all = self.volumes_of(who).await?;
+        let mut on: Vec<String> = urls;
+        for m in mounts {
+            let here: Vec<&String> = all
+                .iter()
+                .filter(|(_, list)| list.iter().any(|v| v.name == m.name))
+                .map(|(url, _)| url)
+                .collect();
+            if here.is_empty() {
+                return Err(status(
+                    Code::FailedPrecondition,
+                    Reason::NoSuchVolume,
+                    format!(
+                        "no worker of this front door has volume {:?} (make it with `corral volume create`)",
+                        m.name
+                    ),
+                ));
+            }
+            on.retain(|u| here.contains(&u));
+            if on.is_empty() {
+                return Err(status(
+                    Code::FailedPrecondition,
+                    Reason::NoSuchVolume,
+                    format!(
+                        "volume {:?} is on another worker than the rest of what this sandbox names (its volumes, its template): one sandbox's volumes live on one worker (corral volume ls shows where)",
+                        m.name
+                    ),
+                ));
+            }
+        }
+        Ok(on)
+    }
+
     async fn audited<T>(
         &self,
         who: &Principal,
@@ -1068,6 +1147,8 @@ impl pb::worker_server::Worker for FrontDoor {
                 (None, Some(url)) => vec![url],
                 (None, None) => self.fleet.urls().await.map_err(fleet_status)?,
             };
+            // Volumes live where they were made.
+            let urls = self.having_volumes(&who, &spec.volumes, urls).await?;
             let made: Result<(pb::Sandbox, String), Placing> = self
                 .fleet
                 .place(&urls, &spec, |url, client| {
@@ -1649,6 +1730,100 @@ impl pb::worker_server::Worker for FrontDoor {
         Ok(Response::new(pb::ListTemplatesResponse {
             templates: by_name.into_values().collect(),
         }))
+    }
+
+    async fn create_volume(
+        &self,
+        req: Request<pb::CreateVolumeRequest>,
+    ) -> Result<Response<pb::Volume>, Status> {
+        let who = caller(&req)?;
+        let msg = req.into_inner();
+        let r = async {
+            need(&who, Scope::Run, "CreateVolume")?;
+            corral_proto::volume::check_name(&msg.name).map_err(|e| {
+                status(
+                    Code::InvalidArgument,
+                    Reason::InvalidArgument,
+                    e.to_string(),
+                )
+            })?;
+            // Where it is already (the same again, or a conflict); else
+            // the worker its name and tenant hash to, so that two creates
+            // of one name through any replica meet on one worker.
+            let there = self
+                .volumes_of(&who)
+                .await?
+                .into_iter()
+                .find(|(_, list)| list.iter().any(|v| v.name == msg.name))
+                .map(|(url, _)| url);
+            let url = match there {
+                Some(url) => url,
+                None => {
+                    let urls = self.fleet.urls().await.map_err(fleet_status)?;
+                    let tenant = who.tenant.clone();
+                    urls.into_iter()
+                        .max_by_key(|u| rendezvous(u, &tenant, &msg.name))
+                        .ok_or_else(|| {
+                            status(Code::Unavailable, Reason::NoWorker, "no worker is known")
+                        })?
+                }
+            };
+            let client = self.fleet.connect(Some(&url)).await.map_err(fleet_status)?;
+            client
+                .raw()
+                .create_volume(FrontDoor::outgoing(&who, msg.clone()))
+                .await
+                .map(Response::into_inner)
+        }
+        .await;
+        self.audited(&who, "CreateVolume", None, r)
+            .await
+            .map(Response::new)
+    }
+
+    async fn list_volumes(
+        &self,
+        req: Request<pb::ListVolumesRequest>,
+    ) -> Result<Response<pb::ListVolumesResponse>, Status> {
+        let who = caller(&req)?;
+        need(&who, Scope::Read, "ListVolumes")?;
+        let mut volumes: Vec<pb::Volume> = self
+            .volumes_of(&who)
+            .await?
+            .into_iter()
+            .flat_map(|(_, list)| list)
+            .collect();
+        volumes.sort_by(|a, b| a.name.cmp(&b.name));
+        Ok(Response::new(pb::ListVolumesResponse { volumes }))
+    }
+
+    async fn delete_volume(
+        &self,
+        req: Request<pb::DeleteVolumeRequest>,
+    ) -> Result<Response<pb::DeleteVolumeResponse>, Status> {
+        let who = caller(&req)?;
+        let msg = req.into_inner();
+        let r = async {
+            need(&who, Scope::Run, "DeleteVolume")?;
+            let mut existed = false;
+            for (url, list) in self.volumes_of(&who).await? {
+                if !list.iter().any(|v| v.name == msg.name) {
+                    continue;
+                }
+                let client = self.fleet.connect(Some(&url)).await.map_err(fleet_status)?;
+                existed |= client
+                    .raw()
+                    .delete_volume(FrontDoor::outgoing(&who, msg.clone()))
+                    .await?
+                    .into_inner()
+                    .existed;
+            }
+            Ok(pb::DeleteVolumeResponse { existed })
+        }
+        .await;
+        self.audited(&who, "DeleteVolume", None, r)
+            .await
+            .map(Response::new)
     }
 
     async fn delete_template(

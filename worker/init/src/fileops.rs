@@ -83,7 +83,7 @@ pub fn lexical(base: &Path, raw: &str) -> PathBuf {
 fn outside(raw: &str) -> FileError {
     FileError(
         FileErrorKind::OutsideSandboxRoots,
-        format!("{raw}: outside the workspace and /tmp"),
+        format!("{raw}: outside the workspace, /tmp and the sandbox's volumes"),
     )
 }
 

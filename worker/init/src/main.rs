@@ -119,7 +119,8 @@ fn main() -> ExitCode {
     // sandbox (the supervisor's own tests).
     let mut config = corral_init::supervisor::Config::default();
     // `--command-uid UID`: the supervisor runs as root, commands as UID;
-    // `--egress`: the sandbox has egress (its worker's socket is mounted).
+    // `--egress`: the sandbox has egress (its worker's socket is mounted);
+    // `--root PATH`: a volume mounted there (repeated).
     if args.first().map(String::as_str) != Some("--roots") {
         // The container starts in the image's WORKDIR (or the workspace,
         // for an image that names none): so do commands.
@@ -135,6 +136,14 @@ fn main() -> ExitCode {
                     }
                 },
                 "--egress" => config.egress = true,
+                // A volume's mount: files may be read and written there too.
+                "--root" => match rest.next() {
+                    Some(p) if p.starts_with('/') => config.roots.others.push(p.into()),
+                    _ => {
+                        eprintln!("corral-init: --root needs an absolute path");
+                        return ExitCode::from(2);
+                    }
+                },
                 other => {
                     eprintln!("corral-init: unknown argument {other:?}");
                     return ExitCode::from(2);

@@ -14,7 +14,8 @@
 //! (set-id bits included), owners (the source sandbox's user becomes the
 //! destination's, through each side's user namespace map), access and
 //! modification times to the nanosecond. Sockets and device nodes are left
-//! out and counted; extended attributes are not copied. Reading changes
+//! out and counted; extended attributes are not copied, nor what another
+//! filesystem mounted in a tree holds (a volume: the child mounts its own). Reading changes
 //! nothing in the source, not even an access time (`O_NOATIME`).
 
 use std::collections::HashMap;
@@ -382,6 +383,11 @@ pub fn copy(src: OwnedFd, dst: OwnedFd, ids: &IdMap) -> Result<Copied, String> {
         let st =
             fstatat(&frame.src, name.as_os_str(), AtFlags::AT_SYMLINK_NOFOLLOW).map_err(fail)?;
         match kind(&st) {
+            // Another filesystem mounted in the tree (a volume): the
+            // child has its own mount there; nothing of it is copied.
+            SFlag::S_IFDIR if st.st_dev != frame.stat.st_dev => {
+                out.leave_out(format!("{}: a mount (a volume), not copied", shown(&at)));
+            }
             SFlag::S_IFDIR => {
                 if depth >= MAX_DEPTH {
                     return Err(format!(

@@ -46,6 +46,7 @@ impl DockerRuntime {
         spec: &SandboxSpec,
         uid: u32,
         egress_dir: Option<&std::path::Path>,
+        volumes: &[crate::runtime::Bind],
         image_config: &ImageConfig,
     ) -> ContainerCreateBody {
         let d = &self.defaults;
@@ -130,6 +131,16 @@ impl DockerRuntime {
                 ..Default::default()
             });
         }
+        // Volumes: each one's filesystem, mounted on the host, bound here
+        // (never device files nor set-id programs of it: the host mounted
+        // it nodev,nosuid).
+        mounts.extend(volumes.iter().map(|v| Mount {
+            target: Some(v.target.clone()),
+            source: Some(v.source.to_string_lossy().into_owned()),
+            typ: Some(MountType::BIND),
+            read_only: Some(v.read_only),
+            ..Default::default()
+        }));
         let mut cmd = if spec.run_as_root {
             vec![]
         } else {
@@ -137,6 +148,10 @@ impl DockerRuntime {
         };
         if egress {
             cmd.push("--egress".into());
+        }
+        for v in volumes {
+            cmd.push("--root".into());
+            cmd.push(v.target.clone());
         }
         let mut labels = HashMap::from([
             (LABEL_MANAGED.into(), "1".into()),
@@ -208,6 +223,7 @@ impl DockerRuntime {
         id: &SandboxId,
         spec: &SandboxSpec,
         egress_dir: Option<&std::path::Path>,
+        volumes: &[crate::runtime::Bind],
     ) -> Result<String> {
         let image = spec
             .image
@@ -225,7 +241,7 @@ impl DockerRuntime {
             } else {
                 self.uids.pick()
             };
-            let body = self.container_body(id, spec, uid, egress_dir, &image_config);
+            let body = self.container_body(id, spec, uid, egress_dir, volumes, &image_config);
             let created = match self
                 .docker
                 .create_container(Some(opts.clone()), body.clone())

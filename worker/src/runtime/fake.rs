@@ -219,6 +219,7 @@ impl Runtime for FakeRuntime {
         id: &SandboxId,
         spec: &SandboxSpec,
         _egress_dir: Option<&Path>,
+        _volumes: &[super::Bind],
     ) -> Result<String> {
         self.step(Step::Create, id.as_str()).await?;
         let mut s = lock(&self.state);

@@ -20,6 +20,14 @@ use crate::error::Result;
 #[cfg(test)]
 pub mod fake;
 
+/// A directory of the host bound into a sandbox (a volume).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Bind {
+    pub source: std::path::PathBuf,
+    pub target: String,
+    pub read_only: bool,
+}
+
 /// What the worker asks of the engine that runs its sandboxes' containers.
 /// A container is named by the id the runtime gave it.
 #[async_trait]
@@ -32,7 +40,8 @@ pub trait Runtime: Send + Sync + 'static {
 
     /// Makes and starts sandbox `id`'s container, its supervisor as its
     /// first process, with the egress socket's directory mounted when
-    /// there is one; returns the container's id. Named after the sandbox
+    /// there is one, and `volumes` bound where they go; returns the
+    /// container's id. Named after the sandbox
     /// (see [`crate::docker::container_name`]) before the engine answers,
     /// so that a create given up midway can be undone by that name.
     async fn create(
@@ -40,6 +49,7 @@ pub trait Runtime: Send + Sync + 'static {
         id: &SandboxId,
         spec: &SandboxSpec,
         egress_dir: Option<&Path>,
+        volumes: &[Bind],
     ) -> Result<String>;
 
     /// The supervisor's stdio: frames to it, frames and its log from it.
@@ -101,8 +111,9 @@ impl Runtime for DockerRuntime {
         id: &SandboxId,
         spec: &SandboxSpec,
         egress_dir: Option<&Path>,
+        volumes: &[Bind],
     ) -> Result<String> {
-        DockerRuntime::create(self, id, spec, egress_dir).await
+        DockerRuntime::create(self, id, spec, egress_dir, volumes).await
     }
 
     async fn attach(&self, container: &str) -> Result<AttachContainerResults> {

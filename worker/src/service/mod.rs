@@ -323,6 +323,41 @@ impl pb::worker_server::Worker for WorkerService {
         }))
     }
 
+    async fn create_volume(
+        &self,
+        req: Request<pb::CreateVolumeRequest>,
+    ) -> Result<Response<pb::Volume>, Status> {
+        let tenant = tenant_header(&req)?;
+        let req = req.into_inner();
+        let v = self
+            .worker
+            .create_volume(tenant.as_deref(), &req.name, req.size_bytes)
+            .await?;
+        Ok(Response::new(v))
+    }
+
+    async fn list_volumes(
+        &self,
+        req: Request<pb::ListVolumesRequest>,
+    ) -> Result<Response<pb::ListVolumesResponse>, Status> {
+        let tenant = tenant_header(&req)?;
+        Ok(Response::new(pb::ListVolumesResponse {
+            volumes: self.worker.list_volumes(tenant.as_deref()),
+        }))
+    }
+
+    async fn delete_volume(
+        &self,
+        req: Request<pb::DeleteVolumeRequest>,
+    ) -> Result<Response<pb::DeleteVolumeResponse>, Status> {
+        let tenant = tenant_header(&req)?;
+        let existed = self
+            .worker
+            .delete_volume(tenant.as_deref(), &req.into_inner().name)
+            .await?;
+        Ok(Response::new(pb::DeleteVolumeResponse { existed }))
+    }
+
     async fn delete_template(
         &self,
         req: Request<pb::DeleteTemplateRequest>,

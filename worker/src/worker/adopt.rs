@@ -59,6 +59,11 @@ impl Worker {
                         r.restored = true;
                         inner.state.save(&r)?;
                     }
+                    inner.volumes.hold_again(
+                        super::tenant_of(&record.spec).as_deref(),
+                        &id,
+                        &record.spec.volumes,
+                    );
                     let sandbox =
                         self.spawn_actor(&id, record.spec.clone(), cid, record.created_at_unix_ms);
                     inner.table.adopt(id, table::State::Running(sandbox));
@@ -66,6 +71,11 @@ impl Worker {
                 }
                 (Some(record), Ok(id)) if record.checkpointed && record.forking_from.is_none() => {
                     info!(sandbox = %id, "keeping a checkpointed sandbox");
+                    inner.volumes.hold_again(
+                        super::tenant_of(&record.spec).as_deref(),
+                        &id,
+                        &record.spec.volumes,
+                    );
                     let image = record
                         .spec
                         .image

@@ -133,6 +133,12 @@ impl Worker {
         };
         self.let_go(placed).await;
         // A failure leaves it checkpointed (the ticket dropped).
+        // Its volumes on the host again (after a restart of the host).
+        let volumes = self
+            .inner
+            .volumes
+            .resolve(super::tenant_of(&info.spec).as_deref(), &info.spec.volumes)?;
+        self.inner.volumes.mount(&volumes).await?;
         self.inner.runtime.restore(&info.container_id).await?;
         if let Some(mut record) = self.inner.state.load(id) {
             record.checkpointed = false;

@@ -189,6 +189,25 @@ impl Worker {
             guard.commit(sandbox);
             return Ok((info, Made::Claimed));
         }
+        // Its volumes: held (one writer at a time) while it has its slot,
+        // and mounted on the host before its container binds them.
+        let volumes =
+            self.inner
+                .volumes
+                .hold(super::tenant_of(&spec).as_deref(), &id, &spec.volumes)?;
+        guard.volumes = !volumes.is_empty();
+        if let Err(e) = self.inner.volumes.mount(&volumes).await {
+            guard.abandon().await;
+            return Err(e.into());
+        }
+        let binds: Vec<crate::runtime::Bind> = volumes
+            .iter()
+            .map(|r| crate::runtime::Bind {
+                source: r.host_path.clone(),
+                target: r.mount.path.clone(),
+                read_only: r.mount.read_only,
+            })
+            .collect();
         let mut record = StateDir::new_record(&id, &spec);
         record.created_at_unix_ms = self.inner.clock.now_ms();
         record.forking_from = forking_from.map(ToString::to_string);
@@ -205,7 +224,11 @@ impl Worker {
         // it removes it by that name.
         guard.container = Some(docker::container_name(self.id(), &id));
         guard.unsure = true;
-        let made = self.inner.runtime.create(&id, &spec, Some(&dir)).await;
+        let made = self
+            .inner
+            .runtime
+            .create(&id, &spec, Some(&dir), &binds)
+            .await;
         // The engine answered: nothing more of it to wait for.
         guard.unsure = false;
         let container = match made {
@@ -232,6 +255,23 @@ impl Worker {
             return Err(e);
         }
         info!(sandbox = %id, container = %container, "sandbox ready");
+        // What it writes to is its user's before its first command.
+        if volumes.iter().any(|r| !r.mount.read_only) {
+            let given = match self.inner.runtime.process(&container).await {
+                Ok(p) => self
+                    .inner
+                    .volumes
+                    .give_to(&volumes, p.uid)
+                    .await
+                    .map_err(Into::into),
+                Err(e) => Err(e),
+            };
+            if let Err(e) = given {
+                sandbox.close();
+                guard.abandon().await;
+                return Err(e);
+            }
+        }
         if let Err(e) = self.ready_for(&sandbox, template).await {
             sandbox.close();
             guard.abandon().await;
@@ -417,6 +457,8 @@ pub(super) struct SlotGuard {
     /// The container was asked for and not yet answered: the engine may
     /// still make it after a first removal finds none.
     pub(super) unsure: bool,
+    /// It holds volumes (let go once its container is gone).
+    pub(super) volumes: bool,
 }
 
 impl SlotGuard {
@@ -430,6 +472,7 @@ impl SlotGuard {
             member_dir: None,
             container: None,
             unsure: false,
+            volumes: false,
         }
     }
 
@@ -443,6 +486,7 @@ impl SlotGuard {
         self.egress_dir = None;
         self.member_dir = None;
         self.container = None;
+        self.volumes = false;
         if let Some(ticket) = self.ticket.take() {
             self.worker.inner.table.commit_running(ticket, sandbox);
         }
@@ -471,6 +515,7 @@ impl SlotGuard {
             member_dir: self.member_dir.take(),
             container: self.container.take(),
             unsure: std::mem::take(&mut self.unsure),
+            volumes: std::mem::take(&mut self.volumes),
         }
     }
 }
@@ -482,7 +527,7 @@ impl Drop for SlotGuard {
         };
         let undo = self.take_undo();
         if undo.container.is_none() {
-            undo.run_now(&self.worker);
+            undo.run_now(&self.worker, true);
             self.worker.inner.table.release(ticket);
             return;
         }
@@ -505,6 +550,7 @@ struct Undo {
     member_dir: Option<std::path::PathBuf>,
     container: Option<String>,
     unsure: bool,
+    volumes: bool,
 }
 
 /// How long after a first removal a container the engine was still making
@@ -524,12 +570,18 @@ impl Undo {
             }
             if let Err(e) = removed {
                 warn!(sandbox = %self.id, container = %c, error = %e, "could not remove a failed create's container (the sweep will)");
+                // Its volumes stay held until the sweep removes it.
+                self.run_now(worker, false);
+                return;
             }
         }
-        self.run_now(worker);
+        self.run_now(worker, true);
     }
 
-    pub(super) fn run_now(&self, worker: &Worker) {
+    pub(super) fn run_now(&self, worker: &Worker, container_gone: bool) {
+        if self.volumes && container_gone {
+            worker.inner.volumes.release(&self.id);
+        }
         if self.record
             && let Err(e) = worker.inner.state.remove(&self.id)
         {

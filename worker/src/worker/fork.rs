@@ -93,9 +93,14 @@ impl Worker {
             }
         }
         // The children, before the parent is frozen: made (or claimed from
-        // a pool) at once.
+        // a pool) at once. They read the parent's volumes (one writer at a
+        // time: the parent stays it).
+        let mut spec = parent.spec.clone();
+        for v in &mut spec.volumes {
+            v.read_only = true;
+        }
         let made = futures_util::future::join_all(ids.iter().map(|id| {
-            self.create_sandbox_inner(Some(id.clone()), parent.spec.clone(), Some(parent_id), None)
+            self.create_sandbox_inner(Some(id.clone()), spec.clone(), Some(parent_id), None)
         }))
         .await;
         let mut children = Vec::new();

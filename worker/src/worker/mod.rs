@@ -24,6 +24,7 @@ mod table;
 mod templates;
 #[cfg(test)]
 mod tests;
+mod volumes;
 
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
@@ -93,6 +94,8 @@ pub struct WorkerConfig {
     pub build: crate::build::BuildSettings,
     /// How the sandboxes' exposed ports are reached.
     pub ports: PortsSettings,
+    /// The bounds of volumes.
+    pub volumes: crate::volumes::VolumeSettings,
 }
 
 impl WorkerConfig {
@@ -118,6 +121,7 @@ impl WorkerConfig {
             otlp_endpoint: None,
             build: crate::build::BuildSettings::default(),
             ports: PortsSettings::default(),
+            volumes: crate::volumes::VolumeSettings::default(),
         }
     }
 }
@@ -244,6 +248,8 @@ struct Inner {
     ports_files: tokio::sync::Mutex<()>,
     /// Its templates (built images kept by name).
     templates: crate::templates::Templates,
+    /// Its volumes, and which sandboxes hold them.
+    volumes: crate::volumes::Volumes,
 }
 
 /// The tenant a sandbox was made for (see `TENANT_LABEL`).
@@ -410,6 +416,7 @@ impl Worker {
                 templates: crate::templates::Templates::load(
                     config.state_dir.join("templates.json"),
                 ),
+                volumes: crate::volumes::Volumes::load(&config.state_dir, config.volumes),
                 builder,
             }),
         };
@@ -610,6 +617,11 @@ impl Worker {
         // The id stays held (a new sandbox of it waits) until its container
         // is gone; if removing it fails, the sweep takes the container.
         let removed = self.inner.runtime.remove_container(&container).await;
+        // Its volumes are free once its container is gone (not before: it
+        // could still write).
+        if removed.is_ok() {
+            self.inner.volumes.release(id);
+        }
         let forgot = self.inner.state.remove(id);
         crate::proxy::remove(&self.egress_dir(id));
         if let Some(t) = &self.inner.traces {
@@ -630,6 +642,7 @@ impl Worker {
         // removed (and made anew) by the next start.
         self.inner.shutdown.cancel();
         self.inner.tracker.close();
+        self.inner.volumes.unmount_idle().await;
         if tokio::time::timeout(Duration::from_secs(5), self.inner.tracker.wait())
             .await
             .is_err()

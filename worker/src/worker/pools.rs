@@ -172,7 +172,7 @@ impl Worker {
         // asks for egress binds its proxy's socket there.
         let dir = self.egress_dir(id);
         let made = match crate::proxy::make_dir(&dir) {
-            Ok(()) => self.inner.runtime.create(id, &spec, Some(&dir)).await,
+            Ok(()) => self.inner.runtime.create(id, &spec, Some(&dir), &[]).await,
             Err(e) => Err(WorkerError::state(&dir, e)),
         };
         let container = match made {

@@ -183,6 +183,16 @@ impl Worker {
             if let Some(cid) = c.id {
                 warn!(sandbox = %sid, container = %cid, "removing a container with no worker record");
                 self.inner.runtime.remove_container(&cid).await?;
+                // A removed sandbox whose container outlived its removal:
+                // its volumes are free now (unless its id is in use again).
+                if let Ok(id) = SandboxId::new(sid.clone())
+                    && matches!(
+                        self.inner.table.lookup(&id),
+                        super::table::Lookup::Unknown | super::table::Lookup::Removed { .. }
+                    )
+                {
+                    self.inner.volumes.release(&id);
+                }
             }
         }
         Ok(())

@@ -660,7 +660,7 @@ async fn a_restarted_worker_adopts_its_sandboxes_and_removes_what_it_has_no_reco
     first.shutdown().await;
     drop(first);
     // A container of this worker that no record names.
-    fake.create(&id("stray"), &SandboxSpec::default(), None)
+    fake.create(&id("stray"), &SandboxSpec::default(), None, &[])
         .await
         .unwrap();
     let second = Fixture::start_on(&dir, &fake, |_| {}).await;
@@ -718,10 +718,13 @@ async fn a_state_directory_of_the_previous_release_is_adopted() {
     let dir = tempfile::tempdir().unwrap();
     let fake = FakeRuntime::new(WORKER);
     let running = fake
-        .create(&id("old-a"), &SandboxSpec::default(), None)
+        .create(&id("old-a"), &SandboxSpec::default(), None, &[])
         .await
         .unwrap();
-    let saved = fake.create(&id("old-b"), &gvisor(), None).await.unwrap();
+    let saved = fake
+        .create(&id("old-b"), &gvisor(), None, &[])
+        .await
+        .unwrap();
     fake.checkpoint(&saved).await.unwrap();
     {
         let state = StateDir::open(dir.path()).unwrap();
