@@ -38,4 +38,5 @@ mod templates;
 mod timeline;
 mod tls;
 mod tunnels;
+mod volumes;
 mod way_out;
