@@ -1827,3 +1827,115 @@ async fn a_tenants_sessions_are_the_same_through_either_replica_and_its_quota_ho
     }
     Ok(())
 }
+
+/// Volumes through the front door: each tenant's own (another's name is
+/// as one that does not exist, for a sandbox and a removal), and a
+/// sandbox that names one is placed on the worker where it lives.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn volumes_are_each_tenants_own_and_sandboxes_follow_them() -> Result<()> {
+    let mut setup = Setup::start(2, 4).await?;
+    let tenants = tempfile::tempdir()?;
+    let acme = new_key(tenants.path(), "acme", "run", None)?;
+    let bolt = new_key(tenants.path(), "bolt", "run", None)?;
+    restart_with(
+        &mut setup,
+        vec!["--tenants".into(), tenants.path().display().to_string()],
+    )?;
+    let url = setup.url();
+    let as_acme = WorkerClient::connect(&url, Some(key_of(&acme))).await?;
+    let as_bolt = WorkerClient::connect(&url, Some(key_of(&bolt))).await?;
+    let make = |c: &WorkerClient, name: &str| {
+        let mut raw = c.raw();
+        let name = name.to_string();
+        async move {
+            raw.create_volume(pb::CreateVolumeRequest {
+                name,
+                size_bytes: 16 << 20,
+            })
+            .await
+        }
+    };
+    let listed = |c: &WorkerClient| {
+        let mut raw = c.raw();
+        async move {
+            Ok::<_, tonic::Status>(
+                raw.list_volumes(pb::ListVolumesRequest {})
+                    .await?
+                    .into_inner()
+                    .volumes
+                    .into_iter()
+                    .map(|v| v.name)
+                    .collect::<Vec<_>>(),
+            )
+        }
+    };
+    let with = |m: &str| SandboxSpec {
+        volumes: vec![corral_proto::volume::VolumeMount::parse(m).unwrap()],
+        ..SandboxSpec::default()
+    };
+    make(&as_acme, "shared").await?;
+    ensure!(listed(&as_acme).await? == vec!["shared".to_string()]);
+    ensure!(listed(&as_bolt).await?.is_empty());
+
+    // Bolt naming acme's volume is told what naming none is told.
+    let refusal = |e: ClientError| format!("{:?}", e.reason());
+    let theirs = as_bolt
+        .create_sandbox(None, with("shared:/data"))
+        .await
+        .err()
+        .context("bolt mounted acme's volume")?;
+    let none = as_bolt
+        .create_sandbox(None, with("nothing:/data"))
+        .await
+        .err()
+        .context("a missing volume was mounted")?;
+    ensure!(refusal(theirs) == refusal(none));
+    let gone = as_bolt
+        .raw()
+        .delete_volume(pb::DeleteVolumeRequest {
+            name: "shared".into(),
+        })
+        .await?
+        .into_inner();
+    ensure!(!gone.existed);
+
+    // Acme's sandboxes of it all land where it lives: the writer's file is
+    // read by each reader.
+    let w = as_acme.create_sandbox(None, with("shared:/data")).await?;
+    run_shell(&as_acme, &w.id, "echo acme > /data/who").await?;
+    for _ in 0..4 {
+        let r = as_acme
+            .create_sandbox(None, with("shared:/data:ro"))
+            .await?;
+        ensure!(
+            r.worker_id == w.worker_id,
+            "{} vs {}",
+            r.worker_id,
+            w.worker_id
+        );
+        ensure!(run_shell(&as_acme, &r.id, "cat /data/who").await? == "acme\n");
+    }
+    // Bolt's volume of the same name is another one.
+    make(&as_bolt, "shared").await?;
+    let b = as_bolt.create_sandbox(None, with("shared:/data")).await?;
+    let out = run_shell(&as_bolt, &b.id, "cat /data/who 2>&1; echo bolt > /data/who").await?;
+    ensure!(out.contains("No such file"), "{out}");
+    let r = as_acme
+        .create_sandbox(None, with("shared:/data:ro"))
+        .await?;
+    ensure!(run_shell(&as_acme, &r.id, "cat /data/who").await? == "acme\n");
+    for c in [&as_acme, &as_bolt] {
+        for s in c.list_sandboxes().await? {
+            c.destroy_sandbox(&s.id).await?;
+        }
+        let rm = c
+            .raw()
+            .delete_volume(pb::DeleteVolumeRequest {
+                name: "shared".into(),
+            })
+            .await?
+            .into_inner();
+        ensure!(rm.existed);
+    }
+    Ok(())
+}
