@@ -16,8 +16,21 @@ over the same core. A worker is found as the ``corral`` CLI finds it:
 from corral._build import build_image as abuild_image
 from corral._core import AsyncFiles, AsyncPorts, AsyncProcess, AsyncSandbox
 from corral._core import list_sandboxes as alist_sandboxes
-from corral._sync import Files, Ports, Process, Sandbox, build_image, list_sandboxes
+from corral._sync import (
+    Files,
+    Ports,
+    Process,
+    Sandbox,
+    build_image,
+    create_volume,
+    delete_volume,
+    list_sandboxes,
+    list_volumes,
+)
 from corral._tar import Moved
+from corral._volumes import create_volume as acreate_volume
+from corral._volumes import delete_volume as adelete_volume
+from corral._volumes import list_volumes as alist_volumes
 from corral.errors import (
     ConfigError,
     Conflict,
@@ -52,6 +65,7 @@ from corral.types import (
     SandboxList,
     SandboxState,
     SandboxStats,
+    Volume,
     WorkerInfo,
 )
 
@@ -95,10 +109,17 @@ __all__ = [
     "Template",
     "TransferError",
     "Unauthenticated",
+    "Volume",
     "WorkerInfo",
     "WorkerUnavailable",
     "abuild_image",
+    "acreate_volume",
+    "adelete_volume",
     "alist_sandboxes",
+    "alist_volumes",
     "build_image",
+    "create_volume",
+    "delete_volume",
     "list_sandboxes",
+    "list_volumes",
 ]

@@ -20,7 +20,7 @@ import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 
-from corral import _connect, _rpc, _tar
+from corral import _connect, _rpc, _tar, _volumes
 from corral._proto import worker_pb2 as pb
 from corral.errors import (
     CorralError,
@@ -820,6 +820,7 @@ class AsyncSandbox:
         tls_key: str | None = None,
         tls_server_name: str | None = None,
         template: str | None = None,
+        volumes: Mapping[str, str] | None = None,
     ) -> AsyncSandbox:
         """Makes a sandbox: on ``worker`` (an address, a comma-separated list,
         or ``dns:///NAME:PORT``; default ``CORRAL_WORKER``, else the local
@@ -835,7 +836,10 @@ class AsyncSandbox:
         as far as the worker's policy allows (else :class:`PolicyDenied` naming its flag).
         ``template`` names one of the worker's templates (see
         :class:`corral.Template`): the sandbox runs its image and is handed
-        out once its start command runs and its readiness probe holds."""
+        out once its start command runs and its readiness probe holds.
+        ``volumes`` mounts volumes (:func:`corral.create_volume`) by path:
+        ``{"/data": "NAME"}``, ``"NAME:ro"`` read-only; of several workers,
+        the sandbox is made where they live."""
         _positive(cpus, "cpus")
         _positive(pids, "pids", whole=True)
         spec = pb.SandboxSpec(
@@ -857,6 +861,7 @@ class AsyncSandbox:
             writable_rootfs=writable_rootfs,
             add_capabilities=_strings(capabilities, "capabilities"),
             template=template or "",
+            volumes=_volumes.mounts(dict(volumes or {})),
         )
         ws = await _rpc.workers(
             _connect.Options.from_env(
@@ -868,6 +873,7 @@ class AsyncSandbox:
                 tls_server_name=tls_server_name,
             )
         )
+        ws = await _volumes.having(ws, {m.name for m in spec.volumes})
         req = pb.CreateSandboxRequest(id=id or _new_id(), spec=spec)
         w, made = await _place(ws, req)
         return cls(w, made, owned=True)

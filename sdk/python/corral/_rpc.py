@@ -102,6 +102,9 @@ class Worker:
             ("ExposePort", pb.PortExposure),
             ("RevokeAccess", pb.RevokeAccessResponse),
             ("ListExposures", pb.ListExposuresResponse),
+            ("CreateVolume", pb.Volume),
+            ("ListVolumes", pb.ListVolumesResponse),
+            ("DeleteVolume", pb.DeleteVolumeResponse),
         ]
         for name, resp in calls:
             self._unary[name] = ch.unary_unary(

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Callable, Coroutine, Generator, Mappi
 from pathlib import Path
 from typing import Any, TypeVar
 
-from corral import _build, _core, _rpc, _tar
+from corral import _build, _core, _rpc, _tar, _volumes
 from corral.types import (
     BuiltImage,
     FileEntry,
@@ -23,6 +23,7 @@ from corral.types import (
     SandboxInfo,
     SandboxList,
     SandboxStats,
+    Volume,
     WorkerInfo,
 )
 
@@ -296,6 +297,7 @@ class Sandbox:
         tls_key: str | None = None,
         tls_server_name: str | None = None,
         template: str | None = None,
+        volumes: Mapping[str, str] | None = None,
     ) -> Sandbox:
         """See :meth:`corral.AsyncSandbox.create`."""
         return cls(
@@ -324,6 +326,7 @@ class Sandbox:
                     tls_key=tls_key,
                     tls_server_name=tls_server_name,
                     template=template,
+                    volumes=volumes,
                 )
             )
         )
@@ -488,6 +491,27 @@ def build_image(
             ready_timeout=ready_timeout,
         )
     )
+
+
+def create_volume(
+    name: str,
+    *,
+    size: int | str | None = None,
+    worker: str | None = None,
+    token_file: str | None = None,
+) -> Volume:
+    """Makes volume ``name``; see :func:`corral.acreate_volume`."""
+    return _run(_volumes.create_volume(name, size=size, worker=worker, token_file=token_file))
+
+
+def list_volumes(worker: str | None = None, *, token_file: str | None = None) -> list[Volume]:
+    """The volumes of the workers named (or of the local worker), by name."""
+    return _run(_volumes.list_volumes(worker, token_file=token_file))
+
+
+def delete_volume(name: str, *, worker: str | None = None, token_file: str | None = None) -> bool:
+    """Removes volume ``name`` and everything in it: whether there was one."""
+    return _run(_volumes.delete_volume(name, worker=worker, token_file=token_file))
 
 
 def list_sandboxes(

@@ -279,6 +279,25 @@ class BuildFailure:
 
 
 @dataclass(frozen=True)
+class Volume:
+    """A volume: a filesystem its worker keeps across sandboxes (see
+    :func:`corral.create_volume`)."""
+
+    name: str
+    #: What its files may take (the filesystem's size).
+    size_bytes: int
+    #: What they take now (0 while it is not mounted on its worker).
+    used_bytes: int
+    created_at_unix_ms: int
+    #: The sandbox that writes to it now, if any.
+    writer: str | None
+    #: The sandboxes that read it.
+    readers: tuple[str, ...]
+    #: The worker that keeps it.
+    worker: str
+
+
+@dataclass(frozen=True)
 class BuiltImage:
     """How a build ended: ``image`` to create sandboxes from (on ``worker``),
     or a ``failure``."""

@@ -138,7 +138,7 @@ class ListExposuresResponse(_message.Message):
     def __init__(self, exposures: _Optional[_Iterable[_Union[PortExposure, _Mapping]]] = ...) -> None: ...
 
 class SandboxSpec(_message.Message):
-    __slots__ = ("image", "network", "memory_bytes", "cpu_millis", "pids_limit", "workspace_bytes", "tmp_bytes", "run_as_root", "writable_rootfs", "add_capabilities", "env", "runtime", "idle_timeout_ms", "ttl_ms", "memory_includes_files", "labels", "egress", "egress_proxy", "template")
+    __slots__ = ("image", "network", "memory_bytes", "cpu_millis", "pids_limit", "workspace_bytes", "tmp_bytes", "run_as_root", "writable_rootfs", "add_capabilities", "env", "runtime", "idle_timeout_ms", "ttl_ms", "memory_includes_files", "labels", "egress", "egress_proxy", "template", "volumes")
     class EnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -172,6 +172,7 @@ class SandboxSpec(_message.Message):
     EGRESS_FIELD_NUMBER: _ClassVar[int]
     EGRESS_PROXY_FIELD_NUMBER: _ClassVar[int]
     TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    VOLUMES_FIELD_NUMBER: _ClassVar[int]
     image: str
     network: NetworkMode
     memory_bytes: int
@@ -191,7 +192,18 @@ class SandboxSpec(_message.Message):
     egress: _containers.RepeatedScalarFieldContainer[str]
     egress_proxy: bool
     template: str
-    def __init__(self, image: _Optional[str] = ..., network: _Optional[_Union[NetworkMode, str]] = ..., memory_bytes: _Optional[int] = ..., cpu_millis: _Optional[int] = ..., pids_limit: _Optional[int] = ..., workspace_bytes: _Optional[int] = ..., tmp_bytes: _Optional[int] = ..., run_as_root: _Optional[bool] = ..., writable_rootfs: _Optional[bool] = ..., add_capabilities: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., runtime: _Optional[str] = ..., idle_timeout_ms: _Optional[int] = ..., ttl_ms: _Optional[int] = ..., memory_includes_files: _Optional[bool] = ..., labels: _Optional[_Mapping[str, str]] = ..., egress: _Optional[_Iterable[str]] = ..., egress_proxy: _Optional[bool] = ..., template: _Optional[str] = ...) -> None: ...
+    volumes: _containers.RepeatedCompositeFieldContainer[VolumeMount]
+    def __init__(self, image: _Optional[str] = ..., network: _Optional[_Union[NetworkMode, str]] = ..., memory_bytes: _Optional[int] = ..., cpu_millis: _Optional[int] = ..., pids_limit: _Optional[int] = ..., workspace_bytes: _Optional[int] = ..., tmp_bytes: _Optional[int] = ..., run_as_root: _Optional[bool] = ..., writable_rootfs: _Optional[bool] = ..., add_capabilities: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., runtime: _Optional[str] = ..., idle_timeout_ms: _Optional[int] = ..., ttl_ms: _Optional[int] = ..., memory_includes_files: _Optional[bool] = ..., labels: _Optional[_Mapping[str, str]] = ..., egress: _Optional[_Iterable[str]] = ..., egress_proxy: _Optional[bool] = ..., template: _Optional[str] = ..., volumes: _Optional[_Iterable[_Union[VolumeMount, _Mapping]]] = ...) -> None: ...
+
+class VolumeMount(_message.Message):
+    __slots__ = ("name", "path", "read_only")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    READ_ONLY_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    read_only: bool
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., read_only: _Optional[bool] = ...) -> None: ...
 
 class Sandbox(_message.Message):
     __slots__ = ("id", "spec", "state", "container_id", "last_seq", "running_operations", "lost_reason", "created_at_unix_ms", "last_used_unix_ms", "worker_id", "image", "memory_bytes", "cpu_millis", "pids_limit")
@@ -475,6 +487,52 @@ class Template(_message.Message):
     start: TemplateStart
     created_at_unix_ms: int
     def __init__(self, name: _Optional[str] = ..., image: _Optional[str] = ..., start: _Optional[_Union[TemplateStart, _Mapping]] = ..., created_at_unix_ms: _Optional[int] = ...) -> None: ...
+
+class Volume(_message.Message):
+    __slots__ = ("name", "size_bytes", "used_bytes", "created_at_unix_ms", "writer", "readers")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    WRITER_FIELD_NUMBER: _ClassVar[int]
+    READERS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    size_bytes: int
+    used_bytes: int
+    created_at_unix_ms: int
+    writer: str
+    readers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., size_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., created_at_unix_ms: _Optional[int] = ..., writer: _Optional[str] = ..., readers: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class CreateVolumeRequest(_message.Message):
+    __slots__ = ("name", "size_bytes")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    size_bytes: int
+    def __init__(self, name: _Optional[str] = ..., size_bytes: _Optional[int] = ...) -> None: ...
+
+class ListVolumesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListVolumesResponse(_message.Message):
+    __slots__ = ("volumes",)
+    VOLUMES_FIELD_NUMBER: _ClassVar[int]
+    volumes: _containers.RepeatedCompositeFieldContainer[Volume]
+    def __init__(self, volumes: _Optional[_Iterable[_Union[Volume, _Mapping]]] = ...) -> None: ...
+
+class DeleteVolumeRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class DeleteVolumeResponse(_message.Message):
+    __slots__ = ("existed",)
+    EXISTED_FIELD_NUMBER: _ClassVar[int]
+    existed: bool
+    def __init__(self, existed: _Optional[bool] = ...) -> None: ...
 
 class ListTemplatesRequest(_message.Message):
     __slots__ = ()
