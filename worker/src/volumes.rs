@@ -23,6 +23,9 @@ use std::time::Duration;
 use corral_proto::SandboxId;
 use corral_proto::volume::VolumeMount;
 
+/// Room a worker keeps on its state directory's disk beside its volumes.
+const KEEP_FREE: u64 = 1 << 30;
+
 /// How long making or mounting a filesystem may take.
 const HOST_COMMAND_TIMEOUT: Duration = Duration::from_secs(120);
 
@@ -175,6 +178,26 @@ impl Volumes {
         self.dir.join(&v.id)
     }
 
+    /// A read-only view of it (`ro,nosuid,nodev`), what readers bind: the
+    /// engine binds it as it is, flags and all (a read-only bind it made
+    /// itself would lose `nosuid,nodev`).
+    pub fn read_only_path(&self, v: &Volume) -> PathBuf {
+        self.dir.join(format!("{}.ro", v.id))
+    }
+
+    fn resolved(&self, m: &VolumeMount, v: Volume) -> Resolved {
+        let host_path = if m.read_only {
+            self.read_only_path(&v)
+        } else {
+            self.host_path(&v)
+        };
+        Resolved {
+            mount: m.clone(),
+            host_path,
+            volume: v,
+        }
+    }
+
     /// Makes `tenant`'s volume `name` of `size` bytes (0: the default):
     /// the volume, and whether it was made now (the same name and size
     /// again is the one there).
@@ -229,10 +252,28 @@ impl Volumes {
             created_at_ms: now_ms,
         };
         std::fs::create_dir_all(&self.dir).map_err(|e| io(&self.dir, e))?;
+        // Its blocks are taken now, so that the volumes of a worker never
+        // promise more than its disk has, and some room is left for the
+        // worker's own records.
+        let free = nix::sys::statvfs::statvfs(&self.dir)
+            .map(|s| s.blocks_available().saturating_mul(s.fragment_size()))
+            .map_err(|e| io(&self.dir, e.into()))?;
+        if free < size.saturating_add(KEEP_FREE) {
+            return Err(VolumeError::Refused(format!(
+                "{size} bytes is more than this worker's disk has free for volumes ({} bytes, keeping {KEEP_FREE} for itself)",
+                free.saturating_sub(KEEP_FREE)
+            )));
+        }
         let image = self.image_of(&v);
         let made = async {
             let f = std::fs::File::create_new(&image).map_err(|e| io(&image, e))?;
-            f.set_len(size).map_err(|e| io(&image, e))?;
+            nix::fcntl::fallocate(
+                &f,
+                nix::fcntl::FallocateFlags::empty(),
+                0,
+                i64::try_from(size).unwrap_or(i64::MAX),
+            )
+            .map_err(|e| io(&image, e.into()))?;
             drop(f);
             // No blocks kept for root (the sandbox gets the size it asked
             // for); its root directory is made the sandbox user's when one
@@ -263,15 +304,24 @@ impl Volumes {
         };
         if let Err(e) = made {
             self.unmount(&v).await;
+            let _ = std::fs::remove_dir(self.read_only_path(&v));
             let _ = std::fs::remove_dir(self.host_path(&v));
             let _ = std::fs::remove_file(&image);
             return Err(e);
         }
-        let mut book = lock(&self.book);
-        book.kept.insert(key(tenant, name), v.clone());
-        if let Err(e) = self.keep(&book.kept) {
-            book.kept.remove(&key(tenant, name));
-            drop(book);
+        let kept = {
+            let mut book = lock(&self.book);
+            book.kept.insert(key(tenant, name), v.clone());
+            let kept = self.keep(&book.kept);
+            if kept.is_err() {
+                book.kept.remove(&key(tenant, name));
+            }
+            kept
+        };
+        if let Err(e) = kept {
+            self.unmount(&v).await;
+            let _ = std::fs::remove_dir(self.read_only_path(&v));
+            let _ = std::fs::remove_dir(self.host_path(&v));
             let _ = std::fs::remove_file(&image);
             return Err(e);
         }
@@ -321,11 +371,7 @@ impl Volumes {
                     .get(&key(tenant, &m.name))
                     .ok_or_else(|| VolumeError::NoSuchVolume(m.name.clone()))?
                     .clone();
-                Ok(Resolved {
-                    mount: m.clone(),
-                    host_path: self.host_path(&v),
-                    volume: v,
-                })
+                Ok(self.resolved(m, v))
             })
             .collect()
     }
@@ -358,11 +404,7 @@ impl Volumes {
                     ),
                 });
             }
-            resolved.push(Resolved {
-                mount: m.clone(),
-                host_path: self.host_path(&v),
-                volume: v,
-            });
+            resolved.push(self.resolved(m, v));
         }
         for r in &resolved {
             let h = book.holders.entry(r.volume.id.clone()).or_default();
@@ -422,23 +464,40 @@ impl Volumes {
     async fn mount_one(&self, v: &Volume) -> Result<(), VolumeError> {
         let path = self.host_path(v);
         std::fs::create_dir_all(&path).map_err(|e| io(&path, e))?;
-        if is_mounted(&path) {
-            return Ok(());
+        if !is_mounted(&path) {
+            let image = self.image_of(v);
+            // mount(8) sets up a loop device, or takes the one the file
+            // has already (so a volume is never two filesystems at once).
+            host_command(
+                "mount",
+                &[
+                    "-o".as_ref(),
+                    "loop,nodev,nosuid".as_ref(),
+                    image.as_os_str(),
+                    path.as_os_str(),
+                ],
+            )
+            .await?;
+            tracing::info!(volume = %v.name, path = %path.display(), "volume mounted");
         }
-        let image = self.image_of(v);
-        // mount(8) sets up a loop device, or takes the one the file has
-        // already (so a volume is never two filesystems at once).
-        host_command(
-            "mount",
-            &[
-                "-o".as_ref(),
-                "loop,nodev,nosuid".as_ref(),
-                image.as_os_str(),
-                path.as_os_str(),
-            ],
-        )
-        .await?;
-        tracing::info!(volume = %v.name, path = %path.display(), "volume mounted");
+        let ro = self.read_only_path(v);
+        std::fs::create_dir_all(&ro).map_err(|e| io(&ro, e))?;
+        if !is_mounted(&ro) {
+            host_command(
+                "mount",
+                &["--bind".as_ref(), path.as_os_str(), ro.as_os_str()],
+            )
+            .await?;
+            host_command(
+                "mount",
+                &[
+                    "-o".as_ref(),
+                    "remount,bind,ro,nosuid,nodev".as_ref(),
+                    ro.as_os_str(),
+                ],
+            )
+            .await?;
+        }
         Ok(())
     }
 
@@ -447,7 +506,8 @@ impl Volumes {
     /// left is this one's to change. Links are not followed; nothing else
     /// writes to the volume meanwhile (one writer at a time).
     pub async fn give_to(&self, resolved: &[Resolved], uid: u32) -> Result<(), VolumeError> {
-        let _host = self.host.lock().await;
+        // Not under `host`: the walk is as long as the volume is full, and
+        // the hold alone keeps everything else off these files.
         for r in resolved.iter().filter(|r| !r.mount.read_only) {
             let root = r.host_path.clone();
             tokio::task::spawn_blocking(move || chown_tree(&root, uid))
@@ -483,7 +543,16 @@ impl Volumes {
             }
             v
         };
-        self.unmount(&v).await;
+        if !self.unmount(&v).await {
+            // Kept, as it was: its files stay until it can be unmounted.
+            let mut book = lock(&self.book);
+            book.kept.insert(key(tenant, name), v.clone());
+            let _ = self.keep(&book.kept);
+            return Err(VolumeError::Unavailable(format!(
+                "volume {name:?} could not be unmounted; it is kept (the worker's log says why)"
+            )));
+        }
+        let _ = std::fs::remove_dir(self.read_only_path(&v));
         let _ = std::fs::remove_dir(self.host_path(&v));
         let image = self.image_of(&v);
         std::fs::remove_file(&image).map_err(|e| io(&image, e))?;
@@ -491,13 +560,17 @@ impl Volumes {
         Ok(true)
     }
 
-    async fn unmount(&self, v: &Volume) {
-        let path = self.host_path(v);
-        if is_mounted(&path)
-            && let Err(e) = host_command("umount", &[path.as_os_str()]).await
-        {
-            tracing::warn!(volume = %v.name, error = %e, "could not unmount a volume");
+    /// Unmounts `v` (its read-only view first); whether it is unmounted.
+    async fn unmount(&self, v: &Volume) -> bool {
+        for path in [self.read_only_path(v), self.host_path(v)] {
+            if is_mounted(&path)
+                && let Err(e) = host_command("umount", &[path.as_os_str()]).await
+            {
+                tracing::warn!(volume = %v.name, error = %e, "could not unmount a volume");
+                return false;
+            }
         }
+        true
     }
 
     /// Unmounts the volumes no sandbox holds (a worker that stops: those
@@ -513,7 +586,7 @@ impl Volumes {
                 .collect()
         };
         for v in idle {
-            self.unmount(&v).await;
+            let _ = self.unmount(&v).await;
         }
     }
 }

@@ -1869,9 +1869,11 @@ async fn volumes_are_each_tenants_own_and_sandboxes_follow_them() -> Result<()> 
             )
         }
     };
-    let with = |m: &str| SandboxSpec {
-        volumes: vec![corral_proto::volume::VolumeMount::parse(m).unwrap()],
-        ..SandboxSpec::default()
+    let with = |m: &str| -> Result<SandboxSpec> {
+        Ok(SandboxSpec {
+            volumes: vec![corral_proto::volume::VolumeMount::parse(m)?],
+            ..SandboxSpec::default()
+        })
     };
     make(&as_acme, "shared").await?;
     ensure!(listed(&as_acme).await? == vec!["shared".to_string()]);
@@ -1880,12 +1882,12 @@ async fn volumes_are_each_tenants_own_and_sandboxes_follow_them() -> Result<()> 
     // Bolt naming acme's volume is told what naming none is told.
     let refusal = |e: ClientError| format!("{:?}", e.reason());
     let theirs = as_bolt
-        .create_sandbox(None, with("shared:/data"))
+        .create_sandbox(None, with("shared:/data")?)
         .await
         .err()
         .context("bolt mounted acme's volume")?;
     let none = as_bolt
-        .create_sandbox(None, with("nothing:/data"))
+        .create_sandbox(None, with("nothing:/data")?)
         .await
         .err()
         .context("a missing volume was mounted")?;
@@ -1901,11 +1903,11 @@ async fn volumes_are_each_tenants_own_and_sandboxes_follow_them() -> Result<()> 
 
     // Acme's sandboxes of it all land where it lives: the writer's file is
     // read by each reader.
-    let w = as_acme.create_sandbox(None, with("shared:/data")).await?;
+    let w = as_acme.create_sandbox(None, with("shared:/data")?).await?;
     run_shell(&as_acme, &w.id, "echo acme > /data/who").await?;
     for _ in 0..4 {
         let r = as_acme
-            .create_sandbox(None, with("shared:/data:ro"))
+            .create_sandbox(None, with("shared:/data:ro")?)
             .await?;
         ensure!(
             r.worker_id == w.worker_id,
@@ -1917,11 +1919,11 @@ async fn volumes_are_each_tenants_own_and_sandboxes_follow_them() -> Result<()> 
     }
     // Bolt's volume of the same name is another one.
     make(&as_bolt, "shared").await?;
-    let b = as_bolt.create_sandbox(None, with("shared:/data")).await?;
+    let b = as_bolt.create_sandbox(None, with("shared:/data")?).await?;
     let out = run_shell(&as_bolt, &b.id, "cat /data/who 2>&1; echo bolt > /data/who").await?;
     ensure!(out.contains("No such file"), "{out}");
     let r = as_acme
-        .create_sandbox(None, with("shared:/data:ro"))
+        .create_sandbox(None, with("shared:/data:ro")?)
         .await?;
     ensure!(run_shell(&as_acme, &r.id, "cat /data/who").await? == "acme\n");
     for c in [&as_acme, &as_bolt] {

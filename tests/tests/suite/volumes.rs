@@ -15,14 +15,14 @@ use corral_harness::client::WorkerClient;
 use corral_proto::volume::VolumeMount;
 use corral_proto::{Reason, SandboxId, SandboxSpec, pb};
 
-fn with(mounts: &[&str]) -> SandboxSpec {
-    SandboxSpec {
+fn with(mounts: &[&str]) -> Result<SandboxSpec> {
+    Ok(SandboxSpec {
         volumes: mounts
             .iter()
-            .map(|m| VolumeMount::parse(m).unwrap())
-            .collect(),
+            .map(|m| VolumeMount::parse(m))
+            .collect::<Result<_, _>>()?,
         ..SandboxSpec::default()
-    }
+    })
 }
 
 async fn volumes(c: &WorkerClient) -> Result<Vec<pb::Volume>> {
@@ -51,9 +51,36 @@ async fn corral(w: &WorkerProcess, args: &[&str]) -> Result<std::process::Output
         .await?)
 }
 
+/// Unmounts what is mounted below a directory (a test that fails leaves
+/// its worker's volumes mounted: its worker is killed, not stopped).
+struct Unmounts(std::path::PathBuf);
+
+impl Drop for Unmounts {
+    fn drop(&mut self) {
+        let Ok(entries) = std::fs::read_dir(&self.0) else {
+            return;
+        };
+        let mut mounted: Vec<_> = entries
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| p.is_dir())
+            .collect();
+        // The read-only views (`<id>.ro`) before what they view.
+        mounted.sort_by(|a, b| b.cmp(a));
+        for p in mounted {
+            let _ = std::process::Command::new("umount")
+                .arg(&p)
+                .stderr(std::process::Stdio::null())
+                .status();
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_volume_outlives_its_sandboxes_and_its_worker_and_holds_its_size() -> Result<()> {
     let state = tempfile::tempdir()?;
+    // Dropped after the worker: what a failed run left mounted goes.
+    let _unmounts = Unmounts(state.path().join("volumes"));
     let (wid, port) = (unique_id("vol"), free_port()?);
     let mut worker = WorkerProcess::spawn(state.path(), &wid, port, &[], &[])?;
     let c = worker.client().await?;
@@ -82,7 +109,7 @@ async fn a_volume_outlives_its_sandboxes_and_its_worker_and_holds_its_size() -> 
         .context("a 1 PiB volume was made")?;
     ensure!(s.message().contains("--max-volume-size"), "{s:?}");
     let e = c
-        .create_sandbox(None, with(&["nothing:/data"]))
+        .create_sandbox(None, with(&["nothing:/data"])?)
         .await
         .err()
         .context("a sandbox of a missing volume")?;
@@ -108,7 +135,7 @@ async fn a_volume_outlives_its_sandboxes_and_its_worker_and_holds_its_size() -> 
 
     // The writer: its files are its own, and the size is the
     // filesystem's: past it a write fails, and the sandbox goes on.
-    let a = c.create_sandbox(None, with(&["data:/data"])).await?.id;
+    let a = c.create_sandbox(None, with(&["data:/data"])?).await?.id;
     let out = run_shell(
         &c,
         &a,
@@ -132,18 +159,27 @@ async fn a_volume_outlives_its_sandboxes_and_its_worker_and_holds_its_size() -> 
     // A second writer is refused, naming the first; a reader is not, and
     // cannot write.
     let e = c
-        .create_sandbox(None, with(&["data:/data"]))
+        .create_sandbox(None, with(&["data:/data"])?)
         .await
         .err()
         .context("a second writer")?;
     ensure!(reason_of(&e) == Some(Reason::VolumeInUse), "{e}");
     ensure!(e.to_string().contains(a.as_str()), "{e}");
-    let r = c.create_sandbox(None, with(&["data:/seen:ro"])).await?.id;
+    let r = c.create_sandbox(None, with(&["data:/seen:ro"])?).await?.id;
     let out = run_shell(&c, &r, "cat /seen/note; touch /seen/x 2>&1; true").await?;
     ensure!(
         out.starts_with("kept\n") && out.contains("Read-only file system"),
         "{out}"
     );
+    // Readers' mounts keep nosuid and nodev, as the writer's do.
+    for (s, at) in [(&a, "/data"), (&r, "/seen")] {
+        let line = run_shell(&c, s, &format!("grep ' {at} ' /proc/self/mountinfo")).await?;
+        let opts = line.split_whitespace().nth(5).unwrap_or_default();
+        ensure!(
+            opts.contains("nosuid") && opts.contains("nodev"),
+            "{at}: {line}"
+        );
+    }
     let listed = volumes(&c).await?;
     ensure!(listed.len() == 1, "{listed:?}");
     ensure!(listed[0].writer == a.as_str(), "{listed:?}");
@@ -216,12 +252,15 @@ async fn a_volume_outlives_its_sandboxes_and_its_worker_and_holds_its_size() -> 
     drop(worker);
     let worker = WorkerProcess::spawn(state.path(), &wid, port, &[], &[])?;
     let c = worker.client().await?;
-    let b = c.create_sandbox(None, with(&["data:/w"])).await?.id;
+    let b = c
+        .create_sandbox(None, with(&["data:/workspace/w"])?)
+        .await?
+        .id;
     let out = run_shell(
         &c,
         &b,
-        "cat /w/note /w/private && echo more >> /w/note && cat /w/note && \
-         [ $(stat -c %u /w/private) = $(id -u) ] && echo mine",
+        "cd /workspace && echo own > mine.txt && cat w/note w/private && echo more >> w/note && \
+         cat w/note && [ $(stat -c %u w/private) = $(id -u) ] && echo mine",
     )
     .await?;
     ensure!(out == "kept\nsecret\nkept\nmore\nmine\n", "{out}");
@@ -236,15 +275,22 @@ async fn a_volume_outlives_its_sandboxes_and_its_worker_and_holds_its_size() -> 
         "the host's /etc changed owner"
     );
 
-    // A fork's children read the parent's volume; the parent writes on.
+    // A fork's children get the workspace and read the parent's volume
+    // (mounted inside it): nothing of it copied, nothing of it emptied.
     let child = SandboxId::new(unique_id("child"))?;
     let forked = c.fork_sandbox(&b, std::slice::from_ref(&child), 1).await?;
     ensure!(forked.children.len() == 1);
-    let out = run_shell(&c, &child, "cat /w/note; touch /w/x 2>&1; true").await?;
+    let out = run_shell(
+        &c,
+        &child,
+        "cd /workspace && cat mine.txt w/note; touch w/x 2>&1; true",
+    )
+    .await?;
     ensure!(
-        out.starts_with("kept\nmore\n") && out.contains("Read-only"),
+        out.starts_with("own\nkept\nmore\n") && out.contains("Read-only"),
         "{out}"
     );
+    ensure!(run_shell(&c, &b, "cat /workspace/w/note").await? == "kept\nmore\n");
     c.destroy_sandbox(&child).await?;
 
     // `corral volume cp` in and out, through a sandbox of its own: in is

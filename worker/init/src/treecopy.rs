@@ -293,8 +293,14 @@ fn clear_at(dir: &OwnedFd, depth: usize) -> Result<(), Errno> {
     if depth > MAX_DEPTH {
         return Err(Errno::ELOOP);
     }
+    let here = fstat(dir)?.st_dev;
     for name in names_of(dir)? {
         let st = fstatat(dir, name.as_os_str(), AtFlags::AT_SYMLINK_NOFOLLOW)?;
+        // Another filesystem mounted here (the child's volume): not ours
+        // to empty, and its mount point stays.
+        if kind(&st) == SFlag::S_IFDIR && st.st_dev != here {
+            continue;
+        }
         if kind(&st) == SFlag::S_IFDIR {
             let sub = open_dir(dir, &name, false)?;
             clear_at(&sub, depth + 1)?;

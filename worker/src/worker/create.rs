@@ -205,7 +205,10 @@ impl Worker {
             .map(|r| crate::runtime::Bind {
                 source: r.host_path.clone(),
                 target: r.mount.path.clone(),
-                read_only: r.mount.read_only,
+                // A reader's source is the volume's read-only view: bound
+                // as it is, it stays ro,nosuid,nodev (the engine's own
+                // read-only bind would lose the other two).
+                read_only: false,
             })
             .collect();
         let mut record = StateDir::new_record(&id, &spec);
