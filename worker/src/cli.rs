@@ -227,9 +227,9 @@ pub struct WorkerArgs {
     /// The size of a volume whose create names none.
     #[arg(long, env = "CORRAL_DEFAULT_VOLUME_SIZE", default_value = "1g", value_parser = parse_size)]
     pub default_volume_size: u64,
-    /// The largest volume a client may make. Volumes are sparse files of
-    /// the state directory: their sizes may add up past its free space,
-    /// and a write there fails when the disk is full.
+    /// The largest volume a client may make. A volume's blocks are taken
+    /// from the state directory's disk when it is made (a create that
+    /// would leave less than 1 GiB free is refused).
     #[arg(long, env = "CORRAL_MAX_VOLUME_SIZE", default_value = "100g", value_parser = parse_size)]
     pub max_volume_size: u64,
     /// Export a span for each operation submitted with a W3C traceparent
