@@ -224,6 +224,12 @@ pub struct WorkerArgs {
     /// Memory of each build step (at most 2g).
     #[arg(long, env = "CORRAL_BUILD_MEMORY", default_value = "2g", value_parser = parse_size)]
     pub build_memory: u64,
+    /// The fleet's registry, HOST:PORT (a registry on 127.0.0.0/8 is
+    /// reached over plain HTTP; another must serve TLS the engine trusts):
+    /// templates built here are pushed there, and a create of a template
+    /// this worker lacks, or has an older build of, pulls it from there.
+    #[arg(long, env = "CORRAL_REGISTRY")]
+    pub registry: Option<String>,
     /// The size of a volume whose create names none.
     #[arg(long, env = "CORRAL_DEFAULT_VOLUME_SIZE", default_value = "1g", value_parser = parse_size)]
     pub default_volume_size: u64,
@@ -434,6 +440,7 @@ impl WorkerArgs {
                 idle_timeout: Some(self.ports_idle_timeout).filter(|t| !t.is_zero()),
             },
             otlp_endpoint: self.otlp_endpoint.clone(),
+            registry: self.registry.clone(),
             volumes: crate::volumes::VolumeSettings {
                 default_bytes: self.default_volume_size,
                 max_bytes: self.max_volume_size,

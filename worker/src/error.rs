@@ -35,6 +35,8 @@ pub enum WorkerError {
     NoSuchTemplate(String),
     #[error(transparent)]
     Volume(#[from] crate::volumes::VolumeError),
+    #[error(transparent)]
+    Registry(#[from] crate::registry::RegistryError),
     #[error("the sandbox of template {template:?} was not ready: {why}; it was removed")]
     TemplateNotReady { template: String, why: String },
     #[error(
@@ -126,6 +128,8 @@ impl WorkerError {
                 (Code::FailedPrecondition, Reason::TemplateNotReady)
             }
             WorkerError::NoSuchRuntime { .. } => (Code::FailedPrecondition, Reason::NoSuchRuntime),
+            // The engine could not reach the registry, or it failed.
+            WorkerError::Registry(_) => (Code::Unavailable, Reason::DockerUnavailable),
             WorkerError::Volume(e) => {
                 use crate::volumes::VolumeError as V;
                 match e {

@@ -62,6 +62,7 @@ pub mod ports;
 pub mod process;
 pub mod proxy;
 pub mod rate;
+pub mod registry;
 pub mod reports;
 pub mod runtime;
 pub mod sandbox;

@@ -21,6 +21,10 @@ pub struct Template {
     #[serde(default)]
     pub start: TemplateStart,
     pub created_at_ms: i64,
+    /// Its digest in the fleet's registry (`--registry`), once pushed
+    /// there or pulled from there.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub registry_digest: Option<String>,
 }
 
 type Key = (String, String);
@@ -138,6 +142,7 @@ mod tests {
             image: image.into(),
             start: TemplateStart::default(),
             created_at_ms: 1,
+            registry_digest: None,
         }
     }
 

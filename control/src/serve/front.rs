@@ -929,14 +929,9 @@ impl FrontDoor {
             .map(|f| f.0)
             .collect();
         if urls.is_empty() {
-            return Err(corral_proto::reason::status(
-                Code::FailedPrecondition,
-                Reason::NoSuchTemplate,
-                None,
-                format!(
-                    "no worker of this front door has template {name:?} (build it with `corral template build`)"
-                ),
-            ));
+            // None has it yet: every worker may take it from the fleet's
+            // registry (one without says `no_such_template`).
+            return self.fleet.urls().await.map_err(fleet_status);
         }
         Ok(urls)
     }

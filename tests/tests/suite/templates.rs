@@ -386,3 +386,135 @@ async fn an_agent_run_works_in_a_sandbox_of_a_template() -> Result<()> {
     h.stop().await;
     Ok(())
 }
+
+/// Debian's `docker-registry`, serving on a loopback port of its own from
+/// a directory of the test's; stopped when dropped.
+struct Registry {
+    child: std::process::Child,
+    address: String,
+    _dir: tempfile::TempDir,
+}
+
+impl Registry {
+    fn start() -> Result<Self> {
+        let dir = tempfile::tempdir()?;
+        let port = corral_e2e::free_port()?;
+        let address = format!("127.0.0.1:{port}");
+        let config = dir.path().join("config.yml");
+        std::fs::write(
+            &config,
+            format!(
+                "version: 0.1\nlog:\n  level: warn\nstorage:\n  filesystem:\n    rootdirectory: {}\nhttp:\n  addr: {address}\n",
+                dir.path().join("data").display()
+            ),
+        )?;
+        let child = std::process::Command::new("docker-registry")
+            .arg("serve")
+            .arg(&config)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .context("docker-registry (Debian's package) is needed")?;
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        while std::net::TcpStream::connect(&address).is_err() {
+            ensure!(
+                std::time::Instant::now() < deadline,
+                "the registry did not listen"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        Ok(Self {
+            child,
+            address,
+            _dir: dir,
+        })
+    }
+}
+
+impl Drop for Registry {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn docker(args: &[&str]) -> std::process::Output {
+    std::process::Command::new("docker")
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| panic!("docker: {e}"))
+}
+
+/// Two workers and the fleet's registry: a template built through one
+/// starts on the other (pulled by its digest, the first worker's copy of
+/// it gone from the engine); built again under its name, the other serves
+/// the new build at its next create.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_template_built_on_one_worker_starts_on_another_through_the_registry() -> Result<()> {
+    use corral_e2e::{WorkerProcess, free_port, unique_id};
+    let registry = Registry::start()?;
+    let (da, db) = (tempfile::tempdir()?, tempfile::tempdir()?);
+    let args = ["--registry", registry.address.as_str(), "--allow-build"];
+    let a = WorkerProcess::spawn(da.path(), &unique_id("rega"), free_port()?, &[], &args)?;
+    let b = WorkerProcess::spawn(db.path(), &unique_id("regb"), free_port()?, &[], &args[..2])?;
+    let build = |w: &WorkerProcess, ctx: &std::path::Path| {
+        let mut cmd = tokio::process::Command::new(binary("corral").expect("corral"));
+        cmd.arg("--worker")
+            .arg(&w.url)
+            .arg("--token-file")
+            .arg(w.token_file())
+            .args(["template", "build", "web"])
+            .arg(ctx)
+            .args([
+                "--start",
+                "cd /srv && exec python3 -m http.server 8000",
+                "--ready-http",
+                "8000/v.txt",
+                "--quiet",
+            ])
+            .env_remove("CORRAL_WORKER")
+            .kill_on_drop(true);
+        cmd
+    };
+    let fetch = "python3 -c \"import urllib.request as u; print(u.urlopen('http://127.0.0.1:8000/v.txt').read().decode(), end='')\"";
+    let spec = SandboxSpec {
+        template: Some("web".into()),
+        ..SandboxSpec::default()
+    };
+    let mut pulled = Vec::new();
+    for version in ["one", "two"] {
+        let ctx = context(&format!(
+            "FROM corral-debian:latest\nCOPY nonce /srv/nonce\nRUN echo {version} > /srv/v.txt\n"
+        ))?;
+        let out = build(&a, ctx.path()).output().await?;
+        ensure!(
+            out.status.success(),
+            "{}{}",
+            text(&out.stdout),
+            text(&out.stderr)
+        );
+        // What the first worker's engine has of the pushed image goes: the
+        // other worker must pull it.
+        let tagged = format!("{}/corral-templates:_.web", registry.address);
+        let gone = docker(&["rmi", &tagged]);
+        ensure!(gone.status.success(), "{}", text(&gone.stderr));
+        let cb = b.client().await?;
+        let sb = cb.create_sandbox(None, spec.clone()).await?;
+        let image = sb.image.clone();
+        ensure!(
+            image.starts_with(&format!("{}/corral-templates@sha256:", registry.address)),
+            "{image}"
+        );
+        let page = corral_e2e::run_shell(&cb, &sb.id, fetch).await?;
+        ensure!(page == format!("{version}\n"), "{version}: {page:?}");
+        cb.destroy_sandbox(&sb.id).await?;
+        pulled.push(image);
+    }
+    ensure!(pulled[0] != pulled[1], "{pulled:?}");
+    drop(b);
+    drop(a);
+    for image in &pulled {
+        let _ = docker(&["rmi", image]);
+    }
+    Ok(())
+}

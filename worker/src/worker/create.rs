@@ -70,7 +70,7 @@ impl Worker {
         mut spec: SandboxSpec,
     ) -> Result<(SandboxInfo, Made)> {
         spec.validate()?;
-        let template = self.resolve_template(&mut spec)?;
+        let template = self.resolve_template(&mut spec).await?;
         self.create_sandbox_inner(id, spec, None, template.as_ref())
             .await
     }
@@ -108,9 +108,21 @@ impl Worker {
         template: Option<&crate::templates::Template>,
     ) -> Result<(SandboxInfo, Made)> {
         spec.validate()?;
+        // A template's image is the worker's own choice (its build, or the
+        // registry's under the template's name): the rest of the spec is
+        // checked as for any image.
+        let own_image = template.is_some_and(|t| spec.image.as_ref() == Some(&t.image));
+        let checked = if own_image {
+            std::borrow::Cow::Owned(SandboxSpec {
+                image: None,
+                ..spec.clone()
+            })
+        } else {
+            std::borrow::Cow::Borrowed(&spec)
+        };
         crate::policy::check(
             &self.inner.policy,
-            &spec,
+            &checked,
             &self.inner.default_image,
             self.inner.default_runtime.as_deref(),
         )?;

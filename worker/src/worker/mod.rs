@@ -96,6 +96,9 @@ pub struct WorkerConfig {
     pub ports: PortsSettings,
     /// The bounds of volumes.
     pub volumes: crate::volumes::VolumeSettings,
+    /// The fleet's registry (`HOST:PORT`), through which templates reach
+    /// every worker.
+    pub registry: Option<String>,
 }
 
 impl WorkerConfig {
@@ -122,6 +125,7 @@ impl WorkerConfig {
             build: crate::build::BuildSettings::default(),
             ports: PortsSettings::default(),
             volumes: crate::volumes::VolumeSettings::default(),
+            registry: None,
         }
     }
 }
@@ -250,6 +254,8 @@ struct Inner {
     templates: crate::templates::Templates,
     /// Its volumes, and which sandboxes hold them.
     volumes: crate::volumes::Volumes,
+    /// The fleet's registry of templates, if there is one.
+    registry: Option<crate::registry::Registry>,
 }
 
 /// The tenant a sandbox was made for (see `TENANT_LABEL`).
@@ -308,6 +314,10 @@ impl Worker {
         } else {
             None
         };
+        let registry = config
+            .registry
+            .clone()
+            .map(|a| crate::registry::Registry::new(docker.clone(), a));
         let runtime = DockerRuntime::new(docker, worker_id, init, config.defaults.clone())
             .with_state_dir(&config.state_dir);
         let uids = match config.sandbox_uids {
@@ -325,7 +335,7 @@ impl Worker {
         }
         let runtime = runtime.with_uids(uids);
         runtime.prune_old_init_volumes().await;
-        Self::start_on(config, state, Arc::new(runtime), builder).await
+        Self::start_on(config, state, Arc::new(runtime), builder, registry).await
     }
 
     /// Starts on `runtime`, with the state directory `state` taken (its
@@ -336,6 +346,7 @@ impl Worker {
         state: StateDir,
         runtime: Arc<dyn Runtime>,
         builder: Option<Arc<crate::build::Builder>>,
+        registry: Option<crate::registry::Registry>,
     ) -> Result<Self> {
         crate::policy::check_policy(&config.policy).map_err(WorkerError::Config)?;
         let default_image = config.defaults.image.clone();
@@ -417,6 +428,7 @@ impl Worker {
                     config.state_dir.join("templates.json"),
                 ),
                 volumes: crate::volumes::Volumes::load(&config.state_dir, config.volumes),
+                registry,
                 builder,
             }),
         };

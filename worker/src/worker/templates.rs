@@ -27,8 +27,10 @@ fn to_pb(t: &Template) -> pb::Template {
 }
 
 impl Worker {
-    /// Keeps `image` (just built) as `tenant`'s template `name`.
-    pub fn keep_template(
+    /// Keeps `image` (just built) as `tenant`'s template `name`, pushed
+    /// to the fleet's registry when there is one (unless it is there as it
+    /// is already).
+    pub async fn keep_template(
         &self,
         tenant: Option<String>,
         name: String,
@@ -48,13 +50,28 @@ impl Worker {
                 ),
             )));
         }
-        let t = Template {
+        let before = self.inner.templates.get(tenant.as_deref(), &name);
+        let mut t = Template {
             tenant,
             name,
             image,
             start,
             created_at_ms: self.now_ms(),
+            registry_digest: None,
         };
+        if let Some(reg) = &self.inner.registry {
+            t.registry_digest = match before {
+                Some(b)
+                    if b.image == t.image && b.start == t.start && b.registry_digest.is_some() =>
+                {
+                    b.registry_digest
+                }
+                _ => Some(
+                    reg.publish(t.tenant.as_deref(), &t.name, &t.image, &t.start)
+                        .await?,
+                ),
+            };
+        }
         let file = self.inner.state.root().join("templates.json");
         self.inner
             .templates
@@ -84,17 +101,49 @@ impl Worker {
     }
 
     /// The template `spec` names, for its tenant, with `spec`'s image set
-    /// to the template's (`None`: it names none).
-    pub(super) fn resolve_template(&self, spec: &mut SandboxSpec) -> Result<Option<Template>> {
-        let Some(name) = &spec.template else {
+    /// to the template's (`None`: it names none). With a registry, the one
+    /// the registry has under its name now: pulled by its digest when this
+    /// worker has another build of it, or none (a registry out of reach:
+    /// what this worker has, said in its log).
+    pub(super) async fn resolve_template(
+        &self,
+        spec: &mut SandboxSpec,
+    ) -> Result<Option<Template>> {
+        let Some(name) = spec.template.clone() else {
             return Ok(None);
         };
+        let name = &name;
         let tenant = super::tenant_of(spec);
-        let t = self
-            .inner
-            .templates
-            .get(tenant.as_deref(), name)
-            .ok_or_else(|| WorkerError::NoSuchTemplate(name.clone()))?;
+        let mut local = self.inner.templates.get(tenant.as_deref(), name);
+        if let Some(reg) = &self.inner.registry {
+            match reg.digest_of(tenant.as_deref(), name).await {
+                Ok(Some(digest))
+                    if local.as_ref().and_then(|t| t.registry_digest.as_ref()) != Some(&digest) =>
+                {
+                    let p = reg.fetch(&digest).await?;
+                    let t = Template {
+                        tenant: tenant.clone(),
+                        name: name.clone(),
+                        image: p.image,
+                        start: p.start,
+                        created_at_ms: self.now_ms(),
+                        registry_digest: Some(p.digest),
+                    };
+                    let file = self.inner.state.root().join("templates.json");
+                    self.inner
+                        .templates
+                        .put(t.clone())
+                        .map_err(|e| WorkerError::state(&file, e))?;
+                    tracing::info!(template = %t.name, image = %t.image, "template taken from the registry");
+                    local = Some(t);
+                }
+                Ok(_) => {}
+                Err(e) => {
+                    tracing::warn!(template = %name, error = %e, "the registry did not answer; this worker's template serves");
+                }
+            }
+        }
+        let t = local.ok_or_else(|| WorkerError::NoSuchTemplate(name.clone()))?;
         match &spec.image {
             None => spec.image = Some(t.image.clone()),
             Some(i) if *i == t.image => {}

@@ -51,7 +51,7 @@ impl Fixture {
         let state = StateDir::open(&config.state_dir).unwrap();
         state.worker_id(Some(WORKER), || unreachable!()).unwrap();
         let runtime: Arc<dyn crate::runtime::Runtime> = fake.clone();
-        Worker::start_on(config, state, runtime, None)
+        Worker::start_on(config, state, runtime, None, None)
             .await
             .unwrap()
     }
