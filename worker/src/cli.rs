@@ -393,6 +393,17 @@ impl WorkerArgs {
     }
 
     pub fn worker_config(&self) -> Result<WorkerConfig, ConfigError> {
+        if let Some(r) = &self.registry {
+            let ok = !r.is_empty()
+                && r.len() <= 255
+                && r.bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b".-:[]".contains(&b));
+            if !ok {
+                return Err(ConfigError::Policy(format!(
+                    "--registry {r:?}: a registry's HOST:PORT (no scheme, no path), e.g. 127.0.0.1:5000"
+                )));
+            }
+        }
         let policy = self.policy()?;
         let pids_ceiling = policy.ceilings.pids;
         let pid_max = read_pid_max();
