@@ -229,8 +229,13 @@ pub enum TemplateCommand {
     /// Template NAME as one JSON object: its image, start command,
     /// readiness probe and its time to be ready, when it was built.
     Inspect { name: String },
-    /// Forget template NAME (sandboxes made from it go on).
-    Rm { name: String },
+    /// Forget template NAME. Refused while sandboxes of it run or a pool
+    /// keeps members of it, unless --force (they go on).
+    Rm {
+        name: String,
+        #[arg(long)]
+        force: bool,
+    },
 }
 
 #[derive(Debug, Subcommand)]

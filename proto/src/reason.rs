@@ -93,6 +93,9 @@ reasons! {
     /// A sandbox made from a template did not become ready in time (its
     /// start command ended, or its readiness probe never held); it is gone.
     TemplateNotReady = "template_not_ready",
+    /// The template is in use (sandboxes of it run, or a pool keeps
+    /// members of it): its removal is refused unless forced.
+    TemplateInUse = "template_in_use",
     /// No volume of that name on the worker (for the caller's tenant).
     NoSuchVolume = "no_such_volume",
     /// The volume is mounted by a sandbox in a way that excludes what was

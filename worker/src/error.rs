@@ -37,6 +37,10 @@ pub enum WorkerError {
     Volume(#[from] crate::volumes::VolumeError),
     #[error(transparent)]
     Registry(#[from] crate::registry::RegistryError),
+    #[error(
+        "template {template:?} is in use: {why} (corral template rm --force forgets it anyway; they go on)"
+    )]
+    TemplateInUse { template: String, why: String },
     #[error("the sandbox of template {template:?} was not ready: {why}; it was removed")]
     TemplateNotReady { template: String, why: String },
     #[error(
@@ -124,6 +128,7 @@ impl WorkerError {
             WorkerError::Checkpointed(_) => (Code::FailedPrecondition, Reason::SandboxCheckpointed),
             WorkerError::NoSuchImage(_) => (Code::FailedPrecondition, Reason::NoSuchImage),
             WorkerError::NoSuchTemplate(_) => (Code::FailedPrecondition, Reason::NoSuchTemplate),
+            WorkerError::TemplateInUse { .. } => (Code::FailedPrecondition, Reason::TemplateInUse),
             WorkerError::TemplateNotReady { .. } => {
                 (Code::FailedPrecondition, Reason::TemplateNotReady)
             }

@@ -252,11 +252,14 @@ async fn template_command(conn: &ConnArgs, cmd: TemplateCommand) -> Result<u8, E
             }
             Ok(0)
         }
-        TemplateCommand::Rm { name } => {
+        TemplateCommand::Rm { name, force } => {
             let client = crate::connect::connect(conn).await?;
             let existed = client
                 .raw()
-                .delete_template(pb::DeleteTemplateRequest { name: name.clone() })
+                .delete_template(pb::DeleteTemplateRequest {
+                    name: name.clone(),
+                    force,
+                })
                 .await?
                 .into_inner()
                 .existed;

@@ -1844,7 +1844,12 @@ impl pb::worker_server::Worker for FrontDoor {
                 };
                 match asked.await {
                     Ok(e) => existed |= e,
-                    Err(s) if s.code() == Code::InvalidArgument => return Err(s),
+                    // Refused (a bad name, a template in use there): said.
+                    Err(s)
+                        if matches!(s.code(), Code::InvalidArgument | Code::FailedPrecondition) =>
+                    {
+                        return Err(s);
+                    }
                     Err(s) => missed.push(format!("{url}: {}", s.message())),
                 }
             }

@@ -214,6 +214,7 @@ _BY_REASON: dict[str, type[CorralError]] = {
     "no_such_runtime": InvalidArgument,
     "no_such_template": InvalidArgument,
     "template_not_ready": InvalidArgument,
+    "template_in_use": Conflict,
     "no_such_volume": InvalidArgument,
     "volume_in_use": Conflict,
     "not_applicable": InvalidArgument,

@@ -245,9 +245,17 @@ async fn a_templates_sandbox_is_handed_out_ready_and_a_broken_one_never() -> Res
         ensure!(out.status.code() == Some(2), "{bad:?}: {out:?}");
     }
 
+    // In use (a sandbox of it runs): kept, saying so, unless forced.
+    let kept = corral(&h, &["template", "rm", "web"]).await?;
+    ensure!(
+        kept.status.code() == Some(125)
+            && text(&kept.stderr).contains("in use")
+            && text(&kept.stderr).contains(id.as_str()),
+        "{kept:?}"
+    );
     // Removed: refused by name, while its sandboxes go on.
     ensure!(
-        corral(&h, &["template", "rm", "web"])
+        corral(&h, &["template", "rm", "web", "--force"])
             .await?
             .status
             .success()

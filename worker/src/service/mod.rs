@@ -363,9 +363,10 @@ impl pb::worker_server::Worker for WorkerService {
         req: Request<pb::DeleteTemplateRequest>,
     ) -> Result<Response<pb::DeleteTemplateResponse>, Status> {
         let tenant = tenant_header(&req)?;
+        let req = req.into_inner();
         let existed = self
             .worker
-            .delete_template(tenant.as_deref(), &req.into_inner().name)?;
+            .delete_template(tenant.as_deref(), &req.name, req.force)?;
         Ok(Response::new(pb::DeleteTemplateResponse { existed }))
     }
 

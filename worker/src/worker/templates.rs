@@ -90,9 +90,51 @@ impl Worker {
             .collect()
     }
 
-    /// Forgets `tenant`'s template `name`: whether there was one.
-    pub fn delete_template(&self, tenant: Option<&str>, name: &str) -> Result<bool> {
+    /// Forgets `tenant`'s template `name`: whether there was one. In use
+    /// (sandboxes of it here, or a pool of it), refused unless `force`.
+    pub fn delete_template(&self, tenant: Option<&str>, name: &str, force: bool) -> Result<bool> {
         corral_proto::template::check_name(name)?;
+        if !force && self.inner.templates.get(tenant, name).is_some() {
+            let of_it = |spec: &SandboxSpec| {
+                spec.template.as_deref() == Some(name)
+                    && super::tenant_of(spec).as_deref() == tenant
+            };
+            let users: Vec<String> = {
+                let map = self.inner.table.lock();
+                map.running()
+                    .filter(|(_, s)| of_it(&s.spec))
+                    .map(|(id, _)| id.to_string())
+                    .chain(
+                        map.checkpointed()
+                            .filter(|(_, i)| of_it(&i.spec))
+                            .map(|(id, _)| id.to_string()),
+                    )
+                    .collect()
+            };
+            let pooled = tenant.is_none()
+                && super::lock(&self.inner.pools)
+                    .iter()
+                    .any(|p| p.template.template.as_deref() == Some(name));
+            if !users.is_empty() || pooled {
+                let mut why = Vec::new();
+                if !users.is_empty() {
+                    let shown: Vec<&str> = users.iter().take(5).map(String::as_str).collect();
+                    why.push(format!(
+                        "{} sandbox(es) of it run ({}{})",
+                        users.len(),
+                        shown.join(", "),
+                        if users.len() > 5 { ", ..." } else { "" }
+                    ));
+                }
+                if pooled {
+                    why.push("a pool of it keeps members (--pool template:NAME)".to_string());
+                }
+                return Err(WorkerError::TemplateInUse {
+                    template: name.to_string(),
+                    why: why.join("; "),
+                });
+            }
+        }
         let file = self.inner.state.root().join("templates.json");
         self.inner
             .templates

@@ -545,10 +545,12 @@ class ListTemplatesResponse(_message.Message):
     def __init__(self, templates: _Optional[_Iterable[_Union[Template, _Mapping]]] = ...) -> None: ...
 
 class DeleteTemplateRequest(_message.Message):
-    __slots__ = ("name",)
+    __slots__ = ("name", "force")
     NAME_FIELD_NUMBER: _ClassVar[int]
+    FORCE_FIELD_NUMBER: _ClassVar[int]
     name: str
-    def __init__(self, name: _Optional[str] = ...) -> None: ...
+    force: bool
+    def __init__(self, name: _Optional[str] = ..., force: _Optional[bool] = ...) -> None: ...
 
 class DeleteTemplateResponse(_message.Message):
     __slots__ = ("existed",)
