@@ -990,6 +990,12 @@ pub enum SandboxCommand {
     /// slot, until `sandbox restore`. The engine needs its experimental
     /// features on.
     Checkpoint { id: String },
+    /// Save a running sandbox as template NAME: its image and its
+    /// /workspace, not its processes, its /tmp nor what it changed of a
+    /// writable root. Each sandbox of NAME starts with that workspace, and
+    /// with the start command and readiness of the template it was made
+    /// from, if any.
+    Snapshot { id: String, name: String },
     /// Start a checkpointed sandbox again: its processes go on where they
     /// stood, its memory as it was.
     Restore { id: String },

@@ -72,6 +72,12 @@ impl pb::worker_server::Worker for FakeWorker {
     ) -> Result<Response<pb::DeleteTemplateResponse>, Status> {
         no()
     }
+    async fn snapshot_sandbox(
+        &self,
+        _: Request<pb::SnapshotSandboxRequest>,
+    ) -> Result<Response<pb::Template>, Status> {
+        no()
+    }
     async fn create_volume(
         &self,
         _: Request<pb::CreateVolumeRequest>,

@@ -238,6 +238,10 @@ pub struct WorkerArgs {
     /// would leave less than 1 GiB free is refused).
     #[arg(long, env = "CORRAL_MAX_VOLUME_SIZE", default_value = "100g", value_parser = parse_size)]
     pub max_volume_size: u64,
+    /// Most bytes of volumes one tenant (or the operator, with no
+    /// tenant) keeps on this worker, e.g. 200g (default: as the disk has).
+    #[arg(long, env = "CORRAL_TENANT_VOLUME_BYTES", value_parser = parse_size)]
+    pub tenant_volume_bytes: Option<u64>,
     /// Export a span for each operation submitted with a W3C traceparent
     /// (OpenTelemetry, OTLP over gRPC) to this collector, e.g.
     /// http://127.0.0.1:4317. Off by default.
@@ -455,6 +459,7 @@ impl WorkerArgs {
             volumes: crate::volumes::VolumeSettings {
                 default_bytes: self.default_volume_size,
                 max_bytes: self.max_volume_size,
+                tenant_bytes: self.tenant_volume_bytes,
             },
             build: crate::build::BuildSettings {
                 network: self.build_network.clone(),

@@ -35,6 +35,8 @@ pub struct Published {
     pub image: String,
     pub digest: String,
     pub start: TemplateStart,
+    /// It carries a snapshot's workspace.
+    pub seeded: bool,
 }
 
 /// The fleet's registry, reached through this worker's engine.
@@ -72,6 +74,7 @@ impl Registry {
         name: &str,
         image: &str,
         start: &TemplateStart,
+        seeded: bool,
     ) -> Result<String, RegistryError> {
         let label = serde_json::to_string(start).map_err(|e| self.failed(e))?;
         // The image with its label: a commit of a container never started.
@@ -102,7 +105,17 @@ impl Registry {
                     .pause(false)
                     .build(),
                 bollard::models::ContainerConfig {
-                    labels: Some(HashMap::from([(LABEL.into(), label)])),
+                    labels: Some(
+                        [(LABEL.to_string(), label)]
+                            .into_iter()
+                            .chain(seeded.then(|| {
+                                (
+                                    crate::docker::snapshot::SEED_LABEL.to_string(),
+                                    "workspace".to_string(),
+                                )
+                            }))
+                            .collect(),
+                    ),
                     ..Default::default()
                 },
             )
@@ -177,10 +190,10 @@ impl Registry {
             .inspect_image(&image)
             .await
             .map_err(|e| self.failed(format!("{image}: {e}")))?;
-        let label = inspected
-            .config
-            .and_then(|c| c.labels)
-            .and_then(|mut l| l.remove(LABEL))
+        let mut labels = inspected.config.and_then(|c| c.labels).unwrap_or_default();
+        let seeded = labels.contains_key(crate::docker::snapshot::SEED_LABEL);
+        let label = labels
+            .remove(LABEL)
             .ok_or_else(|| self.failed(format!("{image} carries no {LABEL} label")))?;
         let start: TemplateStart = serde_json::from_str(&label)
             .map_err(|e| self.failed(format!("{image}'s {LABEL} label: {e}")))?;
@@ -188,6 +201,7 @@ impl Registry {
             image,
             digest: digest.to_string(),
             start,
+            seeded,
         })
     }
 }

@@ -25,6 +25,10 @@ pub struct Template {
     /// there or pulled from there.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub registry_digest: Option<String>,
+    /// Its image carries a workspace its sandboxes start with (a
+    /// snapshot's).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub seeded: bool,
 }
 
 type Key = (String, String);
@@ -143,6 +147,7 @@ mod tests {
             start: TemplateStart::default(),
             created_at_ms: 1,
             registry_digest: None,
+            seeded: false,
         }
     }
 

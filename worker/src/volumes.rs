@@ -82,6 +82,8 @@ fn io(path: &Path, source: std::io::Error) -> VolumeError {
 pub struct VolumeSettings {
     pub default_bytes: u64,
     pub max_bytes: u64,
+    /// Most bytes of volumes one tenant (or the operator) keeps here.
+    pub tenant_bytes: Option<u64>,
 }
 
 impl Default for VolumeSettings {
@@ -89,6 +91,7 @@ impl Default for VolumeSettings {
         Self {
             default_bytes: 1 << 30,
             max_bytes: 100 << 30,
+            tenant_bytes: None,
         }
     }
 }
@@ -235,6 +238,20 @@ impl Volumes {
                         return Err(VolumeError::Refused(format!(
                             "at most {most} volumes are kept for each tenant (remove one: corral volume rm NAME)"
                         )));
+                    }
+                    if let Some(cap) = self.settings.tenant_bytes {
+                        let have: u64 = book
+                            .kept
+                            .iter()
+                            .filter(|((t, _), _)| t == mine)
+                            .map(|(_, v)| v.size_bytes)
+                            .sum();
+                        if have.saturating_add(size) > cap {
+                            return Err(VolumeError::Refused(format!(
+                                "{size} bytes more would make {} bytes of volumes, past the {cap} each tenant may keep on this worker (--tenant-volume-bytes; {have} kept now)",
+                                have.saturating_add(size)
+                            )));
+                        }
                     }
                     Ok(None)
                 }
@@ -772,6 +789,36 @@ mod tests {
         }
         let e = v.create(None, "big", 1 << 50, 1).await.unwrap_err();
         assert!(e.to_string().contains("--max-volume-size"), "{e}");
+    }
+
+    #[tokio::test]
+    async fn a_tenant_keeps_no_more_volume_bytes_than_the_worker_allows() {
+        let dir = tempfile::tempdir().unwrap();
+        let settings = VolumeSettings {
+            tenant_bytes: Some(3 << 30),
+            ..VolumeSettings::default()
+        };
+        let v = Volumes::load(dir.path(), settings);
+        {
+            let mut book = lock(&v.book);
+            for (i, name) in ["a", "b"].iter().enumerate() {
+                book.kept.insert(
+                    key(Some("acme"), name),
+                    Volume {
+                        tenant: Some("acme".into()),
+                        name: name.to_string(),
+                        id: format!("v{i}"),
+                        size_bytes: 1 << 30,
+                        created_at_ms: 1,
+                    },
+                );
+            }
+        }
+        let e = v.create(Some("acme"), "c", 2 << 30, 1).await.unwrap_err();
+        assert!(e.to_string().contains("--tenant-volume-bytes"), "{e}");
+        // One that has none is bounded alike.
+        let e = v.create(Some("bolt"), "c", 4 << 30, 1).await.unwrap_err();
+        assert!(e.to_string().contains("--tenant-volume-bytes"), "{e}");
     }
 
     #[test]

@@ -471,6 +471,22 @@ async fn sandbox_command(conn: &ConnArgs, cmd: SandboxCommand) -> Result<(), Err
             let sb = conn.for_sandbox(&id).await?.checkpoint_sandbox(&id).await?;
             writeln!(stdout, "{}: {}", sb.id, state_name(&sb.state))?;
         }
+        SandboxCommand::Snapshot { id, name } => {
+            let id = sandbox_id(&id)?;
+            corral_proto::template::check_name(&name).map_err(|e| Error::Invalid(e.to_string()))?;
+            let t = conn
+                .for_sandbox(&id)
+                .await?
+                .raw()
+                .snapshot_sandbox(corral_proto::pb::SnapshotSandboxRequest {
+                    id: id.to_string(),
+                    template: name,
+                })
+                .await
+                .map_err(corral_harness::client::ClientError::from)?
+                .into_inner();
+            writeln!(stdout, "template {}: {}", t.name, t.image)?;
+        }
         SandboxCommand::Restore { id } => {
             let id = sandbox_id(&id)?;
             let sb = conn.for_sandbox(&id).await?.restore_sandbox(&id).await?;

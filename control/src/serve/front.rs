@@ -1632,6 +1632,21 @@ impl pb::worker_server::Worker for FrontDoor {
         )
     }
 
+    async fn snapshot_sandbox(
+        &self,
+        req: Request<pb::SnapshotSandboxRequest>,
+    ) -> Result<Response<pb::Template>, Status> {
+        on_sandbox!(
+            self,
+            req,
+            Scope::Run,
+            "SnapshotSandbox",
+            true,
+            id,
+            snapshot_sandbox
+        )
+    }
+
     async fn expose_port(
         &self,
         req: Request<pb::ExposePortRequest>,
@@ -1744,17 +1759,35 @@ impl pb::worker_server::Worker for FrontDoor {
             })?;
             // Where it is already (the same again, or a conflict); else
             // the worker its name and tenant hash to, so that two creates
-            // of one name through any replica meet on one worker.
-            let there = self
-                .volumes_of(&who)
-                .await?
+            // of one name through any replica meet on one worker. Every
+            // worker must answer: one that does not may have it.
+            let urls = self.fleet.urls().await.map_err(fleet_status)?;
+            let listed = self.volumes_of(&who).await?;
+            let silent: Vec<&String> = urls
+                .iter()
+                .filter(|u| !listed.iter().any(|(l, _)| l == *u))
+                .collect();
+            if !silent.is_empty() {
+                return Err(status(
+                    Code::Unavailable,
+                    Reason::NoWorker,
+                    format!(
+                        "a volume is made once every worker has said whether it has one of that name; no answer from: {}",
+                        silent
+                            .iter()
+                            .map(|u| u.as_str())
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    ),
+                ));
+            }
+            let there = listed
                 .into_iter()
                 .find(|(_, list)| list.iter().any(|v| v.name == msg.name))
                 .map(|(url, _)| url);
             let url = match there {
                 Some(url) => url,
                 None => {
-                    let urls = self.fleet.urls().await.map_err(fleet_status)?;
                     let tenant = who.tenant.clone();
                     urls.into_iter()
                         .max_by_key(|u| rendezvous(u, &tenant, &msg.name))

@@ -1090,6 +1090,17 @@ class AsyncSandbox:
         )
         return sandbox_info_of(s, self.worker.url)
 
+    async def snapshot(self, template: str) -> str:
+        """Saves this sandbox as template ``template`` (its image and its
+        workspace, not its processes): ``Sandbox.create(template=...)`` makes
+        sandboxes that start with that workspace. The image it runs."""
+        t = await self._ask(
+            "SnapshotSandbox",
+            pb.SnapshotSandboxRequest(id=self.id, template=template),
+            pb.Template,
+        )
+        return t.image
+
     async def restore(self) -> SandboxInfo:
         """Starts a checkpointed sandbox again: its processes go on where
         they stood, its memory as it was."""

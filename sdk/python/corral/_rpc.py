@@ -102,6 +102,7 @@ class Worker:
             ("ExposePort", pb.PortExposure),
             ("RevokeAccess", pb.RevokeAccessResponse),
             ("ListExposures", pb.ListExposuresResponse),
+            ("SnapshotSandbox", pb.Template),
             ("CreateVolume", pb.Volume),
             ("ListVolumes", pb.ListVolumesResponse),
             ("DeleteVolume", pb.DeleteVolumeResponse),

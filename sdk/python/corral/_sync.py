@@ -423,6 +423,10 @@ class Sandbox:
         """See :meth:`corral.AsyncSandbox.checkpoint`."""
         return _run(self._sb.checkpoint())
 
+    def snapshot(self, template: str) -> str:
+        """See :meth:`corral.AsyncSandbox.snapshot`."""
+        return _run(self._sb.snapshot(template))
+
     def restore(self) -> SandboxInfo:
         """See :meth:`corral.AsyncSandbox.restore`."""
         return _run(self._sb.restore())

@@ -54,3 +54,16 @@ def test_a_volume_keeps_what_one_sandbox_wrote_for_the_next(worker: Client) -> N
 
 def _tf(at: dict[str, str]) -> dict[str, str]:
     return {"token_file": at["token_file"]}
+
+
+def test_a_sandbox_saved_as_a_template_starts_the_next_with_its_workspace(
+    worker: Client,
+) -> None:
+    name = "saved-" + secrets.token_hex(4)
+    with worker.create() as sb:
+        assert sb.run("mkdir -p d && echo kept > d/f").ok
+        image = sb.snapshot(name)
+        assert image.startswith("corral-snapshot:")
+    with worker.create(template=name) as sb:
+        r = sb.run("cat d/f; echo more >> d/f && cat d/f")
+        assert r.stdout == "kept\nkept\nmore\n", r

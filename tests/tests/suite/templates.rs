@@ -526,3 +526,83 @@ async fn a_template_built_on_one_worker_starts_on_another_through_the_registry()
     }
     Ok(())
 }
+
+/// A running sandbox saved as a template: each sandbox of it starts with
+/// the workspace it had (files, modes, links; its user's now), not its
+/// processes, nor the environment a client gave it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sandbox_saved_as_a_template_hands_its_workspace_to_the_next() -> Result<()> {
+    let h = Harness::start().await?;
+    let mut spec = SandboxSpec::default();
+    spec.env.insert("SECRET".into(), "hunter2".into());
+    let first = h.client.create_sandbox(None, spec).await?.id;
+    let made = h
+        .run(
+            &first,
+            "mkdir -p d/e && echo one > d/a.txt && chmod 600 d/a.txt && ln -s d/a.txt link && \
+             (sleep 1000 > /dev/null 2>&1 &) && echo made",
+        )
+        .await?;
+    ensure!(text(&made.stdout.head) == "made\n", "{made:?}");
+    let name = corral_e2e::unique_id("saved");
+    let out = corral(&h, &["sandbox", "snapshot", first.as_str(), &name]).await?;
+    ensure!(
+        out.status.success() && text(&out.stdout).contains("corral-snapshot:"),
+        "{out:?}"
+    );
+    let image = text(&out.stdout)
+        .split_whitespace()
+        .last()
+        .context("no image")?
+        .to_string();
+    let next = corral(&h, &["sandbox", "create", "--template", &name]).await?;
+    ensure!(next.status.success(), "{next:?}");
+    let next = corral_proto::SandboxId::new(text(&next.stdout).trim())?;
+    let seen = h
+        .run(
+            &next,
+            "cat link; stat -c '%a %u' d/a.txt; id -u; [ -d d/e ] && echo dir; \
+             echo two >> d/a.txt && cat d/a.txt; echo \"SECRET=$SECRET\"; \
+             ps -o args | grep -c '[s]leep 1000'",
+        )
+        .await?;
+    let lines: Vec<String> = text(&seen.stdout.head).lines().map(String::from).collect();
+    ensure!(lines.len() == 8, "{lines:?}");
+    ensure!(lines[0] == "one", "{lines:?}");
+    let (mode, owner) = lines[1].split_once(' ').context("stat")?;
+    ensure!(mode == "600" && owner == lines[2], "{lines:?}");
+    ensure!(
+        lines[3] == "dir" && lines[4] == "one" && lines[5] == "two",
+        "{lines:?}"
+    );
+    ensure!(
+        lines[6] == "SECRET=",
+        "a client's environment went into the image: {lines:?}"
+    );
+    ensure!(lines[7] == "0", "a process came with the files: {lines:?}");
+    // The sandbox it was saved from is as it was.
+    let kept = h.run(&first, "cat d/a.txt").await?;
+    ensure!(text(&kept.stdout.head) == "one\n");
+    // Bad input: a name, a sandbox that is not there.
+    let bad = corral(&h, &["sandbox", "snapshot", first.as_str(), "Bad/Name"]).await?;
+    ensure!(
+        !bad.status.success() && text(&bad.stderr).contains("a template's name"),
+        "{bad:?}"
+    );
+    let none = corral(&h, &["sandbox", "snapshot", "nope", &name]).await?;
+    ensure!(!none.status.success(), "{none:?}");
+    for id in [&first, &next] {
+        h.client.destroy_sandbox(id).await?;
+    }
+    ensure!(
+        corral(&h, &["template", "rm", &name])
+            .await?
+            .status
+            .success()
+    );
+    let _ = std::process::Command::new("docker")
+        .args(["rmi", &image])
+        .output();
+    h.stop().await;
+    Ok(())
+}

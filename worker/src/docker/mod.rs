@@ -26,6 +26,7 @@ use crate::uids::{LABEL_UID, UidRange};
 mod checkpoint;
 mod container;
 mod init_volume;
+pub mod snapshot;
 mod usage;
 
 pub use usage::{ContainerProcess, ContainerUsage};

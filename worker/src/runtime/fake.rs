@@ -355,6 +355,20 @@ impl Runtime for FakeRuntime {
         self.change(container, &[Run::Running], Run::Checkpointed)
     }
 
+    async fn snapshot(&self, _image: &str, _workspace: &Path) -> Result<String> {
+        Err(crate::error::WorkerError::NotApplicable(
+            "the fake engine keeps no images".into(),
+        ))
+    }
+
+    fn seed(
+        &self,
+        _container: &str,
+    ) -> futures_util::stream::BoxStream<'static, Result<bytes::Bytes>> {
+        use futures_util::StreamExt;
+        futures_util::stream::empty().boxed()
+    }
+
     async fn restore(&self, container: &str) -> Result<()> {
         self.step(Step::Restore, container).await?;
         self.change(container, &[Run::Checkpointed], Run::Running)

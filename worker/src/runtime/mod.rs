@@ -94,6 +94,18 @@ pub trait Runtime: Send + Sync + 'static {
 
     /// What the container uses now.
     async fn stats(&self, container: &str) -> Result<ContainerUsage>;
+
+    /// `image` with `workspace` (a tar of a sandbox's workspace's
+    /// contents) for the sandboxes made from it to start with: the new
+    /// image's name.
+    async fn snapshot(&self, image: &str, workspace: &Path) -> Result<String>;
+
+    /// The workspace a snapshot's container was made with, as a tar of its
+    /// contents.
+    fn seed(
+        &self,
+        container: &str,
+    ) -> futures_util::stream::BoxStream<'static, Result<bytes::Bytes>>;
 }
 
 #[async_trait]
@@ -158,6 +170,18 @@ impl Runtime for DockerRuntime {
 
     async fn process(&self, container: &str) -> Result<ContainerProcess> {
         DockerRuntime::process(self, container).await
+    }
+
+    async fn snapshot(&self, image: &str, workspace: &Path) -> Result<String> {
+        DockerRuntime::snapshot(self, image, workspace).await
+    }
+
+    fn seed(
+        &self,
+        container: &str,
+    ) -> futures_util::stream::BoxStream<'static, Result<bytes::Bytes>> {
+        use futures_util::StreamExt;
+        DockerRuntime::seed(self, container).boxed()
     }
 
     fn out_of_sight(&self, p: &ContainerProcess, container: &str) -> Option<String> {

@@ -167,7 +167,10 @@ impl WorkerService {
                     let mut result = build_result(o, duration_ms);
                     match (built, template) {
                         (Some(image), Some((name, start))) => {
-                            match worker.keep_template(tenant, name, image, start).await {
+                            match worker
+                                .keep_template(tenant, name, image, start, false)
+                                .await
+                            {
                                 Ok(t) => {
                                     result.template = Some(t);
                                     Ok(result)

@@ -323,6 +323,18 @@ impl pb::worker_server::Worker for WorkerService {
         }))
     }
 
+    async fn snapshot_sandbox(
+        &self,
+        req: Request<pb::SnapshotSandboxRequest>,
+    ) -> Result<Response<pb::Template>, Status> {
+        let tenant = tenant_header(&req)?;
+        let req = req.into_inner();
+        let id = sandbox_id(req.id)?;
+        self.owned(&tenant, &id)?;
+        let t = self.worker.snapshot_sandbox(&id, req.template).await?;
+        Ok(Response::new(t))
+    }
+
     async fn create_volume(
         &self,
         req: Request<pb::CreateVolumeRequest>,

@@ -83,7 +83,7 @@ impl Worker {
         sandbox: &Sandbox,
         template: Option<&crate::templates::Template>,
     ) -> Result<()> {
-        let Some(t) = template.filter(|t| !t.start.is_empty()) else {
+        let Some(t) = template.filter(|t| !t.start.is_empty() || t.seeded) else {
             return Ok(());
         };
         let mut closing = CloseOnDrop(Some(sandbox.clone()));

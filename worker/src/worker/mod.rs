@@ -19,6 +19,7 @@ mod drain;
 mod fork;
 mod pools;
 mod ports;
+mod snapshot;
 mod sweep;
 mod table;
 mod templates;

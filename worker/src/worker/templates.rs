@@ -36,6 +36,7 @@ impl Worker {
         name: String,
         image: String,
         start: TemplateStart,
+        seeded: bool,
     ) -> Result<pb::Template> {
         let most = corral_proto::template::MAX_TEMPLATES;
         if !self
@@ -58,6 +59,7 @@ impl Worker {
             start,
             created_at_ms: self.now_ms(),
             registry_digest: None,
+            seeded,
         };
         if let Some(reg) = &self.inner.registry {
             t.registry_digest = match before {
@@ -67,7 +69,7 @@ impl Worker {
                     b.registry_digest
                 }
                 _ => Some(
-                    reg.publish(t.tenant.as_deref(), &t.name, &t.image, &t.start)
+                    reg.publish(t.tenant.as_deref(), &t.name, &t.image, &t.start, t.seeded)
                         .await?,
                 ),
             };
@@ -170,6 +172,7 @@ impl Worker {
                         start: p.start,
                         created_at_ms: self.now_ms(),
                         registry_digest: Some(p.digest),
+                        seeded: p.seeded,
                     };
                     let file = self.inner.state.root().join("templates.json");
                     self.inner
@@ -210,6 +213,12 @@ impl Worker {
             why,
         };
         let deadline = tokio::time::Instant::now() + t.start.timeout();
+        // A snapshot's workspace, before its start command.
+        if t.seeded {
+            self.seed_workspace(sandbox)
+                .await
+                .map_err(|e| not_ready(e.to_string()))?;
+        }
         let started = match &t.start.command {
             Some(cmd) => {
                 let id = OperationId::new(START_OPERATION)?;

@@ -534,6 +534,14 @@ class DeleteVolumeResponse(_message.Message):
     existed: bool
     def __init__(self, existed: _Optional[bool] = ...) -> None: ...
 
+class SnapshotSandboxRequest(_message.Message):
+    __slots__ = ("id", "template")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    template: str
+    def __init__(self, id: _Optional[str] = ..., template: _Optional[str] = ...) -> None: ...
+
 class ListTemplatesRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
