@@ -21,6 +21,13 @@ pub const MAX_TEMPLATES: usize = 100;
 /// A template's name: 1-64 characters of `[a-z0-9._-]`, first a letter or
 /// a digit.
 pub fn check_name(name: &str) -> Result<(), ProtocolError> {
+    check_kept_name("template", name)
+}
+
+/// The name of something a worker keeps by name (a template, a volume):
+/// 1-64 characters of `[a-z0-9._-]`, first a letter or a digit (so never
+/// `..`, never a `/`).
+pub(crate) fn check_kept_name(what: &'static str, name: &str) -> Result<(), ProtocolError> {
     let ok = !name.is_empty()
         && name.len() <= 64
         && name.as_bytes()[0].is_ascii_alphanumeric()
@@ -31,9 +38,9 @@ pub fn check_name(name: &str) -> Result<(), ProtocolError> {
         Ok(())
     } else {
         Err(ProtocolError::invalid(
-            "template",
+            what,
             format!(
-                "{:?}: a template's name is 1-64 characters of a-z, 0-9, '.', '_', '-', first a letter or a digit",
+                "{:?}: a {what}'s name is 1-64 characters of a-z, 0-9, '.', '_', '-', first a letter or a digit",
                 name.chars().take(80).collect::<String>()
             ),
         ))

@@ -26,23 +26,7 @@ const RESERVED: [&str; 8] = [
 /// A volume's name: 1-64 characters of `[a-z0-9._-]`, first a letter or a
 /// digit (so never `..`, never a `/`).
 pub fn check_name(name: &str) -> Result<(), ProtocolError> {
-    let ok = !name.is_empty()
-        && name.len() <= 64
-        && name.as_bytes()[0].is_ascii_alphanumeric()
-        && name
-            .bytes()
-            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b"._-".contains(&b));
-    if ok {
-        Ok(())
-    } else {
-        Err(ProtocolError::invalid(
-            "volume",
-            format!(
-                "{:?}: a volume's name is 1-64 characters of a-z, 0-9, '.', '_', '-', first a letter or a digit",
-                name.chars().take(80).collect::<String>()
-            ),
-        ))
-    }
+    crate::template::check_kept_name("volume", name)
 }
 
 /// One volume mounted into a sandbox.

@@ -884,30 +884,40 @@ impl FrontDoor {
         r.map_err(|s| as_unknown(s, id))
     }
 
-    /// Writes `call`'s line in the audit log (see [`super::audited`]).
-    /// Each worker's templates, as the caller sees them (a worker that
-    /// does not answer is left out).
-    async fn templates_of(
-        &self,
-        who: &Principal,
-    ) -> Result<Vec<(String, Vec<pb::Template>)>, Status> {
+    /// What each worker answers `ask` (a worker that does not answer, or
+    /// fails, is left out), with its address.
+    async fn ask_each<T, F, Fut>(&self, ask: F) -> Result<Vec<(String, T)>, Status>
+    where
+        F: Fn(RawClient) -> Fut,
+        Fut: Future<Output = Result<Response<T>, Status>>,
+    {
         let urls = self.fleet.urls().await.map_err(fleet_status)?;
+        let ask = &ask;
         let asked = urls.into_iter().map(|url| async move {
             let client = self.fleet.connect(Some(&url)).await.ok()?;
-            let list = client
-                .raw()
-                .list_templates(FrontDoor::outgoing(who, pb::ListTemplatesRequest {}))
-                .await
-                .ok()?
-                .into_inner()
-                .templates;
-            Some((url, list))
+            let answer = ask(client.raw()).await.ok()?.into_inner();
+            Some((url, answer))
         });
         Ok(futures_util::future::join_all(asked)
             .await
             .into_iter()
             .flatten()
             .collect())
+    }
+
+    /// Each worker's templates, as the caller sees them (a worker that
+    /// does not answer is left out).
+    async fn templates_of(
+        &self,
+        who: &Principal,
+    ) -> Result<Vec<(String, Vec<pb::Template>)>, Status> {
+        let each = self
+            .ask_each(|mut c| async move {
+                c.list_templates(FrontDoor::outgoing(who, pb::ListTemplatesRequest {}))
+                    .await
+            })
+            .await?;
+        Ok(each.into_iter().map(|(u, r)| (u, r.templates)).collect())
     }
 
     /// The workers that have the caller's template `name` as it was built
@@ -939,23 +949,13 @@ impl FrontDoor {
     /// Each worker's volumes, as the caller sees them (a worker that does
     /// not answer is left out).
     async fn volumes_of(&self, who: &Principal) -> Result<Vec<(String, Vec<pb::Volume>)>, Status> {
-        let urls = self.fleet.urls().await.map_err(fleet_status)?;
-        let asked = urls.into_iter().map(|url| async move {
-            let client = self.fleet.connect(Some(&url)).await.ok()?;
-            let list = client
-                .raw()
-                .list_volumes(FrontDoor::outgoing(who, pb::ListVolumesRequest {}))
-                .await
-                .ok()?
-                .into_inner()
-                .volumes;
-            Some((url, list))
-        });
-        Ok(futures_util::future::join_all(asked)
-            .await
-            .into_iter()
-            .flatten()
-            .collect())
+        let each = self
+            .ask_each(|mut c| async move {
+                c.list_volumes(FrontDoor::outgoing(who, pb::ListVolumesRequest {}))
+                    .await
+            })
+            .await?;
+        Ok(each.into_iter().map(|(u, r)| (u, r.volumes)).collect())
     }
 
     /// Of `urls`, those where every volume `mounts` names lives (a volume
@@ -1002,6 +1002,7 @@ impl FrontDoor {
         Ok(on)
     }
 
+    /// Writes `call`'s line in the audit log (see [`super::audited`]).
     async fn audited<T>(
         &self,
         who: &Principal,

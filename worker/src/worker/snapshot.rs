@@ -21,6 +21,23 @@ impl Drop for Scratch {
     }
 }
 
+/// How an operation of the worker's own in `sandbox` ended, if `kind`
+/// ends it (`failed`: what a failure is said as).
+fn ended(sandbox: &Sandbox, kind: EventKind, failed: &str) -> Option<Result<()>> {
+    match kind {
+        EventKind::Finished(r) if r.outcome.is_success() => Some(Ok(())),
+        EventKind::Finished(r) => Some(Err(WorkerError::NotApplicable(format!(
+            "{failed}: {}",
+            r.outcome
+        )))),
+        EventKind::SandboxLost { reason } => Some(Err(WorkerError::SandboxLost {
+            id: sandbox.id.to_string(),
+            reason,
+        })),
+        _ => None,
+    }
+}
+
 impl Worker {
     /// Saves running sandbox `id` as its tenant's template `name` (what
     /// its own template started with, if it was made from one).
@@ -76,23 +93,12 @@ impl Worker {
                     .write_all(&data)
                     .await
                     .map_err(|e| WorkerError::state(to, e))?,
-                EventKind::Finished(r) if r.outcome.is_success() => {
-                    file.flush().await.map_err(|e| WorkerError::state(to, e))?;
-                    return Ok(());
+                kind => {
+                    if let Some(end) = ended(sandbox, kind, "its workspace could not be read") {
+                        file.flush().await.map_err(|e| WorkerError::state(to, e))?;
+                        return end;
+                    }
                 }
-                EventKind::Finished(r) => {
-                    return Err(WorkerError::NotApplicable(format!(
-                        "its workspace could not be read: {}",
-                        r.outcome
-                    )));
-                }
-                EventKind::SandboxLost { reason } => {
-                    return Err(WorkerError::SandboxLost {
-                        id: sandbox.id.to_string(),
-                        reason,
-                    });
-                }
-                _ => {}
             }
         }
         Err(WorkerError::Detached(sandbox.id.to_string()))
@@ -136,21 +142,8 @@ impl Worker {
             .write_input(oid.clone(), offset, bytes::Bytes::new(), true)
             .await;
         while let Some(event) = events.recv().await {
-            match event.kind {
-                EventKind::Finished(r) if r.outcome.is_success() => return Ok(()),
-                EventKind::Finished(r) => {
-                    return Err(WorkerError::NotApplicable(format!(
-                        "its saved workspace was not written: {}",
-                        r.outcome
-                    )));
-                }
-                EventKind::SandboxLost { reason } => {
-                    return Err(WorkerError::SandboxLost {
-                        id: sandbox.id.to_string(),
-                        reason,
-                    });
-                }
-                _ => {}
+            if let Some(end) = ended(sandbox, event.kind, "its saved workspace was not written") {
+                return end;
             }
         }
         Err(WorkerError::Detached(sandbox.id.to_string()))
