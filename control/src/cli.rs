@@ -126,6 +126,12 @@ pub enum Command {
     /// time, any number of readers.
     #[command(subcommand)]
     Volume(VolumeCommand),
+    /// Serve MCP over stdio: tools that run commands and read and write
+    /// files in a sandbox, for an agent that reaches tools over MCP (its
+    /// config names `corral mcp` as the server's command). The session's
+    /// sandbox is made at the first tool that needs one and removed when
+    /// the client goes (unless --keep).
+    Mcp(McpArgs),
     /// A sandbox's operations: the running ones (--all: the finished ones
     /// its worker remembers too).
     Ps {
@@ -236,6 +242,41 @@ pub enum TemplateCommand {
         #[arg(long)]
         force: bool,
     },
+}
+
+#[derive(Debug, Clone, Subcommand)]
+pub enum McpCommand {
+    /// Print what an MCP client needs to start `corral mcp` (with this
+    /// command's worker and token file, absolute): `claude` (a `claude mcp
+    /// add` command line), `codex` (a ~/.codex/config.toml table), `cursor`
+    /// (.cursor/mcp.json).
+    Config {
+        #[arg(value_enum)]
+        client: McpClient,
+    },
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub enum McpClient {
+    Claude,
+    Codex,
+    Cursor,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct McpArgs {
+    #[command(subcommand)]
+    pub command: Option<McpCommand>,
+    /// Bind this existing sandbox to the session (kept at its end).
+    #[arg(long)]
+    pub sandbox: Option<String>,
+    /// The image of the sandboxes the session makes (default: the
+    /// worker's).
+    #[arg(long, env = "CORRAL_IMAGE")]
+    pub image: Option<String>,
+    /// Keep the sandboxes the session made when it ends.
+    #[arg(long)]
+    pub keep: bool,
 }
 
 #[derive(Debug, Subcommand)]

@@ -51,6 +51,7 @@ pub mod build;
 pub mod cli;
 pub mod dns;
 pub mod docker;
+pub mod durable;
 pub mod egress;
 pub mod error;
 pub mod fork;

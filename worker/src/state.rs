@@ -7,13 +7,13 @@
 //! directory is locked so two workers never share it.
 
 use std::fs::{self, File};
-use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use corral_proto::{SandboxId, SandboxSpec};
 use nix::fcntl::{Flock, FlockArg};
 use serde::{Deserialize, Serialize};
 
+pub use crate::durable::{private_file, write_synced};
 use crate::error::{Result, WorkerError};
 
 pub struct StateDir {
@@ -58,15 +58,6 @@ pub fn private_dir(dir: &Path) -> std::io::Result<()> {
         .mode(0o700)
         .create(dir)?;
     fs::set_permissions(dir, fs::Permissions::from_mode(0o700))
-}
-
-/// Options that create a file of Corral's state readable by its owner
-/// only (0600).
-pub fn private_file() -> fs::OpenOptions {
-    use std::os::unix::fs::OpenOptionsExt;
-    let mut o = fs::OpenOptions::new();
-    o.mode(0o600);
-    o
 }
 
 impl StateDir {
@@ -231,34 +222,6 @@ const PORTS_DIR: &str = "ports";
 /// [`StateDir::ports_path`] under `root`.
 pub fn ports_path(root: &Path, id: &SandboxId) -> PathBuf {
     root.join(PORTS_DIR).join(format!("{id}.json"))
-}
-
-/// Writes `data` to `path` whole or not at all (a file beside it renamed
-/// over it), on disk when this returns.
-pub fn write_synced(path: &Path, data: &[u8]) -> std::io::Result<()> {
-    // A name of its own per write: two writers of one file never share
-    // (nor remove) each other's.
-    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let tmp = path.with_extension(format!("{}.{n}.tmp", std::process::id()));
-    let written = (|| {
-        let mut f = private_file()
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .open(&tmp)?;
-        f.write_all(data)?;
-        f.sync_all()?;
-        fs::rename(&tmp, path)
-    })();
-    if let Err(e) = written {
-        let _ = fs::remove_file(&tmp);
-        return Err(e);
-    }
-    if let Some(dir) = path.parent() {
-        File::open(dir)?.sync_all()?;
-    }
-    Ok(())
 }
 
 #[cfg(test)]

@@ -169,7 +169,7 @@ impl Volumes {
     fn keep(&self, kept: &BTreeMap<Key, Volume>) -> Result<(), VolumeError> {
         let json = serde_json::to_vec_pretty(&kept.values().collect::<Vec<_>>())
             .map_err(|e| io(&self.file, std::io::Error::other(e)))?;
-        crate::state::write_synced(&self.file, &json).map_err(|e| io(&self.file, e))
+        crate::durable::write_synced(&self.file, &json).map_err(|e| io(&self.file, e))
     }
 
     fn image_of(&self, v: &Volume) -> PathBuf {

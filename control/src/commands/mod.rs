@@ -5,6 +5,7 @@ mod admin;
 mod cp;
 mod exec;
 mod local_worker;
+mod mcp;
 mod ops;
 mod port;
 mod remote;
@@ -65,6 +66,7 @@ async fn dispatch(mut cli: Cli) -> u8 {
         Command::Port(cmd) => port::main(&cli.conn, cmd).await,
         Command::Template(cmd) => template::main(&cli.conn, cmd).await,
         Command::Volume(cmd) => volume::main(&cli.conn, cmd).await,
+        Command::Mcp(args) => mcp::main(&cli.conn, args).await,
         Command::Cp(args) => cp::main(&cli.conn, &args).await,
         Command::Ps { sandbox, all } => ops::ps(&cli.conn, &sandbox, all).await,
         Command::Kill { operation, sandbox } => {

@@ -14,7 +14,6 @@ import contextlib
 import inspect
 import os
 import random
-import re
 import shlex
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
@@ -22,6 +21,7 @@ from pathlib import Path
 
 from corral import _connect, _rpc, _tar, _volumes
 from corral._proto import worker_pb2 as pb
+from corral._units import parse_size
 from corral.errors import (
     CorralError,
     FileError,
@@ -74,25 +74,6 @@ OnOutput = Callable[[bytes], Awaitable[None] | None]
 
 def _new_id() -> str:
     return uuid.uuid4().hex
-
-
-def parse_size(v: int | str | None, what: str) -> int:
-    """Bytes, from a number or a size as the CLI takes it (``512m``, ``2g``)."""
-    if v is None:
-        return 0
-    if isinstance(v, bool):
-        raise InvalidArgument(f"{what}: {v!r} is not a size")
-    if isinstance(v, int):
-        if v < 0:
-            raise InvalidArgument(f"{what}: {v} is negative")
-        return v
-    if not isinstance(v, str):
-        raise InvalidArgument(f"{what}: {v!r} is not a size (bytes as an int, or e.g. '512m')")
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)i?b?\s*", v.lower())
-    if not m:
-        raise InvalidArgument(f"{what}: {v!r} is not a size (e.g. 512m, 2g)")
-    scale = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40, "p": 1 << 50}
-    return int(float(m.group(1)) * scale[m.group(2)])
 
 
 def _ms(seconds: float | None, what: str) -> int:

@@ -11,6 +11,7 @@ import random
 
 from corral import _connect, _rpc
 from corral._proto import worker_pb2 as pb
+from corral._units import parse_size
 from corral.errors import InvalidArgument
 from corral.types import Volume
 
@@ -83,8 +84,6 @@ async def create_volume(
     named, or of several the one that has it already, else one at random.
     The same name and size again is the same volume; another size raises
     :class:`corral.Conflict`."""
-    from corral._core import parse_size
-
     opts = _connect.Options.from_env(worker, token_file=token_file)
     ws = await _rpc.workers(opts)
     w = ws[0]

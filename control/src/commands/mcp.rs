@@ -1,0 +1,705 @@
+//! `corral mcp`: an MCP server over stdio (JSON-RPC 2.0, one message a
+//! line) whose tools make and use sandboxes on the worker (or front door)
+//! `corral` reaches. A session binds one sandbox (`--sandbox ID`, or the
+//! first one a tool needs, made then and removed at the end unless
+//! `--keep`), so a model need not pass ids. A tool that fails is a tool
+//! result marked `isError` that the model reads; only a malformed request
+//! is a protocol error.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use corral_harness::client::WorkerClient;
+use corral_proto::{
+    Event, EventKind, OperationId, OperationResult, OperationSpec, Outcome, SandboxId, SandboxSpec,
+    ShellSpec,
+};
+use futures_util::StreamExt;
+use serde_json::{Value, json};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
+use tokio_util::sync::CancellationToken;
+
+use crate::cli::{ConnArgs, McpArgs, McpClient, McpCommand};
+
+/// The revisions of the `initialize` handshake this server speaks.
+const PROTOCOL_VERSIONS: [&str; 4] = ["2024-11-05", "2025-03-26", "2025-06-18", "2025-11-25"];
+/// Most bytes of a command's stdout (and of its stderr) a result carries.
+const MAX_OUTPUT: usize = 16 << 10;
+/// Most bytes of a file `read_file` returns.
+const MAX_READ: u64 = 256 << 10;
+/// A command's time when the call names none, and the most it may name.
+const DEFAULT_TIMEOUT_S: u64 = 120;
+const MAX_TIMEOUT_S: u64 = 3600;
+/// Most tool calls running at once (more wait for one to end).
+const MAX_CALLS: usize = 16;
+
+pub async fn main(conn: &ConnArgs, args: McpArgs) -> u8 {
+    if let Some(McpCommand::Config { client }) = args.command {
+        return match config(conn, &args, client) {
+            Ok(text) => {
+                let _ = std::io::Write::write_all(&mut std::io::stdout(), text.as_bytes());
+                0
+            }
+            Err(e) => {
+                super::report(&e);
+                super::EXIT_USAGE
+            }
+        };
+    }
+    match serve(conn, args).await {
+        Ok(()) => 0,
+        Err(e) => {
+            super::report(&e);
+            super::EXIT_CORRAL_ERROR
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+enum Error {
+    #[error(transparent)]
+    Connect(#[from] crate::connect::ConnectError),
+    #[error(transparent)]
+    Client(#[from] corral_harness::client::ClientError),
+    #[error("stdin or stdout: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// What the server holds for its session.
+struct Server {
+    client: WorkerClient,
+    image: Option<String>,
+    keep: bool,
+    /// The session's sandbox, and whether this server made it.
+    bound: tokio::sync::Mutex<Option<(SandboxId, bool)>>,
+    /// Calls running, by their request id, to be canceled.
+    running: Mutex<HashMap<String, CancellationToken>>,
+    slots: tokio::sync::Semaphore,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+async fn serve(conn: &ConnArgs, args: McpArgs) -> Result<(), Error> {
+    let client = crate::connect::connect(conn).await?;
+    // Its credentials checked before anything is served: a client with the
+    // wrong token hears it now, not from every tool.
+    client.worker_info().await?;
+    let bound = match &args.sandbox {
+        Some(id) => Some((
+            SandboxId::new(id.clone()).map_err(|e| {
+                crate::connect::ConnectError::Usage(format!("--sandbox {id:?}: {e}"))
+            })?,
+            false,
+        )),
+        None => None,
+    };
+    let server = Arc::new(Server {
+        client,
+        image: args.image.clone(),
+        keep: args.keep,
+        bound: tokio::sync::Mutex::new(bound),
+        running: Mutex::new(HashMap::new()),
+        slots: tokio::sync::Semaphore::new(MAX_CALLS),
+    });
+    // One writer: every message goes out whole, one a line.
+    let (out, mut outgoing) = tokio::sync::mpsc::channel::<Value>(64);
+    let writer = tokio::spawn(async move {
+        let mut stdout = tokio::io::stdout();
+        while let Some(msg) = outgoing.recv().await {
+            let mut line = msg.to_string();
+            line.push('\n');
+            if stdout.write_all(line.as_bytes()).await.is_err() || stdout.flush().await.is_err() {
+                break;
+            }
+        }
+    });
+    let tasks = tokio_util::task::TaskTracker::new();
+    let mut lines = tokio::io::BufReader::new(tokio::io::stdin()).lines();
+    while let Some(line) = lines.next_line().await? {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let msg: Value = match serde_json::from_str(&line) {
+            Ok(v) => v,
+            Err(e) => {
+                let _ = out
+                    .send(error(Value::Null, -32700, &format!("not JSON: {e}")))
+                    .await;
+                continue;
+            }
+        };
+        let id = msg.get("id").cloned();
+        let method = msg
+            .get("method")
+            .and_then(Value::as_str)
+            .unwrap_or_default();
+        let params = msg.get("params").cloned().unwrap_or(Value::Null);
+        match (method, id) {
+            ("notifications/cancelled", _) => {
+                let key = params.get("requestId").map(Value::to_string);
+                if let Some(token) = key.and_then(|k| lock(&server.running).remove(&k)) {
+                    token.cancel();
+                }
+            }
+            (_, None) => {} // other notifications: nothing to answer
+            ("initialize", Some(id)) => {
+                let asked = params
+                    .get("protocolVersion")
+                    .and_then(Value::as_str)
+                    .unwrap_or_default();
+                let version = PROTOCOL_VERSIONS
+                    .iter()
+                    .find(|v| **v == asked)
+                    .unwrap_or(&PROTOCOL_VERSIONS[PROTOCOL_VERSIONS.len() - 1]);
+                let _ = out
+                    .send(reply(
+                        id,
+                        json!({
+                            "protocolVersion": version,
+                            "capabilities": {"tools": {"listChanged": false}},
+                            "serverInfo": {"name": "corral", "version": env!("CARGO_PKG_VERSION")},
+                            "instructions": "Tools that run commands and read and write files in a Corral sandbox: an isolated Linux machine of its own, with no network unless its worker allows one. The session has one sandbox, made at the first tool that needs it; pass sandbox_id to use another.",
+                        }),
+                    ))
+                    .await;
+            }
+            ("ping", Some(id)) => {
+                let _ = out.send(reply(id, json!({}))).await;
+            }
+            ("tools/list", Some(id)) => {
+                let _ = out.send(reply(id, json!({"tools": tools()}))).await;
+            }
+            ("tools/call", Some(id)) => {
+                let name = params
+                    .get("name")
+                    .and_then(Value::as_str)
+                    .unwrap_or_default()
+                    .to_string();
+                if !tools().iter().any(|t| t["name"] == name.as_str()) {
+                    let _ = out
+                        .send(error(id, -32602, &format!("no tool {name:?}")))
+                        .await;
+                    continue;
+                }
+                let arguments = params.get("arguments").cloned().unwrap_or(json!({}));
+                let token = CancellationToken::new();
+                lock(&server.running).insert(id.to_string(), token.clone());
+                let (server, out) = (server.clone(), out.clone());
+                tasks.spawn(async move {
+                    let Ok(_slot) = server.slots.acquire().await else {
+                        return;
+                    };
+                    let result = tokio::select! {
+                        r = call(&server, &name, &arguments, &token) => Some(r),
+                        () = token.cancelled() => None,
+                    };
+                    lock(&server.running).remove(&id.to_string());
+                    // A canceled call is not answered (the client gave up on it).
+                    if let Some(result) = result {
+                        let _ = out.send(reply(id, result)).await;
+                    }
+                });
+            }
+            (other, Some(id)) => {
+                let _ = out
+                    .send(error(id, -32601, &format!("no method {other:?}")))
+                    .await;
+            }
+        }
+    }
+    // The client is gone: its calls end, and the sandbox this server made
+    // goes with the session.
+    for token in lock(&server.running).values() {
+        token.cancel();
+    }
+    tasks.close();
+    tasks.wait().await;
+    if let Some((id, true)) = server.bound.lock().await.take()
+        && !server.keep
+        && let Err(e) = server.client.destroy_sandbox(&id).await
+    {
+        tracing::warn!(sandbox = %id, error = %e, "the session's sandbox was not removed");
+    }
+    drop(out);
+    let _ = writer.await;
+    Ok(())
+}
+
+/// What `client` needs to start this server as this command would: the
+/// `corral` binary by its absolute path, and the worker, token file and
+/// image given here.
+fn config(conn: &ConnArgs, args: &McpArgs, client: McpClient) -> Result<String, std::io::Error> {
+    let corral = std::env::current_exe()?;
+    let mut argv: Vec<String> = Vec::new();
+    if let Some(w) = &conn.worker {
+        argv.extend(["--worker".into(), w.clone()]);
+    }
+    if let Some(t) = &conn.token_file {
+        let t = std::path::absolute(t)?;
+        argv.extend(["--token-file".into(), t.display().to_string()]);
+    }
+    argv.push("mcp".into());
+    if let Some(i) = &args.image {
+        argv.extend(["--image".into(), i.clone()]);
+    }
+    let command = corral.display().to_string();
+    Ok(match client {
+        McpClient::Claude => {
+            let quoted: Vec<String> = std::iter::once(command.as_str())
+                .chain(argv.iter().map(String::as_str))
+                .map(shell_quote)
+                .collect();
+            format!("claude mcp add corral -- {}\n", quoted.join(" "))
+        }
+        McpClient::Codex => {
+            let args: Vec<String> = argv
+                .iter()
+                .map(|a| Value::from(a.as_str()).to_string())
+                .collect();
+            format!(
+                "[mcp_servers.corral]\ncommand = {}\nargs = [{}]\n",
+                Value::from(command.as_str()),
+                args.join(", ")
+            )
+        }
+        McpClient::Cursor => {
+            let v = json!({"mcpServers": {"corral": {"command": command, "args": argv}}});
+            format!(
+                "{}\n",
+                serde_json::to_string_pretty(&v).unwrap_or_else(|_| v.to_string())
+            )
+        }
+    })
+}
+
+/// `s` as one word for a POSIX shell.
+fn shell_quote(s: &str) -> String {
+    if !s.is_empty()
+        && s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"/._-:=@,+".contains(&b))
+    {
+        s.to_string()
+    } else {
+        format!("'{}'", s.replace('\'', "'\\''"))
+    }
+}
+
+fn reply(id: Value, result: Value) -> Value {
+    json!({"jsonrpc": "2.0", "id": id, "result": result})
+}
+
+fn error(id: Value, code: i64, message: &str) -> Value {
+    json!({"jsonrpc": "2.0", "id": id, "error": {"code": code, "message": message}})
+}
+
+/// A tool's result: text for the model, and the same as structured content.
+fn result(text: String, structured: Value, is_error: bool) -> Value {
+    json!({
+        "content": [{"type": "text", "text": text}],
+        "structuredContent": structured,
+        "isError": is_error,
+    })
+}
+
+fn failed(text: impl Into<String>) -> Value {
+    let text = text.into();
+    result(text.clone(), json!({"error": text}), true)
+}
+
+fn sandbox_id_schema() -> Value {
+    json!({"type": "string", "description": "A sandbox other than the session's (its id)."})
+}
+
+/// The tools, with their input schemas and hints.
+fn tools() -> Vec<Value> {
+    vec![
+        json!({
+            "name": "run_command",
+            "description": "Run a shell command (sh -c) in the sandbox and wait for it: its exit code, stdout and stderr (each cut to 16 KiB, saying how much was cut). A command still running at its timeout is killed.",
+            "inputSchema": {
+                "type": "object",
+                "properties": {
+                    "command": {"type": "string", "description": "The command line, run by sh -c."},
+                    "timeout_seconds": {"type": "integer", "minimum": 1, "maximum": MAX_TIMEOUT_S, "description": "Default 120."},
+                    "cwd": {"type": "string", "description": "Where it runs (default: the sandbox's workspace)."},
+                    "env": {"type": "object", "additionalProperties": {"type": "string"}},
+                    "sandbox_id": sandbox_id_schema(),
+                },
+                "required": ["command"],
+                "additionalProperties": false,
+            },
+            "annotations": {"readOnlyHint": false, "destructiveHint": true, "idempotentHint": false, "openWorldHint": false},
+        }),
+        json!({
+            "name": "read_file",
+            "description": "Read a text file of the sandbox (at most 256 KiB; a relative path is under /workspace).",
+            "inputSchema": {
+                "type": "object",
+                "properties": {"path": {"type": "string"}, "sandbox_id": sandbox_id_schema()},
+                "required": ["path"],
+                "additionalProperties": false,
+            },
+            "annotations": {"readOnlyHint": true, "destructiveHint": false, "idempotentHint": true, "openWorldHint": false},
+        }),
+        json!({
+            "name": "write_file",
+            "description": "Write a file of the sandbox (replacing it; its directories made; a relative path is under /workspace).",
+            "inputSchema": {
+                "type": "object",
+                "properties": {"path": {"type": "string"}, "content": {"type": "string"}, "sandbox_id": sandbox_id_schema()},
+                "required": ["path", "content"],
+                "additionalProperties": false,
+            },
+            "annotations": {"readOnlyHint": false, "destructiveHint": true, "idempotentHint": true, "openWorldHint": false},
+        }),
+        json!({
+            "name": "create_sandbox",
+            "description": "Make a new sandbox and make it the session's (the one before is kept). Returns its id.",
+            "inputSchema": {
+                "type": "object",
+                "properties": {
+                    "image": {"type": "string", "description": "An image its worker allows (default: the worker's)."},
+                    "template": {"type": "string", "description": "A template of the worker's (corral template ls)."},
+                },
+                "additionalProperties": false,
+            },
+            "annotations": {"readOnlyHint": false, "destructiveHint": false, "idempotentHint": false, "openWorldHint": false},
+        }),
+        json!({
+            "name": "list_sandboxes",
+            "description": "The sandboxes there are: id, image, state.",
+            "inputSchema": {"type": "object", "properties": {}, "additionalProperties": false},
+            "annotations": {"readOnlyHint": true, "destructiveHint": false, "idempotentHint": true, "openWorldHint": false},
+        }),
+        json!({
+            "name": "remove_sandbox",
+            "description": "Remove a sandbox and everything in it.",
+            "inputSchema": {
+                "type": "object",
+                "properties": {"sandbox_id": {"type": "string"}},
+                "required": ["sandbox_id"],
+                "additionalProperties": false,
+            },
+            "annotations": {"readOnlyHint": false, "destructiveHint": true, "idempotentHint": true, "openWorldHint": false},
+        }),
+    ]
+}
+
+fn text_arg<'a>(args: &'a Value, name: &str) -> Result<&'a str, Value> {
+    args.get(name)
+        .and_then(Value::as_str)
+        .ok_or_else(|| failed(format!("{name} is required, a string")))
+}
+
+/// The sandbox a call names, or the session's (made now if there is none).
+async fn sandbox_for(server: &Server, args: &Value) -> Result<SandboxId, Value> {
+    if let Some(id) = args.get("sandbox_id").and_then(Value::as_str) {
+        return SandboxId::new(id.to_string()).map_err(|e| failed(format!("sandbox_id: {e}")));
+    }
+    let mut bound = server.bound.lock().await;
+    if let Some((id, _)) = &*bound {
+        return Ok(id.clone());
+    }
+    let spec = SandboxSpec {
+        image: server.image.clone(),
+        ..SandboxSpec::default()
+    };
+    let made = server
+        .client
+        .create_sandbox(None, spec)
+        .await
+        .map_err(|e| failed(format!("no sandbox could be made: {e}")))?;
+    *bound = Some((made.id.clone(), true));
+    Ok(made.id)
+}
+
+/// Runs `spec` in `sandbox` to its end (or cancels it when `token` is).
+async fn run(
+    server: &Server,
+    sandbox: &SandboxId,
+    spec: OperationSpec,
+    token: &CancellationToken,
+) -> Result<OperationResult, Value> {
+    let op = OperationId::random();
+    let (_, mut events) = server
+        .client
+        .run(sandbox, &op, spec, None)
+        .await
+        .map_err(|e| failed(e.to_string()))?;
+    let finished = async {
+        while let Some(e) = events.next().await {
+            match e.map_err(|e| failed(e.to_string()))? {
+                Event {
+                    kind: EventKind::Finished(r),
+                    ..
+                } => return Ok(*r),
+                Event {
+                    kind: EventKind::SandboxLost { reason },
+                    ..
+                } => return Err(failed(format!("the sandbox was lost: {reason}"))),
+                _ => {}
+            }
+        }
+        Err(failed(
+            "the worker stopped answering before the command ended",
+        ))
+    };
+    tokio::select! {
+        r = finished => r,
+        () = token.cancelled() => {
+            let _ = server.client.cancel(sandbox, &op).await;
+            Err(failed("canceled"))
+        }
+    }
+}
+
+/// Captured output as text, saying what was cut.
+fn shown(c: &corral_proto::result::Captured) -> String {
+    let mut text = String::from_utf8_lossy(&c.head).into_owned();
+    let kept = c.head.len() + c.tail.len();
+    if c.truncated || (c.total_bytes as usize) > kept {
+        text.push_str(&format!(
+            "\n[... {} bytes cut ...]\n",
+            (c.total_bytes as usize).saturating_sub(kept)
+        ));
+    }
+    text.push_str(&String::from_utf8_lossy(&c.tail));
+    if text.len() > MAX_OUTPUT {
+        let mut end = MAX_OUTPUT;
+        while !text.is_char_boundary(end) {
+            end -= 1;
+        }
+        let cut = text.len() - end;
+        text.truncate(end);
+        text.push_str(&format!("\n[... {cut} more bytes cut ...]"));
+    }
+    text
+}
+
+async fn call(server: &Server, name: &str, args: &Value, token: &CancellationToken) -> Value {
+    match call_inner(server, name, args, token).await {
+        Ok(v) | Err(v) => v,
+    }
+}
+
+async fn call_inner(
+    server: &Server,
+    name: &str,
+    args: &Value,
+    token: &CancellationToken,
+) -> Result<Value, Value> {
+    match name {
+        "run_command" => {
+            let command = text_arg(args, "command")?;
+            let timeout = args
+                .get("timeout_seconds")
+                .and_then(Value::as_u64)
+                .unwrap_or(DEFAULT_TIMEOUT_S)
+                .clamp(1, MAX_TIMEOUT_S);
+            let mut spec = ShellSpec::new(command.to_string());
+            spec.timeout_ms = Some(timeout * 1000);
+            spec.output_limit_bytes = Some((4 * MAX_OUTPUT) as u64);
+            if let Some(cwd) = args.get("cwd").and_then(Value::as_str) {
+                spec.workdir = Some(cwd.to_string());
+            }
+            if let Some(env) = args.get("env").and_then(Value::as_object) {
+                for (k, v) in env {
+                    let v = v
+                        .as_str()
+                        .ok_or_else(|| failed(format!("env {k}: a string")))?;
+                    spec.env.insert(k.clone(), v.to_string());
+                }
+            }
+            let sandbox = sandbox_for(server, args).await?;
+            let r = run(server, &sandbox, OperationSpec::Shell(spec), token).await?;
+            let (stdout, stderr) = (shown(&r.stdout), shown(&r.stderr));
+            let (code, why) = match &r.outcome {
+                Outcome::Exited { code } => (Some(*code), None),
+                Outcome::TimedOut => (
+                    None,
+                    Some(format!("timed out after {timeout} s and was killed")),
+                ),
+                other => (None, Some(other.to_string())),
+            };
+            let mut text = String::new();
+            match (&code, &why) {
+                (Some(c), _) => text.push_str(&format!("exit code {c}\n")),
+                (None, Some(w)) => text.push_str(&format!("the command {w}\n")),
+                (None, None) => {}
+            }
+            if !stdout.is_empty() {
+                text.push_str(&format!("stdout:\n{stdout}"));
+                if !stdout.ends_with('\n') {
+                    text.push('\n');
+                }
+            }
+            if !stderr.is_empty() {
+                text.push_str(&format!("stderr:\n{stderr}"));
+            }
+            let structured = json!({
+                "sandbox_id": sandbox.to_string(),
+                "exit_code": code,
+                "ended": why,
+                "stdout": stdout,
+                "stderr": stderr,
+            });
+            Ok(result(text, structured, code != Some(0)))
+        }
+        "read_file" => {
+            let path = text_arg(args, "path")?;
+            let sandbox = sandbox_for(server, args).await?;
+            let spec = OperationSpec::ReadFile(corral_proto::ReadFileSpec {
+                path: path.to_string(),
+                offset: 0,
+                limit: MAX_READ,
+                stream: false,
+            });
+            let r = run(server, &sandbox, spec, token).await?;
+            if let Outcome::FileError { message, .. } = &r.outcome {
+                return Err(failed(format!("{path}: {message}")));
+            }
+            let text = String::from_utf8_lossy(&r.file_data).into_owned();
+            let more = r.file_size > r.file_data.len() as u64;
+            let shown = if more {
+                format!(
+                    "{text}\n[... the file is {} bytes; the first {} shown ...]",
+                    r.file_size,
+                    r.file_data.len()
+                )
+            } else {
+                text.clone()
+            };
+            Ok(result(
+                shown,
+                json!({"path": path, "content": text, "size": r.file_size, "complete": !more}),
+                false,
+            ))
+        }
+        "write_file" => {
+            let path = text_arg(args, "path")?;
+            let content = text_arg(args, "content")?;
+            let sandbox = sandbox_for(server, args).await?;
+            // Its directories first, as an editor would make them.
+            if let Some((dir, _)) = path.rsplit_once('/')
+                && !dir.is_empty()
+            {
+                let mut mk = ShellSpec::new(r#"mkdir -p -- "$D""#.to_string());
+                mk.env.insert("D".into(), dir.to_string());
+                run(server, &sandbox, OperationSpec::Shell(mk), token).await?;
+            }
+            let spec = OperationSpec::WriteFile(corral_proto::WriteFileSpec {
+                path: path.to_string(),
+                data: bytes::Bytes::copy_from_slice(content.as_bytes()),
+                mode: 0o644,
+                append: false,
+                stream: false,
+            });
+            let r = run(server, &sandbox, spec, token).await?;
+            if let Outcome::FileError { message, .. } = &r.outcome {
+                return Err(failed(format!("{path}: {message}")));
+            }
+            Ok(result(
+                format!("wrote {} bytes to {path}", content.len()),
+                json!({"path": path, "bytes": content.len()}),
+                false,
+            ))
+        }
+        "create_sandbox" => {
+            let spec = SandboxSpec {
+                image: args
+                    .get("image")
+                    .and_then(Value::as_str)
+                    .map(str::to_string)
+                    .or_else(|| server.image.clone()),
+                template: args
+                    .get("template")
+                    .and_then(Value::as_str)
+                    .map(str::to_string),
+                ..SandboxSpec::default()
+            };
+            let made = server
+                .client
+                .create_sandbox(None, spec)
+                .await
+                .map_err(|e| failed(format!("no sandbox was made: {e}")))?;
+            // The session's now; one it made before goes at its end too.
+            let mut bound = server.bound.lock().await;
+            if let Some((old, true)) = bound.take()
+                && !server.keep
+            {
+                let _ = server.client.destroy_sandbox(&old).await;
+            }
+            *bound = Some((made.id.clone(), true));
+            Ok(result(
+                format!("sandbox {} ({}) is the session's now", made.id, made.image),
+                json!({"sandbox_id": made.id.to_string(), "image": made.image}),
+                false,
+            ))
+        }
+        "list_sandboxes" => {
+            let all = server
+                .client
+                .list_sandboxes()
+                .await
+                .map_err(|e| failed(e.to_string()))?;
+            let bound = server.bound.lock().await.as_ref().map(|(id, _)| id.clone());
+            let rows: Vec<Value> = all
+                .iter()
+                .map(|s| {
+                    json!({
+                        "sandbox_id": s.id.to_string(),
+                        "image": s.image,
+                        "state": format!("{:?}", s.state).to_lowercase(),
+                        "session": Some(&s.id) == bound.as_ref(),
+                    })
+                })
+                .collect();
+            let text = if rows.is_empty() {
+                "no sandboxes".to_string()
+            } else {
+                rows.iter()
+                    .map(|r| {
+                        format!(
+                            "{} {} {}{}",
+                            r["sandbox_id"].as_str().unwrap_or_default(),
+                            r["image"].as_str().unwrap_or_default(),
+                            r["state"].as_str().unwrap_or_default(),
+                            if r["session"] == true {
+                                " (the session's)"
+                            } else {
+                                ""
+                            }
+                        )
+                    })
+                    .collect::<Vec<_>>()
+                    .join("\n")
+            };
+            Ok(result(text, json!({"sandboxes": rows}), false))
+        }
+        "remove_sandbox" => {
+            let id = SandboxId::new(text_arg(args, "sandbox_id")?.to_string())
+                .map_err(|e| failed(format!("sandbox_id: {e}")))?;
+            let existed = server
+                .client
+                .destroy_sandbox(&id)
+                .await
+                .map_err(|e| failed(e.to_string()))?;
+            let mut bound = server.bound.lock().await;
+            if bound.as_ref().is_some_and(|(b, _)| *b == id) {
+                *bound = None;
+            }
+            Ok(result(
+                if existed {
+                    format!("sandbox {id} removed")
+                } else {
+                    format!("no sandbox {id}")
+                },
+                json!({"sandbox_id": id.to_string(), "existed": existed}),
+                !existed,
+            ))
+        }
+        other => Err(failed(format!("no tool {other:?}"))),
+    }
+}

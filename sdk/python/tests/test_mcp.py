@@ -1,0 +1,135 @@
+"""`corral mcp` driven by the `mcp` package's own client (PyPI) over stdio,
+against a real worker and through a front door: the tools are listed with
+their schemas and hints; a sandbox is made at the first call; a command,
+a file written and read back, a command that fails and one that times out
+are tool results (the session goes on); an unknown tool is a protocol
+error; the session's sandbox is gone when the client is; a wrong key is
+refused before anything is served."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import anyio
+import pytest
+from conftest import BIN_DIR, Client
+from mcp import ClientSession, StdioServerParameters
+from mcp.client.stdio import stdio_client
+
+
+def server(worker: Client, *extra: str) -> StdioServerParameters:
+    return StdioServerParameters(
+        command=str(BIN_DIR / "corral"),
+        args=[
+            "--worker",
+            worker.url,
+            "--token-file",
+            str(worker.token_file),
+            "mcp",
+            "--image",
+            "corral-debian:latest",
+            *extra,
+        ],
+        env={k: v for k, v in os.environ.items() if not k.startswith("CORRAL_")},
+    )
+
+
+def text_of(result: Any) -> str:
+    return "".join(getattr(c, "text", "") for c in result.content)
+
+
+async def session_run(worker: Client) -> dict[str, Any]:
+    seen: dict[str, Any] = {}
+    async with (
+        stdio_client(server(worker)) as (read, write),
+        ClientSession(read, write) as session,
+    ):
+        init = await session.initialize()
+        seen["version"] = init.protocol_version
+        tools = (await session.list_tools()).tools
+        seen["tools"] = {t.name: t for t in tools}
+
+        r = await session.call_tool("run_command", {"command": "python3 -c 'print(6*7)'"})
+        seen["run"] = r
+        sandbox = r.structured_content["sandbox_id"]
+        seen["sandbox"] = sandbox
+        seen["listed"] = {s.id for s in worker.list()}
+
+        w = await session.call_tool(
+            "write_file", {"path": "src/hello.py", "content": "print('hi there')\n"}
+        )
+        seen["write"] = w
+        seen["read"] = await session.call_tool("read_file", {"path": "src/hello.py"})
+        seen["ran"] = await session.call_tool("run_command", {"command": "python3 src/hello.py"})
+        seen["fails"] = await session.call_tool("run_command", {"command": "echo oops >&2; exit 3"})
+        seen["slow"] = await session.call_tool(
+            "run_command", {"command": "echo started; sleep 30", "timeout_seconds": 1}
+        )
+        seen["missing"] = await session.call_tool("read_file", {"path": "/workspace/nope"})
+        seen["after"] = await session.call_tool("run_command", {"command": "echo still here"})
+        try:
+            await session.call_tool("no_such_tool", {})
+            seen["unknown"] = None
+        except Exception as e:  # the client raises the protocol error
+            seen["unknown"] = e
+    return seen
+
+
+@pytest.mark.timeout(180)
+def test_an_agent_uses_a_sandbox_through_corral_mcp(worker: Client) -> None:
+    seen = anyio.run(session_run, worker)
+    assert seen["version"] == "2025-11-25"
+    tools = seen["tools"]
+    assert set(tools) >= {
+        "run_command",
+        "read_file",
+        "write_file",
+        "create_sandbox",
+        "list_sandboxes",
+        "remove_sandbox",
+    }
+    run = tools["run_command"]
+    assert run.input_schema["required"] == ["command"]
+    assert run.annotations.destructive_hint is True
+    assert tools["read_file"].annotations.read_only_hint is True
+
+    r = seen["run"]
+    assert not r.is_error, text_of(r)
+    assert r.structured_content["stdout"] == "42\n" and r.structured_content["exit_code"] == 0
+    assert "42" in text_of(r)
+    assert seen["sandbox"] in seen["listed"]
+    assert not seen["write"].is_error, text_of(seen["write"])
+    assert seen["read"].structured_content["content"] == "print('hi there')\n"
+    assert seen["ran"].structured_content["stdout"] == "hi there\n"
+
+    fails = seen["fails"]
+    assert fails.is_error and fails.structured_content["exit_code"] == 3
+    assert "oops" in fails.structured_content["stderr"]
+    slow = seen["slow"]
+    assert slow.is_error and "timed out" in text_of(slow), text_of(slow)
+    assert "started" in slow.structured_content["stdout"]
+    assert seen["missing"].is_error and "nope" in text_of(seen["missing"])
+    assert seen["after"].structured_content["stdout"] == "still here\n"
+    assert seen["unknown"] is not None
+
+    # The client is gone: so is the sandbox its session made.
+    assert seen["sandbox"] not in {s.id for s in worker.list()}
+
+
+def test_a_wrong_token_is_refused_before_anything_is_served(worker: Client, tmp_path: Any) -> None:
+    bad = tmp_path / "token"
+    bad.write_text("not-the-token-at-all-0123456789\n")
+    bad.chmod(0o600)
+
+    async def attempt() -> None:
+        params = server(worker)
+        params.args[params.args.index("--token-file") + 1] = str(bad)
+        async with (
+            stdio_client(params) as (read, write),
+            ClientSession(read, write, read_timeout_seconds=20) as session,
+        ):
+            await session.initialize()
+
+    with pytest.raises(BaseException):  # noqa: B017 - the client's own error, whatever it is
+        anyio.run(attempt)
