@@ -116,8 +116,30 @@ async fn serve(conn: &ConnArgs, args: McpArgs) -> Result<(), Error> {
         }
     });
     let tasks = tokio_util::task::TaskTracker::new();
-    let mut lines = tokio::io::BufReader::new(tokio::io::stdin()).lines();
-    while let Some(line) = lines.next_line().await? {
+    let mut input = tokio::io::BufReader::new(tokio::io::stdin());
+    // A client that stops its server with SIGTERM (or a Ctrl-C) ends the
+    // session as one that closes its stdin does.
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    loop {
+        let line = tokio::select! {
+            line = read_line(&mut input) => line?,
+            _ = term.recv() => Line::End,
+            _ = tokio::signal::ctrl_c() => Line::End,
+        };
+        let line = match line {
+            Line::End => break,
+            Line::TooLong => {
+                let _ = out
+                    .send(error(
+                        Value::Null,
+                        -32600,
+                        &format!("a message over {MAX_LINE} bytes, left unread"),
+                    ))
+                    .await;
+                continue;
+            }
+            Line::Text(line) => line,
+        };
         if line.trim().is_empty() {
             continue;
         }
@@ -284,6 +306,45 @@ fn shell_quote(s: &str) -> String {
     } else {
         format!("'{}'", s.replace('\'', "'\\''"))
     }
+}
+
+/// Most bytes of one message.
+const MAX_LINE: usize = 16 << 20;
+
+/// One line of the client's.
+enum Line {
+    Text(String),
+    /// Past [`MAX_LINE`]: the rest of it was read and dropped.
+    TooLong,
+    End,
+}
+
+async fn read_line<R: tokio::io::AsyncBufRead + Unpin>(r: &mut R) -> std::io::Result<Line> {
+    use tokio::io::AsyncReadExt;
+    let mut buf = Vec::new();
+    let n = (&mut *r)
+        .take(MAX_LINE as u64 + 1)
+        .read_until(b'\n', &mut buf)
+        .await?;
+    if n == 0 {
+        return Ok(Line::End);
+    }
+    if buf.last() != Some(&b'\n') && buf.len() > MAX_LINE {
+        loop {
+            let chunk = r.fill_buf().await?;
+            if chunk.is_empty() {
+                break;
+            }
+            if let Some(i) = chunk.iter().position(|b| *b == b'\n') {
+                r.consume(i + 1);
+                break;
+            }
+            let all = chunk.len();
+            r.consume(all);
+        }
+        return Ok(Line::TooLong);
+    }
+    Ok(Line::Text(String::from_utf8_lossy(&buf).into_owned()))
 }
 
 fn reply(id: Value, result: Value) -> Value {
