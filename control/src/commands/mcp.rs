@@ -70,8 +70,10 @@ struct Server {
     client: WorkerClient,
     image: Option<String>,
     keep: bool,
-    /// The session's sandbox, and whether this server made it.
-    bound: tokio::sync::Mutex<Option<(SandboxId, bool)>>,
+    /// The session's sandbox.
+    bound: tokio::sync::Mutex<Option<SandboxId>>,
+    /// The sandboxes this session made (removed at its end, unless kept).
+    made: Mutex<Vec<SandboxId>>,
     /// Calls running, by their request id, to be canceled.
     running: Mutex<HashMap<String, CancellationToken>>,
     slots: tokio::sync::Semaphore,
@@ -86,20 +88,19 @@ async fn serve(conn: &ConnArgs, args: McpArgs) -> Result<(), Error> {
     // Its credentials checked before anything is served: a client with the
     // wrong token hears it now, not from every tool.
     client.worker_info().await?;
-    let bound = match &args.sandbox {
-        Some(id) => Some((
-            SandboxId::new(id.clone()).map_err(|e| {
+    let bound =
+        match &args.sandbox {
+            Some(id) => Some(SandboxId::new(id.clone()).map_err(|e| {
                 crate::connect::ConnectError::Usage(format!("--sandbox {id:?}: {e}"))
-            })?,
-            false,
-        )),
-        None => None,
-    };
+            })?),
+            None => None,
+        };
     let server = Arc::new(Server {
         client,
         image: args.image.clone(),
         keep: args.keep,
         bound: tokio::sync::Mutex::new(bound),
+        made: Mutex::new(Vec::new()),
         running: Mutex::new(HashMap::new()),
         slots: tokio::sync::Semaphore::new(MAX_CALLS),
     });
@@ -238,11 +239,11 @@ async fn serve(conn: &ConnArgs, args: McpArgs) -> Result<(), Error> {
     }
     tasks.close();
     tasks.wait().await;
-    if let Some((id, true)) = server.bound.lock().await.take()
-        && !server.keep
-        && let Err(e) = server.client.destroy_sandbox(&id).await
-    {
-        tracing::warn!(sandbox = %id, error = %e, "the session's sandbox was not removed");
+    let made = std::mem::take(&mut *lock(&server.made));
+    for id in made.iter().filter(|_| !server.keep) {
+        if let Err(e) = server.client.destroy_sandbox(id).await {
+            tracing::warn!(sandbox = %id, error = %e, "a sandbox of the session was not removed");
+        }
     }
     drop(out);
     let _ = writer.await;
@@ -417,7 +418,7 @@ fn tools() -> Vec<Value> {
         }),
         json!({
             "name": "create_sandbox",
-            "description": "Make a new sandbox and make it the session's (the one before is kept). Returns its id.",
+            "description": "Make a new sandbox and make it the session's (one made before stays, and goes when the session ends). Returns its id.",
             "inputSchema": {
                 "type": "object",
                 "properties": {
@@ -460,7 +461,7 @@ async fn sandbox_for(server: &Server, args: &Value) -> Result<SandboxId, Value> 
         return SandboxId::new(id.to_string()).map_err(|e| failed(format!("sandbox_id: {e}")));
     }
     let mut bound = server.bound.lock().await;
-    if let Some((id, _)) = &*bound {
+    if let Some(id) = &*bound {
         return Ok(id.clone());
     }
     let spec = SandboxSpec {
@@ -472,7 +473,8 @@ async fn sandbox_for(server: &Server, args: &Value) -> Result<SandboxId, Value> 
         .create_sandbox(None, spec)
         .await
         .map_err(|e| failed(format!("no sandbox could be made: {e}")))?;
-    *bound = Some((made.id.clone(), true));
+    lock(&server.made).push(made.id.clone());
+    *bound = Some(made.id.clone());
     Ok(made.id)
 }
 
@@ -685,14 +687,9 @@ async fn call_inner(
                 .create_sandbox(None, spec)
                 .await
                 .map_err(|e| failed(format!("no sandbox was made: {e}")))?;
-            // The session's now; one it made before goes at its end too.
-            let mut bound = server.bound.lock().await;
-            if let Some((old, true)) = bound.take()
-                && !server.keep
-            {
-                let _ = server.client.destroy_sandbox(&old).await;
-            }
-            *bound = Some((made.id.clone(), true));
+            // The session's now; one it made before stays until its end.
+            lock(&server.made).push(made.id.clone());
+            *server.bound.lock().await = Some(made.id.clone());
             Ok(result(
                 format!("sandbox {} ({}) is the session's now", made.id, made.image),
                 json!({"sandbox_id": made.id.to_string(), "image": made.image}),
@@ -705,7 +702,7 @@ async fn call_inner(
                 .list_sandboxes()
                 .await
                 .map_err(|e| failed(e.to_string()))?;
-            let bound = server.bound.lock().await.as_ref().map(|(id, _)| id.clone());
+            let bound = server.bound.lock().await.clone();
             let rows: Vec<Value> = all
                 .iter()
                 .map(|s| {
@@ -748,9 +745,10 @@ async fn call_inner(
                 .await
                 .map_err(|e| failed(e.to_string()))?;
             let mut bound = server.bound.lock().await;
-            if bound.as_ref().is_some_and(|(b, _)| *b == id) {
+            if bound.as_ref() == Some(&id) {
                 *bound = None;
             }
+            lock(&server.made).retain(|m| *m != id);
             Ok(result(
                 if existed {
                     format!("sandbox {id} removed")
