@@ -277,6 +277,10 @@ pub struct McpArgs {
     /// Keep the sandboxes the session made when it ends.
     #[arg(long)]
     pub keep: bool,
+    /// Its sandboxes are removed by their worker after this long with no
+    /// call (a server killed outright leaves them no longer); 0: never.
+    #[arg(long, default_value = "1h", value_parser = humantime::parse_duration)]
+    pub idle_timeout: Duration,
 }
 
 #[derive(Debug, Subcommand)]

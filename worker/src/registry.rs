@@ -45,6 +45,17 @@ pub struct Registry {
     address: String,
 }
 
+impl RegistryError {
+    /// The same failure, saying that the template stays on this worker.
+    pub fn kept_here(self) -> Self {
+        let RegistryError::Failed { registry, what } = self;
+        RegistryError::Failed {
+            registry,
+            what: format!("{what}; the template is kept on this worker alone"),
+        }
+    }
+}
+
 impl Registry {
     pub fn new(docker: Docker, address: String) -> Self {
         Self { docker, address }

@@ -70,6 +70,9 @@ struct Server {
     client: WorkerClient,
     image: Option<String>,
     keep: bool,
+    /// The idle timeout of the sandboxes the session makes (so that a
+    /// server killed outright leaves none for long).
+    idle_timeout_ms: Option<u64>,
     /// The session's sandbox.
     bound: tokio::sync::Mutex<Option<SandboxId>>,
     /// The sandboxes this session made (removed at its end, unless kept).
@@ -99,6 +102,7 @@ async fn serve(conn: &ConnArgs, args: McpArgs) -> Result<(), Error> {
         client,
         image: args.image.clone(),
         keep: args.keep,
+        idle_timeout_ms: Some(args.idle_timeout.as_millis() as u64).filter(|t| *t > 0),
         bound: tokio::sync::Mutex::new(bound),
         made: Mutex::new(Vec::new()),
         running: Mutex::new(HashMap::new()),
@@ -153,6 +157,22 @@ async fn serve(conn: &ConnArgs, args: McpArgs) -> Result<(), Error> {
                 continue;
             }
         };
+        if msg.is_array() {
+            let _ = out
+                .send(error(
+                    Value::Null,
+                    -32600,
+                    "batches are not taken: one message a line",
+                ))
+                .await;
+            continue;
+        }
+        // A client's answer to a request of ours (this server sends none).
+        if msg.get("method").is_none()
+            && (msg.get("result").is_some() || msg.get("error").is_some())
+        {
+            continue;
+        }
         let id = msg.get("id").cloned();
         let method = msg
             .get("method")
@@ -214,13 +234,12 @@ async fn serve(conn: &ConnArgs, args: McpArgs) -> Result<(), Error> {
                     let Ok(_slot) = server.slots.acquire().await else {
                         return;
                     };
-                    let result = tokio::select! {
-                        r = call(&server, &name, &arguments, &token) => Some(r),
-                        () = token.cancelled() => None,
-                    };
+                    // The call sees the cancellation itself (a command is
+                    // canceled in its sandbox, not left running).
+                    let result = call(&server, &name, &arguments, &token).await;
                     lock(&server.running).remove(&id.to_string());
                     // A canceled call is not answered (the client gave up on it).
-                    if let Some(result) = result {
+                    if !token.is_cancelled() {
                         let _ = out.send(reply(id, result)).await;
                     }
                 });
@@ -466,6 +485,7 @@ async fn sandbox_for(server: &Server, args: &Value) -> Result<SandboxId, Value> 
     }
     let spec = SandboxSpec {
         image: server.image.clone(),
+        idle_timeout_ms: server.idle_timeout_ms,
         ..SandboxSpec::default()
     };
     let made = server
@@ -518,26 +538,22 @@ async fn run(
     }
 }
 
-/// Captured output as text, saying what was cut.
+/// Captured output as text: its start and its end (each at most half of
+/// [`MAX_OUTPUT`]), and how much was cut between them.
 fn shown(c: &corral_proto::result::Captured) -> String {
-    let mut text = String::from_utf8_lossy(&c.head).into_owned();
-    let kept = c.head.len() + c.tail.len();
-    if c.truncated || (c.total_bytes as usize) > kept {
+    let half = MAX_OUTPUT / 2;
+    let head = &c.head[..c.head.len().min(half)];
+    let tail = &c.tail[c.tail.len().saturating_sub(half)..];
+    let kept = (head.len() + tail.len()) as u64;
+    let mut text = String::from_utf8_lossy(head).into_owned();
+    if c.total_bytes > kept {
         text.push_str(&format!(
-            "\n[... {} bytes cut ...]\n",
-            (c.total_bytes as usize).saturating_sub(kept)
+            "\n[... {} bytes cut; {} in all ...]\n",
+            c.total_bytes - kept,
+            c.total_bytes
         ));
     }
-    text.push_str(&String::from_utf8_lossy(&c.tail));
-    if text.len() > MAX_OUTPUT {
-        let mut end = MAX_OUTPUT;
-        while !text.is_char_boundary(end) {
-            end -= 1;
-        }
-        let cut = text.len() - end;
-        text.truncate(end);
-        text.push_str(&format!("\n[... {cut} more bytes cut ...]"));
-    }
+    text.push_str(&String::from_utf8_lossy(tail));
     text
 }
 
@@ -556,11 +572,17 @@ async fn call_inner(
     match name {
         "run_command" => {
             let command = text_arg(args, "command")?;
-            let timeout = args
-                .get("timeout_seconds")
-                .and_then(Value::as_u64)
-                .unwrap_or(DEFAULT_TIMEOUT_S)
-                .clamp(1, MAX_TIMEOUT_S);
+            let timeout = match args.get("timeout_seconds") {
+                None | Some(Value::Null) => DEFAULT_TIMEOUT_S,
+                Some(v) => v
+                    .as_u64()
+                    .filter(|t| (1..=MAX_TIMEOUT_S).contains(t))
+                    .ok_or_else(|| {
+                        failed(format!(
+                            "timeout_seconds: a whole number of seconds from 1 to {MAX_TIMEOUT_S}, not {v}"
+                        ))
+                    })?,
+            };
             let mut spec = ShellSpec::new(command.to_string());
             spec.timeout_ms = Some(timeout * 1000);
             spec.output_limit_bytes = Some((4 * MAX_OUTPUT) as u64);
@@ -680,6 +702,7 @@ async fn call_inner(
                     .get("template")
                     .and_then(Value::as_str)
                     .map(str::to_string),
+                idle_timeout_ms: server.idle_timeout_ms,
                 ..SandboxSpec::default()
             };
             let made = server

@@ -583,6 +583,22 @@ async fn a_sandbox_saved_as_a_template_hands_its_workspace_to_the_next() -> Resu
     // The sandbox it was saved from is as it was.
     let kept = h.run(&first, "cat d/a.txt").await?;
     ensure!(text(&kept.stdout.head) == "one\n");
+    // Saved again from a sandbox of the snapshot: what it removed stays
+    // removed.
+    h.run(&next, "rm d/a.txt && echo new > n.txt").await?;
+    let again = corral_e2e::unique_id("again");
+    let out = corral(&h, &["sandbox", "snapshot", next.as_str(), &again]).await?;
+    ensure!(out.status.success(), "{out:?}");
+    let second_image = text(&out.stdout)
+        .split_whitespace()
+        .last()
+        .context("no image")?
+        .to_string();
+    let third = corral(&h, &["sandbox", "create", "--template", &again]).await?;
+    ensure!(third.status.success(), "{third:?}");
+    let third = corral_proto::SandboxId::new(text(&third.stdout).trim())?;
+    let seen = h.run(&third, "ls d; cat n.txt").await?;
+    ensure!(text(&seen.stdout.head) == "e\nnew\n", "{seen:?}");
     // Bad input: a name, a sandbox that is not there.
     let bad = corral(&h, &["sandbox", "snapshot", first.as_str(), "Bad/Name"]).await?;
     ensure!(
@@ -591,18 +607,15 @@ async fn a_sandbox_saved_as_a_template_hands_its_workspace_to_the_next() -> Resu
     );
     let none = corral(&h, &["sandbox", "snapshot", "nope", &name]).await?;
     ensure!(!none.status.success(), "{none:?}");
-    for id in [&first, &next] {
+    for id in [&first, &next, &third] {
         h.client.destroy_sandbox(id).await?;
     }
-    ensure!(
-        corral(&h, &["template", "rm", &name])
-            .await?
-            .status
-            .success()
-    );
-    let _ = std::process::Command::new("docker")
-        .args(["rmi", &image])
-        .output();
+    for (t, i) in [(&name, &image), (&again, &second_image)] {
+        ensure!(corral(&h, &["template", "rm", t]).await?.status.success());
+        let _ = std::process::Command::new("docker")
+            .args(["rmi", i])
+            .output();
+    }
     h.stop().await;
     Ok(())
 }

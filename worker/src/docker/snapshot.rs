@@ -17,6 +17,8 @@ use super::*;
 pub const SEED_DIR: &str = "/.corral-seed/workspace";
 /// The label of an image that carries a workspace.
 pub const SEED_LABEL: &str = "corral.seed";
+/// The label naming the image a snapshot was made on.
+pub const BASE_LABEL: &str = "corral.seed.base";
 
 /// A file read as a stream of pieces, for the engine.
 fn file_stream(file: tokio::fs::File) -> impl Stream<Item = std::io::Result<bytes::Bytes>> {
@@ -42,13 +44,32 @@ impl DockerRuntime {
     /// client gave it) no commit could leave out.
     pub async fn snapshot(&self, image: &str, workspace: &Path) -> Result<String> {
         let tag = uuid::Uuid::new_v4().simple().to_string();
-        let orig = self
+        let mut orig = self
             .docker
             .inspect_image(image)
             .await
             .map_err(|e| self.image_error(e, image))?
             .config
             .unwrap_or_default();
+        // A snapshot's sandbox is saved on its snapshot's own base: never
+        // on the earlier workspace (what was removed since would come
+        // back, and stay in a lower layer).
+        let base = orig
+            .labels
+            .as_ref()
+            .and_then(|l| l.get(BASE_LABEL))
+            .cloned()
+            .unwrap_or_else(|| image.to_string());
+        if base != image {
+            orig = self
+                .docker
+                .inspect_image(&base)
+                .await
+                .map_err(|e| self.image_error(e, &base))?
+                .config
+                .unwrap_or_default();
+        }
+        let image = base.as_str();
         // The engine makes no container of an image without a command.
         let no_command = orig.cmd.as_ref().is_none_or(Vec::is_empty)
             && orig.entrypoint.as_ref().is_none_or(Vec::is_empty);
@@ -110,7 +131,10 @@ impl DockerRuntime {
                         .pause(false)
                         .build(),
                     bollard::models::ContainerConfig {
-                        labels: Some(HashMap::from([(SEED_LABEL.into(), "workspace".into())])),
+                        labels: Some(HashMap::from([
+                            (SEED_LABEL.into(), "workspace".into()),
+                            (BASE_LABEL.into(), image.to_string()),
+                        ])),
                         ..Default::default()
                     },
                 )

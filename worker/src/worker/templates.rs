@@ -68,10 +68,22 @@ impl Worker {
                 {
                     b.registry_digest
                 }
-                _ => Some(
-                    reg.publish(t.tenant.as_deref(), &t.name, &t.image, &t.start, t.seeded)
-                        .await?,
-                ),
+                _ => match reg
+                    .publish(t.tenant.as_deref(), &t.name, &t.image, &t.start, t.seeded)
+                    .await
+                {
+                    Ok(d) => Some(d),
+                    Err(e) => {
+                        // Kept here all the same (this worker serves it);
+                        // the client hears that the others cannot.
+                        let file = self.inner.state.root().join("templates.json");
+                        self.inner
+                            .templates
+                            .put(t.clone())
+                            .map_err(|e| WorkerError::state(&file, e))?;
+                        return Err(e.kept_here().into());
+                    }
+                },
             };
         }
         let file = self.inner.state.root().join("templates.json");
