@@ -175,6 +175,43 @@ impl Registry {
         }
     }
 
+    /// Removes `digest` (a template's manifest) from the registry, so that
+    /// no worker takes the template again. The registry must allow it
+    /// (`storage.delete.enabled`) and be spoken to in plain HTTP (one on
+    /// loopback); an answer other than removed or not there is an error.
+    pub async fn withdraw(&self, digest: &str) -> Result<(), RegistryError> {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let request = format!(
+            "DELETE /v2/{REPOSITORY}/manifests/{digest} HTTP/1.1\r\nHost: {}\r\nConnection: close\r\n\r\n",
+            self.address
+        );
+        let talk = async {
+            let mut conn = tokio::net::TcpStream::connect(&self.address).await?;
+            conn.write_all(request.as_bytes()).await?;
+            let mut answer = Vec::new();
+            conn.take(8 << 10).read_to_end(&mut answer).await?;
+            Ok::<_, std::io::Error>(answer)
+        };
+        let answer = tokio::time::timeout(std::time::Duration::from_secs(30), talk)
+            .await
+            .map_err(|_| self.failed("removing the template: no answer within 30 s"))?
+            .map_err(|e| self.failed(format!("removing the template: {e}")))?;
+        let status = String::from_utf8_lossy(&answer)
+            .lines()
+            .next()
+            .unwrap_or_default()
+            .to_string();
+        match status.split_whitespace().nth(1) {
+            Some("202" | "200" | "404") => Ok(()),
+            Some("405") => Err(self.failed(
+                "it does not allow removals (its storage.delete.enabled): the template is kept",
+            )),
+            _ => Err(self.failed(format!(
+                "removing the template: it answered {status:?} (a registry spoken to in plain HTTP, on loopback, is needed)"
+            ))),
+        }
+    }
+
     /// Pulls the image of `digest` (unless the engine has it) and reads
     /// what its sandboxes start with.
     pub async fn fetch(&self, digest: &str) -> Result<Published, RegistryError> {

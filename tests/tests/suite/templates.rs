@@ -412,7 +412,7 @@ impl Registry {
         std::fs::write(
             &config,
             format!(
-                "version: 0.1\nlog:\n  level: warn\nstorage:\n  filesystem:\n    rootdirectory: {}\nhttp:\n  addr: {address}\n",
+                "version: 0.1\nlog:\n  level: warn\nstorage:\n  delete:\n    enabled: true\n  filesystem:\n    rootdirectory: {}\nhttp:\n  addr: {address}\n",
                 dir.path().join("data").display()
             ),
         )?;
@@ -519,6 +519,31 @@ async fn a_template_built_on_one_worker_starts_on_another_through_the_registry()
         pulled.push(image);
     }
     ensure!(pulled[0] != pulled[1], "{pulled:?}");
+    // Removed through one worker: out of the registry, so neither takes
+    // it again.
+    let rm = tokio::process::Command::new(binary("corral")?)
+        .arg("--worker")
+        .arg(&a.url)
+        .arg("--token-file")
+        .arg(a.token_file())
+        .args(["template", "rm", "web"])
+        .env_remove("CORRAL_WORKER")
+        .output()
+        .await?;
+    ensure!(rm.status.success(), "{rm:?}");
+    for w in [&a, &b] {
+        let e = w
+            .client()
+            .await?
+            .create_sandbox(None, spec.clone())
+            .await
+            .err()
+            .context("a removed template was taken again")?;
+        ensure!(
+            e.reason() == Some(corral_proto::Reason::NoSuchTemplate),
+            "{e}"
+        );
+    }
     drop(b);
     drop(a);
     for image in &pulled {

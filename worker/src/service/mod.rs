@@ -378,7 +378,8 @@ impl pb::worker_server::Worker for WorkerService {
         let req = req.into_inner();
         let existed = self
             .worker
-            .delete_template(tenant.as_deref(), &req.name, req.force)?;
+            .delete_template(tenant.as_deref(), &req.name, req.force)
+            .await?;
         Ok(Response::new(pb::DeleteTemplateResponse { existed }))
     }
 

@@ -106,7 +106,12 @@ impl Worker {
 
     /// Forgets `tenant`'s template `name`: whether there was one. In use
     /// (sandboxes of it here, or a pool of it), refused unless `force`.
-    pub fn delete_template(&self, tenant: Option<&str>, name: &str, force: bool) -> Result<bool> {
+    pub async fn delete_template(
+        &self,
+        tenant: Option<&str>,
+        name: &str,
+        force: bool,
+    ) -> Result<bool> {
         corral_proto::template::check_name(name)?;
         if !force && self.inner.templates.get(tenant, name).is_some() {
             let of_it = |spec: &SandboxSpec| {
@@ -149,11 +154,22 @@ impl Worker {
                 });
             }
         }
+        // Out of the fleet's registry first: else this worker, or any,
+        // would take it again at its next create.
+        let mut withdrawn = false;
+        if let Some(reg) = &self.inner.registry
+            && let Some(digest) = reg.digest_of(tenant, name).await?
+        {
+            reg.withdraw(&digest).await?;
+            withdrawn = true;
+        }
         let file = self.inner.state.root().join("templates.json");
-        self.inner
+        let here = self
+            .inner
             .templates
             .remove(tenant, name)
-            .map_err(|e| WorkerError::state(&file, e))
+            .map_err(|e| WorkerError::state(&file, e))?;
+        Ok(here || withdrawn)
     }
 
     /// The template `spec` names, for its tenant, with `spec`'s image set
@@ -193,6 +209,18 @@ impl Worker {
                         .map_err(|e| WorkerError::state(&file, e))?;
                     tracing::info!(template = %t.name, image = %t.image, "template taken from the registry");
                     local = Some(t);
+                }
+                // Withdrawn from the registry (removed through another
+                // worker): a copy that came from there, or went there, is
+                // forgotten here too.
+                Ok(None) if local.as_ref().is_some_and(|t| t.registry_digest.is_some()) => {
+                    let file = self.inner.state.root().join("templates.json");
+                    self.inner
+                        .templates
+                        .remove(tenant.as_deref(), name)
+                        .map_err(|e| WorkerError::state(&file, e))?;
+                    tracing::info!(template = %name, "template withdrawn from the registry; forgotten here");
+                    local = None;
                 }
                 Ok(_) => {}
                 Err(e) => {
