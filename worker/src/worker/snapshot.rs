@@ -26,10 +26,14 @@ impl Drop for Scratch {
 fn ended(sandbox: &Sandbox, kind: EventKind, failed: &str) -> Option<Result<()>> {
     match kind {
         EventKind::Finished(r) if r.outcome.is_success() => Some(Ok(())),
-        EventKind::Finished(r) => Some(Err(WorkerError::NotApplicable(format!(
-            "{failed}: {}",
-            r.outcome
-        )))),
+        EventKind::Finished(r) => {
+            let said = String::from_utf8_lossy(&r.stderr.head);
+            Some(Err(WorkerError::NotApplicable(format!(
+                "{failed}: {} {}",
+                r.outcome,
+                said.trim()
+            ))))
+        }
         EventKind::SandboxLost { reason } => Some(Err(WorkerError::SandboxLost {
             id: sandbox.id.to_string(),
             reason,
