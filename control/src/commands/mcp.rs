@@ -483,8 +483,20 @@ async fn sandbox_for(server: &Server, args: &Value) -> Result<SandboxId, Value> 
     if let Some(id) = &*bound {
         return Ok(id.clone());
     }
+    let made = make(server, server.image.clone(), None).await?;
+    *bound = Some(made.id.clone());
+    Ok(made.id)
+}
+
+/// A new sandbox of the session's (removed at its end, unless kept).
+async fn make(
+    server: &Server,
+    image: Option<String>,
+    template: Option<String>,
+) -> Result<corral_proto::SandboxInfo, Value> {
     let spec = SandboxSpec {
-        image: server.image.clone(),
+        image,
+        template,
         idle_timeout_ms: server.idle_timeout_ms,
         ..SandboxSpec::default()
     };
@@ -492,10 +504,9 @@ async fn sandbox_for(server: &Server, args: &Value) -> Result<SandboxId, Value> 
         .client
         .create_sandbox(None, spec)
         .await
-        .map_err(|e| failed(format!("no sandbox could be made: {e}")))?;
+        .map_err(|e| failed(format!("no sandbox was made: {e}")))?;
     lock(&server.made).push(made.id.clone());
-    *bound = Some(made.id.clone());
-    Ok(made.id)
+    Ok(made)
 }
 
 /// Runs `spec` in `sandbox` to its end (or cancels it when `token` is).
@@ -692,26 +703,17 @@ async fn call_inner(
             ))
         }
         "create_sandbox" => {
-            let spec = SandboxSpec {
-                image: args
-                    .get("image")
-                    .and_then(Value::as_str)
-                    .map(str::to_string)
-                    .or_else(|| server.image.clone()),
-                template: args
-                    .get("template")
-                    .and_then(Value::as_str)
-                    .map(str::to_string),
-                idle_timeout_ms: server.idle_timeout_ms,
-                ..SandboxSpec::default()
-            };
-            let made = server
-                .client
-                .create_sandbox(None, spec)
-                .await
-                .map_err(|e| failed(format!("no sandbox was made: {e}")))?;
+            let image = args
+                .get("image")
+                .and_then(Value::as_str)
+                .map(str::to_string)
+                .or_else(|| server.image.clone());
+            let template = args
+                .get("template")
+                .and_then(Value::as_str)
+                .map(str::to_string);
+            let made = make(server, image, template).await?;
             // The session's now; one it made before stays until its end.
-            lock(&server.made).push(made.id.clone());
             *server.bound.lock().await = Some(made.id.clone());
             Ok(result(
                 format!("sandbox {} ({}) is the session's now", made.id, made.image),
