@@ -22,6 +22,8 @@ pub mod egress;
 pub mod error;
 pub mod event;
 pub mod frame;
+#[cfg(feature = "http")]
+pub mod gateway;
 pub mod ids;
 pub mod init;
 pub mod limits;

@@ -3,9 +3,10 @@
 //! A connection goes through two stages before it is anyone's:
 //!
 //! 1. **Handshake.** It is handed to the server only once its client has
-//!    sent the whole HTTP/2 connection preface (or, with TLS, the header
-//!    of its first TLS record) within the handshake timeout; anything else
-//!    is closed. A connection that sends one byte and waits costs a file
+//!    sent the whole HTTP/2 connection preface, the method of an HTTP/1.1
+//!    request (the HTTP/JSON gateway's), or with TLS the header of its
+//!    first TLS record, within the handshake timeout; anything else is
+//!    closed. A connection that sends one byte and waits costs a file
 //!    descriptor for a few seconds, never a server slot.
 //! 2. **First authenticated call.** A served connection that has not made
 //!    a call the token check let through is *unauthenticated*: at most
@@ -401,22 +402,40 @@ pub fn admit(
     (ReceiverStream::new(rx), task)
 }
 
-/// Reads the client's first bytes: the whole HTTP/2 preface, or a TLS
-/// record header. `None` for anything else.
+/// The methods an HTTP/1.1 request (the HTTP/JSON gateway's) may begin
+/// with.
+const HTTP1_METHODS: [&[u8]; 6] = [b"GET", b"POST", b"PUT", b"DELETE", b"HEAD", b"OPTIONS"];
+
+/// Reads the client's first bytes: the whole HTTP/2 preface, the method
+/// of an HTTP/1.1 request line and its space, or a TLS record header.
+/// `None` for anything else.
 async fn preface(stream: &mut TcpStream) -> io::Result<Option<Vec<u8>>> {
     let mut first = [0u8; 1];
     stream.read_exact(&mut first).await?;
-    let need = if first[0] == TLS_HANDSHAKE {
-        TLS_RECORD_HEADER
-    } else if first[0] == PREFACE[0] {
-        PREFACE.len()
-    } else {
+    if first[0] == TLS_HANDSHAKE {
+        let mut got = vec![0u8; TLS_RECORD_HEADER];
+        got[0] = first[0];
+        stream.read_exact(&mut got[1..]).await?;
+        return Ok(Some(got));
+    }
+    // A method and its space ("PRI " begins the HTTP/2 preface), read a
+    // byte at a time: nothing past it is taken from the stream here.
+    let mut got = vec![first[0]];
+    while got.len() <= 8 && got.last() != Some(&b' ') {
+        let mut b = [0u8; 1];
+        stream.read_exact(&mut b).await?;
+        got.push(b[0]);
+    }
+    let Some(method) = got.strip_suffix(b" ") else {
         return Ok(None);
     };
-    let mut got = vec![0u8; need];
-    got[0] = first[0];
-    stream.read_exact(&mut got[1..]).await?;
-    Ok((got[0] == TLS_HANDSHAKE || got == PREFACE).then_some(got))
+    if method == b"PRI" {
+        let have = got.len();
+        got.resize(PREFACE.len(), 0);
+        stream.read_exact(&mut got[have..]).await?;
+        return Ok((got == PREFACE).then_some(got));
+    }
+    Ok(HTTP1_METHODS.contains(&method).then_some(got))
 }
 
 async fn accept_loop(

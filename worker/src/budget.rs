@@ -68,7 +68,13 @@ impl Budget {
     }
 
     /// The request, its body read under the budget and its call's limit.
+    /// A request of the HTTP/JSON gateway (`/v1/...`, never a gRPC path)
+    /// is left as it is: the gateway bounds its body itself.
     pub fn wrap(&self, req: http::Request<tonic::body::Body>) -> http::Request<tonic::body::Body> {
+        let path = req.uri().path();
+        if path.starts_with("/v1/") || path == "/openapi.json" {
+            return req;
+        }
         let limit = limit_of(req.uri().path());
         let budget = self.bytes.clone();
         req.map(|inner| tonic::body::Body::new(Budgeted::new(inner, limit, budget)))

@@ -82,6 +82,8 @@ pub enum ServeError {
     Transport(#[from] tonic::transport::Error),
     #[error("reflection service: {0}")]
     Reflection(#[from] tonic_reflection::server::Error),
+    #[error("{0}")]
+    Gateway(String),
 }
 
 /// How the server admits clients.
@@ -205,7 +207,9 @@ async fn router(
     let service =
         tonic::service::interceptor::InterceptedService::new(service, move |req| auth.check(req));
     // Dead peers are found by HTTP/2 pings and closed.
+    // HTTP/1.1 too, for the HTTP/JSON gateway on the same address.
     let mut builder = tonic::transport::Server::builder()
+        .accept_http1(true)
         .max_concurrent_streams(MAX_STREAMS_PER_CONNECTION)
         .http2_keepalive_interval(Some(std::time::Duration::from_secs(30)))
         .http2_keepalive_timeout(Some(std::time::Duration::from_secs(20)));
@@ -213,13 +217,35 @@ async fn router(
         builder = builder.tls_config(tls)?;
     }
     let mut builder = builder.layer(crate::budget::BudgetLayer(budget));
-    Ok((
-        builder
-            .add_service(health)
-            .add_service(reflection)
-            .add_service(service),
-        health_reporter,
-    ))
+    let grpc = tonic::service::Routes::new(health)
+        .add_service(reflection)
+        .add_service(service)
+        .into_axum_router();
+    let http = with_http_gateway(grpc, &["corral.v1.Worker"])?;
+    Ok((builder.add_routes(http.into()), health_reporter))
+}
+
+/// `grpc` (a server's gRPC routes) with the HTTP/JSON gateway of
+/// `services` beside them ([`corral_proto::gateway`]): one listener.
+pub fn with_http_gateway(
+    grpc: axum::Router,
+    services: &[&str],
+) -> Result<axum::Router, ServeError> {
+    let pool = prost_reflect_pool()?;
+    let http = corral_proto::gateway::router(
+        pool,
+        services,
+        corral_proto::gateway::worker_routes(),
+        grpc.clone(),
+    )
+    .map_err(|e| ServeError::Gateway(e.to_string()))?;
+    Ok(grpc.merge(http))
+}
+
+/// The descriptors of Corral's services, as the gateway reads them.
+fn prost_reflect_pool() -> Result<corral_proto::gateway::DescriptorPool, ServeError> {
+    corral_proto::gateway::DescriptorPool::decode(pb::FILE_DESCRIPTOR_SET)
+        .map_err(|e| ServeError::Gateway(format!("the descriptors: {e}")))
 }
 
 /// Connections the kernel queues for a listener before it accepts them

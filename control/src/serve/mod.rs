@@ -45,6 +45,8 @@ pub enum ServeError {
     },
     #[error("gRPC server: {0}")]
     Transport(#[from] tonic::transport::Error),
+    #[error(transparent)]
+    Gateway(#[from] corral_worker::server::ServeError),
 }
 
 impl ServeError {
@@ -298,18 +300,25 @@ pub async fn serve(conn: &ConnArgs, args: &ServeArgs) -> Result<(), ServeError> 
         .max_encoding_message_size(MAX_GRPC_MESSAGE_BYTES);
     let sandboxes =
         tonic::service::interceptor::InterceptedService::new(sandboxes, move |req| gate.check(req));
+    // HTTP/1.1 too, for the HTTP/JSON gateway on the same address.
     let mut builder = tonic::transport::Server::builder()
+        .accept_http1(true)
         .max_concurrent_streams(corral_worker::server::MAX_STREAMS_PER_CONNECTION)
         .http2_keepalive_interval(Some(std::time::Duration::from_secs(30)))
         .http2_keepalive_timeout(Some(std::time::Duration::from_secs(20)));
     if let Some(tls) = tls {
         builder = builder.tls_config(tls)?;
     }
-    let router = builder
-        .add_service(health)
+    let grpc = tonic::service::Routes::new(health)
         .add_service(control)
         .add_service(admin)
-        .add_service(sandboxes);
+        .add_service(sandboxes)
+        .into_axum_router();
+    let http = corral_worker::server::with_http_gateway(
+        grpc,
+        &["corral.v1.Worker", "corral.v1.Control", "corral.v1.Admin"],
+    )?;
+    let router = builder.add_routes(http.into());
     // Admitted as a worker admits its clients: bounded handshakes and
     // unauthenticated connections per address, and TCP_NODELAY (without
     // it every reply waits on Nagle and the peer's delayed ACK, 40 ms).

@@ -1,0 +1,1118 @@
+//! The HTTP/JSON face of Corral's gRPC services, served on the same
+//! listener (HTTP/1.1 and HTTP/2) by the worker and the front door.
+//!
+//! Every method of the services named is `POST /v1/<service>/<Method>`
+//! (`/v1/corral.v1.Worker/CreateSandbox`), and the main ones also have a
+//! resource path ([`Route`]: `POST /v1/sandboxes`, `GET
+//! /v1/sandboxes/{id}`, ...). A request is transcoded by the services'
+//! descriptors (the canonical protobuf JSON mapping, field names as in
+//! the `.proto`, 64-bit integers as numbers, `bytes` as base64, enums by
+//! name; an unknown field is refused) and made as a gRPC call to the same
+//! server in-process, with the caller's `Authorization` (the same token or
+//! key, as a `Bearer`): the same checks, the same answers. A stream
+//! answers as newline-delimited JSON, or as Server-Sent Events when the
+//! client accepts `text/event-stream`; a stream of requests (`BuildImage`)
+//! is sent as newline-delimited JSON. Archives move as raw tar
+//! (`GET`/`PUT /v1/sandboxes/{sandbox_id}/archive?path=...`). An error is
+//! `{"error": {"code", "reason", "message", "flag"}}` with the HTTP status
+//! of its gRPC code and the `corral-reason` the gRPC call carries.
+//! `GET /openapi.json` is the OpenAPI 3.1 document made from the same
+//! descriptors ([`openapi`]).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use axum::body::Body;
+use bytes::{Buf, Bytes, BytesMut};
+use futures_util::{Stream, StreamExt};
+use http::{HeaderMap, HeaderValue, Method, StatusCode, header};
+use http_body_util::BodyExt;
+use prost::Message;
+pub use prost_reflect::DescriptorPool;
+use prost_reflect::{
+    DeserializeOptions, DynamicMessage, Kind, MessageDescriptor, MethodDescriptor, ReflectMessage,
+    SerializeOptions, Value,
+};
+use tonic::Code;
+use tower::ServiceExt;
+
+pub mod openapi;
+
+/// The largest JSON body taken (a request message is smaller still).
+pub const MAX_JSON_BODY: usize = 16 << 20;
+/// The longest line of a newline-delimited JSON request stream (a 1 MiB
+/// `bytes` field in base64, and the rest).
+pub const MAX_NDJSON_LINE: usize = 2 << 20;
+/// The bytes of a raw archive sent in one upload message.
+const UPLOAD_CHUNK: usize = 1 << 20;
+/// Marks a field (in the fields a route sets) that takes a fresh random
+/// id if the request leaves it empty.
+const FRESH: &str = "\u{0}fresh:";
+
+/// How a resource path's request is made.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Body_ {
+    /// A JSON body (optional: none is `{}`), its fields joined by the
+    /// path's and the query's.
+    Json,
+    /// The request is the path and the query; the answer is the archive's
+    /// bytes (`Download`).
+    TarOut,
+    /// The body is the archive's bytes (`Upload`); the answer the
+    /// finished operation.
+    TarIn,
+}
+
+/// A resource path for one method: `{name}` segments and query parameters
+/// set the request's fields of those names (`rename` maps a query name to
+/// a field path, `path` to `archive.path`).
+#[derive(Debug, Clone)]
+pub struct Route {
+    pub method: Method,
+    pub path: &'static str,
+    /// `corral.v1.Worker/GetSandbox`.
+    pub rpc: &'static str,
+    pub body: Body_,
+    pub rename: &'static [(&'static str, &'static str)],
+    /// Id fields given a fresh random id when the request leaves them
+    /// empty (an operation's, where the call makes one).
+    pub fresh: &'static [&'static str],
+    pub summary: &'static str,
+}
+
+impl Route {
+    pub const fn new(
+        method: Method,
+        path: &'static str,
+        rpc: &'static str,
+        summary: &'static str,
+    ) -> Self {
+        Self {
+            method,
+            path,
+            rpc,
+            body: Body_::Json,
+            rename: &[],
+            fresh: &[],
+            summary,
+        }
+    }
+}
+
+/// The resource paths of `corral.v1.Worker` (the worker's and the front
+/// door's).
+pub fn worker_routes() -> Vec<Route> {
+    vec![
+        Route::new(
+            Method::POST,
+            "/v1/sandboxes",
+            "corral.v1.Worker/CreateSandbox",
+            "Make a sandbox",
+        ),
+        Route::new(
+            Method::GET,
+            "/v1/sandboxes",
+            "corral.v1.Worker/ListSandboxes",
+            "List the sandboxes",
+        ),
+        Route::new(
+            Method::GET,
+            "/v1/sandboxes/{id}",
+            "corral.v1.Worker/GetSandbox",
+            "One sandbox",
+        ),
+        Route::new(
+            Method::DELETE,
+            "/v1/sandboxes/{id}",
+            "corral.v1.Worker/DestroySandbox",
+            "Remove a sandbox and everything in it",
+        ),
+        Route {
+            fresh: &["operation_id"],
+            ..Route::new(
+                Method::POST,
+                "/v1/sandboxes/{sandbox_id}/operations",
+                "corral.v1.Worker/SubmitOperation",
+                "Start an operation (an operation_id of its own unless given)",
+            )
+        },
+        Route {
+            fresh: &["operation_id"],
+            ..Route::new(
+                Method::POST,
+                "/v1/sandboxes/{sandbox_id}/run",
+                "corral.v1.Worker/RunOperation",
+                "Start an operation and stream its events to its end",
+            )
+        },
+        Route::new(
+            Method::GET,
+            "/v1/sandboxes/{sandbox_id}/operations",
+            "corral.v1.Worker/ListOperations",
+            "The sandbox's operations",
+        ),
+        Route::new(
+            Method::GET,
+            "/v1/sandboxes/{sandbox_id}/operations/{operation_id}",
+            "corral.v1.Worker/GetOperation",
+            "One operation",
+        ),
+        Route::new(
+            Method::POST,
+            "/v1/sandboxes/{sandbox_id}/operations/{operation_id}/cancel",
+            "corral.v1.Worker/CancelOperation",
+            "Cancel a running operation",
+        ),
+        Route::new(
+            Method::POST,
+            "/v1/sandboxes/{sandbox_id}/operations/{operation_id}/signal",
+            "corral.v1.Worker/SignalOperation",
+            "Signal a running command's process group",
+        ),
+        Route::new(
+            Method::POST,
+            "/v1/sandboxes/{sandbox_id}/operations/{operation_id}/input",
+            "corral.v1.Worker/WriteInput",
+            "Feed input to a running operation",
+        ),
+        Route::new(
+            Method::GET,
+            "/v1/sandboxes/{sandbox_id}/events",
+            "corral.v1.Worker/WatchSandbox",
+            "The sandbox's events after after_seq, then live ones",
+        ),
+        Route::new(
+            Method::GET,
+            "/v1/sandboxes/{sandbox_id}/stats",
+            "corral.v1.Worker/GetSandboxStats",
+            "What the sandbox uses now",
+        ),
+        Route {
+            body: Body_::TarOut,
+            fresh: &["operation_id"],
+            rename: &[("path", "archive.path"), ("contents", "archive.contents")],
+            ..Route::new(
+                Method::GET,
+                "/v1/sandboxes/{sandbox_id}/archive",
+                "corral.v1.Worker/Download",
+                "A path of the sandbox as a tar stream",
+            )
+        },
+        Route {
+            body: Body_::TarIn,
+            fresh: &["operation_id"],
+            ..Route::new(
+                Method::PUT,
+                "/v1/sandboxes/{sandbox_id}/archive",
+                "corral.v1.Worker/Upload",
+                "A tar stream unpacked into the sandbox at path",
+            )
+        },
+        Route::new(
+            Method::GET,
+            "/v1/info",
+            "corral.v1.Worker/GetWorkerInfo",
+            "What the worker is and allows",
+        ),
+    ]
+}
+
+/// Serves the HTTP/JSON face of `services` (full names, as
+/// `corral.v1.Worker`) of `pool`, calling `grpc` (the server's own gRPC
+/// routes) for each request.
+pub fn router(
+    pool: DescriptorPool,
+    services: &[&str],
+    routes: Vec<Route>,
+    grpc: axum::Router,
+) -> Result<axum::Router, GatewayError> {
+    let mut methods = HashMap::new();
+    for name in services {
+        let service = pool
+            .get_service_by_name(name)
+            .ok_or_else(|| GatewayError(format!("no service {name} in the descriptors")))?;
+        for m in service.methods() {
+            methods.insert(format!("{name}/{}", m.name()), m);
+        }
+    }
+    for r in &routes {
+        if !methods.contains_key(r.rpc) {
+            return Err(GatewayError(format!("{}: no method {}", r.path, r.rpc)));
+        }
+    }
+    let document = openapi::document(&pool, services, &routes);
+    let gw = Arc::new(Gateway {
+        methods,
+        grpc,
+        document,
+    });
+    let mut app = axum::Router::new()
+        .route(
+            "/openapi.json",
+            axum::routing::get({
+                let gw = gw.clone();
+                move |req: http::Request<Body>| {
+                    let gw = gw.clone();
+                    async move { gw.openapi(req).await }
+                }
+            }),
+        )
+        .route(
+            "/v1/{service}/{method}",
+            axum::routing::post({
+                let gw = gw.clone();
+                move |axum::extract::Path((service, method)): axum::extract::Path<(String, String)>,
+                      req: http::Request<Body>| {
+                    let gw = gw.clone();
+                    async move {
+                        let Some(m) = gw.methods.get(&format!("{service}/{method}")).cloned()
+                        else {
+                            return error_response(
+                                StatusCode::NOT_FOUND,
+                                "NOT_FOUND",
+                                None,
+                                &format!("no method {service}/{method} here (GET /openapi.json lists them)"),
+                                None,
+                            );
+                        };
+                        gw.call_json(&m, req, HashMap::new()).await
+                    }
+                }
+            }),
+        );
+    // Resource paths, grouped by path (one axum route per path).
+    let mut by_path: Vec<(&'static str, Vec<Route>)> = Vec::new();
+    for r in routes {
+        match by_path.iter_mut().find(|(p, _)| *p == r.path) {
+            Some((_, rs)) => rs.push(r),
+            None => by_path.push((r.path, vec![r])),
+        }
+    }
+    for (path, rs) in by_path {
+        let mut method_router = axum::routing::MethodRouter::new();
+        for r in rs {
+            let gw = gw.clone();
+            let m = gw.methods[r.rpc].clone();
+            let filter = axum::routing::MethodFilter::try_from(r.method.clone())
+                .map_err(|e| GatewayError(format!("{path}: {e}")))?;
+            let handler =
+                move |axum::extract::Path(params): axum::extract::Path<HashMap<String, String>>,
+                      req: http::Request<Body>| {
+                    let gw = gw.clone();
+                    let m = m.clone();
+                    let r = r.clone();
+                    async move {
+                        let mut fields = params;
+                        for (k, v) in query_pairs(req.uri().query().unwrap_or("")) {
+                            let k = r
+                                .rename
+                                .iter()
+                                .find(|(from, _)| *from == k)
+                                .map_or(k, |(_, to)| (*to).to_string());
+                            fields.insert(k, v);
+                        }
+                        for f in r.fresh {
+                            fields.entry(format!("{FRESH}{f}")).or_default();
+                        }
+                        match r.body {
+                            Body_::Json => gw.call_json(&m, req, fields).await,
+                            Body_::TarOut => gw.download(&m, req, fields).await,
+                            Body_::TarIn => gw.upload(&m, req, fields).await,
+                        }
+                    }
+                };
+            method_router = method_router.on(filter, handler);
+        }
+        app = app.route(path, method_router);
+    }
+    Ok(app)
+}
+
+/// A gateway that cannot be made (a route naming a method that is not
+/// there): a bug of the server, said at its start.
+#[derive(Debug, thiserror::Error)]
+#[error("the HTTP/JSON gateway: {0}")]
+pub struct GatewayError(String);
+
+struct Gateway {
+    methods: HashMap<String, MethodDescriptor>,
+    grpc: axum::Router,
+    document: serde_json::Value,
+}
+
+fn serialize_options() -> SerializeOptions {
+    SerializeOptions::new()
+        .use_proto_field_name(true)
+        .stringify_64_bit_integers(false)
+}
+
+/// A message as JSON.
+fn to_json(msg: &DynamicMessage) -> serde_json::Value {
+    msg.serialize_with_options(serde_json::value::Serializer, &serialize_options())
+        .unwrap_or_else(|e| serde_json::json!({ "unserializable": e.to_string() }))
+}
+
+/// `?a=1&b=x%20y` as pairs, decoded.
+fn query_pairs(q: &str) -> Vec<(String, String)> {
+    q.split('&')
+        .filter(|p| !p.is_empty())
+        .map(|p| {
+            let (k, v) = p.split_once('=').unwrap_or((p, ""));
+            (percent_decode(k), percent_decode(v))
+        })
+        .collect()
+}
+
+fn percent_decode(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        let hex = |j: usize| b.get(j).and_then(|c| (*c as char).to_digit(16));
+        match (b[i], hex(i + 1), hex(i + 2)) {
+            (b'+', _, _) => out.push(b' '),
+            (b'%', Some(h), Some(l)) => {
+                out.push((h * 16 + l) as u8);
+                i += 2;
+            }
+            (c, _, _) => out.push(c),
+        }
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// Sets the fields a route gives (the path's and the query's), then a
+/// fresh id in each field marked [`FRESH`] that is still empty.
+fn set_fields(
+    msg: &mut DynamicMessage,
+    fields: &HashMap<String, String>,
+) -> Result<(), tonic::Status> {
+    for (k, v) in fields {
+        if k.starts_with(FRESH) {
+            continue;
+        }
+        set_field(msg, k, v)?;
+    }
+    for k in fields.keys() {
+        let Some(name) = k.strip_prefix(FRESH) else {
+            continue;
+        };
+        let empty = matches!(
+            msg.get_field_by_name(name).as_deref(),
+            Some(Value::String(s)) if s.is_empty()
+        );
+        if empty {
+            set_field(msg, name, crate::OperationId::random().as_str())?;
+        }
+    }
+    Ok(())
+}
+
+/// Sets the field at `path` (`a.b`: field b of message field a) of `msg`
+/// from its text in a URL.
+fn set_field(msg: &mut DynamicMessage, path: &str, text: &str) -> Result<(), tonic::Status> {
+    let (head, rest) = match path.split_once('.') {
+        Some((h, r)) => (h, Some(r)),
+        None => (path, None),
+    };
+    let desc = msg.descriptor();
+    let field = desc.get_field_by_name(head).ok_or_else(|| {
+        tonic::Status::invalid_argument(format!(
+            "{path}: no such field of {} (a path or query parameter names one)",
+            desc.name()
+        ))
+    })?;
+    if let Some(rest) = rest {
+        let Kind::Message(_) = field.kind() else {
+            return Err(tonic::Status::invalid_argument(format!(
+                "{path}: {head} is not a message"
+            )));
+        };
+        let inner = msg.get_field_mut(&field);
+        let Value::Message(inner) = inner else {
+            return Err(tonic::Status::invalid_argument(format!(
+                "{path}: not a message"
+            )));
+        };
+        return set_field(inner, rest, text);
+    }
+    let bad = |what: &str| tonic::Status::invalid_argument(format!("{path}={text:?}: not {what}"));
+    let value = match field.kind() {
+        Kind::String => Value::String(text.to_string()),
+        Kind::Bool => Value::Bool(text.parse().map_err(|_| bad("true or false"))?),
+        Kind::Int32 | Kind::Sint32 | Kind::Sfixed32 => {
+            Value::I32(text.parse().map_err(|_| bad("an integer"))?)
+        }
+        Kind::Int64 | Kind::Sint64 | Kind::Sfixed64 => {
+            Value::I64(text.parse().map_err(|_| bad("an integer"))?)
+        }
+        Kind::Uint32 | Kind::Fixed32 => Value::U32(text.parse().map_err(|_| bad("a count"))?),
+        Kind::Uint64 | Kind::Fixed64 => Value::U64(text.parse().map_err(|_| bad("a count"))?),
+        Kind::Double => Value::F64(text.parse().map_err(|_| bad("a number"))?),
+        Kind::Float => Value::F32(text.parse().map_err(|_| bad("a number"))?),
+        Kind::Enum(e) => Value::EnumNumber(
+            e.get_value_by_name(text)
+                .map(|v| v.number())
+                .or_else(|| text.parse().ok())
+                .ok_or_else(|| bad("one of the enum's names"))?,
+        ),
+        Kind::Bytes | Kind::Message(_) => {
+            return Err(bad("a value a URL can carry (give it in the body)"));
+        }
+    };
+    if field.is_list() || field.is_map() {
+        return Err(bad("a single value (give lists in the body)"));
+    }
+    msg.set_field(&field, value);
+    Ok(())
+}
+
+/// The gRPC code's canonical name and the HTTP status that goes with it.
+fn code_of(code: Code) -> (&'static str, StatusCode) {
+    match code {
+        Code::Ok => ("OK", StatusCode::OK),
+        Code::Cancelled => (
+            "CANCELLED",
+            StatusCode::from_u16(499).unwrap_or(StatusCode::BAD_REQUEST),
+        ),
+        Code::Unknown => ("UNKNOWN", StatusCode::INTERNAL_SERVER_ERROR),
+        Code::InvalidArgument => ("INVALID_ARGUMENT", StatusCode::BAD_REQUEST),
+        Code::DeadlineExceeded => ("DEADLINE_EXCEEDED", StatusCode::GATEWAY_TIMEOUT),
+        Code::NotFound => ("NOT_FOUND", StatusCode::NOT_FOUND),
+        Code::AlreadyExists => ("ALREADY_EXISTS", StatusCode::CONFLICT),
+        Code::PermissionDenied => ("PERMISSION_DENIED", StatusCode::FORBIDDEN),
+        Code::ResourceExhausted => ("RESOURCE_EXHAUSTED", StatusCode::TOO_MANY_REQUESTS),
+        Code::FailedPrecondition => ("FAILED_PRECONDITION", StatusCode::BAD_REQUEST),
+        Code::Aborted => ("ABORTED", StatusCode::CONFLICT),
+        Code::OutOfRange => ("OUT_OF_RANGE", StatusCode::BAD_REQUEST),
+        Code::Unimplemented => ("UNIMPLEMENTED", StatusCode::NOT_IMPLEMENTED),
+        Code::Internal => ("INTERNAL", StatusCode::INTERNAL_SERVER_ERROR),
+        Code::Unavailable => ("UNAVAILABLE", StatusCode::SERVICE_UNAVAILABLE),
+        Code::DataLoss => ("DATA_LOSS", StatusCode::INTERNAL_SERVER_ERROR),
+        Code::Unauthenticated => ("UNAUTHENTICATED", StatusCode::UNAUTHORIZED),
+    }
+}
+
+/// A status as the JSON an error answers with.
+fn error_json(status: &tonic::Status) -> serde_json::Value {
+    let (code, _) = code_of(status.code());
+    let mut e = serde_json::json!({ "code": code, "message": status.message() });
+    if let Some(r) = crate::reason::of(status) {
+        e["reason"] = r.as_str().into();
+    }
+    if let Some(f) = crate::reason::flag_of(status) {
+        e["flag"] = f.into();
+    }
+    serde_json::json!({ "error": e })
+}
+
+fn status_response(status: &tonic::Status) -> http::Response<Body> {
+    let (_, http_status) = code_of(status.code());
+    json_response(http_status, &error_json(status))
+}
+
+fn error_response(
+    http_status: StatusCode,
+    code: &str,
+    reason: Option<&str>,
+    message: &str,
+    flag: Option<&str>,
+) -> http::Response<Body> {
+    let mut e = serde_json::json!({ "code": code, "message": message });
+    if let Some(r) = reason {
+        e["reason"] = r.into();
+    }
+    if let Some(f) = flag {
+        e["flag"] = f.into();
+    }
+    json_response(http_status, &serde_json::json!({ "error": e }))
+}
+
+fn json_response(status: StatusCode, v: &serde_json::Value) -> http::Response<Body> {
+    let mut body = serde_json::to_vec(v).unwrap_or_default();
+    body.push(b'\n');
+    let mut r = http::Response::new(Body::from(body));
+    *r.status_mut() = status;
+    r.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    r
+}
+
+/// A gRPC message framed (uncompressed).
+fn frame(msg: &[u8]) -> Bytes {
+    let mut b = BytesMut::with_capacity(5 + msg.len());
+    b.extend_from_slice(&[0]);
+    b.extend_from_slice(&(msg.len() as u32).to_be_bytes());
+    b.extend_from_slice(msg);
+    b.freeze()
+}
+
+/// The messages of a gRPC response body, then its status.
+struct Frames {
+    body: Body,
+    buf: BytesMut,
+    ended: Option<tonic::Status>,
+    done: bool,
+}
+
+impl Frames {
+    /// The next message; `None` at a clean end; an error status as it ends.
+    async fn next(&mut self) -> Option<Result<Bytes, tonic::Status>> {
+        loop {
+            if self.buf.len() >= 5 {
+                let len = u32::from_be_bytes([self.buf[1], self.buf[2], self.buf[3], self.buf[4]])
+                    as usize;
+                if self.buf[0] != 0 {
+                    return Some(Err(tonic::Status::internal("a compressed message")));
+                }
+                if self.buf.len() >= 5 + len {
+                    self.buf.advance(5);
+                    return Some(Ok(self.buf.split_to(len).freeze()));
+                }
+            }
+            if self.done {
+                if !self.buf.is_empty() {
+                    self.buf.clear();
+                    return Some(Err(tonic::Status::internal("the answer ended mid-message")));
+                }
+                return self.ended.take().map(Err);
+            }
+            match self.body.frame().await {
+                None => {
+                    self.done = true;
+                    if self.ended.is_none() {
+                        self.ended = Some(tonic::Status::unknown(
+                            "the answer ended without its status",
+                        ));
+                    }
+                }
+                Some(Err(e)) => {
+                    self.done = true;
+                    self.ended = Some(tonic::Status::unavailable(format!(
+                        "the answer broke off: {e}"
+                    )));
+                }
+                Some(Ok(f)) => match f.into_data() {
+                    Ok(data) => self.buf.extend_from_slice(&data),
+                    Err(f) => {
+                        if let Ok(trailers) = f.into_trailers() {
+                            self.done = true;
+                            self.ended = tonic::Status::from_header_map(&trailers)
+                                .filter(|s| s.code() != Code::Ok);
+                        }
+                    }
+                },
+            }
+        }
+    }
+}
+
+/// What a client asked a stream to come as.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum StreamAs {
+    Ndjson,
+    Sse,
+}
+
+impl Gateway {
+    async fn openapi(&self, req: http::Request<Body>) -> http::Response<Body> {
+        // The document describes the API: only to those who may call it
+        // (as gRPC reflection), checked by a call that changes nothing.
+        let probe = self
+            .methods
+            .values()
+            .find(|m| {
+                m.input().fields().len() == 0
+                    && !m.is_server_streaming()
+                    && !m.is_client_streaming()
+            })
+            .cloned();
+        if let Some(m) = probe {
+            let msg = DynamicMessage::new(m.input());
+            let (parts, _) = req.into_parts();
+            let call = self
+                .invoke(
+                    &m,
+                    &parts,
+                    futures_util::stream::iter([Ok(frame(&msg.encode_to_vec()))]),
+                )
+                .await;
+            if let Err(s) = call
+                && matches!(s.code(), Code::Unauthenticated | Code::PermissionDenied)
+            {
+                return status_response(&s);
+            }
+        }
+        json_response(StatusCode::OK, &self.document)
+    }
+
+    /// Calls `method` of the server in-process with `requests` (framed
+    /// messages): the answer's messages once its headers say it began.
+    async fn invoke(
+        &self,
+        method: &MethodDescriptor,
+        parts: &http::request::Parts,
+        requests: impl Stream<Item = Result<Bytes, std::io::Error>> + Send + 'static,
+    ) -> Result<Frames, tonic::Status> {
+        let headers = &parts.headers;
+        let path = format!("/{}/{}", method.parent_service().full_name(), method.name());
+        let mut req = http::Request::new(Body::from_stream(requests));
+        // What the server knows of the connection (its peer, its TLS
+        // certificates, its admission), as for a gRPC call on it.
+        *req.extensions_mut() = parts.extensions.clone();
+        *req.method_mut() = Method::POST;
+        *req.uri_mut() = path
+            .parse()
+            .map_err(|_| tonic::Status::internal("a method's path"))?;
+        *req.version_mut() = http::Version::HTTP_2;
+        let h = req.headers_mut();
+        h.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/grpc"),
+        );
+        h.insert(header::TE, HeaderValue::from_static("trailers"));
+        // The caller's credentials and trace, nothing else of theirs.
+        for name in [header::AUTHORIZATION.as_str(), "traceparent"] {
+            if let Some(v) = headers.get(name) {
+                h.insert(http::HeaderName::from_static(name), v.clone());
+            }
+        }
+        let resp = match self.grpc.clone().oneshot(req).await {
+            Ok(r) => r,
+            Err(never) => match never {},
+        };
+        if let Some(s) = tonic::Status::from_header_map(resp.headers())
+            && s.code() != Code::Ok
+        {
+            return Err(s);
+        }
+        Ok(Frames {
+            body: resp.into_body(),
+            buf: BytesMut::new(),
+            ended: None,
+            done: false,
+        })
+    }
+
+    /// A request message from a JSON body and `fields` (the path's and the
+    /// query's).
+    async fn request(
+        &self,
+        desc: MessageDescriptor,
+        body: Body,
+        fields: &HashMap<String, String>,
+    ) -> Result<DynamicMessage, tonic::Status> {
+        let bytes = http_body_util::Limited::new(body, MAX_JSON_BODY)
+            .collect()
+            .await
+            .map_err(|e| {
+                tonic::Status::invalid_argument(format!(
+                    "the request's body: {e} (at most {MAX_JSON_BODY} bytes of JSON)"
+                ))
+            })?
+            .to_bytes();
+        let mut msg = if bytes.iter().all(u8::is_ascii_whitespace) {
+            DynamicMessage::new(desc.clone())
+        } else {
+            parse_message(desc.clone(), &bytes)?
+        };
+        set_fields(&mut msg, fields)?;
+        Ok(msg)
+    }
+
+    async fn call_json(
+        &self,
+        method: &MethodDescriptor,
+        req: http::Request<Body>,
+        fields: HashMap<String, String>,
+    ) -> http::Response<Body> {
+        let stream_as = stream_as(req.headers());
+        let (parts, body) = req.into_parts();
+        let requests: futures_util::stream::BoxStream<'static, Result<Bytes, std::io::Error>> =
+            if method.is_client_streaming() {
+                // Newline-delimited JSON, one message a line, as it comes.
+                ndjson_messages(method.input(), body, fields).boxed()
+            } else {
+                match self.request(method.input(), body, &fields).await {
+                    Ok(msg) => {
+                        futures_util::stream::iter([Ok(frame(&msg.encode_to_vec()))]).boxed()
+                    }
+                    Err(s) => return status_response(&s),
+                }
+            };
+        let mut frames = match self.invoke(method, &parts, requests).await {
+            Ok(f) => f,
+            Err(s) => return status_response(&s),
+        };
+        let output = method.output();
+        if !method.is_server_streaming() {
+            return match frames.next().await {
+                Some(Ok(b)) => match DynamicMessage::decode(output, b) {
+                    Ok(m) => json_response(StatusCode::OK, &to_json(&m)),
+                    Err(e) => status_response(&tonic::Status::internal(format!("the answer: {e}"))),
+                },
+                Some(Err(s)) => status_response(&s),
+                None => status_response(&tonic::Status::internal("the answer had no message")),
+            };
+        }
+        // A stream: its first message (or its error) before the headers, so
+        // that a call refused at once answers with its status.
+        let first = match frames.next().await {
+            Some(Ok(b)) => Some(b),
+            Some(Err(s)) => return status_response(&s),
+            None => None,
+        };
+        let lines = futures_util::stream::unfold(
+            (frames, first, false),
+            move |(mut frames, first, over)| {
+                let output = output.clone();
+                async move {
+                    if over {
+                        return None;
+                    }
+                    let next = match first {
+                        Some(b) => Some(Ok(b)),
+                        None => frames.next().await,
+                    };
+                    let (text, over) = match next {
+                        None => return None,
+                        Some(Ok(b)) => match DynamicMessage::decode(output, b) {
+                            Ok(m) => (line(stream_as, None, &to_json(&m)), false),
+                            Err(e) => (
+                                line(
+                                    stream_as,
+                                    Some("error"),
+                                    &error_json(&tonic::Status::internal(format!(
+                                        "the answer: {e}"
+                                    ))),
+                                ),
+                                true,
+                            ),
+                        },
+                        Some(Err(s)) => (line(stream_as, Some("error"), &error_json(&s)), true),
+                    };
+                    Some((Ok::<_, std::io::Error>(text), (frames, None, over)))
+                }
+            },
+        );
+        let mut r = http::Response::new(Body::from_stream(lines));
+        r.headers_mut().insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static(match stream_as {
+                StreamAs::Ndjson => "application/x-ndjson",
+                StreamAs::Sse => "text/event-stream",
+            }),
+        );
+        r.headers_mut()
+            .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+        r
+    }
+
+    /// `Download` as raw tar: the archive's bytes; a failure before the
+    /// first byte is an error answer, one after it breaks the answer off
+    /// (a client sees a cut transfer, never a short archive taken whole).
+    async fn download(
+        &self,
+        method: &MethodDescriptor,
+        req: http::Request<Body>,
+        fields: HashMap<String, String>,
+    ) -> http::Response<Body> {
+        let (parts, body) = req.into_parts();
+        let msg = match self.request(method.input(), body, &fields).await {
+            Ok(m) => m,
+            Err(s) => return status_response(&s),
+        };
+        let requests = futures_util::stream::iter([Ok(frame(&msg.encode_to_vec()))]);
+        let mut frames = match self.invoke(method, &parts, requests).await {
+            Ok(f) => f,
+            Err(s) => return status_response(&s),
+        };
+        let output = method.output();
+        // The first bytes of the archive (or its end, or why it failed).
+        let first = match frames.next().await {
+            None => None,
+            Some(Err(s)) => return status_response(&s),
+            Some(Ok(b)) => match archive_piece(&output, b) {
+                Ok(Piece::Data(d)) => Some(d),
+                Ok(Piece::Finished(None)) => None,
+                Ok(Piece::Finished(Some(failure))) | Err(failure) => {
+                    return status_response(&failure);
+                }
+            },
+        };
+        let bytes = futures_util::stream::unfold(
+            (frames, first, output),
+            |(mut frames, first, output)| async move {
+                if let Some(d) = first {
+                    return Some((Ok(d), (frames, None, output)));
+                }
+                loop {
+                    let next = match frames.next().await {
+                        None => return None,
+                        Some(Err(s)) => Err(std::io::Error::other(s.message().to_string())),
+                        Some(Ok(b)) => match archive_piece(&output, b) {
+                            Ok(Piece::Data(d)) => Ok(d),
+                            Ok(Piece::Finished(None)) => continue,
+                            Ok(Piece::Finished(Some(s))) | Err(s) => {
+                                Err(std::io::Error::other(s.message().to_string()))
+                            }
+                        },
+                    };
+                    return Some((next, (frames, None, output)));
+                }
+            },
+        );
+        let mut r = http::Response::new(Body::from_stream(bytes));
+        r.headers_mut().insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/x-tar"),
+        );
+        r
+    }
+
+    /// `Upload` from raw tar: the body in messages of at most 1 MiB, the
+    /// first with the path's and the query's fields; the answer the
+    /// finished operation.
+    async fn upload(
+        &self,
+        method: &MethodDescriptor,
+        req: http::Request<Body>,
+        fields: HashMap<String, String>,
+    ) -> http::Response<Body> {
+        let desc = method.input();
+        let (parts, body) = req.into_parts();
+        let mut head = DynamicMessage::new(desc.clone());
+        if let Err(s) = set_fields(&mut head, &fields) {
+            return status_response(&s);
+        }
+        let (Some(data), Some(eof)) = (
+            desc.get_field_by_name("data"),
+            desc.get_field_by_name("eof"),
+        ) else {
+            return status_response(&tonic::Status::internal("an upload without data and eof"));
+        };
+        let chunks = rechunk(body.into_data_stream(), UPLOAD_CHUNK);
+        let requests = futures_util::stream::unfold(
+            (chunks.boxed(), Some(head), false),
+            move |(mut chunks, head, over)| {
+                let (data, eof, desc) = (data.clone(), eof.clone(), desc.clone());
+                async move {
+                    if over {
+                        return None;
+                    }
+                    let mut msg = head.unwrap_or_else(|| DynamicMessage::new(desc));
+                    let over = match chunks.next().await {
+                        Some(Ok(b)) => {
+                            msg.set_field(&data, Value::Bytes(b));
+                            false
+                        }
+                        Some(Err(e)) => {
+                            return Some((Err(std::io::Error::other(e)), (chunks, None, true)));
+                        }
+                        None => {
+                            msg.set_field(&eof, Value::Bool(true));
+                            true
+                        }
+                    };
+                    Some((Ok(frame(&msg.encode_to_vec())), (chunks, None, over)))
+                }
+            },
+        );
+        let mut frames = match self.invoke(method, &parts, requests).await {
+            Ok(f) => f,
+            Err(s) => return status_response(&s),
+        };
+        match frames.next().await {
+            Some(Ok(b)) => match DynamicMessage::decode(method.output(), b) {
+                Ok(m) => json_response(StatusCode::OK, &to_json(&m)),
+                Err(e) => status_response(&tonic::Status::internal(format!("the answer: {e}"))),
+            },
+            Some(Err(s)) => status_response(&s),
+            None => status_response(&tonic::Status::internal("the answer had no message")),
+        }
+    }
+}
+
+enum Piece {
+    Data(Bytes),
+    /// The finished operation: `Some` a status when it failed.
+    Finished(Option<tonic::Status>),
+}
+
+/// A `DownloadResponse`: archive bytes, or its finished operation (a
+/// failure as the status it would be, with what the sandbox said).
+fn archive_piece(_desc: &MessageDescriptor, b: Bytes) -> Result<Piece, tonic::Status> {
+    let msg = crate::pb::DownloadResponse::decode(b)
+        .map_err(|e| tonic::Status::internal(format!("the answer: {e}")))?;
+    if !msg.data.is_empty() {
+        return Ok(Piece::Data(msg.data));
+    }
+    let Some(op) = msg.finished else {
+        return Ok(Piece::Finished(None));
+    };
+    let result = op
+        .result
+        .map(crate::OperationResult::try_from)
+        .transpose()
+        .map_err(|e| tonic::Status::internal(format!("the answer: {e}")))?;
+    match result {
+        Some(r) if !r.outcome.is_success() => {
+            let said = String::from_utf8_lossy(&r.stderr.head);
+            let kind = match &r.outcome {
+                crate::Outcome::FileError {
+                    kind: crate::FileErrorKind::NotFound,
+                    ..
+                } => Code::NotFound,
+                _ => Code::FailedPrecondition,
+            };
+            Ok(Piece::Finished(Some(tonic::Status::new(
+                kind,
+                format!(
+                    "the archive could not be read: {} {}",
+                    r.outcome,
+                    said.trim()
+                ),
+            ))))
+        }
+        _ => Ok(Piece::Finished(None)),
+    }
+}
+
+/// A message of `desc` from JSON.
+fn parse_message(desc: MessageDescriptor, json: &[u8]) -> Result<DynamicMessage, tonic::Status> {
+    let mut de = serde_json::Deserializer::from_slice(json);
+    let msg = DynamicMessage::deserialize_with_options(desc, &mut de, &DeserializeOptions::new())
+        .and_then(|m| de.end().map(|()| m))
+        .map_err(|e| tonic::Status::invalid_argument(format!("the request's JSON: {e}")))?;
+    Ok(msg)
+}
+
+/// What the client accepts a stream as.
+fn stream_as(headers: &HeaderMap) -> StreamAs {
+    let accepts_sse = headers
+        .get_all(header::ACCEPT)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .any(|v| v.contains("text/event-stream"));
+    if accepts_sse {
+        StreamAs::Sse
+    } else {
+        StreamAs::Ndjson
+    }
+}
+
+/// One message of a stream as a line (NDJSON) or an event (SSE).
+fn line(how: StreamAs, event: Option<&str>, v: &serde_json::Value) -> Bytes {
+    let json = serde_json::to_string(v).unwrap_or_default();
+    Bytes::from(match (how, event) {
+        (StreamAs::Ndjson, _) => format!("{json}\n"),
+        (StreamAs::Sse, None) => format!("data: {json}\n\n"),
+        (StreamAs::Sse, Some(e)) => format!("event: {e}\ndata: {json}\n\n"),
+    })
+}
+
+/// A body's bytes in pieces of at most `max` (each `max` but the last).
+fn rechunk(
+    body: axum::body::BodyDataStream,
+    max: usize,
+) -> impl Stream<Item = Result<Bytes, axum::Error>> + Send + 'static {
+    futures_util::stream::unfold(
+        (body, BytesMut::new(), false),
+        move |(mut body, mut buf, mut ended)| async move {
+            loop {
+                if buf.len() >= max || (ended && !buf.is_empty()) {
+                    let n = buf.len().min(max);
+                    let piece = buf.split_to(n).freeze();
+                    return Some((Ok(piece), (body, buf, ended)));
+                }
+                if ended {
+                    return None;
+                }
+                match body.next().await {
+                    Some(Ok(b)) => buf.extend_from_slice(&b),
+                    Some(Err(e)) => return Some((Err(e), (body, BytesMut::new(), true))),
+                    None => ended = true,
+                }
+            }
+        },
+    )
+}
+
+/// A newline-delimited JSON body as framed messages of `desc`, one a line
+/// (blank lines skipped), the first joined by `fields`; a line that is
+/// not a message ends the stream with an error (the call fails).
+fn ndjson_messages(
+    desc: MessageDescriptor,
+    body: Body,
+    fields: HashMap<String, String>,
+) -> impl Stream<Item = Result<Bytes, std::io::Error>> + Send + 'static {
+    futures_util::stream::unfold(
+        (
+            body.into_data_stream(),
+            BytesMut::new(),
+            false,
+            Some(fields),
+            false,
+        ),
+        move |(mut body, mut buf, mut ended, mut fields, failed)| {
+            let desc = desc.clone();
+            async move {
+                if failed {
+                    return None;
+                }
+                loop {
+                    if let Some(nl) = buf.iter().position(|&b| b == b'\n') {
+                        let line = buf.split_to(nl + 1);
+                        if line.iter().all(u8::is_ascii_whitespace) {
+                            continue;
+                        }
+                        let made = parse_message(desc.clone(), &line).and_then(|mut m| {
+                            set_fields(&mut m, &fields.take().unwrap_or_default())?;
+                            Ok(m)
+                        });
+                        return Some(match made {
+                            Ok(m) => (
+                                Ok(frame(&m.encode_to_vec())),
+                                (body, buf, ended, fields, false),
+                            ),
+                            Err(s) => (
+                                Err(std::io::Error::other(s.message().to_string())),
+                                (body, buf, ended, fields, true),
+                            ),
+                        });
+                    }
+                    if buf.len() > MAX_NDJSON_LINE {
+                        let e = std::io::Error::other(format!(
+                            "a line of the request stream is longer than {MAX_NDJSON_LINE} bytes"
+                        ));
+                        return Some((Err(e), (body, buf, ended, fields, true)));
+                    }
+                    if ended {
+                        if buf.iter().all(u8::is_ascii_whitespace) {
+                            return None;
+                        }
+                        // The last line, without its newline.
+                        buf.extend_from_slice(b"\n");
+                        continue;
+                    }
+                    match body.next().await {
+                        Some(Ok(b)) => buf.extend_from_slice(&b),
+                        Some(Err(e)) => {
+                            return Some((
+                                Err(std::io::Error::other(e)),
+                                (body, buf, true, fields, true),
+                            ));
+                        }
+                        None => ended = true,
+                    }
+                }
+            }
+        },
+    )
+}
+
+#[cfg(test)]
+mod tests;
