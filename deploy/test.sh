@@ -19,6 +19,7 @@ WHAT="busybox-static and bash-static (apt-get install busybox-static bash-static
 WHAT="python3 with venv (apt-get install python3-venv)" need python3 -m venv --help
 WHAT="chromium (apt-get install chromium)" need sh -c 'command -v chromium || command -v chromium-browser'
 WHAT="openssl (apt-get install openssl)" need command -v openssl
+WHAT="curl and jq (apt-get install curl jq)" need sh -c 'command -v curl && command -v jq'
 WHAT="ip and iptables (apt-get install iproute2 iptables)" need sh -c 'command -v ip && command -v iptables'
 if docker info >/dev/null 2>&1; then
     runtimes=$(docker info --format '{{json .Runtimes}}' 2>/dev/null || true)
