@@ -26,6 +26,16 @@ if [ ! -f "$agents_src/tests/sandbox/integration_tests/_helpers.py" ]; then
         "openai-agents==$agents_version" -d "$repo/target/pypi"
     tar -xzf "$repo/target/pypi/openai_agents-$agents_version.tar.gz" -C "$repo/target/pypi"
 fi
+# pytest as wheels for the tasks' Python (corral-debian's 3.11), which the
+# Harbor tests' tasks install in their images as real tasks do (offline).
+pytest_version=$("$venv/bin/python" -c 'import importlib.metadata as m; print(m.version("pytest"))')
+wheels="$repo/target/pypi/pytest-wheels"
+if [ ! -f "$wheels/.complete-$pytest_version" ]; then
+    rm -rf "$wheels"
+    "$venv/bin/pip" download --quiet --disable-pip-version-check --only-binary=:all: \
+        --python-version 3.11 "pytest==$pytest_version" -d "$wheels"
+    touch "$wheels/.complete-$pytest_version"
+fi
 # No model price list from the network when litellm is imported.
 export LITELLM_LOCAL_MODEL_COST_MAP=True
 # Harbor needs Python >= 3.12: its test runs it in an image of its own, for

@@ -23,11 +23,15 @@ from corral._sync import (
     Sandbox,
     build_image,
     create_volume,
+    delete_template,
     delete_volume,
     list_sandboxes,
+    list_templates,
     list_volumes,
 )
 from corral._tar import Moved
+from corral._templates import delete_template as adelete_template
+from corral._templates import list_templates as alist_templates
 from corral._volumes import create_volume as acreate_volume
 from corral._volumes import delete_volume as adelete_volume
 from corral._volumes import list_volumes as alist_volumes
@@ -65,6 +69,7 @@ from corral.types import (
     SandboxList,
     SandboxState,
     SandboxStats,
+    TemplateInfo,
     Volume,
     WorkerInfo,
 )
@@ -107,6 +112,7 @@ __all__ = [
     "SandboxState",
     "SandboxStats",
     "Template",
+    "TemplateInfo",
     "TransferError",
     "Unauthenticated",
     "Volume",
@@ -114,12 +120,16 @@ __all__ = [
     "WorkerUnavailable",
     "abuild_image",
     "acreate_volume",
+    "adelete_template",
     "adelete_volume",
     "alist_sandboxes",
+    "alist_templates",
     "alist_volumes",
     "build_image",
     "create_volume",
+    "delete_template",
     "delete_volume",
     "list_sandboxes",
+    "list_templates",
     "list_volumes",
 ]

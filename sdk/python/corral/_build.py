@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import fnmatch
+import hashlib
 import io
 import os
 import random
@@ -178,6 +179,19 @@ def pack_context(
         raise
     out.seek(0)
     return out
+
+
+def context_digest(
+    context: str | os.PathLike[str], dockerfile: str = "Dockerfile", max_bytes: int = MAX_CONTEXT
+) -> str:
+    """The hex SHA-256 of what a build of ``context`` sends (its Dockerfile's
+    path and the context packed): the same files, the same digest. A
+    template named by it names one content (``corral.harbor`` does so)."""
+    h = hashlib.sha256(dockerfile.encode() + b"\0")
+    with pack_context(Path(context), dockerfile, max_bytes) as packed:
+        while piece := packed.read(CHUNK):
+            h.update(piece)
+    return h.hexdigest()
 
 
 async def _builder(opts: _connect.Options) -> _rpc.Worker:

@@ -103,6 +103,8 @@ class Worker:
             ("RevokeAccess", pb.RevokeAccessResponse),
             ("ListExposures", pb.ListExposuresResponse),
             ("SnapshotSandbox", pb.Template),
+            ("ListTemplates", pb.ListTemplatesResponse),
+            ("DeleteTemplate", pb.DeleteTemplateResponse),
             ("CreateVolume", pb.Volume),
             ("ListVolumes", pb.ListVolumesResponse),
             ("DeleteVolume", pb.DeleteVolumeResponse),

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Callable, Coroutine, Generator, Mappi
 from pathlib import Path
 from typing import Any, TypeVar
 
-from corral import _build, _core, _rpc, _tar, _volumes
+from corral import _build, _core, _rpc, _tar, _templates, _volumes
 from corral.types import (
     BuiltImage,
     FileEntry,
@@ -23,6 +23,7 @@ from corral.types import (
     SandboxInfo,
     SandboxList,
     SandboxStats,
+    TemplateInfo,
     Volume,
     WorkerInfo,
 )
@@ -516,6 +517,25 @@ def list_volumes(worker: str | None = None, *, token_file: str | None = None) ->
 def delete_volume(name: str, *, worker: str | None = None, token_file: str | None = None) -> bool:
     """Removes volume ``name`` and everything in it: whether there was one."""
     return _run(_volumes.delete_volume(name, worker=worker, token_file=token_file))
+
+
+def list_templates(
+    worker: str | None = None, *, token_file: str | None = None
+) -> list[TemplateInfo]:
+    """The templates of the workers named (or of the local worker), by name."""
+    return _run(_templates.list_templates(worker, token_file=token_file))
+
+
+def delete_template(
+    name: str,
+    *,
+    force: bool = False,
+    worker: str | None = None,
+    token_file: str | None = None,
+) -> bool:
+    """Forgets template ``name``: whether a worker kept it; see
+    :func:`corral.adelete_template`."""
+    return _run(_templates.delete_template(name, force=force, worker=worker, token_file=token_file))
 
 
 def list_sandboxes(

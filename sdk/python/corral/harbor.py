@@ -5,13 +5,18 @@ Corral sandbox.
         --ek worker=http://HOST:7070 --ek token_file=/path/to/token
 
 A task's image is what Harbor's Docker environment would run: its
-``environment/Dockerfile`` built on the worker's engine (``corral-worker
---allow-build``; the image is named by the Dockerfile and its context, so
-concurrent trials of one task build it once, within the task's
-``build_timeout_sec``, and a failed step is an error naming it), or the
-task's prebuilt ``docker_image`` (unless ``force_build``), or the image
-given with ``--ek image=...``. Commands start in the image's WORKDIR, or the
-task's ``workdir``.
+``environment/Dockerfile`` built on the worker's engine as a **template**
+named by the task and its content (``harbor.<task>.<digest>``; ``corral-worker
+--allow-build``), or the task's prebuilt ``docker_image`` (unless
+``force_build``), or the image given with ``--ek image=...``. A trial first
+asks for a sandbox of the template: a worker that has it, or can take it
+from the fleet's registry (``corral-worker --registry``), builds nothing, so
+a task is built once across runs and across workers; only where none has it
+is it built, once for all the concurrent trials of the task in this process
+(within the task's ``build_timeout_sec``; a failed step is an error naming
+it, said to every trial of the task). Older versions of a task's template
+are forgotten when a new one is built (not while sandboxes use them).
+Commands start in the image's WORKDIR, or the task's ``workdir``.
 
 Harbor works at the filesystem's root (``/logs``, ``/tests``,
 ``/solution``), so the sandbox runs its commands as root on a writable root
@@ -35,7 +40,9 @@ run through ``setpriv`` (a uid) or ``runuser`` (a name).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import re
 import shutil
 import tempfile
 import uuid
@@ -46,13 +53,28 @@ from harbor.environments.base import BaseEnvironment, ExecResult
 from harbor.environments.capabilities import EnvironmentCapabilities
 from harbor.models.task.config import NetworkMode
 
-from corral._build import build_image
+from corral import _templates
+from corral._build import build_image, context_digest
 from corral._core import AsyncSandbox
 from corral.errors import CorralError
 from corral.types import EndCause
 
 #: Users that are the sandbox's own: its commands run as root.
 ROOT = (None, "root", 0, "0")
+
+#: Where this process stands with each template: a lock its trials take
+#: in turn until one has it, and then the worker that has it (``None``:
+#: any worker named), or why it could not be built.
+_LOCKS: dict[str, asyncio.Lock] = {}
+_READY: dict[str, str | None] = {}
+_FAILED: dict[str, str] = {}
+
+
+def template_name(task: str, digest: str) -> str:
+    """``harbor.<task>.<digest>``: a template's name (at most 64 of
+    ``[a-z0-9._-]``) for a task's environment of that content."""
+    slug = re.sub(r"[^a-z0-9_-]+", "-", task.lower()).strip("-_") or "task"
+    return f"harbor.{slug[:43]}.{digest[:12]}"
 
 
 class CorralEnvironment(BaseEnvironment):
@@ -119,30 +141,86 @@ class CorralEnvironment(BaseEnvironment):
         return self._sb
 
     async def _image_to_run(self, force_build: bool) -> tuple[str | None, str | None]:
-        """The image trials run in, and the worker that has it (when it was
-        built there)."""
-        cfg = self.task_env_config
-        prebuilt = getattr(cfg, "docker_image", None)
+        """The image trials run in, when it is not the task's template."""
+        prebuilt = getattr(self.task_env_config, "docker_image", None)
         if self._image:
             return self._image, self._worker
         if prebuilt and (not force_build or not self._dockerfile.is_file()):
             return prebuilt, self._worker
-        timeout = getattr(cfg, "build_timeout_sec", None)
+        return None, None
+
+    async def _create_from_template(self, force_build: bool, **spec: Any) -> AsyncSandbox:
+        """A sandbox of the task's template, built where no worker has it."""
+        loop = asyncio.get_running_loop()
+        digest = await loop.run_in_executor(None, context_digest, self.environment_dir)
+        name = template_name(self.environment_name, digest)
+        if name in _FAILED:
+            raise RuntimeError(_FAILED[name])
+        if name in _READY and not force_build:
+            try:
+                return await self._create(template=name, worker=_READY[name], **spec)
+            except CorralError as e:
+                # Forgotten since (another run built a newer version).
+                if e.reason != "no_such_template":
+                    raise
+                _READY.pop(name, None)
+        lock = _LOCKS.setdefault(name, asyncio.Lock())
+        async with lock:
+            if name in _FAILED:
+                raise RuntimeError(_FAILED[name])
+            if name in _READY:
+                return await self._create(template=name, worker=_READY[name], **spec)
+            if not force_build:
+                try:
+                    sb = await self._create(template=name, worker=self._worker, **spec)
+                    self.logger.info(f"template {name} found, nothing built")
+                    _READY[name] = self._worker
+                    return sb
+                except CorralError as e:
+                    if e.reason != "no_such_template":
+                        raise
+            worker = await self._build(name)
+            _READY[name] = worker
+        return await self._create(template=name, worker=worker, **spec)
+
+    async def _build(self, name: str) -> str | None:
+        """Builds the task's template ``name``: the worker that has it now
+        when several were named."""
+        timeout = getattr(self.task_env_config, "build_timeout_sec", None)
         built = await build_image(
             self.environment_dir,
             worker=self._worker,
             token_file=self._token_file,
             timeout=float(timeout) if timeout else None,
             on_output=lambda text: self.logger.debug(text.rstrip()),
+            template=name,
         )
         if built.failure is not None or built.image is None:
-            raise RuntimeError(
-                f"building {self._dockerfile} on {built.worker} failed at {built.failure}"
-            )
+            why = f"building {self._dockerfile} on {built.worker} failed at {built.failure}"
+            _FAILED[name] = why
+            raise RuntimeError(why)
         how = "found, built before" if built.cached else f"built in {built.duration_s:.1f} s"
-        self.logger.info(f"image {built.image} {how}")
-        # Of several workers, the one that has the image runs the trial.
-        return built.image, (built.worker if self._worker else None)
+        self.logger.info(f"template {name} ({built.image}) {how}")
+        await self._forget_older(name)
+        # Of several workers, the one that has it runs the trial.
+        return built.worker if self._worker else None
+
+    async def _forget_older(self, name: str) -> None:
+        """Forgets this task's templates of other content (one in use stays)."""
+        prefix = name.rsplit(".", 1)[0] + "."
+        try:
+            kept = await _templates.list_templates(self._worker, token_file=self._token_file)
+        except CorralError as e:
+            self.logger.debug(f"listing templates: {e}")
+            return
+        for old in {t.name for t in kept if t.name.startswith(prefix) and t.name != name}:
+            try:
+                await _templates.delete_template(
+                    old, worker=self._worker, token_file=self._token_file
+                )
+                self.logger.info(f"template {old} forgotten: {name} is the task's now")
+            except CorralError as e:
+                self.logger.debug(f"template {old} kept: {e}")
 
     def _network(self) -> dict[str, Any]:
         """The sandbox's network for the task's policy."""
@@ -167,22 +245,17 @@ class CorralEnvironment(BaseEnvironment):
         cfg = self.task_env_config
         memory_mb = getattr(cfg, "memory_mb", None)
         cpus = getattr(cfg, "cpus", None)
-        image, worker = await self._image_to_run(force_build)
-        self._sb = await AsyncSandbox.create(
-            image,
-            worker=worker,
-            token_file=self._token_file,
+        spec: dict[str, Any] = dict(
             env=self._startup_env(),
             memory=f"{int(memory_mb)}m" if memory_mb else None,
             cpus=float(cpus) if cpus else None,
-            root=True,
-            writable_rootfs=True,
-            # To run a task's commands as its agent's or verifier's user.
-            capabilities=["CAP_SETUID", "CAP_SETGID"] if self._allow_users else None,
-            idle_timeout=self._idle_timeout,
-            labels={"harbor.session": self.session_id[:1024]},
             **self._network(),
         )
+        image, worker = await self._image_to_run(force_build)
+        if image is None:
+            self._sb = await self._create_from_template(force_build, **spec)
+        else:
+            self._sb = await self._create(image=image, worker=worker, **spec)
         self.logger.info(f"Corral sandbox {self._sb.id} on {self._sb.worker.url}")
         workdir = getattr(cfg, "workdir", None)
         if workdir:
@@ -190,6 +263,18 @@ class CorralEnvironment(BaseEnvironment):
             await self._sh('mkdir -p -- "$1"', workdir)
         await self.ensure_dirs(self._mount_targets(writable_only=True))
         await self._upload_environment_dir_after_start()
+
+    async def _create(self, **kw: Any) -> AsyncSandbox:
+        return await AsyncSandbox.create(
+            token_file=self._token_file,
+            root=True,
+            writable_rootfs=True,
+            # To run a task's commands as its agent's or verifier's user.
+            capabilities=["CAP_SETUID", "CAP_SETGID"] if self._allow_users else None,
+            idle_timeout=self._idle_timeout,
+            labels={"harbor.session": self.session_id[:1024]},
+            **kw,
+        )
 
     async def stop(self, delete: bool) -> None:
         sb, self._sb = self._sb, None

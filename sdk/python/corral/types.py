@@ -298,6 +298,20 @@ class Volume:
 
 
 @dataclass(frozen=True)
+class TemplateInfo:
+    """A template a worker keeps (see :func:`corral.list_templates`)."""
+
+    name: str
+    #: The image its sandboxes run.
+    image: str
+    created_at_unix_ms: int
+    #: What its sandboxes start with, if anything.
+    start_command: str | None
+    #: The worker that keeps it.
+    worker: str
+
+
+@dataclass(frozen=True)
 class BuiltImage:
     """How a build ended: ``image`` to create sandboxes from (on ``worker``),
     or a ``failure``."""

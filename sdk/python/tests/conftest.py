@@ -258,3 +258,54 @@ def own_worker(tmp_path: Path) -> Iterator[Callable[..., Worker]]:
 def sb(worker: Worker) -> Iterator[corral.Sandbox]:
     with worker.create() as s:
         yield s
+
+
+@pytest.fixture
+def registry(tmp_path: Path) -> Iterator[str]:
+    """Debian's ``docker-registry`` on a loopback port of its own, storing
+    in the test's directory: its ``HOST:PORT`` (a fleet's ``--registry``)."""
+    root = tmp_path / "registry"
+    root.mkdir()
+    address = f"127.0.0.1:{free_port()}"
+    config = root / "config.yml"
+    config.write_text(
+        "version: 0.1\nlog:\n  level: warn\nstorage:\n  delete:\n    enabled: true\n"
+        f"  filesystem:\n    rootdirectory: {root / 'data'}\nhttp:\n  addr: {address}\n"
+    )
+    proc = subprocess.Popen(
+        ["docker-registry", "serve", str(config)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        host, port = address.split(":")
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                with socket.create_connection((host, int(port)), timeout=0.2):
+                    break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("docker-registry did not listen") from None
+                time.sleep(0.05)
+        yield address
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+#: What tests measured, said at the end of the run (``report`` fixture).
+REPORTS: list[str] = []
+
+
+@pytest.fixture
+def report() -> Callable[[str], None]:
+    """Says a line (a figure a test measured) in the run's summary."""
+    return REPORTS.append
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if REPORTS:
+        terminalreporter.section("measured")
+        for line in REPORTS:
+            terminalreporter.write_line(line)

@@ -169,6 +169,17 @@ def test_a_template_built_step_by_step_hands_out_sandboxes_ready(
     with pytest.raises(corral.InvalidArgument) as e:
         w.create(template="no-such")
     assert e.value.reason == "no_such_template"
+    # Listed and forgotten by name; one in use kept unless forced.
+    kept = corral.list_templates(w.url, token_file=str(w.token_file))
+    assert {t.name for t in kept} == {"site", "never"}, kept
+    site = next(t for t in kept if t.name == "site")
+    assert site.start_command == "exec python3 -m http.server 8000" and site.worker == w.url
+    with w.create(template="site"):
+        with pytest.raises(corral.Conflict) as c:
+            corral.delete_template("site", worker=w.url, token_file=str(w.token_file))
+        assert c.value.reason == "template_in_use"
+    assert corral.delete_template("site", worker=w.url, token_file=str(w.token_file))
+    assert not corral.delete_template("site", worker=w.url, token_file=str(w.token_file))
     for bad in (
         lambda: corral.Template.from_image("a\nRUN evil"),
         lambda: corral.Template.from_image("x").env({"A B": "1"}),

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Builds the image the Harbor adapter's test runs Harbor in: Harbor 0.25
+# Builds the image the Harbor adapter's test runs Harbor in (with the
+# Docker CLI and Compose v2, for Harbor's Docker environment): Harbor 0.25
 # needs Python >= 3.12, so Debian trixie (Python 3.13), made by mmdebstrap
 # from the Debian archive as corral-debian is (no registry), with Harbor and
 # the SDK's dependencies installed in /venv from wheels downloaded here
@@ -13,7 +14,8 @@ version=${1:-0.25.0}
 tag=corral-harbor-test:$version
 suite=trixie
 mirror=${CORRAL_DEBIAN_MIRROR:-http://deb.debian.org/debian}
-packages=python3,python3-venv,ca-certificates,bash,coreutils,findutils,tar
+# The Docker CLI and Compose v2: for Harbor's own Docker environment.
+packages=python3,python3-venv,ca-certificates,bash,coreutils,findutils,tar,docker-cli,docker-compose
 pins="harbor==$version grpcio>=1.85.1 protobuf>=7.35.1,<8"
 python=${PYTHON:-python3}
 
