@@ -305,6 +305,19 @@ pub enum VolumeCommand {
     /// VOLUME:PATH LOCAL` (as `corral cp`; a copy in is refused while
     /// another sandbox writes to the volume).
     Cp(CpArgs),
+    /// Move volume NAME from the worker of --worker to the worker --to:
+    /// made there of the same size, its files streamed across (while no
+    /// sandbox may write to it), then removed here. Refused while a
+    /// sandbox writes to it, or when --to has a volume of that name.
+    Move {
+        name: String,
+        /// The worker it goes to (an address, as --worker).
+        #[arg(long)]
+        to: String,
+        /// The token file of --to (default: --token-file's).
+        #[arg(long, env = "CORRAL_TO_TOKEN_FILE")]
+        to_token_file: Option<PathBuf>,
+    },
 }
 
 #[derive(Debug, Clone, Subcommand)]

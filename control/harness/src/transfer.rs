@@ -319,8 +319,13 @@ pub async fn copy_contents<A: WorkerApi, B: WorkerApi>(
     };
     let putting = put(to.0, to.1, to.2, relay_rx, |_| {});
     let (got, put) = tokio::join!(getting, putting);
-    got?;
-    put
+    let got = got?;
+    // The bytes that went in, and what the way out left out.
+    Ok(Moved {
+        notes: got.notes,
+        left_out: got.left_out,
+        ..put?
+    })
 }
 
 /// Follows a `get_archive` operation, handing its archive bytes to `out`.

@@ -356,3 +356,96 @@ async fn a_volume_outlives_its_sandboxes_and_its_worker_and_holds_its_size() -> 
     ensure!(left.is_empty(), "{left:?}");
     Ok(())
 }
+
+/// `corral volume move`: a volume goes from one worker to another with its
+/// size, files, modes and links; refused while a sandbox writes to it or
+/// where the other worker has one of its name; gone from the first after.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_volume_moves_to_another_worker_with_its_files() -> Result<()> {
+    let (sa, sb) = (tempfile::tempdir()?, tempfile::tempdir()?);
+    let _ua = Unmounts(sa.path().join("volumes"));
+    let _ub = Unmounts(sb.path().join("volumes"));
+    let a = WorkerProcess::spawn(sa.path(), &unique_id("mva"), free_port()?, &[], &[])?;
+    let b = WorkerProcess::spawn(sb.path(), &unique_id("mvb"), free_port()?, &[], &[])?;
+    let (ca, cb) = (a.client().await?, b.client().await?);
+    ca.raw()
+        .create_volume(pb::CreateVolumeRequest {
+            name: "moving".into(),
+            size_bytes: 24 << 20,
+        })
+        .await?;
+    let writer = ca.create_sandbox(None, with(&["moving:/data"])?).await?.id;
+    let out = run_shell(
+        &ca,
+        &writer,
+        "cd /data && mkdir -p d/e && echo one > d/a.txt && chmod 640 d/a.txt && \
+         ln -s d/a.txt link && head -c 3000000 /dev/urandom > big && sha256sum big > sum && \
+         mkfifo pipe && echo made",
+    )
+    .await?;
+    ensure!(out == "made\n", "{out}");
+    let b_token = b.token_file();
+    let b_token = b_token.to_str().context("path")?;
+    let move_args = [
+        "volume",
+        "move",
+        "moving",
+        "--to",
+        b.url.as_str(),
+        "--to-token-file",
+        b_token,
+    ];
+    // Its writer still runs: refused, nothing made on b.
+    let refused = corral(&a, &move_args).await?;
+    ensure!(!refused.status.success(), "{refused:?}");
+    ensure!(
+        String::from_utf8_lossy(&refused.stderr).contains("nobody writes to it"),
+        "{refused:?}"
+    );
+    ensure!(volumes(&cb).await?.is_empty());
+    ca.destroy_sandbox(&writer).await?;
+    // b has one of that name: refused, neither touched.
+    cb.raw()
+        .create_volume(pb::CreateVolumeRequest {
+            name: "moving".into(),
+            size_bytes: 0,
+        })
+        .await?;
+    let refused = corral(&a, &move_args).await?;
+    ensure!(
+        !refused.status.success()
+            && String::from_utf8_lossy(&refused.stderr).contains("has a volume moving already"),
+        "{refused:?}"
+    );
+    cb.raw()
+        .delete_volume(pb::DeleteVolumeRequest {
+            name: "moving".into(),
+        })
+        .await?;
+
+    let moved = corral(&a, &move_args).await?;
+    ensure!(moved.status.success(), "{moved:?}");
+    let said = String::from_utf8_lossy(&moved.stdout);
+    ensure!(
+        said.contains("moved moving to") && said.contains("pipe"),
+        "{said}"
+    );
+    ensure!(volumes(&ca).await?.is_empty(), "the old copy stayed");
+    let on_b = volumes(&cb).await?;
+    ensure!(
+        on_b.len() == 1 && on_b[0].name == "moving" && on_b[0].size_bytes >= 20 << 20,
+        "{on_b:?}"
+    );
+    let reader = cb.create_sandbox(None, with(&["moving:/data"])?).await?.id;
+    let out = run_shell(
+        &cb,
+        &reader,
+        "cd /data && cat link && stat -c %a d/a.txt && [ -d d/e ] && echo dir && \
+         sha256sum -c sum && [ ! -e pipe ] && echo no-fifo && \
+         [ $(stat -c %u big) = $(id -u) ] && echo mine",
+    )
+    .await?;
+    ensure!(out == "one\n640\ndir\nbig: OK\nno-fifo\nmine\n", "{out}");
+    cb.destroy_sandbox(&reader).await?;
+    Ok(())
+}
