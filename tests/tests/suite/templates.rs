@@ -565,7 +565,7 @@ async fn a_sandbox_saved_as_a_template_hands_its_workspace_to_the_next() -> Resu
         .run(
             &first,
             "mkdir -p d/e && echo one > d/a.txt && chmod 600 d/a.txt && ln -s d/a.txt link && \
-             truncate -s 10M d/sparse && ln -s ../x d/up && \
+             truncate -s 10M d/sparse && ln -s ../x d/up && mkfifo d/pipe && \
              (sleep 1000 > /dev/null 2>&1 &) && echo made",
         )
         .await?;
@@ -589,6 +589,7 @@ async fn a_sandbox_saved_as_a_template_hands_its_workspace_to_the_next() -> Resu
             &next,
             "cat link; stat -c '%a %u' d/a.txt; id -u; [ -d d/e ] && echo dir; \
              [ $(stat -c %s d/sparse) = 10485760 ] && [ $(readlink d/up) = ../x ] || echo lost; \
+             [ -e d/pipe ] && echo a FIFO came along; \
              echo two >> d/a.txt && cat d/a.txt; echo \"SECRET=$SECRET\"; \
              ps -o args | grep -c '[s]leep 1000'",
         )

@@ -5,7 +5,9 @@
 //! (its user owns it).
 
 use corral_proto::limits::{MAX_INPUT_CHUNK_BYTES, WORKSPACE_DIR};
-use corral_proto::{ArchiveSpec, EventKind, OperationId, OperationSpec, SandboxId, pb};
+use corral_proto::{
+    ArchiveSpec, EventKind, OperationId, OperationSpec, OutputStream, SandboxId, pb,
+};
 use futures_util::StreamExt;
 
 use super::Worker;
@@ -93,10 +95,16 @@ impl Worker {
             .map_err(|e| WorkerError::state(to, e))?;
         while let Some(event) = events.recv().await {
             match event.kind {
-                EventKind::Output { data, .. } => file
+                // The archive is its stdout; its stderr says what was left
+                // out (a FIFO, a socket), never part of the archive.
+                EventKind::Output {
+                    stream: OutputStream::Stdout,
+                    data,
+                } => file
                     .write_all(&data)
                     .await
                     .map_err(|e| WorkerError::state(to, e))?,
+                EventKind::Output { .. } => {}
                 kind => {
                     if let Some(end) = ended(sandbox, kind, "its workspace could not be read") {
                         file.flush().await.map_err(|e| WorkerError::state(to, e))?;
