@@ -2,8 +2,8 @@
 # Runs Corral's whole test suite against the local Docker engine: builds the
 # static corral-init and the sandbox images first (the tests run real
 # sandboxes), builds Corral's own images and validates the deployment files,
-# then runs every test of the workspace with cargo-nextest, and the Python
-# SDK's.
+# then runs every test of the workspace with cargo-nextest, the Python
+# SDK's and the TypeScript SDK's.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -20,6 +20,7 @@ WHAT="python3 with venv (apt-get install python3-venv)" need python3 -m venv --h
 WHAT="chromium (apt-get install chromium)" need sh -c 'command -v chromium || command -v chromium-browser'
 WHAT="openssl (apt-get install openssl)" need command -v openssl
 WHAT="curl and jq (apt-get install curl jq)" need sh -c 'command -v curl && command -v jq'
+WHAT="Node 20 and TypeScript (apt-get install nodejs node-typescript)" need sh -c 'command -v node && command -v tsc'
 WHAT="ip and iptables (apt-get install iproute2 iptables)" need sh -c 'command -v ip && command -v iptables'
 if docker info >/dev/null 2>&1; then
     runtimes=$(docker info --format '{{json .Runtimes}}' 2>/dev/null || true)
@@ -66,7 +67,11 @@ cargo nextest run --locked --workspace -E 'not test(real_llama)' "$@" || rust=$?
 # workers, in a venv of its own.
 sdk=0
 sdk/python/test.sh || sdk=$?
-if [ "$rust" != 0 ] || [ "$sdk" != 0 ]; then
-    echo "deploy/test.sh: failed: the Rust suite exited $rust, the Python SDK's $sdk" >&2
+# The TypeScript SDK (sdk/typescript): tsc, then node --test against a
+# real worker.
+ts=0
+sdk/typescript/test.sh || ts=$?
+if [ "$rust" != 0 ] || [ "$sdk" != 0 ] || [ "$ts" != 0 ]; then
+    echo "deploy/test.sh: failed: the Rust suite exited $rust, the Python SDK's $sdk, the TypeScript SDK's $ts" >&2
     exit 1
 fi
