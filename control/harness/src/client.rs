@@ -508,7 +508,9 @@ impl WorkerClient {
         Self::over(url, channel, token)
     }
 
-    fn over(url: &str, channel: Channel, token: Option<&str>) -> Result<Self, ClientError> {
+    /// A client over `channel` (made by the caller: an in-process one, say),
+    /// named `url`, presenting `token`.
+    pub fn over(url: &str, channel: Channel, token: Option<&str>) -> Result<Self, ClientError> {
         let bad = |reason: String| ClientError::BadAddress {
             url: url.to_string(),
             reason,

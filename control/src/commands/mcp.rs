@@ -66,7 +66,7 @@ enum Error {
 }
 
 /// What the server holds for its session.
-struct Server {
+pub(crate) struct Server {
     client: WorkerClient,
     image: Option<String>,
     keep: bool,
@@ -80,6 +80,27 @@ struct Server {
     /// Calls running, by their request id, to be canceled.
     running: Mutex<HashMap<String, CancellationToken>>,
     slots: tokio::sync::Semaphore,
+}
+
+impl Server {
+    pub(crate) fn new(
+        client: WorkerClient,
+        image: Option<String>,
+        keep: bool,
+        idle_timeout_ms: Option<u64>,
+        bound: Option<SandboxId>,
+    ) -> Self {
+        Self {
+            client,
+            image,
+            keep,
+            idle_timeout_ms,
+            bound: tokio::sync::Mutex::new(bound),
+            made: Mutex::new(Vec::new()),
+            running: Mutex::new(HashMap::new()),
+            slots: tokio::sync::Semaphore::new(MAX_CALLS),
+        }
+    }
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -98,16 +119,13 @@ async fn serve(conn: &ConnArgs, args: McpArgs) -> Result<(), Error> {
             })?),
             None => None,
         };
-    let server = Arc::new(Server {
+    let server = Arc::new(Server::new(
         client,
-        image: args.image.clone(),
-        keep: args.keep,
-        idle_timeout_ms: Some(args.idle_timeout.as_millis() as u64).filter(|t| *t > 0),
-        bound: tokio::sync::Mutex::new(bound),
-        made: Mutex::new(Vec::new()),
-        running: Mutex::new(HashMap::new()),
-        slots: tokio::sync::Semaphore::new(MAX_CALLS),
-    });
+        args.image.clone(),
+        args.keep,
+        Some(args.idle_timeout.as_millis() as u64).filter(|t| *t > 0),
+        bound,
+    ));
     // One writer: every message goes out whole, one a line.
     let (out, mut outgoing) = tokio::sync::mpsc::channel::<Value>(64);
     let writer = tokio::spawn(async move {
@@ -167,92 +185,111 @@ async fn serve(conn: &ConnArgs, args: McpArgs) -> Result<(), Error> {
                 .await;
             continue;
         }
-        // A client's answer to a request of ours (this server sends none).
-        if msg.get("method").is_none()
-            && (msg.get("result").is_some() || msg.get("error").is_some())
-        {
-            continue;
-        }
-        let id = msg.get("id").cloned();
-        let method = msg
-            .get("method")
-            .and_then(Value::as_str)
-            .unwrap_or_default();
-        let params = msg.get("params").cloned().unwrap_or(Value::Null);
-        match (method, id) {
-            ("notifications/cancelled", _) => {
-                let key = params.get("requestId").map(Value::to_string);
-                if let Some(token) = key.and_then(|k| lock(&server.running).remove(&k)) {
-                    token.cancel();
-                }
-            }
-            (_, None) => {} // other notifications: nothing to answer
-            ("initialize", Some(id)) => {
-                let asked = params
-                    .get("protocolVersion")
-                    .and_then(Value::as_str)
-                    .unwrap_or_default();
-                let version = PROTOCOL_VERSIONS
-                    .iter()
-                    .find(|v| **v == asked)
-                    .unwrap_or(&PROTOCOL_VERSIONS[PROTOCOL_VERSIONS.len() - 1]);
-                let _ = out
-                    .send(reply(
-                        id,
-                        json!({
-                            "protocolVersion": version,
-                            "capabilities": {"tools": {"listChanged": false}},
-                            "serverInfo": {"name": "corral", "version": env!("CARGO_PKG_VERSION")},
-                            "instructions": "Tools that run commands and read and write files in a Corral sandbox: an isolated Linux machine of its own, with no network unless its worker allows one. The session has one sandbox, made at the first tool that needs it; pass sandbox_id to use another.",
-                        }),
-                    ))
-                    .await;
-            }
-            ("ping", Some(id)) => {
-                let _ = out.send(reply(id, json!({}))).await;
-            }
-            ("tools/list", Some(id)) => {
-                let _ = out.send(reply(id, json!({"tools": tools()}))).await;
-            }
-            ("tools/call", Some(id)) => {
-                let name = params
-                    .get("name")
-                    .and_then(Value::as_str)
-                    .unwrap_or_default()
-                    .to_string();
-                if !tools().iter().any(|t| t["name"] == name.as_str()) {
-                    let _ = out
-                        .send(error(id, -32602, &format!("no tool {name:?}")))
-                        .await;
-                    continue;
-                }
-                let arguments = params.get("arguments").cloned().unwrap_or(json!({}));
-                let token = CancellationToken::new();
-                lock(&server.running).insert(id.to_string(), token.clone());
-                let (server, out) = (server.clone(), out.clone());
-                tasks.spawn(async move {
-                    let Ok(_slot) = server.slots.acquire().await else {
-                        return;
-                    };
-                    // The call sees the cancellation itself (a command is
-                    // canceled in its sandbox, not left running).
-                    let result = call(&server, &name, &arguments, &token).await;
-                    lock(&server.running).remove(&id.to_string());
-                    // A canceled call is not answered (the client gave up on it).
-                    if !token.is_cancelled() {
-                        let _ = out.send(reply(id, result)).await;
-                    }
-                });
-            }
-            (other, Some(id)) => {
-                let _ = out
-                    .send(error(id, -32601, &format!("no method {other:?}")))
-                    .await;
-            }
-        }
+        handle(&server, msg, &out, &tasks).await;
     }
     // The client is gone: its calls end, and the sandbox this server made
     // goes with the session.
+    end(&server, &tasks).await;
+    drop(out);
+    let _ = writer.await;
+    Ok(())
+}
+
+/// Answers one message of a client (never a batch), its replies to `out`;
+/// a tool call runs as a task of `tasks`, so that the next message is read
+/// while it runs.
+pub(crate) async fn handle(
+    server: &Arc<Server>,
+    msg: Value,
+    out: &tokio::sync::mpsc::Sender<Value>,
+    tasks: &tokio_util::task::TaskTracker,
+) {
+    // A client's answer to a request of ours (this server sends none).
+    if msg.get("method").is_none() && (msg.get("result").is_some() || msg.get("error").is_some()) {
+        return;
+    }
+    let id = msg.get("id").cloned();
+    let method = msg
+        .get("method")
+        .and_then(Value::as_str)
+        .unwrap_or_default();
+    let params = msg.get("params").cloned().unwrap_or(Value::Null);
+    match (method, id) {
+        ("notifications/cancelled", _) => {
+            let key = params.get("requestId").map(Value::to_string);
+            if let Some(token) = key.and_then(|k| lock(&server.running).remove(&k)) {
+                token.cancel();
+            }
+        }
+        (_, None) => {} // other notifications: nothing to answer
+        ("initialize", Some(id)) => {
+            let asked = params
+                .get("protocolVersion")
+                .and_then(Value::as_str)
+                .unwrap_or_default();
+            let version = PROTOCOL_VERSIONS
+                .iter()
+                .find(|v| **v == asked)
+                .unwrap_or(&PROTOCOL_VERSIONS[PROTOCOL_VERSIONS.len() - 1]);
+            let _ = out
+                .send(reply(
+                    id,
+                    json!({
+                        "protocolVersion": version,
+                        "capabilities": {"tools": {"listChanged": false}},
+                        "serverInfo": {"name": "corral", "version": env!("CARGO_PKG_VERSION")},
+                        "instructions": "Tools that run commands and read and write files in a Corral sandbox: an isolated Linux machine of its own, with no network unless its worker allows one. The session has one sandbox, made at the first tool that needs it; pass sandbox_id to use another.",
+                    }),
+                ))
+                .await;
+        }
+        ("ping", Some(id)) => {
+            let _ = out.send(reply(id, json!({}))).await;
+        }
+        ("tools/list", Some(id)) => {
+            let _ = out.send(reply(id, json!({"tools": tools()}))).await;
+        }
+        ("tools/call", Some(id)) => {
+            let name = params
+                .get("name")
+                .and_then(Value::as_str)
+                .unwrap_or_default()
+                .to_string();
+            if !tools().iter().any(|t| t["name"] == name.as_str()) {
+                let _ = out
+                    .send(error(id, -32602, &format!("no tool {name:?}")))
+                    .await;
+                return;
+            }
+            let arguments = params.get("arguments").cloned().unwrap_or(json!({}));
+            let token = CancellationToken::new();
+            lock(&server.running).insert(id.to_string(), token.clone());
+            let (server, out) = (server.clone(), out.clone());
+            tasks.spawn(async move {
+                let Ok(_slot) = server.slots.acquire().await else {
+                    return;
+                };
+                // The call sees the cancellation itself (a command is
+                // canceled in its sandbox, not left running).
+                let result = call(&server, &name, &arguments, &token).await;
+                lock(&server.running).remove(&id.to_string());
+                // A canceled call is not answered (the client gave up on it).
+                if !token.is_cancelled() {
+                    let _ = out.send(reply(id, result)).await;
+                }
+            });
+        }
+        (other, Some(id)) => {
+            let _ = out
+                .send(error(id, -32601, &format!("no method {other:?}")))
+                .await;
+        }
+    }
+}
+
+/// Ends a session: its calls are canceled and waited for, and the
+/// sandboxes it made are removed (unless kept).
+pub(crate) async fn end(server: &Server, tasks: &tokio_util::task::TaskTracker) {
     for token in lock(&server.running).values() {
         token.cancel();
     }
@@ -264,9 +301,6 @@ async fn serve(conn: &ConnArgs, args: McpArgs) -> Result<(), Error> {
             tracing::warn!(sandbox = %id, error = %e, "a sandbox of the session was not removed");
         }
     }
-    drop(out);
-    let _ = writer.await;
-    Ok(())
 }
 
 /// What `client` needs to start this server as this command would: the

@@ -28,6 +28,10 @@ use corral_proto::pb::worker_server::WorkerServer;
 use crate::cli::{ApiKind, ConnArgs, LostPolicy, ServeArgs};
 use corral_harness::host::{Defaults, Host, HostError};
 
+/// How long an MCP session over HTTP may stay idle before it ends (and
+/// its sandboxes are removed).
+const MCP_IDLE: std::time::Duration = std::time::Duration::from_secs(3600);
+
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {
     #[error("{0}")]
@@ -306,6 +310,7 @@ pub async fn serve(conn: &ConnArgs, args: &ServeArgs) -> Result<(), ServeError> 
         .max_concurrent_streams(corral_worker::server::MAX_STREAMS_PER_CONNECTION)
         .http2_keepalive_interval(Some(std::time::Duration::from_secs(30)))
         .http2_keepalive_timeout(Some(std::time::Duration::from_secs(20)));
+    let https = tls.is_some();
     if let Some(tls) = tls {
         builder = builder.tls_config(tls)?;
     }
@@ -314,10 +319,14 @@ pub async fn serve(conn: &ConnArgs, args: &ServeArgs) -> Result<(), ServeError> 
         .add_service(admin)
         .add_service(sandboxes)
         .into_axum_router();
+    // MCP over HTTP at /mcp: its tools call these routes in-process, with
+    // the caller's key.
+    let mcp = crate::commands::mcp_http::router(grpc.clone(), https, MCP_IDLE);
     let http = corral_worker::server::with_http_gateway(
         grpc,
         &["corral.v1.Worker", "corral.v1.Control", "corral.v1.Admin"],
-    )?;
+    )?
+    .merge(mcp);
     let router = builder.add_routes(http.into());
     // Admitted as a worker admits its clients: bounded handshakes and
     // unauthenticated connections per address, and TCP_NODELAY (without

@@ -1,5 +1,7 @@
 """`corral mcp` driven by the `mcp` package's own client (PyPI) over stdio,
-against a real worker and through a front door: the tools are listed with
+against a real worker and through a front door, and over Streamable HTTP
+on a front door (a tenant's key as its Bearer; a missing or wrong one 401
+naming the protected-resource metadata; a session its key's alone): the tools are listed with
 their schemas and hints; a sandbox is made at the first call; a command,
 a file written and read back, a command that fails and one that times out
 are tool results (the session goes on); an unknown tool is a protocol
@@ -8,14 +10,21 @@ refused before anything is served."""
 
 from __future__ import annotations
 
+import json
 import os
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import anyio
+import httpx2
 import pytest
-from conftest import BIN_DIR, Client
+from conftest import BIN_DIR, Client, FrontDoor, Worker
 from mcp import ClientSession, StdioServerParameters
 from mcp.client.stdio import stdio_client
+from mcp.client.streamable_http import streamable_http_client
 
 
 def server(worker: Client, *extra: str) -> StdioServerParameters:
@@ -133,3 +142,98 @@ def test_a_wrong_token_is_refused_before_anything_is_served(worker: Client, tmp_
 
     with pytest.raises(BaseException):  # noqa: B017 - the client's own error, whatever it is
         anyio.run(attempt)
+
+
+async def http_session_run(url: str, key: str) -> dict[str, Any]:
+    """The same session over Streamable HTTP, with ``key`` as its Bearer."""
+    seen: dict[str, Any] = {}
+    client = httpx2.AsyncClient(
+        headers={"Authorization": f"Bearer {key}"}, timeout=httpx2.Timeout(30, read=300)
+    )
+    async with (
+        client,
+        streamable_http_client(url, http_client=client) as streams,
+        ClientSession(streams[0], streams[1]) as session,
+    ):
+        init = await session.initialize()
+        seen["version"] = init.protocol_version
+        seen["tools"] = {t.name for t in (await session.list_tools()).tools}
+        r = await session.call_tool("run_command", {"command": "python3 -c 'print(6*7)'"})
+        seen["run"] = r
+        seen["sandbox"] = r.structured_content["sandbox_id"]
+        seen["write"] = await session.call_tool(
+            "write_file", {"path": "notes.txt", "content": "over http\n"}
+        )
+        seen["read"] = await session.call_tool("read_file", {"path": "notes.txt"})
+        seen["fails"] = await session.call_tool("run_command", {"command": "exit 3"})
+        seen["slow"] = await session.call_tool(
+            "run_command", {"command": "sleep 30", "timeout_seconds": 1}
+        )
+        seen["after"] = await session.call_tool("run_command", {"command": "echo still here"})
+    return seen
+
+
+@pytest.mark.timeout(180)
+def test_an_agent_uses_corral_mcp_over_http_on_a_front_door(
+    own_worker: Callable[..., Worker], tmp_path: Path
+) -> None:
+    w = own_worker()
+    (tmp_path / "door").mkdir()
+    door = FrontDoor(tmp_path / "door", w)
+    try:
+        url = f"{door.url}/mcp"
+        seen = anyio.run(http_session_run, url, door.acme)
+        assert seen["version"] == "2025-11-25"
+        assert {"run_command", "read_file", "write_file"} <= seen["tools"]
+        r = seen["run"]
+        assert not r.is_error and r.structured_content["stdout"] == "42\n", text_of(r)
+        assert seen["read"].structured_content["content"] == "over http\n"
+        assert seen["fails"].is_error and seen["fails"].structured_content["exit_code"] == 3
+        assert seen["slow"].is_error and "timed out" in text_of(seen["slow"])
+        assert seen["after"].structured_content["stdout"] == "still here\n"
+        # The session's sandbox was the tenant's, and went with the session.
+        assert seen["sandbox"] not in {s.id for s in w.list()}
+
+        # No key, a wrong one: 401 naming the protected-resource metadata.
+        init = {
+            "jsonrpc": "2.0",
+            "id": 1,
+            "method": "initialize",
+            "params": {
+                "protocolVersion": "2025-11-25",
+                "capabilities": {},
+                "clientInfo": {"name": "t", "version": "0"},
+            },
+        }
+        for key in (None, "not-a-key"):
+            req = urllib.request.Request(url, data=json.dumps(init).encode(), method="POST")
+            req.add_header("Content-Type", "application/json")
+            req.add_header("Accept", "application/json, text/event-stream")
+            if key:
+                req.add_header("Authorization", f"Bearer {key}")
+            with pytest.raises(urllib.error.HTTPError) as e:
+                urllib.request.urlopen(req, timeout=30)
+            assert e.value.code == 401
+            challenge = e.value.headers["WWW-Authenticate"]
+            assert "oauth-protected-resource" in challenge, challenge
+        meta_url = challenge.split('resource_metadata="')[1].rstrip('"')
+        with urllib.request.urlopen(meta_url, timeout=30) as r2:
+            meta = json.loads(r2.read())
+        assert meta["resource"] == url and meta["bearer_methods_supported"] == ["header"]
+
+        # A session is its key's: another tenant's key does not reach it.
+        req = urllib.request.Request(url, data=json.dumps(init).encode(), method="POST")
+        req.add_header("Content-Type", "application/json")
+        req.add_header("Authorization", f"Bearer {door.acme}")
+        with urllib.request.urlopen(req, timeout=30) as r3:
+            sid = r3.headers["Mcp-Session-Id"]
+        ping = {"jsonrpc": "2.0", "id": 2, "method": "ping"}
+        req = urllib.request.Request(url, data=json.dumps(ping).encode(), method="POST")
+        req.add_header("Content-Type", "application/json")
+        req.add_header("Authorization", f"Bearer {door.bolt}")
+        req.add_header("Mcp-Session-Id", sid)
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=30)
+        assert e.value.code == 404
+    finally:
+        door.stop()
