@@ -65,6 +65,36 @@ enum Error {
     Io(#[from] std::io::Error),
 }
 
+/// A tool call running: how it is canceled, and where its progress goes
+/// (the client's progress token and the session's way out), if asked for.
+struct Call {
+    cancel: CancellationToken,
+    progress: Option<(Value, tokio::sync::mpsc::Sender<Value>)>,
+}
+
+impl std::ops::Deref for Call {
+    type Target = CancellationToken;
+    fn deref(&self) -> &CancellationToken {
+        &self.cancel
+    }
+}
+
+/// The least time between two progress notifications of a call.
+const PROGRESS_EVERY: std::time::Duration = std::time::Duration::from_millis(500);
+
+/// What a client hears of a command's progress: the output so far (bytes)
+/// and its last line.
+fn progress_note(token: &Value, bytes: u64, last: &[u8]) -> Value {
+    let text = String::from_utf8_lossy(last);
+    let line = text.trim_end().rsplit('\n').next().unwrap_or_default();
+    let line: String = line.chars().take(200).collect();
+    json!({
+        "jsonrpc": "2.0",
+        "method": "notifications/progress",
+        "params": {"progressToken": token, "progress": bytes, "message": line},
+    })
+}
+
 /// What the server holds for its session.
 pub(crate) struct Server {
     client: WorkerClient,
@@ -247,6 +277,20 @@ pub(crate) async fn handle(
             let _ = out.send(reply(id, json!({}))).await;
         }
         ("tools/list", Some(id)) => {
+            // One page holds them all: no cursor of ours to continue from.
+            if params
+                .get("cursor")
+                .is_some_and(|c| !c.is_null() && c != "")
+            {
+                let _ = out
+                    .send(error(
+                        id,
+                        -32602,
+                        "no such cursor: the tools come in one page",
+                    ))
+                    .await;
+                return;
+            }
             let _ = out.send(reply(id, json!({"tools": tools()}))).await;
         }
         ("tools/call", Some(id)) => {
@@ -264,6 +308,11 @@ pub(crate) async fn handle(
             let arguments = params.get("arguments").cloned().unwrap_or(json!({}));
             let token = CancellationToken::new();
             lock(&server.running).insert(id.to_string(), token.clone());
+            // Progress, when the client asked for it with a token.
+            let progress = params
+                .pointer("/_meta/progressToken")
+                .filter(|t| t.is_string() || t.is_i64() || t.is_u64())
+                .map(|t| (t.clone(), out.clone()));
             let (server, out) = (server.clone(), out.clone());
             tasks.spawn(async move {
                 let Ok(_slot) = server.slots.acquire().await else {
@@ -271,7 +320,11 @@ pub(crate) async fn handle(
                 };
                 // The call sees the cancellation itself (a command is
                 // canceled in its sandbox, not left running).
-                let result = call(&server, &name, &arguments, &token).await;
+                let call_of = Call {
+                    cancel: token.clone(),
+                    progress,
+                };
+                let result = call(&server, &name, &arguments, &call_of).await;
                 lock(&server.running).remove(&id.to_string());
                 // A canceled call is not answered (the client gave up on it).
                 if !token.is_cancelled() {
@@ -548,7 +601,7 @@ async fn run(
     server: &Server,
     sandbox: &SandboxId,
     spec: OperationSpec,
-    token: &CancellationToken,
+    token: &Call,
 ) -> Result<OperationResult, Value> {
     let op = OperationId::random();
     let (_, mut events) = server
@@ -557,12 +610,27 @@ async fn run(
         .await
         .map_err(|e| failed(e.to_string()))?;
     let finished = async {
+        let mut output = 0u64;
+        let mut said = std::time::Instant::now() - PROGRESS_EVERY;
         while let Some(e) = events.next().await {
             match e.map_err(|e| failed(e.to_string()))? {
                 Event {
                     kind: EventKind::Finished(r),
                     ..
                 } => return Ok(*r),
+                Event {
+                    kind: EventKind::Output { data, .. },
+                    ..
+                } => {
+                    output += data.len() as u64;
+                    if let Some((t, out)) = &token.progress
+                        && said.elapsed() >= PROGRESS_EVERY
+                    {
+                        said = std::time::Instant::now();
+                        // Never held up by a client that does not read.
+                        let _ = out.try_send(progress_note(t, output, &data));
+                    }
+                }
                 Event {
                     kind: EventKind::SandboxLost { reason },
                     ..
@@ -602,7 +670,7 @@ fn shown(c: &corral_proto::result::Captured) -> String {
     text
 }
 
-async fn call(server: &Server, name: &str, args: &Value, token: &CancellationToken) -> Value {
+async fn call(server: &Server, name: &str, args: &Value, token: &Call) -> Value {
     match call_inner(server, name, args, token).await {
         Ok(v) | Err(v) => v,
     }
@@ -612,7 +680,7 @@ async fn call_inner(
     server: &Server,
     name: &str,
     args: &Value,
-    token: &CancellationToken,
+    token: &Call,
 ) -> Result<Value, Value> {
     match name {
         "run_command" => {

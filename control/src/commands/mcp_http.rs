@@ -6,8 +6,9 @@
 //! `/.well-known/oauth-protected-resource`); `initialize` opens a session
 //! (`Mcp-Session-Id`), bound to the key that opened it, whose tools call the
 //! front door in-process with that key: the tenant's sandboxes, scopes and
-//! quotas, as for any of its calls. A request is answered with JSON; a
-//! notification with `202`; `DELETE /mcp` ends the session (its sandboxes
+//! quotas, as for any of its calls. A request is answered with JSON (a tool
+//! call, to a client that takes them, with Server-Sent Events: its progress
+//! notifications, then its result); a notification with `202`; `DELETE /mcp` ends the session (its sandboxes
 //! are removed), as does its idle timeout.
 
 use std::collections::HashMap;
@@ -187,12 +188,50 @@ fn in_process(grpc: axum::Router, token: &str) -> Result<WorkerClient, String> {
     WorkerClient::over("in-process", channel, Some(token)).map_err(|e| e.to_string())
 }
 
-/// The answer to request `msg` of `session` (none if it was canceled).
+/// The answer to request `msg` of `session` (none if it was canceled);
+/// what it notified on the way is left out (see [`streamed`]).
 async fn answer(session: &Session, msg: Value) -> Option<Value> {
-    let (tx, mut rx) = tokio::sync::mpsc::channel(4);
+    let (tx, mut rx) = tokio::sync::mpsc::channel(16);
     handle(&session.server, msg, &tx, &session.tasks).await;
     drop(tx);
-    rx.recv().await
+    while let Some(v) = rx.recv().await {
+        if v.get("id").is_some() {
+            return Some(v);
+        }
+    }
+    None
+}
+
+/// The answer to request `msg` as Server-Sent Events: its notifications
+/// (progress) as they come, then its reply.
+async fn streamed(session: &Session, msg: Value) -> Response {
+    let (tx, rx) = tokio::sync::mpsc::channel(16);
+    handle(&session.server, msg, &tx, &session.tasks).await;
+    drop(tx);
+    let events = futures_util::stream::unfold(rx, |mut rx| async move {
+        let v = rx.recv().await?;
+        Some((
+            Ok::<_, std::io::Error>(format!("event: message\ndata: {v}\n\n")),
+            rx,
+        ))
+    });
+    let mut r = axum::body::Body::from_stream(events).into_response();
+    r.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/event-stream"),
+    );
+    r.headers_mut()
+        .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    r
+}
+
+/// Whether the client takes an answer as Server-Sent Events.
+fn accepts_sse(headers: &HeaderMap) -> bool {
+    headers
+        .get_all(header::ACCEPT)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .any(|v| v.contains("text/event-stream"))
 }
 
 async fn post(State(mcp): State<Arc<McpHttp>>, headers: HeaderMap, body: Bytes) -> Response {
@@ -304,6 +343,10 @@ async fn post(State(mcp): State<Arc<McpHttp>>, headers: HeaderMap, body: Bytes) 
         )
         .await;
         return StatusCode::ACCEPTED.into_response();
+    }
+    // A tool call to a client that takes a stream: its progress as it comes.
+    if accepts_sse(&headers) && msg.get("method").and_then(Value::as_str) == Some("tools/call") {
+        return streamed(&session, msg).await;
     }
     match answer(&session, msg).await {
         Some(reply) => respond(StatusCode::OK, reply),

@@ -20,9 +20,10 @@ from typing import Any
 
 import anyio
 import httpx2
+import jsonschema
 import pytest
 from conftest import BIN_DIR, Client, FrontDoor, Worker
-from mcp import ClientSession, StdioServerParameters
+from mcp import ClientSession, StdioServerParameters, types
 from mcp.client.stdio import stdio_client
 from mcp.client.streamable_http import streamable_http_client
 
@@ -235,5 +236,96 @@ def test_an_agent_uses_corral_mcp_over_http_on_a_front_door(
         with pytest.raises(urllib.error.HTTPError) as e:
             urllib.request.urlopen(req, timeout=30)
         assert e.value.code == 404
+    finally:
+        door.stop()
+
+
+async def conformance(session: ClientSession) -> dict[str, Any]:
+    """What an MCP Inspector-style pass checks of a session."""
+    seen: dict[str, Any] = {}
+    init = await session.initialize()
+    seen["capabilities"] = init.capabilities
+    listed = await session.list_tools()
+    seen["tools"] = listed.tools
+    seen["next"] = listed.next_cursor
+    try:
+        await session.list_tools(params=types.PaginatedRequestParams(cursor="not-a-cursor"))
+        seen["bad_cursor"] = None
+    except Exception as e:  # the client raises the protocol error
+        seen["bad_cursor"] = e
+    notes: list[tuple[float, str | None]] = []
+
+    async def on_progress(progress: float, total: float | None, message: str | None) -> None:
+        notes.append((progress, message))
+
+    seen["progressed"] = await session.call_tool(
+        "run_command",
+        {"command": "for i in 1 2 3 4 5; do echo step $i; sleep 0.6; done"},
+        progress_callback=on_progress,
+    )
+    seen["progress"] = notes
+    # A call canceled while its command runs: the command ends in the sandbox.
+    with anyio.move_on_after(2):
+        await session.call_tool(
+            "run_command",
+            {"command": "touch started; sleep 4; touch finished", "timeout_seconds": 60},
+        )
+    await anyio.sleep(5)
+    seen["after_cancel"] = await session.call_tool(
+        "run_command", {"command": "ls started finished 2>&1; true"}
+    )
+    return seen
+
+
+def check_conformance(seen: dict[str, Any]) -> None:
+    assert seen["capabilities"].tools is not None
+    for t in seen["tools"]:
+        # Each schema a valid JSON Schema, of an object; each tool described.
+        jsonschema.Draft202012Validator.check_schema(t.input_schema)
+        assert t.input_schema["type"] == "object" and t.description, t.name
+        if t.output_schema is not None:
+            jsonschema.Draft202012Validator.check_schema(t.output_schema)
+    assert seen["next"] is None
+    assert seen["bad_cursor"] is not None
+    r = seen["progressed"]
+    assert not r.is_error and r.structured_content["stdout"].count("step") == 5, text_of(r)
+    notes = seen["progress"]
+    assert notes and any("step" in (m or "") for _, m in notes), notes
+    assert [p for p, _ in notes] == sorted(p for p, _ in notes), notes
+    listing = seen["after_cancel"].structured_content["stdout"]
+    assert "started" in listing and "'finished': No such file" in listing, listing
+
+
+@pytest.mark.timeout(180)
+def test_an_inspector_style_pass_over_stdio_and_http(
+    own_worker: Callable[..., Worker], tmp_path: Path
+) -> None:
+    w = own_worker("--allow-image", "corral-debian:latest")
+
+    async def over_stdio() -> dict[str, Any]:
+        async with (
+            stdio_client(server(w)) as (read, write),
+            ClientSession(read, write) as session,
+        ):
+            return await conformance(session)
+
+    check_conformance(anyio.run(over_stdio))
+    (tmp_path / "door").mkdir()
+    door = FrontDoor(tmp_path / "door", w)
+    try:
+
+        async def over_http() -> dict[str, Any]:
+            client = httpx2.AsyncClient(
+                headers={"Authorization": f"Bearer {door.acme}"},
+                timeout=httpx2.Timeout(30, read=300),
+            )
+            async with (
+                client,
+                streamable_http_client(f"{door.url}/mcp", http_client=client) as streams,
+                ClientSession(streams[0], streams[1]) as session,
+            ):
+                return await conformance(session)
+
+        check_conformance(anyio.run(over_http))
     finally:
         door.stop()
