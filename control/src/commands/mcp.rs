@@ -30,6 +30,8 @@ const MAX_READ: u64 = 256 << 10;
 /// A command's time when the call names none, and the most it may name.
 const DEFAULT_TIMEOUT_S: u64 = 120;
 const MAX_TIMEOUT_S: u64 = 3600;
+/// Where background processes' output goes in their sandbox.
+const PROCESS_LOGS: &str = "/tmp/.corral-mcp";
 /// Most tool calls running at once (more wait for one to end).
 const MAX_CALLS: usize = 16;
 
@@ -523,6 +525,69 @@ fn tools() -> Vec<Value> {
             "annotations": {"readOnlyHint": false, "destructiveHint": true, "idempotentHint": true, "openWorldHint": false},
         }),
         json!({
+            "name": "start_process",
+            "description": "Start a command (sh -c) in the background and return at once with its process_id: a server, a build, a watcher. Its output goes to a log read_process reads; it runs until it ends or stop_process.",
+            "inputSchema": {
+                "type": "object",
+                "properties": {
+                    "command": {"type": "string", "description": "The command line, run by sh -c."},
+                    "cwd": {"type": "string", "description": "Where it runs (default: the sandbox's workspace)."},
+                    "env": {"type": "object", "additionalProperties": {"type": "string"}},
+                    "sandbox_id": sandbox_id_schema(),
+                },
+                "required": ["command"],
+                "additionalProperties": false,
+            },
+            "annotations": {"readOnlyHint": false, "destructiveHint": true, "idempotentHint": false, "openWorldHint": false},
+        }),
+        json!({
+            "name": "read_process",
+            "description": "A background process's state (running, or how it ended) and the last 16 KiB of its output (stdout and stderr together).",
+            "inputSchema": {
+                "type": "object",
+                "properties": {"process_id": {"type": "string"}, "sandbox_id": sandbox_id_schema()},
+                "required": ["process_id"],
+                "additionalProperties": false,
+            },
+            "annotations": {"readOnlyHint": true, "destructiveHint": false, "idempotentHint": true, "openWorldHint": false},
+        }),
+        json!({
+            "name": "stop_process",
+            "description": "Stop a background process (and what it started).",
+            "inputSchema": {
+                "type": "object",
+                "properties": {"process_id": {"type": "string"}, "sandbox_id": sandbox_id_schema()},
+                "required": ["process_id"],
+                "additionalProperties": false,
+            },
+            "annotations": {"readOnlyHint": false, "destructiveHint": true, "idempotentHint": true, "openWorldHint": false},
+        }),
+        json!({
+            "name": "list_files",
+            "description": "The entries of a directory of the sandbox: name, type, size (a relative path is under /workspace).",
+            "inputSchema": {
+                "type": "object",
+                "properties": {"path": {"type": "string", "description": "Default: the workspace."}, "sandbox_id": sandbox_id_schema()},
+                "additionalProperties": false,
+            },
+            "annotations": {"readOnlyHint": true, "destructiveHint": false, "idempotentHint": true, "openWorldHint": false},
+        }),
+        json!({
+            "name": "expose_port",
+            "description": "Give a port a server of the sandbox listens on a URL outside it (on a worker that serves ports): signed (a token in the URL or as a Bearer) unless public is true.",
+            "inputSchema": {
+                "type": "object",
+                "properties": {
+                    "port": {"type": "integer", "minimum": 1, "maximum": 65535},
+                    "public": {"type": "boolean", "description": "Anyone with the URL, no token (default false)."},
+                    "sandbox_id": sandbox_id_schema(),
+                },
+                "required": ["port"],
+                "additionalProperties": false,
+            },
+            "annotations": {"readOnlyHint": false, "destructiveHint": false, "idempotentHint": true, "openWorldHint": true},
+        }),
+        json!({
             "name": "create_sandbox",
             "description": "Make a new sandbox and make it the session's (one made before stays, and goes when the session ends). Returns its id.",
             "inputSchema": {
@@ -820,6 +885,149 @@ async fn call_inner(
             Ok(result(
                 format!("sandbox {} ({}) is the session's now", made.id, made.image),
                 json!({"sandbox_id": made.id.to_string(), "image": made.image}),
+                false,
+            ))
+        }
+        "start_process" => {
+            let command = text_arg(args, "command")?;
+            let sandbox = sandbox_for(server, args).await?;
+            let op = OperationId::random();
+            // Its output to a log of its own, which outlives the process.
+            let mut spec = ShellSpec::new(format!(
+                "mkdir -p {PROCESS_LOGS} && exec >{PROCESS_LOGS}/{op}.log 2>&1\n{command}"
+            ));
+            spec.keep_background = true;
+            if let Some(cwd) = args.get("cwd").and_then(Value::as_str) {
+                spec.workdir = Some(cwd.to_string());
+            }
+            if let Some(env) = args.get("env").and_then(Value::as_object) {
+                for (k, v) in env {
+                    let v = v
+                        .as_str()
+                        .ok_or_else(|| failed(format!("env {k}: a string")))?;
+                    spec.env.insert(k.clone(), v.to_string());
+                }
+            }
+            server
+                .client
+                .submit(&sandbox, &op, OperationSpec::Shell(spec))
+                .await
+                .map_err(|e| failed(format!("not started: {e}")))?;
+            Ok(result(
+                format!("started process {op} in sandbox {sandbox}"),
+                json!({"process_id": op.to_string(), "sandbox_id": sandbox.to_string()}),
+                false,
+            ))
+        }
+        "read_process" => {
+            let id = OperationId::new(text_arg(args, "process_id")?.to_string())
+                .map_err(|e| failed(format!("process_id: {e}")))?;
+            let sandbox = sandbox_for(server, args).await?;
+            let record = server
+                .client
+                .operation(&sandbox, &id)
+                .await
+                .map_err(|e| failed(format!("process {id}: {e}")))?;
+            let mut tail = ShellSpec::new(format!(
+                "tail -c {} {PROCESS_LOGS}/{id}.log 2>/dev/null; true",
+                MAX_OUTPUT
+            ));
+            tail.output_limit_bytes = Some(2 * MAX_OUTPUT as u64);
+            let r = run(server, &sandbox, OperationSpec::Shell(tail), token).await?;
+            let output = String::from_utf8_lossy(&r.stdout.head).into_owned();
+            let (state, exit_code) = match &record.result {
+                None => ("running".to_string(), None),
+                Some(done) => (
+                    done.outcome.to_string(),
+                    match done.outcome {
+                        Outcome::Exited { code } => Some(code),
+                        _ => None,
+                    },
+                ),
+            };
+            Ok(result(
+                format!("process {id}: {state}\n{output}"),
+                json!({"process_id": id.to_string(), "running": record.result.is_none(), "state": state, "exit_code": exit_code, "output": output}),
+                false,
+            ))
+        }
+        "stop_process" => {
+            let id = OperationId::new(text_arg(args, "process_id")?.to_string())
+                .map_err(|e| failed(format!("process_id: {e}")))?;
+            let sandbox = sandbox_for(server, args).await?;
+            server
+                .client
+                .cancel(&sandbox, &id)
+                .await
+                .map_err(|e| failed(format!("process {id}: {e}")))?;
+            Ok(result(
+                format!("process {id} stopped"),
+                json!({"process_id": id.to_string(), "stopped": true}),
+                false,
+            ))
+        }
+        "list_files" => {
+            let path = args.get("path").and_then(Value::as_str).unwrap_or(".");
+            let sandbox = sandbox_for(server, args).await?;
+            let mut ls = ShellSpec::new(
+                r#"cd -- "$P" && find . -mindepth 1 -maxdepth 1 -printf '%y %s %P\n' | sort -k3 | head -n 1000"#
+                    .to_string(),
+            );
+            ls.env.insert("P".into(), path.to_string());
+            let r = run(server, &sandbox, OperationSpec::Shell(ls), token).await?;
+            if !r.outcome.is_success() {
+                return Err(failed(format!(
+                    "{path}: {}",
+                    String::from_utf8_lossy(&r.stderr.head).trim()
+                )));
+            }
+            let text = String::from_utf8_lossy(&r.stdout.head).into_owned();
+            let entries: Vec<Value> = text
+                .lines()
+                .filter_map(|l| {
+                    let mut it = l.splitn(3, ' ');
+                    let (kind, size, name) = (it.next()?, it.next()?, it.next()?);
+                    let kind = match kind {
+                        "d" => "directory",
+                        "f" => "file",
+                        "l" => "symlink",
+                        _ => "other",
+                    };
+                    Some(json!({"name": name, "type": kind, "size": size.parse::<u64>().unwrap_or(0)}))
+                })
+                .collect();
+            Ok(result(
+                if text.is_empty() {
+                    format!("{path}: empty")
+                } else {
+                    text
+                },
+                json!({"path": path, "entries": entries}),
+                false,
+            ))
+        }
+        "expose_port" => {
+            let port = args
+                .get("port")
+                .and_then(Value::as_u64)
+                .and_then(|p| u16::try_from(p).ok())
+                .filter(|p| *p > 0)
+                .ok_or_else(|| failed("port: a port number from 1 to 65535"))?;
+            let public = args.get("public").and_then(Value::as_bool).unwrap_or(false);
+            let sandbox = sandbox_for(server, args).await?;
+            let access = if public {
+                corral_proto::pb::PortAccess::Public
+            } else {
+                corral_proto::pb::PortAccess::Signed
+            };
+            let e = server
+                .client
+                .expose_port(&sandbox, port, access, None)
+                .await
+                .map_err(|e| failed(format!("port {port} not exposed: {e}")))?;
+            Ok(result(
+                format!("port {port} of sandbox {sandbox}: {}", e.url),
+                json!({"port": port, "url": e.url, "token": (!e.token.is_empty()).then_some(&e.token)}),
                 false,
             ))
         }

@@ -78,6 +78,29 @@ async def session_run(worker: Client) -> dict[str, Any]:
         )
         seen["missing"] = await session.call_tool("read_file", {"path": "/workspace/nope"})
         seen["after"] = await session.call_tool("run_command", {"command": "echo still here"})
+        # Background processes: one that ends, one stopped; their output.
+        started = await session.call_tool(
+            "start_process",
+            {"command": "for i in 1 2 3; do echo tick $i; sleep 0.3; done; exit 4"},
+        )
+        seen["started"] = started
+        forever = await session.call_tool("start_process", {"command": "echo up; sleep 600"})
+        await anyio.sleep(2)
+        seen["ended"] = await session.call_tool(
+            "read_process", {"process_id": started.structured_content["process_id"]}
+        )
+        seen["running"] = await session.call_tool(
+            "read_process", {"process_id": forever.structured_content["process_id"]}
+        )
+        seen["stop"] = await session.call_tool(
+            "stop_process", {"process_id": forever.structured_content["process_id"]}
+        )
+        await anyio.sleep(1)
+        seen["stopped"] = await session.call_tool(
+            "read_process", {"process_id": forever.structured_content["process_id"]}
+        )
+        seen["ls"] = await session.call_tool("list_files", {"path": "src"})
+        seen["ls_missing"] = await session.call_tool("list_files", {"path": "nowhere"})
         try:
             await session.call_tool("no_such_tool", {})
             seen["unknown"] = None
@@ -122,6 +145,21 @@ def test_an_agent_uses_a_sandbox_through_corral_mcp(worker: Client) -> None:
     assert seen["missing"].is_error and "nope" in text_of(seen["missing"])
     assert seen["after"].structured_content["stdout"] == "still here\n"
     assert seen["unknown"] is not None
+    assert {"start_process", "read_process", "stop_process", "list_files", "expose_port"} <= set(
+        tools
+    )
+    assert not seen["started"].is_error, text_of(seen["started"])
+    ended = seen["ended"].structured_content
+    assert not ended["running"] and ended["exit_code"] == 4, ended
+    assert ended["output"] == "tick 1\ntick 2\ntick 3\n", ended
+    running = seen["running"].structured_content
+    assert running["running"] and running["output"] == "up\n", running
+    assert not seen["stop"].is_error, text_of(seen["stop"])
+    stopped = seen["stopped"].structured_content
+    assert not stopped["running"] and stopped["state"] == "canceled", stopped
+    entries = seen["ls"].structured_content["entries"]
+    assert entries == [{"name": "hello.py", "type": "file", "size": 18}], entries
+    assert seen["ls_missing"].is_error and "nowhere" in text_of(seen["ls_missing"])
 
     # The client is gone: so is the sandbox its session made.
     assert seen["sandbox"] not in {s.id for s in worker.list()}
