@@ -929,8 +929,7 @@ async fn call_inner(
                 .await
                 .map_err(|e| failed(format!("process {id}: {e}")))?;
             let mut tail = ShellSpec::new(format!(
-                "tail -c {} {PROCESS_LOGS}/{id}.log 2>/dev/null; true",
-                MAX_OUTPUT
+                "tail -c {MAX_OUTPUT} {PROCESS_LOGS}/{id}.log 2>/dev/null; true"
             ));
             tail.output_limit_bytes = Some(2 * MAX_OUTPUT as u64);
             let r = run(server, &sandbox, OperationSpec::Shell(tail), token).await?;
