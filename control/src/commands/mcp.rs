@@ -112,6 +112,8 @@ pub(crate) struct Server {
     /// Calls running, by their request id, to be canceled.
     running: Mutex<HashMap<String, CancellationToken>>,
     slots: tokio::sync::Semaphore,
+    /// Only the read-only tools are offered (a key that may only read).
+    read_only: bool,
 }
 
 impl Server {
@@ -121,8 +123,10 @@ impl Server {
         keep: bool,
         idle_timeout_ms: Option<u64>,
         bound: Option<SandboxId>,
+        read_only: bool,
     ) -> Self {
         Self {
+            read_only,
             client,
             image,
             keep,
@@ -157,6 +161,7 @@ async fn serve(conn: &ConnArgs, args: McpArgs) -> Result<(), Error> {
         args.keep,
         Some(args.idle_timeout.as_millis() as u64).filter(|t| *t > 0),
         bound,
+        false,
     ));
     // One writer: every message goes out whole, one a line.
     let (out, mut outgoing) = tokio::sync::mpsc::channel::<Value>(64);
@@ -293,7 +298,9 @@ pub(crate) async fn handle(
                     .await;
                 return;
             }
-            let _ = out.send(reply(id, json!({"tools": tools()}))).await;
+            let _ = out
+                .send(reply(id, json!({"tools": tools_for(server)})))
+                .await;
         }
         ("tools/call", Some(id)) => {
             let name = params
@@ -301,7 +308,7 @@ pub(crate) async fn handle(
                 .and_then(Value::as_str)
                 .unwrap_or_default()
                 .to_string();
-            if !tools().iter().any(|t| t["name"] == name.as_str()) {
+            if !tools_for(server).iter().any(|t| t["name"] == name.as_str()) {
                 let _ = out
                     .send(error(id, -32602, &format!("no tool {name:?}")))
                     .await;
@@ -480,6 +487,15 @@ fn failed(text: impl Into<String>) -> Value {
 
 fn sandbox_id_schema() -> Value {
     json!({"type": "string", "description": "A sandbox other than the session's (its id)."})
+}
+
+/// The tools `server`'s caller may use: the read-only ones alone for a key
+/// that may only read.
+fn tools_for(server: &Server) -> Vec<Value> {
+    tools()
+        .into_iter()
+        .filter(|t| !server.read_only || t["annotations"]["readOnlyHint"] == true)
+        .collect()
 }
 
 /// The tools, with their input schemas and hints.

@@ -43,6 +43,8 @@ struct Session {
 /// routes, which its tools call in-process.
 pub struct McpHttp {
     sessions: Mutex<HashMap<String, Arc<Session>>>,
+    /// Whether a key may run (not only read): its session's tools follow.
+    may_run: MayRun,
     grpc: axum::Router,
     https: bool,
     idle: Duration,
@@ -61,11 +63,16 @@ fn same(a: &str, b: &str) -> bool {
             == 0
 }
 
+/// Whether a key may run commands (else its session lists the read-only
+/// tools alone; the front door refuses the rest of its calls anyway).
+pub type MayRun = Arc<dyn Fn(&str) -> bool + Send + Sync>;
+
 /// The routes of MCP over HTTP, calling `grpc` (the server's own gRPC
 /// routes) for its tools; sessions idle for `idle` end.
-pub fn router(grpc: axum::Router, https: bool, idle: Duration) -> axum::Router {
+pub fn router(grpc: axum::Router, https: bool, idle: Duration, may_run: MayRun) -> axum::Router {
     let state = Arc::new(McpHttp {
         sessions: Mutex::new(HashMap::new()),
+        may_run,
         grpc,
         https,
         idle,
@@ -293,6 +300,7 @@ async fn post(State(mcp): State<Arc<McpHttp>>, headers: HeaderMap, body: Bytes) 
                 false,
                 Some(mcp.idle.as_millis() as u64),
                 None,
+                !(mcp.may_run)(&key),
             )),
             tasks: TaskTracker::new(),
             key,

@@ -321,7 +321,18 @@ pub async fn serve(conn: &ConnArgs, args: &ServeArgs) -> Result<(), ServeError> 
         .into_axum_router();
     // MCP over HTTP at /mcp: its tools call these routes in-process, with
     // the caller's key.
-    let mcp = crate::commands::mcp_http::router(grpc.clone(), https, MCP_IDLE);
+    let may_run: crate::commands::mcp_http::MayRun = match &keys {
+        Some(keys) => {
+            let keys = keys.clone();
+            std::sync::Arc::new(move |key: &str| {
+                keys.current()
+                    .authenticate(key, corral_harness::tenants::now_ms())
+                    .is_ok_and(|p| p.allows(corral_harness::tenants::Scope::Run))
+            })
+        }
+        None => std::sync::Arc::new(|_: &str| true),
+    };
+    let mcp = crate::commands::mcp_http::router(grpc.clone(), https, MCP_IDLE, may_run);
     let http = corral_worker::server::with_http_gateway(
         grpc,
         &["corral.v1.Worker", "corral.v1.Control", "corral.v1.Admin"],

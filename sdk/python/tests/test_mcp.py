@@ -233,6 +233,20 @@ def test_an_agent_uses_corral_mcp_over_http_on_a_front_door(
         # The session's sandbox was the tenant's, and went with the session.
         assert seen["sandbox"] not in {s.id for s in w.list()}
 
+        # A key that may only read is offered the read-only tools alone.
+        async def listed(key: str) -> set[str]:
+            client = httpx2.AsyncClient(headers={"Authorization": f"Bearer {key}"})
+            async with (
+                client,
+                streamable_http_client(url, http_client=client) as streams,
+                ClientSession(streams[0], streams[1]) as session,
+            ):
+                await session.initialize()
+                return {t.name for t in (await session.list_tools()).tools}
+
+        read_only = anyio.run(listed, door.auditor)
+        assert read_only == {"read_file", "read_process", "list_files", "list_sandboxes"}, read_only
+
         # No key, a wrong one: 401 naming the protected-resource metadata.
         init = {
             "jsonrpc": "2.0",
