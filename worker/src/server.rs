@@ -11,6 +11,8 @@ use tokio::net::TcpListener;
 use tonic::{Request, Status};
 
 pub use crate::admission::Admission;
+use std::sync::Arc;
+
 use crate::admission::AdmittedInfo;
 use crate::service::WorkerService;
 use crate::worker::Worker;
@@ -196,6 +198,7 @@ async fn router(
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
         .build_v1()?;
     let auth = TokenAuth::new(token);
+    let http_auth = Arc::new(auth.clone());
     // Reflection describes the API: only to those who may call it.
     let reflection_auth = auth.clone();
     let reflection = tonic::service::interceptor::InterceptedService::new(reflection, move |req| {
@@ -221,25 +224,41 @@ async fn router(
         .add_service(reflection)
         .add_service(service)
         .into_axum_router();
-    let http = with_http_gateway(grpc, &["corral.v1.Worker"])?;
+    let check = http_auth;
+    let auth: corral_proto::gateway::AuthCheck = Arc::new(move |headers, extensions| {
+        check.check(request_of(headers, extensions)).map(|_| ())
+    });
+    let http = with_http_gateway(grpc, &["corral.v1.Worker"], auth)?;
     Ok((builder.add_routes(http.into()), health_reporter))
 }
 
+/// A call's credentials as a gRPC check reads them: an HTTP request's
+/// headers and what the server knows of its connection.
+pub fn request_of(headers: &http::HeaderMap, extensions: &http::Extensions) -> Request<()> {
+    Request::from_parts(
+        tonic::metadata::MetadataMap::from_headers(headers.clone()),
+        extensions.clone(),
+        (),
+    )
+}
+
 /// `grpc` (a server's gRPC routes) with the HTTP/JSON gateway of
-/// `services` beside them ([`corral_proto::gateway`]): one listener.
+/// `services` in front of them ([`corral_proto::gateway`]): one listener,
+/// `auth` the server's own check of its callers.
 pub fn with_http_gateway(
     grpc: axum::Router,
     services: &[&str],
+    auth: corral_proto::gateway::AuthCheck,
 ) -> Result<axum::Router, ServeError> {
     let pool = prost_reflect_pool()?;
-    let http = corral_proto::gateway::router(
+    corral_proto::gateway::router(
         pool,
         services,
         corral_proto::gateway::worker_routes(),
-        grpc.clone(),
+        grpc,
+        auth,
     )
-    .map_err(|e| ServeError::Gateway(e.to_string()))?;
-    Ok(grpc.merge(http))
+    .map_err(|e| ServeError::Gateway(e.to_string()))
 }
 
 /// The descriptors of Corral's services, as the gateway reads them.

@@ -302,8 +302,10 @@ pub async fn serve(conn: &ConnArgs, args: &ServeArgs) -> Result<(), ServeError> 
     let sandboxes = WorkerServer::from_arc(front)
         .max_decoding_message_size(MAX_REQUEST_BYTES)
         .max_encoding_message_size(MAX_GRPC_MESSAGE_BYTES);
-    let sandboxes =
-        tonic::service::interceptor::InterceptedService::new(sandboxes, move |req| gate.check(req));
+    let sandboxes = tonic::service::interceptor::InterceptedService::new(sandboxes, {
+        let gate = gate.clone();
+        move |req| gate.check(req)
+    });
     // HTTP/1.1 too, for the HTTP/JSON gateway on the same address.
     let mut builder = tonic::transport::Server::builder()
         .accept_http1(true)
@@ -333,9 +335,16 @@ pub async fn serve(conn: &ConnArgs, args: &ServeArgs) -> Result<(), ServeError> 
         None => std::sync::Arc::new(|_: &str| true),
     };
     let mcp = crate::commands::mcp_http::router(grpc.clone(), https, MCP_IDLE, may_run);
+    let check = gate.clone();
+    let auth: corral_proto::gateway::AuthCheck = std::sync::Arc::new(move |headers, extensions| {
+        check
+            .check(corral_worker::server::request_of(headers, extensions))
+            .map(|_| ())
+    });
     let http = corral_worker::server::with_http_gateway(
         grpc,
         &["corral.v1.Worker", "corral.v1.Control", "corral.v1.Admin"],
+        auth,
     )?
     .merge(mcp);
     let router = builder.add_routes(http.into());
@@ -409,7 +418,9 @@ pub async fn serve(conn: &ConnArgs, args: &ServeArgs) -> Result<(), ServeError> 
         let _ = task.await;
     }
     let _ = stalls.await;
-    // Every call answered is in the log before the service is gone.
+    // Every call answered is in the log before the service is gone (the
+    // writer ends once every handle to the log is dropped, this one too).
+    drop(audit);
     if let Some(writer) = audit_writer
         && let Err(e) = writer.finish().await
     {

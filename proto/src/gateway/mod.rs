@@ -38,8 +38,25 @@ use tower::ServiceExt;
 
 pub mod openapi;
 
-/// The largest JSON body taken (a request message is smaller still).
-pub const MAX_JSON_BODY: usize = 16 << 20;
+/// The largest JSON body of a call that may carry a file's data (a submit,
+/// alone or with its watch): its message's bound as base64, and room.
+pub const MAX_JSON_BODY: usize = crate::limits::MAX_REQUEST_BYTES / 3 * 4 + (64 << 10);
+/// The largest JSON body of any other call (an input chunk as base64, and
+/// room for ids and a path).
+pub const MAX_OTHER_JSON_BODY: usize =
+    (crate::limits::MAX_INPUT_CHUNK_BYTES + (1 << 20)) / 3 * 4 + (64 << 10);
+/// Bytes of JSON bodies being read and parsed at once, across all callers
+/// (more wait): parsing is done off the async threads, and a body's
+/// message takes more memory than its text.
+pub const JSON_BUDGET: usize = 2 * MAX_JSON_BODY;
+
+/// The largest JSON body a call of `method` takes.
+fn body_limit(method: &MethodDescriptor) -> usize {
+    match method.name() {
+        "SubmitOperation" | "RunOperation" => MAX_JSON_BODY,
+        _ => MAX_OTHER_JSON_BODY,
+    }
+}
 /// The longest line of a newline-delimited JSON request stream (a 1 MiB
 /// `bytes` field in base64, and the rest).
 pub const MAX_NDJSON_LINE: usize = 2 << 20;
@@ -217,14 +234,21 @@ pub fn worker_routes() -> Vec<Route> {
     ]
 }
 
+/// The server's own check of a caller's credentials (its token, or a front
+/// door's keys), made before a request's body is read.
+pub type AuthCheck =
+    Arc<dyn Fn(&HeaderMap, &http::Extensions) -> Result<(), tonic::Status> + Send + Sync>;
+
 /// Serves the HTTP/JSON face of `services` (full names, as
 /// `corral.v1.Worker`) of `pool`, calling `grpc` (the server's own gRPC
-/// routes) for each request.
+/// routes) for each request once `auth` lets its caller in. Requests of no
+/// path of its own go to `grpc` when they are gRPC, else answer 404.
 pub fn router(
     pool: DescriptorPool,
     services: &[&str],
     routes: Vec<Route>,
     grpc: axum::Router,
+    auth: AuthCheck,
 ) -> Result<axum::Router, GatewayError> {
     let mut methods = HashMap::new();
     for name in services {
@@ -243,8 +267,10 @@ pub fn router(
     let document = openapi::document(&pool, services, &routes);
     let gw = Arc::new(Gateway {
         methods,
-        grpc,
+        grpc: grpc.clone(),
         document,
+        auth,
+        bodies: Arc::new(tokio::sync::Semaphore::new(JSON_BUDGET)),
     });
     let mut app = axum::Router::new()
         .route(
@@ -302,8 +328,21 @@ pub fn router(
                     let m = m.clone();
                     let r = r.clone();
                     async move {
-                        let mut fields = params;
-                        for (k, v) in query_pairs(req.uri().query().unwrap_or("")) {
+                        if req.method() == Method::HEAD {
+                            return error_response(
+                                StatusCode::METHOD_NOT_ALLOWED,
+                                "UNIMPLEMENTED",
+                                None,
+                                "HEAD is not answered: it would make the call",
+                                None,
+                            );
+                        }
+                        let pairs = match query_pairs(req.uri().query().unwrap_or("")) {
+                            Ok(p) => p,
+                            Err(s) => return status_response(&s),
+                        };
+                        let mut fields = HashMap::new();
+                        for (k, v) in pairs {
                             let k = r
                                 .rename
                                 .iter()
@@ -311,6 +350,8 @@ pub fn router(
                                 .map_or(k, |(_, to)| (*to).to_string());
                             fields.insert(k, v);
                         }
+                        // The path's fields last: the query never overrides them.
+                        fields.extend(params);
                         for f in r.fresh {
                             fields.entry(format!("{FRESH}{f}")).or_default();
                         }
@@ -325,6 +366,32 @@ pub fn router(
         }
         app = app.route(path, method_router);
     }
+    // What is not the gateway's: gRPC to the services, anything else a 404
+    // that says so (never an empty 200 of gRPC's own).
+    let app = app.fallback_service(tower::service_fn(move |req: http::Request<Body>| {
+        let grpc = grpc.clone();
+        async move {
+            let is_grpc = req
+                .headers()
+                .get(header::CONTENT_TYPE)
+                .and_then(|v| v.to_str().ok())
+                .is_some_and(|v| v.starts_with("application/grpc"));
+            if is_grpc {
+                return grpc.oneshot(req).await;
+            }
+            Ok(error_response(
+                StatusCode::NOT_FOUND,
+                "NOT_FOUND",
+                None,
+                &format!(
+                    "no {} {} here (GET /openapi.json lists the API's paths)",
+                    req.method(),
+                    req.uri().path()
+                ),
+                None,
+            ))
+        }
+    }));
     Ok(app)
 }
 
@@ -338,6 +405,9 @@ struct Gateway {
     methods: HashMap<String, MethodDescriptor>,
     grpc: axum::Router,
     document: serde_json::Value,
+    auth: AuthCheck,
+    /// Bytes of [`JSON_BUDGET`] not held by a body being read or parsed.
+    bodies: Arc<tokio::sync::Semaphore>,
 }
 
 fn serialize_options() -> SerializeOptions {
@@ -352,18 +422,19 @@ fn to_json(msg: &DynamicMessage) -> serde_json::Value {
         .unwrap_or_else(|e| serde_json::json!({ "unserializable": e.to_string() }))
 }
 
-/// `?a=1&b=x%20y` as pairs, decoded.
-fn query_pairs(q: &str) -> Vec<(String, String)> {
+/// `?a=1&b=x%20y` as pairs, decoded; text that is not UTF-8 once decoded
+/// is refused.
+fn query_pairs(q: &str) -> Result<Vec<(String, String)>, tonic::Status> {
     q.split('&')
         .filter(|p| !p.is_empty())
         .map(|p| {
             let (k, v) = p.split_once('=').unwrap_or((p, ""));
-            (percent_decode(k), percent_decode(v))
+            Ok((percent_decode(k)?, percent_decode(v)?))
         })
         .collect()
 }
 
-fn percent_decode(s: &str) -> String {
+fn percent_decode(s: &str) -> Result<String, tonic::Status> {
     let b = s.as_bytes();
     let mut out = Vec::with_capacity(b.len());
     let mut i = 0;
@@ -379,7 +450,9 @@ fn percent_decode(s: &str) -> String {
         }
         i += 1;
     }
-    String::from_utf8_lossy(&out).into_owned()
+    String::from_utf8(out).map_err(|_| {
+        tonic::Status::invalid_argument(format!("the query {s:?} is not UTF-8 once decoded"))
+    })
 }
 
 /// Sets the fields a route gives (the path's and the query's), then a
@@ -620,31 +693,9 @@ enum StreamAs {
 impl Gateway {
     async fn openapi(&self, req: http::Request<Body>) -> http::Response<Body> {
         // The document describes the API: only to those who may call it
-        // (as gRPC reflection), checked by a call that changes nothing.
-        let probe = self
-            .methods
-            .values()
-            .find(|m| {
-                m.input().fields().len() == 0
-                    && !m.is_server_streaming()
-                    && !m.is_client_streaming()
-            })
-            .cloned();
-        if let Some(m) = probe {
-            let msg = DynamicMessage::new(m.input());
-            let (parts, _) = req.into_parts();
-            let call = self
-                .invoke(
-                    &m,
-                    &parts,
-                    futures_util::stream::iter([Ok(frame(&msg.encode_to_vec()))]),
-                )
-                .await;
-            if let Err(s) = call
-                && matches!(s.code(), Code::Unauthenticated | Code::PermissionDenied)
-            {
-                return status_response(&s);
-            }
+        // (as gRPC reflection is).
+        if let Err(s) = (self.auth)(req.headers(), req.extensions()) {
+            return status_response(&s);
         }
         json_response(StatusCode::OK, &self.document)
     }
@@ -655,7 +706,7 @@ impl Gateway {
         &self,
         method: &MethodDescriptor,
         parts: &http::request::Parts,
-        requests: impl Stream<Item = Result<Bytes, std::io::Error>> + Send + 'static,
+        requests: impl Stream<Item = Result<Bytes, tonic::Status>> + Send + 'static,
     ) -> Result<Frames, tonic::Status> {
         let headers = &parts.headers;
         let path = format!("/{}/{}", method.parent_service().full_name(), method.name());
@@ -697,30 +748,44 @@ impl Gateway {
         })
     }
 
-    /// A request message from a JSON body and `fields` (the path's and the
-    /// query's).
+    /// A request of `method` from a JSON body and `fields` (the path's and
+    /// the query's), framed: the body read within the method's bound and
+    /// [`JSON_BUDGET`], parsed off the async threads.
     async fn request(
         &self,
-        desc: MessageDescriptor,
+        method: &MethodDescriptor,
         body: Body,
-        fields: &HashMap<String, String>,
-    ) -> Result<DynamicMessage, tonic::Status> {
-        let bytes = http_body_util::Limited::new(body, MAX_JSON_BODY)
+        fields: HashMap<String, String>,
+    ) -> Result<Bytes, tonic::Status> {
+        let limit = body_limit(method);
+        let _held = self
+            .bodies
+            .clone()
+            .acquire_many_owned(u32::try_from(limit).unwrap_or(u32::MAX))
+            .await
+            .map_err(|_| tonic::Status::unavailable("shutting down"))?;
+        let bytes = http_body_util::Limited::new(body, limit)
             .collect()
             .await
             .map_err(|e| {
                 tonic::Status::invalid_argument(format!(
-                    "the request's body: {e} (at most {MAX_JSON_BODY} bytes of JSON)"
+                    "the request's body: {e} (at most {limit} bytes of JSON for {})",
+                    method.name()
                 ))
             })?
             .to_bytes();
-        let mut msg = if bytes.iter().all(u8::is_ascii_whitespace) {
-            DynamicMessage::new(desc.clone())
-        } else {
-            parse_message(desc.clone(), &bytes)?
-        };
-        set_fields(&mut msg, fields)?;
-        Ok(msg)
+        let desc = method.input();
+        tokio::task::spawn_blocking(move || {
+            let mut msg = if bytes.iter().all(u8::is_ascii_whitespace) {
+                DynamicMessage::new(desc)
+            } else {
+                parse_message(desc, &bytes)?
+            };
+            set_fields(&mut msg, &fields)?;
+            Ok(frame(&msg.encode_to_vec()))
+        })
+        .await
+        .map_err(|e| tonic::Status::internal(format!("parsing the request: {e}")))?
     }
 
     async fn call_json(
@@ -731,15 +796,17 @@ impl Gateway {
     ) -> http::Response<Body> {
         let stream_as = stream_as(req.headers());
         let (parts, body) = req.into_parts();
-        let requests: futures_util::stream::BoxStream<'static, Result<Bytes, std::io::Error>> =
+        // Who asks, before a byte of what they send is read.
+        if let Err(s) = (self.auth)(&parts.headers, &parts.extensions) {
+            return status_response(&s);
+        }
+        let requests: futures_util::stream::BoxStream<'static, Result<Bytes, tonic::Status>> =
             if method.is_client_streaming() {
                 // Newline-delimited JSON, one message a line, as it comes.
                 ndjson_messages(method.input(), body, fields).boxed()
             } else {
-                match self.request(method.input(), body, &fields).await {
-                    Ok(msg) => {
-                        futures_util::stream::iter([Ok(frame(&msg.encode_to_vec()))]).boxed()
-                    }
+                match self.request(method, body, fields).await {
+                    Ok(framed) => futures_util::stream::iter([Ok(framed)]).boxed(),
                     Err(s) => return status_response(&s),
                 }
             };
@@ -821,11 +888,14 @@ impl Gateway {
         fields: HashMap<String, String>,
     ) -> http::Response<Body> {
         let (parts, body) = req.into_parts();
-        let msg = match self.request(method.input(), body, &fields).await {
-            Ok(m) => m,
+        if let Err(s) = (self.auth)(&parts.headers, &parts.extensions) {
+            return status_response(&s);
+        }
+        let framed = match self.request(method, body, fields).await {
+            Ok(f) => f,
             Err(s) => return status_response(&s),
         };
-        let requests = futures_util::stream::iter([Ok(frame(&msg.encode_to_vec()))]);
+        let requests = futures_util::stream::iter([Ok(framed)]);
         let mut frames = match self.invoke(method, &parts, requests).await {
             Ok(f) => f,
             Err(s) => return status_response(&s),
@@ -884,6 +954,9 @@ impl Gateway {
     ) -> http::Response<Body> {
         let desc = method.input();
         let (parts, body) = req.into_parts();
+        if let Err(s) = (self.auth)(&parts.headers, &parts.extensions) {
+            return status_response(&s);
+        }
         let mut head = DynamicMessage::new(desc.clone());
         if let Err(s) = set_fields(&mut head, &fields) {
             return status_response(&s);
@@ -910,7 +983,9 @@ impl Gateway {
                             false
                         }
                         Some(Err(e)) => {
-                            return Some((Err(std::io::Error::other(e)), (chunks, None, true)));
+                            let s =
+                                tonic::Status::invalid_argument(format!("the archive's body: {e}"));
+                            return Some((Err(s), (chunks, None, true)));
                         }
                         None => {
                             msg.set_field(&eof, Value::Bool(true));
@@ -1048,7 +1123,7 @@ fn ndjson_messages(
     desc: MessageDescriptor,
     body: Body,
     fields: HashMap<String, String>,
-) -> impl Stream<Item = Result<Bytes, std::io::Error>> + Send + 'static {
+) -> impl Stream<Item = Result<Bytes, tonic::Status>> + Send + 'static {
     futures_util::stream::unfold(
         (
             body.into_data_stream(),
@@ -1078,14 +1153,11 @@ fn ndjson_messages(
                                 Ok(frame(&m.encode_to_vec())),
                                 (body, buf, ended, fields, false),
                             ),
-                            Err(s) => (
-                                Err(std::io::Error::other(s.message().to_string())),
-                                (body, buf, ended, fields, true),
-                            ),
+                            Err(s) => (Err(s), (body, buf, ended, fields, true)),
                         });
                     }
                     if buf.len() > MAX_NDJSON_LINE {
-                        let e = std::io::Error::other(format!(
+                        let e = tonic::Status::invalid_argument(format!(
                             "a line of the request stream is longer than {MAX_NDJSON_LINE} bytes"
                         ));
                         return Some((Err(e), (body, buf, ended, fields, true)));
@@ -1102,7 +1174,9 @@ fn ndjson_messages(
                         Some(Ok(b)) => buf.extend_from_slice(&b),
                         Some(Err(e)) => {
                             return Some((
-                                Err(std::io::Error::other(e)),
+                                Err(tonic::Status::invalid_argument(format!(
+                                    "the request's body: {e}"
+                                ))),
                                 (body, buf, true, fields, true),
                             ));
                         }

@@ -7,16 +7,18 @@ fn pool() -> DescriptorPool {
 #[test]
 fn query_text_is_decoded() {
     assert_eq!(
-        query_pairs("path=%2Fworkspace%2Fa+b&x=1&&y"),
+        query_pairs("path=%2Fworkspace%2Fa+b&x=1&&y").expect("decoded"),
         vec![
             ("path".into(), "/workspace/a b".into()),
             ("x".into(), "1".into()),
             ("y".into(), String::new()),
         ]
     );
-    // A stray or cut escape is kept as it is.
-    assert_eq!(percent_decode("100%"), "100%");
-    assert_eq!(percent_decode("%zz%4"), "%zz%4");
+    // A stray or cut escape is kept as it is; what is not UTF-8 refused.
+    assert_eq!(percent_decode("100%").expect("kept"), "100%");
+    assert_eq!(percent_decode("%zz%4").expect("kept"), "%zz%4");
+    let e = percent_decode("%ff").expect_err("not UTF-8");
+    assert_eq!(e.code(), Code::InvalidArgument);
 }
 
 #[test]

@@ -164,3 +164,58 @@ def test_a_malformed_body_is_a_clear_400(own_worker: Callable[..., Worker], body
         err = json.loads(e.read())["error"]
         assert err["code"] == "INVALID_ARGUMENT" and "JSON" in err["message"], err
     assert w.list() == []
+
+
+def test_the_gateway_checks_before_it_reads_and_answers_every_path(
+    own_worker: Callable[..., Worker],
+) -> None:
+    w = own_worker("--allow-build")
+    token = w.token_file.read_text().strip()
+    # No token: refused before a byte of a large body is read or parsed.
+    junk = b'{"spec": {"volumes": [' + b"{}," * (4 << 20) + b"{}]}}"
+    req = urllib.request.Request(f"{w.url}/v1/sandboxes", data=junk, method="POST")
+    try:
+        urllib.request.urlopen(req, timeout=30)
+        raise AssertionError("taken")
+    except urllib.error.HTTPError as e:
+        assert e.code == 401, e.read()
+    except (ConnectionResetError, BrokenPipeError, urllib.error.URLError):
+        pass  # refused while the client was still sending: the same refusal
+    # With it: over the call's bound, a 400 that says so.
+    status, _, raw = fetch(f"{w.url}/v1/sandboxes", token, "POST", {"id": "x" * (4 << 20)})
+    assert status == 400 and "at most" in json.loads(raw)["error"]["message"], raw[:300]
+    # A path of nothing: a JSON 404, never an empty 200.
+    for method, path in [("GET", "/v1/nothing"), ("PUT", "/v1/sandbox/x/archive")]:
+        status, ctype, raw = fetch(f"{w.url}{path}", token, method)
+        assert (status, ctype) == (404, "application/json"), (path, status, raw)
+        assert json.loads(raw)["error"]["code"] == "NOT_FOUND"
+    sb = w.create()
+    try:
+        # The query never overrides the path.
+        status, _, raw = fetch(f"{w.url}/v1/sandboxes/no-such?id={sb.id}", token)
+        assert status == 404, raw
+        # HEAD would make the call: refused.
+        req = urllib.request.Request(
+            f"{w.url}/v1/sandboxes/{sb.id}/archive?path=/workspace", method="HEAD"
+        )
+        req.add_header("Authorization", f"Bearer {token}")
+        with pytest.raises(urllib.error.HTTPError) as head:
+            urllib.request.urlopen(req, timeout=30)
+        assert head.value.code == 405
+        # A query that is not UTF-8 once decoded.
+        status, _, raw = fetch(f"{w.url}/v1/sandboxes/{sb.id}/archive?path=%ff", token)
+        assert status == 400, raw
+        # A stream of requests with a bad line: a 400, not a server error.
+        req = urllib.request.Request(
+            f"{w.url}/v1/corral.v1.Worker/BuildImage",
+            data=b'{"dockerfile": "Dockerfile"}\nnot json\n',
+            method="POST",
+        )
+        req.add_header("Authorization", f"Bearer {token}")
+        with pytest.raises(urllib.error.HTTPError) as bad:
+            urllib.request.urlopen(req, timeout=30)
+        assert bad.value.code == 400, bad.value.read()
+        # The worker is whole: a command runs.
+        assert sb.run("echo fine").stdout == "fine\n"
+    finally:
+        sb.remove()

@@ -246,8 +246,14 @@ export class Process {
   }
 }
 
+/** An id as a path segment: checked as the server checks ids (1-64 of
+ * `A-Z a-z 0-9 _ . -`, not starting with `.` or `-`), so that no id
+ * (`..`, say) changes the path it is put in. */
 function enc(s: string): string {
-  return encodeURIComponent(s);
+  if (!/^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$/.test(s)) {
+    throw new InvalidArgument(`id ${JSON.stringify(s)}: 1-64 of A-Z a-z 0-9 _ . -, not starting with . or -`);
+  }
+  return s;
 }
 
 function randomId(): string {
@@ -309,7 +315,7 @@ export class Files {
 
   /** A tar archive unpacked into the directory `path`. */
   async uploadTar(tar: Uint8Array, path = "/workspace"): Promise<void> {
-    const resp = await this.#sb._client.request("PUT", `${this.#sb._path}/archive?path=${enc(path)}`, undefined, {
+    const resp = await this.#sb._client.request("PUT", `${this.#sb._path}/archive?path=${encodeURIComponent(path)}`, undefined, {
       raw: tar,
       contentType: "application/x-tar",
     });
@@ -320,7 +326,7 @@ export class Files {
 
   /** `path` (a file or a tree) as a tar archive. */
   async downloadTar(path: string): Promise<Uint8Array> {
-    const resp = await this.#sb._client.request("GET", `${this.#sb._path}/archive?path=${enc(path)}`);
+    const resp = await this.#sb._client.request("GET", `${this.#sb._path}/archive?path=${encodeURIComponent(path)}`);
     return new Uint8Array(await resp.arrayBuffer());
   }
 }

@@ -135,6 +135,9 @@ test("errors by reason, and bad input refused before it is sent", async () => {
   await assert.rejects(sb.run(""), InvalidArgument);
   await assert.rejects(sb.files.write("x", "y", 0), InvalidArgument);
   assert.ok(new SandboxNotFound("x") instanceof CorralError);
+  // An id that would change the path it is put in is refused here.
+  await assert.rejects(Sandbox.connect("..", conn()), InvalidArgument);
+  await assert.rejects(Sandbox.connect("a/b", conn()), InvalidArgument);
 });
 
 test("sandboxes listed, connected to by id, removed", async () => {
