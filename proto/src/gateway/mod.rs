@@ -60,6 +60,11 @@ fn body_limit(method: &MethodDescriptor) -> usize {
 /// The longest line of a newline-delimited JSON request stream (a 1 MiB
 /// `bytes` field in base64, and the rest).
 pub const MAX_NDJSON_LINE: usize = 2 << 20;
+/// How long a stream's first message is waited for before its headers go
+/// out without it.
+const FIRST_MESSAGE_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
+/// A quiet stream's keepalive: an empty line (NDJSON) or a comment (SSE).
+const KEEPALIVE: std::time::Duration = std::time::Duration::from_secs(15);
 /// The bytes of a raw archive sent in one upload message.
 const UPLOAD_CHUNK: usize = 1 << 20;
 /// Marks a field (in the fields a route sets) that takes a fresh random
@@ -826,11 +831,13 @@ impl Gateway {
             };
         }
         // A stream: its first message (or its error) before the headers, so
-        // that a call refused at once answers with its status.
-        let first = match frames.next().await {
-            Some(Ok(b)) => Some(b),
-            Some(Err(s)) => return status_response(&s),
-            None => None,
+        // that a call refused at once answers with its status; a quiet one
+        // (a watch with nothing new) gets its headers after a moment all
+        // the same.
+        let first = match tokio::time::timeout(FIRST_MESSAGE_WAIT, frames.next()).await {
+            Ok(Some(Ok(b))) => Some(b),
+            Ok(Some(Err(s))) => return status_response(&s),
+            Ok(None) | Err(_) => None,
         };
         let lines = futures_util::stream::unfold(
             (frames, first, false),
@@ -842,7 +849,18 @@ impl Gateway {
                     }
                     let next = match first {
                         Some(b) => Some(Ok(b)),
-                        None => frames.next().await,
+                        // Quiet for a while: a line that says nothing, so
+                        // that proxies and clients keep the stream.
+                        None => match tokio::time::timeout(KEEPALIVE, frames.next()).await {
+                            Ok(next) => next,
+                            Err(_) => {
+                                let alive = match stream_as {
+                                    StreamAs::Ndjson => Bytes::from_static(b"\n"),
+                                    StreamAs::Sse => Bytes::from_static(b": keepalive\n\n"),
+                                };
+                                return Some((Ok(alive), (frames, None, false)));
+                            }
+                        },
                     };
                     let (text, over) = match next {
                         None => return None,

@@ -9,6 +9,7 @@ it may not do, sessions listed."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import subprocess
 import urllib.error
@@ -215,6 +216,17 @@ def test_the_gateway_checks_before_it_reads_and_answers_every_path(
         with pytest.raises(urllib.error.HTTPError) as bad:
             urllib.request.urlopen(req, timeout=30)
         assert bad.value.code == 400, bad.value.read()
+        # A quiet stream (a watch with nothing new) has its headers all the
+        # same: proxies and clients see it open.
+        conn = http.client.HTTPConnection("127.0.0.1", w.port, timeout=10)
+        conn.request(
+            "GET",
+            f"/v1/sandboxes/{sb.id}/events?after_seq=1000000",
+            headers={"Authorization": f"Bearer {token}", "Accept": "text/event-stream"},
+        )
+        quiet = conn.getresponse()
+        assert quiet.status == 200 and quiet.getheader("Content-Type") == "text/event-stream"
+        conn.close()
         # The worker is whole: a command runs.
         assert sb.run("echo fine").stdout == "fine\n"
     finally:
