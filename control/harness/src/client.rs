@@ -1067,6 +1067,27 @@ impl WorkerClient {
         Ok(resp.into_inner().try_into()?)
     }
 
+    /// Whether this worker holds template `name` of `tenant` (None: the
+    /// worker's own), built there or pulled from the fleet's registry.
+    pub async fn has_template(
+        &self,
+        tenant: Option<&str>,
+        name: &str,
+    ) -> Result<bool, ClientError> {
+        let mut req = tonic::Request::new(pb::ListTemplatesRequest {});
+        if let Some(t) = tenant {
+            let value = t.parse().map_err(|_| {
+                ClientError::Status(Status::invalid_argument(format!(
+                    "tenant {t:?} is not valid header text"
+                )))
+            })?;
+            req.metadata_mut()
+                .insert(corral_proto::sandbox::TENANT_HEADER, value);
+        }
+        let resp = self.rpc(self.inner.clone().list_templates(req)).await?;
+        Ok(resp.into_inner().templates.iter().any(|t| t.name == name))
+    }
+
     pub async fn worker_info(&self) -> Result<WorkerInfo, ClientError> {
         let resp = self
             .rpc(

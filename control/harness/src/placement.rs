@@ -234,6 +234,8 @@ pub struct Placer {
 struct Candidate {
     url: String,
     client: WorkerClient,
+    /// Holds the template the spec names (none named: true).
+    has: bool,
     warm: bool,
     free: u32,
     running: u32,
@@ -252,8 +254,12 @@ impl Placer {
         }
     }
 
-    /// Prefers workers with a ready pool member a create of `spec` would
-    /// take (see [`corral_proto::PoolInfo::fits`]).
+    /// Prefers workers that hold the template `spec` names (asked with
+    /// its tenant: a tenant's templates are its own), then those with a
+    /// ready pool member a create of `spec` would take (see
+    /// [`corral_proto::PoolInfo::fits`]). A worker without the template
+    /// still takes it when none has it (it pulls it from the fleet's
+    /// registry, or says `no_such_template`).
     pub fn preferring_warm(mut self, spec: &corral_proto::SandboxSpec) -> Self {
         self.warm = Some(spec.clone());
         self
@@ -268,13 +274,35 @@ impl Placer {
             .any(|p| p.ready > 0 && p.fits(spec, &info.default_image))
     }
 
-    /// Asks `url` how full it is, within the probe timeout.
-    async fn probe(&self, url: &str) -> Result<(WorkerClient, WorkerInfo), String> {
+    /// The template the preferred spec names, and its tenant.
+    fn template(&self) -> Option<(Option<&str>, &str)> {
+        let spec = self.warm.as_ref()?;
+        let name = spec.template.as_deref()?;
+        let tenant = spec
+            .labels
+            .get(corral_proto::sandbox::TENANT_LABEL)
+            .map(String::as_str);
+        Some((tenant, name))
+    }
+
+    /// Asks `url` how full it is (and whether it holds the template the
+    /// spec names), within the probe timeout.
+    async fn probe(&self, url: &str) -> Result<(WorkerClient, WorkerInfo, bool), String> {
         let started = Instant::now();
         let asked = tokio::time::timeout(self.probe_timeout, async {
             let client = crate::client::connect_via(self.cache.as_ref(), url, &self.creds).await?;
-            let info = client.worker_info().await?;
-            Ok::<_, ClientError>((client, info))
+            let (info, has) = match self.template() {
+                Some((tenant, name)) => {
+                    let (info, has) = futures_util::future::join(
+                        client.worker_info(),
+                        client.has_template(tenant, name),
+                    )
+                    .await;
+                    (info?, has?)
+                }
+                None => (client.worker_info().await?, true),
+            };
+            Ok::<_, ClientError>((client, info, has))
         })
         .await;
         crate::metrics::control()
@@ -349,7 +377,7 @@ impl Placer {
                     None => pending.next().await,
                 };
                 let Some((url, answer)) = next else { break };
-                let (client, info) = match answer {
+                let (client, info, has) = match answer {
                     Ok(a) => a,
                     Err(e) => {
                         metrics.attempt("no_answer");
@@ -372,15 +400,14 @@ impl Placer {
                 }
                 let warm = self.is_warm(&info);
                 let better = best.as_ref().is_none_or(|b| {
-                    (warm && !b.warm)
-                        || (warm == b.warm
-                            && (free > b.free
-                                || (free == b.free && info.running_operations < b.running)))
+                    (has, warm, free, std::cmp::Reverse(info.running_operations))
+                        > (b.has, b.warm, b.free, std::cmp::Reverse(b.running))
                 });
                 if better {
                     best = Some(Candidate {
                         url,
                         client,
+                        has,
                         warm,
                         free,
                         running: info.running_operations,

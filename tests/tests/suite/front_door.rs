@@ -1489,6 +1489,63 @@ async fn a_build_through_the_front_door_goes_to_a_worker_that_builds_and_its_san
         );
         as_acme.destroy_sandbox(id).await?;
     }
+
+    // A template acme builds through the front door (with the CLI, its key
+    // in a file): the sessions that name it start on the worker that has
+    // it (there is no registry here: on another, they could not start).
+    let ctx = tempfile::tempdir()?;
+    std::fs::write(
+        ctx.path().join("Dockerfile"),
+        format!("FROM corral-sandbox:latest\nRUN echo {nonce} > /etc/built\n"),
+    )?;
+    let key_file = ctx.path().join("key");
+    std::fs::write(&key_file, key_of(&acme))?;
+    std::fs::set_permissions(
+        &key_file,
+        std::os::unix::fs::PermissionsExt::from_mode(0o600),
+    )?;
+    let built = tokio::process::Command::new(corral_e2e::binary("corral")?)
+        .arg("--worker")
+        .arg(&url)
+        .arg("--token-file")
+        .arg(&key_file)
+        .args(["template", "build", "tools", "-q"])
+        .arg(ctx.path())
+        .env_remove("CORRAL_WORKER")
+        .kill_on_drop(true)
+        .output()
+        .await?;
+    ensure!(built.status.success(), "{built:?}");
+    let sessions = ControlClient::connect(&url, &Credentials::token(Some(key_of(&acme)))).await?;
+    for _ in 0..4 {
+        let id = format!("acme.{}", unique_id("s-tpl"));
+        sessions
+            .start(pb::StartSessionRequest {
+                session_id: id.clone(),
+                request_json: r#"{"prompt": "cat /etc/built"}"#.into(),
+                settings: Some(pb::RunSettings {
+                    template: Some("tools".into()),
+                    keep_sandbox: true,
+                    ..Default::default()
+                }),
+            })
+            .await?;
+        let events = session_events(&sessions, &id).await?;
+        ensure!(
+            events.iter().any(|e| e.to_string().contains(&nonce)),
+            "{events:?}"
+        );
+    }
+    let on_builder = setup.worker(&builder_url).await?.list_sandboxes().await?;
+    let listed = sessions.list().await?;
+    ensure!(listed.len() == 4, "{listed:?}");
+    for s in &listed {
+        ensure!(
+            on_builder.iter().any(|b| b.id.as_str() == s.sandbox_id),
+            "session {} is not on the worker that has its template",
+            s.session_id
+        );
+    }
     Ok(())
 }
 
