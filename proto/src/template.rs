@@ -15,7 +15,8 @@ pub const DEFAULT_READY_TIMEOUT: Duration = Duration::from_secs(60);
 pub const START_OPERATION: &str = "template-start";
 /// The longest start or readiness command a template keeps.
 pub const MAX_TEMPLATE_COMMAND_BYTES: usize = 16 << 10;
-/// Most templates one tenant (or the operator) keeps on a worker.
+/// Most templates one tenant (or the operator) keeps on a worker, unless
+/// its operator says otherwise (`--max-templates`).
 pub const MAX_TEMPLATES: usize = 100;
 
 /// A template's name: 1-64 characters of `[a-z0-9._-]`, first a letter or

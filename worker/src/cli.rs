@@ -230,6 +230,11 @@ pub struct WorkerArgs {
     /// this worker lacks, or has an older build of, pulls it from there.
     #[arg(long, env = "CORRAL_REGISTRY")]
     pub registry: Option<String>,
+    /// Most templates each tenant (and the operator) keeps on this worker
+    /// (built or saved ones; a Harbor dataset keeps one per task). A
+    /// template is an image on the engine: the disk is the real bound.
+    #[arg(long, env = "CORRAL_MAX_TEMPLATES", default_value_t = corral_proto::template::MAX_TEMPLATES as u32, value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    pub max_templates: u32,
     /// The size of a volume whose create names none.
     #[arg(long, env = "CORRAL_DEFAULT_VOLUME_SIZE", default_value = "1g", value_parser = parse_size)]
     pub default_volume_size: u64,
@@ -456,6 +461,7 @@ impl WorkerArgs {
             },
             otlp_endpoint: self.otlp_endpoint.clone(),
             registry: self.registry.clone(),
+            max_templates: self.max_templates as usize,
             volumes: crate::volumes::VolumeSettings {
                 default_bytes: self.default_volume_size,
                 max_bytes: self.max_volume_size,

@@ -552,6 +552,92 @@ async fn a_template_built_on_one_worker_starts_on_another_through_the_registry()
     Ok(())
 }
 
+/// A worker whose pool is of a template it has never had fills the pool
+/// from the fleet's registry once the template is built elsewhere, with
+/// no create asking for it first; a sandbox of it is then a pool claim.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_template_pool_fills_from_the_registry_before_any_create() -> Result<()> {
+    use corral_e2e::{WorkerProcess, free_port, unique_id};
+    let registry = Registry::start()?;
+    let (da, db) = (tempfile::tempdir()?, tempfile::tempdir()?);
+    let name = unique_id("pooled").to_lowercase();
+    let pool = format!("template:{name}=1");
+    let a = WorkerProcess::spawn(
+        da.path(),
+        &unique_id("rpa"),
+        free_port()?,
+        &[],
+        &["--registry", registry.address.as_str(), "--allow-build"],
+    )?;
+    let b = WorkerProcess::spawn(
+        db.path(),
+        &unique_id("rpb"),
+        free_port()?,
+        &[],
+        &[
+            "--registry",
+            registry.address.as_str(),
+            "--pool",
+            pool.as_str(),
+        ],
+    )?;
+    let ctx = context("FROM corral-debian:latest\nCOPY nonce /srv/nonce\n")?;
+    let out = tokio::process::Command::new(binary("corral")?)
+        .arg("--worker")
+        .arg(&a.url)
+        .arg("--token-file")
+        .arg(a.token_file())
+        .args(["template", "build", &name])
+        .arg(ctx.path())
+        .args(["--start", "sleep infinity", "--quiet"])
+        .env_remove("CORRAL_WORKER")
+        .kill_on_drop(true)
+        .output()
+        .await?;
+    ensure!(out.status.success(), "{}", text(&out.stderr));
+    let cb = b.client().await?;
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(90);
+    loop {
+        let info = cb.worker_info().await?;
+        let p = info.pools.first().context("no pool")?;
+        if p.ready == 1 {
+            ensure!(p.claims == 0 && p.misses == 0, "{p:?}");
+            break;
+        }
+        ensure!(
+            std::time::Instant::now() < deadline,
+            "the pool did not fill from the registry: {p:?}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(250)).await;
+    }
+    let sb = cb
+        .create_sandbox(
+            None,
+            SandboxSpec {
+                template: Some(name.clone()),
+                ..SandboxSpec::default()
+            },
+        )
+        .await?;
+    let image = sb.image.clone();
+    ensure!(
+        image.starts_with(&format!("{}/corral-templates@sha256:", registry.address)),
+        "{image}"
+    );
+    let info = cb.worker_info().await?;
+    ensure!(info.pools[0].claims == 1, "{:?}", info.pools[0]);
+    let nonce = corral_e2e::run_shell(&cb, &sb.id, "cat /srv/nonce").await?;
+    ensure!(
+        nonce == std::fs::read_to_string(ctx.path().join("nonce"))?,
+        "{nonce:?}"
+    );
+    cb.destroy_sandbox(&sb.id).await?;
+    drop(b);
+    drop(a);
+    let _ = docker(&["rmi", &image]);
+    Ok(())
+}
+
 /// A running sandbox saved as a template: each sandbox of it starts with
 /// the workspace it had (files, modes, links; its user's now), not its
 /// processes, nor the environment a client gave it.
@@ -647,6 +733,41 @@ async fn a_sandbox_saved_as_a_template_hands_its_workspace_to_the_next() -> Resu
             .args(["rmi", i])
             .output();
     }
+    h.stop().await;
+    Ok(())
+}
+
+/// A worker keeps at most `--max-templates` templates of each tenant: one
+/// more is refused by its count, a template built again under its name is
+/// not one more, and a removed one makes room.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_keeps_as_many_templates_as_its_operator_says() -> Result<()> {
+    let h = Harness::start_with(|c| {
+        c.policy.allow_build = true;
+        c.max_templates = 2;
+    })
+    .await?;
+    let ctx = context("FROM corral-debian:latest\nCOPY nonce /nonce\n")?;
+    let dir = ctx.path().to_str().context("path")?;
+    let build = |name: &'static str| {
+        let h = &h;
+        async move { corral(h, &["template", "build", name, dir, "-q"]).await }
+    };
+    for name in ["one", "two", "two"] {
+        let out = build(name).await?;
+        ensure!(out.status.success(), "{name}: {}", text(&out.stderr));
+    }
+    let third = build("three").await?;
+    ensure!(
+        !third.status.success()
+            && text(&third.stderr).contains("at most 2 templates are kept for each tenant"),
+        "{}",
+        text(&third.stderr)
+    );
+    let rm = corral(&h, &["template", "rm", "one"]).await?;
+    ensure!(rm.status.success(), "{}", text(&rm.stderr));
+    let third = build("three").await?;
+    ensure!(third.status.success(), "{}", text(&third.stderr));
     h.stop().await;
     Ok(())
 }

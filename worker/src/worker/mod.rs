@@ -100,6 +100,8 @@ pub struct WorkerConfig {
     /// The fleet's registry (`HOST:PORT`), through which templates reach
     /// every worker.
     pub registry: Option<String>,
+    /// Most templates one tenant (or the operator) keeps here.
+    pub max_templates: usize,
 }
 
 impl WorkerConfig {
@@ -127,6 +129,7 @@ impl WorkerConfig {
             ports: PortsSettings::default(),
             volumes: crate::volumes::VolumeSettings::default(),
             registry: None,
+            max_templates: corral_proto::template::MAX_TEMPLATES,
         }
     }
 }
@@ -253,6 +256,8 @@ struct Inner {
     ports_files: tokio::sync::Mutex<()>,
     /// Its templates (built images kept by name).
     templates: crate::templates::Templates,
+    /// Most templates one tenant keeps.
+    max_templates: usize,
     /// Its volumes, and which sandboxes hold them.
     volumes: crate::volumes::Volumes,
     /// The fleet's registry of templates, if there is one.
@@ -428,6 +433,7 @@ impl Worker {
                 templates: crate::templates::Templates::load(
                     config.state_dir.join("templates.json"),
                 ),
+                max_templates: config.max_templates.max(1),
                 volumes: crate::volumes::Volumes::load(&config.state_dir, config.volumes),
                 registry,
                 builder,

@@ -11,6 +11,9 @@ use super::{READY_TIMEOUT, Worker, lock};
 use crate::error::{Result, WorkerError};
 use crate::sandbox::Sandbox;
 
+/// How often a template pool's template is asked of the fleet's registry.
+const POOL_TEMPLATES_ASKED: Duration = Duration::from_secs(10);
+
 impl Worker {
     /// Removes a pool member (dead, evicted, or the pools emptied).
     pub(super) async fn discard_member(&self, m: crate::pool::Member) {
@@ -28,14 +31,45 @@ impl Worker {
 
     /// Keeps every pool at its size, as capacity allows: members that died
     /// are removed, new ones made one at a time (woken by claims, else
-    /// every two seconds), never while draining or stopping.
+    /// every two seconds), never while draining or stopping. With a
+    /// registry, the templates of template pools are asked of it at start
+    /// and every [`POOL_TEMPLATES_ASKED`]: a pool fills without waiting for
+    /// a create to pull its template, and follows a newer build of it.
     pub(super) async fn fill_pools_forever(&self) {
+        let mut asked: Option<tokio::time::Instant> = None;
         loop {
+            if self.inner.registry.is_some()
+                && asked.is_none_or(|at| at.elapsed() >= POOL_TEMPLATES_ASKED)
+            {
+                asked = Some(tokio::time::Instant::now());
+                self.refresh_pool_templates().await;
+            }
             self.fill_pools().await;
             tokio::select! {
                 () = self.inner.shutdown.cancelled() => return,
                 () = self.inner.pool_wake.notified() => {}
                 () = tokio::time::sleep(Duration::from_secs(2)) => {}
+            }
+        }
+    }
+
+    /// Takes the registry's build of each template a pool is of (the
+    /// operator's: pools are the worker's own).
+    async fn refresh_pool_templates(&self) {
+        let names: Vec<String> = lock(&self.inner.pools)
+            .iter()
+            .filter_map(|p| p.template.template.clone())
+            .collect();
+        for name in names {
+            let mut spec = SandboxSpec {
+                template: Some(name.clone()),
+                ..SandboxSpec::default()
+            };
+            match self.resolve_template(&mut spec).await {
+                Ok(_) | Err(WorkerError::NoSuchTemplate(_)) => {}
+                Err(e) => {
+                    warn!(template = %name, error = %e, "a pool's template could not be taken from the registry");
+                }
             }
         }
     }

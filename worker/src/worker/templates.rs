@@ -38,7 +38,7 @@ impl Worker {
         start: TemplateStart,
         seeded: bool,
     ) -> Result<pb::Template> {
-        let most = corral_proto::template::MAX_TEMPLATES;
+        let most = self.inner.max_templates;
         if !self
             .inner
             .templates
