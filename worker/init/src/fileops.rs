@@ -134,6 +134,16 @@ pub fn resolve_under_roots(roots: &Roots, raw: &str) -> Result<PathBuf, String> 
     resolve(roots, raw).map_err(|FileError(_, message)| message)
 }
 
+/// That `raw` names something under the roots (a file, a directory, a
+/// link), as an archive of it needs: else why not (`NotFound`, outside the
+/// roots, not reachable by the caller).
+pub fn must_exist(roots: &Roots, raw: &str) -> Result<(), Refusal> {
+    let path = resolve(roots, raw)?;
+    fs::symlink_metadata(&path)
+        .map(|_| ())
+        .map_err(|e| io_error(raw, &e).into())
+}
+
 /// Opens `path` (resolved under the roots) from the root it is under, so
 /// that the kernel refuses any step out of that root and any magic link.
 /// Kernels without openat2 (before 5.6) get a plain open that follows no

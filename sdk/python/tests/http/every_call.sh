@@ -137,7 +137,7 @@ want download 200
 [ "$(tar -xOf "$out/download.body" d/hello.txt)" = "hello over http" ]
 call download-missing GET "/v1/sandboxes/{sandbox_id}/archive" \
     "/v1/sandboxes/$id/archive?path=/workspace/nothing"
-want download-missing 400
+want download-missing 404
 call check POST "/v1/sandboxes/{sandbox_id}/run" "/v1/sandboxes/$id/run" \
     -d '{"spec": {"shell": {"command": "cat /workspace/in.txt /workspace/d/hello.txt"}}}'
 want check 200

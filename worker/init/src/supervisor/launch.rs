@@ -167,9 +167,15 @@ impl Supervisor {
             result: None,
         };
         let immediate = match &spec {
-            OperationSpec::Shell(_)
-            | OperationSpec::PutArchive(_)
-            | OperationSpec::GetArchive(_) => None,
+            OperationSpec::Shell(_) | OperationSpec::PutArchive(_) => None,
+            // A tree that is not there is said as such (a client's 404),
+            // not as a helper's failure.
+            OperationSpec::GetArchive(a) => {
+                let _as = AsCommandUser::new(self.config.command_uid);
+                fileops::must_exist(&self.config.roots, &a.path)
+                    .err()
+                    .map(OperationResult::from)
+            }
             OperationSpec::ListDir(a) => {
                 let _as = AsCommandUser::new(self.config.command_uid);
                 match crate::listing::into_memory(&self.config.roots, &a.path) {
