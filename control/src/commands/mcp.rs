@@ -27,6 +27,11 @@ const PROTOCOL_VERSIONS: [&str; 4] = ["2024-11-05", "2025-03-26", "2025-06-18", 
 const MAX_OUTPUT: usize = 16 << 10;
 /// Most bytes of a file `read_file` returns.
 const MAX_READ: u64 = 256 << 10;
+/// The largest file upload_file and download_file move (base64 in a
+/// message).
+const MAX_TRANSFER: u64 = 4 << 20;
+/// Most children one fork_sandbox call makes.
+const MAX_FORK: u64 = 8;
 /// A command's time when the call names none, and the most it may name.
 const DEFAULT_TIMEOUT_S: u64 = 120;
 const MAX_TIMEOUT_S: u64 = 3600;
@@ -489,12 +494,17 @@ fn sandbox_id_schema() -> Value {
     json!({"type": "string", "description": "A sandbox other than the session's (its id)."})
 }
 
-/// The tools `server`'s caller may use: the read-only ones alone for a key
-/// that may only read.
+/// The tools a key that may only read can use: what looks at sandboxes
+/// without running anything in them (reading a file runs in the sandbox,
+/// which such a key may not).
+const READ_SCOPE_TOOLS: [&str; 2] = ["list_sandboxes", "inspect_sandbox"];
+
+/// The tools `server`'s caller may use: those of [`READ_SCOPE_TOOLS`] alone
+/// for a key that may only read.
 fn tools_for(server: &Server) -> Vec<Value> {
     tools()
         .into_iter()
-        .filter(|t| !server.read_only || t["annotations"]["readOnlyHint"] == true)
+        .filter(|t| !server.read_only || READ_SCOPE_TOOLS.iter().any(|n| t["name"] == *n))
         .collect()
 }
 
@@ -539,6 +549,33 @@ fn tools() -> Vec<Value> {
                 "additionalProperties": false,
             },
             "annotations": {"readOnlyHint": false, "destructiveHint": true, "idempotentHint": true, "openWorldHint": false},
+        }),
+        json!({
+            "name": "upload_file",
+            "description": "Put a file of any bytes into the sandbox, given as base64 (at most 4 MiB decoded; replacing it; its directories made; a relative path is under /workspace).",
+            "inputSchema": {
+                "type": "object",
+                "properties": {
+                    "path": {"type": "string"},
+                    "content_base64": {"type": "string", "contentEncoding": "base64"},
+                    "executable": {"type": "boolean", "description": "Mode 755 instead of 644."},
+                    "sandbox_id": sandbox_id_schema(),
+                },
+                "required": ["path", "content_base64"],
+                "additionalProperties": false,
+            },
+            "annotations": {"readOnlyHint": false, "destructiveHint": true, "idempotentHint": true, "openWorldHint": false},
+        }),
+        json!({
+            "name": "download_file",
+            "description": "Get a file of any bytes out of the sandbox (at most 4 MiB): as an embedded resource (base64 blob), and its size.",
+            "inputSchema": {
+                "type": "object",
+                "properties": {"path": {"type": "string"}, "sandbox_id": sandbox_id_schema()},
+                "required": ["path"],
+                "additionalProperties": false,
+            },
+            "annotations": {"readOnlyHint": true, "destructiveHint": false, "idempotentHint": true, "openWorldHint": false},
         }),
         json!({
             "name": "start_process",
@@ -611,15 +648,53 @@ fn tools() -> Vec<Value> {
                 "properties": {
                     "image": {"type": "string", "description": "An image its worker allows (default: the worker's)."},
                     "template": {"type": "string", "description": "A template of the worker's (corral template ls)."},
+                    "egress": {"type": "array", "items": {"type": "string"}, "description": "Where it may connect (rules as set_egress takes; [] for nowhere yet, changed later by set_egress). Left out: no network at all."},
                 },
                 "additionalProperties": false,
             },
             "annotations": {"readOnlyHint": false, "destructiveHint": false, "idempotentHint": false, "openWorldHint": false},
         }),
         json!({
+            "name": "fork_sandbox",
+            "description": "Copy a running sandbox (its files and its processes' memory, on a worker that can) into new ones, e.g. to try several approaches from one state. The children are the session's (removed at its end, unless kept); the session's sandbox stays the one it was. Returns their ids.",
+            "inputSchema": {
+                "type": "object",
+                "properties": {
+                    "count": {"type": "integer", "minimum": 1, "maximum": MAX_FORK, "description": "Children to make (default 1)."},
+                    "sandbox_id": sandbox_id_schema(),
+                },
+                "additionalProperties": false,
+            },
+            "annotations": {"readOnlyHint": false, "destructiveHint": false, "idempotentHint": false, "openWorldHint": false},
+        }),
+        json!({
+            "name": "set_egress",
+            "description": "Replace where a sandbox made with egress (create_sandbox with egress) may connect: rules such as \"pypi.org:443\", \"*.github.com:443\" or \"10.0.0.0/8:5432\", within what its worker allows; an empty list blocks everything. Open connections it no longer allows are closed.",
+            "inputSchema": {
+                "type": "object",
+                "properties": {
+                    "rules": {"type": "array", "items": {"type": "string"}},
+                    "sandbox_id": sandbox_id_schema(),
+                },
+                "required": ["rules"],
+                "additionalProperties": false,
+            },
+            "annotations": {"readOnlyHint": false, "destructiveHint": true, "idempotentHint": true, "openWorldHint": true},
+        }),
+        json!({
             "name": "list_sandboxes",
             "description": "The sandboxes there are: id, image, state.",
             "inputSchema": {"type": "object", "properties": {}, "additionalProperties": false},
+            "annotations": {"readOnlyHint": true, "destructiveHint": false, "idempotentHint": true, "openWorldHint": false},
+        }),
+        json!({
+            "name": "inspect_sandbox",
+            "description": "A sandbox's state, image, limits and egress, and its last 20 operations (what ran, how it ended), without running anything in it.",
+            "inputSchema": {
+                "type": "object",
+                "properties": {"sandbox_id": {"type": "string", "description": "Default: the session's."}},
+                "additionalProperties": false,
+            },
             "annotations": {"readOnlyHint": true, "destructiveHint": false, "idempotentHint": true, "openWorldHint": false},
         }),
         json!({
@@ -651,9 +726,28 @@ async fn sandbox_for(server: &Server, args: &Value) -> Result<SandboxId, Value> 
     if let Some(id) = &*bound {
         return Ok(id.clone());
     }
-    let made = make(server, server.image.clone(), None).await?;
+    if server.read_only {
+        return Err(failed(
+            "sandbox_id is required: a key that may only read makes no sandbox (list_sandboxes names them)",
+        ));
+    }
+    let made = make(server, server.image.clone(), None, None).await?;
     *bound = Some(made.id.clone());
     Ok(made.id)
+}
+
+/// The egress rules a call gives in `name` (`None`: none given).
+fn rules_arg(args: &Value, name: &str) -> Result<Option<Vec<corral_proto::egress::Rule>>, Value> {
+    let Some(v) = args.get(name).filter(|v| !v.is_null()) else {
+        return Ok(None);
+    };
+    let raw: Vec<&str> = v
+        .as_array()
+        .and_then(|a| a.iter().map(Value::as_str).collect())
+        .ok_or_else(|| failed(format!("{name}: a list of rules (strings)")))?;
+    corral_proto::egress::parse_rules(&raw, false)
+        .map(Some)
+        .map_err(|e| failed(format!("{name}: {e}")))
 }
 
 /// A new sandbox of the session's (removed at its end, unless kept).
@@ -661,11 +755,14 @@ async fn make(
     server: &Server,
     image: Option<String>,
     template: Option<String>,
+    egress: Option<Vec<corral_proto::egress::Rule>>,
 ) -> Result<corral_proto::SandboxInfo, Value> {
     let spec = SandboxSpec {
         image,
         template,
         idle_timeout_ms: server.idle_timeout_ms,
+        egress_proxy: egress.is_some(),
+        egress: egress.unwrap_or_default(),
         ..SandboxSpec::default()
     };
     let made = server
@@ -675,6 +772,37 @@ async fn make(
         .map_err(|e| failed(format!("no sandbox was made: {e}")))?;
     lock(&server.made).push(made.id.clone());
     Ok(made)
+}
+
+/// Writes `data` to `path` of `sandbox` (its directories made first, as an
+/// editor would make them), executable or not.
+async fn write(
+    server: &Server,
+    sandbox: &SandboxId,
+    path: &str,
+    data: bytes::Bytes,
+    executable: bool,
+    token: &Call,
+) -> Result<(), Value> {
+    if let Some((dir, _)) = path.rsplit_once('/')
+        && !dir.is_empty()
+    {
+        let mut mk = ShellSpec::new(r#"mkdir -p -- "$D""#.to_string());
+        mk.env.insert("D".into(), dir.to_string());
+        run(server, sandbox, OperationSpec::Shell(mk), token).await?;
+    }
+    let spec = OperationSpec::WriteFile(corral_proto::WriteFileSpec {
+        path: path.to_string(),
+        data,
+        mode: if executable { 0o755 } else { 0o644 },
+        append: false,
+        stream: false,
+    });
+    let r = run(server, sandbox, spec, token).await?;
+    if let Outcome::FileError { message, .. } = &r.outcome {
+        return Err(failed(format!("{path}: {message}")));
+    }
+    Ok(())
 }
 
 /// Runs `spec` in `sandbox` to its end (or cancels it when `token` is).
@@ -860,28 +988,138 @@ async fn call_inner(
             let path = text_arg(args, "path")?;
             let content = text_arg(args, "content")?;
             let sandbox = sandbox_for(server, args).await?;
-            // Its directories first, as an editor would make them.
-            if let Some((dir, _)) = path.rsplit_once('/')
-                && !dir.is_empty()
-            {
-                let mut mk = ShellSpec::new(r#"mkdir -p -- "$D""#.to_string());
-                mk.env.insert("D".into(), dir.to_string());
-                run(server, &sandbox, OperationSpec::Shell(mk), token).await?;
+            let data = bytes::Bytes::copy_from_slice(content.as_bytes());
+            write(server, &sandbox, path, data, false, token).await?;
+            Ok(result(
+                format!("wrote {} bytes to {path}", content.len()),
+                json!({"path": path, "bytes": content.len()}),
+                false,
+            ))
+        }
+        "upload_file" => {
+            use base64::Engine as _;
+            let path = text_arg(args, "path")?;
+            let data = base64::engine::general_purpose::STANDARD
+                .decode(text_arg(args, "content_base64")?)
+                .map_err(|e| failed(format!("content_base64: not base64 ({e})")))?;
+            if data.len() as u64 > MAX_TRANSFER {
+                return Err(failed(format!(
+                    "content_base64: {} bytes; at most {MAX_TRANSFER} (move larger files with corral cp)",
+                    data.len()
+                )));
             }
-            let spec = OperationSpec::WriteFile(corral_proto::WriteFileSpec {
+            let executable = args
+                .get("executable")
+                .and_then(Value::as_bool)
+                .unwrap_or(false);
+            let sandbox = sandbox_for(server, args).await?;
+            write(
+                server,
+                &sandbox,
+                path,
+                data.clone().into(),
+                executable,
+                token,
+            )
+            .await?;
+            Ok(result(
+                format!("uploaded {} bytes to {path}", data.len()),
+                json!({"path": path, "bytes": data.len()}),
+                false,
+            ))
+        }
+        "download_file" => {
+            use base64::Engine as _;
+            let path = text_arg(args, "path")?;
+            let sandbox = sandbox_for(server, args).await?;
+            let spec = OperationSpec::ReadFile(corral_proto::ReadFileSpec {
                 path: path.to_string(),
-                data: bytes::Bytes::copy_from_slice(content.as_bytes()),
-                mode: 0o644,
-                append: false,
+                offset: 0,
+                limit: MAX_TRANSFER + 1,
                 stream: false,
             });
             let r = run(server, &sandbox, spec, token).await?;
             if let Outcome::FileError { message, .. } = &r.outcome {
                 return Err(failed(format!("{path}: {message}")));
             }
+            if r.file_size > MAX_TRANSFER {
+                return Err(failed(format!(
+                    "{path}: {} bytes; at most {MAX_TRANSFER} come through a tool (move larger files with corral cp)",
+                    r.file_size
+                )));
+            }
+            let blob = base64::engine::general_purpose::STANDARD.encode(&r.file_data);
+            let absolute = if path.starts_with('/') {
+                path.to_string()
+            } else {
+                format!("/workspace/{path}")
+            };
+            Ok(json!({
+                "content": [
+                    {"type": "text", "text": format!("{path}: {} bytes", r.file_size)},
+                    {"type": "resource", "resource": {
+                        "uri": format!("corral://{sandbox}{absolute}"),
+                        "mimeType": "application/octet-stream",
+                        "blob": blob,
+                    }},
+                ],
+                "structuredContent": {"path": path, "size": r.file_size, "sandbox_id": sandbox.to_string()},
+                "isError": false,
+            }))
+        }
+        "fork_sandbox" => {
+            let count = match args.get("count") {
+                None | Some(Value::Null) => 1,
+                Some(v) => v
+                    .as_u64()
+                    .filter(|n| (1..=MAX_FORK).contains(n))
+                    .ok_or_else(|| failed(format!("count: from 1 to {MAX_FORK}, not {v}")))?,
+            };
+            let sandbox = sandbox_for(server, args).await?;
+            let forked = server
+                .client
+                .fork_sandbox(&sandbox, &[], count as u32)
+                .await
+                .map_err(|e| failed(format!("sandbox {sandbox} was not forked: {e}")))?;
+            let ids: Vec<String> = forked.children.iter().map(|c| c.id.to_string()).collect();
+            lock(&server.made).extend(forked.children.iter().map(|c| c.id.clone()));
             Ok(result(
-                format!("wrote {} bytes to {path}", content.len()),
-                json!({"path": path, "bytes": content.len()}),
+                format!(
+                    "sandbox {sandbox} forked into {} ({} ms frozen): pass sandbox_id to use one",
+                    ids.join(", "),
+                    forked.frozen.as_millis()
+                ),
+                json!({"sandbox_id": sandbox.to_string(), "children": ids, "frozen_ms": forked.frozen.as_millis() as u64}),
+                false,
+            ))
+        }
+        "set_egress" => {
+            let rules = rules_arg(args, "rules")?
+                .ok_or_else(|| failed("rules is required, a list of rules"))?;
+            let sandbox = sandbox_for(server, args).await?;
+            let was = server
+                .client
+                .get_sandbox(&sandbox)
+                .await
+                .map_err(|e| failed(format!("sandbox {sandbox}: {e}")))?;
+            if !was.spec.has_egress_proxy() {
+                return Err(failed(format!(
+                    "sandbox {sandbox} was made without egress (no network at all): make one with create_sandbox and egress (a list of rules, or [])"
+                )));
+            }
+            let info = server
+                .client
+                .set_sandbox_egress(&sandbox, &rules)
+                .await
+                .map_err(|e| failed(format!("egress of sandbox {sandbox} not changed: {e}")))?;
+            let now: Vec<String> = info.spec.egress.iter().map(ToString::to_string).collect();
+            Ok(result(
+                if now.is_empty() {
+                    format!("sandbox {sandbox} may connect nowhere")
+                } else {
+                    format!("sandbox {sandbox} may connect to {}", now.join(", "))
+                },
+                json!({"sandbox_id": sandbox.to_string(), "rules": now}),
                 false,
             ))
         }
@@ -895,7 +1133,8 @@ async fn call_inner(
                 .get("template")
                 .and_then(Value::as_str)
                 .map(str::to_string);
-            let made = make(server, image, template).await?;
+            let egress = rules_arg(args, "egress")?;
+            let made = make(server, image, template, egress).await?;
             // The session's now; one it made before stays until its end.
             *server.bound.lock().await = Some(made.id.clone());
             Ok(result(
@@ -1085,6 +1324,75 @@ async fn call_inner(
                     .join("\n")
             };
             Ok(result(text, json!({"sandboxes": rows}), false))
+        }
+        "inspect_sandbox" => {
+            let sandbox = sandbox_for(server, args).await?;
+            let info = server
+                .client
+                .get_sandbox(&sandbox)
+                .await
+                .map_err(|e| failed(format!("sandbox {sandbox}: {e}")))?;
+            let ops = server
+                .client
+                .list_operations(&sandbox)
+                .await
+                .map_err(|e| failed(format!("sandbox {sandbox}: {e}")))?;
+            let last: Vec<Value> = ops
+                .iter()
+                .rev()
+                .take(20)
+                .rev()
+                .map(|o| {
+                    let what = match &o.spec {
+                        OperationSpec::Shell(sh) => sh.command.chars().take(200).collect(),
+                        OperationSpec::ReadFile(r) => r.path.clone(),
+                        OperationSpec::WriteFile(w) => w.path.clone(),
+                        OperationSpec::PutArchive(a)
+                        | OperationSpec::GetArchive(a)
+                        | OperationSpec::ListDir(a) => a.path.clone(),
+                    };
+                    json!({
+                        "operation_id": o.id.to_string(),
+                        "kind": o.spec.kind(),
+                        "what": what,
+                        "outcome": o.result.as_ref().map_or_else(|| "running".to_string(), |r| r.outcome.to_string()),
+                    })
+                })
+                .collect();
+            let state = format!("{:?}", info.state).to_lowercase();
+            let egress: Option<Vec<String>> = info
+                .spec
+                .has_egress_proxy()
+                .then(|| info.spec.egress.iter().map(ToString::to_string).collect());
+            let mut text = format!(
+                "sandbox {sandbox}: {state}, image {}, {} operations ({} running)",
+                info.image,
+                ops.len(),
+                info.running_operations
+            );
+            for o in &last {
+                text.push_str(&format!(
+                    "\n  {} {} {:?}: {}",
+                    o["operation_id"].as_str().unwrap_or_default(),
+                    o["kind"].as_str().unwrap_or_default(),
+                    o["what"].as_str().unwrap_or_default(),
+                    o["outcome"].as_str().unwrap_or_default()
+                ));
+            }
+            Ok(result(
+                text,
+                json!({
+                    "sandbox_id": sandbox.to_string(),
+                    "state": state,
+                    "image": info.image,
+                    "memory_bytes": info.limits.memory_bytes,
+                    "cpu_millis": info.limits.cpu_millis,
+                    "egress": egress,
+                    "operations": ops.len(),
+                    "last_operations": last,
+                }),
+                false,
+            ))
         }
         "remove_sandbox" => {
             let id = SandboxId::new(text_arg(args, "sandbox_id")?.to_string())

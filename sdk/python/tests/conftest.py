@@ -225,7 +225,15 @@ def worker(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Client]:
     """The suite's worker: called directly, then through a front door."""
-    w = Worker(tmp_path_factory.mktemp("worker"), "--allow-image", "corral-debian:latest")
+    # One name a sandbox's egress may reach (none is ever reached: the
+    # tests that go out use workers of their own).
+    w = Worker(
+        tmp_path_factory.mktemp("worker"),
+        "--allow-image",
+        "corral-debian:latest",
+        "--allow-egress",
+        "example.org:443",
+    )
     if request.param == "direct":
         yield w
     else:

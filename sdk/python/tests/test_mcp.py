@@ -10,6 +10,7 @@ refused before anything is served."""
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import urllib.error
@@ -101,6 +102,38 @@ async def session_run(worker: Client) -> dict[str, Any]:
         )
         seen["ls"] = await session.call_tool("list_files", {"path": "src"})
         seen["ls_missing"] = await session.call_tool("list_files", {"path": "nowhere"})
+        # Any bytes in and out, as base64.
+        blob = bytes(range(256)) * 64
+        seen["blob"] = blob
+        seen["upload"] = await session.call_tool(
+            "upload_file",
+            {
+                "path": "bin/blob.dat",
+                "content_base64": base64.b64encode(blob).decode(),
+                "executable": True,
+            },
+        )
+        seen["download"] = await session.call_tool("download_file", {"path": "bin/blob.dat"})
+        seen["mode"] = await session.call_tool(
+            "run_command", {"command": "stat -c %a bin/blob.dat"}
+        )
+        seen["not_b64"] = await session.call_tool(
+            "upload_file", {"path": "x", "content_base64": "not base64 at all!"}
+        )
+        # Forked: the children have the session's files and are its own.
+        seen["fork"] = await session.call_tool("fork_sandbox", {"count": 2})
+        children = seen["fork"].structured_content["children"]
+        seen["in_child"] = await session.call_tool(
+            "run_command", {"command": "cat src/hello.py", "sandbox_id": children[0]}
+        )
+        seen["listed_forked"] = {s.id for s in worker.list()}
+        # Egress: not on a sandbox made without; on one made with it, within
+        # what the worker allows.
+        seen["egress_without"] = await session.call_tool("set_egress", {"rules": []})
+        seen["egress_made"] = await session.call_tool("create_sandbox", {"egress": []})
+        seen["egress_set"] = await session.call_tool("set_egress", {"rules": ["example.org:443"]})
+        seen["egress_beyond"] = await session.call_tool("set_egress", {"rules": ["pypi.org:443"]})
+        seen["egress_bad"] = await session.call_tool("set_egress", {"rules": ["no such rule"]})
         try:
             await session.call_tool("no_such_tool", {})
             seen["unknown"] = None
@@ -145,9 +178,17 @@ def test_an_agent_uses_a_sandbox_through_corral_mcp(worker: Client) -> None:
     assert seen["missing"].is_error and "nope" in text_of(seen["missing"])
     assert seen["after"].structured_content["stdout"] == "still here\n"
     assert seen["unknown"] is not None
-    assert {"start_process", "read_process", "stop_process", "list_files", "expose_port"} <= set(
-        tools
-    )
+    assert {
+        "start_process",
+        "read_process",
+        "stop_process",
+        "list_files",
+        "expose_port",
+        "upload_file",
+        "download_file",
+        "fork_sandbox",
+        "set_egress",
+    } <= set(tools)
     assert not seen["started"].is_error, text_of(seen["started"])
     ended = seen["ended"].structured_content
     assert not ended["running"] and ended["exit_code"] == 4, ended
@@ -161,8 +202,35 @@ def test_an_agent_uses_a_sandbox_through_corral_mcp(worker: Client) -> None:
     assert entries == [{"name": "hello.py", "type": "file", "size": 18}], entries
     assert seen["ls_missing"].is_error and "nowhere" in text_of(seen["ls_missing"])
 
-    # The client is gone: so is the sandbox its session made.
-    assert seen["sandbox"] not in {s.id for s in worker.list()}
+    up = seen["upload"]
+    assert not up.is_error and up.structured_content["bytes"] == len(seen["blob"]), text_of(up)
+    down = seen["download"]
+    assert not down.is_error, text_of(down)
+    assert down.structured_content["size"] == len(seen["blob"])
+    resource = down.content[1].resource
+    assert resource.mime_type == "application/octet-stream"
+    assert base64.b64decode(resource.blob) == seen["blob"]
+    assert seen["mode"].structured_content["stdout"] == "755\n"
+    assert seen["not_b64"].is_error and "base64" in text_of(seen["not_b64"])
+    fork = seen["fork"]
+    assert not fork.is_error, text_of(fork)
+    children = fork.structured_content["children"]
+    assert len(children) == 2 and set(children) <= seen["listed_forked"]
+    assert seen["in_child"].structured_content["stdout"] == "print('hi there')\n"
+    without = seen["egress_without"]
+    assert without.is_error and "made without egress" in text_of(without), text_of(without)
+    assert not seen["egress_made"].is_error, text_of(seen["egress_made"])
+    assert seen["egress_set"].structured_content["rules"] == ["example.org:443"], text_of(
+        seen["egress_set"]
+    )
+    beyond = seen["egress_beyond"]
+    assert beyond.is_error and "--allow-egress" in text_of(beyond), text_of(beyond)
+    assert seen["egress_bad"].is_error and "rules" in text_of(seen["egress_bad"])
+
+    # The client is gone: so are the sandboxes its session made, forks too.
+    left = {s.id for s in worker.list()}
+    assert seen["sandbox"] not in left
+    assert not set(children) & left, left
 
 
 def test_a_wrong_token_is_refused_before_anything_is_served(worker: Client, tmp_path: Any) -> None:
@@ -183,8 +251,26 @@ def test_a_wrong_token_is_refused_before_anything_is_served(worker: Client, tmp_
         anyio.run(attempt)
 
 
-async def http_session_run(url: str, key: str) -> dict[str, Any]:
-    """The same session over Streamable HTTP, with ``key`` as its Bearer."""
+async def auditor_run(url: str, key: str, sandbox: str) -> dict[str, Any]:
+    """What a key that may only read is offered, and sees of ``sandbox``."""
+    seen: dict[str, Any] = {}
+    client = httpx2.AsyncClient(headers={"Authorization": f"Bearer {key}"})
+    async with (
+        client,
+        streamable_http_client(url, http_client=client) as streams,
+        ClientSession(streams[0], streams[1]) as session,
+    ):
+        await session.initialize()
+        seen["tools"] = {t.name for t in (await session.list_tools()).tools}
+        seen["listed"] = await session.call_tool("list_sandboxes", {})
+        seen["inspected"] = await session.call_tool("inspect_sandbox", {"sandbox_id": sandbox})
+        seen["no_id"] = await session.call_tool("inspect_sandbox", {})
+    return seen
+
+
+async def http_session_run(url: str, key: str, auditor: str) -> dict[str, Any]:
+    """The same session over Streamable HTTP, with ``key`` as its Bearer;
+    an auditor's session (``auditor``) looks at its sandbox meanwhile."""
     seen: dict[str, Any] = {}
     client = httpx2.AsyncClient(
         headers={"Authorization": f"Bearer {key}"}, timeout=httpx2.Timeout(30, read=300)
@@ -209,6 +295,7 @@ async def http_session_run(url: str, key: str) -> dict[str, Any]:
             "run_command", {"command": "sleep 30", "timeout_seconds": 1}
         )
         seen["after"] = await session.call_tool("run_command", {"command": "echo still here"})
+        seen["auditor"] = await auditor_run(url, auditor, seen["sandbox"])
     return seen
 
 
@@ -221,7 +308,7 @@ def test_an_agent_uses_corral_mcp_over_http_on_a_front_door(
     door = FrontDoor(tmp_path / "door", w)
     try:
         url = f"{door.url}/mcp"
-        seen = anyio.run(http_session_run, url, door.acme)
+        seen = anyio.run(http_session_run, url, door.acme, door.auditor)
         assert seen["version"] == "2025-11-25"
         assert {"run_command", "read_file", "write_file"} <= seen["tools"]
         r = seen["run"]
@@ -233,19 +320,22 @@ def test_an_agent_uses_corral_mcp_over_http_on_a_front_door(
         # The session's sandbox was the tenant's, and went with the session.
         assert seen["sandbox"] not in {s.id for s in w.list()}
 
-        # A key that may only read is offered the read-only tools alone.
-        async def listed(key: str) -> set[str]:
-            client = httpx2.AsyncClient(headers={"Authorization": f"Bearer {key}"})
-            async with (
-                client,
-                streamable_http_client(url, http_client=client) as streams,
-                ClientSession(streams[0], streams[1]) as session,
-            ):
-                await session.initialize()
-                return {t.name for t in (await session.list_tools()).tools}
-
-        read_only = anyio.run(listed, door.auditor)
-        assert read_only == {"read_file", "read_process", "list_files", "list_sandboxes"}, read_only
+        # A key that may only read is offered what runs nothing in a
+        # sandbox: it lists the tenant's sandboxes and inspects one (what
+        # ran in it, how it ended), and makes none.
+        audit = seen["auditor"]
+        assert audit["tools"] == {"list_sandboxes", "inspect_sandbox"}, audit["tools"]
+        rows = audit["listed"].structured_content["sandboxes"]
+        assert [r["sandbox_id"] for r in rows] == [seen["sandbox"]], rows
+        inspected = audit["inspected"]
+        assert not inspected.is_error, text_of(inspected)
+        info = inspected.structured_content
+        assert info["state"] == "ready" and info["image"], info
+        commands = [o["what"] for o in info["last_operations"] if o["kind"] == "shell"]
+        assert "exit 3" in commands and "sleep 30" in commands, info
+        outcomes = {o["what"]: o["outcome"] for o in info["last_operations"]}
+        assert "3" in outcomes["exit 3"], outcomes
+        assert audit["no_id"].is_error and "sandbox_id" in text_of(audit["no_id"])
 
         # No key, a wrong one: 401 naming the protected-resource metadata.
         init = {
