@@ -34,6 +34,7 @@ export {
 export {
   CreateOptions,
   EndCause,
+  Exposure,
   FileEntry,
   Files,
   Process,
@@ -41,4 +42,8 @@ export {
   RunOptions,
   Sandbox,
   SandboxInfo,
+  TemplateInfo,
+  Templates,
+  VolumeInfo,
+  Volumes,
 } from "./sandbox.js";

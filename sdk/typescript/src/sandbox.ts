@@ -75,8 +75,12 @@ export interface CreateOptions extends ConnectOptions {
   /** Seconds it lives, and it may stay idle. */
   ttl?: number;
   idleTimeout?: number;
-  /** Hosts it may reach through its worker's proxy. */
+  /** Hosts it may reach through its worker's proxy (`[]`: none yet, but
+   * `setEgress` may open some later). */
   egress?: string[];
+  /** Volumes mounted, by path: `{ "/data": "NAME" }`, or
+   * `{ "/data": { name: "NAME", readOnly: true } }`. */
+  volumes?: Record<string, string | { name: string; readOnly?: boolean }>;
   /** Its id (default: the worker's choice). */
   id?: string;
 }
@@ -421,6 +425,13 @@ export class Sandbox {
       spec.egress = opts.egress;
       spec.egress_proxy = true;
     }
+    if (opts.volumes) {
+      spec.volumes = Object.entries(opts.volumes).map(([path, v]) => {
+        if (!path.startsWith("/")) throw new InvalidArgument(`volume at ${JSON.stringify(path)}: an absolute path`);
+        const { name, readOnly } = typeof v === "string" ? { name: v, readOnly: false } : v;
+        return { name: checkName("volume", name), path, read_only: Boolean(readOnly) };
+      });
+    }
     const made = await client.call("POST", "/v1/sandboxes", { id: opts.id ?? randomId(), spec });
     return new Sandbox(client, String(made.id));
   }
@@ -443,6 +454,69 @@ export class Sandbox {
   /** What its worker says of it now. */
   async info(): Promise<SandboxInfo> {
     return infoOf(await this._client.call("GET", this._path));
+  }
+
+  /** Copies it, running, into `count` new sandboxes (its files, and its
+   * processes' memory on a worker that can): the children. */
+  async fork(count = 1): Promise<Sandbox[]> {
+    if (!(Number.isInteger(count) && count >= 1 && count <= 64)) {
+      throw new InvalidArgument(`count ${count}: from 1 to 64`);
+    }
+    const r = await this._client.call<{ children?: Json[] }>("POST", "/v1/corral.v1.Worker/ForkSandbox", {
+      id: this.id,
+      count,
+    });
+    return (r.children ?? []).map((c) => new Sandbox(this._client, String(c.id)));
+  }
+
+  /** Gives `port` (a server in it listens there) a URL outside it, on a
+   * worker that serves ports: signed (its token in `token`) unless
+   * `public`; for `ttl` seconds (default: as long as it lives). */
+  async exposePort(port: number, opts: { public?: boolean; ttl?: number } = {}): Promise<Exposure> {
+    if (!(Number.isInteger(port) && port >= 1 && port <= 65535)) {
+      throw new InvalidArgument(`port ${port}: from 1 to 65535`);
+    }
+    const e = await this._client.call("POST", "/v1/corral.v1.Worker/ExposePort", {
+      sandbox_id: this.id,
+      port,
+      access: opts.public ? "PORT_ACCESS_PUBLIC" : "PORT_ACCESS_SIGNED",
+      ttl_ms: opts.ttl ? Math.ceil(opts.ttl * 1000) : 0,
+    });
+    return {
+      port,
+      url: String(e.url ?? ""),
+      token: e.token ? String(e.token) : null,
+      expiresAtUnixMs: Number(e.expires_at_unix_ms ?? 0) || null,
+    };
+  }
+
+  /** Ends the exposure of `port`: whether there was one. */
+  async closePort(port: number): Promise<boolean> {
+    const r = await this._client.call<{ revoked?: boolean }>("POST", "/v1/corral.v1.Worker/RevokeAccess", {
+      sandbox_id: this.id,
+      port,
+    });
+    return Boolean(r.revoked);
+  }
+
+  /** Replaces where it may connect (a sandbox made with `egress`): new
+   * connections follow at once, open ones no longer allowed are closed. */
+  async setEgress(rules: string[]): Promise<void> {
+    if (!Array.isArray(rules) || rules.some((r) => typeof r !== "string")) {
+      throw new InvalidArgument("rules: a list of strings such as pypi.org:443");
+    }
+    await this._client.call("POST", "/v1/corral.v1.Worker/SetSandboxEgress", { id: this.id, rules });
+  }
+
+  /** Saves its files as template `name` (its processes not included): each
+   * sandbox of it starts with them. */
+  async snapshot(name: string): Promise<TemplateInfo> {
+    return templateOf(
+      await this._client.call("POST", "/v1/corral.v1.Worker/SnapshotSandbox", {
+        id: this.id,
+        template: checkName("template", name),
+      }),
+    );
   }
 
   /** Removes it and everything in it: whether it was there. */
@@ -528,6 +602,105 @@ export class Sandbox {
     }
   }
 }
+
+/** A port of a sandbox given a URL. */
+export interface Exposure {
+  port: number;
+  url: string;
+  /** What a signed URL takes (as `?token=` or a Bearer); `null` if public. */
+  token: string | null;
+  expiresAtUnixMs: number | null;
+}
+
+/** A template of a worker's (or a front door tenant's). */
+export interface TemplateInfo {
+  name: string;
+  image: string;
+  createdAtUnixMs: number;
+}
+
+/** A volume: files that outlive sandboxes. */
+export interface VolumeInfo {
+  name: string;
+  sizeBytes: number;
+  usedBytes: number;
+  createdAtUnixMs: number;
+  /** The sandbox that writes it, if one does. */
+  writer: string | null;
+  readers: string[];
+}
+
+/** A template's or a volume's name: 1-64 of a-z 0-9 . _ -, first a letter
+ * or a digit. */
+function checkName(what: string, name: string): string {
+  if (typeof name !== "string" || !/^[a-z0-9][a-z0-9._-]{0,63}$/.test(name)) {
+    throw new InvalidArgument(`${what} ${JSON.stringify(name)}: 1-64 of a-z 0-9 . _ -, first a letter or a digit`);
+  }
+  return name;
+}
+
+function templateOf(t: Json): TemplateInfo {
+  return { name: String(t.name), image: String(t.image ?? ""), createdAtUnixMs: Number(t.created_at_unix_ms ?? 0) };
+}
+
+function volumeOf(v: Json): VolumeInfo {
+  return {
+    name: String(v.name),
+    sizeBytes: Number(v.size_bytes ?? 0),
+    usedBytes: Number(v.used_bytes ?? 0),
+    createdAtUnixMs: Number(v.created_at_unix_ms ?? 0),
+    writer: v.writer ? String(v.writer) : null,
+    readers: (v.readers ?? []).map(String),
+  };
+}
+
+/** The templates there are (built with `corral template build`, or saved
+ * by `Sandbox.snapshot`). */
+export const Templates = {
+  async list(opts: ConnectOptions = {}): Promise<TemplateInfo[]> {
+    const client = await Client.connect(opts);
+    const r = await client.call<{ templates?: Json[] }>("POST", "/v1/corral.v1.Worker/ListTemplates", {});
+    return (r.templates ?? []).map(templateOf);
+  },
+  /** Forgets template `name` (refused while a sandbox of it runs, unless
+   * `force`): whether there was one. */
+  async remove(name: string, opts: ConnectOptions & { force?: boolean } = {}): Promise<boolean> {
+    const client = await Client.connect(opts);
+    const r = await client.call<{ existed?: boolean }>("POST", "/v1/corral.v1.Worker/DeleteTemplate", {
+      name: checkName("template", name),
+      force: Boolean(opts.force),
+    });
+    return Boolean(r.existed);
+  },
+};
+
+/** Volumes: made, listed, removed; mounted by `Sandbox.create({ volumes })`. */
+export const Volumes = {
+  /** Makes volume `name` of `size` (bytes, or `10g`; default: the worker's). */
+  async create(name: string, opts: ConnectOptions & { size?: number | string } = {}): Promise<VolumeInfo> {
+    const client = await Client.connect(opts);
+    return volumeOf(
+      await client.call("POST", "/v1/corral.v1.Worker/CreateVolume", {
+        name: checkName("volume", name),
+        size_bytes: parseSize(opts.size, "size") ?? 0,
+      }),
+    );
+  },
+  async list(opts: ConnectOptions = {}): Promise<VolumeInfo[]> {
+    const client = await Client.connect(opts);
+    const r = await client.call<{ volumes?: Json[] }>("POST", "/v1/corral.v1.Worker/ListVolumes", {});
+    return (r.volumes ?? []).map(volumeOf);
+  },
+  /** Removes volume `name` and its files (refused while mounted): whether
+   * there was one. */
+  async remove(name: string, opts: ConnectOptions = {}): Promise<boolean> {
+    const client = await Client.connect(opts);
+    const r = await client.call<{ existed?: boolean }>("POST", "/v1/corral.v1.Worker/DeleteVolume", {
+      name: checkName("volume", name),
+    });
+    return Boolean(r.existed);
+  },
+};
 
 /** Hands an event's output to its callback; the finished result, if it ends. */
 function deliver(ev: Json, opts: RunOptions): { result: Json | undefined } | null {

@@ -19,14 +19,14 @@ import {
   PolicyDenied,
   CorralError,
 } from "../dist/index.js";
-import { startWorker } from "./worker.mjs";
+import { startCorral } from "./worker.mjs";
 
 let w;
 let sb;
 const conn = () => ({ worker: w.url, tokenFile: w.tokenFile });
 
 before(async () => {
-  w = await startWorker();
+  w = await startCorral();
   sb = await Sandbox.create({ ...conn(), memory: "512m", labels: { suite: "typescript" } });
 });
 

@@ -1,0 +1,140 @@
+// The TypeScript SDK on what outlives and reaches into a sandbox, against a
+// real worker (directly, or through a front door as a tenant): a running
+// sandbox forked into children with its files; a server's port given a
+// signed URL that Node's fetch opens with the token and not without; a
+// volume written by one sandbox and read by the next; a sandbox saved as a
+// template that the next starts from; egress rules replaced, within what
+// the worker allows.
+import { test, before, after } from "node:test";
+import assert from "node:assert/strict";
+import { randomBytes } from "node:crypto";
+
+import { Sandbox, Templates, Volumes, InvalidArgument, PolicyDenied, CorralError } from "../dist/index.js";
+import { freePort, startCorral } from "./worker.mjs";
+
+let w;
+const conn = () => ({ worker: w.url, tokenFile: w.tokenFile });
+const suffix = () => randomBytes(4).toString("hex");
+
+before(async () => {
+  // One name egress may reach (never reached here).
+  w = await startCorral("--ports-listen", `127.0.0.1:${await freePort()}`, "--allow-egress", "example.org:443");
+});
+
+after(async () => {
+  if (w) await w.stop();
+});
+
+test("a running sandbox forked: each child has its files and goes on its own", async () => {
+  const sb = await Sandbox.create(conn());
+  try {
+    await sb.files.write("state.txt", "before the fork\n");
+    const children = await sb.fork(2);
+    assert.equal(children.length, 2);
+    for (const c of children) {
+      assert.equal(await c.files.readText("state.txt"), "before the fork\n");
+      await c.files.write("state.txt", `child ${c.id}\n`);
+    }
+    assert.equal(await sb.files.readText("state.txt"), "before the fork\n");
+    assert.notEqual(children[0].id, children[1].id);
+    for (const c of children) assert.equal(await c.remove(), true);
+    await assert.rejects(sb.fork(0), InvalidArgument);
+  } finally {
+    await sb.remove();
+  }
+});
+
+test("a server's port: a signed URL, opened by fetch with its token and refused without", async () => {
+  const sb = await Sandbox.create(conn());
+  try {
+    await sb.files.write("index.html", "<h1>from the sandbox</h1>");
+    const server = await sb.start("exec python3 -m http.server 8000 --bind 127.0.0.1");
+    const up = await sb.run(
+      "for i in $(seq 100); do python3 -c 'import socket; socket.create_connection((\"127.0.0.1\", 8000))' 2>/dev/null && exit 0; sleep 0.1; done; exit 1",
+    );
+    assert.equal(up.exitCode, 0, up.stderr);
+    const e = await sb.exposePort(8000, { ttl: 600 });
+    assert.ok(e.token, "a signed exposure has a token");
+    assert.ok(e.expiresAtUnixMs && e.expiresAtUnixMs > Date.now());
+    const ok = await fetch(e.url, { headers: { Authorization: `Bearer ${e.token}` } });
+    assert.equal(ok.status, 200);
+    assert.match(await ok.text(), /from the sandbox/);
+    const refused = await fetch(e.url);
+    assert.equal(refused.status, 401);
+    await refused.body?.cancel();
+    assert.equal(await sb.closePort(8000), true);
+    assert.equal(await sb.closePort(8000), false);
+    await assert.rejects(sb.exposePort(8000, { public: true }), PolicyDenied);
+    await assert.rejects(sb.exposePort(70000), InvalidArgument);
+    await server.kill();
+  } finally {
+    await sb.remove();
+  }
+});
+
+test("a volume: written by one sandbox, read by the next, removed once free", async () => {
+  const name = `tsvol-${suffix()}`;
+  const v = await Volumes.create(name, { ...conn(), size: "64m" });
+  assert.equal(v.name, name);
+  assert.equal(v.sizeBytes, 64 << 20);
+  try {
+    const writer = await Sandbox.create({ ...conn(), volumes: { "/data": name } });
+    const wrote = await writer.run("echo kept > /data/notes.txt && id -u && stat -c %u /data/notes.txt");
+    assert.equal(wrote.exitCode, 0, wrote.stderr);
+    const [uid, owner] = wrote.stdout.trim().split("\n");
+    assert.equal(owner, uid, "the volume's files are the sandbox user's");
+    assert.equal((await Volumes.list(conn())).find((x) => x.name === name)?.writer, writer.id);
+    await assert.rejects(Volumes.remove(name, conn()), CorralError);
+    await writer.remove();
+    const reader = await Sandbox.create({ ...conn(), volumes: { "/data": { name, readOnly: true } } });
+    assert.equal((await reader.run("cat /data/notes.txt")).stdout, "kept\n");
+    const denied = await reader.run("echo more > /data/notes.txt");
+    assert.notEqual(denied.exitCode, 0);
+    await reader.remove();
+    await assert.rejects(Sandbox.create({ ...conn(), volumes: { data: name } }), InvalidArgument);
+  } finally {
+    assert.equal(await Volumes.remove(name, conn()), true);
+  }
+  assert.equal((await Volumes.list(conn())).some((x) => x.name === name), false);
+});
+
+test("a sandbox saved as a template: the next starts with its files", async () => {
+  const name = `ts-snap-${suffix()}`;
+  const sb = await Sandbox.create(conn());
+  try {
+    await sb.files.write("tool/config.json", '{"ready": true}\n');
+    const t = await sb.snapshot(name);
+    assert.equal(t.name, name);
+    assert.ok(t.image);
+  } finally {
+    await sb.remove();
+  }
+  try {
+    assert.ok((await Templates.list(conn())).some((t) => t.name === name));
+    const next = await Sandbox.create({ ...conn(), template: name });
+    assert.equal(await next.files.readText("tool/config.json"), '{"ready": true}\n');
+    await next.remove();
+    await assert.rejects(Sandbox.create({ ...conn(), template: "Not A Name" }), CorralError);
+  } finally {
+    assert.equal(await Templates.remove(name, conn()), true);
+  }
+  assert.equal(await Templates.remove(name, conn()), false);
+});
+
+test("egress replaced within what the worker allows", async () => {
+  const open = await Sandbox.create({ ...conn(), egress: [] });
+  try {
+    await open.setEgress(["example.org:443"]);
+    await open.setEgress([]);
+    await assert.rejects(open.setEgress(["pypi.org:443"]), PolicyDenied);
+    await assert.rejects(open.setEgress([42]), InvalidArgument);
+  } finally {
+    await open.remove();
+  }
+  const closed = await Sandbox.create(conn());
+  try {
+    await assert.rejects(closed.setEgress([]), InvalidArgument);
+  } finally {
+    await closed.remove();
+  }
+});
