@@ -6,7 +6,8 @@
 //!    sent the whole HTTP/2 connection preface, the method of an HTTP/1.1
 //!    request (the HTTP/JSON gateway's), or with TLS the header of its
 //!    first TLS record, within the handshake timeout; anything else is
-//!    closed. A connection that sends one byte and waits costs a file
+//!    closed. With TLS, the TLS handshake is done here too (offering `h2`
+//!    and `http/1.1`), within the handshake timeout again. A connection that sends one byte and waits costs a file
 //!    descriptor for a few seconds, never a server slot.
 //! 2. **First authenticated call.** A served connection that has not made
 //!    a call the token check let through is *unauthenticated*: at most
@@ -386,19 +387,98 @@ impl AsyncWrite for Admitted {
     }
 }
 
-/// The admitted connections of `listener`, and the accept loop that feeds
-/// them (the caller owns it: abort it when serving ends; it owns the
-/// handshakes in progress). `shed` counts the connections shed.
+/// A connection the server gets: admitted, and with TLS its handshake
+/// done (here rather than by the server, so that ALPN may offer HTTP/1.1
+/// beside HTTP/2, and within the handshake timeout).
+pub enum Conn {
+    Plain(Admitted),
+    Tls(Box<tokio_rustls::server::TlsStream<Admitted>>),
+}
+
+impl Connected for Conn {
+    type ConnectInfo = AdmittedInfo;
+
+    fn connect_info(&self) -> AdmittedInfo {
+        match self {
+            Self::Plain(a) => a.connect_info(),
+            Self::Tls(t) => t.get_ref().0.connect_info(),
+        }
+    }
+}
+
+impl AsyncRead for Conn {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Self::Plain(a) => Pin::new(a).poll_read(cx, buf),
+            Self::Tls(t) => Pin::new(t.as_mut()).poll_read(cx, buf),
+        }
+    }
+}
+
+impl AsyncWrite for Conn {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        match self.get_mut() {
+            Self::Plain(a) => Pin::new(a).poll_write(cx, buf),
+            Self::Tls(t) => Pin::new(t.as_mut()).poll_write(cx, buf),
+        }
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Self::Plain(a) => Pin::new(a).poll_flush(cx),
+            Self::Tls(t) => Pin::new(t.as_mut()).poll_flush(cx),
+        }
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Self::Plain(a) => Pin::new(a).poll_shutdown(cx),
+            Self::Tls(t) => Pin::new(t.as_mut()).poll_shutdown(cx),
+        }
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        match self.get_mut() {
+            Self::Plain(a) => Pin::new(a).poll_write_vectored(cx, bufs),
+            Self::Tls(t) => Pin::new(t.as_mut()).poll_write_vectored(cx, bufs),
+        }
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        match self {
+            Self::Plain(a) => a.is_write_vectored(),
+            Self::Tls(t) => t.is_write_vectored(),
+        }
+    }
+}
+
+/// The admitted connections of `listener` (with `tls`, each after its TLS
+/// handshake), and the accept loop that feeds them (the caller owns it:
+/// abort it when serving ends; it owns the handshakes in progress).
+/// `shed` counts the connections shed.
 pub fn admit(
     listener: TcpListener,
     limits: Admission,
     shed: Counter,
+    tls: Option<crate::process::ServerTls>,
 ) -> (
-    ReceiverStream<io::Result<Admitted>>,
+    ReceiverStream<io::Result<Conn>>,
     tokio::task::JoinHandle<()>,
 ) {
     let (tx, rx) = mpsc::channel(64);
-    let task = tokio::spawn(accept_loop(listener, limits, shed, tx));
+    let task = tokio::spawn(accept_loop(listener, limits, shed, tls, tx));
     (ReceiverStream::new(rx), task)
 }
 
@@ -442,7 +522,8 @@ async fn accept_loop(
     listener: TcpListener,
     limits: Admission,
     shed: Counter,
-    tx: mpsc::Sender<io::Result<Admitted>>,
+    tls: Option<crate::process::ServerTls>,
+    tx: mpsc::Sender<io::Result<Conn>>,
 ) {
     let served = Arc::new(Semaphore::new(limits.max_connections));
     let places = Places {
@@ -470,7 +551,7 @@ async fn accept_loop(
         };
         let place = places.arrive(peer.ip());
         let _ = stream.set_nodelay(true);
-        let (served, tx) = (served.clone(), tx.clone());
+        let (served, tx, tls) = (served.clone(), tx.clone(), tls.clone());
         handshakes.spawn(async move {
             let spoke = tokio::select! {
                 spoke = tokio::time::timeout(limits.handshake_timeout, preface(&mut stream)) => spoke,
@@ -509,17 +590,35 @@ async fn accept_loop(
                 authenticated: false.into(),
                 place: Mutex::new(Some(place)),
             });
-            let _ = tx
-                .send(Ok(Admitted {
-                    stream,
-                    prefix,
-                    at: 0,
-                    state,
-                    deadline: Some(Box::pin(tokio::time::sleep(limits.first_call_timeout))),
-                    shed: Some(shed),
-                    _permit: permit,
-                }))
-                .await;
+            let admitted = Admitted {
+                stream,
+                prefix,
+                at: 0,
+                state,
+                deadline: Some(Box::pin(tokio::time::sleep(limits.first_call_timeout))),
+                shed: Some(shed),
+                _permit: permit,
+            };
+            let conn = match tls {
+                None => Conn::Plain(admitted),
+                // Its deadline and shedding hold during the handshake too.
+                Some(tls) => {
+                    match tokio::time::timeout(limits.handshake_timeout, tls.0.accept(admitted))
+                        .await
+                    {
+                        Ok(Ok(s)) => Conn::Tls(Box::new(s)),
+                        Ok(Err(e)) => {
+                            debug!(%peer, error = %e, "TLS handshake failed; closed");
+                            return;
+                        }
+                        Err(_) => {
+                            debug!(%peer, "no TLS handshake in time; closed");
+                            return;
+                        }
+                    }
+                }
+            };
+            let _ = tx.send(Ok(conn)).await;
         });
     }
 }

@@ -393,7 +393,7 @@ impl WorkerArgs {
     }
 
     /// The TLS configuration, when --tls-cert is given.
-    pub fn tls(&self) -> Result<Option<tonic::transport::ServerTlsConfig>, ConfigError> {
+    pub fn tls(&self) -> Result<Option<crate::process::ServerTls>, ConfigError> {
         server_tls(
             self.tls_cert.as_deref(),
             self.tls_key.as_deref(),

@@ -119,23 +119,81 @@ fn read_pem(path: &Path) -> Result<Vec<u8>, ConfigError> {
     Ok(data)
 }
 
-/// A server's TLS configuration from its certificate and key (PEM files),
-/// requiring client certificates signed by `client_ca` when given (mutual
-/// TLS); `None` without a certificate.
+/// A server's TLS: its certificate and key, and for mutual TLS the CA its
+/// clients' certificates must be signed by. It offers HTTP/2 (`h2`, gRPC)
+/// and HTTP/1.1 (the HTTP/JSON API's clients that speak nothing else, such
+/// as Node's `fetch`) by ALPN. Handshakes are done by [`crate::admission`].
+#[derive(Clone)]
+pub struct ServerTls(pub(crate) tokio_rustls::TlsAcceptor);
+
+impl std::fmt::Debug for ServerTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ServerTls")
+    }
+}
+
+impl ServerTls {
+    /// From PEM: the certificate chain, its key, and the clients' CA.
+    pub fn from_pem(cert: &[u8], key: &[u8], client_ca: Option<&[u8]>) -> Result<Self, String> {
+        use rustls_pki_types::pem::PemObject;
+        use rustls_pki_types::{CertificateDer, PrivateKeyDer};
+        use tokio_rustls::rustls;
+        let chain = CertificateDer::pem_slice_iter(cert)
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| format!("the certificate: {e}"))?;
+        if chain.is_empty() {
+            return Err("the certificate: no CERTIFICATE block".into());
+        }
+        let key = PrivateKeyDer::from_pem_slice(key).map_err(|e| format!("the key: {e}"))?;
+        let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
+        let builder = rustls::ServerConfig::builder_with_provider(provider.clone())
+            .with_safe_default_protocol_versions()
+            .map_err(|e| e.to_string())?;
+        let builder = match client_ca {
+            Some(ca) => {
+                let mut roots = rustls::RootCertStore::empty();
+                for c in CertificateDer::pem_slice_iter(ca) {
+                    let c = c.map_err(|e| format!("the client CA: {e}"))?;
+                    roots.add(c).map_err(|e| format!("the client CA: {e}"))?;
+                }
+                let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(
+                    roots.into(),
+                    provider,
+                )
+                .build()
+                .map_err(|e| format!("the client CA: {e}"))?;
+                builder.with_client_cert_verifier(verifier)
+            }
+            None => builder.with_no_client_auth(),
+        };
+        let mut config = builder
+            .with_single_cert(chain, key)
+            .map_err(|e| format!("the certificate and its key: {e}"))?;
+        config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+        Ok(Self(tokio_rustls::TlsAcceptor::from(std::sync::Arc::new(
+            config,
+        ))))
+    }
+}
+
+/// A server's TLS from its certificate and key (PEM files), requiring
+/// client certificates signed by `client_ca` when given (mutual TLS);
+/// `None` without a certificate.
 pub fn server_tls(
     cert: Option<&Path>,
     key: Option<&Path>,
     client_ca: Option<&Path>,
-) -> Result<Option<tonic::transport::ServerTlsConfig>, ConfigError> {
+) -> Result<Option<ServerTls>, ConfigError> {
     let (Some(cert), Some(key)) = (cert, key) else {
         return Ok(None);
     };
-    let identity = tonic::transport::Identity::from_pem(read_pem(cert)?, read_pem(key)?);
-    let mut tls = tonic::transport::ServerTlsConfig::new().identity(identity);
-    if let Some(ca) = client_ca {
-        tls = tls.client_ca_root(tonic::transport::Certificate::from_pem(read_pem(ca)?));
-    }
-    Ok(Some(tls))
+    let ca = client_ca.map(read_pem).transpose()?;
+    ServerTls::from_pem(&read_pem(cert)?, &read_pem(key)?, ca.as_deref())
+        .map(Some)
+        .map_err(|reason| ConfigError::TlsFile {
+            path: cert.display().to_string(),
+            reason,
+        })
 }
 
 /// The shortest token accepted.

@@ -73,8 +73,6 @@ pub fn mark_authenticated(req: &Request<()>) {
     let ext = req.extensions();
     if let Some(info) = ext.get::<AdmittedInfo>() {
         info.authenticated();
-    } else if let Some(tls) = ext.get::<tonic::transport::server::TlsConnectInfo<AdmittedInfo>>() {
-        tls.get_ref().authenticated();
     }
 }
 
@@ -94,7 +92,7 @@ pub struct ServeOptions {
     /// Bearer token required on every `corral.v1.Worker` call.
     pub token: Option<String>,
     /// TLS (and, with a client CA, mutual TLS).
-    pub tls: Option<tonic::transport::ServerTlsConfig>,
+    pub tls: Option<crate::process::ServerTls>,
     /// Limits on connections and on how long one may stay silent.
     pub admission: Admission,
     /// Bytes of request messages read at once, across all connections
@@ -189,7 +187,6 @@ where
 async fn router(
     worker: Worker,
     token: Option<String>,
-    tls: Option<tonic::transport::ServerTlsConfig>,
     budget: crate::budget::Budget,
 ) -> Result<(Routes, tonic_health::server::HealthReporter), ServeError> {
     let (health_reporter, health) = tonic_health::server::health_reporter();
@@ -211,15 +208,13 @@ async fn router(
         tonic::service::interceptor::InterceptedService::new(service, move |req| auth.check(req));
     // Dead peers are found by HTTP/2 pings and closed.
     // HTTP/1.1 too, for the HTTP/JSON gateway on the same address.
+    // TLS, when there is one, is done by admission.
     let mut builder = tonic::transport::Server::builder()
         .accept_http1(true)
         .max_concurrent_streams(MAX_STREAMS_PER_CONNECTION)
         .http2_keepalive_interval(Some(std::time::Duration::from_secs(30)))
-        .http2_keepalive_timeout(Some(std::time::Duration::from_secs(20)));
-    if let Some(tls) = tls {
-        builder = builder.tls_config(tls)?;
-    }
-    let mut builder = builder.layer(crate::budget::BudgetLayer(budget));
+        .http2_keepalive_timeout(Some(std::time::Duration::from_secs(20)))
+        .layer(crate::budget::BudgetLayer(budget));
     let grpc = tonic::service::Routes::new(health)
         .add_service(reflection)
         .add_service(service)
@@ -297,11 +292,12 @@ pub async fn serve_with(
             .request_memory
             .unwrap_or(crate::budget::DEFAULT_BYTES),
     );
-    let (router, reporter) = router(worker.clone(), options.token, options.tls, budget).await?;
+    let (router, reporter) = router(worker.clone(), options.token, budget).await?;
     // Accepted sockets (with TCP_NODELAY: without it every reply waits on
     // Nagle) reach the server only once their client has spoken.
     let shed = worker.metrics().connections_shed.clone();
-    let (incoming, accept) = crate::admission::admit(listener, options.admission, shed);
+    let (incoming, accept) =
+        crate::admission::admit(listener, options.admission, shed, options.tls);
     let served = run(worker, router, reporter, incoming, shutdown).await;
     accept.abort();
     served
@@ -318,7 +314,7 @@ pub async fn serve_unix(
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), ServeError> {
     let budget = crate::budget::Budget::new(crate::budget::DEFAULT_BYTES);
-    let (router, reporter) = router(worker.clone(), token, None, budget).await?;
+    let (router, reporter) = router(worker.clone(), token, budget).await?;
     let incoming = futures_util::stream::unfold(listener, move |listener| {
         let connections = connections.clone();
         async move {

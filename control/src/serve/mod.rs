@@ -312,10 +312,9 @@ pub async fn serve(conn: &ConnArgs, args: &ServeArgs) -> Result<(), ServeError> 
         .max_concurrent_streams(corral_worker::server::MAX_STREAMS_PER_CONNECTION)
         .http2_keepalive_interval(Some(std::time::Duration::from_secs(30)))
         .http2_keepalive_timeout(Some(std::time::Duration::from_secs(20)));
+    // TLS, when there is one, is done by admission (offering HTTP/1.1
+    // beside HTTP/2).
     let https = tls.is_some();
-    if let Some(tls) = tls {
-        builder = builder.tls_config(tls)?;
-    }
     let grpc = tonic::service::Routes::new(health)
         .add_service(control)
         .add_service(admin)
@@ -355,6 +354,7 @@ pub async fn serve(conn: &ConnArgs, args: &ServeArgs) -> Result<(), ServeError> 
         listener,
         corral_worker::admission::Admission::default(),
         prometheus_client::metrics::counter::Counter::default(),
+        tls,
     );
     // Sessions it hosted when it last stopped are taken before anyone may
     // ask about them (a watcher waits for their runs), then go on.

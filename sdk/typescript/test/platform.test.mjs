@@ -4,13 +4,17 @@
 // signed URL that Node's fetch opens with the token and not without; a
 // volume written by one sandbox and read by the next; a sandbox saved as a
 // template that the next starts from; egress rules replaced, within what
-// the worker allows.
+// the worker allows; a TLS worker reached by Node's fetch.
 import { test, before, after } from "node:test";
 import assert from "node:assert/strict";
 import { randomBytes } from "node:crypto";
+import { execFileSync, spawnSync } from "node:child_process";
+import { mkdtempSync, rmSync, writeFileSync } from "node:fs";
+import { tmpdir } from "node:os";
+import { join } from "node:path";
 
 import { Sandbox, Templates, Volumes, InvalidArgument, PolicyDenied, CorralError } from "../dist/index.js";
-import { freePort, startCorral } from "./worker.mjs";
+import { freePort, startCorral, startWorker } from "./worker.mjs";
 
 let w;
 const conn = () => ({ worker: w.url, tokenFile: w.tokenFile });
@@ -136,5 +140,40 @@ test("egress replaced within what the worker allows", async () => {
     await assert.rejects(closed.setEgress([]), InvalidArgument);
   } finally {
     await closed.remove();
+  }
+});
+
+test("over TLS: Node's fetch (HTTP/1.1) reaches a worker at https:// whose CA it trusts", { skip: process.env.CORRAL_TS_THROUGH === "front-door" }, async () => {
+  const dir = mkdtempSync(join(tmpdir(), "corral-ts-tls-"));
+  const at = (f) => join(dir, f);
+  const ssl = (...args) => execFileSync("openssl", args, { stdio: ["ignore", "ignore", "pipe"] });
+  const ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"];
+  ssl("req", "-x509", ...ec, "-keyout", at("ca.key"), "-out", at("ca.pem"), "-days", "1", "-subj", "/CN=corral ts CA");
+  ssl("req", ...ec, "-keyout", at("key.pem"), "-out", at("req.csr"), "-subj", "/CN=corral ts worker");
+  writeFileSync(at("san.ext"), "subjectAltName=IP:127.0.0.1\n");
+  ssl("x509", "-req", "-in", at("req.csr"), "-CA", at("ca.pem"), "-CAkey", at("ca.key"), "-CAcreateserial",
+    "-out", at("cert.pem"), "-days", "1", "-extfile", at("san.ext"));
+  const tw = await startWorker("--tls-cert", at("cert.pem"), "--tls-key", at("key.pem"));
+  try {
+    const url = tw.url.replace("http://", "https://");
+    // The CA is taken by Node at start: a process of its own.
+    const script = `
+      import { Sandbox } from ${JSON.stringify(new URL("../dist/index.js", import.meta.url).href)};
+      const sb = await Sandbox.create({ worker: ${JSON.stringify(url)}, tokenFile: ${JSON.stringify(tw.tokenFile)} });
+      const r = await sb.run("echo over tls");
+      await sb.remove();
+      console.log(JSON.stringify({ code: r.exitCode, out: r.stdout }));`;
+    const run = (env) =>
+      spawnSync(process.execPath, ["--input-type=module", "-e", script], { env: { ...process.env, ...env }, encoding: "utf8" });
+    const trusted = run({ NODE_EXTRA_CA_CERTS: at("ca.pem") });
+    assert.equal(trusted.status, 0, trusted.stderr);
+    assert.deepEqual(JSON.parse(trusted.stdout.trim()), { code: 0, out: "over tls\n" });
+    // Without the CA: refused, with the reason the SDK gives.
+    const stranger = run({});
+    assert.notEqual(stranger.status, 0);
+    assert.match(stranger.stderr, /WorkerUnavailable|certificate/);
+  } finally {
+    await tw.stop();
+    rmSync(dir, { recursive: true, force: true });
   }
 });

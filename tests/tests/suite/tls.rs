@@ -2,10 +2,10 @@
 //! for the test.
 
 use corral_harness::client::{ClientError, ClientTls, Credentials, WorkerClient};
+use corral_worker::process::ServerTls;
 use corral_worker::server::{ServeOptions, serve_with};
 use corral_worker::{Worker, WorkerConfig};
 use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
-use tonic::transport::{Certificate, Identity, ServerTlsConfig};
 
 struct Pki {
     ca_pem: String,
@@ -15,16 +15,24 @@ struct Pki {
 }
 
 fn pki() -> anyhow::Result<Pki> {
+    // Names of their own: OpenSSL (curl) takes a certificate whose issuer
+    // is its subject for a self-signed one.
     let ca_params = {
         let mut p = CertificateParams::new(Vec::<String>::new())?;
         p.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        p.distinguished_name
+            .push(rcgen::DnType::CommonName, "corral test CA");
         p
     };
     let ca = CertifiedIssuer::self_signed(ca_params.clone(), KeyPair::generate()?)?;
     let other = CertifiedIssuer::self_signed(ca_params, KeyPair::generate()?)?;
     let leaf = |names: Vec<String>| -> anyhow::Result<(String, String)> {
         let key = KeyPair::generate()?;
-        let cert = CertificateParams::new(names)?.signed_by(&key, &ca)?;
+        let mut params = CertificateParams::new(names.clone())?;
+        params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, names.join(" "));
+        let cert = params.signed_by(&key, &ca)?;
         Ok((cert.pem(), key.serialize_pem()))
     };
     Ok(Pki {
@@ -36,7 +44,7 @@ fn pki() -> anyhow::Result<Pki> {
 }
 
 async fn worker(
-    tls: ServerTlsConfig,
+    tls: ServerTls,
 ) -> anyhow::Result<(String, tokio::sync::oneshot::Sender<()>, tempfile::TempDir)> {
     let state = tempfile::tempdir()?;
     let mut config = WorkerConfig::new(state.path().to_path_buf());
@@ -83,7 +91,8 @@ fn creds(ca: &str, identity: Option<&(String, String)>) -> Credentials {
 #[tokio::test]
 async fn tls_with_the_right_ca_works_and_a_stranger_is_refused() -> anyhow::Result<()> {
     let pki = pki()?;
-    let tls = ServerTlsConfig::new().identity(Identity::from_pem(&pki.server.0, &pki.server.1));
+    let tls = ServerTls::from_pem(pki.server.0.as_bytes(), pki.server.1.as_bytes(), None)
+        .map_err(anyhow::Error::msg)?;
     let (url, _stop, _state) = worker(tls).await?;
     let client = WorkerClient::connect_with(&url, &creds(&pki.ca_pem, None)).await?;
     assert!(client.list_sandboxes().await?.is_empty());
@@ -117,7 +126,8 @@ async fn a_worker_reached_by_address_is_checked_against_its_service_name() -> an
     let key = KeyPair::generate()?;
     let cert = CertificateParams::new(vec!["corral-worker.corral.svc".to_string()])?
         .signed_by(&key, &ca)?;
-    let tls = ServerTlsConfig::new().identity(Identity::from_pem(cert.pem(), key.serialize_pem()));
+    let tls = ServerTls::from_pem(cert.pem().as_bytes(), key.serialize_pem().as_bytes(), None)
+        .map_err(anyhow::Error::msg)?;
     let (url, _stop, _state) = worker(tls).await?;
     let mut named = creds(&ca.pem(), None);
     if let Some(t) = named.tls.as_mut() {
@@ -135,9 +145,12 @@ async fn a_worker_reached_by_address_is_checked_against_its_service_name() -> an
 #[tokio::test]
 async fn mutual_tls_requires_a_client_certificate() -> anyhow::Result<()> {
     let pki = pki()?;
-    let tls = ServerTlsConfig::new()
-        .identity(Identity::from_pem(&pki.server.0, &pki.server.1))
-        .client_ca_root(Certificate::from_pem(&pki.ca_pem));
+    let tls = ServerTls::from_pem(
+        pki.server.0.as_bytes(),
+        pki.server.1.as_bytes(),
+        Some(pki.ca_pem.as_bytes()),
+    )
+    .map_err(anyhow::Error::msg)?;
     let (url, _stop, _state) = worker(tls).await?;
     let with_cert =
         WorkerClient::connect_with(&url, &creds(&pki.ca_pem, Some(&pki.client))).await?;
@@ -147,6 +160,53 @@ async fn mutual_tls_requires_a_client_certificate() -> anyhow::Result<()> {
         refusal(without).await.is_some(),
         "a client without a certificate got in"
     );
+    Ok(())
+}
+
+/// The HTTP/JSON API over TLS to a client that speaks HTTP/1.1 only (as
+/// Node's `fetch` does) and to one that speaks HTTP/2, on the gRPC
+/// address: ALPN offers both. A certificate or key that is not one is
+/// refused by name.
+#[tokio::test]
+async fn an_http1_client_reaches_the_json_api_over_tls() -> anyhow::Result<()> {
+    let pki = pki()?;
+    let dir = tempfile::tempdir()?;
+    let ca = dir.path().join("ca.pem");
+    std::fs::write(&ca, &pki.ca_pem)?;
+    let tls = ServerTls::from_pem(pki.server.0.as_bytes(), pki.server.1.as_bytes(), None)
+        .map_err(anyhow::Error::msg)?;
+    let (url, _stop, _state) = worker(tls).await?;
+    for (flag, version) in [("--http1.1", "1.1"), ("--http2", "2")] {
+        let out = tokio::process::Command::new("curl")
+            .args(["-sS", flag, "--cacert"])
+            .arg(&ca)
+            .args([
+                "-H",
+                "Authorization: Bearer t0ken",
+                "-w",
+                "\n%{http_version} %{http_code}",
+            ])
+            .arg(format!("{url}/v1/sandboxes"))
+            .output()
+            .await?;
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{flag}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(
+            text.ends_with(&format!("\n{version} 200")) && text.starts_with('{'),
+            "{flag}: {text}"
+        );
+    }
+    // gRPC still goes over HTTP/2 on the same listener.
+    let client = WorkerClient::connect_with(&url, &creds(&pki.ca_pem, None)).await?;
+    assert!(client.list_sandboxes().await?.is_empty());
+    let err = ServerTls::from_pem(b"not pem", pki.server.1.as_bytes(), None).err();
+    assert!(err.is_some_and(|e| e.contains("certificate")));
+    let err = ServerTls::from_pem(pki.server.0.as_bytes(), pki.server.0.as_bytes(), None).err();
+    assert!(err.is_some_and(|e| e.contains("key")));
     Ok(())
 }
 
