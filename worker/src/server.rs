@@ -249,7 +249,7 @@ pub fn with_http_gateway(
     corral_proto::gateway::router(
         pool,
         services,
-        corral_proto::gateway::worker_routes(),
+        corral_proto::gateway::routes_of(services),
         grpc,
         auth,
     )

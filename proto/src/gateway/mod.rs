@@ -239,6 +239,106 @@ pub fn worker_routes() -> Vec<Route> {
     ]
 }
 
+/// The resource paths of `corral.v1.Control` (a front door's sessions).
+pub fn control_routes() -> Vec<Route> {
+    vec![
+        Route::new(
+            Method::POST,
+            "/v1/sessions",
+            "corral.v1.Control/StartSession",
+            "Start a session (request_json: the session's request, as `corral run --request` takes it)",
+        ),
+        Route::new(
+            Method::GET,
+            "/v1/sessions",
+            "corral.v1.Control/ListSessions",
+            "List the sessions",
+        ),
+        Route::new(
+            Method::GET,
+            "/v1/sessions/{session_id}/events",
+            "corral.v1.Control/WatchSession",
+            "A session's events after `after`, as they come, to its run's end",
+        ),
+        Route::new(
+            Method::POST,
+            "/v1/sessions/{session_id}/input",
+            "corral.v1.Control/SendInput",
+            "Give a session's run a message",
+        ),
+        Route::new(
+            Method::POST,
+            "/v1/sessions/{session_id}/stop",
+            "corral.v1.Control/StopSession",
+            "Stop a session's run (`leave`: let it go on unwatched)",
+        ),
+        Route::new(
+            Method::POST,
+            "/v1/sessions/{session_id}/fork",
+            "corral.v1.Control/ForkSession",
+            "A new session from this one (at `turn`)",
+        ),
+        Route::new(
+            Method::GET,
+            "/v1/sessions/{session_id}/export",
+            "corral.v1.Control/ExportSession",
+            "A session's log, as it is kept",
+        ),
+        Route::new(
+            Method::DELETE,
+            "/v1/sessions/{session_id}",
+            "corral.v1.Control/RemoveSession",
+            "Remove a session (and its sandbox unless `keep_sandbox`)",
+        ),
+    ]
+}
+
+/// The resource paths of `corral.v1.Admin` (a front door's keys and
+/// quotas, for an admin key).
+pub fn admin_routes() -> Vec<Route> {
+    vec![
+        Route::new(
+            Method::POST,
+            "/v1/admin/keys",
+            "corral.v1.Admin/CreateKey",
+            "Make a key (its secret is in this answer alone)",
+        ),
+        Route::new(
+            Method::GET,
+            "/v1/admin/keys",
+            "corral.v1.Admin/ListKeys",
+            "List the keys (no secrets)",
+        ),
+        Route::new(
+            Method::DELETE,
+            "/v1/admin/keys/{id}",
+            "corral.v1.Admin/RevokeKey",
+            "Revoke a key",
+        ),
+        Route::new(
+            Method::PUT,
+            "/v1/admin/quotas/{tenant}",
+            "corral.v1.Admin/SetQuota",
+            "Set a tenant's quotas (`quotas`: NAME=VALUE each)",
+        ),
+        Route::new(
+            Method::GET,
+            "/v1/admin/quotas",
+            "corral.v1.Admin/ListQuotas",
+            "Every tenant's quotas and use",
+        ),
+    ]
+}
+
+/// The resource paths of those of `services` that have some.
+pub fn routes_of(services: &[&str]) -> Vec<Route> {
+    [worker_routes(), control_routes(), admin_routes()]
+        .into_iter()
+        .flatten()
+        .filter(|r| services.iter().any(|s| r.rpc.split('/').next() == Some(*s)))
+        .collect()
+}
+
 /// The server's own check of a caller's credentials (its token, or a front
 /// door's keys), made before a request's body is read.
 pub type AuthCheck =
@@ -763,6 +863,16 @@ impl Gateway {
         fields: HashMap<String, String>,
     ) -> Result<Bytes, tonic::Status> {
         let limit = body_limit(method);
+        let too_big = |what: &str| {
+            tonic::Status::invalid_argument(format!(
+                "the request's body: {what} (at most {limit} bytes of JSON for {})",
+                method.name()
+            ))
+        };
+        // Said before a byte is read when its length is given.
+        if axum::body::HttpBody::size_hint(&body).lower() > limit as u64 {
+            return Err(too_big("length limit exceeded"));
+        }
         let _held = self
             .bodies
             .clone()
@@ -772,12 +882,7 @@ impl Gateway {
         let bytes = http_body_util::Limited::new(body, limit)
             .collect()
             .await
-            .map_err(|e| {
-                tonic::Status::invalid_argument(format!(
-                    "the request's body: {e} (at most {limit} bytes of JSON for {})",
-                    method.name()
-                ))
-            })?
+            .map_err(|e| too_big(&e.to_string()))?
             .to_bytes();
         let desc = method.input();
         tokio::task::spawn_blocking(move || {

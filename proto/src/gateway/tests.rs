@@ -87,14 +87,18 @@ fn errors_carry_code_reason_and_flag() {
 #[test]
 fn the_document_describes_every_method_and_route() {
     let pool = pool();
-    let routes = worker_routes();
-    let doc = openapi::document(&pool, &["corral.v1.Worker"], &routes);
-    let service = pool
-        .get_service_by_name("corral.v1.Worker")
-        .expect("Worker");
-    for m in service.methods() {
-        let p = format!("/v1/corral.v1.Worker/{}", m.name());
-        assert!(doc["paths"][&p]["post"].is_object(), "{p}");
+    let services = ["corral.v1.Worker", "corral.v1.Control", "corral.v1.Admin"];
+    let routes = routes_of(&services);
+    assert!(routes.len() > worker_routes().len() + 10);
+    // A worker's serve its own paths alone.
+    assert_eq!(routes_of(&services[..1]).len(), worker_routes().len());
+    let doc = openapi::document(&pool, &services, &routes);
+    for name in services {
+        let service = pool.get_service_by_name(name).expect(name);
+        for m in service.methods() {
+            let p = format!("/v1/{name}/{}", m.name());
+            assert!(doc["paths"][&p]["post"].is_object(), "{p}");
+        }
     }
     for r in &routes {
         let op = &doc["paths"][r.path][r.method.as_str().to_lowercase()];

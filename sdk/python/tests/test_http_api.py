@@ -12,6 +12,7 @@ from __future__ import annotations
 import http.client
 import json
 import subprocess
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
@@ -138,8 +139,49 @@ def test_a_front_door_answers_http_as_its_tenants_keys_allow(
             {"spec": {"shell": {"command": "true"}}},
         )
         assert status == 403, raw
-        # Sessions, through the generic path of corral.v1.Control.
+        # Sessions, through the generic path of corral.v1.Control and their
+        # resource paths.
         status, _, raw = fetch(f"{url}/v1/corral.v1.Control/ListSessions", door.acme, "POST", {})
+        assert status == 200, raw
+        status, _, raw = fetch(f"{url}/v1/sessions", door.acme)
+        assert status == 200 and json.loads(raw).get("sessions", []) == [], raw
+        for method, path in [
+            ("DELETE", "/v1/sessions/acme.nobody"),
+            ("GET", "/v1/sessions/acme.nobody/events"),
+            ("POST", "/v1/sessions/acme.nobody/stop"),
+        ]:
+            status, _, raw = fetch(f"{url}{path}", door.acme, method)
+            assert status == 404, (path, raw)
+            assert json.loads(raw)["error"]["reason"] == "session_not_found", (path, raw)
+        # Keys and quotas: for an admin key alone.
+        status, _, raw = fetch(f"{url}/v1/admin/keys", door.acme)
+        assert status == 403, raw
+        admin = door.key("acme", "admin")
+        deadline = time.monotonic() + 10  # a key made now is taken within a second
+        while True:
+            status, _, raw = fetch(
+                f"{url}/v1/admin/keys",
+                admin,
+                "POST",
+                {"tenant": "bolt", "scopes": ["KEY_SCOPE_READ"], "ttl_ms": "60000"},
+            )
+            if status != 401 or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert status == 200, raw
+        made = json.loads(raw)
+        assert made["key"], made
+        status, _, raw = fetch(f"{url}/v1/admin/keys", admin)
+        assert status == 200 and made["key"] not in raw.decode(), raw
+        ids = [k["id"] for k in json.loads(raw)["keys"] if k["tenant"] == "bolt"]
+        assert made["info"]["id"] in ids and len(ids) == 2, raw
+        status, _, raw = fetch(
+            f"{url}/v1/admin/quotas/bolt", admin, "PUT", {"quotas": ["sandboxes=3"]}
+        )
+        assert status == 200, raw
+        status, _, raw = fetch(f"{url}/v1/admin/quotas", admin)
+        assert status == 200 and "bolt" in raw.decode(), raw
+        status, _, raw = fetch(f"{url}/v1/admin/keys/{made['info']['id']}", admin, "DELETE")
         assert status == 200, raw
         status, _, raw = fetch(f"{url}/v1/sandboxes", "not-a-key")
         assert status == 401, raw
@@ -182,9 +224,37 @@ def test_the_gateway_checks_before_it_reads_and_answers_every_path(
         assert e.code == 401, e.read()
     except (ConnectionResetError, BrokenPipeError, urllib.error.URLError):
         pass  # refused while the client was still sending: the same refusal
-    # With it: over the call's bound, a 400 that says so.
-    status, _, raw = fetch(f"{w.url}/v1/sandboxes", token, "POST", {"id": "x" * (4 << 20)})
-    assert status == 400 and "at most" in json.loads(raw)["error"]["message"], raw[:300]
+    # With it: over the call's bound, a 400 that says so, before a byte of
+    # the body is read when its length says so (only the headers are sent
+    # here, so no client's write races the answer), and while it is read
+    # when it does not (chunked).
+    host, port = w.url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    conn.putrequest("POST", "/v1/sandboxes")
+    conn.putheader("Authorization", f"Bearer {token}")
+    conn.putheader("Content-Type", "application/json")
+    conn.putheader("Content-Length", str(4 << 20))
+    conn.endheaders()
+    answer = conn.getresponse()
+    raw = answer.read()
+    conn.close()
+    assert answer.status == 400 and "at most" in json.loads(raw)["error"]["message"], raw[:300]
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    body = json.dumps({"id": "x" * (4 << 20)}).encode()
+    try:
+        conn.request(
+            "POST",
+            "/v1/sandboxes",
+            body=iter([body[i : i + (1 << 20)] for i in range(0, len(body), 1 << 20)]),
+            headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
+            encode_chunked=True,
+        )
+        answer = conn.getresponse()
+        raw = answer.read()
+        assert answer.status == 400 and "at most" in json.loads(raw)["error"]["message"], raw
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # answered and closed while the client still sent: the same refusal
+    conn.close()
     # A path of nothing: a JSON 404, never an empty 200.
     for method, path in [("GET", "/v1/nothing"), ("PUT", "/v1/sandbox/x/archive")]:
         status, ctype, raw = fetch(f"{w.url}{path}", token, method)
