@@ -11,6 +11,17 @@ use super::{READY_TIMEOUT, Worker, lock};
 use crate::error::{Result, WorkerError};
 use crate::sandbox::Sandbox;
 
+/// Pool members made at once.
+const FILL_AT_ONCE: usize = 4;
+
+/// A member to make: its pool's index, its id, its spec, its template.
+type NextMember = (
+    usize,
+    SandboxId,
+    SandboxSpec,
+    Option<crate::templates::Template>,
+);
+
 /// How often a template pool's template is asked of the fleet's registry.
 const POOL_TEMPLATES_ASKED: Duration = Duration::from_secs(10);
 
@@ -30,7 +41,7 @@ impl Worker {
     }
 
     /// Keeps every pool at its size, as capacity allows: members that died
-    /// are removed, new ones made one at a time (woken by claims, else
+    /// are removed, new ones made a few at a time (woken by claims, else
     /// every two seconds), never while draining or stopping. With a
     /// registry, the templates of template pools are asked of it at start
     /// and every [`POOL_TEMPLATES_ASKED`]: a pool fills without waiting for
@@ -102,103 +113,125 @@ impl Worker {
             warn!(member = %m.id, "a pool member died or is of an earlier template; it is replaced");
             self.discard_member(m).await;
         }
+        // Up to FILL_AT_ONCE members made at once (each mostly waits on the
+        // engine), the next chosen as one is done; an error or a member
+        // with no room left stops the choosing until the next wake.
+        let mut making = futures_util::stream::FuturesUnordered::new();
+        let mut go_on = true;
         loop {
-            if self.inner.shutdown.is_cancelled() || self.inner.drain.borrow().is_some() {
-                return;
+            while go_on && making.len() < FILL_AT_ONCE {
+                if self.inner.shutdown.is_cancelled() || self.inner.drain.borrow().is_some() {
+                    go_on = false;
+                    break;
+                }
+                match self.next_member() {
+                    Some(next) => making.push(self.fill_one(next)),
+                    None => {
+                        go_on = false;
+                        break;
+                    }
+                }
             }
-            // The next member: of the pool that lacks the most, if the
-            // worker has a slot for it.
-            let next = {
-                let table = self.inner.table.lock();
-                let mut pools = lock(&self.inner.pools);
-                let held: usize = pools.iter().map(crate::pool::Pool::held).sum();
-                let count = table.held() + held;
-                if count >= self.inner.max_sandboxes as usize {
-                    None
-                } else {
-                    // A template's pool fills once the template is there.
-                    let of = |p: &crate::pool::Pool| match &p.template.template {
-                        Some(name) => self.inner.templates.get(None, name).map(Some),
-                        None => Some(None),
-                    };
-                    pools
-                        .iter_mut()
-                        .enumerate()
-                        .filter(|(_, p)| p.held() < p.template.size as usize)
-                        .filter_map(|(i, p)| of(p).map(|t| (i, p, t)))
-                        .max_by_key(|(_, p, _)| p.template.size as usize - p.held())
-                        .map(|(i, p, t)| {
-                            let id = crate::pool::member_id();
-                            p.filling.push(id.clone());
-                            let mut spec = p.template.spec();
-                            if let Some(t) = &t {
-                                spec.image = Some(t.image.clone());
-                                spec.template = Some(t.name.clone());
-                            }
-                            (i, id, spec, t)
-                        })
-                }
-            };
-            let Some((i, id, spec, template)) = next else {
-                return;
-            };
-            let started = std::time::Instant::now();
-            let made = match (self.make_member(&id, spec).await, &template) {
-                // A template's member is started as it says, and ready.
-                (Ok(sandbox), Some(t)) => match self.start_template(&sandbox, t).await {
-                    Ok(()) => Ok(sandbox),
-                    Err(e) => {
-                        self.discard_member(crate::pool::Member {
-                            id: id.clone(),
-                            sandbox,
-                            started: None,
-                        })
-                        .await;
-                        Err(e)
-                    }
-                },
-                (made, _) => made,
-            };
-            let stamp = template.map(|t| (t.image, t.start));
-            let unwanted = {
-                let table = self.inner.table.lock();
-                let mut pools = lock(&self.inner.pools);
-                pools[i].filling.retain(|f| f != &id);
-                let held: usize = pools.iter().map(crate::pool::Pool::held).sum();
-                let count = table.held() + held;
-                let pool = &mut pools[i];
-                match made {
-                    // Made while creates filled the worker: no room.
-                    Ok(sandbox) if count >= self.inner.max_sandboxes as usize => {
-                        Some(crate::pool::Member {
-                            id,
-                            sandbox,
-                            started: stamp,
-                        })
-                    }
-                    Ok(sandbox) => {
-                        pool.last_refill = Some(started.elapsed());
-                        pool.ready.push_back(crate::pool::Member {
-                            id,
-                            sandbox,
-                            started: stamp,
-                        });
-                        self.inner
-                            .metrics
-                            .pool_refilled(&pool.template.to_string(), started.elapsed());
-                        None
-                    }
-                    Err(e) => {
-                        warn!(member = %id, error = %e, "could not make a pool member; trying again later");
-                        return;
-                    }
-                }
-            };
-            if let Some(m) = unwanted {
-                self.discard_member(m).await;
-                return;
+            match futures_util::StreamExt::next(&mut making).await {
+                Some(more) => go_on &= more,
+                None => return,
             }
         }
+    }
+
+    /// The next member to make: of the pool that lacks the most, if the
+    /// worker has a slot for it (counted in its pool's `filling` from now).
+    fn next_member(&self) -> Option<NextMember> {
+        let table = self.inner.table.lock();
+        let mut pools = lock(&self.inner.pools);
+        let held: usize = pools.iter().map(crate::pool::Pool::held).sum();
+        if table.held() + held >= self.inner.max_sandboxes as usize {
+            return None;
+        }
+        // A template's pool fills once the template is there.
+        let of = |p: &crate::pool::Pool| match &p.template.template {
+            Some(name) => self.inner.templates.get(None, name).map(Some),
+            None => Some(None),
+        };
+        pools
+            .iter_mut()
+            .enumerate()
+            .filter(|(_, p)| p.held() < p.template.size as usize)
+            .filter_map(|(i, p)| of(p).map(|t| (i, p, t)))
+            .max_by_key(|(_, p, _)| p.template.size as usize - p.held())
+            .map(|(i, p, t)| {
+                let id = crate::pool::member_id();
+                p.filling.push(id.clone());
+                let mut spec = p.template.spec();
+                if let Some(t) = &t {
+                    spec.image = Some(t.image.clone());
+                    spec.template = Some(t.name.clone());
+                }
+                (i, id, spec, t)
+            })
+    }
+
+    /// Makes member `next` and puts it in its pool: whether to go on
+    /// choosing more (not after an error, nor when it found no room).
+    async fn fill_one(&self, next: NextMember) -> bool {
+        let (i, id, spec, template) = next;
+        let started = std::time::Instant::now();
+        let made = match (self.make_member(&id, spec).await, &template) {
+            // A template's member is started as it says, and ready.
+            (Ok(sandbox), Some(t)) => match self.start_template(&sandbox, t).await {
+                Ok(()) => Ok(sandbox),
+                Err(e) => {
+                    self.discard_member(crate::pool::Member {
+                        id: id.clone(),
+                        sandbox,
+                        started: None,
+                    })
+                    .await;
+                    Err(e)
+                }
+            },
+            (made, _) => made,
+        };
+        let stamp = template.map(|t| (t.image, t.start));
+        let unwanted = {
+            let table = self.inner.table.lock();
+            let mut pools = lock(&self.inner.pools);
+            pools[i].filling.retain(|f| f != &id);
+            let held: usize = pools.iter().map(crate::pool::Pool::held).sum();
+            let count = table.held() + held;
+            let pool = &mut pools[i];
+            match made {
+                // Made while creates filled the worker: no room.
+                Ok(sandbox) if count >= self.inner.max_sandboxes as usize => {
+                    Some(crate::pool::Member {
+                        id,
+                        sandbox,
+                        started: stamp,
+                    })
+                }
+                Ok(sandbox) => {
+                    pool.last_refill = Some(started.elapsed());
+                    pool.ready.push_back(crate::pool::Member {
+                        id,
+                        sandbox,
+                        started: stamp,
+                    });
+                    self.inner
+                        .metrics
+                        .pool_refilled(&pool.template.to_string(), started.elapsed());
+                    None
+                }
+                Err(e) => {
+                    warn!(member = %id, error = %e, "could not make a pool member; trying again later");
+                    return false;
+                }
+            }
+        };
+        if let Some(m) = unwanted {
+            self.discard_member(m).await;
+            return false;
+        }
+        true
     }
 
     pub(super) async fn make_member(&self, id: &SandboxId, spec: SandboxSpec) -> Result<Sandbox> {
