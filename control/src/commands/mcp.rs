@@ -321,7 +321,26 @@ pub(crate) async fn handle(
             }
             let arguments = params.get("arguments").cloned().unwrap_or(json!({}));
             let token = CancellationToken::new();
-            lock(&server.running).insert(id.to_string(), token.clone());
+            // An id is one call's while it runs (its cancellation is
+            // found by it): a second call with it is refused.
+            let taken = {
+                let mut running = lock(&server.running);
+                let free = !running.contains_key(&id.to_string());
+                if free {
+                    running.insert(id.to_string(), token.clone());
+                }
+                !free
+            };
+            if taken {
+                let _ = out
+                    .send(error(
+                        id,
+                        -32600,
+                        "a call with this id is still running: give each request an id of its own",
+                    ))
+                    .await;
+                return;
+            }
             // Progress, when the client asked for it with a token.
             let progress = params
                 .pointer("/_meta/progressToken")
@@ -774,6 +793,28 @@ async fn make(
     Ok(made)
 }
 
+/// The first `limit` bytes of file `path` of `sandbox` (its size in the
+/// result), or why not.
+async fn read(
+    server: &Server,
+    sandbox: &SandboxId,
+    path: &str,
+    limit: u64,
+    token: &Call,
+) -> Result<OperationResult, Value> {
+    let spec = OperationSpec::ReadFile(corral_proto::ReadFileSpec {
+        path: path.to_string(),
+        offset: 0,
+        limit,
+        stream: false,
+    });
+    let r = run(server, sandbox, spec, token).await?;
+    if let Outcome::FileError { message, .. } = &r.outcome {
+        return Err(failed(format!("{path}: {message}")));
+    }
+    Ok(r)
+}
+
 /// Writes `data` to `path` of `sandbox` (its directories made first, as an
 /// editor would make them), executable or not.
 async fn write(
@@ -957,16 +998,7 @@ async fn call_inner(
         "read_file" => {
             let path = text_arg(args, "path")?;
             let sandbox = sandbox_for(server, args).await?;
-            let spec = OperationSpec::ReadFile(corral_proto::ReadFileSpec {
-                path: path.to_string(),
-                offset: 0,
-                limit: MAX_READ,
-                stream: false,
-            });
-            let r = run(server, &sandbox, spec, token).await?;
-            if let Outcome::FileError { message, .. } = &r.outcome {
-                return Err(failed(format!("{path}: {message}")));
-            }
+            let r = read(server, &sandbox, path, MAX_READ, token).await?;
             let text = String::from_utf8_lossy(&r.file_data).into_owned();
             let more = r.file_size > r.file_data.len() as u64;
             let shown = if more {
@@ -1032,16 +1064,7 @@ async fn call_inner(
             use base64::Engine as _;
             let path = text_arg(args, "path")?;
             let sandbox = sandbox_for(server, args).await?;
-            let spec = OperationSpec::ReadFile(corral_proto::ReadFileSpec {
-                path: path.to_string(),
-                offset: 0,
-                limit: MAX_TRANSFER + 1,
-                stream: false,
-            });
-            let r = run(server, &sandbox, spec, token).await?;
-            if let Outcome::FileError { message, .. } = &r.outcome {
-                return Err(failed(format!("{path}: {message}")));
-            }
+            let r = read(server, &sandbox, path, MAX_TRANSFER + 1, token).await?;
             if r.file_size > MAX_TRANSFER {
                 return Err(failed(format!(
                     "{path}: {} bytes; at most {MAX_TRANSFER} come through a tool (move larger files with corral cp)",

@@ -27,6 +27,9 @@ use super::mcp::{Server, end, handle};
 
 /// Sessions open at once (more are refused until one ends).
 const MAX_SESSIONS: usize = 1024;
+/// Sessions one key may have open at once: one tenant cannot take them
+/// all.
+const MAX_SESSIONS_PER_KEY: usize = 64;
 /// The largest message taken.
 const MAX_MESSAGE: usize = 16 << 20;
 const SESSION_HEADER: &str = "mcp-session-id";
@@ -48,6 +51,9 @@ pub struct McpHttp {
     grpc: axum::Router,
     https: bool,
     idle: Duration,
+    /// Sessions being ended: their cleanup goes on whether or not the
+    /// request that ended them waits for it.
+    ending: TaskTracker,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -76,17 +82,23 @@ pub fn router(grpc: axum::Router, https: bool, idle: Duration, may_run: MayRun) 
         grpc,
         https,
         idle,
+        ending: TaskTracker::new(),
     });
     axum::Router::new()
         .route(
             "/mcp",
-            axum::routing::post(post).delete(delete).get(|| async {
-                // No stream of the server's own: it sends nothing unasked.
-                (
-                    StatusCode::METHOD_NOT_ALLOWED,
-                    [(header::ALLOW, "POST, DELETE")],
-                )
-            }),
+            axum::routing::post(post)
+                .delete(delete)
+                .get(|| async {
+                    // No stream of the server's own: it sends nothing unasked.
+                    (
+                        StatusCode::METHOD_NOT_ALLOWED,
+                        [(header::ALLOW, "POST, DELETE")],
+                    )
+                })
+                // Its own bound (a file of upload_file in base64), not
+                // axum's 2 MiB.
+                .layer(axum::extract::DefaultBodyLimit::max(MAX_MESSAGE + 1)),
         )
         .route(
             "/.well-known/oauth-protected-resource",
@@ -104,7 +116,13 @@ impl McpHttp {
         let host = headers
             .get(header::HOST)
             .and_then(|v| v.to_str().ok())
-            .filter(|h| h.bytes().all(|b| b.is_ascii_graphic()))
+            // A name or address and a port: nothing that could end the
+            // quoted value it goes into.
+            .filter(|h| {
+                !h.is_empty()
+                    && h.bytes()
+                        .all(|b| b.is_ascii_alphanumeric() || b".-:[]".contains(&b))
+            })
             .unwrap_or("localhost");
         format!("{}://{host}", if self.https { "https" } else { "http" })
     }
@@ -125,15 +143,28 @@ impl McpHttp {
         r
     }
 
-    /// Ends sessions idle past their time (their sandboxes removed).
-    fn expired(&self) -> Vec<Arc<Session>> {
-        let mut all = lock(&self.sessions);
-        let old: Vec<String> = all
-            .iter()
-            .filter(|(_, s)| lock(&s.last).elapsed() > self.idle)
-            .map(|(k, _)| k.clone())
-            .collect();
-        old.iter().filter_map(|k| all.remove(k)).collect()
+    /// Ends sessions idle past their time (their sandboxes removed), in
+    /// the background.
+    fn end_expired(&self) {
+        let old: Vec<Arc<Session>> = {
+            let mut all = lock(&self.sessions);
+            let old: Vec<String> = all
+                .iter()
+                .filter(|(_, s)| lock(&s.last).elapsed() > self.idle)
+                .map(|(k, _)| k.clone())
+                .collect();
+            old.iter().filter_map(|k| all.remove(k)).collect()
+        };
+        for s in old {
+            self.end(s);
+        }
+    }
+
+    /// Ends `session` (its calls canceled, its sandboxes removed) in a task
+    /// of its own: a client that goes away meanwhile leaves nothing behind.
+    fn end(&self, session: Arc<Session>) -> tokio::task::JoinHandle<()> {
+        self.ending
+            .spawn(async move { end(&session.server, &session.tasks).await })
     }
 }
 
@@ -241,10 +272,21 @@ fn accepts_sse(headers: &HeaderMap) -> bool {
         .any(|v| v.contains("text/event-stream"))
 }
 
-async fn post(State(mcp): State<Arc<McpHttp>>, headers: HeaderMap, body: Bytes) -> Response {
-    for s in mcp.expired() {
-        end(&s.server, &s.tasks).await;
-    }
+/// Tells admission that this request's connection carries a key that was
+/// let in, so it is kept like any authenticated connection.
+fn authenticated(headers: &HeaderMap, extensions: &http::Extensions) {
+    corral_worker::server::mark_authenticated(&corral_worker::server::request_of(
+        headers, extensions,
+    ));
+}
+
+async fn post(
+    State(mcp): State<Arc<McpHttp>>,
+    headers: HeaderMap,
+    extensions: http::Extensions,
+    body: Bytes,
+) -> Response {
+    mcp.end_expired();
     let Some(key) = bearer(&headers).map(str::to_string) else {
         return mcp.unauthorized(&headers, "a key is needed: Authorization: Bearer KEY");
     };
@@ -283,7 +325,25 @@ async fn post(State(mcp): State<Arc<McpHttp>>, headers: HeaderMap, body: Bytes) 
         if let Err(e) = client.worker_info().await {
             return mcp.unauthorized(&headers, &format!("refused: {e}"));
         }
-        if lock(&mcp.sessions).len() >= MAX_SESSIONS {
+        authenticated(&headers, &extensions);
+        let (all, mine) = {
+            let sessions = lock(&mcp.sessions);
+            let mine = sessions.values().filter(|s| same(&s.key, &key)).count();
+            (sessions.len(), mine)
+        };
+        if mine >= MAX_SESSIONS_PER_KEY {
+            return respond(
+                StatusCode::TOO_MANY_REQUESTS,
+                rpc_error(
+                    id.unwrap_or(Value::Null),
+                    -32000,
+                    &format!(
+                        "this key has {MAX_SESSIONS_PER_KEY} MCP sessions open, the most one key may: end one (DELETE /mcp)"
+                    ),
+                ),
+            );
+        }
+        if all >= MAX_SESSIONS {
             return respond(
                 StatusCode::SERVICE_UNAVAILABLE,
                 rpc_error(
@@ -340,6 +400,7 @@ async fn post(State(mcp): State<Arc<McpHttp>>, headers: HeaderMap, body: Bytes) 
             ),
         );
     };
+    authenticated(&headers, &extensions);
     *lock(&session.last) = Instant::now();
     if id.is_none() {
         // A notification (a cancellation, say) or a client's answer.
@@ -363,7 +424,11 @@ async fn post(State(mcp): State<Arc<McpHttp>>, headers: HeaderMap, body: Bytes) 
     }
 }
 
-async fn delete(State(mcp): State<Arc<McpHttp>>, headers: HeaderMap) -> Response {
+async fn delete(
+    State(mcp): State<Arc<McpHttp>>,
+    headers: HeaderMap,
+    extensions: http::Extensions,
+) -> Response {
     let Some(key) = bearer(&headers) else {
         return mcp.unauthorized(&headers, "a key is needed: Authorization: Bearer KEY");
     };
@@ -380,7 +445,9 @@ async fn delete(State(mcp): State<Arc<McpHttp>>, headers: HeaderMap) -> Response
     };
     match session {
         Some(s) => {
-            end(&s.server, &s.tasks).await;
+            authenticated(&headers, &extensions);
+            // Waited for, but not undone if this request is dropped.
+            let _ = mcp.end(s).await;
             StatusCode::OK.into_response()
         }
         None => StatusCode::NOT_FOUND.into_response(),

@@ -21,7 +21,7 @@ use corral_harness::client::RawClient;
 use corral_harness::fleet::Fleet;
 use corral_harness::placement::Attempt;
 use corral_harness::tenants::{Keys, Principal, Quota, Scope};
-use corral_proto::sandbox::TENANT_HEADER;
+use corral_proto::sandbox::{TENANT_HEADER, TENANT_LABEL};
 use corral_proto::{Reason, SandboxId, pb};
 use futures_util::{Stream, StreamExt};
 
@@ -1097,14 +1097,26 @@ impl pb::worker_server::Worker for FrontDoor {
             };
             // None with a quota: a sandbox of that id was listed.
             let mut reserved = reserve().await?;
-            let spec = corral_proto::SandboxSpec::try_from(msg.spec.clone().unwrap_or_default())
-                .map_err(|e| {
-                    status(
-                        Code::InvalidArgument,
-                        Reason::InvalidArgument,
-                        e.to_string(),
-                    )
-                })?;
+            let mut spec = corral_proto::SandboxSpec::try_from(
+                msg.spec.clone().unwrap_or_default(),
+            )
+            .map_err(|e| {
+                status(
+                    Code::InvalidArgument,
+                    Reason::InvalidArgument,
+                    e.to_string(),
+                )
+            })?;
+            // Placement asks the workers about the caller's templates (its
+            // tenant's, never one a client names in a label).
+            match tenant_of(&who) {
+                Some(t) => {
+                    spec.labels.insert(TENANT_LABEL.to_string(), t.to_string());
+                }
+                None => {
+                    spec.labels.remove(TENANT_LABEL);
+                }
+            }
             // Ids are one namespace over the fleet: a worker that has the
             // id answers the create (the same sandbox again, or a conflict).
             if chosen && let Some((_, mut raw)) = self.holder(&sandbox_id(msg.id.clone())?).await? {

@@ -49,6 +49,11 @@ pub const MAX_OTHER_JSON_BODY: usize =
 /// (more wait): parsing is done off the async threads, and a body's
 /// message takes more memory than its text.
 pub const JSON_BUDGET: usize = 2 * MAX_JSON_BODY;
+/// The longest a request body may pause between two pieces.
+const BODY_IDLE: std::time::Duration = std::time::Duration::from_secs(10);
+/// The longest a request body may take in all (and a body may wait for
+/// its share of [`JSON_BUDGET`]).
+const BODY_TIME: std::time::Duration = std::time::Duration::from_secs(120);
 
 /// The largest JSON body a call of `method` takes.
 fn body_limit(method: &MethodDescriptor) -> usize {
@@ -869,21 +874,57 @@ impl Gateway {
                 method.name()
             ))
         };
-        // Said before a byte is read when its length is given.
-        if axum::body::HttpBody::size_hint(&body).lower() > limit as u64 {
+        // Said before a byte is read when its length is given; a body of a
+        // given length holds that much of the budget, not its call's bound.
+        let hint = axum::body::HttpBody::size_hint(&body);
+        if hint.lower() > limit as u64 {
             return Err(too_big("length limit exceeded"));
         }
-        let _held = self
-            .bodies
-            .clone()
-            .acquire_many_owned(u32::try_from(limit).unwrap_or(u32::MAX))
-            .await
-            .map_err(|_| tonic::Status::unavailable("shutting down"))?;
-        let bytes = http_body_util::Limited::new(body, limit)
-            .collect()
-            .await
-            .map_err(|e| too_big(&e.to_string()))?
-            .to_bytes();
+        let reserve = hint
+            .upper()
+            .map_or(limit, |n| usize::try_from(n).unwrap_or(limit).min(limit))
+            .max(1);
+        let _held = tokio::time::timeout(
+            BODY_TIME,
+            self.bodies
+                .clone()
+                .acquire_many_owned(u32::try_from(reserve).unwrap_or(u32::MAX)),
+        )
+        .await
+        .map_err(|_| {
+            tonic::Status::resource_exhausted(
+                "the server is reading as many request bodies as it may hold: try again",
+            )
+        })?
+        .map_err(|_| tonic::Status::unavailable("shutting down"))?;
+        // A client that stops sending holds its share for a bounded time:
+        // each piece within BODY_IDLE, the whole within BODY_TIME.
+        let mut body = http_body_util::Limited::new(body, limit);
+        let mut bytes = bytes::BytesMut::with_capacity(reserve.min(1 << 20));
+        let deadline = tokio::time::Instant::now() + BODY_TIME;
+        loop {
+            let wait =
+                BODY_IDLE.min(deadline.saturating_duration_since(tokio::time::Instant::now()));
+            let piece = tokio::time::timeout(wait, http_body_util::BodyExt::frame(&mut body))
+                .await
+                .map_err(|_| {
+                    tonic::Status::invalid_argument(format!(
+                        "the request's body did not come: nothing for {} s, or not all of it within {} s",
+                        BODY_IDLE.as_secs(),
+                        BODY_TIME.as_secs()
+                    ))
+                })?;
+            match piece {
+                None => break,
+                Some(Err(e)) => return Err(too_big(&e.to_string())),
+                Some(Ok(frame)) => {
+                    if let Ok(data) = frame.into_data() {
+                        bytes.extend_from_slice(&data);
+                    }
+                }
+            }
+        }
+        let bytes = bytes.freeze();
         let desc = method.input();
         tokio::task::spawn_blocking(move || {
             let mut msg = if bytes.iter().all(u8::is_ascii_whitespace) {

@@ -255,6 +255,26 @@ def test_the_gateway_checks_before_it_reads_and_answers_every_path(
     except (BrokenPipeError, ConnectionResetError):
         pass  # answered and closed while the client still sent: the same refusal
     conn.close()
+    # Bodies that never come: each holds its own length of the budget, not
+    # its call's bound, so another caller is answered at once; each is
+    # refused once it has been silent for 10 s.
+    stalled = []
+    for _ in range(3):
+        c = http.client.HTTPConnection(host, int(port), timeout=30)
+        c.putrequest("POST", "/v1/sandboxes/nothing/operations")
+        c.putheader("Authorization", f"Bearer {token}")
+        c.putheader("Content-Type", "application/json")
+        c.putheader("Content-Length", "100")
+        c.endheaders()
+        stalled.append(c)
+    started = time.monotonic()
+    status, _, raw = fetch(f"{w.url}/v1/sandboxes", token)
+    assert status == 200 and time.monotonic() - started < 5, raw
+    for c in stalled:
+        answer = c.getresponse()
+        raw = answer.read()
+        assert answer.status == 400 and "did not come" in raw.decode(), raw
+        c.close()
     # A path of nothing: a JSON 404, never an empty 200.
     for method, path in [("GET", "/v1/nothing"), ("PUT", "/v1/sandbox/x/archive")]:
         status, ctype, raw = fetch(f"{w.url}{path}", token, method)

@@ -11,8 +11,11 @@ refused before anything is served."""
 from __future__ import annotations
 
 import base64
+import http.client
 import json
 import os
+import subprocess
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
@@ -380,6 +383,194 @@ def test_an_agent_uses_corral_mcp_over_http_on_a_front_door(
         assert e.value.code == 404
     finally:
         door.stop()
+
+
+def mcp_post(
+    url: str, key: str, msg: dict[str, Any], sid: str | None = None, timeout: float = 60
+) -> tuple[int, dict[str, str], Any]:
+    """One JSON-RPC message to ``url`` with ``key``: status, headers, JSON."""
+    req = urllib.request.Request(url, data=json.dumps(msg).encode(), method="POST")
+    req.add_header("Content-Type", "application/json")
+    req.add_header("Accept", "application/json")
+    req.add_header("Authorization", f"Bearer {key}")
+    if sid:
+        req.add_header("Mcp-Session-Id", sid)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            headers = {k.lower(): v for k, v in r.headers.items()}
+            return r.status, headers, json.loads(r.read() or b"null")
+    except urllib.error.HTTPError as e:
+        headers = {k.lower(): v for k, v in e.headers.items()}
+        return e.code, headers, json.loads(e.read() or b"null")
+
+
+def mcp_open(url: str, key: str) -> str:
+    status, headers, _ = mcp_post(
+        url,
+        key,
+        {
+            "jsonrpc": "2.0",
+            "id": 1,
+            "method": "initialize",
+            "params": {
+                "protocolVersion": "2025-11-25",
+                "capabilities": {},
+                "clientInfo": {"name": "t", "version": "0"},
+            },
+        },
+    )
+    assert status == 200, status
+    return headers["mcp-session-id"]
+
+
+def tool(url: str, key: str, sid: str, n: int, name: str, args: dict[str, Any]) -> Any:
+    status, _, body = mcp_post(
+        url,
+        key,
+        {
+            "jsonrpc": "2.0",
+            "id": n,
+            "method": "tools/call",
+            "params": {"name": name, "arguments": args},
+        },
+        sid,
+    )
+    assert status == 200, (status, body)
+    return body["result"]
+
+
+@pytest.mark.timeout(240)
+def test_mcp_over_http_holds_up_to_a_hostile_or_careless_client(
+    own_worker: Callable[..., Worker], tmp_path: Path
+) -> None:
+    """A call longer than the first-call timeout on one connection; a
+    3 MB upload; a DELETE whose client leaves at once still removes every
+    sandbox; one key cannot take every session; a Host header that would
+    break the challenge is not echoed."""
+    w = own_worker()
+    (tmp_path / "door").mkdir()
+    door = FrontDoor(tmp_path / "door", w)
+    try:
+        url = f"{door.url}/mcp"
+        sid = mcp_open(url, door.acme)
+        # One keep-alive connection, a call past admission's 10 s.
+        client = httpx2.Client(
+            headers={"Authorization": f"Bearer {door.acme}", "Mcp-Session-Id": sid},
+            timeout=60,
+        )
+        with client:
+            r = client.post(
+                url,
+                json={
+                    "jsonrpc": "2.0",
+                    "id": 2,
+                    "method": "tools/call",
+                    "params": {
+                        "name": "run_command",
+                        "arguments": {"command": "sleep 12; echo late"},
+                    },
+                },
+                headers={"Accept": "application/json"},
+            )
+            assert r.status_code == 200, r.text
+            assert r.json()["result"]["structuredContent"]["stdout"] == "late\n"
+        blob = os.urandom(3_000_000)
+        up = tool(
+            url,
+            door.acme,
+            sid,
+            3,
+            "upload_file",
+            {"path": "big.bin", "content_base64": base64.b64encode(blob).decode()},
+        )
+        assert not up["isError"] and up["structuredContent"]["bytes"] == len(blob), up
+        made = tool(url, door.acme, sid, 4, "fork_sandbox", {"count": 3})
+        ids = {*made["structuredContent"]["children"], made["structuredContent"]["sandbox_id"]}
+        assert len(ids) == 4 and ids <= {s.id for s in w.list()}
+        # The client gives up on its DELETE at once: the session still ends
+        # whole.
+        req = urllib.request.Request(url, method="DELETE")
+        req.add_header("Authorization", f"Bearer {door.acme}")
+        req.add_header("Mcp-Session-Id", sid)
+        with pytest.raises((TimeoutError, urllib.error.URLError, OSError)):
+            urllib.request.urlopen(req, timeout=0.05)
+        deadline = time.monotonic() + 60
+        while ids & {s.id for s in w.list()} and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not ids & {s.id for s in w.list()}, "sandboxes left behind"
+
+        # One key: at most 64 sessions; another tenant's still opens.
+        mine = [mcp_open(url, door.bolt) for _ in range(64)]
+        status, _, body = mcp_post(
+            url,
+            door.bolt,
+            {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {}},
+        )
+        assert status == 429 and "64" in body["error"]["message"], body
+        acme = mcp_open(url, door.acme)
+        for s in [*mine, acme]:
+            req = urllib.request.Request(url, method="DELETE")
+            req.add_header("Authorization", f"Bearer {door.bolt if s != acme else door.acme}")
+            req.add_header("Mcp-Session-Id", s)
+            with urllib.request.urlopen(req, timeout=30) as r2:
+                assert r2.status == 200
+
+        # A Host that would end the quoted challenge is not echoed.
+        conn = http.client.HTTPConnection("127.0.0.1", door.port, timeout=30)
+        conn.request("POST", "/mcp", body=b"{}", headers={"Host": 'evil.example"x=y'})
+        answer = conn.getresponse()
+        answer.read()
+        assert answer.status == 401
+        assert "evil" not in answer.getheader("WWW-Authenticate", ""), answer.getheader(
+            "WWW-Authenticate"
+        )
+        conn.close()
+    finally:
+        door.stop()
+
+
+def test_a_request_id_in_use_is_refused_and_the_first_call_goes_on(worker: Client) -> None:
+    """Over stdio: two tool calls with one id: the second is refused, the
+    first answers, and ending the session leaves no sandbox."""
+    params = server(worker)
+    proc = subprocess.Popen(
+        [params.command, *params.args],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env=params.env,
+    )
+    assert proc.stdin and proc.stdout
+    call = lambda n, cmd: {  # noqa: E731
+        "jsonrpc": "2.0",
+        "id": n,
+        "method": "tools/call",
+        "params": {"name": "run_command", "arguments": {"command": cmd}},
+    }
+    for msg in [
+        {
+            "jsonrpc": "2.0",
+            "id": 1,
+            "method": "initialize",
+            "params": {
+                "protocolVersion": "2025-11-25",
+                "capabilities": {},
+                "clientInfo": {"name": "t", "version": "0"},
+            },
+        },
+        {"jsonrpc": "2.0", "method": "notifications/initialized"},
+        call(7, "sleep 2; echo first"),
+        call(7, "echo second"),
+    ]:
+        proc.stdin.write(json.dumps(msg).encode() + b"\n")
+        proc.stdin.flush()
+    answers = [json.loads(proc.stdout.readline()) for _ in range(3)]
+    proc.stdin.close()
+    assert proc.wait(60) == 0
+    refused = [a for a in answers if "error" in a]
+    assert len(refused) == 1 and refused[0]["id"] == 7, answers
+    assert "still running" in refused[0]["error"]["message"]
+    done = [a for a in answers if a.get("id") == 7 and "result" in a]
+    assert done and done[0]["result"]["structuredContent"]["stdout"] == "first\n", answers
 
 
 async def conformance(session: ClientSession) -> dict[str, Any]:
