@@ -124,8 +124,11 @@ def test_the_sdks_helpers_pass_and_a_session_resumes_both_ways(
     asyncio.run(main())
 
 
-RUNNER_SCRIPT = textwrap.dedent("""
+RUNNER_SCRIPT = (
+    f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+    + textwrap.dedent("""
     import asyncio, json, sys, threading
+    from chat_rules import invalid
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
     from pathlib import Path
     from openai import AsyncOpenAI
@@ -195,37 +198,6 @@ RUNNER_SCRIPT = textwrap.dedent("""
             self.end_headers()
             self.wfile.write(data)
 
-    def invalid(body):
-        # What the Chat Completions API would refuse in this request.
-        if not isinstance(body.get("model"), str) or not body["model"]:
-            return "model is required"
-        msgs = body.get("messages")
-        if not isinstance(msgs, list) or not msgs:
-            return "messages must be a non-empty array"
-        called = set()
-        for m in msgs:
-            role = m.get("role")
-            if role not in ("system", "developer", "user", "assistant", "tool"):
-                return f"invalid role {role!r}"
-            if role == "assistant":
-                for c in m.get("tool_calls") or []:
-                    if c.get("type") != "function" or not c.get("id"):
-                        return "a tool call needs an id and type function"
-                    json.loads(c["function"]["arguments"])
-                    called.add(c["id"])
-            if role == "tool" and m.get("tool_call_id") not in called:
-                return "messages with role 'tool' must answer a preceding tool call"
-            content = m.get("content")
-            if role in ("system", "user", "tool") and not isinstance(content, (str, list)):
-                return f"a {role} message needs content"
-        for t in body.get("tools") or []:
-            f = t.get("function") or {}
-            if t.get("type") != "function" or not f.get("name"):
-                return "a tool needs type function and a name"
-            if (f.get("parameters") or {}).get("type", "object") != "object":
-                return "tool parameters must be a JSON Schema object"
-        return None
-
     @function_tool(name_override="approval_tool", needs_approval=True)
     def approval_tool() -> str:
         return "approved"
@@ -258,6 +230,7 @@ RUNNER_SCRIPT = textwrap.dedent("""
 
     asyncio.run(main())
 """)
+)
 
 
 def test_a_sandbox_agent_runs_in_corral_and_resumes_in_a_new_process(

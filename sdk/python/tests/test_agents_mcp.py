@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 from agents import Agent, OpenAIChatCompletionsModel, RunConfig, Runner
 from agents.mcp import MCPServerStdio, MCPServerStreamableHttp
+from chat_rules import invalid
 from conftest import BIN_DIR, FrontDoor, Worker
 from openai import AsyncOpenAI
 
@@ -32,37 +33,6 @@ STEPS: list[dict[str, Any]] = [
     {"tool": "run_command", "args": {"command": "python3 hello.py"}},
     {"answer": True},
 ]
-
-
-def invalid(body: dict[str, Any]) -> str | None:
-    """What the Chat Completions API would refuse in this request."""
-    if not isinstance(body.get("model"), str) or not body["model"]:
-        return "model is required"
-    msgs = body.get("messages")
-    if not isinstance(msgs, list) or not msgs:
-        return "messages must be a non-empty array"
-    called = set()
-    for m in msgs:
-        role = m.get("role")
-        if role not in ("system", "developer", "user", "assistant", "tool"):
-            return f"invalid role {role!r}"
-        if role == "assistant":
-            for c in m.get("tool_calls") or []:
-                if c.get("type") != "function" or not c.get("id"):
-                    return "a tool call needs an id and type function"
-                json.loads(c["function"]["arguments"])
-                called.add(c["id"])
-        if role == "tool" and m.get("tool_call_id") not in called:
-            return "messages with role 'tool' must answer a preceding tool call"
-        if role in ("system", "user", "tool") and not isinstance(m.get("content"), (str, list)):
-            return f"a {role} message needs content"
-    for t in body.get("tools") or []:
-        f = t.get("function") or {}
-        if t.get("type") != "function" or not f.get("name"):
-            return "a tool needs type function and a name"
-        if (f.get("parameters") or {}).get("type", "object") != "object":
-            return "tool parameters must be a JSON Schema object"
-    return None
 
 
 class ScriptedModel:

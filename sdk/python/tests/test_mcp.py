@@ -540,12 +540,15 @@ def test_a_request_id_in_use_is_refused_and_the_first_call_goes_on(worker: Clien
         env=params.env,
     )
     assert proc.stdin and proc.stdout
-    call = lambda n, cmd: {  # noqa: E731
-        "jsonrpc": "2.0",
-        "id": n,
-        "method": "tools/call",
-        "params": {"name": "run_command", "arguments": {"command": cmd}},
-    }
+
+    def call(n: int, cmd: str) -> dict[str, Any]:
+        return {
+            "jsonrpc": "2.0",
+            "id": n,
+            "method": "tools/call",
+            "params": {"name": "run_command", "arguments": {"command": cmd}},
+        }
+
     for msg in [
         {
             "jsonrpc": "2.0",
