@@ -1016,27 +1016,19 @@ async fn call_inner(
                 false,
             ))
         }
-        "write_file" => {
+        "write_file" | "upload_file" => {
             let path = text_arg(args, "path")?;
-            let content = text_arg(args, "content")?;
-            let sandbox = sandbox_for(server, args).await?;
-            let data = bytes::Bytes::copy_from_slice(content.as_bytes());
-            write(server, &sandbox, path, data, false, token).await?;
-            Ok(result(
-                format!("wrote {} bytes to {path}", content.len()),
-                json!({"path": path, "bytes": content.len()}),
-                false,
-            ))
-        }
-        "upload_file" => {
-            use base64::Engine as _;
-            let path = text_arg(args, "path")?;
-            let data = base64::engine::general_purpose::STANDARD
-                .decode(text_arg(args, "content_base64")?)
-                .map_err(|e| failed(format!("content_base64: not base64 ({e})")))?;
+            let data = if name == "write_file" {
+                text_arg(args, "content")?.as_bytes().to_vec()
+            } else {
+                use base64::Engine as _;
+                base64::engine::general_purpose::STANDARD
+                    .decode(text_arg(args, "content_base64")?)
+                    .map_err(|e| failed(format!("content_base64: not base64 ({e})")))?
+            };
             if data.len() as u64 > MAX_TRANSFER {
                 return Err(failed(format!(
-                    "content_base64: {} bytes; at most {MAX_TRANSFER} (move larger files with corral cp)",
+                    "{path}: {} bytes; at most {MAX_TRANSFER} come through a tool (move larger files with corral cp)",
                     data.len()
                 )));
             }
@@ -1045,18 +1037,16 @@ async fn call_inner(
                 .and_then(Value::as_bool)
                 .unwrap_or(false);
             let sandbox = sandbox_for(server, args).await?;
-            write(
-                server,
-                &sandbox,
-                path,
-                data.clone().into(),
-                executable,
-                token,
-            )
-            .await?;
+            let n = data.len();
+            write(server, &sandbox, path, data.into(), executable, token).await?;
+            let did = if name == "write_file" {
+                "wrote"
+            } else {
+                "uploaded"
+            };
             Ok(result(
-                format!("uploaded {} bytes to {path}", data.len()),
-                json!({"path": path, "bytes": data.len()}),
+                format!("{did} {n} bytes to {path}"),
+                json!({"path": path, "bytes": n}),
                 false,
             ))
         }

@@ -49,6 +49,19 @@ def server(worker: Client, *extra: str) -> StdioServerParameters:
     )
 
 
+# The first message of a session, as a client sends it.
+INITIALIZE: dict[str, Any] = {
+    "jsonrpc": "2.0",
+    "id": 1,
+    "method": "initialize",
+    "params": {
+        "protocolVersion": "2025-11-25",
+        "capabilities": {},
+        "clientInfo": {"name": "t", "version": "0"},
+    },
+}
+
+
 def text_of(result: Any) -> str:
     return "".join(getattr(c, "text", "") for c in result.content)
 
@@ -341,16 +354,7 @@ def test_an_agent_uses_corral_mcp_over_http_on_a_front_door(
         assert audit["no_id"].is_error and "sandbox_id" in text_of(audit["no_id"])
 
         # No key, a wrong one: 401 naming the protected-resource metadata.
-        init = {
-            "jsonrpc": "2.0",
-            "id": 1,
-            "method": "initialize",
-            "params": {
-                "protocolVersion": "2025-11-25",
-                "capabilities": {},
-                "clientInfo": {"name": "t", "version": "0"},
-            },
-        }
+        init = INITIALIZE
         for key in (None, "not-a-key"):
             req = urllib.request.Request(url, data=json.dumps(init).encode(), method="POST")
             req.add_header("Content-Type", "application/json")
@@ -405,20 +409,7 @@ def mcp_post(
 
 
 def mcp_open(url: str, key: str) -> str:
-    status, headers, _ = mcp_post(
-        url,
-        key,
-        {
-            "jsonrpc": "2.0",
-            "id": 1,
-            "method": "initialize",
-            "params": {
-                "protocolVersion": "2025-11-25",
-                "capabilities": {},
-                "clientInfo": {"name": "t", "version": "0"},
-            },
-        },
-    )
+    status, headers, _ = mcp_post(url, key, INITIALIZE)
     assert status == 200, status
     return headers["mcp-session-id"]
 
@@ -550,16 +541,7 @@ def test_a_request_id_in_use_is_refused_and_the_first_call_goes_on(worker: Clien
         }
 
     for msg in [
-        {
-            "jsonrpc": "2.0",
-            "id": 1,
-            "method": "initialize",
-            "params": {
-                "protocolVersion": "2025-11-25",
-                "capabilities": {},
-                "clientInfo": {"name": "t", "version": "0"},
-            },
-        },
+        INITIALIZE,
         {"jsonrpc": "2.0", "method": "notifications/initialized"},
         call(7, "sleep 2; echo first"),
         call(7, "echo second"),
