@@ -322,13 +322,19 @@ async fn the_wrong_scheme_says_what_the_worker_speaks() -> anyhow::Result<()> {
     let run = |url: String, extra: Vec<String>| {
         let token = token.clone();
         async move {
-            let out = tokio::process::Command::new(corral_e2e::binary("corral")?)
-                .arg("--worker")
-                .arg(&url)
-                .args(extra)
-                .args(["--token-file", &token, "sandbox", "ls"])
-                .output()
-                .await?;
+            // Bounded: a command that hangs fails here, saying which.
+            let out = tokio::time::timeout(
+                std::time::Duration::from_secs(60),
+                tokio::process::Command::new(corral_e2e::binary("corral")?)
+                    .arg("--worker")
+                    .arg(&url)
+                    .args(extra)
+                    .args(["--token-file", &token, "sandbox", "ls"])
+                    .kill_on_drop(true)
+                    .output(),
+            )
+            .await
+            .map_err(|_| anyhow::anyhow!("corral --worker {url} sandbox ls hung for 60 s"))??;
             anyhow::Ok((
                 out.status.code(),
                 String::from_utf8_lossy(&out.stderr).into_owned(),
