@@ -539,7 +539,7 @@ fn tools() -> Vec<Value> {
                     "command": {"type": "string", "description": "The command line, run by sh -c."},
                     "timeout_seconds": {"type": "integer", "minimum": 1, "maximum": MAX_TIMEOUT_S, "description": "Default 120."},
                     "cwd": {"type": "string", "description": "Where it runs (default: the sandbox's workspace)."},
-                    "env": {"type": "object", "additionalProperties": {"type": "string"}},
+                    "env": {"type": "object", "additionalProperties": {"type": "string"}, "description": "Environment variables for it (names to values)."},
                     "sandbox_id": sandbox_id_schema(),
                 },
                 "required": ["command"],
@@ -604,7 +604,7 @@ fn tools() -> Vec<Value> {
                 "properties": {
                     "command": {"type": "string", "description": "The command line, run by sh -c."},
                     "cwd": {"type": "string", "description": "Where it runs (default: the sandbox's workspace)."},
-                    "env": {"type": "object", "additionalProperties": {"type": "string"}},
+                    "env": {"type": "object", "additionalProperties": {"type": "string"}, "description": "Environment variables for it (names to values)."},
                     "sandbox_id": sandbox_id_schema(),
                 },
                 "required": ["command"],
@@ -675,7 +675,7 @@ fn tools() -> Vec<Value> {
         }),
         json!({
             "name": "fork_sandbox",
-            "description": "Copy a running sandbox (its files and its processes' memory, on a worker that can) into new ones, e.g. to try several approaches from one state. The children are the session's (removed at its end, unless kept); the session's sandbox stays the one it was. Returns their ids.",
+            "description": "Copy a sandbox's files, as they are at one instant, into new sandboxes, e.g. to try several approaches from one state. The children start with no processes (nothing held in memory is copied); they are the session's (removed at its end, unless kept), and the session's sandbox stays the one it was. Returns their ids.",
             "inputSchema": {
                 "type": "object",
                 "properties": {
@@ -702,7 +702,7 @@ fn tools() -> Vec<Value> {
         }),
         json!({
             "name": "list_sandboxes",
-            "description": "The sandboxes there are: id, image, state.",
+            "description": "The sandboxes this key may see (the session's, and others made with the same credentials): id, image, state.",
             "inputSchema": {"type": "object", "properties": {}, "additionalProperties": false},
             "annotations": {"readOnlyHint": true, "destructiveHint": false, "idempotentHint": true, "openWorldHint": false},
         }),
@@ -921,8 +921,42 @@ fn shown(c: &corral_proto::result::Captured) -> String {
 }
 
 async fn call(server: &Server, name: &str, args: &Value, token: &Call) -> Value {
+    if let Err(v) = known_arguments(name, args) {
+        return v;
+    }
     match call_inner(server, name, args, token).await {
         Ok(v) | Err(v) => v,
+    }
+}
+
+/// Refuses arguments a tool's schema does not name (`additionalProperties:
+/// false`): a misspelled `timeout` must not quietly mean the default.
+fn known_arguments(name: &str, args: &Value) -> Result<(), Value> {
+    let Some(given) = args.as_object() else {
+        return Err(failed("the arguments are an object"));
+    };
+    let tools = tools();
+    let Some(schema) = tools.iter().find(|t| t["name"] == name) else {
+        return Ok(());
+    };
+    let known = schema["inputSchema"]["properties"]
+        .as_object()
+        .cloned()
+        .unwrap_or_default();
+    match given.keys().find(|k| !known.contains_key(*k)) {
+        None => Ok(()),
+        Some(k) => {
+            let mut names: Vec<&String> = known.keys().collect();
+            names.sort();
+            Err(failed(format!(
+                "{name} takes no argument {k:?} (it takes: {})",
+                names
+                    .iter()
+                    .map(|n| n.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )))
+        }
     }
 }
 
@@ -1292,8 +1326,16 @@ async fn call_inner(
                 .expose_port(&sandbox, port, access, None)
                 .await
                 .map_err(|e| failed(format!("port {port} not exposed: {e}")))?;
+            let how = if e.token.is_empty() {
+                String::new()
+            } else {
+                format!(
+                    " (send token {} as ?token= or as Authorization: Bearer)",
+                    e.token
+                )
+            };
             Ok(result(
-                format!("port {port} of sandbox {sandbox}: {}", e.url),
+                format!("port {port} of sandbox {sandbox}: {}{how}", e.url),
                 json!({"port": port, "url": e.url, "token": (!e.token.is_empty()).then_some(&e.token)}),
                 false,
             ))

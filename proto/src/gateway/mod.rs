@@ -560,9 +560,8 @@ fn percent_decode(s: &str) -> Result<String, tonic::Status> {
         }
         i += 1;
     }
-    String::from_utf8(out).map_err(|_| {
-        tonic::Status::invalid_argument(format!("the query {s:?} is not UTF-8 once decoded"))
-    })
+    String::from_utf8(out)
+        .map_err(|_| invalid(format!("the query {s:?} is not UTF-8 once decoded")))
 }
 
 /// Sets the fields a route gives (the path's and the query's), then a
@@ -601,26 +600,22 @@ fn set_field(msg: &mut DynamicMessage, path: &str, text: &str) -> Result<(), ton
     };
     let desc = msg.descriptor();
     let field = desc.get_field_by_name(head).ok_or_else(|| {
-        tonic::Status::invalid_argument(format!(
+        invalid(format!(
             "{path}: no such field of {} (a path or query parameter names one)",
             desc.name()
         ))
     })?;
     if let Some(rest) = rest {
         let Kind::Message(_) = field.kind() else {
-            return Err(tonic::Status::invalid_argument(format!(
-                "{path}: {head} is not a message"
-            )));
+            return Err(invalid(format!("{path}: {head} is not a message")));
         };
         let inner = msg.get_field_mut(&field);
         let Value::Message(inner) = inner else {
-            return Err(tonic::Status::invalid_argument(format!(
-                "{path}: not a message"
-            )));
+            return Err(invalid(format!("{path}: not a message")));
         };
         return set_field(inner, rest, text);
     }
-    let bad = |what: &str| tonic::Status::invalid_argument(format!("{path}={text:?}: not {what}"));
+    let bad = |what: &str| invalid(format!("{path}={text:?}: not {what}"));
     let value = match field.kind() {
         Kind::String => Value::String(text.to_string()),
         Kind::Bool => Value::Bool(text.parse().map_err(|_| bad("true or false"))?),
@@ -649,6 +644,17 @@ fn set_field(msg: &mut DynamicMessage, path: &str, text: &str) -> Result<(), ton
     }
     msg.set_field(&field, value);
     Ok(())
+}
+
+/// A request the gateway refuses before any call, with the reason a
+/// client reads (`invalid_argument`), as a server's refusal has.
+fn invalid(message: impl Into<String>) -> tonic::Status {
+    crate::reason::status(
+        Code::InvalidArgument,
+        crate::Reason::InvalidArgument,
+        None,
+        message,
+    )
 }
 
 /// The gRPC code's canonical name and the HTTP status that goes with it.
@@ -869,7 +875,7 @@ impl Gateway {
     ) -> Result<Bytes, tonic::Status> {
         let limit = body_limit(method);
         let too_big = |what: &str| {
-            tonic::Status::invalid_argument(format!(
+            invalid(format!(
                 "the request's body: {what} (at most {limit} bytes of JSON for {})",
                 method.name()
             ))
@@ -908,7 +914,7 @@ impl Gateway {
             let piece = tokio::time::timeout(wait, http_body_util::BodyExt::frame(&mut body))
                 .await
                 .map_err(|_| {
-                    tonic::Status::invalid_argument(format!(
+                    invalid(format!(
                         "the request's body did not come: nothing for {} s, or not all of it within {} s",
                         BODY_IDLE.as_secs(),
                         BODY_TIME.as_secs()
@@ -1147,8 +1153,7 @@ impl Gateway {
                             false
                         }
                         Some(Err(e)) => {
-                            let s =
-                                tonic::Status::invalid_argument(format!("the archive's body: {e}"));
+                            let s = invalid(format!("the archive's body: {e}"));
                             return Some((Err(s), (chunks, None, true)));
                         }
                         None => {
@@ -1225,7 +1230,7 @@ fn parse_message(desc: MessageDescriptor, json: &[u8]) -> Result<DynamicMessage,
     let mut de = serde_json::Deserializer::from_slice(json);
     let msg = DynamicMessage::deserialize_with_options(desc, &mut de, &DeserializeOptions::new())
         .and_then(|m| de.end().map(|()| m))
-        .map_err(|e| tonic::Status::invalid_argument(format!("the request's JSON: {e}")))?;
+        .map_err(|e| invalid(format!("the request's JSON: {e}")))?;
     Ok(msg)
 }
 
@@ -1321,7 +1326,7 @@ fn ndjson_messages(
                         });
                     }
                     if buf.len() > MAX_NDJSON_LINE {
-                        let e = tonic::Status::invalid_argument(format!(
+                        let e = invalid(format!(
                             "a line of the request stream is longer than {MAX_NDJSON_LINE} bytes"
                         ));
                         return Some((Err(e), (body, buf, ended, fields, true)));
@@ -1338,9 +1343,7 @@ fn ndjson_messages(
                         Some(Ok(b)) => buf.extend_from_slice(&b),
                         Some(Err(e)) => {
                             return Some((
-                                Err(tonic::Status::invalid_argument(format!(
-                                    "the request's body: {e}"
-                                ))),
+                                Err(invalid(format!("the request's body: {e}"))),
                                 (body, buf, true, fields, true),
                             ));
                         }

@@ -95,6 +95,10 @@ async def session_run(worker: Client) -> dict[str, Any]:
         )
         seen["missing"] = await session.call_tool("read_file", {"path": "/workspace/nope"})
         seen["after"] = await session.call_tool("run_command", {"command": "echo still here"})
+        # A misspelled argument is refused, never taken for its default.
+        seen["misspelled"] = await session.call_tool(
+            "run_command", {"command": "true", "timeout": 1}
+        )
         # Background processes: one that ends, one stopped; their output.
         started = await session.call_tool(
             "start_process",
@@ -193,6 +197,8 @@ def test_an_agent_uses_a_sandbox_through_corral_mcp(worker: Client) -> None:
     assert "started" in slow.structured_content["stdout"]
     assert seen["missing"].is_error and "nope" in text_of(seen["missing"])
     assert seen["after"].structured_content["stdout"] == "still here\n"
+    misspelled = seen["misspelled"]
+    assert misspelled.is_error and "timeout_seconds" in text_of(misspelled), text_of(misspelled)
     assert seen["unknown"] is not None
     assert {
         "start_process",

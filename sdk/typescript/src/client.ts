@@ -8,7 +8,8 @@ import { CorralError, ErrorBody, InvalidArgument, WorkerUnavailable, errorOf } f
 
 /** Where to reach Corral and as whom. */
 export interface ConnectOptions {
-  /** `http://host:port` of a worker or a front door (default: `CORRAL_WORKER`). */
+  /** `http://host:port` of a worker or a front door (default:
+   * `CORRAL_WORKER`, else a front door's `CORRAL_URL`). */
   worker?: string;
   /** A front door's key or a worker's token (default: `CORRAL_API_KEY`). */
   token?: string;
@@ -48,12 +49,12 @@ export class Client {
 
   /** The client `opts` (or the environment) names. */
   static async connect(opts: ConnectOptions = {}): Promise<Client> {
-    const url = (opts.worker ?? process.env.CORRAL_WORKER ?? "").replace(/\/+$/, "");
+    const url = (opts.worker ?? process.env.CORRAL_WORKER ?? process.env.CORRAL_URL ?? "").replace(/\/+$/, "");
     if (!/^https?:\/\/[^/]+$/.test(url)) {
       throw new InvalidArgument(
         url
           ? `worker ${JSON.stringify(url)}: an http:// or https:// address (host:port), nothing after it`
-          : "no worker: give worker (http://host:port) or set CORRAL_WORKER",
+          : "no worker: give worker (http://host:port) or set CORRAL_WORKER (a front door's: CORRAL_URL)",
         { code: "INVALID_ARGUMENT", reason: "invalid_argument" },
       );
     }

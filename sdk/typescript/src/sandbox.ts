@@ -456,8 +456,9 @@ export class Sandbox {
     return infoOf(await this._client.call("GET", this._path));
   }
 
-  /** Copies it, running, into `count` new sandboxes (its files, and its
-   * processes' memory on a worker that can): the children. */
+  /** Copies its files, as they are at one instant, into `count` new
+   * sandboxes: the children, which start with no processes (nothing held
+   * in memory is copied); it goes on as it was. */
   async fork(count = 1): Promise<Sandbox[]> {
     if (!(Number.isInteger(count) && count >= 1 && count <= 64)) {
       throw new InvalidArgument(`count ${count}: from 1 to 64`);

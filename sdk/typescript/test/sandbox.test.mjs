@@ -6,7 +6,7 @@
 import { test, before, after } from "node:test";
 import assert from "node:assert/strict";
 import { execFileSync } from "node:child_process";
-import { mkdtempSync, writeFileSync, mkdirSync } from "node:fs";
+import { mkdtempSync, writeFileSync, mkdirSync, readFileSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 
@@ -150,4 +150,16 @@ test("sandboxes listed, connected to by id, removed", async () => {
   assert.equal(await other.remove(), true);
   assert.equal(await other.remove(), false);
   assert.ok(!(await Sandbox.list(conn())).some((s) => s.id === other.id));
+  // A client given only CORRAL_URL and CORRAL_API_KEY (a front door's
+  // pair, as the CLI and the Python SDK take it) finds it too.
+  const saved = { ...process.env };
+  try {
+    for (const k of ["CORRAL_WORKER", "CORRAL_TOKEN_FILE"]) delete process.env[k];
+    process.env.CORRAL_URL = w.url;
+    process.env.CORRAL_API_KEY = readFileSync(w.tokenFile, "utf8").trim();
+    assert.ok((await Sandbox.list()).some((s) => s.id === sb.id));
+  } finally {
+    for (const k of ["CORRAL_URL", "CORRAL_API_KEY", "CORRAL_WORKER", "CORRAL_TOKEN_FILE"]) delete process.env[k];
+    Object.assign(process.env, saved);
+  }
 });
