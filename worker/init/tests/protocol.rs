@@ -937,11 +937,28 @@ fn a_tree_goes_out_and_back_in_as_a_tar_stream() {
     let r = put_archive(&mut init, "bad", &[7u8; 4096]);
     assert_ne!(r.outcome, Outcome::Exited { code: 0 });
     assert!(!r.stderr.head.is_empty(), "{r:?}");
-    // Outside the roots: refused.
-    let (_, r) = get_archive(&mut init, "/etc");
-    assert_ne!(r.outcome, Outcome::Exited { code: 0 });
+    // Outside the roots: refused; a tree that is not there, said so (as
+    // a file operation's errors are, before anything is packed).
+    let (tar, r) = get_archive(&mut init, "/etc");
     assert!(
-        String::from_utf8_lossy(&r.stderr.head).contains("outside"),
+        matches!(
+            &r.outcome,
+            Outcome::FileError { kind: FileErrorKind::OutsideSandboxRoots, message }
+                if message.contains("outside")
+        ),
         "{r:?}"
     );
+    assert!(tar.is_empty());
+    let (tar, r) = get_archive(&mut init, "proj/nothing");
+    assert!(
+        matches!(
+            &r.outcome,
+            Outcome::FileError {
+                kind: FileErrorKind::NotFound,
+                ..
+            }
+        ),
+        "{r:?}"
+    );
+    assert!(tar.is_empty());
 }
