@@ -124,13 +124,30 @@ export class Client {
   }
 
   /** A streaming call: its messages, one a line, as they come; an error
-   * line throws. Stops (and closes the answer) when the caller stops. */
-  async *stream<T = Json>(method: string, path: string, body?: unknown, signal?: AbortSignal): AsyncGenerator<T> {
+   * line throws. Stops (and closes the answer) when the caller stops.
+   * `messages`: the request stream of a call that takes one (sent as
+   * newline-delimited JSON, instead of `body`). */
+  async *stream<T = Json>(
+    method: string,
+    path: string,
+    body?: unknown,
+    signal?: AbortSignal,
+    messages?: unknown[],
+  ): AsyncGenerator<T> {
     const ctl = new AbortController();
     const onAbort = () => ctl.abort();
     signal?.addEventListener("abort", onAbort, { once: true });
     try {
-      const resp = await this.request(method, path, body, { signal: ctl.signal, accept: "application/x-ndjson" });
+      // A call that takes a stream: its messages, one JSON line each.
+      const raw = messages
+        ? new TextEncoder().encode(messages.map((m) => JSON.stringify(m) + "\n").join(""))
+        : undefined;
+      const resp = await this.request(method, path, body, {
+        signal: ctl.signal,
+        accept: "application/x-ndjson",
+        raw,
+        contentType: "application/x-ndjson",
+      });
       if (!resp.body) return;
       const reader = resp.body.getReader();
       const decoder = new TextDecoder();

@@ -32,6 +32,8 @@ export {
   errorOf,
 } from "./errors.js";
 export {
+  BuildOptions,
+  BuildResult,
   CreateOptions,
   EndCause,
   Exposure,

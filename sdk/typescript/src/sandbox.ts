@@ -655,9 +655,123 @@ function volumeOf(v: Json): VolumeInfo {
   };
 }
 
-/** The templates there are (built with `corral template build`, or saved
- * by `Sandbox.snapshot`). */
+/** What `Templates.build` takes. */
+export interface BuildOptions extends ConnectOptions {
+  /** The Dockerfile's text. */
+  dockerfile: string;
+  /** The rest of the build context, by path: text or bytes. */
+  files?: Record<string, string | Uint8Array>;
+  /** A command a sandbox of it starts with, and when it is ready: a port
+   * accepting, a command exiting 0, or an HTTP path (`8000/health`). */
+  start?: string;
+  readyPort?: number;
+  readyCommand?: string;
+  readyHttp?: string;
+  /** Seconds the build may take (default: the worker's bound). */
+  timeout?: number;
+  /** The engine's output, a line at a time. */
+  onOutput?: (line: string) => void;
+}
+
+/** How a build ended: a template, or why not (an ordinary outcome, not an
+ * exception: a step that fails is a result). */
+export interface BuildResult {
+  ok: boolean;
+  /** The image built (`corral-build:<digest>`). */
+  image: string | null;
+  /** The same inputs were built before: nothing was built. */
+  cached: boolean;
+  template: TemplateInfo | null;
+  /** Why not: its kind (`step_failed`, `timed_out`, `invalid`), the step
+   * that failed (from 1; 0: before any) and its instruction, and the
+   * engine's words. */
+  failure: { kind: string; step: number; instruction: string; message: string } | null;
+}
+
+/** A tar stream of `files` (ustar: paths of at most 100 bytes, mode 644). */
+function tarOf(files: Record<string, string | Uint8Array>): Uint8Array {
+  const enc = new TextEncoder();
+  const blocks: Uint8Array[] = [];
+  for (const [path, content] of Object.entries(files)) {
+    const name = enc.encode(path);
+    if (!path || name.length > 100 || path.startsWith("/") || path.split("/").includes("..")) {
+      throw new InvalidArgument(`file ${JSON.stringify(path)}: a relative path of at most 100 bytes, without ..`);
+    }
+    const data = typeof content === "string" ? enc.encode(content) : content;
+    const h = new Uint8Array(512);
+    const put = (at: number, text: string) => h.set(enc.encode(text), at);
+    h.set(name, 0);
+    put(100, "0000644\0");
+    put(108, "0000000\0");
+    put(116, "0000000\0");
+    put(124, data.length.toString(8).padStart(11, "0") + "\0");
+    put(136, "00000000000\0");
+    put(148, "        ");
+    h[156] = "0".charCodeAt(0);
+    put(257, "ustar\0");
+    put(263, "00");
+    const sum = h.reduce((a, b) => a + b, 0);
+    put(148, sum.toString(8).padStart(6, "0") + "\0 ");
+    blocks.push(h, data, new Uint8Array((512 - (data.length % 512)) % 512));
+  }
+  blocks.push(new Uint8Array(1024));
+  return concat(blocks);
+}
+
+/** The templates there are (built here, with `corral template build`, or
+ * saved by `Sandbox.snapshot`). */
 export const Templates = {
+  /** Builds template `name` on the worker's engine (a worker started with
+   * `--allow-build`) from a Dockerfile and its files: the same inputs
+   * build nothing. */
+  async build(name: string, opts: BuildOptions): Promise<BuildResult> {
+    const client = await Client.connect(opts);
+    if (typeof opts.dockerfile !== "string" || !opts.dockerfile.trim()) {
+      throw new InvalidArgument("dockerfile: its text");
+    }
+    const files = { ...(opts.files ?? {}), Dockerfile: opts.dockerfile };
+    const tar = tarOf(files);
+    const first: Json = { dockerfile: "Dockerfile", template: checkName("template", name) };
+    if (opts.timeout) first.timeout_ms = Math.ceil(opts.timeout * 1000);
+    const readies = [opts.readyPort, opts.readyCommand, opts.readyHttp].filter((r) => r !== undefined);
+    if (readies.length > 1) throw new InvalidArgument("one of readyPort, readyCommand, readyHttp");
+    if (opts.start || readies.length) {
+      if (!opts.start) throw new InvalidArgument("a readiness probe needs start");
+      const start: Json = { command: opts.start };
+      if (opts.readyPort !== undefined) start.port = opts.readyPort;
+      if (opts.readyCommand !== undefined) start.ready_command = opts.readyCommand;
+      if (opts.readyHttp !== undefined) start.http = opts.readyHttp;
+      first.start = start;
+    }
+    const messages: Json[] = [first];
+    for (let at = 0; at < tar.length; at += 1 << 20) {
+      messages.push({ data: toBase64(tar.subarray(at, at + (1 << 20))) });
+    }
+    messages.push({ eof: true });
+    for await (const ev of client.stream<Json>("POST", "/v1/corral.v1.Worker/BuildImage", undefined, undefined, messages)) {
+      if (typeof ev.output === "string") {
+        for (const line of ev.output.split("\n")) if (line) opts.onOutput?.(line);
+      } else if (ev.done) {
+        const d = ev.done as Json;
+        const f = d.failure as Json | undefined;
+        return {
+          ok: !f,
+          image: d.image ? String(d.image) : null,
+          cached: Boolean(d.cached),
+          template: d.template ? templateOf(d.template) : null,
+          failure: f
+            ? {
+                kind: String(f.kind ?? "").replace(/^KIND_/, "").toLowerCase(),
+                step: Number(f.step ?? 0),
+                instruction: String(f.instruction ?? ""),
+                message: String(f.message ?? ""),
+              }
+            : null,
+        };
+      }
+    }
+    throw new CorralError(`template ${name}: the build's stream ended without its result`, { code: "UNAVAILABLE" });
+  },
   async list(opts: ConnectOptions = {}): Promise<TemplateInfo[]> {
     const client = await Client.connect(opts);
     const r = await client.call<{ templates?: Json[] }>("POST", "/v1/corral.v1.Worker/ListTemplates", {});

@@ -22,7 +22,13 @@ const suffix = () => randomBytes(4).toString("hex");
 
 before(async () => {
   // One name egress may reach (never reached here).
-  w = await startCorral("--ports-listen", `127.0.0.1:${await freePort()}`, "--allow-egress", "example.org:443");
+  w = await startCorral(
+    "--ports-listen",
+    `127.0.0.1:${await freePort()}`,
+    "--allow-egress",
+    "example.org:443",
+    "--allow-build",
+  );
 });
 
 after(async () => {
@@ -123,6 +129,35 @@ test("a sandbox saved as a template: the next starts with its files", async () =
     assert.equal(await Templates.remove(name, conn()), true);
   }
   assert.equal(await Templates.remove(name, conn()), false);
+});
+
+test("a template built from a Dockerfile and its files; the same again builds nothing; a failing step is a result", async () => {
+  const name = `ts-built-${suffix()}`;
+  const dockerfile = "FROM corral-debian:latest\nCOPY app.txt /srv/app.txt\n";
+  const files = { "app.txt": `from ts ${name}\n` };
+  const lines = [];
+  const built = await Templates.build(name, { ...conn(), dockerfile, files, onOutput: (l) => lines.push(l) });
+  try {
+    assert.equal(built.ok, true, JSON.stringify(built));
+    assert.equal(built.template?.name, name);
+    assert.match(built.image ?? "", /^corral-build:/);
+    assert.ok(lines.some((l) => /Step|COPY/.test(l)), lines.join("\n"));
+    const again = await Templates.build(name, { ...conn(), dockerfile, files });
+    assert.equal(again.cached, true, JSON.stringify(again));
+    const sb = await Sandbox.create({ ...conn(), template: name });
+    assert.equal((await sb.run("cat /srv/app.txt")).stdout, `from ts ${name}\n`);
+    await sb.remove();
+    const bad = await Templates.build(`${name}-bad`, { ...conn(), dockerfile: "FROM corral-debian:latest\nRUN exit 3\n" });
+    assert.equal(bad.ok, false);
+    assert.equal(bad.failure?.kind, "step_failed", JSON.stringify(bad));
+    assert.equal(bad.failure?.step, 2);
+    await assert.rejects(
+      Templates.build(name, { ...conn(), dockerfile, files: { "../out": "x" } }),
+      InvalidArgument,
+    );
+  } finally {
+    assert.equal(await Templates.remove(name, conn()), true);
+  }
 });
 
 test("egress replaced within what the worker allows", async () => {
