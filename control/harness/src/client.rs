@@ -443,10 +443,36 @@ impl ClientCache {
         url: &str,
         creds: &Credentials,
     ) -> Result<WorkerClient, ClientError> {
-        let slot = self.kept().entry(url.to_string()).or_default().clone();
-        slot.get_or_try_init(|| WorkerClient::connect_with(url, creds))
-            .await
-            .cloned()
+        self.connect_lazily(url, || Ok(creds.clone())).await
+    }
+
+    /// [`Self::connect`], with the credentials worked out only when a
+    /// connection is made: a kept connection is handed out without reading
+    /// a token file or asking who listens on the port again (its
+    /// reconnections are checked as they are made).
+    pub async fn connect_lazily<E, F>(&self, url: &str, creds: F) -> Result<WorkerClient, E>
+    where
+        F: FnOnce() -> Result<Credentials, E>,
+        E: From<ClientError>,
+    {
+        let slot = {
+            let mut kept = self.kept();
+            match kept.get(url) {
+                Some(slot) => slot.clone(),
+                None => kept.entry(url.to_string()).or_default().clone(),
+            }
+        };
+        if let Some(client) = slot.get() {
+            return Ok(client.clone());
+        }
+        slot.get_or_try_init(|| async {
+            let creds = creds()?;
+            WorkerClient::connect_with(url, &creds)
+                .await
+                .map_err(E::from)
+        })
+        .await
+        .cloned()
     }
 }
 

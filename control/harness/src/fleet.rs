@@ -223,10 +223,20 @@ impl Fleet {
     /// is none.
     pub async fn connect(&self, url: Option<&str>) -> Result<WorkerClient, FleetError> {
         match url {
-            Some(url) => {
-                let creds = self.credentials(&[url.to_string()])?;
-                Ok(crate::client::connect_via(self.cache.as_ref(), url, &creds).await?)
-            }
+            // A kept connection is handed out as it is: the credentials
+            // (a token file read, the port's listener looked up) are for
+            // making one.
+            Some(url) => match &self.cache {
+                Some(cache) => {
+                    cache
+                        .connect_lazily(url, || self.credentials(&[url.to_string()]))
+                        .await
+                }
+                None => {
+                    let creds = self.credentials(&[url.to_string()])?;
+                    Ok(crate::client::WorkerClient::connect_with(url, &creds).await?)
+                }
+            },
             None => match &self.local {
                 Some(local) => local().await,
                 None => Err(FleetError::NoLocal),
