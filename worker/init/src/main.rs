@@ -6,6 +6,12 @@
 use std::process::ExitCode;
 
 fn main() -> ExitCode {
+    // `--keep`: a command's keeper, spawned by the supervisor (its orders
+    // on descriptor 3; see corral_init::keeper). First: it reads nothing
+    // else.
+    if std::env::args_os().nth(1).as_deref() == Some(corral_init::keeper::KEEP_FLAG.as_ref()) {
+        corral_init::keeper::run();
+    }
     if std::env::args().nth(1).as_deref() == Some("--version") {
         println!("corral-init {}", corral_init::VERSION);
         return ExitCode::SUCCESS;

@@ -473,6 +473,43 @@ fn commands_start_with_no_signal_blocked_or_ignored() {
     assert_eq!(&r.stdout.head[..], b"caught\n");
 }
 
+/// A command's keeper is a fresh `corral-init --keep`, told what to run
+/// through a memory file: the command's words and environment appear in
+/// neither its arguments (anyone in the sandbox reads those) nor its
+/// environment (its C library would act on that as root); the command
+/// gets both whole, and starts where it was asked to.
+#[test]
+fn a_keeper_holds_none_of_its_commands_words_or_environment() {
+    let mut init = Init::start();
+    attach(&mut init, 0, 1 << 20);
+    let mut spec = ShellSpec::new(
+        "tr '\\0' ' ' < /proc/$PPID/cmdline; echo; \
+         tr '\\0' ' ' < /proc/$PPID/environ | wc -c; \
+         echo \"$SECRET_VALUE|$EMPTY|$(pwd)\"",
+    );
+    spec.env.insert(
+        "SECRET_VALUE".into(),
+        "s3cr3t with spaces = and more".into(),
+    );
+    spec.env.insert("EMPTY".into(), String::new());
+    spec.workdir = Some("/".into());
+    let (_, req) = shell(spec);
+    init.send(req);
+    let r = result_of(&init.until_finished());
+    assert_eq!(r.outcome, Outcome::Exited { code: 0 }, "{r:?}");
+    let out = r.stdout.to_lossy_string();
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(
+        lines,
+        [
+            "corral-init --keep ",
+            "0",
+            "s3cr3t with spaces = and more||/"
+        ],
+        "{out}"
+    );
+}
+
 #[test]
 fn background_processes_end_with_the_command_unless_kept() {
     let mut init = Init::start();

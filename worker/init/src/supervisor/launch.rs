@@ -90,7 +90,7 @@ pub(super) struct KernelSigaction {
 ///
 /// Only async-signal-safe calls: setsid, ioctl.
 #[allow(unsafe_code)]
-pub(super) fn session_setup(terminal: bool) -> io::Result<()> {
+pub(crate) fn session_setup(terminal: bool) -> io::Result<()> {
     // SAFETY: plain libc calls; no allocation, no lock.
     unsafe {
         if libc::setsid() < 0 {
@@ -112,7 +112,7 @@ pub(super) fn session_setup(terminal: bool) -> io::Result<()> {
 /// Only async-signal-safe calls: sigprocmask, rt_sigaction, setgroups,
 /// setgid, setuid.
 #[allow(unsafe_code)]
-pub(super) fn command_setup(uid: Option<u32>, tag: Option<u32>) -> io::Result<()> {
+pub(crate) fn command_setup(uid: Option<u32>, tag: Option<u32>) -> io::Result<()> {
     // SAFETY: plain libc calls on values owned here; no allocation, no lock.
     unsafe {
         let mut set: libc::sigset_t = std::mem::zeroed();
@@ -344,14 +344,12 @@ impl Supervisor {
                 workdir.display()
             ));
         }
-        let mut cmd = Command::new(shell);
-        cmd.args(&spec.args)
-            .env_clear()
-            .envs(self.base_env.iter().map(|(k, v)| (k, v)));
-        // The pseudo-terminal: the command's stdin, stdout and stderr; the
-        // master side stays here for output, input and window sizes.
-        let mut master: Option<File> = None;
-        if let Some(size) = spec.terminal {
+        // The command's descriptors 0, 1 and 2, and the sides kept here:
+        // a pseudo-terminal (its master side stays here for output, input
+        // and window sizes), or pipes (stdin from /dev/null unless asked).
+        let cloexec = OFlag::O_CLOEXEC;
+        let pipe = || nix::unistd::pipe2(cloexec).map_err(|e| format!("pipe: {e}"));
+        let (child_io, kept): ([OwnedFd; 3], Kept) = if let Some(size) = spec.terminal {
             let ws = nix::pty::Winsize {
                 ws_row: size.rows,
                 ws_col: size.cols,
@@ -359,76 +357,127 @@ impl Supervisor {
                 ws_ypixel: 0,
             };
             let pty = nix::pty::openpty(Some(&ws), None).map_err(|e| format!("openpty: {e}"))?;
-            let slave = File::from(pty.slave);
+            for fd in [&pty.master, &pty.slave] {
+                let _ = fcntl(fd, FcntlArg::F_SETFD(nix::fcntl::FdFlag::FD_CLOEXEC));
+            }
             if let Some(uid) = self.config.command_uid {
                 // The command's own terminal: it may change its modes.
                 let _ = nix::unistd::fchown(
-                    &slave,
+                    &pty.slave,
                     Some(nix::unistd::Uid::from_raw(uid)),
                     Some(nix::unistd::Gid::from_raw(uid)),
                 );
             }
-            let dup = |f: &File| f.try_clone().map_err(|e| format!("terminal: {e}"));
-            cmd.stdin(Stdio::from(dup(&slave)?))
-                .stdout(Stdio::from(dup(&slave)?))
-                .stderr(Stdio::from(slave))
-                .env("TERM", "xterm-256color");
-            master = Some(File::from(pty.master));
+            let dup = |f: &OwnedFd| f.try_clone().map_err(|e| format!("terminal: {e}"));
+            (
+                [dup(&pty.slave)?, dup(&pty.slave)?, pty.slave],
+                Kept::Terminal(File::from(pty.master)),
+            )
         } else {
-            cmd.stdin(if spec.stdin {
-                Stdio::piped()
+            let (child_in, stdin) = if spec.stdin {
+                let (r, w) = pipe()?;
+                (r, Some(File::from(w)))
             } else {
-                Stdio::null()
-            })
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
-        }
-        if let Some(env) = spec.env {
-            cmd.envs(env);
-        }
-        cmd.current_dir(&workdir);
-        let terminal = master.is_some();
+                let null = nix::fcntl::open(
+                    "/dev/null",
+                    OFlag::O_RDWR | cloexec,
+                    nix::sys::stat::Mode::empty(),
+                )
+                .map_err(|e| format!("/dev/null: {e}"))?;
+                (null, None)
+            };
+            let (out_r, out_w) = pipe()?;
+            let (err_r, err_w) = pipe()?;
+            (
+                [child_in, out_w, err_w],
+                Kept::Pipes {
+                    stdin,
+                    out: [Pipe(File::from(out_r)), Pipe(File::from(err_r))],
+                },
+            )
+        };
+        let terminal = matches!(kept, Kept::Terminal(_));
         let uid = self.config.command_uid.filter(|_| spec.helper.is_none());
         let helper = spec.helper.clone();
         let tag = uid.map(|_| procs::tag(self.launched));
         self.launched += 1;
         let keep_background = spec.keep_background;
-        // SAFETY: runs in the forked child before exec. The supervisor is
-        // single-threaded, so no lock (allocator included) can be held by
-        // another thread at the fork. The child becomes the operation's
-        // keeper (see `keeper`), which forks the command and never returns
-        // here; the command makes itself, not PID 1, the first choice of
-        // the OOM killer, and then either is an archive helper, which does
-        // its work here and exits (not dumpable, as the supervisor it was
-        // forked from), or switches to its user and execs (a process that
-        // changed user is not dumpable, and its proc files are not its own
-        // until it is again).
-        unsafe {
-            cmd.pre_exec(move || {
-                session_setup(terminal)?;
-                crate::keeper::fork(keep_background)?;
-                command_setup(uid, tag)?;
-                let _ = std::fs::write("/proc/self/oom_score_adj", b"1000");
-                if let Some(helper) = &helper {
-                    helper.run_forked();
-                }
-                let _ = nix::sys::prctl::set_dumpable(true);
-                Ok(())
-            });
-        }
         let oom_kills_at_start = oom_kills();
-        let mut child = cmd.spawn().map_err(|e| match e.raw_os_error() {
+        let spawned = match helper {
+            None => {
+                let mut env: std::collections::BTreeMap<&std::ffi::OsStr, &std::ffi::OsStr> = self
+                    .base_env
+                    .iter()
+                    .map(|(k, v)| (k.as_ref(), v.as_ref()))
+                    .collect();
+                if terminal {
+                    env.insert("TERM".as_ref(), "xterm-256color".as_ref());
+                }
+                for (k, v) in spec.env.into_iter().flatten() {
+                    env.insert(k.as_ref(), v.as_ref());
+                }
+                let orders = crate::keeper::Orders {
+                    keep_background,
+                    terminal,
+                    uid,
+                    tag,
+                    workdir: workdir.into_os_string(),
+                    program: shell.clone().into_os_string(),
+                    args: spec.args.clone(),
+                    env: env
+                        .into_iter()
+                        .map(|(k, v)| {
+                            let mut e = k.to_os_string();
+                            e.push("=");
+                            e.push(v);
+                            e
+                        })
+                        .collect(),
+                };
+                let orders = orders
+                    .encode()
+                    .map_err(|e| format!("{}: {e}", shell.display()))?;
+                spawn_keeper(&orders, &child_io)
+            }
+            Some(helper) => {
+                let mut cmd = Command::new(shell);
+                let [i, o, e] = child_io;
+                cmd.env_clear()
+                    .envs(self.base_env.iter().map(|(k, v)| (k, v)))
+                    .current_dir(&workdir)
+                    .stdin(Stdio::from(i))
+                    .stdout(Stdio::from(o))
+                    .stderr(Stdio::from(e));
+                // SAFETY: runs in the forked child before exec. The
+                // supervisor is single-threaded, so no lock (allocator
+                // included) can be held by another thread at the fork. The
+                // child becomes the operation's keeper (see `keeper`),
+                // which forks the helper and never returns here; the
+                // helper makes itself, not PID 1, the first choice of the
+                // OOM killer, does its work here and exits (not dumpable,
+                // as the supervisor it was forked from).
+                unsafe {
+                    cmd.pre_exec(move || {
+                        session_setup(false)?;
+                        crate::keeper::fork(keep_background)?;
+                        command_setup(None, None)?;
+                        let _ = std::fs::write("/proc/self/oom_score_adj", b"1000");
+                        helper.run_forked()
+                    });
+                }
+                // The child's descriptors are closed here with `cmd`.
+                cmd.spawn().map(|c| c.id() as libc::pid_t)
+            }
+        };
+        let pid = spawned.map_err(|e| match e.raw_os_error() {
             Some(libc_eagain) if libc_eagain == Errno::EAGAIN as i32 => {
                 format!("{e} (the sandbox's process limit is reached)")
             }
             _ => format!("{}: {e}", shell.display()),
         })?;
-        // The child holds the terminal's slave side now; ours are closed
-        // with `cmd`.
-        drop(cmd);
-        let pid = Pid::from_raw(child.id() as i32);
-        let (pipes, stdin, input) = match master {
-            Some(master) => {
+        let pid = Pid::from_raw(pid);
+        let (pipes, stdin, input) = match kept {
+            Kept::Terminal(master) => {
                 let clones = master
                     .try_clone()
                     .and_then(|a| Ok((a, master.try_clone()?)));
@@ -436,8 +485,7 @@ impl Supervisor {
                     Ok(c) => c,
                     Err(e) => {
                         // Not tracked, so not left running.
-                        let _ = child.kill();
-                        let _ = child.wait();
+                        let _ = nix::sys::signal::kill(pid, Signal::SIGKILL);
                         return Err(format!("terminal: {e}"));
                     }
                 };
@@ -447,18 +495,9 @@ impl Supervisor {
                     Some(Input::default()),
                 )
             }
-            None => {
-                let stdout = child
-                    .stdout
-                    .take()
-                    .map(|p| Pipe(File::from(OwnedFd::from(p))));
-                let stderr = child
-                    .stderr
-                    .take()
-                    .map(|p| Pipe(File::from(OwnedFd::from(p))));
-                let stdin = child.stdin.take().map(|p| File::from(OwnedFd::from(p)));
+            Kept::Pipes { stdin, out: [o, e] } => {
                 let input = stdin.as_ref().map(|_| Input::default());
-                ([stdout, stderr], stdin, input)
+                ([Some(o), Some(e)], stdin, input)
             }
         };
         for p in pipes.iter().flatten() {
@@ -493,5 +532,115 @@ impl Supervisor {
                 terminal,
             }),
         ))
+    }
+}
+
+/// The sides of an operation's descriptors the supervisor keeps.
+enum Kept {
+    /// The terminal's master side.
+    Terminal(File),
+    /// The write side of stdin (when asked for), the read sides of stdout
+    /// and stderr.
+    Pipes { stdin: Option<File>, out: [Pipe; 2] },
+}
+
+/// Starts `corral-init --keep` with `orders` (see [`crate::keeper`]) and
+/// `stdio` as its descriptors 0, 1 and 2, by `posix_spawn` (a vfork: the
+/// supervisor's memory is not copied), every signal blocked and at its
+/// default; returns once the command has exec'd, or with the errno that
+/// stopped it (the keeper then exits on its own, and is reaped as any
+/// other child).
+#[allow(unsafe_code)]
+fn spawn_keeper(orders: &[u8], stdio: &[OwnedFd; 3]) -> io::Result<libc::pid_t> {
+    let memfd =
+        nix::sys::memfd::memfd_create(c"corral-keep", nix::sys::memfd::MFdFlags::MFD_CLOEXEC)?;
+    let mut file = File::from(memfd);
+    file.write_all(orders)?;
+    io::Seek::seek(&mut file, io::SeekFrom::Start(0))?;
+    let (report, report_w) = nix::unistd::pipe2(OFlag::O_CLOEXEC)?;
+    // Each source above every target, so that no dup2 overwrites a
+    // source not yet duplicated.
+    let high = |fd: &dyn AsFd| -> io::Result<OwnedFd> {
+        Ok(fcntl(fd.as_fd(), FcntlArg::F_DUPFD_CLOEXEC(10)).map(|fd| {
+            // SAFETY: fcntl returned a new descriptor, owned by no one.
+            unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) }
+        })?)
+    };
+    let sources = [
+        high(&stdio[0])?,
+        high(&stdio[1])?,
+        high(&stdio[2])?,
+        high(&file)?,
+        high(&report_w)?,
+    ];
+    drop(report_w);
+    let targets = [0, 1, 2, crate::keeper::ORDERS_FD, crate::keeper::REPORT_FD];
+    let argv = [
+        c"corral-init".as_ptr(),
+        c"--keep".as_ptr(),
+        std::ptr::null(),
+    ];
+    let envp = [std::ptr::null::<libc::c_char>()];
+    let mut pid: libc::pid_t = 0;
+    // SAFETY: the file actions and attributes are initialised before use
+    // and destroyed after; every pointer passed lives past the call, and
+    // both arrays end with NULL.
+    let rc = unsafe {
+        let mut actions: libc::posix_spawn_file_actions_t = std::mem::zeroed();
+        let mut attr: libc::posix_spawnattr_t = std::mem::zeroed();
+        libc::posix_spawn_file_actions_init(&mut actions);
+        libc::posix_spawnattr_init(&mut attr);
+        let mut rc = 0;
+        for (from, to) in sources.iter().zip(targets) {
+            if rc == 0 {
+                rc = libc::posix_spawn_file_actions_adddup2(&mut actions, from.as_raw_fd(), to);
+            }
+        }
+        let mut all: libc::sigset_t = std::mem::zeroed();
+        libc::sigfillset(&mut all);
+        if rc == 0 {
+            rc = libc::posix_spawnattr_setsigmask(&mut attr, &all);
+        }
+        if rc == 0 {
+            rc = libc::posix_spawnattr_setsigdefault(&mut attr, &all);
+        }
+        if rc == 0 {
+            rc = libc::posix_spawnattr_setflags(
+                &mut attr,
+                (libc::POSIX_SPAWN_SETSIGMASK | libc::POSIX_SPAWN_SETSIGDEF) as libc::c_short,
+            );
+        }
+        if rc == 0 {
+            rc = libc::posix_spawn(
+                &mut pid,
+                c"/proc/self/exe".as_ptr(),
+                &actions,
+                &attr,
+                argv.as_ptr().cast(),
+                envp.as_ptr().cast(),
+            );
+        }
+        libc::posix_spawn_file_actions_destroy(&mut actions);
+        libc::posix_spawnattr_destroy(&mut attr);
+        rc
+    };
+    drop(sources);
+    if rc != 0 {
+        return Err(io::Error::from_raw_os_error(rc));
+    }
+    // The keeper's word: none (the command runs) or an errno.
+    let mut report = File::from(report);
+    let mut word = Vec::with_capacity(4);
+    loop {
+        match report.read_to_end(&mut word) {
+            Ok(_) => break,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    match <[u8; 4]>::try_from(word.as_slice()) {
+        _ if word.is_empty() => Ok(pid),
+        Ok(errno) => Err(io::Error::from_raw_os_error(i32::from_le_bytes(errno))),
+        Err(_) => Err(io::Error::other("the keeper said something unreadable")),
     }
 }

@@ -47,6 +47,7 @@ mod input;
 mod launch;
 
 use launch::set_window_size;
+pub(crate) use launch::{command_setup, session_setup};
 
 /// Time between SIGTERM and SIGKILL when a command times out or is canceled.
 pub const KILL_GRACE: Duration = Duration::from_secs(2);
