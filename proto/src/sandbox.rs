@@ -72,7 +72,10 @@ pub struct WorkerInfo {
 pub struct PoolInfo {
     pub template: String,
     pub image: String,
+    /// Members it keeps now (with a ceiling, as demand asks).
     pub size: u32,
+    /// Most it keeps as demand grows (0: its size, always).
+    pub max_size: u32,
     pub ready: u32,
     pub claims: u64,
     pub misses: u64,
@@ -323,6 +326,7 @@ impl From<WorkerInfo> for pb::WorkerInfo {
                     template: p.template,
                     image: p.image,
                     size: p.size,
+                    max_size: p.max_size,
                     ready: p.ready,
                     claims: p.claims,
                     misses: p.misses,
@@ -364,6 +368,7 @@ impl From<pb::WorkerInfo> for WorkerInfo {
                     template: p.template,
                     image: p.image,
                     size: p.size,
+                    max_size: p.max_size,
                     ready: p.ready,
                     claims: p.claims,
                     misses: p.misses,
@@ -433,6 +438,7 @@ mod tests {
             template: "corral-debian:latest=4,memory=1g".into(),
             image: "corral-debian:latest".into(),
             size: 4,
+            max_size: 0,
             ready: 4,
             claims: 0,
             misses: 0,

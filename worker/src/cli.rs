@@ -138,12 +138,13 @@ pub struct WorkerArgs {
     /// default: the system's resolver.
     #[arg(long, env = "CORRAL_EGRESS_RESOLVER")]
     pub egress_resolver: Option<SocketAddr>,
-    /// A warm pool (repeatable): IMAGE=N[,memory=SIZE][,cpus=N][,pids=N]
-    /// [,runtime=NAME] keeps N sandboxes of that template started and
-    /// idle; a create that matches it takes one at once (its id, env,
-    /// labels and lifetimes applied then). Members take slots of
-    /// --max-sandboxes, and give them up to a create that finds the worker
-    /// full.
+    /// A warm pool (repeatable): IMAGE=N[,max=M][,memory=SIZE][,cpus=N]
+    /// [,pids=N][,runtime=NAME] keeps N sandboxes of that template started
+    /// and idle (with max=M: as many as the largest burst of creates within
+    /// 10 s of the last 5 minutes, from N up to M); a create that matches it
+    /// takes one at once (its id, env, labels and lifetimes applied then).
+    /// Members take slots of --max-sandboxes, and give them up to a create
+    /// that finds the worker full.
     #[arg(long = "pool", env = "CORRAL_POOL", value_parser = |s: &str| s.parse::<crate::pool::Template>())]
     pub pools: Vec<crate::pool::Template>,
     /// Most egress connections one sandbox has open at once.

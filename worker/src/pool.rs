@@ -16,12 +16,15 @@ use std::time::Duration;
 
 use corral_proto::{NetworkMode, SandboxId, SandboxSpec};
 
+use tokio::time::Instant;
+
 use crate::docker::Defaults;
 use crate::sandbox::Sandbox;
 
-/// One `--pool IMAGE=N[,memory=SIZE][,cpus=N][,pids=N][,runtime=NAME]`,
+/// One `--pool IMAGE=N[,max=M][,memory=SIZE][,cpus=N][,pids=N][,runtime=NAME]`,
 /// or `--pool template:NAME=N[,...]`: members of the operator's template
-/// NAME (see [`crate::templates`]), each started and ready.
+/// NAME (see [`crate::templates`]), each started and ready. With `max`,
+/// N is a floor and the pool follows demand up to M (see [`Demand`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Template {
     /// The image (empty for a template's pool: the template's, when a
@@ -29,7 +32,10 @@ pub struct Template {
     pub image: String,
     /// The worker's template its members are of.
     pub template: Option<String>,
+    /// Members kept (with `max`: at least).
     pub size: u32,
+    /// Most members kept when demand asks for more than `size`.
+    pub max: Option<u32>,
     pub memory_bytes: Option<u64>,
     pub cpu_millis: Option<u32>,
     pub pids_limit: Option<u32>,
@@ -44,7 +50,7 @@ impl FromStr for Template {
     fn from_str(s: &str) -> Result<Self, String> {
         let bad = |why: String| {
             format!(
-                "--pool {s:?}: {why} (IMAGE=N or template:NAME=N, then [,memory=SIZE][,cpus=N][,pids=N][,runtime=NAME])"
+                "--pool {s:?}: {why} (IMAGE=N or template:NAME=N, then [,max=M][,memory=SIZE][,cpus=N][,pids=N][,runtime=NAME])"
             )
         };
         let mut parts = s.split(',');
@@ -70,6 +76,7 @@ impl FromStr for Template {
             image,
             template,
             size,
+            max: None,
             memory_bytes: None,
             cpu_millis: None,
             pids_limit: None,
@@ -80,6 +87,18 @@ impl FromStr for Template {
                 .split_once('=')
                 .ok_or_else(|| bad(format!("{p:?} is not KEY=VALUE")))?;
             match k {
+                "max" => {
+                    t.max = Some(
+                        v.parse()
+                            .ok()
+                            .filter(|m| (size..=MAX_POOL_SIZE).contains(m))
+                            .ok_or_else(|| {
+                                bad(format!(
+                                    "max {v:?} (from the size, {size}, to {MAX_POOL_SIZE})"
+                                ))
+                            })?,
+                    )
+                }
                 "memory" => t.memory_bytes = Some(corral_proto::units::parse_size(v).map_err(bad)?),
                 "cpus" => {
                     let c: f64 = v
@@ -110,6 +129,9 @@ impl std::fmt::Display for Template {
         match &self.template {
             Some(name) => write!(f, "template:{name}={}", self.size)?,
             None => write!(f, "{}={}", self.image, self.size)?,
+        }
+        if let Some(m) = self.max {
+            write!(f, ",max={m}")?;
         }
         if let Some(m) = self.memory_bytes {
             write!(f, ",memory={m}")?;
@@ -173,6 +195,55 @@ impl Template {
     }
 }
 
+/// Demand is the most members asked for within this long...
+pub const BURST_WINDOW: Duration = Duration::from_secs(10);
+/// ...over this long: a pool that saw a burst keeps room for another as
+/// large for five minutes, then goes back to its floor.
+pub const DEMAND_MEMORY: Duration = Duration::from_secs(300);
+/// Asks remembered at most (the newest).
+const MAX_ASKS: usize = 4 * MAX_POOL_SIZE as usize;
+
+/// When a pool's members were asked for (a create that took one, or that
+/// matched and found none ready), over the last [`DEMAND_MEMORY`].
+#[derive(Debug, Default)]
+pub struct Demand {
+    asks: VecDeque<Instant>,
+}
+
+impl Demand {
+    pub fn ask(&mut self, now: Instant) {
+        self.forget(now);
+        if self.asks.len() == MAX_ASKS {
+            self.asks.pop_front();
+        }
+        self.asks.push_back(now);
+    }
+
+    fn forget(&mut self, now: Instant) {
+        while self
+            .asks
+            .front()
+            .is_some_and(|t| now.saturating_duration_since(*t) > DEMAND_MEMORY)
+        {
+            self.asks.pop_front();
+        }
+    }
+
+    /// The most asks within any [`BURST_WINDOW`] of the remembered ones.
+    pub fn peak(&mut self, now: Instant) -> usize {
+        self.forget(now);
+        let mut best = 0;
+        let mut from = 0;
+        for (to, t) in self.asks.iter().enumerate() {
+            while t.saturating_duration_since(self.asks[from]) > BURST_WINDOW {
+                from += 1;
+            }
+            best = best.max(to + 1 - from);
+        }
+        best
+    }
+}
+
 /// A started, ready member, and the actor that watches it (so one that
 /// dies is seen and replaced).
 pub struct Member {
@@ -193,6 +264,7 @@ pub struct Pool {
     pub misses: u64,
     /// How long the last member took to make, start and answer.
     pub last_refill: Option<Duration>,
+    pub demand: Demand,
 }
 
 impl Pool {
@@ -204,6 +276,17 @@ impl Pool {
             claims: 0,
             misses: 0,
             last_refill: None,
+            demand: Demand::default(),
+        }
+    }
+
+    /// Members it keeps now: its size, or with a `max`, the largest burst
+    /// of asks of late between the two.
+    pub fn target(&mut self, now: Instant) -> usize {
+        let size = self.template.size as usize;
+        match self.template.max {
+            None => size,
+            Some(max) => self.demand.peak(now).clamp(size, max as usize),
         }
     }
 
@@ -225,12 +308,13 @@ pub fn member_id() -> SandboxId {
     SandboxId::new(format!("pool-{raw}")).unwrap_or(raw)
 }
 
-impl From<&Pool> for corral_proto::PoolInfo {
-    fn from(p: &Pool) -> Self {
+impl From<&mut Pool> for corral_proto::PoolInfo {
+    fn from(p: &mut Pool) -> Self {
         Self {
+            size: p.target(Instant::now()) as u32,
+            max_size: p.template.max.unwrap_or(0),
             template: p.template.to_string(),
             image: p.template.image.clone(),
-            size: p.template.size,
             ready: p.ready.len() as u32,
             claims: p.claims,
             misses: p.misses,
@@ -269,6 +353,9 @@ mod tests {
         );
         assert_eq!(web.to_string(), "template:web=3,memory=1073741824");
         assert!("template:Bad=1".parse::<Template>().is_err());
+        let grows: Template = "corral-sandbox:latest=2,max=100".parse().unwrap();
+        assert_eq!((grows.size, grows.max), (2, Some(100)));
+        assert_eq!(grows.to_string(), "corral-sandbox:latest=2,max=100");
         let plain: Template = "corral-sandbox:latest=2".parse().unwrap();
         assert_eq!(plain.spec().image.as_deref(), Some("corral-sandbox:latest"));
         for bad in [
@@ -282,6 +369,9 @@ mod tests {
             "x=1,pids=2",
             "x=1,gpu=1",
             "x=1,memory",
+            "x=2,max=1",
+            "x=2,max=2000",
+            "x=2,max=lots",
         ] {
             let e = bad.parse::<Template>().expect_err(bad);
             assert!(e.contains("--pool"), "{bad}: {e}");
@@ -335,5 +425,48 @@ mod tests {
         ] {
             assert!(!asks(differs));
         }
+    }
+
+    #[test]
+    fn a_pool_follows_its_largest_recent_burst_between_its_floor_and_its_ceiling() {
+        let t0 = Instant::now();
+        let at = |s: u64| t0 + Duration::from_millis(s);
+        let mut fixed = Pool::new("corral-sandbox:latest=3".parse().unwrap());
+        let mut elastic = Pool::new("corral-sandbox:latest=2,max=50".parse().unwrap());
+        assert_eq!((fixed.target(t0), elastic.target(t0)), (3, 2));
+        // 30 asks in 3 s, then a trickle of one every 20 s.
+        for i in 0..30 {
+            fixed.demand.ask(at(i * 100));
+            elastic.demand.ask(at(i * 100));
+        }
+        assert_eq!(
+            (fixed.target(at(3_000)), elastic.target(at(3_000))),
+            (3, 30)
+        );
+        for i in 1..=10 {
+            elastic.demand.ask(at(3_000 + i * 20_000));
+        }
+        // The burst is remembered for five minutes, then the floor.
+        assert_eq!(elastic.target(at(200_000)), 30);
+        assert_eq!(elastic.target(at(3_000 + 300_001)), 2);
+        // Never past the ceiling.
+        for i in 0..80 {
+            elastic.demand.ask(at(400_000 + i));
+        }
+        assert_eq!(elastic.target(at(400_100)), 50);
+        // A burst split by a window's edge counts whole: 10 asks at 9.9 s
+        // and 10 at 10.1 s are 20 within 10 s.
+        let mut edge = Pool::new("x=1,max=100".parse().unwrap());
+        for i in 0..10 {
+            edge.demand.ask(at(9_900 + i));
+            edge.demand.ask(at(10_100 + i));
+        }
+        assert_eq!(edge.target(at(10_200)), 20);
+        // Asks a window apart are never one burst.
+        let mut slow = Pool::new("x=1,max=100".parse().unwrap());
+        for i in 0..20 {
+            slow.demand.ask(at(i * 10_001));
+        }
+        assert_eq!(slow.target(at(20 * 10_001)), 1);
     }
 }

@@ -162,8 +162,13 @@ fn pools_text(pools: &[corral_proto::PoolInfo]) -> String {
     pools
         .iter()
         .map(|p| {
+            let up_to = if p.max_size > 0 {
+                format!(", up to {} as demand asks", p.max_size)
+            } else {
+                String::new()
+            };
             format!(
-                "{} ({} of {} ready; {} claimed, {} missed; last made in {} ms)",
+                "{} ({} of {} ready{up_to}; {} claimed, {} missed; last made in {} ms)",
                 p.template, p.ready, p.size, p.claims, p.misses, p.last_refill_ms
             )
         })
@@ -255,6 +260,7 @@ fn to_json(info: &WorkerInfo) -> serde_json::Value {
             "template": p.template,
             "image": p.image,
             "size": p.size,
+            "max_size": p.max_size,
             "ready": p.ready,
             "claims": p.claims,
             "misses": p.misses,

@@ -1444,6 +1444,11 @@ impl pb::worker_server::Worker for FrontDoor {
                             pool.claims = 0;
                             pool.misses = 0;
                             pool.last_refill_ms = 0;
+                            // A pool that follows demand would tell of
+                            // others' creates by its size.
+                            if pool.max_size > 0 {
+                                pool.size = 0;
+                            }
                         }
                     }
                     return Ok(info);

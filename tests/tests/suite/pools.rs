@@ -205,6 +205,43 @@ async fn two_hundred_claims_in_a_row_never_share_a_member() -> Result<()> {
     Ok(())
 }
 
+/// A pool with a ceiling follows demand: after a burst of six creates at
+/// once (one finds a member, five are made cold), it keeps six members
+/// ready, not its floor of one, and says so. (That it goes back to its
+/// floor five minutes after the burst is `pool::tests`' with a clock.)
+#[tokio::test]
+async fn a_pool_with_a_ceiling_grows_to_the_burst_it_saw() -> Result<()> {
+    let state = tempfile::tempdir()?;
+    let worker = spawn(
+        state.path(),
+        &unique_id("pl"),
+        free_port()?,
+        &["--pool", "corral-sandbox:latest=1,max=8"],
+    )?;
+    let client = worker.client().await?;
+    let before = ready(&client, 1).await?;
+    assert_eq!((before.size, before.max_size), (1, 8), "{before:?}");
+    let burst = futures_util::future::join_all(
+        (0..6).map(|_| client.create_sandbox(None, SandboxSpec::default())),
+    )
+    .await;
+    let made: Vec<_> = burst.into_iter().collect::<Result<_, _>>()?;
+    let after = ready(&client, 6).await?;
+    assert_eq!(
+        (after.size, after.claims + after.misses),
+        (6, 6),
+        "{after:?}"
+    );
+    // And no more than that.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let held = client.worker_info().await?.pools[0].clone();
+    assert_eq!((held.size, held.ready), (6, 6), "{held:?}");
+    for sb in made {
+        client.destroy_sandbox(&sb.id).await?;
+    }
+    Ok(())
+}
+
 #[tokio::test]
 async fn a_member_killed_from_outside_is_replaced_and_never_handed_out() -> Result<()> {
     let state = tempfile::tempdir()?;

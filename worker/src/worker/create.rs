@@ -333,6 +333,7 @@ impl Worker {
                 Some(_) => pool.claims += 1,
                 None => pool.misses += 1,
             }
+            pool.demand.ask(tokio::time::Instant::now());
             self.inner
                 .metrics
                 .pool_claimed(&pool.template.to_string(), placed.member.is_some());

@@ -34,7 +34,7 @@ impl Worker {
             drain_deadline_ms: drain.map_or(0, |ms| u64::try_from(ms).unwrap_or(0)),
             default_image: self.inner.default_image.clone(),
             default_runtime: self.inner.default_runtime.clone(),
-            pools: lock(&self.inner.pools).iter().map(Into::into).collect(),
+            pools: lock(&self.inner.pools).iter_mut().map(Into::into).collect(),
             default_limits: self.inner.default_limits,
             ports_url: self.ports_base().map(str::to_string),
         }
@@ -120,8 +120,9 @@ impl Worker {
                 .set(n);
         }
         m.capacity.set(i64::from(self.inner.max_sandboxes));
-        for p in lock(&self.inner.pools).iter() {
-            m.pool_state(&p.template.to_string(), p.template.size, p.ready.len());
+        for p in lock(&self.inner.pools).iter_mut() {
+            let target = p.target(tokio::time::Instant::now()) as u32;
+            m.pool_state(&p.template.to_string(), target, p.ready.len());
         }
         m.running_operations.set(running);
         m.watchers.set(watchers);

@@ -1,6 +1,7 @@
-//! Warm pools: members made ahead, kept at each pool's size as capacity
-//! allows, and removed when they die, give up their slot, or a drain
-//! begins.
+//! Warm pools: members made ahead, kept at each pool's size (or, for a
+//! pool with a ceiling, at its demand: [`crate::pool::Demand`]) as
+//! capacity allows, and removed when they die, give up their slot, are
+//! past their pool's demand, or a drain begins.
 
 use std::time::Duration;
 
@@ -86,9 +87,11 @@ impl Worker {
     }
 
     pub(super) async fn fill_pools(&self) {
-        let dead: Vec<crate::pool::Member> = {
+        let at = tokio::time::Instant::now();
+        let (dead, spare): (Vec<crate::pool::Member>, Vec<crate::pool::Member>) = {
             let mut pools = lock(&self.inner.pools);
             let mut dead = Vec::new();
+            let mut spare = Vec::new();
             for p in pools.iter_mut() {
                 // A template's members of an earlier build of it (or of
                 // one since removed) go too.
@@ -106,11 +109,23 @@ impl Worker {
                 });
                 p.ready = alive.into();
                 dead.extend(gone);
+                // Past a burst, a pool that follows demand goes back down
+                // (its newest members first).
+                let target = p.target(at);
+                while p.held() > target
+                    && let Some(m) = p.ready.pop_back()
+                {
+                    spare.push(m);
+                }
             }
-            dead
+            (dead, spare)
         };
         for m in dead {
             warn!(member = %m.id, "a pool member died or is of an earlier template; it is replaced");
+            self.discard_member(m).await;
+        }
+        for m in spare {
+            tracing::info!(member = %m.id, "a pool member is removed: its pool's demand went down");
             self.discard_member(m).await;
         }
         // Up to FILL_AT_ONCE members made at once (each mostly waits on the
@@ -153,13 +168,17 @@ impl Worker {
             Some(name) => self.inner.templates.get(None, name).map(Some),
             None => Some(None),
         };
+        let now = tokio::time::Instant::now();
         pools
             .iter_mut()
             .enumerate()
-            .filter(|(_, p)| p.held() < p.template.size as usize)
-            .filter_map(|(i, p)| of(p).map(|t| (i, p, t)))
-            .max_by_key(|(_, p, _)| p.template.size as usize - p.held())
-            .map(|(i, p, t)| {
+            .filter_map(|(i, p)| {
+                let lacks = p.target(now).checked_sub(p.held()).filter(|n| *n > 0)?;
+                Some((i, lacks, p))
+            })
+            .filter_map(|(i, lacks, p)| of(p).map(|t| (i, lacks, p, t)))
+            .max_by_key(|(_, lacks, _, _)| *lacks)
+            .map(|(i, _, p, t)| {
                 let id = crate::pool::member_id();
                 p.filling.push(id.clone());
                 let mut spec = p.template.spec();
