@@ -6,7 +6,9 @@
 //! worker's resident memory (the worker runs in this process).
 //!
 //! Run: `cargo bench -p corral-e2e --bench history` after
-//! `deploy/build.sh`; `-- --windows 40 --per-window 1000` (the defaults).
+//! `deploy/build.sh`; `-- --windows 40 --per-window 1000` (the defaults);
+//! `--against-init PATH` measures another build's static `corral-init` in
+//! the same run, window for window (a second worker in this process).
 //! Prints Markdown.
 
 // A report printer: printing is its job.
@@ -20,12 +22,15 @@ use corral_e2e::{Harness, run_shell};
 struct Args {
     windows: usize,
     per_window: usize,
+    /// Another build's static corral-init, measured in the same run.
+    against_init: Option<std::path::PathBuf>,
 }
 
 fn args() -> Result<Args> {
     let mut a = Args {
         windows: 40,
         per_window: 1000,
+        against_init: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(arg) = it.next() {
@@ -34,6 +39,9 @@ fn args() -> Result<Args> {
         match arg.as_str() {
             "--windows" => a.windows = value()?,
             "--per-window" => a.per_window = value()?,
+            "--against-init" => {
+                a.against_init = Some(it.next().context("a path after --against-init")?.into())
+            }
             // cargo bench passes `--bench`.
             _ => {}
         }
@@ -77,72 +85,106 @@ fn cpu_ticks(pid: &str) -> Result<u64> {
 /// Linux this runs on (x86_64 and arm64 fix it at 100).
 const TICKS_PER_SECOND: f64 = 100.0;
 
+/// One worker and its sandbox, as measured.
+struct Subject {
+    name: String,
+    h: Harness,
+    sandbox: corral_proto::SandboxId,
+    /// The supervisor's pid on this host.
+    pid: String,
+    rates: Vec<f64>,
+    rss: Vec<u64>,
+}
+
+async fn subject(name: &str, init: Option<&std::path::Path>) -> Result<Subject> {
+    let init = init.map(std::path::Path::to_path_buf);
+    let h = Harness::start_with(|c| {
+        if init.is_some() {
+            c.init_binary = init;
+        }
+    })
+    .await
+    .context("start the worker (deploy/build.sh first?)")?;
+    let docker = bollard::Docker::connect_with_defaults()?;
+    let sandbox = h.sandbox().await?;
+    let container = h.client.get_sandbox(&sandbox).await?.container_id;
+    let pid = docker
+        .inspect_container(&container, None)
+        .await?
+        .state
+        .and_then(|s| s.pid)
+        .filter(|p| *p > 0)
+        .context("the container's PID 1")?
+        .to_string();
+    // Warm up.
+    for _ in 0..50 {
+        run_shell(&h.client, &sandbox, "true").await?;
+    }
+    Ok(Subject {
+        name: name.into(),
+        h,
+        sandbox,
+        pid,
+        rates: Vec::new(),
+        rss: Vec::new(),
+    })
+}
+
 fn main() -> Result<()> {
     let args = args()?;
     let rt = tokio::runtime::Runtime::new()?;
     rt.block_on(async {
-        let h = Harness::start()
-            .await
-            .context("start the worker (deploy/build.sh first?)")?;
-        let docker = bollard::Docker::connect_with_defaults()?;
-        let sb = h.sandbox().await?;
-        let container = h.client.get_sandbox(&sb).await?.container_id;
-        let pid = docker
-            .inspect_container(&container, None)
-            .await?
-            .state
-            .and_then(|s| s.pid)
-            .filter(|p| *p > 0)
-            .context("the container's PID 1")?
-            .to_string();
+        let mut subjects = vec![subject("this build", None).await?];
+        if let Some(other) = &args.against_init {
+            subjects.push(subject(&format!("`{}`", other.display()), Some(other)).await?);
+        }
         let me = std::process::id().to_string();
-        // Warm up.
-        for _ in 0..50 {
-            run_shell(&h.client, &sb, "true").await?;
-        }
         println!(
-            "| window | runs/s | supervisor CPU per run | supervisor RSS | supervisor mappings | worker RSS |"
+            "| window | supervisor | runs/s | supervisor CPU per run | supervisor RSS | supervisor mappings | worker RSS |"
         );
-        println!("|---|---|---|---|---|---|");
-        let mut rates = Vec::new();
-        let mut sup_rss = Vec::new();
+        println!("|---|---|---|---|---|---|---|");
+        // Interleaved: each window of one, then of the other.
         for w in 1..=args.windows {
-            let cpu_before = cpu_ticks(&pid)?;
-            let started = Instant::now();
-            for _ in 0..args.per_window {
-                run_shell(&h.client, &sb, "true").await?;
+            for s in &mut subjects {
+                let cpu_before = cpu_ticks(&s.pid)?;
+                let started = Instant::now();
+                for _ in 0..args.per_window {
+                    run_shell(&s.h.client, &s.sandbox, "true").await?;
+                }
+                let took = started.elapsed().as_secs_f64();
+                let cpu = (cpu_ticks(&s.pid)? - cpu_before) as f64 / TICKS_PER_SECOND;
+                let rate = args.per_window as f64 / took;
+                let (rss, maps, worker) = (rss_kib(&s.pid)?, mappings(&s.pid)?, rss_kib(&me)?);
+                println!(
+                    "| {w} | {} | {rate:.0} | {:.0} µs | {:.1} MiB | {maps} | {:.1} MiB |",
+                    s.name,
+                    cpu / args.per_window as f64 * 1e6,
+                    rss as f64 / 1024.0,
+                    worker as f64 / 1024.0
+                );
+                s.rates.push(rate);
+                s.rss.push(rss);
             }
-            let took = started.elapsed().as_secs_f64();
-            let cpu = (cpu_ticks(&pid)? - cpu_before) as f64 / TICKS_PER_SECOND;
-            let rate = args.per_window as f64 / took;
-            let (rss, maps, worker) = (rss_kib(&pid)?, mappings(&pid)?, rss_kib(&me)?);
-            println!(
-                "| {w} | {rate:.0} | {:.0} µs | {:.1} MiB | {maps} | {:.1} MiB |",
-                cpu / args.per_window as f64 * 1e6,
-                rss as f64 / 1024.0,
-                worker as f64 / 1024.0
-            );
-            rates.push(rate);
-            sup_rss.push(rss);
         }
-        let first = rates[0];
-        let last = rates[rates.len() - 1];
         println!();
-        println!(
-            "- last window / first: **{:.2}x** ({last:.0} against {first:.0} runs/s; {} runs in all)",
-            last / first,
-            args.windows * args.per_window
-        );
-        // Warm-up: the first quarter of the windows.
-        let warm = sup_rss[(sup_rss.len() / 4).max(1) - 1];
-        println!(
-            "- supervisor RSS after warm-up (window {}): {:.1} MiB; at the end: {:.1} MiB",
-            (sup_rss.len() / 4).max(1),
-            warm as f64 / 1024.0,
-            sup_rss[sup_rss.len() - 1] as f64 / 1024.0
-        );
-        h.client.destroy_sandbox(&sb).await?;
-        h.stop().await;
+        for s in &subjects {
+            let (first, last) = (s.rates[0], s.rates[s.rates.len() - 1]);
+            let mean = s.rates.iter().sum::<f64>() / s.rates.len() as f64;
+            // Warm-up: the first quarter of the windows.
+            let warm_at = (s.rss.len() / 4).max(1);
+            println!(
+                "- {}: last window / first **{:.2}x** ({last:.0} against {first:.0} runs/s; mean {mean:.0}; {} runs); supervisor RSS after window {warm_at} {:.1} MiB, at the end {:.1} MiB",
+                s.name,
+                last / first,
+                args.windows * args.per_window,
+                s.rss[warm_at - 1] as f64 / 1024.0,
+                s.rss[s.rss.len() - 1] as f64 / 1024.0
+            );
+        }
+        for s in subjects {
+            s.h.client.destroy_sandbox(&s.sandbox).await?;
+            s.h.stop().await;
+        }
         Ok(())
     })
 }

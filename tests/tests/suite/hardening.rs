@@ -337,6 +337,34 @@ async fn the_release_agent_escape_is_refused_at_create_and_fails_inside() -> any
     Ok(())
 }
 
+/// Under memory pressure the OOM killer takes a command before the
+/// supervisor: every command (as the sandbox's user) starts with the
+/// highest score (it may lower it as far as the supervisor's own, no
+/// further: the sandbox has no CAP_SYS_RESOURCE); its keeper, root's, is
+/// neither its to signal nor to read.
+#[tokio::test]
+async fn a_command_is_the_oom_killers_first_choice_and_its_keeper_out_of_reach()
+-> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let sb = h.sandbox().await?;
+    let r = h
+        .run(
+            &sb,
+            "cat /proc/self/oom_score_adj; id -u; \
+             cat /proc/$PPID/comm; stat -c %u /proc/$PPID; kill -KILL $PPID 2>&1; \
+             cat /proc/$PPID/environ 2>&1 | head -c 80; echo",
+        )
+        .await?;
+    let out = r.stdout.to_lossy_string();
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(lines[0], "1000", "{out}");
+    assert_ne!(lines[1], "0", "commands run as the sandbox's user: {out}");
+    assert_eq!(lines[2..4], ["corral-keeper", "0"], "{out}");
+    assert!(lines[4].contains("not permitted"), "{out}");
+    assert!(lines[5].contains("denied"), "{out}");
+    Ok(())
+}
+
 /// A command cannot stop its own supervisor, nor write into its line to
 /// the worker: `kill -TERM 1` (and INT, HUP, KILL) and writes to
 /// `/proc/1/fd/*` from inside change nothing, and the sandbox goes on

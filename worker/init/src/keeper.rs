@@ -325,6 +325,8 @@ fn fail(e: &io::Error) -> ! {
 pub fn run() -> ! {
     // As the supervisor is: no one traces the keeper or reads its memory.
     let _ = nix::sys::prctl::set_dumpable(false);
+    // Named for what it is (exec'd from /proc/self/exe, it would be `exe`).
+    let _ = nix::sys::prctl::set_name(c"corral-keeper");
     let orders = {
         use std::io::Read;
         // SAFETY: descriptor 3 is the memory file the supervisor passed,
@@ -378,12 +380,15 @@ pub fn run() -> ! {
     if let Err(e) = fork(orders.keep_background) {
         fail(&e);
     }
-    // The command's process, every signal blocked: set up, then exec.
+    // The command's process, every signal blocked: first of the OOM
+    // killer's choices, not PID 1 (written while still root: a process
+    // that changed user cannot write its own proc files; the score is
+    // kept across the change and the exec), then set up, then exec (which
+    // makes it dumpable again, as its user's).
+    let _ = std::fs::write("/proc/self/oom_score_adj", b"1000");
     if let Err(e) = crate::supervisor::command_setup(orders.uid, orders.tag) {
         fail(&e);
     }
-    let _ = std::fs::write("/proc/self/oom_score_adj", b"1000");
-    let _ = nix::sys::prctl::set_dumpable(true);
     // SAFETY: as above.
     unsafe {
         libc::execve(program.as_ptr(), argv_ptrs.as_ptr(), envp_ptrs.as_ptr());

@@ -477,14 +477,17 @@ fn commands_start_with_no_signal_blocked_or_ignored() {
 /// through a memory file: the command's words and environment appear in
 /// neither its arguments (anyone in the sandbox reads those) nor its
 /// environment (its C library would act on that as root); the command
-/// gets both whole, and starts where it was asked to.
+/// gets both whole, starts where it was asked to, and is the OOM killer's
+/// first choice.
 #[test]
 fn a_keeper_holds_none_of_its_commands_words_or_environment() {
     let mut init = Init::start();
     attach(&mut init, 0, 1 << 20);
     let mut spec = ShellSpec::new(
         "tr '\\0' ' ' < /proc/$PPID/cmdline; echo; \
+         cat /proc/$PPID/environ > /dev/null && echo readable; \
          tr '\\0' ' ' < /proc/$PPID/environ | wc -c; \
+         cat /proc/self/oom_score_adj; \
          echo \"$SECRET_VALUE|$EMPTY|$(pwd)\"",
     );
     spec.env.insert(
@@ -503,7 +506,9 @@ fn a_keeper_holds_none_of_its_commands_words_or_environment() {
         lines,
         [
             "corral-init --keep ",
+            "readable",
             "0",
+            "1000",
             "s3cr3t with spaces = and more||/"
         ],
         "{out}"

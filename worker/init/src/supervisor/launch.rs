@@ -437,7 +437,7 @@ impl Supervisor {
                 let orders = orders
                     .encode()
                     .map_err(|e| format!("{}: {e}", shell.display()))?;
-                spawn_keeper(&orders, &child_io)
+                spawn_keeper(&orders, &child_io, tag)
             }
             Some(helper) => {
                 let mut cmd = Command::new(shell);
@@ -484,8 +484,9 @@ impl Supervisor {
                 let (input_fd, out) = match clones {
                     Ok(c) => c,
                     Err(e) => {
-                        // Not tracked, so not left running.
-                        let _ = nix::sys::signal::kill(pid, Signal::SIGKILL);
+                        // Not tracked, so not left running: the keeper
+                        // kills its command, and whatever it started.
+                        procs::kill_session(pid, tag, true);
                         return Err(format!("terminal: {e}"));
                     }
                 };
@@ -544,14 +545,18 @@ enum Kept {
     Pipes { stdin: Option<File>, out: [Pipe; 2] },
 }
 
+/// How long a keeper may take to say whether its command runs.
+const KEEPER_PATIENCE: Duration = Duration::from_secs(10);
+
 /// Starts `corral-init --keep` with `orders` (see [`crate::keeper`]) and
 /// `stdio` as its descriptors 0, 1 and 2, by `posix_spawn` (a vfork: the
 /// supervisor's memory is not copied), every signal blocked and at its
 /// default; returns once the command has exec'd, or with the errno that
 /// stopped it (the keeper then exits on its own, and is reaped as any
-/// other child).
+/// other child), or, past [`KEEPER_PATIENCE`], with the operation (`tag`)
+/// killed.
 #[allow(unsafe_code)]
-fn spawn_keeper(orders: &[u8], stdio: &[OwnedFd; 3]) -> io::Result<libc::pid_t> {
+fn spawn_keeper(orders: &[u8], stdio: &[OwnedFd; 3], tag: Option<u32>) -> io::Result<libc::pid_t> {
     let memfd =
         nix::sys::memfd::memfd_create(c"corral-keep", nix::sys::memfd::MFdFlags::MFD_CLOEXEC)?;
     let mut file = File::from(memfd);
@@ -628,14 +633,42 @@ fn spawn_keeper(orders: &[u8], stdio: &[OwnedFd; 3]) -> io::Result<libc::pid_t> 
     if rc != 0 {
         return Err(io::Error::from_raw_os_error(rc));
     }
-    // The keeper's word: none (the command runs) or an errno.
+    // The keeper's word: none (the command runs) or an errno; waited for
+    // a bounded time (a process of the command's user could stop the
+    // command before its exec, which holds the report open).
     let mut report = File::from(report);
     let mut word = Vec::with_capacity(4);
+    let deadline = Instant::now() + KEEPER_PATIENCE;
     loop {
-        match report.read_to_end(&mut word) {
-            Ok(_) => break,
+        let left = deadline.saturating_duration_since(Instant::now());
+        let mut fds = [PollFd::new(report.as_fd(), PollFlags::POLLIN)];
+        let ms = u16::try_from(left.as_millis()).unwrap_or(u16::MAX);
+        match poll(&mut fds, PollTimeout::from(ms)) {
+            Ok(0) if left.is_zero() => {
+                let pid = Pid::from_raw(pid);
+                let _ = nix::sys::signal::kill(pid, Signal::SIGKILL);
+                procs::kill_session(pid, tag, false);
+                return Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    format!(
+                        "the command did not start within {} s",
+                        KEEPER_PATIENCE.as_secs()
+                    ),
+                ));
+            }
+            Ok(0) | Err(Errno::EINTR) => continue,
+            Ok(_) => {}
+            Err(e) => return Err(e.into()),
+        }
+        let mut buf = [0u8; 8];
+        match report.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => word.extend_from_slice(&buf[..n]),
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
             Err(e) => return Err(e),
+        }
+        if word.len() > 4 {
+            break;
         }
     }
     match <[u8; 4]>::try_from(word.as_slice()) {
