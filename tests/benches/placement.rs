@@ -89,6 +89,7 @@ async fn main() -> Result<()> {
             } else {
                 Duration::ZERO
             },
+            runs: None,
         };
         let (url, task) = serve(worker, stop.clone()).await?;
         urls.push(url);

@@ -1,23 +1,60 @@
 //! A fake worker for placement benchmarks: a real tonic server that
 //! answers `GetWorkerInfo` with a fixed fullness (after a delay, if set)
-//! and refuses everything else. A black-holed worker is a listener that
-//! never accepts: connections hang until the caller's timeout.
+//! and, when asked to, `RunOperation` with each run's end at once and the
+//! stream's own end later; it refuses everything else. A black-holed
+//! worker is a listener that never accepts: connections hang until the
+//! caller's timeout.
 
 use std::pin::Pin;
 use std::time::Duration;
 
 use corral_proto::pb;
-use futures_util::Stream;
+use futures_util::{Stream, StreamExt};
 use tonic::{Request, Response, Status, Streaming};
 
 /// How a fake worker answers.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, Default)]
 pub struct FakeWorker {
     pub max_sandboxes: u32,
     pub sandboxes: u32,
     pub draining: bool,
     /// Each answer waits this long.
     pub delay: Duration,
+    /// `RunOperation`, when set: every run is answered with its
+    /// submission and its end (exit 0) at once, and the stream itself
+    /// ends this long after; `cut` counts the streams that a client
+    /// reset before their end.
+    pub runs: Option<(Duration, &'static std::sync::atomic::AtomicU64)>,
+}
+
+/// A response stream that counts, when it is dropped before its end, one
+/// stream cut short.
+struct Counted<S> {
+    inner: S,
+    ended: bool,
+    cut: &'static std::sync::atomic::AtomicU64,
+}
+
+impl<S: Stream + Unpin> Stream for Counted<S> {
+    type Item = S::Item;
+    fn poll_next(
+        mut self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<S::Item>> {
+        let next = Pin::new(&mut self.inner).poll_next(cx);
+        if let std::task::Poll::Ready(None) = next {
+            self.ended = true;
+        }
+        next
+    }
+}
+
+impl<S> Drop for Counted<S> {
+    fn drop(&mut self) {
+        if !self.ended {
+            self.cut.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
 }
 
 type Stream_<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
@@ -99,9 +136,49 @@ impl pb::worker_server::Worker for FakeWorker {
     type RunOperationStream = Stream_<pb::RunOperationResponse>;
     async fn run_operation(
         &self,
-        _: Request<pb::SubmitOperationRequest>,
+        req: Request<pb::SubmitOperationRequest>,
     ) -> Result<Response<Self::RunOperationStream>, Status> {
-        no()
+        use corral_proto::{Event, EventKind, OperationId, OperationResult, Outcome};
+        use pb::run_operation_response::Kind;
+        let Some((end_after, cut)) = self.runs else {
+            return no();
+        };
+        let req = req.into_inner();
+        let sandbox = corral_proto::SandboxId::new(req.sandbox_id)
+            .map_err(|e| Status::invalid_argument(e.to_string()))?;
+        let id = OperationId::new(req.operation_id)
+            .map_err(|e| Status::invalid_argument(e.to_string()))?;
+        let spec = req
+            .spec
+            .ok_or_else(|| Status::invalid_argument("no spec"))?
+            .try_into()
+            .map_err(|e: corral_proto::ProtocolError| Status::invalid_argument(e.to_string()))?;
+        let record = corral_proto::init::OperationRecord {
+            id: id.clone(),
+            spec,
+            result: None,
+            first_seq: 1,
+            input_bytes: 0,
+        };
+        let end = Event {
+            seq: 1,
+            operation_id: Some(id),
+            kind: EventKind::Finished(Box::new(OperationResult::with_outcome(Outcome::Exited {
+                code: 0,
+            }))),
+        };
+        let answers = [
+            Kind::Submitted(record.to_pb(&sandbox)),
+            Kind::Event(end.into()),
+        ]
+        .map(|kind| Ok(pb::RunOperationResponse { kind: Some(kind) }));
+        let later = futures_util::stream::once(tokio::time::sleep(end_after))
+            .filter_map(|()| std::future::ready(None));
+        Ok(Response::new(Box::pin(Counted {
+            inner: Box::pin(futures_util::stream::iter(answers).chain(later)),
+            ended: false,
+            cut,
+        })))
     }
     async fn get_operation(
         &self,

@@ -126,6 +126,17 @@ pub struct ClientTls {
     pub domain: Option<String>,
 }
 
+/// Streams a connection remembers having reset (a caller that drops a
+/// watch, a front door whose client went away), so that the frames still
+/// on their way for them are ignored. HTTP/2's default, 50 within 30 s,
+/// is passed by a busy client in a second; a frame for a forgotten one
+/// counts against the connection, which goes away at 1,024 of them.
+const RESET_STREAMS_REMEMBERED: usize = 8192;
+
+/// How long the end of a run's stream is waited for once its operation
+/// has ended (it comes at once).
+const STREAM_END_PATIENCE: Duration = Duration::from_secs(1);
+
 /// What a client presents to a worker.
 #[derive(Debug, Clone, Default)]
 pub struct Credentials {
@@ -336,7 +347,8 @@ pub async fn channel(url: &str, creds: &Credentials) -> Result<Channel, ClientEr
         .tcp_nodelay(true)
         .http2_keep_alive_interval(KEEPALIVE)
         .keep_alive_timeout(KEEPALIVE_TIMEOUT)
-        .keep_alive_while_idle(true);
+        .keep_alive_while_idle(true)
+        .http2_max_concurrent_reset_streams(RESET_STREAMS_REMEMBERED);
     if url.starts_with("https://") {
         let tls = creds.tls.clone().unwrap_or_default();
         let mut cfg = ClientTlsConfig::new();
@@ -517,7 +529,8 @@ impl WorkerClient {
             .connect_timeout(Duration::from_secs(5))
             .http2_keep_alive_interval(KEEPALIVE)
             .keep_alive_timeout(KEEPALIVE_TIMEOUT)
-            .keep_alive_while_idle(true);
+            .keep_alive_while_idle(true)
+            .http2_max_concurrent_reset_streams(RESET_STREAMS_REMEMBERED);
         let channel = endpoint
             .connect_with_connector(tower::service_fn(move |_: tonic::transport::Uri| {
                 let path = path.clone();
@@ -875,9 +888,38 @@ impl WorkerClient {
         let Some(Kind::Submitted(op)) = first.kind else {
             return Err(corral_proto::ProtocolError::Missing("run_operation.submitted").into());
         };
-        let events = stream.map(|item| match item?.kind {
-            Some(Kind::Event(e)) => Ok(Event::try_from(e)?),
-            _ => Err(corral_proto::ProtocolError::Missing("run_operation.event").into()),
+        // The operation's end is the stream's last event, and the
+        // stream's own end (its trailers) follows at once: it is read
+        // before the end is handed out, so that a caller that stops at
+        // the end leaves the stream ended, not reset. (Every reset stream
+        // whose last frames arrive after HTTP/2 has forgotten it counts
+        // against the connection, which goes away at 1,024 of them.)
+        let this = id.clone();
+        let events = futures_util::stream::unfold(Some(stream), move |left| {
+            let op = this.clone();
+            async move {
+                let mut stream = left?;
+                let item = match stream.message().await {
+                    Ok(None) => return None,
+                    Err(s) => return Some((Err(s.into()), None)),
+                    Ok(Some(item)) => item,
+                };
+                let event = match item.kind {
+                    Some(Kind::Event(e)) => Event::try_from(e).map_err(ClientError::from),
+                    _ => Err(corral_proto::ProtocolError::Missing("run_operation.event").into()),
+                };
+                let last = matches!(&event, Ok(e)
+                    if matches!(e.kind, corral_proto::EventKind::Finished(_))
+                        && e.operation_id.as_ref() == Some(&op));
+                if !last {
+                    return Some((event, Some(stream)));
+                }
+                let _ = tokio::time::timeout(STREAM_END_PATIENCE, async {
+                    while let Ok(Some(_)) = stream.message().await {}
+                })
+                .await;
+                Some((event, None))
+            }
         });
         Ok((op.try_into()?, Box::pin(events)))
     }

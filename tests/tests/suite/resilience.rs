@@ -590,3 +590,31 @@ async fn memory_a_burst_took_is_given_back_once_its_sandboxes_are_gone() -> anyh
     );
     Ok(())
 }
+
+/// A client that stops at a run's end leaves the run's stream ended, not
+/// reset: thousands of runs on one connection (each stream's own end
+/// coming a little after the run's, as a busy worker's may) keep the
+/// connection, where HTTP/2 closes one that reset more than 1,024 streams
+/// whose last frames came after it forgot them. A real tonic server whose
+/// runs end at once counts the streams cut short: none.
+#[tokio::test]
+async fn runs_that_end_leave_their_streams_ended_and_the_connection_up() -> anyhow::Result<()> {
+    let cut: &'static std::sync::atomic::AtomicU64 =
+        Box::leak(Box::new(std::sync::atomic::AtomicU64::new(0)));
+    let stop = tokio_util::sync::CancellationToken::new();
+    let fake = corral_e2e::fake::FakeWorker {
+        runs: Some((Duration::from_millis(3), cut)),
+        ..Default::default()
+    };
+    let (url, server) = corral_e2e::fake::serve(fake, stop.clone()).await?;
+    let client = WorkerClient::connect(&url, None).await?;
+    let sandbox = corral_proto::SandboxId::new("sb-late-ends")?;
+    for i in 0..1500 {
+        let out = corral_e2e::run_shell(&client, &sandbox, "true").await;
+        assert!(out.is_ok(), "run {i}: {out:?}");
+    }
+    assert_eq!(cut.load(std::sync::atomic::Ordering::SeqCst), 0);
+    stop.cancel();
+    let _ = server.await;
+    Ok(())
+}
