@@ -30,6 +30,9 @@ pub const CHUNK: usize = corral_proto::limits::MAX_INPUT_CHUNK_BYTES;
 pub const PATIENCE: Duration = follow::DEFAULT_PATIENCE;
 /// Chunks waiting between the archive and the wire.
 const QUEUED_CHUNKS: usize = 4;
+/// Input calls of an upload in flight at once (the worker takes up to 8
+/// MiB ahead of what the sandbox has, and orders them by offset).
+const IN_FLIGHT: usize = 4;
 /// Most bytes of the sandbox side's error output kept for the message.
 const MAX_ERROR_BYTES: usize = 16 * 1024;
 
@@ -240,6 +243,9 @@ pub async fn put<W: WorkerApi>(
         Follower::from_now(worker.clone(), sandbox.clone(), Some(op.clone()), PATIENCE).await?;
     follow::retry(worker, PATIENCE, || worker.submit(sandbox, &op, &spec)).await?;
     let mut stderr = Vec::new();
+    // Up to IN_FLIGHT calls at once, each at its offset (the worker puts
+    // them in order); answered in the order sent.
+    let mut sending = futures_util::stream::FuturesOrdered::new();
     let mut offset = 0u64;
     let mut feeding = true;
     loop {
@@ -247,6 +253,8 @@ pub async fn put<W: WorkerApi>(
             event = events.next() => match event?.kind {
                 EventKind::Output { stream: OutputStream::Stderr, data } => keep(&mut stderr, &data),
                 EventKind::Finished(result) => {
+                    // Its end: every byte sent was taken (an answer may
+                    // still be on its way).
                     return ended(&result, &stderr).map(|()| Moved::bytes(offset));
                 }
                 EventKind::SandboxLost { reason } => {
@@ -254,7 +262,7 @@ pub async fn put<W: WorkerApi>(
                 }
                 _ => {}
             },
-            chunk = chunks.recv(), if feeding => {
+            chunk = chunks.recv(), if feeding && sending.len() < IN_FLIGHT => {
                 let (data, eof) = match chunk {
                     Some(Ok(data)) => (data, false),
                     Some(Err(e)) => {
@@ -264,16 +272,28 @@ pub async fn put<W: WorkerApi>(
                     }
                     None => (Bytes::new(), true),
                 };
-                let len = data.len() as u64;
-                let (_, closed) = follow::retry(worker, PATIENCE, || {
-                    worker.write_input(sandbox, &op, offset, data.clone(), eof)
-                })
-                .await?;
-                offset += len;
-                progress(offset);
+                let at = offset;
+                offset += data.len() as u64;
+                let end = offset;
+                let op = &op;
+                sending.push_back(async move {
+                    follow::retry(worker, PATIENCE, || {
+                        worker.write_input(sandbox, op, at, data.clone(), eof)
+                    })
+                    .await
+                    .map(|(_, closed)| (end, closed))
+                });
+                // The end is sent: what is left is its answer.
+                feeding = !eof;
+            }
+            Some(sent) = futures_util::StreamExt::next(&mut sending), if !sending.is_empty() => {
+                let (end, closed) = sent?;
+                progress(end);
                 // Closed early: the sandbox side stopped taking input (it
                 // failed), and its end says why.
-                feeding = !closed && !eof;
+                if closed {
+                    feeding = false;
+                }
             }
         }
     }

@@ -904,3 +904,76 @@ async fn a_run_is_one_call_that_ends_with_its_result_and_runs_its_id_once() -> R
     h.stop().await;
     Ok(())
 }
+
+/// Input calls may come in any order within 8 MiB of what the command has
+/// (a client with several in flight): one past it waits for those before
+/// it, and the command reads every byte in its place; one further is
+/// refused at once as a gap, and the input goes on; one whose
+/// predecessors never come is refused after 10 s.
+#[tokio::test]
+async fn input_calls_out_of_order_are_put_in_order_and_a_far_gap_is_refused() -> Result<()> {
+    let h = Harness::start().await?;
+    let sb = h.sandbox().await?;
+    let op = OperationId::random();
+    let mut spec = corral_proto::ShellSpec::new(
+        "cat > /tmp/in && head -c 1048576 /tmp/in | tr -d a | wc -c \
+         && tail -c 1048576 /tmp/in | tr -d b | wc -c && wc -c < /tmp/in",
+    );
+    spec.stdin = true;
+    let rec = h
+        .client
+        .submit(&sb, &op, OperationSpec::Shell(spec))
+        .await?;
+    let mib = 1u64 << 20;
+    let a = Bytes::from(vec![b'a'; mib as usize]);
+    let b = Bytes::from(vec![b'b'; mib as usize]);
+    // The second MiB first: it waits for the first.
+    let second = {
+        let (client, sb, op) = (h.client.clone(), sb.clone(), op.clone());
+        tokio::spawn(async move { client.write_input(&sb, &op, mib, b, false).await })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!second.is_finished(), "a call past the input waits");
+    let far = h
+        .client
+        .write_input(&sb, &op, 20 * mib, Bytes::from_static(b"x"), false)
+        .await;
+    assert!(
+        matches!(&far, Err(e) if e.reason() == Some(corral_proto::reason::Reason::InputGap)),
+        "{far:?}"
+    );
+    h.client.write_input(&sb, &op, 0, a, false).await?;
+    second.await??;
+    h.client
+        .write_input(&sb, &op, 2 * mib, Bytes::new(), true)
+        .await?;
+    let (_, r) = collect(&h.client, &sb, &op, rec.first_seq.saturating_sub(1)).await?;
+    assert_eq!(r.outcome, Outcome::Exited { code: 0 }, "{r:?}");
+    assert_eq!(r.stdout.to_lossy_string(), "0\n0\n2097152\n");
+    // A call past the input whose predecessors never come is refused as
+    // a gap after a while (10 s), not kept waiting.
+    let op = OperationId::random();
+    let mut spec = corral_proto::ShellSpec::new("cat >/dev/null");
+    spec.stdin = true;
+    h.client
+        .submit(&sb, &op, OperationSpec::Shell(spec))
+        .await?;
+    let started = Instant::now();
+    let alone = tokio::time::timeout(
+        Duration::from_secs(60),
+        h.client
+            .write_input(&sb, &op, mib, Bytes::from_static(b"x"), false),
+    )
+    .await?;
+    assert!(
+        matches!(&alone, Err(e) if e.reason() == Some(corral_proto::reason::Reason::InputGap)),
+        "{alone:?}"
+    );
+    assert!(
+        started.elapsed() >= Duration::from_secs(9),
+        "{:?}",
+        started.elapsed()
+    );
+    h.client.cancel(&sb, &op).await?;
+    Ok(())
+}

@@ -41,6 +41,8 @@ pub(super) struct Actor {
     pub(super) stderr: Vec<u8>,
     /// A watcher is holding the window back: look again in a while.
     pub(super) stall_check: bool,
+    /// An input call waits past what init has (looked at again soon).
+    pub(super) gaps: bool,
     /// Input of operations that take it.
     pub(super) inputs: HashMap<OperationId, InputLink>,
     /// Resets sent to init, answered in order.
@@ -103,7 +105,7 @@ impl Actor {
                 () = self.shared.progress.notified() => Wake::Progress,
                 e = next_report(&mut self.egress_reports) => Wake::Egress(e),
                 e = next_report(&mut self.port_reports) => Wake::Port(e),
-                () = tokio::time::sleep(Duration::from_millis(250)), if self.stall_check => Wake::Progress,
+                () = tokio::time::sleep(Duration::from_millis(250)), if self.stall_check || self.gaps => Wake::Progress,
             };
             match wake {
                 Wake::Closed | Wake::Command(None) => break,
@@ -121,7 +123,15 @@ impl Actor {
                     debug!("attach stream ended");
                     self.detach();
                 }
-                Wake::Progress => self.grant().await,
+                Wake::Progress => {
+                    self.grant().await;
+                    if std::mem::take(&mut self.gaps) {
+                        let waiting: Vec<OperationId> = self.inputs.keys().cloned().collect();
+                        for id in waiting {
+                            self.pump_input(&id).await;
+                        }
+                    }
+                }
                 Wake::Egress(None) => self.egress_reports = None,
                 Wake::Egress(Some(e)) => self.pending(InitRequest::Egress(e)),
                 Wake::Port(None) => self.port_reports = None,
@@ -167,9 +177,7 @@ impl Actor {
         // Input in flight is sent again after the next attach (init places
         // it by offset, so nothing is taken twice); resets are not.
         for link in self.inputs.values_mut() {
-            if let Some((_, p)) = link.in_flight.take() {
-                link.queue.push_front(p);
-            }
+            link.unsend();
         }
         for reply in self.resets.drain(..) {
             let _ = reply.send(Err(WorkerError::Detached(self.id.to_string())));
@@ -446,13 +454,15 @@ impl Actor {
                 // Input it would not take is sent again once there is room.
                 if let Some(id) = operation_id
                     && let Some(link) = self.inputs.get_mut(&id)
-                    && let Some((_, p)) = link.in_flight.take()
+                    && !link.in_flight.is_empty()
                 {
                     let finished = lock(&self.shared.ops)
                         .ops
                         .get(&id)
                         .is_none_or(|r| r.result.is_some());
-                    link.queue.push_front(p);
+                    // What followed it was refused too (a gap): all of it
+                    // goes again, from what init has.
+                    link.unsend();
                     if finished || kind == corral_proto::init::RejectKind::UnknownOperation {
                         // Nothing will take it any more: say so, not wait.
                         link.close_all();
@@ -544,6 +554,7 @@ impl Actor {
         for rec in w.operations.iter().filter(|r| r.result.is_none()) {
             if let Some(link) = self.inputs.get_mut(&rec.id) {
                 link.received = rec.input_bytes;
+                link.sent = rec.input_bytes;
                 link.consumed = link.consumed.min(rec.input_bytes);
             }
         }

@@ -40,15 +40,26 @@ impl Actor {
                     ))));
                     return;
                 }
+                let sent = link.sent.max(link.received);
+                if p.offset > sent + INPUT_AHEAD_BYTES {
+                    let _ = p.reply.send(Err(WorkerError::InputGap(format!(
+                        "input at offset {} of operation {}, whose input ends at {sent} (at most {INPUT_AHEAD_BYTES} bytes ahead may wait for what comes before)",
+                        p.offset, p.id
+                    ))));
+                    return;
+                }
                 let id = p.id.clone();
-                link.queue.push_back(p);
+                link.enqueue(p);
                 self.pump_input(&id).await;
             }
         }
     }
 
-    /// Sends the next waiting input of `id` to init when its window has
-    /// room and nothing of it is in flight.
+    /// Sends the waiting input of `id` to init, in order of offset, while
+    /// its window has room (several calls may be in flight). A call past
+    /// what was sent waits for those before it, up to
+    /// [`INPUT_AHEAD_BYTES`] ahead and [`GAP_PATIENCE`] long; further, or
+    /// longer, is a gap, refused.
     pub(super) async fn pump_input(&mut self, id: &OperationId) {
         loop {
             if !self.welcomed {
@@ -57,9 +68,6 @@ impl Actor {
             let Some(link) = self.inputs.get_mut(id) else {
                 return;
             };
-            if link.in_flight.is_some() {
-                return;
-            }
             if link.closed {
                 link.close_all();
                 return;
@@ -67,25 +75,38 @@ impl Actor {
             let Some(front) = link.queue.front() else {
                 return;
             };
-            if front.offset > link.received {
+            let sent = link.sent.max(link.received);
+            if front.offset > sent {
+                if front.offset - sent <= INPUT_AHEAD_BYTES && front.since.elapsed() < GAP_PATIENCE
+                {
+                    self.gaps = true;
+                    return;
+                }
                 let Some(p) = link.queue.pop_front() else {
                     return;
                 };
                 let _ = p.reply.send(Err(WorkerError::InputGap(format!(
                     "input at offset {} of operation {id}, whose input ends at {}",
-                    p.offset, link.received
+                    p.offset, sent
                 ))));
                 continue;
             }
-            let skip = usize::try_from(link.received - front.offset).unwrap_or(usize::MAX);
+            let skip = usize::try_from(sent - front.offset).unwrap_or(usize::MAX);
             if skip >= front.data.len() && !front.eof {
+                // Already sent (by a call before it): answered when that
+                // is taken, or at once when it is.
                 if let Some(p) = link.queue.pop_front() {
-                    let _ = p.reply.send(Ok(link.reply()));
+                    if link.in_flight.is_empty() {
+                        let _ = p.reply.send(Ok(link.reply()));
+                    } else {
+                        link.in_flight
+                            .push_back((p.offset + p.data.len() as u64, p));
+                    }
                 }
                 continue;
             }
             let len = front.data.len().saturating_sub(skip) as u64;
-            let waiting = link.received - link.consumed;
+            let waiting = sent - link.consumed;
             if waiting > 0 && waiting + len > INPUT_WINDOW_BYTES {
                 // Init has enough to write on: the next ack makes room.
                 return;
@@ -98,7 +119,7 @@ impl Actor {
             } else {
                 p.data.slice(skip..)
             };
-            let offset = link.received;
+            let offset = sent;
             let end = offset + data.len() as u64;
             let req = InitRequest::Input {
                 operation_id: id.clone(),
@@ -106,7 +127,8 @@ impl Actor {
                 data,
                 eof: p.eof,
             };
-            link.in_flight = Some((end, p));
+            link.sent = end;
+            link.in_flight.push_back((end, p));
             if !self.send(req).await {
                 return;
             }
@@ -137,11 +159,14 @@ impl Actor {
             link.close_all();
             return;
         }
-        if let Some((end, _)) = &link.in_flight
-            && link.received >= *end
-            && let Some((_, p)) = link.in_flight.take()
+        while link
+            .in_flight
+            .front()
+            .is_some_and(|(end, _)| link.received >= *end)
         {
-            let _ = p.reply.send(Ok(link.reply()));
+            if let Some((_, p)) = link.in_flight.pop_front() {
+                let _ = p.reply.send(Ok(link.reply()));
+            }
         }
         self.pump_input(&id).await;
     }

@@ -55,6 +55,13 @@ const MAX_OPERATIONS: usize = 4096;
 /// Input of one operation sent to init and not yet written on by it (init
 /// holds up to twice this).
 pub const INPUT_WINDOW_BYTES: u64 = 2 << 20;
+/// How far past what init has an input call may come and wait for those
+/// before it (a client with several calls in flight, which may arrive in
+/// any order); further is refused at once (`input_gap`).
+pub const INPUT_AHEAD_BYTES: u64 = 8 << 20;
+/// How long such a call waits for those before it before it is refused
+/// as a gap.
+pub const GAP_PATIENCE: Duration = Duration::from_secs(10);
 /// Input calls of one operation waiting their turn.
 const MAX_QUEUED_INPUTS: usize = 64;
 
@@ -285,6 +292,9 @@ struct PendingInput {
     data: Bytes,
     eof: bool,
     reply: oneshot::Sender<Result<InputReply>>,
+    /// When it came (a call past the input waits [`GAP_PATIENCE`] at
+    /// most for those before it).
+    since: tokio::time::Instant,
 }
 
 /// The actor's view of one operation's input.
@@ -293,9 +303,12 @@ struct InputLink {
     /// Bytes init has taken, and written on.
     received: u64,
     consumed: u64,
+    /// Bytes sent to init (taken or not yet): at least `received`.
+    sent: u64,
     closed: bool,
-    /// Sent to init, answered when its ack covers `end`.
-    in_flight: Option<(u64, PendingInput)>,
+    /// Sent to init, in order, each answered when an ack covers its end.
+    in_flight: VecDeque<(u64, PendingInput)>,
+    /// Calls not yet sent, by offset.
     queue: VecDeque<PendingInput>,
 }
 
@@ -307,10 +320,26 @@ impl InputLink {
         }
     }
 
-    /// Every call waiting on this input, the one in flight first.
+    /// Every call waiting on this input, those in flight first.
     fn take_waiting(&mut self) -> Vec<PendingInput> {
-        let in_flight = self.in_flight.take().map(|(_, p)| p);
+        let in_flight: Vec<PendingInput> = self.in_flight.drain(..).map(|(_, p)| p).collect();
         in_flight.into_iter().chain(self.queue.drain(..)).collect()
+    }
+
+    /// What was sent and not taken goes back to the queue, to be sent
+    /// again from what init has (it places input by offset, so nothing is
+    /// taken twice).
+    fn unsend(&mut self) {
+        while let Some((_, p)) = self.in_flight.pop_front() {
+            self.enqueue(p);
+        }
+        self.sent = self.received;
+    }
+
+    /// Queues `p` by its offset (after those of the same offset).
+    fn enqueue(&mut self, p: PendingInput) {
+        let at = self.queue.partition_point(|q| q.offset <= p.offset);
+        self.queue.insert(at, p);
     }
 
     /// Answers every waiting call: the input is closed.
@@ -426,6 +455,7 @@ impl Sandbox {
             live_after: 0,
             stderr: Vec::new(),
             stall_check: false,
+            gaps: false,
             inputs: HashMap::new(),
             resets: VecDeque::new(),
             egress_reports,
@@ -581,6 +611,7 @@ impl Sandbox {
                 data,
                 eof,
                 reply,
+                since: tokio::time::Instant::now(),
             }))
             .await
             .map_err(|_| WorkerError::ShuttingDown)?;
