@@ -984,7 +984,7 @@ class WorkerInfo(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., version: _Optional[str] = ..., max_sandboxes: _Optional[int] = ..., sandboxes: _Optional[int] = ..., running_operations: _Optional[int] = ..., docker_version: _Optional[str] = ..., policy: _Optional[_Union[SandboxPolicy, _Mapping]] = ..., draining: _Optional[bool] = ..., drain_deadline_ms: _Optional[int] = ..., default_image: _Optional[str] = ..., default_runtime: _Optional[str] = ..., pools: _Optional[_Iterable[_Union[PoolInfo, _Mapping]]] = ..., default_memory_bytes: _Optional[int] = ..., default_cpu_millis: _Optional[int] = ..., default_pids_limit: _Optional[int] = ..., ports_url: _Optional[str] = ...) -> None: ...
 
 class PoolInfo(_message.Message):
-    __slots__ = ("template", "image", "size", "ready", "claims", "misses", "last_refill_ms", "memory_bytes", "cpu_millis", "pids_limit", "runtime")
+    __slots__ = ("template", "image", "size", "ready", "claims", "misses", "last_refill_ms", "memory_bytes", "cpu_millis", "pids_limit", "runtime", "max_size")
     TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     IMAGE_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -996,6 +996,7 @@ class PoolInfo(_message.Message):
     CPU_MILLIS_FIELD_NUMBER: _ClassVar[int]
     PIDS_LIMIT_FIELD_NUMBER: _ClassVar[int]
     RUNTIME_FIELD_NUMBER: _ClassVar[int]
+    MAX_SIZE_FIELD_NUMBER: _ClassVar[int]
     template: str
     image: str
     size: int
@@ -1007,7 +1008,8 @@ class PoolInfo(_message.Message):
     cpu_millis: int
     pids_limit: int
     runtime: str
-    def __init__(self, template: _Optional[str] = ..., image: _Optional[str] = ..., size: _Optional[int] = ..., ready: _Optional[int] = ..., claims: _Optional[int] = ..., misses: _Optional[int] = ..., last_refill_ms: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., cpu_millis: _Optional[int] = ..., pids_limit: _Optional[int] = ..., runtime: _Optional[str] = ...) -> None: ...
+    max_size: int
+    def __init__(self, template: _Optional[str] = ..., image: _Optional[str] = ..., size: _Optional[int] = ..., ready: _Optional[int] = ..., claims: _Optional[int] = ..., misses: _Optional[int] = ..., last_refill_ms: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., cpu_millis: _Optional[int] = ..., pids_limit: _Optional[int] = ..., runtime: _Optional[str] = ..., max_size: _Optional[int] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ("drain",)
