@@ -45,14 +45,16 @@ where
     F: FnMut() -> Fut,
     Fut: Future<Output = Result<T, ApiError>>,
 {
-    let deadline = Instant::now() + patience;
+    let mut deadline: Option<Instant> = None;
     let mut delay = FIRST_BACKOFF;
     loop {
         // A call may take long by design (input waiting for a slow
-        // reader): only failures count against the deadline.
+        // reader): only failures count against the deadline, from the
+        // first one on.
         match call().await {
             Ok(v) => return Ok(v),
             Err(ApiError::Transient(e)) => {
+                let deadline = *deadline.get_or_insert_with(|| Instant::now() + patience);
                 if Instant::now() >= deadline {
                     return Err(FollowError::GaveUp {
                         worker: worker.name(),

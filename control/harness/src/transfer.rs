@@ -287,7 +287,14 @@ pub async fn put<W: WorkerApi>(
                 feeding = !eof;
             }
             Some(sent) = futures_util::StreamExt::next(&mut sending), if !sending.is_empty() => {
-                let (end, closed) = sent?;
+                let (end, closed) = match sent {
+                    Ok(sent) => sent,
+                    Err(e) => {
+                        // Not left waiting for the rest (best effort).
+                        let _ = worker.cancel(sandbox, &op).await;
+                        return Err(e.into());
+                    }
+                };
                 progress(end);
                 // Closed early: the sandbox side stopped taking input (it
                 // failed), and its end says why.

@@ -41,8 +41,8 @@ pub(super) struct Actor {
     pub(super) stderr: Vec<u8>,
     /// A watcher is holding the window back: look again in a while.
     pub(super) stall_check: bool,
-    /// An input call waits past what init has (looked at again soon).
-    pub(super) gaps: bool,
+    /// When input calls that wait past what init has are looked at again.
+    pub(super) gaps_at: Option<tokio::time::Instant>,
     /// Input of operations that take it.
     pub(super) inputs: HashMap<OperationId, InputLink>,
     /// Resets sent to init, answered in order.
@@ -89,7 +89,16 @@ enum Wake {
     Port(Option<corral_proto::event::PortEvent>),
     Output(Option<Result<LogOutput, bollard::errors::Error>>),
     Progress,
+    Gaps,
     Closed,
+}
+
+/// Sleeps until `at` (never, without one).
+async fn sleep_until_some(at: Option<tokio::time::Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
 }
 
 impl Actor {
@@ -105,7 +114,8 @@ impl Actor {
                 () = self.shared.progress.notified() => Wake::Progress,
                 e = next_report(&mut self.egress_reports) => Wake::Egress(e),
                 e = next_report(&mut self.port_reports) => Wake::Port(e),
-                () = tokio::time::sleep(Duration::from_millis(250)), if self.stall_check || self.gaps => Wake::Progress,
+                () = tokio::time::sleep(Duration::from_millis(250)), if self.stall_check => Wake::Progress,
+                () = sleep_until_some(self.gaps_at), if self.gaps_at.is_some() => Wake::Gaps,
             };
             match wake {
                 Wake::Closed | Wake::Command(None) => break,
@@ -123,19 +133,24 @@ impl Actor {
                     debug!("attach stream ended");
                     self.detach();
                 }
-                Wake::Progress => {
-                    self.grant().await;
-                    if std::mem::take(&mut self.gaps) {
-                        let waiting: Vec<OperationId> = self.inputs.keys().cloned().collect();
-                        for id in waiting {
-                            self.pump_input(&id).await;
-                        }
-                    }
-                }
+                Wake::Progress => self.grant().await,
+                Wake::Gaps => {}
                 Wake::Egress(None) => self.egress_reports = None,
                 Wake::Egress(Some(e)) => self.pending(InitRequest::Egress(e)),
                 Wake::Port(None) => self.port_reports = None,
                 Wake::Port(Some(e)) => self.pending(InitRequest::Port(e)),
+            }
+            // Input calls waiting past what init has: given up on after
+            // their patience, whatever else woke the actor meanwhile.
+            if self
+                .gaps_at
+                .is_some_and(|at| at <= tokio::time::Instant::now())
+            {
+                self.gaps_at = None;
+                let waiting: Vec<OperationId> = self.inputs.keys().cloned().collect();
+                for id in waiting {
+                    self.pump_input(&id).await;
+                }
             }
             while self.welcomed
                 && let Some(e) = self.reports_pending.pop_front()

@@ -79,7 +79,8 @@ impl Actor {
             if front.offset > sent {
                 if front.offset - sent <= INPUT_AHEAD_BYTES && front.since.elapsed() < GAP_PATIENCE
                 {
-                    self.gaps = true;
+                    self.gaps_at
+                        .get_or_insert_with(|| tokio::time::Instant::now() + GAP_CHECK);
                     return;
                 }
                 let Some(p) = link.queue.pop_front() else {
@@ -104,6 +105,11 @@ impl Actor {
                     }
                 }
                 continue;
+            }
+            if front.eof && !link.in_flight.is_empty() {
+                // The end goes alone: an ack that covers the pieces before
+                // it must not answer it before the supervisor has it.
+                return;
             }
             let len = front.data.len().saturating_sub(skip) as u64;
             let waiting = sent - link.consumed;

@@ -62,6 +62,8 @@ pub const INPUT_AHEAD_BYTES: u64 = 8 << 20;
 /// How long such a call waits for those before it before it is refused
 /// as a gap.
 pub const GAP_PATIENCE: Duration = Duration::from_secs(10);
+/// How often waiting calls are looked at again.
+const GAP_CHECK: Duration = Duration::from_millis(250);
 /// Input calls of one operation waiting their turn.
 const MAX_QUEUED_INPUTS: usize = 64;
 
@@ -455,7 +457,7 @@ impl Sandbox {
             live_after: 0,
             stderr: Vec::new(),
             stall_check: false,
-            gaps: false,
+            gaps_at: None,
             inputs: HashMap::new(),
             resets: VecDeque::new(),
             egress_reports,
